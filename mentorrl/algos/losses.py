@@ -1,0 +1,237 @@
+"""Policy-gradient, KL and SFT losses.
+
+Conventions
+-----------
+* All losses are quantities to **minimise**. The policy-gradient per-token loss
+  is ``max(-A * ratio, -A * clip(ratio, 1 - eps_low, 1 + eps_high))`` with
+  ``ratio = exp(logprobs - old_logprobs)``; positive advantage pushes log-prob up.
+* ``mask`` marks the tokens that are trained on (policy-generated tokens). Tool
+  observations / prompt / padding have mask 0, contribute nothing and receive
+  exactly zero gradient.
+* Each function returns ``(loss, metrics)``: ``loss`` a 0-dim tensor with grad,
+  ``metrics`` a dict of Python floats.
+
+Adding a policy loss: write a pure function with signature
+``fn(logprobs, old_logprobs, advantages, mask, **kwargs) -> (loss, metrics)``
+and decorate it with ``@register_policy_loss("name")``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .logprobs import masked_mean, masked_sum
+
+__all__ = [
+    "AGG_MODES",
+    "KL_KINDS",
+    "POLICY_LOSSES",
+    "register_policy_loss",
+    "get_policy_loss",
+    "aggregate_loss",
+    "clipped_policy_loss",
+    "kl_penalty",
+    "grpo_loss",
+    "sft_loss",
+]
+
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+KL_KINDS = ("k1", "k2", "k3")
+
+# log-ratios are clamped to this range before exp() (as verl does) so one
+# badly off-policy token cannot overflow the ratio to inf.
+_LOG_RATIO_CLAMP = 20.0
+
+POLICY_LOSSES: dict[str, Callable] = {}
+
+
+def register_policy_loss(name: str):
+    """Decorator: register a policy loss under ``name``."""
+
+    def deco(fn):
+        existing = POLICY_LOSSES.get(name)
+        if existing is not None and existing is not fn:
+            raise ValueError(f"policy loss {name!r} already registered")
+        POLICY_LOSSES[name] = fn
+        return fn
+
+    return deco
+
+
+def get_policy_loss(name: str) -> Callable:
+    try:
+        return POLICY_LOSSES[name]
+    except KeyError:
+        raise ValueError(f"unknown policy loss {name!r}; valid: {sorted(POLICY_LOSSES)}") from None
+
+
+def aggregate_loss(loss_tok: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean") -> torch.Tensor:
+    """Reduce a per-token loss ``[B, T]`` to a scalar over masked tokens.
+
+    Modes:
+        ``token-mean``: sum over all masked tokens / number of masked tokens in
+            the batch (0 if there are none).
+        ``seq-mean-token-mean``: per-sequence mean over its masked tokens, then
+            mean over all ``B`` sequences.
+        ``seq-mean-token-sum``: per-sequence sum over its masked tokens, then
+            mean over all ``B`` sequences.
+
+    A sequence with no masked tokens contributes 0 to the sequence mean (the
+    denominator is still ``B``); nothing becomes NaN.
+    """
+    if mode == "token-mean":
+        return masked_mean(loss_tok, mask)
+    if mode == "seq-mean-token-mean":
+        return masked_mean(loss_tok, mask, dim=-1).mean()
+    if mode == "seq-mean-token-sum":
+        return masked_sum(loss_tok, mask, dim=-1).mean()
+    raise ValueError(f"unknown loss aggregation mode {mode!r}; valid: {list(AGG_MODES)}")
+
+
+def _token_advantages(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(-1)
+    return advantages.to(like.dtype).expand_as(like)
+
+
+def _masked_extreme(x: torch.Tensor, mask: torch.Tensor, largest: bool) -> float:
+    keep = mask != 0
+    if not bool(keep.any()):
+        return 1.0
+    return (x[keep].max() if largest else x[keep].min()).item()
+
+
+@register_policy_loss("clipped")
+def clipped_policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+    agg: str = "token-mean",
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO/GRPO clipped surrogate with asymmetric clip range (DAPO clip-higher).
+
+    Args:
+        logprobs: ``[B, T]`` current-policy log-probs (requires grad).
+        old_logprobs: ``[B, T]`` behaviour-policy log-probs (treated as constants).
+        advantages: ``[B]`` (per sequence) or ``[B, T]`` (per token).
+        mask: ``[B, T]`` 1 on trained tokens.
+        eps_low, eps_high: ratio is clipped to ``[1 - eps_low, 1 + eps_high]``.
+        agg: see :func:`aggregate_loss`.
+
+    Returns ``(loss, metrics)`` with metrics (over masked tokens):
+        pg_loss, clip_frac (share of tokens where the clipped branch is strictly
+        larger, i.e. the gradient is cut), ratio_mean, ratio_max, ratio_min
+        (1.0 when there are no masked tokens), approx_kl (mean of old - new).
+    """
+    old = old_logprobs.detach()
+    keep = mask != 0
+    # Masked-out positions get log-ratio 0 (ratio 1) via where(), so junk there
+    # (even NaN old log-probs) cannot reach the loss or the gradient.
+    log_ratio = torch.where(keep, logprobs - old, torch.zeros_like(logprobs))
+    log_ratio = log_ratio.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    adv = _token_advantages(advantages.detach(), ratio)
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+    loss_tok = torch.maximum(unclipped, clipped)
+    loss = aggregate_loss(loss_tok, mask, agg)
+
+    with torch.no_grad():
+        r = ratio.detach()
+        metrics = {
+            "pg_loss": loss.detach().item(),
+            "clip_frac": masked_mean((clipped > unclipped).float(), mask).item(),
+            "ratio_mean": masked_mean(r, mask).item() if bool((mask != 0).any()) else 1.0,
+            "ratio_max": _masked_extreme(r, mask, largest=True),
+            "ratio_min": _masked_extreme(r, mask, largest=False),
+            "approx_kl": masked_mean(-log_ratio.detach(), mask).item(),
+        }
+    return loss, metrics
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k3") -> torch.Tensor:
+    """Per-token estimator of KL(pi || ref) from samples of pi. Returns ``[B, T]``.
+
+    With ``d = logprobs - ref_logprobs``:
+        k1 = d                       (unbiased, can be negative)
+        k2 = 0.5 * d**2              (biased, non-negative)
+        k3 = exp(-d) + d - 1         (= exp(ref - logp) - (ref - logp) - 1;
+                                      unbiased, non-negative; Schulman 2020)
+    ``ref_logprobs`` is treated as a constant.
+    """
+    d = logprobs - ref_logprobs.detach()
+    if kind == "k1":
+        return d
+    if kind == "k2":
+        return 0.5 * d.square()
+    if kind == "k3":
+        neg = (-d).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+        return torch.exp(neg) - neg - 1.0
+    raise ValueError(f"unknown KL estimator {kind!r}; valid: {list(KL_KINDS)}")
+
+
+@register_policy_loss("grpo")
+def grpo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    ref_logprobs: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+    agg: str = "token-mean",
+    kl_kind: str = "k3",
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GRPO loss: clipped surrogate + ``kl_coef * KL(pi || ref)``.
+
+    The KL term is the per-token :func:`kl_penalty` aggregated with the same
+    ``agg`` mode. It is computed (and reported as ``kl``) whenever
+    ``ref_logprobs`` is given; ``kl_coef > 0`` without ``ref_logprobs`` is an error.
+    Metrics: everything from :func:`clipped_policy_loss` plus ``kl`` and ``loss``.
+    """
+    if kl_coef != 0.0 and ref_logprobs is None:
+        raise ValueError("kl_coef != 0 requires ref_logprobs")
+    pg, metrics = clipped_policy_loss(
+        logprobs, old_logprobs, advantages, mask, eps_low=eps_low, eps_high=eps_high, agg=agg
+    )
+    loss = pg
+    kl_val = 0.0
+    if ref_logprobs is not None:
+        keep = mask != 0
+        zero = torch.zeros_like(logprobs)
+        kl_tok = kl_penalty(
+            torch.where(keep, logprobs, zero),
+            torch.where(keep, ref_logprobs.detach().to(logprobs.dtype), zero),
+            kl_kind,
+        )
+        kl = aggregate_loss(kl_tok, mask, agg)
+        kl_val = kl.detach().item()
+        if kl_coef != 0.0:
+            loss = loss + kl_coef * kl
+    metrics["kl"] = kl_val
+    metrics["loss"] = loss.detach().item()
+    return loss, metrics
+
+
+def sft_loss(
+    logprobs: torch.Tensor, mask: torch.Tensor, agg: str = "token-mean"
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Negative log-likelihood of the masked tokens, aggregated with ``agg``.
+
+    Metrics: ``loss``, ``nll_token_mean`` (token-mean NLL regardless of ``agg``),
+    ``num_tokens`` (number of masked tokens).
+    """
+    loss = aggregate_loss(-logprobs, mask, agg)
+    with torch.no_grad():
+        metrics = {
+            "loss": loss.detach().item(),
+            "nll_token_mean": masked_mean(-logprobs.detach(), mask).item(),
+            "num_tokens": float((mask != 0).sum().item()),
+        }
+    return loss, metrics

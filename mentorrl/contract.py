@@ -1,0 +1,220 @@
+"""The rollout contract: the one place that says how a conversation becomes token ids.
+
+Both the rollout engine and the learner import this module. It owns
+
+* the chat template (ChatML, the format Qwen-family checkpoints use),
+* the tool-call syntax (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``),
+* the stop tokens that end a policy turn,
+* the sampling settings, and
+* the fingerprint that ties a trajectory to the tokenizer, template and sampling it was made with.
+
+Observations are rendered to text and tokenised **once**, here, and appended to the
+trajectory as ids. The learner trains on ``Trajectory.token_ids`` and never re-tokenises.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from mentorrl.trajectory import dumps_compact
+
+IM_START, IM_END, PAD = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+SPECIAL_TOKENS = [PAD, IM_START, IM_END, TOOL_CALL_OPEN, TOOL_CALL_CLOSE]
+
+# Jinja chat template stored with the tokenizer, so `apply_chat_template` agrees with
+# the renderer below for plain messages (a test checks that they agree).
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+class SamplingParams(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    temperature: float = Field(1.0, ge=0.0, description="0 means greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, description="0 disables top-k")
+    max_new_tokens: int = Field(96, ge=1, description="per policy turn")
+
+
+class ContractLimits(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_turns: int = Field(8, ge=1, description="policy turns per trajectory")
+    max_total_tokens: int = Field(1024, ge=16, description="prompt + all turns + observations")
+
+
+@dataclass
+class ParsedAction:
+    kind: Literal["tool", "answer", "malformed"]
+    raw: str
+    name: str | None = None
+    arguments: dict[str, Any] | None = None
+    text: str | None = None  # final answer text
+    error: str | None = None
+
+
+def render_message(role: str, content: str) -> str:
+    return f"{IM_START}{role}\n{content}{IM_END}\n"
+
+
+def render_tool_call(name: str, arguments: dict[str, Any]) -> str:
+    return f"{TOOL_CALL_OPEN}{dumps_compact({'name': name, 'arguments': arguments})}{TOOL_CALL_CLOSE}"
+
+
+def parse_action(text: str) -> ParsedAction:
+    """Parse one policy turn (the text before the stop token).
+
+    A turn that contains a tool-call tag is a tool call and must be exactly one
+    well-formed ``<tool_call>{json}</tool_call>``; anything else is a final answer.
+    """
+    raw = text
+    if TOOL_CALL_OPEN not in text and TOOL_CALL_CLOSE not in text:
+        return ParsedAction("answer", raw=raw, text=text.strip())
+    start, end = text.find(TOOL_CALL_OPEN), text.find(TOOL_CALL_CLOSE)
+    if start < 0 or end < 0 or end < start:
+        return ParsedAction("malformed", raw=raw, error="malformed tool call: unbalanced <tool_call> tags")
+    body = text[start + len(TOOL_CALL_OPEN) : end].strip()
+    try:
+        obj = json.loads(body)
+    except json.JSONDecodeError as e:
+        return ParsedAction("malformed", raw=body, error=f"malformed tool call: invalid JSON ({e.msg} at char {e.pos})")
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return ParsedAction("malformed", raw=body, error='malformed tool call: expected {"name": str, "arguments": object}')
+    args = obj.get("arguments", {})
+    # Leave argument type checking to the tool's JSON schema (error kind "bad_arguments").
+    return ParsedAction("tool", raw=body, name=obj["name"], arguments=args)
+
+
+def render_observation_content(ok: bool, content: Any, error: str | None) -> str:
+    return dumps_compact(content) if ok else f"error: {error}"
+
+
+def system_text(system_prompt: str, tool_signatures: list[str]) -> str:
+    tools = "\n".join(f"- {s}" for s in tool_signatures)
+    return (
+        f"{system_prompt}\nTools:\n{tools}\n"
+        f'Call a tool with {TOOL_CALL_OPEN}{{"name": ..., "arguments": {{...}}}}{TOOL_CALL_CLOSE}. '
+        "Reply without a tool call to give the final answer."
+    )
+
+
+def prompt_text(system: str, user_message: str) -> str:
+    """System and user turns, then the header of the first assistant turn."""
+    return render_message("system", system) + render_message("user", user_message) + f"{IM_START}assistant\n"
+
+
+def observation_text(content: str) -> str:
+    """A tool observation. The policy's turn ended with <|im_end|>; this closes the line,
+    renders the tool turn and opens the next assistant turn."""
+    return "\n" + render_message("tool", content) + f"{IM_START}assistant\n"
+
+
+@dataclass
+class RolloutContract:
+    """Tokenizer + template + tool syntax + sampling + limits, shared by rollout and learner."""
+
+    tokenizer: Any
+    system_prompt: str
+    tool_signatures: list[str]
+    env_name: str
+    env_version: str
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    limits: ContractLimits = field(default_factory=ContractLimits)
+
+    def __post_init__(self) -> None:
+        tok = self.tokenizer
+        ids = [tok.convert_tokens_to_ids(t) for t in (IM_END, IM_START)]
+        unk = getattr(tok, "unk_token_id", None)
+        if any(i is None or (unk is not None and i == unk) for i in ids):
+            raise ValueError(
+                f"tokenizer lacks the chat-template special tokens {IM_START} / {IM_END}; "
+                "use a ChatML tokenizer (Qwen family) or one built by `mentorrl init-model`"
+            )
+        self.im_end_id = ids[0]
+        stops = {self.im_end_id}
+        if tok.eos_token_id is not None:
+            stops.add(tok.eos_token_id)
+        self.stop_token_ids = sorted(stops)
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        self.pad_token_id = int(pad)
+
+    # ---- rendering (text) -------------------------------------------------
+    def system_text(self) -> str:
+        return system_text(self.system_prompt, self.tool_signatures)
+
+    def prompt_text(self, user_message: str) -> str:
+        return prompt_text(self.system_text(), user_message)
+
+    def observation_text(self, content: str) -> str:
+        return observation_text(content)
+
+    # ---- token ids (rendered once) ---------------------------------------
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def prompt_ids(self, user_message: str) -> list[int]:
+        return self.encode(self.prompt_text(user_message))
+
+    def observation_ids(self, content: str) -> list[int]:
+        return self.encode(self.observation_text(content))
+
+    def policy_turn_ids(self, text: str) -> list[int]:
+        """Ids for a policy turn written by someone else (expert demos): the text plus the stop token."""
+        return self.encode(text) + [self.im_end_id]
+
+    def decode_turn(self, ids: list[int]) -> str:
+        """Text of a generated turn, without the stop token."""
+        ids = [i for i in ids if i not in self.stop_token_ids]
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    # ---- provenance -------------------------------------------------------
+    def fingerprint(self) -> str:
+        vocab = self.tokenizer.get_vocab()
+        h = hashlib.sha256()
+        h.update(json.dumps(sorted(vocab.items()), separators=(",", ":")).encode())
+        h.update(self.prompt_text("").encode())
+        h.update(self.observation_text("").encode())
+        h.update(json.dumps(self.sampling.model_dump(), sort_keys=True).encode())
+        h.update(json.dumps(self.limits.model_dump(), sort_keys=True).encode())
+        h.update(f"{self.env_name}:{self.env_version}".encode())
+        return h.hexdigest()[:16]
+
+    def sampling_dict(self) -> dict[str, Any]:
+        return {**self.sampling.model_dump(), **self.limits.model_dump()}
+
+
+def contract_for_env(tokenizer: Any, env: Any, sampling: SamplingParams | None = None, limits: ContractLimits | None = None) -> RolloutContract:
+    return RolloutContract(
+        tokenizer=tokenizer,
+        system_prompt=env.system_prompt,
+        tool_signatures=[t.signature() for t in env.registry.tools.values()],
+        env_name=env.name,
+        env_version=env.version,
+        sampling=sampling or SamplingParams(),
+        limits=limits or ContractLimits(),
+    )
+
+
+__all__ = [
+    "CHAT_TEMPLATE",
+    "ContractLimits",
+    "ParsedAction",
+    "RolloutContract",
+    "SPECIAL_TOKENS",
+    "SamplingParams",
+    "contract_for_env",
+    "parse_action",
+    "render_message",
+    "render_observation_content",
+    "render_tool_call",
+]

@@ -1,0 +1,190 @@
+"""Environment protocol and the tool registry every environment uses.
+
+An environment owns real state (SQLite), exposes tools with JSON-schema arguments, and
+judges its own final state through a verifier. Tool calls coming from a model are
+untrusted: the registry validates names and arguments, catches exceptions and enforces a
+timeout, and turns every failure into a :class:`ToolResult` with an ``error_kind``
+instead of raising.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Protocol
+
+import jsonschema
+
+
+class ToolError(Exception):
+    """Raised by a tool for an expected, user-facing failure (e.g. a policy rule).
+
+    ``kind`` is "policy" for a refused action (a rule the tool enforces) and
+    "tool_exception" otherwise.
+    """
+
+    def __init__(self, message: str, kind: str = "tool_exception"):
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass
+class ToolResult:
+    ok: bool
+    content: Any  # JSON-serialisable output when ok, else None
+    error: str | None = None
+    error_kind: str | None = None  # unknown_tool | bad_arguments | tool_exception | timeout | policy
+    latency_s: float = 0.0
+
+
+@dataclass
+class Tool:
+    name: str
+    description: str
+    parameters: dict[str, Any]  # JSON schema of the arguments object
+    fn: Callable[..., Any]
+
+    def __post_init__(self) -> None:
+        jsonschema.Draft202012Validator.check_schema(self.parameters)
+        self._validator = jsonschema.Draft202012Validator(self.parameters)
+
+    def signature(self) -> str:
+        """Compact one-line rendering for prompts: ``name(arg: type, ...) - description``."""
+        props = self.parameters.get("properties", {})
+        required = set(self.parameters.get("required", []))
+        args = ", ".join(f"{k}{'' if k in required else '?'}: {v.get('type', 'any')}" for k, v in props.items())
+        return f"{self.name}({args}) - {self.description}"
+
+    def validation_error(self, arguments: Any) -> str | None:
+        err = jsonschema.exceptions.best_match(self._validator.iter_errors(arguments))
+        if err is None:
+            return None
+        where = "/".join(str(p) for p in err.absolute_path) or "arguments"
+        return f"{where}: {err.message}"
+
+
+class ToolRegistry:
+    """Named tools plus the safe call path used by every rollout."""
+
+    def __init__(self, tools: list[Tool], timeout_s: float = 5.0, on_timeout: Callable[[], None] | None = None):
+        names = [t.name for t in tools]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate tool names: {names}")
+        self.tools = {t.name: t for t in tools}
+        self.timeout_s = timeout_s
+        self.on_timeout = on_timeout
+        self._pool: cf.ThreadPoolExecutor | None = None
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tools
+
+    def specs(self) -> list[dict[str, Any]]:
+        """OpenAI-style tool specs (``{"type": "function", "function": {...}}``)."""
+        return [
+            {"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.parameters}}
+            for t in self.tools.values()
+        ]
+
+    def call(self, name: Any, arguments: Any) -> ToolResult:
+        t0 = time.perf_counter()
+
+        def done(**kw: Any) -> ToolResult:
+            return ToolResult(latency_s=time.perf_counter() - t0, **kw)
+
+        if not isinstance(name, str) or name not in self.tools:
+            known = ", ".join(sorted(self.tools))
+            return done(ok=False, content=None, error=f"unknown tool {name!r}; known tools: {known}", error_kind="unknown_tool")
+        tool = self.tools[name]
+        if not isinstance(arguments, dict):
+            return done(ok=False, content=None, error=f"arguments for {name} must be a JSON object", error_kind="bad_arguments")
+        problem = tool.validation_error(arguments)
+        if problem is not None:
+            return done(ok=False, content=None, error=f"bad arguments for {name}: {problem}", error_kind="bad_arguments")
+        if self._pool is None:
+            self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tool-{name}")
+        future = self._pool.submit(tool.fn, **arguments)
+        try:
+            out = future.result(timeout=self.timeout_s)
+        except cf.TimeoutError:
+            if self.on_timeout is not None:
+                self.on_timeout()  # e.g. sqlite3.Connection.interrupt(): abort the pending statement
+            # the stuck worker cannot be killed; give later calls a fresh one
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+            return done(ok=False, content=None, error=f"tool {name} timed out after {self.timeout_s:g}s", error_kind="timeout")
+        except ToolError as e:
+            return done(ok=False, content=None, error=str(e), error_kind=e.kind)
+        except Exception as e:  # noqa: BLE001 - a tool bug must not crash the rollout
+            return done(ok=False, content=None, error=f"tool {name} failed: {type(e).__name__}: {e}", error_kind="tool_exception")
+        return done(ok=True, content=out)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+
+@dataclass
+class Task:
+    """A task as the environment sees it. ``reference`` is private to the verifier/expert."""
+
+    id: str
+    family: str
+    split: str  # train | heldout
+    prompt: str  # the user's message
+    seed: int  # seeds the episode database
+    difficulty: str = "normal"  # normal | adversarial
+    reference: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Verdict:
+    """What the verifier concluded from environment state (never from the agent's claim alone)."""
+
+    success: bool
+    violations: list[str] = field(default_factory=list)  # hard constraints broken (forbidden side effects, rule bypass)
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ToolAction:
+    name: str
+    arguments: dict[str, Any]
+
+
+@dataclass
+class FinalAnswer:
+    text: str
+
+
+Action = ToolAction | FinalAnswer
+
+
+class Environment(Protocol):
+    """One episode at a time. Create one instance per concurrent trajectory."""
+
+    name: str
+    version: str
+    system_prompt: str
+    registry: ToolRegistry
+
+    def reset(self, task: Task) -> str:
+        """Seed fresh state for ``task`` and return the user's opening message."""
+
+    def step(self, name: Any, arguments: Any) -> ToolResult:
+        """Run one tool call against the live state (through ``registry.call``)."""
+
+    def verify(self, final_answer: str | None) -> Verdict:
+        """Judge the final state (and, for information requests, the answer) against the task."""
+
+    def close(self) -> None: ...
+
+
+class TaskSource(Protocol):
+    def tasks(self, split: str, n: int, seed: int) -> list[Task]: ...
+
+
+class ExpertPolicy(Protocol):
+    def act(self, task: Task) -> Iterator[Action]:
+        """A generator: yields actions; receives each tool observation (a ToolResult) via ``send``."""

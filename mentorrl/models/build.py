@@ -1,0 +1,116 @@
+"""Build the default tiny tokenizer and model locally, deterministically, with no download.
+
+The result is an ordinary Hugging Face directory (``tokenizer.json``, ``config.json``,
+``model.safetensors``) loaded with ``AutoTokenizer`` / ``AutoModelForCausalLM``, so
+every other code path is the one a user's real checkpoint takes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Iterable
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from mentorrl.contract import CHAT_TEMPLATE, IM_END, PAD, SPECIAL_TOKENS
+
+
+class ModelSpec(BaseModel):
+    """Size of the tiny default model (a Qwen2-architecture causal LM)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    vocab_size: int = Field(1024, ge=300, description="BPE vocabulary size including special tokens")
+    hidden_size: int = Field(128, ge=16)
+    intermediate_size: int = Field(384, ge=16)
+    num_layers: int = Field(4, ge=1)
+    num_heads: int = Field(4, ge=1)
+    num_kv_heads: int = Field(2, ge=1)
+    max_positions: int = Field(2048, ge=64)
+    seed: int = 0
+
+
+def train_tokenizer(corpus: Iterable[str], vocab_size: int):
+    """Byte-level BPE (digits split one by one, as Qwen2 does) with the ChatML special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(list(corpus), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=IM_END,
+        pad_token=PAD,
+        additional_special_tokens=[t for t in SPECIAL_TOKENS if t not in (IM_END, PAD)],
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=4096,
+    )
+
+
+def build_model(tokenizer, spec: ModelSpec):
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        max_position_embeddings=spec.max_positions,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(spec.seed)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    return model
+
+
+def dir_digest(path: str | Path) -> str:
+    """Hash of the weight and tokenizer files: equal digests mean an identical build."""
+    h = hashlib.sha256()
+    for name in ("tokenizer.json", "model.safetensors", "config.json"):
+        p = Path(path) / name
+        if p.exists():
+            h.update(name.encode())
+            h.update(p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def init_model(out_dir: str | Path, corpus: Iterable[str], spec: ModelSpec | None = None) -> Path:
+    """Train the tokenizer on ``corpus``, build the model and save both to ``out_dir``."""
+    spec = spec or ModelSpec()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer(corpus, spec.vocab_size)
+    model = build_model(tokenizer, spec)
+    tokenizer.save_pretrained(out)
+    model.save_pretrained(out, safe_serialization=True)
+    (out / "mentorrl_spec.json").write_text(json.dumps(spec.model_dump(), indent=2))
+    return out
+
+
+def load_policy(model_dir: str | Path, dtype: torch.dtype = torch.float32):
+    """Load a tokenizer and causal LM the way any Hugging Face checkpoint loads."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    model.eval()
+    return tokenizer, model

@@ -1,0 +1,153 @@
+"""Batched multi-turn rollout: every live trajectory advances in one forward pass per step.
+
+Each step feeds, per row, whatever that row needs next: its prompt (first step), the one
+token it sampled last step, or the observation ids of a tool call that has just returned.
+Rows are left-padded to the longest of these chunks; pads are masked out of attention and
+take no position, so the KV cache holds holes but every real token sees exactly the
+context it would see alone. A row whose tool call is still running contributes only pads
+(it is paused) while the others decode; tools run in a thread pool, so a slow tool holds
+up only its own trajectory. Finished rows leave the batch and the cache.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import inspect
+import time
+from typing import Callable
+
+import torch
+
+from mentorrl.contract import RolloutContract
+from mentorrl.rollout.episode import Episode
+from mentorrl.rollout.sampling import sample_tokens
+from mentorrl.trajectory import Trajectory
+
+
+def _cache_kwarg(model) -> str:
+    """transformers >= 5.2x calls the cache argument ``cache``; earlier releases ``past_key_values``."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _make_cache(model):
+    from transformers import DynamicCache
+
+    try:
+        return DynamicCache(config=model.config)
+    except TypeError:  # older transformers
+        return DynamicCache()
+
+
+class RolloutEngine:
+    def __init__(self, model, contract: RolloutContract, tool_workers: int = 8):
+        self.model = model
+        self.contract = contract
+        self.tool_workers = tool_workers
+
+    @torch.no_grad()
+    def run(
+        self,
+        episodes: list[Episode],
+        seed: int = 0,
+        on_finish: Callable[[Trajectory], None] | None = None,
+    ) -> list[Trajectory]:
+        """Roll out all episodes to completion; returns trajectories in input order."""
+        if not episodes:
+            return []
+        contract, model = self.contract, self.model
+        device = next(model.parameters()).device
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        stop_ids = set(contract.stop_token_ids)
+        max_new = contract.sampling.max_new_tokens
+
+        t_start = time.perf_counter()
+        pending: list[list[int]] = [ep.start() for ep in episodes]  # ids to feed next, per episode
+        turn_ids: list[list[int]] = [[] for _ in episodes]
+        turn_lp: list[list[float]] = [[] for _ in episodes]
+        waiting: dict[int, cf.Future] = {}
+        results: list[Trajectory | None] = [None] * len(episodes)
+        rows = list(range(len(episodes)))  # batch row -> episode index
+        cache, cache_kw = _make_cache(model), _cache_kwarg(model)
+        attn = torch.zeros(len(rows), 0, dtype=torch.long, device=device)
+        pos = torch.zeros(len(rows), dtype=torch.long, device=device)
+        stats = {"forward_passes": 0, "generated_tokens": 0}
+
+        def finish(e: int) -> None:
+            traj = episodes[e].finish()
+            traj.timings["rollout_s"] = time.perf_counter() - t_start
+            results[e] = traj
+            if on_finish is not None:
+                on_finish(traj)
+
+        pool = cf.ThreadPoolExecutor(max_workers=self.tool_workers, thread_name_prefix="rollout-tool")
+        try:
+            while rows:
+                # 1. collect tool results that have come back; wait if every row is paused
+                if waiting and all(e in waiting for e in rows):
+                    cf.wait(list(waiting.values()), return_when=cf.FIRST_COMPLETED)
+                for e in [e for e, f in waiting.items() if f.done()]:
+                    obs = episodes[e].add_observation(waiting.pop(e).result())
+                    if obs is None:
+                        finish(e)
+                    else:
+                        pending[e] = pending[e] + obs  # the unfed stop token, then the observation
+                # 2. drop finished rows from the batch and the cache
+                keep = [i for i, e in enumerate(rows) if results[e] is None]
+                if len(keep) < len(rows):
+                    rows = [rows[i] for i in keep]
+                    if not rows:
+                        break
+                    idx = torch.tensor(keep, device=device)
+                    if cache.get_seq_length() > 0:
+                        cache.batch_select_indices(idx)
+                    attn, pos = attn[idx], pos[idx]
+                if all(e in waiting for e in rows):
+                    continue
+                # 3. one forward pass over every row's next chunk (left-padded)
+                fed = [i for i, e in enumerate(rows) if e not in waiting]
+                width = max(len(pending[rows[i]]) for i in fed)
+                inp = torch.full((len(rows), width), contract.pad_token_id, dtype=torch.long)
+                new = torch.zeros(len(rows), width, dtype=torch.long)
+                for i in fed:
+                    e = rows[i]
+                    n = len(pending[e])
+                    if n:
+                        inp[i, width - n :] = torch.tensor(pending[e])
+                        new[i, width - n :] = 1
+                inp, new = inp.to(device), new.to(device)
+                position_ids = pos[:, None] + (new.cumsum(1) - 1).clamp(min=0)
+                attn = torch.cat([attn, new], dim=1)
+                out = model(
+                    input_ids=inp,
+                    attention_mask=attn,
+                    position_ids=position_ids,
+                    use_cache=True,
+                    logits_to_keep=1,
+                    **{cache_kw: cache},  # the DynamicCache is updated in place
+                )
+                pos = pos + new.sum(1)
+                stats["forward_passes"] += 1
+                tokens, logps = sample_tokens(out.logits[fed, -1, :], contract.sampling, gen)
+                # 4. advance each row that was fed
+                for j, i in enumerate(fed):
+                    e = rows[i]
+                    ep = episodes[e]
+                    tok = int(tokens[j])
+                    turn_ids[e].append(tok)
+                    turn_lp[e].append(float(logps[j]))
+                    pending[e] = [tok]
+                    stats["generated_tokens"] += 1
+                    stopped = tok in stop_ids
+                    budget = min(max_new, ep.tokens_left())
+                    if not stopped and len(turn_ids[e]) < budget:
+                        continue
+                    action = ep.add_policy_turn(turn_ids[e], turn_lp[e], stopped=stopped)
+                    turn_ids[e], turn_lp[e] = [], []  # pending[e] keeps the stop token until the observation
+                    if action is None:
+                        finish(e)
+                    else:
+                        waiting[e] = pool.submit(ep.run_tool, action)
+        finally:
+            pool.shutdown(wait=True)
+        self.last_stats = {**stats, "wall_s": time.perf_counter() - t_start}
+        return [r for r in results if r is not None]

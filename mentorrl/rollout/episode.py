@@ -1,0 +1,186 @@
+"""One agent episode as a small state machine over token ids.
+
+The batched engine, the one-at-a-time baseline and the expert-demonstration builder all
+drive the same :class:`Episode`, so every trajectory is assembled by one piece of code:
+
+    ids = ep.start()                      # prompt ids (loss mask 0)
+    loop:
+        ep.add_policy_turn(ids, logprobs) # policy ids (loss mask 1) -> an action
+        if action is a tool call:
+            result = ep.run_tool(action)  # env.step, never raises
+            ids = ep.add_observation(result)  # observation ids (loss mask 0), or None when out of budget
+    traj = ep.finish()                    # verify state, compose reward
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from mentorrl.contract import ParsedAction, RolloutContract, parse_action, render_observation_content
+from mentorrl.envs.base import Environment, Task, ToolResult
+from mentorrl.rewards.compose import RewardWeights, compose_reward
+from mentorrl.trajectory import Segment, ToolCall, Trajectory
+
+
+class Episode:
+    def __init__(
+        self,
+        contract: RolloutContract,
+        env: Environment,
+        task: Task,
+        policy_version: int = 0,
+        weights: RewardWeights | None = None,
+        source: str = "policy",
+    ):
+        self.contract, self.env, self.task = contract, env, task
+        self.policy_version, self.weights, self.source = policy_version, weights or RewardWeights(), source
+        self.ids: list[int] = []
+        self.mask: list[int] = []
+        self.logprobs: list[float] = []
+        self.segments: list[Segment] = []
+        self.tool_calls: list[ToolCall] = []
+        self.final_answer: str | None = None
+        self.finish_reason: str | None = None
+        self.num_turns = 0
+        self.timings = {"tool_s": 0.0}
+        self._t0 = time.perf_counter()
+
+    # ---- token bookkeeping ------------------------------------------------
+    def _append(self, role: str, ids: list[int], logprobs: list[float] | None = None) -> None:
+        start = len(self.ids)
+        self.ids.extend(ids)
+        self.mask.extend([1 if role == "policy" else 0] * len(ids))
+        self.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
+        self.segments.append(Segment(role=role, start=start, end=len(self.ids)))
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def tokens_left(self) -> int:
+        return self.contract.limits.max_total_tokens - len(self.ids)
+
+    # ---- the protocol -------------------------------------------------------
+    def start(self) -> list[int]:
+        user = self.env.reset(self.task)
+        ids = self.contract.prompt_ids(user)
+        if len(ids) >= self.contract.limits.max_total_tokens:
+            raise ValueError(
+                f"task {self.task.id}: prompt is {len(ids)} tokens, over max_total_tokens="
+                f"{self.contract.limits.max_total_tokens}"
+            )
+        self._append("prompt", ids)
+        return ids
+
+    def add_policy_turn(self, ids: list[int], logprobs: list[float], stopped: bool) -> ParsedAction | None:
+        """Record a generated turn. Returns the tool call to run, or None when the episode ended."""
+        self._append("policy", ids, logprobs)
+        self.num_turns += 1
+        if not stopped:  # hit the per-turn or total token budget before the stop token
+            self.finish_reason = "length" if self.tokens_left() > 0 else "max_tokens"
+            return None
+        action = parse_action(self.contract.decode_turn(ids))
+        if action.kind == "answer":
+            self.final_answer = action.text
+            self.finish_reason = "answer"
+            return None
+        if self.num_turns >= self.contract.limits.max_turns:
+            self.finish_reason = "max_turns"
+            return None
+        return action
+
+    def run_tool(self, action: ParsedAction) -> ToolResult:
+        if action.kind == "malformed":
+            result = ToolResult(ok=False, content=None, error=action.error, error_kind="malformed")
+        else:
+            result = self.env.step(action.name, action.arguments)
+        self.timings["tool_s"] += result.latency_s
+        self.tool_calls.append(
+            ToolCall(
+                turn=self.num_turns,
+                name=action.name,
+                arguments=action.arguments if isinstance(action.arguments, dict) else None,
+                raw=action.raw,
+                result=result.content if result.ok else None,
+                error=result.error,
+                error_kind=result.error_kind,
+                latency_s=result.latency_s,
+            )
+        )
+        return result
+
+    def add_observation(self, result: ToolResult) -> list[int] | None:
+        """Append the observation; returns its ids, or None if it does not fit (episode ends)."""
+        ids = self.contract.observation_ids(render_observation_content(result.ok, result.content, result.error))
+        if len(ids) >= self.tokens_left():
+            self.finish_reason = "max_tokens"
+            return None
+        self._append("observation", ids)
+        return ids
+
+    def finish(self) -> Trajectory:
+        if self.finish_reason is None:
+            raise RuntimeError("finish() called on a live episode")
+        t_verify = time.perf_counter()
+        verdict = self.env.verify(self.final_answer)
+        self.timings["verify_s"] = time.perf_counter() - t_verify
+        self.timings["total_s"] = time.perf_counter() - self._t0
+        reward = compose_reward(
+            verdict,
+            tool_calls=self.tool_calls,
+            finish_reason=self.finish_reason,
+            weights=self.weights,
+        )
+        return Trajectory(
+            id=f"{self.task.id}-{uuid.uuid4().hex[:10]}",
+            task_id=self.task.id,
+            family=self.task.family,
+            split=self.task.split,
+            difficulty=self.task.difficulty,
+            token_ids=self.ids,
+            loss_mask=self.mask,
+            logprobs=self.logprobs,
+            segments=self.segments,
+            policy_version=self.policy_version,
+            env_name=self.contract.env_name,
+            env_version=self.contract.env_version,
+            sampling=self.contract.sampling_dict(),
+            contract_fingerprint=self.contract.fingerprint(),
+            tool_calls=self.tool_calls,
+            final_answer=self.final_answer,
+            finish_reason=self.finish_reason,
+            num_turns=self.num_turns,
+            reward=reward,
+            timings=self.timings,
+            source=self.source,
+        )
+
+
+def run_scripted_episode(contract: RolloutContract, env: Environment, task: Task, expert: Any, **kw: Any) -> Trajectory:
+    """Drive an episode with a scripted policy (the expert): its text becomes the policy turns.
+
+    ``expert.act(task)`` is a generator yielding ToolAction / FinalAnswer and receiving ToolResults.
+    """
+    from mentorrl.contract import render_tool_call
+    from mentorrl.envs.base import FinalAnswer
+
+    ep = Episode(contract, env, task, source="expert", **kw)
+    ep.start()
+    gen = expert.act(task)
+    action = next(gen)
+    while True:
+        text = action.text if isinstance(action, FinalAnswer) else render_tool_call(action.name, action.arguments)
+        ids = contract.policy_turn_ids(text)
+        parsed = ep.add_policy_turn(ids, [0.0] * len(ids), stopped=True)
+        if parsed is None:
+            break
+        result = ep.run_tool(parsed)
+        if ep.add_observation(result) is None:
+            break
+        try:
+            action = gen.send(result)
+        except StopIteration:
+            break
+    return ep.finish()

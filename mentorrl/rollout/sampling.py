@@ -1,0 +1,37 @@
+"""Token sampling from the contract's settings, returning behaviour log-probabilities.
+
+The recorded log-probability is that of the chosen token under the temperature-scaled
+full distribution, ``log_softmax(logits / T)``; the learner recomputes exactly this
+(see :func:`mentorrl.algos.logprobs.gather_token_logprobs`). Greedy decoding
+(temperature 0) records log-probabilities at temperature 1. top-p / top-k truncate what
+can be sampled but do not change the recorded value (the convention vLLM follows);
+keep them off for on-policy RL.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mentorrl.contract import SamplingParams
+
+
+def sample_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None):
+    """logits [B, V] -> (tokens [B], logprobs [B])."""
+    logits = logits.float()
+    temperature = params.temperature if params.temperature > 0 else 1.0
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    if params.temperature == 0:
+        tokens = logp.argmax(dim=-1)
+    else:
+        filt = logp.clone()
+        if params.top_k > 0 and params.top_k < filt.shape[-1]:
+            kth = torch.topk(filt, params.top_k, dim=-1).values[:, -1:]
+            filt = filt.masked_fill(filt < kth, float("-inf"))
+        if params.top_p < 1.0:
+            sorted_lp, idx = torch.sort(filt, dim=-1, descending=True)
+            cum = sorted_lp.softmax(-1).cumsum(-1)
+            drop = cum - sorted_lp.softmax(-1) > params.top_p  # keep the token that crosses top_p
+            filt = filt.scatter(-1, idx, sorted_lp.masked_fill(drop, float("-inf")))
+        probs = torch.softmax(filt, dim=-1)
+        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
