@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
+from typing import Any, Callable
 
-from mentorrl.contract import ParsedAction, RolloutContract, parse_action, render_observation_content
-from mentorrl.envs.base import Environment, Task, ToolResult
+from mentorrl.contract import ParsedAction, RolloutContract, parse_action, render_observation_content, render_tool_call
+from mentorrl.envs.base import Environment, FinalAnswer, Task, ToolResult
 from mentorrl.rewards.compose import RewardWeights, compose_reward
 from mentorrl.trajectory import Segment, ToolCall, Trajectory
 
@@ -158,29 +158,40 @@ class Episode:
         )
 
 
-def run_scripted_episode(contract: RolloutContract, env: Environment, task: Task, expert: Any, **kw: Any) -> Trajectory:
-    """Drive an episode with a scripted policy (the expert): its text becomes the policy turns.
+def drive_script(expert: Any, task: Task, act: Callable[[str], ToolResult | None]) -> None:
+    """Feed a scripted policy's turns, as text, to ``act``.
 
-    ``expert.act(task)`` is a generator yielding ToolAction / FinalAnswer and receiving ToolResults.
+    ``expert.act(task)`` is a generator yielding ToolAction / FinalAnswer and receiving
+    ToolResults; ``act(text)`` plays one turn and returns the tool result, or None once the
+    episode has ended.
     """
-    from mentorrl.contract import render_tool_call
-    from mentorrl.envs.base import FinalAnswer
-
-    ep = Episode(contract, env, task, source="expert", **kw)
-    ep.start()
     gen = expert.act(task)
     action = next(gen)
     while True:
         text = action.text if isinstance(action, FinalAnswer) else render_tool_call(action.name, action.arguments)
-        ids = contract.policy_turn_ids(text)
-        parsed = ep.add_policy_turn(ids, [0.0] * len(ids), stopped=True)
-        if parsed is None:
-            break
-        result = ep.run_tool(parsed)
-        if ep.add_observation(result) is None:
-            break
+        result = act(text)
+        if result is None:
+            return
         try:
             action = gen.send(result)
         except StopIteration:
-            break
+            return
+
+
+def run_scripted_episode(contract: RolloutContract, env: Environment, task: Task, expert: Any, **kw: Any) -> Trajectory:
+    """An episode whose policy turns are a scripted expert's text (loss mask 1, log-probs 0)."""
+    ep = Episode(contract, env, task, source="expert", **kw)
+    ep.start()
+
+    def act(text: str) -> ToolResult | None:
+        ids = contract.policy_turn_ids(text)
+        parsed = ep.add_policy_turn(ids, [0.0] * len(ids), stopped=True)
+        if parsed is None:
+            return None
+        result = ep.run_tool(parsed)
+        return result if ep.add_observation(result) is not None else None
+
+    drive_script(expert, task, act)
+    if not ep.done:
+        ep.finish_reason = "answer" if ep.final_answer is not None else "max_turns"
     return ep.finish()

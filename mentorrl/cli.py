@@ -1,0 +1,127 @@
+"""`mentorrl` command line."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Post-training for language-model agents.")
+console = Console()
+err = Console(stderr=True)
+
+PACKAGED_CONFIGS = Path(__file__).parent / "configs"
+
+
+def _quiet_transformers() -> None:
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def _load(config: Optional[Path], overrides: list[str], run_dir: Optional[str] = None, default: str | None = None):
+    from mentorrl.config import ConfigError, load_config
+
+    path = config if config is not None else (PACKAGED_CONFIGS / default if default else None)
+    ov = list(overrides)
+    if run_dir is not None:
+        ov.append(f"run_dir={run_dir}")
+    try:
+        return load_config(path, ov)
+    except ConfigError as e:
+        err.print(f"[red]{e}[/red]")
+        raise typer.Exit(2)
+
+
+ConfigOpt = typer.Option(None, "--config", "-c", exists=True, dir_okay=False, help="YAML recipe")
+SetOpt = typer.Option([], "--set", help="override a field: --set grpo.steps=10 (repeatable)")
+
+
+@app.command()
+def demo(
+    config: Optional[Path] = ConfigOpt,
+    run_dir: Optional[str] = typer.Option(None, help="default: runs/demo"),
+    resume: bool = typer.Option(False, "--resume", help="continue from the run dir's last checkpoint"),
+    set_: list[str] = SetOpt,
+) -> None:
+    """Build the tiny model, SFT, evaluate, GRPO, evaluate again; print the before/after table."""
+    _quiet_transformers()
+    from mentorrl.train.pipeline import run_demo
+
+    cfg = _load(config, set_, run_dir, default="demo.yaml")
+    result = run_demo(cfg, resume=resume)
+    Path(cfg.run_dir, "demo_result.json").write_text(json.dumps(result, indent=2))
+
+
+@app.command()
+def train(
+    config: Path = typer.Argument(..., exists=True, dir_okay=False, help="YAML recipe"),
+    resume: bool = typer.Option(False, "--resume"),
+    set_: list[str] = SetOpt,
+) -> None:
+    """Run a recipe (SFT -> eval -> GRPO -> eval) from a YAML config; model.path may be any HF checkpoint."""
+    _quiet_transformers()
+    from mentorrl.train.pipeline import run_demo
+
+    run_demo(_load(config, set_), resume=resume)
+
+
+@app.command("init-model")
+def init_model_cmd(
+    out_dir: Path = typer.Argument(..., help="directory to write the tokenizer and model into"),
+    env: str = typer.Option("orders", help="environment whose expert transcripts train the tokenizer"),
+    seed: int = typer.Option(0),
+    corpus_tasks: int = typer.Option(400, min=10),
+) -> None:
+    """Build the tiny local BPE tokenizer and Qwen2-architecture model (no download)."""
+    _quiet_transformers()
+    from mentorrl.envs import get_env
+    from mentorrl.models.build import ModelSpec, dir_digest
+    from mentorrl.train.pipeline import build_tiny_model
+
+    try:
+        entry = get_env(env)
+    except ValueError as e:
+        err.print(f"[red]{e}[/red]")
+        raise typer.Exit(2)
+    path = build_tiny_model(entry, out_dir, ModelSpec(seed=seed), corpus_tasks, seed)
+    console.print(f"wrote {path} (digest {dir_digest(path)})")
+
+
+@app.command("eval")
+def eval_cmd(
+    model_dir: Path = typer.Argument(..., exists=True, file_okay=False, help="HF checkpoint directory"),
+    config: Optional[Path] = ConfigOpt,
+    label: str = typer.Option("model"),
+    run_dir: Optional[str] = typer.Option(None),
+    set_: list[str] = SetOpt,
+) -> None:
+    """Evaluate a checkpoint on held-out tasks and print success with a 95% interval."""
+    _quiet_transformers()
+    from mentorrl.models.build import load_policy
+    from mentorrl.train.pipeline import before_after_table
+    from mentorrl.train.stages import evaluate, open_workspace
+
+    cfg = _load(config, set_, run_dir or f"runs/eval-{model_dir.name}", default="demo.yaml")
+    ws = open_workspace(cfg)
+    tokenizer, model = load_policy(model_dir)
+    ws.bind_tokenizer(tokenizer)
+    summary = evaluate(ws, model, label)
+    console.print(before_after_table({label: summary}))
+
+
+@app.command("config")
+def config_cmd(config: Optional[Path] = ConfigOpt, set_: list[str] = SetOpt) -> None:
+    """Print the effective configuration (defaults, a file, overrides) as YAML."""
+    from mentorrl.config import dump_config
+
+    sys.stdout.write(dump_config(_load(config, set_, default="demo.yaml" if config is None else None)))
+
+
+if __name__ == "__main__":
+    app()

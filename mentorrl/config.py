@@ -1,0 +1,140 @@
+"""Run configuration: YAML in, validated pydantic models out.
+
+Every field has a default, so an empty file is a valid config (the demo recipe). Unknown
+or ill-typed fields fail loudly with the dotted path of the field.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from mentorrl.contract import ContractLimits, SamplingParams
+from mentorrl.models.build import ModelSpec
+from mentorrl.rewards.compose import RewardWeights
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class EnvConfig(_Section):
+    name: str = Field("orders", description="registered environment name")
+    tool_timeout_s: float = Field(5.0, gt=0, description="per tool call")
+
+
+class ModelConfig(_Section):
+    path: str | None = Field(
+        None, description="Hugging Face checkpoint directory; null builds the tiny local model into RUN_DIR/base_model"
+    )
+    spec: ModelSpec = Field(default_factory=ModelSpec, description="size of the tiny model (used when path is null)")
+    tokenizer_corpus_tasks: int = Field(400, ge=10, description="expert episodes rendered to train the tiny tokenizer")
+
+
+class OptimConfig(_Section):
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.99)
+    max_grad_norm: float = Field(1.0, gt=0)
+    warmup_steps: int = Field(0, ge=0)
+    micro_batch_size: int = Field(32, ge=1, description="sequences per forward/backward; gradients accumulate")
+
+
+class SFTConfig(_Section):
+    num_demos: int = Field(1000, ge=1, description="expert demonstrations on train tasks")
+    steps: int = Field(40, ge=0)
+    batch_size: int = Field(32, ge=1)
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=3e-3, warmup_steps=5))
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+
+
+class GRPOConfig(_Section):
+    steps: int = Field(20, ge=0)
+    tasks_per_step: int = Field(16, ge=1)
+    group_size: int = Field(8, ge=2)
+    updates_per_step: int = Field(2, ge=1, description="optimizer steps per rollout batch (minibatches)")
+    normalize_std: bool = True
+    eps_low: float = Field(0.2, ge=0)
+    eps_high: float = Field(0.28, ge=0)
+    kl_coef: float = Field(0.0, ge=0, description="k3 KL penalty to the frozen reference (the SFT model)")
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    advantage: str = Field("grpo", description="name in mentorrl.algos.advantages.ADVANTAGE_ESTIMATORS")
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=5e-4))
+    checkpoint_every: int = Field(5, ge=1)
+    sample_trajectories: int = Field(8, ge=0, description="trajectories per step written to RUN_DIR/samples.jsonl")
+
+
+class EvalConfig(_Section):
+    num_tasks: int = Field(200, ge=1)
+    split: Literal["heldout", "train"] = "heldout"
+    seed: int = 12345
+    temperature: float | None = Field(None, ge=0, description="null: the contract's sampling temperature")
+    batch_size: int = Field(100, ge=1, description="trajectories decoded together")
+
+
+class RunConfig(_Section):
+    run_dir: str = "runs/demo"
+    seed: int = 0
+    threads: int = Field(0, ge=0, description="torch CPU threads; 0 keeps torch's default")
+    env: EnvConfig = Field(default_factory=EnvConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    limits: ContractLimits = Field(default_factory=ContractLimits)
+    reward: RewardWeights = Field(default_factory=RewardWeights)
+    sft: SFTConfig = Field(default_factory=SFTConfig)
+    grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _format_errors(err: ValidationError, source: str) -> str:
+    lines = [f"invalid config {source}:"]
+    for e in err.errors():
+        where = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        lines.append(f"  {where}: {e['msg']}")
+    return "\n".join(lines)
+
+
+def _deep_set(d: dict[str, Any], dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    for k in keys[:-1]:
+        d = d.setdefault(k, {})
+        if not isinstance(d, dict):
+            raise ConfigError(f"override {dotted}: {k} is not a section")
+    d[keys[-1]] = value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Load YAML (or defaults), apply ``key.sub=value`` overrides, validate."""
+    data: dict[str, Any] = {}
+    source = "(defaults)"
+    if path is not None:
+        source = str(path)
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config {path} is not valid YAML: {e}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config {path} must be a mapping at the top level")
+        data = loaded or {}
+    for ov in overrides or []:
+        if "=" not in ov:
+            raise ConfigError(f"override {ov!r} must look like key.sub=value")
+        key, raw = ov.split("=", 1)
+        _deep_set(data, key.strip(), yaml.safe_load(raw))
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_errors(e, source)) from None
+
+
+def dump_config(cfg: RunConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

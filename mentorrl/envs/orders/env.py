@@ -1,0 +1,210 @@
+"""The orders environment: shop customer support over a per-episode SQLite database."""
+
+from __future__ import annotations
+
+import re
+import sqlite3
+from typing import Any
+
+from mentorrl.envs.base import Task, ToolError, ToolRegistry, ToolResult, Verdict
+
+from .backend import OrdersBackend, make_tools
+from .world import OPEN_STATUSES, Snapshot, build_db, money, snapshot
+
+SYSTEM_PROMPT = (
+    "You are a customer-support agent for an online shop. "
+    "Identify the customer with find_customer before changing their data or orders, and never cancel shipped or "
+    "delivered orders, order more than is in stock, or refund more than the order total. "
+    "Make each requested change once, then answer briefly with the key fact."
+)
+
+_STATUS_RE = re.compile(r"\b(pending|processing|shipped|delivered|cancell?ed)\b")
+_NUMBER_RE = re.compile(r"(?<![\w.\-/])\d+(?:\.\d+)?(?![\w\-/])")
+
+
+def statuses_in(text: str) -> set[str]:
+    return {"cancelled" if s.startswith("cancel") else s for s in _STATUS_RE.findall(text.lower())}
+
+
+def numbers_in(text: str) -> list[float]:
+    """Standalone numbers in ``text`` (digits inside ids such as O-1042 or C-7 do not count)."""
+    return [float(m) for m in _NUMBER_RE.findall(text.replace(",", ""))]
+
+
+class OrdersEnv:
+    name = "orders"
+    version = "1.0"
+    system_prompt = SYSTEM_PROMPT
+
+    def __init__(self, tool_timeout_s: float = 5.0):
+        self._conn: sqlite3.Connection | None = None
+        self._backend: OrdersBackend | None = None
+        self._task: Task | None = None
+        self.registry = ToolRegistry(make_tools(self._live_backend), timeout_s=tool_timeout_s,
+                                     on_timeout=self._interrupt)
+
+    # -- episode ---------------------------------------------------------------------------
+    def _live_backend(self) -> OrdersBackend:
+        if self._backend is None:
+            raise ToolError("no active episode; call reset() first")
+        return self._backend
+
+    def _interrupt(self) -> None:
+        if self._conn is not None:
+            self._conn.interrupt()  # abort the statement a timed-out tool is stuck in
+
+    def reset(self, task: Task) -> str:
+        self._close_db()
+        self._task = task
+        self._conn = build_db(task.seed)
+        self._backend = OrdersBackend(self._conn)
+        return task.prompt
+
+    def step(self, name: Any, arguments: Any) -> ToolResult:
+        return self.registry.call(name, arguments)
+
+    def _close_db(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+        self._conn, self._backend = None, None
+
+    def close(self) -> None:
+        self.registry.close()
+        self._close_db()
+
+    # -- verification ----------------------------------------------------------------------
+    def expected_db(self, task: Task) -> sqlite3.Connection:
+        """The initial database of ``task`` with its reference actions replayed."""
+        conn = build_db(task.seed)
+        backend = OrdersBackend(conn)
+        for name, args in task.reference.get("actions", []):
+            try:
+                getattr(backend, name)(**args)
+            except ToolError as e:  # a generator bug, not an agent failure
+                raise RuntimeError(f"reference action {name}({args}) failed for {task.id}: {e}") from e
+        return conn
+
+    def verify(self, final_answer: str | None) -> Verdict:
+        task = self._task
+        if task is None or self._conn is None:
+            return Verdict(success=False, details={"error": "no active episode"})
+        init_conn, exp_conn = build_db(task.seed), self.expected_db(task)
+        try:
+            init, exp, act = snapshot(init_conn), snapshot(exp_conn), snapshot(self._conn)
+            diffs, violations = _compare(task, init, exp, act)
+            answer_ok, expected_value = _check_answer(task, final_answer, exp_conn)
+        finally:
+            init_conn.close()
+            exp_conn.close()
+        success = final_answer is not None and not diffs and not violations and answer_ok
+        details: dict[str, Any] = {"diffs": diffs[:6], "answer_ok": answer_ok}
+        if final_answer is None:
+            details["error"] = "no final answer"
+        if expected_value is not None:
+            details["expected"] = expected_value
+        return Verdict(success=success, violations=violations, details=details)
+
+
+def _compare(task: Task, init: Snapshot, exp: Snapshot, act: Snapshot) -> tuple[list[str], list[str]]:
+    """What differs between expected and actual state, and which differences are forbidden side effects."""
+    diffs: list[str] = []
+    viol: list[str] = []
+    me = task.reference.get("customer_id")
+
+    for cid in sorted(set(exp.customers) | set(act.customers)):
+        e, a, i = exp.customers.get(cid), act.customers.get(cid), init.customers.get(cid)
+        if e != a:
+            diffs.append(f"customer {cid} differs")
+            if a != i and e == i:
+                viol.append(f"unrequested change to customer {cid}" + ("" if cid == me else " (another customer)"))
+
+    for pid in sorted(set(exp.products) | set(act.products)):
+        e, a = exp.products.get(pid), act.products.get(pid)
+        if e != a:
+            diffs.append(f"product {pid}: expected stock {e and e[2]}, got {a and a[2]}")
+        if a is not None and a[2] < 0:
+            viol.append(f"negative stock for {pid}")
+
+    new_exp = set(exp.orders) - set(init.orders)
+    new_act = set(act.orders) - set(init.orders)
+    for oid in sorted(set(exp.orders) | set(act.orders)):
+        e, a, i = exp.orders.get(oid), act.orders.get(oid), init.orders.get(oid)
+        if e == a:
+            continue
+        diffs.append(f"order {oid}: expected {e and e[1]}, got {a and a[1]}")
+        if i is not None and a != i and e == i:
+            if a[1] == "cancelled" and i[1] not in OPEN_STATUSES:
+                viol.append(f"cancelled order {oid} although it was {i[1]}")
+            else:
+                viol.append(f"unrequested change to order {oid}" + ("" if i[0] == me else " (another customer)"))
+        if i is None and a is not None and a[0] != me:
+            viol.append(f"order {oid} placed for another customer")
+    if len(new_act) > len(new_exp):
+        extra = sorted(new_act - new_exp) or sorted(new_act)
+        viol.append(f"extra order(s): {', '.join(extra)}" + (" (duplicate)" if new_exp else ""))
+    if exp.items != act.items:
+        diffs.append("order items differ")
+
+    new_ref_exp, new_ref_act = exp.refunds - init.refunds, act.refunds - init.refunds
+    if exp.refunds != act.refunds:
+        diffs.append(f"refunds differ: expected {sorted(new_ref_exp.elements())}, got {sorted(new_ref_act.elements())}")
+        if sum(new_ref_act.values()) > sum(new_ref_exp.values()):
+            viol.append("extra refund(s)")
+        refunded: dict[str, float] = {}
+        for (oid, amount), k in act.refunds.items():
+            refunded[oid] = refunded.get(oid, 0.0) + amount * k
+        for oid, amount in refunded.items():
+            if oid in act.orders and money(amount) > act.orders[oid][2] + 1e-9:
+                viol.append(f"refunds on {oid} exceed its total")
+        for oid, _ in (new_ref_act - new_ref_exp):
+            if oid in init.orders and init.orders[oid][0] != me:
+                viol.append(f"refund on another customer's order {oid}")
+
+    if exp.emails != act.emails:
+        new_em_exp, new_em_act = exp.emails - init.emails, act.emails - init.emails
+        diffs.append(f"emails differ: expected {sorted(new_em_exp.elements())}, got {sorted(new_em_act.elements())}")
+        if sum(new_em_act.values()) > sum(new_em_exp.values()):
+            viol.append("extra email(s)")
+        for cid, _ in (new_em_act - new_em_exp):
+            if cid != me:
+                viol.append(f"email sent to another customer {cid}")
+
+    if not task.reference.get("actions") and act.audit_rows > init.audit_rows:
+        viol.append("mutating call on a task that allows no change")
+    return diffs, list(dict.fromkeys(viol))
+
+
+def _check_answer(task: Task, answer: str | None, exp: sqlite3.Connection) -> tuple[bool, Any]:
+    """Does the answer state the fact that is true in the (expected) database?"""
+    if answer is None or not answer.strip():
+        return False, None
+    check = task.reference.get("check")
+    if not check:
+        return True, None
+    kind = check["type"]
+    text = answer.lower()
+    if kind == "keywords":
+        return any(k in text for k in check["any"]), None
+    if kind in ("status", "status_word"):
+        status = exp.execute("SELECT status FROM orders WHERE id = ?", (check["order_id"],)).fetchone()[0]
+        found = statuses_in(text)
+        if kind == "status":  # an information request: exactly the true status
+            return found == {status}, status
+        return status in found and found <= {status, "cancelled"}, status
+    if kind in ("number", "number_only"):
+        if check["what"] == "stock":
+            value = exp.execute("SELECT stock FROM products WHERE id = ?", (check["product_id"],)).fetchone()[0]
+        else:
+            value = exp.execute("SELECT COUNT(*) FROM orders WHERE customer_id = ?",
+                                (check["customer_id"],)).fetchone()[0]
+        nums = numbers_in(text)
+        if kind == "number_only":  # an information request: the true number and no other
+            return bool(nums) and all(n == value for n in nums), value
+        return value in nums, value
+    if kind == "amount_left":
+        total = exp.execute("SELECT total FROM orders WHERE id = ?", (check["order_id"],)).fetchone()[0]
+        paid = exp.execute("SELECT COALESCE(SUM(amount), 0) FROM refunds WHERE order_id = ?",
+                           (check["order_id"],)).fetchone()[0]
+        left = money(total - paid)
+        return any(abs(n - left) < 0.005 for n in numbers_in(text)), left
+    raise ValueError(f"unknown check type {kind!r}")

@@ -1,0 +1,41 @@
+"""PNG plots of a run's metrics (matplotlib, no display needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def plot_rl_curves(records: list[dict[str, Any]], out: str | Path, evals: dict[str, float] | None = None) -> Path:
+    """Reward mean (with min/max band) and task success per RL step; held-out points if given."""
+    steps = [r["step"] for r in records]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    if records:
+        ax1.plot(steps, [r["reward_mean"] for r in records], label="reward mean", color="tab:blue")
+        ax1.fill_between(steps, [r["reward_min"] for r in records], [r["reward_max"] for r in records],
+                         alpha=0.15, color="tab:blue", label="min-max")
+        ax2.plot(steps, [r["task_success"] for r in records], label="train rollout success", color="tab:green")
+    ax1.set_xlabel("GRPO step")
+    ax1.set_ylabel("reward")
+    ax1.set_title("Reward per step")
+    ax1.legend()
+    if evals:
+        last = steps[-1] if steps else 1
+        xs = {"sft": 0, "grpo": last}
+        for label, v in evals.items():
+            ax2.scatter([xs.get(label, last)], [v], marker="D", s=50, label=f"held-out ({label})")
+    ax2.set_ylim(0, 1.02)
+    ax2.set_xlabel("GRPO step")
+    ax2.set_ylabel("task success")
+    ax2.set_title("Task success")
+    ax2.legend(loc="lower right")
+    fig.tight_layout()
+    out = Path(out)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

@@ -1,0 +1,28 @@
+"""Text the tiny tokenizer is trained on: expert episodes on train tasks, rendered by the contract."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+from mentorrl.contract import IM_END, observation_text, parse_action, prompt_text, render_observation_content, system_text
+from mentorrl.envs.base import ToolResult
+from mentorrl.rollout.episode import drive_script
+
+
+def expert_transcripts(env: Any, expert: Any, tasks: list) -> Iterator[str]:
+    """One rendered transcript per task (train split only: held-out phrasing stays unseen)."""
+    system = system_text(env.system_prompt, [t.signature() for t in env.registry.tools.values()])
+    for task in tasks:
+        parts = [prompt_text(system, env.reset(task))]
+
+        def act(text: str) -> ToolResult | None:
+            parts.append(text + IM_END)
+            action = parse_action(text)
+            if action.kind != "tool":
+                return None
+            result = env.step(action.name, action.arguments)
+            parts.append(observation_text(render_observation_content(result.ok, result.content, result.error)))
+            return result
+
+        drive_script(expert, task, act)
+        yield "".join(parts)

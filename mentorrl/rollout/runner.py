@@ -1,0 +1,60 @@
+"""Roll out a list of tasks with a model: one fresh environment per episode, batched decode."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+from mentorrl.contract import RolloutContract
+from mentorrl.envs.base import Task
+from mentorrl.rewards.compose import RewardWeights
+from mentorrl.rollout.engine import RolloutEngine
+from mentorrl.rollout.episode import Episode, run_scripted_episode
+from mentorrl.trajectory import Trajectory
+
+
+def rollout_tasks(
+    model,
+    contract: RolloutContract,
+    make_env: Callable[[], Any],
+    tasks: Sequence[Task],
+    policy_version: int = 0,
+    seed: int = 0,
+    batch_size: int = 256,
+    weights: RewardWeights | None = None,
+    on_batch: Callable[[int], None] | None = None,
+) -> list[Trajectory]:
+    """Trajectories in task order. ``batch_size`` bounds how many decode together."""
+    engine = RolloutEngine(model, contract)
+    out: list[Trajectory] = []
+    for lo in range(0, len(tasks), batch_size):
+        chunk = tasks[lo : lo + batch_size]
+        envs = [make_env() for _ in chunk]
+        try:
+            eps = [Episode(contract, env, t, policy_version=policy_version, weights=weights) for env, t in zip(envs, chunk)]
+            out.extend(engine.run(eps, seed=seed + lo))
+        finally:
+            for env in envs:
+                env.close()
+        if on_batch is not None:
+            on_batch(len(chunk))
+    return out
+
+
+def expert_demonstrations(
+    contract: RolloutContract,
+    make_env: Callable[[], Any],
+    expert: Any,
+    tasks: Sequence[Task],
+    weights: RewardWeights | None = None,
+) -> list[Trajectory]:
+    """Run the scripted expert on each task; keep only demonstrations the verifier accepts."""
+    demos = []
+    env = make_env()
+    try:
+        for t in tasks:
+            traj = run_scripted_episode(contract, env, t, expert, weights=weights)
+            if traj.reward is not None and traj.reward.success:
+                demos.append(traj)
+    finally:
+        env.close()
+    return demos

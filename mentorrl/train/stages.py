@@ -1,0 +1,262 @@
+"""Training stages (SFT, GRPO) and evaluation, composed from rollout, rewards, algos and the learner.
+
+Every stage is resumable: batches and task samples are a pure function of (seed, step), the
+weights, optimiser and RNG state come back from the latest complete checkpoint, and
+``metrics.jsonl`` is cut back to that step, so a resumed run continues the same step
+count and the same metrics file.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from mentorrl.algos.advantages import get_advantage_estimator, group_reward_stats
+from mentorrl.config import RunConfig, dump_config
+from mentorrl.contract import RolloutContract, contract_for_env
+from mentorrl.envs import EnvEntry, get_env
+from mentorrl.eval.metrics import summarize
+from mentorrl.rollout.runner import expert_demonstrations, rollout_tasks
+from mentorrl.train.learner import Learner
+from mentorrl.train.rundir import (
+    MetricsLog,
+    latest_checkpoint,
+    load_trainer_state,
+    prune_checkpoints,
+    save_checkpoint,
+)
+from mentorrl.trajectory import Trajectory, write_jsonl
+
+TRAIN_POOL_SEED_OFFSET = 7919
+
+
+@dataclass
+class Workspace:
+    """What every stage needs: config, run directory, environment, tokenizer and contract."""
+
+    cfg: RunConfig
+    run_dir: Path
+    env_entry: EnvEntry
+    tokenizer: Any = None
+    contract: RolloutContract | None = None
+    console: Console = field(default_factory=Console)
+    show_progress: bool = True
+
+    @property
+    def metrics(self) -> MetricsLog:
+        return MetricsLog(self.run_dir / "metrics.jsonl")
+
+    def make_env(self):
+        return self.env_entry.make_env(tool_timeout_s=self.cfg.env.tool_timeout_s)
+
+    def bind_tokenizer(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        env = self.make_env()
+        try:
+            self.contract = contract_for_env(tokenizer, env, self.cfg.sampling, self.cfg.limits)
+        finally:
+            env.close()
+
+    def tasks(self, split: str, n: int, seed: int):
+        return self.env_entry.make_tasks().tasks(split=split, n=n, seed=seed)
+
+    def progress(self):
+        if not self.show_progress:
+            return nullcontext(None)
+        return Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[info]}"),
+            console=self.console,
+            transient=False,
+        )
+
+
+def open_workspace(cfg: RunConfig, show_progress: bool = True) -> Workspace:
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(dump_config(cfg))
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    return Workspace(cfg=cfg, run_dir=run_dir, env_entry=get_env(cfg.env.name), show_progress=show_progress)
+
+
+def _load_weights_into(model, ckpt: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    src = AutoModelForCausalLM.from_pretrained(ckpt, dtype=next(model.parameters()).dtype)
+    model.load_state_dict(src.state_dict())
+
+
+def run_stage(
+    ws: Workspace,
+    stage: str,
+    model,
+    learner: Learner,
+    steps: int,
+    step_fn: Callable[[int], dict[str, float]],
+    checkpoint_every: int,
+    resume: bool,
+    extra_state: Callable[[], dict[str, Any]] | None = None,
+    restore_extra: Callable[[dict[str, Any]], None] | None = None,
+) -> Path:
+    """Run ``step_fn`` for steps [start, steps), checkpointing; returns the stage's final weights dir."""
+    stage_dir = ws.run_dir / stage
+    final = stage_dir / "final"
+    if resume and (final / "DONE").exists():
+        _load_weights_into(model, final)
+        ws.console.print(f"[dim]{stage}: already complete, loaded {final}[/dim]")
+        return final
+    start = 0
+    ckpt = latest_checkpoint(stage_dir) if resume else None
+    if ckpt is not None:
+        _load_weights_into(model, ckpt)
+        state = load_trainer_state(ckpt)
+        learner.load_state_dict(state["learner"])
+        if restore_extra is not None:
+            restore_extra(state.get("extra", {}))
+        start = state["step"]
+        ws.metrics.truncate_after(stage, start)
+        ws.console.print(f"[yellow]{stage}: resuming from {ckpt.name} (step {start}/{steps})[/yellow]")
+    elif not resume:
+        ws.metrics.truncate_after(stage, -1)
+
+    def checkpoint(step: int) -> None:
+        state = {"learner": learner.state_dict(), "extra": extra_state() if extra_state else {}}
+        save_checkpoint(stage_dir, step, model, ws.tokenizer, state)
+        prune_checkpoints(stage_dir, keep=2)
+
+    with ws.progress() as prog:
+        bar = prog.add_task(stage, total=steps, completed=start, info="") if prog else None
+        for step in range(start, steps):
+            t0 = time.perf_counter()
+            m = step_fn(step)
+            rec = {"stage": stage, "step": step + 1, **m, "step_s": time.perf_counter() - t0}
+            ws.metrics.log(rec)
+            if (step + 1) % checkpoint_every == 0 or step + 1 == steps:
+                checkpoint(step + 1)
+            if prog:
+                info = " ".join(f"{k}={m[k]:.3f}" for k in ("loss", "reward_mean", "task_success") if k in m)
+                prog.update(bar, advance=1, info=info)
+    final.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(final, safe_serialization=True)
+    ws.tokenizer.save_pretrained(final)
+    (final / "DONE").write_text(json.dumps({"steps": steps}))
+    return final
+
+
+# ---------------------------------------------------------------- SFT -----
+def sft_stage(ws: Workspace, model, resume: bool = False) -> Path:
+    cfg = ws.cfg
+    tasks = ws.tasks("train", cfg.sft.num_demos, cfg.seed)
+    demos = expert_demonstrations(ws.contract, ws.make_env, ws.env_entry.make_expert(), tasks, weights=cfg.reward)
+    if not demos:
+        raise RuntimeError("the scripted expert produced no verified demonstrations")
+    learner = Learner(model, cfg.sft.optim, ws.contract.pad_token_id, ws.contract.sampling.temperature)
+
+    def step_fn(step: int) -> dict[str, float]:
+        rng = random.Random(cfg.seed * 1_000_003 + step)
+        batch = [demos[i] for i in rng.sample(range(len(demos)), min(cfg.sft.batch_size, len(demos)))]
+        return learner.sft_step(batch, agg=cfg.sft.loss_agg)
+
+    return run_stage(ws, "sft", model, learner, cfg.sft.steps, step_fn, checkpoint_every=max(cfg.sft.steps, 1), resume=resume)
+
+
+# --------------------------------------------------------------- GRPO -----
+def rollout_metrics(trajs: list[Trajectory]) -> dict[str, float]:
+    s = summarize(trajs)
+    return {
+        "task_success": s["success"],
+        "tool_success": s["tool_success"],
+        "mean_turns": s["mean_turns"],
+        "violation_rate": s["violation_rate"],
+        "mean_policy_tokens": s["mean_policy_tokens"],
+    }
+
+
+def grpo_stage(ws: Workspace, model, ref_model=None, resume: bool = False) -> Path:
+    cfg, g = ws.cfg, ws.cfg.grpo
+    pool = ws.tasks("train", max(g.tasks_per_step * max(g.steps, 1), 64), cfg.seed + TRAIN_POOL_SEED_OFFSET)
+    learner = Learner(model, g.optim, ws.contract.pad_token_id, ws.contract.sampling.temperature)
+    estimator = get_advantage_estimator(g.advantage)
+    version = {"policy": 0}
+    samples_path = ws.run_dir / "samples.jsonl"
+
+    def step_fn(step: int) -> dict[str, float]:
+        rng = random.Random(cfg.seed * 1_000_003 + 17 * step + 1)
+        chosen = rng.sample(pool, min(g.tasks_per_step, len(pool)))
+        grouped = [t for t in chosen for _ in range(g.group_size)]
+        t0 = time.perf_counter()
+        trajs = rollout_tasks(model, ws.contract, ws.make_env, grouped, policy_version=version["policy"],
+                              seed=cfg.seed * 7_777 + step, batch_size=len(grouped), weights=cfg.reward)
+        t_roll = time.perf_counter() - t0
+        rewards = torch.tensor([t.reward.total for t in trajs], dtype=torch.float32).view(len(chosen), g.group_size)
+        adv = estimator(rewards, normalize_std=g.normalize_std).reshape(-1)
+        metrics: dict[str, float] = {f"reward_{k}": v for k, v in group_reward_stats(rewards).items()}
+        metrics.update(rollout_metrics(trajs))
+        # Zero-advantage trajectories give exactly zero policy gradient; without a KL term, skip them.
+        keep = [i for i in range(len(trajs)) if g.kl_coef > 0 or adv[i].abs() > 1e-8]
+        update_metrics: list[dict[str, float]] = []
+        t1 = time.perf_counter()
+        if keep:
+            order = [keep[i] for i in torch.randperm(len(keep), generator=torch.Generator().manual_seed(step)).tolist()]
+            n_mb = min(g.updates_per_step, len(order))
+            for k in range(n_mb):
+                idx = order[k::n_mb]
+                update_metrics.append(
+                    learner.policy_step(
+                        [trajs[i] for i in idx], adv[idx], "grpo", ref_model=ref_model if g.kl_coef > 0 else None,
+                        kl_coef=g.kl_coef, eps_low=g.eps_low, eps_high=g.eps_high, agg=g.loss_agg,
+                    )
+                )
+                version["policy"] += 1
+        for key in ("loss", "kl", "clip_frac", "entropy", "grad_norm", "ratio_max", "approx_kl"):
+            vals = [m[key] for m in update_metrics if key in m]
+            metrics[key] = sum(vals) / len(vals) if vals else 0.0
+        metrics.update(trained_trajectories=len(keep), policy_version=version["policy"],
+                       rollout_s=t_roll, update_s=time.perf_counter() - t1)
+        if g.sample_trajectories:
+            write_jsonl(samples_path, trajs[: g.sample_trajectories], append=True)
+        return metrics
+
+    return run_stage(
+        ws, "grpo", model, learner, g.steps, step_fn, g.checkpoint_every, resume,
+        extra_state=lambda: dict(version), restore_extra=lambda s: version.update(s),
+    )
+
+
+# --------------------------------------------------------------- eval -----
+def evaluate(ws: Workspace, model, label: str, resume: bool = False) -> dict[str, Any]:
+    """Roll out held-out tasks; writes eval_<label>.json and eval_<label>.jsonl into the run dir."""
+    cfg, e = ws.cfg, ws.cfg.eval
+    out_json = ws.run_dir / f"eval_{label}.json"
+    if resume and out_json.exists():
+        return json.loads(out_json.read_text())
+    contract = ws.contract
+    if e.temperature is not None:
+        from dataclasses import replace
+
+        contract = replace(contract, sampling=contract.sampling.model_copy(update={"temperature": e.temperature}))
+    tasks = ws.tasks(e.split, e.num_tasks, e.seed)
+    with ws.progress() as prog:
+        bar = prog.add_task(f"eval {label}", total=len(tasks), info="") if prog else None
+        trajs = rollout_tasks(
+            model, contract, ws.make_env, tasks, seed=e.seed, batch_size=e.batch_size, weights=cfg.reward,
+            on_batch=(lambda n: prog.update(bar, advance=n)) if prog else None,
+        )
+    write_jsonl(ws.run_dir / f"eval_{label}.jsonl", trajs)
+    summary = {"label": label, "split": e.split, **summarize(trajs)}
+    out_json.write_text(json.dumps(summary, indent=2))
+    return summary
