@@ -12,7 +12,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from mentorrl.contract import ContractLimits, SamplingParams
+from mentorrl.contract import ContractLimits, PromptFormat, SamplingParams
 from mentorrl.models.build import ModelSpec
 from mentorrl.rewards.compose import RewardWeights
 
@@ -83,6 +83,7 @@ class RunConfig(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     limits: ContractLimits = Field(default_factory=ContractLimits)
+    prompt: PromptFormat = Field(default_factory=PromptFormat)
     reward: RewardWeights = Field(default_factory=RewardWeights)
     sft: SFTConfig = Field(default_factory=SFTConfig)
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)

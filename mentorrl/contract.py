@@ -46,6 +46,12 @@ class SamplingParams(BaseModel):
     max_new_tokens: int = Field(96, ge=1, description="per policy turn")
 
 
+class PromptFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tool_descriptions: bool = Field(True, description="list tools with their descriptions (false: signatures only)")
+
+
 class ContractLimits(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -147,6 +153,7 @@ class RolloutContract:
         self.stop_token_ids = sorted(stops)
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         self.pad_token_id = int(pad)
+        self._fingerprint = self._compute_fingerprint()
 
     # ---- rendering (text) -------------------------------------------------
     def system_text(self) -> str:
@@ -179,6 +186,9 @@ class RolloutContract:
 
     # ---- provenance -------------------------------------------------------
     def fingerprint(self) -> str:
+        return self._fingerprint
+
+    def _compute_fingerprint(self) -> str:
         vocab = self.tokenizer.get_vocab()
         h = hashlib.sha256()
         h.update(json.dumps(sorted(vocab.items()), separators=(",", ":")).encode())
@@ -193,11 +203,22 @@ class RolloutContract:
         return {**self.sampling.model_dump(), **self.limits.model_dump()}
 
 
-def contract_for_env(tokenizer: Any, env: Any, sampling: SamplingParams | None = None, limits: ContractLimits | None = None) -> RolloutContract:
+def tool_signatures(env: Any, fmt: PromptFormat | None = None) -> list[str]:
+    fmt = fmt or PromptFormat()
+    return [t.signature(with_description=fmt.tool_descriptions) for t in env.registry.tools.values()]
+
+
+def contract_for_env(
+    tokenizer: Any,
+    env: Any,
+    sampling: SamplingParams | None = None,
+    limits: ContractLimits | None = None,
+    prompt: PromptFormat | None = None,
+) -> RolloutContract:
     return RolloutContract(
         tokenizer=tokenizer,
         system_prompt=env.system_prompt,
-        tool_signatures=[t.signature() for t in env.registry.tools.values()],
+        tool_signatures=tool_signatures(env, prompt),
         env_name=env.name,
         env_version=env.version,
         sampling=sampling or SamplingParams(),
@@ -209,6 +230,7 @@ __all__ = [
     "CHAT_TEMPLATE",
     "ContractLimits",
     "ParsedAction",
+    "PromptFormat",
     "RolloutContract",
     "SPECIAL_TOKENS",
     "SamplingParams",

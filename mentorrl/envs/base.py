@@ -49,12 +49,12 @@ class Tool:
         jsonschema.Draft202012Validator.check_schema(self.parameters)
         self._validator = jsonschema.Draft202012Validator(self.parameters)
 
-    def signature(self) -> str:
-        """Compact one-line rendering for prompts: ``name(arg: type, ...) - description``."""
+    def signature(self, with_description: bool = True) -> str:
+        """One-line rendering for prompts: ``name(arg: type, ...) - description``."""
         props = self.parameters.get("properties", {})
         required = set(self.parameters.get("required", []))
         args = ", ".join(f"{k}{'' if k in required else '?'}: {v.get('type', 'any')}" for k, v in props.items())
-        return f"{self.name}({args}) - {self.description}"
+        return f"{self.name}({args}) - {self.description}" if with_description else f"{self.name}({args})"
 
     def validation_error(self, arguments: Any) -> str | None:
         err = jsonschema.exceptions.best_match(self._validator.iter_errors(arguments))

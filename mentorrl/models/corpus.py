@@ -4,14 +4,23 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
-from mentorrl.contract import IM_END, observation_text, parse_action, prompt_text, render_observation_content, system_text
+from mentorrl.contract import (
+    IM_END,
+    PromptFormat,
+    observation_text,
+    parse_action,
+    prompt_text,
+    render_observation_content,
+    system_text,
+    tool_signatures,
+)
 from mentorrl.envs.base import ToolResult
 from mentorrl.rollout.episode import drive_script
 
 
-def expert_transcripts(env: Any, expert: Any, tasks: list) -> Iterator[str]:
+def expert_transcripts(env: Any, expert: Any, tasks: list, fmt: PromptFormat | None = None) -> Iterator[str]:
     """One rendered transcript per task (train split only: held-out phrasing stays unseen)."""
-    system = system_text(env.system_prompt, [t.signature() for t in env.registry.tools.values()])
+    system = system_text(env.system_prompt, tool_signatures(env, fmt))
     for task in tasks:
         parts = [prompt_text(system, env.reset(task))]
 

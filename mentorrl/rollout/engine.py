@@ -38,6 +38,54 @@ def _make_cache(model):
         return DynamicCache()
 
 
+def _common_prefix_len(seqs: list[list[int]]) -> int:
+    first = seqs[0]
+    n = min(len(x) for x in seqs)
+    for other in seqs[1:]:
+        k = 0
+        while k < n and other[k] == first[k]:
+            k += 1
+        n = k
+    return n
+
+
+def _cache_layers(cache) -> list | None:
+    layers = getattr(cache, "layers", None)
+    if not layers or not all(hasattr(l, "keys") and hasattr(l, "values") for l in layers):
+        return None
+    return layers
+
+
+def _expand_batch(cache, batch: int) -> bool:
+    """Broadcast a batch-1 cache to ``batch`` rows (shared prompt prefix). False if unsupported."""
+    layers = _cache_layers(cache)
+    if layers is None:
+        return False
+    for layer in layers:
+        layer.keys = layer.keys.expand(batch, *layer.keys.shape[1:]).contiguous()
+        layer.values = layer.values.expand(batch, *layer.values.shape[1:]).contiguous()
+    return True
+
+
+def _compact(cache, attn: torch.Tensor) -> torch.Tensor | None:
+    """Squeeze the pad holes out of the cache: each row's real entries, in order, right-aligned.
+
+    Keys carry their rotary position already, so moving them in the cache changes nothing
+    a query sees. Returns the new attention mask, or None if the cache type is unsupported.
+    """
+    layers = _cache_layers(cache)
+    if layers is None:
+        return None
+    width = int(attn.sum(1).max())
+    idx = torch.sort(attn, dim=1, stable=True).indices[:, -width:]  # pads first, then reals in order
+    for layer in layers:
+        B, H, _, D = layer.keys.shape
+        gi = idx[:, None, :, None].expand(B, H, width, D)
+        layer.keys = layer.keys.gather(2, gi)
+        layer.values = layer.values.gather(2, gi)
+    return attn.gather(1, idx)
+
+
 class RolloutEngine:
     def __init__(self, model, contract: RolloutContract, tool_workers: int = 8):
         self.model = model
@@ -70,7 +118,22 @@ class RolloutEngine:
         cache, cache_kw = _make_cache(model), _cache_kwarg(model)
         attn = torch.zeros(len(rows), 0, dtype=torch.long, device=device)
         pos = torch.zeros(len(rows), dtype=torch.long, device=device)
-        stats = {"forward_passes": 0, "generated_tokens": 0}
+        stats = {"forward_passes": 0, "generated_tokens": 0, "compactions": 0, "shared_prefix": 0}
+
+        # All prompts usually share the system turn: prefill it once and broadcast it.
+        shared = _common_prefix_len(pending)
+        shared = min(shared, min(len(p) for p in pending) - 1)
+        if shared >= 8 and len(rows) > 1:
+            prefix = torch.tensor([pending[0][:shared]], device=device)
+            model(input_ids=prefix, use_cache=True, logits_to_keep=1, **{cache_kw: cache})
+            if _expand_batch(cache, len(rows)):
+                attn = torch.ones(len(rows), shared, dtype=torch.long, device=device)
+                pos = torch.full((len(rows),), shared, dtype=torch.long, device=device)
+                pending = [p[shared:] for p in pending]
+                stats["shared_prefix"] = shared
+                stats["forward_passes"] += 1
+            else:
+                cache = _make_cache(model)
 
         def finish(e: int) -> None:
             traj = episodes[e].finish()
@@ -103,6 +166,12 @@ class RolloutEngine:
                     attn, pos = attn[idx], pos[idx]
                 if all(e in waiting for e in rows):
                     continue
+                # keep attention cost proportional to real context, not to accumulated pads
+                if attn.shape[1] > 64 and attn.shape[1] > 1.25 * int(attn.sum(1).max()):
+                    packed = _compact(cache, attn)
+                    if packed is not None:
+                        attn = packed
+                        stats["compactions"] += 1
                 # 3. one forward pass over every row's next chunk (left-padded)
                 fed = [i for i, e in enumerate(rows) if e not in waiting]
                 width = max(len(pending[rows[i]]) for i in fed)

@@ -16,13 +16,13 @@ from mentorrl.models.corpus import expert_transcripts
 from mentorrl.train.stages import Workspace, evaluate, grpo_stage, open_workspace, sft_stage
 
 
-def build_tiny_model(env_entry, out_dir: Path, spec: ModelSpec, corpus_tasks: int, seed: int = 0) -> Path:
+def build_tiny_model(env_entry, out_dir: Path, spec: ModelSpec, corpus_tasks: int, seed: int = 0, fmt=None) -> Path:
     """Tokenizer trained on expert transcripts of train tasks + a fresh Qwen2-architecture model."""
     if (out_dir / "model.safetensors").exists() and (out_dir / "tokenizer.json").exists():
         return out_dir
     env, expert = env_entry.make_env(), env_entry.make_expert()
     try:
-        corpus = list(expert_transcripts(env, expert, env_entry.make_tasks().tasks(split="train", n=corpus_tasks, seed=seed)))
+        corpus = list(expert_transcripts(env, expert, env_entry.make_tasks().tasks(split="train", n=corpus_tasks, seed=seed), fmt))
     finally:
         env.close()
     return init_model(out_dir, corpus, spec)
@@ -34,7 +34,7 @@ def base_model_dir(ws: Workspace) -> Path:
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"model.path {path} is not a Hugging Face checkpoint directory (no config.json)")
         return path
-    return build_tiny_model(ws.env_entry, ws.run_dir / "base_model", ws.cfg.model.spec, ws.cfg.model.tokenizer_corpus_tasks, ws.cfg.seed)
+    return build_tiny_model(ws.env_entry, ws.run_dir / "base_model", ws.cfg.model.spec, ws.cfg.model.tokenizer_corpus_tasks, ws.cfg.seed, ws.cfg.prompt)
 
 
 def _fmt_pct(x: float) -> str:

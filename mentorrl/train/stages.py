@@ -62,7 +62,7 @@ class Workspace:
         self.tokenizer = tokenizer
         env = self.make_env()
         try:
-            self.contract = contract_for_env(tokenizer, env, self.cfg.sampling, self.cfg.limits)
+            self.contract = contract_for_env(tokenizer, env, self.cfg.sampling, self.cfg.limits, self.cfg.prompt)
         finally:
             env.close()
 
