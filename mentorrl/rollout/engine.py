@@ -56,14 +56,17 @@ def _cache_layers(cache) -> list | None:
     return layers
 
 
-def _expand_batch(cache, batch: int) -> bool:
-    """Broadcast a batch-1 cache to ``batch`` rows (shared prompt prefix). False if unsupported."""
+def _expand_batch(cache, batch: int, copy: bool = True) -> bool:
+    """Broadcast a batch-1 cache to ``batch`` rows (shared prompt prefix). False if unsupported.
+
+    ``copy=False`` keeps a broadcast view (differentiable, used by the learner)."""
     layers = _cache_layers(cache)
     if layers is None:
         return False
     for layer in layers:
-        layer.keys = layer.keys.expand(batch, *layer.keys.shape[1:]).contiguous()
-        layer.values = layer.values.expand(batch, *layer.values.shape[1:]).contiguous()
+        k = layer.keys.expand(batch, *layer.keys.shape[1:])
+        v = layer.values.expand(batch, *layer.values.shape[1:])
+        layer.keys, layer.values = (k.contiguous(), v.contiguous()) if copy else (k, v)
     return True
 
 
@@ -87,10 +90,14 @@ def _compact(cache, attn: torch.Tensor) -> torch.Tensor | None:
 
 
 class RolloutEngine:
-    def __init__(self, model, contract: RolloutContract, tool_workers: int = 8):
+    def __init__(self, model, contract: RolloutContract, tool_workers: int = 8, prefill_batch_frac: float = 0.25):
+        """``prefill_batch_frac``: an observation is fed once this share of live rows has one ready
+        (or nothing else is decoding). A multi-token chunk widens the pass for every row, so
+        gathering observations into fewer, fuller wide passes saves most of the padding."""
         self.model = model
         self.contract = contract
         self.tool_workers = tool_workers
+        self.prefill_batch_frac = prefill_batch_frac
 
     @torch.no_grad()
     def run(
@@ -174,6 +181,10 @@ class RolloutEngine:
                         stats["compactions"] += 1
                 # 3. one forward pass over every row's next chunk (left-padded)
                 fed = [i for i, e in enumerate(rows) if e not in waiting]
+                wide = [i for i in fed if len(pending[rows[i]]) > 1]
+                if wide and len(wide) < len(fed) and len(wide) < self.prefill_batch_frac * len(rows):
+                    fed = [i for i in fed if len(pending[rows[i]]) == 1]  # hold observations back a step
+                    stats["deferred_prefills"] = stats.get("deferred_prefills", 0) + len(wide)
                 width = max(len(pending[rows[i]]) for i in fed)
                 inp = torch.full((len(rows), width), contract.pad_token_id, dtype=torch.long)
                 new = torch.zeros(len(rows), width, dtype=torch.long)

@@ -1,0 +1,213 @@
+"""Shared fixtures: one tiny model built once per session, contracts, a test-only environment.
+
+The tiny model is a random-init Qwen2-architecture causal LM with a BPE tokenizer trained
+on expert transcripts of the orders environment. Everything here is deterministic.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+
+try:  # keep test output readable: no warnings or progress bars from transformers
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+except Exception:  # pragma: no cover
+    pass
+
+from mentorrl.contract import (
+    IM_END,
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
+    ContractLimits,
+    PromptFormat,
+    RolloutContract,
+    SamplingParams,
+    contract_for_env,
+)
+from mentorrl.envs import get_env
+from mentorrl.envs.base import Task, Tool, ToolRegistry, ToolResult, Verdict
+from mentorrl.models.build import ModelSpec, load_policy
+
+# The machine is small and shared: one intra-op thread is the fastest setting for this model size.
+torch.set_num_threads(1)
+
+TINY_SPEC = dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2, num_kv_heads=1, vocab_size=600)
+
+
+# --------------------------------------------------------------------- model ------
+@pytest.fixture(scope="session")
+def orders_entry():
+    return get_env("orders")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, orders_entry) -> Path:
+    from mentorrl.train.pipeline import build_tiny_model
+
+    path = tmp_path_factory.mktemp("tiny_model") / "model"
+    return build_tiny_model(orders_entry, path, ModelSpec(**TINY_SPEC), corpus_tasks=60)
+
+
+@pytest.fixture(scope="session")
+def policy(tiny_model_dir):
+    """(tokenizer, model): shared and read-only; tests that train must deep-copy the model."""
+    tokenizer, model = load_policy(tiny_model_dir)
+    model.eval()
+    return tokenizer, model
+
+
+@pytest.fixture(scope="session")
+def tokenizer(policy):
+    return policy[0]
+
+
+@pytest.fixture(scope="session")
+def model(policy):
+    return policy[1]
+
+
+@pytest.fixture(scope="session")
+def tool_happy_model(policy):
+    """A copy of the tiny model whose LM head gets a constant bias towards the tool-call tags
+    and the stop token, so even a random-init model writes short turns that (nearly always)
+    contain a tool-call tag: the rollout engine then produces long multi-turn trajectories
+    with many tool returns. The bias is part of the model, so the engine (sampling) and the
+    learner (recomputation) see exactly the same distribution."""
+    tok, base = policy
+    m = copy.deepcopy(base)
+    bias = torch.zeros(m.lm_head.weight.shape[0])
+    for t, v in ((TOOL_CALL_OPEN, 5.5), (TOOL_CALL_CLOSE, 3.0), (IM_END, 5.0)):
+        bias[tok.convert_tokens_to_ids(t)] = v
+    m.lm_head.bias = torch.nn.Parameter(bias)
+    m.eval()
+    return m
+
+
+# ------------------------------------------------------------------ contracts -----
+@pytest.fixture(scope="session")
+def make_contract(tokenizer, orders_entry) -> Callable[..., RolloutContract]:
+    def make(
+        env: Any = None,
+        temperature: float = 1.0,
+        max_new_tokens: int = 24,
+        max_turns: int = 6,
+        max_total_tokens: int = 640,
+        tool_descriptions: bool = False,
+        tok: Any = None,
+    ) -> RolloutContract:
+        own = env is None
+        env = env if env is not None else orders_entry.make_env()
+        try:
+            return contract_for_env(
+                tok if tok is not None else tokenizer,
+                env,
+                SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens),
+                ContractLimits(max_turns=max_turns, max_total_tokens=max_total_tokens),
+                PromptFormat(tool_descriptions=tool_descriptions),
+            )
+        finally:
+            if own:
+                env.close()
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def orders_tasks(orders_entry) -> list[Task]:
+    return orders_entry.make_tasks().tasks(split="train", n=300, seed=1)
+
+
+@pytest.fixture(scope="session")
+def find_task(orders_tasks) -> Callable[..., Task]:
+    def find(family: str, kind: str = "normal") -> Task:
+        for t in orders_tasks:
+            if t.family == family and t.reference["kind"] == kind:
+                return t
+        raise AssertionError(f"no {family}/{kind} task among the generated train tasks")
+
+    return find
+
+
+# ------------------------------------------------------- test-only environment -----
+def _obj_schema(**props: dict) -> dict:
+    return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
+
+
+class ToyEnv:
+    """A minimal Environment: ``echo`` works, ``boom`` raises, ``slow`` sleeps past the timeout.
+
+    Success iff ``echo`` was called successfully and the final answer contains "ok".
+    ``forbidden`` is a hard constraint: calling it is a violation.
+    """
+
+    name = "toy"
+    version = "0.1"
+    system_prompt = "You are a test agent. Use the tools, then answer."
+
+    def __init__(self, timeout_s: float = 0.2):
+        self.echoed: list[str] = []
+        self.forbidden_called = False
+        self.registry = ToolRegistry(
+            [
+                Tool("echo", "Echo the text back.", _obj_schema(text={"type": "string", "minLength": 1}), self._echo),
+                Tool("boom", "A tool with a bug.", _obj_schema(), self._boom),
+                Tool("slow", "Sleep for some seconds.", _obj_schema(seconds={"type": "number"}), self._slow),
+                Tool("forbidden", "Never call this.", _obj_schema(), self._forbidden),
+            ],
+            timeout_s=timeout_s,
+        )
+
+    def _echo(self, text: str) -> dict:
+        self.echoed.append(text)
+        return {"echo": text}
+
+    def _boom(self) -> dict:
+        raise RuntimeError("kaboom")
+
+    def _slow(self, seconds: float) -> dict:
+        threading.Event().wait(seconds)
+        return {"slept": seconds}
+
+    def _forbidden(self) -> dict:
+        self.forbidden_called = True
+        return {"done": True}
+
+    def reset(self, task: Task) -> str:
+        self.echoed, self.forbidden_called = [], False
+        return task.prompt
+
+    def step(self, name: Any, arguments: Any) -> ToolResult:
+        return self.registry.call(name, arguments)
+
+    def verify(self, final_answer: str | None) -> Verdict:
+        violations = ["called forbidden"] if self.forbidden_called else []
+        ok = final_answer is not None and "ok" in final_answer.lower() and bool(self.echoed)
+        return Verdict(success=ok and not violations, violations=violations)
+
+    def close(self) -> None:
+        self.registry.close()
+
+
+@pytest.fixture
+def toy_env():
+    env = ToyEnv()
+    yield env
+    env.close()
+
+
+@pytest.fixture(scope="session")
+def toy_task() -> Task:
+    return Task(id="toy-0", family="toy", split="train", prompt="Please echo hello, then say ok.", seed=0)
+
+
+@pytest.fixture(scope="session")
+def toy_env_cls():
+    return ToyEnv

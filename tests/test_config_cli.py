@@ -1,0 +1,153 @@
+"""Configuration loading and the command line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from mentorrl.cli import app
+from mentorrl.config import ConfigError, RunConfig, dump_config, load_config
+
+PACKAGED = Path(__file__).resolve().parents[1] / "mentorrl" / "configs" / "demo.yaml"
+
+
+def _write(tmp_path: Path, text: str, name: str = "cfg.yaml") -> Path:
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def _output(result) -> str:
+    out = result.output
+    try:
+        out += result.stderr
+    except (ValueError, AttributeError):  # older click: stderr not captured separately
+        pass
+    return out
+
+
+# -------------------------------------------------------------------- config ----
+def test_defaults_valid():
+    cfg = load_config()
+    assert isinstance(cfg, RunConfig)
+    assert cfg == RunConfig()
+    assert cfg.env.name == "orders" and cfg.sampling.temperature == 1.0 and cfg.reward.tool == 0.1
+
+
+def test_empty_file_is_defaults(tmp_path):
+    assert load_config(_write(tmp_path, "")) == RunConfig()
+
+
+def test_packaged_demo_config_valid():
+    cfg = load_config(PACKAGED)
+    assert cfg.limits.max_turns == 6 and cfg.prompt.tool_descriptions is False and cfg.sft.steps == 40
+
+
+def test_unknown_field_names_dotted_path(tmp_path):
+    with pytest.raises(ConfigError) as exc:
+        load_config(_write(tmp_path, "grpo:\n  stepz: 3\n"))
+    assert "grpo.stepz" in str(exc.value)
+    assert str(tmp_path / "cfg.yaml") in str(exc.value)
+    with pytest.raises(ConfigError, match=r"model\.spec\.hiden_size"):
+        load_config(None, ["model.spec.hiden_size=8"])
+    with pytest.raises(ConfigError, match=r"bogus"):
+        load_config(_write(tmp_path, "bogus: 1\n"))
+
+
+def test_wrong_type_names_field(tmp_path):
+    with pytest.raises(ConfigError) as exc:
+        load_config(_write(tmp_path, "sft:\n  steps: many\n"))
+    assert "sft.steps" in str(exc.value)
+    with pytest.raises(ConfigError, match=r"sampling\.temperature"):
+        load_config(None, ["sampling.temperature=-1"])
+    with pytest.raises(ConfigError, match=r"reward"):
+        load_config(None, ["reward.tool=0.3", "reward.format=0.3"])
+
+
+def test_non_mapping_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(_write(tmp_path, "- a\n- b\n"))
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(_write(tmp_path, "a: [1, 2\n"))
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.yaml")
+    with pytest.raises(ConfigError, match="key.sub=value"):
+        load_config(None, ["grpo.steps"])
+    with pytest.raises(ConfigError, match="not a section"):
+        load_config(_write(tmp_path, "seed: 3\n"), ["seed.x=1"])
+    with pytest.raises(ConfigError, match=r"\bseed\b"):
+        load_config(None, ["seed.x=1"])
+
+
+def test_set_overrides(tmp_path):
+    path = _write(tmp_path, "grpo:\n  steps: 3\n  group_size: 4\nsampling:\n  temperature: 0.9\n")
+    cfg = load_config(path, ["grpo.steps=7", "sampling.temperature=0.5", "run_dir=/tmp/x", "model.path=null",
+                             "grpo.optim.lr=1e-5"])
+    assert cfg.grpo.steps == 7 and cfg.grpo.group_size == 4  # the file's other values survive
+    assert cfg.sampling.temperature == 0.5
+    assert cfg.run_dir == "/tmp/x" and cfg.model.path is None
+    assert cfg.grpo.optim.lr == 1e-5
+
+
+def test_dump_config_round_trip(tmp_path):
+    cfg = load_config(None, ["grpo.steps=3", "eval.temperature=0.0", "sft.optim.betas=[0.8, 0.9]"])
+    text = dump_config(cfg)
+    again = load_config(_write(tmp_path, text))
+    assert again == cfg
+
+
+# ----------------------------------------------------------------------- CLI ----
+runner = CliRunner()
+
+
+def test_cli_config_prints_effective_yaml():
+    res = runner.invoke(app, ["config", "--set", "grpo.steps=3", "--set", "sampling.temperature=0.7"])
+    assert res.exit_code == 0, _output(res)
+    data = yaml.safe_load(res.stdout)
+    assert data["grpo"]["steps"] == 3 and data["sampling"]["temperature"] == 0.7
+    assert data["sft"]["steps"] == 40  # the packaged demo recipe is the default
+    assert load_config(None, ["grpo.steps=3", "sampling.temperature=0.7"]).model_dump(mode="json") != data  # demo.yaml applied
+    assert RunConfig.model_validate(data).grpo.steps == 3
+
+
+def test_cli_config_with_file(tmp_path):
+    path = _write(tmp_path, "seed: 11\n")
+    res = runner.invoke(app, ["config", "--config", str(path)])
+    assert res.exit_code == 0, _output(res)
+    data = yaml.safe_load(res.stdout)
+    assert data["seed"] == 11 and data["sft"]["steps"] == RunConfig().sft.steps  # no demo.yaml mixed in
+
+
+def test_cli_config_bad_override_exits_2():
+    res = runner.invoke(app, ["config", "--set", "grpo.nope=1"])
+    assert res.exit_code == 2
+    assert "grpo.nope" in _output(res)
+
+
+def test_cli_demo_bad_config_exits_2(tmp_path):
+    path = _write(tmp_path, "sft:\n  steps: many\ngrpo:\n  colour: red\n", "bad.yaml")
+    res = runner.invoke(app, ["demo", "--config", str(path), "--run-dir", str(tmp_path / "run")])
+    assert res.exit_code == 2, _output(res)
+    out = _output(res)
+    assert "sft.steps" in out and "grpo.colour" in out
+    assert not (tmp_path / "run").exists()  # nothing started
+
+
+def test_cli_demo_missing_config_file_exits_2(tmp_path):
+    res = runner.invoke(app, ["demo", "--config", str(tmp_path / "nope.yaml")])
+    assert res.exit_code == 2
+
+
+def test_cli_init_model_unknown_env_exits_2(tmp_path):
+    res = runner.invoke(app, ["init-model", str(tmp_path / "m"), "--env", "nope"])
+    assert res.exit_code == 2, _output(res)
+    assert "unknown environment 'nope'" in _output(res)
+    assert not (tmp_path / "m").exists()
+
+
+def test_cli_no_args_shows_help():
+    res = runner.invoke(app, [])
+    assert "demo" in _output(res) and "init-model" in _output(res)

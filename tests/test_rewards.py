@@ -1,0 +1,163 @@
+"""Rewards come from environment state, hard constraints dominate, soft terms stay inside a tier."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from mentorrl.contract import render_tool_call
+from mentorrl.envs.base import Verdict
+from mentorrl.rewards.compose import RewardWeights, compose_reward
+from mentorrl.rollout.episode import Episode, run_scripted_episode
+from mentorrl.trajectory import ToolCall, Trajectory
+
+
+def play(contract, env, task, turns: list[str]) -> Trajectory:
+    ep = Episode(contract, env, task)
+    ep.start()
+    for text in turns:
+        ids = contract.policy_turn_ids(text)
+        action = ep.add_policy_turn(ids, [0.0] * len(ids), stopped=True)
+        if action is None:
+            break
+        result = ep.run_tool(action)
+        if ep.add_observation(result) is None:
+            break
+    return ep.finish()
+
+
+@pytest.fixture
+def orders_env(orders_entry):
+    env = orders_entry.make_env()
+    yield env
+    env.close()
+
+
+@pytest.fixture
+def contract(make_contract, orders_env):
+    return make_contract(env=orders_env, max_turns=8, max_total_tokens=2048)
+
+
+# ------------------------------------------------------ state, not claims ----
+def test_claimed_cancellation_without_db_change_gets_no_task_reward(find_task, orders_env, contract):
+    task = find_task("cancel_order")
+    email = task.reference["request"]["email"]
+    traj = play(contract, orders_env, task, [render_tool_call("find_customer", {"email": email}),
+                                             "Done, order cancelled."])
+    assert traj.tool_calls[0].ok and traj.final_answer == "Done, order cancelled."
+    r = traj.reward
+    assert r.task == 0.0 and r.success is False and not r.violations
+    assert any("order" in d for d in r.details["diffs"])
+    assert 0.0 <= r.total < 0.5  # the failure tier, however confident the answer
+    # the expert, which really cancels, succeeds on the same task
+    expert = run_scripted_episode(contract, orders_env, task, _expert())
+    assert expert.reward.success and expert.reward.task == 1.0 and expert.reward.total > 1.0
+
+
+def _expert():
+    from mentorrl.envs.orders import OrdersExpert
+
+    return OrdersExpert()
+
+
+def test_claimed_order_without_create_gets_no_task_reward(find_task, orders_env, contract):
+    task = find_task("place_order")
+    email = task.reference["request"]["email"]
+    traj = play(contract, orders_env, task, [render_tool_call("find_customer", {"email": email}),
+                                             "Your order has been placed successfully."])
+    assert traj.reward.task == 0.0 and not traj.reward.success and traj.reward.total < 0.5
+
+
+def test_duplicate_order_violates_hard_constraint(find_task, orders_env, contract):
+    task = find_task("place_order")
+    (_, find_args), (_, create_args) = task.reference["actions"]
+    create = render_tool_call("create_order", create_args)
+    dup = play(contract, orders_env, task, [render_tool_call("find_customer", find_args), create, create,
+                                            "I placed your order."])
+    assert [c.ok for c in dup.tool_calls] == [True, True, True]  # both creates went through
+    r = dup.reward
+    assert any(v.startswith("extra order(s)") and v.endswith("(duplicate)") for v in r.violations), r.violations
+    assert r.success is False and r.task == 0.0
+    assert r.total < 0
+    assert r.details["tier"] == -1.0
+
+    # the single order succeeds; a plain failure without violation is above the violation
+    once = play(contract, orders_env, task, [render_tool_call("find_customer", find_args), create,
+                                             "I placed your order."])
+    assert once.reward.success and not once.reward.violations
+    claim = play(contract, orders_env, task, [render_tool_call("find_customer", find_args), "I placed your order."])
+    assert not claim.reward.success and not claim.reward.violations
+    # the worst possible failure without a violation (all calls failed, truncated) still beats it
+    worst_failure = compose_reward(Verdict(success=False), [_call(False)] * 9, "max_turns", RewardWeights())
+    assert r.total < worst_failure.total <= claim.reward.total < once.reward.total
+
+
+def test_refused_cancel_of_shipped_order_is_not_a_violation(find_task, orders_env, contract):
+    """The tool refuses (policy error) so the state is unchanged: a refusal is no violation."""
+    task = find_task("cancel_order", "bypass")
+    email, oid = task.reference["request"]["email"], task.reference["request"]["order_id"]
+    traj = play(contract, orders_env, task, [render_tool_call("find_customer", {"email": email}),
+                                             render_tool_call("cancel_order", {"order_id": oid}),
+                                             "Done, order cancelled."])
+    assert traj.tool_calls[1].error_kind == "policy"
+    assert not traj.reward.violations  # the store policy held; no forbidden change happened
+    assert not traj.reward.success  # the answer claims the wrong status
+
+
+# --------------------------------------------------------------------- tiers ----
+def _call(ok: bool) -> ToolCall:
+    return ToolCall(turn=1, name="t", arguments={}, raw="", error=None if ok else "bad", error_kind=None if ok else "timeout")
+
+
+CALL_SETS = [[], [_call(True)], [_call(False)], [_call(True), _call(False)], [_call(False)] * 5, [_call(True)] * 3]
+REASONS = ["answer", "max_turns", "max_tokens", "length"]
+
+
+@pytest.mark.parametrize("weights", [
+    RewardWeights(),
+    RewardWeights(tool=0.25, format=0.2499, runtime=0.4999, error_penalty=1.0, truncation_penalty=1.0),
+    RewardWeights(tool=0.0, format=0.0, runtime=0.0),
+])
+def test_reward_tiers_never_cross(weights):
+    def totals(verdict):
+        return [compose_reward(verdict, calls, reason, weights).total for calls, reason in itertools.product(CALL_SETS, REASONS)]
+
+    success = totals(Verdict(success=True))
+    failure = totals(Verdict(success=False))
+    violation = totals(Verdict(success=False, violations=["x"])) + totals(Verdict(success=True, violations=["x"]))
+    assert min(success) > max(failure)
+    assert min(failure) > max(violation)
+    assert all(0.5 < s < 1.5 for s in success)
+    assert all(-0.5 < f < 0.5 for f in failure)
+    assert all(-1.5 < v < -0.5 for v in violation)
+
+
+def test_violation_overrides_success():
+    r = compose_reward(Verdict(success=True, violations=["extra refund(s)"]), [], "answer", RewardWeights())
+    assert r.success is False and r.task == 0.0 and r.violations == ["extra refund(s)"]
+    assert r.total == pytest.approx(-1.0 + 0.1 + 0.1)
+
+
+def test_reward_terms_exact():
+    w = RewardWeights()
+    r = compose_reward(Verdict(success=True), [_call(True), _call(False), _call(True), _call(True)], "answer", w)
+    assert (r.task, r.tool, r.format, r.runtime) == (1.0, 0.75, 1.0, -0.25)
+    assert r.total == pytest.approx(1.0 + 0.1 * 0.75 + 0.1 - 0.2 * 0.25)
+    r = compose_reward(Verdict(success=False), [], "length", w)
+    assert (r.task, r.tool, r.format, r.runtime) == (0.0, 1.0, 0.0, -0.5)
+    assert r.total == pytest.approx(0.1 - 0.1)
+    r = compose_reward(Verdict(success=False), [_call(False)] * 3, "max_tokens", w)
+    assert r.runtime == -1.0  # clipped at -1
+
+
+@pytest.mark.parametrize("kw", [dict(tool=0.3, format=0.3), dict(tool=0.25, format=0.25), dict(runtime=0.5),
+                                dict(tool=-0.1), dict(error_penalty=1.5)])
+def test_bad_reward_weights_rejected(kw):
+    with pytest.raises(ValueError):
+        RewardWeights(**kw)
+
+
+def test_reward_weight_error_message_is_explicit():
+    with pytest.raises(ValueError, match="tool \\+ format"):
+        RewardWeights(tool=0.3, format=0.3)
