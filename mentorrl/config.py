@@ -64,7 +64,7 @@ class GRPOConfig(_Section):
     advantage: str = Field("grpo", description="name in mentorrl.algos.advantages.ADVANTAGE_ESTIMATORS")
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=5e-4))
     checkpoint_every: int = Field(5, ge=1)
-    sample_trajectories: int = Field(8, ge=0, description="trajectories per step written to RUN_DIR/samples.jsonl")
+    sample_trajectories: int = Field(8, ge=0, description="trajectories per step written to RUN_DIR/samples/grpo-step-N.jsonl")
 
 
 class EvalConfig(_Section):

@@ -86,8 +86,10 @@ def parse_action(text: str) -> ParsedAction:
     raw = text
     if TOOL_CALL_OPEN not in text and TOOL_CALL_CLOSE not in text:
         return ParsedAction("answer", raw=raw, text=text.strip())
+    if text.count(TOOL_CALL_OPEN) != 1 or text.count(TOOL_CALL_CLOSE) != 1:
+        return ParsedAction("malformed", raw=raw, error="malformed tool call: expected exactly one <tool_call>...</tool_call>")
     start, end = text.find(TOOL_CALL_OPEN), text.find(TOOL_CALL_CLOSE)
-    if start < 0 or end < 0 or end < start:
+    if end < start:
         return ParsedAction("malformed", raw=raw, error="malformed tool call: unbalanced <tool_call> tags")
     body = text[start + len(TOOL_CALL_OPEN) : end].strip()
     try:

@@ -231,9 +231,6 @@ def test_metrics_truncate_drops_torn_line_and_later_steps(tmp_path):
     assert log.path.read_text().endswith("}\n")
 
 
-@pytest.mark.xfail(reason="run_stage only truncates metrics on resume when a checkpoint exists: a stage killed "
-                          "before its first checkpoint (SFT checkpoints only at the end) logs its steps twice",
-                   strict=False)
 def test_resume_before_first_checkpoint_does_not_duplicate_metrics(workspace, model):
     ws, _ = workspace
     with pytest.raises(Interrupt):

@@ -278,10 +278,6 @@ def test_engine_one_forward_pass_per_step(tool_happy_model, make_contract, order
     assert engine.run([], seed=0) == []
 
 
-@pytest.mark.xfail(reason="source bug: RolloutEngine draws every row's token from one shared generator in the order "
-                          "of the rows fed this step, and which rows are fed depends on whether their tool futures "
-                          "have completed, so the same seed gives different trajectories when tool latency varies",
-                   strict=False)
 def test_engine_is_deterministic_given_seed(tool_happy_model, make_contract, orders_entry, orders_tasks):
     """Same seed, same trajectories, even when tool latency varies between runs."""
     contract = make_contract()

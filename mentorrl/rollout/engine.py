@@ -111,7 +111,8 @@ class RolloutEngine:
             return []
         contract, model = self.contract, self.model
         device = next(model.parameters()).device
-        gen = torch.Generator(device="cpu").manual_seed(seed)
+        # one generator per episode: a trajectory's samples depend only on (seed, its index)
+        gens = [torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + i) for i in range(len(episodes))]
         stop_ids = set(contract.stop_token_ids)
         max_new = contract.sampling.max_new_tokens
 
@@ -207,7 +208,7 @@ class RolloutEngine:
                 )
                 pos = pos + new.sum(1)
                 stats["forward_passes"] += 1
-                tokens, logps = sample_tokens(out.logits[fed, -1, :], contract.sampling, gen)
+                tokens, logps = sample_tokens(out.logits[fed, -1, :], contract.sampling, [gens[rows[i]] for i in fed])
                 # 4. advance each row that was fed
                 for j, i in enumerate(fed):
                     e = rows[i]

@@ -15,8 +15,16 @@ import torch
 from mentorrl.contract import SamplingParams
 
 
-def sample_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None):
-    """logits [B, V] -> (tokens [B], logprobs [B])."""
+def sample_tokens(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | list[torch.Generator] | None = None,
+):
+    """logits [B, V] -> (tokens [B], logprobs [B]).
+
+    With a list of generators (one per row), each row draws its own noise (Gumbel-max), so a
+    trajectory's samples do not depend on which other rows share the step.
+    """
     logits = logits.float()
     temperature = params.temperature if params.temperature > 0 else 1.0
     logp = torch.log_softmax(logits / temperature, dim=-1)
@@ -32,6 +40,11 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch
             cum = sorted_lp.softmax(-1).cumsum(-1)
             drop = cum - sorted_lp.softmax(-1) > params.top_p  # keep the token that crosses top_p
             filt = filt.scatter(-1, idx, sorted_lp.masked_fill(drop, float("-inf")))
-        probs = torch.softmax(filt, dim=-1)
-        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        if isinstance(generator, list):
+            u = torch.stack([torch.rand(filt.shape[-1], generator=g) for g in generator]).to(filt.device)
+            gumbel = -torch.log(-torch.log(u.clamp(1e-20, 1.0 - 1e-7)))
+            tokens = (filt + gumbel).argmax(dim=-1)
+        else:
+            probs = torch.softmax(filt, dim=-1)
+            tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)

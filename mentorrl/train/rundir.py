@@ -4,7 +4,7 @@ Layout::
 
     RUN_DIR/config.yaml
     RUN_DIR/metrics.jsonl              one JSON object per logged step ({"stage", "step", ...})
-    RUN_DIR/samples.jsonl              a sample of trajectories (Trajectory JSONL)
+    RUN_DIR/samples/grpo-step-N.jsonl  a sample of each step's trajectories (Trajectory JSONL)
     RUN_DIR/<stage>/checkpoints/step-000010/   save_pretrained + trainer_state.pt
     RUN_DIR/<stage>/final/             the stage's last weights (a plain HF directory)
 

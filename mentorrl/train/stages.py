@@ -128,10 +128,8 @@ def run_stage(
         if restore_extra is not None:
             restore_extra(state.get("extra", {}))
         start = state["step"]
-        ws.metrics.truncate_after(stage, start)
         ws.console.print(f"[yellow]{stage}: resuming from {ckpt.name} (step {start}/{steps})[/yellow]")
-    elif not resume:
-        ws.metrics.truncate_after(stage, -1)
+    ws.metrics.truncate_after(stage, start)  # steps past the checkpoint are redone, never logged twice
 
     def checkpoint(step: int) -> None:
         state = {"learner": learner.state_dict(), "extra": extra_state() if extra_state else {}}
@@ -192,7 +190,7 @@ def grpo_stage(ws: Workspace, model, ref_model=None, resume: bool = False) -> Pa
     learner = Learner(model, g.optim, ws.contract.pad_token_id, ws.contract.sampling.temperature)
     estimator = get_advantage_estimator(g.advantage)
     version = {"policy": 0}
-    samples_path = ws.run_dir / "samples.jsonl"
+    samples_dir = ws.run_dir / "samples"
 
     def step_fn(step: int) -> dict[str, float]:
         rng = random.Random(cfg.seed * 1_000_003 + 17 * step + 1)
@@ -228,7 +226,8 @@ def grpo_stage(ws: Workspace, model, ref_model=None, resume: bool = False) -> Pa
         metrics.update(trained_trajectories=len(keep), policy_version=version["policy"],
                        rollout_s=t_roll, update_s=time.perf_counter() - t1)
         if g.sample_trajectories:
-            write_jsonl(samples_path, trajs[: g.sample_trajectories], append=True)
+            samples_dir.mkdir(exist_ok=True)  # one file per step: a redone step overwrites, never duplicates
+            write_jsonl(samples_dir / f"grpo-step-{step + 1:06d}.jsonl", trajs[: g.sample_trajectories])
         return metrics
 
     return run_stage(
