@@ -74,22 +74,24 @@ def train(
 @app.command("init-model")
 def init_model_cmd(
     out_dir: Path = typer.Argument(..., help="directory to write the tokenizer and model into"),
-    env: str = typer.Option("orders", help="environment whose expert transcripts train the tokenizer"),
-    seed: int = typer.Option(0),
-    corpus_tasks: int = typer.Option(400, min=10),
+    config: Optional[Path] = ConfigOpt,
+    set_: list[str] = SetOpt,
 ) -> None:
-    """Build the tiny local BPE tokenizer and Qwen2-architecture model (no download)."""
+    """Build the tiny local BPE tokenizer and Qwen2-architecture model (no download).
+
+    Size, seed, environment and prompt format come from the config (default: the demo recipe)."""
     _quiet_transformers()
     from mentorrl.envs import get_env
-    from mentorrl.models.build import ModelSpec, dir_digest
+    from mentorrl.models.build import dir_digest
     from mentorrl.train.pipeline import build_tiny_model
 
+    cfg = _load(config, set_, default="demo.yaml")
     try:
-        entry = get_env(env)
+        entry = get_env(cfg.env.name)
     except ValueError as e:
         err.print(f"[red]{e}[/red]")
         raise typer.Exit(2)
-    path = build_tiny_model(entry, out_dir, ModelSpec(seed=seed), corpus_tasks, seed)
+    path = build_tiny_model(entry, out_dir, cfg.model.spec, cfg.model.tokenizer_corpus_tasks, cfg.seed, cfg.prompt)
     console.print(f"wrote {path} (digest {dir_digest(path)})")
 
 

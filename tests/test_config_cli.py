@@ -142,7 +142,7 @@ def test_cli_demo_missing_config_file_exits_2(tmp_path):
 
 
 def test_cli_init_model_unknown_env_exits_2(tmp_path):
-    res = runner.invoke(app, ["init-model", str(tmp_path / "m"), "--env", "nope"])
+    res = runner.invoke(app, ["init-model", str(tmp_path / "m"), "--set", "env.name=nope"])
     assert res.exit_code == 2, _output(res)
     assert "unknown environment 'nope'" in _output(res)
     assert not (tmp_path / "m").exists()

@@ -294,7 +294,9 @@ def test_engine_is_deterministic_given_seed(tool_happy_model, make_contract, ord
     _, a = _engine_run(tool_happy_model, contract, orders_entry, tasks, episode_cls=jittery([0.0] * 50), seed=5)
     _, b = _engine_run(tool_happy_model, contract, orders_entry, tasks, episode_cls=jittery([0.03, 0.0] * 25), seed=5)
     assert [t.token_ids for t in a] == [t.token_ids for t in b]
-    assert [t.logprobs for t in a] == [t.logprobs for t in b]
+    # log-probs agree to float noise (the batch layout of each step differs between the runs)
+    for ta, tb in zip(a, b):
+        assert max((abs(x - y) for x, y in zip(ta.logprobs, tb.logprobs)), default=0.0) < 1e-4
 
 
 class _Gate:

@@ -33,14 +33,24 @@ class ModelSpec(BaseModel):
     seed: int = 0
 
 
+# Pre-tokenisation: whitespace, letter runs, single digits and punctuation runs are separate
+# pieces. Unlike GPT-2's "Ġword" pieces, a word is then the same token after a space as
+# after a quote, so copying a value from the user's message into tool arguments is an
+# identity copy -- which a tiny model learns far faster than a token-to-token mapping.
+PRETOKENIZE_PATTERN = r"\s+|[A-Za-z]+|[0-9]|[^\sA-Za-z0-9]+"
+
+
 def train_tokenizer(corpus: Iterable[str], vocab_size: int):
     """Byte-level BPE (digits split one by one, as Qwen2 does) with the ChatML special tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
     )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
