@@ -127,7 +127,7 @@ def _run_engine(model, contract, orders_entry, tasks, seed=0):
     envs = [orders_entry.make_env() for _ in tasks]
     try:
         eps = [Episode(contract, e, t) for e, t in zip(envs, tasks)]
-        engine = RolloutEngine(model, contract)
+        engine = RolloutEngine(model, contract, compact_ratio=1.0)  # compact whenever holes exist
         trajs = engine.run(eps, seed=seed)
     finally:
         for e in envs:

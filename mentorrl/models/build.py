@@ -23,7 +23,7 @@ class ModelSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    vocab_size: int = Field(1024, ge=300, description="BPE vocabulary size including special tokens")
+    vocab_size: int = Field(1024, ge=300, description="BPE vocabulary size including special tokens (number tokens 0-999 come on top)")
     hidden_size: int = Field(128, ge=16)
     intermediate_size: int = Field(384, ge=16)
     num_layers: int = Field(4, ge=1)
@@ -33,11 +33,14 @@ class ModelSpec(BaseModel):
     seed: int = 0
 
 
-# Pre-tokenisation: whitespace, letter runs, single digits and punctuation runs are separate
-# pieces. Unlike GPT-2's "Ġword" pieces, a word is then the same token after a space as
-# after a quote, so copying a value from the user's message into tool arguments is an
-# identity copy -- which a tiny model learns far faster than a token-to-token mapping.
-PRETOKENIZE_PATTERN = r"\s+|[A-Za-z]+|[0-9]|[^\sA-Za-z0-9]+"
+# Pre-tokenisation: whitespace, letter runs, numbers in chunks of up to three digits, and
+# punctuation runs are separate pieces. Unlike GPT-2's "Ġword" pieces, a word is then the
+# same token after a space as after a quote, and every 1-3 digit chunk is one token (as in
+# cl100k / Llama 3), so copying a name or an id from the user's message into tool arguments
+# is an identity copy of whole tokens -- which a tiny model learns far faster than copying
+# digit sequences in order.
+PRETOKENIZE_PATTERN = r"\s+|[A-Za-z]+|[0-9]{1,3}|[^\sA-Za-z0-9]+"
+NUMBER_TOKENS = [str(i) for i in range(1000)] + [f"{i:02d}" for i in range(10)] + [f"{i:03d}" for i in range(100)]
 
 
 def train_tokenizer(corpus: Iterable[str], vocab_size: int):
@@ -60,6 +63,8 @@ def train_tokenizer(corpus: Iterable[str], vocab_size: int):
         show_progress=False,
     )
     tok.train_from_iterator(list(corpus), trainer=trainer)
+    vocab = tok.get_vocab()
+    tok.add_tokens([n for n in NUMBER_TOKENS if n not in vocab])  # every 1-3 digit chunk is a token
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token=IM_END,

@@ -90,14 +90,24 @@ def _compact(cache, attn: torch.Tensor) -> torch.Tensor | None:
 
 
 class RolloutEngine:
-    def __init__(self, model, contract: RolloutContract, tool_workers: int = 8, prefill_batch_frac: float = 0.25):
+    def __init__(
+        self,
+        model,
+        contract: RolloutContract,
+        tool_workers: int = 8,
+        prefill_batch_frac: float = 0.25,
+        compact_ratio: float = 1.25,
+    ):
         """``prefill_batch_frac``: an observation is fed once this share of live rows has one ready
         (or nothing else is decoding). A multi-token chunk widens the pass for every row, so
-        gathering observations into fewer, fuller wide passes saves most of the padding."""
+        gathering observations into fewer, fuller wide passes saves most of the padding.
+        ``compact_ratio``: squeeze pads out of the cache once its width exceeds this multiple
+        of the longest real context."""
         self.model = model
         self.contract = contract
         self.tool_workers = tool_workers
         self.prefill_batch_frac = prefill_batch_frac
+        self.compact_ratio = compact_ratio
 
     @torch.no_grad()
     def run(
@@ -175,7 +185,7 @@ class RolloutEngine:
                 if all(e in waiting for e in rows):
                     continue
                 # keep attention cost proportional to real context, not to accumulated pads
-                if attn.shape[1] > 64 and attn.shape[1] > 1.25 * int(attn.sum(1).max()):
+                if attn.shape[1] > 64 and attn.shape[1] > self.compact_ratio * int(attn.sum(1).max()):
                     packed = _compact(cache, attn)
                     if packed is not None:
                         attn = packed

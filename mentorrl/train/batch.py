@@ -49,8 +49,25 @@ def shared_prefix_len(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> 
     return int(same.long().cumprod(0).sum())
 
 
-def _logits(model, batch: TokenBatch, min_shared: int = 32) -> torch.Tensor:
-    """Next-token logits for positions 0..T-2, [B, T-1, V].
+def _split_head(model):
+    """(decoder, lm_head) when logits are a plain linear map of the decoder's last hidden state.
+
+    Then the learner applies the head only where the loss mask is 1, instead of building
+    [B, T, V] logits for every prompt and observation token. None for models whose logits
+    need more (soft-capping, scaling), which take the full forward."""
+    cfg = model.config
+    if getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None) not in (None, 1, 1.0):
+        return None
+    get_decoder = getattr(model, "get_decoder", None)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if get_decoder is None or head is None or not isinstance(head, torch.nn.Linear):
+        return None
+    decoder = get_decoder()
+    return (decoder, head) if decoder is not None and decoder is not model else None
+
+
+def _next_token_states(module, batch: TokenBatch, attr: str, min_shared: int = 32) -> torch.Tensor:
+    """``module``'s output (``attr``: "logits" or "last_hidden_state") at positions 0..T-2, [B, T-1, *].
 
     When every row starts with the same prompt (the system turn), the prefix runs once at
     batch size 1 and its KV cache is broadcast to all rows; gradients flow back through the
@@ -58,30 +75,42 @@ def _logits(model, batch: TokenBatch, min_shared: int = 32) -> torch.Tensor:
     """
     ids, attn = batch.input_ids, batch.attention_mask
     B, T = ids.shape
-    P = shared_prefix_len(ids, attn) if B > 1 else 0
-    P = min(P, T - 1)
-    if P < min_shared:
-        return model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1]
-    from mentorrl.rollout.engine import _cache_kwarg, _expand_batch, _make_cache
+    P = min(shared_prefix_len(ids, attn) if B > 1 else 0, T - 1)
+    if P >= min_shared:
+        from mentorrl.rollout.engine import _cache_kwarg, _expand_batch, _make_cache
 
-    cache, kw = _make_cache(model), _cache_kwarg(model)
-    head = model(input_ids=ids[:1, :P], use_cache=True, **{kw: cache}).logits  # [1, P, V]
-    if not _expand_batch(cache, B, copy=False):
-        return model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1]
-    pos = torch.arange(P, T, device=ids.device)[None].expand(B, T - P)
-    tail = model(input_ids=ids[:, P:], attention_mask=attn, position_ids=pos, use_cache=True, **{kw: cache}).logits
-    return torch.cat([head.expand(B, -1, -1), tail[:, :-1]], dim=1)
+        cache, kw = _make_cache(module), _cache_kwarg(module)
+        head = getattr(module(input_ids=ids[:1, :P], use_cache=True, **{kw: cache}), attr)  # [1, P, *]
+        if _expand_batch(cache, B, copy=False):
+            pos = torch.arange(P, T, device=ids.device)[None].expand(B, T - P)
+            tail = getattr(module(input_ids=ids[:, P:], attention_mask=attn, position_ids=pos, use_cache=True, **{kw: cache}), attr)
+            return torch.cat([head.expand(B, -1, -1), tail[:, :-1]], dim=1)
+    return getattr(module(input_ids=ids, attention_mask=attn, use_cache=False), attr)[:, :-1]
 
 
 def forward_logprobs(model, batch: TokenBatch, temperature: float = 1.0, with_entropy: bool = False):
-    """Per-token log-probs (and optionally entropies) aligned to token positions, [B, T]."""
-    logits = _logits(model, batch)
+    """Per-token log-probs (and optionally entropies) aligned to token positions, [B, T].
+
+    Values are exact on loss-mask positions (the policy's tokens); elsewhere they are 0 when
+    the model's head can be applied selectively, which is all the losses ever read.
+    """
     targets = batch.input_ids[:, 1:]
     t = temperature if temperature > 0 else 1.0
-    lp = gather_token_logprobs(logits, targets, temperature=t)
+    split = _split_head(model)
+    if split is None:
+        logits = _next_token_states(model, batch, "logits")
+        lp = gather_token_logprobs(logits, targets, temperature=t)
+        ent = entropy_from_logits(logits.detach(), temperature=t) if with_entropy else None
+    else:
+        decoder, head = split
+        hidden = _next_token_states(decoder, batch, "last_hidden_state")
+        sel = batch.loss_mask[:, 1:] > 0
+        logits = head(hidden[sel])[None]  # [1, N, V]: only the policy's tokens
+        lp = torch.zeros(targets.shape, dtype=torch.float32, device=targets.device)
+        lp = lp.masked_scatter(sel, gather_token_logprobs(logits, targets[sel][None], temperature=t)[0])
+        ent = None
+        if with_entropy:
+            ent = torch.zeros_like(lp).masked_scatter(sel, entropy_from_logits(logits.detach(), temperature=t)[0])
     zero = torch.zeros_like(lp[:, :1])
     logprobs = torch.cat([zero, lp], dim=1)
-    if not with_entropy:
-        return logprobs, None
-    ent = entropy_from_logits(logits.detach(), temperature=t)
-    return logprobs, torch.cat([zero, ent], dim=1)
+    return logprobs, (torch.cat([zero, ent], dim=1) if ent is not None else None)

@@ -153,7 +153,7 @@ class _Gen:
         if family == "order_status":
             if kind == "unknown_order":
                 used = {o["id"] for o in w.orders}
-                oid = self.pick([f"O-{n}" for n in range(1001, 1999) if f"O-{n}" not in used])
+                oid = self.pick([f"O-{n}" for n in range(101, 999) if f"O-{n}" not in used])
                 ref["check"] = {"type": "keywords", "any": NO_ORDER_WORDS}
             else:
                 o = self.pick(w.orders)

@@ -99,7 +99,7 @@ def make_world(seed: int) -> World:
         stock = rng.choice([0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 15, 20, 25])
         w.products.append({"id": f"P-{num}", "name": name, "price": rng.choice(PRICES), "stock": stock})
     n_ord = rng.randint(10, 18)
-    for num in sorted(rng.sample(range(1001, 1900), n_ord)):
+    for num in sorted(rng.sample(range(101, 900), n_ord)):
         items = [(p["id"], rng.randint(1, 3)) for p in rng.sample(w.products, rng.choice([1, 1, 2]))]
         total = money(sum(w.product(pid)["price"] * q for pid, q in items))
         status = rng.choices(STATUSES, weights=STATUS_WEIGHTS)[0]
