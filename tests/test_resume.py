@@ -53,6 +53,13 @@ app()
 """
 
 
+def _sample_task_ids(run_dir) -> dict[int, list[str]]:
+    out = {}
+    for f in sorted((run_dir / "samples").glob("grpo-step-*.jsonl")):
+        out[int(f.stem.split("-")[-1])] = [json.loads(x)["task_id"] for x in f.read_text().splitlines()]
+    return out
+
+
 def _steps(records: list[dict], stage: str) -> list[int]:
     return [r["step"] for r in records if r.get("stage") == stage]
 
@@ -101,9 +108,9 @@ def test_cli_resume_after_sigkill(tmp_path):
     assert not (run_dir / "grpo" / "final").exists()
     assert (run_dir / "eval_sft.json").exists() and not (run_dir / "eval_grpo.json").exists()
     eval_sft_before = (run_dir / "eval_sft.json").read_text()
-    killed_samples = [json.loads(x)["task_id"] for x in (run_dir / "samples.jsonl").read_text().splitlines()]
     per_step = cfg.grpo.tasks_per_step * cfg.grpo.group_size
-    assert len(killed_samples) == 3 * per_step
+    killed_samples = _sample_task_ids(run_dir)
+    assert sorted(killed_samples) == [1, 2, 3] and all(len(v) == per_step for v in killed_samples.values())
 
     # 2. resume with the ordinary entry point
     res = subprocess.run([sys.executable, "-m", "mentorrl.cli", "demo", "--config", str(cfg_path), "--resume"],
@@ -124,8 +131,9 @@ def test_cli_resume_after_sigkill(tmp_path):
     # the redone step 3 continues the same run: the same tasks as the killed step 3, the policy
     # version counter continues from the checkpoint (rollout tokens themselves are not compared:
     # the engine's sampling depends on tool-call timing, see test_rollout)
-    samples = [json.loads(x)["task_id"] for x in (run_dir / "samples.jsonl").read_text().splitlines()]
-    assert samples[-2 * per_step : -per_step] == killed_samples[2 * per_step :]
+    samples = _sample_task_ids(run_dir)
+    assert sorted(samples) == [1, 2, 3, 4]  # one sample file per step: the redone step replaced its file
+    assert samples[3] == killed_samples[3] and samples[1] == killed_samples[1]
     assert grpo_now[3]["policy_version"] >= grpo_killed[2]["policy_version"]
     assert grpo_now[4]["policy_version"] >= grpo_now[3]["policy_version"]
 

@@ -254,7 +254,7 @@ def test_engine_respects_token_and_turn_limits(tool_happy_model, make_contract, 
 
 # ------------------------------------------------------------ batched engine ----
 def test_engine_one_forward_pass_per_step(tool_happy_model, make_contract, orders_entry, orders_tasks):
-    N = 10
+    N = 24
     tasks = orders_tasks[40 : 40 + N]
     contract = make_contract()
     sizes: list[int] = []
@@ -356,7 +356,7 @@ def test_slow_tool_does_not_block_other_trajectories(tool_happy_model, make_cont
 def test_slow_tool_wall_time(make_contract, orders_entry, orders_tasks, tool_happy_model):
     """A 0.3 s sleep inside one trajectory's tool call delays that trajectory, and the engine
     does not serialise it with the others' tool calls (they ran in parallel threads)."""
-    N = 10
+    N = 24
     calls: list[tuple[str, float, float]] = []
     lock = threading.Lock()
 
