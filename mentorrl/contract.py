@@ -50,6 +50,9 @@ class PromptFormat(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     tool_descriptions: bool = Field(True, description="list tools with their descriptions (false: signatures only)")
+    system_turn: bool = Field(
+        True, description="render the system turn (role, rules, tools); false: the policy learns the tools from data"
+    )
 
 
 class ContractLimits(BaseModel):
@@ -116,9 +119,10 @@ def system_text(system_prompt: str, tool_signatures: list[str]) -> str:
     )
 
 
-def prompt_text(system: str, user_message: str) -> str:
-    """System and user turns, then the header of the first assistant turn."""
-    return render_message("system", system) + render_message("user", user_message) + f"{IM_START}assistant\n"
+def prompt_text(system: str | None, user_message: str) -> str:
+    """System (if any) and user turns, then the header of the first assistant turn."""
+    head = render_message("system", system) if system is not None else ""
+    return head + render_message("user", user_message) + f"{IM_START}assistant\n"
 
 
 def observation_text(content: str) -> str:
@@ -138,6 +142,7 @@ class RolloutContract:
     env_version: str
     sampling: SamplingParams = field(default_factory=SamplingParams)
     limits: ContractLimits = field(default_factory=ContractLimits)
+    system_turn: bool = True
 
     def __post_init__(self) -> None:
         tok = self.tokenizer
@@ -158,8 +163,8 @@ class RolloutContract:
         self._fingerprint = self._compute_fingerprint()
 
     # ---- rendering (text) -------------------------------------------------
-    def system_text(self) -> str:
-        return system_text(self.system_prompt, self.tool_signatures)
+    def system_text(self) -> str | None:
+        return system_text(self.system_prompt, self.tool_signatures) if self.system_turn else None
 
     def prompt_text(self, user_message: str) -> str:
         return prompt_text(self.system_text(), user_message)
@@ -217,6 +222,7 @@ def contract_for_env(
     limits: ContractLimits | None = None,
     prompt: PromptFormat | None = None,
 ) -> RolloutContract:
+    prompt = prompt or PromptFormat()
     return RolloutContract(
         tokenizer=tokenizer,
         system_prompt=env.system_prompt,
@@ -225,6 +231,7 @@ def contract_for_env(
         env_version=env.version,
         sampling=sampling or SamplingParams(),
         limits=limits or ContractLimits(),
+        system_turn=prompt.system_turn,
     )
 
 
