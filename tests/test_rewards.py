@@ -136,7 +136,18 @@ def test_reward_tiers_never_cross(weights):
 def test_violation_overrides_success():
     r = compose_reward(Verdict(success=True, violations=["extra refund(s)"]), [], "answer", RewardWeights())
     assert r.success is False and r.task == 0.0 and r.violations == ["extra refund(s)"]
-    assert r.total == pytest.approx(-1.0 + 0.1 + 0.1)
+    assert r.total == -1.0  # soft terms are paid on successes only
+
+
+def test_failures_earn_no_soft_reward():
+    """Answering at once without any tool call (no failed calls, a clean ending) must not beat
+    a failed attempt: the hack GRPO found when soft terms were paid on failures."""
+    w = RewardWeights()
+    do_nothing = compose_reward(Verdict(success=False), [], "answer", w)
+    tried = compose_reward(Verdict(success=False), [_call(True), _call(False)], "answer", w)
+    assert do_nothing.total == tried.total == 0.0
+    assert (do_nothing.tool, do_nothing.format) == (1.0, 1.0)  # still recorded in the breakdown
+    assert tried.runtime < 0
 
 
 def test_reward_terms_exact():

@@ -1,13 +1,15 @@
-"""Reward composition: hard constraints first, soft terms only rank within a tier.
+"""Reward composition: hard constraints first; soft terms only rank successes.
 
-    tier  = -1   if the verifier found a violated hard constraint (forbidden side effect)
-             0   if the task was not accomplished
-            +1   if the task was accomplished (judged from environment state)
+    total = -1                 if the verifier found a violated hard constraint
+             0                 if the task was not accomplished (judged from environment state)
+             1 + soft          if it was, where
     soft  = w_tool * tool + w_format * format + w_runtime * runtime      in (-0.5, 0.5)
-    total = tier + soft
 
 Because |soft| < 0.5 by construction (checked when the weights are built), no amount of
-formatting or tool hygiene lifts a failure to a success, or a violation to a failure.
+formatting or tool hygiene lifts a failure to a success. Soft terms are *not* paid on
+failures: when they were, a weak policy learned to answer at once without calling any tool
+(no failed calls, a well-formed ending: positive soft reward, zero task success) -- the
+demo's GRPO run found that hack within four steps. The breakdown still records every term.
 """
 
 from __future__ import annotations
@@ -50,14 +52,15 @@ def compose_reward(
     tool = (len(calls) - n_err) / len(calls) if calls else 1.0
     fmt = 1.0 if finish_reason == "answer" else 0.0
     runtime = -min(1.0, n_err * weights.error_penalty + (0.0 if finish_reason == "answer" else weights.truncation_penalty))
-    tier = -1.0 if verdict.violations else (1.0 if verdict.success else 0.0)
-    soft = weights.tool * tool + weights.format * fmt + weights.runtime * runtime
+    success = bool(verdict.success and not verdict.violations)
+    tier = -1.0 if verdict.violations else (1.0 if success else 0.0)
+    soft = weights.tool * tool + weights.format * fmt + weights.runtime * runtime if success else 0.0
     return RewardBreakdown(
-        task=1.0 if (verdict.success and not verdict.violations) else 0.0,
+        task=1.0 if success else 0.0,
         tool=tool,
         runtime=runtime,
         format=fmt,
-        success=bool(verdict.success and not verdict.violations),
+        success=success,
         violations=list(verdict.violations),
         total=tier + soft,
         details={**verdict.details, "tool_errors": n_err, "tier": tier},
