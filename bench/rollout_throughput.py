@@ -39,11 +39,11 @@ import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from mentorrl.config import OptimConfig  # noqa: E402
+from mentorrl.config import OptimConfig, load_config  # noqa: E402
 from mentorrl.contract import ContractLimits, PromptFormat, SamplingParams, contract_for_env  # noqa: E402
 from mentorrl.envs import get_env  # noqa: E402
 from mentorrl.eval.metrics import summarize  # noqa: E402
-from mentorrl.models.build import ModelSpec, load_policy  # noqa: E402
+from mentorrl.models.build import load_policy  # noqa: E402
 from mentorrl.rollout.engine import RolloutEngine  # noqa: E402
 from mentorrl.rollout.episode import Episode  # noqa: E402
 from mentorrl.rollout.runner import expert_demonstrations  # noqa: E402
@@ -51,9 +51,11 @@ from mentorrl.train.learner import Learner  # noqa: E402
 from mentorrl.train.pipeline import build_tiny_model  # noqa: E402
 
 ENV_NAME = "orders"
-SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=64)
-LIMITS = ContractLimits(max_turns=6, max_total_tokens=768)
-FMT = PromptFormat(tool_descriptions=False)
+# The contract of the demo recipe (the model it trains is the default model here).
+_DEMO = load_config(Path(__file__).resolve().parent.parent / "mentorrl" / "configs" / "demo.yaml")
+SAMPLING: SamplingParams = _DEMO.sampling
+LIMITS: ContractLimits = _DEMO.limits
+FMT: PromptFormat = _DEMO.prompt
 DEFAULT_MODEL = Path("runs/demo/sft/final")
 
 
@@ -86,7 +88,7 @@ def prepare_model(args, entry, con: Console):
 
     t0 = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(prefix="mentorrl-bench-"))
-    base = build_tiny_model(entry, tmp / "base", ModelSpec(), corpus_tasks=200, seed=0, fmt=FMT)
+    base = build_tiny_model(entry, tmp / "base", _DEMO.model.spec, corpus_tasks=200, seed=0, fmt=FMT)
     tok, model = load_policy(base)
     contract = _contract(tok, entry)
     demos = expert_demonstrations(contract, entry.make_env, entry.make_expert(),

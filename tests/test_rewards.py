@@ -9,22 +9,13 @@ import pytest
 from mentorrl.contract import render_tool_call
 from mentorrl.envs.base import Verdict
 from mentorrl.rewards.compose import RewardWeights, compose_reward
-from mentorrl.rollout.episode import Episode, run_scripted_episode
+from mentorrl.rollout.episode import run_text_turns, Episode, run_scripted_episode
 from mentorrl.trajectory import ToolCall, Trajectory
 
 
-def play(contract, env, task, turns: list[str]) -> Trajectory:
-    ep = Episode(contract, env, task)
-    ep.start()
-    for text in turns:
-        ids = contract.policy_turn_ids(text)
-        action = ep.add_policy_turn(ids, [0.0] * len(ids), stopped=True)
-        if action is None:
-            break
-        result = ep.run_tool(action)
-        if ep.add_observation(result) is None:
-            break
-    return ep.finish()
+def play(contract, env, task, turns: list[str], **kw) -> Trajectory:
+    """Drive an Episode with scripted policy turn texts (what a model would have written)."""
+    return run_text_turns(contract, env, task, turns, **kw)
 
 
 @pytest.fixture

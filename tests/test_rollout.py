@@ -10,7 +10,7 @@ import pytest
 from mentorrl.contract import IM_END, IM_START, render_tool_call
 from mentorrl.rewards.compose import RewardWeights
 from mentorrl.rollout.engine import RolloutEngine
-from mentorrl.rollout.episode import Episode
+from mentorrl.rollout.episode import run_text_turns, Episode
 from mentorrl.trajectory import Trajectory
 
 W = RewardWeights()
@@ -18,17 +18,7 @@ W = RewardWeights()
 
 def play(contract, env, task, turns: list[str], **kw) -> Trajectory:
     """Drive an Episode with scripted policy turn texts (what a model would have written)."""
-    ep = Episode(contract, env, task, **kw)
-    ep.start()
-    for text in turns:
-        ids = contract.policy_turn_ids(text)
-        action = ep.add_policy_turn(ids, [0.0] * len(ids), stopped=True)
-        if action is None:
-            break
-        result = ep.run_tool(action)
-        if ep.add_observation(result) is None:
-            break
-    return ep.finish()
+    return run_text_turns(contract, env, task, turns, **kw)
 
 
 def observation_bodies(traj: Trajectory, tokenizer) -> list[str]:

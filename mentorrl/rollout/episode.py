@@ -178,20 +178,40 @@ def drive_script(expert: Any, task: Task, act: Callable[[str], ToolResult | None
             return
 
 
-def run_scripted_episode(contract: RolloutContract, env: Environment, task: Task, expert: Any, **kw: Any) -> Trajectory:
-    """An episode whose policy turns are a scripted expert's text (loss mask 1, log-probs 0)."""
-    ep = Episode(contract, env, task, source="expert", **kw)
-    ep.start()
+def _text_turn_player(ep: Episode) -> Callable[[str], ToolResult | None]:
+    """``act(text)`` for an episode whose policy turns are given as text (loss mask 1, log-probs 0)."""
 
     def act(text: str) -> ToolResult | None:
-        ids = contract.policy_turn_ids(text)
+        ids = ep.contract.policy_turn_ids(text)
         parsed = ep.add_policy_turn(ids, [0.0] * len(ids), stopped=True)
         if parsed is None:
             return None
         result = ep.run_tool(parsed)
         return result if ep.add_observation(result) is not None else None
 
-    drive_script(expert, task, act)
-    if not ep.done:
+    return act
+
+
+def _finish_scripted(ep: Episode) -> Trajectory:
+    if not ep.done:  # the script ran out of turns before answering
         ep.finish_reason = "answer" if ep.final_answer is not None else "max_turns"
     return ep.finish()
+
+
+def run_scripted_episode(contract: RolloutContract, env: Environment, task: Task, expert: Any, **kw: Any) -> Trajectory:
+    """An episode whose policy turns are a scripted expert's text."""
+    ep = Episode(contract, env, task, **{"source": "expert", **kw})
+    ep.start()
+    drive_script(expert, task, _text_turn_player(ep))
+    return _finish_scripted(ep)
+
+
+def run_text_turns(contract: RolloutContract, env: Environment, task: Task, turns: list[str], **kw: Any) -> Trajectory:
+    """Replay fixed policy-turn texts (what a model might have written): audits, tests, attacks."""
+    ep = Episode(contract, env, task, **kw)
+    ep.start()
+    act = _text_turn_player(ep)
+    for text in turns:
+        if act(text) is None:
+            break
+    return _finish_scripted(ep)
