@@ -12,13 +12,15 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 
 def plot_rl_curves(records: list[dict[str, Any]], out: str | Path, evals: dict[str, float] | None = None) -> Path:
-    """Reward mean (with min/max band) and task success per RL step; held-out points if given."""
+    """Reward mean (± std band) and task success per RL step; held-out points if given."""
     steps = [r["step"] for r in records]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     if records:
         ax1.plot(steps, [r["reward_mean"] for r in records], label="reward mean", color="tab:blue")
-        ax1.fill_between(steps, [r["reward_min"] for r in records], [r["reward_max"] for r in records],
-                         alpha=0.15, color="tab:blue", label="min-max")
+        mean = [r["reward_mean"] for r in records]
+        std = [r["reward_std"] for r in records]
+        ax1.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
+                         alpha=0.15, color="tab:blue", label="± std")
         ax2.plot(steps, [r["task_success"] for r in records], label="train rollout success", color="tab:green")
     ax1.set_xlabel("GRPO step")
     ax1.set_ylabel("reward")
@@ -33,7 +35,7 @@ def plot_rl_curves(records: list[dict[str, Any]], out: str | Path, evals: dict[s
     ax2.set_xlabel("GRPO step")
     ax2.set_ylabel("task success")
     ax2.set_title("Task success")
-    ax2.legend(loc="lower right")
+    ax2.legend(loc="upper right")
     fig.tight_layout()
     out = Path(out)
     fig.savefig(out, dpi=110)
