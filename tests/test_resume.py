@@ -146,6 +146,14 @@ def test_cli_resume_after_sigkill(tmp_path):
     assert summary["label"] == "grpo" and summary["n"] == 4
     ckpts = sorted(p.name for p in (run_dir / "grpo" / "checkpoints").iterdir())
     assert ckpts == ["step-000002", "step-000004"]
+    # the demo's outputs: the before/after table and a real PNG of the curves
+    assert "Held-out evaluation" in out and "SFT + GRPO" in out
+    assert (run_dir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # checkpoints are Hugging Face directories that load the ordinary way
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    AutoTokenizer.from_pretrained(run_dir / "grpo" / "final")
+    AutoModelForCausalLM.from_pretrained(run_dir / "grpo" / "checkpoints" / "step-000004")
 
 
 # ------------------------------------------------------------- unit level -------
