@@ -43,7 +43,10 @@ def test_empty_file_is_defaults(tmp_path):
 
 def test_packaged_demo_config_valid():
     cfg = load_config(PACKAGED)
-    assert cfg.limits.max_turns == 6 and cfg.prompt.tool_descriptions is False and cfg.sft.steps == 40
+    raw = yaml.safe_load(PACKAGED.read_text())
+    assert cfg.limits.max_turns == raw["limits"]["max_turns"]
+    assert cfg.prompt.system_turn == raw["prompt"]["system_turn"]
+    assert cfg.sft.steps == raw["sft"]["steps"] != RunConfig().sft.steps
 
 
 def test_unknown_field_names_dotted_path(tmp_path):
@@ -108,7 +111,7 @@ def test_cli_config_prints_effective_yaml():
     assert res.exit_code == 0, _output(res)
     data = yaml.safe_load(res.stdout)
     assert data["grpo"]["steps"] == 3 and data["sampling"]["temperature"] == 0.7
-    assert data["sft"]["steps"] == 40  # the packaged demo recipe is the default
+    assert data["sft"]["steps"] == yaml.safe_load(PACKAGED.read_text())["sft"]["steps"]  # the demo recipe is the default
     assert load_config(None, ["grpo.steps=3", "sampling.temperature=0.7"]).model_dump(mode="json") != data  # demo.yaml applied
     assert RunConfig.model_validate(data).grpo.steps == 3
 
