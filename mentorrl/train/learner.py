@@ -11,7 +11,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from mentorrl.algos.losses import aggregate_loss, get_policy_loss, kl_penalty, sft_loss
+from mentorrl.algos.losses import get_policy_loss, sft_loss
 from mentorrl.algos.logprobs import masked_mean
 from mentorrl.config import OptimConfig
 from mentorrl.train.batch import TokenBatch, collate, forward_logprobs
@@ -119,4 +119,4 @@ class Learner:
         self.scheduler.load_state_dict(state["scheduler"])
 
 
-__all__ = ["Learner", "aggregate_loss", "kl_penalty", "make_optimizer"]
+__all__ = ["Learner", "make_optimizer"]

@@ -12,7 +12,7 @@ import json
 import random
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -245,8 +245,6 @@ def evaluate(ws: Workspace, model, label: str, resume: bool = False) -> dict[str
         return json.loads(out_json.read_text())
     contract = ws.contract
     if e.temperature is not None:
-        from dataclasses import replace
-
         contract = replace(contract, sampling=contract.sampling.model_copy(update={"temperature": e.temperature}))
     tasks = ws.tasks(e.split, e.num_tasks, e.seed)
     with ws.progress() as prog:
