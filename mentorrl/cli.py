@@ -38,6 +38,16 @@ def _load(config: Optional[Path], overrides: list[str], run_dir: Optional[str] =
         raise typer.Exit(2)
 
 
+def _run_recipe(cfg, resume: bool) -> dict:
+    from mentorrl.train.pipeline import run_demo
+
+    try:
+        return run_demo(cfg, resume=resume)
+    except FileNotFoundError as e:  # e.g. model.path is not a checkpoint directory
+        err.print(f"[red]{e}[/red]")
+        raise typer.Exit(2)
+
+
 ConfigOpt = typer.Option(None, "--config", "-c", exists=True, dir_okay=False, help="YAML recipe")
 SetOpt = typer.Option([], "--set", help="override a field: --set grpo.steps=10 (repeatable)")
 
@@ -51,10 +61,8 @@ def demo(
 ) -> None:
     """Build the tiny model, SFT, evaluate, GRPO, evaluate again; print the before/after table."""
     _quiet_transformers()
-    from mentorrl.train.pipeline import run_demo
-
     cfg = _load(config, set_, run_dir, default="demo.yaml")
-    result = run_demo(cfg, resume=resume)
+    result = _run_recipe(cfg, resume)
     Path(cfg.run_dir, "demo_result.json").write_text(json.dumps(result, indent=2))
 
 
@@ -66,9 +74,7 @@ def train(
 ) -> None:
     """Run a recipe (SFT -> eval -> GRPO -> eval) from a YAML config; model.path may be any HF checkpoint."""
     _quiet_transformers()
-    from mentorrl.train.pipeline import run_demo
-
-    run_demo(_load(config, set_), resume=resume)
+    _run_recipe(_load(config, set_), resume)
 
 
 @app.command("init-model")

@@ -154,3 +154,15 @@ def test_cli_init_model_unknown_env_exits_2(tmp_path):
 def test_cli_no_args_shows_help():
     res = runner.invoke(app, [])
     assert "demo" in _output(res) and "init-model" in _output(res)
+
+
+def test_cli_train_model_path_not_a_checkpoint_exits_2(tmp_path):
+    cfg = _write(tmp_path, f"run_dir: {tmp_path / 'run'}\nmodel:\n  path: {tmp_path / 'nowhere'}\n")
+    res = runner.invoke(app, ["train", str(cfg)])
+    assert res.exit_code == 2, _output(res)
+    assert "not a Hugging Face checkpoint directory" in _output(res)
+
+
+def test_cli_eval_missing_model_dir_exits_2(tmp_path):
+    res = runner.invoke(app, ["eval", str(tmp_path / "nope")])
+    assert res.exit_code == 2
