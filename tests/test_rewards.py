@@ -9,7 +9,7 @@ import pytest
 from mentorrl.contract import render_tool_call
 from mentorrl.envs.base import Verdict
 from mentorrl.rewards.compose import RewardWeights, compose_reward
-from mentorrl.rollout.episode import run_text_turns, Episode, run_scripted_episode
+from mentorrl.rollout.episode import run_scripted_episode, run_text_turns
 from mentorrl.trajectory import ToolCall, Trajectory
 
 

@@ -10,7 +10,7 @@ import pytest
 from mentorrl.contract import IM_END, IM_START, render_tool_call
 from mentorrl.rewards.compose import RewardWeights
 from mentorrl.rollout.engine import RolloutEngine
-from mentorrl.rollout.episode import run_text_turns, Episode
+from mentorrl.rollout.episode import Episode, run_text_turns
 from mentorrl.trajectory import Trajectory
 
 W = RewardWeights()

@@ -12,7 +12,6 @@ up only its own trajectory. Finished rows leave the batch and the cache.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import inspect
 import time
 from typing import Callable
 
@@ -20,22 +19,9 @@ import torch
 
 from mentorrl.contract import RolloutContract
 from mentorrl.rollout.episode import Episode
+from mentorrl.rollout.kvcache import cache_kwarg, compact, expand_batch, make_cache
 from mentorrl.rollout.sampling import sample_tokens
 from mentorrl.trajectory import Trajectory
-
-
-def _cache_kwarg(model) -> str:
-    """transformers >= 5.2x calls the cache argument ``cache``; earlier releases ``past_key_values``."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def _make_cache(model):
-    from transformers import DynamicCache
-
-    try:
-        return DynamicCache(config=model.config)
-    except TypeError:  # older transformers
-        return DynamicCache()
 
 
 def _common_prefix_len(seqs: list[list[int]]) -> int:
@@ -47,46 +33,6 @@ def _common_prefix_len(seqs: list[list[int]]) -> int:
             k += 1
         n = k
     return n
-
-
-def _cache_layers(cache) -> list | None:
-    layers = getattr(cache, "layers", None)
-    if not layers or not all(hasattr(l, "keys") and hasattr(l, "values") for l in layers):
-        return None
-    return layers
-
-
-def _expand_batch(cache, batch: int, copy: bool = True) -> bool:
-    """Broadcast a batch-1 cache to ``batch`` rows (shared prompt prefix). False if unsupported.
-
-    ``copy=False`` keeps a broadcast view (differentiable, used by the learner)."""
-    layers = _cache_layers(cache)
-    if layers is None:
-        return False
-    for layer in layers:
-        k = layer.keys.expand(batch, *layer.keys.shape[1:])
-        v = layer.values.expand(batch, *layer.values.shape[1:])
-        layer.keys, layer.values = (k.contiguous(), v.contiguous()) if copy else (k, v)
-    return True
-
-
-def _compact(cache, attn: torch.Tensor) -> torch.Tensor | None:
-    """Squeeze the pad holes out of the cache: each row's real entries, in order, right-aligned.
-
-    Keys carry their rotary position already, so moving them in the cache changes nothing
-    a query sees. Returns the new attention mask, or None if the cache type is unsupported.
-    """
-    layers = _cache_layers(cache)
-    if layers is None:
-        return None
-    width = int(attn.sum(1).max())
-    idx = torch.sort(attn, dim=1, stable=True).indices[:, -width:]  # pads first, then reals in order
-    for layer in layers:
-        B, H, _, D = layer.keys.shape
-        gi = idx[:, None, :, None].expand(B, H, width, D)
-        layer.keys = layer.keys.gather(2, gi)
-        layer.values = layer.values.gather(2, gi)
-    return attn.gather(1, idx)
 
 
 class RolloutEngine:
@@ -133,7 +79,7 @@ class RolloutEngine:
         waiting: dict[int, cf.Future] = {}
         results: list[Trajectory | None] = [None] * len(episodes)
         rows = list(range(len(episodes)))  # batch row -> episode index
-        cache, cache_kw = _make_cache(model), _cache_kwarg(model)
+        cache, cache_kw = make_cache(model), cache_kwarg(model)
         attn = torch.zeros(len(rows), 0, dtype=torch.long, device=device)
         pos = torch.zeros(len(rows), dtype=torch.long, device=device)
         stats = {"forward_passes": 0, "generated_tokens": 0, "compactions": 0, "shared_prefix": 0}
@@ -144,14 +90,14 @@ class RolloutEngine:
         if shared >= 8 and len(rows) > 1:
             prefix = torch.tensor([pending[0][:shared]], device=device)
             model(input_ids=prefix, use_cache=True, logits_to_keep=1, **{cache_kw: cache})
-            if _expand_batch(cache, len(rows)):
+            if expand_batch(cache, len(rows)):
                 attn = torch.ones(len(rows), shared, dtype=torch.long, device=device)
                 pos = torch.full((len(rows),), shared, dtype=torch.long, device=device)
                 pending = [p[shared:] for p in pending]
                 stats["shared_prefix"] = shared
                 stats["forward_passes"] += 1
             else:
-                cache = _make_cache(model)
+                cache = make_cache(model)
 
         def finish(e: int) -> None:
             traj = episodes[e].finish()
@@ -186,7 +132,7 @@ class RolloutEngine:
                     continue
                 # keep attention cost proportional to real context, not to accumulated pads
                 if attn.shape[1] > 64 and attn.shape[1] > self.compact_ratio * int(attn.sum(1).max()):
-                    packed = _compact(cache, attn)
+                    packed = compact(cache, attn)
                     if packed is not None:
                         attn = packed
                         stats["compactions"] += 1

@@ -13,6 +13,7 @@ from typing import Sequence
 import torch
 
 from mentorrl.algos.logprobs import entropy_from_logits, gather_token_logprobs
+from mentorrl.rollout.kvcache import cache_kwarg, expand_batch, make_cache
 from mentorrl.trajectory import Trajectory
 
 
@@ -77,11 +78,9 @@ def _next_token_states(module, batch: TokenBatch, attr: str, min_shared: int = 3
     B, T = ids.shape
     P = min(shared_prefix_len(ids, attn) if B > 1 else 0, T - 1)
     if P >= min_shared:
-        from mentorrl.rollout.engine import _cache_kwarg, _expand_batch, _make_cache
-
-        cache, kw = _make_cache(module), _cache_kwarg(module)
+        cache, kw = make_cache(module), cache_kwarg(module)
         head = getattr(module(input_ids=ids[:1, :P], use_cache=True, **{kw: cache}), attr)  # [1, P, *]
-        if _expand_batch(cache, B, copy=False):
+        if expand_batch(cache, B, copy=False):
             pos = torch.arange(P, T, device=ids.device)[None].expand(B, T - P)
             tail = getattr(module(input_ids=ids[:, P:], attention_mask=attn, position_ids=pos, use_cache=True, **{kw: cache}), attr)
             return torch.cat([head.expand(B, -1, -1), tail[:, :-1]], dim=1)

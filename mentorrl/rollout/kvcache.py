@@ -1,0 +1,65 @@
+"""KV-cache helpers shared by the rollout engine and the learner.
+
+They work on Hugging Face ``DynamicCache`` objects and degrade gracefully (return
+False/None) for cache types whose layers they cannot edit.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+
+def cache_kwarg(model) -> str:
+    """transformers >= 5.2x calls the cache argument ``cache``; earlier releases ``past_key_values``."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def make_cache(model):
+    from transformers import DynamicCache
+
+    try:
+        return DynamicCache(config=model.config)
+    except TypeError:  # older transformers
+        return DynamicCache()
+
+
+def _cache_layers(cache) -> list | None:
+    layers = getattr(cache, "layers", None)
+    if not layers or not all(hasattr(l, "keys") and hasattr(l, "values") for l in layers):
+        return None
+    return layers
+
+
+def expand_batch(cache, batch: int, copy: bool = True) -> bool:
+    """Broadcast a batch-1 cache to ``batch`` rows (shared prompt prefix). False if unsupported.
+
+    ``copy=False`` keeps a broadcast view (differentiable, used by the learner)."""
+    layers = _cache_layers(cache)
+    if layers is None:
+        return False
+    for layer in layers:
+        k = layer.keys.expand(batch, *layer.keys.shape[1:])
+        v = layer.values.expand(batch, *layer.values.shape[1:])
+        layer.keys, layer.values = (k.contiguous(), v.contiguous()) if copy else (k, v)
+    return True
+
+
+def compact(cache, attn: torch.Tensor) -> torch.Tensor | None:
+    """Squeeze the pad holes out of the cache: each row's real entries, in order, right-aligned.
+
+    Keys carry their rotary position already, so moving them in the cache changes nothing
+    a query sees. Returns the new attention mask, or None if the cache type is unsupported.
+    """
+    layers = _cache_layers(cache)
+    if layers is None:
+        return None
+    width = int(attn.sum(1).max())
+    idx = torch.sort(attn, dim=1, stable=True).indices[:, -width:]  # pads first, then reals in order
+    for layer in layers:
+        B, H, _, D = layer.keys.shape
+        gi = idx[:, None, :, None].expand(B, H, width, D)
+        layer.keys = layer.keys.gather(2, gi)
+        layer.values = layer.values.gather(2, gi)
+    return attn.gather(1, idx)
