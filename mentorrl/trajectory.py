@@ -59,6 +59,15 @@ class RewardBreakdown(_Record):
     details: dict[str, Any] = Field(default_factory=dict)
 
 
+class JudgeVerdict(_Record):
+    """What a judge (LLM or rule-based) said about a trajectory; the verifier stays authoritative."""
+
+    judge: str  # name of the judge that produced it
+    success_prob: float = Field(ge=0.0, le=1.0)  # the judge's probability that the task was done
+    scores: dict[str, float] = Field(default_factory=dict)  # rubric dimensions, each in [0, 1]
+    reason: str = ""
+
+
 class Trajectory(_Record):
     id: str
     task_id: str
@@ -81,6 +90,7 @@ class Trajectory(_Record):
     reward: RewardBreakdown | None = None
     timings: dict[str, float] = Field(default_factory=dict)
     source: Literal["policy", "expert", "teacher"] = "policy"
+    judge: JudgeVerdict | None = None
 
     @model_validator(mode="after")
     def _lengths_agree(self) -> "Trajectory":
