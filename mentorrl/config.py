@@ -10,11 +10,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from mentorrl.contract import ContractLimits, PromptFormat, SamplingParams
 from mentorrl.models.build import ModelSpec
 from mentorrl.rewards.compose import RewardWeights
+from mentorrl.train.audit import AuditConfig
 
 
 class _Section(BaseModel):
@@ -67,6 +68,19 @@ class GRPOConfig(_Section):
     sample_trajectories: int = Field(8, ge=0, description="trajectories per step written to RUN_DIR/samples/grpo-step-N.jsonl")
 
 
+class RFTConfig(_Section):
+    max_iterations: int = Field(3, ge=1, description="sample -> filter -> fine-tune rounds at most")
+    num_tasks: int = Field(64, ge=1, description="train tasks sampled each round")
+    samples_per_task: int = Field(8, ge=1, description="N trajectories per task per round")
+    top_k: int = Field(2, ge=1, description="successes kept per task (distinct tool-call sequences first)")
+    band: tuple[float, float] = Field((0.05, 0.5), description="keep tasks whose estimated success lies in [lo, hi]")
+    min_gain: float = Field(0.0, ge=0, description="stop when the positive-task rate rises by no more than this")
+    sft_steps: int = Field(30, ge=1, description="fine-tuning steps on the RFT set per round")
+    batch_size: int = Field(32, ge=1)
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=2e-4))
+    rollout_batch: int = Field(256, ge=1, description="trajectories decoded together")
+
+
 class EvalConfig(_Section):
     num_tasks: int = Field(200, ge=1)
     split: Literal["heldout", "train"] = "heldout"
@@ -75,9 +89,16 @@ class EvalConfig(_Section):
     batch_size: int = Field(100, ge=1, description="trajectories decoded together")
 
 
+STAGE_NAMES = ("sft", "rft", "grpo")
+
+
 class RunConfig(_Section):
     run_dir: str = "runs/demo"
     seed: int = 0
+    recipe: list[Literal["sft", "rft", "grpo"]] = Field(
+        default_factory=lambda: ["sft", "grpo"], min_length=1, description="stages run in order"
+    )
+    train_split: str = Field("train", description="task split every training stage draws from (never 'hidden')")
     threads: int = Field(0, ge=0, description="torch CPU threads; 0 keeps torch's default")
     env: EnvConfig = Field(default_factory=EnvConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -86,8 +107,17 @@ class RunConfig(_Section):
     prompt: PromptFormat = Field(default_factory=PromptFormat)
     reward: RewardWeights = Field(default_factory=RewardWeights)
     sft: SFTConfig = Field(default_factory=SFTConfig)
+    rft: RFTConfig = Field(default_factory=RFTConfig)
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+    audit: AuditConfig = Field(default_factory=AuditConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+
+    @field_validator("train_split")
+    @classmethod
+    def _hidden_is_never_trained_on(cls, v: str) -> str:
+        if v == "hidden":
+            raise ValueError("the hidden evaluation split is never used for training; pick another train_split")
+        return v
 
 
 class ConfigError(ValueError):

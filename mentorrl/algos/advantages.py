@@ -27,6 +27,7 @@ __all__ = [
     "grpo_advantages",
     "group_reward_stats",
     "broadcast_sequence_advantages",
+    "sanitize_group_rewards",
 ]
 
 ADVANTAGE_ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {}
@@ -81,6 +82,45 @@ def grpo_advantages(
         std = r.std(dim=1, keepdim=True, unbiased=True)
         adv = adv / (std + eps)
     return adv
+
+
+def sanitize_group_rewards(
+    rewards: torch.Tensor, low: float, high: float, z_max: float | None = None
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Group reward sanity before advantages: returns (clipped ``[G, K]`` rewards, counts).
+
+    * non-finite rewards (NaN / inf from a broken reward function) become ``low``;
+    * rewards outside the reward function's declared range ``[low, high]`` are clamped;
+    * with ``z_max``, a reward more than ``z_max`` population std from its group mean is
+      pulled back to that bound. Off by default: with tiered rewards a rare success in a
+      large group *is* a many-sigma point, and clipping it would erase the one useful signal.
+
+    The counts (``nonfinite``, ``out_of_range``, ``z_clipped``, ``clipped``) go to the step's
+    metrics so a clip is never silent.
+    """
+    if rewards.dim() != 2:
+        raise ValueError(f"rewards must be [G, K], got shape {tuple(rewards.shape)}")
+    if not low < high:
+        raise ValueError(f"reward range must have low < high, got [{low}, {high}]")
+    r = rewards.detach().float().clone()
+    nonfinite = ~torch.isfinite(r)
+    r[nonfinite] = low
+    out_of_range = (r < low) | (r > high)
+    r = r.clamp(low, high)
+    z_clipped = torch.zeros_like(out_of_range)
+    if z_max is not None and r.shape[1] > 1:
+        mean = r.mean(dim=1, keepdim=True)
+        std = r.std(dim=1, keepdim=True, unbiased=False)
+        lo, hi = mean - z_max * std, mean + z_max * std
+        z_clipped = ((r < lo) | (r > hi)) & (std > 1e-8)
+        r = torch.where(z_clipped, torch.minimum(torch.maximum(r, lo), hi), r)
+    counts = {
+        "nonfinite": float(nonfinite.sum()),
+        "out_of_range": float((out_of_range & ~nonfinite).sum()),
+        "z_clipped": float(z_clipped.sum()),
+    }
+    counts["clipped"] = counts["nonfinite"] + counts["out_of_range"] + counts["z_clipped"]
+    return r, counts
 
 
 def group_reward_stats(rewards: torch.Tensor) -> dict[str, float]:

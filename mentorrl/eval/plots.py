@@ -22,15 +22,18 @@ def plot_rl_curves(records: list[dict[str, Any]], out: str | Path, evals: dict[s
         ax1.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
                          alpha=0.15, color="tab:blue", label="± std")
         ax2.plot(steps, [r["task_success"] for r in records], label="train rollout success", color="tab:green")
+        checks = [r for r in records if "heldout_success" in r]
+        if checks:
+            ax2.plot([r["step"] for r in checks], [r["heldout_success"] for r in checks], "o--",
+                     color="tab:red", label="held-out (gap monitor)")
     ax1.set_xlabel("GRPO step")
     ax1.set_ylabel("reward")
     ax1.set_title("Reward per step")
     ax1.legend()
     if evals:
         last = steps[-1] if steps else 1
-        xs = {"sft": 0, "grpo": last}
-        for label, v in evals.items():
-            ax2.scatter([xs.get(label, last)], [v], marker="D", s=50, label=f"held-out ({label})")
+        for label, v in evals.items():  # every stage before GRPO is plotted at step 0
+            ax2.scatter([last if label == "grpo" else 0], [v], marker="D", s=50, label=f"held-out ({label})")
     ax2.set_ylim(0, 1.02)
     ax2.set_xlabel("GRPO step")
     ax2.set_ylabel("task success")

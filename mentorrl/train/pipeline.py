@@ -13,7 +13,8 @@ from mentorrl.config import RunConfig
 from mentorrl.eval.plots import plot_rl_curves
 from mentorrl.models.build import ModelSpec, init_model, load_policy
 from mentorrl.models.corpus import expert_transcripts
-from mentorrl.train.stages import Workspace, evaluate, grpo_stage, open_workspace, sft_stage
+from mentorrl.train.report import build_report, write_report
+from mentorrl.train.stages import Workspace, evaluate, grpo_stage, open_workspace, rft_stage, sft_stage
 
 
 def build_tiny_model(env_entry, out_dir: Path, spec: ModelSpec, corpus_tasks: int, seed: int = 0, fmt=None) -> Path:
@@ -52,36 +53,84 @@ def before_after_table(rows: dict[str, dict[str, Any]]) -> Table:
     return t
 
 
-def run_demo(cfg: RunConfig, resume: bool = False, show_progress: bool = True) -> dict[str, Any]:
+STAGE_TITLES = {"sft": "SFT on expert demonstrations", "rft": "RFT: sample, verify, fine-tune", "grpo": "GRPO"}
+STAGE_LABELS = {"sft": "SFT", "rft": "RFT", "grpo": "GRPO"}
+
+
+def _frozen_copy(model):
+    ref = copy.deepcopy(model).eval()
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    return ref
+
+
+def run_stage_by_name(ws: Workspace, stage: str, model, resume: bool) -> Path:
+    if stage == "sft":
+        return sft_stage(ws, model, resume=resume)
+    if stage == "rft":
+        return rft_stage(ws, model, resume=resume)
+    if stage == "grpo":
+        ref = _frozen_copy(model) if ws.cfg.grpo.kl_coef > 0 else None
+        return grpo_stage(ws, model, ref_model=ref, resume=resume)
+    raise ValueError(f"unknown stage {stage!r}")
+
+
+def run_recipe(cfg: RunConfig, resume: bool = False, show_progress: bool = True) -> dict[str, Any]:
+    """Run ``cfg.recipe`` (e.g. sft -> rft -> grpo), evaluating held-out success after every stage.
+
+    Writes ``report.json`` / ``report.md`` (evaluations, rollout budget, RFT rounds, reward
+    audit) and, when GRPO ran, ``curves.png``.
+    """
     t0 = time.perf_counter()
     ws = open_workspace(cfg, show_progress=show_progress)
     con = ws.console
-    con.rule("[bold]mentorrl demo")
+    con.rule("[bold]mentorrl " + " -> ".join(cfg.recipe))
     model_dir = base_model_dir(ws)
     tokenizer, model = load_policy(model_dir)
     ws.bind_tokenizer(tokenizer)
     n_params = sum(p.numel() for p in model.parameters())
     con.print(f"model: {model_dir} ({n_params / 1e6:.2f}M parameters, vocab {len(tokenizer)}), run dir: {ws.run_dir}")
 
-    con.rule("SFT on expert demonstrations")
-    sft_stage(ws, model, resume=resume)
-    before = evaluate(ws, model, "sft", resume=resume)
-    con.print(f"held-out success after SFT: {_fmt_pct(before['success'])}")
+    rows: dict[str, dict[str, Any]] = {}
+    evals: dict[str, dict[str, Any]] = {}
+    done: list[str] = []
+    for stage in cfg.recipe:
+        con.rule(STAGE_TITLES[stage])
+        run_stage_by_name(ws, stage, model, resume)
+        done.append(stage)
+        evals[stage] = evaluate(ws, model, stage, resume=resume)
+        rows[" + ".join(STAGE_LABELS[s] for s in done)] = evals[stage]
+        con.print(f"held-out success after {STAGE_LABELS[stage]}: {_fmt_pct(evals[stage]['success'])}")
 
-    con.rule("GRPO")
-    ref = None
-    if cfg.grpo.kl_coef > 0:
-        ref = copy.deepcopy(model).eval()
-        for p in ref.parameters():
-            p.requires_grad_(False)
-    grpo_stage(ws, model, ref_model=ref, resume=resume)
-    after = evaluate(ws, model, "grpo", resume=resume)
-
-    rows = {"SFT": before, "SFT + GRPO": after}
     con.print(before_after_table(rows))
-    records = ws.metrics.read("grpo")
-    plot = plot_rl_curves(records, ws.run_dir / "curves.png", {"sft": before["success"], "grpo": after["success"]})
-    delta = after["success"] - before["success"]
-    con.print(f"GRPO changed held-out success by {100 * delta:+.1f} points; plot: {plot}; "
-              f"total time {time.perf_counter() - t0:.0f}s")
-    return {"before": before, "after": after, "plot": str(plot), "run_dir": str(ws.run_dir)}
+    records = ws.metrics.read()
+    grpo_at = cfg.recipe.index("grpo") if "grpo" in cfg.recipe else None
+    pre_rl = cfg.recipe[grpo_at - 1] if grpo_at else None
+    report = build_report(records, evals, cfg.audit, pre_rl_label=pre_rl, final_label="grpo" if grpo_at is not None else None)
+    json_path, md_path = write_report(ws.run_dir, report)
+    _print_audit(con, report)
+    result: dict[str, Any] = {"rows": rows, "report": str(json_path), "run_dir": str(ws.run_dir)}
+    first, last = evals[cfg.recipe[0]], evals[cfg.recipe[-1]]
+    result.update(before=first, after=last)
+    if grpo_at is not None:
+        grpo_records = [r for r in records if r.get("stage") == "grpo"]
+        marks = {s: evals[s]["success"] for s in cfg.recipe}
+        result["plot"] = str(plot_rl_curves(grpo_records, ws.run_dir / "curves.png", marks))
+    delta = last["success"] - first["success"]
+    con.print(f"{' -> '.join(cfg.recipe[1:]) or cfg.recipe[0]} changed held-out success by {100 * delta:+.1f} points; "
+              f"report: {md_path}; total time {time.perf_counter() - t0:.0f}s")
+    return result
+
+
+def run_demo(cfg: RunConfig, resume: bool = False, show_progress: bool = True) -> dict[str, Any]:
+    return run_recipe(cfg, resume=resume, show_progress=show_progress)
+
+
+def _print_audit(con, report: dict[str, Any]) -> None:
+    a = report["audit"]
+    con.print(f"reward audit: {a['flagged_high_reward_failures']} high-reward failures flagged, "
+              f"{a['rewards_clipped']} rewards clipped, {a['gap_warnings']} gap warnings")
+    e2e = a.get("end_to_end")
+    if e2e and e2e["warning"]:
+        con.print(f"[bold red]warning:[/bold red] training reward rose {e2e['reward_delta']:+.3f} while held-out "
+                  f"success changed {100 * e2e['success_delta']:+.1f} points -- check for reward hacking")

@@ -20,12 +20,13 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from mentorrl.algos.advantages import get_advantage_estimator, group_reward_stats
+from mentorrl.algos.advantages import get_advantage_estimator, group_reward_stats, sanitize_group_rewards
 from mentorrl.config import RunConfig, dump_config
 from mentorrl.contract import RolloutContract, contract_for_env
 from mentorrl.envs import EnvEntry, get_env
 from mentorrl.eval.metrics import summarize
 from mentorrl.rollout.runner import expert_demonstrations, rollout_tasks
+from mentorrl.train.audit import GapMonitor, flag_high_reward_failures
 from mentorrl.train.learner import Learner
 from mentorrl.train.rundir import (
     MetricsLog,
@@ -34,9 +35,11 @@ from mentorrl.train.rundir import (
     prune_checkpoints,
     save_checkpoint,
 )
-from mentorrl.trajectory import Trajectory, write_jsonl
+from mentorrl.train.rft import rft_round_stats, rising, select_rft_data, task_outcomes
+from mentorrl.trajectory import Trajectory, read_jsonl, write_jsonl
 
 TRAIN_POOL_SEED_OFFSET = 7919
+RFT_POOL_SEED_OFFSET = 4099
 
 
 @dataclass
@@ -68,6 +71,15 @@ class Workspace:
 
     def tasks(self, split: str, n: int, seed: int):
         return self.env_entry.make_tasks().tasks(split=split, n=n, seed=seed)
+
+    def train_tasks(self, n: int, seed: int):
+        """Tasks for a training stage, from ``cfg.train_split``; refuses the hidden evaluation set."""
+        tasks = self.tasks(self.cfg.train_split, n, seed)
+        hidden = [t.id for t in tasks if t.split == "hidden"]
+        if hidden:
+            raise ValueError(f"refusing to train on {len(hidden)} hidden-set tasks (e.g. {hidden[0]}): "
+                             "the hidden evaluation set is never used for training")
+        return tasks
 
     def progress(self):
         if not self.show_progress:
@@ -112,7 +124,9 @@ def run_stage(
     extra_state: Callable[[], dict[str, Any]] | None = None,
     restore_extra: Callable[[dict[str, Any]], None] | None = None,
 ) -> Path:
-    """Run ``step_fn`` for steps [start, steps), checkpointing; returns the stage's final weights dir."""
+    """Run ``step_fn`` for steps [start, steps), checkpointing; returns the stage's final weights dir.
+
+    A step whose metrics hold ``stop: True`` ends the stage early (after checkpointing it)."""
     stage_dir = ws.run_dir / stage
     final = stage_dir / "final"
     if resume and (final / "DONE").exists():
@@ -141,13 +155,16 @@ def run_stage(
         for step in range(start, steps):
             t0 = time.perf_counter()
             m = step_fn(step)
+            stop = bool(m.pop("stop", False))
             rec = {"stage": stage, "step": step + 1, **m, "step_s": time.perf_counter() - t0}
             ws.metrics.log(rec)
-            if (step + 1) % checkpoint_every == 0 or step + 1 == steps:
+            if stop or (step + 1) % checkpoint_every == 0 or step + 1 == steps:
                 checkpoint(step + 1)
             if prog:
-                info = " ".join(f"{k}={m[k]:.3f}" for k in ("loss", "reward_mean", "task_success") if k in m)
+                info = " ".join(f"{k}={m[k]:.3f}" for k in ("loss", "reward_mean", "task_success", "positive_task_rate") if k in m)
                 prog.update(bar, advance=1, info=info)
+            if stop:
+                break
     final.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(final, safe_serialization=True)
     ws.tokenizer.save_pretrained(final)
@@ -158,7 +175,7 @@ def run_stage(
 # ---------------------------------------------------------------- SFT -----
 def sft_stage(ws: Workspace, model, resume: bool = False) -> Path:
     cfg = ws.cfg
-    tasks = ws.tasks("train", cfg.sft.num_demos, cfg.seed)
+    tasks = ws.train_tasks(cfg.sft.num_demos, cfg.seed)
     demos = expert_demonstrations(ws.contract, ws.make_env, ws.env_entry.make_expert(), tasks, weights=cfg.reward)
     if not demos:
         raise RuntimeError("the scripted expert produced no verified demonstrations")
@@ -170,6 +187,60 @@ def sft_stage(ws: Workspace, model, resume: bool = False) -> Path:
         return learner.sft_step(batch, agg=cfg.sft.loss_agg)
 
     return run_stage(ws, "sft", model, learner, cfg.sft.steps, step_fn, checkpoint_every=max(cfg.sft.steps, 1), resume=resume)
+
+
+# ---------------------------------------------------------------- RFT -----
+def rft_stage(ws: Workspace, model, resume: bool = False) -> Path:
+    """Rejection-sampling fine-tuning rounds (see :mod:`mentorrl.train.rft`); one round per step.
+
+    Each round's kept trajectories are written to ``rft/data-round-N.jsonl`` (a redone round
+    overwrites its file) and the training set is the union of all rounds so far. When the
+    positive-task rate stops rising, the stage stops and keeps the weights that measured best.
+    """
+    cfg, r = ws.cfg, ws.cfg.rft
+    tasks = ws.train_tasks(r.num_tasks, cfg.seed + RFT_POOL_SEED_OFFSET)
+    learner = Learner(model, r.optim, ws.contract.pad_token_id, ws.contract.sampling.temperature)
+    stage_dir, best_dir = ws.run_dir / "rft", ws.run_dir / "rft" / "best"
+    state: dict[str, Any] = {"history": [], "best_rate": -1.0}
+
+    def data_file(round_: int) -> Path:
+        return stage_dir / f"data-round-{round_:03d}.jsonl"
+
+    def step_fn(step: int) -> dict[str, float]:
+        grouped = [t for t in tasks for _ in range(r.samples_per_task)]
+        t0 = time.perf_counter()
+        trajs = rollout_tasks(model, ws.contract, ws.make_env, grouped, seed=cfg.seed * 9_973 + 101 * step,
+                              batch_size=r.rollout_batch, weights=cfg.reward)
+        stats = rft_round_stats(task_outcomes(trajs))
+        rate = stats["positive_task_rate"]
+        state["history"] = state["history"][:step] + [rate]
+        m: dict[str, float] = {**stats, "rollouts": len(trajs), "rollout_s": time.perf_counter() - t0}
+        if rate > state["best_rate"]:  # the weights that sampled this round are the best so far
+            state["best_rate"] = rate
+            model.save_pretrained(best_dir, safe_serialization=True)
+        if not rising(state["history"], r.min_gain):
+            if rate < state["best_rate"]:
+                _load_weights_into(model, best_dir)
+            m.update(stop=True, stopped_on_plateau=1.0, kept_best_rate=state["best_rate"])
+            return m
+        kept, counts = select_rft_data(trajs, r.top_k, tuple(r.band), seed=cfg.seed + step)
+        stage_dir.mkdir(parents=True, exist_ok=True)
+        write_jsonl(data_file(step), kept)
+        data = [t for i in range(step + 1) if data_file(i).exists() for t in read_jsonl(data_file(i))]
+        m.update(counts, dataset_size=len(data))
+        losses = []
+        if data:
+            for k in range(r.sft_steps):
+                batch_rng = random.Random(cfg.seed * 1_000_033 + 1_000 * step + k)
+                batch = [data[i] for i in batch_rng.sample(range(len(data)), min(r.batch_size, len(data)))]
+                losses.append(learner.sft_step(batch, agg=cfg.sft.loss_agg)["loss"])
+        m["loss"] = sum(losses) / len(losses) if losses else 0.0
+        return m
+
+    return run_stage(
+        ws, "rft", model, learner, r.max_iterations, step_fn, checkpoint_every=1, resume=resume,
+        extra_state=lambda: dict(state), restore_extra=lambda st: state.update(st),
+    )
 
 
 # --------------------------------------------------------------- GRPO -----
@@ -185,12 +256,13 @@ def rollout_metrics(trajs: list[Trajectory]) -> dict[str, float]:
 
 
 def grpo_stage(ws: Workspace, model, ref_model=None, resume: bool = False) -> Path:
-    cfg, g = ws.cfg, ws.cfg.grpo
-    pool = ws.tasks("train", max(g.tasks_per_step * max(g.steps, 1), 64), cfg.seed + TRAIN_POOL_SEED_OFFSET)
+    cfg, g, audit = ws.cfg, ws.cfg.grpo, ws.cfg.audit
+    pool = ws.train_tasks(max(g.tasks_per_step * max(g.steps, 1), 64), cfg.seed + TRAIN_POOL_SEED_OFFSET)
     learner = Learner(model, g.optim, ws.contract.pad_token_id, ws.contract.sampling.temperature)
     estimator = get_advantage_estimator(g.advantage)
     version = {"policy": 0}
-    samples_dir = ws.run_dir / "samples"
+    monitor = GapMonitor(audit.reward_window, audit.reward_rise, audit.success_rise)
+    samples_dir, audit_dir = ws.run_dir / "samples", ws.run_dir / "audit"
 
     def step_fn(step: int) -> dict[str, float]:
         rng = random.Random(cfg.seed * 1_000_003 + 17 * step + 1)
@@ -200,10 +272,13 @@ def grpo_stage(ws: Workspace, model, ref_model=None, resume: bool = False) -> Pa
         trajs = rollout_tasks(model, ws.contract, ws.make_env, grouped, policy_version=version["policy"],
                               seed=cfg.seed * 7_777 + step, batch_size=len(grouped), weights=cfg.reward)
         t_roll = time.perf_counter() - t0
-        rewards = torch.tensor([t.reward.total for t in trajs], dtype=torch.float32).view(len(chosen), g.group_size)
+        raw = torch.tensor([t.reward.total for t in trajs], dtype=torch.float32).view(len(chosen), g.group_size)
+        rewards, clipped = sanitize_group_rewards(raw, audit.reward_low, audit.reward_high, audit.outlier_z)
         adv = estimator(rewards, normalize_std=g.normalize_std).reshape(-1)
         metrics: dict[str, float] = {f"reward_{k}": v for k, v in group_reward_stats(rewards).items()}
-        metrics.update(rollout_metrics(trajs))
+        metrics.update({f"reward_{k}": v for k, v in clipped.items()})
+        metrics.update(rollout_metrics(trajs), rollouts=len(trajs))
+        metrics.update(_reward_debugger(trajs, audit.flag_reward, audit_dir / f"flagged-grpo-step-{step + 1:06d}.jsonl"))
         # Zero-advantage trajectories give exactly zero policy gradient; without a KL term, skip them.
         keep = [i for i in range(len(trajs)) if g.kl_coef > 0 or adv[i].abs() > 1e-8]
         update_metrics: list[dict[str, float]] = []
@@ -225,27 +300,63 @@ def grpo_stage(ws: Workspace, model, ref_model=None, resume: bool = False) -> Pa
             metrics[key] = sum(vals) / len(vals) if vals else 0.0
         metrics.update(trained_trajectories=len(keep), policy_version=version["policy"],
                        rollout_s=t_roll, update_s=time.perf_counter() - t1)
+        monitor.observe_reward(step + 1, metrics["reward_mean"])
+        if audit.eval_every and (step + 1) % audit.eval_every == 0:
+            metrics.update(_gap_check(ws, model, monitor, step + 1))
         if g.sample_trajectories:
             samples_dir.mkdir(exist_ok=True)  # one file per step: a redone step overwrites, never duplicates
             write_jsonl(samples_dir / f"grpo-step-{step + 1:06d}.jsonl", trajs[: g.sample_trajectories])
         return metrics
 
-    return run_stage(
-        ws, "grpo", model, learner, g.steps, step_fn, g.checkpoint_every, resume,
-        extra_state=lambda: dict(version), restore_extra=lambda s: version.update(s),
-    )
+    def extra_state() -> dict[str, Any]:
+        return {**version, "gap_monitor": monitor.state_dict()}
+
+    def restore(state: dict[str, Any]) -> None:
+        version["policy"] = state.get("policy", 0)
+        monitor.load_state_dict(state.get("gap_monitor", {}))
+
+    return run_stage(ws, "grpo", model, learner, g.steps, step_fn, g.checkpoint_every, resume,
+                     extra_state=extra_state, restore_extra=restore)
+
+
+def _reward_debugger(trajs: list[Trajectory], threshold: float, path: Path) -> dict[str, float]:
+    """Flag high-reward failures; write them for review (a redone step overwrites its file)."""
+    flagged = flag_high_reward_failures(trajs, threshold)
+    if flagged:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_jsonl(path, flagged)
+    return {"reward_flagged": float(len(flagged)), "reward_flagged_share": len(flagged) / len(trajs) if trajs else 0.0}
+
+
+def _gap_check(ws: Workspace, model, monitor: GapMonitor, step: int) -> dict[str, float]:
+    """Held-out success now, fed to the reward-success gap monitor."""
+    audit = ws.cfg.audit
+    tasks = ws.tasks(ws.cfg.eval.split, audit.eval_tasks, ws.cfg.eval.seed)
+    trajs = rollout_tasks(model, eval_contract(ws), ws.make_env, tasks, seed=ws.cfg.eval.seed,
+                          batch_size=ws.cfg.eval.batch_size, weights=ws.cfg.reward)
+    success = summarize(trajs)["success"]
+    warning = monitor.observe_eval(step, success)
+    if warning:
+        ws.console.print(f"[bold red]warning:[/bold red] {warning['message']}")
+    return {"heldout_success": success, "gap_warning": 1.0 if warning else 0.0}
 
 
 # --------------------------------------------------------------- eval -----
+def eval_contract(ws: Workspace) -> RolloutContract:
+    """The rollout contract with the evaluation temperature, when one is configured."""
+    t = ws.cfg.eval.temperature
+    if t is None:
+        return ws.contract
+    return replace(ws.contract, sampling=ws.contract.sampling.model_copy(update={"temperature": t}))
+
+
 def evaluate(ws: Workspace, model, label: str, resume: bool = False) -> dict[str, Any]:
     """Roll out held-out tasks; writes eval_<label>.json and eval_<label>.jsonl into the run dir."""
     cfg, e = ws.cfg, ws.cfg.eval
     out_json = ws.run_dir / f"eval_{label}.json"
     if resume and out_json.exists():
         return json.loads(out_json.read_text())
-    contract = ws.contract
-    if e.temperature is not None:
-        contract = replace(contract, sampling=contract.sampling.model_copy(update={"temperature": e.temperature}))
+    contract = eval_contract(ws)
     tasks = ws.tasks(e.split, e.num_tasks, e.seed)
     with ws.progress() as prog:
         bar = prog.add_task(f"eval {label}", total=len(tasks), info="") if prog else None

@@ -1,0 +1,110 @@
+"""The run report: evaluations, rollout budget per stage, RFT rounds and the reward audit.
+
+Built from ``metrics.jsonl`` and the evaluation summaries, so it can be rebuilt for any run
+directory after the fact (``build_report``) and is written as ``report.json`` + ``report.md``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from mentorrl.train.audit import AuditConfig
+
+
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def end_to_end_gap(grpo: list[dict[str, Any]], before: float | None, after: float | None,
+                   audit: AuditConfig) -> dict[str, Any] | None:
+    """Training reward over the first vs the last window of GRPO, against held-out success before vs after."""
+    if not grpo or before is None or after is None:
+        return None
+    w = audit.reward_window
+    first = _mean([r["reward_mean"] for r in grpo[:w]])
+    last = _mean([r["reward_mean"] for r in grpo[-w:]])
+    d_reward, d_success = last - first, after - before
+    warn = d_reward > audit.reward_rise and d_success <= audit.success_rise
+    return {"reward_first_window": first, "reward_last_window": last, "reward_delta": d_reward,
+            "heldout_before": before, "heldout_after": after, "success_delta": d_success, "warning": warn}
+
+
+def build_report(records: list[dict[str, Any]], evals: dict[str, dict[str, Any]], audit: AuditConfig,
+                 pre_rl_label: str | None = None, final_label: str | None = None) -> dict[str, Any]:
+    by_stage: dict[str, list[dict[str, Any]]] = {}
+    for r in records:
+        by_stage.setdefault(r.get("stage", "?"), []).append(r)
+    stages = {
+        name: {"steps": len(rs), "rollouts": int(sum(r.get("rollouts", 0) for r in rs)),
+               "seconds": sum(r.get("step_s", 0.0) for r in rs)}
+        for name, rs in by_stage.items()
+    }
+    grpo = by_stage.get("grpo", [])
+    checks = [r for r in grpo if "heldout_success" in r]
+    report: dict[str, Any] = {
+        "evals": {k: {key: v.get(key) for key in ("n", "success", "success_ci95", "mean_reward", "violation_rate",
+                                                  "tool_success", "mean_turns")} for k, v in evals.items()},
+        "stages": stages,
+        "rft_rounds": [{k: r.get(k) for k in ("step", "positive_task_rate", "trajectory_success_rate",
+                                              "samples_to_success", "tasks_in_band", "selected", "dataset_size",
+                                              "rollouts")} for r in by_stage.get("rft", [])],
+        "audit": {
+            "flagged_high_reward_failures": int(sum(r.get("reward_flagged", 0) for r in grpo)),
+            "rewards_clipped": int(sum(r.get("reward_clipped", 0) for r in grpo)),
+            "rewards_nonfinite": int(sum(r.get("reward_nonfinite", 0) for r in grpo)),
+            "gap_checks": [{"step": r["step"], "heldout_success": r["heldout_success"],
+                            "reward_mean": r.get("reward_mean"), "warning": bool(r.get("gap_warning"))} for r in checks],
+            "gap_warnings": int(sum(bool(r.get("gap_warning")) for r in checks)),
+            "end_to_end": end_to_end_gap(
+                grpo,
+                evals.get(pre_rl_label, {}).get("success") if pre_rl_label else None,
+                evals.get(final_label, {}).get("success") if final_label else None,
+                audit,
+            ),
+        },
+    }
+    return report
+
+
+def _pct(x: Any) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def report_markdown(report: dict[str, Any]) -> str:
+    lines = ["# Run report", "", "## Held-out evaluation", "",
+             "| checkpoint | n | success | 95% CI | mean reward | violations |", "|---|---|---|---|---|---|"]
+    for label, e in report["evals"].items():
+        lo, hi = e.get("success_ci95") or (None, None)
+        lines.append(f"| {label} | {e.get('n')} | {_pct(e.get('success'))} | [{_pct(lo)}, {_pct(hi)}] | "
+                     f"{(e.get('mean_reward') or 0):.3f} | {_pct(e.get('violation_rate'))} |")
+    lines += ["", "## Stages", "", "| stage | steps | rollouts | seconds |", "|---|---|---|---|"]
+    for name, s in report["stages"].items():
+        lines.append(f"| {name} | {s['steps']} | {s['rollouts']} | {s['seconds']:.0f} |")
+    if report["rft_rounds"]:
+        lines += ["", "## RFT rounds", "", "| round | positive-task rate | trajectory success | samples to success | "
+                  "tasks in band | kept | set size |", "|---|---|---|---|---|---|---|"]
+        for r in report["rft_rounds"]:
+            sts = r.get("samples_to_success")
+            lines.append(f"| {r['step']} | {_pct(r.get('positive_task_rate'))} | {_pct(r.get('trajectory_success_rate'))} | "
+                         f"{'-' if sts is None or sts != sts else f'{sts:.2f}'} | {r.get('tasks_in_band', '-')} | "
+                         f"{r.get('selected', '-')} | {r.get('dataset_size', '-')} |")
+    a = report["audit"]
+    lines += ["", "## Reward audit", "",
+              f"- high-reward failures flagged by the reward debugger: {a['flagged_high_reward_failures']}",
+              f"- rewards clipped before advantages: {a['rewards_clipped']} (non-finite: {a['rewards_nonfinite']})",
+              f"- reward-success gap warnings during training: {a['gap_warnings']} of {len(a['gap_checks'])} checks"]
+    e2e = a.get("end_to_end")
+    if e2e:
+        verdict = "WARNING: reward rose while held-out success did not" if e2e["warning"] else "consistent"
+        lines.append(f"- end to end: training reward {e2e['reward_first_window']:.3f} -> {e2e['reward_last_window']:.3f}, "
+                     f"held-out success {_pct(e2e['heldout_before'])} -> {_pct(e2e['heldout_after'])}: {verdict}")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(run_dir: Path, report: dict[str, Any]) -> tuple[Path, Path]:
+    j, m = run_dir / "report.json", run_dir / "report.md"
+    j.write_text(json.dumps(report, indent=2))
+    m.write_text(report_markdown(report))
+    return j, m
