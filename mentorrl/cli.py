@@ -29,7 +29,7 @@ def _load(config: Optional[Path], overrides: list[str], run_dir: Optional[str] =
 
     path = config if config is not None else (PACKAGED_CONFIGS / default if default else None)
     ov = list(overrides)
-    if run_dir is not None:
+    if run_dir is not None and not any(o.startswith("run_dir=") for o in ov):
         ov.append(f"run_dir={run_dir}")
     try:
         return load_config(path, ov)
@@ -121,6 +121,58 @@ def eval_cmd(
     ws.bind_tokenizer(tokenizer)
     summary = evaluate(ws, model, label)
     console.print(before_after_table({label: summary}))
+
+
+@app.command()
+def diagnose(
+    model_dir: Path = typer.Argument(..., exists=True, file_okay=False, help="HF checkpoint directory"),
+    tasks: int = typer.Option(16, "--tasks", "-p", min=1, help="P fixed tasks"),
+    samples: int = typer.Option(8, "--samples", "-n", min=2, help="N samples per task"),
+    run: Optional[Path] = typer.Option(None, "--run", exists=True, file_okay=False,
+                                       help="a run dir whose GRPO history (metrics.jsonl) is diagnosed too"),
+    split: str = typer.Option("train", help="task split to probe"),
+    seed: int = typer.Option(0),
+    config: Optional[Path] = ConfigOpt,
+    set_: list[str] = SetOpt,
+) -> None:
+    """GRPO debug report: P tasks x N samples -> reward spread, advantage std, and the notes' diagnosis."""
+    _quiet_transformers()
+    from rich.markup import escape
+    from rich.table import Table
+
+    from mentorrl.models.build import load_policy
+    from mentorrl.rollout.runner import rollout_tasks
+    from mentorrl.train.diagnose import diagnose as run_diagnosis
+    from mentorrl.train.diagnose import probe_stats
+    from mentorrl.train.rundir import MetricsLog
+    from mentorrl.train.stages import open_workspace
+
+    cfg = _load(config, set_, f"runs/diagnose-{model_dir.name}", default="demo.yaml")
+    ws = open_workspace(cfg, show_progress=False)
+    tokenizer, model = load_policy(model_dir)
+    ws.bind_tokenizer(tokenizer)
+    try:
+        probe = ws.tasks(split, tasks, seed)
+    except ValueError as e:
+        err.print(f"[red]{e}[/red]")
+        raise typer.Exit(2)
+    grouped = [t for t in probe for _ in range(samples)]
+    trajs = rollout_tasks(model, ws.contract, ws.make_env, grouped, seed=seed, batch_size=cfg.eval.batch_size,
+                          weights=cfg.reward)
+    stats = probe_stats(trajs, samples)
+    history = MetricsLog(run / "metrics.jsonl").read("grpo") if run else None
+    table = Table(title=f"GRPO probe: {len(probe)} tasks x {samples} samples")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for k, v in stats.items():
+        table.add_row(k, f"{v:.3f}")
+    console.print(table)
+    colour = {"problem": "red", "warning": "yellow", "ok": "green"}
+    for f in run_diagnosis(stats, history):
+        console.print(f"[{colour[f.severity]}]{f.severity.upper()} {f.code}[/]: {escape(f.diagnosis)}\n"
+                      f"    -> {escape(f.advice)}")
+    Path(cfg.run_dir, "diagnose.json").write_text(json.dumps(
+        {"stats": stats, "findings": [f.__dict__ for f in run_diagnosis(stats, history)]}, indent=2))
 
 
 @app.command("config")

@@ -72,6 +72,10 @@ def _pct(x: Any) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
+def _num(x: Any) -> str:
+    return "-" if x is None else f"{x:g}"
+
+
 def report_markdown(report: dict[str, Any]) -> str:
     lines = ["# Run report", "", "## Held-out evaluation", "",
              "| checkpoint | n | success | 95% CI | mean reward | violations |", "|---|---|---|---|---|---|"]
@@ -87,9 +91,9 @@ def report_markdown(report: dict[str, Any]) -> str:
                   "tasks in band | kept | set size |", "|---|---|---|---|---|---|---|"]
         for r in report["rft_rounds"]:
             sts = r.get("samples_to_success")
+            cells = [_num(r.get(k)) for k in ("tasks_in_band", "selected", "dataset_size")]
             lines.append(f"| {r['step']} | {_pct(r.get('positive_task_rate'))} | {_pct(r.get('trajectory_success_rate'))} | "
-                         f"{'-' if sts is None or sts != sts else f'{sts:.2f}'} | {r.get('tasks_in_band', '-')} | "
-                         f"{r.get('selected', '-')} | {r.get('dataset_size', '-')} |")
+                         f"{'-' if sts is None else f'{sts:.2f}'} | " + " | ".join(cells) + " |")
     a = report["audit"]
     lines += ["", "## Reward audit", "",
               f"- high-reward failures flagged by the reward debugger: {a['flagged_high_reward_failures']}",

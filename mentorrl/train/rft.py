@@ -47,15 +47,20 @@ def task_outcomes(trajs: Sequence[Trajectory]) -> dict[str, TaskOutcome]:
 
 
 def rft_round_stats(outcomes: dict[str, TaskOutcome]) -> dict[str, float]:
-    """positive-task rate, trajectory success rate, and mean samples to the first success."""
+    """positive-task rate, trajectory success rate, and mean samples to the first success.
+
+    ``samples_to_success`` (1-based, over tasks with a success) is left out when nothing succeeded.
+    """
     n_tasks = len(outcomes)
     n_traj = sum(o.n for o in outcomes.values())
     firsts = [o.first_success for o in outcomes.values() if o.first_success is not None]
-    return {
+    out = {
         "positive_task_rate": sum(o.successes > 0 for o in outcomes.values()) / n_tasks if n_tasks else 0.0,
         "trajectory_success_rate": sum(o.successes for o in outcomes.values()) / n_traj if n_traj else 0.0,
-        "samples_to_success": sum(firsts) / len(firsts) if firsts else float("nan"),
     }
+    if firsts:
+        out["samples_to_success"] = sum(firsts) / len(firsts)
+    return out
 
 
 def in_band(rate: float, band: tuple[float, float]) -> bool:

@@ -1,0 +1,49 @@
+"""Recipes of stages end to end: SFT -> RFT -> GRPO with the reward audit and the run report."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from mentorrl.cli import app
+from mentorrl.train.rundir import MetricsLog
+
+from test_resume import TINY_OVERRIDES
+
+RECIPE = ["recipe=[sft, rft, grpo]", "rft.max_iterations=3", "rft.num_tasks=4", "rft.samples_per_task=2",
+          "rft.sft_steps=2", "rft.batch_size=4", "rft.band=[0.0, 1.0]", "grpo.steps=2",
+          "audit.eval_every=1", "audit.eval_tasks=4", "eval.batch_size=4"]
+
+
+def _run(tmp_path, *flags: str):
+    args = ["demo", "--run-dir", str(tmp_path / "run"), *flags]
+    for ov in TINY_OVERRIDES + RECIPE:
+        args += ["--set", ov]
+    return CliRunner().invoke(app, args, catch_exceptions=False)
+
+
+@pytest.mark.slow
+def test_sft_rft_grpo_recipe_writes_report_and_resumes(tmp_path):
+    res = _run(tmp_path)
+    assert res.exit_code == 0, res.output
+    run = tmp_path / "run"
+    report = json.loads((run / "report.json").read_text())
+    assert list(report["evals"]) == ["sft", "rft", "grpo"]
+    rounds = report["rft_rounds"]
+    assert 1 <= len(rounds) <= 3 and all("positive_task_rate" in r for r in rounds)
+    assert report["stages"]["rft"]["rollouts"] == len(rounds) * 4 * 2
+    assert report["stages"]["grpo"]["rollouts"] == 2 * 2 * 2
+    assert len(report["audit"]["gap_checks"]) == 2  # one held-out check per GRPO step
+    assert {"flagged_high_reward_failures", "rewards_clipped", "end_to_end"} <= set(report["audit"])
+    assert (run / "report.md").read_text().startswith("# Run report")
+    grpo = MetricsLog(run / "metrics.jsonl").read("grpo")
+    assert all({"reward_clipped", "reward_flagged", "heldout_success", "gap_warning", "rollouts"} <= set(r) for r in grpo)
+    rates = [r["positive_task_rate"] for r in rounds]
+    if len(rounds) < 3:  # stopped early: only because the positive-task rate stopped rising
+        assert rates[-1] <= max(rates[:-1])
+    before = (run / "metrics.jsonl").read_text()
+    again = _run(tmp_path, "--resume")  # every stage is complete: nothing is redone or logged twice
+    assert again.exit_code == 0, again.output
+    assert (run / "metrics.jsonl").read_text() == before
