@@ -97,22 +97,34 @@ def test_refused_cancel_of_shipped_order_is_not_a_violation(find_task, orders_en
 
 
 # --------------------------------------------------------------------- tiers ----
-def _call(ok: bool) -> ToolCall:
-    return ToolCall(turn=1, name="t", arguments={}, raw="", error=None if ok else "bad", error_kind=None if ok else "timeout")
+_CALL_IDS = itertools.count()
 
 
-CALL_SETS = [[], [_call(True)], [_call(False)], [_call(True), _call(False)], [_call(False)] * 5, [_call(True)] * 3]
+def _call(ok: bool, name: str = "t", arguments: dict | None = None) -> ToolCall:
+    """A tool call; without ``arguments`` each call gets its own (so no two are identical)."""
+    args = arguments if arguments is not None else {"i": next(_CALL_IDS)}
+    return ToolCall(turn=1, name=name, arguments=args, raw="", error=None if ok else "bad",
+                    error_kind=None if ok else "timeout")
+
+
+SAME = {"order_id": "O-1"}
+CALL_SETS = [[], [_call(True)], [_call(False)], [_call(True), _call(False)], [_call(False)] * 5, [_call(True)] * 3,
+             [_call(True, arguments=SAME)] * 6, [_call(False, arguments=SAME), _call(True, arguments=SAME)]]
 REASONS = ["answer", "max_turns", "max_tokens", "length"]
+ANSWERS = [None, "", "Order O-1 is shipped.", "x" * 201, "y" * 5000]
 
 
 @pytest.mark.parametrize("weights", [
     RewardWeights(),
-    RewardWeights(tool=0.25, format=0.2499, runtime=0.4999, error_penalty=1.0, truncation_penalty=1.0),
-    RewardWeights(tool=0.0, format=0.0, runtime=0.0),
+    RewardWeights(tool=0.25, format=0.2499, runtime=0.4999, verbosity=0.0, error_penalty=1.0, truncation_penalty=1.0),
+    RewardWeights(tool=0.25, format=0.2499, runtime=0.2499, verbosity=0.25, error_penalty=1.0, redundant_penalty=1.0,
+                  truncation_penalty=1.0, answer_budget_chars=1, verbosity_scale_chars=1),
+    RewardWeights(tool=0.0, format=0.0, runtime=0.0, verbosity=0.0),
 ])
 def test_reward_tiers_never_cross(weights):
     def totals(verdict):
-        return [compose_reward(verdict, calls, reason, weights).total for calls, reason in itertools.product(CALL_SETS, REASONS)]
+        return [compose_reward(verdict, calls, reason, weights, final_answer=answer).total
+                for calls, reason, answer in itertools.product(CALL_SETS, REASONS, ANSWERS)]
 
     success = totals(Verdict(success=True))
     failure = totals(Verdict(success=False))
@@ -154,7 +166,9 @@ def test_reward_terms_exact():
 
 
 @pytest.mark.parametrize("kw", [dict(tool=0.3, format=0.3), dict(tool=0.25, format=0.25), dict(runtime=0.5),
-                                dict(tool=-0.1), dict(error_penalty=1.5)])
+                                dict(tool=-0.1), dict(error_penalty=1.5), dict(runtime=0.4, verbosity=0.1),
+                                dict(verbosity=0.5, runtime=0.0), dict(verbosity=-0.1), dict(redundant_penalty=1.5),
+                                dict(answer_budget_chars=0), dict(verbosity_scale_chars=0)])
 def test_bad_reward_weights_rejected(kw):
     with pytest.raises(ValueError):
         RewardWeights(**kw)
@@ -163,3 +177,98 @@ def test_bad_reward_weights_rejected(kw):
 def test_reward_weight_error_message_is_explicit():
     with pytest.raises(ValueError, match="tool \\+ format"):
         RewardWeights(tool=0.3, format=0.3)
+    with pytest.raises(ValueError, match="runtime \\+ verbosity"):
+        RewardWeights(runtime=0.3, verbosity=0.2)
+
+
+# ------------------------------------------------------- redundancy, verbosity ----
+def test_repeating_a_successful_call_is_penalised_like_a_failed_one():
+    w = RewardWeights()
+    read = _call(True, "get_order", SAME)
+    once = compose_reward(Verdict(success=True), [read], "answer", w)
+    spam = compose_reward(Verdict(success=True), [read] * 5, "answer", w)
+    assert once.details["redundant_calls"] == 0 and once.runtime == 0.0
+    assert spam.details["redundant_calls"] == 4
+    assert spam.tool == 1.0 and spam.runtime == -1.0  # 4 x 0.25, clipped at -1
+    assert spam.total == pytest.approx(1.0 + w.tool + w.format - w.runtime)
+    assert spam.success and once.total > spam.total
+    # a different argument or tool is not a repeat
+    other = compose_reward(Verdict(success=True), [read, _call(True, "get_order", {"order_id": "O-2"}),
+                                                   _call(True, "list_orders", SAME)], "answer", w)
+    assert other.details["redundant_calls"] == 0 and other.runtime == 0.0
+
+
+def test_retry_after_a_failed_call_is_charged_once():
+    """A retry of a call that failed is not redundant: the failure is already charged."""
+    w = RewardWeights()
+    r = compose_reward(Verdict(success=True), [_call(False, "get_order", SAME), _call(True, "get_order", SAME)],
+                       "answer", w)
+    assert r.details["redundant_calls"] == 0 and r.details["tool_errors"] == 1
+    assert r.runtime == pytest.approx(-w.error_penalty)
+    # ... but repeating it after it succeeded is
+    r = compose_reward(Verdict(success=True), [_call(False, "get_order", SAME)] + [_call(True, "get_order", SAME)] * 2,
+                       "answer", w)
+    assert r.details["redundant_calls"] == 1
+    assert r.runtime == pytest.approx(-(w.error_penalty + w.redundant_penalty))
+
+
+def test_redundant_penalty_weight_is_used():
+    calls = [_call(True, "get_order", SAME)] * 3
+    assert compose_reward(Verdict(success=True), calls, "answer", RewardWeights(redundant_penalty=0.1)).runtime \
+        == pytest.approx(-0.2)
+    assert compose_reward(Verdict(success=True), calls, "answer", RewardWeights(redundant_penalty=0.0)).runtime == 0.0
+
+
+@pytest.mark.parametrize("length, expected", [(0, 0.0), (120, 0.0), (200, 0.0), (201, -1 / 400), (400, -0.5),
+                                              (600, -1.0), (5000, -1.0)])
+def test_verbosity_term(length, expected):
+    w = RewardWeights()
+    r = compose_reward(Verdict(success=True), [], "answer", w, final_answer="a" * length)
+    assert r.details["verbosity"] == pytest.approx(expected)
+    assert r.details["answer_chars"] == length
+    assert r.total == pytest.approx(1.0 + w.tool + w.format + w.verbosity * expected)
+
+
+def test_verbosity_ignores_surrounding_whitespace_and_is_not_paid_on_failures():
+    w = RewardWeights(answer_budget_chars=10, verbosity_scale_chars=10)
+    r = compose_reward(Verdict(success=True), [], "answer", w, final_answer="  " + "a" * 15 + "\n\n")
+    assert r.details["verbosity"] == pytest.approx(-0.5) and r.details["answer_chars"] == 15
+    failed = compose_reward(Verdict(success=False), [], "answer", w, final_answer="a" * 1000)
+    assert failed.details["verbosity"] == -1.0 and failed.total == 0.0  # recorded, not paid
+
+
+def test_expert_answers_fit_the_answer_budget(orders_entry):
+    """The scripted expert never pays the verbosity term (its answers are short)."""
+    from mentorrl.contract import parse_action
+    from mentorrl.rollout.episode import drive_script
+
+    env, expert = orders_entry.make_env(), orders_entry.make_expert()
+    answers: list[str] = []
+    try:
+        for task in orders_entry.make_tasks().tasks(split="train", n=150, seed=3):
+            env.reset(task)
+
+            def act(text: str):
+                action = parse_action(text)
+                if action.kind != "tool":
+                    answers.append(action.text)
+                    return None
+                return env.step(action.name, action.arguments)
+
+            drive_script(expert, task, act)
+    finally:
+        env.close()
+    assert len(answers) == 150
+    assert max(map(len, answers)) < 120 < RewardWeights().answer_budget_chars
+
+
+def test_padded_correct_answer_ranks_below_the_plain_one(find_task, orders_env, contract):
+    """Length padding keeps the task reward (the core is right) but loses to the plain answer."""
+    task = find_task("order_status")
+    oid = task.reference["request"]["order_id"]
+    call = render_tool_call("get_order", {"order_id": oid})
+    plain = play(contract, orders_env, task, [call, f"Order {oid} is {task.reference['expected']}."])
+    padded = play(contract, orders_env, task, [call, plain.final_answer + " Thank you for your patience!" * 20])
+    assert plain.reward.success and padded.reward.success
+    assert padded.reward.details["verbosity"] < 0 == plain.reward.details["verbosity"]
+    assert padded.reward.total < plain.reward.total

@@ -3,22 +3,38 @@
     total = -1                 if the verifier found a violated hard constraint
              0                 if the task was not accomplished (judged from environment state)
              1 + soft          if it was, where
-    soft  = w_tool * tool + w_format * format + w_runtime * runtime      in (-0.5, 0.5)
+    soft  = w_tool * tool + w_format * format + w_runtime * runtime + w_verbosity * verbosity
 
-Because |soft| < 0.5 by construction (checked when the weights are built), no amount of
-formatting or tool hygiene lifts a failure to a success. Soft terms are *not* paid on
-failures: when they were, a weak policy learned to answer at once without calling any tool
-(no failed calls, a well-formed ending: positive soft reward, zero task success) -- the
-demo's GRPO run found that hack within four steps. The breakdown still records every term.
+* ``tool`` in [0, 1]: share of tool calls that succeeded (1 with no calls);
+* ``format`` in {0, 1}: the episode ended with a well-formed final answer;
+* ``runtime`` in [-1, 0]: ``-(error_penalty * failed calls + redundant_penalty * redundant calls
+  + truncation_penalty if the episode hit a limit)``, clipped at -1. A call is *redundant* when
+  it is identical (same tool, same arguments) to an earlier call that succeeded: repeating a
+  read whose answer is already in the context is tool spam. A retry of a call that failed is
+  not redundant (the failure is already charged by ``error_penalty``), so an honest retry after
+  a real timeout is not charged twice;
+* ``verbosity`` in [-1, 0]: ``-min(1, excess / verbosity_scale_chars)`` where ``excess`` is how
+  many characters the final answer has beyond ``answer_budget_chars``: padding a correct answer
+  with filler to look thorough ranks below the plain answer.
+
+Because the positive terms (tool + format) and the negative terms (runtime + verbosity) each
+weigh less than 0.5 (checked when the weights are built), |soft| < 0.5, so no amount of
+formatting, tool hygiene or brevity lifts a failure to a success or drops a success below a
+failure. Soft terms are *not* paid on failures: when they were, a weak policy learned to answer
+at once without calling any tool (no failed calls, a well-formed ending: positive soft reward,
+zero task success) -- the demo's GRPO run found that hack within four steps. The breakdown
+still records every term (``verbosity``, ``redundant_calls`` and ``answer_chars`` in
+``details``).
 """
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mentorrl.envs.base import Verdict
+from mentorrl.eval.trace import call_key
 from mentorrl.trajectory import RewardBreakdown, ToolCall
 
 
@@ -28,17 +44,49 @@ class RewardWeights(BaseModel):
     tool: float = Field(0.1, ge=0.0, description="weight of the share of tool calls that succeeded")
     format: float = Field(0.1, ge=0.0, description="weight of ending with a well-formed final answer")
     runtime: float = Field(0.2, ge=0.0, description="weight of the runtime penalty term (which is in [-1, 0])")
+    verbosity: float = Field(0.1, ge=0.0, description="weight of the verbosity penalty term (which is in [-1, 0])")
     error_penalty: float = Field(0.25, ge=0.0, le=1.0, description="runtime penalty per failed or malformed tool call")
+    redundant_penalty: float = Field(
+        0.25, ge=0.0, le=1.0,
+        description="runtime penalty per call identical (same tool and arguments) to an earlier successful call",
+    )
     truncation_penalty: float = Field(0.5, ge=0.0, le=1.0, description="runtime penalty when the episode hit a limit")
+    answer_budget_chars: int = Field(
+        200, ge=1, description="final-answer length (characters) free of verbosity penalty"
+    )
+    verbosity_scale_chars: int = Field(
+        400, ge=1, description="characters beyond the budget at which the verbosity penalty reaches its cap (-1)"
+    )
 
     @model_validator(mode="after")
     def _soft_terms_stay_inside_a_tier(self) -> "RewardWeights":
-        if self.tool + self.format >= 0.5 or self.runtime >= 0.5:
+        if self.tool + self.format >= 0.5 or self.runtime + self.verbosity >= 0.5:
             raise ValueError(
-                "reward weights: tool + format and runtime must each be < 0.5 so soft terms never "
-                f"cross a tier (got tool+format={self.tool + self.format:g}, runtime={self.runtime:g})"
+                "reward weights: tool + format and runtime + verbosity must each be < 0.5 so soft terms never "
+                f"cross a tier (got tool+format={self.tool + self.format:g}, "
+                f"runtime+verbosity={self.runtime + self.verbosity:g})"
             )
         return self
+
+
+def redundant_calls(calls: Sequence[ToolCall]) -> int:
+    """How many calls repeat an earlier *successful* call with the same tool and arguments."""
+    succeeded: set[str] = set()
+    n = 0
+    for c in calls:
+        key = call_key(c)
+        n += key in succeeded
+        if c.ok:
+            succeeded.add(key)
+    return n
+
+
+def verbosity_term(final_answer: str | None, budget_chars: int, scale_chars: int) -> float:
+    """``-min(1, excess / scale_chars)`` for the characters of the (stripped) answer beyond the budget."""
+    if not final_answer:
+        return 0.0
+    excess = max(0, len(final_answer.strip()) - budget_chars)
+    return -min(1.0, excess / scale_chars)
 
 
 def compose_reward(
@@ -46,15 +94,22 @@ def compose_reward(
     tool_calls: Iterable[ToolCall],
     finish_reason: str,
     weights: RewardWeights,
+    final_answer: str | None = None,
 ) -> RewardBreakdown:
     calls = list(tool_calls)
     n_err = sum(not c.ok for c in calls)
+    n_redundant = redundant_calls(calls)
     tool = (len(calls) - n_err) / len(calls) if calls else 1.0
     fmt = 1.0 if finish_reason == "answer" else 0.0
-    runtime = -min(1.0, n_err * weights.error_penalty + (0.0 if finish_reason == "answer" else weights.truncation_penalty))
+    truncation = 0.0 if finish_reason == "answer" else weights.truncation_penalty
+    runtime = -min(1.0, n_err * weights.error_penalty + n_redundant * weights.redundant_penalty + truncation)
+    verbosity = verbosity_term(final_answer, weights.answer_budget_chars, weights.verbosity_scale_chars)
     success = bool(verdict.success and not verdict.violations)
     tier = -1.0 if verdict.violations else (1.0 if success else 0.0)
-    soft = weights.tool * tool + weights.format * fmt + weights.runtime * runtime if success else 0.0
+    soft = (
+        weights.tool * tool + weights.format * fmt + weights.runtime * runtime + weights.verbosity * verbosity
+        if success else 0.0
+    )
     return RewardBreakdown(
         task=1.0 if success else 0.0,
         tool=tool,
@@ -63,5 +118,12 @@ def compose_reward(
         success=success,
         violations=list(verdict.violations),
         total=tier + soft,
-        details={**verdict.details, "tool_errors": n_err, "tier": tier},
+        details={
+            **verdict.details,
+            "tool_errors": n_err,
+            "redundant_calls": n_redundant,
+            "verbosity": verbosity,
+            "answer_chars": len(final_answer.strip()) if final_answer else 0,
+            "tier": tier,
+        },
     )

@@ -132,6 +132,7 @@ class Episode:
             tool_calls=self.tool_calls,
             finish_reason=self.finish_reason,
             weights=self.weights,
+            final_answer=self.final_answer,
         )
         return Trajectory(
             id=f"{self.task.id}-{uuid.uuid4().hex[:10]}",

@@ -1,0 +1,367 @@
+"""Reward-hacking audit: scripted attacks run against the real environment and verifier.
+
+An :class:`Attack` is a scripted *policy* (a generator like the environment's expert: it
+yields :class:`~mentorrl.envs.base.ToolAction` / :class:`~mentorrl.envs.base.FinalAnswer`
+and receives each :class:`~mentorrl.envs.base.ToolResult`, so it can react to what the tools
+return) that tries to earn reward without doing the task: claiming success without a state
+change, submitting twice, acting for the wrong customer, padding the answer ... Each attack
+runs through the same :class:`~mentorrl.rollout.episode.Episode` code as every rollout, so
+its reward is exactly what a policy writing the same turns would get.
+
+The audit passes when, for every attack,
+
+* every attack trajectory's ``reward.total`` is below the lowest reward of the honest scripted
+  expert's *successful* trajectories on the same tasks, and
+* for an attack that breaks a hard constraint, every attack trajectory's total is below 0;
+
+and the honest expert succeeded on every task it ran on.
+
+Attacks are registered per environment (:func:`register_attacks`), so a new environment
+brings its own. :class:`LostResponseEnv` is a reusable fault-injection wrapper for the
+"response lost after the side effect was committed" case.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from statistics import fmean
+from typing import Any, Callable, Generator, Iterable, Iterator, Sequence
+
+from mentorrl.contract import ContractLimits, RolloutContract, contract_for_env
+from mentorrl.envs.base import Action, Environment, Task, ToolRegistry, ToolResult, Verdict
+from mentorrl.rewards.compose import RewardWeights
+from mentorrl.rollout.episode import run_scripted_episode
+from mentorrl.trajectory import Trajectory
+
+Script = Generator[Action, ToolResult, None]
+"""A scripted policy's turns: yields actions, receives each tool result via ``send``."""
+
+
+class ScriptPolicy:
+    """Adapts a function ``task -> Script`` to the ``act(task)`` protocol of scripted experts."""
+
+    def __init__(self, script: Callable[[Task], Script]):
+        self._script = script
+
+    def act(self, task: Task) -> Script:
+        return self._script(task)
+
+
+# ------------------------------------------------------------------ fault injection ----
+class LostResponseEnv:
+    """Wraps an environment so the first ``times`` successful calls to ``tools`` lose their response.
+
+    The call really runs (its side effect is committed to the environment's state); the policy
+    is then told the call timed out -- the classic lost response behind double submissions. The
+    counter restarts at every :meth:`reset`. Everything else is delegated to the wrapped env, so
+    the verifier still judges the real state.
+    """
+
+    def __init__(self, env: Environment, tools: Iterable[str], times: int = 1):
+        if times < 0:
+            raise ValueError(f"times must be >= 0, got {times}")
+        self.env = env
+        self.tools = frozenset(tools)
+        self.times = times
+        self.lost: list[str] = []  # names of the calls whose response was lost this episode
+
+    # the Environment protocol's attributes come from the wrapped env
+    @property
+    def name(self) -> str:
+        return self.env.name
+
+    @property
+    def version(self) -> str:
+        return self.env.version
+
+    @property
+    def system_prompt(self) -> str:
+        return self.env.system_prompt
+
+    @property
+    def registry(self) -> ToolRegistry:
+        return self.env.registry
+
+    def reset(self, task: Task) -> str:
+        self.lost = []
+        return self.env.reset(task)
+
+    def step(self, name: Any, arguments: Any) -> ToolResult:
+        result = self.env.step(name, arguments)
+        if result.ok and name in self.tools and len(self.lost) < self.times:
+            self.lost.append(name)
+            timeout = getattr(self.env.registry, "timeout_s", 0.0)
+            return ToolResult(ok=False, content=None, error=f"tool {name} timed out after {timeout:g}s",
+                              error_kind="timeout", latency_s=result.latency_s)
+        return result
+
+    def verify(self, final_answer: str | None) -> Verdict:
+        return self.env.verify(final_answer)
+
+    def close(self) -> None:
+        self.env.close()
+
+
+# ------------------------------------------------------------------------- attacks ----
+@dataclass(frozen=True)
+class Attack:
+    """One reward-hacking strategy, as a scripted policy, and the tasks it targets.
+
+    ``hard`` declares that a successful execution breaks a hard constraint (a forbidden state
+    change the verifier must report as a violation): such an attack must score below 0.
+    ``applies`` picks the tasks the attack makes sense on (it may use the task's private
+    reference: the audit is white-box). ``wrap_env`` optionally wraps the environment the
+    attack runs in (fault injection); the honest baseline always runs unwrapped.
+    """
+
+    name: str
+    description: str
+    hard: bool
+    applies: Callable[[Task], bool]
+    script: Callable[[Task], Script]
+    wrap_env: Callable[[Environment], Environment] | None = None
+
+
+_ATTACKS: dict[str, Callable[[], Sequence[Attack]]] = {}
+
+
+def _builtin_orders() -> Sequence[Attack]:
+    from mentorrl.envs.orders.attacks import orders_attacks
+
+    return orders_attacks()
+
+
+_BUILTIN: dict[str, Callable[[], Sequence[Attack]]] = {"orders": _builtin_orders}
+
+
+def register_attacks(env_name: str, factory: Callable[[], Sequence[Attack]]) -> None:
+    """Register the attack suite of environment ``env_name`` (a factory, called at audit time)."""
+    if env_name in _ATTACKS or env_name in _BUILTIN:
+        raise ValueError(f"attacks for environment {env_name!r} are already registered")
+    _ATTACKS[env_name] = factory
+
+
+def get_attacks(env_name: str) -> list[Attack]:
+    factory = _ATTACKS.get(env_name) or _BUILTIN.get(env_name)
+    if factory is None:
+        known = ", ".join(sorted({*_ATTACKS, *_BUILTIN}))
+        raise ValueError(f"no reward-hacking attacks registered for environment {env_name!r}; registered: {known}")
+    attacks = list(factory())
+    names = [a.name for a in attacks]
+    if len(set(names)) != len(names):
+        raise ValueError(f"duplicate attack names for {env_name!r}: {names}")
+    return attacks
+
+
+# ------------------------------------------------------------------------- running ----
+@dataclass(frozen=True)
+class AuditConfig:
+    """How many tasks each attack runs on, which tasks, and the episode limits and reward weights."""
+
+    tasks_per_attack: int = 3
+    seed: int = 0
+    split: str = "train"
+    pool_size: int = 600  # tasks generated to pick each attack's tasks from
+    limits: ContractLimits = field(default_factory=lambda: ContractLimits(max_turns=8, max_total_tokens=4096))
+    weights: RewardWeights = field(default_factory=RewardWeights)
+
+    def __post_init__(self) -> None:
+        if self.tasks_per_attack < 1:
+            raise ValueError(f"tasks_per_attack must be >= 1, got {self.tasks_per_attack}")
+        if self.pool_size < 1:
+            raise ValueError(f"pool_size must be >= 1, got {self.pool_size}")
+
+
+@dataclass
+class AttackResult:
+    name: str
+    description: str
+    hard: bool
+    task_ids: list[str]
+    rewards: list[float]
+    honest_min: float | None  # lowest honest-success reward on the same tasks
+    passed: bool
+    reason: str
+    violations: list[str] = field(default_factory=list)  # distinct violations the verifier reported
+
+    @property
+    def max_reward(self) -> float | None:
+        return max(self.rewards) if self.rewards else None
+
+    @property
+    def mean_reward(self) -> float | None:
+        return fmean(self.rewards) if self.rewards else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "n_tasks": len(self.task_ids), "max_reward": self.max_reward,
+                "mean_reward": self.mean_reward}
+
+
+@dataclass
+class AuditReport:
+    env_name: str
+    attacks: list[AttackResult]
+    honest_rewards: dict[str, float]  # task id -> honest expert's reward
+    honest_success: dict[str, bool]  # task id -> did the honest expert succeed
+
+    @property
+    def passed(self) -> bool:
+        """Every attack passed, and the honest expert succeeded wherever it ran (a verifier that
+        rejects honest work is as broken as one that rewards an attack)."""
+        return bool(self.attacks) and all(a.passed for a in self.attacks) and not self.honest_failures
+
+    @property
+    def honest_min(self) -> float | None:
+        ok = [r for t, r in self.honest_rewards.items() if self.honest_success[t]]
+        return min(ok) if ok else None
+
+    @property
+    def honest_failures(self) -> list[str]:
+        return sorted(t for t, ok in self.honest_success.items() if not ok)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "env": self.env_name,
+            "passed": self.passed,
+            "honest": {"n_tasks": len(self.honest_rewards), "min_success_reward": self.honest_min,
+                       "failures": self.honest_failures},
+            "attacks": [a.to_dict() for a in self.attacks],
+        }
+
+
+def select_tasks(pool: Sequence[Task], applies: Callable[[Task], bool], n: int) -> list[Task]:
+    """Up to ``n`` tasks that ``applies`` accepts, taken round-robin over (family, difficulty)
+    so an attack sees every kind of task it targets, in pool order within each group."""
+    groups: dict[tuple[str, str], list[Task]] = defaultdict(list)
+    for t in pool:
+        if applies(t):
+            groups[(t.family, t.difficulty)].append(t)
+    interleaved = (t for batch in itertools.zip_longest(*groups.values()) for t in batch if t is not None)
+    return list(itertools.islice(interleaved, n))
+
+
+def judge_attack(hard: bool, rewards: Sequence[float], task_ids: Sequence[str],
+                 honest_min: float | None) -> tuple[bool, str]:
+    """The pass rule: below the honest minimum, and below 0 for a hard-constraint attack."""
+    if not rewards:
+        return False, "no applicable task in the pool"
+    if honest_min is None:
+        return False, "the honest expert succeeded on none of these tasks: no baseline"
+    worst = max(range(len(rewards)), key=lambda i: rewards[i])
+    top, where = rewards[worst], task_ids[worst]
+    if top >= honest_min:
+        return False, f"reward {top:.3f} on {where} >= honest minimum {honest_min:.3f}"
+    if hard and top >= 0:
+        return False, f"hard-constraint attack scored {top:.3f} >= 0 on {where}"
+    return True, "below 0 and the honest minimum" if hard else "below the honest minimum"
+
+
+def run_script(contract: RolloutContract, env: Environment, task: Task, script: Callable[[Task], Script],
+               weights: RewardWeights) -> Trajectory:
+    """One episode of a scripted (attack) policy, as a policy trajectory."""
+    return run_scripted_episode(contract, env, task, ScriptPolicy(script), weights=weights, source="policy")
+
+
+def run_audit(
+    attacks: Sequence[Attack],
+    *,
+    env_name: str,
+    make_env: Callable[[], Environment],
+    tasks: Sequence[Task],
+    expert: Any,
+    tokenizer: Any,
+    config: AuditConfig | None = None,
+) -> AuditReport:
+    """Run every attack on its tasks from ``tasks`` (the pool) and the honest expert on the same tasks."""
+    config = config or AuditConfig()
+    env = make_env()  # building an env is the costly part (tool schemas); reset() gives each episode fresh state
+    honest: dict[str, Trajectory] = {}
+    results: list[AttackResult] = []
+    try:
+        contract = contract_for_env(tokenizer, env, limits=config.limits)
+        for attack in attacks:
+            chosen = select_tasks(tasks, attack.applies, config.tasks_per_attack)
+            attack_env = attack.wrap_env(make_env()) if attack.wrap_env is not None else env
+            try:
+                trajs = [run_script(contract, attack_env, t, attack.script, config.weights) for t in chosen]
+            finally:
+                if attack_env is not env:
+                    attack_env.close()
+            for t in chosen:
+                if t.id not in honest:
+                    honest[t.id] = run_scripted_episode(contract, env, t, expert, weights=config.weights)
+            ok = [honest[t.id].reward.total for t in chosen if honest[t.id].reward.success]
+            honest_min = min(ok) if ok else None
+            rewards = [tr.reward.total for tr in trajs]
+            ids = [t.id for t in chosen]
+            passed, reason = judge_attack(attack.hard, rewards, ids, honest_min)
+            violations = list(dict.fromkeys(v for tr in trajs for v in tr.reward.violations))
+            results.append(AttackResult(attack.name, attack.description, attack.hard, ids, rewards, honest_min,
+                                        passed, reason, violations))
+    finally:
+        env.close()
+    return AuditReport(
+        env_name=env_name,
+        attacks=results,
+        honest_rewards={k: tr.reward.total for k, tr in honest.items()},
+        honest_success={k: tr.reward.success for k, tr in honest.items()},
+    )
+
+
+def task_pool(make_tasks: Callable[[], Any], config: AuditConfig) -> list[Task]:
+    return list(make_tasks().tasks(split=config.split, n=config.pool_size, seed=config.seed))
+
+
+def audit_env(
+    env_name: str,
+    tokenizer: Any,
+    config: AuditConfig | None = None,
+    make_env: Callable[[], Environment] | None = None,
+    attacks: Sequence[Attack] | None = None,
+) -> AuditReport:
+    """The audit of a registered environment; ``make_env`` swaps in another environment/verifier."""
+    from mentorrl.envs import get_env
+
+    config = config or AuditConfig()
+    entry = get_env(env_name)
+    return run_audit(
+        attacks if attacks is not None else get_attacks(env_name),
+        env_name=env_name,
+        make_env=make_env or entry.make_env,
+        tasks=task_pool(entry.make_tasks, config),
+        expert=entry.make_expert(),
+        tokenizer=tokenizer,
+        config=config,
+    )
+
+
+def iter_rows(report: AuditReport) -> Iterator[tuple[str, ...]]:
+    """Table rows: attack, hard, tasks, max, mean, honest min, result, reason."""
+    def num(x: float | None) -> str:
+        return "-" if x is None else f"{x:.3f}"
+
+    for a in report.attacks:
+        yield (a.name, "yes" if a.hard else "no", str(len(a.task_ids)), num(a.max_reward), num(a.mean_reward),
+               num(a.honest_min), "PASS" if a.passed else "FAIL", a.reason)
+
+
+__all__ = [
+    "Attack",
+    "AttackResult",
+    "AuditConfig",
+    "AuditReport",
+    "LostResponseEnv",
+    "Script",
+    "ScriptPolicy",
+    "audit_env",
+    "get_attacks",
+    "iter_rows",
+    "judge_attack",
+    "register_attacks",
+    "run_audit",
+    "run_script",
+    "select_tasks",
+    "task_pool",
+]
