@@ -183,5 +183,16 @@ def config_cmd(config: Optional[Path] = ConfigOpt, set_: list[str] = SetOpt) -> 
     sys.stdout.write(dump_config(_load(config, set_, default="demo.yaml" if config is None else None)))
 
 
+def _register_extensions() -> None:
+    """Commands that live beside the code they drive."""
+    from mentorrl.flywheel.commands import register as register_flywheel
+    from mentorrl.integrity.commands import register as register_integrity
+
+    register_integrity(app)
+    register_flywheel(app)
+
+
+_register_extensions()
+
 if __name__ == "__main__":
     app()

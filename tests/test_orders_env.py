@@ -238,6 +238,18 @@ def test_info_answer_must_state_the_true_fact(env):
     assert not env.verify(" ".join(str(i) for i in range(30))).success
 
 
+@pytest.mark.parametrize("kind, family", [("over_limit", "refund"), ("insufficient_stock", "place_order")])
+def test_refusal_numbers_cannot_be_hedged(env, kind, family):
+    """A refusal may repeat the user's own number, but extra candidate values fail the check."""
+    task = find_task(kind, family)
+    _, answer = run_expert(env, task)
+    assert env.verify(answer).success
+    nums = [float(x) for x in re.findall(r"\d+(?:\.\d+)?", answer.split("only", 1)[1])]
+    assert nums, answer
+    hedged = f"{answer} Or possibly {nums[0] + 1:.2f} or {nums[0] + 2:.2f}."
+    assert not env.verify(hedged).success
+
+
 def test_duplicate_order_is_a_violation(env):
     task = find_task("duplicate_request")
     env.reset(task)

@@ -191,6 +191,9 @@ def _check_answer(task: Task, answer: str | None, exp: sqlite3.Connection) -> tu
         if kind == "status":  # an information request: exactly the true status
             return found == {status}, status
         return status in found and found <= {status, "cancelled"}, status
+    # Numbers the user wrote (an amount, a quantity) may be repeated back; any other number
+    # next to the true value is a hedge ("73, or possibly 74 or 75") and fails the check.
+    requested = {float(v) for k, v in task.reference.get("request", {}).items() if k in ("amount", "quantity")}
     if kind in ("number", "number_only"):
         if check["what"] == "stock":
             value = exp.execute("SELECT stock FROM products WHERE id = ?", (check["product_id"],)).fetchone()[0]
@@ -200,11 +203,13 @@ def _check_answer(task: Task, answer: str | None, exp: sqlite3.Connection) -> tu
         nums = numbers_in(text)
         if kind == "number_only":  # an information request: the true number and no other
             return bool(nums) and all(n == value for n in nums), value
-        return value in nums, value
+        return value in nums and set(nums) <= {float(value)} | requested, value
     if kind == "amount_left":
         total = exp.execute("SELECT total FROM orders WHERE id = ?", (check["order_id"],)).fetchone()[0]
         paid = exp.execute("SELECT COALESCE(SUM(amount), 0) FROM refunds WHERE order_id = ?",
                            (check["order_id"],)).fetchone()[0]
         left = money(total - paid)
-        return any(abs(n - left) < 0.005 for n in numbers_in(text)), left
+        nums = numbers_in(text)
+        hedged = any(abs(n - left) >= 0.005 and all(abs(n - r) >= 0.005 for r in requested) for n in nums)
+        return any(abs(n - left) < 0.005 for n in nums) and not hedged, left
     raise ValueError(f"unknown check type {kind!r}")
