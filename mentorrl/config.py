@@ -13,6 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from mentorrl.contract import ContractLimits, PromptFormat, SamplingParams
+from mentorrl.flywheel.hard_pool import HardPoolConfig
 from mentorrl.models.build import ModelSpec
 from mentorrl.rewards.compose import RewardWeights
 from mentorrl.train.audit import AuditConfig
@@ -66,6 +67,12 @@ class GRPOConfig(_Section):
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=5e-4))
     checkpoint_every: int = Field(5, ge=1)
     sample_trajectories: int = Field(8, ge=0, description="trajectories per step written to RUN_DIR/samples/grpo-step-N.jsonl")
+    hard_pool: HardPoolConfig | None = Field(
+        None, description="hard-task pool: failed tasks are drawn again at a raised rate (null: uniform task draws)"
+    )
+    hard_pool_state: str | None = Field(
+        None, description="start the pool from a saved state, e.g. the hard_pool.json written by `mentorrl flywheel`"
+    )
 
 
 class RFTConfig(_Section):

@@ -14,7 +14,7 @@ from test_resume import TINY_OVERRIDES
 
 RECIPE = ["recipe=[sft, rft, grpo]", "rft.max_iterations=3", "rft.num_tasks=4", "rft.samples_per_task=2",
           "rft.sft_steps=2", "rft.batch_size=4", "rft.band=[0.0, 1.0]", "grpo.steps=2",
-          "audit.eval_every=1", "audit.eval_tasks=4", "eval.batch_size=4"]
+          "audit.eval_every=1", "audit.eval_tasks=4", "eval.batch_size=4", "grpo.hard_pool={boost: 4.0}"]
 
 
 def _run(tmp_path, *flags: str):
@@ -39,7 +39,9 @@ def test_sft_rft_grpo_recipe_writes_report_and_resumes(tmp_path):
     assert {"flagged_high_reward_failures", "rewards_clipped", "end_to_end"} <= set(report["audit"])
     assert (run / "report.md").read_text().startswith("# Run report")
     grpo = MetricsLog(run / "metrics.jsonl").read("grpo")
-    assert all({"reward_clipped", "reward_flagged", "heldout_success", "gap_warning", "rollouts"} <= set(r) for r in grpo)
+    assert all({"reward_clipped", "reward_flagged", "heldout_success", "gap_warning", "rollouts",
+                "hard_pool_size", "hard_tasks_in_batch"} <= set(r) for r in grpo)
+    assert grpo[0]["hard_tasks_in_batch"] == 0  # nothing has failed before the first step
     rates = [r["positive_task_rate"] for r in rounds]
     if len(rounds) < 3:  # stopped early: only because the positive-task rate stopped rising
         assert rates[-1] <= max(rates[:-1])
@@ -47,3 +49,22 @@ def test_sft_rft_grpo_recipe_writes_report_and_resumes(tmp_path):
     again = _run(tmp_path, "--resume")  # every stage is complete: nothing is redone or logged twice
     assert again.exit_code == 0, again.output
     assert (run / "metrics.jsonl").read_text() == before
+
+
+def test_hard_pool_settings_are_checked(tmp_path):
+    from mentorrl.config import GRPOConfig
+    from mentorrl.flywheel.hard_pool import HardPoolConfig, HardTaskPool
+    from mentorrl.train.stages import _hard_pool
+
+    assert _hard_pool(GRPOConfig()) is None
+    with pytest.raises(ValueError, match="hard_pool is null"):
+        _hard_pool(GRPOConfig(hard_pool_state=str(tmp_path / "x.json")))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        _hard_pool(GRPOConfig(hard_pool=HardPoolConfig(), hard_pool_state=str(tmp_path / "x.json")))
+    saved = HardTaskPool(HardPoolConfig(boost=1.0))
+    saved.entries = HardTaskPool.from_state_dict({"version": 1, "config": HardPoolConfig().model_dump(), "updates": 3,
+                                                  "entries": {"task-7": {"score": 2.0, "failures": 2, "attempts": 2,
+                                                                         "last_update": 3}}}).entries
+    (tmp_path / "pool.json").write_text(json.dumps(saved.state_dict()))
+    pool = _hard_pool(GRPOConfig(hard_pool=HardPoolConfig(boost=9.0), hard_pool_state=str(tmp_path / "pool.json")))
+    assert "task-7" in pool and pool.config.boost == 9.0  # the saved failures, the run's settings

@@ -26,6 +26,7 @@ from mentorrl.contract import RolloutContract, contract_for_env
 from mentorrl.envs import EnvEntry, get_env
 from mentorrl.eval.metrics import summarize
 from mentorrl.rollout.runner import expert_demonstrations, rollout_tasks
+from mentorrl.flywheel.hard_pool import HardTaskPool
 from mentorrl.train.audit import GapMonitor, flag_high_reward_failures
 from mentorrl.train.learner import Learner
 from mentorrl.train.rundir import (
@@ -263,10 +264,13 @@ def grpo_stage(ws: Workspace, model, ref_model=None, resume: bool = False) -> Pa
     version = {"policy": 0}
     monitor = GapMonitor(audit.reward_window, audit.reward_rise, audit.success_rise)
     samples_dir, audit_dir = ws.run_dir / "samples", ws.run_dir / "audit"
+    hard = _hard_pool(g)
 
     def step_fn(step: int) -> dict[str, float]:
         rng = random.Random(cfg.seed * 1_000_003 + 17 * step + 1)
-        chosen = rng.sample(pool, min(g.tasks_per_step, len(pool)))
+        n_tasks = min(g.tasks_per_step, len(pool))
+        chosen = hard.sample(pool, n_tasks, rng) if hard is not None else rng.sample(pool, n_tasks)
+        hard_in_batch = sum(t.id in hard for t in chosen) if hard is not None else 0
         grouped = [t for t in chosen for _ in range(g.group_size)]
         t0 = time.perf_counter()
         trajs = rollout_tasks(model, ws.contract, ws.make_env, grouped, policy_version=version["policy"],
@@ -300,6 +304,9 @@ def grpo_stage(ws: Workspace, model, ref_model=None, resume: bool = False) -> Pa
             metrics[key] = sum(vals) / len(vals) if vals else 0.0
         metrics.update(trained_trajectories=len(keep), policy_version=version["policy"],
                        rollout_s=t_roll, update_s=time.perf_counter() - t1)
+        if hard is not None:
+            hard.update(trajs)
+            metrics.update(hard_tasks_in_batch=float(hard_in_batch), hard_pool_size=float(len(hard)))
         monitor.observe_reward(step + 1, metrics["reward_mean"])
         if audit.eval_every and (step + 1) % audit.eval_every == 0:
             metrics.update(_gap_check(ws, model, monitor, step + 1))
@@ -309,14 +316,33 @@ def grpo_stage(ws: Workspace, model, ref_model=None, resume: bool = False) -> Pa
         return metrics
 
     def extra_state() -> dict[str, Any]:
-        return {**version, "gap_monitor": monitor.state_dict()}
+        return {**version, "gap_monitor": monitor.state_dict(), "hard_pool": hard.state_dict() if hard else None}
 
     def restore(state: dict[str, Any]) -> None:
         version["policy"] = state.get("policy", 0)
         monitor.load_state_dict(state.get("gap_monitor", {}))
+        if hard is not None and state.get("hard_pool"):
+            hard.load_state_dict(state["hard_pool"])
+            hard.config = g.hard_pool
 
     return run_stage(ws, "grpo", model, learner, g.steps, step_fn, g.checkpoint_every, resume,
                      extra_state=extra_state, restore_extra=restore)
+
+
+def _hard_pool(g) -> HardTaskPool | None:
+    """The GRPO stage's hard-task pool, optionally seeded from a saved state (e.g. `mentorrl flywheel`)."""
+    if g.hard_pool is None:
+        if g.hard_pool_state:
+            raise ValueError("grpo.hard_pool_state is set but grpo.hard_pool is null; enable the pool to use it")
+        return None
+    pool = HardTaskPool(g.hard_pool)
+    if g.hard_pool_state:
+        path = Path(g.hard_pool_state)
+        if not path.exists():
+            raise FileNotFoundError(f"grpo.hard_pool_state: {path} does not exist")
+        pool.load_state_dict(json.loads(path.read_text()))
+        pool.config = g.hard_pool  # the run's settings, the saved failures
+    return pool
 
 
 def _reward_debugger(trajs: list[Trajectory], threshold: float, path: Path) -> dict[str, float]:
