@@ -8,34 +8,15 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
+
+from mentorrl.cli_common import console, err, load_run_config, quiet_transformers
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Post-training for language-model agents.")
-console = Console()
-err = Console(stderr=True)
-
-PACKAGED_CONFIGS = Path(__file__).parent / "configs"
-
-
-def _quiet_transformers() -> None:
-    import transformers
-
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
+_quiet_transformers = quiet_transformers
 
 
 def _load(config: Optional[Path], overrides: list[str], run_dir: Optional[str] = None, default: str | None = None):
-    from mentorrl.config import ConfigError, load_config
-
-    path = config if config is not None else (PACKAGED_CONFIGS / default if default else None)
-    ov = list(overrides)
-    if run_dir is not None and not any(o.startswith("run_dir=") for o in ov):
-        ov.append(f"run_dir={run_dir}")
-    try:
-        return load_config(path, ov)
-    except ConfigError as e:
-        err.print(f"[red]{e}[/red]")
-        raise typer.Exit(2)
+    return load_run_config(config, overrides, run_dir, default)
 
 
 def _run_recipe(cfg, resume: bool) -> dict:
@@ -101,28 +82,6 @@ def init_model_cmd(
     console.print(f"wrote {path} (digest {dir_digest(path)})")
 
 
-@app.command("eval")
-def eval_cmd(
-    model_dir: Path = typer.Argument(..., exists=True, file_okay=False, help="HF checkpoint directory"),
-    config: Optional[Path] = ConfigOpt,
-    label: str = typer.Option("model"),
-    run_dir: Optional[str] = typer.Option(None),
-    set_: list[str] = SetOpt,
-) -> None:
-    """Evaluate a checkpoint on held-out tasks and print success with a 95% interval."""
-    _quiet_transformers()
-    from mentorrl.models.build import load_policy
-    from mentorrl.train.pipeline import before_after_table
-    from mentorrl.train.stages import evaluate, open_workspace
-
-    cfg = _load(config, set_, run_dir or f"runs/eval-{model_dir.name}", default="demo.yaml")
-    ws = open_workspace(cfg)
-    tokenizer, model = load_policy(model_dir)
-    ws.bind_tokenizer(tokenizer)
-    summary = evaluate(ws, model, label)
-    console.print(before_after_table({label: summary}))
-
-
 @app.command()
 def diagnose(
     model_dir: Path = typer.Argument(..., exists=True, file_okay=False, help="HF checkpoint directory"),
@@ -185,9 +144,11 @@ def config_cmd(config: Optional[Path] = ConfigOpt, set_: list[str] = SetOpt) -> 
 
 def _register_extensions() -> None:
     """Commands that live beside the code they drive."""
+    from mentorrl.eval.commands import register as register_eval
     from mentorrl.flywheel.commands import register as register_flywheel
     from mentorrl.integrity.commands import register as register_integrity
 
+    register_eval(app)
     register_integrity(app)
     register_flywheel(app)
 

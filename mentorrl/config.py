@@ -13,6 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from mentorrl.contract import ContractLimits, PromptFormat, SamplingParams
+from mentorrl.eval.sets import assert_trainable_splits
 from mentorrl.flywheel.hard_pool import HardPoolConfig
 from mentorrl.models.build import ModelSpec
 from mentorrl.rewards.compose import RewardWeights
@@ -122,8 +123,7 @@ class RunConfig(_Section):
     @field_validator("train_split")
     @classmethod
     def _hidden_is_never_trained_on(cls, v: str) -> str:
-        if v == "hidden":
-            raise ValueError("the hidden evaluation split is never used for training; pick another train_split")
+        assert_trainable_splits([v])  # HiddenSetError is a ValueError: reported with the field name
         return v
 
 

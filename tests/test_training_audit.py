@@ -188,8 +188,20 @@ def test_probe_stats_layout():
 
 # -------------------------------------------------------------------- config ----
 def test_config_refuses_training_on_the_hidden_set():
-    with pytest.raises(ConfigError, match="hidden evaluation split is never used for training"):
+    with pytest.raises(ConfigError, match="hidden evaluation set and is never used for training"):
         load_config(None, ["train_split=hidden"])
     with pytest.raises(ConfigError, match="recipe"):
         load_config(None, ["recipe=[sft, ppo]"])
     assert load_config(None, ["recipe=[sft, rft, grpo]"]).recipe == ["sft", "rft", "grpo"]
+
+
+def test_training_stages_refuse_hidden_tasks(monkeypatch, tmp_path):
+    """Even when a task source hands hidden tasks to a training stage, the stage refuses them."""
+    from mentorrl.eval.sets import HiddenSetError
+    from mentorrl.train.stages import open_workspace
+
+    ws = open_workspace(load_config(None, [f"run_dir={tmp_path}"]), show_progress=False)
+    assert all(t.split == "train" for t in ws.train_tasks(4, 0))
+    monkeypatch.setattr(ws, "tasks", lambda split, n, seed: ws.env_entry.make_tasks().tasks("hidden", n, seed))
+    with pytest.raises(HiddenSetError, match="refusing to train on 4 hidden-set task"):
+        ws.train_tasks(4, 0)

@@ -25,6 +25,7 @@ from mentorrl.config import RunConfig, dump_config
 from mentorrl.contract import RolloutContract, contract_for_env
 from mentorrl.envs import EnvEntry, get_env
 from mentorrl.eval.metrics import summarize
+from mentorrl.eval.sets import assert_trainable, assert_trainable_splits
 from mentorrl.rollout.runner import expert_demonstrations, rollout_tasks
 from mentorrl.flywheel.hard_pool import HardTaskPool
 from mentorrl.train.audit import GapMonitor, flag_high_reward_failures
@@ -75,11 +76,9 @@ class Workspace:
 
     def train_tasks(self, n: int, seed: int):
         """Tasks for a training stage, from ``cfg.train_split``; refuses the hidden evaluation set."""
+        assert_trainable_splits([self.cfg.train_split])
         tasks = self.tasks(self.cfg.train_split, n, seed)
-        hidden = [t.id for t in tasks if t.split == "hidden"]
-        if hidden:
-            raise ValueError(f"refusing to train on {len(hidden)} hidden-set tasks (e.g. {hidden[0]}): "
-                             "the hidden evaluation set is never used for training")
+        assert_trainable(tasks)
         return tasks
 
     def progress(self):

@@ -1,7 +1,15 @@
 """Seeded task generator for the orders environment.
 
-Train and held-out tasks differ in their database seeds (disjoint ranges), their ids and
-the wording of the user's message (separate templates per split).
+Splits differ in their database seeds (disjoint ranges) and their ids:
+
+- ``train`` and ``heldout`` also differ in the wording of the user's message (separate
+  templates per split);
+- ``hidden`` is an evaluation-only split worded like ``heldout`` (never trained on; see
+  :func:`mentorrl.eval.sets.assert_trainable`);
+- ``golden`` is a curated coverage set: task ``i`` is the ``i``-th (family, kind) pair of
+  :data:`GOLDEN_PAIRS` (cycling), so any ``n >= len(GOLDEN_PAIRS)`` covers every family
+  with its normal case and every adversarial kind; repeated rounds cycle through the
+  (train) phrasings instead of sampling them.
 """
 
 from __future__ import annotations
@@ -35,6 +43,12 @@ ADVERSARIAL = (
     ("email_receipt", "wrong_owner"),
 )
 ADVERSARIAL_SHARE = 0.25
+# the golden set's curated coverage: every family's normal case, then every adversarial kind
+GOLDEN_PAIRS: tuple[tuple[str, str], ...] = tuple((f, "normal") for f in FAMILIES) + ADVERSARIAL
+# database seed range of each split: [base, base + 2**39), pairwise disjoint
+SEED_BASE = {"train": 0, "heldout": 1 << 40, "hidden": 2 << 40, "golden": 3 << 40}
+# which template set words each split's prompts
+PHRASING = {"train": "train", "heldout": "heldout", "hidden": "heldout", "golden": "train"}
 NOT_FOUND_WORDS = ["not found", "no customer", "couldn't find", "could not find", "no account"]
 NO_ORDER_WORDS = ["not found", "no order", "doesn't exist", "does not exist"]
 NOT_YOURS_WORDS = ["not on your account", "belong", "not your order", "another customer"]
@@ -271,31 +285,38 @@ class _Gen:
 
 
 class OrdersTasks:
-    """``tasks(split, n, seed)``: deterministic list of tasks; splits use disjoint seeds and wording."""
+    """``tasks(split, n, seed)``: deterministic list of tasks; splits use disjoint seeds (see the module doc)."""
 
-    SEED_BASE = {"train": 0, "heldout": 1 << 40}
+    SEED_BASE = SEED_BASE
+    golden_size = len(GOLDEN_PAIRS)  # the smallest golden set that covers every (family, kind) pair
 
     def tasks(self, split: str = "train", n: int = 200, seed: int = 0) -> list[Task]:
-        if split not in self.SEED_BASE:
-            raise ValueError(f"split must be 'train' or 'heldout', not {split!r}")
+        if split not in SEED_BASE:
+            raise ValueError(f"split must be one of {', '.join(SEED_BASE)}, not {split!r}")
         rng = random.Random(f"orders/{split}/{seed}")
         out: list[Task] = []
         used_seeds: set[int] = set()
         for i in range(n):
-            if rng.random() < ADVERSARIAL_SHARE:
+            if split == "golden":
+                family, kind = GOLDEN_PAIRS[i % len(GOLDEN_PAIRS)]
+            elif rng.random() < ADVERSARIAL_SHARE:
                 family, kind = rng.choice(ADVERSARIAL)
             else:
                 family, kind = rng.choice(FAMILIES), "normal"
             while True:
-                ep_seed = self.SEED_BASE[split] + rng.getrandbits(39)
+                ep_seed = SEED_BASE[split] + rng.getrandbits(39)
                 if ep_seed in used_seeds:
                     continue
                 built = _Gen(make_world(ep_seed), rng).build(family, kind)
                 if built is not None:
                     break
             used_seeds.add(ep_seed)
-            templates = ADV_TEMPLATES.get(kind, TEMPLATES[family])[split]
-            prompt = rng.choice(templates).format(**built["fields"])
+            templates = ADV_TEMPLATES.get(kind, TEMPLATES[family])[PHRASING[split]]
+            if split == "golden":  # curated: each round uses the next phrasing
+                template = templates[(i // len(GOLDEN_PAIRS)) % len(templates)]
+            else:
+                template = rng.choice(templates)
+            prompt = template.format(**built["fields"])
             out.append(Task(
                 id=f"orders-{split}-{seed}-{i:05d}", family=family, split=split, prompt=prompt, seed=ep_seed,
                 difficulty="normal" if kind == "normal" else "adversarial", reference=built["ref"],
@@ -303,4 +324,5 @@ class OrdersTasks:
         return out
 
 
-__all__ = ["FAMILIES", "ADVERSARIAL", "OrdersTasks", "TEMPLATES", "ADV_TEMPLATES"]
+__all__ = ["FAMILIES", "ADVERSARIAL", "GOLDEN_PAIRS", "SEED_BASE", "PHRASING", "OrdersTasks", "TEMPLATES",
+           "ADV_TEMPLATES"]

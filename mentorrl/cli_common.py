@@ -1,0 +1,42 @@
+"""Helpers every `mentorrl` command shares: consoles, quiet transformers, config loading."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+console = Console()
+err = Console(stderr=True)
+
+PACKAGED_CONFIGS = Path(__file__).parent / "configs"
+
+
+def quiet_transformers() -> None:
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def load_run_config(config: Optional[Path], overrides: list[str], run_dir: Optional[str] = None,
+                    default: str | None = "demo.yaml"):
+    """A RunConfig from ``config`` (else the packaged ``default``) and ``key=value`` overrides.
+
+    ``run_dir`` is a default: an explicit ``run_dir=...`` override wins. A bad config exits 2
+    with the message naming the field.
+    """
+    from mentorrl.config import ConfigError, load_config
+
+    path = config if config is not None else (PACKAGED_CONFIGS / default if default else None)
+    ov = list(overrides)
+    if run_dir is not None and not any(o.startswith("run_dir=") for o in ov):
+        ov.append(f"run_dir={run_dir}")
+    try:
+        return load_config(path, ov)
+    except ConfigError as e:
+        err.print(f"[red]{escape(str(e))}[/red]")
+        raise typer.Exit(2) from None
