@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Literal
+from typing import Any, Iterable, Iterator, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -120,23 +120,36 @@ class Trajectory(_Record):
         return cls.model_validate_json(line)
 
 
-def write_jsonl(path: str | Path, trajectories: Iterable[Trajectory], append: bool = False) -> int:
+M = TypeVar("M", bound=BaseModel)
+
+
+def write_models_jsonl(path: str | Path, records: Iterable[BaseModel], append: bool = False) -> int:
+    """One pydantic record per line; returns how many were written."""
     n = 0
     with open(path, "a" if append else "w", encoding="utf-8") as f:
-        for t in trajectories:
-            f.write(t.to_json() + "\n")
+        for r in records:
+            f.write(r.model_dump_json() + "\n")
             n += 1
     return n
 
 
-def read_jsonl(path: str | Path) -> Iterator[Trajectory]:
+def read_models_jsonl(path: str | Path, cls: type[M]) -> Iterator[M]:
+    """Records of ``cls``, one per non-blank line; a bad line fails with its file and line number."""
     with open(path, encoding="utf-8") as f:
         for i, line in enumerate(f, 1):
             if line.strip():
                 try:
-                    yield Trajectory.from_json(line)
+                    yield cls.model_validate_json(line)
                 except ValueError as e:  # pydantic.ValidationError is a ValueError
-                    raise ValueError(f"{path}:{i}: not a valid trajectory: {e}") from e
+                    raise ValueError(f"{path}:{i}: not a valid {cls.__name__}: {e}") from e
+
+
+def write_jsonl(path: str | Path, trajectories: Iterable[Trajectory], append: bool = False) -> int:
+    return write_models_jsonl(path, trajectories, append)
+
+
+def read_jsonl(path: str | Path) -> Iterator[Trajectory]:
+    return read_models_jsonl(path, Trajectory)
 
 
 def dumps_compact(obj: Any) -> str:

@@ -13,6 +13,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
+from cli_helpers import cli_output, cli_with
 from mentorrl.envs.base import Task, ToolAction
 from mentorrl.envs.orders import FAMILIES, OrdersTasks
 from mentorrl.envs.orders.tasks import ADV_TEMPLATES, ADVERSARIAL, GOLDEN_PAIRS, TEMPLATES
@@ -456,18 +457,10 @@ def test_recorded_prompts(golden_expert_trajs, tokenizer):
 
 # ------------------------------------------------------------ `mentorrl eval` end to end ------
 def _cli() -> typer.Typer:
-    app = typer.Typer(add_completion=False)
-    register(app)
-    return app
+    return cli_with(register)
 
 
-def _output(result) -> str:
-    out = result.output
-    try:
-        out += result.stderr
-    except (ValueError, AttributeError):
-        pass
-    return out
+_output = cli_output
 
 
 TINY = ["--set", "limits.max_turns=2", "--set", "sampling.max_new_tokens=12", "--set", "eval.batch_size=16"]

@@ -16,6 +16,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
+from cli_helpers import cli_with
 from mentorrl.contract import render_tool_call
 from mentorrl.envs.base import FinalAnswer, Task
 from mentorrl.envs.orders import OrdersExpert
@@ -590,14 +591,7 @@ def test_contract_is_rebuilt_from_the_fingerprint(cases, tokenizer, orders_entry
 
 # ----------------------------------------------------------------------- CLI ----
 def _app() -> typer.Typer:
-    app = typer.Typer()
-
-    @app.callback()
-    def main() -> None:  # a callback keeps `flywheel` a subcommand, as in the real CLI
-        pass
-
-    register(app)
-    return app
+    return cli_with(register)
 
 
 @pytest.fixture(scope="module")

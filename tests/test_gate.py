@@ -9,6 +9,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
+from cli_helpers import cli_output, cli_with
 from mentorrl.envs.orders import OrdersTasks
 from mentorrl.eval.commands import register
 from mentorrl.eval.gate import GateDecision, GateError, SetResult, gate_decision, set_results
@@ -125,18 +126,10 @@ def test_set_results_from_summary():
 
 # ------------------------------------------------------------ the command ------
 def _cli() -> typer.Typer:
-    app = typer.Typer(add_completion=False)
-    register(app)
-    return app
+    return cli_with(register)
 
 
-def _output(result) -> str:
-    out = result.output
-    try:
-        out += result.stderr
-    except (ValueError, AttributeError):
-        pass
-    return out
+_output = cli_output
 
 
 def _write(tmp_path: Path, name: str, data: dict) -> Path:

@@ -11,6 +11,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
+from cli_helpers import cli_with
 from mentorrl.contract import contract_for_env
 from mentorrl.envs import EnvEntry
 from mentorrl.envs.base import Task, ToolAction, Verdict
@@ -325,14 +326,7 @@ def test_naive_verifier_loses_the_separation(tok, shipped_validation):
 
 # ----------------------------------------------------------------------- CLI ----
 def _app() -> typer.Typer:
-    app = typer.Typer()
-
-    @app.callback()
-    def main() -> None:  # a group, so the command keeps its name
-        pass
-
-    register(app)
-    return app
+    return cli_with(register)
 
 
 def test_cli_passes_on_the_shipped_reward(tmp_path):

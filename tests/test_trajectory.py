@@ -129,7 +129,7 @@ def test_bad_line_names_file_and_line(tmp_path):
 def test_garbage_line_names_file_and_line(tmp_path):
     path = tmp_path / "garbage.jsonl"
     path.write_text(make_traj(0).to_json() + "\n{not json\n", encoding="utf-8")
-    with pytest.raises(ValueError, match=r"garbage\.jsonl:2: not a valid trajectory"):
+    with pytest.raises(ValueError, match=r"garbage\.jsonl:2: not a valid Trajectory"):
         list(read_jsonl(path))
 
 

@@ -33,7 +33,7 @@ from mentorrl.flywheel.attribution import Attribution, FailureType
 from mentorrl.flywheel.routing import CORRECTION_METHODS, RoutingTable, TrainingMethod
 from mentorrl.rewards.compose import RewardWeights
 from mentorrl.rollout.episode import run_scripted_episode
-from mentorrl.trajectory import ToolCall, Trajectory, dumps_compact
+from mentorrl.trajectory import ToolCall, Trajectory, dumps_compact, read_models_jsonl, write_models_jsonl
 
 TASK_ID_RE = re.compile(r"^(?P<prefix>.+)-(?P<split>[A-Za-z]+)-(?P<seed>\d+)-(?P<index>\d+)$")
 
@@ -269,17 +269,11 @@ def build_corrections(
 
 
 def write_pairs_jsonl(path: str | Path, pairs: Iterable[PreferencePair]) -> int:
-    n = 0
-    with open(path, "w", encoding="utf-8") as f:
-        for p in pairs:
-            f.write(p.model_dump_json() + "\n")
-            n += 1
-    return n
+    return write_models_jsonl(path, pairs)
 
 
 def read_pairs_jsonl(path: str | Path) -> list[PreferencePair]:
-    with open(path, encoding="utf-8") as f:
-        return [PreferencePair.model_validate_json(line) for line in f if line.strip()]
+    return list(read_models_jsonl(path, PreferencePair))
 
 
 __all__ = [

@@ -33,7 +33,7 @@ from typing import Iterable, Sequence
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mentorrl.eval import trace
-from mentorrl.trajectory import Trajectory
+from mentorrl.trajectory import Trajectory, read_models_jsonl, write_models_jsonl
 
 DISAGREEMENT = "claimed_success_verifier_failed"
 
@@ -306,17 +306,11 @@ def reason_kind(reason: str) -> str:
 
 
 def write_review_queue(path: str | Path, entries: Iterable[ReviewEntry]) -> int:
-    n = 0
-    with open(path, "w", encoding="utf-8") as f:
-        for e in entries:
-            f.write(e.model_dump_json() + "\n")
-            n += 1
-    return n
+    return write_models_jsonl(path, entries)
 
 
 def read_review_queue(path: str | Path) -> list[ReviewEntry]:
-    with open(path, encoding="utf-8") as f:
-        return [ReviewEntry.model_validate_json(line) for line in f if line.strip()]
+    return list(read_models_jsonl(path, ReviewEntry))
 
 
 __all__ = [
