@@ -20,13 +20,18 @@ def _load(config: Optional[Path], overrides: list[str], run_dir: Optional[str] =
 
 
 def _run_recipe(cfg, resume: bool) -> dict:
-    from mentorrl.train.pipeline import run_demo
+    from rich.markup import escape
+
+    from mentorrl.train.pipeline import RewardAuditFailed, run_demo
 
     try:
         return run_demo(cfg, resume=resume)
     except FileNotFoundError as e:  # e.g. model.path is not a checkpoint directory
         err.print(f"[red]{e}[/red]")
         raise typer.Exit(2)
+    except RewardAuditFailed as e:
+        err.print(f"[red]{escape(str(e))}[/red]")
+        raise typer.Exit(1)
 
 
 ConfigOpt = typer.Option(None, "--config", "-c", exists=True, dir_okay=False, help="YAML recipe")
@@ -135,10 +140,17 @@ def diagnose(
 
 
 @app.command("config")
-def config_cmd(config: Optional[Path] = ConfigOpt, set_: list[str] = SetOpt) -> None:
+def config_cmd(
+    config: Optional[Path] = ConfigOpt,
+    set_: list[str] = SetOpt,
+    reference: bool = typer.Option(False, "--reference", help="print every field with its default and meaning (Markdown)"),
+) -> None:
     """Print the effective configuration (defaults, a file, overrides) as YAML."""
-    from mentorrl.config import dump_config
+    from mentorrl.config import config_reference_markdown, dump_config
 
+    if reference:
+        sys.stdout.write(config_reference_markdown())
+        return
     sys.stdout.write(dump_config(_load(config, set_, default="demo.yaml" if config is None else None)))
 
 

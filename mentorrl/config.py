@@ -38,35 +38,37 @@ class ModelConfig(_Section):
 
 
 class OptimConfig(_Section):
-    lr: float = Field(1e-3, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.99)
-    max_grad_norm: float = Field(1.0, gt=0)
-    warmup_steps: int = Field(0, ge=0)
+    lr: float = Field(1e-3, gt=0, description="AdamW learning rate")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas")
+    max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping")
+    warmup_steps: int = Field(0, ge=0, description="linear learning-rate warm-up")
     micro_batch_size: int = Field(32, ge=1, description="sequences per forward/backward; gradients accumulate")
 
 
 class SFTConfig(_Section):
     num_demos: int = Field(1000, ge=1, description="expert demonstrations on train tasks")
-    steps: int = Field(40, ge=0)
-    batch_size: int = Field(32, ge=1)
+    steps: int = Field(40, ge=0, description="optimizer steps")
+    batch_size: int = Field(32, ge=1, description="demonstrations per step")
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=3e-3, warmup_steps=5))
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field(
+        "token-mean", description="token-mean, seq-mean-token-mean or seq-mean-token-sum")
 
 
 class GRPOConfig(_Section):
-    steps: int = Field(20, ge=0)
-    tasks_per_step: int = Field(16, ge=1)
-    group_size: int = Field(8, ge=2)
+    steps: int = Field(20, ge=0, description="GRPO steps (one rollout batch each)")
+    tasks_per_step: int = Field(16, ge=1, description="distinct tasks per step")
+    group_size: int = Field(8, ge=2, description="samples per task")
     updates_per_step: int = Field(2, ge=1, description="optimizer steps per rollout batch (minibatches)")
-    normalize_std: bool = True
-    eps_low: float = Field(0.2, ge=0)
-    eps_high: float = Field(0.28, ge=0)
+    normalize_std: bool = Field(True, description="divide group-centred rewards by the group std")
+    eps_low: float = Field(0.2, ge=0, description="clip range below 1 of the importance ratio")
+    eps_high: float = Field(0.28, ge=0, description="clip range above 1 of the importance ratio")
     kl_coef: float = Field(0.0, ge=0, description="k3 KL penalty to the frozen reference (the SFT model)")
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field(
+        "token-mean", description="loss aggregation, as for SFT")
     advantage: str = Field("grpo", description="name in mentorrl.algos.advantages.ADVANTAGE_ESTIMATORS")
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=5e-4))
-    checkpoint_every: int = Field(5, ge=1)
+    checkpoint_every: int = Field(5, ge=1, description="steps between checkpoints")
     sample_trajectories: int = Field(8, ge=0, description="trajectories per step written to RUN_DIR/samples/grpo-step-N.jsonl")
     hard_pool: HardPoolConfig | None = Field(
         None, description="hard-task pool: failed tasks are drawn again at a raised rate (null: uniform task draws)"
@@ -84,15 +86,15 @@ class RFTConfig(_Section):
     band: tuple[float, float] = Field((0.05, 0.5), description="keep tasks whose estimated success lies in [lo, hi]")
     min_gain: float = Field(0.0, ge=0, description="stop when the positive-task rate rises by no more than this")
     sft_steps: int = Field(30, ge=1, description="fine-tuning steps on the RFT set per round")
-    batch_size: int = Field(32, ge=1)
+    batch_size: int = Field(32, ge=1, description="trajectories per fine-tuning step")
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=2e-4))
     rollout_batch: int = Field(256, ge=1, description="trajectories decoded together")
 
 
 class EvalConfig(_Section):
-    num_tasks: int = Field(200, ge=1)
-    split: Literal["heldout", "train"] = "heldout"
-    seed: int = 12345
+    num_tasks: int = Field(200, ge=1, description="held-out tasks evaluated after each stage")
+    split: Literal["heldout", "train"] = Field("heldout", description="task split evaluated after each stage")
+    seed: int = Field(12345, description="task seed of the evaluation")
     temperature: float | None = Field(None, ge=0, description="null: the contract's sampling temperature")
     batch_size: int = Field(100, ge=1, description="trajectories decoded together")
 
@@ -101,8 +103,8 @@ STAGE_NAMES = ("sft", "rft", "grpo")
 
 
 class RunConfig(_Section):
-    run_dir: str = "runs/demo"
-    seed: int = 0
+    run_dir: str = Field("runs/demo", description="where everything is written")
+    seed: int = Field(0, description="seeds task sampling, batches and rollouts")
     recipe: list[Literal["sft", "rft", "grpo"]] = Field(
         default_factory=lambda: ["sft", "grpo"], min_length=1, description="stages run in order"
     )
@@ -176,3 +178,29 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 def dump_config(cfg: RunConfig) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def _fmt_default(value: Any) -> str:
+    if isinstance(value, BaseModel):
+        return "{...}"
+    return "`" + yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip() + "`"
+
+
+def config_reference(model: BaseModel | None = None, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted field, default, description) for every leaf field of the run config, from the models."""
+    model = model if model is not None else RunConfig()
+    rows: list[tuple[str, str, str]] = []
+    for name, info in type(model).model_fields.items():
+        value = getattr(model, name)
+        dotted = f"{prefix}{name}"
+        if isinstance(value, BaseModel):
+            rows.extend(config_reference(value, dotted + "."))
+            continue
+        rows.append((dotted, _fmt_default(value), (info.description or "").replace("|", "\\|")))
+    return rows
+
+
+def config_reference_markdown() -> str:
+    lines = ["| field | default | meaning |", "|---|---|---|"]
+    lines += [f"| `{f}` | {d} | {m} |" for f, d, m in config_reference()]
+    return "\n".join(lines) + "\n"

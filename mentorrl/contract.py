@@ -41,7 +41,7 @@ class SamplingParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     temperature: float = Field(1.0, ge=0.0, description="0 means greedy")
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling (keep 1.0 for on-policy RL)")
     top_k: int = Field(0, ge=0, description="0 disables top-k")
     max_new_tokens: int = Field(96, ge=1, description="per policy turn")
 

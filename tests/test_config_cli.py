@@ -166,3 +166,15 @@ def test_cli_train_model_path_not_a_checkpoint_exits_2(tmp_path):
 def test_cli_eval_missing_model_dir_exits_2(tmp_path):
     res = runner.invoke(app, ["eval", str(tmp_path / "nope")])
     assert res.exit_code == 2
+
+
+def test_readme_config_reference_is_generated_from_the_models():
+    """The README's configuration table is exactly `mentorrl config --reference`: docs cannot drift."""
+    from pathlib import Path
+
+    from mentorrl.config import config_reference_markdown
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    res = runner.invoke(app, ["config", "--reference"])
+    assert res.exit_code == 0 and res.output == config_reference_markdown()
+    assert config_reference_markdown() in readme, "regenerate the README table with `mentorrl config --reference`"

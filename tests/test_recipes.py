@@ -68,3 +68,13 @@ def test_hard_pool_settings_are_checked(tmp_path):
     (tmp_path / "pool.json").write_text(json.dumps(saved.state_dict()))
     pool = _hard_pool(GRPOConfig(hard_pool=HardPoolConfig(boost=9.0), hard_pool_state=str(tmp_path / "pool.json")))
     assert "task-7" in pool and pool.config.boost == 9.0  # the saved failures, the run's settings
+
+
+@pytest.mark.slow
+def test_training_refuses_a_reward_that_pays_for_hacks(tmp_path):
+    """Without the redundancy and verbosity terms, tool spam and a padded answer tie honest work:
+    the preflight reward audit stops the run before any training step."""
+    res = _run(tmp_path, "--set", "reward.redundant_penalty=0", "--set", "reward.verbosity=0")
+    assert res.exit_code == 1
+    assert "reward audit failed" in res.output and "tool_spam" in res.output and "padded_answer" in res.output
+    assert not (tmp_path / "run" / "sft").exists() and (tmp_path / "run" / "reward_audit.json").exists()

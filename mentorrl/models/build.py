@@ -24,13 +24,13 @@ class ModelSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     vocab_size: int = Field(1024, ge=300, description="BPE vocabulary size including special tokens (number tokens 0-999 come on top)")
-    hidden_size: int = Field(128, ge=16)
-    intermediate_size: int = Field(384, ge=16)
-    num_layers: int = Field(4, ge=1)
-    num_heads: int = Field(4, ge=1)
-    num_kv_heads: int = Field(2, ge=1)
-    max_positions: int = Field(2048, ge=64)
-    seed: int = 0
+    hidden_size: int = Field(128, ge=16, description="model width")
+    intermediate_size: int = Field(384, ge=16, description="MLP width")
+    num_layers: int = Field(4, ge=1, description="decoder layers")
+    num_heads: int = Field(4, ge=1, description="attention heads")
+    num_kv_heads: int = Field(2, ge=1, description="key/value heads (GQA)")
+    max_positions: int = Field(2048, ge=64, description="context length")
+    seed: int = Field(0, description="weight initialisation seed")
 
 
 # Pre-tokenisation: whitespace, letter runs, numbers in chunks of up to three digits, and

@@ -28,6 +28,10 @@ from mentorrl.trajectory import Trajectory
 class AuditConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
+    preflight: bool = Field(
+        True, description="run the environment's reward-hacking suite with this run's reward before training; "
+                          "refuse to train when it fails"
+    )
     flag_reward: float = Field(0.5, description="reward debugger: flag failures whose reward is at least this")
     reward_low: float = Field(-1.0, description="declared lower end of the reward range; lower rewards are clipped")
     reward_high: float = Field(1.5, description="declared upper end of the reward range; higher rewards are clipped")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -91,6 +92,9 @@ def run_recipe(cfg: RunConfig, resume: bool = False, show_progress: bool = True)
     n_params = sum(p.numel() for p in model.parameters())
     con.print(f"model: {model_dir} ({n_params / 1e6:.2f}M parameters, vocab {len(tokenizer)}), run dir: {ws.run_dir}")
 
+    if cfg.audit.preflight:
+        preflight_reward_audit(ws)
+
     rows: dict[str, dict[str, Any]] = {}
     evals: dict[str, dict[str, Any]] = {}
     done: list[str] = []
@@ -120,6 +124,42 @@ def run_recipe(cfg: RunConfig, resume: bool = False, show_progress: bool = True)
     con.print(f"{' -> '.join(cfg.recipe[1:]) or cfg.recipe[0]} changed held-out success by {100 * delta:+.1f} points; "
               f"report: {md_path}; total time {time.perf_counter() - t0:.0f}s")
     return result
+
+
+class RewardAuditFailed(RuntimeError):
+    """The run's reward pays an attack at least as well as honest work: training would optimise the hole."""
+
+
+def preflight_reward_audit(ws: Workspace) -> dict[str, Any] | None:
+    """The notes' first debugging step, done before any training: does the reward rank every
+    scripted attack below honest work (and below 0 when it breaks a hard constraint)?
+
+    Runs the environment's reward-hacking suite with this run's reward weights and tokenizer,
+    writes ``reward_audit.json`` and raises :class:`RewardAuditFailed` when an attack wins.
+    Environments without a registered suite are skipped with a note.
+    """
+    from mentorrl.integrity.attacks import AuditConfig as AttackAuditConfig
+    from mentorrl.integrity.attacks import audit_env, get_attacks
+
+    name = ws.cfg.env.name
+    try:
+        get_attacks(name)
+    except ValueError:
+        ws.console.print(f"[yellow]reward audit: no reward-hacking suite registered for {name!r}; skipped[/yellow]")
+        return None
+    report = audit_env(name, ws.tokenizer, AttackAuditConfig(weights=ws.cfg.reward, seed=ws.cfg.seed))
+    data = report.to_dict()
+    (ws.run_dir / "reward_audit.json").write_text(json.dumps(data, indent=2))
+    failed = [f"{a.name}: {a.reason}" for a in report.attacks if not a.passed]
+    if report.honest_failures:
+        failed.append(f"the honest expert failed {len(report.honest_failures)} task(s), e.g. {report.honest_failures[0]}")
+    if failed:
+        raise RewardAuditFailed("reward audit failed; refusing to train on a reward that pays for hacks:\n  "
+                                + "\n  ".join(failed) + "\n(set audit.preflight=false to train anyway)")
+    worst = max(a.max_reward for a in report.attacks if a.max_reward is not None)
+    ws.console.print(f"reward audit: {len(report.attacks)} attacks all score below honest work "
+                     f"(best attack {worst:.2f} < honest minimum {report.honest_min:.2f})")
+    return data
 
 
 def run_demo(cfg: RunConfig, resume: bool = False, show_progress: bool = True) -> dict[str, Any]:
