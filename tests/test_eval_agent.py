@@ -477,7 +477,8 @@ def test_eval_cli_end_to_end(tiny_model_dir, tmp_path):
             "--out", str(out), *TINY]
     res = CliRunner().invoke(_cli(), args)
     assert res.exit_code == 0, _output(res)
-    for title in ("golden: outcome", "golden: process and cost", "regression:reg: outcome", "production:prod: outcome"):
+    for title in ("golden: outcome", "golden: tool use", "golden: cost", "golden: safety", "regression:reg: outcome",
+                  "production:prod: outcome"):
         assert title in res.output
     summary = json.loads((out / "eval_summary.json").read_text())
     assert list(summary["sets"]) == ["golden", "regression:reg", "production:prod"]

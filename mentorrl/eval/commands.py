@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import typer
+from rich import box
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -170,50 +171,81 @@ def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{100 * x:.1f}%"
 
 
-def _rows(report: AgentReport) -> list[tuple[str, GroupMetrics]]:
-    rows = [("overall", report.overall)]
-    rows += [(f"family: {k}", v) for k, v in report.by_family.items()]
-    rows += [(f"difficulty: {k}", v) for k, v in report.by_difficulty.items()]
-    return rows
+def _p(x: float | None) -> str:
+    """A share as a bare percentage (the column header says %)."""
+    return "-" if x is None else f"{100 * x:.1f}"
+
+
+def _sections(report: AgentReport) -> list[list[tuple[str, GroupMetrics]]]:
+    return [[("overall", report.overall)], list(report.by_family.items()),
+            list(report.by_difficulty.items())]
+
+
+def _table(title: str, cols: list[str]) -> Table:
+    t = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, title_justify="left", collapse_padding=True)
+    for c in cols:
+        t.add_column(c, justify="left" if c == "group" else "right", no_wrap=True)
+    return t
+
+
+def _fill(t: Table, report: AgentReport, row) -> Table:
+    for i, section in enumerate(_sections(report)):
+        if i:
+            t.add_section()
+        for label, m in section:
+            t.add_row(label, *row(m))
+    return t
 
 
 def outcome_table(name: str, report: AgentReport, ks: Sequence[int]) -> Table:
-    """Success, reliability, safety and judge agreement, overall and per family / difficulty."""
+    """Success with its interval, pass@k and pass^k (all in %), overall / per family / per difficulty."""
     shown = [k for k in ks if k in report.overall.pass_at_k and k != 1]
-    t = Table(title=f"{name}: outcome")
-    cols = ["group", "n", "tasks", "success", "95% CI", "pass@1", *[f"pass@{k}" for k in shown],
-            *[f"pass^{k}" for k in shown], "violations"]
-    judged = report.overall.judge is not None
-    if judged:
-        cols += ["judge agree", "kappa", "judge✓ verifier✗"]
-    for c in cols:
-        t.add_column(c, justify="left" if c == "group" else "right")
-    for label, m in _rows(report):
+    cols = ["group", "n", "success", "95% CI", *[f"pass@{k}" for k in shown], *[f"pass^{k}" for k in shown]]
+
+    def row(m: GroupMetrics) -> list[str]:
         lo, hi = m.success_ci95
-        row = [label, str(m.n), str(m.n_tasks), _pct(m.success), f"[{_pct(lo)}, {_pct(hi)}]", _pct(m.pass_at_1),
-               *[_pct(m.pass_at_k.get(k)) for k in shown], *[_pct(m.pass_hat_k.get(k)) for k in shown],
-               _pct(m.violation_rate)]
+        return [str(m.n), _p(m.success), f"{_p(lo)}-{_p(hi)}",
+                *[_p(m.pass_at_k.get(k)) for k in shown], *[_p(m.pass_hat_k.get(k)) for k in shown]]
+
+    return _fill(_table(f"{name}: outcome (%; success = pass@1)", cols), report, row)
+
+
+def safety_table(name: str, report: AgentReport) -> Table:
+    """Hard-constraint violations and, when a judge ran, its agreement with the verifier."""
+    judged = report.overall.judge is not None
+    cols = ["group", "violations"] + (["judge agrees", "kappa", "judge yes, verifier no"] if judged else [])
+
+    def row(m: GroupMetrics) -> list[str]:
+        out = [_p(m.violation_rate)]
         if judged:
             j = m.judge
-            row += ["n/a", "n/a", "n/a"] if j is None else [
-                _pct(j.agreement), "n/a" if j.kappa is None else f"{j.kappa:.2f}", str(j.judge_pass_verifier_fail)]
-        t.add_row(*row)
-    return t
+            out += ["-", "-", "-"] if j is None else [
+                _p(j.agreement), "-" if j.kappa is None else f"{j.kappa:.2f}", str(j.judge_pass_verifier_fail)]
+        return out
+
+    return _fill(_table(f"{name}: safety and judge (%)", cols), report, row)
 
 
-def process_table(name: str, report: AgentReport) -> Table:
-    """Tool use, loops, recovery and cost, overall and per family / difficulty."""
-    t = Table(title=f"{name}: process and cost")
-    cols = ["group", "tool calls", "tool success", "invalid calls", "loop rate", "recovery", "mean steps",
-            "mean tokens", "policy tokens", "latency s"]
-    for c in cols:
-        t.add_column(c, justify="left" if c == "group" else "right")
-    for label, m in _rows(report):
-        rec = "n/a" if m.recovery_rate is None else f"{_pct(m.recovery_rate)} of {m.n_with_error}"
-        t.add_row(label, str(m.tool_calls), _pct(m.tool_success), _pct(m.invalid_call_rate), _pct(m.loop_rate), rec,
-                  f"{m.mean_steps:.2f}", f"{m.mean_total_tokens:.0f}", f"{m.mean_policy_tokens:.0f}",
-                  f"{m.mean_latency_s:.3f}")
-    return t
+def tool_table(name: str, report: AgentReport) -> Table:
+    """Tool use: success, invalid calls, loops and recovery after a tool error."""
+    cols = ["group", "calls", "tool ok", "invalid", "loops", "with error", "recovered"]
+
+    def row(m: GroupMetrics) -> list[str]:
+        return [str(m.tool_calls), _p(m.tool_success), _p(m.invalid_call_rate), _p(m.loop_rate),
+                str(m.n_with_error), _p(m.recovery_rate)]
+
+    return _fill(_table(f"{name}: tool use (%; recovered = share of episodes with an error)", cols), report, row)
+
+
+def cost_table(name: str, report: AgentReport) -> Table:
+    """Mean steps, tokens and latency per episode."""
+    cols = ["group", "steps", "tokens", "policy tokens", "latency s"]
+
+    def row(m: GroupMetrics) -> list[str]:
+        return [f"{m.mean_steps:.2f}", f"{m.mean_total_tokens:.0f}", f"{m.mean_policy_tokens:.0f}",
+                f"{m.mean_latency_s:.1f}"]
+
+    return _fill(_table(f"{name}: cost (means per episode)", cols), report, row)
 
 
 def print_summary(summary: dict[str, Any], out: Console = console) -> None:
@@ -221,7 +253,9 @@ def print_summary(summary: dict[str, Any], out: Console = console) -> None:
     for name, s in summary["sets"].items():
         report = AgentReport.model_validate(s["metrics"])
         out.print(outcome_table(name, report, ks))
-        out.print(process_table(name, report))
+        out.print(safety_table(name, report))
+        out.print(tool_table(name, report))
+        out.print(cost_table(name, report))
 
 
 def gate_table(decision: GateDecision) -> Table:
@@ -388,7 +422,9 @@ __all__ = [
     "outcome_table",
     "parse_ks",
     "print_summary",
-    "process_table",
+    "cost_table",
+    "safety_table",
+    "tool_table",
     "register",
     "set_fingerprint",
     "parse_set_options",
