@@ -45,7 +45,7 @@ def demo(
     resume: bool = typer.Option(False, "--resume", help="continue from the run dir's last checkpoint"),
     set_: list[str] = SetOpt,
 ) -> None:
-    """Build the tiny model, SFT, evaluate, GRPO, evaluate again; print the before/after table."""
+    """Build the tiny model, audit the reward, SFT, evaluate, GRPO, evaluate again; print the table and report."""
     _quiet_transformers()
     cfg = _load(config, set_, run_dir, default="demo.yaml")
     result = _run_recipe(cfg, resume)
@@ -58,7 +58,7 @@ def train(
     resume: bool = typer.Option(False, "--resume"),
     set_: list[str] = SetOpt,
 ) -> None:
-    """Run a recipe (SFT -> eval -> GRPO -> eval) from a YAML config; model.path may be any HF checkpoint."""
+    """Run a recipe's stages (e.g. sft -> rft -> grpo, held-out eval after each); model.path may be any HF checkpoint."""
     _quiet_transformers()
     _run_recipe(_load(config, set_), resume)
 

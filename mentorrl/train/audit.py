@@ -42,7 +42,7 @@ class AuditConfig(BaseModel):
     eval_tasks: int = Field(64, ge=1, description="held-out tasks per gap-monitor check")
     reward_window: int = Field(5, ge=1, description="training steps averaged for the reward side of the gap")
     reward_rise: float = Field(0.05, ge=0, description="warn when mean training reward rose by more than this ...")
-    success_rise: float = Field(0.0, description="... while held-out success rose by no more than this")
+    success_rise: float = Field(0.02, description="... while held-out success rose by no more than this")
 
 
 def flag_high_reward_failures(trajs: Sequence[Trajectory], threshold: float) -> list[Trajectory]:
@@ -62,7 +62,7 @@ class GapMonitor:
 
     reward_window: int = 5
     reward_rise: float = 0.05
-    success_rise: float = 0.0
+    success_rise: float = 0.02
     rewards: list[tuple[int, float]] = field(default_factory=list)
     evals: list[tuple[int, float, float]] = field(default_factory=list)  # (step, success, windowed reward)
     warnings: list[dict[str, Any]] = field(default_factory=list)
@@ -87,8 +87,8 @@ class GapMonitor:
             warning = {
                 "step": step, "since_step": prev[0], "reward_delta": d_reward, "success_delta": d_success,
                 "message": (f"training reward rose {d_reward:+.3f} since step {prev[0]} while held-out success "
-                            f"changed {d_success:+.3f}: possible reward hacking -- run `mentorrl reward-audit` "
-                            "and review flagged trajectories"),
+                            f"changed {d_success:+.3f}: reward hacking or overfitting to the training tasks -- "
+                            "run `mentorrl reward-audit` and review flagged trajectories"),
             }
             self.warnings = [w for w in self.warnings if w["step"] < step] + [warning]
             return warning

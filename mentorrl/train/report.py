@@ -101,7 +101,8 @@ def report_markdown(report: dict[str, Any]) -> str:
               f"- reward-success gap warnings during training: {a['gap_warnings']} of {len(a['gap_checks'])} checks"]
     e2e = a.get("end_to_end")
     if e2e:
-        verdict = "WARNING: reward rose while held-out success did not" if e2e["warning"] else "consistent"
+        verdict = ("WARNING: reward rose while held-out success did not (reward hacking or overfitting "
+                   "to the training tasks)") if e2e["warning"] else "consistent"
         lines.append(f"- end to end: training reward {e2e['reward_first_window']:.3f} -> {e2e['reward_last_window']:.3f}, "
                      f"held-out success {_pct(e2e['heldout_before'])} -> {_pct(e2e['heldout_after'])}: {verdict}")
     return "\n".join(lines) + "\n"
