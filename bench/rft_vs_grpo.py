@@ -85,13 +85,13 @@ def main() -> int:
         "sft+grpo": {"rft": 0, "grpo": rollouts(base_dir, "grpo"), **base_res["after"]},
     }
     rows["sft+rft+grpo"]["after_rft"] = rft_res["rows"]["RFT"]["success"]
-    table = Table(title=f"RFT cold start vs GRPO alone, equal rollouts ({args.eval_tasks} held-out tasks)")
-    for col in ("arm", "RFT rollouts", "GRPO rollouts", "total", "held-out success", "95% CI"):
-        table.add_column(col, justify="left" if col == "arm" else "right")
+    table = Table(title=f"RFT cold start vs GRPO alone: rollouts and held-out success ({args.eval_tasks} tasks)")
+    for col in ("arm", "RFT", "GRPO", "total", "success", "95% CI"):
+        table.add_column(col, justify="left" if col == "arm" else "right", no_wrap=True)
     for arm, r in rows.items():
         lo, hi = r["success_ci95"]
         table.add_row(arm, str(r["rft"]), str(r["grpo"]), str(r["rft"] + r["grpo"]), f"{100 * r['success']:.1f}%",
-                      f"[{100 * lo:.1f}%, {100 * hi:.1f}%]")
+                      f"{100 * lo:.1f}-{100 * hi:.1f}%")
     con.print(table)
     con.print(f"held-out success right after RFT: {100 * rows['sft+rft+grpo']['after_rft']:.1f}%")
     diff = rows["sft+rft+grpo"]["success"] - rows["sft+grpo"]["success"]
