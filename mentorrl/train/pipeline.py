@@ -156,9 +156,10 @@ def preflight_reward_audit(ws: Workspace) -> dict[str, Any] | None:
     if failed:
         raise RewardAuditFailed("reward audit failed; refusing to train on a reward that pays for hacks:\n  "
                                 + "\n  ".join(failed) + "\n(set audit.preflight=false to train anyway)")
-    worst = max(a.max_reward for a in report.attacks if a.max_reward is not None)
-    ws.console.print(f"reward audit: {len(report.attacks)} attacks all score below honest work "
-                     f"(best attack {worst:.2f} < honest minimum {report.honest_min:.2f})")
+    scored = [a for a in report.attacks if a.max_reward is not None and a.honest_min is not None]
+    closest = min(scored, key=lambda a: a.honest_min - a.max_reward)
+    ws.console.print(f"reward audit: {len(report.attacks)} attacks all score below honest work on the same tasks "
+                     f"(closest: {closest.name} {closest.max_reward:.2f} vs honest {closest.honest_min:.2f})")
     return data
 
 
