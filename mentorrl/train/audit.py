@@ -39,7 +39,10 @@ class AuditConfig(BaseModel):
         None, gt=0, description="also clip rewards further than this many group std from the group mean (off: null)"
     )
     eval_every: int = Field(0, ge=0, description="GRPO steps between held-out checks for the gap monitor (0: off)")
-    eval_tasks: int = Field(64, ge=1, description="held-out tasks per gap-monitor check")
+    eval_tasks: int = Field(
+        200, ge=1, description="held-out tasks per gap-monitor check (the first tasks of the final evaluation; "
+                               "small checks are noisy: 64 tasks give about +-8 points)"
+    )
     reward_window: int = Field(5, ge=1, description="training steps averaged for the reward side of the gap")
     reward_rise: float = Field(0.05, ge=0, description="warn when mean training reward rose by more than this ...")
     success_rise: float = Field(0.02, description="... while held-out success rose by no more than this")
