@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.markup import escape
 
 console = Console()
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)  # error messages stay one greppable line
 
 PACKAGED_CONFIGS = Path(__file__).parent / "configs"
 

@@ -80,12 +80,12 @@ class GRPOConfig(_Section):
 
 class RFTConfig(_Section):
     max_iterations: int = Field(3, ge=1, description="sample -> filter -> fine-tune rounds at most")
-    num_tasks: int = Field(64, ge=1, description="train tasks sampled each round")
-    samples_per_task: int = Field(8, ge=1, description="N trajectories per task per round")
+    num_tasks: int = Field(128, ge=1, description="train tasks sampled each round (coverage beats depth: see README)")
+    samples_per_task: int = Field(4, ge=1, description="N trajectories per task per round")
     top_k: int = Field(2, ge=1, description="successes kept per task (distinct tool-call sequences first)")
     band: tuple[float, float] = Field((0.05, 0.5), description="keep tasks whose estimated success lies in [lo, hi]")
     min_gain: float = Field(0.0, ge=0, description="stop when the positive-task rate rises by no more than this")
-    sft_steps: int = Field(30, ge=1, description="fine-tuning steps on the RFT set per round")
+    sft_steps: int = Field(15, ge=1, description="fine-tuning steps on the RFT set per round")
     batch_size: int = Field(32, ge=1, description="trajectories per fine-tuning step")
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=2e-4))
     rollout_batch: int = Field(256, ge=1, description="trajectories decoded together")

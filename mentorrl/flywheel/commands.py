@@ -163,7 +163,8 @@ def flywheel_command(
     route: list[str] = typer.Option([], "--route", help="override a route: --route TOOL_SELECTION=preference_or_rl"),
 ) -> None:
     """Bad-case flywheel: review queue, failure types with routing, hard-task pool and corrections."""
-    err = Console(stderr=True)
+    from mentorrl.cli_common import err
+
     try:
         trajs = list(read_jsonl(trajectories))
         routing = RoutingTable.with_overrides(route)

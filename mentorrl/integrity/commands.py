@@ -118,7 +118,7 @@ def register(app: typer.Typer) -> None:
         json_path: Optional[Path] = typer.Option(None, "--json", help="write the full report as JSON"),
     ) -> None:
         """Run scripted reward-hacking attacks and the offline reward validation; exit 1 on any failure."""
-        console, err = Console(), Console(stderr=True)
+        from mentorrl.cli_common import console, err
         from mentorrl.envs import get_env
         from mentorrl.integrity.attacks import AuditConfig, audit_env, get_attacks
         from mentorrl.integrity.validation import get_corruptions, validate_env
