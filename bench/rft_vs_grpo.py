@@ -32,6 +32,7 @@ warnings.filterwarnings("ignore")
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from mentorrl.cli_common import quiet_transformers  # noqa: E402
 from mentorrl.config import load_config  # noqa: E402
 from mentorrl.models.build import load_policy  # noqa: E402
 from mentorrl.train.pipeline import run_recipe  # noqa: E402
@@ -53,6 +54,7 @@ def main() -> int:
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="config override for both arms")
     ap.add_argument("--resume", action="store_true")
     args = ap.parse_args()
+    quiet_transformers()
     con = Console()
     common = [f"eval.num_tasks={args.eval_tasks}", *args.overrides]
 
