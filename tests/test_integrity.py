@@ -346,8 +346,8 @@ def test_cli_fails_with_a_naive_verifier(tmp_path, monkeypatch):
 
     naive = EnvEntry(NaiveOrdersEnv, OrdersTasks, OrdersExpert)
     monkeypatch.setitem(envs._REGISTRY, "orders-naive", lambda: naive)
-    monkeypatch.setitem(attacks_mod._ATTACKS, "orders-naive", orders_attacks)
-    monkeypatch.setitem(validation_mod._CORRUPTIONS, "orders-naive", orders_corruptions)
+    monkeypatch.setitem(attacks_mod.ATTACKS.registered, "orders-naive", orders_attacks)
+    monkeypatch.setitem(validation_mod.CORRUPTIONS.registered, "orders-naive", orders_corruptions)
     res = CliRunner().invoke(_app(), ["reward-audit", "orders-naive", "--tasks", "1", "--no-validate",
                                       "--cache-dir", str(tmp_path), "--json", str(tmp_path / "r.json")])
     assert res.exit_code == 1, res.output

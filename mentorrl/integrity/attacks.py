@@ -30,7 +30,15 @@ from statistics import fmean
 from typing import Any, Callable, Generator, Iterable, Iterator, Sequence
 
 from mentorrl.contract import ContractLimits, RolloutContract, contract_for_env
-from mentorrl.envs.base import Action, Environment, Task, ToolRegistry, ToolResult, Verdict
+from mentorrl.envs.base import (
+    Action,
+    Environment,
+    Task,
+    ToolRegistry,
+    ToolResult,
+    Verdict,
+)
+from mentorrl.integrity.registry import SuiteRegistry
 from mentorrl.rewards.compose import RewardWeights
 from mentorrl.rollout.episode import run_scripted_episode
 from mentorrl.trajectory import Trajectory
@@ -124,31 +132,22 @@ class Attack:
     wrap_env: Callable[[Environment], Environment] | None = None
 
 
-_ATTACKS: dict[str, Callable[[], Sequence[Attack]]] = {}
-
-
 def _builtin_orders() -> Sequence[Attack]:
     from mentorrl.envs.orders.attacks import orders_attacks
 
     return orders_attacks()
 
 
-_BUILTIN: dict[str, Callable[[], Sequence[Attack]]] = {"orders": _builtin_orders}
+ATTACKS: SuiteRegistry[Attack] = SuiteRegistry("reward-hacking attacks", {"orders": _builtin_orders})
 
 
 def register_attacks(env_name: str, factory: Callable[[], Sequence[Attack]]) -> None:
     """Register the attack suite of environment ``env_name`` (a factory, called at audit time)."""
-    if env_name in _ATTACKS or env_name in _BUILTIN:
-        raise ValueError(f"attacks for environment {env_name!r} are already registered")
-    _ATTACKS[env_name] = factory
+    ATTACKS.register(env_name, factory)
 
 
 def get_attacks(env_name: str) -> list[Attack]:
-    factory = _ATTACKS.get(env_name) or _BUILTIN.get(env_name)
-    if factory is None:
-        known = ", ".join(sorted({*_ATTACKS, *_BUILTIN}))
-        raise ValueError(f"no reward-hacking attacks registered for environment {env_name!r}; registered: {known}")
-    attacks = list(factory())
+    attacks = ATTACKS.get(env_name)
     names = [a.name for a in attacks]
     if len(set(names)) != len(names):
         raise ValueError(f"duplicate attack names for {env_name!r}: {names}")

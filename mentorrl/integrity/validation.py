@@ -23,6 +23,7 @@ from typing import Any, Callable, Sequence
 from mentorrl.contract import ContractLimits, contract_for_env
 from mentorrl.envs.base import Environment, Task
 from mentorrl.integrity.attacks import Script, select_tasks
+from mentorrl.integrity.registry import SuiteRegistry
 from mentorrl.rewards.compose import RewardWeights
 from mentorrl.rollout.episode import run_scripted_episode
 
@@ -86,32 +87,22 @@ class CorruptedPolicy:
         return self.corruption.transform(task, self.expert.act(task), self._mark)
 
 
-_CORRUPTIONS: dict[str, Callable[[], Sequence[Corruption]]] = {}
-
-
 def _builtin_orders() -> Sequence[Corruption]:
     from mentorrl.envs.orders.attacks import orders_corruptions
 
     return orders_corruptions()
 
 
-_BUILTIN: dict[str, Callable[[], Sequence[Corruption]]] = {"orders": _builtin_orders}
+CORRUPTIONS: SuiteRegistry[Corruption] = SuiteRegistry("reward-validation corruptions", {"orders": _builtin_orders})
 
 
 def register_corruptions(env_name: str, factory: Callable[[], Sequence[Corruption]]) -> None:
     """Register the corruptions used to validate environment ``env_name``'s reward."""
-    if env_name in _CORRUPTIONS or env_name in _BUILTIN:
-        raise ValueError(f"corruptions for environment {env_name!r} are already registered")
-    _CORRUPTIONS[env_name] = factory
+    CORRUPTIONS.register(env_name, factory)
 
 
 def get_corruptions(env_name: str) -> list[Corruption]:
-    factory = _CORRUPTIONS.get(env_name) or _BUILTIN.get(env_name)
-    if factory is None:
-        known = ", ".join(sorted({*_CORRUPTIONS, *_BUILTIN}))
-        raise ValueError(f"no reward-validation corruptions registered for environment {env_name!r}; "
-                         f"registered: {known}")
-    return list(factory())
+    return CORRUPTIONS.get(env_name)
 
 
 # -------------------------------------------------------------------------- report ----
