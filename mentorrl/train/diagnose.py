@@ -44,6 +44,7 @@ def probe_stats(trajs: Sequence[Trajectory], group_size: int) -> dict[str, float
         advantage_std=adv.std(unbiased=False).item(),
         tool_success=sum(c.ok for c in calls) / len(calls) if calls else 1.0,
         invalid_call_rate=sum(invalid_calls(t) for t in trajs) / len(calls) if calls else 0.0,
+        timeout_rate=sum(c.error_kind == "timeout" for c in calls) / len(calls) if calls else 0.0,
         truncation_rate=sum(t.finish_reason != "answer" for t in trajs) / len(trajs),
         violation_rate=sum(bool(t.reward and t.reward.violations) for t in trajs) / len(trajs),
     )
@@ -72,10 +73,16 @@ def diagnose(stats: dict[str, float], history: Sequence[dict[str, Any]] | None =
     if success > 0.9 and zero_var >= 0.8:
         out.append(Finding("saturated", "warning", "high reward with std ~ 0: the tasks are too easy to teach anything",
                            "filter tasks by difficulty (keep 5-50% success) or add harder tasks"))
-    if stats["tool_success"] < 0.7:
-        out.append(Finding("tool_runtime", "problem", f"tool success only {stats['tool_success']:.0%}: "
+    if stats.get("timeout_rate", 0.0) > 0.05:
+        out.append(Finding("tool_runtime", "problem", f"{stats['timeout_rate']:.0%} of tool calls time out: "
                            "the low reward is an agent-runtime problem, not the policy loss",
-                           "check tool schemas, argument formats, timeouts and how results are written back"))
+                           "check tool latency and timeouts (env.tool_timeout_s) and how results are written back"))
+    if stats["tool_success"] < 0.7:
+        out.append(Finding("tool_errors", "warning", f"tool success only {stats['tool_success']:.0%} "
+                           f"({stats['invalid_call_rate']:.0%} of calls invalid, the rest refused by the tools: "
+                           "wrong ids, arguments or order of steps)",
+                           "run `mentorrl flywheel` on these trajectories: ARGUMENT_ERROR / TOOL_SELECTION failures "
+                           "route to targeted SFT; also check the tool schemas the prompt shows"))
     if stats["invalid_call_rate"] > 0.2:
         out.append(Finding("invalid_calls", "problem", f"{stats['invalid_call_rate']:.0%} of calls are malformed, "
                            "unknown or badly typed", "targeted SFT on the call format; check the template and tool schema"))
