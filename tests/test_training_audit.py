@@ -154,6 +154,7 @@ def _stats(**kw):
     (dict(success_rate=0.97, reward_zero_variance_group_share=0.9), "saturated"),
     (dict(tool_success=0.5), "tool_errors"),
     (dict(timeout_rate=0.2), "tool_runtime"),
+    (dict(success_rate=0.33, reward_zero_variance_group_share=0.81), "polarized"),
     (dict(invalid_call_rate=0.4), "invalid_calls"),
     (dict(truncation_rate=0.5), "truncation"),
     (dict(violation_rate=0.2), "violations"),

@@ -70,6 +70,12 @@ def diagnose(stats: dict[str, float], history: Sequence[dict[str, Any]] | None =
         out.append(Finding("low_success_with_spread", "warning",
                            "low reward with spread: the policy explores but rarely succeeds",
                            "raise the positive share: RFT on verified successes, a difficulty band, larger groups"))
+    if 0.01 <= success <= 0.9 and zero_var >= 0.6:
+        out.append(Finding("polarized", "warning",
+                           f"{zero_var:.0%} of groups are all-success or all-failure although {success:.0%} of "
+                           "samples succeed: most tasks are always or never solved, and only the rest teach GRPO",
+                           "draw tasks from the 5-50% success band (the RFT difficulty filter), use the hard-task "
+                           "pool, or raise the group size"))
     if success > 0.9 and zero_var >= 0.8:
         out.append(Finding("saturated", "warning", "high reward with std ~ 0: the tasks are too easy to teach anything",
                            "filter tasks by difficulty (keep 5-50% success) or add harder tasks"))
