@@ -28,6 +28,9 @@ __all__ = [
     "group_reward_stats",
     "broadcast_sequence_advantages",
     "sanitize_group_rewards",
+    "outcome_token_rewards",
+    "gae_advantages",
+    "adaptive_gae_lambda",
 ]
 
 ADVANTAGE_ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {}
@@ -169,3 +172,82 @@ def broadcast_sequence_advantages(adv: torch.Tensor, mask: torch.Tensor) -> torc
         )
     a = adv.float().unsqueeze(-1).expand(mask.shape)
     return torch.where(mask != 0, a, torch.zeros((), dtype=a.dtype, device=a.device))
+
+
+# ------------------------------------------------------------ critic-based (PPO / SAO) -----
+def outcome_token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Place each sequence's scalar reward ``[B]`` on its last policy token: ``[B, T]``.
+
+    Rows without any policy token get no reward (all zeros).
+    """
+    if rewards.dim() != 1 or rewards.shape[0] != mask.shape[0]:
+        raise ValueError(f"rewards must be [B] matching mask [B, T]; got {tuple(rewards.shape)} vs {tuple(mask.shape)}")
+    keep = mask != 0
+    T = mask.shape[1]
+    pos = torch.arange(T, device=mask.device).expand_as(mask)
+    last = torch.where(keep, pos, torch.full_like(pos, -1)).max(dim=1).values  # -1: no policy token
+    out = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    rows = torch.nonzero(last >= 0).squeeze(-1)
+    out[rows, last[rows]] = rewards.float()[rows]
+    return out
+
+
+def adaptive_gae_lambda(lengths: torch.Tensor, alpha: float) -> torch.Tensor:
+    """Length-adaptive GAE lambda, ``1 - 1 / (alpha * length)`` per sequence (VAPO), clamped to [0, 1].
+
+    Longer trajectories get a lambda closer to 1 (less bias over many steps); ``lengths`` counts
+    the policy tokens of each sequence.
+    """
+    if alpha <= 0:
+        raise ValueError(f"alpha must be > 0, got {alpha}")
+    lengths = lengths.float().clamp(min=1.0)
+    return (1.0 - 1.0 / (alpha * lengths)).clamp(0.0, 1.0)
+
+
+def gae_advantages(
+    token_rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float = 1.0,
+    lam: float | torch.Tensor = 0.95,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over the policy tokens of multi-turn trajectories.
+
+    Only positions with ``mask != 0`` (tokens the policy generated) are steps. Prompt and
+    tool-observation tokens are skipped: the recursion carries the next policy token's value
+    and advantage across them, so an observation neither gets an advantage nor breaks the
+    chain between the turns before and after it. After the last policy token the episode
+    ends (next value 0).
+
+        delta_t = r_t + gamma * V_next - V_t
+        A_t     = delta_t + gamma * lam * A_next          returns_t = A_t + V_t
+
+    Args:
+        token_rewards: ``[B, T]`` (e.g. :func:`outcome_token_rewards`).
+        values: ``[B, T]`` critic values (no gradient is taken through them).
+        mask: ``[B, T]`` 1 on policy tokens.
+        lam: a float, or ``[B]`` per-sequence lambdas (:func:`adaptive_gae_lambda`).
+    Returns:
+        ``(advantages, returns)``, both ``[B, T]`` fp32 and exactly 0 off the mask.
+    """
+    if token_rewards.shape != values.shape or values.shape != mask.shape:
+        raise ValueError(f"rewards {tuple(token_rewards.shape)}, values {tuple(values.shape)} and mask "
+                         f"{tuple(mask.shape)} must have the same [B, T] shape")
+    r, v = token_rewards.detach().float(), values.detach().float()
+    keep = mask != 0
+    B, T = mask.shape
+    lam_b = lam.float().to(v.device) if isinstance(lam, torch.Tensor) else torch.full((B,), float(lam), device=v.device)
+    if lam_b.shape != (B,):
+        raise ValueError(f"lam must be a float or [B]; got {tuple(lam_b.shape)}")
+    adv = torch.zeros_like(v)
+    next_v = torch.zeros(B, device=v.device)
+    next_a = torch.zeros(B, device=v.device)
+    for t in range(T - 1, -1, -1):
+        m = keep[:, t]
+        delta = r[:, t] + gamma * next_v - v[:, t]
+        a = delta + gamma * lam_b * next_a
+        adv[:, t] = torch.where(m, a, torch.zeros_like(a))
+        next_v = torch.where(m, v[:, t], next_v)
+        next_a = torch.where(m, a, next_a)
+    returns = torch.where(keep, adv + v, torch.zeros_like(v))
+    return adv, returns

@@ -32,6 +32,8 @@ __all__ = [
     "get_policy_loss",
     "aggregate_loss",
     "clipped_policy_loss",
+    "masked_importance_policy_loss",
+    "clipped_value_loss",
     "kl_penalty",
     "grpo_loss",
     "sft_loss",
@@ -151,6 +153,84 @@ def clipped_policy_loss(
             "ratio_min": _masked_extreme(r, mask, largest=False),
             "approx_kl": masked_mean(-log_ratio.detach(), mask).item(),
         }
+    return loss, metrics
+
+
+@register_policy_loss("masked_is")
+def masked_importance_policy_loss(
+    logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+    agg: str = "token-mean",
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Token-level double-sided importance *masking* (SAO): ``-A * r`` where ``r`` is in range, else nothing.
+
+    ``r = pi_theta / pi_behaviour`` per token, from the log-probs recorded at rollout. A token
+    whose ratio lies outside ``[1 - eps_low, 1 + eps_high]`` -- on either side, whatever the
+    sign of its advantage -- is dropped from the gradient instead of being clipped: a stale or
+    mismatched token teaches nothing rather than a clipped constant. The aggregation still
+    counts every policy token (``mask``), so masking lowers the step size instead of
+    re-weighting the surviving tokens.
+
+    Returns ``(loss, metrics)``: masked_frac, ratio mean/min/max and p05/p50/p95 over policy tokens.
+    """
+    old = behaviour_logprobs.detach()
+    keep = mask != 0
+    log_ratio = torch.where(keep, logprobs - old, torch.zeros_like(logprobs))
+    log_ratio = log_ratio.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    inside = (ratio >= 1.0 - eps_low) & (ratio <= 1.0 + eps_high)
+    adv = _token_advantages(advantages.detach(), ratio)
+    loss_tok = torch.where(inside & keep, -adv * ratio, torch.zeros_like(ratio))
+    loss = aggregate_loss(loss_tok, mask, agg)
+
+    with torch.no_grad():
+        r = ratio.detach()[keep]
+        q = torch.quantile(r, torch.tensor([0.05, 0.5, 0.95])).tolist() if r.numel() else [1.0, 1.0, 1.0]
+        metrics = {
+            "pg_loss": loss.detach().item(),
+            "masked_frac": masked_mean((~inside).float(), mask).item(),
+            "ratio_mean": r.mean().item() if r.numel() else 1.0,
+            "ratio_max": _masked_extreme(ratio.detach(), mask, largest=True),
+            "ratio_min": _masked_extreme(ratio.detach(), mask, largest=False),
+            "ratio_p05": q[0], "ratio_p50": q[1], "ratio_p95": q[2],
+            "approx_kl": masked_mean(-log_ratio.detach(), mask).item(),
+        }
+    return loss, metrics
+
+
+def clipped_value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    clip: float | None = 0.2,
+    agg: str = "token-mean",
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO value loss ``0.5 * max((V - R)^2, (V_clip - R)^2)`` with ``V_clip = V_old + clip(V - V_old, +-clip)``.
+
+    ``clip=None`` gives the plain squared error. Only policy tokens (``mask``) count.
+    Returns ``(loss, metrics)``: value_loss, value_clip_frac and explained_variance.
+    """
+    old, ret = old_values.detach(), returns.detach()
+    err = (values - ret) ** 2
+    if clip is None:
+        loss_tok, clipped = 0.5 * err, torch.zeros_like(err, dtype=torch.bool)
+    else:
+        v_clip = old + (values - old).clamp(-clip, clip)
+        err_clip = (v_clip - ret) ** 2
+        loss_tok, clipped = 0.5 * torch.maximum(err, err_clip), err_clip > err
+    loss = aggregate_loss(loss_tok, mask, agg)
+    with torch.no_grad():
+        keep = mask != 0
+        resid, target = (ret - values.detach())[keep], ret[keep]
+        var = target.var(unbiased=False) if target.numel() > 1 else torch.tensor(0.0)
+        ev = (1.0 - resid.var(unbiased=False) / var).item() if var > 1e-12 else 0.0
+        metrics = {"value_loss": loss.detach().item(), "value_clip_frac": masked_mean(clipped.float(), mask).item(),
+                   "explained_variance": ev}
     return loss, metrics
 
 
