@@ -13,6 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from mentorrl.contract import ContractLimits, PromptFormat, SamplingParams
+from mentorrl.envs.latency import LatencyModel
 from mentorrl.eval.sets import assert_trainable_splits
 from mentorrl.flywheel.hard_pool import HardPoolConfig
 from mentorrl.models.build import ModelSpec
@@ -27,6 +28,9 @@ class _Section(BaseModel):
 class EnvConfig(_Section):
     name: str = Field("orders", description="registered environment name")
     tool_timeout_s: float = Field(5.0, gt=0, description="per tool call")
+    latency: LatencyModel | None = Field(
+        None, description="inject seeded heavy-tailed tool latency (log-normal or Pareto); null: none"
+    )
 
 
 class ModelConfig(_Section):

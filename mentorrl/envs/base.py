@@ -10,6 +10,7 @@ instead of raising.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Protocol
@@ -67,13 +68,15 @@ class Tool:
 class ToolRegistry:
     """Named tools plus the safe call path used by every rollout."""
 
-    def __init__(self, tools: list[Tool], timeout_s: float = 5.0, on_timeout: Callable[[], None] | None = None):
+    def __init__(self, tools: list[Tool], timeout_s: float = 5.0, on_timeout: Callable[[], None] | None = None,
+                 delay: Callable[[str], float] | None = None):
         names = [t.name for t in tools]
         if len(set(names)) != len(names):
             raise ValueError(f"duplicate tool names: {names}")
         self.tools = {t.name: t for t in tools}
         self.timeout_s = timeout_s
         self.on_timeout = on_timeout
+        self.delay = delay  # seconds slept inside each call before the tool runs (latency injection)
         self._pool: cf.ThreadPoolExecutor | None = None
 
     def __contains__(self, name: str) -> bool:
@@ -103,10 +106,19 @@ class ToolRegistry:
             return done(ok=False, content=None, error=f"bad arguments for {name}: {problem}", error_kind="bad_arguments")
         if self._pool is None:
             self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tool-{name}")
-        future = self._pool.submit(tool.fn, **arguments)
+        cancelled = threading.Event()
+        wait_s = self.delay(name) if self.delay is not None else 0.0
+
+        def run() -> Any:
+            if wait_s > 0 and cancelled.wait(wait_s):
+                raise ToolError(f"tool {name} cancelled after timing out", kind="timeout")  # never runs late
+            return tool.fn(**arguments)
+
+        future = self._pool.submit(run)
         try:
             out = future.result(timeout=self.timeout_s)
         except cf.TimeoutError:
+            cancelled.set()  # a call still waiting on its injected latency never executes its side effect
             if self.on_timeout is not None:
                 self.on_timeout()  # e.g. sqlite3.Connection.interrupt(): abort the pending statement
             # the stuck worker cannot be killed; give later calls a fresh one

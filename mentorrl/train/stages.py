@@ -61,7 +61,8 @@ class Workspace:
         return MetricsLog(self.run_dir / "metrics.jsonl")
 
     def make_env(self):
-        return self.env_entry.make_env(tool_timeout_s=self.cfg.env.tool_timeout_s)
+        extra = {"latency": self.cfg.env.latency} if self.cfg.env.latency is not None else {}
+        return self.env_entry.make_env(tool_timeout_s=self.cfg.env.tool_timeout_s, **extra)
 
     def bind_tokenizer(self, tokenizer) -> None:
         self.tokenizer = tokenizer

@@ -7,6 +7,7 @@ import sqlite3
 from typing import Any
 
 from mentorrl.envs.base import Task, ToolError, ToolRegistry, ToolResult, Verdict
+from mentorrl.envs.latency import LatencyModel, LatencySampler
 
 from .backend import OrdersBackend, make_tools
 from .world import OPEN_STATUSES, Snapshot, build_db, money, snapshot
@@ -36,12 +37,13 @@ class OrdersEnv:
     version = "1.0"
     system_prompt = SYSTEM_PROMPT
 
-    def __init__(self, tool_timeout_s: float = 5.0):
+    def __init__(self, tool_timeout_s: float = 5.0, latency: LatencyModel | None = None):
         self._conn: sqlite3.Connection | None = None
         self._backend: OrdersBackend | None = None
         self._task: Task | None = None
+        self._latency = LatencySampler(latency) if latency is not None else None
         self.registry = ToolRegistry(make_tools(self._live_backend), timeout_s=tool_timeout_s,
-                                     on_timeout=self._interrupt)
+                                     on_timeout=self._interrupt, delay=self._latency)
 
     # -- episode ---------------------------------------------------------------------------
     def _live_backend(self) -> OrdersBackend:
@@ -56,6 +58,8 @@ class OrdersEnv:
     def reset(self, task: Task) -> str:
         self._close_db()
         self._task = task
+        if self._latency is not None:
+            self._latency.reset(task.seed)  # the same task sees the same delays
         self._conn = build_db(task.seed)
         self._backend = OrdersBackend(self._conn)
         return task.prompt
