@@ -139,6 +139,64 @@ def diagnose(
         {"stats": stats, "findings": [f.__dict__ for f in run_diagnosis(stats, history)]}, indent=2))
 
 
+@app.command()
+def check(
+    run_dir: Path = typer.Argument(..., exists=True, file_okay=False, help="a run directory"),
+) -> None:
+    """Train/rollout consistency over a run's recorded batches: a pass/fail table; exit 1 on any failure."""
+    _quiet_transformers()
+    from rich.markup import escape
+    from rich.table import Table
+
+    from mentorrl.models.build import load_policy
+    from mentorrl.train.consistency import batch_checks
+    from mentorrl.train.pipeline import base_model_dir
+    from mentorrl.train.rundir import MetricsLog
+    from mentorrl.train.stages import open_workspace
+    from mentorrl.trajectory import read_jsonl
+
+    cfg_file = run_dir / "config.yaml"
+    if not cfg_file.exists():
+        err.print(f"[red]{run_dir} is not a run directory (no config.yaml)[/red]")
+        raise typer.Exit(2)
+    cfg = _load(cfg_file, [f"run_dir={run_dir}"])
+    ws = open_workspace(cfg, show_progress=False)
+    try:
+        tokenizer, _ = load_policy(base_model_dir(ws))
+    except (FileNotFoundError, OSError) as e:
+        err.print(f"[red]{escape(str(e))}[/red]")
+        raise typer.Exit(2)
+    ws.bind_tokenizer(tokenizer)
+    versions = {r["step"]: int(r.get("policy_version", 0)) for r in MetricsLog(run_dir / "metrics.jsonl").read("grpo")}
+    files = sorted((run_dir / "samples").glob("grpo-step-*.jsonl")) + sorted((run_dir / "rft").glob("data-round-*.jsonl"))
+    if not files:
+        err.print(f"[red]no recorded batches under {run_dir}/samples or {run_dir}/rft[/red]")
+        raise typer.Exit(2)
+    names = ["policy_version", "lengths", "observation_mask", "env_version", "contract"]
+    table = Table(title=f"train/rollout consistency: {run_dir}")
+    for col in ["batch", "n", *names]:
+        table.add_column(col, justify="left" if col == "batch" else "right", no_wrap=True)
+    problems: list[str] = []
+    for f in files:
+        try:
+            trajs = list(read_jsonl(f))
+        except ValueError as e:
+            problems.append(str(e))
+            table.add_row(f.name, "-", *["[red]unreadable[/red]"] * len(names))
+            continue
+        step = int(f.stem.split("-")[-1]) if f.stem.startswith("grpo-step-") else None
+        current = versions.get(step, 2**62) if step is not None else 2**62
+        checks = batch_checks(trajs, current, ws.contract.env_name, ws.contract.env_version, ws.contract.fingerprint())
+        table.add_row(f.name, str(len(trajs)), *["[green]pass[/green]" if c.passed else "[red]FAIL[/red]" for c in checks])
+        problems += [f"{f.name}: {c.name}: {c.detail}" for c in checks if not c.passed]
+    console.print(table)
+    for p in problems:
+        console.print(f"[red]{escape(p)}[/red]")
+    if problems:
+        raise typer.Exit(1)
+    console.print(f"all {len(files)} recorded batches pass")
+
+
 @app.command("config")
 def config_cmd(
     config: Optional[Path] = ConfigOpt,

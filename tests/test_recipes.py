@@ -45,6 +45,11 @@ def test_sft_rft_grpo_recipe_writes_report_and_resumes(tmp_path):
     rates = [r["positive_task_rate"] for r in rounds]
     if len(rounds) < 3:  # stopped early: only because the positive-task rate stopped rising
         assert rates[-1] <= max(rates[:-1])
+    assert all({"logprob_abs_gap", "train_rollout_kl", "policy_lag_mean", "policy_lag_max"} <= set(r) for r in grpo)
+    assert grpo[0]["logprob_abs_gap"] < 1e-3  # the learner recomputes what the rollout recorded
+
+    checked = CliRunner().invoke(app, ["check", str(run)])
+    assert checked.exit_code == 0 and "all" in checked.output, checked.output
     before = (run / "metrics.jsonl").read_text()
     again = _run(tmp_path, "--resume")  # every stage is complete: nothing is redone or logged twice
     assert again.exit_code == 0, again.output
@@ -78,3 +83,25 @@ def test_training_refuses_a_reward_that_pays_for_hacks(tmp_path):
     assert res.exit_code == 1
     assert "reward audit failed" in res.output and "tool_spam" in res.output and "padded_answer" in res.output
     assert not (tmp_path / "run" / "sft").exists() and (tmp_path / "run" / "reward_audit.json").exists()
+
+
+@pytest.mark.slow
+def test_check_flags_a_tampered_batch(tmp_path):
+    """`mentorrl check` fails a batch whose non-policy tokens were made trainable or whose contract differs."""
+    from mentorrl.trajectory import read_jsonl, write_jsonl
+
+    res = _run(tmp_path)
+    assert res.exit_code == 0, res.output
+    run = tmp_path / "run"
+    sample = sorted((run / "samples").glob("grpo-step-*.jsonl"))[0]
+    trajs = list(read_jsonl(sample))
+    t = trajs[0]  # make a prompt (or tool-observation) token trainable
+    seg = next(s for s in reversed(t.segments) if s.role != "policy")
+    t.loss_mask[seg.start] = 1
+    trajs[-1].contract_fingerprint = "0" * 16
+    write_jsonl(sample, trajs)
+    checked = CliRunner().invoke(app, ["check", str(run)])
+    assert checked.exit_code == 1
+    assert "observation_mask" in checked.output and "contract" in checked.output
+    missing = CliRunner().invoke(app, ["check", str(tmp_path)])
+    assert missing.exit_code == 2 and "not a run directory" in missing.output

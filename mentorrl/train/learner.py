@@ -14,6 +14,7 @@ import torch
 from mentorrl.algos.losses import get_policy_loss, sft_loss
 from mentorrl.algos.logprobs import masked_mean
 from mentorrl.config import OptimConfig
+from mentorrl.train.consistency import logprob_gap_metrics
 from mentorrl.train.batch import TokenBatch, collate, forward_logprobs
 from mentorrl.trajectory import Trajectory
 
@@ -107,7 +108,8 @@ class Learner:
             kw = dict(loss_kwargs)
             if ref is not None:
                 kw["ref_logprobs"] = ref
-            return loss(logprobs, mb.old_logprobs, adv, mb.loss_mask, **kw)
+            value, m = loss(logprobs, mb.old_logprobs, adv, mb.loss_mask, **kw)
+            return value, {**m, **logprob_gap_metrics(mb.old_logprobs, logprobs, mb.loss_mask)}
 
         return self._accumulate(trajs, agg, fn)
 

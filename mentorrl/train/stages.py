@@ -29,6 +29,7 @@ from mentorrl.eval.sets import assert_trainable, assert_trainable_splits
 from mentorrl.rollout.runner import expert_demonstrations, rollout_tasks
 from mentorrl.flywheel.hard_pool import HardTaskPool
 from mentorrl.train.audit import GapMonitor, flag_high_reward_failures
+from mentorrl.train.consistency import batch_checks, policy_lag
 from mentorrl.train.learner import Learner
 from mentorrl.train.rundir import (
     MetricsLog,
@@ -287,21 +288,30 @@ def grpo_stage(ws: Workspace, model, ref_model=None, resume: bool = False) -> Pa
         keep = [i for i in range(len(trajs)) if g.kl_coef > 0 or adv[i].abs() > 1e-8]
         update_metrics: list[dict[str, float]] = []
         t1 = time.perf_counter()
+        checks = batch_checks(trajs, version["policy"], ws.contract.env_name, ws.contract.env_version,
+                              ws.contract.fingerprint())
+        failed = [f"{c.name}: {c.detail}" for c in checks if not c.passed]
+        if failed:  # never train on data the policy did not produce under this contract
+            raise RuntimeError(f"GRPO step {step + 1}: train/rollout consistency check failed: " + "; ".join(failed))
         if keep:
             order = [keep[i] for i in torch.randperm(len(keep), generator=torch.Generator().manual_seed(step)).tolist()]
             n_mb = min(g.updates_per_step, len(order))
             for k in range(n_mb):
                 idx = order[k::n_mb]
-                update_metrics.append(
-                    learner.policy_step(
-                        [trajs[i] for i in idx], adv[idx], "grpo", ref_model=ref_model if g.kl_coef > 0 else None,
+                batch = [trajs[i] for i in idx]
+                update_metrics.append({
+                    **learner.policy_step(
+                        batch, adv[idx], "grpo", ref_model=ref_model if g.kl_coef > 0 else None,
                         kl_coef=g.kl_coef, eps_low=g.eps_low, eps_high=g.eps_high, agg=g.loss_agg,
-                    )
-                )
+                    ),
+                    **policy_lag(batch, version["policy"]),
+                })
                 version["policy"] += 1
-        for key in ("loss", "kl", "clip_frac", "entropy", "grad_norm", "ratio_max", "approx_kl"):
+        for key in ("loss", "kl", "clip_frac", "entropy", "grad_norm", "ratio_max", "approx_kl", "logprob_abs_gap",
+                    "train_rollout_kl", "policy_lag_mean", "policy_lag_max"):
             vals = [m[key] for m in update_metrics if key in m]
-            metrics[key] = sum(vals) / len(vals) if vals else 0.0
+            reduce = max if key in ("ratio_max", "policy_lag_max") else (lambda v: sum(v) / len(v))
+            metrics[key] = reduce(vals) if vals else 0.0
         metrics.update(trained_trajectories=len(keep), policy_version=version["policy"],
                        rollout_s=t_roll, update_s=time.perf_counter() - t1)
         if hard is not None:
