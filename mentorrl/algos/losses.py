@@ -105,6 +105,18 @@ def _masked_extreme(x: torch.Tensor, mask: torch.Tensor, largest: bool) -> float
     return (x[keep].max() if largest else x[keep].min()).item()
 
 
+def _token_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(log_ratio, ratio)`` of current to behaviour log-probs, per token.
+
+    Masked-out positions get log-ratio 0 (ratio 1) via where(), so junk there (even NaN
+    behaviour log-probs) cannot reach the loss or the gradient; log-ratios are clamped
+    before exp() so one badly off-policy token cannot overflow.
+    """
+    log_ratio = torch.where(mask != 0, logprobs - old_logprobs.detach(), torch.zeros_like(logprobs))
+    log_ratio = log_ratio.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    return log_ratio, torch.exp(log_ratio)
+
+
 @register_policy_loss("clipped")
 def clipped_policy_loss(
     logprobs: torch.Tensor,
@@ -130,13 +142,7 @@ def clipped_policy_loss(
         larger, i.e. the gradient is cut), ratio_mean, ratio_max, ratio_min
         (1.0 when there are no masked tokens), approx_kl (mean of old - new).
     """
-    old = old_logprobs.detach()
-    keep = mask != 0
-    # Masked-out positions get log-ratio 0 (ratio 1) via where(), so junk there
-    # (even NaN old log-probs) cannot reach the loss or the gradient.
-    log_ratio = torch.where(keep, logprobs - old, torch.zeros_like(logprobs))
-    log_ratio = log_ratio.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
-    ratio = torch.exp(log_ratio)
+    log_ratio, ratio = _token_ratio(logprobs, old_logprobs, mask)
     adv = _token_advantages(advantages.detach(), ratio)
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
@@ -177,11 +183,8 @@ def masked_importance_policy_loss(
 
     Returns ``(loss, metrics)``: masked_frac, ratio mean/min/max and p05/p50/p95 over policy tokens.
     """
-    old = behaviour_logprobs.detach()
     keep = mask != 0
-    log_ratio = torch.where(keep, logprobs - old, torch.zeros_like(logprobs))
-    log_ratio = log_ratio.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
-    ratio = torch.exp(log_ratio)
+    log_ratio, ratio = _token_ratio(logprobs, behaviour_logprobs, mask)
     inside = (ratio >= 1.0 - eps_low) & (ratio <= 1.0 + eps_high)
     adv = _token_advantages(advantages.detach(), ratio)
     loss_tok = torch.where(inside & keep, -adv * ratio, torch.zeros_like(ratio))
