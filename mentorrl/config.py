@@ -95,6 +95,31 @@ class RFTConfig(_Section):
     rollout_batch: int = Field(256, ge=1, description="trajectories decoded together")
 
 
+class PPOConfig(_Section):
+    steps: int = Field(20, ge=0, description="PPO steps (one rollout batch each)")
+    tasks_per_step: int = Field(32, ge=1, description="distinct tasks per step")
+    samples_per_task: int = Field(1, ge=1, description="rollouts per task (PPO needs no group; the critic is the baseline)")
+    updates_per_step: int = Field(2, ge=1, description="actor optimizer steps (minibatches) per rollout batch")
+    critic_steps: int = Field(2, ge=1, description="critic optimizer steps (minibatches) per rollout batch")
+    critic_warmup_steps: int = Field(2, ge=0, description="first steps train only the critic")
+    gamma: float = Field(1.0, ge=0, le=1, description="discount per policy token")
+    lam: float = Field(
+        1.0, ge=0, le=1, description="GAE lambda (ignored when lambda_alpha is set); 1: R - V, which keeps the outcome "
+                                     "reward from fading over long turns")
+    lambda_alpha: float | None = Field(
+        None, gt=0, description="length-adaptive GAE lambda = 1 - 1/(alpha * policy tokens); null: fixed lam"
+    )
+    normalize_advantages: bool = Field(True, description="whiten advantages over the batch's policy tokens")
+    eps_low: float = Field(0.2, ge=0, description="clip range below 1 of the importance ratio")
+    eps_high: float = Field(0.28, ge=0, description="clip range above 1 of the importance ratio")
+    value_clip: float | None = Field(0.2, gt=0, description="clip of the value update around the old value; null: off")
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field(
+        "token-mean", description="loss aggregation, as for SFT")
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-4))
+    critic_optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=5e-4))
+    checkpoint_every: int = Field(5, ge=1, description="steps between checkpoints")
+
+
 class EvalConfig(_Section):
     num_tasks: int = Field(200, ge=1, description="held-out tasks evaluated after each stage")
     split: Literal["heldout", "train"] = Field("heldout", description="task split evaluated after each stage")
@@ -103,13 +128,13 @@ class EvalConfig(_Section):
     batch_size: int = Field(100, ge=1, description="trajectories decoded together")
 
 
-STAGE_NAMES = ("sft", "rft", "grpo")
+STAGE_NAMES = ("sft", "rft", "grpo", "ppo")
 
 
 class RunConfig(_Section):
     run_dir: str = Field("runs/demo", description="where everything is written")
     seed: int = Field(0, description="seeds task sampling, batches and rollouts")
-    recipe: list[Literal["sft", "rft", "grpo"]] = Field(
+    recipe: list[Literal["sft", "rft", "grpo", "ppo"]] = Field(
         default_factory=lambda: ["sft", "grpo"], min_length=1, description="stages run in order"
     )
     train_split: str = Field("train", description="task split every training stage draws from (never 'hidden')")
@@ -123,6 +148,7 @@ class RunConfig(_Section):
     sft: SFTConfig = Field(default_factory=SFTConfig)
     rft: RFTConfig = Field(default_factory=RFTConfig)
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+    ppo: PPOConfig = Field(default_factory=PPOConfig)
     audit: AuditConfig = Field(default_factory=AuditConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
 

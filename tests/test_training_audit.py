@@ -193,7 +193,7 @@ def test_config_refuses_training_on_the_hidden_set():
     with pytest.raises(ConfigError, match="hidden evaluation set and is never used for training"):
         load_config(None, ["train_split=hidden"])
     with pytest.raises(ConfigError, match="recipe"):
-        load_config(None, ["recipe=[sft, ppo]"])
+        load_config(None, ["recipe=[sft, dpo]"])
     assert load_config(None, ["recipe=[sft, rft, grpo]"]).recipe == ["sft", "rft", "grpo"]
 
 

@@ -11,7 +11,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from mentorrl.algos.losses import get_policy_loss, sft_loss
+from mentorrl.algos.losses import clipped_value_loss, get_policy_loss, sft_loss
 from mentorrl.algos.logprobs import masked_mean
 from mentorrl.config import OptimConfig
 from mentorrl.train.consistency import logprob_gap_metrics
@@ -33,6 +33,14 @@ def _share(mb: TokenBatch, total_tokens: float, total_seqs: int, agg: str) -> fl
     return mb.input_ids.shape[0] / total_seqs
 
 
+def pad_token_values(rows: Sequence[torch.Tensor], T: int) -> torch.Tensor:
+    """Right-pad per-trajectory 1-D tensors to ``[B, T]`` with zeros, like :func:`collate`."""
+    out = torch.zeros(len(rows), T, dtype=torch.float32)
+    for b, r in enumerate(rows):
+        out[b, : r.shape[0]] = r.float()
+    return out
+
+
 class Learner:
     def __init__(self, model, optim: OptimConfig, pad_id: int, temperature: float = 1.0):
         self.model = model
@@ -42,6 +50,10 @@ class Learner:
         self.optimizer, self.scheduler = make_optimizer(model, optim)
 
     # ---- generic accumulation --------------------------------------------
+    def _forward(self, mb: TokenBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """What ``loss_fn`` receives per micro-batch: (per-token outputs, per-token entropy), both [B, T]."""
+        return forward_logprobs(self.model, mb, self.temperature, with_entropy=True)
+
     def _accumulate(
         self,
         trajs: Sequence[Trajectory],
@@ -59,7 +71,7 @@ class Learner:
         for lo in range(0, len(trajs), mbs):
             sl = slice(lo, min(lo + mbs, len(trajs)))
             mb = collate(trajs[sl], self.pad_id).to(device)
-            logprobs, entropy = forward_logprobs(self.model, mb, self.temperature, with_entropy=True)
+            logprobs, entropy = self._forward(mb)
             loss, m = loss_fn(mb, logprobs, entropy, sl)
             w = _share(mb, total_tokens, len(trajs), agg)
             (loss * w).backward()
@@ -113,6 +125,25 @@ class Learner:
 
         return self._accumulate(trajs, agg, fn)
 
+    def token_policy_step(
+        self,
+        trajs: Sequence[Trajectory],
+        token_advantages: Sequence[torch.Tensor],
+        loss_name: str = "clipped",
+        **loss_kwargs,
+    ) -> dict[str, float]:
+        """One policy-gradient update with per-token advantages (PPO / SAO): one 1-D tensor per
+        trajectory, aligned to its ``token_ids`` (0 off the policy tokens)."""
+        agg = loss_kwargs.get("agg", "token-mean")
+        loss = get_policy_loss(loss_name)
+
+        def fn(mb, logprobs, entropy, sl):
+            adv = pad_token_values(token_advantages[sl], mb.input_ids.shape[1]).to(logprobs.device)
+            value, m = loss(logprobs, mb.old_logprobs, adv, mb.loss_mask, **loss_kwargs)
+            return value, {**m, **logprob_gap_metrics(mb.old_logprobs, logprobs, mb.loss_mask)}
+
+        return self._accumulate(trajs, agg, fn)
+
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
 
@@ -121,4 +152,44 @@ class Learner:
         self.scheduler.load_state_dict(state["scheduler"])
 
 
-__all__ = ["Learner", "make_optimizer"]
+class CriticLearner(Learner):
+    """Optimiser and micro-batched accumulation for a :class:`~mentorrl.models.value.ValueModel`."""
+
+    def __init__(self, critic, optim: OptimConfig, pad_id: int):
+        super().__init__(critic, optim, pad_id)
+
+    def _forward(self, mb: TokenBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        from mentorrl.models.value import forward_values
+
+        values = forward_values(self.model, mb)
+        return values, torch.zeros_like(values)
+
+    def value_step(self, trajs: Sequence[Trajectory], returns: Sequence[torch.Tensor],
+                   old_values: Sequence[torch.Tensor], clip: float | None = 0.2) -> dict[str, float]:
+        """One critic update towards ``returns`` (per trajectory, aligned to tokens) with a clipped value loss."""
+        def fn(mb, values, _entropy, sl):
+            T = mb.input_ids.shape[1]
+            ret = pad_token_values(returns[sl], T).to(values.device)
+            old = pad_token_values(old_values[sl], T).to(values.device)
+            return clipped_value_loss(values, old, ret, mb.loss_mask, clip=clip)
+
+        m = self._accumulate(trajs, "token-mean", fn)
+        m.pop("entropy", None)
+        return m
+
+    @torch.no_grad()
+    def values(self, trajs: Sequence[Trajectory]) -> list[torch.Tensor]:
+        """Current value estimates, one 1-D tensor per trajectory (aligned to its tokens)."""
+        from mentorrl.models.value import forward_values
+
+        self.model.eval()
+        out: list[torch.Tensor] = []
+        device = next(self.model.parameters()).device
+        for lo in range(0, len(trajs), self.cfg.micro_batch_size):
+            chunk = trajs[lo: lo + self.cfg.micro_batch_size]
+            v = forward_values(self.model, collate(chunk, self.pad_id).to(device)).cpu()
+            out += [v[b, : len(t.token_ids)] for b, t in enumerate(chunk)]
+        return out
+
+
+__all__ = ["CriticLearner", "Learner", "make_optimizer", "pad_token_values"]

@@ -15,7 +15,7 @@ from mentorrl.eval.plots import plot_rl_curves
 from mentorrl.models.build import ModelSpec, init_model, load_policy
 from mentorrl.models.corpus import expert_transcripts
 from mentorrl.train.report import build_report, write_report
-from mentorrl.train.stages import Workspace, evaluate, grpo_stage, open_workspace, rft_stage, sft_stage
+from mentorrl.train.stages import Workspace, evaluate, grpo_stage, open_workspace, ppo_stage, rft_stage, sft_stage
 
 
 def build_tiny_model(env_entry, out_dir: Path, spec: ModelSpec, corpus_tasks: int, seed: int = 0, fmt=None) -> Path:
@@ -54,8 +54,9 @@ def before_after_table(rows: dict[str, dict[str, Any]]) -> Table:
     return t
 
 
-STAGE_TITLES = {"sft": "SFT on expert demonstrations", "rft": "RFT: sample, verify, fine-tune", "grpo": "GRPO"}
-STAGE_LABELS = {"sft": "SFT", "rft": "RFT", "grpo": "GRPO"}
+STAGE_TITLES = {"sft": "SFT on expert demonstrations", "rft": "RFT: sample, verify, fine-tune", "grpo": "GRPO",
+                "ppo": "PPO with a critic"}
+STAGE_LABELS = {"sft": "SFT", "rft": "RFT", "grpo": "GRPO", "ppo": "PPO"}
 
 
 def _frozen_copy(model):
@@ -73,6 +74,8 @@ def run_stage_by_name(ws: Workspace, stage: str, model, resume: bool) -> Path:
     if stage == "grpo":
         ref = _frozen_copy(model) if ws.cfg.grpo.kl_coef > 0 else None
         return grpo_stage(ws, model, ref_model=ref, resume=resume)
+    if stage == "ppo":
+        return ppo_stage(ws, model, resume=resume)
     raise ValueError(f"unknown stage {stage!r}")
 
 

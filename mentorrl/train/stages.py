@@ -20,7 +20,14 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from mentorrl.algos.advantages import get_advantage_estimator, group_reward_stats, sanitize_group_rewards
+from mentorrl.algos.advantages import (
+    adaptive_gae_lambda,
+    gae_advantages,
+    get_advantage_estimator,
+    group_reward_stats,
+    outcome_token_rewards,
+    sanitize_group_rewards,
+)
 from mentorrl.config import RunConfig, dump_config
 from mentorrl.contract import RolloutContract, contract_for_env
 from mentorrl.envs import EnvEntry, get_env
@@ -30,7 +37,8 @@ from mentorrl.rollout.runner import expert_demonstrations, rollout_tasks
 from mentorrl.flywheel.hard_pool import HardTaskPool
 from mentorrl.train.audit import GapMonitor, flag_high_reward_failures
 from mentorrl.train.consistency import batch_checks, policy_lag
-from mentorrl.train.learner import Learner
+from mentorrl.models.value import ValueModel
+from mentorrl.train.learner import CriticLearner, Learner, pad_token_values
 from mentorrl.train.rundir import (
     MetricsLog,
     latest_checkpoint,
@@ -337,6 +345,105 @@ def grpo_stage(ws: Workspace, model, ref_model=None, resume: bool = False) -> Pa
 
     return run_stage(ws, "grpo", model, learner, g.steps, step_fn, g.checkpoint_every, resume,
                      extra_state=extra_state, restore_extra=restore)
+
+
+# ---------------------------------------------------------------- PPO -----
+def ppo_advantages(trajs: list[Trajectory], rewards: torch.Tensor, values: list[torch.Tensor], p) -> tuple[
+        list[torch.Tensor], list[torch.Tensor]]:
+    """Per-trajectory GAE advantages and returns (1-D, aligned to tokens) from outcome rewards and critic values.
+
+    Tool-observation and prompt tokens are skipped by the recursion; with ``normalize_advantages``
+    the advantages are whitened over all policy tokens of the batch.
+    """
+    T = max(len(t.token_ids) for t in trajs)
+    mask = pad_token_values([torch.tensor(t.loss_mask) for t in trajs], T)
+    vals = pad_token_values(values, T)
+    lam = adaptive_gae_lambda(mask.sum(1), p.lambda_alpha) if p.lambda_alpha else p.lam
+    adv, ret = gae_advantages(outcome_token_rewards(rewards, mask), vals, mask, gamma=p.gamma, lam=lam)
+    if p.normalize_advantages:
+        keep = mask != 0
+        if int(keep.sum()) > 1:
+            a = adv[keep]
+            adv = torch.where(keep, (adv - a.mean()) / (a.std(unbiased=False) + 1e-6), torch.zeros_like(adv))
+    return [adv[b, : len(t.token_ids)] for b, t in enumerate(trajs)], [ret[b, : len(t.token_ids)] for b, t in enumerate(trajs)]
+
+
+def ppo_stage(ws: Workspace, model, ref_model=None, resume: bool = False) -> Path:
+    """PPO for multi-turn agents: the same rollouts, rewards, checks and learner as GRPO, with a
+    critic (a value head on a copy of the policy's decoder) and GAE over policy tokens."""
+    cfg, p, audit = ws.cfg, ws.cfg.ppo, ws.cfg.audit
+    pool = ws.train_tasks(max(p.tasks_per_step * max(p.steps, 1), 64), cfg.seed + TRAIN_POOL_SEED_OFFSET)
+    learner = Learner(model, p.optim, ws.contract.pad_token_id, ws.contract.sampling.temperature)
+    critic = ValueModel.from_policy(model)
+    critic_learner = CriticLearner(critic, p.critic_optim, ws.contract.pad_token_id)
+    version = {"policy": 0}
+    critic_dir = ws.run_dir / "ppo" / "critic"
+
+    def minibatches(n: int, k: int, step: int, salt: int) -> list[list[int]]:
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(step * 7 + salt)).tolist()
+        k = min(k, n)
+        return [order[i::k] for i in range(k)]
+
+    def step_fn(step: int) -> dict[str, float]:
+        rng = random.Random(cfg.seed * 1_000_003 + 17 * step + 5)
+        chosen = rng.sample(pool, min(p.tasks_per_step, len(pool)))
+        grouped = [t for t in chosen for _ in range(p.samples_per_task)]
+        t0 = time.perf_counter()
+        trajs = rollout_tasks(model, ws.contract, ws.make_env, grouped, policy_version=version["policy"],
+                              seed=cfg.seed * 7_919 + step, batch_size=len(grouped), weights=cfg.reward)
+        t_roll = time.perf_counter() - t0
+        checks = batch_checks(trajs, version["policy"], ws.contract.env_name, ws.contract.env_version,
+                              ws.contract.fingerprint())
+        failed = [f"{c.name}: {c.detail}" for c in checks if not c.passed]
+        if failed:
+            raise RuntimeError(f"PPO step {step + 1}: train/rollout consistency check failed: " + "; ".join(failed))
+        raw = torch.tensor([t.reward.total for t in trajs], dtype=torch.float32).view(-1, 1)
+        rewards, clipped = sanitize_group_rewards(raw, audit.reward_low, audit.reward_high, None)
+        rewards = rewards.view(-1)
+        old_values = critic_learner.values(trajs)
+        adv, ret = ppo_advantages(trajs, rewards, old_values, p)
+        metrics: dict[str, float] = {"reward_mean": rewards.mean().item(),
+                                     "reward_std": rewards.std().item() if len(trajs) > 1 else 0.0,
+                                     "reward_clipped": clipped["clipped"], "rollouts": float(len(trajs))}
+        metrics.update(rollout_metrics(trajs))
+        metrics.update(_reward_debugger(trajs, audit.flag_reward, ws.run_dir / "audit" / f"flagged-ppo-step-{step + 1:06d}.jsonl"))
+        t1 = time.perf_counter()
+        vm: list[dict[str, float]] = []
+        for k, idx in enumerate(minibatches(len(trajs), p.critic_steps, step, 1)):
+            vm.append(critic_learner.value_step([trajs[i] for i in idx], [ret[i] for i in idx],
+                                                [old_values[i] for i in idx], clip=p.value_clip))
+        am: list[dict[str, float]] = []
+        if step >= p.critic_warmup_steps:
+            for idx in minibatches(len(trajs), p.updates_per_step, step, 2):
+                batch = [trajs[i] for i in idx]
+                am.append({**learner.token_policy_step(batch, [adv[i] for i in idx], "clipped", eps_low=p.eps_low,
+                                                       eps_high=p.eps_high, agg=p.loss_agg),
+                           **policy_lag(batch, version["policy"])})
+                version["policy"] += 1
+        for key in ("value_loss", "value_clip_frac", "explained_variance"):
+            metrics[key] = sum(m[key] for m in vm) / len(vm)
+        for key in ("loss", "clip_frac", "entropy", "grad_norm", "approx_kl", "logprob_abs_gap", "train_rollout_kl",
+                    "policy_lag_mean", "policy_lag_max"):
+            vals = [m[key] for m in am if key in m]
+            metrics[key] = (max(vals) if key == "policy_lag_max" else sum(vals) / len(vals)) if vals else 0.0
+        metrics.update(actor_updated=float(bool(am)), policy_version=version["policy"], rollout_s=t_roll,
+                       update_s=time.perf_counter() - t1)
+        return metrics
+
+    def extra_state() -> dict[str, Any]:
+        return {**version, "critic": critic.state_dict(), "critic_learner": critic_learner.state_dict()}
+
+    def restore(state: dict[str, Any]) -> None:
+        version["policy"] = state.get("policy", 0)
+        if "critic" in state:
+            critic.load_state_dict(state["critic"])
+            critic_learner.load_state_dict(state["critic_learner"])
+
+    final = run_stage(ws, "ppo", model, learner, p.steps, step_fn, p.checkpoint_every, resume,
+                      extra_state=extra_state, restore_extra=restore)
+    critic_dir.mkdir(parents=True, exist_ok=True)
+    critic.save(critic_dir / "value_model.safetensors")
+    return final
 
 
 def _hard_pool(g) -> HardTaskPool | None:

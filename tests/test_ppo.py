@@ -1,0 +1,96 @@
+"""PPO with a critic: the value model, the critic learner, GAE advantages per trajectory, and the stage end to end."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from mentorrl.cli import app
+from mentorrl.config import PPOConfig
+from mentorrl.models.value import ValueModel
+from mentorrl.rollout.runner import expert_demonstrations
+from mentorrl.train.learner import CriticLearner
+from mentorrl.train.rundir import MetricsLog
+from mentorrl.train.stages import ppo_advantages
+
+from test_resume import TINY_OVERRIDES
+
+
+@pytest.fixture
+def demos(orders_entry, make_contract):
+    env = orders_entry.make_env()
+    contract = make_contract(env=env, max_turns=8, max_total_tokens=2048)
+    env.close()
+    tasks = orders_entry.make_tasks().tasks("train", 12, 0)
+    return expert_demonstrations(contract, orders_entry.make_env, orders_entry.make_expert(), tasks)
+
+
+def test_fresh_critic_predicts_zero_and_round_trips(model, demos, tmp_path):
+    critic = ValueModel.from_policy(model)
+    learner = CriticLearner(critic, PPOConfig().critic_optim, pad_id=0)
+    values = learner.values(demos[:3])
+    assert [v.shape[0] for v in values] == [len(t.token_ids) for t in demos[:3]]
+    assert all(v.abs().max() == 0 for v in values)
+    assert all(p.requires_grad for p in critic.parameters())
+    assert all(not p.requires_grad or p is not q for p, q in zip(model.parameters(), critic.decoder.parameters()))
+    critic.head.bias.data.fill_(0.5)
+    critic.save(tmp_path / "v.safetensors")
+    other = ValueModel.from_policy(model)
+    other.load(tmp_path / "v.safetensors")
+    assert torch.equal(other.head.bias, critic.head.bias)
+
+
+def test_critic_learns_the_returns(model, demos):
+    """Value updates move the critic's predictions on policy tokens towards the returns."""
+    critic = ValueModel.from_policy(copy.deepcopy(model))
+    learner = CriticLearner(critic, PPOConfig().critic_optim.model_copy(update={"lr": 3e-3}), pad_id=0)
+    batch = demos[:8]
+    returns = [torch.full((len(t.token_ids),), 0.8) for t in batch]
+    first = learner.value_step(batch, returns, learner.values(batch), clip=None)["value_loss"]
+    for _ in range(20):
+        learner.value_step(batch, returns, learner.values(batch), clip=None)
+    last = learner.value_step(batch, returns, learner.values(batch), clip=None)["value_loss"]
+    assert last < 0.2 * first
+    v = learner.values(batch)
+    on_policy = torch.cat([vi[torch.tensor(t.loss_mask) != 0] for vi, t in zip(v, batch)])
+    assert (on_policy.mean() - 0.8).abs() < 0.2
+
+
+def test_ppo_advantages_are_return_minus_value_with_lambda_one(demos):
+    trajs = demos[:3]
+    values = [torch.full((len(t.token_ids),), 0.25) for t in trajs]
+    rewards = torch.tensor([1.2, 0.0, -1.0])
+    p = PPOConfig(lam=1.0, gamma=1.0, normalize_advantages=False)
+    adv, ret = ppo_advantages(trajs, rewards, values, p)
+    for t, a, r, reward in zip(trajs, adv, ret, rewards.tolist()):
+        m = torch.tensor(t.loss_mask) != 0
+        assert torch.allclose(a[m], torch.full_like(a[m], reward - 0.25))
+        assert torch.allclose(r[m], torch.full_like(r[m], reward)) and a[~m].abs().sum() == 0
+    white, _ = ppo_advantages(trajs, rewards, values, PPOConfig(lam=1.0))
+    allp = torch.cat([a[torch.tensor(t.loss_mask) != 0] for t, a in zip(trajs, white)])
+    assert abs(allp.mean().item()) < 1e-5 and abs(allp.std(unbiased=False).item() - 1) < 1e-3
+
+
+@pytest.mark.slow
+def test_sft_ppo_recipe_end_to_end(tmp_path):
+    args = ["demo", "--run-dir", str(tmp_path / "run")]
+    for ov in TINY_OVERRIDES + ["recipe=[sft, ppo]", "ppo.steps=3", "ppo.tasks_per_step=4", "ppo.critic_warmup_steps=1",
+                                "ppo.checkpoint_every=2", "eval.batch_size=4"]:
+        args += ["--set", ov]
+    res = CliRunner().invoke(app, args, catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    run = tmp_path / "run"
+    ppo = MetricsLog(run / "metrics.jsonl").read("ppo")
+    assert [r["step"] for r in ppo] == [1, 2, 3]
+    assert [r["actor_updated"] for r in ppo] == [0.0, 1.0, 1.0]  # one critic warm-up step
+    assert all({"value_loss", "explained_variance", "value_clip_frac", "logprob_abs_gap", "policy_lag_max"} <= set(r)
+               for r in ppo)
+    assert (run / "ppo" / "critic" / "value_model.safetensors").exists()
+    assert "ppo" in json.loads((run / "report.json").read_text())["evals"]
+    before = (run / "metrics.jsonl").read_text()
+    again = CliRunner().invoke(app, [*args, "--resume"], catch_exceptions=False)
+    assert again.exit_code == 0 and (run / "metrics.jsonl").read_text() == before
