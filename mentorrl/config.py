@@ -94,6 +94,13 @@ class RFTConfig(_Section):
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=2e-4))
     rollout_batch: int = Field(256, ge=1, description="trajectories decoded together")
 
+    @field_validator("band")
+    @classmethod
+    def _band_is_an_interval(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not 0.0 <= v[0] <= v[1] <= 1.0:
+            raise ValueError(f"band must satisfy 0 <= lo <= hi <= 1, got {list(v)}")
+        return v
+
 
 class PPOConfig(_Section):
     steps: int = Field(20, ge=0, description="PPO steps (one rollout batch each)")

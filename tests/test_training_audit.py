@@ -207,3 +207,26 @@ def test_training_stages_refuse_hidden_tasks(monkeypatch, tmp_path):
     monkeypatch.setattr(ws, "tasks", lambda split, n, seed: ws.env_entry.make_tasks().tasks("hidden", n, seed))
     with pytest.raises(HiddenSetError, match="refusing to train on 4 hidden-set task"):
         ws.train_tasks(4, 0)
+
+
+def test_bad_rft_band_and_ppo_settings_are_rejected_with_the_field_name():
+    with pytest.raises(ConfigError, match=r"rft.band.*0 <= lo <= hi <= 1"):
+        load_config(None, ["rft.band=[0.6, 0.2]"])
+    with pytest.raises(ConfigError, match="ppo.lam"):
+        load_config(None, ["ppo.lam=1.5"])
+    with pytest.raises(ConfigError, match="env.latency.kind"):
+        load_config(None, ["env.latency={kind: uniform}"])
+
+
+def test_diagnose_rejects_bad_input(tmp_path, tiny_model_dir):
+    from typer.testing import CliRunner
+
+    from mentorrl.cli import app
+
+    runner = CliRunner()
+    res = runner.invoke(app, ["diagnose", str(tmp_path / "nope")])
+    assert res.exit_code == 2
+    res = runner.invoke(app, ["diagnose", str(tiny_model_dir), "--split", "nosuch", "--set", f"run_dir={tmp_path}"])
+    assert res.exit_code == 2 and "nosuch" in res.output
+    res = runner.invoke(app, ["diagnose", str(tiny_model_dir), "--samples", "1"])
+    assert res.exit_code == 2  # a group needs at least two samples
