@@ -19,7 +19,6 @@ tasks written by :func:`write_tasks_jsonl` instead.
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -29,6 +28,7 @@ from pydantic import BaseModel, ConfigDict
 
 from mentorrl.contract import ContractLimits, PromptFormat, RolloutContract, SamplingParams, contract_for_env
 from mentorrl.envs.base import Environment, ExpertPolicy, FinalAnswer, Task, ToolAction
+from mentorrl.eval.sets import read_tasks_jsonl, write_tasks_jsonl
 from mentorrl.flywheel.attribution import Attribution, FailureType
 from mentorrl.flywheel.routing import CORRECTION_METHODS, RoutingTable, TrainingMethod
 from mentorrl.rewards.compose import RewardWeights
@@ -70,35 +70,9 @@ def find_tasks(env_entry: Any, task_ids: Iterable[str], max_index: int = 100_000
     return found
 
 
-def write_tasks_jsonl(path: str | Path, tasks: Iterable[Task]) -> int:
-    n = 0
-    with open(path, "w", encoding="utf-8") as f:
-        for t in tasks:
-            f.write(json.dumps(dataclasses.asdict(t), ensure_ascii=False) + "\n")
-            n += 1
-    return n
-
-
 def load_tasks_jsonl(path: str | Path) -> dict[str, Task]:
-    """Tasks by id from a JSONL file of ``Task`` fields."""
-    fields = {f.name for f in dataclasses.fields(Task)}
-    out: dict[str, Task] = {}
-    with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-                if not isinstance(obj, dict):
-                    raise TypeError("expected a JSON object")
-                unknown = set(obj) - fields
-                if unknown:
-                    raise TypeError(f"unknown task fields {sorted(unknown)}")
-                task = Task(**obj)
-            except (ValueError, TypeError) as e:
-                raise ValueError(f"{path}:{i}: not a valid task: {e}") from e
-            out[task.id] = task
-    return out
+    """Tasks by id from a tasks JSONL file (:func:`mentorrl.eval.sets.read_tasks_jsonl` validates it)."""
+    return {t.id: t for t in read_tasks_jsonl(path)}
 
 
 # -------------------------------------------------------------- reference traces ----
