@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
 from pydantic import BaseModel, ConfigDict
@@ -102,14 +103,35 @@ def pass_hat_k(n: int, c: int, k: int) -> float:
     return math.comb(c, k) / math.comb(n, k)
 
 
+@dataclass(frozen=True)
+class TaskOutcome:
+    """How the samples of one task went: n samples, c verifier successes, and the first success."""
+
+    task_id: str
+    n: int
+    successes: int
+    first_success: int | None  # 1-based sample index of the first success, None if none
+
+    @property
+    def rate(self) -> float:
+        return self.successes / self.n if self.n else 0.0
+
+
+def task_results(trajs: Iterable[Trajectory]) -> dict[str, TaskOutcome]:
+    """task_id -> :class:`TaskOutcome`, in first-seen order, samples counted in the order given."""
+    counts: dict[str, list] = {}
+    for t in trajs:
+        rec = counts.setdefault(t.task_id, [0, 0, None])
+        rec[0] += 1
+        if trace.is_success(t):
+            rec[1] += 1
+            rec[2] = rec[2] or rec[0]
+    return {k: TaskOutcome(k, n, c, first) for k, (n, c, first) in counts.items()}
+
+
 def task_outcomes(trajs: Iterable[Trajectory]) -> dict[str, tuple[int, int]]:
     """task_id -> (samples n, verifier successes c), in first-seen order."""
-    out: dict[str, list[int]] = {}
-    for t in trajs:
-        nc = out.setdefault(t.task_id, [0, 0])
-        nc[0] += 1
-        nc[1] += trace.is_success(t)
-    return {k: (n, c) for k, (n, c) in out.items()}
+    return {k: (o.n, o.successes) for k, o in task_results(trajs).items()}
 
 
 def mean_over_tasks(
@@ -232,4 +254,6 @@ __all__ = [
     "pass_at_k",
     "pass_hat_k",
     "task_outcomes",
+    "task_results",
+    "TaskOutcome",
 ]

@@ -15,35 +15,14 @@ from __future__ import annotations
 
 import random
 from collections import defaultdict
-from dataclasses import dataclass
 from typing import Sequence
 
+from mentorrl.eval.agent import TaskOutcome, task_results
 from mentorrl.eval.trace import call_key
 from mentorrl.trajectory import Trajectory
 
 
-@dataclass(frozen=True)
-class TaskOutcome:
-    task_id: str
-    n: int
-    successes: int
-    first_success: int | None  # 1-based sample index of the first success, None if none
-
-    @property
-    def rate(self) -> float:
-        return self.successes / self.n if self.n else 0.0
-
-
-def task_outcomes(trajs: Sequence[Trajectory]) -> dict[str, TaskOutcome]:
-    """Per-task counts from trajectories listed in sampling order."""
-    by_task: dict[str, list[Trajectory]] = defaultdict(list)
-    for t in trajs:
-        by_task[t.task_id].append(t)
-    out = {}
-    for tid, ts in by_task.items():
-        wins = [i for i, t in enumerate(ts, 1) if t.reward is not None and t.reward.success]
-        out[tid] = TaskOutcome(tid, len(ts), len(wins), wins[0] if wins else None)
-    return out
+task_outcomes = task_results  # per-task n, successes and first success, shared with agent evaluation
 
 
 def rft_round_stats(outcomes: dict[str, TaskOutcome]) -> dict[str, float]:
