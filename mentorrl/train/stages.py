@@ -296,16 +296,9 @@ def grpo_stage(ws: Workspace, model, ref_model=None, resume: bool = False) -> Pa
         keep = [i for i in range(len(trajs)) if g.kl_coef > 0 or adv[i].abs() > 1e-8]
         update_metrics: list[dict[str, float]] = []
         t1 = time.perf_counter()
-        checks = batch_checks(trajs, version["policy"], ws.contract.env_name, ws.contract.env_version,
-                              ws.contract.fingerprint())
-        failed = [f"{c.name}: {c.detail}" for c in checks if not c.passed]
-        if failed:  # never train on data the policy did not produce under this contract
-            raise RuntimeError(f"GRPO step {step + 1}: train/rollout consistency check failed: " + "; ".join(failed))
+        _require_consistent(ws, trajs, version["policy"], f"GRPO step {step + 1}")
         if keep:
-            order = [keep[i] for i in torch.randperm(len(keep), generator=torch.Generator().manual_seed(step)).tolist()]
-            n_mb = min(g.updates_per_step, len(order))
-            for k in range(n_mb):
-                idx = order[k::n_mb]
+            for idx in _minibatches(keep, g.updates_per_step, seed=step):
                 batch = [trajs[i] for i in idx]
                 update_metrics.append({
                     **learner.policy_step(
@@ -315,11 +308,9 @@ def grpo_stage(ws: Workspace, model, ref_model=None, resume: bool = False) -> Pa
                     **policy_lag(batch, version["policy"]),
                 })
                 version["policy"] += 1
-        for key in ("loss", "kl", "clip_frac", "entropy", "grad_norm", "ratio_max", "approx_kl", "logprob_abs_gap",
-                    "train_rollout_kl", "policy_lag_mean", "policy_lag_max"):
-            vals = [m[key] for m in update_metrics if key in m]
-            reduce = max if key in ("ratio_max", "policy_lag_max") else (lambda v: sum(v) / len(v))
-            metrics[key] = reduce(vals) if vals else 0.0
+        metrics.update(_reduce_updates(update_metrics, ("loss", "kl", "clip_frac", "entropy", "grad_norm", "ratio_max",
+                                                        "approx_kl", "logprob_abs_gap", "train_rollout_kl",
+                                                        "policy_lag_mean", "policy_lag_max")))
         metrics.update(trained_trajectories=len(keep), policy_version=version["policy"],
                        rollout_s=t_roll, update_s=time.perf_counter() - t1)
         if hard is not None:
@@ -379,11 +370,6 @@ def ppo_stage(ws: Workspace, model, ref_model=None, resume: bool = False) -> Pat
     version = {"policy": 0}
     critic_dir = ws.run_dir / "ppo" / "critic"
 
-    def minibatches(n: int, k: int, step: int, salt: int) -> list[list[int]]:
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(step * 7 + salt)).tolist()
-        k = min(k, n)
-        return [order[i::k] for i in range(k)]
-
     def step_fn(step: int) -> dict[str, float]:
         rng = random.Random(cfg.seed * 1_000_003 + 17 * step + 5)
         chosen = rng.sample(pool, min(p.tasks_per_step, len(pool)))
@@ -392,11 +378,7 @@ def ppo_stage(ws: Workspace, model, ref_model=None, resume: bool = False) -> Pat
         trajs = rollout_tasks(model, ws.contract, ws.make_env, grouped, policy_version=version["policy"],
                               seed=cfg.seed * 7_919 + step, batch_size=len(grouped), weights=cfg.reward)
         t_roll = time.perf_counter() - t0
-        checks = batch_checks(trajs, version["policy"], ws.contract.env_name, ws.contract.env_version,
-                              ws.contract.fingerprint())
-        failed = [f"{c.name}: {c.detail}" for c in checks if not c.passed]
-        if failed:
-            raise RuntimeError(f"PPO step {step + 1}: train/rollout consistency check failed: " + "; ".join(failed))
+        _require_consistent(ws, trajs, version["policy"], f"PPO step {step + 1}")
         raw = torch.tensor([t.reward.total for t in trajs], dtype=torch.float32).view(-1, 1)
         rewards, clipped = sanitize_group_rewards(raw, audit.reward_low, audit.reward_high, None)
         rewards = rewards.view(-1)
@@ -409,23 +391,20 @@ def ppo_stage(ws: Workspace, model, ref_model=None, resume: bool = False) -> Pat
         metrics.update(_reward_debugger(trajs, audit.flag_reward, ws.run_dir / "audit" / f"flagged-ppo-step-{step + 1:06d}.jsonl"))
         t1 = time.perf_counter()
         vm: list[dict[str, float]] = []
-        for k, idx in enumerate(minibatches(len(trajs), p.critic_steps, step, 1)):
+        for idx in _minibatches(list(range(len(trajs))), p.critic_steps, seed=step * 7 + 1):
             vm.append(critic_learner.value_step([trajs[i] for i in idx], [ret[i] for i in idx],
                                                 [old_values[i] for i in idx], clip=p.value_clip))
         am: list[dict[str, float]] = []
         if step >= p.critic_warmup_steps:
-            for idx in minibatches(len(trajs), p.updates_per_step, step, 2):
+            for idx in _minibatches(list(range(len(trajs))), p.updates_per_step, seed=step * 7 + 2):
                 batch = [trajs[i] for i in idx]
                 am.append({**learner.token_policy_step(batch, [adv[i] for i in idx], "clipped", eps_low=p.eps_low,
                                                        eps_high=p.eps_high, agg=p.loss_agg),
                            **policy_lag(batch, version["policy"])})
                 version["policy"] += 1
-        for key in ("value_loss", "value_clip_frac", "explained_variance"):
-            metrics[key] = sum(m[key] for m in vm) / len(vm)
-        for key in ("loss", "clip_frac", "entropy", "grad_norm", "approx_kl", "logprob_abs_gap", "train_rollout_kl",
-                    "policy_lag_mean", "policy_lag_max"):
-            vals = [m[key] for m in am if key in m]
-            metrics[key] = (max(vals) if key == "policy_lag_max" else sum(vals) / len(vals)) if vals else 0.0
+        metrics.update(_reduce_updates(vm, ("value_loss", "value_clip_frac", "explained_variance")))
+        metrics.update(_reduce_updates(am, ("loss", "clip_frac", "entropy", "grad_norm", "approx_kl", "logprob_abs_gap",
+                                            "train_rollout_kl", "policy_lag_mean", "policy_lag_max")))
         metrics.update(actor_updated=float(bool(am)), policy_version=version["policy"], rollout_s=t_roll,
                        update_s=time.perf_counter() - t1)
         return metrics
@@ -444,6 +423,32 @@ def ppo_stage(ws: Workspace, model, ref_model=None, resume: bool = False) -> Pat
     critic_dir.mkdir(parents=True, exist_ok=True)
     critic.save(critic_dir / "value_model.safetensors")
     return final
+
+
+def _require_consistent(ws: Workspace, trajs: list[Trajectory], current_version: int, where: str) -> None:
+    """Never train on data the policy did not produce under this run's contract: raise on any failed check."""
+    checks = batch_checks(trajs, current_version, ws.contract.env_name, ws.contract.env_version,
+                          ws.contract.fingerprint())
+    failed = [f"{c.name}: {c.detail}" for c in checks if not c.passed]
+    if failed:
+        raise RuntimeError(f"{where}: train/rollout consistency check failed: " + "; ".join(failed))
+
+
+def _minibatches(items: list[int], k: int, seed: int) -> list[list[int]]:
+    """``items`` shuffled with ``seed`` and dealt round-robin into ``min(k, len(items))`` minibatches."""
+    perm = torch.randperm(len(items), generator=torch.Generator().manual_seed(seed)).tolist()
+    order = [items[i] for i in perm]
+    k = min(k, len(order))
+    return [order[i::k] for i in range(k)]
+
+
+def _reduce_updates(updates: list[dict[str, float]], keys: tuple[str, ...]) -> dict[str, float]:
+    """One value per metric over a step's optimizer updates: the max for ``*_max`` keys, else the mean (0 if none)."""
+    out = {}
+    for key in keys:
+        vals = [m[key] for m in updates if key in m]
+        out[key] = (max(vals) if key.endswith("_max") else sum(vals) / len(vals)) if vals else 0.0
+    return out
 
 
 def _hard_pool(g) -> HardTaskPool | None:
