@@ -12,7 +12,6 @@ import typer
 from mentorrl.cli_common import console, err, load_run_config, quiet_transformers
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Post-training for language-model agents.")
-_quiet_transformers = quiet_transformers
 
 
 def _load(config: Optional[Path], overrides: list[str], run_dir: Optional[str] = None, default: str | None = None):
@@ -46,7 +45,7 @@ def demo(
     set_: list[str] = SetOpt,
 ) -> None:
     """Build the tiny model, audit the reward, SFT, evaluate, GRPO, evaluate again; print the table and report."""
-    _quiet_transformers()
+    quiet_transformers()
     cfg = _load(config, set_, run_dir, default="demo.yaml")
     result = _run_recipe(cfg, resume)
     Path(cfg.run_dir, "demo_result.json").write_text(json.dumps(result, indent=2))
@@ -59,7 +58,7 @@ def train(
     set_: list[str] = SetOpt,
 ) -> None:
     """Run a recipe's stages (e.g. sft -> rft -> grpo, held-out eval after each); model.path may be any HF checkpoint."""
-    _quiet_transformers()
+    quiet_transformers()
     _run_recipe(_load(config, set_), resume)
 
 
@@ -72,7 +71,7 @@ def init_model_cmd(
     """Build the tiny local BPE tokenizer and Qwen2-architecture model (no download).
 
     Size, seed, environment and prompt format come from the config (default: the demo recipe)."""
-    _quiet_transformers()
+    quiet_transformers()
     from mentorrl.envs import get_env
     from mentorrl.models.build import dir_digest
     from mentorrl.train.pipeline import build_tiny_model
@@ -100,7 +99,7 @@ def diagnose(
     set_: list[str] = SetOpt,
 ) -> None:
     """GRPO debug report: P tasks x N samples -> reward spread, advantage std, and the notes' diagnosis."""
-    _quiet_transformers()
+    quiet_transformers()
     from rich.markup import escape
     from rich.table import Table
 
@@ -144,7 +143,7 @@ def check(
     run_dir: Path = typer.Argument(..., exists=True, file_okay=False, help="a run directory"),
 ) -> None:
     """Train/rollout consistency over a run's recorded batches: a pass/fail table; exit 1 on any failure."""
-    _quiet_transformers()
+    quiet_transformers()
     from rich.markup import escape
     from rich.table import Table
 

@@ -66,10 +66,6 @@ def parse_ks(text: str | None) -> list[int] | None:
     return ks
 
 
-def _load_run_config(config: Optional[Path], overrides: list[str], run_dir: str):
-    return load_run_config(config, overrides, run_dir)
-
-
 def agent_eval_config(cfg: Any, specs: list[EvalSetSpec], **options: Any) -> AgentEvalConfig:
     """The run config's agent-eval section (when it has one) with the command-line options applied.
 
@@ -304,7 +300,7 @@ def eval_command(
     out_dir = out or Path("runs") / f"eval-{model_dir.name}"
     try:
         specs, overrides = parse_set_options(on), list(set_)
-        cfg = _load_run_config(config, overrides, str(out_dir))
+        cfg = load_run_config(config, overrides, str(out_dir))
         ecfg = agent_eval_config(cfg, specs, samples_per_task=samples, k=parse_ks(k), judge=judge,
                                  num_tasks=num_tasks, seed=seed)
         summary = evaluate_checkpoint(model_dir, cfg, ecfg, out_dir)
@@ -380,7 +376,7 @@ def gate_command(
                 raise GateError("with a summary on one side, the sets come from that summary; "
                                 "drop --on regression:...")
             root = out or Path("runs") / f"gate-{(new or new_summary).name}"  # type: ignore[union-attr]
-            cfg = _load_run_config(config, overrides, str(root))
+            cfg = load_run_config(config, overrides, str(root))
             recorded = next(iter(summaries.values()), None)
             if recorded is not None:  # the other side fixes sets, seeds and samples; only gated sets are rolled out
                 ecfg = AgentEvalConfig.model_validate(recorded["config"])
