@@ -368,3 +368,72 @@ def test_slow_tool_wall_time(make_contract, orders_entry, orders_tasks, tool_hap
     assert overlaps >= 1
     # the engine's wall time is well below running every sleep back to back
     assert engine.last_stats["wall_s"] < 0.3 * len(calls)
+
+
+# ------------------------------------------------------- continuous batching ----
+def _stream(model, contract, orders_entry, tasks, slots, **kw):
+    it = iter(tasks)
+
+    def next_episode():
+        t = next(it, None)
+        return None if t is None else Episode(contract, orders_entry.make_env(), t)
+
+    engine = RolloutEngine(model, contract)
+    return engine, engine.run_stream(next_episode, slots=slots, close_envs=True, **kw)
+
+
+def test_stream_admits_into_free_slots_and_matches_a_full_batch(tool_happy_model, make_contract, orders_entry,
+                                                                 orders_tasks):
+    """Rows admitted mid-run (into a cache other rows have filled) see exactly their own context:
+    the same seeds give the same trajectories as decoding all of them in one batch."""
+    contract = make_contract()
+    tasks = orders_tasks[80:88]
+    sizes: list[int] = []
+    handle = tool_happy_model.register_forward_hook(lambda mod, args, kw, out: sizes.append(kw["input_ids"].shape[0]),
+                                                    with_kwargs=True)
+    try:
+        engine, streamed = _stream(tool_happy_model, contract, orders_entry, tasks, slots=3, seed=4)
+    finally:
+        handle.remove()
+    _, batched = _engine_run(tool_happy_model, contract, orders_entry, tasks, seed=4)
+    assert engine.last_stats["admitted"] == len(tasks) and max(sizes) <= 3
+    assert [t.task_id for t in streamed] == [t.id for t in tasks]  # admission order
+    assert [t.token_ids for t in streamed] == [t.token_ids for t in batched]
+    for a, b in zip(streamed, batched):
+        assert max((abs(x - y) for x, y in zip(a.logprobs, b.logprobs)), default=0.0) < 1e-4
+
+
+def test_stream_weight_sync_refills_the_cache_exactly(tool_happy_model, make_contract, orders_entry, orders_tasks):
+    """A sync (``before_step`` -> True) drops the KV cache and prefills every live row again; with
+    unchanged weights the trajectories are the ones an uninterrupted run samples."""
+    contract = make_contract()
+    tasks = orders_tasks[90:96]
+    calls = {"n": 0}
+
+    def before_step() -> bool:
+        calls["n"] += 1
+        return calls["n"] % 7 == 0
+
+    engine, synced = _stream(tool_happy_model, contract, orders_entry, tasks, slots=4, seed=9, before_step=before_step)
+    _, plain = _stream(tool_happy_model, contract, orders_entry, tasks, slots=4, seed=9)
+    assert engine.last_stats["weight_syncs"] >= 2
+    assert [t.token_ids for t in synced] == [t.token_ids for t in plain]
+    for a, b in zip(synced, plain):
+        assert max((abs(x - y) for x, y in zip(a.logprobs, b.logprobs)), default=0.0) < 1e-4
+
+
+def test_stream_stop_abandons_rows_in_flight(tool_happy_model, make_contract, orders_entry, orders_tasks):
+    contract = make_contract()
+    stop = threading.Event()
+    produced: list[Trajectory] = []
+
+    def on_finish(t: Trajectory) -> None:
+        produced.append(t)
+        if len(produced) == 3:
+            stop.set()
+
+    tasks = orders_tasks[:40]
+    engine, out = _stream(tool_happy_model, contract, orders_entry, tasks, slots=4, seed=1, on_finish=on_finish,
+                          stop=stop)
+    assert engine.last_stats["aborted"] == 1.0
+    assert 3 <= len(out) < len(tasks) and engine.last_stats["admitted"] < len(tasks)

@@ -12,6 +12,7 @@ up only its own trajectory. Finished rows leave the batch and the cache.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import threading
 import time
 from typing import Callable
 
@@ -19,7 +20,7 @@ import torch
 
 from mentorrl.contract import RolloutContract
 from mentorrl.rollout.episode import Episode
-from mentorrl.rollout.kvcache import cache_kwarg, compact, expand_batch, make_cache
+from mentorrl.rollout.kvcache import add_rows, cache_kwarg, compact, expand_batch, make_cache
 from mentorrl.rollout.sampling import sample_tokens
 from mentorrl.trajectory import Trajectory
 
@@ -65,69 +66,148 @@ class RolloutEngine:
         """Roll out all episodes to completion; returns trajectories in input order."""
         if not episodes:
             return []
+        source = iter(episodes)
+        return self.run_stream(lambda: next(source, None), slots=len(episodes), seed=seed, on_finish=on_finish)
+
+    @torch.no_grad()
+    def run_stream(
+        self,
+        next_episode: Callable[[], Episode | None],
+        slots: int,
+        seed: int = 0,
+        on_finish: Callable[[Trajectory], None] | None = None,
+        before_step: Callable[[], bool] | None = None,
+        stop: threading.Event | None = None,
+        close_envs: bool = False,
+    ) -> list[Trajectory]:
+        """Continuous batching: keep up to ``slots`` episodes in flight, admitting the next one
+        from ``next_episode()`` as soon as a row finishes, until it returns None and every row is done.
+
+        Trajectories come back in admission order. Episode ``i`` (in admission order) samples
+        with its own generator seeded from ``(seed, i)``. ``before_step()`` runs before every
+        forward pass; when it returns True (the model's weights changed) the KV cache is dropped
+        and every live row's context is prefilled again under the new weights, so each token is
+        sampled from one policy (the one that recorded its log-prob). Setting ``stop`` abandons
+        the rows in flight and returns what has finished. ``close_envs`` closes each episode's
+        environment once it is finished (or abandoned).
+        """
         contract, model = self.contract, self.model
         device = next(model.parameters()).device
-        # one generator per episode: a trajectory's samples depend only on (seed, its index)
-        gens = [torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + i) for i in range(len(episodes))]
         stop_ids = set(contract.stop_token_ids)
         max_new = contract.sampling.max_new_tokens
 
         t_start = time.perf_counter()
-        pending: list[list[int]] = [ep.start() for ep in episodes]  # ids to feed next, per episode
-        turn_ids: list[list[int]] = [[] for _ in episodes]
-        turn_lp: list[list[float]] = [[] for _ in episodes]
+        episodes: list[Episode] = []
+        gens: list[torch.Generator] = []
+        pending: list[list[int]] = []  # ids to feed next, per episode
+        turn_ids: list[list[int]] = []
+        turn_lp: list[list[float]] = []
         waiting: dict[int, cf.Future] = {}
-        results: list[Trajectory | None] = [None] * len(episodes)
-        rows = list(range(len(episodes)))  # batch row -> episode index
+        results: list[Trajectory | None] = []
+        rows: list[int] = []  # batch row -> episode index
         cache, cache_kw = make_cache(model), cache_kwarg(model)
-        attn = torch.zeros(len(rows), 0, dtype=torch.long, device=device)
-        pos = torch.zeros(len(rows), dtype=torch.long, device=device)
-        stats = {"forward_passes": 0, "generated_tokens": 0, "compactions": 0, "shared_prefix": 0}
+        attn = torch.zeros(0, 0, dtype=torch.long, device=device)
+        pos = torch.zeros(0, dtype=torch.long, device=device)
+        stats = {"forward_passes": 0, "generated_tokens": 0, "compactions": 0, "shared_prefix": 0, "admitted": 0,
+                 "weight_syncs": 0}
+        exhausted = False
 
-        # All prompts usually share the system turn: prefill it once and broadcast it.
-        shared = _common_prefix_len(pending)
-        shared = min(shared, min(len(p) for p in pending) - 1)
-        if shared >= 8 and len(rows) > 1:
-            prefix = torch.tensor([pending[0][:shared]], device=device)
-            model(input_ids=prefix, use_cache=True, logits_to_keep=1, **{cache_kw: cache})
-            if expand_batch(cache, len(rows)):
-                attn = torch.ones(len(rows), shared, dtype=torch.long, device=device)
-                pos = torch.full((len(rows),), shared, dtype=torch.long, device=device)
-                pending = [p[shared:] for p in pending]
-                stats["shared_prefix"] = shared
-                stats["forward_passes"] += 1
-            else:
-                cache = make_cache(model)
+        def admit() -> list[int]:
+            """Start episodes until every slot is busy or the source is dry; returns their indices."""
+            nonlocal exhausted
+            new: list[int] = []
+            while not exhausted and len(rows) + len(new) < slots and not (stop is not None and stop.is_set()):
+                ep = next_episode()
+                if ep is None:
+                    exhausted = True
+                    break
+                e = len(episodes)
+                episodes.append(ep)
+                gens.append(torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + e))
+                pending.append(ep.start())
+                turn_ids.append([])
+                turn_lp.append([])
+                results.append(None)
+                new.append(e)
+            stats["admitted"] += len(new)
+            return new
 
         def finish(e: int) -> None:
             traj = episodes[e].finish()
             traj.timings["rollout_s"] = time.perf_counter() - t_start
             results[e] = traj
+            if close_envs:
+                episodes[e].env.close()
             if on_finish is not None:
                 on_finish(traj)
 
+        rows = admit()
+        attn = torch.zeros(len(rows), 0, dtype=torch.long, device=device)
+        pos = torch.zeros(len(rows), dtype=torch.long, device=device)
+        # All prompts usually share the system turn: prefill it once and broadcast it.
+        if len(rows) > 1:
+            shared = _common_prefix_len([pending[e] for e in rows])
+            shared = min(shared, min(len(pending[e]) for e in rows) - 1)
+            if shared >= 8:
+                prefix = torch.tensor([pending[rows[0]][:shared]], device=device)
+                model(input_ids=prefix, use_cache=True, logits_to_keep=1, **{cache_kw: cache})
+                if expand_batch(cache, len(rows)):
+                    attn = torch.ones(len(rows), shared, dtype=torch.long, device=device)
+                    pos = torch.full((len(rows),), shared, dtype=torch.long, device=device)
+                    for e in rows:
+                        pending[e] = pending[e][shared:]
+                    stats["shared_prefix"] = shared
+                    stats["forward_passes"] += 1
+                else:
+                    cache = make_cache(model)
+
         pool = cf.ThreadPoolExecutor(max_workers=self.tool_workers, thread_name_prefix="rollout-tool")
+        aborted = False
         try:
             while rows:
+                if stop is not None and stop.is_set():
+                    aborted = True
+                    break
                 # 1. collect tool results that have come back; wait if every row is paused
                 if waiting and all(e in waiting for e in rows):
-                    cf.wait(list(waiting.values()), return_when=cf.FIRST_COMPLETED)
+                    cf.wait(list(waiting.values()), timeout=0.05 if stop is not None else None,
+                            return_when=cf.FIRST_COMPLETED)
                 for e in [e for e, f in waiting.items() if f.done()]:
                     obs = episodes[e].add_observation(waiting.pop(e).result())
                     if obs is None:
                         finish(e)
                     else:
                         pending[e] = pending[e] + obs  # the unfed stop token, then the observation
-                # 2. drop finished rows from the batch and the cache
+                # 2. drop finished rows from the batch and the cache; admit new episodes into free slots
                 keep = [i for i, e in enumerate(rows) if results[e] is None]
                 if len(keep) < len(rows):
                     rows = [rows[i] for i in keep]
-                    if not rows:
-                        break
-                    idx = torch.tensor(keep, device=device)
-                    if cache.get_seq_length() > 0:
-                        cache.batch_select_indices(idx)
-                    attn, pos = attn[idx], pos[idx]
+                    if rows:
+                        idx = torch.tensor(keep, device=device)
+                        if cache.get_seq_length() > 0:
+                            cache.batch_select_indices(idx)
+                        attn, pos = attn[idx], pos[idx]
+                    else:
+                        cache = make_cache(model)
+                        attn = torch.zeros(0, 0, dtype=torch.long, device=device)
+                        pos = torch.zeros(0, dtype=torch.long, device=device)
+                new = admit() if not exhausted else []
+                if new:
+                    if cache.get_seq_length() > 0 and not add_rows(cache, len(new)):
+                        raise RuntimeError("this KV-cache type cannot take new rows; use run() per batch instead")
+                    attn = torch.cat([attn, attn.new_zeros(len(new), attn.shape[1])], dim=0)
+                    pos = torch.cat([pos, pos.new_zeros(len(new))], dim=0)
+                    rows = rows + new
+                if not rows:
+                    break
+                # 3. new weights: drop the cache and feed every live row its whole context again
+                if before_step is not None and before_step():
+                    stats["weight_syncs"] += 1
+                    cache = make_cache(model)
+                    attn = torch.zeros(len(rows), 0, dtype=torch.long, device=device)
+                    pos = torch.zeros(len(rows), dtype=torch.long, device=device)
+                    for e in rows:
+                        pending[e] = episodes[e].ids + turn_ids[e]  # == everything fed so far + what is pending
                 if all(e in waiting for e in rows):
                     continue
                 # keep attention cost proportional to real context, not to accumulated pads
@@ -136,7 +216,7 @@ class RolloutEngine:
                     if packed is not None:
                         attn = packed
                         stats["compactions"] += 1
-                # 3. one forward pass over every row's next chunk (left-padded)
+                # 4. one forward pass over every row's next chunk (left-padded)
                 fed = [i for i, e in enumerate(rows) if e not in waiting]
                 wide = [i for i in fed if len(pending[rows[i]]) > 1]
                 if wide and len(wide) < len(fed) and len(wide) < self.prefill_batch_frac * len(rows):
@@ -144,16 +224,16 @@ class RolloutEngine:
                     stats["deferred_prefills"] = stats.get("deferred_prefills", 0) + len(wide)
                 width = max(len(pending[rows[i]]) for i in fed)
                 inp = torch.full((len(rows), width), contract.pad_token_id, dtype=torch.long)
-                new = torch.zeros(len(rows), width, dtype=torch.long)
+                new_mask = torch.zeros(len(rows), width, dtype=torch.long)
                 for i in fed:
                     e = rows[i]
                     n = len(pending[e])
                     if n:
                         inp[i, width - n :] = torch.tensor(pending[e])
-                        new[i, width - n :] = 1
-                inp, new = inp.to(device), new.to(device)
-                position_ids = pos[:, None] + (new.cumsum(1) - 1).clamp(min=0)
-                attn = torch.cat([attn, new], dim=1)
+                        new_mask[i, width - n :] = 1
+                inp, new_mask = inp.to(device), new_mask.to(device)
+                position_ids = pos[:, None] + (new_mask.cumsum(1) - 1).clamp(min=0)
+                attn = torch.cat([attn, new_mask], dim=1)
                 out = model(
                     input_ids=inp,
                     attention_mask=attn,
@@ -162,10 +242,10 @@ class RolloutEngine:
                     logits_to_keep=1,
                     **{cache_kw: cache},  # the DynamicCache is updated in place
                 )
-                pos = pos + new.sum(1)
+                pos = pos + new_mask.sum(1)
                 stats["forward_passes"] += 1
                 tokens, logps = sample_tokens(out.logits[fed, -1, :], contract.sampling, [gens[rows[i]] for i in fed])
-                # 4. advance each row that was fed
+                # 5. advance each row that was fed
                 for j, i in enumerate(fed):
                     e = rows[i]
                     ep = episodes[e]
@@ -185,6 +265,10 @@ class RolloutEngine:
                     else:
                         waiting[e] = pool.submit(ep.run_tool, action)
         finally:
-            pool.shutdown(wait=True)
-        self.last_stats = {**stats, "wall_s": time.perf_counter() - t_start}
+            pool.shutdown(wait=not aborted, cancel_futures=aborted)
+            if close_envs:
+                for e in rows:
+                    if results[e] is None and e not in waiting:
+                        episodes[e].env.close()  # a row whose tool is still running keeps its env open
+        self.last_stats = {**stats, "wall_s": time.perf_counter() - t_start, "aborted": float(aborted)}
         return [r for r in results if r is not None]

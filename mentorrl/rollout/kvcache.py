@@ -63,3 +63,20 @@ def compact(cache, attn: torch.Tensor) -> torch.Tensor | None:
         layer.keys = layer.keys.gather(2, gi)
         layer.values = layer.values.gather(2, gi)
     return attn.gather(1, idx)
+
+
+def add_rows(cache, n: int) -> bool:
+    """Append ``n`` empty rows (all-zero keys/values over the current width) to the batch.
+
+    New rows see none of the existing columns: the caller gives them attention-mask zeros
+    there, so they start like a fresh sequence. False if the cache type is unsupported."""
+    if n <= 0:
+        return True
+    layers = _cache_layers(cache)
+    if layers is None:
+        return False
+    for layer in layers:
+        k, v = layer.keys, layer.values
+        layer.keys = torch.cat([k, k.new_zeros(n, *k.shape[1:])], dim=0)
+        layer.values = torch.cat([v, v.new_zeros(n, *v.shape[1:])], dim=0)
+    return True
