@@ -10,13 +10,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from mentorrl.contract import ContractLimits, PromptFormat, SamplingParams
 from mentorrl.envs.latency import LatencyModel
 from mentorrl.eval.sets import assert_trainable_splits
 from mentorrl.flywheel.hard_pool import HardPoolConfig
 from mentorrl.models.build import ModelSpec
+from mentorrl.replay.buffer import ReplayConfig
 from mentorrl.rewards.compose import RewardWeights
 from mentorrl.train.audit import AuditConfig
 
@@ -102,13 +103,22 @@ class RFTConfig(_Section):
         return v
 
 
-class PPOConfig(_Section):
-    steps: int = Field(20, ge=0, description="PPO steps (one rollout batch each)")
-    tasks_per_step: int = Field(32, ge=1, description="distinct tasks per step")
-    samples_per_task: int = Field(1, ge=1, description="rollouts per task (PPO needs no group; the critic is the baseline)")
-    updates_per_step: int = Field(2, ge=1, description="actor optimizer steps (minibatches) per rollout batch")
-    critic_steps: int = Field(2, ge=1, description="critic optimizer steps (minibatches) per rollout batch")
-    critic_warmup_steps: int = Field(2, ge=0, description="first steps train only the critic")
+class CriticConfig(_Section):
+    backbone: Literal["policy", "separate"] = Field(
+        "policy", description="policy: a value head on a copy of the policy's backbone (its weights to start); "
+                              "separate: a separate small model (path, or built from spec)")
+    path: str | None = Field(None, description="separate: a Hugging Face checkpoint whose decoder becomes the critic")
+    spec: ModelSpec = Field(
+        default_factory=lambda: ModelSpec(hidden_size=64, intermediate_size=192, num_layers=2, num_heads=2,
+                                          num_kv_heads=1),
+        description="separate, no path: size of the freshly built critic (the policy's vocabulary)")
+    steps: int = Field(2, ge=1, description="critic optimizer steps (minibatches) per actor step")
+    warmup_steps: int = Field(2, ge=0, description="first steps train only the critic")
+    value_clip: float | None = Field(0.2, gt=0, description="clip of the value update around the old value; null: off")
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=5e-4))
+
+
+class GAEConfig(_Section):
     gamma: float = Field(1.0, ge=0, le=1, description="discount per policy token")
     lam: float = Field(
         1.0, ge=0, le=1, description="GAE lambda (ignored when lambda_alpha is set); 1: R - V, which keeps the outcome "
@@ -117,14 +127,78 @@ class PPOConfig(_Section):
         None, gt=0, description="length-adaptive GAE lambda = 1 - 1/(alpha * policy tokens); null: fixed lam"
     )
     normalize_advantages: bool = Field(True, description="whiten advantages over the batch's policy tokens")
+
+
+class PPOConfig(_Section):
+    steps: int = Field(20, ge=0, description="PPO steps (one rollout batch each)")
+    tasks_per_step: int = Field(32, ge=1, description="distinct tasks per step")
+    samples_per_task: int = Field(1, ge=1, description="rollouts per task (PPO needs no group; the critic is the baseline)")
+    updates_per_step: int = Field(2, ge=1, description="actor optimizer steps (minibatches) per rollout batch")
+    gae: GAEConfig = Field(default_factory=GAEConfig)
+    critic: CriticConfig = Field(default_factory=CriticConfig)
     eps_low: float = Field(0.2, ge=0, description="clip range below 1 of the importance ratio")
     eps_high: float = Field(0.28, ge=0, description="clip range above 1 of the importance ratio")
-    value_clip: float | None = Field(0.2, gt=0, description="clip of the value update around the old value; null: off")
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field(
         "token-mean", description="loss aggregation, as for SFT")
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-4))
-    critic_optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=5e-4))
     checkpoint_every: int = Field(5, ge=1, description="steps between checkpoints")
+
+
+class AsyncConfig(_Section):
+    slots: int = Field(32, ge=1, description="episodes the rollout worker keeps in flight (continuous batching)")
+    sync_every: int = Field(1, ge=1, description="learner steps between weight syncs to the worker (each sync: "
+                                                  "policy version + 1)")
+    max_staleness: int = Field(2, ge=0, description="policy versions a trajectory may lag the learner before the "
+                                                    "staleness rule applies")
+    stale: Literal["drop", "downweight"] = Field(
+        "drop", description="over max_staleness: drop the trajectory, or scale its advantages by "
+                            "staleness_decay ** (lag - max_staleness)")
+    staleness_decay: float = Field(0.5, gt=0, le=1, description="downweight factor per version over max_staleness")
+    queue_size: int = Field(64, ge=1, description="finished trajectories waiting for the learner; the worker "
+                                                  "blocks when it is full")
+    get_timeout_s: float = Field(600.0, gt=0, description="the learner fails when no trajectory arrives this long")
+
+
+class SAOConfig(_Section):
+    steps: int = Field(20, ge=0, description="learner steps")
+    batch_size: int = Field(32, ge=1, description="online trajectories per learner step, taken as they finish")
+    updates_per_step: int = Field(1, ge=1, description="actor optimizer steps (minibatches) per learner step")
+    eps_low: float = Field(0.2, ge=0, description="tokens with ratio below 1 - eps_low are masked out")
+    eps_high: float = Field(0.28, ge=0, description="tokens with ratio above 1 + eps_high are masked out")
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field(
+        "token-mean", description="loss aggregation, as for SFT")
+    gae: GAEConfig = Field(default_factory=GAEConfig)
+    critic: CriticConfig = Field(default_factory=CriticConfig)
+    rollout: AsyncConfig = Field(default_factory=AsyncConfig)
+    replay: ReplayConfig | None = Field(
+        None, description="persistent replay buffer in RUN_DIR/sao/replay.sqlite (null: none; mix.replay must be 0)")
+    mix: dict[str, float] = Field(
+        default_factory=lambda: {"online": 1.0, "expert": 0.0, "replay": 0.0},
+        description="hybrid batch ratios of online, expert-demonstration and replayed trajectories")
+    expert_advantage: float = Field(
+        1.0, description="advantage of every policy token of an expert demonstration (behaviour = current policy)")
+    num_demos: int = Field(256, ge=0, description="expert demonstrations on train tasks (used when mix.expert > 0)")
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-4))
+    checkpoint_every: int = Field(5, ge=1, description="steps between checkpoints")
+    sample_trajectories: int = Field(8, ge=0, description="trajectories per step written to RUN_DIR/samples/sao-step-N.jsonl")
+
+    @field_validator("mix")
+    @classmethod
+    def _mix_is_valid(cls, v: dict[str, float]) -> dict[str, float]:
+        unknown = set(v) - {"online", "expert", "replay"}
+        if unknown:
+            raise ValueError(f"unknown sources {sorted(unknown)}; expected online, expert, replay")
+        if any(not (x >= 0 and x == x and x != float("inf")) for x in v.values()):
+            raise ValueError(f"ratios must be finite and >= 0, got {v}")
+        if v.get("online", 0.0) <= 0:
+            raise ValueError("mix.online must be > 0: SAO learns from its own rollouts")
+        return {"online": 0.0, "expert": 0.0, "replay": 0.0, **v}
+
+    @model_validator(mode="after")
+    def _replay_needs_a_buffer(self) -> "SAOConfig":
+        if self.mix["replay"] > 0 and self.replay is None:
+            raise ValueError("mix.replay > 0 needs a replay buffer: set sao.replay (e.g. sao.replay={})")
+        return self
 
 
 class EvalConfig(_Section):
@@ -135,13 +209,13 @@ class EvalConfig(_Section):
     batch_size: int = Field(100, ge=1, description="trajectories decoded together")
 
 
-STAGE_NAMES = ("sft", "rft", "grpo", "ppo")
+STAGE_NAMES = ("sft", "rft", "grpo", "ppo", "sao")
 
 
 class RunConfig(_Section):
     run_dir: str = Field("runs/demo", description="where everything is written")
     seed: int = Field(0, description="seeds task sampling, batches and rollouts")
-    recipe: list[Literal["sft", "rft", "grpo", "ppo"]] = Field(
+    recipe: list[Literal["sft", "rft", "grpo", "ppo", "sao"]] = Field(
         default_factory=lambda: ["sft", "grpo"], min_length=1, description="stages run in order"
     )
     train_split: str = Field("train", description="task split every training stage draws from (never 'hidden')")
@@ -156,6 +230,7 @@ class RunConfig(_Section):
     rft: RFTConfig = Field(default_factory=RFTConfig)
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
     ppo: PPOConfig = Field(default_factory=PPOConfig)
+    sao: SAOConfig = Field(default_factory=SAOConfig)
     audit: AuditConfig = Field(default_factory=AuditConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
 

@@ -10,12 +10,12 @@ import torch
 from typer.testing import CliRunner
 
 from mentorrl.cli import app
-from mentorrl.config import PPOConfig
-from mentorrl.models.value import ValueModel
+from mentorrl.config import CriticConfig, GAEConfig, PPOConfig
+from mentorrl.models.value import ValueModel, build_critic
 from mentorrl.rollout.runner import expert_demonstrations
 from mentorrl.train.learner import CriticLearner
 from mentorrl.train.rundir import MetricsLog
-from mentorrl.train.stages import ppo_advantages
+from mentorrl.train.stages import critic_advantages
 
 from test_resume import TINY_OVERRIDES
 
@@ -31,7 +31,7 @@ def demos(orders_entry, make_contract):
 
 def test_fresh_critic_predicts_zero_and_round_trips(model, demos, tmp_path):
     critic = ValueModel.from_policy(model)
-    learner = CriticLearner(critic, PPOConfig().critic_optim, pad_id=0)
+    learner = CriticLearner(critic, PPOConfig().critic.optim, pad_id=0)
     values = learner.values(demos[:3])
     assert [v.shape[0] for v in values] == [len(t.token_ids) for t in demos[:3]]
     assert all(v.abs().max() == 0 for v in values)
@@ -47,7 +47,7 @@ def test_fresh_critic_predicts_zero_and_round_trips(model, demos, tmp_path):
 def test_critic_learns_the_returns(model, demos):
     """Value updates move the critic's predictions on policy tokens towards the returns."""
     critic = ValueModel.from_policy(copy.deepcopy(model))
-    learner = CriticLearner(critic, PPOConfig().critic_optim.model_copy(update={"lr": 3e-3}), pad_id=0)
+    learner = CriticLearner(critic, PPOConfig().critic.optim.model_copy(update={"lr": 3e-3}), pad_id=0)
     batch = demos[:8]
     returns = [torch.full((len(t.token_ids),), 0.8) for t in batch]
     first = learner.value_step(batch, returns, learner.values(batch), clip=None)["value_loss"]
@@ -60,17 +60,17 @@ def test_critic_learns_the_returns(model, demos):
     assert (on_policy.mean() - 0.8).abs() < 0.2
 
 
-def test_ppo_advantages_are_return_minus_value_with_lambda_one(demos):
+def test_critic_advantages_are_return_minus_value_with_lambda_one(demos):
     trajs = demos[:3]
     values = [torch.full((len(t.token_ids),), 0.25) for t in trajs]
     rewards = torch.tensor([1.2, 0.0, -1.0])
-    p = PPOConfig(lam=1.0, gamma=1.0, normalize_advantages=False)
-    adv, ret = ppo_advantages(trajs, rewards, values, p)
+    p = GAEConfig(lam=1.0, gamma=1.0, normalize_advantages=False)
+    adv, ret = critic_advantages(trajs, rewards, values, p)
     for t, a, r, reward in zip(trajs, adv, ret, rewards.tolist()):
         m = torch.tensor(t.loss_mask) != 0
         assert torch.allclose(a[m], torch.full_like(a[m], reward - 0.25))
         assert torch.allclose(r[m], torch.full_like(r[m], reward)) and a[~m].abs().sum() == 0
-    white, _ = ppo_advantages(trajs, rewards, values, PPOConfig(lam=1.0))
+    white, _ = critic_advantages(trajs, rewards, values, GAEConfig(lam=1.0))
     allp = torch.cat([a[torch.tensor(t.loss_mask) != 0] for t, a in zip(trajs, white)])
     assert abs(allp.mean().item()) < 1e-5 and abs(allp.std(unbiased=False).item() - 1) < 1e-3
 
@@ -78,7 +78,7 @@ def test_ppo_advantages_are_return_minus_value_with_lambda_one(demos):
 @pytest.mark.slow
 def test_sft_ppo_recipe_end_to_end(tmp_path):
     args = ["demo", "--run-dir", str(tmp_path / "run")]
-    for ov in TINY_OVERRIDES + ["recipe=[sft, ppo]", "ppo.steps=3", "ppo.tasks_per_step=4", "ppo.critic_warmup_steps=1",
+    for ov in TINY_OVERRIDES + ["recipe=[sft, ppo]", "ppo.steps=3", "ppo.tasks_per_step=4", "ppo.critic.warmup_steps=1",
                                 "ppo.checkpoint_every=2", "eval.batch_size=4"]:
         args += ["--set", ov]
     res = CliRunner().invoke(app, args, catch_exceptions=False)
@@ -94,3 +94,18 @@ def test_sft_ppo_recipe_end_to_end(tmp_path):
     before = (run / "metrics.jsonl").read_text()
     again = CliRunner().invoke(app, [*args, "--resume"], catch_exceptions=False)
     assert again.exit_code == 0 and (run / "metrics.jsonl").read_text() == before
+
+
+def test_critic_backbones(model, demos, tmp_path):
+    """critic.backbone: a head on a copy of the policy's decoder, a fresh small model, or a checkpoint's decoder."""
+    own = build_critic(model, CriticConfig())
+    assert own.decoder.config.hidden_size == model.config.hidden_size
+    assert torch.equal(own.decoder.get_input_embeddings().weight, model.get_decoder().get_input_embeddings().weight)
+    small = build_critic(model, CriticConfig(backbone="separate"))
+    assert small.decoder.config.hidden_size == 64 and small.decoder.config.num_hidden_layers == 2
+    assert small.decoder.get_input_embeddings().num_embeddings == model.config.vocab_size
+    model.save_pretrained(tmp_path / "ckpt")
+    loaded = build_critic(model, CriticConfig(backbone="separate", path=str(tmp_path / "ckpt")))
+    assert torch.equal(loaded.decoder.get_input_embeddings().weight, model.get_decoder().get_input_embeddings().weight)
+    values = CriticLearner(small, CriticConfig().optim, pad_id=0).values(demos[:2])
+    assert [v.shape[0] for v in values] == [len(t.token_ids) for t in demos[:2]] and all(v.abs().max() == 0 for v in values)

@@ -34,6 +34,14 @@ class ValueModel(torch.nn.Module):
             p.requires_grad_(True)
         return cls(decoder, policy.config.hidden_size).to(next(policy.parameters()).device)
 
+    @classmethod
+    def from_pretrained_decoder(cls, model_dir: str | Path) -> "ValueModel":
+        """A separate critic from any Hugging Face causal-LM checkpoint: its decoder plus a zero head."""
+        from transformers import AutoModelForCausalLM
+
+        lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        return cls(lm.get_decoder(), lm.config.hidden_size)
+
     def save(self, path: str | Path) -> None:
         save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}, str(path))
 
@@ -46,3 +54,33 @@ def forward_values(critic: ValueModel, batch: TokenBatch) -> torch.Tensor:
     hidden = _next_token_states(critic.decoder, batch, "last_hidden_state")  # [B, T-1, H]
     v = critic.head(hidden).squeeze(-1)
     return torch.cat([torch.zeros_like(v[:, :1]), v], dim=1)
+
+
+def build_critic(policy, cfg) -> ValueModel:
+    """The critic a :class:`~mentorrl.config.CriticConfig` asks for, on the policy's device.
+
+    ``backbone="policy"``: a value head on a copy of the policy's decoder. ``"separate"``: the
+    decoder of the checkpoint at ``cfg.path``, or a fresh small Qwen2 decoder of size ``cfg.spec``
+    over the policy's vocabulary. A separate critic must read the policy's token ids, so its
+    vocabulary must cover them.
+    """
+    device = next(policy.parameters()).device
+    if cfg.backbone == "policy":
+        return ValueModel.from_policy(policy)
+    vocab = policy.config.vocab_size
+    if cfg.path is not None:
+        critic = ValueModel.from_pretrained_decoder(cfg.path)
+        have = critic.decoder.get_input_embeddings().num_embeddings
+        if have < vocab:
+            raise ValueError(f"critic checkpoint {cfg.path} has {have} token embeddings; the policy's ids go up to {vocab}")
+        return critic.to(device)
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    spec = cfg.spec
+    config = Qwen2Config(vocab_size=vocab, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+                         num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
+                         num_key_value_heads=spec.num_kv_heads, max_position_embeddings=spec.max_positions,
+                         pad_token_id=policy.config.pad_token_id)
+    torch.manual_seed(spec.seed)
+    lm = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    return ValueModel(lm.get_decoder(), spec.hidden_size).to(device)

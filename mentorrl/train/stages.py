@@ -37,7 +37,7 @@ from mentorrl.rollout.runner import expert_demonstrations, rollout_tasks
 from mentorrl.flywheel.hard_pool import HardTaskPool
 from mentorrl.train.audit import GapMonitor, flag_high_reward_failures
 from mentorrl.train.consistency import batch_checks, policy_lag
-from mentorrl.models.value import ValueModel
+from mentorrl.models.value import build_critic
 from mentorrl.train.learner import CriticLearner, Learner, pad_token_values
 from mentorrl.train.rundir import (
     MetricsLog,
@@ -339,9 +339,10 @@ def grpo_stage(ws: Workspace, model, ref_model=None, resume: bool = False) -> Pa
 
 
 # ---------------------------------------------------------------- PPO -----
-def ppo_advantages(trajs: list[Trajectory], rewards: torch.Tensor, values: list[torch.Tensor], p) -> tuple[
+def critic_advantages(trajs: list[Trajectory], rewards: torch.Tensor, values: list[torch.Tensor], p) -> tuple[
         list[torch.Tensor], list[torch.Tensor]]:
-    """Per-trajectory GAE advantages and returns (1-D, aligned to tokens) from outcome rewards and critic values.
+    """Per-trajectory GAE advantages and returns (1-D, aligned to tokens) from outcome rewards and critic values
+    (PPO and SAO); ``p`` is a :class:`~mentorrl.config.GAEConfig`.
 
     Tool-observation and prompt tokens are skipped by the recursion; with ``normalize_advantages``
     the advantages are whitened over all policy tokens of the batch.
@@ -365,8 +366,8 @@ def ppo_stage(ws: Workspace, model, ref_model=None, resume: bool = False) -> Pat
     cfg, p, audit = ws.cfg, ws.cfg.ppo, ws.cfg.audit
     pool = ws.train_tasks(max(p.tasks_per_step * max(p.steps, 1), 64), cfg.seed + TRAIN_POOL_SEED_OFFSET)
     learner = Learner(model, p.optim, ws.contract.pad_token_id, ws.contract.sampling.temperature)
-    critic = ValueModel.from_policy(model)
-    critic_learner = CriticLearner(critic, p.critic_optim, ws.contract.pad_token_id)
+    critic = build_critic(model, p.critic)
+    critic_learner = CriticLearner(critic, p.critic.optim, ws.contract.pad_token_id)
     version = {"policy": 0}
     critic_dir = ws.run_dir / "ppo" / "critic"
 
@@ -383,7 +384,7 @@ def ppo_stage(ws: Workspace, model, ref_model=None, resume: bool = False) -> Pat
         rewards, clipped = sanitize_group_rewards(raw, audit.reward_low, audit.reward_high, None)
         rewards = rewards.view(-1)
         old_values = critic_learner.values(trajs)
-        adv, ret = ppo_advantages(trajs, rewards, old_values, p)
+        adv, ret = critic_advantages(trajs, rewards, old_values, p.gae)
         metrics: dict[str, float] = {"reward_mean": rewards.mean().item(),
                                      "reward_std": rewards.std().item() if len(trajs) > 1 else 0.0,
                                      "reward_clipped": clipped["clipped"], "rollouts": float(len(trajs))}
@@ -391,11 +392,11 @@ def ppo_stage(ws: Workspace, model, ref_model=None, resume: bool = False) -> Pat
         metrics.update(_reward_debugger(trajs, audit.flag_reward, ws.run_dir / "audit" / f"flagged-ppo-step-{step + 1:06d}.jsonl"))
         t1 = time.perf_counter()
         vm: list[dict[str, float]] = []
-        for idx in _minibatches(list(range(len(trajs))), p.critic_steps, seed=step * 7 + 1):
+        for idx in _minibatches(list(range(len(trajs))), p.critic.steps, seed=step * 7 + 1):
             vm.append(critic_learner.value_step([trajs[i] for i in idx], [ret[i] for i in idx],
-                                                [old_values[i] for i in idx], clip=p.value_clip))
+                                                [old_values[i] for i in idx], clip=p.critic.value_clip))
         am: list[dict[str, float]] = []
-        if step >= p.critic_warmup_steps:
+        if step >= p.critic.warmup_steps:
             for idx in _minibatches(list(range(len(trajs))), p.updates_per_step, seed=step * 7 + 2):
                 batch = [trajs[i] for i in idx]
                 am.append({**learner.token_policy_step(batch, [adv[i] for i in idx], "clipped", eps_low=p.eps_low,
