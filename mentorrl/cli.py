@@ -138,6 +138,9 @@ def diagnose(
         {"stats": stats, "findings": [f.__dict__ for f in run_diagnosis(stats, history)]}, indent=2))
 
 
+RL_SAMPLE_STAGES = ("grpo", "sao")  # stages that write samples/<stage>-step-N.jsonl
+
+
 @app.command()
 def check(
     run_dir: Path = typer.Argument(..., exists=True, file_okay=False, help="a run directory"),
@@ -166,14 +169,17 @@ def check(
         err.print(f"[red]{escape(str(e))}[/red]")
         raise typer.Exit(2)
     ws.bind_tokenizer(tokenizer)
-    versions = {r["step"]: int(r.get("policy_version", 0)) for r in MetricsLog(run_dir / "metrics.jsonl").read("grpo")}
-    files = sorted((run_dir / "samples").glob("grpo-step-*.jsonl")) + sorted((run_dir / "rft").glob("data-round-*.jsonl"))
+    log = MetricsLog(run_dir / "metrics.jsonl")
+    versions = {(stage, r["step"]): int(r.get("policy_version", 0)) for stage in RL_SAMPLE_STAGES for r in log.read(stage)}
+    files = [f for stage in RL_SAMPLE_STAGES for f in sorted((run_dir / "samples").glob(f"{stage}-step-*.jsonl"))]
+    files += sorted((run_dir / "rft").glob("data-round-*.jsonl"))
     if not files:
         err.print(f"[red]no recorded batches under {run_dir}/samples or {run_dir}/rft[/red]")
         raise typer.Exit(2)
     names = ["policy_version", "lengths", "observation_mask", "env_version", "contract"]
+    headers = ["version", "lengths", "obs mask", "env", "contract"]  # short enough for an 80-column table
     table = Table(title=f"train/rollout consistency: {run_dir}")
-    for col in ["batch", "n", *names]:
+    for col in ["batch", "n", *headers]:
         table.add_column(col, justify="left" if col == "batch" else "right", no_wrap=True)
     problems: list[str] = []
     for f in files:
@@ -181,12 +187,13 @@ def check(
             trajs = list(read_jsonl(f))
         except ValueError as e:
             problems.append(str(e))
-            table.add_row(f.name, "-", *["[red]unreadable[/red]"] * len(names))
+            table.add_row(f.stem, "-", *["[red]unreadable[/red]"] * len(names))
             continue
-        step = int(f.stem.split("-")[-1]) if f.stem.startswith("grpo-step-") else None
-        current = versions.get(step, 2**62) if step is not None else 2**62
+        # a sampled batch may not come from a policy newer than the learner's at that step
+        stage, _, step = f.stem.partition("-step-")
+        current = versions.get((stage, int(step)), 2**62) if step.isdigit() else 2**62
         checks = batch_checks(trajs, current, ws.contract.env_name, ws.contract.env_version, ws.contract.fingerprint())
-        table.add_row(f.name, str(len(trajs)), *["[green]pass[/green]" if c.passed else "[red]FAIL[/red]" for c in checks])
+        table.add_row(f.stem, str(len(trajs)), *["[green]pass[/green]" if c.passed else "[red]FAIL[/red]" for c in checks])
         problems += [f"{f.name}: {c.name}: {c.detail}" for c in checks if not c.passed]
     console.print(table)
     for p in problems:

@@ -55,8 +55,8 @@ def before_after_table(rows: dict[str, dict[str, Any]]) -> Table:
 
 
 STAGE_TITLES = {"sft": "SFT on expert demonstrations", "rft": "RFT: sample, verify, fine-tune", "grpo": "GRPO",
-                "ppo": "PPO with a critic"}
-STAGE_LABELS = {"sft": "SFT", "rft": "RFT", "grpo": "GRPO", "ppo": "PPO"}
+                "ppo": "PPO with a critic", "sao": "SAO: asynchronous single-rollout optimisation"}
+STAGE_LABELS = {"sft": "SFT", "rft": "RFT", "grpo": "GRPO", "ppo": "PPO", "sao": "SAO"}
 
 
 def _frozen_copy(model):
@@ -76,6 +76,10 @@ def run_stage_by_name(ws: Workspace, stage: str, model, resume: bool) -> Path:
         return grpo_stage(ws, model, ref_model=ref, resume=resume)
     if stage == "ppo":
         return ppo_stage(ws, model, resume=resume)
+    if stage == "sao":
+        from mentorrl.train.sao import sao_stage
+
+        return sao_stage(ws, model, resume=resume)
     raise ValueError(f"unknown stage {stage!r}")
 
 

@@ -1,0 +1,164 @@
+"""Asynchronous actor/learner on one machine: a rollout worker thread keeps trajectories coming
+while the learner trains, with versioned weight syncs and a staleness rule.
+
+Data flow::
+
+    task stream -> RolloutWorker (own copy of the policy, continuous batching, heavy-tailed tools)
+                -> queue of finished trajectories, each tagged with the policy version that started it
+                -> learner: staleness rule (drop / down-weight), critic advantages, masked-IS update
+                -> every ``sync_every`` learner steps: WeightBox.publish(version + 1)
+                -> the worker loads the new weights before its next forward pass and re-prefills
+                   its live rows, so every token's recorded log-prob is the one its sampler used.
+
+The worker runs in a thread: torch releases the GIL inside its kernels, tool calls sleep in
+the engine's own thread pool, and the queue gives back-pressure (the worker blocks when the
+learner falls ``queue_size`` trajectories behind).
+"""
+
+from __future__ import annotations
+
+import copy
+import queue
+import threading
+from collections import Counter
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+from mentorrl.rollout.engine import RolloutEngine
+from mentorrl.rollout.episode import Episode
+from mentorrl.trajectory import Trajectory
+
+
+# ------------------------------------------------------------------ staleness ----
+def staleness_weights(lags: Sequence[int], max_staleness: int, mode: str, decay: float = 0.5) -> list[float]:
+    """Per-trajectory weights from policy lag (learner version - behaviour version).
+
+    A lag up to ``max_staleness`` weighs 1. Beyond it, ``mode="drop"`` gives 0 (the caller drops
+    the trajectory) and ``mode="downweight"`` gives ``decay ** (lag - max_staleness)``.
+    """
+    if mode not in ("drop", "downweight"):
+        raise ValueError(f"unknown staleness mode {mode!r}; expected 'drop' or 'downweight'")
+    out = []
+    for lag in lags:
+        if lag < 0:
+            raise ValueError(f"policy lag {lag} < 0: a trajectory from a future policy version")
+        over = lag - max_staleness
+        out.append(1.0 if over <= 0 else (0.0 if mode == "drop" else decay**over))
+    return out
+
+
+def lag_histogram(lags: Sequence[int]) -> dict[str, int]:
+    """``{"0": n0, "1": n1, ...}``: how many trajectories lagged by each number of versions."""
+    return {str(k): v for k, v in sorted(Counter(int(x) for x in lags).items())}
+
+
+# ------------------------------------------------------------------ weight sync ----
+class WeightBox:
+    """The learner's latest published weights and their version (thread-safe).
+
+    ``publish`` stores a CPU copy, so the learner can keep training while a worker loads it.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._version = -1
+        self._state: dict[str, torch.Tensor] | None = None
+
+    def publish(self, model: torch.nn.Module, version: int) -> None:
+        state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+        with self._lock:
+            if version < self._version:
+                raise ValueError(f"policy version went back from {self._version} to {version}")
+            self._version, self._state = version, state
+
+    @property
+    def version(self) -> int:
+        with self._lock:
+            return self._version
+
+    def newer_than(self, version: int) -> tuple[int, dict[str, torch.Tensor]] | None:
+        with self._lock:
+            if self._state is None or self._version <= version:
+                return None
+            return self._version, self._state
+
+
+# ------------------------------------------------------------------ worker ----
+class RolloutWorker(threading.Thread):
+    """Produces trajectories into ``out`` until ``stop`` is set; its policy follows ``box``.
+
+    ``tasks`` is an endless iterator of tasks; ``make_env`` builds one environment per episode
+    (closed when the episode ends). A failure is kept in ``error`` and ends the worker; the
+    learner checks it while waiting (:meth:`get`).
+    """
+
+    def __init__(self, policy, contract, make_env: Callable[[], Any], tasks: Iterator, box: WeightBox,
+                 slots: int, queue_size: int, seed: int, weights=None):
+        super().__init__(name="rollout-worker", daemon=True)
+        self.model = copy.deepcopy(policy).eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.contract, self.make_env, self.tasks, self.box = contract, make_env, tasks, box
+        self.slots, self.seed, self.weights = slots, seed, weights
+        self.out: queue.Queue[Trajectory] = queue.Queue(maxsize=queue_size)
+        self.stop_event = threading.Event()
+        self.version = -1
+        self.error: BaseException | None = None
+        self.produced = 0
+        self.syncs = 0
+        self.engine = RolloutEngine(self.model, contract)
+        self._sync()  # start from the published weights
+
+    def _sync(self) -> bool:
+        newer = self.box.newer_than(self.version)
+        if newer is None:
+            return False
+        self.version, state = newer
+        self.model.load_state_dict(state)
+        self.syncs += 1
+        return True
+
+    def _next_episode(self) -> Episode | None:
+        task = next(self.tasks, None)
+        if task is None:
+            return None
+        return Episode(self.contract, self.make_env(), task, policy_version=self.version, weights=self.weights)
+
+    def _emit(self, traj: Trajectory) -> None:
+        while not self.stop_event.is_set():
+            try:
+                self.out.put(traj, timeout=0.1)
+                self.produced += 1
+                return
+            except queue.Full:
+                continue
+
+    def run(self) -> None:
+        try:
+            self.engine.run_stream(self._next_episode, slots=self.slots, seed=self.seed, on_finish=self._emit,
+                                   before_step=self._sync, stop=self.stop_event, close_envs=True)
+        except BaseException as e:  # noqa: BLE001 -- handed to the learner, which raises it
+            self.error = e
+
+    def get(self, n: int, timeout_s: float) -> list[Trajectory]:
+        """The next ``n`` finished trajectories, in finishing order; raises if the worker died or stalled."""
+        got: list[Trajectory] = []
+        waited = 0.0
+        while len(got) < n:
+            try:
+                got.append(self.out.get(timeout=0.2))
+                waited = 0.0
+            except queue.Empty:
+                waited += 0.2
+                if self.error is not None:
+                    raise RuntimeError(f"rollout worker failed: {self.error!r}") from self.error
+                if not self.is_alive():
+                    raise RuntimeError("rollout worker stopped: its task stream ran dry")
+                if waited >= timeout_s:
+                    raise TimeoutError(f"no trajectory from the rollout worker in {timeout_s:.0f}s")
+        return got
+
+    def close(self) -> None:
+        self.stop_event.set()
+        self.join(timeout=60)

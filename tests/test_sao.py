@@ -1,0 +1,184 @@
+"""SAO and the asynchronous actor/learner: staleness rules, weight sync, the rollout worker, the stage."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from mentorrl.cli import app
+from mentorrl.config import SAOConfig, load_config, ConfigError
+from mentorrl.replay.buffer import ReplayBuffer
+from mentorrl.train.async_rl import RolloutWorker, WeightBox, lag_histogram, staleness_weights
+from mentorrl.train.batch import collate, forward_logprobs
+from mentorrl.train.rundir import MetricsLog
+from mentorrl.trajectory import read_jsonl, write_jsonl
+
+from test_resume import TINY_OVERRIDES
+
+
+def test_staleness_drop_and_downweight():
+    lags = [0, 1, 2, 3, 5]
+    assert staleness_weights(lags, 2, "drop") == [1.0, 1.0, 1.0, 0.0, 0.0]
+    assert staleness_weights(lags, 2, "downweight", decay=0.5) == [1.0, 1.0, 1.0, 0.5, 0.125]
+    assert staleness_weights(lags, 0, "downweight", decay=0.9) == pytest.approx([1.0, 0.9, 0.81, 0.729, 0.9**5])
+    with pytest.raises(ValueError, match="future"):
+        staleness_weights([1, -1], 2, "drop")
+    with pytest.raises(ValueError, match="staleness mode"):
+        staleness_weights([0], 2, "ignore")
+    assert lag_histogram([2, 0, 2, 1, 0, 0]) == {"0": 3, "1": 1, "2": 2}
+
+
+def test_weight_box_versions(model):
+    box = WeightBox()
+    assert box.newer_than(-1) is None and box.version == -1
+    box.publish(model, 0)
+    version, state = box.newer_than(-1)
+    assert version == 0 and box.newer_than(0) is None
+    assert all(v.device.type == "cpu" for v in state.values())
+    p = next(iter(state))
+    assert state[p].data_ptr() != model.state_dict()[p].data_ptr()  # a copy: training does not race the worker
+    with pytest.raises(ValueError, match="went back"):
+        box.publish(model, -3)
+
+
+def _worker(model, contract, orders_entry, tasks, box, slots=4, queue_size=64, make_env=None):
+    return RolloutWorker(model, contract, make_env or orders_entry.make_env, iter(tasks), box, slots=slots,
+                         queue_size=queue_size, seed=3)
+
+
+def _recomputed_gap(model, trajs, pad_id) -> float:
+    with torch.no_grad():
+        lp = forward_logprobs(model, collate(trajs, pad_id), 1.0)[0]
+    gap = 0.0
+    for b, t in enumerate(trajs):
+        for i, m in enumerate(t.loss_mask):
+            if m:
+                gap = max(gap, abs(lp[b, i].item() - t.logprobs[i]))
+    return gap
+
+
+def test_worker_follows_published_weights_and_tags_versions(tool_happy_model, make_contract, orders_entry,
+                                                            orders_tasks):
+    """Trajectories started after a sync carry the new version, and their recorded log-probs are
+    exactly the new weights' (the worker reloads weights and re-prefills its live rows)."""
+    contract = make_contract()
+    box = WeightBox()
+    box.publish(tool_happy_model, 0)
+    w = _worker(tool_happy_model, contract, orders_entry, orders_tasks * 3, box)
+    w.start()
+    try:
+        first = w.get(4, timeout_s=60)
+        assert {t.policy_version for t in first} == {0}
+        assert _recomputed_gap(tool_happy_model, first, contract.pad_token_id) < 1e-4
+        changed = copy.deepcopy(tool_happy_model)
+        with torch.no_grad():
+            changed.lm_head.weight.mul_(1.5)  # a visibly different policy
+        box.publish(changed, 1)
+        later = []
+        for _ in range(40):
+            later += w.get(1, timeout_s=60)
+            if sum(t.policy_version == 1 for t in later) >= 3:
+                break
+        new = [t for t in later if t.policy_version == 1]
+        assert len(new) >= 3 and w.syncs == 2
+        assert _recomputed_gap(changed, new, contract.pad_token_id) < 1e-4
+        assert _recomputed_gap(tool_happy_model, new, contract.pad_token_id) > 1e-2
+    finally:
+        w.close()
+    assert not w.is_alive()
+
+
+def test_worker_failure_reaches_the_learner(tool_happy_model, make_contract, orders_entry, orders_tasks):
+    def broken_env():
+        raise OSError("database is locked")
+
+    box = WeightBox()
+    box.publish(tool_happy_model, 0)
+    w = _worker(tool_happy_model, make_contract(), orders_entry, orders_tasks, box, make_env=broken_env)
+    w.start()
+    with pytest.raises(RuntimeError, match="database is locked"):
+        w.get(1, timeout_s=30)
+    w.close()
+
+
+def test_worker_backpressure_and_prompt_stop(tool_happy_model, make_contract, orders_entry, orders_tasks):
+    box = WeightBox()
+    box.publish(tool_happy_model, 0)
+    w = _worker(tool_happy_model, make_contract(), orders_entry, orders_tasks * 5, box, queue_size=2)
+    w.start()
+    try:
+        w.get(1, timeout_s=60)
+        import time
+
+        time.sleep(1.0)
+        assert w.out.qsize() <= 2  # the worker waits for the learner instead of running ahead
+    finally:
+        w.close()
+    assert not w.is_alive()
+
+
+def test_sao_config_errors():
+    with pytest.raises(ConfigError, match="needs a replay buffer"):
+        load_config(None, ["sao.mix={online: 1, replay: 0.5}"])
+    with pytest.raises(ConfigError, match="unknown sources"):
+        load_config(None, ["sao.mix={online: 1, teacher: 1}"])
+    with pytest.raises(ConfigError, match="mix.online must be > 0"):
+        load_config(None, ["sao.mix={online: 0, expert: 1}"])
+    with pytest.raises(ConfigError, match="stale"):
+        load_config(None, ["sao.rollout.stale=ignore"])
+    assert SAOConfig().mix == {"online": 1.0, "expert": 0.0, "replay": 0.0}
+
+
+SAO_RECIPE = ["recipe=[sft, sao]", "sao.steps=4", "sao.batch_size=4", "sao.rollout.slots=4", "sao.critic.warmup_steps=1",
+              "sao.checkpoint_every=2", "sao.replay={}", "sao.mix={online: 1, replay: 0.5, expert: 0.5}",
+              "sao.num_demos=8", "eval.batch_size=4", "sao.sample_trajectories=4",
+              "env.latency={kind: pareto, median_s: 0.01, alpha: 1.5, max_s: 0.2}"]
+
+
+@pytest.mark.slow
+def test_sft_sao_recipe_end_to_end_and_check(tmp_path):
+    args = ["demo", "--run-dir", str(tmp_path / "run")]
+    for ov in TINY_OVERRIDES + SAO_RECIPE:
+        args += ["--set", ov]
+    res = CliRunner().invoke(app, args, catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    run = tmp_path / "run"
+    sao = MetricsLog(run / "metrics.jsonl").read("sao")
+    assert [r["step"] for r in sao] == [1, 2, 3, 4]
+    assert [r["actor_updated"] for r in sao] == [0.0, 1.0, 1.0, 1.0]  # one critic warm-up step
+    assert [r["policy_version"] for r in sao] == [0.0, 1.0, 2.0, 3.0]
+    for r in sao:
+        assert {"masked_frac", "ratio_p05", "ratio_p50", "ratio_p95", "policy_lag_mean", "explained_variance",
+                "traj_per_s", "buffer_size"} <= set(r)
+        assert sum(r["policy_lag_hist"].values()) == r["rollouts"] == 4
+        assert r["expert_items"] + r["replay_items"] == 4 and r["online_items"] + r["stale_dropped"] == 4
+    # nothing to replay before the first add: expert data fills the replay share; then 2 + 2
+    assert (sao[0]["replay_items"], sao[0]["expert_items"]) == (0, 4)
+    assert all((r["replay_items"], r["expert_items"]) == (2, 2) for r in sao[1:])
+    consumed = [json.loads((run / "sao" / "consumed" / f"step-{s:06d}.json").read_text()) for s in range(1, 5)]
+    online = [i for c in consumed for i in c["online"]]
+    assert len(online) == len(set(online))
+    for c in consumed[1:]:
+        assert not set(c["replay"]) & set(c["online"])
+    with ReplayBuffer(run / "sao" / "replay.sqlite") as buf:
+        assert set(online) <= set(buf.ids())
+    assert (run / "sao" / "critic" / "value_model.safetensors").exists()
+
+    checked = CliRunner().invoke(app, ["check", str(run)])
+    assert checked.exit_code == 0 and "sao-step-000004" in checked.output and "all 4 recorded" in checked.output, \
+        checked.output
+    # a doctored batch: a tool-observation token made trainable, and a policy version from the future
+    sample = run / "samples" / "sao-step-000002.jsonl"
+    trajs = list(read_jsonl(sample))
+    segs = trajs[0].segments  # the tiny SFT policy may make no tool call: then a prompt token
+    seg = next((s for s in segs if s.role == "observation"), next(s for s in segs if s.role != "policy"))
+    trajs[0].loss_mask[seg.start] = 1
+    trajs[-1].policy_version = 99
+    write_jsonl(sample, trajs)
+    checked = CliRunner().invoke(app, ["check", str(run)])
+    assert checked.exit_code == 1
+    assert "observation_mask" in checked.output and "policy_version" in checked.output
