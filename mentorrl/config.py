@@ -156,7 +156,15 @@ class AsyncConfig(_Section):
     staleness_decay: float = Field(0.5, gt=0, le=1, description="downweight factor per version over max_staleness")
     queue_size: int = Field(64, ge=1, description="finished trajectories waiting for the learner; the worker "
                                                   "blocks when it is full")
+    recompute_kv: bool = Field(
+        False, description="after a weight sync, prefill every live episode again under the new weights (each token "
+                           "then comes from one policy version; costs a prefill of every live row per sync)")
     get_timeout_s: float = Field(600.0, gt=0, description="the learner fails when no trajectory arrives this long")
+
+
+class SegmentReplayConfig(_Section):
+    turns_per_segment: int = Field(1, ge=1, description="policy turns trained on per replayed window")
+    min_tokens: int = Field(512, ge=0, description="only trajectories longer than this are cut into windows")
 
 
 class SAOConfig(_Section):
@@ -175,6 +183,8 @@ class SAOConfig(_Section):
     mix: dict[str, float] = Field(
         default_factory=lambda: {"online": 1.0, "expert": 0.0, "replay": 0.0},
         description="hybrid batch ratios of online, expert-demonstration and replayed trajectories")
+    segment_replay: SegmentReplayConfig | None = Field(
+        None, description="replay long trajectories as one random window of turns (null: whole trajectories)")
     expert_advantage: float = Field(
         1.0, description="advantage of every policy token of an expert demonstration (behaviour = current policy)")
     num_demos: int = Field(256, ge=0, description="expert demonstrations on train tasks (used when mix.expert > 0)")
@@ -262,21 +272,48 @@ def _deep_set(d: dict[str, Any], dotted: str, value: Any) -> None:
     d[keys[-1]] = value
 
 
+PACKAGED_CONFIG_DIR = Path(__file__).parent / "configs"
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _read_yaml(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
+    """A config file's mapping; ``extends: FILE`` (relative to this file, else a packaged config
+    such as ``demo.yaml``) is loaded first and this file's keys are merged over it."""
+    try:
+        loaded = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config {path} is not valid YAML: {e}") from None
+    if loaded is not None and not isinstance(loaded, dict):
+        raise ConfigError(f"config {path} must be a mapping at the top level")
+    data = loaded or {}
+    parent = data.pop("extends", None)
+    if parent is None:
+        return data
+    if not isinstance(parent, str):
+        raise ConfigError(f"config {path}: extends must be a file name, got {parent!r}")
+    base = path.parent / parent
+    if not base.exists() and (PACKAGED_CONFIG_DIR / parent).exists():
+        base = PACKAGED_CONFIG_DIR / parent
+    if base.resolve() in seen or base.resolve() == path.resolve():
+        raise ConfigError(f"config {path}: extends {parent} makes a cycle")
+    return _merge(_read_yaml(base, (*seen, path.resolve())), data)
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
     """Load YAML (or defaults), apply ``key.sub=value`` overrides, validate."""
     data: dict[str, Any] = {}
     source = "(defaults)"
     if path is not None:
         source = str(path)
-        try:
-            loaded = yaml.safe_load(Path(path).read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"config file not found: {path}") from None
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config {path} is not valid YAML: {e}") from None
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"config {path} must be a mapping at the top level")
-        data = loaded or {}
+        data = _read_yaml(Path(path), seen=())
     for ov in overrides or []:
         if "=" not in ov:
             raise ConfigError(f"override {ov!r} must look like key.sub=value")

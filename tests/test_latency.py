@@ -84,3 +84,25 @@ def test_latency_is_configured_per_run():
     cfg = load_config(None, ["env.latency={kind: pareto, median_s: 0.005, alpha: 1.2}"])
     assert cfg.env.latency.kind == "pareto" and cfg.env.latency.alpha == 1.2
     assert load_config(None).env.latency is None
+
+
+def test_episodes_of_one_task_draw_independent_delays_unless_told_otherwise():
+    """GRPO's group members each get their own delays (reproducibly: the k-th episode of a task
+    uses stream k); ``repeats: same`` gives every episode of a task the same delays."""
+    m = LatencyModel(kind="pareto", median_s=0.01, seed=11)
+
+    def episodes(model, n):
+        out = []
+        for _ in range(n):
+            s = LatencySampler(model)
+            s.start_episode(42)
+            out.append([s("get_order") for _ in range(5)])
+        return out
+
+    ind = episodes(m, 3)
+    assert ind[0] != ind[1] and ind[1] != ind[2] and ind[0] != ind[2]
+    s = LatencySampler(m)
+    s.reset(42, occurrence=1)
+    assert [s("get_order") for _ in range(5)] in ind  # the same stream, whoever drew it
+    same = episodes(m.model_copy(update={"repeats": "same"}), 3)
+    assert same[0] == same[1] == same[2]

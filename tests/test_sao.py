@@ -136,7 +136,8 @@ def test_sao_config_errors():
 SAO_RECIPE = ["recipe=[sft, sao]", "sao.steps=4", "sao.batch_size=4", "sao.rollout.slots=4", "sao.critic.warmup_steps=1",
               "sao.checkpoint_every=2", "sao.replay={}", "sao.mix={online: 1, replay: 0.5, expert: 0.5}",
               "sao.num_demos=8", "eval.batch_size=4", "sao.sample_trajectories=4",
-              "env.latency={kind: pareto, median_s: 0.01, alpha: 1.5, max_s: 0.2}"]
+              "env.latency={kind: pareto, median_s: 0.01, alpha: 1.5, max_s: 0.2}",
+              "sao.segment_replay={turns_per_segment: 1, min_tokens: 0}"]
 
 
 @pytest.mark.slow
@@ -182,3 +183,74 @@ def test_sft_sao_recipe_end_to_end_and_check(tmp_path):
     checked = CliRunner().invoke(app, ["check", str(run)])
     assert checked.exit_code == 1
     assert "observation_mask" in checked.output and "policy_version" in checked.output
+
+
+CRASH_RECIPE = ["recipe=[sft, sao]", "sao.steps=6", "sao.batch_size=4", "sao.rollout.slots=4", "sao.critic.warmup_steps=1",
+                "sao.checkpoint_every=1", "sao.replay={}", "sao.mix={online: 1, replay: 0.5}", "eval.batch_size=4",
+                "sao.sample_trajectories=4", "env.latency={kind: pareto, median_s: 0.05, alpha: 1.5, max_s: 0.5}"]
+
+
+@pytest.mark.slow
+def test_sao_resumes_after_sigkill_at_random_moments(tmp_path):
+    """A real training process is SIGKILLed at seeded-random moments (wherever it is: the reward
+    audit, SFT, evaluation, mid-SAO step, a checkpoint or a buffer write), resumed with --resume
+    each time, and finally run to the end: every step is logged exactly once, the replay buffer
+    is intact, and no trajectory is trained on as online data by two steps."""
+    import os
+    import random
+    import signal
+    import sqlite3
+    import subprocess
+    import sys
+    import time
+
+    import yaml
+
+    from test_resume import _env
+
+    run_dir = tmp_path / "run"
+    cfg = load_config(None, TINY_OVERRIDES + CRASH_RECIPE + [f"run_dir={run_dir}"])
+    cfg_path = tmp_path / "cfg.yaml"
+    cfg_path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    cmd = [sys.executable, "-m", "mentorrl.cli", "demo", "--config", str(cfg_path)]
+    rng = random.Random(20261130)
+    kills = 0
+    sao_steps_seen_at_kill = []
+    for attempt in range(4):
+        proc = subprocess.Popen(cmd + (["--resume"] if attempt else []), cwd=tmp_path, env=_env(),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(rng.uniform(4.0, 12.0))
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+            kills += 1
+            sao_steps_seen_at_kill.append(len(MetricsLog(run_dir / "metrics.jsonl").read("sao")))
+    assert kills >= 2, "the run finished before it could be interrupted twice: nothing was tested"
+    res = subprocess.run(cmd + ["--resume"], cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]  # no torn line survives
+    assert [r["step"] for r in records if r["stage"] == "sft"] == [1, 2, 3, 4]
+    assert [r["step"] for r in records if r["stage"] == "sao"] == [1, 2, 3, 4, 5, 6]
+    assert (run_dir / "sao" / "final" / "DONE").exists() and (run_dir / "eval_sao.json").exists()
+    versions = [r["policy_version"] for r in records if r["stage"] == "sao"]
+    assert versions == sorted(versions) and versions[-1] == 5  # the version counter continued across restarts
+
+    db = run_dir / "sao" / "replay.sqlite"
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        ids = [row[0] for row in conn.execute("SELECT traj_id FROM entries")]
+    assert len(ids) == len(set(ids))
+    online = []
+    for step in range(1, 7):
+        consumed = json.loads((run_dir / "sao" / "consumed" / f"step-{step:06d}.json").read_text())
+        online += consumed["online"]
+        assert not set(consumed["replay"]) & set(consumed["online"])
+    assert len(online) == len(set(online)), "a trajectory was trained on as online data by two steps"
+    assert set(online) <= set(ids)  # every trained online trajectory is in the buffer
+    sampled = [json.loads(x)["id"] for f in sorted((run_dir / "samples").glob("sao-step-*.jsonl"))
+               for x in f.read_text().splitlines()]
+    assert len(sampled) == len(set(sampled))
+    with ReplayBuffer(db) as buf:  # and the buffer opens and samples after all of it
+        assert len(buf) == len(ids) and len(buf.sample(4, current_version=5)) == 4

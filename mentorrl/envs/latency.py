@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import math
 import random
+import threading
+from collections import Counter
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -27,6 +29,9 @@ class LatencyModel(BaseModel):
     max_s: float = Field(30.0, gt=0, description="cap on one delay")
     seed: int = Field(0, description="combined with each episode's seed")
     per_tool: dict[str, float] = Field(default_factory=dict, description="multiplier of the delay per tool name")
+    repeats: Literal["independent", "same"] = Field(
+        "independent", description="independent: each episode of a task draws its own delays (the k-th episode of a "
+                                   "task in this process uses stream k); same: every episode of a task sees the same")
 
     def quantile(self, q: float) -> float:
         """The delay at quantile ``q`` of the (uncapped, unscaled) distribution."""
@@ -38,6 +43,17 @@ class LatencyModel(BaseModel):
         return scale / (1 - q) ** (1 / self.alpha)
 
 
+_occurrences: Counter = Counter()
+_occurrences_lock = threading.Lock()
+
+
+def _next_occurrence(key: tuple) -> int:
+    with _occurrences_lock:
+        k = _occurrences[key]
+        _occurrences[key] += 1
+        return k
+
+
 class LatencySampler:
     """Draws the delay of each tool call; call :meth:`reset` with the episode's seed first."""
 
@@ -45,8 +61,17 @@ class LatencySampler:
         self.model = model
         self.rng = random.Random(model.seed)
 
-    def reset(self, episode_seed: int) -> None:
-        self.rng = random.Random(f"{self.model.seed}:{episode_seed}")
+    def reset(self, episode_seed: int, occurrence: int = 0) -> None:
+        self.rng = random.Random(f"{self.model.seed}:{episode_seed}:{occurrence}")
+
+    def start_episode(self, task_seed: int) -> None:
+        """Reset for a new episode of the task with ``task_seed``, following ``model.repeats``.
+
+        With ``independent`` (default) the samples of a GRPO group each draw their own delays,
+        as calls to a real tool would; a group whose members all stalled together would hide
+        the straggler effect being measured."""
+        occurrence = 0 if self.model.repeats == "same" else _next_occurrence((self.model.seed, task_seed))
+        self.reset(task_seed, occurrence)
 
     def __call__(self, tool: str) -> float:
         m = self.model

@@ -41,11 +41,13 @@ class RolloutEngine:
         self,
         model,
         contract: RolloutContract,
-        tool_workers: int = 8,
+        tool_workers: int | None = None,
         prefill_batch_frac: float = 0.25,
         compact_ratio: float = 1.25,
     ):
-        """``prefill_batch_frac``: an observation is fed once this share of live rows has one ready
+        """``tool_workers``: threads running tool calls; None gives one per slot, so no call ever
+        queues behind another (tool calls wait on I/O; cap it for CPU-heavy tools).
+        ``prefill_batch_frac``: an observation is fed once this share of live rows has one ready
         (or nothing else is decoding). A multi-token chunk widens the pass for every row, so
         gathering observations into fewer, fuller wide passes saves most of the padding.
         ``compact_ratio``: squeeze pads out of the cache once its width exceeds this multiple
@@ -161,7 +163,7 @@ class RolloutEngine:
                 else:
                     cache = make_cache(model)
 
-        pool = cf.ThreadPoolExecutor(max_workers=self.tool_workers, thread_name_prefix="rollout-tool")
+        pool = cf.ThreadPoolExecutor(max_workers=self.tool_workers or max(slots, 1), thread_name_prefix="rollout-tool")
         aborted = False
         try:
             while rows:

@@ -94,13 +94,13 @@ class RolloutWorker(threading.Thread):
     """
 
     def __init__(self, policy, contract, make_env: Callable[[], Any], tasks: Iterator, box: WeightBox,
-                 slots: int, queue_size: int, seed: int, weights=None):
+                 slots: int, queue_size: int, seed: int, weights=None, recompute_kv: bool = False):
         super().__init__(name="rollout-worker", daemon=True)
         self.model = copy.deepcopy(policy).eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
         self.contract, self.make_env, self.tasks, self.box = contract, make_env, tasks, box
-        self.slots, self.seed, self.weights = slots, seed, weights
+        self.slots, self.seed, self.weights, self.recompute_kv = slots, seed, weights, recompute_kv
         self.out: queue.Queue[Trajectory] = queue.Queue(maxsize=queue_size)
         self.stop_event = threading.Event()
         self.version = -1
@@ -111,13 +111,17 @@ class RolloutWorker(threading.Thread):
         self._sync()  # start from the published weights
 
     def _sync(self) -> bool:
+        """Load newer published weights, if any; True asks the engine to recompute the live rows' KV cache.
+
+        Without ``recompute_kv`` the live rows keep the keys and values the old weights computed;
+        the log-probs recorded for their next tokens are still exactly what the sampler used."""
         newer = self.box.newer_than(self.version)
         if newer is None:
             return False
         self.version, state = newer
         self.model.load_state_dict(state)
         self.syncs += 1
-        return True
+        return self.recompute_kv
 
     def _next_episode(self) -> Episode | None:
         task = next(self.tasks, None)

@@ -34,7 +34,7 @@ import torch
 
 from mentorrl.algos.advantages import sanitize_group_rewards
 from mentorrl.models.value import build_critic
-from mentorrl.replay.buffer import BatchItem, ReplayBuffer, hybrid_batch
+from mentorrl.replay.buffer import BatchItem, ReplayBuffer, hybrid_batch, segment_replay
 from mentorrl.rollout.runner import expert_demonstrations
 from mentorrl.train.async_rl import RolloutWorker, WeightBox, lag_histogram, staleness_weights
 from mentorrl.train.audit import GapMonitor
@@ -108,7 +108,7 @@ def sao_stage(ws: Workspace, model, resume: bool = False) -> Path:
             box.publish(model, state["policy"])
             w = RolloutWorker(model, ws.contract, ws.make_env, task_stream(pool, cfg.seed * 7_919 + step), box,
                               slots=r.slots, queue_size=r.queue_size, seed=cfg.seed * 104_729 + step,
-                              weights=cfg.reward)
+                              weights=cfg.reward, recompute_kv=r.recompute_kv)
             w.start()
             run["worker"], run["t0"] = w, time.perf_counter()
         return run["worker"]
@@ -229,7 +229,12 @@ def _hybrid(s, online: list[Trajectory], demos: list[Trajectory], buffer: Replay
         return [BatchItem("online", t) for t in online]
     total = sum(s.mix.values())
     n = round(len(online) * total / s.mix["online"])
-    return hybrid_batch(online, demos, buffer, s.mix, n, current, rng)
+    items = hybrid_batch(online, demos, buffer, s.mix, n, current, rng)
+    if s.segment_replay is None:
+        return items
+    seg = s.segment_replay  # a long replayed trajectory contributes one window of its turns
+    return [BatchItem("replay", rng.choice(segment_replay(it.trajectory, seg.turns_per_segment, seg.min_tokens)))
+            if it.source == "replay" else it for it in items]
 
 
 def _record_batch(run_dir: Path, step: int, items: list[BatchItem], n_samples: int) -> None:

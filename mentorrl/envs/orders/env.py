@@ -59,7 +59,7 @@ class OrdersEnv:
         self._close_db()
         self._task = task
         if self._latency is not None:
-            self._latency.reset(task.seed)  # the same task sees the same delays
+            self._latency.start_episode(task.seed)
         self._conn = build_db(task.seed)
         self._backend = OrdersBackend(self._conn)
         return task.prompt
