@@ -83,7 +83,7 @@ def main() -> int:
         "grpo": ["grpo.kl_coef=0", f"grpo.steps={args.steps}", f"grpo.tasks_per_step={args.tasks}", f"grpo.group_size={args.group}",
                  f"grpo.checkpoint_every={args.steps}", "grpo.sample_trajectories=0"],
         "sao": [f"sao.steps={args.steps}", f"sao.batch_size={batch}", f"sao.rollout.slots={batch}",
-                f"sao.rollout.queue_size={batch}", f"sao.checkpoint_every={args.steps}", "sao.sample_trajectories=0"],
+                f"sao.checkpoint_every={args.steps}", "sao.sample_trajectories=0"],
     }
     results: dict[str, dict] = {}
     start = None

@@ -154,8 +154,9 @@ class AsyncConfig(_Section):
         "drop", description="over max_staleness: drop the trajectory, or scale its advantages by "
                             "staleness_decay ** (lag - max_staleness)")
     staleness_decay: float = Field(0.5, gt=0, le=1, description="downweight factor per version over max_staleness")
-    queue_size: int = Field(64, ge=1, description="finished trajectories waiting for the learner; the worker "
-                                                  "blocks when it is full")
+    queue_size: int | None = Field(
+        None, ge=1, description="finished trajectories waiting for the learner, at most (the worker blocks when it is "
+                                "full, which bounds how stale its data gets); null: one learner batch")
     recompute_kv: bool = Field(
         False, description="after a weight sync, prefill every live episode again under the new weights (each token "
                            "then comes from one policy version; costs a prefill of every live row per sync)")

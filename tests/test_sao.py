@@ -185,9 +185,10 @@ def test_sft_sao_recipe_end_to_end_and_check(tmp_path):
     assert "observation_mask" in checked.output and "policy_version" in checked.output
 
 
-CRASH_RECIPE = ["recipe=[sft, sao]", "sao.steps=6", "sao.batch_size=4", "sao.rollout.slots=4", "sao.critic.warmup_steps=1",
+CRASH_STEPS = 40
+CRASH_RECIPE = ["recipe=[sft, sao]", f"sao.steps={CRASH_STEPS}", "sao.batch_size=4", "sao.rollout.slots=4", "sao.critic.warmup_steps=1",
                 "sao.checkpoint_every=1", "sao.replay={}", "sao.mix={online: 1, replay: 0.5}", "eval.batch_size=4",
-                "sao.sample_trajectories=4", "env.latency={kind: pareto, median_s: 0.05, alpha: 1.5, max_s: 0.5}"]
+                "sao.sample_trajectories=4", "env.latency={kind: pareto, median_s: 0.1, alpha: 1.5, max_s: 1.0}"]
 
 
 @pytest.mark.slow
@@ -216,26 +217,40 @@ def test_sao_resumes_after_sigkill_at_random_moments(tmp_path):
     rng = random.Random(20261130)
     kills = 0
     sao_steps_seen_at_kill = []
+    def sao_logged() -> int:
+        return len(MetricsLog(run_dir / "metrics.jsonl").read("sao")) if (run_dir / "metrics.jsonl").exists() else 0
+
     for attempt in range(4):
         proc = subprocess.Popen(cmd + (["--resume"] if attempt else []), cwd=tmp_path, env=_env(),
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        time.sleep(rng.uniform(4.0, 12.0))
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
-            kills += 1
-            sao_steps_seen_at_kill.append(len(MetricsLog(run_dir / "metrics.jsonl").read("sao")))
-    assert kills >= 2, "the run finished before it could be interrupted twice: nothing was tested"
+        if attempt == 0:
+            time.sleep(rng.uniform(1.0, 5.0))  # somewhere in start-up, the reward audit or SFT
+        else:  # somewhere inside the SAO steps: a random delay after the next step was logged
+            target, deadline = sao_logged() + rng.randint(1, 3), time.monotonic() + 180
+            while sao_logged() < target and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.02)
+            time.sleep(rng.uniform(0.0, 0.6))
+        if proc.poll() is not None:
+            break  # finished before this kill: the loop has nothing left to interrupt
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        kills += 1
+        sao_steps_seen_at_kill.append(sao_logged())
+    assert kills >= 3, "the run finished before it could be interrupted three times: nothing was tested"
+    assert any(0 < n < CRASH_STEPS for n in sao_steps_seen_at_kill), f"no kill landed mid-SAO: {sao_steps_seen_at_kill}"
     res = subprocess.run(cmd + ["--resume"], cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr
 
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines]  # no torn line survives
     assert [r["step"] for r in records if r["stage"] == "sft"] == [1, 2, 3, 4]
-    assert [r["step"] for r in records if r["stage"] == "sao"] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in records if r["stage"] == "sao"] == list(range(1, CRASH_STEPS + 1))
     assert (run_dir / "sao" / "final" / "DONE").exists() and (run_dir / "eval_sao.json").exists()
-    versions = [r["policy_version"] for r in records if r["stage"] == "sao"]
-    assert versions == sorted(versions) and versions[-1] == 5  # the version counter continued across restarts
+    sao = [r for r in records if r["stage"] == "sao"]
+    # the version counter continued across restarts: +1 after every step that updated the actor
+    for prev, cur in zip(sao, sao[1:]):
+        assert cur["policy_version"] == prev["policy_version"] + cur["actor_updated"]
+    assert sao[-1]["policy_version"] == sum(r["actor_updated"] for r in sao) > CRASH_STEPS / 2
 
     db = run_dir / "sao" / "replay.sqlite"
     with sqlite3.connect(db) as conn:
@@ -243,7 +258,7 @@ def test_sao_resumes_after_sigkill_at_random_moments(tmp_path):
         ids = [row[0] for row in conn.execute("SELECT traj_id FROM entries")]
     assert len(ids) == len(set(ids))
     online = []
-    for step in range(1, 7):
+    for step in range(1, CRASH_STEPS + 1):
         consumed = json.loads((run_dir / "sao" / "consumed" / f"step-{step:06d}.json").read_text())
         online += consumed["online"]
         assert not set(consumed["replay"]) & set(consumed["online"])
@@ -253,4 +268,4 @@ def test_sao_resumes_after_sigkill_at_random_moments(tmp_path):
                for x in f.read_text().splitlines()]
     assert len(sampled) == len(set(sampled))
     with ReplayBuffer(db) as buf:  # and the buffer opens and samples after all of it
-        assert len(buf) == len(ids) and len(buf.sample(4, current_version=5)) == 4
+        assert len(buf) == len(ids) and len(buf.sample(4, current_version=CRASH_STEPS)) == 4

@@ -107,7 +107,7 @@ def sao_stage(ws: Workspace, model, resume: bool = False) -> Path:
         if run["worker"] is None:  # started lazily: after run_stage restored the weights of a resumed run
             box.publish(model, state["policy"])
             w = RolloutWorker(model, ws.contract, ws.make_env, task_stream(pool, cfg.seed * 7_919 + step), box,
-                              slots=r.slots, queue_size=r.queue_size, seed=cfg.seed * 104_729 + step,
+                              slots=r.slots, queue_size=r.queue_size or s.batch_size, seed=cfg.seed * 104_729 + step,
                               weights=cfg.reward, recompute_kv=r.recompute_kv)
             w.start()
             run["worker"], run["t0"] = w, time.perf_counter()
