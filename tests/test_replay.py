@@ -283,3 +283,47 @@ def test_segment_replay_one_window_per_turn():
     assert [s.loss_mask for s in segment_replay(bare)] == [s.loss_mask for s in segs]
     with pytest.raises(ValueError):
         segment_replay(t, turns_per_segment=0)
+
+
+WRITER = """
+import os, sys
+sys.path.insert(0, {tests!r})
+from test_replay import traj
+from mentorrl.replay import ReplayBuffer, ReplayConfig
+buf = ReplayBuffer({path!r}, ReplayConfig(capacity=100))
+for i in range(12):
+    buf.add(traj(i, success=i % 3 == 0, version=i))
+buf.mark_hard(["task-4"])
+os._exit(0)  # no close(): the process just ends, as a killed one would
+"""
+
+
+def test_buffer_persists_across_processes(path):
+    """Another process fills the buffer and ends without closing it; this one reads it all back."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = WRITER.format(tests=str(Path(__file__).parent), path=str(path))
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    with ReplayBuffer(path, ReplayConfig(capacity=100)) as buf:
+        assert buf.ids() == [f"t-{i}" for i in range(12)]
+        assert buf.get("t-5") == traj(5, success=False, version=5)
+        assert buf.hard_tasks() == {"task-4"}
+        assert buf.stats().by_category == {"success": 4, "failure": 7, "hard": 1}  # t-4 was re-filed as hard
+
+
+def test_priority_proportions_match_the_weights(path):
+    """Draws with replacement land in each category in proportion to count x weight (chi-square, fixed seed)."""
+    cfg = ReplayConfig(category_weights={"success": 3.0, "failure": 1.0, "hard": 6.0})
+    with ReplayBuffer(path, cfg) as buf:
+        for i in range(30):
+            cat = ("success", "failure", "hard")[i % 3]
+            buf.add(traj(i, success=cat == "success"), category=cat)
+        n = 20_000
+        drawn = Counter(buf.category_of(t.id) for t in buf.sample(n, rng=random.Random(12345), replace=True))
+    expected = {"success": 0.3 * n, "failure": 0.1 * n, "hard": 0.6 * n}  # 10 entries each: weights 3:1:6
+    chi2 = sum((drawn[c] - e) ** 2 / e for c, e in expected.items())
+    assert chi2 < 13.82, (drawn, chi2)  # the 0.999 quantile of chi-square with 2 degrees of freedom
+    assert abs(drawn["hard"] / n - 0.6) < 0.02
