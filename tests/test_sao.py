@@ -168,6 +168,11 @@ def test_sft_sao_recipe_end_to_end_and_check(tmp_path):
     with ReplayBuffer(run / "sao" / "replay.sqlite") as buf:
         assert set(online) <= set(buf.ids())
     assert (run / "sao" / "critic" / "value_model.safetensors").exists()
+    report = json.loads((run / "report.json").read_text())
+    assert sum(report["async"]["policy_lag_hist"].values()) == report["async"]["trajectories"] == 16
+    assert report["audit"]["end_to_end"]["heldout_after"] == report["evals"]["sao"]["success"]
+    assert "Asynchronous training (SAO)" in (run / "report.md").read_text()
+    assert (run / "curves.png").read_bytes()[:4] == b"\x89PNG"
 
     checked = CliRunner().invoke(app, ["check", str(run)])
     assert checked.exit_code == 0 and "sao-step-000004" in checked.output and "all 4 recorded" in checked.output, \

@@ -12,7 +12,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 
 def plot_rl_curves(records: list[dict[str, Any]], out: str | Path, evals: dict[str, float] | None = None) -> Path:
-    """Reward mean (± std band) and task success per RL step; held-out points if given."""
+    """Reward mean (± std band) and task success per step of one RL stage; held-out points if given."""
+    stage = records[0].get("stage", "grpo") if records else "grpo"
+    name = {"grpo": "GRPO", "ppo": "PPO", "sao": "SAO learner"}.get(stage, stage)
     steps = [r["step"] for r in records]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     if records:
@@ -26,16 +28,16 @@ def plot_rl_curves(records: list[dict[str, Any]], out: str | Path, evals: dict[s
         if checks:
             ax2.plot([r["step"] for r in checks], [r["heldout_success"] for r in checks], "o--",
                      color="tab:red", label="held-out (gap monitor)")
-    ax1.set_xlabel("GRPO step")
+    ax1.set_xlabel(f"{name} step")
     ax1.set_ylabel("reward")
     ax1.set_title("Reward per step")
     ax1.legend()
     if evals:
         last = steps[-1] if steps else 1
-        for label, v in evals.items():  # every stage before GRPO is plotted at step 0
-            ax2.scatter([last if label == "grpo" else 0], [v], marker="D", s=50, label=f"held-out ({label})")
+        for label, v in evals.items():  # every stage before the RL stage is plotted at step 0
+            ax2.scatter([last if label == stage else 0], [v], marker="D", s=50, label=f"held-out ({label})")
     ax2.set_ylim(0, 1.02)
-    ax2.set_xlabel("GRPO step")
+    ax2.set_xlabel(f"{name} step")
     ax2.set_ylabel("task success")
     ax2.set_title("Task success")
     ax2.legend(loc="upper right")

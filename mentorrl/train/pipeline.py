@@ -14,7 +14,7 @@ from mentorrl.config import RunConfig
 from mentorrl.eval.plots import plot_rl_curves
 from mentorrl.models.build import ModelSpec, init_model, load_policy
 from mentorrl.models.corpus import expert_transcripts
-from mentorrl.train.report import build_report, write_report
+from mentorrl.train.report import RL_STAGES, build_report, write_report
 from mentorrl.train.stages import Workspace, evaluate, grpo_stage, open_workspace, ppo_stage, rft_stage, sft_stage
 
 
@@ -115,18 +115,20 @@ def run_recipe(cfg: RunConfig, resume: bool = False, show_progress: bool = True)
 
     con.print(before_after_table(rows))
     records = ws.metrics.read()
-    grpo_at = cfg.recipe.index("grpo") if "grpo" in cfg.recipe else None
-    pre_rl = cfg.recipe[grpo_at - 1] if grpo_at else None
-    report = build_report(records, evals, cfg.audit, pre_rl_label=pre_rl, final_label="grpo" if grpo_at is not None else None)
+    rl_at = max((i for i, s in enumerate(cfg.recipe) if s in RL_STAGES), default=None)  # the last RL stage
+    rl_stage = cfg.recipe[rl_at] if rl_at is not None else None
+    pre_rl = cfg.recipe[rl_at - 1] if rl_at else None
+    report = build_report(records, evals, cfg.audit, pre_rl_label=pre_rl, final_label=rl_stage,
+                          rl_stage=rl_stage or "grpo")
     json_path, md_path = write_report(ws.run_dir, report)
     _print_audit(con, report)
     result: dict[str, Any] = {"rows": rows, "report": str(json_path), "run_dir": str(ws.run_dir)}
     first, last = evals[cfg.recipe[0]], evals[cfg.recipe[-1]]
     result.update(before=first, after=last)
-    if grpo_at is not None:
-        grpo_records = [r for r in records if r.get("stage") == "grpo"]
+    if rl_stage is not None:
+        rl_records = [r for r in records if r.get("stage") == rl_stage]
         marks = {s: evals[s]["success"] for s in cfg.recipe}
-        result["plot"] = str(plot_rl_curves(grpo_records, ws.run_dir / "curves.png", marks))
+        result["plot"] = str(plot_rl_curves(rl_records, ws.run_dir / "curves.png", marks))
     delta = last["success"] - first["success"]
     con.print(f"{' -> '.join(cfg.recipe[1:]) or cfg.recipe[0]} changed held-out success by {100 * delta:+.1f} points; "
               f"report: {md_path}; total time {time.perf_counter() - t0:.0f}s")

@@ -17,22 +17,45 @@ def _mean(xs: list[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
-def end_to_end_gap(grpo: list[dict[str, Any]], before: float | None, after: float | None,
+RL_STAGES = ("grpo", "ppo", "sao")
+
+
+def end_to_end_gap(rl: list[dict[str, Any]], before: float | None, after: float | None,
                    audit: AuditConfig) -> dict[str, Any] | None:
-    """Training reward over the first vs the last window of GRPO, against held-out success before vs after."""
-    if not grpo or before is None or after is None:
+    """Training reward over the first vs the last window of an RL stage, against held-out success before vs after."""
+    if not rl or before is None or after is None:
         return None
     w = audit.reward_window
-    first = _mean([r["reward_mean"] for r in grpo[:w]])
-    last = _mean([r["reward_mean"] for r in grpo[-w:]])
+    first = _mean([r["reward_mean"] for r in rl[:w]])
+    last = _mean([r["reward_mean"] for r in rl[-w:]])
     d_reward, d_success = last - first, after - before
     warn = d_reward > audit.reward_rise and d_success <= audit.success_rise
     return {"reward_first_window": first, "reward_last_window": last, "reward_delta": d_reward,
             "heldout_before": before, "heldout_after": after, "success_delta": d_success, "warning": warn}
 
 
+def async_summary(sao: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """SAO's asynchronous bookkeeping over the stage: policy-lag histogram, stale data, masking, throughput."""
+    if not sao:
+        return None
+    hist: dict[str, int] = {}
+    for r in sao:
+        for lag, n in (r.get("policy_lag_hist") or {}).items():
+            hist[lag] = hist.get(lag, 0) + int(n)
+    updated = [r for r in sao if r.get("actor_updated")]
+    return {"policy_lag_hist": dict(sorted(hist.items(), key=lambda kv: int(kv[0]))),
+            "trajectories": int(sum(r.get("rollouts", 0) for r in sao)),
+            "stale_dropped": int(sum(r.get("stale_dropped", 0) for r in sao)),
+            "stale_downweighted": int(sum(r.get("stale_downweighted", 0) for r in sao)),
+            "masked_frac_mean": _mean([r.get("masked_frac", 0.0) for r in updated]),
+            "traj_per_s": sao[-1].get("traj_per_s"), "policy_version": sao[-1].get("policy_version")}
+
+
 def build_report(records: list[dict[str, Any]], evals: dict[str, dict[str, Any]], audit: AuditConfig,
-                 pre_rl_label: str | None = None, final_label: str | None = None) -> dict[str, Any]:
+                 pre_rl_label: str | None = None, final_label: str | None = None,
+                 rl_stage: str = "grpo") -> dict[str, Any]:
+    """``rl_stage``'s records feed the gap checks and the end-to-end gap; the reward audit
+    counts cover every RL stage of the run."""
     by_stage: dict[str, list[dict[str, Any]]] = {}
     for r in records:
         by_stage.setdefault(r.get("stage", "?"), []).append(r)
@@ -41,8 +64,9 @@ def build_report(records: list[dict[str, Any]], evals: dict[str, dict[str, Any]]
                "seconds": sum(r.get("step_s", 0.0) for r in rs)}
         for name, rs in by_stage.items()
     }
-    grpo = by_stage.get("grpo", [])
-    checks = [r for r in grpo if "heldout_success" in r]
+    rl = by_stage.get(rl_stage, [])
+    every_rl = [r for name in RL_STAGES for r in by_stage.get(name, [])]
+    checks = [r for r in rl if "heldout_success" in r]
     report: dict[str, Any] = {
         "evals": {k: {key: v.get(key) for key in ("n", "success", "success_ci95", "mean_reward", "violation_rate",
                                                   "tool_success", "mean_turns")} for k, v in evals.items()},
@@ -51,20 +75,22 @@ def build_report(records: list[dict[str, Any]], evals: dict[str, dict[str, Any]]
                                               "samples_to_success", "tasks_in_band", "selected", "dataset_size",
                                               "rollouts")} for r in by_stage.get("rft", [])],
         "audit": {
-            "flagged_high_reward_failures": int(sum(r.get("reward_flagged", 0) for r in grpo)),
-            "rewards_clipped": int(sum(r.get("reward_clipped", 0) for r in grpo)),
-            "rewards_nonfinite": int(sum(r.get("reward_nonfinite", 0) for r in grpo)),
+            "flagged_high_reward_failures": int(sum(r.get("reward_flagged", 0) for r in every_rl)),
+            "rewards_clipped": int(sum(r.get("reward_clipped", 0) for r in every_rl)),
+            "rewards_nonfinite": int(sum(r.get("reward_nonfinite", 0) for r in every_rl)),
             "gap_checks": [{"step": r["step"], "heldout_success": r["heldout_success"],
                             "reward_mean": r.get("reward_mean"), "warning": bool(r.get("gap_warning"))} for r in checks],
             "gap_warnings": int(sum(bool(r.get("gap_warning")) for r in checks)),
             "end_to_end": end_to_end_gap(
-                grpo,
+                rl,
                 evals.get(pre_rl_label, {}).get("success") if pre_rl_label else None,
                 evals.get(final_label, {}).get("success") if final_label else None,
                 audit,
             ),
         },
     }
+    if "sao" in by_stage:
+        report["async"] = async_summary(by_stage["sao"])
     return report
 
 
@@ -105,6 +131,15 @@ def report_markdown(report: dict[str, Any]) -> str:
                    "to the training tasks)") if e2e["warning"] else "consistent"
         lines.append(f"- end to end: training reward {e2e['reward_first_window']:.3f} -> {e2e['reward_last_window']:.3f}, "
                      f"held-out success {_pct(e2e['heldout_before'])} -> {_pct(e2e['heldout_after'])}: {verdict}")
+    asy = report.get("async")
+    if asy:
+        lags = ", ".join(f"{k}: {v}" for k, v in asy["policy_lag_hist"].items())
+        lines += ["", "## Asynchronous training (SAO)", "",
+                  f"- trajectories consumed: {asy['trajectories']} ({asy['traj_per_s'] or 0:.2f}/s), "
+                  f"stale dropped: {asy['stale_dropped']}, down-weighted: {asy['stale_downweighted']}",
+                  f"- policy lag histogram (versions: trajectories): {lags}",
+                  f"- mean share of policy tokens masked by the importance ratio: {_pct(asy['masked_frac_mean'])}",
+                  f"- final policy version: {_num(asy['policy_version'])}"]
     return "\n".join(lines) + "\n"
 
 

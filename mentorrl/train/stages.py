@@ -370,6 +370,7 @@ def ppo_stage(ws: Workspace, model, ref_model=None, resume: bool = False) -> Pat
     critic_learner = CriticLearner(critic, p.critic.optim, ws.contract.pad_token_id)
     version = {"policy": 0}
     critic_dir = ws.run_dir / "ppo" / "critic"
+    monitor = GapMonitor(audit.reward_window, audit.reward_rise, audit.success_rise)
 
     def step_fn(step: int) -> dict[str, float]:
         rng = random.Random(cfg.seed * 1_000_003 + 17 * step + 5)
@@ -408,13 +409,18 @@ def ppo_stage(ws: Workspace, model, ref_model=None, resume: bool = False) -> Pat
                                             "train_rollout_kl", "policy_lag_mean", "policy_lag_max")))
         metrics.update(actor_updated=float(bool(am)), policy_version=version["policy"], rollout_s=t_roll,
                        update_s=time.perf_counter() - t1)
+        monitor.observe_reward(step + 1, metrics["reward_mean"])
+        if audit.eval_every and (step + 1) % audit.eval_every == 0:
+            metrics.update(_gap_check(ws, model, monitor, step + 1))
         return metrics
 
     def extra_state() -> dict[str, Any]:
-        return {**version, "critic": critic.state_dict(), "critic_learner": critic_learner.state_dict()}
+        return {**version, "critic": critic.state_dict(), "critic_learner": critic_learner.state_dict(),
+                "gap_monitor": monitor.state_dict()}
 
     def restore(state: dict[str, Any]) -> None:
         version["policy"] = state.get("policy", 0)
+        monitor.load_state_dict(state.get("gap_monitor", {}))
         if "critic" in state:
             critic.load_state_dict(state["critic"])
             critic_learner.load_state_dict(state["critic_learner"])
