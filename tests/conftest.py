@@ -121,6 +121,19 @@ def make_contract(tokenizer, orders_entry) -> Callable[..., RolloutContract]:
 
 
 @pytest.fixture(scope="session")
+def make_demos(orders_entry, make_contract) -> Callable[..., tuple[RolloutContract, list]]:
+    """``make_demos(n)``: the contract and verified scripted-expert trajectories on ``n`` train tasks."""
+    from mentorrl.rollout.runner import expert_demonstrations
+
+    def make(n: int, seed: int = 0):
+        contract = make_contract(max_turns=8, max_total_tokens=2048)
+        tasks = orders_entry.make_tasks().tasks("train", n, seed)
+        return contract, expert_demonstrations(contract, orders_entry.make_env, orders_entry.make_expert(), tasks)
+
+    return make
+
+
+@pytest.fixture(scope="session")
 def orders_tasks(orders_entry) -> list[Task]:
     return orders_entry.make_tasks().tasks(split="train", n=300, seed=1)
 

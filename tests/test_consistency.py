@@ -4,17 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from mentorrl.rollout.runner import expert_demonstrations
 from mentorrl.train.consistency import batch_checks, policy_lag
 
 
 @pytest.fixture
-def batch(orders_entry, make_contract):
-    env = orders_entry.make_env()
-    contract = make_contract(env=env, max_turns=8, max_total_tokens=2048)
-    env.close()
-    tasks = orders_entry.make_tasks().tasks("train", 4, 0)
-    demos = expert_demonstrations(contract, orders_entry.make_env, orders_entry.make_expert(), tasks)
+def batch(make_demos):
+    contract, demos = make_demos(4)
     for i, t in enumerate(demos):
         t.policy_version = i
     return contract, demos

@@ -12,7 +12,6 @@ from typer.testing import CliRunner
 from mentorrl.cli import app
 from mentorrl.config import CriticConfig, GAEConfig, PPOConfig
 from mentorrl.models.value import ValueModel, build_critic
-from mentorrl.rollout.runner import expert_demonstrations
 from mentorrl.train.learner import CriticLearner
 from mentorrl.train.rundir import MetricsLog
 from mentorrl.train.stages import critic_advantages
@@ -21,12 +20,8 @@ from test_resume import TINY_OVERRIDES
 
 
 @pytest.fixture
-def demos(orders_entry, make_contract):
-    env = orders_entry.make_env()
-    contract = make_contract(env=env, max_turns=8, max_total_tokens=2048)
-    env.close()
-    tasks = orders_entry.make_tasks().tasks("train", 12, 0)
-    return expert_demonstrations(contract, orders_entry.make_env, orders_entry.make_expert(), tasks)
+def demos(make_demos):
+    return make_demos(12)[1]
 
 
 def test_fresh_critic_predicts_zero_and_round_trips(model, demos, tmp_path):
