@@ -120,7 +120,7 @@ def main() -> int:
     g, s = results["grpo"], results["sao"]
     ratio = s["traj_per_s"] / g["traj_per_s"]
     table = Table(title=f"Straggler bench ({_fmt_latency(cfg)})")
-    for col in ("arm", "trajectories", "dropped", "wall s", "traj/s", "held-out", "95% CI"):
+    for col in ("arm", "trajs", "dropped", "wall s", "traj/s", "held-out", "95% CI"):
         table.add_column(col, justify="left" if col == "arm" else "right", no_wrap=True)
     lo, hi = start["success_ci95"]
     table.add_row("sft (start)", "-", "-", "-", "-", f"{100 * start['success']:.1f}%", f"{100 * lo:.1f}-{100 * hi:.1f}%")
