@@ -145,7 +145,8 @@ class PPOConfig(_Section):
 
 
 class AsyncConfig(_Section):
-    slots: int = Field(32, ge=1, description="episodes the rollout worker keeps in flight (continuous batching)")
+    workers: int = Field(1, ge=1, description="rollout worker threads, each with its own policy copy and engine")
+    slots: int = Field(32, ge=1, description="episodes each rollout worker keeps in flight (continuous batching)")
     sync_every: int = Field(1, ge=1, description="learner steps between weight syncs to the worker (each sync: "
                                                   "policy version + 1)")
     max_staleness: int = Field(2, ge=0, description="policy versions a trajectory may lag the learner before the "

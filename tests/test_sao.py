@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from mentorrl.cli import app
 from mentorrl.config import SAOConfig, load_config, ConfigError
 from mentorrl.replay.buffer import ReplayBuffer
-from mentorrl.train.async_rl import RolloutWorker, WeightBox, lag_histogram, staleness_weights
+from mentorrl.train.async_rl import RolloutPool, WeightBox, lag_histogram, staleness_weights
 from mentorrl.train.batch import collate, forward_logprobs
 from mentorrl.train.rundir import MetricsLog
 from mentorrl.trajectory import read_jsonl, write_jsonl
@@ -45,9 +45,9 @@ def test_weight_box_versions(model):
         box.publish(model, -3)
 
 
-def _worker(model, contract, orders_entry, tasks, box, slots=4, queue_size=64, make_env=None):
-    return RolloutWorker(model, contract, make_env or orders_entry.make_env, iter(tasks), box, slots=slots,
-                         queue_size=queue_size, seed=3)
+def _worker(model, contract, orders_entry, tasks, box, slots=4, queue_size=64, make_env=None, workers=1):
+    return RolloutPool(model, contract, make_env or orders_entry.make_env, iter(tasks), box, slots=slots,
+                       queue_size=queue_size, seed=3, workers=workers)
 
 
 def _recomputed_gap(model, trajs, pad_id) -> float:
@@ -274,3 +274,21 @@ def test_sao_resumes_after_sigkill_at_random_moments(tmp_path):
     assert len(sampled) == len(set(sampled))
     with ReplayBuffer(db) as buf:  # and the buffer opens and samples after all of it
         assert len(buf) == len(ids) and len(buf.sample(4, current_version=CRASH_STEPS)) == 4
+
+
+def test_two_workers_share_one_task_stream(tool_happy_model, make_contract, orders_entry, orders_tasks):
+    """Two rollout threads draw from one task stream (each task once) into one queue."""
+    box = WeightBox()
+    box.publish(tool_happy_model, 0)
+    tasks = orders_tasks[:12]
+    pool = _worker(tool_happy_model, make_contract(), orders_entry, tasks, box, slots=3, workers=2)
+    pool.start()
+    try:
+        got = pool.get(12, timeout_s=120)
+    finally:
+        pool.close()
+    assert sorted(t.task_id for t in got) == sorted(t.id for t in tasks)
+    assert all(w.produced > 0 for w in pool.workers) and pool.produced == 12
+    assert not pool.is_alive()
+    with pytest.raises(ValueError, match="workers"):
+        RolloutPool(tool_happy_model, make_contract(), orders_entry.make_env, iter([]), box, 1, 1, 0, workers=0)

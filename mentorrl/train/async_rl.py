@@ -84,25 +84,25 @@ class WeightBox:
             return self._version, self._state
 
 
-# ------------------------------------------------------------------ worker ----
+# ------------------------------------------------------------------ workers ----
 class RolloutWorker(threading.Thread):
-    """Produces trajectories into ``out`` until ``stop`` is set; its policy follows ``box``.
+    """One rollout thread: produces trajectories into ``out`` until ``stop_event`` is set; its
+    policy copy follows ``box``.
 
-    ``tasks`` is an endless iterator of tasks; ``make_env`` builds one environment per episode
-    (closed when the episode ends). A failure is kept in ``error`` and ends the worker; the
-    learner checks it while waiting (:meth:`get`).
+    ``tasks`` is an iterator of tasks (the worker ends when it runs dry); ``make_env`` builds one
+    environment per episode (closed when the episode ends). A failure is kept in ``error``.
     """
 
     def __init__(self, policy, contract, make_env: Callable[[], Any], tasks: Iterator, box: WeightBox,
-                 slots: int, queue_size: int, seed: int, weights=None, recompute_kv: bool = False):
-        super().__init__(name="rollout-worker", daemon=True)
+                 slots: int, out: queue.Queue, stop_event: threading.Event, seed: int, weights=None,
+                 recompute_kv: bool = False, name: str = "rollout-worker"):
+        super().__init__(name=name, daemon=True)
         self.model = copy.deepcopy(policy).eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
         self.contract, self.make_env, self.tasks, self.box = contract, make_env, tasks, box
         self.slots, self.seed, self.weights, self.recompute_kv = slots, seed, weights, recompute_kv
-        self.out: queue.Queue[Trajectory] = queue.Queue(maxsize=queue_size)
-        self.stop_event = threading.Event()
+        self.out, self.stop_event = out, stop_event
         self.version = -1
         self.error: BaseException | None = None
         self.produced = 0
@@ -145,8 +145,53 @@ class RolloutWorker(threading.Thread):
         except BaseException as e:  # noqa: BLE001 -- handed to the learner, which raises it
             self.error = e
 
+
+def _locked(source: Iterator, lock: threading.Lock) -> Iterator:
+    """A per-worker view of one shared task iterator (generators are not thread-safe)."""
+    while True:
+        with lock:
+            item = next(source, None)
+        if item is None:
+            return
+        yield item
+
+
+class RolloutPool:
+    """``workers`` rollout threads, ``slots`` episodes in flight each, sharing one task stream
+    and one bounded queue of finished trajectories (the back-pressure on all of them)."""
+
+    def __init__(self, policy, contract, make_env: Callable[[], Any], tasks: Iterator, box: WeightBox,
+                 slots: int, queue_size: int, seed: int, weights=None, recompute_kv: bool = False,
+                 workers: int = 1):
+        if workers < 1:
+            raise ValueError("workers must be >= 1")
+        self.out: queue.Queue[Trajectory] = queue.Queue(maxsize=queue_size)
+        self.stop_event = threading.Event()
+        lock = threading.Lock()
+        self.workers = [
+            RolloutWorker(policy, contract, make_env, _locked(tasks, lock), box, slots, self.out, self.stop_event,
+                          seed=seed + 1_000_033 * i, weights=weights, recompute_kv=recompute_kv,
+                          name=f"rollout-worker-{i}")
+            for i in range(workers)
+        ]
+
+    def start(self) -> None:
+        for w in self.workers:
+            w.start()
+
+    @property
+    def produced(self) -> int:
+        return sum(w.produced for w in self.workers)
+
+    @property
+    def syncs(self) -> int:
+        return sum(w.syncs for w in self.workers)
+
+    def is_alive(self) -> bool:
+        return any(w.is_alive() for w in self.workers)
+
     def get(self, n: int, timeout_s: float) -> list[Trajectory]:
-        """The next ``n`` finished trajectories, in finishing order; raises if the worker died or stalled."""
+        """The next ``n`` finished trajectories, in finishing order; raises if a worker failed or all stalled."""
         got: list[Trajectory] = []
         waited = 0.0
         while len(got) < n:
@@ -155,14 +200,16 @@ class RolloutWorker(threading.Thread):
                 waited = 0.0
             except queue.Empty:
                 waited += 0.2
-                if self.error is not None:
-                    raise RuntimeError(f"rollout worker failed: {self.error!r}") from self.error
+                failed = next((w.error for w in self.workers if w.error is not None), None)
+                if failed is not None:
+                    raise RuntimeError(f"rollout worker failed: {failed!r}") from failed
                 if not self.is_alive():
-                    raise RuntimeError("rollout worker stopped: its task stream ran dry")
+                    raise RuntimeError("rollout workers stopped: their task stream ran dry")
                 if waited >= timeout_s:
-                    raise TimeoutError(f"no trajectory from the rollout worker in {timeout_s:.0f}s")
+                    raise TimeoutError(f"no trajectory from the rollout workers in {timeout_s:.0f}s")
         return got
 
     def close(self) -> None:
         self.stop_event.set()
-        self.join(timeout=60)
+        for w in self.workers:
+            w.join(timeout=60)

@@ -36,7 +36,7 @@ from mentorrl.algos.advantages import sanitize_group_rewards
 from mentorrl.models.value import build_critic
 from mentorrl.replay.buffer import BatchItem, ReplayBuffer, hybrid_batch, segment_replay
 from mentorrl.rollout.runner import expert_demonstrations
-from mentorrl.train.async_rl import RolloutWorker, WeightBox, lag_histogram, staleness_weights
+from mentorrl.train.async_rl import RolloutPool, WeightBox, lag_histogram, staleness_weights
 from mentorrl.train.audit import GapMonitor
 from mentorrl.train.batch import collate, forward_logprobs
 from mentorrl.train.consistency import policy_lag
@@ -103,12 +103,12 @@ def sao_stage(ws: Workspace, model, resume: bool = False) -> Path:
     box = WeightBox()
     run: dict[str, Any] = {"worker": None, "t0": None, "consumed_here": 0}
 
-    def worker_for(step: int) -> RolloutWorker:
+    def worker_for(step: int) -> RolloutPool:
         if run["worker"] is None:  # started lazily: after run_stage restored the weights of a resumed run
             box.publish(model, state["policy"])
-            w = RolloutWorker(model, ws.contract, ws.make_env, task_stream(pool, cfg.seed * 7_919 + step), box,
-                              slots=r.slots, queue_size=r.queue_size or s.batch_size, seed=cfg.seed * 104_729 + step,
-                              weights=cfg.reward, recompute_kv=r.recompute_kv)
+            w = RolloutPool(model, ws.contract, ws.make_env, task_stream(pool, cfg.seed * 7_919 + step), box,
+                            slots=r.slots, queue_size=r.queue_size or s.batch_size, seed=cfg.seed * 104_729 + step,
+                            weights=cfg.reward, recompute_kv=r.recompute_kv, workers=r.workers)
             w.start()
             run["worker"], run["t0"] = w, time.perf_counter()
         return run["worker"]
