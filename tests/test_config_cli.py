@@ -178,3 +178,36 @@ def test_readme_config_reference_is_generated_from_the_models():
     res = runner.invoke(app, ["config", "--reference"])
     assert res.exit_code == 0 and res.output == config_reference_markdown()
     assert config_reference_markdown() in readme, "regenerate the README table with `mentorrl config --reference`"
+
+
+def test_config_extends_merges_over_its_parent(tmp_path):
+    """`extends:` loads the parent (next to the file, else a packaged config) and merges the child over it."""
+    from mentorrl.config import ConfigError, load_config
+
+    child = tmp_path / "child.yaml"
+    child.write_text("extends: demo.yaml\nrun_dir: runs/x\nrecipe: [sft, sao]\nsao: {steps: 3}\nsft: {steps: 7}\n")
+    cfg = load_config(child)
+    demo = load_config(Path(__file__).resolve().parents[1] / "mentorrl" / "configs" / "demo.yaml")
+    assert cfg.recipe == ["sft", "sao"] and cfg.sao.steps == 3 and cfg.sft.steps == 7
+    assert cfg.sft.num_demos == demo.sft.num_demos and cfg.limits == demo.limits  # inherited, merged per field
+    (tmp_path / "base.yaml").write_text("seed: 5\nsft: {batch_size: 8}\n")
+    child.write_text("extends: base.yaml\nsft: {steps: 2}\n")
+    cfg = load_config(child, ["seed=6"])
+    assert (cfg.seed, cfg.sft.batch_size, cfg.sft.steps) == (6, 8, 2)  # overrides still win
+    for text, msg in [("extends: nowhere.yaml\n", "not found"), ("extends: [a, b]\n", "must be a file name"),
+                      ("extends: child.yaml\n", "cycle")]:
+        child.write_text(text)
+        with pytest.raises(ConfigError, match=msg):
+            load_config(child)
+    (tmp_path / "base.yaml").write_text("extends: child.yaml\n")
+    child.write_text("extends: base.yaml\n")
+    with pytest.raises(ConfigError, match="cycle"):
+        load_config(child)
+
+
+@pytest.mark.parametrize("name", ["demo.yaml", "ppo.yaml", "sao.yaml"])
+def test_shipped_configs_load(name):
+    from mentorrl.config import load_config
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "mentorrl" / "configs" / name)
+    assert cfg.recipe[0] == "sft" and cfg.recipe[-1] == name.split(".")[0].replace("demo", "grpo")
