@@ -1,0 +1,155 @@
+"""On-policy distillation objectives as pure functions (groundwork for white-box OPD).
+
+All divergences compare the student's and the teacher's next-token distributions at the
+same positions of a *student* trajectory. Shapes: logits ``[B, T, V]``, mask ``[B, T]`` (1 on
+policy tokens: prompt and tool-observation positions never count).
+
+Directions, stated once because they are easy to swap:
+
+* ``reverse``: KL(student || teacher) = sum_v p_s(v) (log p_s(v) - log p_t(v)). Mode seeking;
+  what on-policy distillation minimises along the student's own samples.
+* ``forward``: KL(teacher || student) = sum_v p_t(v) (log p_t(v) - log p_s(v)). Mass covering.
+* ``jsd``: the generalised Jensen-Shannon divergence of GKD,
+  beta * KL(teacher || m) + (1 - beta) * KL(student || m) with m = beta * p_t + (1 - beta) * p_s.
+
+``temperature`` divides both sides' logits before the softmax. ``top_k`` restricts both
+distributions to the teacher's k most likely tokens at each position and renormalises them
+there (the usual "top-k" distillation when only the teacher's top-k log-probs are kept).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from mentorrl.algos.logprobs import masked_mean
+
+DIVERGENCES = ("reverse", "forward", "jsd")
+
+
+def _log_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    x = logits.to(torch.promote_types(logits.dtype, torch.float32))  # float32 at least; float64 stays
+    return torch.log_softmax(x / temperature, dim=-1)
+
+
+def restrict_top_k(student_lp: torch.Tensor, teacher_lp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both log-distributions restricted to the teacher's top-``k`` tokens and renormalised there: ``[..., k]``."""
+    if k < 1:
+        raise ValueError(f"top_k must be >= 1, got {k}")
+    k = min(k, teacher_lp.shape[-1])
+    idx = teacher_lp.topk(k, dim=-1).indices
+    t = teacher_lp.gather(-1, idx)
+    s = student_lp.gather(-1, idx)
+    return s - torch.logsumexp(s, dim=-1, keepdim=True), t - torch.logsumexp(t, dim=-1, keepdim=True)
+
+
+def _kl(p_lp: torch.Tensor, q_lp: torch.Tensor) -> torch.Tensor:
+    """KL(p || q) over the last axis from log-probabilities (0 * log 0 = 0)."""
+    p = p_lp.exp()
+    return torch.where(p > 0, p * (p_lp - q_lp), torch.zeros_like(p)).sum(-1)
+
+
+def token_divergence(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    kind: str = "reverse",
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+) -> torch.Tensor:
+    """Per-position divergence ``[B, T]`` between the student's and the teacher's next-token distributions."""
+    if kind not in DIVERGENCES:
+        raise ValueError(f"unknown divergence {kind!r}; expected one of {list(DIVERGENCES)}")
+    s = _log_probs(student_logits, temperature)
+    t = _log_probs(teacher_logits, temperature)
+    if top_k is not None:
+        s, t = restrict_top_k(s, t, top_k)
+    if kind == "reverse":
+        return _kl(s, t)
+    if kind == "forward":
+        return _kl(t, s)
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"jsd beta must lie in [0, 1], got {beta}")
+    if beta in (0.0, 1.0):
+        return torch.zeros(s.shape[:-1], dtype=s.dtype, device=s.device)  # m equals one side: both terms vanish
+    m = torch.logsumexp(torch.stack([t + math.log(beta), s + math.log(1.0 - beta)]), dim=0)
+    return beta * _kl(t, m) + (1.0 - beta) * _kl(s, m)
+
+
+def distill_loss(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    mask: torch.Tensor,
+    kind: str = "reverse",
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Mean divergence over policy tokens (``mask``), optionally weighted per token (``weights`` ``[B, T]``).
+
+    The teacher side carries no gradient. Returns ``(loss, {"distill_loss", "divergence_mean",
+    "divergence_max"})``."""
+    div = token_divergence(student_logits, teacher_logits.detach(), kind, beta, temperature, top_k)
+    w = mask.float() if weights is None else mask.float() * weights.float()
+    loss = (div * w).sum() / w.sum().clamp(min=1e-8)
+    keep = mask != 0
+    d = div.detach()[keep]
+    return loss, {"distill_loss": loss.detach().item(), "divergence_mean": d.mean().item() if d.numel() else 0.0,
+                  "divergence_max": d.max().item() if d.numel() else 0.0}
+
+
+def sampled_reverse_kl_advantage(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor,
+                                 mask: torch.Tensor) -> torch.Tensor:
+    """Per-token advantage ``log p_t(y) - log p_s(y)`` of the sampled tokens (0 off policy tokens), detached.
+
+    Its negative is the one-sample estimate of KL(student || teacher) at that position, so a
+    policy-gradient step with this advantage lowers the reverse KL along the student's own
+    samples: the OPD signal used inside the clipped policy loss."""
+    adv = (teacher_logprobs.detach() - student_logprobs.detach()).float()
+    return torch.where(mask != 0, adv, torch.zeros_like(adv))
+
+
+def mix_advantages(env_advantages: torch.Tensor, kl_advantages: torch.Tensor, kl_coef: float) -> torch.Tensor:
+    """RL + beta * KL: the environment's advantage plus ``kl_coef`` times the distillation advantage."""
+    if kl_coef < 0:
+        raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
+    return env_advantages + kl_coef * kl_advantages
+
+
+def reward_weights(rewards: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Reward-weighted distillation: weights ``softmax(R / T)`` over the last axis (a group of samples)."""
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    return torch.softmax(rewards.float() / temperature, dim=-1)
+
+
+def select_large_gap(gap: torch.Tensor, mask: torch.Tensor, threshold: float | None = None,
+                     top_frac: float | None = None) -> torch.Tensor:
+    """ShortOPD's token selection: policy tokens whose teacher-student gap exceeds ``threshold``, or
+    the ``top_frac`` share of policy tokens with the largest gap (ties broken by position). Boolean ``[B, T]``."""
+    if (threshold is None) == (top_frac is None):
+        raise ValueError("give exactly one of threshold and top_frac")
+    keep = mask != 0
+    if threshold is not None:
+        return keep & (gap > threshold)
+    if not 0.0 <= top_frac <= 1.0:
+        raise ValueError(f"top_frac must lie in [0, 1], got {top_frac}")
+    n = int(keep.sum())
+    k = math.ceil(top_frac * n)
+    out = torch.zeros_like(keep)
+    if k == 0:
+        return out
+    flat = torch.where(keep, gap.float(), torch.full_like(gap.float(), -math.inf)).flatten()
+    order = torch.argsort(flat, descending=True, stable=True)[:k]
+    out.view(-1)[order] = True
+    return out
+
+
+__all__ = [
+    "DIVERGENCES", "distill_loss", "mix_advantages", "restrict_top_k", "reward_weights",
+    "sampled_reverse_kl_advantage", "select_large_gap", "token_divergence", "masked_mean",
+]
