@@ -1,0 +1,16 @@
+"""On-policy distillation: teachers, cross-tokenizer alignment (groundwork for white-box OPD)."""
+
+from mentorrl.opd.align import (
+    AlignmentError,
+    ChunkAlignment,
+    align_texts,
+    brute_force_chunk_logprobs,
+    chunk_sums,
+    teacher_token_logprobs,
+    token_ends,
+)
+
+__all__ = [
+    "AlignmentError", "ChunkAlignment", "align_texts", "brute_force_chunk_logprobs", "chunk_sums",
+    "teacher_token_logprobs", "token_ends",
+]
