@@ -1,0 +1,109 @@
+"""Multi-teacher OPD (MOPD) weighting as pure functions (groundwork).
+
+Per-teacher weights for each student trajectory come from three sources, multiplied and
+renormalised over teachers (:func:`combine`):
+
+* static routing by task family (:func:`routing_weights`);
+* teacher confidence on the trajectory: a softmax over teachers of their mean token log-prob
+  (or negative mean entropy) on its policy tokens (:func:`confidence_weights`);
+* each teacher's verified success history: the posterior mean of a Beta prior updated with its
+  verified successes and attempts (:func:`success_weights`).
+
+For teachers that share the student's tokenizer the target is the weighted mixture
+distribution (:func:`mixture_log_probs`). :func:`step_weights` raises the distillation weight
+of individual tokens at tool errors, in low-reward trajectories and where the student is unsure.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import torch
+
+
+def routing_weights(families: Sequence[str], teachers: Sequence[str],
+                    routes: Mapping[str, Mapping[str, float]]) -> torch.Tensor:
+    """``[B, M]``: ``routes[family][teacher]`` (missing teachers 0), normalised; a family without a
+    route (or whose route gives these teachers nothing) spreads evenly over all teachers."""
+    out = torch.full((len(families), len(teachers)), 1.0 / len(teachers), dtype=torch.float64)
+    for b, fam in enumerate(families):
+        route = routes.get(fam)
+        if not route:
+            continue
+        unknown = set(route) - set(teachers)
+        if unknown:
+            raise ValueError(f"route for {fam!r} names unknown teachers {sorted(unknown)}")
+        row = torch.tensor([float(route.get(t, 0.0)) for t in teachers], dtype=torch.float64)
+        if (row < 0).any():
+            raise ValueError(f"route for {fam!r} has a negative weight")
+        if row.sum() > 0:
+            out[b] = row / row.sum()
+    return out
+
+
+def confidence_weights(teacher_scores: torch.Tensor, mask: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """``[B, M]``: softmax over teachers of their mean per-token score on each trajectory's policy tokens.
+
+    ``teacher_scores`` is ``[M, B, T]``: token log-probs (higher = more confident) or negated entropies."""
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    m = mask.to(teacher_scores.dtype)[None]
+    mean = (teacher_scores * m).sum(-1) / m.sum(-1).clamp(min=1.0)  # [M, B]
+    return torch.softmax(mean.double().T / temperature, dim=-1)
+
+
+def success_weights(history: Mapping[str, tuple[int, int]], teachers: Sequence[str],
+                    prior: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
+    """``[M]``: Beta(prior) posterior mean success of each teacher from ``history[teacher] =
+    (verified successes, attempts)``, normalised over teachers. No history: the prior mean."""
+    a, b = prior
+    vals = []
+    for t in teachers:
+        s, n = history.get(t, (0, 0))
+        if not 0 <= s <= n:
+            raise ValueError(f"teacher {t!r}: successes {s} must lie in [0, attempts {n}]")
+        vals.append((s + a) / (n + a + b))
+    w = torch.tensor(vals, dtype=torch.float64)
+    return w / w.sum()
+
+
+def combine(*weights: torch.Tensor) -> torch.Tensor:
+    """Product of per-teacher weights (``[B, M]`` or ``[M]``, broadcast), renormalised over teachers."""
+    out = weights[0].double()
+    for w in weights[1:]:
+        out = out * w.double()
+    total = out.sum(-1, keepdim=True)
+    if (total <= 0).any():
+        raise ValueError("every teacher got weight 0 for some trajectory")
+    return out / total
+
+
+def mixture_log_probs(teacher_logits: torch.Tensor, weights: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Log of the weighted mixture ``sum_m w[b, m] * p_m`` of same-tokenizer teachers: ``[B, T, V]``.
+
+    ``teacher_logits`` is ``[M, B, T, V]``; ``weights`` ``[B, M]`` sums to 1 over teachers."""
+    lp = torch.log_softmax(teacher_logits.double() / temperature, dim=-1)
+    logw = torch.log(weights.double().clamp(min=1e-300)).T[:, :, None, None]  # [M, B, 1, 1]
+    return torch.logsumexp(lp + logw, dim=0)
+
+
+def step_weights(mask: torch.Tensor, tool_error_tokens: torch.Tensor | None = None,
+                 low_reward: torch.Tensor | None = None, student_entropy: torch.Tensor | None = None,
+                 tool_error_boost: float = 2.0, low_reward_boost: float = 1.5, entropy_threshold: float = 1.0,
+                 entropy_boost: float = 1.5) -> torch.Tensor:
+    """Failure-aware per-token distillation weights ``[B, T]`` (0 off policy tokens, else >= 1).
+
+    Boosts multiply: ``tool_error_tokens`` marks the policy tokens of turns whose tool call
+    failed; ``low_reward`` ``[B]`` marks trajectories below the reward bar; tokens where the
+    student's entropy exceeds ``entropy_threshold`` are uncertain steps."""
+    w = mask.double().clone()
+    if tool_error_tokens is not None:
+        w = w * torch.where(tool_error_tokens.bool(), tool_error_boost, 1.0)
+    if low_reward is not None:
+        w = w * torch.where(low_reward.bool(), low_reward_boost, 1.0)[:, None]
+    if student_entropy is not None:
+        w = w * torch.where(student_entropy > entropy_threshold, entropy_boost, 1.0)
+    return w
+
+
+__all__ = ["combine", "confidence_weights", "mixture_log_probs", "routing_weights", "step_weights", "success_weights"]
