@@ -65,3 +65,49 @@ def test_hf_teacher_refuses_another_tokenizer(model, tokenizer):
         teacher.check_tokenizer(other)
     with pytest.raises(ValueError, match="temperature"):
         HFTeacher(model, tokenizer, temperature=0)
+
+
+def _signals(teacher_model, tokenizer, trajs, k=8):
+    t = HFTeacher(copy.deepcopy(teacher_model), tokenizer, "teacher")
+    sig = t.score_batch(trajs, top_k=k)
+    return [s.topk_ids for s in sig], [s.topk_logprobs for s in sig]
+
+
+def test_distill_step_moves_the_student_towards_the_teacher(model, tool_happy_model, tokenizer, make_demos):
+    from mentorrl.config import OptimConfig
+    from mentorrl.train.learner import Learner
+
+    _, demos = make_demos(6)
+    ids, lps = _signals(tool_happy_model, tokenizer, demos)
+    student = copy.deepcopy(model)
+    learner = Learner(student, OptimConfig(lr=3e-3, micro_batch_size=4), tokenizer.pad_token_id)
+    first = learner.distill_step(demos, ids, lps, "reverse")["distill_loss"]
+    for _ in range(15):
+        last = learner.distill_step(demos, ids, lps, "reverse")["distill_loss"]
+    assert first > 0.05 and last < 0.5 * first, (first, last)
+    # a teacher identical to the student: nothing to distil
+    same_ids, same_lps = _signals(student, tokenizer, demos)
+    assert learner.distill_step(demos, same_ids, same_lps, "forward")["distill_loss"] < 1e-5
+
+
+def test_distill_step_is_exact_whatever_the_micro_batching(model, tool_happy_model, tokenizer, make_demos):
+    from mentorrl.config import OptimConfig
+    from mentorrl.train.learner import Learner
+
+    _, demos = make_demos(5)
+    ids, lps = _signals(tool_happy_model, tokenizer, demos, k=4)
+    weights = [torch.linspace(0.0, 2.0, len(t.token_ids)) for t in demos]  # e.g. ShortOPD / MOPD step weights
+    results = []
+    for mbs in (1, 5):
+        student = copy.deepcopy(model)
+        learner = Learner(student, OptimConfig(lr=1e-3, micro_batch_size=mbs, max_grad_norm=1e9), tokenizer.pad_token_id)
+        m = learner.distill_step(demos, ids, lps, "jsd", beta=0.3, token_weights=weights)
+        grads = [p.grad.detach().clone() for p in student.parameters() if p.grad is not None]
+        results.append((m["distill_loss"], m["grad_norm"], grads))
+    (l1, g1, p1), (l5, g5, p5) = results
+    assert l1 == pytest.approx(l5, rel=1e-5) and g1 == pytest.approx(g5, rel=1e-4)
+    assert len(p1) == len(p5) > 0
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-7) for a, b in zip(p1, p5))  # the same gradient
+    with pytest.raises(ValueError, match="no policy token"):
+        Learner(copy.deepcopy(model), OptimConfig(), tokenizer.pad_token_id).distill_step(
+            demos, ids, lps, token_weights=[torch.zeros(len(t.token_ids)) for t in demos])

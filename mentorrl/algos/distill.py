@@ -41,9 +41,7 @@ def restrict_top_k(student_lp: torch.Tensor, teacher_lp: torch.Tensor, k: int) -
         raise ValueError(f"top_k must be >= 1, got {k}")
     k = min(k, teacher_lp.shape[-1])
     idx = teacher_lp.topk(k, dim=-1).indices
-    t = teacher_lp.gather(-1, idx)
-    s = student_lp.gather(-1, idx)
-    return s - torch.logsumexp(s, dim=-1, keepdim=True), t - torch.logsumexp(t, dim=-1, keepdim=True)
+    return renormalise(student_lp.gather(-1, idx)), renormalise(teacher_lp.gather(-1, idx))
 
 
 def _kl(p_lp: torch.Tensor, q_lp: torch.Tensor) -> torch.Tensor:
@@ -61,12 +59,22 @@ def token_divergence(
     top_k: int | None = None,
 ) -> torch.Tensor:
     """Per-position divergence ``[B, T]`` between the student's and the teacher's next-token distributions."""
-    if kind not in DIVERGENCES:
-        raise ValueError(f"unknown divergence {kind!r}; expected one of {list(DIVERGENCES)}")
     s = _log_probs(student_logits, temperature)
     t = _log_probs(teacher_logits, temperature)
     if top_k is not None:
         s, t = restrict_top_k(s, t, top_k)
+    return divergence_of(s, t, kind, beta)
+
+
+def renormalise(log_probs: torch.Tensor) -> torch.Tensor:
+    """Log-probs over a support (e.g. a teacher's top-k tokens) renormalised to sum to 1 there."""
+    return log_probs - torch.logsumexp(log_probs, dim=-1, keepdim=True)
+
+
+def divergence_of(s: torch.Tensor, t: torch.Tensor, kind: str = "reverse", beta: float = 0.5) -> torch.Tensor:
+    """The divergence between two normalised log-distributions over the last axis (student ``s``, teacher ``t``)."""
+    if kind not in DIVERGENCES:
+        raise ValueError(f"unknown divergence {kind!r}; expected one of {list(DIVERGENCES)}")
     if kind == "reverse":
         return _kl(s, t)
     if kind == "forward":
@@ -94,10 +102,15 @@ def distill_loss(
     The teacher side carries no gradient. Returns ``(loss, {"distill_loss", "divergence_mean",
     "divergence_max"})``."""
     div = token_divergence(student_logits, teacher_logits.detach(), kind, beta, temperature, top_k)
-    w = mask.float() if weights is None else mask.float() * weights.float()
+    return weighted_token_mean(div, mask, weights)
+
+
+def weighted_token_mean(div: torch.Tensor, mask: torch.Tensor,
+                        weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """``sum(div * w) / sum(w)`` with ``w = mask * weights``, and the divergence's mean and max on policy tokens."""
+    w = mask.to(div.dtype) if weights is None else mask.to(div.dtype) * weights.to(div.dtype)
     loss = (div * w).sum() / w.sum().clamp(min=1e-8)
-    keep = mask != 0
-    d = div.detach()[keep]
+    d = div.detach()[mask != 0]
     return loss, {"distill_loss": loss.detach().item(), "divergence_mean": d.mean().item() if d.numel() else 0.0,
                   "divergence_max": d.max().item() if d.numel() else 0.0}
 
@@ -150,6 +163,6 @@ def select_large_gap(gap: torch.Tensor, mask: torch.Tensor, threshold: float | N
 
 
 __all__ = [
-    "DIVERGENCES", "distill_loss", "mix_advantages", "restrict_top_k", "reward_weights",
+    "DIVERGENCES", "distill_loss", "divergence_of", "renormalise", "weighted_token_mean", "mix_advantages", "restrict_top_k", "reward_weights",
     "sampled_reverse_kl_advantage", "select_large_gap", "token_divergence", "masked_mean",
 ]

@@ -113,3 +113,21 @@ def forward_logprobs(model, batch: TokenBatch, temperature: float = 1.0, with_en
     zero = torch.zeros_like(lp[:, :1])
     logprobs = torch.cat([zero, lp], dim=1)
     return logprobs, (torch.cat([zero, ent], dim=1) if ent is not None else None)
+
+
+def forward_selected_logprobs(model, batch: TokenBatch, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """The student's full-vocabulary log-probs of the given candidate ``ids`` ``[B, T, k]`` at every
+    position ``t`` (predicting token ``t`` from tokens ``< t``): ``[B, T, k]``, exact on loss-mask
+    positions and 0 elsewhere. For top-k distillation against a teacher's top-k token ids."""
+    t = temperature if temperature > 0 else 1.0
+    sel = batch.loss_mask[:, 1:] > 0
+    split = _split_head(model)
+    if split is None:
+        logits = _next_token_states(model, batch, "logits")[sel]
+    else:
+        decoder, head = split
+        logits = head(_next_token_states(decoder, batch, "last_hidden_state")[sel])
+    lp = torch.log_softmax(logits.float() / t, dim=-1).gather(-1, ids[:, 1:][sel].long())  # [N, k]
+    out = torch.zeros(ids.shape, dtype=torch.float32, device=lp.device)
+    out[:, 1:][sel] = lp
+    return out

@@ -27,7 +27,11 @@ def make_optimizer(model, cfg: OptimConfig):
 
 
 def _share(mb: TokenBatch, total_tokens: float, total_seqs: int, agg: str) -> float:
-    """Weight of one micro-batch so the accumulated loss equals the full-batch aggregate."""
+    """Weight of one micro-batch so the accumulated loss equals the full-batch aggregate.
+
+    ``"sum"``: the loss function already divides by a batch-wide total, so every micro-batch counts 1."""
+    if agg == "sum":
+        return 1.0
     if agg == "token-mean":
         return float(mb.loss_mask.sum()) / max(total_tokens, 1.0)
     return mb.input_ids.shape[0] / total_seqs
@@ -59,6 +63,7 @@ class Learner:
         trajs: Sequence[Trajectory],
         agg: str,
         loss_fn: Callable[[TokenBatch, torch.Tensor, torch.Tensor, slice], tuple[torch.Tensor, dict]],
+        forward: Callable[[TokenBatch, slice], tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> dict[str, float]:
         """Run ``loss_fn`` per micro-batch, weighting each so the sum is the full-batch loss; one optimiser step."""
         self.model.train()
@@ -71,7 +76,7 @@ class Learner:
         for lo in range(0, len(trajs), mbs):
             sl = slice(lo, min(lo + mbs, len(trajs)))
             mb = collate(trajs[sl], self.pad_id).to(device)
-            logprobs, entropy = self._forward(mb)
+            logprobs, entropy = forward(mb, sl) if forward is not None else self._forward(mb)
             loss, m = loss_fn(mb, logprobs, entropy, sl)
             w = _share(mb, total_tokens, len(trajs), agg)
             (loss * w).backward()
@@ -143,6 +148,60 @@ class Learner:
             return value, {**m, **logprob_gap_metrics(mb.old_logprobs, logprobs, mb.loss_mask)}
 
         return self._accumulate(trajs, agg, fn)
+
+    def distill_step(
+        self,
+        trajs: Sequence[Trajectory],
+        topk_ids: Sequence[torch.Tensor],
+        topk_logprobs: Sequence[torch.Tensor],
+        kind: str = "reverse",
+        beta: float = 0.5,
+        token_weights: Sequence[torch.Tensor] | None = None,
+    ) -> dict[str, float]:
+        """One top-k distillation update (white-box OPD on the student's own trajectories).
+
+        Per trajectory, ``topk_ids`` / ``topk_logprobs`` are the teacher's ``[T, k]`` top-k at every
+        position (e.g. :class:`~mentorrl.opd.teacher.TeacherSignal`). At each policy token the
+        student's distribution over those k tokens and the teacher's, both renormalised there,
+        are compared with ``kind`` (reverse / forward KL, JSD(beta)); the loss is their mean over
+        policy tokens, weighted by ``token_weights`` when given (e.g. ShortOPD selections or
+        MOPD step weights), exactly over the whole batch whatever the micro-batching."""
+        from mentorrl.algos.distill import divergence_of, renormalise
+        from mentorrl.train.batch import forward_selected_logprobs
+
+        def pad(rows: Sequence[torch.Tensor], T: int, fill=0) -> torch.Tensor:
+            k = rows[0].shape[-1]
+            out = torch.full((len(rows), T, k), fill, dtype=rows[0].dtype)
+            for b, r in enumerate(rows):
+                out[b, : r.shape[0]] = r
+            return out
+
+        weights = [torch.tensor(t.loss_mask, dtype=torch.float32) * (w if token_weights is not None else 1.0)
+                   for t, w in zip(trajs, token_weights if token_weights is not None else [1.0] * len(trajs))]
+        total = float(sum(w.sum() for w in weights))
+        if total <= 0:
+            raise ValueError("distill_step: no policy token has a positive weight")
+        device = next(self.model.parameters()).device
+        seen: dict[str, float] = {"max": 0.0, "sum": 0.0}
+
+        def forward(mb, sl):
+            ids = pad(topk_ids[sl], mb.input_ids.shape[1]).to(device)
+            return forward_selected_logprobs(self.model, mb, ids, self.temperature), torch.zeros_like(mb.loss_mask, dtype=torch.float32)
+
+        def fn(mb, student_k, _entropy, sl):
+            T = mb.input_ids.shape[1]
+            teacher_k = pad(topk_logprobs[sl], T).to(student_k.device)
+            div = divergence_of(renormalise(student_k), renormalise(teacher_k), kind, beta)
+            w = pad_token_values(weights[sl], T).to(div.device) * (mb.loss_mask != 0)
+            d = div.detach()[w > 0]
+            seen["max"] = max(seen["max"], d.max().item() if d.numel() else 0.0)
+            seen["sum"] += (d * w[w > 0]).sum().item()
+            return (div * w).sum() / total, {}
+
+        m = self._accumulate(trajs, "sum", fn, forward=forward)
+        m.pop("entropy", None)
+        m.update(distill_loss=seen["sum"] / total, divergence_max=seen["max"], distilled_token_weight=total)
+        return m
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
