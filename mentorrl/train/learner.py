@@ -37,11 +37,11 @@ def _share(mb: TokenBatch, total_tokens: float, total_seqs: int, agg: str) -> fl
     return mb.input_ids.shape[0] / total_seqs
 
 
-def pad_token_values(rows: Sequence[torch.Tensor], T: int) -> torch.Tensor:
-    """Right-pad per-trajectory 1-D tensors to ``[B, T]`` with zeros, like :func:`collate`."""
-    out = torch.zeros(len(rows), T, dtype=torch.float32)
+def pad_token_values(rows: Sequence[torch.Tensor], T: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Right-pad per-trajectory tensors ``[T_b, ...]`` to ``[B, T, ...]`` with zeros, like :func:`collate`."""
+    out = torch.zeros(len(rows), T, *rows[0].shape[1:], dtype=dtype)
     for b, r in enumerate(rows):
-        out[b, : r.shape[0]] = r.float()
+        out[b, : r.shape[0]] = r.to(dtype)
     return out
 
 
@@ -169,15 +169,9 @@ class Learner:
         from mentorrl.algos.distill import divergence_of, renormalise
         from mentorrl.train.batch import forward_selected_logprobs
 
-        def pad(rows: Sequence[torch.Tensor], T: int, fill=0) -> torch.Tensor:
-            k = rows[0].shape[-1]
-            out = torch.full((len(rows), T, k), fill, dtype=rows[0].dtype)
-            for b, r in enumerate(rows):
-                out[b, : r.shape[0]] = r
-            return out
-
-        weights = [torch.tensor(t.loss_mask, dtype=torch.float32) * (w if token_weights is not None else 1.0)
-                   for t, w in zip(trajs, token_weights if token_weights is not None else [1.0] * len(trajs))]
+        weights = [torch.tensor(t.loss_mask, dtype=torch.float32) for t in trajs]
+        if token_weights is not None:
+            weights = [m * w for m, w in zip(weights, token_weights)]
         total = float(sum(w.sum() for w in weights))
         if total <= 0:
             raise ValueError("distill_step: no policy token has a positive weight")
@@ -185,12 +179,12 @@ class Learner:
         seen: dict[str, float] = {"max": 0.0, "sum": 0.0}
 
         def forward(mb, sl):
-            ids = pad(topk_ids[sl], mb.input_ids.shape[1]).to(device)
+            ids = pad_token_values(topk_ids[sl], mb.input_ids.shape[1], dtype=torch.long).to(device)
             return forward_selected_logprobs(self.model, mb, ids, self.temperature), torch.zeros_like(mb.loss_mask, dtype=torch.float32)
 
         def fn(mb, student_k, _entropy, sl):
             T = mb.input_ids.shape[1]
-            teacher_k = pad(topk_logprobs[sl], T).to(student_k.device)
+            teacher_k = pad_token_values(topk_logprobs[sl], T).to(student_k.device)
             div = divergence_of(renormalise(student_k), renormalise(teacher_k), kind, beta)
             w = pad_token_values(weights[sl], T).to(div.device) * (mb.loss_mask != 0)
             d = div.detach()[w > 0]
