@@ -32,24 +32,23 @@ from typing import Any, Iterator
 
 import torch
 
-from mentorrl.algos.advantages import sanitize_group_rewards
-from mentorrl.models.value import build_critic
 from mentorrl.replay.buffer import BatchItem, ReplayBuffer, hybrid_batch, segment_replay
 from mentorrl.rollout.runner import expert_demonstrations
 from mentorrl.train.async_rl import RolloutPool, WeightBox, lag_histogram, staleness_weights
 from mentorrl.train.audit import GapMonitor
 from mentorrl.train.batch import collate, forward_logprobs
 from mentorrl.train.consistency import policy_lag
-from mentorrl.train.learner import CriticLearner, Learner
+from mentorrl.train.learner import Learner
 from mentorrl.train.stages import (
     TRAIN_POOL_SEED_OFFSET,
+    Critic,
     Workspace,
     _gap_check,
     _minibatches,
     _reduce_updates,
     _require_consistent,
     _reward_debugger,
-    critic_advantages,
+    outcome_rewards,
     rollout_metrics,
     run_stage,
 )
@@ -90,8 +89,7 @@ def sao_stage(ws: Workspace, model, resume: bool = False) -> Path:
     pool = ws.train_tasks(max(s.batch_size * max(s.steps, 1), 64), cfg.seed + TRAIN_POOL_SEED_OFFSET)
     temperature = ws.contract.sampling.temperature
     learner = Learner(model, s.optim, ws.contract.pad_token_id, temperature)
-    critic = build_critic(model, s.critic)
-    critic_learner = CriticLearner(critic, s.critic.optim, ws.contract.pad_token_id)
+    critic = Critic(model, s.critic, ws.contract.pad_token_id)
     state: dict[str, Any] = {"policy": 0, "dirty": False, "consumed": 0}
     monitor = GapMonitor(audit.reward_window, audit.reward_rise, audit.success_rise)
     stage_dir = ws.run_dir / "sao"
@@ -138,26 +136,21 @@ def sao_stage(ws: Workspace, model, resume: bool = False) -> Path:
                                             "replay_items": float(sum(it.source == "replay" for it in items)),
                                             "expert_items": float(len(expert))}
         metrics.update(rollout_metrics(online))
-        raw = torch.tensor([t.reward.total for t in online], dtype=torch.float32).view(-1, 1)
-        rewards_online, clipped = sanitize_group_rewards(raw, audit.reward_low, audit.reward_high, None)
+        rewards_online, clipped = outcome_rewards(online, audit)
         metrics.update(reward_mean=rewards_online.mean().item(),
                        reward_std=rewards_online.std().item() if len(online) > 1 else 0.0,
                        reward_clipped=clipped["clipped"])
         metrics.update(_reward_debugger(online, audit.flag_reward, ws.run_dir / "audit" / f"flagged-sao-step-{step + 1:06d}.jsonl"))
 
         t1 = time.perf_counter()
-        vm: list[dict[str, float]] = []
         am: list[dict[str, float]] = []
         token_adv: list[torch.Tensor] = []
+        metrics.update(_reduce_updates([], Critic.METRICS))  # 0s when no trajectory is left to fit
         if rl:
-            raw_rl = torch.tensor([t.reward.total for t in rl], dtype=torch.float32).view(-1, 1)
-            rewards, _ = sanitize_group_rewards(raw_rl, audit.reward_low, audit.reward_high, None)
-            old_values = critic_learner.values(rl)
-            adv, ret = critic_advantages(rl, rewards.view(-1), old_values, s.gae)
+            rewards, _ = outcome_rewards(rl, audit)
+            adv, old_values, value_metrics = critic.step(rl, rewards, s.gae, seed=step * 7 + 1)
+            metrics.update(value_metrics)
             token_adv = [a * weight_of.get(t.id, 1.0) for t, a in zip(rl, adv)]  # replayed data: weight 1
-            for idx in _minibatches(list(range(len(rl))), s.critic.steps, seed=step * 7 + 1):
-                vm.append(critic_learner.value_step([rl[i] for i in idx], [ret[i] for i in idx],
-                                                    [old_values[i] for i in idx], clip=s.critic.value_clip))
             if buffer is not None:
                 added = [buffer.add(t, advantage=rewards[i].item() - _first_policy_value(t, old_values[i]))
                          for i, t in enumerate(rl) if weight_of.get(t.id) is not None]
@@ -174,7 +167,6 @@ def sao_stage(ws: Workspace, model, resume: bool = False) -> Path:
             state["policy"] += 1
             state["dirty"] = False
             box.publish(model, state["policy"])
-        metrics.update(_reduce_updates(vm, ("value_loss", "value_clip_frac", "explained_variance")))
         metrics.update(_reduce_updates(am, ("pg_loss", "masked_frac", "ratio_p05", "ratio_p50", "ratio_p95", "ratio_max",
                                             "entropy", "grad_norm", "approx_kl", "logprob_abs_gap", "train_rollout_kl",
                                             "policy_lag_mean", "policy_lag_max")))
@@ -195,15 +187,12 @@ def sao_stage(ws: Workspace, model, resume: bool = False) -> Path:
         return metrics
 
     def extra_state() -> dict[str, Any]:
-        return {**state, "gap_monitor": monitor.state_dict(), "critic": critic.state_dict(),
-                "critic_learner": critic_learner.state_dict()}
+        return {**state, "gap_monitor": monitor.state_dict(), **critic.state_dict()}
 
     def restore(saved: dict[str, Any]) -> None:
         state.update({k: saved[k] for k in ("policy", "dirty", "consumed") if k in saved})
         monitor.load_state_dict(saved.get("gap_monitor", {}))
-        if "critic" in saved:
-            critic.load_state_dict(saved["critic"])
-            critic_learner.load_state_dict(saved["critic_learner"])
+        critic.load_state_dict(saved)
 
     try:
         final = run_stage(ws, "sao", model, learner, s.steps, step_fn, s.checkpoint_every, resume,
@@ -213,9 +202,7 @@ def sao_stage(ws: Workspace, model, resume: bool = False) -> Path:
             run["worker"].close()
         if buffer is not None:
             buffer.close()
-    critic_dir = stage_dir / "critic"
-    critic_dir.mkdir(parents=True, exist_ok=True)
-    critic.save(critic_dir / "value_model.safetensors")
+    critic.save(stage_dir)
     return final
 
 

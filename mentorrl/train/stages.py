@@ -360,16 +360,55 @@ def critic_advantages(trajs: list[Trajectory], rewards: torch.Tensor, values: li
     return [adv[b, : len(t.token_ids)] for b, t in enumerate(trajs)], [ret[b, : len(t.token_ids)] for b, t in enumerate(trajs)]
 
 
-def ppo_stage(ws: Workspace, model, ref_model=None, resume: bool = False) -> Path:
+def outcome_rewards(trajs: list[Trajectory], audit) -> tuple[torch.Tensor, dict[str, float]]:
+    """Each trajectory's total reward, sanitised (non-finite / out-of-range clipped) without group statistics: ``[B]``."""
+    raw = torch.tensor([t.reward.total for t in trajs], dtype=torch.float32).view(-1, 1)
+    rewards, clipped = sanitize_group_rewards(raw, audit.reward_low, audit.reward_high, None)
+    return rewards.view(-1), clipped
+
+
+class Critic:
+    """A critic, its learner and the per-step update PPO and SAO share: values before the update,
+    GAE advantages, then ``cfg.steps`` clipped value-loss minibatches towards the returns."""
+
+    METRICS = ("value_loss", "value_clip_frac", "explained_variance")
+
+    def __init__(self, policy, cfg, pad_id: int):
+        self.cfg = cfg
+        self.model = build_critic(policy, cfg)
+        self.learner = CriticLearner(self.model, cfg.optim, pad_id)
+
+    def step(self, trajs: list[Trajectory], rewards: torch.Tensor, gae, seed: int) -> tuple[
+            list[torch.Tensor], list[torch.Tensor], dict[str, float]]:
+        """``(advantages, values before the update, value metrics)``, per trajectory aligned to its tokens."""
+        old_values = self.learner.values(trajs)
+        adv, ret = critic_advantages(trajs, rewards, old_values, gae)
+        vm = [self.learner.value_step([trajs[i] for i in idx], [ret[i] for i in idx], [old_values[i] for i in idx],
+                                      clip=self.cfg.value_clip)
+              for idx in _minibatches(list(range(len(trajs))), self.cfg.steps, seed=seed)]
+        return adv, old_values, _reduce_updates(vm, self.METRICS)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"critic": self.model.state_dict(), "critic_learner": self.learner.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "critic" in state:
+            self.model.load_state_dict(state["critic"])
+            self.learner.load_state_dict(state["critic_learner"])
+
+    def save(self, stage_dir: Path) -> None:
+        (stage_dir / "critic").mkdir(parents=True, exist_ok=True)
+        self.model.save(stage_dir / "critic" / "value_model.safetensors")
+
+
+def ppo_stage(ws: Workspace, model, resume: bool = False) -> Path:
     """PPO for multi-turn agents: the same rollouts, rewards, checks and learner as GRPO, with a
     critic (a value head on a copy of the policy's decoder) and GAE over policy tokens."""
     cfg, p, audit = ws.cfg, ws.cfg.ppo, ws.cfg.audit
     pool = ws.train_tasks(max(p.tasks_per_step * max(p.steps, 1), 64), cfg.seed + TRAIN_POOL_SEED_OFFSET)
     learner = Learner(model, p.optim, ws.contract.pad_token_id, ws.contract.sampling.temperature)
-    critic = build_critic(model, p.critic)
-    critic_learner = CriticLearner(critic, p.critic.optim, ws.contract.pad_token_id)
+    critic = Critic(model, p.critic, ws.contract.pad_token_id)
     version = {"policy": 0}
-    critic_dir = ws.run_dir / "ppo" / "critic"
     monitor = GapMonitor(audit.reward_window, audit.reward_rise, audit.success_rise)
 
     def step_fn(step: int) -> dict[str, float]:
@@ -381,21 +420,14 @@ def ppo_stage(ws: Workspace, model, ref_model=None, resume: bool = False) -> Pat
                               seed=cfg.seed * 7_919 + step, batch_size=len(grouped), weights=cfg.reward)
         t_roll = time.perf_counter() - t0
         _require_consistent(ws, trajs, version["policy"], f"PPO step {step + 1}")
-        raw = torch.tensor([t.reward.total for t in trajs], dtype=torch.float32).view(-1, 1)
-        rewards, clipped = sanitize_group_rewards(raw, audit.reward_low, audit.reward_high, None)
-        rewards = rewards.view(-1)
-        old_values = critic_learner.values(trajs)
-        adv, ret = critic_advantages(trajs, rewards, old_values, p.gae)
+        rewards, clipped = outcome_rewards(trajs, audit)
         metrics: dict[str, float] = {"reward_mean": rewards.mean().item(),
                                      "reward_std": rewards.std().item() if len(trajs) > 1 else 0.0,
                                      "reward_clipped": clipped["clipped"], "rollouts": float(len(trajs))}
         metrics.update(rollout_metrics(trajs))
         metrics.update(_reward_debugger(trajs, audit.flag_reward, ws.run_dir / "audit" / f"flagged-ppo-step-{step + 1:06d}.jsonl"))
         t1 = time.perf_counter()
-        vm: list[dict[str, float]] = []
-        for idx in _minibatches(list(range(len(trajs))), p.critic.steps, seed=step * 7 + 1):
-            vm.append(critic_learner.value_step([trajs[i] for i in idx], [ret[i] for i in idx],
-                                                [old_values[i] for i in idx], clip=p.critic.value_clip))
+        adv, _, value_metrics = critic.step(trajs, rewards, p.gae, seed=step * 7 + 1)
         am: list[dict[str, float]] = []
         if step >= p.critic.warmup_steps:
             for idx in _minibatches(list(range(len(trajs))), p.updates_per_step, seed=step * 7 + 2):
@@ -404,7 +436,7 @@ def ppo_stage(ws: Workspace, model, ref_model=None, resume: bool = False) -> Pat
                                                        eps_high=p.eps_high, agg=p.loss_agg),
                            **policy_lag(batch, version["policy"])})
                 version["policy"] += 1
-        metrics.update(_reduce_updates(vm, ("value_loss", "value_clip_frac", "explained_variance")))
+        metrics.update(value_metrics)
         metrics.update(_reduce_updates(am, ("loss", "clip_frac", "entropy", "grad_norm", "approx_kl", "logprob_abs_gap",
                                             "train_rollout_kl", "policy_lag_mean", "policy_lag_max")))
         metrics.update(actor_updated=float(bool(am)), policy_version=version["policy"], rollout_s=t_roll,
@@ -415,20 +447,16 @@ def ppo_stage(ws: Workspace, model, ref_model=None, resume: bool = False) -> Pat
         return metrics
 
     def extra_state() -> dict[str, Any]:
-        return {**version, "critic": critic.state_dict(), "critic_learner": critic_learner.state_dict(),
-                "gap_monitor": monitor.state_dict()}
+        return {**version, **critic.state_dict(), "gap_monitor": monitor.state_dict()}
 
     def restore(state: dict[str, Any]) -> None:
         version["policy"] = state.get("policy", 0)
         monitor.load_state_dict(state.get("gap_monitor", {}))
-        if "critic" in state:
-            critic.load_state_dict(state["critic"])
-            critic_learner.load_state_dict(state["critic_learner"])
+        critic.load_state_dict(state)
 
     final = run_stage(ws, "ppo", model, learner, p.steps, step_fn, p.checkpoint_every, resume,
                       extra_state=extra_state, restore_extra=restore)
-    critic_dir.mkdir(parents=True, exist_ok=True)
-    critic.save(critic_dir / "value_model.safetensors")
+    critic.save(ws.run_dir / "ppo")
     return final
 
 
