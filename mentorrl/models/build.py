@@ -76,10 +76,16 @@ def train_tokenizer(corpus: Iterable[str], vocab_size: int):
 
 
 def build_model(tokenizer, spec: ModelSpec):
+    return build_model_for_vocab(len(tokenizer), spec, tokenizer.eos_token_id, tokenizer.pad_token_id)
+
+
+def build_model_for_vocab(vocab_size: int, spec: ModelSpec, eos_token_id: int | None = None,
+                          pad_token_id: int | None = None):
+    """A fresh Qwen2-architecture causal LM of size ``spec`` over ``vocab_size`` token ids, seeded by ``spec.seed``."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     config = Qwen2Config(
-        vocab_size=len(tokenizer),
+        vocab_size=vocab_size,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.num_layers,
@@ -89,8 +95,8 @@ def build_model(tokenizer, spec: ModelSpec):
         tie_word_embeddings=True,
         rope_theta=10000.0,
         bos_token_id=None,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
     )
     torch.manual_seed(spec.seed)
     model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)

@@ -74,13 +74,7 @@ def build_critic(policy, cfg) -> ValueModel:
         if have < vocab:
             raise ValueError(f"critic checkpoint {cfg.path} has {have} token embeddings; the policy's ids go up to {vocab}")
         return critic.to(device)
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from mentorrl.models.build import build_model_for_vocab
 
-    spec = cfg.spec
-    config = Qwen2Config(vocab_size=vocab, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
-                         num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
-                         num_key_value_heads=spec.num_kv_heads, max_position_embeddings=spec.max_positions,
-                         pad_token_id=policy.config.pad_token_id)
-    torch.manual_seed(spec.seed)
-    lm = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
-    return ValueModel(lm.get_decoder(), spec.hidden_size).to(device)
+    lm = build_model_for_vocab(vocab, cfg.spec, pad_token_id=policy.config.pad_token_id)
+    return ValueModel(lm.get_decoder(), cfg.spec.hidden_size).to(device)
