@@ -11,10 +11,11 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
-def plot_rl_curves(records: list[dict[str, Any]], out: str | Path, evals: dict[str, float] | None = None) -> Path:
-    """Reward mean (± std band) and task success per step of one RL stage; held-out points if given."""
+def plot_rl_curves(records: list[dict[str, Any]], out: str | Path, evals: dict[str, float] | None = None,
+                   name: str = "GRPO") -> Path:
+    """Reward mean (± std band) and task success per step of one RL stage (``name`` on the axes);
+    held-out points if given."""
     stage = records[0].get("stage", "grpo") if records else "grpo"
-    name = {"grpo": "GRPO", "ppo": "PPO", "sao": "SAO learner"}.get(stage, stage)
     steps = [r["step"] for r in records]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     if records:

@@ -128,7 +128,7 @@ def run_recipe(cfg: RunConfig, resume: bool = False, show_progress: bool = True)
     if rl_stage is not None:
         rl_records = [r for r in records if r.get("stage") == rl_stage]
         marks = {s: evals[s]["success"] for s in cfg.recipe}
-        result["plot"] = str(plot_rl_curves(rl_records, ws.run_dir / "curves.png", marks))
+        result["plot"] = str(plot_rl_curves(rl_records, ws.run_dir / "curves.png", marks, STAGE_LABELS[rl_stage]))
     delta = last["success"] - first["success"]
     con.print(f"{' -> '.join(cfg.recipe[1:]) or cfg.recipe[0]} changed held-out success by {100 * delta:+.1f} points; "
               f"report: {md_path}; total time {time.perf_counter() - t0:.0f}s")
