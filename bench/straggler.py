@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 import warnings
@@ -94,8 +95,6 @@ def main() -> int:
     for arm, extra in ((a, arms[a]) for a in chosen):
         run_dir = args.out / arm
         if run_dir.exists():
-            import shutil
-
             shutil.rmtree(run_dir)
         cfg = load_config(DEMO, [*common, f"run_dir={run_dir}", f"model.path={sft}", latency, *extra])
         ws = open_workspace(cfg)

@@ -23,7 +23,6 @@ import math
 
 import torch
 
-from mentorrl.algos.logprobs import masked_mean
 
 DIVERGENCES = ("reverse", "forward", "jsd")
 
@@ -164,5 +163,5 @@ def select_large_gap(gap: torch.Tensor, mask: torch.Tensor, threshold: float | N
 
 __all__ = [
     "DIVERGENCES", "distill_loss", "divergence_of", "renormalise", "weighted_token_mean", "mix_advantages", "restrict_top_k", "reward_weights",
-    "sampled_reverse_kl_advantage", "select_large_gap", "token_divergence", "masked_mean",
+    "sampled_reverse_kl_advantage", "select_large_gap", "token_divergence",
 ]
