@@ -33,8 +33,14 @@ class Episode:
         policy_version: int = 0,
         weights: RewardWeights | None = None,
         source: str = "policy",
+        token_budget: int | None = None,
     ):
+        """``token_budget``: a per-episode cap on total tokens, tighter than the contract's
+        ``max_total_tokens`` (e.g. ShortOPD's adaptive rollout length); None: the contract's."""
+        if token_budget is not None and token_budget < 1:
+            raise ValueError(f"token_budget must be >= 1, got {token_budget}")
         self.contract, self.env, self.task = contract, env, task
+        self.max_total_tokens = min(contract.limits.max_total_tokens, token_budget or contract.limits.max_total_tokens)
         self.policy_version, self.weights, self.source = policy_version, weights or RewardWeights(), source
         self.ids: list[int] = []
         self.mask: list[int] = []
@@ -60,17 +66,14 @@ class Episode:
         return self.finish_reason is not None
 
     def tokens_left(self) -> int:
-        return self.contract.limits.max_total_tokens - len(self.ids)
+        return self.max_total_tokens - len(self.ids)
 
     # ---- the protocol -------------------------------------------------------
     def start(self) -> list[int]:
         user = self.env.reset(self.task)
         ids = self.contract.prompt_ids(user)
-        if len(ids) >= self.contract.limits.max_total_tokens:
-            raise ValueError(
-                f"task {self.task.id}: prompt is {len(ids)} tokens, over max_total_tokens="
-                f"{self.contract.limits.max_total_tokens}"
-            )
+        if len(ids) >= self.max_total_tokens:
+            raise ValueError(f"task {self.task.id}: prompt is {len(ids)} tokens, over max_total_tokens={self.max_total_tokens}")
         self._append("prompt", ids)
         return ids
 
@@ -147,7 +150,7 @@ class Episode:
             policy_version=self.policy_version,
             env_name=self.contract.env_name,
             env_version=self.contract.env_version,
-            sampling=self.contract.sampling_dict(),
+            sampling={**self.contract.sampling_dict(), "max_total_tokens": self.max_total_tokens},
             contract_fingerprint=self.contract.fingerprint(),
             tool_calls=self.tool_calls,
             final_answer=self.final_answer,

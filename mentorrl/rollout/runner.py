@@ -22,15 +22,21 @@ def rollout_tasks(
     batch_size: int = 256,
     weights: RewardWeights | None = None,
     on_batch: Callable[[int], None] | None = None,
+    token_budgets: Sequence[int | None] | None = None,
 ) -> list[Trajectory]:
-    """Trajectories in task order. ``batch_size`` bounds how many decode together."""
+    """Trajectories in task order. ``batch_size`` bounds how many decode together; ``token_budgets``
+    (one per task) caps each episode's total tokens below the contract's limit."""
+    if token_budgets is not None and len(token_budgets) != len(tasks):
+        raise ValueError(f"token_budgets has {len(token_budgets)} entries for {len(tasks)} tasks")
     engine = RolloutEngine(model, contract)
     out: list[Trajectory] = []
     for lo in range(0, len(tasks), batch_size):
         chunk = tasks[lo : lo + batch_size]
         envs = [make_env() for _ in chunk]
         try:
-            eps = [Episode(contract, env, t, policy_version=policy_version, weights=weights) for env, t in zip(envs, chunk)]
+            budgets = token_budgets[lo : lo + batch_size] if token_budgets is not None else [None] * len(chunk)
+            eps = [Episode(contract, env, t, policy_version=policy_version, weights=weights, token_budget=b)
+                   for env, t, b in zip(envs, chunk, budgets)]
             out.extend(engine.run(eps, seed=seed + lo))
         finally:
             for env in envs:
