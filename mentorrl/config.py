@@ -213,6 +213,174 @@ class SAOConfig(_Section):
         return self
 
 
+class TeacherBuildConfig(_Section):
+    vocab_size: int | None = Field(
+        None, ge=300, description="null: the student's tokenizer (same corpus and size give the same tokenizer); "
+                                  "a number: the teacher's own tokenizer with this vocabulary (cross-tokenizer OPD)")
+    spec: ModelSpec | None = Field(None, description="teacher model size; null: the student's model.spec")
+    num_demos: int = Field(4000, ge=1, description="expert demonstrations the teacher's SFT draws from")
+    sft_steps: int = Field(1500, ge=1, description="SFT steps (the demo's student takes 600)")
+    batch_size: int = Field(32, ge=1, description="demonstrations per SFT step")
+    lr: float = Field(3e-3, gt=0, description="SFT learning rate")
+
+
+class TeacherConfig(_Section):
+    name: str = Field("teacher", min_length=1, description="name in logs, samples and MOPD routes")
+    kind: Literal["hf", "self"] = Field(
+        "hf", description="hf: a local Hugging Face checkpoint; self: a frozen snapshot of the student taken at the "
+                          "start of each step (RLSD)")
+    path: str | None = Field(
+        None, description="hf: checkpoint directory; null: built by `build` into RUN_DIR/teachers/NAME (once)")
+    build: TeacherBuildConfig = Field(default_factory=TeacherBuildConfig,
+                                      description="how the stronger local teacher is built when path is null")
+    temperature: float = Field(1.0, gt=0, description="softmax temperature of the teacher's log-probs")
+    special_tokens: dict[str, str] = Field(
+        default_factory=dict, description="cross-tokenizer: the student's special tokens spelled the teacher's way, "
+                                          "e.g. {'<|im_end|>': '<|eot_id|>'}")
+
+
+class StepWeightConfig(_Section):
+    tool_error_boost: float = Field(2.0, ge=1, description="distillation weight of a turn whose tool call failed")
+    low_reward_boost: float = Field(1.5, ge=1, description="weight of every turn of a trajectory below low_reward")
+    low_reward: float = Field(0.5, description="the reward bar of low_reward_boost")
+    entropy_threshold: float = Field(1.0, ge=0, description="student entropy (nats) above which a token is unsure")
+    entropy_boost: float = Field(1.5, ge=1, description="weight of an unsure token")
+
+
+class MOPDConfig(_Section):
+    routes: dict[str, dict[str, float]] = Field(
+        default_factory=dict, description="static routing: task family -> {teacher: weight}; unrouted families "
+                                          "spread evenly")
+    confidence_temperature: float | None = Field(
+        None, gt=0, description="weight teachers by softmax(mean token log-prob on the trajectory / T); null: off")
+    success_history: bool = Field(
+        False, description="weight teachers by their verified success so far (Beta(1,1) posterior mean); each "
+                           "trajectory's outcome counts for the teacher that weighed most on it")
+    step_weights: StepWeightConfig | None = Field(
+        None, description="failure-aware per-token weights (tool errors, low reward, unsure student); null: off")
+
+
+class ShortOPDConfig(_Section):
+    threshold: float | None = Field(None, ge=0, description="distil tokens whose |teacher - student| log-prob gap "
+                                                             "exceeds this (give this or top_frac)")
+    top_frac: float | None = Field(None, gt=0, le=1, description="distil this share of policy tokens, largest gap "
+                                                                 "first")
+    min_budget: int = Field(192, ge=16, description="rollout token budget of a task family with no measured gap")
+    max_budget: int | None = Field(None, ge=16, description="budget at gap >= full_gap; null: limits.max_total_tokens")
+    full_gap: float = Field(0.5, gt=0, description="mean per-token gap (nats) that earns the whole budget")
+    ema: float = Field(0.5, gt=0, le=1, description="weight of the newest step in each family's gap average")
+
+    @model_validator(mode="after")
+    def _one_rule(self) -> "ShortOPDConfig":
+        if (self.threshold is None) == (self.top_frac is None):
+            raise ValueError("give exactly one of threshold and top_frac")
+        return self
+
+
+class RLSDConfig(_Section):
+    coef: float = Field(0.5, ge=0, description="lambda of L_RL + lambda * L_SD")
+    target: Literal["selected", "topk"] = Field(
+        "selected", description="selected: the sampled tokens of verified trajectories; topk: the snapshot's top-k "
+                                "distribution stored at rollout (forward KL)")
+    top_k: int = Field(8, ge=1, description="target: topk")
+    teacher_temperature: float = Field(0.7, gt=0, description="target: topk: temperature of the stored snapshot "
+                                                              "distribution (< 1 sharpens it)")
+    reward_temperature: float = Field(1.0, gt=0, description="trajectory weight exp(R / T) among verified ones")
+    length_power: float = Field(0.5, ge=0, description="trajectory weight (length / mean) ** -p: shorter wins")
+    exploration_share: float = Field(0.25, ge=0, le=1, description="share of each batch trained by RL only")
+
+
+class RewardWeightedConfig(_Section):
+    coef: float = Field(1.0, ge=0, description="weight of the weighted-MLE term")
+    temperature: float = Field(0.5, gt=0, description="weights softmax(R / T) over each task's group")
+
+
+class OPDConfig(_Section):
+    steps: int = Field(10, ge=0, description="OPD steps (one student rollout batch each)")
+    tasks_per_step: int = Field(16, ge=1, description="distinct tasks per step")
+    samples_per_task: int = Field(2, ge=1, description="student rollouts per task (a group, for reward terms)")
+    updates_per_step: int = Field(2, ge=1, description="optimizer steps (minibatches) per rollout batch")
+    teachers: list[TeacherConfig] = Field(default_factory=lambda: [TeacherConfig()],
+                                          description="white-box teachers (several: MOPD)")
+    loss: Literal["sampled", "topk"] = Field(
+        "sampled", description="sampled: the sampled-token (chunk) reverse-KL estimate as a per-token advantage in "
+                               "the clipped policy loss; topk: a divergence over the teacher's top-k (same tokenizer)")
+    divergence: Literal["reverse", "forward", "jsd"] = Field("reverse", description="loss topk: the divergence")
+    beta: float = Field(0.5, ge=0, le=1, description="loss topk, divergence jsd: its beta")
+    top_k: int = Field(16, ge=1, description="loss topk: teacher tokens kept per position")
+    kl_coef: float = Field(1.0, ge=0, description="weight of the distillation advantage / loss")
+    reward_coef: float = Field(0.0, ge=0, description="RL + beta*KL: weight of the group-relative environment "
+                                                      "advantage (0: pure distillation)")
+    cross_tokenizer: Literal["chunk", "sequence"] = Field(
+        "chunk", description="teachers with another tokenizer: chunk-level OPD, or the sequence-level fallback "
+                             "(the teacher's own verified episodes, re-tokenised, as SFT targets)")
+    mopd: MOPDConfig = Field(default_factory=MOPDConfig, description="multi-teacher weighting")
+    short: ShortOPDConfig | None = Field(None, description="ShortOPD: distil large-gap tokens, adapt rollout budgets")
+    rlsd: RLSDConfig | None = Field(None, description="RLSD: self-distillation of verified trajectories (teacher kind self)")
+    reward_weighted: RewardWeightedConfig | None = Field(
+        None, description="reward-weighted distillation: weighted MLE on the group, weights softmax(R / T)")
+    eps_low: float = Field(0.2, ge=0, description="clip range below 1 of the importance ratio")
+    eps_high: float = Field(0.28, ge=0, description="clip range above 1 of the importance ratio")
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field(
+        "token-mean", description="loss aggregation, as for SFT")
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=2e-4, warmup_steps=2))
+    eval_every: int = Field(0, ge=0, description="held-out check every N steps, logged with the rollout tokens so "
+                                                 "far (0: off)")
+    eval_tasks: int = Field(200, ge=1, description="tasks per held-out check")
+    checkpoint_every: int = Field(5, ge=1, description="steps between checkpoints")
+    sample_trajectories: int = Field(8, ge=0, description="trajectories per step written to samples/, with each "
+                                                          "teacher's signal and weight in opd/signals-step-N.jsonl")
+
+    @model_validator(mode="after")
+    def _coherent(self) -> "OPDConfig":
+        names = [t.name for t in self.teachers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"teacher names must be unique, got {names}")
+        selfs = [t for t in self.teachers if t.kind == "self"]
+        if self.rlsd is not None and (len(self.teachers) != 1 or not selfs):
+            raise ValueError("rlsd needs exactly one teacher, of kind self")
+        if self.rlsd is not None and self.reward_coef <= 0:
+            raise ValueError("rlsd is L_RL + lambda * L_SD: set reward_coef > 0 (the RL term)")
+        if selfs and self.rlsd is None:
+            raise ValueError("a teacher of kind self is the RLSD recipe: set opd.rlsd")
+        for fam, route in self.mopd.routes.items():
+            unknown = set(route) - set(names)
+            if unknown:
+                raise ValueError(f"mopd.routes[{fam!r}] names unknown teachers {sorted(unknown)}")
+        if not self.teachers and self.reward_weighted is None and self.reward_coef == 0:
+            raise ValueError("no teachers, no reward_weighted and reward_coef 0: nothing to learn from")
+        if (self.reward_weighted is not None or self.reward_coef > 0 or self.rlsd is not None) and self.samples_per_task < 2:
+            raise ValueError("reward terms (reward_coef, reward_weighted, rlsd) compare a task's samples: "
+                             "samples_per_task must be >= 2")
+        return self
+
+
+class EvolveConfig(_Section):
+    iterations: int = Field(3, ge=1, description="self-evolving iterations (each: OPD steps, held-out check, gate)")
+    steps_per_iteration: int = Field(5, ge=1, description="learning steps per iteration")
+    tasks_per_step: int = Field(16, ge=1, description="curriculum tasks per step")
+    samples_per_task: int = Field(4, ge=2, description="student rollouts per task")
+    kl_coef: float = Field(0.5, ge=0, description="weight of the distillation advantage towards the current teacher")
+    reward_coef: float = Field(1.0, ge=0, description="weight of the group-relative environment advantage")
+    replay_coef: float = Field(0.5, ge=0, description="weight of the SFT term on replayed verified trajectories")
+    replay_batch: int = Field(16, ge=0, description="verified trajectories replayed per step")
+    raise_above: float = Field(0.6, ge=0, le=1, description="curriculum: raise the level above this success")
+    lower_below: float = Field(0.2, ge=0, le=1, description="curriculum: lower the level below this success")
+    window: int = Field(64, ge=1, description="curriculum: outcomes per success estimate")
+    accept_margin: float = Field(0.0, ge=0, description="accept a version unless its held-out success drops by more "
+                                                        "than this below the best accepted")
+    eval_tasks: int = Field(200, ge=1, description="held-out tasks per version")
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-4, warmup_steps=2))
+    eps_low: float = Field(0.2, ge=0, description="clip range below 1 of the importance ratio")
+    eps_high: float = Field(0.28, ge=0, description="clip range above 1 of the importance ratio")
+
+    @model_validator(mode="after")
+    def _curriculum_band(self) -> "EvolveConfig":
+        if not self.lower_below < self.raise_above:
+            raise ValueError(f"lower_below ({self.lower_below}) must be below raise_above ({self.raise_above})")
+        return self
+
+
 class EvalConfig(_Section):
     num_tasks: int = Field(200, ge=1, description="held-out tasks evaluated after each stage")
     split: Literal["heldout", "train"] = Field("heldout", description="task split evaluated after each stage")
@@ -221,13 +389,13 @@ class EvalConfig(_Section):
     batch_size: int = Field(100, ge=1, description="trajectories decoded together")
 
 
-STAGE_NAMES = ("sft", "rft", "grpo", "ppo", "sao")
+STAGE_NAMES = ("sft", "rft", "grpo", "ppo", "sao", "opd", "evolve")
 
 
 class RunConfig(_Section):
     run_dir: str = Field("runs/demo", description="where everything is written")
     seed: int = Field(0, description="seeds task sampling, batches and rollouts")
-    recipe: list[Literal["sft", "rft", "grpo", "ppo", "sao"]] = Field(
+    recipe: list[Literal["sft", "rft", "grpo", "ppo", "sao", "opd", "evolve"]] = Field(
         default_factory=lambda: ["sft", "grpo"], min_length=1, description="stages run in order"
     )
     train_split: str = Field("train", description="task split every training stage draws from (never 'hidden')")
@@ -243,6 +411,8 @@ class RunConfig(_Section):
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
     ppo: PPOConfig = Field(default_factory=PPOConfig)
     sao: SAOConfig = Field(default_factory=SAOConfig)
+    opd: OPDConfig = Field(default_factory=OPDConfig)
+    evolve: EvolveConfig = Field(default_factory=EvolveConfig)
     audit: AuditConfig = Field(default_factory=AuditConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
 

@@ -119,7 +119,7 @@ class CrossTokenizerTeacher:
     ``{"<|im_end|>": "<|eot_id|>"}``); unmapped special tokens are looked up in the teacher's
     vocabulary under the same string and fail with a clear error when it has none."""
 
-    capabilities = frozenset({Capability.TOKEN_LOGPROBS})
+    capabilities = frozenset({Capability.TOKEN_LOGPROBS, Capability.SAMPLING})
 
     def __init__(self, model, tokenizer, student_tokenizer, name: str = "cross-teacher", temperature: float = 1.0,
                  special_tokens: Mapping[str, str] | None = None):

@@ -85,7 +85,7 @@ class HFTeacher:
     tokenizer (:meth:`check_tokenizer`); a teacher with another tokenizer goes through
     :mod:`mentorrl.opd.align` instead."""
 
-    capabilities = frozenset({Capability.TOKEN_LOGPROBS, Capability.TOPK_LOGPROBS})
+    capabilities = frozenset({Capability.TOKEN_LOGPROBS, Capability.TOPK_LOGPROBS, Capability.SAMPLING})
 
     def __init__(self, model, tokenizer, name: str = "hf-teacher", temperature: float = 1.0):
         """Takes ``model`` over: it is frozen in place (pass a copy to keep training the original)."""

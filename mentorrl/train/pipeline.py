@@ -55,8 +55,10 @@ def before_after_table(rows: dict[str, dict[str, Any]]) -> Table:
 
 
 STAGE_TITLES = {"sft": "SFT on expert demonstrations", "rft": "RFT: sample, verify, fine-tune", "grpo": "GRPO",
-                "ppo": "PPO with a critic", "sao": "SAO: asynchronous single-rollout optimisation"}
-STAGE_LABELS = {"sft": "SFT", "rft": "RFT", "grpo": "GRPO", "ppo": "PPO", "sao": "SAO"}
+                "ppo": "PPO with a critic", "sao": "SAO: asynchronous single-rollout optimisation",
+                "opd": "On-policy distillation", "evolve": "Self-evolving loop"}
+STAGE_LABELS = {"sft": "SFT", "rft": "RFT", "grpo": "GRPO", "ppo": "PPO", "sao": "SAO", "opd": "OPD",
+                "evolve": "Evolve"}
 
 
 def _frozen_copy(model):
@@ -80,6 +82,14 @@ def run_stage_by_name(ws: Workspace, stage: str, model, resume: bool) -> Path:
         from mentorrl.train.sao import sao_stage
 
         return sao_stage(ws, model, resume=resume)
+    if stage == "opd":
+        from mentorrl.train.opd import opd_stage
+
+        return opd_stage(ws, model, resume=resume)
+    if stage == "evolve":
+        from mentorrl.train.evolve import evolve_stage
+
+        return evolve_stage(ws, model, resume=resume)
     raise ValueError(f"unknown stage {stage!r}")
 
 

@@ -17,7 +17,7 @@ def _mean(xs: list[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
-RL_STAGES = ("grpo", "ppo", "sao")
+RL_STAGES = ("grpo", "ppo", "sao", "opd", "evolve")
 
 
 def end_to_end_gap(rl: list[dict[str, Any]], before: float | None, after: float | None,
@@ -91,7 +91,27 @@ def build_report(records: list[dict[str, Any]], evals: dict[str, dict[str, Any]]
     }
     if "sao" in by_stage:
         report["async"] = async_summary(by_stage["sao"])
+    if "opd" in by_stage:
+        report["opd"] = opd_summary(by_stage["opd"])
     return report
+
+
+def opd_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the OPD stage spent and distilled: student rollout tokens, teacher tokens read,
+    alignment failures, the reverse-KL estimate at the start and end, the distilled share."""
+    last = records[-1]
+    shares = [r["distilled_token_share"] for r in records if "distilled_token_share" in r]
+    return {
+        "steps": len(records),
+        "student_rollout_tokens": int(last.get("rollout_tokens_total", 0)),
+        "teacher_tokens": int(last.get("teacher_tokens_total", 0)),
+        "alignment_failures": int(sum(r.get("alignment_failures", 0) for r in records)),
+        "reverse_kl_first": records[0].get("opd_reverse_kl"),
+        "reverse_kl_last": last.get("opd_reverse_kl"),
+        "distilled_token_share": sum(shares) / len(shares) if shares else None,
+        "heldout_checks": [{"step": r["step"], "rollout_tokens": r.get("rollout_tokens_total"),
+                            "heldout_success": r["heldout_success"]} for r in records if "heldout_success" in r],
+    }
 
 
 def _pct(x: Any) -> str:
@@ -140,6 +160,20 @@ def report_markdown(report: dict[str, Any]) -> str:
                   f"- policy lag histogram (versions: trajectories): {lags}",
                   f"- mean share of policy tokens masked by the importance ratio: {_pct(asy['masked_frac_mean'])}",
                   f"- final policy version: {_num(asy['policy_version'])}"]
+    opd = report.get("opd")
+    if opd:
+        kl0, kl1 = opd["reverse_kl_first"], opd["reverse_kl_last"]
+        lines += ["", "## On-policy distillation", "",
+                  f"- student rollout tokens (policy tokens generated): {opd['student_rollout_tokens']}",
+                  f"- teacher tokens read: {opd['teacher_tokens']}; alignment failures: {opd['alignment_failures']}",
+                  f"- reverse KL(student || teacher) estimate per policy token: "
+                  f"{'-' if kl0 is None else f'{kl0:.3f}'} -> {'-' if kl1 is None else f'{kl1:.3f}'}"]
+        if opd["distilled_token_share"] is not None:
+            lines.append(f"- ShortOPD: mean share of policy tokens distilled {_pct(opd['distilled_token_share'])}")
+        if opd["heldout_checks"]:
+            lines += ["", "| step | student rollout tokens | held-out success |", "|---|---|---|"]
+            lines += [f"| {c['step']} | {_num(c['rollout_tokens'])} | {_pct(c['heldout_success'])} |"
+                      for c in opd["heldout_checks"]]
     return "\n".join(lines) + "\n"
 
 

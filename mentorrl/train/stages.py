@@ -437,7 +437,7 @@ def ppo_stage(ws: Workspace, model, resume: bool = False) -> Path:
                            **policy_lag(batch, version["policy"])})
                 version["policy"] += 1
         metrics.update(value_metrics)
-        metrics.update(_reduce_updates(am, ("loss", "clip_frac", "entropy", "grad_norm", "approx_kl", "logprob_abs_gap",
+        metrics.update(_reduce_updates(am, ("pg_loss", "clip_frac", "entropy", "grad_norm", "approx_kl", "logprob_abs_gap",
                                             "train_rollout_kl", "policy_lag_mean", "policy_lag_max")))
         metrics.update(actor_updated=float(bool(am)), policy_version=version["policy"], rollout_s=t_roll,
                        update_s=time.perf_counter() - t1)
