@@ -265,8 +265,10 @@ class ShortOPDConfig(_Section):
                                                              "exceeds this (give this or top_frac)")
     top_frac: float | None = Field(None, gt=0, le=1, description="distil this share of policy tokens, largest gap "
                                                                  "first")
-    min_budget: int = Field(192, ge=16, description="rollout token budget of a task family with no measured gap")
-    max_budget: int | None = Field(None, ge=16, description="budget at gap >= full_gap; null: limits.max_total_tokens")
+    min_budget: int = Field(128, ge=16, description="rollout token budget (tokens after the prompt) of a task "
+                                                     "family whose gap is 0")
+    max_budget: int | None = Field(None, ge=16, description="budget at gap >= full_gap, and of families not measured "
+                                                            "yet; null: limits.max_total_tokens")
     full_gap: float = Field(0.5, gt=0, description="mean per-token gap (nats) that earns the whole budget")
     ema: float = Field(0.5, gt=0, le=1, description="weight of the newest step in each family's gap average")
 

@@ -35,12 +35,14 @@ class Episode:
         source: str = "policy",
         token_budget: int | None = None,
     ):
-        """``token_budget``: a per-episode cap on total tokens, tighter than the contract's
-        ``max_total_tokens`` (e.g. ShortOPD's adaptive rollout length); None: the contract's."""
+        """``token_budget``: a per-episode cap on the tokens after the prompt (policy turns and
+        observations), e.g. ShortOPD's adaptive rollout length; the contract's ``max_total_tokens``
+        still bounds the total. None: the contract's limit only."""
         if token_budget is not None and token_budget < 1:
             raise ValueError(f"token_budget must be >= 1, got {token_budget}")
         self.contract, self.env, self.task = contract, env, task
-        self.max_total_tokens = min(contract.limits.max_total_tokens, token_budget or contract.limits.max_total_tokens)
+        self.token_budget = token_budget
+        self.max_total_tokens = contract.limits.max_total_tokens
         self.policy_version, self.weights, self.source = policy_version, weights or RewardWeights(), source
         self.ids: list[int] = []
         self.mask: list[int] = []
@@ -74,6 +76,8 @@ class Episode:
         ids = self.contract.prompt_ids(user)
         if len(ids) >= self.max_total_tokens:
             raise ValueError(f"task {self.task.id}: prompt is {len(ids)} tokens, over max_total_tokens={self.max_total_tokens}")
+        if self.token_budget is not None:
+            self.max_total_tokens = min(self.max_total_tokens, len(ids) + self.token_budget)
         self._append("prompt", ids)
         return ids
 

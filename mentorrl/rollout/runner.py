@@ -25,7 +25,7 @@ def rollout_tasks(
     token_budgets: Sequence[int | None] | None = None,
 ) -> list[Trajectory]:
     """Trajectories in task order. ``batch_size`` bounds how many decode together; ``token_budgets``
-    (one per task) caps each episode's total tokens below the contract's limit."""
+    (one per task) caps each episode's tokens after the prompt (see :class:`Episode`)."""
     if token_budgets is not None and len(token_budgets) != len(tasks):
         raise ValueError(f"token_budgets has {len(token_budgets)} entries for {len(tasks)} tasks")
     engine = RolloutEngine(model, contract)

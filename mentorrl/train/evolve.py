@@ -38,7 +38,6 @@ from mentorrl.rollout.runner import expert_demonstrations, rollout_tasks
 from mentorrl.train.consistency import policy_lag
 from mentorrl.train.curriculum import Curriculum
 from mentorrl.train.learner import Learner
-from mentorrl.train.opd import heldout_check
 from mentorrl.train.stages import (
     TRAIN_POOL_SEED_OFFSET,
     Workspace,
@@ -46,6 +45,7 @@ from mentorrl.train.stages import (
     _minibatches,
     _reduce_updates,
     _require_consistent,
+    heldout_check,
     rollout_metrics,
     run_stage,
 )

@@ -37,7 +37,6 @@ from mentorrl.algos.advantages import get_advantage_estimator, group_reward_stat
 from mentorrl.algos.distill import select_large_gap
 from mentorrl.config import OptimConfig, TeacherConfig
 from mentorrl.contract import contract_for_env
-from mentorrl.eval.metrics import summarize
 from mentorrl.models.build import load_policy
 from mentorrl.opd.advantage import GapBudget, group_reward_weights, kl_advantages, teacher_weights, tool_error_tokens
 from mentorrl.opd.align import AlignmentError
@@ -55,14 +54,13 @@ from mentorrl.train.stages import (
     _minibatches,
     _reduce_updates,
     _require_consistent,
-    eval_contract,
+    heldout_check,
     rollout_metrics,
     run_stage,
 )
 from mentorrl.trajectory import Trajectory, write_jsonl
 
 TEACHER_DEMO_SEED_OFFSET = 31337
-HELDOUT_CHECK_SEED_OFFSET = 555
 
 
 # ------------------------------------------------------------ teachers -----
@@ -289,14 +287,6 @@ def opd_stage(ws: Workspace, model, resume: bool = False) -> Path:
 
 
 # ------------------------------------------------------------- helpers -----
-def heldout_check(ws: Workspace, model, n: int) -> float:
-    """Held-out success of the current weights on ``n`` tasks (the stage's learning curve)."""
-    tasks = ws.tasks(ws.cfg.eval.split, n, ws.cfg.eval.seed + HELDOUT_CHECK_SEED_OFFSET)
-    trajs = rollout_tasks(model, eval_contract(ws), ws.make_env, tasks, seed=ws.cfg.eval.seed,
-                          batch_size=ws.cfg.eval.batch_size, weights=ws.cfg.reward)
-    return float(summarize(trajs)["success"])
-
-
 @torch.no_grad()
 def _student_entropy(learner: Learner, trajs: list[Trajectory]) -> list[torch.Tensor]:
     from mentorrl.train.batch import collate, forward_logprobs

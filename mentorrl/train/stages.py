@@ -262,6 +262,7 @@ def rollout_metrics(trajs: list[Trajectory]) -> dict[str, float]:
         "mean_turns": s["mean_turns"],
         "violation_rate": s["violation_rate"],
         "mean_policy_tokens": s["mean_policy_tokens"],
+        "rollout_tokens": float(sum(t.num_policy_tokens for t in trajs)),  # policy tokens the student generated
     }
 
 
@@ -513,11 +514,7 @@ def _reward_debugger(trajs: list[Trajectory], threshold: float, path: Path) -> d
 
 def _gap_check(ws: Workspace, model, monitor: GapMonitor, step: int) -> dict[str, float]:
     """Held-out success now, fed to the reward-success gap monitor."""
-    audit = ws.cfg.audit
-    tasks = ws.tasks(ws.cfg.eval.split, audit.eval_tasks, ws.cfg.eval.seed)
-    trajs = rollout_tasks(model, eval_contract(ws), ws.make_env, tasks, seed=ws.cfg.eval.seed,
-                          batch_size=ws.cfg.eval.batch_size, weights=ws.cfg.reward)
-    success = summarize(trajs)["success"]
+    success = heldout_check(ws, model, ws.cfg.audit.eval_tasks)
     warning = monitor.observe_eval(step, success)
     if warning:
         ws.console.print(f"[bold red]warning:[/bold red] {warning['message']}")
@@ -525,6 +522,14 @@ def _gap_check(ws: Workspace, model, monitor: GapMonitor, step: int) -> dict[str
 
 
 # --------------------------------------------------------------- eval -----
+def heldout_check(ws: Workspace, model, n: int) -> float:
+    """Held-out success of the current weights on ``n`` tasks (the same tasks at every check of a run)."""
+    tasks = ws.tasks(ws.cfg.eval.split, n, ws.cfg.eval.seed)
+    trajs = rollout_tasks(model, eval_contract(ws), ws.make_env, tasks, seed=ws.cfg.eval.seed,
+                          batch_size=ws.cfg.eval.batch_size, weights=ws.cfg.reward)
+    return float(summarize(trajs)["success"])
+
+
 def eval_contract(ws: Workspace) -> RolloutContract:
     """The rollout contract with the evaluation temperature, when one is configured."""
     t = ws.cfg.eval.temperature
