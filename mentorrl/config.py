@@ -232,7 +232,8 @@ class TeacherConfig(_Section):
     path: str | None = Field(
         None, description="hf: checkpoint directory; null: built by `build` into RUN_DIR/teachers/NAME (once)")
     build: TeacherBuildConfig = Field(default_factory=TeacherBuildConfig,
-                                      description="how the stronger local teacher is built when path is null")
+                                      description="how the stronger local teacher is built when path is null (the "
+                                                  "demo's SFT stage, longer, on more demonstrations)")
     temperature: float = Field(1.0, gt=0, description="softmax temperature of the teacher's log-probs")
     special_tokens: dict[str, str] = Field(
         default_factory=dict, description="cross-tokenizer: the student's special tokens spelled the teacher's way, "
@@ -304,6 +305,9 @@ class OPDConfig(_Section):
     updates_per_step: int = Field(2, ge=1, description="optimizer steps (minibatches) per rollout batch")
     teachers: list[TeacherConfig] = Field(default_factory=lambda: [TeacherConfig()],
                                           description="white-box teachers (several: MOPD)")
+    teachers_dir: str | None = Field(
+        "runs/teachers", description="built teachers are cached here, one directory per build recipe, shared by "
+                                     "runs; null: RUN_DIR/teachers")
     loss: Literal["sampled", "topk"] = Field(
         "sampled", description="sampled: the sampled-token (chunk) reverse-KL estimate as a per-token advantage in "
                                "the clipped policy loss; topk: a divergence over the teacher's top-k (same tokenizer)")

@@ -45,7 +45,7 @@ from mentorrl.opd.rlsd import distill_weights, exploration_split
 from mentorrl.opd.retokenize import retokenize
 from mentorrl.opd.signals import ChunkSignal, CrossTokenizerTeacher, same_tokenizer_signal
 from mentorrl.opd.teacher import Capability, HFTeacher, require, tokenizer_fingerprint
-from mentorrl.rollout.runner import expert_demonstrations, rollout_tasks
+from mentorrl.rollout.runner import rollout_tasks
 from mentorrl.train.consistency import policy_lag
 from mentorrl.train.learner import Learner
 from mentorrl.train.stages import (
@@ -60,48 +60,58 @@ from mentorrl.train.stages import (
 )
 from mentorrl.trajectory import Trajectory, write_jsonl
 
-TEACHER_DEMO_SEED_OFFSET = 31337
 
 
 # ------------------------------------------------------------ teachers -----
+def teacher_build_config(cfg, t: TeacherConfig):
+    """The run config that builds teacher ``t``: this run's environment, contract and seed, the
+    teacher's own model size (and tokenizer when ``build.vocab_size`` is set), and a longer SFT
+    on more expert demonstrations than the student's -- the demo's ``sft`` stage with other numbers."""
+    from mentorrl.config import SFTConfig
+
+    b = t.build
+    spec = (b.spec or cfg.model.spec).model_copy(update={"vocab_size": b.vocab_size or cfg.model.spec.vocab_size})
+    sft = SFTConfig(num_demos=b.num_demos, steps=b.sft_steps, batch_size=b.batch_size,
+                    optim=OptimConfig(lr=b.lr, warmup_steps=5))
+    keep = {k: getattr(cfg, k) for k in ("seed", "train_split", "threads", "env", "sampling", "limits", "prompt",
+                                         "reward")}
+    return type(cfg)(recipe=["sft"], model=cfg.model.model_copy(update={"path": None, "spec": spec}), sft=sft,
+                     **keep)
+
+
+def teacher_dir(cfg, t: TeacherConfig) -> Path:
+    """Where teacher ``t`` is built: one directory per build recipe under ``opd.teachers_dir`` (shared by
+    every run that asks for the same teacher), or under the run directory when that is null."""
+    import hashlib
+
+    sub = teacher_build_config(cfg, t).model_dump(mode="json", exclude={"threads"})
+    key = hashlib.sha256(json.dumps(sub, sort_keys=True).encode()).hexdigest()[:10]
+    root = Path(cfg.opd.teachers_dir) if cfg.opd.teachers_dir else Path(cfg.run_dir) / "teachers"
+    return root / f"{t.name}-{key}"
+
+
 def build_teacher(ws: Workspace, t: TeacherConfig) -> Path:
-    """The stronger local teacher: a tiny model (its own tokenizer when ``build.vocab_size`` is
-    set) trained on more expert demonstrations for longer than the student. Deterministic;
-    built once into ``RUN_DIR/teachers/NAME`` and reused (a killed build starts again)."""
+    """The stronger local teacher, built once (resumable: the SFT stage checkpoints like any other)."""
     from mentorrl.train.pipeline import build_tiny_model
+    from mentorrl.train.stages import open_workspace, sft_stage
 
     if ws.cfg.model.path is not None and t.build.vocab_size is None:
         raise ValueError(f"teacher {t.name!r}: the student is a real checkpoint ({ws.cfg.model.path}); give the "
                          "teacher a path, or a build.vocab_size for a tiny teacher with its own tokenizer")
-    out = ws.run_dir / "teachers" / t.name
-    final = out / "final"
+    out = teacher_dir(ws.cfg, t)
+    final = out / "sft" / "final"
     if (final / "DONE").exists():
         return final
-    b = t.build
-    spec = (b.spec or ws.cfg.model.spec).model_copy(update={"vocab_size": b.vocab_size or ws.cfg.model.spec.vocab_size})
-    base = build_tiny_model(ws.env_entry, out / "base", spec, ws.cfg.model.tokenizer_corpus_tasks, ws.cfg.seed,
-                            ws.cfg.prompt)
+    sub = teacher_build_config(ws.cfg, t).model_copy(update={"run_dir": str(out)})
+    ws.console.print(f"building teacher {t.name!r} into {out}: {sub.sft.steps} SFT steps on {sub.sft.num_demos} "
+                     f"demonstrations (vocab {sub.model.spec.vocab_size})")
+    tws = open_workspace(sub, show_progress=ws.show_progress)
+    tws.console = ws.console
+    base = build_tiny_model(tws.env_entry, out / "base_model", sub.model.spec, sub.model.tokenizer_corpus_tasks,
+                            sub.seed, sub.prompt)
     tok, model = load_policy(base)
-    env = ws.make_env()
-    try:
-        contract = contract_for_env(tok, env, ws.cfg.sampling, ws.cfg.limits, ws.cfg.prompt)
-    finally:
-        env.close()
-    tasks = ws.train_tasks(b.num_demos, ws.cfg.seed + TEACHER_DEMO_SEED_OFFSET)
-    demos = expert_demonstrations(contract, ws.make_env, ws.env_entry.make_expert(), tasks, weights=ws.cfg.reward)
-    learner = Learner(model, OptimConfig(lr=b.lr, warmup_steps=5), contract.pad_token_id, contract.sampling.temperature)
-    t0 = time.perf_counter()
-    for step in range(b.sft_steps):
-        rng = random.Random(ws.cfg.seed * 1_000_003 + 7 * step + 3)
-        m = learner.sft_step([demos[i] for i in rng.sample(range(len(demos)), min(b.batch_size, len(demos)))])
-        if (step + 1) % max(b.sft_steps // 10, 1) == 0:
-            ws.console.print(f"[dim]teacher {t.name}: SFT step {step + 1}/{b.sft_steps} loss {m['loss']:.3f} "
-                             f"({time.perf_counter() - t0:.0f}s)[/dim]")
-    final.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(final, safe_serialization=True)
-    tok.save_pretrained(final)
-    (final / "DONE").write_text(json.dumps({"sft_steps": b.sft_steps, "num_demos": len(demos)}))
-    return final
+    tws.bind_tokenizer(tok)
+    return sft_stage(tws, model, resume=True)
 
 
 def load_teacher(ws: Workspace, t: TeacherConfig):
