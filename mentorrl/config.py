@@ -230,7 +230,7 @@ class TeacherConfig(_Section):
         "hf", description="hf: a local Hugging Face checkpoint; self: a frozen snapshot of the student taken at the "
                           "start of each step (RLSD)")
     path: str | None = Field(
-        None, description="hf: checkpoint directory; null: built by `build` into RUN_DIR/teachers/NAME (once)")
+        None, description="hf: checkpoint directory; null: built by `build` (once, cached under opd.teachers_dir)")
     build: TeacherBuildConfig = Field(default_factory=TeacherBuildConfig,
                                       description="how the stronger local teacher is built when path is null (the "
                                                   "demo's SFT stage, longer, on more demonstrations)")
@@ -510,7 +510,10 @@ def dump_config(cfg: RunConfig) -> str:
 def _fmt_default(value: Any) -> str:
     if isinstance(value, BaseModel):
         return "{...}"
-    return "`" + yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip() + "`"
+    from pydantic_core import to_jsonable_python
+
+    value = to_jsonable_python(value, exclude_none=True)  # e.g. a list of sections
+    return "`" + yaml.safe_dump(value, default_flow_style=True, width=1 << 30).strip().removesuffix("...").strip() + "`"
 
 
 def config_reference(model: BaseModel | None = None, prefix: str = "") -> list[tuple[str, str, str]]:
@@ -524,6 +527,8 @@ def config_reference(model: BaseModel | None = None, prefix: str = "") -> list[t
             rows.extend(config_reference(value, dotted + "."))
             continue
         rows.append((dotted, _fmt_default(value), (info.description or "").replace("|", "\\|")))
+        if isinstance(value, list) and value and isinstance(value[0], BaseModel):  # the fields of one list item
+            rows.extend(config_reference(value[0], dotted + "[]."))
     return rows
 
 

@@ -3,6 +3,7 @@ OPD and self-evolving recipes end to end on the tiny model."""
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 
@@ -162,7 +163,7 @@ def test_topk_loss_refuses_a_cross_tokenizer_teacher(policy, tmp_path):
     from mentorrl.train.opd import needed_capabilities
 
     tok, model = policy
-    cross = CrossTokenizerTeacher(model, tok, tok, "other-vocab")
+    cross = CrossTokenizerTeacher(copy.deepcopy(model), tok, tok, "other-vocab")  # teachers freeze their model
     cfg = load_config(None, ["opd.loss=topk"])
     with pytest.raises(MissingCapability, match="needs teacher 'other-vocab' to provide topk_logprobs"):
         require(cross, needed_capabilities(cfg), "opd (loss topk)")
