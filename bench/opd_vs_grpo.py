@@ -82,7 +82,7 @@ def main() -> int:
     ap.add_argument("--grpo-steps", type=int, default=20)
     ap.add_argument("--grpo-eval-every", type=int, default=2)
     ap.add_argument("--opd-steps", type=int, default=None, help="default: the OPD config's opd.steps")
-    ap.add_argument("--eval-tasks", type=int, default=400)
+    ap.add_argument("--eval-tasks", type=int, default=300)
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="config override for the OPD arm")
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args()

@@ -302,7 +302,9 @@ class OPDConfig(_Section):
     steps: int = Field(10, ge=0, description="OPD steps (one student rollout batch each)")
     tasks_per_step: int = Field(16, ge=1, description="distinct tasks per step")
     samples_per_task: int = Field(2, ge=1, description="student rollouts per task (a group, for reward terms)")
-    updates_per_step: int = Field(2, ge=1, description="optimizer steps (minibatches) per rollout batch")
+    updates_per_step: int = Field(2, ge=1, description="optimizer steps (minibatches) per pass over a rollout batch")
+    epochs: int = Field(1, ge=1, description="passes over each rollout batch (the teacher scores it once); more "
+                                             "passes learn more per student rollout token")
     teachers: list[TeacherConfig] = Field(default_factory=lambda: [TeacherConfig()],
                                           description="white-box teachers (several: MOPD)")
     teachers_dir: str | None = Field(
@@ -314,7 +316,13 @@ class OPDConfig(_Section):
     divergence: Literal["reverse", "forward", "jsd"] = Field("reverse", description="loss topk: the divergence")
     beta: float = Field(0.5, ge=0, le=1, description="loss topk, divergence jsd: its beta")
     top_k: int = Field(16, ge=1, description="loss topk: teacher tokens kept per position")
+    topk_tail: bool = Field(True, description="loss topk: compare the top-k plus one bin for the rest of the mass "
+                                              "(false: renormalise over the k tokens, which ignores mass the student "
+                                              "moves outside them)")
     kl_coef: float = Field(1.0, ge=0, description="weight of the distillation advantage / loss")
+    distill_until: Literal["end", "first_error"] = Field(
+        "end", description="first_error: distil a trajectory only up to its first failed tool call (the states after "
+                           "it are off the teacher's support)")
     reward_coef: float = Field(0.0, ge=0, description="RL + beta*KL: weight of the group-relative environment "
                                                       "advantage (0: pure distillation)")
     cross_tokenizer: Literal["chunk", "sequence"] = Field(

@@ -131,3 +131,17 @@ def test_short_opd_selection():
     assert select_large_gap(gap, mask, top_frac=1.0).sum() == 6
     with pytest.raises(ValueError, match="exactly one"):
         select_large_gap(gap, mask)
+
+
+def test_tail_bin_keeps_mass_outside_the_top_k_visible():
+    from mentorrl.algos.distill import divergence_of, renormalise, with_tail
+
+    teacher = torch.log(torch.tensor([0.5, 0.3, 0.2, 0.0 + 1e-30]))
+    student = torch.log(torch.tensor([0.25, 0.15, 0.1, 0.5]))  # same shape on the top-2, half its mass elsewhere
+    t2, s2 = teacher[:2], student[:2]
+    assert torch.allclose(with_tail(t2).exp().sum(), torch.tensor(1.0))
+    assert torch.allclose(with_tail(s2).exp(), torch.tensor([0.25, 0.15, 0.6]))
+    assert divergence_of(renormalise(s2), renormalise(t2), "reverse") < 1e-6  # renormalising hides the difference
+    # reverse KL over (top-2, rest): sum p_s log(p_s / p_t) by hand
+    want = 0.25 * math.log(0.25 / 0.5) + 0.15 * math.log(0.15 / 0.3) + 0.6 * math.log(0.6 / 0.2)
+    assert abs(divergence_of(with_tail(s2), with_tail(t2), "reverse").item() - want) < 1e-5

@@ -13,7 +13,14 @@ from typer.testing import CliRunner
 
 from mentorrl.cli import app
 from mentorrl.config import ConfigError, RLSDConfig, ShortOPDConfig, load_config
-from mentorrl.opd.advantage import GapBudget, group_reward_weights, kl_advantages, teacher_weights, tool_error_tokens
+from mentorrl.opd.advantage import (
+    GapBudget,
+    group_reward_weights,
+    kl_advantages,
+    teacher_weights,
+    tool_error_tokens,
+    until_first_error,
+)
 from mentorrl.opd.signals import ChunkSignal
 from mentorrl.train.evolve import curriculum_levels
 from mentorrl.train.opd import _rlsd_weights, _short_select
@@ -79,6 +86,11 @@ def test_tool_error_tokens_mark_the_turn_whose_call_failed():
     calls = [ToolCall(turn=1, name="x", arguments={}, raw="", error="boom", error_kind="tool_exception")]
     t = traj([0, 0, 1, 1, 0, 1, 1], segments=segs, tool_calls=calls)
     assert tool_error_tokens(t).tolist() == [False, False, True, True, False, False, False]
+    # distillation stops after the failing turn; a clean trajectory keeps every policy token
+    assert until_first_error(t).tolist() == [0, 0, 1, 1, 0, 0, 0]
+    ok = traj([0, 0, 1, 1, 0, 1, 1], segments=segs, tool_calls=[calls[0].model_copy(update={"error": None,
+                                                                                           "error_kind": None})])
+    assert until_first_error(ok).tolist() == [0, 0, 1, 1, 0, 1, 1]
 
 
 # ------------------------------------------- reward-weighted, RLSD, ShortOPD -----
@@ -179,7 +191,8 @@ E2E = {
                          "opd.mopd={confidence_temperature: 1.0, success_history: true, step_weights: {}}",
                          "opd.reward_coef=0.5"],
     "topk-reward-weighted": ["opd.teachers=[{name: same, %s}]" % TEACHER_BUILD, "opd.loss=topk", "opd.top_k=4",
-                             "opd.divergence=jsd", "opd.reward_weighted={}"],
+                             "opd.divergence=jsd", "opd.reward_weighted={}", "opd.epochs=2",
+                             "opd.distill_until=first_error"],
     "rlsd-topk": ["opd.teachers=[{name: self, kind: self}]", "opd.rlsd={target: topk, top_k: 4}",
                   "opd.reward_coef=1.0"],
     "cross-sequence-fallback": ["opd.teachers=[{name: cross, build: {sft_steps: 4, num_demos: 12, batch_size: 4, "

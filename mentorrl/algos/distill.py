@@ -70,6 +70,17 @@ def renormalise(log_probs: torch.Tensor) -> torch.Tensor:
     return log_probs - torch.logsumexp(log_probs, dim=-1, keepdim=True)
 
 
+def with_tail(log_probs: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
+    """Log-probs over a support (e.g. a teacher's top-k) plus one bin for all remaining mass: ``[..., k + 1]``.
+
+    Unlike :func:`renormalise`, mass a distribution puts outside the support stays visible, so a
+    student cannot lower a top-k divergence by moving probability onto tokens the teacher never
+    ranks (the "top-k + rest" form of top-k distillation)."""
+    inside = torch.logsumexp(log_probs, dim=-1, keepdim=True).clamp(max=0.0)
+    rest = torch.log((-torch.expm1(inside)).clamp(min=eps))
+    return torch.cat([log_probs, rest], dim=-1)
+
+
 def divergence_of(s: torch.Tensor, t: torch.Tensor, kind: str = "reverse", beta: float = 0.5) -> torch.Tensor:
     """The divergence between two normalised log-distributions over the last axis (student ``s``, teacher ``t``)."""
     if kind not in DIVERGENCES:
@@ -162,6 +173,6 @@ def select_large_gap(gap: torch.Tensor, mask: torch.Tensor, threshold: float | N
 
 
 __all__ = [
-    "DIVERGENCES", "distill_loss", "divergence_of", "renormalise", "weighted_token_mean", "mix_advantages", "restrict_top_k", "reward_weights",
+    "DIVERGENCES", "distill_loss", "divergence_of", "renormalise", "with_tail", "weighted_token_mean", "mix_advantages", "restrict_top_k", "reward_weights",
     "sampled_reverse_kl_advantage", "select_large_gap", "token_divergence",
 ]

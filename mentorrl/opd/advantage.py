@@ -89,6 +89,19 @@ def tool_error_tokens(traj: Trajectory) -> torch.Tensor:
     return out
 
 
+def until_first_error(traj: Trajectory) -> torch.Tensor:
+    """``[T]`` float: 1 on the policy tokens up to and including the first turn whose tool call failed,
+    0 after it. The states after a failed call are off the teacher's support (its demonstrations
+    hold no errors), where its preferences are least reliable."""
+    out = torch.tensor(traj.loss_mask, dtype=torch.float32)
+    failed = sorted(c.turn for c in traj.tool_calls if not c.ok)
+    if failed:
+        policy = [s for s in traj.segments if s.role == "policy"]
+        if failed[0] <= len(policy):
+            out[policy[failed[0] - 1].end:] = 0.0
+    return out
+
+
 def group_reward_weights(rewards: torch.Tensor, temperature: float) -> torch.Tensor:
     """``[n_tasks, G]`` rewards -> weights ``softmax(R / T)`` per group, scaled by ``G`` so they average 1."""
     return reward_weights(rewards, temperature) * rewards.shape[-1]
@@ -126,4 +139,4 @@ class GapBudget:
         self.gap = dict(state.get("gap", {}))
 
 
-__all__ = ["GapBudget", "group_reward_weights", "kl_advantages", "teacher_weights", "tool_error_tokens"]
+__all__ = ["GapBudget", "group_reward_weights", "until_first_error", "kl_advantages", "teacher_weights", "tool_error_tokens"]

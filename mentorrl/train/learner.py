@@ -157,6 +157,7 @@ class Learner:
         kind: str = "reverse",
         beta: float = 0.5,
         token_weights: Sequence[torch.Tensor] | None = None,
+        tail: bool = False,
     ) -> dict[str, float]:
         """One top-k distillation update (white-box OPD on the student's own trajectories).
 
@@ -165,8 +166,12 @@ class Learner:
         student's distribution over those k tokens and the teacher's, both renormalised there,
         are compared with ``kind`` (reverse / forward KL, JSD(beta)); the loss is their mean over
         policy tokens, weighted by ``token_weights`` when given (e.g. ShortOPD selections or
-        MOPD step weights), exactly over the whole batch whatever the micro-batching."""
-        from mentorrl.algos.distill import divergence_of, renormalise
+        MOPD step weights), exactly over the whole batch whatever the micro-batching. ``tail``:
+        compare k + 1 bins (the top-k and the rest of the mass, :func:`~mentorrl.algos.distill.with_tail`)
+        instead of renormalising over the k tokens."""
+        from mentorrl.algos.distill import divergence_of, renormalise, with_tail
+
+        support = with_tail if tail else renormalise
         from mentorrl.train.batch import forward_selected_logprobs
 
         weights = [torch.tensor(t.loss_mask, dtype=torch.float32) for t in trajs]
@@ -185,7 +190,7 @@ class Learner:
         def fn(mb, student_k, _entropy, sl):
             T = mb.input_ids.shape[1]
             teacher_k = pad_token_values(topk_logprobs[sl], T).to(student_k.device)
-            div = divergence_of(renormalise(student_k), renormalise(teacher_k), kind, beta)
+            div = divergence_of(support(student_k), support(teacher_k), kind, beta)
             w = pad_token_values(weights[sl], T).to(div.device) * (mb.loss_mask != 0)
             d = div.detach()[w > 0]
             seen["max"] = max(seen["max"], d.max().item() if d.numel() else 0.0)

@@ -38,7 +38,14 @@ from mentorrl.algos.distill import select_large_gap
 from mentorrl.config import OptimConfig, TeacherConfig
 from mentorrl.contract import contract_for_env
 from mentorrl.models.build import load_policy
-from mentorrl.opd.advantage import GapBudget, group_reward_weights, kl_advantages, teacher_weights, tool_error_tokens
+from mentorrl.opd.advantage import (
+    GapBudget,
+    group_reward_weights,
+    kl_advantages,
+    teacher_weights,
+    tool_error_tokens,
+    until_first_error,
+)
 from mentorrl.opd.align import AlignmentError
 from mentorrl.opd.mopd import step_weights
 from mentorrl.opd.rlsd import distill_weights, exploration_split
@@ -63,6 +70,9 @@ from mentorrl.trajectory import Trajectory, write_jsonl
 
 
 # ------------------------------------------------------------ teachers -----
+TEACHER_RECIPE_FIELDS = ("seed", "train_split", "env", "sampling", "limits", "prompt", "reward", "model", "sft")
+
+
 def teacher_build_config(cfg, t: TeacherConfig):
     """The run config that builds teacher ``t``: this run's environment, contract and seed, the
     teacher's own model size (and tokenizer when ``build.vocab_size`` is set), and a longer SFT
@@ -84,7 +94,7 @@ def teacher_dir(cfg, t: TeacherConfig) -> Path:
     every run that asks for the same teacher), or under the run directory when that is null."""
     import hashlib
 
-    sub = teacher_build_config(cfg, t).model_dump(mode="json", exclude={"threads"})
+    sub = teacher_build_config(cfg, t).model_dump(mode="json", include=set(TEACHER_RECIPE_FIELDS))
     key = hashlib.sha256(json.dumps(sub, sort_keys=True).encode()).hexdigest()[:10]
     root = Path(cfg.opd.teachers_dir) if cfg.opd.teachers_dir else Path(cfg.run_dir) / "teachers"
     return root / f"{t.name}-{key}"
@@ -95,13 +105,14 @@ def build_teacher(ws: Workspace, t: TeacherConfig) -> Path:
     from mentorrl.train.pipeline import build_tiny_model
     from mentorrl.train.stages import open_workspace, sft_stage
 
-    if ws.cfg.model.path is not None and t.build.vocab_size is None:
-        raise ValueError(f"teacher {t.name!r}: the student is a real checkpoint ({ws.cfg.model.path}); give the "
-                         "teacher a path, or a build.vocab_size for a tiny teacher with its own tokenizer")
     out = teacher_dir(ws.cfg, t)
     final = out / "sft" / "final"
-    if (final / "DONE").exists():
+    if (final / "DONE").exists():  # built before (same recipe); load_teacher still checks the tokenizer
         return final
+    if ws.cfg.model.path is not None and t.build.vocab_size is None:
+        raise ValueError(f"teacher {t.name!r}: the student is a checkpoint ({ws.cfg.model.path}) and no teacher of "
+                         f"this build recipe is cached at {out}; give the teacher a path, or a build.vocab_size for "
+                         "a tiny teacher with its own tokenizer")
     sub = teacher_build_config(ws.cfg, t).model_copy(update={"run_dir": str(out)})
     ws.console.print(f"building teacher {t.name!r} into {out}: {sub.sft.steps} SFT steps on {sub.sft.num_demos} "
                      f"demonstrations (vocab {sub.model.spec.vocab_size})")
@@ -207,8 +218,10 @@ def opd_stage(ws: Workspace, model, resume: bool = False) -> Path:
 
         # ---- token weights: MOPD failure-aware steps, ShortOPD selection ----
         policy_tokens = sum(t.num_policy_tokens for t in trajs)
-        gaps = [k.abs() if k is not None else None for k in kl]
         m["opd_reverse_kl"] = -sum(float(k.sum()) for k in kl if k is not None) / max(policy_tokens, 1)
+        if o.distill_until == "first_error":
+            kl = [k * until_first_error(t) if k is not None else None for k, t in zip(kl, trajs)]
+        gaps = [k.abs() if k is not None else None for k in kl]
         if o.mopd.step_weights is not None and teachers:
             kl = _apply_step_weights(learner, trajs, kl, rewards.view(-1), o.mopd.step_weights)
         if o.short is not None:
@@ -248,7 +261,8 @@ def opd_stage(ws: Workspace, model, resume: bool = False) -> Path:
         ups: list[dict[str, float]] = []
         every = list(range(len(trajs)))
         if o.loss == "sampled" or rl_coef > 0 or o.reward_weighted is not None or (o.rlsd and o.rlsd.target == "selected"):
-            for idx in _minibatches(every, o.updates_per_step, seed=step * 7 + 3):
+            passes = o.epochs if o.loss == "sampled" else 1
+            for idx in [b for e in range(passes) for b in _minibatches(every, o.updates_per_step, seed=step * 7 + 3 + 101 * e)]:
                 if not any(token_adv[i].abs().sum() > 0 for i in idx):
                     continue
                 batch = [trajs[i] for i in idx]
@@ -258,14 +272,16 @@ def opd_stage(ws: Workspace, model, resume: bool = False) -> Path:
                 state["policy"] += 1
         dm: dict[str, float] = {}
         if o.loss == "topk" and teachers:
-            dm = _topk_update(learner, teachers, trajs, w, kl, gaps, o)
-            state["policy"] += int(bool(dm))
+            dm, n_up = _topk_update(learner, teachers, trajs, w, kl, o, seed=step)
+            state["policy"] += n_up
         if o.rlsd is not None and o.rlsd.target == "topk" and sd_w is not None and bool((sd_w > 0).any()):
-            dm = _rlsd_topk_update(learner, model, ws.tokenizer, trajs, sd_w, o.rlsd)
+            dm = _rlsd_topk_update(learner, model, ws.tokenizer, trajs, sd_w, o.rlsd, o.topk_tail)
             state["policy"] += 1
         m.update(_reduce_updates(ups, ("pg_loss", "clip_frac", "entropy", "grad_norm", "approx_kl", "logprob_abs_gap",
                                        "train_rollout_kl", "policy_lag_mean", "policy_lag_max")))
-        m.update({k: v for k, v in dm.items() if k in ("distill_loss", "divergence_max", "distilled_token_weight")})
+        m.update({k: v for k, v in dm.items() if k in ("distill_loss", "divergence_max")})
+        if dm and not ups:
+            m["grad_norm"] = dm.get("grad_norm", 0.0)
 
         # ---- the sequence-level fallback: the cross-tokenizer teachers' own verified episodes ----
         if seq_mode and cross:
@@ -360,28 +376,35 @@ def _rlsd_weights(trajs, rewards, r, seed: int) -> torch.Tensor:
     return distill_weights(rewards, lengths, passed & ~explore, r.reward_temperature, r.length_power)
 
 
-def _topk_update(learner, teachers, trajs, w, kl, gaps, o) -> dict[str, float]:
-    """Top-k divergence to the (first routed) same-tokenizer teacher of each trajectory."""
-    ids, lps, tw, batch = [], [], [], []
+def _topk_update(learner, teachers, trajs, w, kl, o, seed: int) -> tuple[dict[str, float], int]:
+    """Top-k divergence to the most-weighted same-tokenizer teacher of each trajectory: the teacher's
+    top-k is read once, then ``epochs`` passes of ``updates_per_step`` minibatches. Returns the mean
+    metrics and the number of optimizer steps."""
+    items = []
     for b, t in enumerate(trajs):
         ms = [m for m in range(len(teachers)) if w[b, m] > 0]
         if not ms:
             continue
         m = max(ms, key=lambda j: float(w[b, j]))
         sig = teachers[m].score(t, top_k=o.top_k)
-        weight = torch.tensor(t.loss_mask, dtype=torch.float32)
+        weight = torch.tensor(t.loss_mask, dtype=torch.float32) * o.kl_coef
+        if o.distill_until == "first_error":
+            weight = weight * until_first_error(t)
         if o.short is not None and kl[b] is not None:
             weight = weight * (kl[b] != 0).float()
-        ids.append(sig.topk_ids)
-        lps.append(sig.topk_logprobs)
-        tw.append(weight * o.kl_coef)
-        batch.append(t)
-    if not batch or sum(float(x.sum()) for x in tw) <= 0:
-        return {}
-    return learner.distill_step(batch, ids, lps, kind=o.divergence, beta=o.beta, token_weights=tw)
+        if float(weight.sum()) > 0:
+            items.append((t, sig.topk_ids, sig.topk_logprobs, weight))
+    ups = []
+    for epoch in range(o.epochs):
+        for idx in _minibatches(list(range(len(items))), o.updates_per_step, seed=seed * 31 + epoch):
+            chosen = [items[i] for i in idx]
+            ups.append(learner.distill_step([c[0] for c in chosen], [c[1] for c in chosen], [c[2] for c in chosen],
+                                            kind=o.divergence, beta=o.beta, token_weights=[c[3] for c in chosen],
+                                            tail=o.topk_tail))
+    return _reduce_updates(ups, ("distill_loss", "divergence_max", "grad_norm")), len(ups)
 
 
-def _rlsd_topk_update(learner, model, tokenizer, trajs, sd_w, r) -> dict[str, float]:
+def _rlsd_topk_update(learner, model, tokenizer, trajs, sd_w, r, tail: bool) -> dict[str, float]:
     """RLSD with soft targets: the start-of-step snapshot's top-k (stored before any update of this
     step is applied, i.e. scored by a frozen copy) on verified trajectories, forward KL."""
     snapshot = HFTeacher(copy.deepcopy(model), tokenizer, "self-snapshot", r.teacher_temperature)
@@ -389,7 +412,7 @@ def _rlsd_topk_update(learner, model, tokenizer, trajs, sd_w, r) -> dict[str, fl
     sigs = [snapshot.score(trajs[i], top_k=r.top_k) for i in keep]
     tw = [torch.full((len(trajs[i].token_ids),), float(sd_w[i]) * r.coef) for i in keep]
     return learner.distill_step([trajs[i] for i in keep], [s.topk_ids for s in sigs], [s.topk_logprobs for s in sigs],
-                                kind="forward", token_weights=tw)
+                                kind="forward", token_weights=tw, tail=tail)
 
 
 def _sequence_fallback(ws, learner, cross, tasks, step, state) -> dict[str, float]:
