@@ -313,6 +313,8 @@ class OPDConfig(_Section):
     loss: Literal["sampled", "topk"] = Field(
         "sampled", description="sampled: the sampled-token (chunk) reverse-KL estimate as a per-token advantage in "
                                "the clipped policy loss; topk: a divergence over the teacher's top-k (same tokenizer)")
+    center: bool = Field(True, description="loss sampled: subtract the batch mean of the distillation advantage "
+                                           "(a baseline; the raw advantages average to minus the reverse KL)")
     divergence: Literal["reverse", "forward", "jsd"] = Field("reverse", description="loss topk: the divergence")
     beta: float = Field(0.5, ge=0, le=1, description="loss topk, divergence jsd: its beta")
     top_k: int = Field(16, ge=1, description="loss topk: teacher tokens kept per position")

@@ -279,3 +279,12 @@ def test_a_budgeted_episode_stops_at_its_budget(make_contract, orders_entry, too
     assert full.sampling["max_total_tokens"] == 640 and len(full.token_ids) > prompt + 40
     with pytest.raises(ValueError, match="token_budgets has 1 entries for 2 tasks"):
         rollout_tasks(tool_happy_model, contract, orders_entry.make_env, tasks, token_budgets=[100])
+
+
+def test_sampled_advantages_are_centred_over_the_tokens_they_cover():
+    from mentorrl.train.opd import _center
+
+    kl = [torch.tensor([0.0, -1.0, -3.0]), None, torch.tensor([0.0, 0.0, -2.0])]
+    out = _center([None, None, None], kl)
+    assert out[1] is None
+    assert out[0].tolist() == pytest.approx([0.0, 1.0, -1.0]) and out[2].tolist() == pytest.approx([0.0, 0.0, 0.0])

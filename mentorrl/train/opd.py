@@ -224,6 +224,8 @@ def opd_stage(ws: Workspace, model, resume: bool = False) -> Path:
         gaps = [k.abs() if k is not None else None for k in kl]
         if o.mopd.step_weights is not None and teachers:
             kl = _apply_step_weights(learner, trajs, kl, rewards.view(-1), o.mopd.step_weights)
+        if o.loss == "sampled" and o.center:
+            kl = _center(trajs, kl)
         if o.short is not None:
             kl, share = _short_select(trajs, kl, gaps, o.short)
             m["distilled_token_share"] = share
@@ -340,6 +342,19 @@ def _apply_step_weights(learner, trajs, kl, rewards, sw) -> list[torch.Tensor | 
                          sw.tool_error_boost, sw.low_reward_boost, sw.entropy_threshold, sw.entropy_boost)[0]
         out.append(kl[i] * w.float())
     return out
+
+
+def _center(trajs, kl) -> list[torch.Tensor | None]:
+    """Subtract the batch mean of the distillation advantage over the tokens it covers (a baseline).
+
+    The sampled-token advantages ``log p_t - log p_s`` average to minus the reverse KL, so without
+    a baseline nearly every sampled token is pushed down and its probability flows to tokens nobody
+    sampled; the mean carries no information about which tokens to prefer."""
+    vals = [k[k != 0] for k in kl if k is not None]
+    if not vals or sum(v.numel() for v in vals) == 0:
+        return kl
+    mean = float(torch.cat(vals).mean())
+    return [torch.where(k != 0, k - mean, k) if k is not None else None for k in kl]
 
 
 def _short_select(trajs, kl, gaps, short) -> tuple[list[torch.Tensor | None], float]:
