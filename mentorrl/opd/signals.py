@@ -27,7 +27,7 @@ from typing import Mapping, Sequence
 import torch
 
 from mentorrl.opd.align import AlignmentError, _bounds, chunk_sums, token_ends
-from mentorrl.opd.teacher import Capability, HFTeacher, tokenizer_fingerprint
+from mentorrl.opd.teacher import Capability, HFTeacher, TeacherSignal, tokenizer_fingerprint
 from mentorrl.trajectory import Trajectory
 
 
@@ -66,9 +66,10 @@ def chunk_advantages(signal: ChunkSignal, student_token_logprobs: torch.Tensor,
     return out
 
 
-def same_tokenizer_signal(teacher: HFTeacher, traj: Trajectory) -> ChunkSignal:
-    """One chunk per policy token, from the teacher's one forward pass over the student's own ids."""
-    sig = teacher.score(traj)
+def same_tokenizer_signal(teacher: HFTeacher, traj: Trajectory, scored: TeacherSignal | None = None) -> ChunkSignal:
+    """One chunk per policy token, from the teacher's one forward pass over the student's own ids
+    (``scored``: that pass's result when the caller already has it, e.g. with top-k)."""
+    sig = scored if scored is not None else teacher.score(traj)
     mask = torch.tensor(traj.loss_mask, dtype=torch.bool)
     chunk_of = torch.full((len(traj.token_ids),), -1, dtype=torch.long)
     chunk_of[mask] = torch.arange(int(mask.sum()))

@@ -51,7 +51,7 @@ from mentorrl.opd.mopd import step_weights
 from mentorrl.opd.rlsd import distill_weights, exploration_split
 from mentorrl.opd.retokenize import retokenize
 from mentorrl.opd.signals import ChunkSignal, CrossTokenizerTeacher, same_tokenizer_signal
-from mentorrl.opd.teacher import Capability, HFTeacher, require, tokenizer_fingerprint
+from mentorrl.opd.teacher import Capability, HFTeacher, TeacherSignal, require, tokenizer_fingerprint
 from mentorrl.rollout.runner import rollout_tasks
 from mentorrl.train.consistency import policy_lag
 from mentorrl.train.learner import Learner
@@ -137,10 +137,12 @@ def load_teacher(ws: Workspace, t: TeacherConfig):
     return CrossTokenizerTeacher(model, tok, ws.tokenizer, t.name, t.temperature, t.special_tokens)
 
 
-def _signal(teacher, traj: Trajectory) -> ChunkSignal:
+def _signal(teacher, traj: Trajectory, top_k: int | None) -> tuple[ChunkSignal, TeacherSignal | None]:
+    """The teacher's one forward pass over ``traj``: its chunk signal, and its top-k when asked for."""
     if isinstance(teacher, HFTeacher):
-        return same_tokenizer_signal(teacher, traj)
-    return teacher.score(traj)
+        scored = teacher.score(traj, top_k=top_k)
+        return same_tokenizer_signal(teacher, traj, scored), (scored if top_k is not None else None)
+    return teacher.score(traj), None
 
 
 def needed_capabilities(cfg) -> list[Capability]:
@@ -193,6 +195,7 @@ def opd_stage(ws: Workspace, model, resume: bool = False) -> Path:
         # ---- teacher signals (one forward per trajectory and teacher) ----
         t1 = time.perf_counter()
         signals: list[list[ChunkSignal | None]] = []
+        topk_rows: list[dict[int, TeacherSignal | None]] = [{} for _ in teachers]  # loss topk: the same pass's top-k
         failures = 0
         seq_mode = o.cross_tokenizer == "sequence"
         for teacher in teachers:
@@ -202,7 +205,9 @@ def opd_stage(ws: Workspace, model, resume: bool = False) -> Path:
                     row.append(None)
                     continue
                 try:
-                    row.append(_signal(teacher, traj))
+                    sig, scored = _signal(teacher, traj, o.top_k if o.loss == "topk" else None)
+                    row.append(sig)
+                    topk_rows[len(signals)][len(row) - 1] = scored
                 except AlignmentError:
                     failures += 1
                     row.append(None)
@@ -274,7 +279,7 @@ def opd_stage(ws: Workspace, model, resume: bool = False) -> Path:
                 state["policy"] += 1
         dm: dict[str, float] = {}
         if o.loss == "topk" and teachers:
-            dm, n_up = _topk_update(learner, teachers, trajs, w, kl, o, seed=step)
+            dm, n_up = _topk_update(learner, topk_rows, trajs, w, kl, o, seed=step)
             state["policy"] += n_up
         if o.rlsd is not None and o.rlsd.target == "topk" and sd_w is not None and bool((sd_w > 0).any()):
             dm = _rlsd_topk_update(learner, model, ws.tokenizer, trajs, sd_w, o.rlsd, o.topk_tail)
@@ -391,17 +396,17 @@ def _rlsd_weights(trajs, rewards, r, seed: int) -> torch.Tensor:
     return distill_weights(rewards, lengths, passed & ~explore, r.reward_temperature, r.length_power)
 
 
-def _topk_update(learner, teachers, trajs, w, kl, o, seed: int) -> tuple[dict[str, float], int]:
-    """Top-k divergence to the most-weighted same-tokenizer teacher of each trajectory: the teacher's
-    top-k is read once, then ``epochs`` passes of ``updates_per_step`` minibatches. Returns the mean
+def _topk_update(learner, topk_rows, trajs, w, kl, o, seed: int) -> tuple[dict[str, float], int]:
+    """Top-k divergence to the most-weighted same-tokenizer teacher of each trajectory: the top-k its
+    scoring pass stored (``topk_rows[m][b]``), then ``epochs`` passes of ``updates_per_step`` minibatches. Returns the mean
     metrics and the number of optimizer steps."""
     items = []
     for b, t in enumerate(trajs):
-        ms = [m for m in range(len(teachers)) if w[b, m] > 0]
+        ms = [m for m in range(len(topk_rows)) if w[b, m] > 0 and topk_rows[m].get(b) is not None]
         if not ms:
             continue
         m = max(ms, key=lambda j: float(w[b, j]))
-        sig = teachers[m].score(t, top_k=o.top_k)
+        sig = topk_rows[m][b]
         weight = torch.tensor(t.loss_mask, dtype=torch.float32) * o.kl_coef
         if o.distill_until == "first_error":
             weight = weight * until_first_error(t)
