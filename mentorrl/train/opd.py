@@ -248,12 +248,14 @@ def opd_stage(ws: Workspace, model, resume: bool = False) -> Path:
         extra = torch.zeros(len(trajs))
         if o.reward_weighted is not None:
             extra += o.reward_weighted.coef * group_reward_weights(rewards, o.reward_weighted.temperature).reshape(-1)
-        sd_w = None
+        sd_w, rlsd_targets = None, None
         if o.rlsd is not None:
             sd_w = _rlsd_weights(trajs, rewards.view(-1), o.rlsd, seed=cfg.seed * 31 + step)
             m["rlsd_distilled"] = float((sd_w > 0).sum())
             if o.rlsd.target == "selected":
                 extra += o.rlsd.coef * sd_w.float()
+            elif bool((sd_w > 0).any()):  # the start-of-step snapshot's targets, stored before any update
+                rlsd_targets = _rlsd_snapshot_targets(model, ws.tokenizer, trajs, sd_w, o.rlsd)
         rl_coef = o.reward_coef
         token_adv = []
         for i, t in enumerate(trajs):
@@ -281,8 +283,8 @@ def opd_stage(ws: Workspace, model, resume: bool = False) -> Path:
         if o.loss == "topk" and teachers:
             dm, n_up = _topk_update(learner, topk_rows, trajs, w, kl, o, seed=step)
             state["policy"] += n_up
-        if o.rlsd is not None and o.rlsd.target == "topk" and sd_w is not None and bool((sd_w > 0).any()):
-            dm = _rlsd_topk_update(learner, model, ws.tokenizer, trajs, sd_w, o.rlsd, o.topk_tail)
+        if rlsd_targets is not None:
+            dm = _rlsd_topk_update(learner, rlsd_targets, o.topk_tail)
             state["policy"] += 1
         m.update(_reduce_updates(ups, ("pg_loss", "clip_frac", "entropy", "grad_norm", "approx_kl", "logprob_abs_gap",
                                        "train_rollout_kl", "policy_lag_mean", "policy_lag_max")))
@@ -424,15 +426,24 @@ def _topk_update(learner, topk_rows, trajs, w, kl, o, seed: int) -> tuple[dict[s
     return _reduce_updates(ups, ("distill_loss", "divergence_max", "grad_norm")), len(ups)
 
 
-def _rlsd_topk_update(learner, model, tokenizer, trajs, sd_w, r, tail: bool) -> dict[str, float]:
-    """RLSD with soft targets: the start-of-step snapshot's top-k (stored before any update of this
-    step is applied, i.e. scored by a frozen copy) on verified trajectories, forward KL."""
+def _rlsd_snapshot_targets(model, tokenizer, trajs, sd_w, r) -> list[tuple[Trajectory, Any, Any, torch.Tensor]]:
+    """RLSD's soft targets: the top-k of a frozen copy of the student as it was when the step's
+    rollouts were made (called before any update of the step), at ``r.teacher_temperature``, on the
+    verified trajectories, with their distillation weights."""
     snapshot = HFTeacher(copy.deepcopy(model), tokenizer, "self-snapshot", r.teacher_temperature)
-    keep = [i for i in range(len(trajs)) if sd_w[i] > 0]
-    sigs = [snapshot.score(trajs[i], top_k=r.top_k) for i in keep]
-    tw = [torch.full((len(trajs[i].token_ids),), float(sd_w[i]) * r.coef) for i in keep]
-    return learner.distill_step([trajs[i] for i in keep], [s.topk_ids for s in sigs], [s.topk_logprobs for s in sigs],
-                                kind="forward", token_weights=tw, tail=tail)
+    out = []
+    for i in range(len(trajs)):
+        if sd_w[i] > 0:
+            sig = snapshot.score(trajs[i], top_k=r.top_k)
+            out.append((trajs[i], sig.topk_ids, sig.topk_logprobs,
+                        torch.full((len(trajs[i].token_ids),), float(sd_w[i]) * r.coef)))
+    return out
+
+
+def _rlsd_topk_update(learner, targets, tail: bool) -> dict[str, float]:
+    """L_SD: forward KL from the stored snapshot targets, one update."""
+    return learner.distill_step([x[0] for x in targets], [x[1] for x in targets], [x[2] for x in targets],
+                                kind="forward", token_weights=[x[3] for x in targets], tail=tail)
 
 
 def _sequence_fallback(ws, learner, cross, tasks, step, state) -> dict[str, float]:
