@@ -61,15 +61,17 @@ def tokens_to_reach(points: list[tuple[int, float, float]], target: float) -> fl
     return next((tok for _, tok, s in points if s >= target - 1e-12), None)
 
 
-def with_built_teachers(cfg, con: Console):
-    """``cfg`` with a path for every local teacher that has none: built once, cached under opd.teachers_dir,
-    from the config as written (the student's tiny tokenizer, not the SFT checkpoint given here)."""
+def with_built_teachers(cfg, con: Console, student, tokenizer):
+    """``cfg`` with a path for every local teacher that has none: built once, cached under opd.teachers_dir.
+    A ``build.init: student`` teacher trains on from ``student`` (the SFT checkpoint given here); a
+    from-scratch one is built from the config as written (the student's tiny tokenizer)."""
     teachers = []
     for t in cfg.opd.teachers:
         if t.kind == "hf" and not t.path:
             ws = open_workspace(cfg.model_copy(update={"run_dir": str(Path(cfg.run_dir) / "teacher-build")}))
             ws.console = con
-            t = t.model_copy(update={"path": str(build_teacher(ws, t))})
+            ws.bind_tokenizer(tokenizer)
+            t = t.model_copy(update={"path": str(build_teacher(ws, t, student))})
         teachers.append(t)
     return cfg.model_copy(update={"opd": cfg.opd.model_copy(update={"teachers": teachers})})
 
@@ -106,7 +108,7 @@ def main() -> int:
     run_recipe(grpo_cfg)
     grpo = curve(MetricsLog(args.out / "grpo" / "metrics.jsonl").read("grpo"), start)
 
-    built = with_built_teachers(load_config(args.opd_config, args.overrides), con)
+    built = with_built_teachers(load_config(args.opd_config, args.overrides), con, model, tok)
     opd_over = [*args.overrides, f"run_dir={args.out / 'opd'}", f"model.path={args.sft}", "recipe=[opd]",
                 *checks, "opd.eval_every=1", f"opd.eval_tasks={args.eval_tasks}"]
     if args.opd_steps is not None:

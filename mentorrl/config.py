@@ -214,6 +214,10 @@ class SAOConfig(_Section):
 
 
 class TeacherBuildConfig(_Section):
+    init: Literal["scratch", "student"] = Field(
+        "scratch", description="scratch: a fresh tiny model; student: a copy of the student as it enters the stage, "
+                               "trained on (keeps the student's tokenizer and size; the cache key includes a hash "
+                               "of the student's weights)")
     vocab_size: int | None = Field(
         None, ge=300, description="null: the student's tokenizer (same corpus and size give the same tokenizer); "
                                   "a number: the teacher's own tokenizer with this vocabulary (cross-tokenizer OPD)")
@@ -222,6 +226,13 @@ class TeacherBuildConfig(_Section):
     sft_steps: int = Field(1500, ge=1, description="SFT steps (the demo's student takes 600)")
     batch_size: int = Field(32, ge=1, description="demonstrations per SFT step")
     lr: float = Field(3e-3, gt=0, description="SFT learning rate")
+
+    @model_validator(mode="after")
+    def _student_init_keeps_the_student(self) -> "TeacherBuildConfig":
+        if self.init == "student" and (self.vocab_size is not None or self.spec is not None):
+            raise ValueError("build.init student continues the student's own weights: it keeps the student's "
+                             "tokenizer and size, so leave build.vocab_size and build.spec unset")
+        return self
 
 
 class TeacherConfig(_Section):

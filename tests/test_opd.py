@@ -182,6 +182,38 @@ def test_topk_loss_refuses_a_cross_tokenizer_teacher(policy, tmp_path):
     assert TeacherConfig().kind == "hf"
 
 
+def test_a_student_initialised_teacher_is_the_student_trained_on_and_is_cached_by_its_weights(policy, tmp_path):
+    from mentorrl.config import TeacherConfig
+    from mentorrl.models.build import load_policy
+    from mentorrl.train.opd import build_teacher, teacher_dir, weights_fingerprint
+    from mentorrl.train.stages import open_workspace
+
+    tok, model = policy
+    student = copy.deepcopy(model)
+    cfg = load_config(None, [f"run_dir={tmp_path / 'run'}", f"opd.teachers_dir={tmp_path / 'teachers'}",
+                             "audit.preflight=false"])
+    ws = open_workspace(cfg, show_progress=False)
+    ws.bind_tokenizer(tok)
+    t = TeacherConfig(name="longer", build={"init": "student", "sft_steps": 2, "num_demos": 8, "batch_size": 4,
+                                            "lr": 1e-4})
+    path = build_teacher(ws, t, student)
+    assert path.parent.parent == teacher_dir(cfg, t, weights_fingerprint(student))
+    t_tok, teacher = load_policy(path)
+    assert t_tok.get_vocab() == tok.get_vocab()
+    moved = [float((a - b).abs().max()) for a, b in zip(teacher.state_dict().values(), model.state_dict().values())]
+    assert 0 < max(moved) < 1e-3  # trained on (Adam moves a weight <= lr a step) from the student, not a fresh init
+    assert all(torch.equal(a, b) for a, b in zip(student.state_dict().values(), model.state_dict().values()))
+    assert build_teacher(ws, t, student) == path  # cached: the same student gives the same directory
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        next(other.parameters()).add_(1e-3)
+    assert teacher_dir(cfg, t, weights_fingerprint(other)) != path.parent.parent
+    with pytest.raises(ValueError, match="no student model was given"):
+        build_teacher(ws, t)
+    with pytest.raises(ConfigError, match="keeps the student's tokenizer and size"):
+        load_config(None, ["opd.teachers=[{name: x, build: {init: student, vocab_size: 600}}]"])
+
+
 # ------------------------------------------------------------- end to end -----
 TEACHER_BUILD = "build: {sft_steps: 4, num_demos: 12, batch_size: 4}"
 E2E = {

@@ -89,46 +89,75 @@ def teacher_build_config(cfg, t: TeacherConfig):
                      **keep)
 
 
-def teacher_dir(cfg, t: TeacherConfig) -> Path:
+def weights_fingerprint(model) -> str:
+    """A hash of a model's weights (names, shapes, dtypes and values): the cache key of a teacher
+    built from it."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, p in sorted(model.state_dict().items()):
+        t = p.detach().cpu().contiguous()
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def teacher_dir(cfg, t: TeacherConfig, student_weights: str | None = None) -> Path:
     """Where teacher ``t`` is built: one directory per build recipe under ``opd.teachers_dir`` (shared by
-    every run that asks for the same teacher), or under the run directory when that is null."""
+    every run that asks for the same teacher), or under the run directory when that is null. A teacher
+    built from the student (``build.init: student``) is keyed by the student's weights as well."""
     import hashlib
 
     sub = teacher_build_config(cfg, t).model_dump(mode="json", include=set(TEACHER_RECIPE_FIELDS))
+    if t.build.init == "student":
+        if student_weights is None:
+            raise ValueError(f"teacher {t.name!r} is built from the student (build.init student): its directory "
+                             "depends on the student's weights")
+        sub = {**sub, "init": "student", "student_weights": student_weights}
     key = hashlib.sha256(json.dumps(sub, sort_keys=True).encode()).hexdigest()[:10]
     root = Path(cfg.opd.teachers_dir) if cfg.opd.teachers_dir else Path(cfg.run_dir) / "teachers"
     return root / f"{t.name}-{key}"
 
 
-def build_teacher(ws: Workspace, t: TeacherConfig) -> Path:
-    """The stronger local teacher, built once (resumable: the SFT stage checkpoints like any other)."""
+def build_teacher(ws: Workspace, t: TeacherConfig, student=None) -> Path:
+    """The stronger local teacher, built once (resumable: the SFT stage checkpoints like any other).
+
+    ``build.init: scratch`` trains a fresh tiny model; ``student`` trains on from a copy of
+    ``student`` (the policy as it enters the stage), so the teacher is the student trained longer."""
     from mentorrl.train.pipeline import build_tiny_model
     from mentorrl.train.stages import open_workspace, sft_stage
 
-    out = teacher_dir(ws.cfg, t)
+    from_student = t.build.init == "student"
+    if from_student and student is None:
+        raise ValueError(f"teacher {t.name!r} has build.init student but no student model was given")
+    out = teacher_dir(ws.cfg, t, weights_fingerprint(student) if from_student else None)
     final = out / "sft" / "final"
     if (final / "DONE").exists():  # built before (same recipe); load_teacher still checks the tokenizer
         return final
-    if ws.cfg.model.path is not None and t.build.vocab_size is None:
+    if not from_student and ws.cfg.model.path is not None and t.build.vocab_size is None:
         raise ValueError(f"teacher {t.name!r}: the student is a checkpoint ({ws.cfg.model.path}) and no teacher of "
-                         f"this build recipe is cached at {out}; give the teacher a path, or a build.vocab_size for "
-                         "a tiny teacher with its own tokenizer")
+                         f"this build recipe is cached at {out}; give the teacher a path, a build.vocab_size for "
+                         "a tiny teacher with its own tokenizer, or build.init student")
     sub = teacher_build_config(ws.cfg, t).model_copy(update={"run_dir": str(out)})
+    origin = "the student's weights" if from_student else f"a fresh model (vocab {sub.model.spec.vocab_size})"
     ws.console.print(f"building teacher {t.name!r} into {out}: {sub.sft.steps} SFT steps on {sub.sft.num_demos} "
-                     f"demonstrations (vocab {sub.model.spec.vocab_size})")
+                     f"demonstrations from {origin}")
     tws = open_workspace(sub, show_progress=ws.show_progress)
     tws.console = ws.console
-    base = build_tiny_model(tws.env_entry, out / "base_model", sub.model.spec, sub.model.tokenizer_corpus_tasks,
-                            sub.seed, sub.prompt)
-    tok, model = load_policy(base)
+    if from_student:
+        tok, model = ws.tokenizer, copy.deepcopy(student)
+    else:
+        base = build_tiny_model(tws.env_entry, out / "base_model", sub.model.spec, sub.model.tokenizer_corpus_tasks,
+                                sub.seed, sub.prompt)
+        tok, model = load_policy(base)
     tws.bind_tokenizer(tok)
     return sft_stage(tws, model, resume=True)
 
 
-def load_teacher(ws: Workspace, t: TeacherConfig):
+def load_teacher(ws: Workspace, t: TeacherConfig, student=None):
     """An :class:`HFTeacher` when the checkpoint shares the student's tokenizer, else a
-    :class:`CrossTokenizerTeacher`."""
-    path = Path(t.path) if t.path else build_teacher(ws, t)
+    :class:`CrossTokenizerTeacher` (``student``: the policy a ``build.init: student`` teacher starts from)."""
+    path = Path(t.path) if t.path else build_teacher(ws, t, student)
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"teacher {t.name!r}: {path} is not a Hugging Face checkpoint directory")
     tok, model = load_policy(path)
@@ -158,7 +187,7 @@ def opd_stage(ws: Workspace, model, resume: bool = False) -> Path:
     pool = ws.train_tasks(max(o.tasks_per_step * max(o.steps, 1), 64), cfg.seed + TRAIN_POOL_SEED_OFFSET)
     learner = Learner(model, o.optim, ws.contract.pad_token_id, ws.contract.sampling.temperature)
     estimator = get_advantage_estimator("grpo")
-    teachers = [load_teacher(ws, t) for t in o.teachers if t.kind == "hf"]
+    teachers = [load_teacher(ws, t, model) for t in o.teachers if t.kind == "hf"]
     for t in teachers:
         require(t, needed_capabilities(cfg), f"opd (loss {o.loss})")
     cross = [t for t in teachers if isinstance(t, CrossTokenizerTeacher)]
@@ -501,4 +530,4 @@ def _write_samples(run_dir: Path, step: int, trajs, signals, names, w, kl) -> No
             f.write(json.dumps(r) + "\n")
 
 
-__all__ = ["build_teacher", "heldout_check", "load_teacher", "opd_stage"]
+__all__ = ["build_teacher", "heldout_check", "load_teacher", "opd_stage", "weights_fingerprint"]
