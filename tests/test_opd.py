@@ -168,17 +168,18 @@ def test_opd_config_errors_name_the_problem(overrides, message):
         load_config(None, overrides)
 
 
-def test_topk_loss_refuses_a_cross_tokenizer_teacher(policy, tmp_path):
+def test_topk_loss_refuses_a_teacher_without_topk_logprobs():
     from mentorrl.config import TeacherConfig
-    from mentorrl.opd.signals import CrossTokenizerTeacher
-    from mentorrl.opd.teacher import MissingCapability, require
+    from mentorrl.opd.teacher import Capability, MissingCapability, require
     from mentorrl.train.opd import needed_capabilities
 
-    tok, model = policy
-    cross = CrossTokenizerTeacher(copy.deepcopy(model), tok, tok, "other-vocab")  # teachers freeze their model
+    class ScoresOnly:  # e.g. a teacher behind an API that returns the sampled tokens' log-probs only
+        name = "scores-only"
+        capabilities = frozenset({Capability.TOKEN_LOGPROBS})
+
     cfg = load_config(None, ["opd.loss=topk"])
-    with pytest.raises(MissingCapability, match="needs teacher 'other-vocab' to provide topk_logprobs"):
-        require(cross, needed_capabilities(cfg), "opd (loss topk)")
+    with pytest.raises(MissingCapability, match="needs teacher 'scores-only' to provide topk_logprobs"):
+        require(ScoresOnly(), needed_capabilities(cfg), "opd (loss topk)")
     assert TeacherConfig().kind == "hf"
 
 

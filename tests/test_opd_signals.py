@@ -96,6 +96,64 @@ def test_cross_tokenizer_chunks_cover_policy_tokens_and_match_one_forward_per_ch
     assert merged > 0  # the tokenizations really differ somewhere
 
 
+def test_vocab_map_pairs_tokens_that_spell_the_same_text(policy, other):
+    from mentorrl.opd.signals import vocab_map
+
+    tok, _ = policy
+    t_tok, _ = other
+    same = vocab_map(tok, tok)
+    plain = [i for i in range(len(tok)) if same[i] >= 0]
+    assert len(plain) > 0.9 * len(tok) and all(same[i] == i for i in plain)
+    m = vocab_map(t_tok, tok)
+    hits = (m >= 0).nonzero().flatten().tolist()
+    assert 0 < len(hits) < len(t_tok)
+    for i in hits:
+        if i not in t_tok.all_special_ids:
+            assert t_tok.decode([i]) == tok.decode([int(m[i])])
+    assert m[t_tok.convert_tokens_to_ids(IM_END)] == tok.convert_tokens_to_ids(IM_END)
+
+
+def test_cross_teacher_topk_on_one_to_one_chunks_matches_the_teachers_own_distribution(demos, policy, other):
+    """Top-k targets exist exactly where a chunk is one token on both sides; there they are the
+    teacher's most likely student-spellable next tokens, with the log-probs of one teacher forward
+    per position; with the student's own tokenizer they are the same-tokenizer top-k everywhere."""
+    tok, model = policy
+    t_tok, t_model = other
+    cross = CrossTokenizerTeacher(t_model, t_tok, tok)
+    covered = 0
+    for t in demos[1][:4]:
+        sig, top = cross.score(t, top_k=5)
+        t_ids, chunk_of, bounds = cross.alignment(t)
+        assert torch.equal(sig.chunk_of, chunk_of)
+        sizes = torch.bincount(chunk_of[chunk_of >= 0], minlength=len(bounds))
+        for pos in range(len(t.token_ids)):
+            c = int(chunk_of[pos])
+            one = c >= 0 and sizes[c] == 1 and bounds[c][1] - bounds[c][0] == 1
+            assert bool(top.topk_mask[pos]) == one
+            if not one:
+                continue
+            covered += 1
+            j = bounds[c][0]
+            with torch.no_grad():
+                lp = torch.log_softmax(t_model(input_ids=torch.tensor([t_ids[:j]])).logits[0, -1].double(), -1)
+            spell = cross.to_student
+            want = lp.masked_fill(spell < 0, float("-inf")).topk(5)
+            assert top.topk_ids[pos].tolist() == spell[want.indices].tolist()
+            assert (top.topk_logprobs[pos].double() - want.values).abs().max() < 1e-4
+    assert 0 < covered < sum(t.num_policy_tokens for t in demos[1][:4])  # some chunks merge tokens
+    same = HFTeacher(copy.deepcopy(model), tok)
+    own = CrossTokenizerTeacher(copy.deepcopy(model), tok, tok)
+    for t in demos[1][:3]:
+        _, top = own.score(t, top_k=4)
+        ref = same.score(t, top_k=4)
+        mask = torch.tensor(t.loss_mask, dtype=torch.bool)
+        assert torch.equal(top.topk_mask, mask)
+        spellable = mask & (own.to_student[ref.topk_ids] >= 0).all(-1)  # (a few tokens decode to part of a character)
+        assert spellable.sum() > 0.5 * mask.sum()
+        assert torch.equal(top.topk_ids[spellable], ref.topk_ids[spellable])
+        assert (top.topk_logprobs[spellable] - ref.topk_logprobs[spellable]).abs().max() < 1e-5
+
+
 def test_chunk_advantage_flows_to_every_token_of_the_chunk():
     from mentorrl.opd.signals import ChunkSignal
 

@@ -113,6 +113,36 @@ def sampled_token_ends(tokenizer, ids: Sequence[int], text: str) -> list[int]:
     return ends
 
 
+def vocab_map(teacher_tokenizer, student_tokenizer, special_tokens: Mapping[str, str] | None = None) -> torch.Tensor:
+    """``[teacher vocab]``: the student id of the token that spells the same text as each teacher
+    token, -1 where the student has none (or several). Text is the token decoded alone; a token
+    that decodes to a partial character (U+FFFD) is never mapped. Special tokens map by name,
+    through ``special_tokens`` (student name -> teacher name) where the templates differ."""
+    def spellings(tok) -> dict[str, int]:
+        seen: dict[str, int] = {}
+        special = set(tok.all_special_ids)
+        for i in range(len(tok)):
+            if i in special:
+                continue
+            text = tok.decode([i], clean_up_tokenization_spaces=False)
+            if text and "\ufffd" not in text:
+                seen[text] = -1 if text in seen else i
+        return seen
+
+    student = spellings(student_tokenizer)
+    out = torch.full((len(teacher_tokenizer),), -1, dtype=torch.long)
+    for text, i in spellings(teacher_tokenizer).items():
+        if i >= 0 and student.get(text, -1) >= 0:
+            out[i] = student[text]
+    names = {v: k for k, v in (special_tokens or {}).items()}
+    t_vocab, s_vocab = teacher_tokenizer.get_vocab(), student_tokenizer.get_vocab()
+    for name in teacher_tokenizer.all_special_tokens:
+        s_name = names.get(name, name)
+        if s_name in s_vocab:
+            out[t_vocab[name]] = s_vocab[s_name]
+    return out
+
+
 class CrossTokenizerTeacher:
     """A local causal LM with its **own** tokenizer as an OPD teacher over student trajectories.
 
@@ -120,7 +150,7 @@ class CrossTokenizerTeacher:
     ``{"<|im_end|>": "<|eot_id|>"}``); unmapped special tokens are looked up in the teacher's
     vocabulary under the same string and fail with a clear error when it has none."""
 
-    capabilities = frozenset({Capability.TOKEN_LOGPROBS, Capability.SAMPLING})
+    capabilities = frozenset({Capability.TOKEN_LOGPROBS, Capability.TOPK_LOGPROBS, Capability.SAMPLING})
 
     def __init__(self, model, tokenizer, student_tokenizer, name: str = "cross-teacher", temperature: float = 1.0,
                  special_tokens: Mapping[str, str] | None = None):
@@ -136,6 +166,14 @@ class CrossTokenizerTeacher:
         self._student_special = _special_ids(student_tokenizer)
         self._special_cache: dict[int, list[int]] = {}
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
+        self._vocab_map: torch.Tensor | None = None
+
+    @property
+    def to_student(self) -> torch.Tensor:
+        """Teacher id -> student id of the same spelling (-1: none), built on first use."""
+        if self._vocab_map is None:
+            self._vocab_map = vocab_map(self.tokenizer, self.student_tokenizer, self.special_map)
+        return self._vocab_map
 
     def _teacher_special(self, student_id: int) -> list[int]:
         if student_id not in self._special_cache:
@@ -191,17 +229,48 @@ class CrossTokenizerTeacher:
         return teacher_ids, chunk_of, bounds
 
     @torch.no_grad()
-    def score(self, traj: Trajectory) -> ChunkSignal:
-        """One teacher forward over the re-tokenised trajectory, chunk log-probs by prefix sums."""
+    def score(self, traj: Trajectory, top_k: int | None = None) -> ChunkSignal | tuple[ChunkSignal, TeacherSignal]:
+        """One teacher forward over the re-tokenised trajectory, chunk log-probs by prefix sums.
+
+        With ``top_k``, the same pass also gives a top-k target at every policy token whose chunk is
+        one token on both sides (the same text): the teacher's ``top_k`` most likely next tokens among
+        those the student can spell, as student ids, with the teacher's (unrenormalised) log-probs, so
+        a tail bin holds the mass of everything else, the student-unspellable tokens included.
+        Returns ``(ChunkSignal, TeacherSignal)`` then; ``topk_mask`` marks the covered positions."""
+        if top_k is not None and top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {top_k}")
         teacher_ids, chunk_of, bounds = self.alignment(traj)
         device = next(self.model.parameters()).device
         seq = torch.tensor([teacher_ids], device=device)
         logits = self.model(input_ids=seq).logits[0, :-1].float() / self.temperature
-        tok = torch.log_softmax(logits, dim=-1).gather(-1, seq[0, 1:, None]).squeeze(-1).cpu()
+        lp = torch.log_softmax(logits, dim=-1)
+        tok = lp.gather(-1, seq[0, 1:, None]).squeeze(-1).cpu()
         token_lp = torch.cat([tok.new_zeros(1), tok])  # lp of teacher token j given < j
         teacher_lp = chunk_sums(token_lp, bounds) if bounds else torch.zeros(0, dtype=torch.float64)
-        return ChunkSignal(chunk_of, teacher_lp, len(teacher_ids))
+        signal = ChunkSignal(chunk_of, teacher_lp, len(teacher_ids))
+        if top_k is None:
+            return signal
+        return signal, self._one_to_one_topk(traj, chunk_of, bounds, lp, top_k)
+
+    def _one_to_one_topk(self, traj: Trajectory, chunk_of: torch.Tensor, bounds: list[tuple[int, int]],
+                         lp: torch.Tensor, top_k: int) -> TeacherSignal:
+        T = len(traj.token_ids)
+        sizes = torch.bincount(chunk_of[chunk_of >= 0], minlength=len(bounds))
+        rows = [(t, bounds[int(c)][0]) for t, c in enumerate(chunk_of.tolist())
+                if c >= 0 and sizes[c] == 1 and bounds[c][1] - bounds[c][0] == 1]
+        mapped = self.to_student.to(lp.device)
+        k = min(top_k, int((mapped >= 0).sum()))
+        ids, vals = torch.zeros(T, max(k, 1), dtype=torch.long), torch.zeros(T, max(k, 1))
+        mask = torch.zeros(T, dtype=torch.bool)
+        if rows and k > 0:
+            pos = torch.tensor([t for t, _ in rows])
+            at = torch.tensor([j - 1 for _, j in rows], device=lp.device)  # row j-1 predicts teacher token j
+            spellable = lp[at].masked_fill(mapped[None, :] < 0, float("-inf"))
+            v, i = spellable.topk(k, dim=-1)
+            ids[pos], vals[pos] = mapped[i].cpu(), v.cpu()
+            mask[pos] = True
+        return TeacherSignal(torch.zeros(T), ids, vals, mask)
 
 
 __all__ = ["ChunkSignal", "CrossTokenizerTeacher", "chunk_advantages", "same_tokenizer_signal",
-           "sampled_token_ends", "student_chunk_logprobs"]
+           "sampled_token_ends", "student_chunk_logprobs", "vocab_map"]

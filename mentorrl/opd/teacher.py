@@ -71,11 +71,13 @@ class TeacherSignal:
 
     ``token_logprobs[t]``: the teacher's log-prob of token ``t`` given tokens ``< t`` (0 off policy
     tokens). ``topk_ids`` / ``topk_logprobs``: ``[T, k]`` teacher top-k at the positions that
-    predict each token (rows off policy tokens are 0), when asked for."""
+    predict each token (rows off policy tokens are 0), when asked for; ``topk_mask`` marks the
+    positions that have one when not every policy token does (a cross-tokenizer teacher)."""
 
     token_logprobs: torch.Tensor
     topk_ids: torch.Tensor | None = None
     topk_logprobs: torch.Tensor | None = None
+    topk_mask: torch.Tensor | None = None  # [T] bool: positions with a top-k target (None: every policy token)
 
 
 class HFTeacher:

@@ -171,7 +171,9 @@ def _signal(teacher, traj: Trajectory, top_k: int | None) -> tuple[ChunkSignal, 
     if isinstance(teacher, HFTeacher):
         scored = teacher.score(traj, top_k=top_k)
         return same_tokenizer_signal(teacher, traj, scored), (scored if top_k is not None else None)
-    return teacher.score(traj), None
+    if top_k is None:
+        return teacher.score(traj), None
+    return teacher.score(traj, top_k=top_k)  # top-k on the chunks that are one token on both sides
 
 
 def needed_capabilities(cfg) -> list[Capability]:
@@ -249,6 +251,11 @@ def opd_stage(ws: Workspace, model, resume: bool = False) -> Path:
         kl = kl_advantages(trajs, signals, w, shared) if teachers else [None] * len(trajs)
         m.update(teacher_s=time.perf_counter() - t1, teacher_tokens=float(teacher_tokens),
                  alignment_failures=float(failures))
+        covered = [sig.topk_mask for row in topk_rows for sig in row.values() if sig is not None and sig.topk_mask is not None]
+        if covered:  # cross-tokenizer top-k: the share of policy tokens with a target
+            m["topk_coverage"] = float(sum(int(c.sum()) for c in covered)) / max(
+                sum(trajs[b].num_policy_tokens for row in topk_rows for b, sig in row.items()
+                    if sig is not None and sig.topk_mask is not None), 1)
 
         # ---- token weights: MOPD failure-aware steps, ShortOPD selection ----
         policy_tokens = sum(t.num_policy_tokens for t in trajs)
@@ -428,7 +435,7 @@ def _rlsd_weights(trajs, rewards, r, seed: int) -> torch.Tensor:
 
 
 def _topk_update(learner, topk_rows, trajs, w, kl, o, seed: int) -> tuple[dict[str, float], int]:
-    """Top-k divergence to the most-weighted same-tokenizer teacher of each trajectory: the top-k its
+    """Top-k divergence to the most-weighted teacher of each trajectory that gave a top-k: the top-k its
     scoring pass stored (``topk_rows[m][b]``), then ``epochs`` passes of ``updates_per_step`` minibatches. Returns the mean
     metrics and the number of optimizer steps."""
     items = []
@@ -439,6 +446,8 @@ def _topk_update(learner, topk_rows, trajs, w, kl, o, seed: int) -> tuple[dict[s
         m = max(ms, key=lambda j: float(w[b, j]))
         sig = topk_rows[m][b]
         weight = torch.tensor(t.loss_mask, dtype=torch.float32) * o.kl_coef
+        if sig.topk_mask is not None:  # a cross-tokenizer teacher: only its one-to-one chunks have a top-k
+            weight = weight * sig.topk_mask.float()
         if o.distill_until == "first_error":
             weight = weight * until_first_error(t)
         if o.short is not None and kl[b] is not None:
