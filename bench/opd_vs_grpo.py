@@ -5,7 +5,8 @@ Both arms start from the same SFT checkpoint, in this one process:
 * ``grpo``: the demo's GRPO (``--grpo-steps`` steps of 16 tasks x 8 samples), a held-out check
   every ``--grpo-eval-every`` steps;
 * ``opd``: the recipe in ``--opd-config`` (default ``mentorrl/configs/opd.yaml``: on-policy
-  distillation from the stronger local teacher), a held-out check every step.
+  distillation from the stronger local teacher, which that config builds from this same SFT
+  checkpoint trained on, or finds cached), a held-out check every step.
 
 Every held-out check rolls out the same ``--eval-tasks`` held-out tasks. A method's *rollout
 tokens* are the policy tokens its student generated during training (prompts, tool

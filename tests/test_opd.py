@@ -223,9 +223,12 @@ E2E = {
                          "opd.short={top_frac: 0.5, min_budget: 200}",
                          "opd.mopd={confidence_temperature: 1.0, success_history: true, step_weights: {}}",
                          "opd.reward_coef=0.5"],
-    "topk-reward-weighted": ["opd.teachers=[{name: same, %s}]" % TEACHER_BUILD, "opd.loss=topk", "opd.top_k=4",
+    "topk-reward-weighted": ["opd.teachers=[{name: same, build: {init: student, sft_steps: 4, num_demos: 12, "
+                             "batch_size: 4}}]", "opd.loss=topk", "opd.top_k=4",
                              "opd.divergence=jsd", "opd.reward_weighted={}", "opd.epochs=2",
                              "opd.distill_until=first_error"],
+    "cross-topk": ["opd.teachers=[{name: cross, build: {sft_steps: 4, num_demos: 12, batch_size: 4, "
+                   "vocab_size: 520}}]", "opd.loss=topk", "opd.top_k=4"],
     "rlsd-topk": ["opd.teachers=[{name: self, kind: self}]", "opd.rlsd={target: topk, top_k: 4}",
                   "opd.reward_coef=1.0"],
     "cross-sequence-fallback": ["opd.teachers=[{name: cross, build: {sft_steps: 4, num_demos: 12, batch_size: 4, "
@@ -262,6 +265,9 @@ def test_opd_recipe_end_to_end_and_resume(tmp_path, variant):
         assert [b.split("-")[0] for b in built] == ["cross", "same"]
     if variant == "topk-reward-weighted":
         assert all("distill_loss" in r and math.isfinite(r["distill_loss"]) for r in recs)
+        assert len(list((run / "teachers").glob("same-*/sft/final/DONE"))) == 1  # built once, from the student
+    if variant == "cross-topk":
+        assert all(math.isfinite(r["distill_loss"]) and 0 < r["topk_coverage"] <= 1 for r in recs)
     if variant == "rlsd-topk":
         assert all("rlsd_distilled" in r for r in recs)
     if variant == "cross-sequence-fallback":
