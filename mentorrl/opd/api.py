@@ -1,0 +1,208 @@
+"""A client for black-box teachers behind the OpenAI chat-completions protocol (HTTP, ``httpx``).
+
+- The base URL and model come from the config. The key is read from an environment variable
+  (``api_key_env``), kept only in the request header and never in ``repr``, logs, metrics or
+  the cache.
+- Every request has a timeout. Timeouts, connection errors, 429 and 5xx are retried with
+  exponential backoff and jitter (a ``Retry-After`` header is honoured, up to the backoff cap);
+  other 4xx are not retried.
+- A semaphore bounds the requests in flight across threads.
+- Responses are cached on SQLite, keyed by a hash of the request (URL, model, messages and
+  parameters; not the key).
+- Malformed responses (not JSON, truncated, no choices, wrong fields) and structured output
+  that fails its pydantic model are counted and give ``None``: the caller skips the sample.
+  Nothing here raises on a teacher's bad behaviour.
+
+:attr:`TeacherClient.stats` counts requests, retries, timeouts, rate limits, server errors,
+failures, malformed responses and cache hits, for the run's metrics.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import sqlite3
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any, Sequence, TypeVar
+
+import httpx
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+T = TypeVar("T", bound=BaseModel)
+STAT_KEYS = ("requests", "retries", "timeouts", "rate_limited", "server_errors", "failures", "malformed",
+             "cache_hits", "invalid_structured")
+
+
+class ClientConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    base_url: str = Field("http://127.0.0.1:8000/v1", description="the server's /v1 root")
+    model: str = Field("teacher", min_length=1, description="the model name sent with each request")
+    api_key_env: str | None = Field("OPENAI_API_KEY", description="environment variable holding the key (null: none)")
+    timeout_s: float = Field(30.0, gt=0, description="per-request timeout")
+    max_retries: int = Field(4, ge=0, description="retries after the first attempt (timeouts, 429, 5xx)")
+    backoff_s: float = Field(0.5, ge=0, description="first backoff; doubles each retry, with jitter")
+    backoff_max_s: float = Field(8.0, ge=0, description="backoff cap (also caps Retry-After)")
+    max_concurrency: int = Field(4, ge=1, description="requests in flight at once")
+    cache_path: str | None = Field(None, description="SQLite response cache (null: no cache)")
+
+
+class _Chat(BaseModel):
+    """The part of a chat-completions response the client reads."""
+
+    class _Choice(BaseModel):
+        class _Message(BaseModel):
+            content: str | None = None
+            tool_calls: list[dict[str, Any]] | None = None
+
+        message: _Message
+
+    choices: list[_Choice] = Field(min_length=1)
+
+
+class ResponseCache:
+    """request hash -> response JSON, on SQLite (safe across threads)."""
+
+    def __init__(self, path: str | Path):
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(str(path), check_same_thread=False)
+        self._db.execute("CREATE TABLE IF NOT EXISTS responses (key TEXT PRIMARY KEY, body TEXT NOT NULL, "
+                         "created REAL NOT NULL)")
+        self._db.commit()
+        self._lock = threading.Lock()
+
+    def get(self, key: str) -> str | None:
+        with self._lock:
+            row = self._db.execute("SELECT body FROM responses WHERE key = ?", (key,)).fetchone()
+        return row[0] if row else None
+
+    def put(self, key: str, body: str) -> None:
+        with self._lock:
+            self._db.execute("INSERT OR REPLACE INTO responses (key, body, created) VALUES (?, ?, ?)",
+                             (key, body, time.time()))
+            self._db.commit()
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+
+class TeacherClient:
+    """Chat completions from a black-box teacher; see the module docstring for the guarantees."""
+
+    def __init__(self, config: ClientConfig | None = None, transport: httpx.BaseTransport | None = None,
+                 sleep=time.sleep, seed: int = 0):
+        self.config = config or ClientConfig()
+        key = os.environ.get(self.config.api_key_env) if self.config.api_key_env else None
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self._http = httpx.Client(base_url=self.config.base_url.rstrip("/"), headers=headers,
+                                  timeout=self.config.timeout_s, transport=transport)
+        self._slots = threading.BoundedSemaphore(self.config.max_concurrency)
+        self._cache = ResponseCache(self.config.cache_path) if self.config.cache_path else None
+        self._sleep, self._rng = sleep, random.Random(seed)
+        self._lock = threading.Lock()
+        self.stats: Counter[str] = Counter({k: 0 for k in STAT_KEYS})
+
+    def __repr__(self) -> str:  # never the key
+        return f"TeacherClient(base_url={self.config.base_url!r}, model={self.config.model!r})"
+
+    def _count(self, key: str, n: int = 1) -> None:
+        with self._lock:
+            self.stats[key] += n
+
+    def request_key(self, messages: Sequence[dict[str, Any]], params: dict[str, Any]) -> str:
+        body = {"base_url": self.config.base_url, "model": self.config.model, "messages": list(messages),
+                "params": params}
+        return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
+
+    def _backoff(self, attempt: int, retry_after: str | None) -> float:
+        c = self.config
+        wait = min(c.backoff_max_s, c.backoff_s * 2 ** attempt) * (0.5 + self._rng.random())
+        if retry_after is not None:
+            try:
+                wait = max(wait, min(float(retry_after), c.backoff_max_s))
+            except ValueError:
+                pass
+        return wait
+
+    def _post(self, payload: dict[str, Any]) -> str | None:
+        """The response body of the first acceptable attempt, or None (counted) when every attempt failed."""
+        c = self.config
+        for attempt in range(c.max_retries + 1):
+            if attempt:
+                self._count("retries")
+            self._count("requests")
+            retry_after = None
+            try:
+                with self._slots:
+                    r = self._http.post("/chat/completions", json=payload)
+            except httpx.TimeoutException:
+                self._count("timeouts")
+            except httpx.TransportError:
+                self._count("server_errors")
+            else:
+                if r.status_code == 200:
+                    return r.text
+                if r.status_code == 429:
+                    self._count("rate_limited")
+                    retry_after = r.headers.get("retry-after")
+                elif r.status_code >= 500:
+                    self._count("server_errors")
+                else:  # a client error: retrying the same request cannot help
+                    self._count("failures")
+                    return None
+            if attempt < c.max_retries:
+                self._sleep(self._backoff(attempt, retry_after))
+        self._count("failures")
+        return None
+
+    def chat(self, messages: Sequence[dict[str, Any]], **params: Any) -> str | None:
+        """The first choice's text, or None when the teacher failed or answered malformed (counted)."""
+        key = self.request_key(messages, params)
+        body = self._cache.get(key) if self._cache else None
+        cached = body is not None
+        if cached:
+            self._count("cache_hits")
+        else:
+            body = self._post({"model": self.config.model, "messages": list(messages), **params})
+            if body is None:
+                return None
+        try:
+            parsed = _Chat.model_validate_json(body)
+        except ValidationError:
+            self._count("malformed")
+            return None
+        content = parsed.choices[0].message.content
+        if content is None:
+            self._count("malformed")
+            return None
+        if self._cache is not None and not cached:  # only well-formed answers are kept
+            self._cache.put(key, body)
+        return content
+
+    def structured(self, messages: Sequence[dict[str, Any]], schema: type[T], **params: Any) -> T | None:
+        """The first choice parsed as ``schema`` (JSON, optionally inside a ```json fence), or None (counted)."""
+        text = self.chat(messages, **params)
+        if text is None:
+            return None
+        raw = text.strip()
+        if raw.startswith("```"):
+            raw = raw.strip("`").removeprefix("json").strip()
+        try:
+            return schema.model_validate_json(raw)
+        except ValidationError:
+            self._count("invalid_structured")
+            return None
+
+    def close(self) -> None:
+        self._http.close()
+        if self._cache:
+            self._cache.close()
+
+
+__all__ = ["ClientConfig", "ResponseCache", "STAT_KEYS", "TeacherClient"]

@@ -1,0 +1,165 @@
+"""The black-box teacher client against a small local HTTP server that misbehaves on purpose:
+timeouts, 429 then success, 500, truncated JSON, wrong schema, an empty choice list. No crash;
+retries, skips and cache hits are counted; the key never leaves the request header."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from pydantic import BaseModel
+
+from mentorrl.opd.api import ClientConfig, TeacherClient
+
+GOOD = json.dumps({"choices": [{"message": {"role": "assistant", "content": '{"score": 0.75, "reason": "ok"}'}}]})
+
+
+class Script:
+    """Per path, the list of (status, body, headers, delay) to answer in turn (the last one repeats)."""
+
+    def __init__(self):
+        self.plans: dict[str, list[tuple[int, str, dict, float]]] = {}
+        self.hits: dict[str, int] = {}
+        self.auth: list[str | None] = []
+
+
+@pytest.fixture()
+def server():
+    script = Script()
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *a):  # quiet
+            pass
+
+        def do_POST(self):
+            n = int(self.headers.get("content-length", 0))
+            self.rfile.read(n)
+            script.auth.append(self.headers.get("authorization"))
+            route = self.path.split("/")[1]
+            plan = script.plans[route]
+            i = script.hits.get(route, 0)
+            script.hits[route] = i + 1
+            status, body, headers, delay = plan[min(i, len(plan) - 1)]
+            time.sleep(delay)
+            try:
+                self.send_response(status)
+                for k, v in headers.items():
+                    self.send_header(k, v)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body.encode())
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield script, f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+
+
+def client(url: str, route: str, **kw) -> TeacherClient:
+    cfg = ClientConfig(base_url=f"{url}/{route}/v1", model="t", timeout_s=kw.pop("timeout_s", 2.0),
+                       max_retries=kw.pop("max_retries", 2), backoff_s=0.0, api_key_env="MENTORRL_TEST_KEY", **kw)
+    return TeacherClient(cfg, sleep=lambda s: None)
+
+
+class Score(BaseModel):
+    score: float
+    reason: str
+
+
+MSG = [{"role": "user", "content": "rate this"}]
+
+
+def test_429_then_success_is_retried_and_parsed(server, monkeypatch):
+    script, url = server
+    monkeypatch.setenv("MENTORRL_TEST_KEY", "sk-secret-123")
+    script.plans["rl"] = [(429, "{}", {"retry-after": "0"}, 0.0), (200, GOOD, {}, 0.0)]
+    c = client(url, "rl")
+    out = c.structured(MSG, Score)
+    assert out == Score(score=0.75, reason="ok")
+    assert c.stats["rate_limited"] == 1 and c.stats["retries"] == 1 and c.stats["failures"] == 0
+    assert script.auth[-1] == "Bearer sk-secret-123"
+    assert "sk-secret" not in repr(c) and "sk-secret" not in json.dumps(dict(c.stats))
+
+
+def test_timeouts_and_500s_give_up_after_the_retries_without_raising(server):
+    script, url = server
+    script.plans["slow"] = [(200, GOOD, {}, 1.0)]
+    script.plans["err"] = [(500, "oops", {}, 0.0)]
+    slow = client(url, "slow", timeout_s=0.2, max_retries=1)
+    assert slow.chat(MSG) is None
+    assert slow.stats["timeouts"] == 2 and slow.stats["retries"] == 1 and slow.stats["failures"] == 1
+    err = client(url, "err", max_retries=2)
+    assert err.chat(MSG) is None
+    assert err.stats["server_errors"] == 3 and script.hits["err"] == 3 and err.stats["failures"] == 1
+
+
+@pytest.mark.parametrize("body", [GOOD[: len(GOOD) // 2], json.dumps({"id": "x", "object": "chat.completion"}),
+                                  json.dumps({"choices": []}), json.dumps({"choices": [{"message": {"content": None}}]})],
+                         ids=["truncated-json", "wrong-schema", "empty-choices", "no-content"])
+def test_malformed_responses_are_counted_and_skipped(server, body):
+    script, url = server
+    script.plans["bad"] = [(200, body, {}, 0.0)]
+    c = client(url, "bad")
+    assert c.chat(MSG) is None
+    assert c.stats["malformed"] == 1 and c.stats["retries"] == 0
+
+
+def test_structured_output_that_fails_its_model_is_counted(server):
+    script, url = server
+    wrong = json.dumps({"choices": [{"message": {"content": '{"score": "high"}'}}]})
+    script.plans["s"] = [(200, wrong, {}, 0.0)]
+    c = client(url, "s")
+    assert c.structured(MSG, Score) is None and c.stats["invalid_structured"] == 1
+
+
+def test_client_errors_are_not_retried(server):
+    script, url = server
+    script.plans["auth"] = [(401, "{}", {}, 0.0)]
+    c = client(url, "auth")
+    assert c.chat(MSG) is None and script.hits["auth"] == 1 and c.stats["failures"] == 1
+
+
+def test_cache_answers_a_repeated_request_and_holds_no_key(server, tmp_path, monkeypatch):
+    script, url = server
+    monkeypatch.setenv("MENTORRL_TEST_KEY", "sk-secret-456")
+    script.plans["c"] = [(200, GOOD, {}, 0.0)]
+    db = tmp_path / "cache.sqlite"
+    c = client(url, "c", cache_path=str(db))
+    first = c.chat(MSG, temperature=0.0)
+    again = client(url, "c", cache_path=str(db))  # a new client (a restarted run) reads the same cache
+    assert again.chat(MSG, temperature=0.0) == first and again.stats["cache_hits"] == 1
+    assert script.hits["c"] == 1
+    assert again.chat(MSG, temperature=0.5) == first and script.hits["c"] == 2  # other parameters: a new request
+    assert b"sk-secret" not in db.read_bytes()
+
+
+def test_concurrency_is_bounded(server):
+    script, url = server
+    script.plans["busy"] = [(200, GOOD, {}, 0.15)]
+    c = client(url, "busy", max_concurrency=2)
+    in_flight, peak, lock = [0], [0], threading.Lock()
+    real = c._http.post
+
+    def counting(*a, **kw):
+        with lock:
+            in_flight[0] += 1
+            peak[0] = max(peak[0], in_flight[0])
+        try:
+            return real(*a, **kw)
+        finally:
+            with lock:
+                in_flight[0] -= 1
+
+    c._http.post = counting
+    threads = [threading.Thread(target=c.chat, args=([{"role": "user", "content": str(i)}],)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert peak[0] == 2 and script.hits["busy"] == 6
