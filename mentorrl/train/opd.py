@@ -98,7 +98,7 @@ def weights_fingerprint(model) -> str:
     for name, p in sorted(model.state_dict().items()):
         t = p.detach().cpu().contiguous()
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())  # reshape: 0-dim tensors (a logit scale) too
     return h.hexdigest()
 
 
