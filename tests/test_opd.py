@@ -327,3 +327,17 @@ def test_sampled_advantages_are_centred_over_the_tokens_they_cover():
     out = _center([None, None, None], kl)
     assert out[1] is None
     assert out[0].tolist() == pytest.approx([0.0, 1.0, -1.0]) and out[2].tolist() == pytest.approx([0.0, 0.0, 0.0])
+
+
+def test_weights_fingerprint_covers_every_tensor_kind_and_value():
+    from mentorrl.train.opd import weights_fingerprint
+
+    def module(scale: float) -> torch.nn.Module:
+        m = torch.nn.Module()
+        m.register_buffer("scale", torch.tensor(scale))  # 0-dim
+        m.register_buffer("empty", torch.zeros(0))
+        m.register_buffer("half", torch.ones(3, dtype=torch.bfloat16))
+        return m
+
+    assert weights_fingerprint(module(2.0)) == weights_fingerprint(module(2.0))
+    assert weights_fingerprint(module(2.0)) != weights_fingerprint(module(2.5))
