@@ -336,7 +336,7 @@ def test_weights_fingerprint_covers_every_tensor_kind_and_value():
         m = torch.nn.Module()
         m.register_buffer("scale", torch.tensor(scale))  # 0-dim
         m.register_buffer("empty", torch.zeros(0))
-        m.register_buffer("half", torch.ones(3, dtype=torch.bfloat16))
+        m.register_buffer("bf16", torch.ones(3, dtype=torch.bfloat16))
         return m
 
     assert weights_fingerprint(module(2.0)) == weights_fingerprint(module(2.0))
