@@ -163,3 +163,12 @@ def test_concurrency_is_bounded(server):
     for t in threads:
         t.join()
     assert peak[0] == 2 and script.hits["busy"] == 6
+
+
+def test_client_config_rejects_bad_values_with_the_field_named():
+    from pydantic import ValidationError
+
+    for bad, field in (({"max_concurrency": 0}, "max_concurrency"), ({"timeout_s": -1}, "timeout_s"),
+                       ({"max_retries": -1}, "max_retries"), ({"retries": 3}, "retries")):
+        with pytest.raises(ValidationError, match=field):
+            ClientConfig(**bad)

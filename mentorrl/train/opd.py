@@ -251,11 +251,10 @@ def opd_stage(ws: Workspace, model, resume: bool = False) -> Path:
         kl = kl_advantages(trajs, signals, w, shared) if teachers else [None] * len(trajs)
         m.update(teacher_s=time.perf_counter() - t1, teacher_tokens=float(teacher_tokens),
                  alignment_failures=float(failures))
-        covered = [sig.topk_mask for row in topk_rows for sig in row.values() if sig is not None and sig.topk_mask is not None]
-        if covered:  # cross-tokenizer top-k: the share of policy tokens with a target
-            m["topk_coverage"] = float(sum(int(c.sum()) for c in covered)) / max(
-                sum(trajs[b].num_policy_tokens for row in topk_rows for b, sig in row.items()
-                    if sig is not None and sig.topk_mask is not None), 1)
+        partial = [(int(sig.topk_mask.sum()), trajs[b].num_policy_tokens) for row in topk_rows
+                   for b, sig in row.items() if sig is not None and sig.topk_mask is not None]
+        if partial:  # cross-tokenizer top-k: the share of policy tokens with a target
+            m["topk_coverage"] = sum(c for c, _ in partial) / max(sum(n for _, n in partial), 1)
 
         # ---- token weights: MOPD failure-aware steps, ShortOPD selection ----
         policy_tokens = sum(t.num_policy_tokens for t in trajs)
