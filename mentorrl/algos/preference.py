@@ -102,4 +102,29 @@ def orpo_loss(chosen_token_logprobs: torch.Tensor, chosen_mask: torch.Tensor, re
     return loss, metrics
 
 
-__all__ = ["after_shared_prefix", "dpo_loss", "ipo_loss", "orpo_loss", "sequence_logprobs"]
+def soft_label_loss(student_scores: torch.Tensor, teacher_scores: torch.Tensor, temperature: float = 1.0
+                    ) -> tuple[torch.Tensor, dict[str, float]]:
+    """Candidate-level soft labels: the cross-entropy from the teacher's ``softmax(scores / T)``
+    over N candidates to the student's ``softmax`` over its own sequence log-probs of them.
+
+    ``student_scores`` / ``teacher_scores``: ``[N]`` (one group) or ``[G, N]`` (groups of equal
+    size), averaged over groups. The minimum is reached when the student's candidate
+    probabilities, renormalised over the candidates, equal the teacher's weights; the loss minus
+    the target's entropy is their KL (reported as ``soft_label_kl``)."""
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if student_scores.shape != teacher_scores.shape or student_scores.shape[-1] < 2:
+        raise ValueError(f"need matching [.., N>=2] scores, got {tuple(student_scores.shape)} and "
+                         f"{tuple(teacher_scores.shape)}")
+    target = torch.softmax(teacher_scores.float() / temperature, dim=-1)
+    logq = torch.log_softmax(student_scores.float(), dim=-1)
+    ce = -(target * logq).sum(-1)
+    loss = ce.mean()
+    with torch.no_grad():
+        ent = -(target * target.clamp_min(1e-30).log()).sum(-1)
+        top = (logq.argmax(-1) == target.argmax(-1)).float().mean()
+        metrics = {"loss": loss.item(), "soft_label_kl": (ce - ent).mean().item(), "top_agreement": top.item()}
+    return loss, metrics
+
+
+__all__ = ["after_shared_prefix", "dpo_loss", "ipo_loss", "orpo_loss", "sequence_logprobs", "soft_label_loss"]

@@ -161,8 +161,8 @@ class TeacherClient:
         self._count("failures")
         return None
 
-    def chat(self, messages: Sequence[dict[str, Any]], **params: Any) -> str | None:
-        """The first choice's text, or None when the teacher failed or answered malformed (counted)."""
+    def _response(self, messages: Sequence[dict[str, Any]], params: dict[str, Any]) -> _Chat | None:
+        """The parsed response (from the cache or the server), or None when the teacher failed (counted)."""
         key = self.request_key(messages, params)
         body = self._cache.get(key) if self._cache else None
         cached = body is not None
@@ -177,13 +177,32 @@ class TeacherClient:
         except ValidationError:
             self._count("malformed")
             return None
+        if any(c.message.content is None and not c.message.tool_calls for c in parsed.choices):
+            self._count("malformed")  # a choice that says nothing
+            return None
+        if self._cache is not None and not cached:  # only well-formed answers are kept
+            self._cache.put(key, body)
+        return parsed
+
+    def chat(self, messages: Sequence[dict[str, Any]], **params: Any) -> str | None:
+        """The first choice's text, or None when the teacher failed or answered malformed (counted)."""
+        parsed = self._response(messages, params)
+        if parsed is None:
+            return None
         content = parsed.choices[0].message.content
         if content is None:
             self._count("malformed")
             return None
-        if self._cache is not None and not cached:  # only well-formed answers are kept
-            self._cache.put(key, body)
         return content
+
+    def complete(self, messages: Sequence[dict[str, Any]], **params: Any) -> list[dict[str, Any]] | None:
+        """Every choice's assistant message (``content`` and/or ``tool_calls``), e.g. ``n`` sampled
+        next actions of an acting teacher; None when the teacher failed or answered malformed (counted)."""
+        parsed = self._response(messages, params)
+        if parsed is None:
+            return None
+        return [{"role": "assistant", "content": c.message.content, "tool_calls": c.message.tool_calls}
+                for c in parsed.choices]
 
     def structured(self, messages: Sequence[dict[str, Any]], schema: type[T], **params: Any) -> T | None:
         """The first choice parsed as ``schema`` (JSON, optionally inside a ```json fence), or None (counted)."""

@@ -202,6 +202,54 @@ class Learner:
         m.update(distill_loss=seen["sum"] / total, divergence_max=seen["max"], distilled_token_weight=total)
         return m
 
+    @torch.no_grad()
+    def sequence_logprobs(self, trajs: Sequence[Trajectory], masks: Sequence[torch.Tensor], average: bool = False,
+                          model=None) -> torch.Tensor:
+        """``[N]``: each trajectory's summed (``average``: mean) token log-prob over its mask, under
+        ``model`` (default: the policy; e.g. a frozen reference), micro-batched, without gradient."""
+        from mentorrl.algos.preference import sequence_logprobs
+
+        model = model if model is not None else self.model
+        device = next(model.parameters()).device
+        out = []
+        for lo in range(0, len(trajs), self.cfg.micro_batch_size):
+            sl = slice(lo, min(lo + self.cfg.micro_batch_size, len(trajs)))
+            mb = collate(trajs[sl], self.pad_id).to(device)
+            lp, _ = forward_logprobs(model, mb, self.temperature)
+            out.append(sequence_logprobs(lp, pad_token_values(masks[sl], mb.input_ids.shape[1]).to(device), average))
+        return torch.cat(out).float().cpu()
+
+    def sequence_step(
+        self,
+        trajs: Sequence[Trajectory],
+        masks: Sequence[torch.Tensor],
+        objective: Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, float]]],
+        average: bool = False,
+    ) -> dict[str, float]:
+        """One update on a loss of *sequence* log-probs that couples trajectories (DPO pairs,
+        candidate soft labels): ``objective(s) -> (loss, metrics)`` with ``s[i]`` the masked
+        sum (mean) of trajectory ``i``'s token log-probs.
+
+        Exact at any micro-batch size: a first pass computes ``s`` without gradient and
+        ``g = dloss/ds``; the second backpropagates ``sum_i g_i s_i`` micro-batch by micro-batch,
+        whose gradient equals the loss's. ``masks`` select the tokens (within the policy tokens)."""
+        from mentorrl.algos.preference import sequence_logprobs
+
+        masks = [m.float() * torch.tensor(t.loss_mask, dtype=torch.float32) for m, t in zip(masks, trajs)]
+        s = self.sequence_logprobs(trajs, masks, average).requires_grad_(True)
+        loss, metrics = objective(s)
+        (g,) = torch.autograd.grad(loss, s)
+        if not bool(torch.isfinite(g).all()):
+            raise FloatingPointError("sequence_step: the objective's gradient is not finite")
+
+        def fn(mb, logprobs, entropy, sl):
+            m = pad_token_values(masks[sl], mb.input_ids.shape[1]).to(logprobs.device)
+            return (g[sl].to(logprobs.device) * sequence_logprobs(logprobs, m, average)).sum(), {}
+
+        out = self._accumulate(trajs, "sum", fn)
+        out.update({k: float(v) for k, v in metrics.items()}, loss=float(loss.detach()))
+        return out
+
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
 

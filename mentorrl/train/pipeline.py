@@ -56,8 +56,9 @@ def before_after_table(rows: dict[str, dict[str, Any]]) -> Table:
 
 STAGE_TITLES = {"sft": "SFT on expert demonstrations", "rft": "RFT: sample, verify, fine-tune", "grpo": "GRPO",
                 "ppo": "PPO with a critic", "sao": "SAO: asynchronous single-rollout optimisation",
-                "opd": "On-policy distillation", "evolve": "Self-evolving loop"}
-STAGE_LABELS = {"sft": "SFT", "rft": "RFT", "grpo": "GRPO", "ppo": "PPO", "sao": "SAO", "opd": "OPD",
+                "opd": "On-policy distillation",
+                "blackbox": "Black-box on-policy distillation", "evolve": "Self-evolving loop"}
+STAGE_LABELS = {"sft": "SFT", "rft": "RFT", "grpo": "GRPO", "ppo": "PPO", "sao": "SAO", "opd": "OPD", "blackbox": "BB-OPD",
                 "evolve": "Evolve"}
 
 
@@ -86,6 +87,10 @@ def run_stage_by_name(ws: Workspace, stage: str, model, resume: bool) -> Path:
         from mentorrl.train.opd import opd_stage
 
         return opd_stage(ws, model, resume=resume)
+    if stage == "blackbox":
+        from mentorrl.train.blackbox import blackbox_stage
+
+        return blackbox_stage(ws, model, resume=resume)
     if stage == "evolve":
         from mentorrl.train.evolve import evolve_stage
 

@@ -17,7 +17,7 @@ def _mean(xs: list[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
-RL_STAGES = ("grpo", "ppo", "sao", "opd", "evolve")
+RL_STAGES = ("grpo", "ppo", "sao", "opd", "blackbox", "evolve")
 
 
 def end_to_end_gap(rl: list[dict[str, Any]], before: float | None, after: float | None,

@@ -1,0 +1,466 @@
+"""Black-box on-policy distillation (``recipe: [sft, blackbox]``): the student rolls out, an
+API-only teacher (no log-probs) judges or corrects what it actually did, and one of six recipes
+turns that into an update.
+
+One step:
+
+1. Roll out ``tasks_per_step x samples_per_task`` episodes with the student.
+2. Send them to the teacher as chat messages (:class:`~mentorrl.opd.blackbox.StudentEpisode`).
+3. Build the recipe's batch:
+
+   ========================  =======================  ==============================================
+   recipe                    the teacher gives        the student learns by
+   ========================  =======================  ==============================================
+   ``correction``            critique + its actions   SFT on the teacher's continuation from the
+                                                      first wrong step, after the student's prefix
+   ``ranking``               candidate scores         DPO / IPO / ORPO on (best, worst) pairs
+   ``score``                 rubric scores            GRPO on the verifier's reward fused with them
+   ``critique``              step scores              GRPO with each turn's advantage shifted by
+                                                      its standardised step score
+   ``soft_labels``           candidate scores         cross-entropy from softmax(scores / T) to the
+                                                      student's softmax over its sequence log-probs
+   ``actions``               action scores            the same at single states, over candidate
+                                                      next actions (student samples + teacher's)
+   ========================  =======================  ==============================================
+
+Whatever the teacher fails to answer (timeouts, malformed JSON, a wrong count of scores) is
+counted and the sample left out; a step with nothing to learn from logs that and moves on. The
+client's counters are logged every step as ``teacher_<counter>`` (cumulative).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import random
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from mentorrl.algos.advantages import get_advantage_estimator, group_reward_stats, sanitize_group_rewards
+from mentorrl.algos.preference import after_shared_prefix, dpo_loss, ipo_loss, orpo_loss, soft_label_loss
+from mentorrl.chat import action_key, action_of, assistant_message, message_text, trajectory_messages
+from mentorrl.config import BlackBoxConfig, BlackBoxTeacherConfig
+from mentorrl.contract import render_observation_content
+from mentorrl.opd.api import STAT_KEYS, TeacherClient
+from mentorrl.opd.blackbox import ActingTeacher, BlackBoxTeacher, PromptedTeacher, StudentEpisode
+from mentorrl.opd.teacher import Capability, require
+from mentorrl.rollout.episode import Episode
+from mentorrl.rollout.runner import rollout_tasks
+from mentorrl.train.consistency import policy_lag
+from mentorrl.train.learner import Learner
+from mentorrl.train.stages import (
+    TRAIN_POOL_SEED_OFFSET,
+    Workspace,
+    _minibatches,
+    _reduce_updates,
+    _require_consistent,
+    heldout_check,
+    rollout_metrics,
+    run_stage,
+)
+from mentorrl.trajectory import Segment, Trajectory
+
+NEEDS = {"correction": [Capability.STEP_CRITIQUE, Capability.SAMPLING], "ranking": [Capability.RANKING],
+         "score": [Capability.SCORING], "critique": [Capability.STEP_CRITIQUE],
+         "soft_labels": [Capability.RANKING], "actions": [Capability.ACTION_RANKING, Capability.SAMPLING]}
+PG_KEYS = ("pg_loss", "clip_frac", "entropy", "grad_norm", "approx_kl", "logprob_abs_gap", "policy_lag_mean",
+           "policy_lag_max")
+
+
+# ------------------------------------------------------------------ teacher ------
+@contextlib.contextmanager
+def open_teacher(t: BlackBoxTeacherConfig, seed: int = 0) -> Iterator[BlackBoxTeacher]:
+    """The configured black-box teacher; with ``serve`` set, a ``mentorrl serve`` subprocess on
+    127.0.0.1 for the duration (stopped on exit)."""
+    with contextlib.ExitStack() as stack:
+        client_cfg = t.client
+        if t.serve is not None:
+            from mentorrl.serve import serve_subprocess
+
+            url = stack.enter_context(serve_subprocess(t.serve))
+            client_cfg = client_cfg.model_copy(update={"base_url": url, "api_key_env": None})
+        client = TeacherClient(client_cfg, seed=seed)
+        stack.callback(client.close)
+        if t.mode == "acting":
+            yield ActingTeacher(client, samples=t.samples, temperature=t.temperature, threshold=t.threshold,
+                                act_temperature=t.act_temperature, max_tokens=t.max_tokens, seed=seed)
+        else:
+            yield PromptedTeacher(client, threshold=t.threshold, act_temperature=t.act_temperature,
+                                  max_tokens=max(t.max_tokens, 256), seed=seed)
+
+
+def student_episodes(ws: Workspace, tasks, trajs: list[Trajectory]) -> list[StudentEpisode]:
+    system = ws.contract.system_text()
+    return [StudentEpisode(task, traj, trajectory_messages(traj, ws.tokenizer, system, task.prompt))
+            for task, traj in zip(tasks, trajs)]
+
+
+# --------------------------------------------------------------- correction ------
+def corrected_trajectory(ws: Workspace, ep: StudentEpisode, first_wrong: int, teacher: BlackBoxTeacher
+                         ) -> Trajectory | None:
+    """The student's first ``first_wrong`` turns replayed as they were (context, loss mask 0), then
+    the teacher acting from that state until the episode ends (its turns: loss mask 1). None when
+    the teacher stopped answering."""
+    contract, traj = ws.contract, ep.traj
+    env = ws.make_env()
+    try:
+        e = Episode(contract, env, ep.task, policy_version=traj.policy_version, weights=ws.cfg.reward, source="teacher")
+        e.start()
+        turns = [s for s in traj.segments if s.role == "policy"]
+        for seg in turns[:first_wrong]:
+            action = e.add_policy_turn(traj.token_ids[seg.start:seg.end], traj.logprobs[seg.start:seg.end], stopped=True)
+            if action is None or e.add_observation(e.run_tool(action)) is None:
+                return None  # the prefix ended the episode: nothing left to correct
+        msgs = list(ep.messages[:ep.turn_indices[first_wrong]])
+        while not e.done:
+            reply = teacher.act(msgs)
+            if not reply:
+                return None
+            text = message_text(reply[0])
+            ids = contract.policy_turn_ids(text)
+            action = e.add_policy_turn(ids, [0.0] * len(ids), stopped=True)
+            msgs.append(assistant_message(text))
+            if action is None:
+                break
+            result = e.run_tool(action)
+            msgs.append({"role": "tool", "content": render_observation_content(result.ok, result.content, result.error)})
+            if e.add_observation(result) is None:
+                break
+        fixed = e.finish()
+    finally:
+        env.close()
+    n_ctx = turns[first_wrong].start if first_wrong < len(turns) else len(fixed.token_ids)
+    mask = [m if i >= n_ctx else 0 for i, m in enumerate(fixed.loss_mask)]
+    return fixed.model_copy(update={"loss_mask": mask}) if any(mask) else None
+
+
+def correction_update(ws, learner, teacher, eps, o: BlackBoxConfig) -> dict[str, float]:
+    targets, m = [], {"critiqued": 0.0, "no_error_found": 0.0, "rejected_corrections": 0.0, "teacher_skips": 0.0}
+    for ep in eps:
+        if o.correction.only_failed and ep.traj.reward.success:
+            continue
+        c = teacher.critique(ep)
+        m["critiqued"] += 1
+        if c is None:
+            m["teacher_skips"] += 1
+            continue
+        if c.first_wrong is None:
+            m["no_error_found"] += 1
+            continue
+        fixed = corrected_trajectory(ws, ep, c.first_wrong, teacher)
+        if fixed is None:
+            m["teacher_skips"] += 1
+        elif o.correction.require_success and not fixed.reward.success:
+            m["rejected_corrections"] += 1
+        else:
+            targets.append(fixed)
+    m["batch_size"] = float(len(targets))
+    if targets:
+        up = learner.sft_step(targets, agg=o.loss_agg)
+        m.update(loss=up.get("loss", 0.0), grad_norm=up["grad_norm"])
+    return m
+
+
+# ----------------------------------------------------------- ranking -> DPO ------
+def preference_pairs(groups: list[list[StudentEpisode]], scores: list[list[float] | None], min_margin: float
+                     ) -> tuple[list[tuple[Trajectory, Trajectory, list[int], list[int]]], dict[str, float]]:
+    """(chosen, rejected, chosen mask, rejected mask) per group: the teacher's best and worst
+    candidates when their scores differ by ``min_margin``, masked after their shared prefix."""
+    pairs, m = [], {"ties": 0.0, "teacher_skips": 0.0}
+    for group, s in zip(groups, scores):
+        if s is None:
+            m["teacher_skips"] += 1
+            continue
+        best, worst = max(range(len(s)), key=s.__getitem__), min(range(len(s)), key=s.__getitem__)
+        if s[best] - s[worst] < max(min_margin, 1e-9):
+            m["ties"] += 1
+            continue
+        c, r = group[best].traj, group[worst].traj
+        try:
+            cm, rm = after_shared_prefix(c.token_ids, r.token_ids, c.loss_mask, r.loss_mask)
+        except ValueError:
+            m["ties"] += 1
+            continue
+        if not any(cm) or not any(rm):  # one is a prefix of the other: nothing of its own to compare
+            m["ties"] += 1
+            continue
+        pairs.append((c, r, cm, rm))
+    return pairs, m
+
+
+def preference_update(learner, ref_model, pairs, o: BlackBoxConfig) -> dict[str, float]:
+    p = o.preference
+    trajs = [c for c, _, _, _ in pairs] + [r for _, r, _, _ in pairs]
+    masks = [torch.tensor(cm) for _, _, cm, _ in pairs] + [torch.tensor(rm) for _, _, _, rm in pairs]
+    n = len(pairs)
+    if p.loss == "orpo":
+        full = [torch.tensor(c.loss_mask) for c, _, _, _ in pairs] + masks[n:]
+
+        def orpo(s):
+            # s: mean log-probs; orpo_loss works on token tensors, so hand it [N, 1] "tokens" with mask 1
+            one = torch.ones(n, 1)
+            return orpo_loss(s[:n, None], one, s[n:, None], one, lam=p.lam)
+
+        return learner.sequence_step(trajs, full, orpo, average=True)
+    average = p.loss == "ipo"
+    ref = learner.sequence_logprobs(trajs, masks, average, model=ref_model)
+
+    def objective(s):
+        if p.loss == "dpo":
+            return dpo_loss(s[:n], s[n:], ref[:n], ref[n:], beta=p.beta, label_smoothing=p.label_smoothing)
+        return ipo_loss(s[:n], s[n:], ref[:n], ref[n:], tau=p.tau)
+
+    return learner.sequence_step(trajs, masks, objective, average=average)
+
+
+# ------------------------------------------------------------- score reward ------
+def fused_rewards(trajs: list[Trajectory], teacher_scores: list[float | None], coef: float) -> tuple[torch.Tensor, int]:
+    """``(1 - coef) * verifier + coef * teacher`` per trajectory. The verifier is authoritative: a
+    trajectory that broke a hard constraint, or one the teacher did not score, keeps the
+    verifier's reward. Returns the rewards and how many were fused."""
+    out, fused = [], 0
+    for t, s in zip(trajs, teacher_scores):
+        if s is None or t.reward.violations:
+            out.append(t.reward.total)
+        else:
+            out.append((1 - coef) * t.reward.total + coef * s)
+            fused += 1
+    return torch.tensor(out, dtype=torch.float32), fused
+
+
+def step_advantages(trajs: list[Trajectory], outcome_adv: torch.Tensor, step_scores: list[list[float] | None],
+                    coef: float) -> list[torch.Tensor]:
+    """Per-token advantages: the trajectory's outcome advantage on every policy token, plus
+    ``coef`` times its turn's step score standardised over every scored turn of the batch."""
+    flat = torch.tensor([s for sc in step_scores if sc for s in sc], dtype=torch.float32)
+    mu, sd = (float(flat.mean()), float(flat.std(unbiased=False))) if flat.numel() else (0.0, 0.0)
+    out = []
+    for t, a, sc in zip(trajs, outcome_adv.tolist(), step_scores):
+        adv = torch.tensor(t.loss_mask, dtype=torch.float32) * a
+        if sc and sd > 1e-6:
+            for seg, s in zip([g for g in t.segments if g.role == "policy"], sc):
+                adv[seg.start:seg.end] += coef * (s - mu) / sd
+        out.append(adv * torch.tensor(t.loss_mask, dtype=torch.float32))
+    return out
+
+
+def policy_gradient_update(learner, trajs, token_adv, o: BlackBoxConfig, state, step: int) -> dict[str, float]:
+    ups = []
+    keep = [i for i in range(len(trajs)) if token_adv[i].abs().sum() > 0]
+    for idx in _minibatches(keep, o.updates_per_step, seed=step * 7 + 3) if keep else []:
+        batch = [trajs[i] for i in idx]
+        ups.append({**learner.token_policy_step(batch, [token_adv[i] for i in idx], "clipped", eps_low=o.eps_low,
+                                                eps_high=o.eps_high, agg=o.loss_agg),
+                    **policy_lag(batch, state["policy"])})
+        state["policy"] += 1
+    return {**_reduce_updates(ups, PG_KEYS), "batch_size": float(len(keep))}
+
+
+# ---------------------------------------------------- soft labels and actions ------
+def soft_label_update(learner, groups: list[tuple[list[Trajectory], list[torch.Tensor], list[float]]],
+                      temperature: float, average: bool) -> dict[str, float]:
+    """One update on candidate-level soft labels: per group (candidates, their masks, teacher
+    scores), cross-entropy from softmax(scores / T) to the student's softmax over its own
+    candidate log-probs; averaged over groups (groups may differ in size)."""
+    trajs = [t for g, _, _ in groups for t in g]
+    masks = [m for _, ms, _ in groups for m in ms]
+    bounds, lo = [], 0
+    for g, _, _ in groups:
+        bounds.append((lo, lo + len(g)))
+        lo += len(g)
+
+    def objective(s):
+        losses, kls, tops = [], [], []
+        for (a, b), (_, _, sc) in zip(bounds, groups):
+            loss, mm = soft_label_loss(s[a:b], torch.tensor(sc), temperature)
+            losses.append(loss)
+            kls.append(mm["soft_label_kl"])
+            tops.append(mm["top_agreement"])
+        return torch.stack(losses).mean(), {"soft_label_kl": sum(kls) / len(kls), "top_agreement": sum(tops) / len(tops)}
+
+    return learner.sequence_step(trajs, masks, objective, average=average)
+
+
+@torch.no_grad()
+def sample_turns(model, contract, prefix: list[int], k: int, seed: int) -> list[list[int]]:
+    """``k`` student samples of the next turn from ``prefix`` (each ending at its stop token, if reached)."""
+    device = next(model.parameters()).device
+    torch.manual_seed(seed)
+    ids = torch.tensor([prefix], device=device)
+    t = contract.sampling.temperature
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=t > 0,
+                         temperature=t if t > 0 else None, top_p=contract.sampling.top_p, top_k=0,
+                         max_new_tokens=contract.sampling.max_new_tokens, num_return_sequences=k,
+                         eos_token_id=list(contract.stop_token_ids), pad_token_id=contract.pad_token_id)
+    turns = []
+    for row in out[:, len(prefix):].tolist():
+        cut = next((i + 1 for i, tok in enumerate(row) if tok in contract.stop_token_ids), len(row))
+        turns.append(row[:cut])
+    return turns
+
+
+def candidate_trajectory(traj: Trajectory, prefix_len: int, turn_ids: list[int]) -> Trajectory:
+    """The trajectory's first ``prefix_len`` tokens (context) followed by one candidate turn (loss mask 1)."""
+    ids = list(traj.token_ids[:prefix_len]) + list(turn_ids)
+    segs = [s for s in traj.segments if s.end <= prefix_len] + [Segment(role="policy", start=prefix_len, end=len(ids))]
+    return traj.model_copy(update={"token_ids": ids, "loss_mask": [0] * prefix_len + [1] * len(turn_ids),
+                                   "logprobs": [0.0] * len(ids), "segments": segs})
+
+
+def action_groups(ws: Workspace, model, teacher: BlackBoxTeacher, eps: list[StudentEpisode], o: BlackBoxConfig,
+                  rng: random.Random, seed: int) -> tuple[list, dict[str, float]]:
+    """Per sampled state: the distinct candidate next turns (student samples, the turn it took and,
+    optionally, the teacher's), as candidate trajectories, with the teacher's scores."""
+    a, contract = o.actions, ws.contract
+    groups, m = [], {"states": 0.0, "teacher_skips": 0.0, "uninformative_states": 0.0, "candidates": 0.0}
+    for e_i, ep in enumerate(eps):
+        turns = [s for s in ep.traj.segments if s.role == "policy"]
+        for ti in sorted(rng.sample(range(len(turns)), min(a.states_per_trajectory, len(turns)))):
+            seg = turns[ti]
+            state_msgs = ep.messages[:ep.turn_indices[ti]]
+            cands = [ep.traj.token_ids[seg.start:seg.end]] + sample_turns(model, contract, ep.traj.token_ids[:seg.start],
+                                                                          a.candidates, seed * 9973 + e_i * 31 + ti)
+            if a.include_teacher_action:
+                mine = teacher.act(state_msgs)
+                if mine:
+                    cands.append(contract.policy_turn_ids(message_text(mine[0])))
+            seen, uniq, msgs = set(), [], []
+            for c in cands:
+                msg = assistant_message(contract.decode_turn(c))
+                key = action_key(action_of(msg))
+                if key not in seen:
+                    seen.add(key)
+                    uniq.append(c)
+                    msgs.append(msg)
+            m["states"] += 1
+            if len(uniq) < 2:
+                m["uninformative_states"] += 1
+                continue
+            scores = teacher.rank_actions(state_msgs, msgs)
+            if scores is None:
+                m["teacher_skips"] += 1
+                continue
+            if max(scores) - min(scores) < 1e-6:
+                m["uninformative_states"] += 1
+                continue
+            trajs = [candidate_trajectory(ep.traj, seg.start, c) for c in uniq]
+            groups.append((trajs, [torch.tensor(t.loss_mask) for t in trajs], scores))
+            m["candidates"] += len(uniq)
+    return groups, m
+
+
+# -------------------------------------------------------------------- stage ------
+def blackbox_stage(ws: Workspace, model, resume: bool = False) -> Path:
+    cfg, o = ws.cfg, ws.cfg.blackbox
+    with open_teacher(o.teacher, seed=cfg.seed) as teacher:
+        require(teacher, NEEDS[o.recipe], f"blackbox ({o.recipe})")
+        return _run(ws, model, teacher, resume)
+
+
+def _run(ws: Workspace, model, teacher: BlackBoxTeacher, resume: bool) -> Path:
+    cfg, o, audit = ws.cfg, ws.cfg.blackbox, ws.cfg.audit
+    pool = ws.train_tasks(max(o.tasks_per_step * max(o.steps, 1), 64), cfg.seed + TRAIN_POOL_SEED_OFFSET)
+    learner = Learner(model, o.optim, ws.contract.pad_token_id, ws.contract.sampling.temperature)
+    ref_model = None
+    if o.recipe == "ranking" and o.preference.loss != "orpo":
+        ref_model = copy.deepcopy(model).eval()
+        for p in ref_model.parameters():
+            p.requires_grad_(False)
+    estimator = get_advantage_estimator("grpo")
+    state: dict[str, Any] = {"policy": 0, "rollout_tokens": 0}
+    G = o.samples_per_task
+
+    def step_fn(step: int) -> dict[str, float]:
+        rng = random.Random(cfg.seed * 1_000_003 + 17 * step + 29)
+        chosen = rng.sample(pool, min(o.tasks_per_step, len(pool)))
+        grouped = [t for t in chosen for _ in range(G)]
+        t0 = time.perf_counter()
+        trajs = rollout_tasks(model, ws.contract, ws.make_env, grouped, policy_version=state["policy"],
+                              seed=cfg.seed * 4_241 + step, batch_size=len(grouped), weights=cfg.reward)
+        _require_consistent(ws, trajs, state["policy"], f"blackbox step {step + 1}")
+        state["rollout_tokens"] += sum(t.num_policy_tokens for t in trajs)
+        m: dict[str, float] = {**rollout_metrics(trajs), "rollouts": float(len(trajs)),
+                               "rollout_s": time.perf_counter() - t0}
+        eps = student_episodes(ws, grouped, trajs)
+        groups = [eps[i * G:(i + 1) * G] for i in range(len(chosen))]
+        t1 = time.perf_counter()
+        r = o.recipe
+        if r == "correction":
+            m.update(correction_update(ws, learner, teacher, eps, o))
+            state["policy"] += int(m["batch_size"] > 0)
+        elif r == "ranking":
+            scores = [teacher.rank(g) for g in groups]
+            pairs, pm = preference_pairs(groups, scores, o.preference.min_margin)
+            m.update(pm, batch_size=float(len(pairs)))
+            if pairs:
+                m.update(preference_update(learner, ref_model, pairs, o))
+                state["policy"] += 1
+        elif r in ("score", "critique"):
+            raw = torch.tensor([t.reward.total for t in trajs], dtype=torch.float32)
+            if r == "score":
+                ts = [teacher.score(ep) for ep in eps]
+                overall = [s.overall(o.score.weights) if s is not None else None for s in ts]
+                raw, fused = fused_rewards(trajs, overall, o.score.teacher_coef)
+                got = [x for x in overall if x is not None]
+                m.update(teacher_scored=float(fused), teacher_skips=float(len(ts) - len(got)),
+                         teacher_score_mean=sum(got) / len(got) if got else 0.0,
+                         teacher_verifier_agreement=_agreement(trajs, ts))
+            rewards, clipped = sanitize_group_rewards(raw.view(len(chosen), G), audit.reward_low, audit.reward_high,
+                                                      audit.outlier_z)
+            m.update({f"reward_{k}": v for k, v in group_reward_stats(rewards).items()})
+            adv = estimator(rewards, normalize_std=True).reshape(-1)
+            if r == "score":
+                token_adv = [torch.tensor(t.loss_mask, dtype=torch.float32) * float(a) for t, a in zip(trajs, adv)]
+            else:
+                crit = [teacher.critique(ep) for ep in eps]
+                sc = [c.scores if c is not None else None for c in crit]
+                m.update(teacher_skips=float(sum(c is None for c in crit)),
+                         step_score_mean=_mean([s for x in sc if x for s in x]))
+                token_adv = step_advantages(trajs, adv, sc, o.critique.coef)
+            m.update(policy_gradient_update(learner, trajs, token_adv, o, state, step))
+        elif r == "soft_labels":
+            scores = [teacher.rank(g) for g in groups]
+            data = [([e.traj for e in g], [torch.tensor(e.traj.loss_mask) for e in g], s)
+                    for g, s in zip(groups, scores) if s is not None and max(s) - min(s) > 1e-6]
+            m.update(teacher_skips=float(sum(s is None for s in scores)), batch_size=float(len(data)))
+            if data:
+                m.update(soft_label_update(learner, data, o.soft_labels.temperature, o.soft_labels.average))
+                state["policy"] += 1
+        else:  # actions
+            data, am = action_groups(ws, model, teacher, eps, o, rng, seed=cfg.seed + step)
+            m.update(am, batch_size=float(len(data)))
+            if data:
+                m.update(soft_label_update(learner, data, o.actions.temperature, o.actions.average))
+                state["policy"] += 1
+        m.update({f"teacher_{k}": float(teacher.client.stats[k]) for k in STAT_KEYS},
+                 teacher_s=time.perf_counter() - t1, policy_version=float(state["policy"]),
+                 rollout_tokens_total=float(state["rollout_tokens"]))
+        if o.eval_every and (step + 1) % o.eval_every == 0:
+            m["heldout_success"] = heldout_check(ws, model, o.eval_tasks)
+        return m
+
+    def extra_state() -> dict[str, Any]:
+        return dict(state)
+
+    def restore(st: dict[str, Any]) -> None:
+        state.update({k: st.get(k, 0) for k in ("policy", "rollout_tokens")})
+
+    return run_stage(ws, "blackbox", model, learner, o.steps, step_fn, o.checkpoint_every, resume,
+                     extra_state=extra_state, restore_extra=restore)
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+def _agreement(trajs: list[Trajectory], scores) -> float:
+    """Share of scored trajectories where the teacher's task_success (>= 0.5) agrees with the verifier."""
+    pairs = [(t.reward.success, s.dims.get("task_success", 0.0) >= 0.5) for t, s in zip(trajs, scores) if s is not None]
+    return sum(a == b for a, b in pairs) / len(pairs) if pairs else 0.0
+
+
+__all__ = ["NEEDS", "action_groups", "blackbox_stage", "corrected_trajectory", "fused_rewards", "open_teacher",
+           "preference_pairs", "sample_turns", "soft_label_update", "step_advantages", "student_episodes"]

@@ -1,0 +1,240 @@
+"""Black-box OPD pieces on constructed inputs: the acting teacher's agreement signals, the
+candidate soft-label loss, the exact sequence-level update, fused rewards, step advantages,
+preference pairs and corrections replayed from the student's prefix."""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from mentorrl.algos.preference import soft_label_loss
+from mentorrl.chat import assistant_message, trajectory_messages
+from mentorrl.config import OptimConfig
+from mentorrl.contract import parse_action
+from mentorrl.opd.blackbox import ActingTeacher, StudentEpisode, TrajectoryScore, action_agreement
+from mentorrl.train.blackbox import (
+    candidate_trajectory,
+    corrected_trajectory,
+    fused_rewards,
+    preference_pairs,
+    step_advantages,
+)
+from mentorrl.train.learner import Learner
+
+CALL = '<tool_call>{"name": "get_order", "arguments": {"order_id": 7}}</tool_call>'
+OTHER_ARGS = '<tool_call>{"name": "get_order", "arguments": {"order_id": 8}}</tool_call>'
+OTHER_TOOL = '<tool_call>{"name": "cancel_order", "arguments": {"order_id": 7}}</tool_call>'
+
+
+class FakeClient:
+    """Answers ``complete`` from a function of the messages; counts like the real client."""
+
+    def __init__(self, answer):
+        self.answer, self.calls = answer, 0
+        self.stats: Counter[str] = Counter()
+
+    def complete(self, messages, **params):
+        self.calls += 1
+        return self.answer(messages, params)
+
+    def _count(self, key, n=1):
+        self.stats[key] += n
+
+
+def test_action_agreement_grades_tool_calls_and_answers():
+    a = parse_action
+    assert action_agreement(a(CALL), a(CALL)) == 1.0
+    assert action_agreement(a(OTHER_ARGS), a(CALL)) == 0.5
+    assert action_agreement(a(OTHER_TOOL), a(CALL)) == 0.0
+    assert action_agreement(a("Order 7 shipped"), a("order 7 shipped")) == 1.0
+    assert action_agreement(a("Order 7 shipped"), a("Order 8 shipped")) == pytest.approx(2 / 4)
+    assert action_agreement(a("<tool_call>{bad</tool_call>"), a("<tool_call>{bad</tool_call>")) == 0.0
+    assert action_agreement(a(CALL), a("Order 7 shipped")) == 0.0
+
+
+def _episode(turns: list[str], demo) -> StudentEpisode:
+    msgs = [{"role": "user", "content": "where is order 7"}]
+    for i, t in enumerate(turns):
+        msgs.append(assistant_message(t))
+        if i < len(turns) - 1:
+            msgs.append({"role": "tool", "content": '{"status": "shipped"}'})
+    traj = demo.model_copy(update={"finish_reason": "answer"})
+    return StudentEpisode(task=None, traj=traj, messages=msgs)
+
+
+def test_acting_teacher_scores_turns_by_agreement_and_names_the_first_wrong_one(make_demos):
+    _, demos = make_demos(1)
+    # the teacher: get_order(7) at the start, then the answer "Order 7 shipped"; 4 samples, 1 of them off
+    def answer(messages, params):
+        assert params["n"] == 4 and "logprobs" not in params
+        first = len([m for m in messages if m["role"] == "assistant"]) == 0
+        good = assistant_message(CALL if first else "Order 7 shipped")
+        bad = assistant_message(OTHER_ARGS if first else "Order 7 lost")
+        return [good, good, good, bad]
+
+    teacher = ActingTeacher(FakeClient(answer), samples=4)
+    right = _episode([CALL, "Order 7 shipped"], demos[0])
+    c = teacher.critique(right)
+    assert c.scores == pytest.approx([(3 + 0.5) / 4, (3 + 0.5) / 4]) and c.first_wrong is None
+    wrong = _episode([OTHER_TOOL, "Order 7 shipped"], demos[0])
+    c = teacher.critique(wrong)
+    assert c.scores[0] == 0.0 and c.first_wrong == 0
+    assert c.correct_action["tool_calls"][0]["function"]["name"] == "get_order"  # the teacher's majority action
+    s_right, s_wrong = teacher.score(right), teacher.score(wrong)
+    assert s_right.dims["task_success"] > s_wrong.dims["task_success"] == 0.0
+    assert teacher.rank([right, wrong]) == [s_right.overall(), s_wrong.overall()]
+    calls = teacher.client.calls
+    teacher.score(right)
+    assert teacher.client.calls == calls  # states already asked about are memoised
+    scores = teacher.rank_actions(right.messages[:1], [assistant_message(CALL), assistant_message(OTHER_TOOL)])
+    assert scores == [pytest.approx(3.5 / 4), 0.0]
+
+
+def test_acting_teacher_returns_none_when_the_teacher_fails(make_demos):
+    _, demos = make_demos(1)
+    teacher = ActingTeacher(FakeClient(lambda m, p: None), samples=2)
+    ep = _episode([CALL, "done"], demos[0])
+    assert teacher.critique(ep) is None and teacher.score(ep) is None and teacher.rank([ep, ep]) is None
+    assert teacher.rank_actions(ep.messages[:1], [assistant_message(CALL)]) is None
+
+
+def test_trajectory_score_overall_uses_the_weights_of_the_dimensions_given():
+    s = TrajectoryScore({"task_success": 1.0, "efficiency": 0.0})
+    assert s.overall() == 0.5
+    assert s.overall({"task_success": 3, "efficiency": 1, "safety": 5}) == 0.75  # safety not given: left out
+    with pytest.raises(ValueError, match="no weight"):
+        s.overall({"safety": 1.0})
+
+
+def test_soft_label_loss_against_hand_computed_values():
+    student = torch.tensor([0.0, 0.0], requires_grad=True)
+    teacher = torch.tensor([1.0, 0.0])
+    loss, m = soft_label_loss(student, teacher, temperature=1.0)
+    p = math.e / (math.e + 1)
+    assert loss.item() == pytest.approx(math.log(2))
+    assert m["soft_label_kl"] == pytest.approx(math.log(2) + p * math.log(p) + (1 - p) * math.log(1 - p))
+    loss.backward()
+    assert student.grad.tolist() == pytest.approx([0.5 - p, p - 0.5])  # raise the teacher's favourite
+    # a sharper temperature moves the target towards one-hot; matching logits give zero KL
+    _, m = soft_label_loss(torch.tensor([[2.0, 0.0]]), torch.tensor([[0.2, 0.0]]), temperature=0.1)
+    assert m["soft_label_kl"] == pytest.approx(0.0, abs=1e-6) and m["top_agreement"] == 1.0
+    with pytest.raises(ValueError):
+        soft_label_loss(torch.zeros(1), torch.zeros(1))
+
+
+def test_sequence_step_is_exact_whatever_the_micro_batch(make_demos, model, tokenizer):
+    """The two-pass update equals backpropagating the loss of sequence log-probs directly."""
+    from mentorrl.algos.preference import sequence_logprobs
+    from mentorrl.train.batch import collate, forward_logprobs
+    from mentorrl.train.learner import pad_token_values
+
+    contract, demos = make_demos(4)
+    trajs = demos[:4]
+    masks = [torch.tensor(t.loss_mask) for t in trajs]
+    target = torch.tensor([0.7, 0.1, 0.1, 0.1])
+
+    def objective(s):
+        return soft_label_loss(s, target, temperature=1.0)
+
+    def learner_for(m, mbs):  # plain SGD: the update is the (clipped) gradient itself, so equal updates = equal gradients
+        learner = Learner(m, OptimConfig(lr=1.0, micro_batch_size=mbs), contract.pad_token_id)
+        learner.optimizer = torch.optim.SGD(m.parameters(), lr=1.0)
+        learner.scheduler = torch.optim.lr_scheduler.LambdaLR(learner.optimizer, lambda _: 1.0)
+        return learner
+
+    after = []
+    for mbs in (1, 4):
+        m = copy.deepcopy(model)
+        learner_for(m, mbs).sequence_step(trajs, masks, objective, average=True)
+        after.append(torch.cat([p.detach().flatten() for p in m.parameters()]))
+    # direct: one forward with gradient, the same optimiser
+    m = copy.deepcopy(model)
+    learner = learner_for(m, 4)
+    m.train()
+    mb = collate(trajs, contract.pad_token_id)
+    lp, _ = forward_logprobs(m, mb, 1.0)
+    s = sequence_logprobs(lp, pad_token_values(masks, mb.input_ids.shape[1]), average=True)
+    objective(s)[0].backward()
+    torch.nn.utils.clip_grad_norm_(m.parameters(), learner.cfg.max_grad_norm)
+    learner.optimizer.step()
+    direct = torch.cat([p.detach().flatten() for p in m.parameters()])
+    base = torch.cat([p.detach().flatten() for p in model.parameters()])
+    assert (after[0] - base).abs().max() > 1e-4  # it moved
+    assert torch.allclose(after[0], after[1], atol=1e-6) and torch.allclose(after[0], direct, atol=1e-6)
+
+
+def test_fused_rewards_leave_hard_constraints_and_unscored_to_the_verifier(make_demos):
+    _, demos = make_demos(3)
+    a, b, c = (d.model_copy(deep=True) for d in demos[:3])
+    a.reward.total, b.reward.total, c.reward.total = 1.0, 0.2, 0.0
+    c.reward.violations = ["cancelled the wrong order"]
+    r, fused = fused_rewards([a, b, c], [0.0, None, 1.0], coef=0.25)
+    assert r.tolist() == pytest.approx([0.75, 0.2, 0.0]) and fused == 1
+
+
+def test_step_advantages_shift_each_turn_by_its_standardised_score(make_demos):
+    _, demos = make_demos(2)
+    t = demos[0]
+    turns = [s for s in t.segments if s.role == "policy"]
+    assert len(turns) >= 2
+    scores = [1.0] + [0.0] * (len(turns) - 1)
+    adv = step_advantages([t], torch.tensor([0.5]), [scores], coef=1.0)[0]
+    flat = torch.tensor(scores)
+    z = (flat - flat.mean()) / flat.std(unbiased=False)
+    for seg, zi in zip(turns, z.tolist()):
+        assert torch.allclose(adv[seg.start:seg.end], torch.full((seg.end - seg.start,), 0.5 + zi))
+    assert adv[torch.tensor(t.loss_mask) == 0].abs().sum() == 0
+    # an unscored trajectory keeps its outcome advantage only
+    plain = step_advantages([t], torch.tensor([0.5]), [None], coef=1.0)[0]
+    assert torch.equal(plain, torch.tensor(t.loss_mask, dtype=torch.float32) * 0.5)
+
+
+def test_preference_pairs_take_best_and_worst_and_skip_ties(make_demos):
+    _, demos = make_demos(4)
+    eps = [StudentEpisode(None, d, []) for d in demos[:4]]
+    pairs, m = preference_pairs([eps[:3], eps[:2], eps[2:]], [[0.2, 0.9, 0.1], [0.5, 0.5], None], min_margin=0.1)
+    assert len(pairs) == 1 and m == {"ties": 1.0, "teacher_skips": 1.0}
+    chosen, rejected, cm, rm = pairs[0]
+    assert chosen is demos[1] and rejected is demos[2]
+    shared = next(i for i, (x, y) in enumerate(zip(chosen.token_ids, rejected.token_ids)) if x != y)
+    assert not any(cm[:shared]) and any(cm) and any(rm)
+
+
+def test_a_correction_replays_the_student_prefix_and_trains_only_the_teacher_turns(make_demos, tokenizer, orders_entry):
+    """With the expert as the 'teacher', correcting from turn 1 rebuilds the expert's own trajectory
+    token for token; only the turns after the prefix are trained on."""
+    from types import SimpleNamespace
+
+    contract, demos = make_demos(6)
+    traj = next(d for d in demos if len([s for s in d.segments if s.role == "policy"]) >= 2)
+    user = tokenizer.decode(traj.token_ids, skip_special_tokens=False).split("<|im_start|>user\n")[1].split("<|im_end|>")[0]
+    msgs = trajectory_messages(traj, tokenizer, contract.system_text(), user)
+    task = next(t for t in orders_entry.make_tasks().tasks("train", 6, 0) if t.id == traj.task_id)
+    ep = StudentEpisode(task, traj, msgs)
+
+    class ExpertTeacher:
+        def act(self, messages, n=1, temperature=None):
+            k = sum(m["role"] == "assistant" for m in messages)
+            return [msgs[ep.turn_indices[k]]]
+
+    env_entry = orders_entry
+    ws = SimpleNamespace(contract=contract, cfg=SimpleNamespace(reward=None), make_env=env_entry.make_env)
+    fixed = corrected_trajectory(ws, ep, 1, ExpertTeacher())
+    assert fixed.token_ids == traj.token_ids and fixed.reward.success
+    turns = [s for s in traj.segments if s.role == "policy"]
+    assert not any(fixed.loss_mask[:turns[1].start])
+    assert fixed.loss_mask[turns[1].start:] == traj.loss_mask[turns[1].start:]
+    assert fixed.source == "teacher"
+
+
+def test_candidate_trajectory_trains_only_the_candidate_turn(make_demos):
+    contract, demos = make_demos(1)
+    t = demos[0]
+    seg = [s for s in t.segments if s.role == "policy"][1]
+    cand = candidate_trajectory(t, seg.start, [5, 6, contract.im_end_id])
+    assert cand.token_ids[:seg.start] == t.token_ids[:seg.start] and cand.token_ids[seg.start:] == [5, 6, contract.im_end_id]
+    assert cand.loss_mask == [0] * seg.start + [1, 1, 1] and cand.segments[-1].role == "policy"
