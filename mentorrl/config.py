@@ -17,6 +17,7 @@ from mentorrl.envs.latency import LatencyModel
 from mentorrl.eval.sets import assert_trainable_splits
 from mentorrl.flywheel.hard_pool import HardPoolConfig
 from mentorrl.models.build import ModelSpec
+from mentorrl.opd.api import ClientConfig
 from mentorrl.replay.buffer import ReplayConfig
 from mentorrl.rewards.compose import RewardWeights
 from mentorrl.train.audit import AuditConfig
@@ -382,6 +383,100 @@ class OPDConfig(_Section):
         return self
 
 
+class BlackBoxTeacherConfig(_Section):
+    client: ClientConfig = Field(default_factory=ClientConfig, description="the OpenAI-compatible endpoint (base URL, "
+                                 "model, key variable, timeouts, retries, concurrency, response cache)")
+    serve: str | None = Field(None, description="a local checkpoint to serve with `mentorrl serve` on 127.0.0.1 for "
+                                                "the stage (client.base_url is then ignored); null: use client.base_url")
+    mode: Literal["acting", "prompted"] = Field(
+        "acting", description="acting: every signal from the teacher's sampled next actions at the student's states "
+                              "(any chat policy); prompted: ask for rankings, scores and critiques as JSON "
+                              "(instruction-following API models)")
+    samples: int = Field(4, ge=1, description="acting: teacher actions sampled per state")
+    temperature: float = Field(1.0, ge=0, description="acting: temperature of those samples")
+    act_temperature: float = Field(0.0, ge=0, description="temperature of the teacher's corrections (0: greedy)")
+    threshold: float = Field(0.5, ge=0, le=1, description="a student turn scored below this is wrong")
+    max_tokens: int = Field(96, ge=1, description="per teacher answer")
+
+
+class PreferenceConfig(_Section):
+    loss: Literal["dpo", "ipo", "orpo"] = Field("dpo", description="preference loss on (best, worst) pairs")
+    beta: float = Field(0.1, gt=0, description="dpo: inverse temperature of the implicit reward")
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="dpo: conservative-DPO label noise")
+    tau: float = Field(0.1, gt=0, description="ipo: the margin target is 1 / (2 tau)")
+    lam: float = Field(0.1, ge=0, description="orpo: weight of the odds-ratio term")
+    min_margin: float = Field(0.1, ge=0, description="a pair needs the teacher's scores to differ by at least this")
+
+
+class ScoreRewardConfig(_Section):
+    weights: dict[str, float] = Field(
+        default_factory=lambda: {"task_success": 0.5, "tool_correctness": 0.2, "final_answer": 0.2, "efficiency": 0.1,
+                                 "safety": 0.0},
+        description="rubric dimension -> weight of the teacher's score (dimensions it does not give are left out)")
+    teacher_coef: float = Field(0.5, ge=0, le=1, description="reward = (1 - c) * verifier + c * teacher score; a "
+                                                             "trajectory that breaks a hard constraint keeps the "
+                                                             "verifier's reward")
+
+
+class CritiqueConfig(_Section):
+    coef: float = Field(0.5, ge=0, description="weight of the standardised step score in each turn's advantage "
+                                               "(added to the group-relative outcome advantage)")
+
+
+class SoftLabelConfig(_Section):
+    temperature: float = Field(0.1, gt=0, description="teacher weights softmax(score / T) over a task's candidates")
+    average: bool = Field(True, description="the student's candidate score is its mean token log-prob (false: sum)")
+
+
+class ActionRankConfig(_Section):
+    candidates: int = Field(4, ge=1, description="student samples of the next turn at each state")
+    states_per_trajectory: int = Field(2, ge=1, description="states (student turns) per trajectory")
+    include_teacher_action: bool = Field(True, description="add the teacher's own action to the candidates")
+    temperature: float = Field(0.1, gt=0, description="teacher weights softmax(score / T) over the candidates")
+    average: bool = Field(False, description="the student's action score is its mean token log-prob (false: sum)")
+
+
+class CorrectionConfig(_Section):
+    only_failed: bool = Field(True, description="correct only trajectories the verifier failed")
+    require_success: bool = Field(True, description="keep a correction only when the verifier passes it")
+
+
+BLACKBOX_RECIPES = ("correction", "ranking", "score", "critique", "soft_labels", "actions")
+
+
+class BlackBoxConfig(_Section):
+    recipe: Literal["correction", "ranking", "score", "critique", "soft_labels", "actions"] = Field(
+        "ranking", description="correction: SFT on the teacher's continuation from the first wrong step; ranking: "
+                               "DPO-family pairs; score: teacher rubric fused with the verifier as a GRPO reward; "
+                               "critique: step scores as step advantages; soft_labels: candidate-level distillation; "
+                               "actions: action-level distillation over candidate tool calls")
+    teacher: BlackBoxTeacherConfig = Field(default_factory=BlackBoxTeacherConfig)
+    steps: int = Field(10, ge=0, description="steps (one student rollout batch each)")
+    tasks_per_step: int = Field(8, ge=1, description="distinct tasks per step")
+    samples_per_task: int = Field(4, ge=1, description="student rollouts per task (candidates / a GRPO group)")
+    updates_per_step: int = Field(1, ge=1, description="optimizer steps per rollout batch (policy-gradient recipes)")
+    eps_low: float = Field(0.2, ge=0, description="clip range below 1 of the importance ratio")
+    eps_high: float = Field(0.28, ge=0, description="clip range above 1 of the importance ratio")
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field(
+        "token-mean", description="policy-gradient and SFT loss aggregation")
+    preference: PreferenceConfig = Field(default_factory=PreferenceConfig)
+    score: ScoreRewardConfig = Field(default_factory=ScoreRewardConfig)
+    critique: CritiqueConfig = Field(default_factory=CritiqueConfig)
+    soft_labels: SoftLabelConfig = Field(default_factory=SoftLabelConfig)
+    actions: ActionRankConfig = Field(default_factory=ActionRankConfig)
+    correction: CorrectionConfig = Field(default_factory=CorrectionConfig)
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-4, warmup_steps=2))
+    eval_every: int = Field(0, ge=0, description="held-out check every N steps (0: off)")
+    eval_tasks: int = Field(200, ge=1, description="tasks per held-out check")
+    checkpoint_every: int = Field(5, ge=1, description="steps between checkpoints")
+
+    @model_validator(mode="after")
+    def _groups(self) -> "BlackBoxConfig":
+        if self.recipe in ("ranking", "score", "critique", "soft_labels") and self.samples_per_task < 2:
+            raise ValueError(f"recipe {self.recipe} compares a task's candidates: samples_per_task must be >= 2")
+        return self
+
+
 class EvolveConfig(_Section):
     iterations: int = Field(3, ge=1, description="self-evolving iterations (each: OPD steps, held-out check, gate)")
     steps_per_iteration: int = Field(5, ge=1, description="learning steps per iteration")
@@ -416,13 +511,13 @@ class EvalConfig(_Section):
     batch_size: int = Field(100, ge=1, description="trajectories decoded together")
 
 
-STAGE_NAMES = ("sft", "rft", "grpo", "ppo", "sao", "opd", "evolve")
+STAGE_NAMES = ("sft", "rft", "grpo", "ppo", "sao", "opd", "blackbox", "evolve")
 
 
 class RunConfig(_Section):
     run_dir: str = Field("runs/demo", description="where everything is written")
     seed: int = Field(0, description="seeds task sampling, batches and rollouts")
-    recipe: list[Literal["sft", "rft", "grpo", "ppo", "sao", "opd", "evolve"]] = Field(
+    recipe: list[Literal["sft", "rft", "grpo", "ppo", "sao", "opd", "blackbox", "evolve"]] = Field(
         default_factory=lambda: ["sft", "grpo"], min_length=1, description="stages run in order"
     )
     train_split: str = Field("train", description="task split every training stage draws from (never 'hidden')")
@@ -439,6 +534,7 @@ class RunConfig(_Section):
     ppo: PPOConfig = Field(default_factory=PPOConfig)
     sao: SAOConfig = Field(default_factory=SAOConfig)
     opd: OPDConfig = Field(default_factory=OPDConfig)
+    blackbox: BlackBoxConfig = Field(default_factory=BlackBoxConfig)
     evolve: EvolveConfig = Field(default_factory=EvolveConfig)
     audit: AuditConfig = Field(default_factory=AuditConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
