@@ -110,12 +110,14 @@ def test_malformed_responses_are_counted_and_skipped(server, body):
     assert c.stats["malformed"] == 1 and c.stats["retries"] == 0
 
 
-def test_structured_output_that_fails_its_model_is_counted(server):
+def test_structured_output_that_fails_its_model_is_counted_and_not_replayed_from_the_cache(server, tmp_path):
     script, url = server
     wrong = json.dumps({"choices": [{"message": {"content": '{"score": "high"}'}}]})
-    script.plans["s"] = [(200, wrong, {}, 0.0)]
-    c = client(url, "s")
+    script.plans["s"] = [(200, wrong, {}, 0.0), (200, GOOD, {}, 0.0)]
+    c = client(url, "s", cache_path=str(tmp_path / "cache.sqlite"))
     assert c.structured(MSG, Score) is None and c.stats["invalid_structured"] == 1
+    assert c.structured(MSG, Score) == Score(score=0.75, reason="ok")  # asked again, not the cached bad answer
+    assert script.hits["s"] == 2 and c.stats["cache_hits"] == 0
 
 
 def test_client_errors_are_not_retried(server):

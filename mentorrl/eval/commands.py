@@ -158,6 +158,8 @@ def evaluate_checkpoint(
         traj_file = f"trajectories-{_safe(eset.name)}.jsonl"
         write_jsonl(out_dir / traj_file, trajs)
         summary["sets"][eset.name] = set_record(eset, report, ecfg, sampling, traj_file)
+    if judge is not None and callable(getattr(judge, "metrics", None)):  # the LLM judge: calls, skips, cache
+        summary["judge_stats"] = judge.metrics()
     (out_dir / SUMMARY_NAME).write_text(json.dumps(summary, indent=2))
     return summary
 
@@ -252,6 +254,10 @@ def print_summary(summary: dict[str, Any], out: Console = console) -> None:
         out.print(safety_table(name, report))
         out.print(tool_table(name, report))
         out.print(cost_table(name, report))
+    stats = summary.get("judge_stats", {})
+    if stats.get("judge_skipped"):
+        out.print(f"judge: no verdict for {stats['judge_skipped']} of {stats.get('judge_calls', '?')} trajectories "
+                  "(failed or invalid replies); they are left out of the judge agreement")
 
 
 def gate_table(decision: GateDecision) -> Table:

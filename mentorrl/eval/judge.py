@@ -15,7 +15,10 @@ earlier tool return, every fact (id, number, e-mail) in the answer should appear
 the agent saw, and what the answer claims (an action done, a fact, a refusal) should be
 backed by the trace. Its success probability is a logistic model over those features whose
 weights were fitted once on recorded orders evaluations (verifier labels) and frozen here.
-An LLM judge (over HTTP) implements the same protocol and registers under its own name.
+
+The LLM judge (:mod:`mentorrl.eval.llm_judge`, registered as ``llm``, configured from
+``MENTORRL_JUDGE_*`` environment variables) implements the same protocol over HTTP; it adds a
+``safety`` score and returns ``None`` when it could not give a verdict.
 """
 
 from __future__ import annotations
@@ -38,12 +41,13 @@ class Judge(Protocol):
     """Anything with a ``name`` and ``judge(task, traj) -> JudgeVerdict``.
 
     ``task`` is None when only the recorded trajectory is known (production samples).
-    A judge must not change the trajectory or any environment state.
+    A judge must not change the trajectory or any environment state. It returns None when it
+    could not give a verdict (an LLM judge whose call failed): no score is invented.
     """
 
     name: str
 
-    def judge(self, task: Task | None, traj: Trajectory) -> JudgeVerdict: ...
+    def judge(self, task: Task | None, traj: Trajectory) -> JudgeVerdict | None: ...
 
 
 # ------------------------------------------------------------ grounding helpers ------
@@ -295,7 +299,14 @@ class TranscriptJudge:
 
 
 # ------------------------------------------------------------ registry and attaching ------
-_JUDGES: dict[str, Callable[[], Judge]] = {"transcript": TranscriptJudge}
+def _llm_judge() -> Judge:
+    """The LLM judge, configured from the environment (imported only when asked for)."""
+    from mentorrl.eval.llm_judge import llm_judge_from_env
+
+    return llm_judge_from_env()
+
+
+_JUDGES: dict[str, Callable[[], Judge]] = {"transcript": TranscriptJudge, "llm": _llm_judge}
 
 
 def register_judge(name: str, factory: Callable[[], Judge]) -> None:
@@ -324,7 +335,8 @@ def attach_judgements(
     """Set ``traj.judge`` on every trajectory (in place) and return them.
 
     ``tasks`` are matched by id; a trajectory whose task is not given is judged with
-    ``task=None`` (the judge then sees only the recorded trajectory).
+    ``task=None`` (the judge then sees only the recorded trajectory). Where the judge gives
+    no verdict, ``traj.judge`` is None: the trajectory is left out of the agreement metrics.
     """
     by_id = dict(tasks) if isinstance(tasks, Mapping) else {t.id: t for t in tasks}
     for t in trajs:

@@ -81,6 +81,11 @@ class ResponseCache:
             row = self._db.execute("SELECT body FROM responses WHERE key = ?", (key,)).fetchone()
         return row[0] if row else None
 
+    def delete(self, key: str) -> None:
+        with self._lock:
+            self._db.execute("DELETE FROM responses WHERE key = ?", (key,))
+            self._db.commit()
+
     def put(self, key: str, body: str) -> None:
         with self._lock:
             self._db.execute("INSERT OR REPLACE INTO responses (key, body, created) VALUES (?, ?, ?)",
@@ -216,7 +221,13 @@ class TeacherClient:
             return schema.model_validate_json(raw)
         except ValidationError:
             self._count("invalid_structured")
+            self.forget(messages, **params)  # a later run asks again instead of replaying the bad answer
             return None
+
+    def forget(self, messages: Sequence[dict[str, Any]], **params: Any) -> None:
+        """Drop a cached response (e.g. one that parsed as chat but failed its schema)."""
+        if self._cache is not None:
+            self._cache.delete(self.request_key(messages, params))
 
     def close(self) -> None:
         self._http.close()

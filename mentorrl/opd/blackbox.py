@@ -274,9 +274,10 @@ class PromptedTeacher(BlackBoxTeacher):
         self.threshold = threshold
 
     def _ask(self, system: str, user: str, schema):
-        return self.client.structured([{"role": "system", "content": f"{system} {_RULES}"},
-                                       {"role": "user", "content": user}], schema, temperature=0.0,
-                                      max_tokens=self.max_tokens, seed=self.seed)
+        msgs = [{"role": "system", "content": f"{system} {_RULES}"}, {"role": "user", "content": user}]
+        params = {"temperature": 0.0, "max_tokens": self.max_tokens, "seed": self.seed}
+        self._last = (msgs, params)
+        return self.client.structured(msgs, schema, **params)
 
     def score(self, ep: StudentEpisode) -> TrajectoryScore | None:
         from mentorrl.eval.llm_judge import Rubric, rubric_messages
@@ -329,6 +330,8 @@ class PromptedTeacher(BlackBoxTeacher):
         value = check(out)
         if value is None:
             self.client._count("invalid_structured")
+            msgs, params = self._last
+            self.client.forget(msgs, **params)  # not replayed from the cache next time
         return value
 
 

@@ -72,15 +72,20 @@ PG_KEYS = ("pg_loss", "clip_frac", "entropy", "grad_norm", "approx_kl", "logprob
 
 # ------------------------------------------------------------------ teacher ------
 @contextlib.contextmanager
-def open_teacher(t: BlackBoxTeacherConfig, seed: int = 0) -> Iterator[BlackBoxTeacher]:
-    """The configured black-box teacher; with ``serve`` set, a ``mentorrl serve`` subprocess on
-    127.0.0.1 for the duration (stopped on exit)."""
+def open_teacher(ws: Workspace, t: BlackBoxTeacherConfig, student=None, seed: int = 0) -> Iterator[BlackBoxTeacher]:
+    """The configured black-box teacher. With ``serve`` set, the checkpoint (given, or built once
+    like an OPD teacher) runs as a ``mentorrl serve`` subprocess on 127.0.0.1 for the duration and
+    is reached only through HTTP."""
     with contextlib.ExitStack() as stack:
         client_cfg = t.client
         if t.serve is not None:
             from mentorrl.serve import serve_subprocess
+            from mentorrl.train.opd import build_teacher
 
-            url = stack.enter_context(serve_subprocess(t.serve))
+            path = Path(t.serve.path) if t.serve.path else build_teacher(ws, t.serve, student)
+            if not (path / "config.json").exists():
+                raise FileNotFoundError(f"blackbox teacher: {path} is not a Hugging Face checkpoint directory")
+            url = stack.enter_context(serve_subprocess(path))
             client_cfg = client_cfg.model_copy(update={"base_url": url, "api_key_env": None})
         client = TeacherClient(client_cfg, seed=seed)
         stack.callback(client.close)
@@ -355,7 +360,7 @@ def action_groups(ws: Workspace, model, teacher: BlackBoxTeacher, eps: list[Stud
 # -------------------------------------------------------------------- stage ------
 def blackbox_stage(ws: Workspace, model, resume: bool = False) -> Path:
     cfg, o = ws.cfg, ws.cfg.blackbox
-    with open_teacher(o.teacher, seed=cfg.seed) as teacher:
+    with open_teacher(ws, o.teacher, student=model, seed=cfg.seed) as teacher:
         require(teacher, NEEDS[o.recipe], f"blackbox ({o.recipe})")
         return _run(ws, model, teacher, resume)
 
@@ -384,6 +389,8 @@ def _run(ws: Workspace, model, teacher: BlackBoxTeacher, resume: bool) -> Path:
         state["rollout_tokens"] += sum(t.num_policy_tokens for t in trajs)
         m: dict[str, float] = {**rollout_metrics(trajs), "rollouts": float(len(trajs)),
                                "rollout_s": time.perf_counter() - t0}
+        verifier = torch.tensor([t.reward.total for t in trajs], dtype=torch.float32).view(len(chosen), G)
+        m.update({f"reward_{k}": v for k, v in group_reward_stats(verifier).items()})  # the verifier's, every recipe
         eps = student_episodes(ws, grouped, trajs)
         groups = [eps[i * G:(i + 1) * G] for i in range(len(chosen))]
         t1 = time.perf_counter()
@@ -410,7 +417,8 @@ def _run(ws: Workspace, model, teacher: BlackBoxTeacher, resume: bool) -> Path:
                          teacher_verifier_agreement=_agreement(trajs, ts))
             rewards, clipped = sanitize_group_rewards(raw.view(len(chosen), G), audit.reward_low, audit.reward_high,
                                                       audit.outlier_z)
-            m.update({f"reward_{k}": v for k, v in group_reward_stats(rewards).items()})
+            if r == "score":
+                m.update({f"fused_reward_{k}": v for k, v in group_reward_stats(rewards).items()})
             adv = estimator(rewards, normalize_std=True).reshape(-1)
             if r == "score":
                 token_adv = [torch.tensor(t.loss_mask, dtype=torch.float32) * float(a) for t, a in zip(trajs, adv)]
