@@ -223,10 +223,12 @@ def _register_extensions() -> None:
     from mentorrl.eval.commands import register as register_eval
     from mentorrl.flywheel.commands import register as register_flywheel
     from mentorrl.integrity.commands import register as register_integrity
+    from mentorrl.serve import register as register_serve
 
     register_eval(app)
     register_integrity(app)
     register_flywheel(app)
+    register_serve(app)
 
 
 _register_extensions()

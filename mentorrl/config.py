@@ -386,8 +386,10 @@ class OPDConfig(_Section):
 class BlackBoxTeacherConfig(_Section):
     client: ClientConfig = Field(default_factory=ClientConfig, description="the OpenAI-compatible endpoint (base URL, "
                                  "model, key variable, timeouts, retries, concurrency, response cache)")
-    serve: str | None = Field(None, description="a local checkpoint to serve with `mentorrl serve` on 127.0.0.1 for "
-                                                "the stage (client.base_url is then ignored); null: use client.base_url")
+    serve: TeacherConfig | None = Field(
+        None, description="a local checkpoint served by `mentorrl serve` on 127.0.0.1 for the stage, used only "
+                          "through HTTP (client.base_url is then ignored): {path: DIR}, or {build: ...} to build it "
+                          "once like an OPD teacher (cached under opd.teachers_dir); null: use client.base_url")
     mode: Literal["acting", "prompted"] = Field(
         "acting", description="acting: every signal from the teacher's sampled next actions at the student's states "
                               "(any chat policy); prompted: ask for rankings, scores and critiques as JSON "

@@ -1,0 +1,570 @@
+"""`mentorrl serve MODEL_DIR`: an OpenAI-compatible chat-completions server for a local policy.
+
+The server speaks the OpenAI chat-completions protocol and renders every conversation with
+:func:`mentorrl.chat.prompt_text`, so a request sees exactly the ChatML text the policy was
+trained on; a generated turn comes back through :func:`mentorrl.chat.assistant_message`
+(``tool_calls`` for a well-formed ``<tool_call>``, else ``content``).
+
+* ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``.
+* Bad requests get a 4xx with an OpenAI-style body ``{"error": {"message", "type", ...}}``;
+  FastAPI's validation errors are answered with **400** in that shape, not 422.
+* Optional bearer token on every ``/v1`` route (401 without it; ``/health`` stays open).
+* Request bodies over ``max_body_bytes`` get 413, checked from Content-Length and while
+  reading the body.
+* One lock around generation: the model is shared by FastAPI's worker threads.
+
+Build the app with :func:`create_app` (tests use ``fastapi.testclient.TestClient``); start a
+real server in a subprocess with :func:`serve_subprocess`. Wire the command into the main app
+with ``register(app)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import ipaddress
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Optional, Sequence
+
+import typer
+from pydantic import BaseModel, ConfigDict, Field
+
+from mentorrl.chat import MessageError, assistant_message, prompt_text
+from mentorrl.contract import IM_END
+
+DEFAULT_MAX_BODY_BYTES = 1_000_000
+DEFAULT_MAX_TOKENS_CAP = 512
+READY_PREFIX = "mentorrl serve: listening on "
+LOOPBACK_NAMES = ("localhost",)
+GREEDY_BELOW = 1e-5  # temperatures under this decode greedily, as vLLM does
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+# ------------------------------------------------------------------- request ------
+class ContentPart(BaseModel):
+    """One part of a list-valued message content; only ``{"type": "text", "text": ...}`` renders."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    """An OpenAI chat message. The role is checked when rendering (an unknown role is a 400)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    role: str
+    content: str | list[ContentPart] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The message as :func:`mentorrl.chat.prompt_text` takes it (text parts joined)."""
+        msg = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            if any(p.type != "text" for p in self.content):
+                raise MessageError(f"{self.role} message: only text content parts are supported")
+            msg["content"] = "".join(p.text or "" for p in self.content)
+        return msg
+
+
+class ChatRequest(BaseModel):
+    """The chat-completions request body. Unknown fields are ignored, as OpenAI-compatible servers do.
+
+    ``tools`` and ``tool_choice`` are accepted and ignored: the policy learned its tools from
+    the system prompt, which the client sends as the first message. ``response_format`` is
+    accepted and not enforced.
+    """
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = Field(None, description="echoed as the served model's name; any value is accepted")
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 means greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_tokens: int | None = Field(None, ge=1, description="capped by the server and by the context")
+    max_completion_tokens: int | None = Field(None, ge=1, description="the newer name of max_tokens; wins if both")
+    n: int = Field(1, ge=1, le=16)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1, description="equal requests with a seed give equal answers")
+    stop: str | list[str] | None = Field(None, description="up to 4 strings; the text ends before the first one")
+    stream: bool = False
+    response_format: dict[str, Any] | None = None
+
+    def stop_strings(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return [s for s in stops if s]
+
+
+# -------------------------------------------------------------------- errors ------
+class APIError(Exception):
+    """An error answered as ``{"error": {"message", "type", "param", "code"}}`` with ``status``."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param = status, message, type_, param
+
+
+def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    """The OpenAI error shape."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def _error_type(status: int) -> str:
+    return {401: "authentication_error", 404: "not_found_error"}.get(
+        status, "server_error" if status >= 500 else "invalid_request_error")
+
+
+def _validation_message(errors: Sequence[Mapping[str, Any]]) -> tuple[str, str | None]:
+    """FastAPI's validation errors -> one readable message and the first offending parameter."""
+    parts, param = [], None
+    for e in errors:
+        if e.get("type") == "json_invalid":
+            detail = (e.get("ctx") or {}).get("error")
+            return "request body is not valid JSON" + (f" ({detail})" if detail else ""), None
+        loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
+        param = param or loc or None
+        parts.append(f"{loc or 'body'}: {e.get('msg', 'invalid')}")
+    return "invalid request: " + "; ".join(parts[:5]) + (f" (+{len(parts) - 5} more)" if len(parts) > 5 else ""), param
+
+
+# --------------------------------------------------------------- middleware ------
+class BodyLimitMiddleware:
+    """ASGI middleware: 413 for a request body over ``max_body_bytes``.
+
+    A declared Content-Length over the limit is refused before reading; otherwise the body is
+    read (and counted) here, up to the limit, and replayed to the app, so a lying or missing
+    Content-Length (chunked transfer) cannot get a larger body through."""
+
+    def __init__(self, app: Any, max_body_bytes: int):
+        self.app, self.max_body_bytes = app, max_body_bytes
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        from starlette.datastructures import Headers
+
+        declared = Headers(scope=scope).get("content-length")
+        if declared is not None:
+            if not declared.strip().isdigit():
+                await _reply(scope, receive, send, 400, "invalid Content-Length header")
+                return
+            if int(declared) > self.max_body_bytes:
+                await _reply(scope, receive, send, 413, self._too_large())
+                return
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                await _reply(scope, receive, send, 413, self._too_large())
+                return
+            chunks.append(chunk)
+            more = message.get("more_body", False)
+        body, replayed = b"".join(chunks), False
+
+        async def replay() -> dict[str, Any]:
+            nonlocal replayed
+            if replayed:
+                return await receive()  # wait for the client to disconnect
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    def _too_large(self) -> str:
+        return f"request body is larger than {self.max_body_bytes} bytes"
+
+
+class BearerAuthMiddleware:
+    """ASGI middleware: 401 for a request under ``prefix`` without ``Authorization: Bearer <token>``.
+
+    Runs before the body is read; compares in constant time; the token never appears in a reply."""
+
+    def __init__(self, app: Any, token: str, prefix: str = "/v1"):
+        self.app, self._token, self.prefix = app, token.encode(), prefix
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and (path == self.prefix or path.startswith(self.prefix + "/")):
+            from starlette.datastructures import Headers
+
+            scheme, _, given = Headers(scope=scope).get("authorization", "").strip().partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self._token):
+                await _reply(scope, receive, send, 401, "missing or invalid bearer token (Authorization: Bearer ...)",
+                             headers={"WWW-Authenticate": "Bearer"})
+                return
+        await self.app(scope, receive, send)
+
+
+async def _reply(scope: Any, receive: Any, send: Any, status: int, message: str,
+                 headers: Mapping[str, str] | None = None) -> None:
+    from starlette.responses import JSONResponse
+
+    response = JSONResponse(error_body(message, _error_type(status)), status_code=status, headers=dict(headers or {}))
+    if status == 413:
+        response.headers["Connection"] = "close"  # the rest of the body is never read
+    await response(scope, receive, send)
+
+
+# ---------------------------------------------------------------- generation ------
+class PolicyGenerator:
+    """Generation for the server: one lock around ``model.generate``, the contract's stop tokens.
+
+    Sampling is plain temperature / top-p sampling over the full vocabulary (top-k off,
+    no repetition penalty), whatever the checkpoint's ``generation_config`` says, so the
+    server samples the distribution a rollout samples."""
+
+    def __init__(self, tokenizer: Any, model: Any, max_new_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP):
+        self.tokenizer, self.model, self.max_new_tokens_cap = tokenizer, model, max_new_tokens_cap
+        stops = {tokenizer.convert_tokens_to_ids(IM_END), tokenizer.eos_token_id}
+        unk = getattr(tokenizer, "unk_token_id", None)
+        self.stop_ids = sorted(i for i in stops if i is not None and i != unk)
+        if not self.stop_ids:
+            raise ValueError(f"tokenizer has neither {IM_END} nor an eos token: a turn could never end")
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
+        self.pad_id = int(pad)
+        self.max_positions = _max_positions(model, tokenizer)
+        self._lock = threading.Lock()
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def generate(self, prompt_ids: list[int], n: int, temperature: float, top_p: float, max_new_tokens: int | None,
+                 seed: int | None = None, stop: Sequence[str] = ()) -> list[tuple[str, int, str]]:
+        """``n`` turns for one prompt: (text before the stop token, tokens generated, finish reason).
+
+        The finish reason is "stop" (a stop token or string) or "length". Raises :class:`APIError`
+        (400) when the prompt leaves no room in the model's context."""
+        import torch
+
+        budget = min(max_new_tokens or self.max_new_tokens_cap, self.max_new_tokens_cap)
+        if self.max_positions is not None:
+            room = self.max_positions - len(prompt_ids)
+            if room < 1:
+                raise APIError(400, f"the prompt is {len(prompt_ids)} tokens; the model's context is "
+                                    f"{self.max_positions} tokens, which leaves no room for a reply", param="messages")
+            budget = min(budget, room)
+        greedy = temperature < GREEDY_BELOW  # a tiny temperature would overflow the logits
+        kwargs: dict[str, Any] = dict(
+            max_new_tokens=budget, eos_token_id=self.stop_ids, pad_token_id=self.pad_id, do_sample=not greedy,
+            num_return_sequences=1 if greedy else n, repetition_penalty=1.0, no_repeat_ngram_size=0, min_length=0)
+        if not greedy:  # neutralise the checkpoint's sampling defaults (top-k 50 and the like)
+            kwargs.update(temperature=temperature, top_p=top_p, top_k=0, typical_p=1.0, epsilon_cutoff=0.0,
+                          eta_cutoff=0.0)
+        if stop:
+            kwargs.update(stop_strings=list(stop), tokenizer=self.tokenizer)
+        device = next(self.model.parameters()).device
+        ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)
+        with self._lock:
+            if seed is not None:
+                torch.manual_seed(seed)
+            with torch.no_grad():
+                out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **kwargs)
+        rows = [self._finish(row, stop) for row in out[:, len(prompt_ids):].tolist()]
+        return rows * n if greedy else rows
+
+    def _finish(self, row: list[int], stop: Sequence[str]) -> tuple[str, int, str]:
+        end = next((i for i, t in enumerate(row) if t in self.stop_ids), None)
+        if end is not None:
+            ids, count, reason = row[:end], end + 1, "stop"
+        else:
+            ids, count, reason = row, len(row), "length"
+        text = self.tokenizer.decode(ids, skip_special_tokens=False)
+        cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
+        if cut >= 0:
+            text, reason = text[:cut], "stop"
+            while end is None and ids and ids[-1] == self.pad_id:  # padding after a stop string
+                ids, count = ids[:-1], count - 1
+        return text, count, reason
+
+
+def _max_positions(model: Any, tokenizer: Any) -> int | None:
+    """The model's context length, if it says."""
+    n = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(n, int) and n > 0:
+        return n
+    n = getattr(tokenizer, "model_max_length", None)
+    return n if isinstance(n, int) and 0 < n < 10**7 else None
+
+
+# ----------------------------------------------------------------------- app ------
+def create_app(tokenizer: Any, model: Any, model_name: str, token: str | None = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_new_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP):
+    """The FastAPI app serving ``model`` as ``model_name`` (see the module docstring).
+
+    ``token``: when set, every ``/v1`` request needs ``Authorization: Bearer <token>``.
+    ``max_new_tokens_cap``: the most tokens one reply may have (``max_tokens`` is clipped to it)."""
+    from fastapi import FastAPI
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    if token is not None and not token:
+        raise ValueError("token must be a non-empty string or None")
+    gen = PolicyGenerator(tokenizer, model, max_new_tokens_cap)
+    created = int(time.time())
+    app = FastAPI(title="mentorrl serve", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Any, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc.errors())
+        return JSONResponse(error_body(message, param=param), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Any, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_body(str(exc.detail), _error_type(exc.status_code)), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(APIError)
+    async def _api(request: Any, exc: APIError) -> JSONResponse:
+        return JSONResponse(error_body(exc.message, exc.type, exc.param), status_code=exc.status)
+
+    @app.exception_handler(Exception)
+    async def _crash(request: Any, exc: Exception) -> JSONResponse:
+        return JSONResponse(error_body(f"internal error ({type(exc).__name__})", "server_error"), status_code=500)
+
+    @app.get("/health")
+    def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                            "owned_by": "mentorrl"}]}
+
+    @app.post("/v1/chat/completions")
+    def chat_completions(req: ChatRequest) -> dict[str, Any]:
+        if req.stream:
+            raise APIError(400, "stream=true is not supported; send stream=false", param="stream")
+        stop = req.stop_strings()
+        if len(stop) > 4:
+            raise APIError(400, "stop: at most 4 strings", param="stop")
+        try:
+            text = prompt_text([m.as_dict() for m in req.messages])
+        except MessageError as e:
+            raise APIError(400, str(e), param="messages") from None
+        prompt_ids = gen.encode(text)
+        turns = gen.generate(prompt_ids, req.n, req.temperature, req.top_p,
+                             req.max_completion_tokens or req.max_tokens, req.seed, stop)
+        choices = []
+        for i, (turn, _, reason) in enumerate(turns):
+            message = assistant_message(turn)
+            if reason == "stop" and message.get("tool_calls"):
+                reason = "tool_calls"
+            choices.append({"index": i, "message": message, "finish_reason": reason, "logprobs": None})
+        completion = sum(count for _, count, _ in turns)
+        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                "model": model_name, "choices": choices,
+                "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": completion,
+                          "total_tokens": len(prompt_ids) + completion}}
+
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=max_body_bytes)
+    if token is not None:
+        app.add_middleware(BearerAuthMiddleware, token=token)  # added last: runs first, before the body is read
+    return app
+
+
+# ---------------------------------------------------------------- the server ------
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback addresses (127.0.0.0/8, ::1)."""
+    if host.strip().lower() in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (port 0: a free port)."""
+    family, kind, proto, _, addr = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def base_url(sock: socket.socket) -> str:
+    """``http://HOST:PORT/v1`` for a bound socket."""
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}/v1" if ":" in host else f"http://{host}:{port}/v1"
+
+
+def run_server(app: Any, sock: socket.socket, ready_line: str, log_level: str = "info") -> int:
+    """Serve ``app`` on ``sock`` until SIGTERM / SIGINT; print ``ready_line`` (flushed) once serving.
+
+    Returns 0 after a graceful shutdown on a signal."""
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets=sockets)
+            if not self.should_exit:
+                print(ready_line, flush=True)
+
+    stopped: list[int] = []
+    # uvicorn re-raises the signal it shut down on; catch that re-raise so the exit is a clean 0.
+    previous = {s: signal.signal(s, lambda sig, frame: stopped.append(sig)) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        _Server(uvicorn.Config(app, lifespan="off", log_level=log_level, timeout_graceful_shutdown=30)).run(
+            sockets=[sock])
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        sock.close()
+    return 0
+
+
+def serve_command(
+    model_dir: Path = typer.Argument(..., help="HF checkpoint directory (a ChatML tokenizer)"),
+    host: str = typer.Option("127.0.0.1", help="address to bind; a non-loopback one needs --allow-remote"),
+    port: int = typer.Option(8000, min=0, max=65535, help="0: any free port (read it from the ready line)"),
+    allow_remote: bool = typer.Option(False, "--allow-remote", help="allow binding a non-loopback address"),
+    token_env: Optional[str] = typer.Option(None, "--token-env", metavar="NAME",
+                                            help="environment variable holding the bearer token required on /v1"),
+    max_body_bytes: int = typer.Option(DEFAULT_MAX_BODY_BYTES, min=1, help="larger request bodies get 413"),
+    max_tokens_cap: int = typer.Option(DEFAULT_MAX_TOKENS_CAP, min=1, help="the most tokens one reply may have"),
+    model_name: Optional[str] = typer.Option(None, help="the model id clients see (default: the directory name)"),
+    log_level: str = typer.Option("info", help="uvicorn log level (access logs at info)"),
+) -> None:
+    """Serve a policy over the OpenAI chat-completions protocol (POST /v1/chat/completions).
+
+    Prints "mentorrl serve: listening on http://HOST:PORT/v1" on stdout when ready."""
+    from rich.markup import escape
+
+    from mentorrl.cli_common import err, quiet_transformers
+
+    def fail(message: str) -> typer.Exit:
+        err.print(f"[red]{escape(message)}[/red]")
+        return typer.Exit(2)
+
+    if log_level not in LOG_LEVELS:
+        raise fail(f"--log-level must be one of {', '.join(LOG_LEVELS)}")
+    if not is_loopback(host) and not allow_remote:
+        raise fail(f"refusing to bind {host}: it is not a loopback address; pass --allow-remote to serve "
+                   "beyond this machine (and --token-env to require a token)")
+    token = None
+    if token_env is not None:
+        token = os.environ.get(token_env, "").strip()
+        if not token:
+            raise fail(f"--token-env {token_env}: the environment variable {token_env} is not set or empty")
+    elif not is_loopback(host):
+        err.print(f"[yellow]warning: serving on {escape(host)} without a token; anyone who can reach it can "
+                  "use the model (see --token-env)[/yellow]")
+    if not model_dir.is_dir():
+        raise fail(f"MODEL_DIR {model_dir} is not a directory")
+    try:
+        sock = bind_socket(host, port)
+    except OSError as e:
+        raise fail(f"cannot listen on {host}:{port}: {e}")
+    quiet_transformers()
+    from mentorrl.models.build import load_policy
+
+    try:
+        tokenizer, model = load_policy(model_dir)
+        app = create_app(tokenizer, model, model_name or model_dir.resolve().name, token=token,
+                         max_body_bytes=max_body_bytes, max_new_tokens_cap=max_tokens_cap)
+    except (OSError, ValueError) as e:
+        sock.close()
+        raise fail(f"cannot load a policy from {model_dir}: {e}")
+    raise typer.Exit(run_server(app, sock, READY_PREFIX + base_url(sock), log_level))
+
+
+def register(app: typer.Typer) -> None:
+    """Add the ``serve`` command to ``app``."""
+    app.command("serve")(serve_command)
+
+
+# ------------------------------------------------------------ subprocess helper ------
+@contextlib.contextmanager
+def serve_subprocess(model_dir: str | Path, token_env: str | None = None, extra_args: Sequence[str] = (), *,
+                     env: Mapping[str, str] | None = None, timeout_s: float = 120.0) -> Iterator[str]:
+    """Run ``mentorrl serve MODEL_DIR --port 0`` in a subprocess; yield its base URL (ending in ``/v1``).
+
+    ``token_env`` names the variable holding the token (set it in ``env`` or the environment).
+    Raises ``RuntimeError`` (with the server's stderr) if it exits or is not ready within
+    ``timeout_s``; the process is terminated (then killed) on exit."""
+    args = [sys.executable, "-m", "mentorrl.cli", "serve", str(model_dir), "--port", "0", "--log-level", "warning"]
+    if token_env is not None:
+        args += ["--token-env", token_env]
+    args += list(extra_args)
+    with tempfile.TemporaryFile(mode="w+b") as errlog:
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=errlog, stdin=subprocess.DEVNULL, text=True,
+                                env={**os.environ, **(env or {})})
+        lines: queue.Queue[str | None] = queue.Queue()
+
+        def pump() -> None:  # read stdout on a thread: a blocking readline has no timeout, a full pipe stalls
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                lines.put(line)
+            lines.put(None)
+
+        threading.Thread(target=pump, daemon=True).start()
+        try:
+            yield _wait_ready(proc, lines, errlog, timeout_s)
+        finally:
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(timeout=15)
+            if proc.stdout is not None:
+                proc.stdout.close()
+
+
+def _wait_ready(proc: subprocess.Popen, lines: queue.Queue[str | None], errlog: Any, timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise RuntimeError(f"mentorrl serve did not come up within {timeout_s:.0f} s{_tail(errlog)}")
+        try:
+            line = lines.get(timeout=min(left, 0.5))
+        except queue.Empty:
+            continue
+        if line is None:
+            code = proc.wait(timeout=15)
+            raise RuntimeError(f"mentorrl serve exited with code {code} before it was ready{_tail(errlog)}")
+        m = re.match(re.escape(READY_PREFIX) + r"(\S+)", line.strip())
+        if m:
+            return m.group(1)
+
+
+def _tail(errlog: Any, n: int = 2000) -> str:
+    errlog.flush()
+    errlog.seek(0)
+    text = errlog.read().decode(errors="replace")[-n:]
+    return f"; its stderr ends:\n{text}" if text.strip() else ""
+
+
+__all__ = ["APIError", "BearerAuthMiddleware", "BodyLimitMiddleware", "ChatMessage", "ChatRequest", "PolicyGenerator",
+           "READY_PREFIX", "base_url", "bind_socket", "create_app", "error_body", "is_loopback", "register",
+           "run_server", "serve_command", "serve_subprocess"]
