@@ -66,8 +66,8 @@ from mentorrl.trajectory import Segment, Trajectory
 NEEDS = {"correction": [Capability.STEP_CRITIQUE, Capability.SAMPLING], "ranking": [Capability.RANKING],
          "score": [Capability.SCORING], "critique": [Capability.STEP_CRITIQUE],
          "soft_labels": [Capability.RANKING], "actions": [Capability.ACTION_RANKING, Capability.SAMPLING]}
-PG_KEYS = ("pg_loss", "clip_frac", "entropy", "grad_norm", "approx_kl", "logprob_abs_gap", "policy_lag_mean",
-           "policy_lag_max")
+PG_KEYS = ("pg_loss", "clip_frac", "entropy", "grad_norm", "skipped_update", "approx_kl", "logprob_abs_gap",
+           "policy_lag_mean", "policy_lag_max")
 
 
 # ------------------------------------------------------------------ teacher ------
@@ -164,8 +164,7 @@ def correction_update(ws, learner, teacher, eps, o: BlackBoxConfig) -> dict[str,
             targets.append(fixed)
     m["batch_size"] = float(len(targets))
     if targets:
-        up = learner.sft_step(targets, agg=o.loss_agg)
-        m.update(loss=up.get("loss", 0.0), grad_norm=up["grad_norm"])
+        m.update(learner.sft_step(targets, agg=o.loss_agg))
     return m
 
 
