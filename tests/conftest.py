@@ -224,3 +224,61 @@ def toy_task() -> Task:
 @pytest.fixture(scope="session")
 def toy_env_cls():
     return ToyEnv
+
+
+# ------------------------------------------------------------- scripted HTTP -----
+class HTTPScript:
+    """What a scripted local HTTP server answers and what it was asked.
+
+    ``plans[route]``: the answers to POSTs under ``/route/...`` in turn, each ``(status, body)``
+    or ``(status, body, headers, delay_s)``; the last one repeats."""
+
+    def __init__(self):
+        self.plans: dict[str, list[tuple]] = {}
+        self.hits: dict[str, int] = {}
+        self.auth: list[str | None] = []
+        self.requests: list[dict] = []
+
+
+@pytest.fixture()
+def server():
+    """A real local ``ThreadingHTTPServer`` that misbehaves on purpose, as scripted: ``(script, base_url)``."""
+    import json
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    script = HTTPScript()
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *a):  # quiet
+            pass
+
+        def do_POST(self):
+            body = self.rfile.read(int(self.headers.get("content-length", 0)))
+            script.auth.append(self.headers.get("authorization"))
+            try:
+                script.requests.append(json.loads(body))
+            except ValueError:
+                script.requests.append({"raw": body.decode(errors="replace")})
+            route = self.path.split("/")[1]
+            plan = script.plans[route]
+            i = script.hits.get(route, 0)
+            script.hits[route] = i + 1
+            status, text, headers, delay = (tuple(plan[min(i, len(plan) - 1)]) + ({}, 0.0))[:4]
+            time.sleep(delay)
+            try:
+                self.send_response(status)
+                for k, v in headers.items():
+                    self.send_header(k, v)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(text)))
+                self.end_headers()
+                self.wfile.write(text.encode())
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield script, f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()

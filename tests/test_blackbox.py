@@ -238,3 +238,60 @@ def test_candidate_trajectory_trains_only_the_candidate_turn(make_demos):
     cand = candidate_trajectory(t, seg.start, [5, 6, contract.im_end_id])
     assert cand.token_ids[:seg.start] == t.token_ids[:seg.start] and cand.token_ids[seg.start:] == [5, 6, contract.im_end_id]
     assert cand.loss_mask == [0] * seg.start + [1, 1, 1] and cand.segments[-1].role == "policy"
+
+
+# ---------------------------------------------------------- prompted teacher (HTTP) -----
+def _reply(content: str) -> str:
+    import json
+
+    return json.dumps({"choices": [{"message": {"role": "assistant", "content": content}}]})
+
+
+def _prompted(url: str, route: str):
+    from mentorrl.opd.api import ClientConfig, TeacherClient
+    from mentorrl.opd.blackbox import PromptedTeacher
+
+    cfg = ClientConfig(base_url=f"{url}/{route}/v1", model="judge", timeout_s=2.0, max_retries=0, api_key_env=None)
+    return PromptedTeacher(TeacherClient(cfg, sleep=lambda s: None))
+
+
+def test_prompted_teacher_reads_json_rankings_critiques_and_scores(server, make_demos, orders_entry):
+    script, url = server
+    _, demos = make_demos(1)
+    task = orders_entry.make_tasks().tasks("train", 1, 0)[0]
+    ep = _episode([CALL, "Order 7 shipped"], demos[0])
+    ep = StudentEpisode(task, ep.traj, ep.messages)
+    script.plans["rank"] = [(200, _reply('{"scores": [0.9, 0.1], "reason": "B cancelled the order"}'))]
+    t = _prompted(url, "rank")
+    assert t.rank([ep, ep]) == [0.9, 0.1]
+    asked = script.requests[-1]["messages"][-1]["content"]
+    assert "Candidate 2" in asked and "calls get_order" in asked and "answers: Order 7 shipped" in asked
+    script.plans["crit"] = [(200, _reply('```json\n{"step_scores": [1.0, 0.2], "first_wrong_step": 2, '
+                                         '"correct_action": {"answer": "Order 7 has shipped"}}\n```'))]
+    c = _prompted(url, "crit").critique(ep)
+    assert c.scores == [1.0, 0.2] and c.first_wrong == 1 and c.correct_action["content"] == "Order 7 has shipped"
+    script.plans["acts"] = [(200, _reply('{"scores": [1.0, 0.0]}'))]
+    assert _prompted(url, "acts").rank_actions(ep.messages[:1], [assistant_message(CALL),
+                                                                 assistant_message(OTHER_TOOL)]) == [1.0, 0.0]
+    rubric = ('{"task_success": 1, "tool_correctness": 0.5, "state_tracking": 1, "efficiency": 1, '
+              '"final_answer": 1, "safety": 1, "reason": "ok"}')
+    script.plans["score"] = [(200, _reply(rubric))]
+    s = _prompted(url, "score").score(ep)
+    assert s.dims["tool_correctness"] == 0.5 and len(s.dims) == 6 and s.reason == "ok"
+    assert task.prompt in script.requests[-1]["messages"][-1]["content"]  # the LLM judge's rubric prompt
+
+
+@pytest.mark.parametrize("route, answer", [
+    ("count", '{"scores": [0.5]}'),                              # one score for two candidates
+    ("range", '{"scores": [1.5, 0.0]}'),                         # outside [0, 1]
+    ("step", '{"step_scores": [1.0, 0.0], "first_wrong_step": 5}'),  # no such step
+    ("prose", "Candidate 1 is better."),                         # not JSON at all
+])
+def test_prompted_teacher_counts_and_skips_answers_that_do_not_fit(server, make_demos, route, answer):
+    script, url = server
+    _, demos = make_demos(1)
+    ep = _episode([CALL, "Order 7 shipped"], demos[0])
+    script.plans[route] = [(200, _reply(answer))]
+    t = _prompted(url, route)
+    out = t.critique(ep) if route == "step" else t.rank([ep, ep])
+    assert out is None and t.client.stats["invalid_structured"] == 1

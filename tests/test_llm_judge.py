@@ -5,8 +5,6 @@ the response cache, the hybrid verifier/judge path and ``make_judge("llm")`` fro
 from __future__ import annotations
 
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from typer.testing import CliRunner
@@ -35,43 +33,6 @@ RUBRIC = {"task_success": 0.9, "tool_correctness": 0.8, "state_tracking": 0.7, "
 
 def reply(content: str) -> str:
     return json.dumps({"choices": [{"message": {"role": "assistant", "content": content}}]})
-
-
-class Script:
-    """Per route, the list of (status, body) to answer in turn (the last one repeats); what was asked."""
-
-    def __init__(self):
-        self.plans: dict[str, list[tuple[int, str]]] = {}
-        self.hits: dict[str, int] = {}
-        self.requests: list[dict] = []
-
-
-@pytest.fixture()
-def server():
-    script = Script()
-
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *a):  # quiet
-            pass
-
-        def do_POST(self):
-            body = self.rfile.read(int(self.headers.get("content-length", 0)))
-            script.requests.append(json.loads(body))
-            route = self.path.split("/")[1]
-            plan = script.plans[route]
-            i = script.hits.get(route, 0)
-            script.hits[route] = i + 1
-            status, text = plan[min(i, len(plan) - 1)]
-            self.send_response(status)
-            self.send_header("content-type", "application/json")
-            self.send_header("content-length", str(len(text)))
-            self.end_headers()
-            self.wfile.write(text.encode())
-
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    yield script, f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
 
 
 def make_client(url: str, route: str, **kw) -> TeacherClient:

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from pydantic import BaseModel
@@ -15,50 +13,6 @@ from pydantic import BaseModel
 from mentorrl.opd.api import ClientConfig, TeacherClient
 
 GOOD = json.dumps({"choices": [{"message": {"role": "assistant", "content": '{"score": 0.75, "reason": "ok"}'}}]})
-
-
-class Script:
-    """Per path, the list of (status, body, headers, delay) to answer in turn (the last one repeats)."""
-
-    def __init__(self):
-        self.plans: dict[str, list[tuple[int, str, dict, float]]] = {}
-        self.hits: dict[str, int] = {}
-        self.auth: list[str | None] = []
-
-
-@pytest.fixture()
-def server():
-    script = Script()
-
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *a):  # quiet
-            pass
-
-        def do_POST(self):
-            n = int(self.headers.get("content-length", 0))
-            self.rfile.read(n)
-            script.auth.append(self.headers.get("authorization"))
-            route = self.path.split("/")[1]
-            plan = script.plans[route]
-            i = script.hits.get(route, 0)
-            script.hits[route] = i + 1
-            status, body, headers, delay = plan[min(i, len(plan) - 1)]
-            time.sleep(delay)
-            try:
-                self.send_response(status)
-                for k, v in headers.items():
-                    self.send_header(k, v)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body.encode())
-            except (BrokenPipeError, ConnectionResetError):
-                pass
-
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    yield script, f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
 
 
 def client(url: str, route: str, **kw) -> TeacherClient:
