@@ -456,7 +456,9 @@ class BlackBoxConfig(_Section):
     steps: int = Field(10, ge=0, description="steps (one student rollout batch each)")
     tasks_per_step: int = Field(8, ge=1, description="distinct tasks per step")
     samples_per_task: int = Field(4, ge=1, description="student rollouts per task (candidates / a GRPO group)")
-    updates_per_step: int = Field(1, ge=1, description="optimizer steps per rollout batch (policy-gradient recipes)")
+    updates_per_step: int = Field(1, ge=1, description="optimizer steps per rollout batch: minibatches for the "
+                                                       "policy-gradient recipes (score, critique), passes over the "
+                                                       "pairs / candidate groups for ranking, soft_labels, actions")
     eps_low: float = Field(0.2, ge=0, description="clip range below 1 of the importance ratio")
     eps_high: float = Field(0.28, ge=0, description="clip range above 1 of the importance ratio")
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field(

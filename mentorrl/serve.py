@@ -516,7 +516,7 @@ def serve_subprocess(model_dir: str | Path, token_env: str | None = None, extra_
     args += list(extra_args)
     with tempfile.TemporaryFile(mode="w+b") as errlog:
         proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=errlog, stdin=subprocess.DEVNULL, text=True,
-                                env={**os.environ, **(env or {})})
+                                env={**os.environ, **(env or {})}, preexec_fn=_die_with_parent)
         lines: queue.Queue[str | None] = queue.Queue()
 
         def pump() -> None:  # read stdout on a thread: a blocking readline has no timeout, a full pipe stalls
@@ -538,6 +538,19 @@ def serve_subprocess(model_dir: str | Path, token_env: str | None = None, extra_
                     proc.wait(timeout=15)
             if proc.stdout is not None:
                 proc.stdout.close()
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: ask Linux to SIGTERM it when the process that started it dies,
+    so a killed training run (SIGKILL included, where no cleanup runs) leaves no server behind.
+    Elsewhere a no-op: the context manager still stops it on any normal exit."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
 
 
 def _wait_ready(proc: subprocess.Popen, lines: queue.Queue[str | None], errlog: Any, timeout_s: float) -> str:

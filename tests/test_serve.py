@@ -11,6 +11,7 @@ import select
 import signal
 import subprocess
 import sys
+import time
 import threading
 from types import SimpleNamespace
 from typing import Any
@@ -365,3 +366,30 @@ def test_serve_subprocess_reports_a_server_that_does_not_start(tmp_path):
     with pytest.raises(RuntimeError, match="exited with code 2"):
         with serve_subprocess(tmp_path / "missing", timeout_s=60):
             pass
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
+def test_a_server_started_by_a_run_dies_with_the_run_even_on_sigkill(tiny_model_dir):
+    """A training run that is SIGKILLed runs no cleanup; its served teacher must not outlive it."""
+    parent = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\nfrom mentorrl.serve import serve_subprocess\n"
+                               f"with serve_subprocess({str(tiny_model_dir)!r}) as url:\n"
+                               "    print(url, flush=True)\n    time.sleep(600)\n"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+    try:
+        url = _read_line(parent, 120).strip()
+        assert httpx.get(url.removesuffix("/v1") + "/health", timeout=30).status_code == 200
+        parent.kill()
+        parent.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                httpx.get(url.removesuffix("/v1") + "/health", timeout=2)
+            except httpx.TransportError:
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("the server outlived the SIGKILLed run that started it")
+    finally:
+        if parent.poll() is None:
+            parent.kill()

@@ -402,8 +402,7 @@ def _run(ws: Workspace, model, teacher: BlackBoxTeacher, resume: bool) -> Path:
             pairs, pm = preference_pairs(groups, scores, o.preference.min_margin)
             m.update(pm, batch_size=float(len(pairs)))
             if pairs:
-                m.update(preference_update(learner, ref_model, pairs, o))
-                state["policy"] += 1
+                m.update(_passes(lambda: preference_update(learner, ref_model, pairs, o), o.updates_per_step, state))
         elif r in ("score", "critique"):
             raw = torch.tensor([t.reward.total for t in trajs], dtype=torch.float32)
             if r == "score":
@@ -434,14 +433,14 @@ def _run(ws: Workspace, model, teacher: BlackBoxTeacher, resume: bool) -> Path:
                     for g, s in zip(groups, scores) if s is not None and max(s) - min(s) > 1e-6]
             m.update(teacher_skips=float(sum(s is None for s in scores)), batch_size=float(len(data)))
             if data:
-                m.update(soft_label_update(learner, data, o.soft_labels.temperature, o.soft_labels.average))
-                state["policy"] += 1
+                m.update(_passes(lambda: soft_label_update(learner, data, o.soft_labels.temperature,
+                                                           o.soft_labels.average), o.updates_per_step, state))
         else:  # actions
             data, am = action_groups(ws, model, teacher, eps, o, rng, seed=cfg.seed + step)
             m.update(am, batch_size=float(len(data)))
             if data:
-                m.update(soft_label_update(learner, data, o.actions.temperature, o.actions.average))
-                state["policy"] += 1
+                m.update(_passes(lambda: soft_label_update(learner, data, o.actions.temperature, o.actions.average),
+                                 o.updates_per_step, state))
         m.update({f"teacher_{k}": float(teacher.client.stats[k]) for k in STAT_KEYS},
                  teacher_s=time.perf_counter() - t1, policy_version=float(state["policy"]),
                  rollout_tokens_total=float(state["rollout_tokens"]))
@@ -457,6 +456,17 @@ def _run(ws: Workspace, model, teacher: BlackBoxTeacher, resume: bool) -> Path:
 
     return run_stage(ws, "blackbox", model, learner, o.steps, step_fn, o.checkpoint_every, resume,
                      extra_state=extra_state, restore_extra=restore)
+
+
+def _passes(update, n: int, state: dict[str, Any]) -> dict[str, float]:
+    """``n`` optimizer steps on one batch of a sequence-level loss (pairs, candidate groups: fixed
+    data, like offline DPO epochs); the first step's metrics, with the last step's loss as ``loss_last``."""
+    first = update()
+    last = first
+    for _ in range(n - 1):
+        last = update()
+    state["policy"] += n
+    return {**first, "loss_last": last["loss"]}
 
 
 def _mean(xs: list[float]) -> float:
