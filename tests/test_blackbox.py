@@ -295,3 +295,22 @@ def test_prompted_teacher_counts_and_skips_answers_that_do_not_fit(server, make_
     t = _prompted(url, route)
     out = t.critique(ep) if route == "step" else t.rank([ep, ep])
     assert out is None and t.client.stats["invalid_structured"] == 1
+
+
+@pytest.mark.parametrize("loss", ["dpo", "ipo", "orpo"])
+def test_preference_update_runs_each_loss_on_agent_pairs(make_demos, model, loss):
+    from mentorrl.config import BlackBoxConfig
+    from mentorrl.train.blackbox import preference_update
+
+    contract, demos = make_demos(4)
+    eps = [StudentEpisode(None, d, []) for d in demos[:4]]
+    pairs, _ = preference_pairs([eps[:2], eps[2:]], [[1.0, 0.0], [0.0, 1.0]], min_margin=0.1)
+    o = BlackBoxConfig(recipe="ranking", preference={"loss": loss})
+    policy = copy.deepcopy(model)
+    learner = Learner(policy, OptimConfig(lr=1e-3, micro_batch_size=2), contract.pad_token_id)
+    m = preference_update(learner, copy.deepcopy(model), pairs, o)
+    assert math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]) and m["skipped_update"] == 0.0
+    if loss == "dpo":  # policy == reference before the step: every implicit reward is 0, the loss log 2
+        assert m["loss"] == pytest.approx(math.log(2)) and m["reward_margin"] == pytest.approx(0.0, abs=1e-6)
+    if loss == "orpo":
+        assert m["nll"] > 0

@@ -34,6 +34,7 @@ import contextlib
 import copy
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -364,16 +365,113 @@ def blackbox_stage(ws: Workspace, model, resume: bool = False) -> Path:
         return _run(ws, model, teacher, resume)
 
 
+@dataclass
+class Step:
+    """What a recipe's update sees at one step."""
+
+    ws: Workspace
+    model: Any
+    learner: Learner
+    teacher: BlackBoxTeacher
+    eps: list[StudentEpisode]  # every student episode of the step, grouped task by task
+    G: int  # episodes per task
+    state: dict[str, Any]  # policy version, rollout tokens (checkpointed)
+    step: int
+    rng: random.Random
+    ref_model: Any = None
+
+    @property
+    def o(self) -> BlackBoxConfig:
+        return self.ws.cfg.blackbox
+
+    @property
+    def trajs(self) -> list[Trajectory]:
+        return [e.traj for e in self.eps]
+
+    @property
+    def groups(self) -> list[list[StudentEpisode]]:
+        return [self.eps[i:i + self.G] for i in range(0, len(self.eps), self.G)]
+
+
+def _correction(s: Step) -> dict[str, float]:
+    m = correction_update(s.ws, s.learner, s.teacher, s.eps, s.o)
+    s.state["policy"] += int(m["batch_size"] > 0)
+    return m
+
+
+def _ranking(s: Step) -> dict[str, float]:
+    pairs, m = preference_pairs(s.groups, [s.teacher.rank(g) for g in s.groups], s.o.preference.min_margin)
+    m["batch_size"] = float(len(pairs))
+    if pairs:
+        m.update(_passes(lambda: preference_update(s.learner, s.ref_model, pairs, s.o), s.o.updates_per_step, s.state))
+    return m
+
+
+def _group_advantages(s: Step, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    a = s.ws.cfg.audit
+    rewards, _ = sanitize_group_rewards(raw.view(-1, s.G), a.reward_low, a.reward_high, a.outlier_z)
+    return rewards, get_advantage_estimator("grpo")(rewards, normalize_std=True).reshape(-1)
+
+
+def _score(s: Step) -> dict[str, float]:
+    trajs = s.trajs
+    ts = [s.teacher.score(ep) for ep in s.eps]
+    overall = [x.overall(s.o.score.weights) if x is not None else None for x in ts]
+    raw, fused = fused_rewards(trajs, overall, s.o.score.teacher_coef)
+    got = [x for x in overall if x is not None]
+    rewards, adv = _group_advantages(s, raw)
+    m = {"teacher_scored": float(fused), "teacher_skips": float(len(ts) - len(got)), "teacher_score_mean": _mean(got),
+         "teacher_verifier_agreement": _agreement(trajs, ts),
+         **{f"fused_reward_{k}": v for k, v in group_reward_stats(rewards).items()}}
+    token_adv = [torch.tensor(t.loss_mask, dtype=torch.float32) * float(a) for t, a in zip(trajs, adv)]
+    return {**m, **policy_gradient_update(s.learner, trajs, token_adv, s.o, s.state, s.step)}
+
+
+def _critique(s: Step) -> dict[str, float]:
+    trajs = s.trajs
+    _, adv = _group_advantages(s, torch.tensor([t.reward.total for t in trajs], dtype=torch.float32))
+    crit = [s.teacher.critique(ep) for ep in s.eps]
+    sc = [c.scores if c is not None else None for c in crit]
+    m = {"teacher_skips": float(sum(c is None for c in crit)), "step_score_mean": _mean([x for y in sc if y for x in y])}
+    token_adv = step_advantages(trajs, adv, sc, s.o.critique.coef)
+    return {**m, **policy_gradient_update(s.learner, trajs, token_adv, s.o, s.state, s.step)}
+
+
+def _soft_labels(s: Step) -> dict[str, float]:
+    scores = [s.teacher.rank(g) for g in s.groups]
+    data = [([e.traj for e in g], [torch.tensor(e.traj.loss_mask) for e in g], sc)
+            for g, sc in zip(s.groups, scores) if sc is not None and max(sc) - min(sc) > 1e-6]
+    m = {"teacher_skips": float(sum(sc is None for sc in scores)), "batch_size": float(len(data))}
+    if data:
+        sl = s.o.soft_labels
+        m.update(_passes(lambda: soft_label_update(s.learner, data, sl.temperature, sl.average), s.o.updates_per_step,
+                         s.state))
+    return m
+
+
+def _actions(s: Step) -> dict[str, float]:
+    data, m = action_groups(s.ws, s.model, s.teacher, s.eps, s.o, s.rng, seed=s.ws.cfg.seed + s.step)
+    m["batch_size"] = float(len(data))
+    if data:
+        a = s.o.actions
+        m.update(_passes(lambda: soft_label_update(s.learner, data, a.temperature, a.average), s.o.updates_per_step,
+                         s.state))
+    return m
+
+
+RECIPE_STEPS = {"correction": _correction, "ranking": _ranking, "score": _score, "critique": _critique,
+                "soft_labels": _soft_labels, "actions": _actions}
+
+
 def _run(ws: Workspace, model, teacher: BlackBoxTeacher, resume: bool) -> Path:
-    cfg, o, audit = ws.cfg, ws.cfg.blackbox, ws.cfg.audit
+    cfg, o = ws.cfg, ws.cfg.blackbox
     pool = ws.train_tasks(max(o.tasks_per_step * max(o.steps, 1), 64), cfg.seed + TRAIN_POOL_SEED_OFFSET)
     learner = Learner(model, o.optim, ws.contract.pad_token_id, ws.contract.sampling.temperature)
     ref_model = None
-    if o.recipe == "ranking" and o.preference.loss != "orpo":
+    if o.recipe == "ranking" and o.preference.loss != "orpo":  # DPO / IPO: the policy as the stage starts
         ref_model = copy.deepcopy(model).eval()
         for p in ref_model.parameters():
             p.requires_grad_(False)
-    estimator = get_advantage_estimator("grpo")
     state: dict[str, Any] = {"policy": 0, "rollout_tokens": 0}
     G = o.samples_per_task
 
@@ -386,61 +484,13 @@ def _run(ws: Workspace, model, teacher: BlackBoxTeacher, resume: bool) -> Path:
                               seed=cfg.seed * 4_241 + step, batch_size=len(grouped), weights=cfg.reward)
         _require_consistent(ws, trajs, state["policy"], f"blackbox step {step + 1}")
         state["rollout_tokens"] += sum(t.num_policy_tokens for t in trajs)
-        m: dict[str, float] = {**rollout_metrics(trajs), "rollouts": float(len(trajs)),
-                               "rollout_s": time.perf_counter() - t0}
         verifier = torch.tensor([t.reward.total for t in trajs], dtype=torch.float32).view(len(chosen), G)
-        m.update({f"reward_{k}": v for k, v in group_reward_stats(verifier).items()})  # the verifier's, every recipe
-        eps = student_episodes(ws, grouped, trajs)
-        groups = [eps[i * G:(i + 1) * G] for i in range(len(chosen))]
+        m: dict[str, float] = {**rollout_metrics(trajs), "rollouts": float(len(trajs)),
+                               "rollout_s": time.perf_counter() - t0,
+                               **{f"reward_{k}": v for k, v in group_reward_stats(verifier).items()}}
         t1 = time.perf_counter()
-        r = o.recipe
-        if r == "correction":
-            m.update(correction_update(ws, learner, teacher, eps, o))
-            state["policy"] += int(m["batch_size"] > 0)
-        elif r == "ranking":
-            scores = [teacher.rank(g) for g in groups]
-            pairs, pm = preference_pairs(groups, scores, o.preference.min_margin)
-            m.update(pm, batch_size=float(len(pairs)))
-            if pairs:
-                m.update(_passes(lambda: preference_update(learner, ref_model, pairs, o), o.updates_per_step, state))
-        elif r in ("score", "critique"):
-            raw = torch.tensor([t.reward.total for t in trajs], dtype=torch.float32)
-            if r == "score":
-                ts = [teacher.score(ep) for ep in eps]
-                overall = [s.overall(o.score.weights) if s is not None else None for s in ts]
-                raw, fused = fused_rewards(trajs, overall, o.score.teacher_coef)
-                got = [x for x in overall if x is not None]
-                m.update(teacher_scored=float(fused), teacher_skips=float(len(ts) - len(got)),
-                         teacher_score_mean=sum(got) / len(got) if got else 0.0,
-                         teacher_verifier_agreement=_agreement(trajs, ts))
-            rewards, clipped = sanitize_group_rewards(raw.view(len(chosen), G), audit.reward_low, audit.reward_high,
-                                                      audit.outlier_z)
-            if r == "score":
-                m.update({f"fused_reward_{k}": v for k, v in group_reward_stats(rewards).items()})
-            adv = estimator(rewards, normalize_std=True).reshape(-1)
-            if r == "score":
-                token_adv = [torch.tensor(t.loss_mask, dtype=torch.float32) * float(a) for t, a in zip(trajs, adv)]
-            else:
-                crit = [teacher.critique(ep) for ep in eps]
-                sc = [c.scores if c is not None else None for c in crit]
-                m.update(teacher_skips=float(sum(c is None for c in crit)),
-                         step_score_mean=_mean([s for x in sc if x for s in x]))
-                token_adv = step_advantages(trajs, adv, sc, o.critique.coef)
-            m.update(policy_gradient_update(learner, trajs, token_adv, o, state, step))
-        elif r == "soft_labels":
-            scores = [teacher.rank(g) for g in groups]
-            data = [([e.traj for e in g], [torch.tensor(e.traj.loss_mask) for e in g], s)
-                    for g, s in zip(groups, scores) if s is not None and max(s) - min(s) > 1e-6]
-            m.update(teacher_skips=float(sum(s is None for s in scores)), batch_size=float(len(data)))
-            if data:
-                m.update(_passes(lambda: soft_label_update(learner, data, o.soft_labels.temperature,
-                                                           o.soft_labels.average), o.updates_per_step, state))
-        else:  # actions
-            data, am = action_groups(ws, model, teacher, eps, o, rng, seed=cfg.seed + step)
-            m.update(am, batch_size=float(len(data)))
-            if data:
-                m.update(_passes(lambda: soft_label_update(learner, data, o.actions.temperature, o.actions.average),
-                                 o.updates_per_step, state))
+        ctx = Step(ws, model, learner, teacher, student_episodes(ws, grouped, trajs), G, state, step, rng, ref_model)
+        m.update(RECIPE_STEPS[o.recipe](ctx))
         m.update({f"teacher_{k}": float(teacher.client.stats[k]) for k in STAT_KEYS},
                  teacher_s=time.perf_counter() - t1, policy_version=float(state["policy"]),
                  rollout_tokens_total=float(state["rollout_tokens"]))
