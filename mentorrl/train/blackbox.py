@@ -212,11 +212,22 @@ def preference_update(learner, ref_model, pairs, o: BlackBoxConfig) -> dict[str,
         return learner.sequence_step(trajs, full, orpo, average=True)
     average = p.loss == "ipo"
     ref = learner.sequence_logprobs(trajs, masks, average, model=ref_model)
+    if p.nll_coef > 0 and average:
+        raise ValueError("preference.nll_coef needs summed log-probs (loss dpo)")
+    if p.nll_coef > 0:  # the chosen side once more, whole, for its token-mean NLL (RPO)
+        trajs = trajs + trajs[:n]
+        masks = masks + [torch.tensor(c.loss_mask) for c, _, _, _ in pairs]
+    n_tokens = torch.tensor([float(sum(c.loss_mask)) for c, _, _, _ in pairs])
 
     def objective(s):
-        if p.loss == "dpo":
-            return dpo_loss(s[:n], s[n:], ref[:n], ref[n:], beta=p.beta, label_smoothing=p.label_smoothing)
-        return ipo_loss(s[:n], s[n:], ref[:n], ref[n:], tau=p.tau)
+        if p.loss == "ipo":
+            return ipo_loss(s[:n], s[n:2 * n], ref[:n], ref[n:], tau=p.tau)
+        loss, m = dpo_loss(s[:n], s[n:2 * n], ref[:n], ref[n:], beta=p.beta, label_smoothing=p.label_smoothing)
+        if p.nll_coef > 0:
+            nll = (-s[2 * n:] / n_tokens).mean()
+            loss = loss + p.nll_coef * nll
+            m = {**m, "dpo_loss": m["loss"], "chosen_nll": nll.item(), "loss": loss.item()}
+        return loss, m
 
     return learner.sequence_step(trajs, masks, objective, average=average)
 
