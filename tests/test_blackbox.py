@@ -320,3 +320,28 @@ def test_preference_update_runs_each_loss_on_agent_pairs(make_demos, model, loss
             chosen, [torch.tensor(c.loss_mask) for c in chosen], average=True)
         assert m["chosen_nll"] == pytest.approx(-lp.mean().item(), rel=1e-5)
         assert m["loss"] == pytest.approx(math.log(2) + m["chosen_nll"], rel=1e-5)
+
+
+def test_teacher_calls_run_concurrently_up_to_the_client_bound_and_keep_their_order():
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from mentorrl.train.blackbox import teacher_map
+
+    live, peak, lock = [0], [0], threading.Lock()
+
+    def slow(x):
+        with lock:
+            live[0] += 1
+            peak[0] = max(peak[0], live[0])
+        time.sleep(0.05)
+        with lock:
+            live[0] -= 1
+        return x * 2
+
+    teacher = SimpleNamespace(client=SimpleNamespace(config=SimpleNamespace(max_concurrency=3)))
+    assert teacher_map(teacher, slow, list(range(9))) == [x * 2 for x in range(9)]
+    assert peak[0] == 3
+    live[0] = peak[0] = 0
+    assert teacher_map(SimpleNamespace(client=FakeClient(None)), slow, [1, 2]) == [2, 4] and peak[0] == 1

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -157,17 +158,20 @@ class ActingTeacher(BlackBoxTeacher):
         self.samples, self.temperature, self.threshold = samples, temperature, threshold
         self._memo: OrderedDict[str, list[dict[str, Any]] | None] = OrderedDict()
         self._memo_size = memo_size
+        self._memo_lock = threading.Lock()  # recipes ask about several episodes at once
 
     def proposals(self, messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]] | None:
         """The teacher's sampled next actions at a state (memoised: recipes ask about a state more than once)."""
         key = json.dumps(list(messages), sort_keys=True, default=str)
-        if key in self._memo:
-            self._memo.move_to_end(key)
-            return self._memo[key]
+        with self._memo_lock:
+            if key in self._memo:
+                self._memo.move_to_end(key)
+                return self._memo[key]
         out = self.act(messages, n=self.samples, temperature=self.temperature)
-        self._memo[key] = out
-        if len(self._memo) > self._memo_size:
-            self._memo.popitem(last=False)
+        with self._memo_lock:
+            self._memo[key] = out
+            if len(self._memo) > self._memo_size:
+                self._memo.popitem(last=False)
         return out
 
     def _agreement(self, props: list[dict[str, Any]], taken: ParsedAction) -> float:

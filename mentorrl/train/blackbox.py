@@ -34,6 +34,7 @@ import contextlib
 import copy
 import random
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -143,26 +144,39 @@ def corrected_trajectory(ws: Workspace, ep: StudentEpisode, first_wrong: int, te
     return fixed.model_copy(update={"loss_mask": mask}) if any(mask) else None
 
 
+def teacher_map(teacher: BlackBoxTeacher, fn, items: list) -> list:
+    """``[fn(x) for x in items]`` with up to the client's ``max_concurrency`` calls in flight (a hosted
+    teacher answers in seconds; asking one state at a time would make a step wait on every call)."""
+    workers = getattr(getattr(teacher.client, "config", None), "max_concurrency", 1)
+    if workers <= 1 or len(items) <= 1:
+        return [fn(x) for x in items]
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        return list(pool.map(fn, items))
+
+
+def _correct(ws, teacher, ep: StudentEpisode, o: BlackBoxConfig) -> tuple[str, Trajectory | None]:
+    """One episode's correction and what became of it: ok, teacher_skips, no_error_found or rejected_corrections."""
+    c = teacher.critique(ep)
+    if c is None:
+        return "teacher_skips", None
+    if c.first_wrong is None:
+        return "no_error_found", None
+    fixed = corrected_trajectory(ws, ep, c.first_wrong, teacher)
+    if fixed is None:
+        return "teacher_skips", None
+    if o.correction.require_success and not fixed.reward.success:
+        return "rejected_corrections", None
+    return "ok", fixed
+
+
 def correction_update(ws, learner, teacher, eps, o: BlackBoxConfig) -> dict[str, float]:
-    targets, m = [], {"critiqued": 0.0, "no_error_found": 0.0, "rejected_corrections": 0.0, "teacher_skips": 0.0}
-    for ep in eps:
-        if o.correction.only_failed and ep.traj.reward.success:
-            continue
-        c = teacher.critique(ep)
-        m["critiqued"] += 1
-        if c is None:
-            m["teacher_skips"] += 1
-            continue
-        if c.first_wrong is None:
-            m["no_error_found"] += 1
-            continue
-        fixed = corrected_trajectory(ws, ep, c.first_wrong, teacher)
-        if fixed is None:
-            m["teacher_skips"] += 1
-        elif o.correction.require_success and not fixed.reward.success:
-            m["rejected_corrections"] += 1
-        else:
-            targets.append(fixed)
+    todo = [ep for ep in eps if not (o.correction.only_failed and ep.traj.reward.success)]
+    done = teacher_map(teacher, lambda ep: _correct(ws, teacher, ep, o), todo)
+    m = {"critiqued": float(len(todo)), "no_error_found": 0.0, "rejected_corrections": 0.0, "teacher_skips": 0.0}
+    for what, _ in done:
+        if what != "ok":
+            m[what] += 1
+    targets = [fixed for what, fixed in done if what == "ok"]
     m["batch_size"] = float(len(targets))
     if targets:
         m.update(learner.sft_step(targets, agg=o.loss_agg))
@@ -411,7 +425,8 @@ def _correction(s: Step) -> dict[str, float]:
 
 
 def _ranking(s: Step) -> dict[str, float]:
-    pairs, m = preference_pairs(s.groups, [s.teacher.rank(g) for g in s.groups], s.o.preference.min_margin)
+    pairs, m = preference_pairs(s.groups, teacher_map(s.teacher, s.teacher.rank, s.groups),
+                                   s.o.preference.min_margin)
     m["batch_size"] = float(len(pairs))
     if pairs:
         m.update(_passes(lambda: preference_update(s.learner, s.ref_model, pairs, s.o), s.o.updates_per_step, s.state))
@@ -426,7 +441,7 @@ def _group_advantages(s: Step, raw: torch.Tensor) -> tuple[torch.Tensor, torch.T
 
 def _score(s: Step) -> dict[str, float]:
     trajs = s.trajs
-    ts = [s.teacher.score(ep) for ep in s.eps]
+    ts = teacher_map(s.teacher, s.teacher.score, s.eps)
     overall = [x.overall(s.o.score.weights) if x is not None else None for x in ts]
     raw, fused = fused_rewards(trajs, overall, s.o.score.teacher_coef)
     got = [x for x in overall if x is not None]
@@ -441,7 +456,7 @@ def _score(s: Step) -> dict[str, float]:
 def _critique(s: Step) -> dict[str, float]:
     trajs = s.trajs
     _, adv = _group_advantages(s, torch.tensor([t.reward.total for t in trajs], dtype=torch.float32))
-    crit = [s.teacher.critique(ep) for ep in s.eps]
+    crit = teacher_map(s.teacher, s.teacher.critique, s.eps)
     sc = [c.scores if c is not None else None for c in crit]
     m = {"teacher_skips": float(sum(c is None for c in crit)), "step_score_mean": _mean([x for y in sc if y for x in y])}
     token_adv = step_advantages(trajs, adv, sc, s.o.critique.coef)
@@ -449,7 +464,7 @@ def _critique(s: Step) -> dict[str, float]:
 
 
 def _soft_labels(s: Step) -> dict[str, float]:
-    scores = [s.teacher.rank(g) for g in s.groups]
+    scores = teacher_map(s.teacher, s.teacher.rank, s.groups)
     data = [([e.traj for e in g], [torch.tensor(e.traj.loss_mask) for e in g], sc)
             for g, sc in zip(s.groups, scores) if sc is not None and max(sc) - min(sc) > 1e-6]
     m = {"teacher_skips": float(sum(sc is None for sc in scores)), "batch_size": float(len(data))}
