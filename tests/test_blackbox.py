@@ -297,7 +297,7 @@ def test_prompted_teacher_counts_and_skips_answers_that_do_not_fit(server, make_
     assert out is None and t.client.stats["invalid_structured"] == 1
 
 
-@pytest.mark.parametrize("loss", ["dpo", "ipo", "orpo", "dpo+nll"])
+@pytest.mark.parametrize("loss", ["dpo", "ipo", "orpo", "dpo+nll", "dpo+average"])
 def test_preference_update_runs_each_loss_on_agent_pairs(make_demos, model, loss):
     from mentorrl.config import BlackBoxConfig
     from mentorrl.train.blackbox import preference_update
@@ -305,12 +305,13 @@ def test_preference_update_runs_each_loss_on_agent_pairs(make_demos, model, loss
     contract, demos = make_demos(4)
     eps = [StudentEpisode(None, d, []) for d in demos[:4]]
     pairs, _ = preference_pairs([eps[:2], eps[2:]], [[1.0, 0.0], [0.0, 1.0]], min_margin=0.1)
-    o = BlackBoxConfig(recipe="ranking", preference={"loss": loss.split("+")[0], "nll_coef": 1.0 if "nll" in loss else 0})
+    o = BlackBoxConfig(recipe="ranking", preference={"loss": loss.split("+")[0], "nll_coef": 1.0 if "nll" in loss else 0,
+                                                     "average": "average" in loss})
     policy = copy.deepcopy(model)
     learner = Learner(policy, OptimConfig(lr=1e-3, micro_batch_size=2), contract.pad_token_id)
     m = preference_update(learner, copy.deepcopy(model), pairs, o)
     assert math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]) and m["skipped_update"] == 0.0
-    if loss == "dpo":  # policy == reference before the step: every implicit reward is 0, the loss log 2
+    if loss in ("dpo", "dpo+average"):  # policy == reference before the step: every implicit reward is 0, the loss log 2
         assert m["loss"] == pytest.approx(math.log(2)) and m["reward_margin"] == pytest.approx(0.0, abs=1e-6)
     if loss == "orpo":
         assert m["nll"] > 0

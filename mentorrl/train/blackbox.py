@@ -224,14 +224,12 @@ def preference_update(learner, ref_model, pairs, o: BlackBoxConfig) -> dict[str,
             return orpo_loss(s[:n, None], one, s[n:, None], one, lam=p.lam)
 
         return learner.sequence_step(trajs, full, orpo, average=True)
-    average = p.loss == "ipo"
+    average = p.loss == "ipo" or p.average
     ref = learner.sequence_logprobs(trajs, masks, average, model=ref_model)
-    if p.nll_coef > 0 and average:
-        raise ValueError("preference.nll_coef needs summed log-probs (loss dpo)")
     if p.nll_coef > 0:  # the chosen side once more, whole, for its token-mean NLL (RPO)
         trajs = trajs + trajs[:n]
         masks = masks + [torch.tensor(c.loss_mask) for c, _, _, _ in pairs]
-    n_tokens = torch.tensor([float(sum(c.loss_mask)) for c, _, _, _ in pairs])
+    n_tokens = torch.tensor([1.0 if average else float(sum(c.loss_mask)) for c, _, _, _ in pairs])
 
     def objective(s):
         if p.loss == "ipo":
