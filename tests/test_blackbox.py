@@ -197,7 +197,7 @@ def test_preference_pairs_take_best_and_worst_and_skip_ties(make_demos):
     _, demos = make_demos(4)
     eps = [StudentEpisode(None, d, []) for d in demos[:4]]
     pairs, m = preference_pairs([eps[:3], eps[:2], eps[2:]], [[0.2, 0.9, 0.1], [0.5, 0.5], None], min_margin=0.1)
-    assert len(pairs) == 1 and m == {"ties": 1.0, "teacher_skips": 1.0}
+    assert len(pairs) == 1 and m == {"ties": 1.0, "teacher_skips": 1.0, "vetoed": 0.0}
     chosen, rejected, cm, rm = pairs[0]
     assert chosen is demos[1] and rejected is demos[2]
     shared = next(i for i, (x, y) in enumerate(zip(chosen.token_ids, rejected.token_ids)) if x != y)
@@ -346,3 +346,18 @@ def test_teacher_calls_run_concurrently_up_to_the_client_bound_and_keep_their_or
     assert peak[0] == 3
     live[0] = peak[0] = 0
     assert teacher_map(SimpleNamespace(client=FakeClient(None)), slow, [1, 2]) == [2, 4] and peak[0] == 1
+
+
+def test_the_verifier_vetoes_a_teacher_preference_it_contradicts(make_demos):
+    _, demos = make_demos(2)
+    good, bad = (d.model_copy(deep=True) for d in demos[:2])
+    good.reward.success, bad.reward.success = True, False
+    eps = [StudentEpisode(None, good, []), StudentEpisode(None, bad, [])]
+    pairs, m = preference_pairs([eps], [[0.1, 0.9]], min_margin=0.1)  # the teacher prefers the failure
+    assert pairs == [] and m["vetoed"] == 1.0
+    pairs, _ = preference_pairs([eps], [[0.1, 0.9]], min_margin=0.1, veto=False)
+    assert pairs[0][0] is bad
+    bad.reward.success, bad.reward.violations = True, ["refunded twice"]
+    assert preference_pairs([eps], [[0.1, 0.9]], min_margin=0.1)[1]["vetoed"] == 1.0  # a hard constraint, too
+    pairs, _ = preference_pairs([eps], [[0.9, 0.1]], min_margin=0.1)
+    assert pairs[0][0] is good

@@ -184,11 +184,18 @@ def correction_update(ws, learner, teacher, eps, o: BlackBoxConfig) -> dict[str,
 
 
 # ----------------------------------------------------------- ranking -> DPO ------
-def preference_pairs(groups: list[list[StudentEpisode]], scores: list[list[float] | None], min_margin: float
-                     ) -> tuple[list[tuple[Trajectory, Trajectory, list[int], list[int]]], dict[str, float]]:
+def verifier_vetoes(chosen: Trajectory, rejected: Trajectory) -> bool:
+    """The verifier overrules a teacher's preference when the chosen trajectory broke a hard
+    constraint, or failed where the rejected one succeeded."""
+    return bool(chosen.reward.violations) or (rejected.reward.success and not chosen.reward.success)
+
+
+def preference_pairs(groups: list[list[StudentEpisode]], scores: list[list[float] | None], min_margin: float,
+                     veto: bool = True) -> tuple[list[tuple[Trajectory, Trajectory, list[int], list[int]]], dict[str, float]]:
     """(chosen, rejected, chosen mask, rejected mask) per group: the teacher's best and worst
-    candidates when their scores differ by ``min_margin``, masked after their shared prefix."""
-    pairs, m = [], {"ties": 0.0, "teacher_skips": 0.0}
+    candidates when their scores differ by ``min_margin``, masked after their shared prefix;
+    with ``veto``, none the verifier overrules (:func:`verifier_vetoes`)."""
+    pairs, m = [], {"ties": 0.0, "teacher_skips": 0.0, "vetoed": 0.0}
     for group, s in zip(groups, scores):
         if s is None:
             m["teacher_skips"] += 1
@@ -198,6 +205,9 @@ def preference_pairs(groups: list[list[StudentEpisode]], scores: list[list[float
             m["ties"] += 1
             continue
         c, r = group[best].traj, group[worst].traj
+        if veto and verifier_vetoes(c, r):
+            m["vetoed"] += 1
+            continue
         try:
             cm, rm = after_shared_prefix(c.token_ids, r.token_ids, c.loss_mask, r.loss_mask)
         except ValueError:
@@ -424,7 +434,7 @@ def _correction(s: Step) -> dict[str, float]:
 
 def _ranking(s: Step) -> dict[str, float]:
     pairs, m = preference_pairs(s.groups, teacher_map(s.teacher, s.teacher.rank, s.groups),
-                                   s.o.preference.min_margin)
+                                   s.o.preference.min_margin, s.o.preference.verifier_veto)
     m["batch_size"] = float(len(pairs))
     if pairs:
         m.update(_passes(lambda: preference_update(s.learner, s.ref_model, pairs, s.o), s.o.updates_per_step, s.state))
