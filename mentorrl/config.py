@@ -408,6 +408,8 @@ class PreferenceConfig(_Section):
     tau: float = Field(0.1, gt=0, description="ipo: the margin target is 1 / (2 tau)")
     lam: float = Field(0.1, ge=0, description="orpo: weight of the odds-ratio term")
     min_margin: float = Field(0.1, ge=0, description="a pair needs the teacher's scores to differ by at least this")
+    pairs: Literal["best_worst", "all"] = Field("best_worst", description="per task: the best and worst candidate, "
+                                                "or every pair whose scores differ by min_margin")
     verifier_veto: bool = Field(True, description="drop a pair whose chosen side broke a hard constraint or failed "
                                                   "where the rejected side succeeded (the verifier stays authoritative)")
     average: bool = Field(False, description="dpo: compare mean token log-probs instead of sums (length-normalised, "

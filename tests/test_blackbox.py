@@ -200,6 +200,9 @@ def test_preference_pairs_take_best_and_worst_and_skip_ties(make_demos):
     assert len(pairs) == 1 and m == {"ties": 1.0, "teacher_skips": 1.0, "vetoed": 0.0}
     chosen, rejected, cm, rm = pairs[0]
     assert chosen is demos[1] and rejected is demos[2]
+    every, m = preference_pairs([eps[:3]], [[0.2, 0.9, 0.1]], min_margin=0.1, which="all")
+    assert [(c.id, r.id) for c, r, _, _ in every] == [(demos[0].id, demos[2].id), (demos[1].id, demos[0].id),
+                                                      (demos[1].id, demos[2].id)]  # 0.2 vs 0.1 passes, ties none
     shared = next(i for i, (x, y) in enumerate(zip(chosen.token_ids, rejected.token_ids)) if x != y)
     assert not any(cm[:shared]) and any(cm) and any(rm)
 

@@ -191,32 +191,38 @@ def verifier_vetoes(chosen: Trajectory, rejected: Trajectory) -> bool:
 
 
 def preference_pairs(groups: list[list[StudentEpisode]], scores: list[list[float] | None], min_margin: float,
-                     veto: bool = True) -> tuple[list[tuple[Trajectory, Trajectory, list[int], list[int]]], dict[str, float]]:
-    """(chosen, rejected, chosen mask, rejected mask) per group: the teacher's best and worst
-    candidates when their scores differ by ``min_margin``, masked after their shared prefix;
-    with ``veto``, none the verifier overrules (:func:`verifier_vetoes`)."""
+                     veto: bool = True, which: str = "best_worst"
+                     ) -> tuple[list[tuple[Trajectory, Trajectory, list[int], list[int]]], dict[str, float]]:
+    """(chosen, rejected, chosen mask, rejected mask) from each group's teacher scores: its best and
+    worst candidates (``which="best_worst"``) or every pair (``"all"``) whose scores differ by at
+    least ``min_margin``, masked after their shared prefix; with ``veto``, none the verifier
+    overrules (:func:`verifier_vetoes`). ``ties`` counts groups (or pairs) too close to call."""
     pairs, m = [], {"ties": 0.0, "teacher_skips": 0.0, "vetoed": 0.0}
     for group, s in zip(groups, scores):
         if s is None:
             m["teacher_skips"] += 1
             continue
-        best, worst = max(range(len(s)), key=s.__getitem__), min(range(len(s)), key=s.__getitem__)
-        if s[best] - s[worst] < max(min_margin, 1e-9):
+        if which == "all":
+            cands = [(i, j) for i in range(len(s)) for j in range(len(s)) if s[i] - s[j] >= max(min_margin, 1e-9)]
+        else:
+            best, worst = max(range(len(s)), key=s.__getitem__), min(range(len(s)), key=s.__getitem__)
+            cands = [(best, worst)] if s[best] - s[worst] >= max(min_margin, 1e-9) else []
+        if not cands:
             m["ties"] += 1
-            continue
-        c, r = group[best].traj, group[worst].traj
-        if veto and verifier_vetoes(c, r):
-            m["vetoed"] += 1
-            continue
-        try:
-            cm, rm = after_shared_prefix(c.token_ids, r.token_ids, c.loss_mask, r.loss_mask)
-        except ValueError:
-            m["ties"] += 1
-            continue
-        if not any(cm) or not any(rm):  # one is a prefix of the other: nothing of its own to compare
-            m["ties"] += 1
-            continue
-        pairs.append((c, r, cm, rm))
+        for i, j in cands:
+            c, r = group[i].traj, group[j].traj
+            if veto and verifier_vetoes(c, r):
+                m["vetoed"] += 1
+                continue
+            try:
+                cm, rm = after_shared_prefix(c.token_ids, r.token_ids, c.loss_mask, r.loss_mask)
+            except ValueError:
+                m["ties"] += 1
+                continue
+            if not any(cm) or not any(rm):  # one is a prefix of the other: nothing of its own to compare
+                m["ties"] += 1
+                continue
+            pairs.append((c, r, cm, rm))
     return pairs, m
 
 
@@ -434,7 +440,7 @@ def _correction(s: Step) -> dict[str, float]:
 
 def _ranking(s: Step) -> dict[str, float]:
     pairs, m = preference_pairs(s.groups, teacher_map(s.teacher, s.teacher.rank, s.groups),
-                                   s.o.preference.min_margin, s.o.preference.verifier_veto)
+                                   s.o.preference.min_margin, s.o.preference.verifier_veto, s.o.preference.pairs)
     m["batch_size"] = float(len(pairs))
     if pairs:
         m.update(_passes(lambda: preference_update(s.learner, s.ref_model, pairs, s.o), s.o.updates_per_step, s.state))
