@@ -543,7 +543,8 @@ def serve_subprocess(model_dir: str | Path, token_env: str | None = None, extra_
 def _die_with_parent() -> None:
     """In the child, before exec: ask Linux to SIGTERM it when the process that started it dies,
     so a killed training run (SIGKILL included, where no cleanup runs) leaves no server behind.
-    Elsewhere a no-op: the context manager still stops it on any normal exit."""
+    Elsewhere a no-op: the context manager still stops it on any normal exit. (Linux ties this to
+    the *thread* that started the child: start it from a thread that outlives its use.)"""
     if sys.platform.startswith("linux"):
         import ctypes
 
