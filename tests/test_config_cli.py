@@ -211,3 +211,16 @@ def test_shipped_configs_load(name):
 
     cfg = load_config(Path(__file__).resolve().parents[1] / "mentorrl" / "configs" / name)
     assert cfg.recipe[0] == "sft" and cfg.recipe[-1] == name.split(".")[0].replace("demo", "grpo")
+
+
+def test_every_packaged_recipe_loads():
+    """Each YAML in mentorrl/configs validates (its `extends` chain included)."""
+    from pathlib import Path
+
+    import mentorrl
+    from mentorrl.config import load_config
+
+    configs = sorted((Path(mentorrl.__file__).parent / "configs").glob("*.yaml"))
+    assert len(configs) >= 12
+    for path in configs:
+        assert load_config(path).run_dir, path
