@@ -364,3 +364,18 @@ def test_the_verifier_vetoes_a_teacher_preference_it_contradicts(make_demos):
     assert preference_pairs([eps], [[0.1, 0.9]], min_margin=0.1)[1]["vetoed"] == 1.0  # a hard constraint, too
     pairs, _ = preference_pairs([eps], [[0.9, 0.1]], min_margin=0.1)
     assert pairs[0][0] is good
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["blackbox.recipe=ranking", "blackbox.samples_per_task=1"], "samples_per_task must be >= 2"),
+    (["blackbox.recipe=imitate"], "blackbox.recipe"),
+    (["blackbox.teacher.mode=telepathy"], "blackbox.teacher.mode"),
+    (["blackbox.preference.label_smoothing=0.5"], "blackbox.preference.label_smoothing"),
+    (["blackbox.teacher.client.timeout_s=0"], "blackbox.teacher.client.timeout_s"),
+    (["blackbox.teacher.serve={path: x, colour: red}"], "colour"),
+])
+def test_blackbox_config_errors_name_the_field(overrides, message):
+    from mentorrl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
+        load_config(None, overrides)
