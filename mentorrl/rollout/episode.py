@@ -186,7 +186,7 @@ def drive_script(expert: Any, task: Task, act: Callable[[str], ToolResult | None
             return
 
 
-def _text_turn_player(ep: Episode) -> Callable[[str], ToolResult | None]:
+def text_turn_player(ep: Episode) -> Callable[[str], ToolResult | None]:
     """``act(text)`` for an episode whose policy turns are given as text (loss mask 1, log-probs 0)."""
 
     def act(text: str) -> ToolResult | None:
@@ -210,7 +210,7 @@ def run_scripted_episode(contract: RolloutContract, env: Environment, task: Task
     """An episode whose policy turns are a scripted expert's text."""
     ep = Episode(contract, env, task, **{"source": "expert", **kw})
     ep.start()
-    drive_script(expert, task, _text_turn_player(ep))
+    drive_script(expert, task, text_turn_player(ep))
     return _finish_scripted(ep)
 
 
@@ -218,7 +218,7 @@ def run_text_turns(contract: RolloutContract, env: Environment, task: Task, turn
     """Replay fixed policy-turn texts (what a model might have written): audits, tests, attacks."""
     ep = Episode(contract, env, task, **kw)
     ep.start()
-    act = _text_turn_player(ep)
+    act = text_turn_player(ep)
     for text in turns:
         if act(text) is None:
             break

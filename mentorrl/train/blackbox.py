@@ -31,7 +31,6 @@ client's counters are logged every step as ``teacher_<counter>`` (cumulative).
 from __future__ import annotations
 
 import contextlib
-import copy
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -49,7 +48,7 @@ from mentorrl.contract import render_observation_content
 from mentorrl.opd.api import STAT_KEYS, TeacherClient
 from mentorrl.opd.blackbox import ActingTeacher, BlackBoxTeacher, PromptedTeacher, StudentEpisode
 from mentorrl.opd.teacher import Capability, require
-from mentorrl.rollout.episode import Episode
+from mentorrl.rollout.episode import Episode, text_turn_player
 from mentorrl.rollout.runner import rollout_tasks
 from mentorrl.train.consistency import policy_lag
 from mentorrl.train.learner import Learner
@@ -59,6 +58,7 @@ from mentorrl.train.stages import (
     _minibatches,
     _reduce_updates,
     _require_consistent,
+    frozen_copy,
     heldout_check,
     rollout_metrics,
     run_stage,
@@ -122,20 +122,17 @@ def corrected_trajectory(ws: Workspace, ep: StudentEpisode, first_wrong: int, te
             if action is None or e.add_observation(e.run_tool(action)) is None:
                 return None  # the prefix ended the episode: nothing left to correct
         msgs = list(ep.messages[:ep.turn_indices[first_wrong]])
+        play = text_turn_player(e)
         while not e.done:
             reply = teacher.act(msgs)
             if not reply:
                 return None
             text = message_text(reply[0])
-            ids = contract.policy_turn_ids(text)
-            action = e.add_policy_turn(ids, [0.0] * len(ids), stopped=True)
             msgs.append(assistant_message(text))
-            if action is None:
+            result = play(text)
+            if result is None:
                 break
-            result = e.run_tool(action)
             msgs.append({"role": "tool", "content": render_observation_content(result.ok, result.content, result.error)})
-            if e.add_observation(result) is None:
-                break
         fixed = e.finish()
     finally:
         env.close()
@@ -509,9 +506,7 @@ def _run(ws: Workspace, model, teacher: BlackBoxTeacher, resume: bool) -> Path:
     learner = Learner(model, o.optim, ws.contract.pad_token_id, ws.contract.sampling.temperature)
     ref_model = None
     if o.recipe == "ranking" and o.preference.loss != "orpo":  # DPO / IPO: the policy as the stage starts
-        ref_model = copy.deepcopy(model).eval()
-        for p in ref_model.parameters():
-            p.requires_grad_(False)
+        ref_model = frozen_copy(model)
     state: dict[str, Any] = {"policy": 0, "rollout_tokens": 0}
     G = o.samples_per_task
 

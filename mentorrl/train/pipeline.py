@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import json
 import time
 from pathlib import Path
@@ -15,7 +14,8 @@ from mentorrl.eval.plots import plot_rl_curves
 from mentorrl.models.build import ModelSpec, init_model, load_policy
 from mentorrl.models.corpus import expert_transcripts
 from mentorrl.train.report import RL_STAGES, build_report, write_report
-from mentorrl.train.stages import Workspace, evaluate, grpo_stage, open_workspace, ppo_stage, rft_stage, sft_stage
+from mentorrl.train.stages import (Workspace, evaluate, frozen_copy, grpo_stage, open_workspace, ppo_stage, rft_stage,
+                                   sft_stage)
 
 
 def build_tiny_model(env_entry, out_dir: Path, spec: ModelSpec, corpus_tasks: int, seed: int = 0, fmt=None) -> Path:
@@ -62,20 +62,13 @@ STAGE_LABELS = {"sft": "SFT", "rft": "RFT", "grpo": "GRPO", "ppo": "PPO", "sao":
                 "evolve": "Evolve"}
 
 
-def _frozen_copy(model):
-    ref = copy.deepcopy(model).eval()
-    for p in ref.parameters():
-        p.requires_grad_(False)
-    return ref
-
-
 def run_stage_by_name(ws: Workspace, stage: str, model, resume: bool) -> Path:
     if stage == "sft":
         return sft_stage(ws, model, resume=resume)
     if stage == "rft":
         return rft_stage(ws, model, resume=resume)
     if stage == "grpo":
-        ref = _frozen_copy(model) if ws.cfg.grpo.kl_coef > 0 else None
+        ref = frozen_copy(model) if ws.cfg.grpo.kl_coef > 0 else None
         return grpo_stage(ws, model, ref_model=ref, resume=resume)
     if stage == "ppo":
         return ppo_stage(ws, model, resume=resume)

@@ -8,6 +8,7 @@ count and the same metrics file.
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 import time
@@ -113,6 +114,14 @@ def open_workspace(cfg: RunConfig, show_progress: bool = True) -> Workspace:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     return Workspace(cfg=cfg, run_dir=run_dir, env_entry=get_env(cfg.env.name), show_progress=show_progress)
+
+
+def frozen_copy(model):
+    """A copy of ``model`` in eval mode with no gradients: a reference policy fixed at a stage's start."""
+    ref = copy.deepcopy(model).eval()
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    return ref
 
 
 def _load_weights_into(model, ckpt: Path) -> None:
