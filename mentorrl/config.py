@@ -416,6 +416,10 @@ class PreferenceConfig(_Section):
                                              "as SimPO; use a larger beta); ipo always does")
     nll_coef: float = Field(0.0, ge=0, description="dpo: add this times the chosen trajectory's token-mean NLL (RPO); "
                                                    "on-policy pairs otherwise let both sides' likelihood drift")
+    teacher_coef: float = Field(1.0, ge=0, le=1, description="candidates are ranked by (1 - c) * verifier reward + "
+                                                             "c * teacher score (as score.teacher_coef); 1: the "
+                                                             "teacher alone; 0: the verifier alone (an ablation: "
+                                                             "no teacher call)")
 
 
 class ScoreRewardConfig(_Section):

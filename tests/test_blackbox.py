@@ -21,6 +21,7 @@ from mentorrl.train.blackbox import (
     corrected_trajectory,
     fused_rewards,
     preference_pairs,
+    ranking_scores,
     step_advantages,
 )
 from mentorrl.train.learner import Learner
@@ -205,6 +206,21 @@ def test_preference_pairs_take_best_and_worst_and_skip_ties(make_demos):
                                                       (demos[1].id, demos[2].id)]  # 0.2 vs 0.1 passes, ties none
     shared = next(i for i, (x, y) in enumerate(zip(chosen.token_ids, rejected.token_ids)) if x != y)
     assert not any(cm[:shared]) and any(cm) and any(rm)
+
+
+def test_ranking_scores_fuse_the_verifier_and_the_teacher_by_the_coefficient(make_demos):
+    _, demos = make_demos(3)
+    a, b, c = (d.model_copy(deep=True) for d in demos[:3])
+    a.reward.total, b.reward.total, c.reward.total = 1.2, 0.0, -1.0
+    c.reward.violations = ["refunded twice"]
+    group = [StudentEpisode(None, t, []) for t in (a, b, c)]
+    teacher = [0.2, 0.8, 1.0]
+    assert ranking_scores(group, teacher, 1.0) == pytest.approx([0.2, 0.8, -1.0])  # the teacher; violations stay
+    assert ranking_scores(group, teacher, 0.5) == pytest.approx([0.7, 0.4, -1.0])  # the verifier breaks the teacher
+    assert ranking_scores(group, None, 0.0) == [1.2, 0.0, -1.0]  # verifier alone needs no teacher
+    assert ranking_scores(group, None, 0.5) is None  # the teacher failed: the group is skipped
+    pairs, _ = preference_pairs([group], [ranking_scores(group, teacher, 0.5)], min_margin=0.1, which="all")
+    assert [(x.id, y.id) for x, y, _, _ in pairs][0] == (a.id, b.id)
 
 
 def test_a_correction_replays_the_student_prefix_and_trains_only_the_teacher_turns(make_demos, tokenizer, orders_entry):

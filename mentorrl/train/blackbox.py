@@ -435,9 +435,22 @@ def _correction(s: Step) -> dict[str, float]:
     return m
 
 
+def ranking_scores(group: list[StudentEpisode], teacher_scores: list[float] | None, coef: float
+                   ) -> list[float] | None:
+    """A group's ranking: ``(1 - coef) * verifier + coef * teacher`` per candidate, fused as the score
+    recipe fuses rewards (:func:`fused_rewards`: a hard-constraint violation keeps the verifier's
+    reward). None when the teacher could not rank the group and its score is needed."""
+    trajs = [e.traj for e in group]
+    if coef == 0:
+        return [t.reward.total for t in trajs]
+    return None if teacher_scores is None else fused_rewards(trajs, teacher_scores, coef)[0].tolist()
+
+
 def _ranking(s: Step) -> dict[str, float]:
-    pairs, m = preference_pairs(s.groups, teacher_map(s.teacher, s.teacher.rank, s.groups),
-                                   s.o.preference.min_margin, s.o.preference.verifier_veto, s.o.preference.pairs)
+    p, groups = s.o.preference, s.groups
+    teacher = teacher_map(s.teacher, s.teacher.rank, groups) if p.teacher_coef > 0 else [None] * len(groups)
+    scores = [ranking_scores(g, t, p.teacher_coef) for g, t in zip(groups, teacher)]
+    pairs, m = preference_pairs(groups, scores, p.min_margin, p.verifier_veto, p.pairs)
     m["batch_size"] = float(len(pairs))
     if pairs:
         m.update(_passes(lambda: preference_update(s.learner, s.ref_model, pairs, s.o), s.o.updates_per_step, s.state))
@@ -565,4 +578,4 @@ def _agreement(trajs: list[Trajectory], scores) -> float:
 
 
 __all__ = ["NEEDS", "action_groups", "blackbox_stage", "corrected_trajectory", "fused_rewards", "open_teacher",
-           "preference_pairs", "sample_turns", "soft_label_update", "step_advantages", "student_episodes"]
+           "preference_pairs", "ranking_scores", "sample_turns", "soft_label_update", "step_advantages", "student_episodes"]
