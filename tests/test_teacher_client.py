@@ -95,6 +95,30 @@ def test_cache_answers_a_repeated_request_and_holds_no_key(server, tmp_path, mon
     assert b"sk-secret" not in db.read_bytes()
 
 
+def test_a_cache_namespace_lets_a_teacher_on_a_new_address_reuse_its_answers(server, tmp_path):
+    script, url = server
+    script.plans["p1"] = [(200, GOOD, {}, 0.0)]
+    script.plans["p2"] = [(200, GOOD, {}, 0.0)]
+    db = str(tmp_path / "cache.sqlite")
+    first = client(url, "p1", cache_path=db, cache_namespace="served:abc").chat(MSG, temperature=0.0)
+    moved = client(url, "p2", cache_path=db, cache_namespace="served:abc")  # the same teacher, another port
+    assert moved.chat(MSG, temperature=0.0) == first and moved.stats["cache_hits"] == 1 and script.hits.get("p2", 0) == 0
+    other = client(url, "p2", cache_path=db, cache_namespace="served:def")  # another checkpoint: asked
+    other.chat(MSG, temperature=0.0)
+    assert other.stats["cache_hits"] == 0 and script.hits["p2"] == 1
+
+
+def test_a_served_checkpoint_is_named_by_its_files(tmp_path):
+    from mentorrl.train.blackbox import checkpoint_identity
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"weights")
+    name = checkpoint_identity(tmp_path)
+    assert name.startswith("served:") and checkpoint_identity(tmp_path) == name
+    (tmp_path / "model.safetensors").write_bytes(b"retrained weights")
+    assert checkpoint_identity(tmp_path) != name
+
+
 def test_concurrency_is_bounded(server):
     script, url = server
     script.plans["busy"] = [(200, GOOD, {}, 0.15)]

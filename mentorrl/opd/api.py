@@ -50,6 +50,8 @@ class ClientConfig(BaseModel):
     backoff_max_s: float = Field(8.0, ge=0, description="backoff cap (also caps Retry-After)")
     max_concurrency: int = Field(4, ge=1, description="requests in flight at once")
     cache_path: str | None = Field(None, description="SQLite response cache (null: no cache)")
+    cache_namespace: str | None = Field(None, description="names the teacher in cache keys instead of base_url "
+                                                         "(a served checkpoint gets a new port each run)")
 
 
 class _Chat(BaseModel):
@@ -121,8 +123,8 @@ class TeacherClient:
             self.stats[key] += n
 
     def request_key(self, messages: Sequence[dict[str, Any]], params: dict[str, Any]) -> str:
-        body = {"base_url": self.config.base_url, "model": self.config.model, "messages": list(messages),
-                "params": params}
+        who = {"teacher": self.config.cache_namespace} if self.config.cache_namespace else {"base_url": self.config.base_url}
+        body = {**who, "model": self.config.model, "messages": list(messages), "params": params}
         return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
 
     def _backoff(self, attempt: int, retry_after: str | None) -> float:

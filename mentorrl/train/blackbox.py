@@ -31,6 +31,8 @@ client's counters are logged every step as ``teacher_<counter>`` (cumulative).
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -73,6 +75,15 @@ PG_KEYS = ("pg_loss", "clip_frac", "entropy", "grad_norm", "skipped_update", "ap
 
 
 # ------------------------------------------------------------------ teacher ------
+def checkpoint_identity(path: Path) -> str:
+    """A served checkpoint's name in response-cache keys: its resolved path and each file's name,
+    size and modification time (cheap for any size of model; rewriting a file changes it)."""
+    path = Path(path).resolve()
+    files = sorted((f.relative_to(path).as_posix(), f.stat().st_size, f.stat().st_mtime_ns)
+                   for f in path.rglob("*") if f.is_file())
+    return "served:" + hashlib.sha256(json.dumps([str(path), files]).encode()).hexdigest()[:16]
+
+
 @contextlib.contextmanager
 def open_teacher(ws: Workspace, t: BlackBoxTeacherConfig, student=None, seed: int = 0) -> Iterator[BlackBoxTeacher]:
     """The configured black-box teacher. With ``serve`` set, the checkpoint (given, or built once
@@ -88,7 +99,8 @@ def open_teacher(ws: Workspace, t: BlackBoxTeacherConfig, student=None, seed: in
             if not (path / "config.json").exists():
                 raise FileNotFoundError(f"blackbox teacher: {path} is not a Hugging Face checkpoint directory")
             url = stack.enter_context(serve_subprocess(path))
-            client_cfg = client_cfg.model_copy(update={"base_url": url, "api_key_env": None})
+            client_cfg = client_cfg.model_copy(update={"base_url": url, "api_key_env": None,
+                                                       "cache_namespace": checkpoint_identity(path)})
         client = TeacherClient(client_cfg, seed=seed)
         stack.callback(client.close)
         if t.mode == "acting":
