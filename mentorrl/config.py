@@ -448,6 +448,10 @@ class ActionRankConfig(_Section):
     include_teacher_action: bool = Field(True, description="add the teacher's own action to the candidates")
     temperature: float = Field(0.1, gt=0, description="teacher weights softmax(score / T) over the candidates")
     average: bool = Field(False, description="the student's action score is its mean token log-prob (false: sum)")
+    loss: Literal["soft_labels", "preference"] = Field(
+        "soft_labels", description="soft_labels: cross-entropy to softmax(score / T) over each state's candidates; "
+                                   "preference: pairs of a state's candidate actions (best and worst, or all: "
+                                   "preference.pairs) under the preference loss (DPO / IPO / ORPO), turn by turn")
 
 
 class CorrectionConfig(_Section):

@@ -196,12 +196,12 @@ def test_step_advantages_shift_each_turn_by_its_standardised_score(make_demos):
 
 def test_preference_pairs_take_best_and_worst_and_skip_ties(make_demos):
     _, demos = make_demos(4)
-    eps = [StudentEpisode(None, d, []) for d in demos[:4]]
-    pairs, m = preference_pairs([eps[:3], eps[:2], eps[2:]], [[0.2, 0.9, 0.1], [0.5, 0.5], None], min_margin=0.1)
+    pairs, m = preference_pairs([demos[:3], demos[:2], demos[2:4]], [[0.2, 0.9, 0.1], [0.5, 0.5], None],
+                                min_margin=0.1)
     assert len(pairs) == 1 and m == {"ties": 1.0, "teacher_skips": 1.0, "vetoed": 0.0}
     chosen, rejected, cm, rm = pairs[0]
     assert chosen is demos[1] and rejected is demos[2]
-    every, m = preference_pairs([eps[:3]], [[0.2, 0.9, 0.1]], min_margin=0.1, which="all")
+    every, m = preference_pairs([demos[:3]], [[0.2, 0.9, 0.1]], min_margin=0.1, which="all")
     assert [(c.id, r.id) for c, r, _, _ in every] == [(demos[0].id, demos[2].id), (demos[1].id, demos[0].id),
                                                       (demos[1].id, demos[2].id)]  # 0.2 vs 0.1 passes, ties none
     shared = next(i for i, (x, y) in enumerate(zip(chosen.token_ids, rejected.token_ids)) if x != y)
@@ -213,7 +213,7 @@ def test_ranking_scores_fuse_the_verifier_and_the_teacher_by_the_coefficient(mak
     a, b, c = (d.model_copy(deep=True) for d in demos[:3])
     a.reward.total, b.reward.total, c.reward.total = 1.2, 0.0, -1.0
     c.reward.violations = ["refunded twice"]
-    group = [StudentEpisode(None, t, []) for t in (a, b, c)]
+    group = [a, b, c]
     teacher = [0.2, 0.8, 1.0]
     assert ranking_scores(group, teacher, 1.0) == pytest.approx([0.2, 0.8, -1.0])  # the teacher; violations stay
     assert ranking_scores(group, teacher, 0.5) == pytest.approx([0.7, 0.4, -1.0])  # the verifier breaks the teacher
@@ -322,8 +322,7 @@ def test_preference_update_runs_each_loss_on_agent_pairs(make_demos, model, loss
     from mentorrl.train.blackbox import preference_update
 
     contract, demos = make_demos(4)
-    eps = [StudentEpisode(None, d, []) for d in demos[:4]]
-    pairs, _ = preference_pairs([eps[:2], eps[2:]], [[1.0, 0.0], [0.0, 1.0]], min_margin=0.1)
+    pairs, _ = preference_pairs([demos[:2], demos[2:4]], [[1.0, 0.0], [0.0, 1.0]], min_margin=0.1)
     o = BlackBoxConfig(recipe="ranking", preference={"loss": loss.split("+")[0], "nll_coef": 1.0 if "nll" in loss else 0,
                                                      "average": "average" in loss})
     policy = copy.deepcopy(model)
@@ -371,7 +370,7 @@ def test_the_verifier_vetoes_a_teacher_preference_it_contradicts(make_demos):
     _, demos = make_demos(2)
     good, bad = (d.model_copy(deep=True) for d in demos[:2])
     good.reward.success, bad.reward.success = True, False
-    eps = [StudentEpisode(None, good, []), StudentEpisode(None, bad, [])]
+    eps = [good, bad]
     pairs, m = preference_pairs([eps], [[0.1, 0.9]], min_margin=0.1)  # the teacher prefers the failure
     assert pairs == [] and m["vetoed"] == 1.0
     pairs, _ = preference_pairs([eps], [[0.1, 0.9]], min_margin=0.1, veto=False)

@@ -94,6 +94,18 @@ def test_each_recipe_trains_through_the_served_teacher(tmp_path, checkpoints, te
     assert "blackbox" in report["evals"]
 
 
+def test_action_ranking_can_train_dpo_on_pairs_of_turns(tmp_path, checkpoints, teacher_url):
+    """actions.loss=preference: each state's best and worst candidate turn, by the teacher's ranking, under DPO + NLL."""
+    run = _run_recipe(tmp_path, checkpoints, teacher_url, "actions",
+                      extra=["blackbox.actions.loss=preference", "blackbox.preference={min_margin: 0.0, nll_coef: 1.0}"])
+    recs = MetricsLog(run / "metrics.jsonl").read("blackbox")
+    trained = [r for r in recs if r["batch_size"] > 0]
+    assert trained, recs
+    for r in trained:
+        assert math.isfinite(r["reward_margin"]) and math.isfinite(r["chosen_nll"]) and r["skipped_update"] == 0.0
+        assert "soft_label_kl" not in r
+
+
 def test_a_killed_blackbox_run_resumes_to_the_same_metrics(tmp_path, checkpoints, teacher_url):
     run = _run_recipe(tmp_path, checkpoints, teacher_url, "ranking")
     before = (run / "metrics.jsonl").read_text()

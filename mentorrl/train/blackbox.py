@@ -199,7 +199,7 @@ def verifier_vetoes(chosen: Trajectory, rejected: Trajectory) -> bool:
     return bool(chosen.reward.violations) or (rejected.reward.success and not chosen.reward.success)
 
 
-def preference_pairs(groups: list[list[StudentEpisode]], scores: list[list[float] | None], min_margin: float,
+def preference_pairs(groups: list[list[Trajectory]], scores: list[list[float] | None], min_margin: float,
                      veto: bool = True, which: str = "best_worst"
                      ) -> tuple[list[tuple[Trajectory, Trajectory, list[int], list[int]]], dict[str, float]]:
     """(chosen, rejected, chosen mask, rejected mask) from each group's teacher scores: its best and
@@ -219,7 +219,7 @@ def preference_pairs(groups: list[list[StudentEpisode]], scores: list[list[float
         if not cands:
             m["ties"] += 1
         for i, j in cands:
-            c, r = group[i].traj, group[j].traj
+            c, r = group[i], group[j]
             if veto and verifier_vetoes(c, r):
                 m["vetoed"] += 1
                 continue
@@ -233,6 +233,11 @@ def preference_pairs(groups: list[list[StudentEpisode]], scores: list[list[float
                 continue
             pairs.append((c, r, cm, rm))
     return pairs, m
+
+
+def uses_preference(o: BlackBoxConfig) -> bool:
+    """Whether the recipe trains on preference pairs (trajectory ranking, or action ranking with ``loss: preference``)."""
+    return o.recipe == "ranking" or (o.recipe == "actions" and o.actions.loss == "preference")
 
 
 def preference_update(learner, ref_model, pairs, o: BlackBoxConfig) -> dict[str, float]:
@@ -447,12 +452,11 @@ def _correction(s: Step) -> dict[str, float]:
     return m
 
 
-def ranking_scores(group: list[StudentEpisode], teacher_scores: list[float] | None, coef: float
+def ranking_scores(trajs: list[Trajectory], teacher_scores: list[float] | None, coef: float
                    ) -> list[float] | None:
     """A group's ranking: ``(1 - coef) * verifier + coef * teacher`` per candidate, fused as the score
     recipe fuses rewards (:func:`fused_rewards`: a hard-constraint violation keeps the verifier's
     reward). None when the teacher could not rank the group and its score is needed."""
-    trajs = [e.traj for e in group]
     if coef == 0:
         return [t.reward.total for t in trajs]
     return None if teacher_scores is None else fused_rewards(trajs, teacher_scores, coef)[0].tolist()
@@ -461,8 +465,9 @@ def ranking_scores(group: list[StudentEpisode], teacher_scores: list[float] | No
 def _ranking(s: Step) -> dict[str, float]:
     p, groups = s.o.preference, s.groups
     teacher = teacher_map(s.teacher, s.teacher.rank, groups) if p.teacher_coef > 0 else [None] * len(groups)
-    scores = [ranking_scores(g, t, p.teacher_coef) for g, t in zip(groups, teacher)]
-    pairs, m = preference_pairs(groups, scores, p.min_margin, p.verifier_veto, p.pairs)
+    trajs = [[e.traj for e in g] for g in groups]
+    scores = [ranking_scores(g, t, p.teacher_coef) for g, t in zip(trajs, teacher)]
+    pairs, m = preference_pairs(trajs, scores, p.min_margin, p.verifier_veto, p.pairs)
     m["batch_size"] = float(len(pairs))
     if pairs:
         m.update(_passes(lambda: preference_update(s.learner, s.ref_model, pairs, s.o), s.o.updates_per_step, s.state))
@@ -513,9 +518,18 @@ def _soft_labels(s: Step) -> dict[str, float]:
 
 def _actions(s: Step) -> dict[str, float]:
     data, m = action_groups(s.ws, s.model, s.teacher, s.eps, s.o, s.rng, seed=s.ws.cfg.seed + s.step)
+    a = s.o.actions
+    if a.loss == "preference":  # pairs of a state's actions; no veto: they share the episode's outcome
+        p = s.o.preference
+        pairs, pm = preference_pairs([t for t, _, _ in data], [sc for _, _, sc in data], p.min_margin, veto=False,
+                                     which=p.pairs)
+        m.update(ties=pm["ties"], batch_size=float(len(pairs)))
+        if pairs:
+            m.update(_passes(lambda: preference_update(s.learner, s.ref_model, pairs, s.o), s.o.updates_per_step,
+                             s.state))
+        return m
     m["batch_size"] = float(len(data))
     if data:
-        a = s.o.actions
         m.update(_passes(lambda: soft_label_update(s.learner, data, a.temperature, a.average), s.o.updates_per_step,
                          s.state))
     return m
@@ -530,7 +544,7 @@ def _run(ws: Workspace, model, teacher: BlackBoxTeacher, resume: bool) -> Path:
     pool = ws.train_tasks(max(o.tasks_per_step * max(o.steps, 1), 64), cfg.seed + TRAIN_POOL_SEED_OFFSET)
     learner = Learner(model, o.optim, ws.contract.pad_token_id, ws.contract.sampling.temperature)
     ref_model = None
-    if o.recipe == "ranking" and o.preference.loss != "orpo":  # DPO / IPO: the policy as the stage starts
+    if uses_preference(o) and o.preference.loss != "orpo":  # DPO / IPO: the policy as the stage starts
         ref_model = frozen_copy(model)
     state: dict[str, Any] = {"policy": 0, "rollout_tokens": 0}
     G = o.samples_per_task
