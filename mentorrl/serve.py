@@ -11,7 +11,14 @@ trained on; a generated turn comes back through :func:`mentorrl.chat.assistant_m
 * Optional bearer token on every ``/v1`` route (401 without it; ``/health`` stays open).
 * Request bodies over ``max_body_bytes`` get 413, checked from Content-Length and while
   reading the body.
-* One lock around generation: the model is shared by FastAPI's worker threads.
+* Dynamic batching: one worker thread owns the model; concurrent requests are queued and
+  generated together, left-padded, in one ``model.generate`` call (up to ``--max-batch`` rows,
+  the sum of their ``n``; the first waits up to ``--batch-window-ms`` for company). Requests
+  with another ``max_tokens`` budget or other ``stop`` strings go in a call of their own.
+  ``--max-batch 1`` serves one request at a time.
+* Sampling is per row (:class:`RowSampler`: temperature, top-p, then Gumbel noise from the
+  row's own generator, seeded from the request's ``seed`` and the sample's index), so a seeded
+  request repeats exactly whatever it is batched with, up to floating-point effects of padding.
 
 Build the app with :func:`create_app` (tests use ``fastapi.testclient.TestClient``); start a
 real server in a subprocess with :func:`serve_subprocess`. Wire the command into the main app
@@ -21,6 +28,7 @@ with ``register(app)``.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import hmac
 import ipaddress
 import os
@@ -34,6 +42,8 @@ import tempfile
 import threading
 import time
 import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
@@ -45,6 +55,8 @@ from mentorrl.contract import IM_END
 
 DEFAULT_MAX_BODY_BYTES = 1_000_000
 DEFAULT_MAX_TOKENS_CAP = 512
+DEFAULT_MAX_BATCH = 32  # rows (the sum of the batched requests' n)
+DEFAULT_BATCH_WINDOW_MS = 5.0
 READY_PREFIX = "mentorrl serve: listening on "
 LOOPBACK_NAMES = ("localhost",)
 GREEDY_BELOW = 1e-5  # temperatures under this decode greedily, as vLLM does
@@ -228,12 +240,44 @@ async def _reply(scope: Any, receive: Any, send: Any, status: int, message: str,
 
 
 # ---------------------------------------------------------------- generation ------
-class PolicyGenerator:
-    """Generation for the server: one lock around ``model.generate``, the contract's stop tokens.
+Turn = tuple[str, int, str]  # (text before the stop, tokens generated, finish reason)
 
-    Sampling is plain temperature / top-p sampling over the full vocabulary (top-k off,
-    no repetition penalty), whatever the checkpoint's ``generation_config`` says, so the
-    server samples the distribution a rollout samples."""
+
+@dataclass
+class GenRequest:
+    """One request's generation: its prompt, ``n`` and settings; ``future`` receives its ``n`` turns."""
+
+    prompt_ids: list[int]
+    n: int
+    temperature: float
+    top_p: float
+    budget: int  # max_new_tokens, already within the cap and the context
+    seed: int | None
+    stop: tuple[str, ...]
+    future: Future = field(default_factory=Future, repr=False)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW  # a tiny temperature would overflow the logits
+
+    @property
+    def rows(self) -> int:
+        """Rows in a batch: greedy turns are all equal, so they are generated once."""
+        return 1 if self.greedy else self.n
+
+    @property
+    def key(self) -> tuple[int, tuple[str, ...]]:
+        """Requests with equal keys can share one ``generate`` call (sampling is done per row)."""
+        return self.budget, self.stop
+
+
+class PolicyGenerator:
+    """Generation for the server: left-padded batched ``model.generate``, the contract's stop tokens.
+
+    Sampling is plain temperature / top-p sampling over the full vocabulary (top-k off, no
+    repetition penalty), whatever the checkpoint's ``generation_config`` says, so the server
+    samples the distribution a rollout samples. It is done per row by :class:`RowSampler`, so a
+    seeded request's turns do not depend on the requests batched with it."""
 
     def __init__(self, tokenizer: Any, model: Any, max_new_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP):
         self.tokenizer, self.model, self.max_new_tokens_cap = tokenizer, model, max_new_tokens_cap
@@ -245,19 +289,14 @@ class PolicyGenerator:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
         self.pad_id = int(pad)
         self.max_positions = _max_positions(model, tokenizer)
-        self._lock = threading.Lock()
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def generate(self, prompt_ids: list[int], n: int, temperature: float, top_p: float, max_new_tokens: int | None,
-                 seed: int | None = None, stop: Sequence[str] = ()) -> list[tuple[str, int, str]]:
-        """``n`` turns for one prompt: (text before the stop token, tokens generated, finish reason).
-
-        The finish reason is "stop" (a stop token or string) or "length". Raises :class:`APIError`
-        (400) when the prompt leaves no room in the model's context."""
-        import torch
-
+    def request(self, prompt_ids: list[int], n: int, temperature: float, top_p: float, max_new_tokens: int | None,
+                seed: int | None = None, stop: Sequence[str] = ()) -> GenRequest:
+        """The :class:`GenRequest` for ``n`` turns after ``prompt_ids``. Raises :class:`APIError` (400)
+        when the prompt leaves no room in the model's context."""
         budget = min(max_new_tokens or self.max_new_tokens_cap, self.max_new_tokens_cap)
         if self.max_positions is not None:
             room = self.max_positions - len(prompt_ids)
@@ -265,38 +304,176 @@ class PolicyGenerator:
                 raise APIError(400, f"the prompt is {len(prompt_ids)} tokens; the model's context is "
                                     f"{self.max_positions} tokens, which leaves no room for a reply", param="messages")
             budget = min(budget, room)
-        greedy = temperature < GREEDY_BELOW  # a tiny temperature would overflow the logits
-        kwargs: dict[str, Any] = dict(
-            max_new_tokens=budget, eos_token_id=self.stop_ids, pad_token_id=self.pad_id, do_sample=not greedy,
-            num_return_sequences=1 if greedy else n, repetition_penalty=1.0, no_repeat_ngram_size=0, min_length=0)
-        if not greedy:  # neutralise the checkpoint's sampling defaults (top-k 50 and the like)
-            kwargs.update(temperature=temperature, top_p=top_p, top_k=0, typical_p=1.0, epsilon_cutoff=0.0,
-                          eta_cutoff=0.0)
+        return GenRequest(list(prompt_ids), n, temperature, top_p, budget, seed, tuple(stop))
+
+    def run(self, batch: Sequence[GenRequest]) -> list[list[Turn]]:
+        """Each request's ``n`` turns, from one ``model.generate`` call over all their rows.
+
+        The requests must share a :attr:`GenRequest.key`. Prompts are left-padded, with an
+        attention mask. A turn's finish reason is "stop" (a stop token or string) or "length"."""
+        import torch
+        from transformers import LogitsProcessorList
+
+        budget, stop = batch[0].key
+        rows = [(req, i) for req in batch for i in range(req.rows)]
+        width = max(len(req.prompt_ids) for req in batch)
+        device = next(self.model.parameters()).device
+        ids = torch.tensor([[self.pad_id] * (width - len(r.prompt_ids)) + r.prompt_ids for r, _ in rows],
+                           dtype=torch.long, device=device)
+        mask = torch.tensor([[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r, _ in rows],
+                            dtype=torch.long, device=device)
+        sampler = RowSampler([r.temperature for r, _ in rows], [r.top_p for r, _ in rows],
+                             [None if r.greedy else row_generator(r.seed, i, device) for r, i in rows], device)
+        kwargs: dict[str, Any] = dict(  # greedy over the sampler's scores; the checkpoint's other defaults neutralised
+            max_new_tokens=budget, eos_token_id=self.stop_ids, pad_token_id=self.pad_id, do_sample=False, num_beams=1,
+            num_return_sequences=1, repetition_penalty=1.0, no_repeat_ngram_size=0, min_length=0,
+            logits_processor=LogitsProcessorList([sampler]))
         if stop:
             kwargs.update(stop_strings=list(stop), tokenizer=self.tokenizer)
-        device = next(self.model.parameters()).device
-        ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)
-        with self._lock:
-            if seed is not None:
-                torch.manual_seed(seed)
-            with torch.no_grad():
-                out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **kwargs)
-        rows = [self._finish(row, stop) for row in out[:, len(prompt_ids):].tolist()]
-        return rows * n if greedy else rows
+        with torch.no_grad():
+            out = self.model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+        turns = [self._finish(row, stop) for row in out[:, width:].tolist()]
+        replies, start = [], 0
+        for req in batch:
+            replies.append(turns[start:start + req.rows] * (req.n // req.rows))
+            start += req.rows
+        return replies
 
-    def _finish(self, row: list[int], stop: Sequence[str]) -> tuple[str, int, str]:
+    def _finish(self, row: list[int], stop: Sequence[str]) -> Turn:
         end = next((i for i, t in enumerate(row) if t in self.stop_ids), None)
-        if end is not None:
-            ids, count, reason = row[:end], end + 1, "stop"
-        else:
-            ids, count, reason = row, len(row), "length"
+        ids = row if end is None else row[:end]
         text = self.tokenizer.decode(ids, skip_special_tokens=False)
         cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
-        if cut >= 0:
-            text, reason = text[:cut], "stop"
-            while end is None and ids and ids[-1] == self.pad_id:  # padding after a stop string
-                ids, count = ids[:-1], count - 1
-        return text, count, reason
+        if cut >= 0:  # a stop string ended the row: what follows it is padding (a stop token when pad is one)
+            while ids and ids[-1] == self.pad_id:
+                ids = ids[:-1]
+            return text[:cut], len(ids), "stop"
+        if end is not None:
+            return text, end + 1, "stop"
+        return text, len(row), "length"
+
+
+class RowSampler:
+    """A logits processor that samples inside a greedy ``generate``, each row on its own.
+
+    A sampled row's logits are divided by its temperature, cut to its top-p nucleus and
+    perturbed with Gumbel noise from its own generator, so the greedy argmax samples
+    softmax(logits / T) over the nucleus (the Gumbel-max trick) and a row's draws depend on
+    its generator alone, not on the rest of the batch. Greedy rows (no generator) are left alone."""
+
+    def __init__(self, temperatures: Sequence[float], top_ps: Sequence[float], generators: Sequence[Any], device: Any):
+        import torch
+
+        self.rows = [r for r, g in enumerate(generators) if g is not None]
+        self.generators = [generators[r] for r in self.rows]
+        self.temperature = torch.tensor([[temperatures[r]] for r in self.rows], device=device)
+        self.top_p = torch.tensor([[top_ps[r]] for r in self.rows], device=device)
+        self.nucleus = any(top_ps[r] < 1.0 for r in self.rows)
+
+    def __call__(self, input_ids: Any, scores: Any) -> Any:
+        if not self.rows:
+            return scores
+        logits = scores[self.rows] / self.temperature
+        if self.nucleus:
+            logits = _nucleus(logits, self.top_p)
+        scores = scores.clone()
+        scores[self.rows] = logits + _gumbel(logits.shape[1], self.generators)
+        return scores
+
+
+def row_generator(seed: int | None, index: int, device: Any) -> Any:
+    """The ``torch.Generator`` of sample ``index`` of a request: seeded from (seed, index), or at random."""
+    import torch
+
+    g = torch.Generator(device=device)
+    if seed is None:
+        g.seed()
+    else:
+        g.manual_seed(int.from_bytes(hashlib.blake2b(f"{seed}/{index}".encode(), digest_size=8).digest(), "little"))
+    return g
+
+
+def _nucleus(logits: Any, top_p: Any) -> Any:
+    """``logits`` with -inf outside each row's top-p nucleus: the most likely tokens whose mass
+    reaches ``top_p`` (as Hugging Face's top-p: a token stays while the mass before it is below)."""
+    ordered, order = logits.sort(dim=-1, descending=True)
+    probs = ordered.softmax(dim=-1)
+    outside = (probs.cumsum(dim=-1) - probs >= top_p) & (top_p < 1.0)
+    return logits.scatter(-1, order, ordered.masked_fill(outside, float("-inf")))
+
+
+def _gumbel(size: int, generators: Sequence[Any]) -> Any:
+    """One row of standard Gumbel noise (-log E, E ~ Exp(1)) per generator, drawn from it."""
+    import torch
+
+    rows = []
+    for g in generators:
+        e = torch.empty(size, device=g.device).exponential_(generator=g)
+        rows.append(-e.clamp_min_(torch.finfo(e.dtype).tiny).log())
+    return torch.stack(rows)
+
+
+class Batcher:
+    """One worker thread owns the model and serves the queued requests in batches.
+
+    The worker takes the first pending request, then more for up to ``window_s`` or until
+    ``max_batch`` rows (a request is ``n`` rows, a greedy one 1; one larger than ``max_batch``
+    runs alone). The requests that can share a ``generate`` call (equal :attr:`GenRequest.key`)
+    run together; an error reaches every request of its call, and the worker goes on.
+    ``max_batch=1`` serves one request at a time."""
+
+    def __init__(self, gen: PolicyGenerator, max_batch: int = DEFAULT_MAX_BATCH,
+                 window_s: float = DEFAULT_BATCH_WINDOW_MS / 1000):
+        if max_batch < 1 or window_s < 0:
+            raise ValueError("max_batch must be at least 1 and window_s not negative")
+        self.gen, self.max_batch, self.window_s = gen, max_batch, window_s
+        self._queue: queue.Queue[GenRequest] = queue.Queue()
+        self._held: GenRequest | None = None  # taken from the queue, but it did not fit the last batch
+        threading.Thread(target=self._work, name="mentorrl-serve-batcher", daemon=True).start()
+
+    def submit(self, req: GenRequest) -> list[Turn]:
+        """Queue ``req`` and wait for its turns (an error from its batch is raised here)."""
+        self._queue.put(req)
+        return req.future.result()
+
+    def _work(self) -> None:
+        while True:
+            for group in group_requests(self._collect()):
+                self._run(group)
+
+    def _collect(self) -> list[GenRequest]:
+        batch = [self._held or self._queue.get()]
+        self._held = None
+        rows, deadline = batch[0].rows, time.monotonic() + self.window_s
+        while rows < self.max_batch:
+            try:
+                req = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if rows + req.rows > self.max_batch:
+                self._held = req
+                break
+            batch.append(req)
+            rows += req.rows
+        return batch
+
+    def _run(self, group: list[GenRequest]) -> None:
+        try:
+            replies = self.gen.run(group)
+        except Exception as e:  # each request of the call answers a 500
+            for req in group:
+                req.future.set_exception(e)
+            return
+        for req, turns in zip(group, replies):
+            req.future.set_result(turns)
+
+
+def group_requests(batch: Sequence[GenRequest]) -> list[list[GenRequest]]:
+    """``batch`` split into the groups that can share a ``generate`` call, in order of arrival."""
+    groups: dict[tuple[int, tuple[str, ...]], list[GenRequest]] = {}
+    for req in batch:
+        groups.setdefault(req.key, []).append(req)
+    return list(groups.values())
 
 
 def _max_positions(model: Any, tokenizer: Any) -> int | None:
@@ -310,11 +487,13 @@ def _max_positions(model: Any, tokenizer: Any) -> int | None:
 
 # ----------------------------------------------------------------------- app ------
 def create_app(tokenizer: Any, model: Any, model_name: str, token: str | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_new_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP):
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_new_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP,
+               max_batch: int = DEFAULT_MAX_BATCH, batch_window_ms: float = DEFAULT_BATCH_WINDOW_MS):
     """The FastAPI app serving ``model`` as ``model_name`` (see the module docstring).
 
     ``token``: when set, every ``/v1`` request needs ``Authorization: Bearer <token>``.
-    ``max_new_tokens_cap``: the most tokens one reply may have (``max_tokens`` is clipped to it)."""
+    ``max_new_tokens_cap``: the most tokens one reply may have (``max_tokens`` is clipped to it).
+    ``max_batch``, ``batch_window_ms``: the :class:`Batcher`'s rows per batch and wait for more."""
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse
@@ -323,6 +502,7 @@ def create_app(tokenizer: Any, model: Any, model_name: str, token: str | None = 
     if token is not None and not token:
         raise ValueError("token must be a non-empty string or None")
     gen = PolicyGenerator(tokenizer, model, max_new_tokens_cap)
+    batcher = Batcher(gen, max_batch, batch_window_ms / 1000)
     created = int(time.time())
     app = FastAPI(title="mentorrl serve", docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -365,8 +545,8 @@ def create_app(tokenizer: Any, model: Any, model_name: str, token: str | None = 
         except MessageError as e:
             raise APIError(400, str(e), param="messages") from None
         prompt_ids = gen.encode(text)
-        turns = gen.generate(prompt_ids, req.n, req.temperature, req.top_p,
-                             req.max_completion_tokens or req.max_tokens, req.seed, stop)
+        turns = batcher.submit(gen.request(prompt_ids, req.n, req.temperature, req.top_p,
+                                           req.max_completion_tokens or req.max_tokens, req.seed, stop))
         choices = []
         for i, (turn, _, reason) in enumerate(turns):
             message = assistant_message(turn)
@@ -450,6 +630,11 @@ def serve_command(
                                             help="environment variable holding the bearer token required on /v1"),
     max_body_bytes: int = typer.Option(DEFAULT_MAX_BODY_BYTES, min=1, help="larger request bodies get 413"),
     max_tokens_cap: int = typer.Option(DEFAULT_MAX_TOKENS_CAP, min=1, help="the most tokens one reply may have"),
+    max_batch: int = typer.Option(DEFAULT_MAX_BATCH, min=1,
+                                  help="the most rows (the sum of the requests' n) one generate call batches; "
+                                       "1: one request at a time"),
+    batch_window_ms: float = typer.Option(DEFAULT_BATCH_WINDOW_MS, min=0.0,
+                                          help="how long a batch waits for more requests"),
     model_name: Optional[str] = typer.Option(None, help="the model id clients see (default: the directory name)"),
     log_level: str = typer.Option("info", help="uvicorn log level (access logs at info)"),
 ) -> None:
@@ -489,7 +674,8 @@ def serve_command(
     try:
         tokenizer, model = load_policy(model_dir)
         app = create_app(tokenizer, model, model_name or model_dir.resolve().name, token=token,
-                         max_body_bytes=max_body_bytes, max_new_tokens_cap=max_tokens_cap)
+                         max_body_bytes=max_body_bytes, max_new_tokens_cap=max_tokens_cap, max_batch=max_batch,
+                         batch_window_ms=batch_window_ms)
     except (OSError, ValueError) as e:
         sock.close()
         raise fail(f"cannot load a policy from {model_dir}: {e}")
@@ -579,6 +765,7 @@ def _tail(errlog: Any, n: int = 2000) -> str:
     return f"; its stderr ends:\n{text}" if text.strip() else ""
 
 
-__all__ = ["APIError", "BearerAuthMiddleware", "BodyLimitMiddleware", "ChatMessage", "ChatRequest", "PolicyGenerator",
-           "READY_PREFIX", "base_url", "bind_socket", "create_app", "error_body", "is_loopback", "register",
-           "run_server", "serve_command", "serve_subprocess"]
+__all__ = ["APIError", "Batcher", "BearerAuthMiddleware", "BodyLimitMiddleware", "ChatMessage", "ChatRequest",
+           "GenRequest", "PolicyGenerator", "READY_PREFIX", "RowSampler", "base_url", "bind_socket", "create_app",
+           "error_body", "group_requests", "is_loopback", "register", "row_generator", "run_server", "serve_command",
+           "serve_subprocess"]

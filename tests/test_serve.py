@@ -25,7 +25,18 @@ from typer.testing import CliRunner
 from cli_helpers import cli_output, cli_with
 from mentorrl.chat import assistant_message, prompt_text
 from mentorrl.contract import IM_END
-from mentorrl.serve import READY_PREFIX, BodyLimitMiddleware, create_app, is_loopback, register, serve_subprocess
+from mentorrl.serve import (
+    READY_PREFIX,
+    BodyLimitMiddleware,
+    PolicyGenerator,
+    RowSampler,
+    create_app,
+    group_requests,
+    is_loopback,
+    register,
+    row_generator,
+    serve_subprocess,
+)
 
 URL = "/v1/chat/completions"
 TOKEN = "s3cret-token-value"
@@ -47,16 +58,20 @@ def assert_error(r: httpx.Response, status: int) -> dict[str, Any]:
 
 
 class Recording:
-    """A model proxy that records the prompt ids each ``generate`` call receives."""
+    """A model proxy that records the prompt ids (a batch: its rows) each ``generate`` call receives;
+    with ``fail`` set, the next call raises instead."""
 
     def __init__(self, model: Any):
-        self.model, self.inputs = model, []
+        self.model, self.inputs, self.fail = model, [], False
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.model, name)
 
     def generate(self, input_ids: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        self.inputs.append(input_ids[0].tolist())
+        self.inputs.append(input_ids.tolist())
+        if self.fail:
+            self.fail = False
+            raise RuntimeError("forward failed")
         return self.model.generate(input_ids=input_ids, **kwargs)
 
 
@@ -69,11 +84,10 @@ class ScriptedModel(torch.nn.Module):
         self.config = SimpleNamespace(max_position_embeddings=max_positions)
         self.script, self.calls = script, []
 
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, num_return_sequences: int = 1,
-                 **kwargs: Any) -> torch.Tensor:
-        self.calls.append(dict(max_new_tokens=max_new_tokens, num_return_sequences=num_return_sequences, **kwargs))
-        new = torch.tensor([self.script[:max_new_tokens]] * num_return_sequences, dtype=torch.long)
-        return torch.cat([input_ids.repeat(num_return_sequences, 1), new], dim=1)
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, **kwargs: Any) -> torch.Tensor:
+        self.calls.append(dict(max_new_tokens=max_new_tokens, rows=len(input_ids), **kwargs))
+        new = torch.tensor([self.script[:max_new_tokens]] * len(input_ids), dtype=torch.long)
+        return torch.cat([input_ids, new], dim=1)
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +96,20 @@ def biased_model(model):
     m = copy.deepcopy(model)
     g = torch.Generator().manual_seed(0)
     m.lm_head.bias = torch.nn.Parameter(torch.randn(m.lm_head.weight.shape[0], generator=g) * 3)
+    m.eval()
+    return m
+
+
+@pytest.fixture(scope="module")
+def varied_model(model):
+    """The tiny model with large random weights: what it writes depends on the prompt (the
+    random-init model writes newlines after any prompt), so a padding mistake shows."""
+    m = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
     m.eval()
     return m
 
@@ -139,7 +167,7 @@ def test_greedy_reply_is_what_the_model_writes_from_the_contract_text(tokenizer,
                           "tools": [{"type": "function", "function": {"name": "get_order"}}]})
     assert r.status_code == 200, r.text
     prompt = encode(tokenizer, TOOL_CONVERSATION)
-    assert rec.inputs == [prompt]  # the server rendered exactly the contract's text (tool call included)
+    assert rec.inputs == [[prompt]]  # the server rendered exactly the contract's text (tool call included)
     stops = [tokenizer.convert_tokens_to_ids(IM_END), tokenizer.eos_token_id]
     out = biased_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=8, eos_token_id=stops,
                                 pad_token_id=tokenizer.pad_token_id)[0, len(prompt):].tolist()
@@ -164,9 +192,11 @@ def test_tool_call_reply_finish_reasons_stop_strings_and_cap(tokenizer):
     assert [ch["finish_reason"] for ch in body["choices"]] == ["tool_calls", "tool_calls"]
     assert body["usage"]["completion_tokens"] == 2 * (len(call) + 1)  # the stop token counts, the rest does not
     kw = scripted.calls[-1]
-    assert kw["do_sample"] and kw["temperature"] == 0.5 and kw["top_p"] == 0.9 and kw["top_k"] == 0
+    sampler = kw["logits_processor"][0]  # sampling is the sampler's, per row; generate itself is greedy
+    assert not kw["do_sample"] and kw["num_beams"] == 1 and kw["repetition_penalty"] == 1.0
+    assert sampler.temperature.flatten().tolist() == [0.5, 0.5] and torch.allclose(sampler.top_p, torch.tensor(0.9))
     assert im_end in kw["eos_token_id"] and kw["pad_token_id"] == tokenizer.pad_token_id
-    assert kw["num_return_sequences"] == 2
+    assert kw["rows"] == 2
 
     text = tokenizer.encode("The order shipped. Anything else?", add_special_tokens=False)
     scripted.script = text + [im_end]
@@ -183,6 +213,118 @@ def test_models_and_health(client):
     assert client.get("/health").json() == {"status": "ok"}
     data = client.get("/v1/models").json()
     assert data["object"] == "list" and [m["id"] for m in data["data"]] == ["tiny"]
+
+
+# ------------------------------------------------------------------- batching ------
+CONVERSATIONS = [USER_ONLY, TOOL_CONVERSATION, [{"role": "user", "content": "hi"}]]  # 3 prompt lengths
+
+
+def post_all(c: TestClient, bodies: list[dict[str, Any]]) -> list[httpx.Response]:
+    """Send ``bodies`` at once, one thread each."""
+    replies: list[Any] = [None] * len(bodies)
+
+    def call(i: int) -> None:
+        replies[i] = c.post(URL, json=bodies[i])
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(bodies))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    return replies
+
+
+def test_a_padded_batch_writes_each_prompt_s_greedy_tokens(tokenizer, varied_model):
+    gen = PolicyGenerator(tokenizer, varied_model)
+    prompts = [encode(tokenizer, m) for m in CONVERSATIONS]
+    batched = gen.run([gen.request(p, 1, 0.0, 1.0, 12) for p in prompts])
+    alone = []
+    for p in prompts:  # unpadded, one prompt at a time
+        out = varied_model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=12, eos_token_id=gen.stop_ids,
+                                    pad_token_id=gen.pad_id)
+        alone.append([gen._finish(out[0, len(p):].tolist(), ())])
+    assert batched == alone
+    assert len({turns[0][0] for turns in alone}) == 3  # the prompts lead to different text
+
+
+def test_a_seeded_request_samples_the_same_alone_and_in_a_batch(tokenizer, varied_model):
+    gen = PolicyGenerator(tokenizer, varied_model)
+    short, long_, tiny = (encode(tokenizer, m) for m in CONVERSATIONS)
+    mine = dict(prompt_ids=short, n=3, temperature=1.0, top_p=0.9, max_new_tokens=10)
+    alone = gen.run([gen.request(**mine, seed=11)])[0]
+    batch = [gen.request(long_, 2, 0.7, 1.0, 10, seed=5), gen.request(**mine, seed=11),
+             gen.request(tiny, 2, 0.0, 1.0, 10), gen.request(tiny, 1, 1.3, 0.5, 10)]  # greedy, no seed, other top-p
+    assert gen.run(batch)[1] == alone
+    assert len({text for text, _, _ in alone}) == 3  # each sample has its own stream
+    assert gen.run([gen.request(**mine, seed=12)])[0] != alone
+    assert gen.run([gen.request(**mine)])[0] != gen.run([gen.request(**mine)])[0]  # no seed: fresh draws
+
+
+def test_the_row_sampler_samples_temperature_and_top_p_per_row():
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0, -3.0])
+    rows = 2000
+    sampler = RowSampler([0.5] * rows + [1.0], [0.9] * rows + [1.0],
+                         [row_generator(0, i, "cpu") for i in range(rows)] + [None], "cpu")
+    scores = sampler(None, logits.repeat(rows + 1, 1))
+    assert torch.equal(scores[-1], logits)  # a greedy row is left alone
+    picks = torch.bincount(scores[:-1].argmax(dim=-1), minlength=5).double() / rows
+    probs = (logits / 0.5).softmax(-1)  # 0.865, 0.117, 0.016, ...: the 0.9 nucleus is the first two
+    expected = torch.tensor([probs[0], probs[1], 0, 0, 0]) / (probs[0] + probs[1])
+    assert torch.allclose(picks, expected.double(), atol=0.03) and picks[2:].sum() == 0
+
+
+def test_grouping_keeps_apart_requests_that_cannot_share_a_generate_call(tokenizer, model):
+    gen = PolicyGenerator(tokenizer, model)
+    p = encode(tokenizer, USER_ONLY)
+    a, b = gen.request(p, 2, 1.0, 1.0, 8), gen.request(p, 1, 0.0, 0.5, 8, seed=3)  # sampling differs: shared
+    c, d, e = gen.request(p, 1, 1.0, 1.0, 9), gen.request(p, 1, 1.0, 1.0, 8, stop=["x"]), gen.request(p, 1, 0.2, 1.0, 8)
+    assert group_requests([a, c, b, d, e]) == [[a, b, e], [c], [d]]
+
+
+def test_concurrent_requests_are_generated_in_one_call(tokenizer, varied_model):
+    rec = Recording(varied_model)
+    # a long window: the batch waits until its 4 rows are there
+    c = TestClient(create_app(tokenizer, rec, "tiny", max_batch=4, batch_window_ms=10_000))
+    bodies = [{"messages": m, "max_tokens": 6, "seed": 1, "temperature": t}
+              for m, t in zip(CONVERSATIONS + [USER_ONLY], (1.0, 0.0, 0.8, 1.0))]
+    replies = post_all(c, bodies)
+    assert [r.status_code for r in replies] == [200] * 4
+    assert len(rec.inputs) == 1 and len(rec.inputs[0]) == 4
+    alone = TestClient(create_app(tokenizer, varied_model, "tiny", max_batch=1))
+    assert [r.json()["choices"] for r in replies] == [alone.post(URL, json=b).json()["choices"] for b in bodies]
+
+
+def test_incompatible_requests_get_calls_of_their_own(tokenizer):
+    scripted = ScriptedModel(tokenizer.encode("a b c d e f", add_special_tokens=False))
+    c = TestClient(create_app(tokenizer, scripted, "scripted", max_batch=5, batch_window_ms=10_000))
+    bodies = [{"messages": USER_ONLY, "max_tokens": 3}, {"messages": TOOL_CONVERSATION, "max_tokens": 3, "n": 2},
+              {"messages": USER_ONLY, "max_tokens": 4}, {"messages": USER_ONLY, "max_tokens": 3, "stop": "c"}]
+    replies = post_all(c, bodies)
+    assert [r.status_code for r in replies] == [200] * 4
+    assert [r.json()["usage"]["completion_tokens"] for r in replies] == [3, 6, 4, 3]
+    calls = sorted((kw["max_new_tokens"], kw["rows"], tuple(kw.get("stop_strings", ()))) for kw in scripted.calls)
+    assert calls == [(3, 1, ("c",)), (3, 3, ()), (4, 1, ())]
+
+
+def test_an_error_in_a_batch_reaches_each_request_and_the_worker_goes_on(tokenizer, model):
+    rec = Recording(model)
+    rec.fail = True
+    app = create_app(tokenizer, rec, "tiny", max_batch=3, batch_window_ms=10_000)
+    c = TestClient(app, raise_server_exceptions=False)  # as a real server: the 500 is sent, not raised here
+    replies = post_all(c, [{"messages": m, "max_tokens": 3} for m in CONVERSATIONS])
+    assert len(rec.inputs) == 1 and len(rec.inputs[0]) == 3  # one call, which failed
+    for r in replies:
+        assert assert_error(r, 500)["type"] == "server_error"
+    r = c.post(URL, json={"messages": USER_ONLY, "max_tokens": 3, "n": 3})  # 3 rows: no waiting
+    assert r.status_code == 200 and len(r.json()["choices"]) == 3
+
+
+def test_max_batch_1_serves_one_request_at_a_time(tokenizer, model):
+    rec = Recording(model)
+    c = TestClient(create_app(tokenizer, rec, "tiny", max_batch=1, batch_window_ms=10_000))
+    replies = post_all(c, [{"messages": m, "max_tokens": 3, "n": 2} for m in CONVERSATIONS])
+    assert [r.status_code for r in replies] == [200] * 3
+    assert sorted(len(rows) for rows in rec.inputs) == [2, 2, 2]  # a request is never split; none shares
 
 
 # ------------------------------------------------------------------ bad input ------
@@ -324,6 +466,8 @@ def test_cli_bad_model_dir_and_missing_token_exit_2(cli, tmp_path, tiny_model_di
     assert res.exit_code == 2
     res = CliRunner().invoke(cli, ["serve", str(tmp_path), "--port", "0"])  # a directory without a checkpoint
     assert res.exit_code == 2 and "cannot load" in cli_output(res)
+    res = CliRunner().invoke(cli, ["serve", str(tiny_model_dir), "--max-batch", "0"])
+    assert res.exit_code == 2 and "--max-batch" in cli_output(res)
 
 
 def _read_line(proc: subprocess.Popen, timeout_s: float) -> str:
@@ -353,7 +497,8 @@ def test_subprocess_serves_and_stops_cleanly_on_sigterm(tiny_model_dir):
 
 def test_serve_subprocess_helper_with_a_token(tiny_model_dir):
     env = {"MENTORRL_TEST_TOKEN": TOKEN}
-    with serve_subprocess(tiny_model_dir, token_env="MENTORRL_TEST_TOKEN", env=env, timeout_s=120) as url:
+    with serve_subprocess(tiny_model_dir, token_env="MENTORRL_TEST_TOKEN", env=env, timeout_s=120,
+                          extra_args=["--max-batch", "1", "--batch-window-ms", "0"]) as url:
         req = {"messages": TOOL_CONVERSATION, "max_tokens": 3}
         assert httpx.post(url + "/chat/completions", json=req, timeout=60).status_code == 401
         r = httpx.post(url + "/chat/completions", json=req, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
