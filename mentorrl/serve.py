@@ -635,6 +635,7 @@ def serve_command(
                                        "1: one request at a time"),
     batch_window_ms: float = typer.Option(DEFAULT_BATCH_WINDOW_MS, min=0.0,
                                           help="how long a batch waits for more requests"),
+    threads: int = typer.Option(0, min=0, help="torch CPU threads (0: torch's default)"),
     model_name: Optional[str] = typer.Option(None, help="the model id clients see (default: the directory name)"),
     log_level: str = typer.Option("info", help="uvicorn log level (access logs at info)"),
 ) -> None:
@@ -669,6 +670,10 @@ def serve_command(
     except OSError as e:
         raise fail(f"cannot listen on {host}:{port}: {e}")
     quiet_transformers()
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
     from mentorrl.models.build import load_policy
 
     try:

@@ -468,6 +468,8 @@ def test_cli_bad_model_dir_and_missing_token_exit_2(cli, tmp_path, tiny_model_di
     assert res.exit_code == 2 and "cannot load" in cli_output(res)
     res = CliRunner().invoke(cli, ["serve", str(tiny_model_dir), "--max-batch", "0"])
     assert res.exit_code == 2 and "--max-batch" in cli_output(res)
+    res = CliRunner().invoke(cli, ["serve", str(tiny_model_dir), "--threads", "-1"])
+    assert res.exit_code == 2 and "--threads" in cli_output(res)
 
 
 def _read_line(proc: subprocess.Popen, timeout_s: float) -> str:
@@ -498,7 +500,7 @@ def test_subprocess_serves_and_stops_cleanly_on_sigterm(tiny_model_dir):
 def test_serve_subprocess_helper_with_a_token(tiny_model_dir):
     env = {"MENTORRL_TEST_TOKEN": TOKEN}
     with serve_subprocess(tiny_model_dir, token_env="MENTORRL_TEST_TOKEN", env=env, timeout_s=120,
-                          extra_args=["--max-batch", "1", "--batch-window-ms", "0"]) as url:
+                          extra_args=["--max-batch", "1", "--batch-window-ms", "0", "--threads", "1"]) as url:
         req = {"messages": TOOL_CONVERSATION, "max_tokens": 3}
         assert httpx.post(url + "/chat/completions", json=req, timeout=60).status_code == 401
         r = httpx.post(url + "/chat/completions", json=req, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)

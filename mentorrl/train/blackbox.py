@@ -98,7 +98,8 @@ def open_teacher(ws: Workspace, t: BlackBoxTeacherConfig, student=None, seed: in
             path = Path(t.serve.path) if t.serve.path else build_teacher(ws, t.serve, student)
             if not (path / "config.json").exists():
                 raise FileNotFoundError(f"blackbox teacher: {path} is not a Hugging Face checkpoint directory")
-            url = stack.enter_context(serve_subprocess(path))
+            threads = ["--threads", str(ws.cfg.threads)] if ws.cfg.threads else []  # the run's CPU budget, not more
+            url = stack.enter_context(serve_subprocess(path, extra_args=threads))
             client_cfg = client_cfg.model_copy(update={"base_url": url, "api_key_env": None,
                                                        "cache_namespace": checkpoint_identity(path)})
         client = TeacherClient(client_cfg, seed=seed)
