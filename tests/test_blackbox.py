@@ -388,6 +388,8 @@ def test_the_verifier_vetoes_a_teacher_preference_it_contradicts(make_demos):
     (["blackbox.preference.label_smoothing=0.5"], "blackbox.preference.label_smoothing"),
     (["blackbox.teacher.client.timeout_s=0"], "blackbox.teacher.client.timeout_s"),
     (["blackbox.teacher.serve={path: x, colour: red}"], "colour"),
+    (["blackbox.preference.teacher_coef=1.5"], "blackbox.preference.teacher_coef"),
+    (["blackbox.actions.loss=hinge"], "blackbox.actions.loss"),
 ])
 def test_blackbox_config_errors_name_the_field(overrides, message):
     from mentorrl.config import ConfigError, load_config
