@@ -463,16 +463,23 @@ def ranking_scores(trajs: list[Trajectory], teacher_scores: list[float] | None, 
     return None if teacher_scores is None else fused_rewards(trajs, teacher_scores, coef)[0].tolist()
 
 
-def _ranking(s: Step) -> dict[str, float]:
-    p, groups = s.o.preference, s.groups
-    teacher = teacher_map(s.teacher, s.teacher.rank, groups) if p.teacher_coef > 0 else [None] * len(groups)
-    trajs = [[e.traj for e in g] for g in groups]
-    scores = [ranking_scores(g, t, p.teacher_coef) for g, t in zip(trajs, teacher)]
-    pairs, m = preference_pairs(trajs, scores, p.min_margin, p.verifier_veto, p.pairs)
+def _preference_step(s: Step, groups: list[list[Trajectory]], scores: list[list[float] | None], veto: bool
+                     ) -> dict[str, float]:
+    """Pairs from each group's scores (:func:`preference_pairs`) and ``updates_per_step`` passes of the preference loss."""
+    p = s.o.preference
+    pairs, m = preference_pairs(groups, scores, p.min_margin, veto, p.pairs)
     m["batch_size"] = float(len(pairs))
     if pairs:
         m.update(_passes(lambda: preference_update(s.learner, s.ref_model, pairs, s.o), s.o.updates_per_step, s.state))
     return m
+
+
+def _ranking(s: Step) -> dict[str, float]:
+    p, groups = s.o.preference, s.groups
+    ranked = teacher_map(s.teacher, s.teacher.rank, groups) if p.teacher_coef > 0 else [None] * len(groups)
+    trajs = [[e.traj for e in g] for g in groups]
+    scores = [ranking_scores(g, t, p.teacher_coef) for g, t in zip(trajs, ranked)]
+    return _preference_step(s, trajs, scores, p.verifier_veto)
 
 
 def _group_advantages(s: Step, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -521,14 +528,8 @@ def _actions(s: Step) -> dict[str, float]:
     data, m = action_groups(s.ws, s.model, s.teacher, s.eps, s.o, s.rng, seed=s.ws.cfg.seed + s.step)
     a = s.o.actions
     if a.loss == "preference":  # pairs of a state's actions; no veto: they share the episode's outcome
-        p = s.o.preference
-        pairs, pm = preference_pairs([t for t, _, _ in data], [sc for _, _, sc in data], p.min_margin, veto=False,
-                                     which=p.pairs)
-        m.update(ties=pm["ties"], batch_size=float(len(pairs)))
-        if pairs:
-            m.update(_passes(lambda: preference_update(s.learner, s.ref_model, pairs, s.o), s.o.updates_per_step,
-                             s.state))
-        return m
+        # the states' counters (teacher_skips among them) over the pairs' (every ranked state was scored)
+        return {**_preference_step(s, [t for t, _, _ in data], [sc for _, _, sc in data], veto=False), **m}
     m["batch_size"] = float(len(data))
     if data:
         m.update(_passes(lambda: soft_label_update(s.learner, data, a.temperature, a.average), s.o.updates_per_step,
