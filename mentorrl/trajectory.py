@@ -14,7 +14,7 @@ from typing import Any, Iterable, Iterator, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-ErrorKind = Literal["malformed", "unknown_tool", "bad_arguments", "tool_exception", "timeout", "policy"]
+ErrorKind = Literal["malformed", "unknown_tool", "bad_arguments", "tool_exception", "timeout", "policy", "not_found"]
 
 
 class _Record(BaseModel):

@@ -22,6 +22,12 @@ def _s(value: Any, limit: int = 40) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def normalise_address(address: str) -> str:
+    """One spelling per address: whitespace collapsed, trailing punctuation dropped
+    ("12 Oak St, Springfield." as copied from a sentence is "12 Oak St, Springfield")."""
+    return " ".join(address.split()).rstrip(" .,;:!?")
+
+
 class OrdersBackend:
     MUTATING = ("create_order", "cancel_order", "update_address", "issue_refund", "send_email")
 
@@ -36,13 +42,13 @@ class OrdersBackend:
     def _customer(self, customer_id: str) -> tuple:
         row = self._one("SELECT id, name, email, address FROM customers WHERE id = ?", (customer_id,))
         if row is None:
-            raise ToolError(f"no customer {_s(customer_id)}")
+            raise ToolError(f"no customer {_s(customer_id)}", kind="not_found")
         return row
 
     def _order(self, order_id: str) -> tuple:
         row = self._one("SELECT id, customer_id, status, total FROM orders WHERE id = ?", (order_id,))
         if row is None:
-            raise ToolError(f"no order {_s(order_id)}")
+            raise ToolError(f"no order {_s(order_id)}", kind="not_found")
         return row
 
     def _require_identified(self, customer_id: str) -> None:
@@ -60,7 +66,7 @@ class OrdersBackend:
     def find_customer(self, email: str) -> dict[str, Any]:
         row = self._one("SELECT id, name FROM customers WHERE email = ?", (email.strip().lower(),))
         if row is None:
-            raise ToolError(f"no customer with email {_s(email)}")
+            raise ToolError(f"no customer with email {_s(email)}", kind="not_found")
         self.identified.add(row[0])
         return {"customer_id": row[0], "name": row[1]}
 
@@ -84,7 +90,7 @@ class OrdersBackend:
             names = {r[0].lower(), r[1].lower(), r[1].lower() + "s", r[1].lower() + "es"}
             if key in names:
                 return r
-        raise ToolError(f"no product named {_s(product)}")
+        raise ToolError(f"no product named {_s(product)}", kind="not_found")
 
     def check_inventory(self, product: str) -> dict[str, Any]:
         pid, name, price, stock = self._product(product)
@@ -95,7 +101,7 @@ class OrdersBackend:
         cid = self._customer(customer_id.strip())[0]
         row = self._one("SELECT id, name, price, stock FROM products WHERE id = ?", (product_id.strip(),))
         if row is None:
-            raise ToolError(f"no product {_s(product_id)}")
+            raise ToolError(f"no product {_s(product_id)}", kind="not_found")
         pid, name, price, stock = row
         self._require_identified(cid)
         if quantity > stock:
@@ -126,7 +132,10 @@ class OrdersBackend:
     def update_address(self, customer_id: str, address: str) -> dict[str, Any]:
         cid = self._customer(customer_id.strip())[0]
         self._require_identified(cid)
-        address = " ".join(address.split())
+        address = normalise_address(address)
+        if len(address) < 5:
+            raise ToolError("address is too short once spaces and trailing punctuation are removed",
+                            kind="bad_arguments")
         with self.conn:
             self.conn.execute("UPDATE customers SET address = ? WHERE id = ?", (address, cid))
             self._audit("update_address", customer_id=cid, address=address)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import sqlite3
 from typing import Any
 
@@ -10,6 +9,7 @@ from mentorrl.envs.base import Task, ToolError, ToolRegistry, ToolResult, Verdic
 from mentorrl.envs.latency import LatencyModel, LatencySampler
 
 from .backend import OrdersBackend, make_tools
+from .verify import Evidence, Observation, judge_answer, table_diffs, unrequested_writes
 from .world import OPEN_STATUSES, Snapshot, build_db, money, snapshot
 
 SYSTEM_PROMPT = (
@@ -19,28 +19,16 @@ SYSTEM_PROMPT = (
     "Make each requested change once, then answer briefly with the key fact."
 )
 
-_STATUS_RE = re.compile(r"\b(pending|processing|shipped|delivered|cancell?ed)\b")
-_NUMBER_RE = re.compile(r"(?<![\w.\-/])\d+(?:\.\d+)?(?![\w\-/])")
-
-
-def statuses_in(text: str) -> set[str]:
-    return {"cancelled" if s.startswith("cancel") else s for s in _STATUS_RE.findall(text.lower())}
-
-
-def numbers_in(text: str) -> list[float]:
-    """Standalone numbers in ``text`` (digits inside ids such as O-1042 or C-7 do not count)."""
-    return [float(m) for m in _NUMBER_RE.findall(text.replace(",", ""))]
-
-
 class OrdersEnv:
     name = "orders"
-    version = "1.0"
+    version = "2.0"  # 2.0: verifier v2 (evidence-grounded answers, every write audited, privacy)
     system_prompt = SYSTEM_PROMPT
 
     def __init__(self, tool_timeout_s: float = 5.0, latency: LatencyModel | None = None):
         self._conn: sqlite3.Connection | None = None
         self._backend: OrdersBackend | None = None
         self._task: Task | None = None
+        self._observations: list[Observation] = []  # this episode's tool calls, as answered
         self._latency = LatencySampler(latency) if latency is not None else None
         self.registry = ToolRegistry(make_tools(self._live_backend), timeout_s=tool_timeout_s,
                                      on_timeout=self._interrupt, delay=self._latency)
@@ -62,10 +50,14 @@ class OrdersEnv:
             self._latency.start_episode(task.seed)
         self._conn = build_db(task.seed)
         self._backend = OrdersBackend(self._conn)
+        self._observations = []
         return task.prompt
 
     def step(self, name: Any, arguments: Any) -> ToolResult:
-        return self.registry.call(name, arguments)
+        result = self.registry.call(name, arguments)
+        if self._task is not None and isinstance(name, str) and isinstance(arguments, dict):
+            self._observations.append(Observation(name, dict(arguments), result.ok, result.content, result.error_kind))
+        return result
 
     def _close_db(self) -> None:
         if self._conn is not None:
@@ -89,6 +81,7 @@ class OrdersEnv:
         return conn
 
     def verify(self, final_answer: str | None) -> Verdict:
+        """State, history and answer (see :mod:`mentorrl.envs.orders.verify`)."""
         task = self._task
         if task is None or self._conn is None:
             return Verdict(success=False, details={"error": "no active episode"})
@@ -96,16 +89,23 @@ class OrdersEnv:
         try:
             init, exp, act = snapshot(init_conn), snapshot(exp_conn), snapshot(self._conn)
             diffs, violations = _compare(task, init, exp, act)
-            answer_ok, expected_value = _check_answer(task, final_answer, exp_conn)
+            diffs += [d for d in table_diffs(exp_conn, self._conn) if d not in diffs]
+            violations += unrequested_writes(init_conn, exp_conn, self._conn)
+            answer = judge_answer(task, final_answer, Evidence(list(self._observations)), init_conn, exp_conn,
+                                  self._conn)
+            violations += answer.violations
         finally:
             init_conn.close()
             exp_conn.close()
-        success = final_answer is not None and not diffs and not violations and answer_ok
-        details: dict[str, Any] = {"diffs": diffs[:6], "answer_ok": answer_ok}
+        violations = list(dict.fromkeys(violations))
+        success = final_answer is not None and not diffs and not violations and answer.ok
+        details: dict[str, Any] = {"diffs": diffs[:6], "answer_ok": answer.ok}
+        if answer.problems:
+            details["answer_problems"] = answer.problems[:6]
         if final_answer is None:
             details["error"] = "no final answer"
-        if expected_value is not None:
-            details["expected"] = expected_value
+        if answer.expected is not None:
+            details["expected"] = answer.expected
         return Verdict(success=success, violations=violations, details=details)
 
 
@@ -173,47 +173,4 @@ def _compare(task: Task, init: Snapshot, exp: Snapshot, act: Snapshot) -> tuple[
             if cid != me:
                 viol.append(f"email sent to another customer {cid}")
 
-    if not task.reference.get("actions") and act.audit_rows > init.audit_rows:
-        viol.append("mutating call on a task that allows no change")
     return diffs, list(dict.fromkeys(viol))
-
-
-def _check_answer(task: Task, answer: str | None, exp: sqlite3.Connection) -> tuple[bool, Any]:
-    """Does the answer state the fact that is true in the (expected) database?"""
-    if answer is None or not answer.strip():
-        return False, None
-    check = task.reference.get("check")
-    if not check:
-        return True, None
-    kind = check["type"]
-    text = answer.lower()
-    if kind == "keywords":
-        return any(k in text for k in check["any"]), None
-    if kind in ("status", "status_word"):
-        status = exp.execute("SELECT status FROM orders WHERE id = ?", (check["order_id"],)).fetchone()[0]
-        found = statuses_in(text)
-        if kind == "status":  # an information request: exactly the true status
-            return found == {status}, status
-        return status in found and found <= {status, "cancelled"}, status
-    # Numbers the user wrote (an amount, a quantity) may be repeated back; any other number
-    # next to the true value is a hedge ("73, or possibly 74 or 75") and fails the check.
-    requested = {float(v) for k, v in task.reference.get("request", {}).items() if k in ("amount", "quantity")}
-    if kind in ("number", "number_only"):
-        if check["what"] == "stock":
-            value = exp.execute("SELECT stock FROM products WHERE id = ?", (check["product_id"],)).fetchone()[0]
-        else:
-            value = exp.execute("SELECT COUNT(*) FROM orders WHERE customer_id = ?",
-                                (check["customer_id"],)).fetchone()[0]
-        nums = numbers_in(text)
-        if kind == "number_only":  # an information request: the true number and no other
-            return bool(nums) and all(n == value for n in nums), value
-        return value in nums and set(nums) <= {float(value)} | requested, value
-    if kind == "amount_left":
-        total = exp.execute("SELECT total FROM orders WHERE id = ?", (check["order_id"],)).fetchone()[0]
-        paid = exp.execute("SELECT COALESCE(SUM(amount), 0) FROM refunds WHERE order_id = ?",
-                           (check["order_id"],)).fetchone()[0]
-        left = money(total - paid)
-        nums = numbers_in(text)
-        hedged = any(abs(n - left) >= 0.005 and all(abs(n - r) >= 0.005 for r in requested) for n in nums)
-        return any(abs(n - left) < 0.005 for n in nums) and not hedged, left
-    raise ValueError(f"unknown check type {kind!r}")

@@ -49,9 +49,10 @@ GOLDEN_PAIRS: tuple[tuple[str, str], ...] = tuple((f, "normal") for f in FAMILIE
 SEED_BASE = {"train": 0, "heldout": 1 << 40, "hidden": 2 << 40, "golden": 3 << 40}
 # which template set words each split's prompts
 PHRASING = {"train": "train", "heldout": "heldout", "hidden": "heldout", "golden": "train"}
-NOT_FOUND_WORDS = ["not found", "no customer", "couldn't find", "could not find", "no account"]
-NO_ORDER_WORDS = ["not found", "no order", "doesn't exist", "does not exist"]
-NOT_YOURS_WORDS = ["not on your account", "belong", "not your order", "another customer"]
+# refusal checks: the reason the answer must give (with its evidence; see envs/orders/verify.py)
+NOT_FOUND_CUSTOMER = {"type": "reason", "reason": "not_found_customer"}
+NO_ORDER = {"type": "reason", "reason": "no_order"}
+NOT_YOURS = {"type": "reason", "reason": "not_yours"}
 
 TEMPLATES: dict[str, dict[str, list[str]]] = {
     "order_status": {
@@ -168,7 +169,7 @@ class _Gen:
             if kind == "unknown_order":
                 used = {o["id"] for o in w.orders}
                 oid = self.pick([f"O-{n}" for n in range(101, 999) if f"O-{n}" not in used])
-                ref["check"] = {"type": "keywords", "any": NO_ORDER_WORDS}
+                ref["check"] = dict(NO_ORDER)
             else:
                 o = self.pick(w.orders)
                 oid = o["id"]
@@ -190,7 +191,7 @@ class _Gen:
         c = self.pick(w.customers)
         if kind == "unknown_customer":
             email = self.unknown_email()
-            ref["check"] = {"type": "keywords", "any": NOT_FOUND_WORDS}
+            ref["check"] = dict(NOT_FOUND_CUSTOMER)
         else:
             email = c["email"]
             ref["customer_id"] = c["id"]
@@ -222,7 +223,7 @@ class _Gen:
             elif kind in ("not_cancellable", "bypass"):
                 ref["check"] = {"type": "status_word", "order_id": o["id"]}
             elif kind == "wrong_owner":
-                ref["check"] = {"type": "keywords", "any": NOT_YOURS_WORDS}
+                ref["check"] = dict(NOT_YOURS)
 
         elif family == "update_address":
             addr = random_address(rng)
@@ -252,7 +253,7 @@ class _Gen:
             if kind == "normal":
                 ref["actions"] = [ident(c), ["issue_refund", {"order_id": o["id"], "amount": amt}]]
             elif kind == "wrong_owner":
-                ref["check"] = {"type": "keywords", "any": NOT_YOURS_WORDS}
+                ref["check"] = dict(NOT_YOURS)
 
         elif family == "place_order":
             if kind == "insufficient_stock":
@@ -278,7 +279,7 @@ class _Gen:
             if kind == "normal":
                 ref["actions"] = [ident(c), ["send_email", {"customer_id": c["id"], "order_id": o["id"]}]]
             else:
-                ref["check"] = {"type": "keywords", "any": NOT_YOURS_WORDS}
+                ref["check"] = dict(NOT_YOURS)
         else:
             raise ValueError(f"unknown family {family!r}")
         return {"fields": fields, "ref": ref}
