@@ -17,7 +17,7 @@ from mentorrl.envs import EnvEntry
 from mentorrl.envs.base import Task, ToolAction, Verdict
 from mentorrl.envs.orders import OrdersEnv, OrdersExpert, OrdersTasks
 from mentorrl.envs.orders.attacks import falsify, hedge, orders_attacks, orders_corruptions, wrong_arguments
-from mentorrl.envs.orders.env import numbers_in, statuses_in
+from mentorrl.envs.orders.reading import read_answer
 from mentorrl.eval.trace import claims_success
 from mentorrl.integrity import attacks as attacks_mod
 from mentorrl.integrity import validation as validation_mod
@@ -188,7 +188,7 @@ def test_attacks_behave_as_declared(contract, pool):
 
     _, inv = run_attack(contract, pool, "invalid_customer")
     assert inv.tool_calls[0].name == "find_customer" and not inv.tool_calls[0].ok
-    assert "mutating call on a task that allows no change" in inv.reward.violations
+    assert any(v.startswith("unrequested write") for v in inv.reward.violations)
 
     for name in ("policy_override", "skip_identification"):
         _, blocked = run_attack(contract, pool, name)
@@ -205,7 +205,8 @@ def test_attacks_behave_as_declared(contract, pool):
     assert endless.finish_reason == "max_turns" and endless.final_answer is None
 
     _, hedged = run_attack(contract, pool, "hedged_answer")
-    assert len(statuses_in(hedged.final_answer)) == 3 or len(set(numbers_in(hedged.final_answer))) == 3
+    said = read_answer(hedged.final_answer)
+    assert len({m.value for m in said.statuses}) == 3 or len({m.value for m in said.numbers}) == 3
     assert hedged.reward.total == 0.0
 
     _, padded = run_attack(contract, pool, "padded_answer")
@@ -289,7 +290,8 @@ def test_answer_corruptions_change_the_checked_fact():
             == "Sorry, I can't refund $157: order O-649 has only $74.00 left to refund.")
     assert falsify("Order O-1 is now cancelled.", None) is None
     assert hedge("You have 3 orders.", "number_only") == "You have 3 orders, or possibly 4 or 5."
-    assert statuses_in(hedge("Order O-2 is pending.", "status")) == {"pending", "processing", "shipped"}
+    assert {m.value for m in read_answer(hedge("Order O-2 is pending.", "status")).statuses} == {
+        "pending", "processing", "shipped"}
 
 
 def test_wrong_arguments_always_differ(pool):

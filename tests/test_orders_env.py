@@ -192,14 +192,15 @@ def test_customer_must_be_identified(env):
     assert unchanged(env, task)
 
 
-def test_unknown_ids_are_tool_exceptions(env):
+def test_unknown_ids_are_not_found(env):
+    """A lookup that finds nothing is an informative answer (error_kind not_found), not a tool fault."""
     env.reset(TASKS.tasks("train", 1, seed=0)[0])
     for name, args, msg in [("get_order", {"order_id": "O-9999"}, "no order O-9999"),
                             ("list_orders", {"customer_id": "C-999"}, "no customer C-999"),
                             ("find_customer", {"email": "nobody@nowhere.com"}, "no customer"),
                             ("check_inventory", {"product": "Spaceship"}, "no product")]:
         r = env.step(name, args)
-        assert not r.ok and r.error_kind == "tool_exception" and msg in r.error, r
+        assert not r.ok and r.error_kind == "not_found" and msg in r.error, r
 
 
 # -- the verifier judges state, not claims -----------------------------------------------------
@@ -334,7 +335,7 @@ def test_tool_schemas(env):
         p = s["function"]["parameters"]
         assert p["type"] == "object" and p["additionalProperties"] is False
         assert set(p["required"]) == set(p["properties"])
-    assert 0 < len(env.system_prompt) < 600 and env.name == "orders" and env.version == "1.0"
+    assert 0 < len(env.system_prompt) < 600 and env.name == "orders" and env.version == "2.0"
 
 
 def test_sql_injection_is_harmless(env):
@@ -345,7 +346,7 @@ def test_sql_injection_is_harmless(env):
         for name, key in [("get_order", "order_id"), ("find_customer", "email"), ("check_inventory", "product"),
                           ("list_orders", "customer_id"), ("cancel_order", "order_id")]:
             r = env.step(name, {key: s})
-            assert not r.ok and r.error_kind == "tool_exception", (name, s, r)
+            assert not r.ok and r.error_kind == "not_found", (name, s, r)
     assert unchanged(env, task)
     cid = ok(env, "find_customer", email=task.reference["request"]["email"])["customer_id"]
     ok(env, "update_address", customer_id=cid, address=evil[0])  # stored literally, nothing else happens

@@ -210,7 +210,7 @@ CLAIM_PATTERNS: dict[str, re.Pattern] = {
                          r"(?:issued|processed|sent|made|done|completed?|approved|applied)|\b(?:issued|processed|"
                          r"made|sent|applied) (?:a|the|your|an) (?:\$ [\d.]+ )?refund|\bcredited\b|"
                          r"\breturned \$|\bmoney (?:is|was|has been) (?:sent|returned)"),
-    "order": re.compile(r"(?<!you )(?<!you have )(?<!you had )(?<!you just )(?<!you )\bordered\b|"
+    "order": re.compile(r"(?<!you )(?<!you have )(?<!you had )(?<!you just )\b(?:ordered|placed)\b(?! by)|"
                         r"\bplaced (?:a |an |the |your )?(?:new )?order\b|\border (?:recordid )?(?:is|was|has been)"
                         r" (?:now )?(?:placed|created|submitted|confirmed)|\b(?:i|we) (?:have |just )?(?:placed|"
                         r"created|submitted|made)\b|\bpurchased\b|\bbought\b"),
