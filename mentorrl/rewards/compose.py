@@ -5,7 +5,12 @@
              1 + soft          if it was, where
     soft  = w_tool * tool + w_format * format + w_runtime * runtime + w_verbosity * verbosity
 
-* ``tool`` in [0, 1]: share of tool calls that succeeded (1 with no calls);
+* ``tool`` in [0, 1]: share of tool calls that succeeded, 0 with no calls (no term pays for
+  doing nothing). A lookup that answered "not found" (``error_kind`` ``not_found``) is an
+  informative result, not a failure: the first one per tool counts as a success and costs no
+  runtime, so an honest refusal that rests on a failed lookup scores as high as any other
+  honest success; further not-found answers of the same tool count as failed calls (guessing
+  ids or e-mails until one matches is not free);
 * ``format`` in {0, 1}: the episode ended with a well-formed final answer;
 * ``runtime`` in [-1, 0]: ``-(error_penalty * failed calls + redundant_penalty * redundant calls
   + truncation_penalty if the episode hit a limit)``, clipped at -1. A call is *redundant* when
@@ -69,6 +74,20 @@ class RewardWeights(BaseModel):
         return self
 
 
+def failed_calls(calls: Sequence[ToolCall]) -> int:
+    """Calls that failed, except the first ``not_found`` answer of each tool (an informative lookup)."""
+    informative: set[str | None] = set()
+    n = 0
+    for c in calls:
+        if c.ok:
+            continue
+        if c.error_kind == "not_found" and c.name not in informative:
+            informative.add(c.name)
+            continue
+        n += 1
+    return n
+
+
 def redundant_calls(calls: Sequence[ToolCall]) -> int:
     """How many calls repeat an earlier *successful* call with the same tool and arguments."""
     succeeded: set[str] = set()
@@ -97,9 +116,9 @@ def compose_reward(
     final_answer: str | None = None,
 ) -> RewardBreakdown:
     calls = list(tool_calls)
-    n_err = sum(not c.ok for c in calls)
+    n_err = failed_calls(calls)
     n_redundant = redundant_calls(calls)
-    tool = (len(calls) - n_err) / len(calls) if calls else 1.0
+    tool = (len(calls) - n_err) / len(calls) if calls else 0.0
     fmt = 1.0 if finish_reason == "answer" else 0.0
     truncation = 0.0 if finish_reason == "answer" else weights.truncation_penalty
     runtime = -min(1.0, n_err * weights.error_penalty + n_redundant * weights.redundant_penalty + truncation)
