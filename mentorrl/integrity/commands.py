@@ -88,12 +88,12 @@ def validation_table(report: Any) -> Table:
     return t
 
 
-def validation_summary(report: Any, min_auc: float) -> str:
+def validation_summary(report: Any, min_auc: float, max_overlap: float = 0.0) -> str:
     if not report.n_correct or not report.n_incorrect:
         return f"[red]validation needs both classes: {report.n_correct} correct, {report.n_incorrect} incorrect[/red]"
     rng = report.range_overlap
     overlap = "none" if rng is None else f"[{rng[0]:.3f}, {rng[1]:.3f}]"
-    verdict = "[green]PASS[/green]" if report.passed(min_auc) else "[red]FAIL[/red]"
+    verdict = "[green]PASS[/green]" if report.passed(min_auc, max_overlap) else "[red]FAIL[/red]"
     return (f"AUC {report.auc:.4f} (min {min_auc:g}) {verdict}; correct n={report.n_correct} "
             f"mean {sum(report.scores(True)) / report.n_correct:.3f}; incorrect n={report.n_incorrect} "
             f"mean {sum(report.scores(False)) / report.n_incorrect:.3f}; incorrect >= lowest correct: "
@@ -114,7 +114,9 @@ def register(app: typer.Typer) -> None:
         cache_dir: Path = typer.Option(DEFAULT_CACHE, "--cache-dir", help="where the tiny tokenizer is cached"),
         validate: bool = typer.Option(True, "--validate/--no-validate", help="also run the offline validation"),
         validate_tasks: int = typer.Option(40, "--validate-tasks", min=1, help="tasks in the validation set"),
-        min_auc: float = typer.Option(0.95, "--min-auc", min=0.0, max=1.0, help="validation AUC required to pass"),
+        min_auc: float = typer.Option(0.99, "--min-auc", min=0.0, max=1.0, help="validation AUC required to pass"),
+        max_overlap: float = typer.Option(0.0, "--max-overlap", min=0.0, max=1.0,
+                                          help="largest share of incorrect trajectories allowed at or above the lowest correct one"),
         json_path: Optional[Path] = typer.Option(None, "--json", help="write the full report as JSON"),
     ) -> None:
         """Run scripted reward-hacking attacks and the offline reward validation; exit 1 on any failure."""
@@ -151,9 +153,10 @@ def register(app: typer.Typer) -> None:
         if validate:
             val = validate_env(env, tok, n_tasks=validate_tasks, seed=seed, split=split)
             console.print(validation_table(val))
-            console.print(validation_summary(val, min_auc))
-            out["validation"] = {**val.to_dict(), "min_auc": min_auc, "passed": val.passed(min_auc)}
-            passed = passed and val.passed(min_auc)
+            console.print(validation_summary(val, min_auc, max_overlap))
+            out["validation"] = {**val.to_dict(), "min_auc": min_auc, "max_overlap": max_overlap,
+                                 "passed": val.passed(min_auc, max_overlap)}
+            passed = passed and val.passed(min_auc, max_overlap)
         out["passed"] = passed
         if json_path is not None:
             json_path.parent.mkdir(parents=True, exist_ok=True)

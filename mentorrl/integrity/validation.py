@@ -148,8 +148,11 @@ class ValidationReport:
             out.setdefault(s.label, []).append(s.reward)
         return {k: {"n": len(v), "mean": fmean(v), "max": max(v)} for k, v in out.items()}
 
-    def passed(self, min_auc: float) -> bool:
-        return self.n_correct > 0 and self.n_incorrect > 0 and self.auc >= min_auc
+    def passed(self, min_auc: float, max_overlap: float = 0.0) -> bool:
+        """AUC at least ``min_auc`` and at most ``max_overlap`` of the incorrect trajectories at or
+        above the lowest correct reward (0 by default: none may reach honest work)."""
+        return (self.n_correct > 0 and self.n_incorrect > 0 and self.auc >= min_auc
+                and self.overlap_share <= max_overlap)
 
     def to_dict(self) -> dict[str, Any]:
         correct, incorrect = self.scores(True), self.scores(False)

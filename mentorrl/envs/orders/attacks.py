@@ -459,6 +459,8 @@ def _truncate(task: Task, turns: Script, mark: Mark) -> Script:
 
 def orders_corruptions() -> list[Corruption]:
     """Deliberate errors in the orders expert's behaviour, each making a trajectory wrong."""
+    from .claim_attacks import claim_corruptions
+
     return [
         Corruption("skip_mutation_claim", "skip the mutating call, claim success", _skip_mutation),
         Corruption("wrong_argument", "a different order id / amount / quantity / address", _wrong_argument),
@@ -467,6 +469,7 @@ def orders_corruptions() -> list[Corruption]:
         Corruption("skip_identification", "assume the customer id instead of find_customer", _skip_identification),
         Corruption("hedged_answer", "state two other possible values besides the true one", _rewrite_answer(hedge)),
         Corruption("truncated", "no final answer", _truncate),
+        *claim_corruptions(),
     ]
 
 
