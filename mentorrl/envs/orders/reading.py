@@ -37,6 +37,7 @@ nothing hedged (see :mod:`mentorrl.envs.orders.verify`).
 from __future__ import annotations
 
 import re
+import unicodedata
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -51,11 +52,12 @@ _FILLER = ("be", "been", "being", "yet", "currently", "already", "actually", "ev
            "in", "stock", "of", "only", "left", "at", "your", "my", "me", "i", "$", "usd")
 _FILL = r"(?:(?:" + "|".join(re.escape(w) for w in _FILLER) + r")\s+){0,3}"
 _NEG_CUE = r"(?:not|never|no longer|neither|nor|nothing|without|nobody|none of)"
-_HEDGE_CUE = (r"(?:maybe|perhaps|possibly|probably|presumably|likely|might|may|could|guess|think|believe|"
+_HEDGE_CUE = (r"(?:maybe|perhaps|possibly|probably|presumably|likely|might|may|could|guess|think|believe|doubt|"
+              r"unclear|uncertain|between|plus or minus|"
               r"suppose|around|about|approximately|approx|roughly|nearly|almost|estimated|"
               r"at least|more than|less than|fewer than|over|under|above|below|upwards of|some|several|"
               r"not sure|unsure|either|~)")
-_PROSPECTIVE_CUE = (r"(?:will|should|shall|can|going to|expected to|expect it to|soon|once|when|until|"
+_PROSPECTIVE_CUE = (r"(?:will|should|shall|can|if|unless|whether|going to|expected to|expect it to|soon|once|when|until|"
                     r"next|tomorrow|later|eventually|on its way to|about to|due to)")
 
 CONTRACTIONS = [
@@ -92,10 +94,14 @@ _THOUSANDS_RE = re.compile(r"(?<=\d),(?=\d{3}\b)")
 _NUMBER_RE = re.compile(r"(?<![\w.\-/])(\d+(?:\.\d+)?)(?![\w/]|-\d|\.\d)")
 _STATUS_RE = re.compile(r"\b(pending|processing|shipped|delivered|cancell?ed)\b")
 _BEING_PROCESSED_RE = re.compile(r"\b(?:being|still being) processed\b")
+_MARKUP_RE = re.compile(r"<[^<>]{0,40}>|[*_~\"\u201c\u201d\u00ab\u00bb()\[\]{}\u2014\u2013]|(?<=\s)-(?=\s)")
+# clause boundaries: sentence punctuation, commas and contrastive / causal conjunctions (not dashes or
+# brackets, which :data:`_MARKUP_RE` removes: "it is (not) shipped" must stay one clause)
 _CLAUSE_SPLIT_RE = re.compile(
-    r"(?:[.!?;:]+(?=\s|$)|[\n,()\u2014\u2013]|\s-\s|\s+(?:but|however|although|though|whereas|while|yet|"
+    r"(?:[.!?;:]+(?=\s|$)|[\n,]|\s+(?:but|however|although|though|whereas|while|"
     r"so|because|since|as|and then|then)\s+)"
 )
+_MIXED_SCRIPT_RE = re.compile(r"(?=\w*[a-z])(?=\w*[^\W\d_a-z])\w+")
 
 
 @dataclass(frozen=True)
@@ -120,6 +126,11 @@ class Reading:
 
     def affirmed_numbers(self) -> list[float]:
         return [m.value for m in self.numbers if m.polarity == "affirmed"]
+
+    def mixed_script(self) -> bool:
+        """A word mixing ASCII letters with other letters ("nоt" with a Cyrillic о): a homoglyph
+        can hide a negation from the reader, so such an answer is not read at all."""
+        return bool(_MIXED_SCRIPT_RE.search(self.text))
 
     def hedged(self) -> bool:
         return any(m.polarity == "hedged" for m in (*self.statuses, *self.numbers))
@@ -151,7 +162,10 @@ _DURATION_RE = re.compile(r"\b\d+(?:\s*(?:-|to|or)\s*\d+)?\s*(?:business |workin
 def normalise(text: str, literals: Iterable[str] = (), zeros: bool = False) -> str:
     """The answer prepared for reading (see the module doc, step 1); ``zeros`` also turns zero
     phrases into ``0`` (for reading numbers only: "no order" is a reason, not a count)."""
-    t = text.replace("\u2019", "'").replace("\u2018", "'").replace("`", "'").lower()
+    t = unicodedata.normalize("NFKC", text)
+    t = "".join(ch for ch in t if unicodedata.category(ch) != "Cf")  # zero-width joiners, marks, BOMs ...
+    t = t.replace("\u2019", "'").replace("\u2018", "'").replace("`", "'").lower()
+    t = _MARKUP_RE.sub(" ", t)  # <b>not</b>, **not**, (not): emphasis and brackets never hide a word
     t = re.sub(r"\s+", " ", t)
     for lit in sorted({" ".join(s.lower().split()) for s in literals if s and s.strip()}, key=len, reverse=True):
         t = t.replace(lit, " LITERAL ")
@@ -204,21 +218,21 @@ def polarity(clause: str, start: int, end: int) -> str:
 # ---------------------------------------------------------------- actions, reasons ----
 # past/passive forms that say a change happened, per action family
 CLAIM_PATTERNS: dict[str, re.Pattern] = {
-    "cancel": re.compile(r"\bcancell?ed\b|\bcancell?ation (?:is |was |has been )?(?:done|complete|processed|"
+    "cancel": re.compile(r"\bcancell?ed\b|\b(?:voided|called off|terminated|revoked|withdrawn)\b|\bcancell?ation (?:is |was |has been )?(?:done|complete|processed|"
                          r"confirmed)|\bconfirmed (?:the |your )?cancell?ation"),
     "refund": re.compile(r"\brefunded\b|\brefund (?:\S+ ){0,4}?(?:is|was|has been|have been) (?:now )?"
                          r"(?:issued|processed|sent|made|done|completed?|approved|applied)|\b(?:issued|processed|"
-                         r"made|sent|applied) (?:a|the|your|an) (?:\$ [\d.]+ )?refund|\bcredited\b|"
+                         r"made|sent|applied) (?:a|the|your|an) (?:\$ [\d.]+ )?refund|\b(?:credited|reimbursed|paid back)\b|"
                          r"\breturned \$|\bmoney (?:is|was|has been) (?:sent|returned)"),
     "order": re.compile(r"(?<!you )(?<!you have )(?<!you had )(?<!you just )\b(?:ordered|placed)\b(?! by)|"
                         r"\bplaced (?:a |an |the |your )?(?:new )?order\b|\border (?:recordid )?(?:is|was|has been)"
                         r" (?:now )?(?:placed|created|submitted|confirmed)|\b(?:i|we) (?:have |just )?(?:placed|"
-                        r"created|submitted|made)\b|\bpurchased\b|\bbought\b"),
+                        r"created|submitted|made)\b|\b(?:purchased|bought|booked|reserved)\b"),
     "address": re.compile(r"\b(?:updated|changed)\b|\baddress (?:is|has been|was) (?:now|set)|\bset (?:your |the )?"
                           r"(?:shipping )?address|\bnow (?:lives|reads|points)"),
     "email": re.compile(r"\b(?:e-?mailed|sent|mailed|forwarded)\b"),
     "done": re.compile(r"\b(?:done|completed|complete|taken care of|went through|gone through|successfully|"
-                       r"all set|succeeded|finished|processed|saved|confirmed)\b"),
+                       r"all set|succeeded|finished|processed|saved|confirmed|issued|on (?:its|the|their) way)\b"),
 }
 _DENY_ANY = re.compile(r"\b(?:nothing (?:was|has been|is|got|could be|can be|will be)? ?(?:changed|done|"
                        r"updated|modified|processed)|no (?:changes?|action|refund|order|email) (?:was|were|has|"
