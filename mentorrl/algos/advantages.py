@@ -7,7 +7,8 @@ Conventions
   ``.reshape(-1)`` to get one advantage per sequence (row-major, group-major).
 * Group std is the **unbiased** (Bessel-corrected, ``N-1``) sample std, as in
   ``torch.std`` and verl's ``compute_grpo_outcome_advantage``.
-* Groups of size 1 and groups whose rewards are all equal get advantage 0.
+* Groups of size 1 and groups whose rewards are all equal get advantage exactly 0
+  (whatever the value and input dtype: no rounded mean leaks through ``std + eps``).
 * Higher advantage = better; losses minimise ``-A * ratio``.
 
 Adding an estimator: write a pure function and decorate it with
@@ -79,12 +80,25 @@ def grpo_advantages(
     G, K = r.shape
     if K <= 1:
         return torch.zeros_like(r)
-    mean = r.mean(dim=1, keepdim=True)
-    adv = r - mean
+    adv = _centred(r)
     if normalize_std:
-        std = r.std(dim=1, keepdim=True, unbiased=True)
+        std = adv.std(dim=1, keepdim=True, unbiased=True)
         adv = adv / (std + eps)
-    return adv
+    return torch.where(_constant_groups(r), torch.zeros_like(adv), adv)
+
+
+def _centred(r: torch.Tensor) -> torch.Tensor:
+    """``r - mean`` per group (row), computed as deviations from the row's first value so that an
+    all-equal row gives exact zeros: the float32 mean of eight 1.2s is off by ~6e-8, and that error
+    divided by ``std + eps`` used to become an advantage of ~0.1 for every member."""
+    d = r - r[:, :1]
+    return d - d.mean(dim=1, keepdim=True)
+
+
+def _constant_groups(r: torch.Tensor) -> torch.Tensor:
+    """``[G, 1]``: whether every reward of a group is the same value (exact comparison)."""
+    return (r.amax(dim=1, keepdim=True) == r.amin(dim=1, keepdim=True)) if r.shape[1] else torch.ones(
+        r.shape[0], 1, dtype=torch.bool, device=r.device)
 
 
 def sanitize_group_rewards(
@@ -112,8 +126,9 @@ def sanitize_group_rewards(
     r = r.clamp(low, high)
     z_clipped = torch.zeros_like(out_of_range)
     if z_max is not None and r.shape[1] > 1:
-        mean = r.mean(dim=1, keepdim=True)
-        std = r.std(dim=1, keepdim=True, unbiased=False)
+        d = r - r[:, :1]  # as in _centred: an all-equal group has std exactly 0, never clipped
+        mean = r[:, :1] + d.mean(dim=1, keepdim=True)
+        std = _centred(r).std(dim=1, keepdim=True, unbiased=False)
         lo, hi = mean - z_max * std, mean + z_max * std
         z_clipped = ((r < lo) | (r > hi)) & (std > 1e-8)
         r = torch.where(z_clipped, torch.minimum(torch.maximum(r, lo), hi), r)
@@ -133,8 +148,9 @@ def group_reward_stats(rewards: torch.Tensor) -> dict[str, float]:
         mean, std, min, max: over all ``G*K`` rewards (``std`` unbiased; 0 if one reward).
         zero_reward_rate: share of rewards exactly ``== 0``.
         nonpositive_rate: share of rewards ``<= 0``.
-        zero_variance_group_share: share of groups whose (population) std < 1e-8,
-            i.e. groups that yield all-zero GRPO advantages. Groups of size 1 count.
+        zero_variance_group_share: share of groups whose rewards are all equal, or whose
+            population std (of deviations from the group's first reward) is < 1e-8, i.e. groups
+            that yield all-zero GRPO advantages. Groups of size 1 count.
     """
     if rewards.dim() != 2:
         raise ValueError(f"rewards must be [G, K], got shape {tuple(rewards.shape)}")
@@ -147,7 +163,6 @@ def group_reward_stats(rewards: torch.Tensor) -> dict[str, float]:
             "zero_variance_group_share": 0.0,
         }
     flat = r.reshape(-1)
-    group_std = r.std(dim=1, unbiased=False)
     return {
         "mean": flat.mean().item(),
         "std": flat.std(unbiased=True).item() if n > 1 else 0.0,
@@ -155,9 +170,15 @@ def group_reward_stats(rewards: torch.Tensor) -> dict[str, float]:
         "max": flat.max().item(),
         "zero_reward_rate": (flat == 0).float().mean().item(),
         "nonpositive_rate": (flat <= 0).float().mean().item(),
-        "zero_variance_group_share": (group_std < 1e-8).float().mean().item()
-        if r.shape[0] > 0 else 0.0,
+        "zero_variance_group_share": _zero_variance(r).float().mean().item() if r.shape[0] > 0 else 0.0,
     }
+
+
+def _zero_variance(r: torch.Tensor) -> torch.Tensor:
+    """``[G]``: groups that are all equal or whose population std is below 1e-8."""
+    if r.shape[1] == 0:
+        return torch.ones(r.shape[0], dtype=torch.bool, device=r.device)
+    return _constant_groups(r).squeeze(1) | (_centred(r).square().mean(dim=1).sqrt() < 1e-8)
 
 
 def broadcast_sequence_advantages(adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
