@@ -5,7 +5,9 @@ multi-turn agent trajectory only the policy's own tokens carry log-probs that be
 loss (tool observations and the prompt are masked out), and the pair usually shares a prefix
 (the prompt, often earlier turns): :func:`after_shared_prefix` keeps the tokens from the first
 one where the pair differs, so that the shared part, which is the same text in both, is not
-counted twice in a length-normalised log-prob.
+counted twice in a length-normalised log-prob (DPO / IPO). ORPO instead compares each side's
+mean log-prob over its own whole completion (all its policy tokens), as the paper and TRL do, so
+both sides are measured over the same kind of token set.
 
 Inputs are token log-probs ``[B, T]`` with their masks (e.g. ``Trajectory.loss_mask``), reduced
 by :func:`sequence_logprobs`; DPO and IPO also take the reference model's sequence log-probs,
