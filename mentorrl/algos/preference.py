@@ -22,12 +22,14 @@ import torch.nn.functional as F
 
 def sequence_logprobs(token_logprobs: torch.Tensor, mask: torch.Tensor, average: bool = False) -> torch.Tensor:
     """``[B]``: the sum (or, with ``average``, the mean) of the masked token log-probs of each row.
-    A row with no masked token is an error: it would compare nothing."""
-    m = (mask != 0).to(token_logprobs.dtype)
-    counts = m.sum(-1)
+    A row with no masked token is an error: it would compare nothing. Positions outside the mask
+    are selected out (``where``, not a product), so -inf or NaN there (padding) cannot leak in, and
+    their gradient is exactly 0."""
+    keep = mask != 0
+    counts = keep.sum(-1).to(token_logprobs.dtype)
     if bool((counts == 0).any()):
         raise ValueError("a sequence has no policy token in its mask; a preference pair must differ in policy tokens")
-    total = (token_logprobs * m).sum(-1)
+    total = torch.where(keep, token_logprobs, torch.zeros_like(token_logprobs)).sum(-1)
     return total / counts if average else total
 
 
