@@ -134,7 +134,7 @@ def test_gae_value_lambda_decouples_the_critic_targets():
     adv2, ret2 = gae_advantages(rewards, values, mask, gamma=1.0, lam=0.5, value_lam=1.0)
     assert torch.equal(adv, adv2)  # the policy side does not move
     ref = reference_gae([0, 0, 1.0], [0.1, 0.2, 0.3], 1.0, 0.5)
-    assert ret.tolist() == pytest.approx([[ref[0] + 0.1, ref[1] + 0.2, 0.0, ref[2] + 0.3]])
-    assert ret2.tolist() == pytest.approx([[1.0, 1.0, 0.0, 1.0]])  # lambda 1, gamma 1: the outcome itself
+    assert ret[0].tolist() == pytest.approx([ref[0] + 0.1, ref[1] + 0.2, 0.0, ref[2] + 0.3])
+    assert ret2[0].tolist() == pytest.approx([1.0, 1.0, 0.0, 1.0])  # lambda 1, gamma 1: the outcome itself
     with pytest.raises(ValueError, match="value_lam"):
         gae_advantages(rewards, values, mask, value_lam=torch.ones(3))

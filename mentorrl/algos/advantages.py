@@ -214,10 +214,13 @@ def outcome_token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Te
 
 
 def adaptive_gae_lambda(lengths: torch.Tensor, alpha: float) -> torch.Tensor:
-    """Length-adaptive GAE lambda, ``1 - 1 / (alpha * length)`` per sequence (VAPO), clamped to [0, 1].
+    """Length-adaptive GAE lambda, ``1 - 1 / (alpha * length)`` per sequence, clamped to [0, 1].
 
     Longer trajectories get a lambda closer to 1 (less bias over many steps); ``lengths`` counts
-    the policy tokens of each sequence.
+    the policy tokens of each sequence. This is VAPO's length-adaptive lambda *for the policy's
+    advantages* only: VAPO also decouples the critic, whose targets use their own lambda (1.0,
+    Monte-Carlo returns). That half is :func:`gae_advantages`'s ``value_lam``; without it the
+    returns use the same (here adaptive) lambda as the advantages, which is not VAPO's critic.
     """
     if alpha <= 0:
         raise ValueError(f"alpha must be > 0, got {alpha}")
@@ -225,41 +228,15 @@ def adaptive_gae_lambda(lengths: torch.Tensor, alpha: float) -> torch.Tensor:
     return (1.0 - 1.0 / (alpha * lengths)).clamp(0.0, 1.0)
 
 
-def gae_advantages(
-    token_rewards: torch.Tensor,
-    values: torch.Tensor,
-    mask: torch.Tensor,
-    gamma: float = 1.0,
-    lam: float | torch.Tensor = 0.95,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalised advantage estimation over the policy tokens of multi-turn trajectories.
-
-    Only positions with ``mask != 0`` (tokens the policy generated) are steps. Prompt and
-    tool-observation tokens are skipped: the recursion carries the next policy token's value
-    and advantage across them, so an observation neither gets an advantage nor breaks the
-    chain between the turns before and after it. After the last policy token the episode
-    ends (next value 0).
-
-        delta_t = r_t + gamma * V_next - V_t
-        A_t     = delta_t + gamma * lam * A_next          returns_t = A_t + V_t
-
-    Args:
-        token_rewards: ``[B, T]`` (e.g. :func:`outcome_token_rewards`).
-        values: ``[B, T]`` critic values (no gradient is taken through them).
-        mask: ``[B, T]`` 1 on policy tokens.
-        lam: a float, or ``[B]`` per-sequence lambdas (:func:`adaptive_gae_lambda`).
-    Returns:
-        ``(advantages, returns)``, both ``[B, T]`` fp32 and exactly 0 off the mask.
-    """
-    if token_rewards.shape != values.shape or values.shape != mask.shape:
-        raise ValueError(f"rewards {tuple(token_rewards.shape)}, values {tuple(values.shape)} and mask "
-                         f"{tuple(mask.shape)} must have the same [B, T] shape")
-    r, v = token_rewards.detach().float(), values.detach().float()
-    keep = mask != 0
-    B, T = mask.shape
-    lam_b = lam.float().to(v.device) if isinstance(lam, torch.Tensor) else torch.full((B,), float(lam), device=v.device)
+def _lambda_per_row(lam: float | torch.Tensor, B: int, device, name: str) -> torch.Tensor:
+    lam_b = lam.float().to(device) if isinstance(lam, torch.Tensor) else torch.full((B,), float(lam), device=device)
     if lam_b.shape != (B,):
-        raise ValueError(f"lam must be a float or [B]; got {tuple(lam_b.shape)}")
+        raise ValueError(f"{name} must be a float or [B]; got {tuple(lam_b.shape)}")
+    return lam_b
+
+
+def _gae(r: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, gamma: float, lam_b: torch.Tensor) -> torch.Tensor:
+    B, T = keep.shape
     adv = torch.zeros_like(v)
     next_v = torch.zeros(B, device=v.device)
     next_a = torch.zeros(B, device=v.device)
@@ -270,5 +247,49 @@ def gae_advantages(
         adv[:, t] = torch.where(m, a, torch.zeros_like(a))
         next_v = torch.where(m, v[:, t], next_v)
         next_a = torch.where(m, a, next_a)
-    returns = torch.where(keep, adv + v, torch.zeros_like(v))
+    return adv
+
+
+def gae_advantages(
+    token_rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float = 1.0,
+    lam: float | torch.Tensor = 0.95,
+    value_lam: float | torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over the policy tokens of multi-turn trajectories.
+
+    Only positions with ``mask != 0`` (tokens the policy generated) are steps. Prompt and
+    tool-observation tokens are skipped: the recursion carries the next policy token's value
+    and advantage across them, so an observation neither gets an advantage nor breaks the
+    chain between the turns before and after it. After the last policy token the episode
+    ends (next value 0).
+
+        delta_t = r_t + gamma * V_next - V_t
+        A_t     = delta_t + gamma * lam * A_next          returns_t = A'_t + V_t
+
+    where ``A'`` is the same recursion with ``value_lam`` in place of ``lam`` (decoupled GAE, as in
+    VAPO, whose critic uses ``value_lam = 1``: Monte-Carlo returns), or ``A`` itself when
+    ``value_lam`` is None (the default: one lambda for both, the behaviour before it existed).
+
+    Args:
+        token_rewards: ``[B, T]`` (e.g. :func:`outcome_token_rewards`).
+        values: ``[B, T]`` critic values (no gradient is taken through them).
+        mask: ``[B, T]`` 1 on policy tokens.
+        lam: a float, or ``[B]`` per-sequence lambdas (:func:`adaptive_gae_lambda`), for the advantages.
+        value_lam: None, a float or ``[B]``: the lambda of the critic's targets (``returns``).
+    Returns:
+        ``(advantages, returns)``, both ``[B, T]`` fp32 and exactly 0 off the mask.
+    """
+    if token_rewards.shape != values.shape or values.shape != mask.shape:
+        raise ValueError(f"rewards {tuple(token_rewards.shape)}, values {tuple(values.shape)} and mask "
+                         f"{tuple(mask.shape)} must have the same [B, T] shape")
+    r, v = token_rewards.detach().float(), values.detach().float()
+    keep = mask != 0
+    B = mask.shape[0]
+    adv = _gae(r, v, keep, gamma, _lambda_per_row(lam, B, v.device, "lam"))
+    ret_adv = adv if value_lam is None else _gae(r, v, keep, gamma, _lambda_per_row(value_lam, B, v.device,
+                                                                                      "value_lam"))
+    returns = torch.where(keep, ret_adv + v, torch.zeros_like(v))
     return adv, returns
