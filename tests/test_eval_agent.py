@@ -181,7 +181,7 @@ def test_breakdown_by_family_and_difficulty():
     again = type(r).model_validate_json(r.model_dump_json())  # JSON round trip (int keys of pass@k survive)
     assert again == r
     empty = agent_metrics([])
-    assert empty.overall.n == 0 and empty.by_family == {} and empty.overall.success_ci95 == (0.0, 1.0)  # no data: no information
+    assert empty.overall.n == 0 and empty.by_family == {} and empty.overall.success_ci95 == (0.0, 1.0)  # no data
 
 
 

@@ -118,5 +118,6 @@ def test_orpo_update_compares_each_side_over_its_whole_completion():
     m = preference_update(Recorder(), None, pairs, o)
     assert seen["trajs"] == [chosen, rejected] and seen["average"] is True
     assert seen["masks"] == [chosen.loss_mask, rejected.loss_mask]  # the same token set on both sides
-    want, _ = orpo_loss(torch.tensor([[-0.2]]), torch.ones(1, 1), torch.tensor([[-0.9]]), torch.ones(1, 1), lam=o.preference.lam)
+    one = torch.ones(1, 1)
+    want, _ = orpo_loss(torch.tensor([[-0.2]]), one, torch.tensor([[-0.9]]), one, lam=o.preference.lam)
     assert m["loss"] == pytest.approx(want.item())
