@@ -395,3 +395,33 @@ def test_sft_loss():
 def test_package_exports():
     for name in algos.__all__:
         assert hasattr(algos, name)
+
+
+def test_grpo_all_equal_groups_get_exactly_zero_advantage():
+    """Issue 16: the float32 mean of eight 1.2s is off by ~6e-8, which divided by std + 1e-6 gave +0.106."""
+    for v in (1.2, 0.1, 1 / 3, -0.7, 1e6 + 0.1):
+        rewards = torch.full((1, 8), v)
+        assert torch.equal(grpo_advantages(rewards), torch.zeros(1, 8)), v
+        assert torch.equal(grpo_advantages(rewards, normalize_std=False), torch.zeros(1, 8)), v
+        # and the statistics count such a group as zero-variance (they called it noisy before)
+        assert group_reward_stats(rewards)["zero_variance_group_share"] == 1.0, v
+
+
+def test_entropy_is_finite_with_minus_inf_logits():
+    """Issue 16: a -inf logit (a banned token) made 0 * -inf = NaN in ``sum p * z``."""
+    z = t([[0.0, -math.inf, math.log(3.0)]]).requires_grad_(True)
+    h = entropy_from_logits(z)
+    close(h, entropy_from_logits(t([[0.0, math.log(3.0)]])))  # the banned token adds nothing: 0.5623351
+    h.sum().backward()
+    assert torch.isfinite(z.grad).all() and z.grad[0, 1] == 0.0
+
+
+@pytest.mark.parametrize("shape", [(1, 6), (1, 8), (3, 16), (2, 8)])
+def test_sanitize_never_z_clips_an_all_equal_group(shape):
+    """The rounded float32 mean of identical 1.2s sat an ulp off every member (with std 1.2e-7 > 1e-8),
+    so a small z_max clipped them all."""
+    from mentorrl.algos import sanitize_group_rewards
+
+    rewards = torch.full(shape, 1.2)
+    out, counts = sanitize_group_rewards(rewards, 0.0, 2.0, z_max=0.1)
+    assert counts["z_clipped"] == 0.0 and torch.equal(out, rewards)

@@ -111,3 +111,30 @@ def test_masking_ignores_non_policy_positions():
     loss, m = masked_importance_policy_loss(logp, behaviour, torch.tensor([1.0]), torch.tensor([[0, 1]]))
     loss.backward()
     assert torch.isfinite(loss) and m["masked_frac"] == 0.0 and logp.grad[0, 0].item() == 0.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_masked_importance_loss_runs_in_any_float_dtype(dtype):
+    """Issue 16: float64 log-probs crashed on a quantile dtype mismatch in the metrics."""
+    lp = torch.tensor([[-1.0, -1.1, -0.9]], dtype=dtype, requires_grad=True)
+    old = torch.tensor([[-1.0, -1.0, -1.0]], dtype=dtype)
+    loss, m = masked_importance_policy_loss(lp, old, torch.tensor([1.0], dtype=dtype), torch.ones(1, 3))
+    loss.backward()
+    assert loss.dtype == dtype and torch.isfinite(lp.grad).all()
+    assert m["ratio_p50"] == pytest.approx(1.0)
+
+
+def test_gae_value_lambda_decouples_the_critic_targets():
+    """VAPO's decoupled GAE: the policy's advantages use ``lam``, the critic's returns ``value_lam``
+    (1: Monte-Carlo returns). Without ``value_lam`` both use ``lam``, as before."""
+    mask = torch.tensor([[1, 1, 0, 1]])
+    values = torch.tensor([[0.1, 0.2, 9.0, 0.3]])
+    rewards = outcome_token_rewards(torch.tensor([1.0]), mask)
+    adv, ret = gae_advantages(rewards, values, mask, gamma=1.0, lam=0.5)
+    adv2, ret2 = gae_advantages(rewards, values, mask, gamma=1.0, lam=0.5, value_lam=1.0)
+    assert torch.equal(adv, adv2)  # the policy side does not move
+    ref = reference_gae([0, 0, 1.0], [0.1, 0.2, 0.3], 1.0, 0.5)
+    assert ret[0].tolist() == pytest.approx([ref[0] + 0.1, ref[1] + 0.2, 0.0, ref[2] + 0.3])
+    assert ret2[0].tolist() == pytest.approx([1.0, 1.0, 0.0, 1.0])  # lambda 1, gamma 1: the outcome itself
+    with pytest.raises(ValueError, match="value_lam"):
+        gae_advantages(rewards, values, mask, value_lam=torch.ones(3))

@@ -59,7 +59,10 @@ def test_generalised_jsd():
     m = [b * a + (1 - b) * c for a, c in zip(T, S)]
     want = b * sum(p * math.log(p / q) for p, q in zip(T, m)) + (1 - b) * sum(p * math.log(p / q) for p, q in zip(S, m))
     assert token_divergence(s, t, "jsd", beta=b).item() == pytest.approx(want, abs=1e-9)
-    assert token_divergence(s, t, "jsd", beta=0.0).item() == 0.0 == token_divergence(s, t, "jsd", beta=1.0).item()
+    # the endpoints, where the mixture equals one side and JSD(beta) would vanish identically, are
+    # the two KLs, as in TRL's GKD generalized_jsd_loss: beta 0 -> KL(teacher || student), 1 -> KL(student || teacher)
+    assert token_divergence(s, t, "jsd", beta=0.0).item() == pytest.approx(KL_T_S, abs=1e-9)
+    assert token_divergence(s, t, "jsd", beta=1.0).item() == pytest.approx(KL_S_T, abs=1e-9)
     assert token_divergence(s, t, "jsd").item() <= math.log(2)  # JS divergence is bounded by log 2
     with pytest.raises(ValueError, match="beta"):
         token_divergence(s, t, "jsd", beta=1.5)
@@ -145,3 +148,37 @@ def test_tail_bin_keeps_mass_outside_the_top_k_visible():
     # reverse KL over (top-2, rest): sum p_s log(p_s / p_t) by hand
     want = 0.25 * math.log(0.25 / 0.5) + 0.15 * math.log(0.15 / 0.3) + 0.6 * math.log(0.6 / 0.2)
     assert abs(divergence_of(with_tail(s2), with_tail(t2), "reverse").item() - want) < 1e-5
+
+
+def test_jsd_endpoints_match_full_vocabulary_kl_and_train():
+    """Issue 16: opd.beta 0 or 1 gave a loss identically 0 (no gradient, silently no training)."""
+    g = torch.Generator().manual_seed(0)
+    s = torch.randn(2, 3, 7, generator=g, dtype=torch.float64, requires_grad=True)
+    t = torch.randn(2, 3, 7, generator=g, dtype=torch.float64)
+    ps, pt = torch.softmax(s, -1), torch.softmax(t, -1)
+    fwd = (pt * (pt.log() - ps.log())).sum(-1)  # KL(teacher || student) over the whole vocabulary
+    rev = (ps * (ps.log() - pt.log())).sum(-1)  # KL(student || teacher)
+    torch.testing.assert_close(token_divergence(s, t, "jsd", beta=0.0), fwd)
+    torch.testing.assert_close(token_divergence(s, t, "jsd", beta=1.0), rev)
+    for beta in (0.0, 1.0):
+        loss, _ = distill_loss(s, t, torch.ones(2, 3), "jsd", beta=beta)
+        (grad,) = torch.autograd.grad(loss, s)
+        assert loss.item() > 0 and grad.abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("kind, beta", [("reverse", 0.5), ("jsd", 0.5), ("jsd", 0.0), ("jsd", 1.0), ("jsd", 0.1)])
+def test_distill_loss_has_finite_gradients_with_minus_inf_student_logits(kind, beta):
+    """Issue 16: a -inf student logit (a banned token) gave NaN gradients through 0 * -inf."""
+    inf = math.inf
+    s = torch.tensor([[[0.0, 1.0, -inf], [2.0, -inf, -inf]]], requires_grad=True)
+    t = torch.tensor([[[0.0, 1.0, 2.0], [0.5, 0.0, -inf]]])
+    if kind == "jsd" and beta == 0.0:  # KL(teacher || student) is truly infinite where only the student bans
+        t = torch.tensor([[[0.0, 1.0, -inf], [0.5, -inf, -inf]]])
+    loss, m = distill_loss(s, t, torch.ones(1, 2), kind, beta=beta)
+    loss.backward()
+    assert math.isfinite(loss.item()) and math.isfinite(m["divergence_max"])
+    assert torch.isfinite(s.grad).all()
+    assert (s.grad[torch.isinf(s.detach())] == 0).all()  # a banned token gets no gradient
+    # the same value as with a very negative finite logit in place of -inf
+    finite = distill_loss(s.detach().clamp(min=-1e4), t.clamp(min=-1e4), torch.ones(1, 2), kind, beta=beta)[0]
+    assert loss.item() == pytest.approx(finite.item(), rel=1e-5, abs=1e-7)

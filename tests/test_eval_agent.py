@@ -181,8 +181,25 @@ def test_breakdown_by_family_and_difficulty():
     again = type(r).model_validate_json(r.model_dump_json())  # JSON round trip (int keys of pass@k survive)
     assert again == r
     empty = agent_metrics([])
-    assert empty.overall.n == 0 and empty.by_family == {} and empty.overall.success_ci95 == (0.0, 0.0)
+    assert empty.overall.n == 0 and empty.by_family == {} and empty.overall.success_ci95 == (0.0, 1.0)  # no data
 
+
+
+def test_wilson_interval_edge_cases():
+    """Issue 16: ``wilson_interval(0, 0)`` returned (0, 0), a certainty of failure; no trial tells nothing: (0, 1)."""
+    from mentorrl.eval.metrics import summarize, wilson_interval
+
+    assert wilson_interval(0, 0) == (0.0, 1.0)
+    assert summarize([])["success_ci95"] == [0.0, 1.0]
+    lo, hi = wilson_interval(0, 10)
+    assert lo == 0.0 and 0.0 < hi < 0.35
+    lo, hi = wilson_interval(10, 10)
+    assert 0.65 < lo < 1.0 and hi == 1.0
+    lo, hi = wilson_interval(5, 10)  # centre 0.5, half-width 1.96 * sqrt(0.025 + 0.0096) / 1.384 = 0.2366
+    assert (lo, hi) == pytest.approx((0.2366, 0.7634), abs=1e-4)
+    for bad in [(-1, 5), (6, 5), (0, -1)]:
+        with pytest.raises(ValueError, match="successes"):
+            wilson_interval(*bad)
 
 # ------------------------------------------------------------ judge agreement ------
 def test_cohen_kappa_and_agreement_hand_computed():

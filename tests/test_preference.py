@@ -77,3 +77,47 @@ def test_after_shared_prefix_keeps_the_tokens_where_the_pair_differs():
     assert cm == [0, 0, 0, 1, 1] and rm == [0, 0, 0, 1, 0, 1]
     with pytest.raises(ValueError, match="same token sequence"):
         after_shared_prefix([1, 2], [1, 2], [1, 1], [1, 1])
+
+
+def test_sequence_logprobs_ignore_minus_inf_at_padded_positions():
+    """Issue 16: -inf at a padded position times mask 0 gave NaN; the gradient there is 0."""
+    lp = torch.tensor([[-1.0, -2.0, -math.inf], [-0.5, float("nan"), -math.inf]], requires_grad=True)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    s = sequence_logprobs(lp, mask)
+    assert s.tolist() == [-3.0, -0.5]
+    assert sequence_logprobs(lp, mask, average=True).tolist() == [-1.5, -0.5]
+    loss, _ = orpo_loss(lp, mask, lp.flip(0), mask.flip(0))
+    loss.backward()
+    assert math.isfinite(loss.item()) and torch.isfinite(lp.grad).all()
+    assert (lp.grad[mask == 0] == 0).all()
+
+
+def test_orpo_update_compares_each_side_over_its_whole_completion():
+    """Issue 16: the chosen side was averaged over its full mask but the rejected side only after the
+    shared prefix. As in the ORPO paper and TRL, both sides are the mean log-prob of their own policy tokens."""
+    from types import SimpleNamespace
+
+    from mentorrl.config import BlackBoxConfig
+    from mentorrl.train.blackbox import preference_update
+
+    def traj(ids, mask):
+        return SimpleNamespace(token_ids=ids, loss_mask=mask)
+
+    # a shared prompt, a shared first policy turn, then the pair differs in its last turn
+    chosen = traj([1, 2, 3, 4, 5, 6], [0, 0, 1, 1, 0, 1])
+    rejected = traj([1, 2, 3, 4, 5, 7, 8], [0, 0, 1, 1, 0, 1, 1])
+    pairs = [(chosen, rejected, [0, 0, 0, 0, 0, 1], [0, 0, 0, 0, 0, 1, 1])]  # as preference_pairs builds them
+    seen = {}
+
+    class Recorder:
+        def sequence_step(self, trajs, masks, objective, average=False):
+            seen.update(trajs=trajs, masks=[m.tolist() for m in masks], average=average)
+            return dict(objective(torch.tensor([-0.2, -0.9]))[1])
+
+    o = BlackBoxConfig(recipe="ranking", preference={"loss": "orpo"})
+    m = preference_update(Recorder(), None, pairs, o)
+    assert seen["trajs"] == [chosen, rejected] and seen["average"] is True
+    assert seen["masks"] == [chosen.loss_mask, rejected.loss_mask]  # the same token set on both sides
+    one = torch.ones(1, 1)
+    want, _ = orpo_loss(torch.tensor([[-0.2]]), one, torch.tensor([[-0.9]]), one, lam=o.preference.lam)
+    assert m["loss"] == pytest.approx(want.item())

@@ -7,7 +7,8 @@ Conventions
   ``.reshape(-1)`` to get one advantage per sequence (row-major, group-major).
 * Group std is the **unbiased** (Bessel-corrected, ``N-1``) sample std, as in
   ``torch.std`` and verl's ``compute_grpo_outcome_advantage``.
-* Groups of size 1 and groups whose rewards are all equal get advantage 0.
+* Groups of size 1 and groups whose rewards are all equal get advantage exactly 0
+  (whatever the value and input dtype: no rounded mean leaks through ``std + eps``).
 * Higher advantage = better; losses minimise ``-A * ratio``.
 
 Adding an estimator: write a pure function and decorate it with
@@ -79,12 +80,25 @@ def grpo_advantages(
     G, K = r.shape
     if K <= 1:
         return torch.zeros_like(r)
-    mean = r.mean(dim=1, keepdim=True)
-    adv = r - mean
+    adv = _centred(r)
     if normalize_std:
-        std = r.std(dim=1, keepdim=True, unbiased=True)
+        std = adv.std(dim=1, keepdim=True, unbiased=True)
         adv = adv / (std + eps)
-    return adv
+    return torch.where(_constant_groups(r), torch.zeros_like(adv), adv)
+
+
+def _centred(r: torch.Tensor) -> torch.Tensor:
+    """``r - mean`` per group (row), computed as deviations from the row's first value so that an
+    all-equal row gives exact zeros: the float32 mean of eight 1.2s is off by ~6e-8, and that error
+    divided by ``std + eps`` used to become an advantage of ~0.1 for every member."""
+    d = r - r[:, :1]
+    return d - d.mean(dim=1, keepdim=True)
+
+
+def _constant_groups(r: torch.Tensor) -> torch.Tensor:
+    """``[G, 1]``: whether every reward of a group is the same value (exact comparison)."""
+    return (r.amax(dim=1, keepdim=True) == r.amin(dim=1, keepdim=True)) if r.shape[1] else torch.ones(
+        r.shape[0], 1, dtype=torch.bool, device=r.device)
 
 
 def sanitize_group_rewards(
@@ -112,8 +126,9 @@ def sanitize_group_rewards(
     r = r.clamp(low, high)
     z_clipped = torch.zeros_like(out_of_range)
     if z_max is not None and r.shape[1] > 1:
-        mean = r.mean(dim=1, keepdim=True)
-        std = r.std(dim=1, keepdim=True, unbiased=False)
+        d = r - r[:, :1]  # as in _centred: an all-equal group has std exactly 0, never clipped
+        mean = r[:, :1] + d.mean(dim=1, keepdim=True)
+        std = _centred(r).std(dim=1, keepdim=True, unbiased=False)
         lo, hi = mean - z_max * std, mean + z_max * std
         z_clipped = ((r < lo) | (r > hi)) & (std > 1e-8)
         r = torch.where(z_clipped, torch.minimum(torch.maximum(r, lo), hi), r)
@@ -133,8 +148,9 @@ def group_reward_stats(rewards: torch.Tensor) -> dict[str, float]:
         mean, std, min, max: over all ``G*K`` rewards (``std`` unbiased; 0 if one reward).
         zero_reward_rate: share of rewards exactly ``== 0``.
         nonpositive_rate: share of rewards ``<= 0``.
-        zero_variance_group_share: share of groups whose (population) std < 1e-8,
-            i.e. groups that yield all-zero GRPO advantages. Groups of size 1 count.
+        zero_variance_group_share: share of groups whose rewards are all equal, or whose
+            population std (of deviations from the group's first reward) is < 1e-8, i.e. groups
+            that yield all-zero GRPO advantages. Groups of size 1 count.
     """
     if rewards.dim() != 2:
         raise ValueError(f"rewards must be [G, K], got shape {tuple(rewards.shape)}")
@@ -147,7 +163,6 @@ def group_reward_stats(rewards: torch.Tensor) -> dict[str, float]:
             "zero_variance_group_share": 0.0,
         }
     flat = r.reshape(-1)
-    group_std = r.std(dim=1, unbiased=False)
     return {
         "mean": flat.mean().item(),
         "std": flat.std(unbiased=True).item() if n > 1 else 0.0,
@@ -155,9 +170,15 @@ def group_reward_stats(rewards: torch.Tensor) -> dict[str, float]:
         "max": flat.max().item(),
         "zero_reward_rate": (flat == 0).float().mean().item(),
         "nonpositive_rate": (flat <= 0).float().mean().item(),
-        "zero_variance_group_share": (group_std < 1e-8).float().mean().item()
-        if r.shape[0] > 0 else 0.0,
+        "zero_variance_group_share": _zero_variance(r).float().mean().item() if r.shape[0] > 0 else 0.0,
     }
+
+
+def _zero_variance(r: torch.Tensor) -> torch.Tensor:
+    """``[G]``: groups that are all equal or whose population std is below 1e-8."""
+    if r.shape[1] == 0:
+        return torch.ones(r.shape[0], dtype=torch.bool, device=r.device)
+    return _constant_groups(r).squeeze(1) | (_centred(r).square().mean(dim=1).sqrt() < 1e-8)
 
 
 def broadcast_sequence_advantages(adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -193,10 +214,13 @@ def outcome_token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Te
 
 
 def adaptive_gae_lambda(lengths: torch.Tensor, alpha: float) -> torch.Tensor:
-    """Length-adaptive GAE lambda, ``1 - 1 / (alpha * length)`` per sequence (VAPO), clamped to [0, 1].
+    """Length-adaptive GAE lambda, ``1 - 1 / (alpha * length)`` per sequence, clamped to [0, 1].
 
     Longer trajectories get a lambda closer to 1 (less bias over many steps); ``lengths`` counts
-    the policy tokens of each sequence.
+    the policy tokens of each sequence. This is VAPO's length-adaptive lambda *for the policy's
+    advantages* only: VAPO also decouples the critic, whose targets use their own lambda (1.0,
+    Monte-Carlo returns). That half is :func:`gae_advantages`'s ``value_lam``; without it the
+    returns use the same (here adaptive) lambda as the advantages, which is not VAPO's critic.
     """
     if alpha <= 0:
         raise ValueError(f"alpha must be > 0, got {alpha}")
@@ -204,41 +228,15 @@ def adaptive_gae_lambda(lengths: torch.Tensor, alpha: float) -> torch.Tensor:
     return (1.0 - 1.0 / (alpha * lengths)).clamp(0.0, 1.0)
 
 
-def gae_advantages(
-    token_rewards: torch.Tensor,
-    values: torch.Tensor,
-    mask: torch.Tensor,
-    gamma: float = 1.0,
-    lam: float | torch.Tensor = 0.95,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalised advantage estimation over the policy tokens of multi-turn trajectories.
-
-    Only positions with ``mask != 0`` (tokens the policy generated) are steps. Prompt and
-    tool-observation tokens are skipped: the recursion carries the next policy token's value
-    and advantage across them, so an observation neither gets an advantage nor breaks the
-    chain between the turns before and after it. After the last policy token the episode
-    ends (next value 0).
-
-        delta_t = r_t + gamma * V_next - V_t
-        A_t     = delta_t + gamma * lam * A_next          returns_t = A_t + V_t
-
-    Args:
-        token_rewards: ``[B, T]`` (e.g. :func:`outcome_token_rewards`).
-        values: ``[B, T]`` critic values (no gradient is taken through them).
-        mask: ``[B, T]`` 1 on policy tokens.
-        lam: a float, or ``[B]`` per-sequence lambdas (:func:`adaptive_gae_lambda`).
-    Returns:
-        ``(advantages, returns)``, both ``[B, T]`` fp32 and exactly 0 off the mask.
-    """
-    if token_rewards.shape != values.shape or values.shape != mask.shape:
-        raise ValueError(f"rewards {tuple(token_rewards.shape)}, values {tuple(values.shape)} and mask "
-                         f"{tuple(mask.shape)} must have the same [B, T] shape")
-    r, v = token_rewards.detach().float(), values.detach().float()
-    keep = mask != 0
-    B, T = mask.shape
-    lam_b = lam.float().to(v.device) if isinstance(lam, torch.Tensor) else torch.full((B,), float(lam), device=v.device)
+def _lambda_per_row(lam: float | torch.Tensor, B: int, device, name: str) -> torch.Tensor:
+    lam_b = lam.float().to(device) if isinstance(lam, torch.Tensor) else torch.full((B,), float(lam), device=device)
     if lam_b.shape != (B,):
-        raise ValueError(f"lam must be a float or [B]; got {tuple(lam_b.shape)}")
+        raise ValueError(f"{name} must be a float or [B]; got {tuple(lam_b.shape)}")
+    return lam_b
+
+
+def _gae(r: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, gamma: float, lam_b: torch.Tensor) -> torch.Tensor:
+    B, T = keep.shape
     adv = torch.zeros_like(v)
     next_v = torch.zeros(B, device=v.device)
     next_a = torch.zeros(B, device=v.device)
@@ -249,5 +247,49 @@ def gae_advantages(
         adv[:, t] = torch.where(m, a, torch.zeros_like(a))
         next_v = torch.where(m, v[:, t], next_v)
         next_a = torch.where(m, a, next_a)
-    returns = torch.where(keep, adv + v, torch.zeros_like(v))
+    return adv
+
+
+def gae_advantages(
+    token_rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float = 1.0,
+    lam: float | torch.Tensor = 0.95,
+    value_lam: float | torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over the policy tokens of multi-turn trajectories.
+
+    Only positions with ``mask != 0`` (tokens the policy generated) are steps. Prompt and
+    tool-observation tokens are skipped: the recursion carries the next policy token's value
+    and advantage across them, so an observation neither gets an advantage nor breaks the
+    chain between the turns before and after it. After the last policy token the episode
+    ends (next value 0).
+
+        delta_t = r_t + gamma * V_next - V_t
+        A_t     = delta_t + gamma * lam * A_next          returns_t = A'_t + V_t
+
+    where ``A'`` is the same recursion with ``value_lam`` in place of ``lam`` (decoupled GAE, as in
+    VAPO, whose critic uses ``value_lam = 1``: Monte-Carlo returns), or ``A`` itself when
+    ``value_lam`` is None (the default: one lambda for both, the behaviour before it existed).
+
+    Args:
+        token_rewards: ``[B, T]`` (e.g. :func:`outcome_token_rewards`).
+        values: ``[B, T]`` critic values (no gradient is taken through them).
+        mask: ``[B, T]`` 1 on policy tokens.
+        lam: a float, or ``[B]`` per-sequence lambdas (:func:`adaptive_gae_lambda`), for the advantages.
+        value_lam: None, a float or ``[B]``: the lambda of the critic's targets (``returns``).
+    Returns:
+        ``(advantages, returns)``, both ``[B, T]`` fp32 and exactly 0 off the mask.
+    """
+    if token_rewards.shape != values.shape or values.shape != mask.shape:
+        raise ValueError(f"rewards {tuple(token_rewards.shape)}, values {tuple(values.shape)} and mask "
+                         f"{tuple(mask.shape)} must have the same [B, T] shape")
+    r, v = token_rewards.detach().float(), values.detach().float()
+    keep = mask != 0
+    B = mask.shape[0]
+    adv = _gae(r, v, keep, gamma, _lambda_per_row(lam, B, v.device, "lam"))
+    ret_adv = adv if value_lam is None else _gae(r, v, keep, gamma, _lambda_per_row(value_lam, B, v.device,
+                                                                                      "value_lam"))
+    returns = torch.where(keep, ret_adv + v, torch.zeros_like(v))
     return adv, returns

@@ -11,6 +11,14 @@ Directions, stated once because they are easy to swap:
 * ``forward``: KL(teacher || student) = sum_v p_t(v) (log p_t(v) - log p_s(v)). Mass covering.
 * ``jsd``: the generalised Jensen-Shannon divergence of GKD,
   beta * KL(teacher || m) + (1 - beta) * KL(student || m) with m = beta * p_t + (1 - beta) * p_s.
+  At the endpoints, where m equals one side and the formula vanishes identically, it is the KL
+  there, as in TRL's ``generalized_jsd_loss``: beta = 0 is ``forward`` KL(teacher || student),
+  beta = 1 is ``reverse`` KL(student || teacher) (the limit of the formula is 0, so these are
+  discontinuous by definition, never a silent zero loss).
+
+Tokens of probability 0 on either side (logit -inf, e.g. banned tokens) add 0 and get zero
+gradient, never 0 * -inf = NaN; a token the teacher gives probability 0 and the student does not
+makes KL(student || teacher) infinite, as it is.
 
 ``temperature`` divides both sides' logits before the softmax. ``top_k`` restricts both
 distributions to the teacher's k most likely tokens at each position and renormalises them
@@ -44,9 +52,24 @@ def restrict_top_k(student_lp: torch.Tensor, teacher_lp: torch.Tensor, k: int) -
 
 
 def _kl(p_lp: torch.Tensor, q_lp: torch.Tensor) -> torch.Tensor:
-    """KL(p || q) over the last axis from log-probabilities (0 * log 0 = 0)."""
+    """KL(p || q) over the last axis from log-probabilities (0 * log 0 = 0).
+
+    The log-ratio is selected (``where``) *before* the product, so where ``p`` is 0 and both sides
+    are -inf neither the value nor the gradient meets -inf - -inf or 0 * -inf."""
     p = p_lp.exp()
-    return torch.where(p > 0, p * (p_lp - q_lp), torch.zeros_like(p)).sum(-1)
+    diff = torch.where(p > 0, p_lp - q_lp, torch.zeros((), dtype=p.dtype, device=p.device))
+    return (p * diff).sum(-1)
+
+
+def _mixture(t: torch.Tensor, s: torch.Tensor, beta: float) -> torch.Tensor:
+    """``log(beta * p_t + (1 - beta) * p_s)``; -inf where both are -inf, with no NaN in the gradient
+    (logsumexp's backward is NaN when all its inputs are -inf, so those entries skip it)."""
+    both = torch.isneginf(t) & torch.isneginf(s)
+    zero = torch.zeros((), dtype=t.dtype, device=t.device)
+    a = torch.where(both, zero, t + math.log(beta))
+    b = torch.where(both, zero, s + math.log(1.0 - beta))
+    m = torch.logsumexp(torch.stack([a, b]), dim=0)
+    return torch.where(both, torch.full((), -math.inf, dtype=t.dtype, device=t.device), m)
 
 
 def token_divergence(
@@ -91,9 +114,11 @@ def divergence_of(s: torch.Tensor, t: torch.Tensor, kind: str = "reverse", beta:
         return _kl(t, s)
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"jsd beta must lie in [0, 1], got {beta}")
-    if beta in (0.0, 1.0):
-        return torch.zeros(s.shape[:-1], dtype=s.dtype, device=s.device)  # m equals one side: both terms vanish
-    m = torch.logsumexp(torch.stack([t + math.log(beta), s + math.log(1.0 - beta)]), dim=0)
+    if beta == 0.0:  # m = p_s: the formula is identically 0; GKD / TRL use KL(teacher || student) here
+        return _kl(t, s)
+    if beta == 1.0:  # m = p_t: likewise; KL(student || teacher)
+        return _kl(s, t)
+    m = _mixture(t, s, beta)
     return beta * _kl(t, m) + (1.0 - beta) * _kl(s, m)
 
 
@@ -109,17 +134,26 @@ def distill_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Mean divergence over policy tokens (``mask``), optionally weighted per token (``weights`` ``[B, T]``).
 
-    The teacher side carries no gradient. Returns ``(loss, {"distill_loss", "divergence_mean",
-    "divergence_max"})``."""
-    div = token_divergence(student_logits, teacher_logits.detach(), kind, beta, temperature, top_k)
+    The teacher side carries no gradient. Logits off the mask are replaced by zeros before anything
+    is computed, so NaN / inf there (padding) reach neither the loss nor the gradient. Returns
+    ``(loss, {"distill_loss", "divergence_mean", "divergence_max"})``."""
+    keep = (mask != 0).unsqueeze(-1)
+    zero = torch.zeros((), dtype=student_logits.dtype, device=student_logits.device)
+    student_logits = torch.where(keep, student_logits, zero)
+    teacher_logits = torch.where(keep, teacher_logits.detach(), torch.zeros((), dtype=teacher_logits.dtype,
+                                                                            device=teacher_logits.device))
+    div = token_divergence(student_logits, teacher_logits, kind, beta, temperature, top_k)
     return weighted_token_mean(div, mask, weights)
 
 
 def weighted_token_mean(div: torch.Tensor, mask: torch.Tensor,
                         weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-    """``sum(div * w) / sum(w)`` with ``w = mask * weights``, and the divergence's mean and max on policy tokens."""
-    w = mask.to(div.dtype) if weights is None else mask.to(div.dtype) * weights.to(div.dtype)
-    loss = (div * w).sum() / w.sum().clamp(min=1e-8)
+    """``sum(div * w) / sum(w)`` with ``w = mask * weights``, and the divergence's mean and max on policy tokens.
+    Positions with ``w == 0`` are selected out, so a non-finite divergence or weight there cannot leak in."""
+    keep = mask != 0
+    zero = torch.zeros((), dtype=div.dtype, device=div.device)
+    w = keep.to(div.dtype) if weights is None else torch.where(keep, weights.to(div.dtype), zero)
+    loss = torch.where(w != 0, torch.where(w != 0, div, zero) * w, zero).sum() / w.sum().clamp(min=1e-8)
     d = div.detach()[mask != 0]
     return loss, {"distill_loss": loss.detach().item(), "divergence_mean": d.mean().item() if d.numel() else 0.0,
                   "divergence_max": d.max().item() if d.numel() else 0.0}

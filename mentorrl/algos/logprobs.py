@@ -79,8 +79,9 @@ def gather_token_logprobs(
 def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """Entropy (nats) of ``softmax(logits / temperature)`` over the last dim.
 
-    ``H = logsumexp(z) - sum_v softmax(z)_v * z_v``. Input ``[..., V]``,
-    output ``[...]`` in fp32. Chunked over rows like :func:`gather_token_logprobs`.
+    ``H = logsumexp(z) - sum_v softmax(z)_v * z_v``, with tokens of probability 0 (logit -inf,
+    e.g. banned) adding 0. Input ``[..., V]``, output ``[...]`` in fp32. Chunked over rows like
+    :func:`gather_token_logprobs`.
     """
     _check_temperature(temperature)
     lead = logits.shape[:-1]
@@ -90,7 +91,10 @@ def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch
     for start in range(0, flat.shape[0], _CHUNK_ROWS):
         z = _scaled_fp32(flat[start : start + _CHUNK_ROWS], temperature)
         p = torch.softmax(z, dim=-1)
-        out.append(torch.logsumexp(z, dim=-1) - (p * z).sum(-1))
+        # a token with probability 0 (logit -inf) adds 0, not 0 * -inf = NaN; z is selected before the
+        # product so the backward pass does not meet 0 * -inf either
+        z0 = torch.where(p > 0, z, torch.zeros((), dtype=z.dtype, device=z.device))
+        out.append(torch.logsumexp(z, dim=-1) - (p * z0).sum(-1))
     if not out:
         return flat.new_zeros(lead, dtype=torch.float32)
     return torch.cat(out).reshape(lead)

@@ -192,7 +192,9 @@ def masked_importance_policy_loss(
 
     with torch.no_grad():
         r = ratio.detach()[keep]
-        q = torch.quantile(r, torch.tensor([0.05, 0.5, 0.95])).tolist() if r.numel() else [1.0, 1.0, 1.0]
+        # quantile needs q in the input's dtype and on its device (float64 log-probs crashed here)
+        q = torch.quantile(r.float(), torch.tensor([0.05, 0.5, 0.95], device=r.device)).tolist() \
+            if r.numel() else [1.0, 1.0, 1.0]
         metrics = {
             "pg_loss": loss.detach().item(),
             "masked_frac": masked_mean((~inside).float(), mask).item(),
@@ -218,7 +220,13 @@ def clipped_value_loss(
     ``clip=None`` gives the plain squared error. Only policy tokens (``mask``) count.
     Returns ``(loss, metrics)``: value_loss, value_clip_frac and explained_variance.
     """
-    old, ret = old_values.detach(), returns.detach()
+    keep = mask != 0
+    zero = torch.zeros((), dtype=values.dtype, device=values.device)
+    # select before computing: junk off the mask (NaN / inf values or returns) must not reach the
+    # loss, nor its gradient through 0 * NaN in the backward pass
+    values = torch.where(keep, values, zero)
+    old = torch.where(keep, old_values.detach().to(values.dtype), zero)
+    ret = torch.where(keep, returns.detach().to(values.dtype), zero)
     err = (values - ret) ** 2
     if clip is None:
         loss_tok, clipped = 0.5 * err, torch.zeros_like(err, dtype=torch.bool)
@@ -228,7 +236,6 @@ def clipped_value_loss(
         loss_tok, clipped = 0.5 * torch.maximum(err, err_clip), err_clip > err
     loss = aggregate_loss(loss_tok, mask, agg)
     with torch.no_grad():
-        keep = mask != 0
         resid, target = (ret - values.detach())[keep], ret[keep]
         var = target.var(unbiased=False) if target.numel() > 1 else torch.tensor(0.0)
         ev = (1.0 - resid.var(unbiased=False) / var).item() if var > 1e-12 else 0.0

@@ -5,7 +5,9 @@ multi-turn agent trajectory only the policy's own tokens carry log-probs that be
 loss (tool observations and the prompt are masked out), and the pair usually shares a prefix
 (the prompt, often earlier turns): :func:`after_shared_prefix` keeps the tokens from the first
 one where the pair differs, so that the shared part, which is the same text in both, is not
-counted twice in a length-normalised log-prob.
+counted twice in a length-normalised log-prob (DPO / IPO). ORPO instead compares each side's
+mean log-prob over its own whole completion (all its policy tokens), as the paper and TRL do, so
+both sides are measured over the same kind of token set.
 
 Inputs are token log-probs ``[B, T]`` with their masks (e.g. ``Trajectory.loss_mask``), reduced
 by :func:`sequence_logprobs`; DPO and IPO also take the reference model's sequence log-probs,
@@ -20,12 +22,14 @@ import torch.nn.functional as F
 
 def sequence_logprobs(token_logprobs: torch.Tensor, mask: torch.Tensor, average: bool = False) -> torch.Tensor:
     """``[B]``: the sum (or, with ``average``, the mean) of the masked token log-probs of each row.
-    A row with no masked token is an error: it would compare nothing."""
-    m = (mask != 0).to(token_logprobs.dtype)
-    counts = m.sum(-1)
+    A row with no masked token is an error: it would compare nothing. Positions outside the mask
+    are selected out (``where``, not a product), so -inf or NaN there (padding) cannot leak in, and
+    their gradient is exactly 0."""
+    keep = mask != 0
+    counts = keep.sum(-1).to(token_logprobs.dtype)
     if bool((counts == 0).any()):
         raise ValueError("a sequence has no policy token in its mask; a preference pair must differ in policy tokens")
-    total = (token_logprobs * m).sum(-1)
+    total = torch.where(keep, token_logprobs, torch.zeros_like(token_logprobs)).sum(-1)
     return total / counts if average else total
 
 

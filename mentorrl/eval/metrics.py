@@ -10,9 +10,14 @@ from mentorrl.trajectory import Trajectory
 
 
 def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    """95% Wilson score interval for a binomial proportion."""
+    """95% Wilson score interval for a binomial proportion.
+
+    No trial (``n == 0``) says nothing about the proportion: the interval is all of ``[0, 1]``
+    (it used to be ``(0, 0)``, a certainty of failure). ``successes`` must lie in ``[0, n]``."""
+    if n < 0 or not 0 <= successes <= max(n, 0):
+        raise ValueError(f"wilson_interval: need 0 <= successes <= n, got successes={successes}, n={n}")
     if n == 0:
-        return (0.0, 0.0)
+        return (0.0, 1.0)
     p = successes / n
     denom = 1 + z * z / n
     centre = (p + z * z / (2 * n)) / denom

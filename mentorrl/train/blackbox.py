@@ -247,7 +247,9 @@ def preference_update(learner, ref_model, pairs, o: BlackBoxConfig) -> dict[str,
     masks = [torch.tensor(cm) for _, _, cm, _ in pairs] + [torch.tensor(rm) for _, _, _, rm in pairs]
     n = len(pairs)
     if p.loss == "orpo":
-        full = [torch.tensor(c.loss_mask) for c, _, _, _ in pairs] + masks[n:]
+        # ORPO (Hong et al.; TRL): each side's mean log-prob over its own whole completion, the same
+        # token set on both sides -- not the chosen side whole and the rejected side after the shared prefix
+        full = [torch.tensor(c.loss_mask) for c, _, _, _ in pairs] + [torch.tensor(r.loss_mask) for _, r, _, _ in pairs]
 
         def orpo(s):
             # s: mean log-probs; orpo_loss works on token tensors, so hand it [N, 1] "tokens" with mask 1
