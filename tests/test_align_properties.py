@@ -298,3 +298,47 @@ def test_cross_tokenizer_teacher_chunks_spell_the_same_bytes(data, text, pair):
     t_bounds = [(a - p_teacher, b - p_teacher) for a, b in bounds]
     ends = [len(student.decode(policy[:hi])) for _, hi in s_bounds]
     check_chunks(student, policy, s_bounds, teacher, run, t_bounds, ends, turn)
+
+
+@cache
+def metaspace(scheme: str) -> PreTrainedTokenizerFast:
+    """A SentencePiece-style tokenizer whose decoder is ``Metaspace`` (T5-like), with byte fallback."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme=scheme)
+    tok.train_from_iterator(CORPUS, trainer=trainers.BpeTrainer(vocab_size=220, limit_alphabet=40, show_progress=False))
+    model = json.loads(tok.to_str())["model"]
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    out = _byte_fallback_from(model["vocab"], merges, prepend=False)
+    out.normalizer = None
+    out.pre_tokenizer = tok.pre_tokenizer
+    out.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Metaspace(prepend_scheme=scheme)])
+    return _wrap(out)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(kind=st.sampled_from(KINDS + ["metaspace-always", "metaspace-first", "metaspace-never"]),
+       picks=st.lists(st.integers(0, 10**6), min_size=1, max_size=20))
+def test_decoder_replay_spells_what_decode_gives(kind, picks):
+    """Any id sequence, valid UTF-8 or not: the bytes replayed token by token decode to the tokenizer's own decode."""
+    from mentorrl.opd.align import _speller
+
+    tok = metaspace(kind.split("-")[1]) if kind.startswith("metaspace") else make(kind)
+    ids = [p % len(tok) for p in picks]
+    text = tok.decode(ids, clean_up_tokenization_spaces=False)
+    assert b"".join(_speller(tok).pieces(ids, "x")).decode("utf-8", "replace") == text
+    if text:
+        assert sampled_token_ends(tok, ids, text)[-1] == len(text)
+
+
+def test_an_unknown_decoder_falls_back_to_decoding_each_token_and_fails_loudly():
+    """A decoder this module cannot replay (WordPiece's ## joins): each id decoded alone, and text it does not
+    reproduce is an AlignmentError naming the side, never a silent misalignment."""
+    vocab = {"[UNK]": 0, "a": 1, "##b": 2, "c": 3}
+    tok = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece()
+    wp = _wrap(tok)
+    ids = wp("ab c", add_special_tokens=False)["input_ids"]
+    assert wp.decode(ids) == "ab c"
+    with pytest.raises(AlignmentError, match="teacher tokenizer: its tokens spell"):
+        token_ends(wp, "ab c", "teacher tokenizer")
