@@ -89,10 +89,9 @@ def _apply_steps(steps: list[dict], tokens: list[str]) -> list[bytes]:
         if kind == "ByteLevel":  # a token whose characters are all byte characters spells those bytes; others, themselves
             out = []
             for p in pieces:
-                text = p.decode("utf-8", "surrogatepass")
                 try:
-                    out.append(bytes(_BYTE_OF_CHAR[c] for c in text))
-                except KeyError:
+                    out.append(bytes(_BYTE_OF_CHAR[c] for c in p.decode()))
+                except (KeyError, UnicodeDecodeError):
                     out.append(p)
             pieces = out
         elif kind == "Replace":
