@@ -50,19 +50,22 @@ def test_tokenizers_really_differ(tokenizer, teacher):
 
 def test_chunks_partition_both_tokenizations(tokenizer, teacher):
     rng = random.Random(1)
-    for _ in range(50):
-        text = random_text(rng)
+    multibyte = ["漢字 日本語のテキスト 😀👍🏽 café ✓", "order 漢字 #12345 — naïve 👩\u200d❤\ufe0f\u200d👩 ü",
+                 "€12.50 → ¥1,800 (返金) — ok"]
+    for text in [random_text(rng) for _ in range(50)] + multibyte:
         al = align_texts(text, tokenizer, teacher[0])
         for ids, bounds in ((al.student_ids, al.student_bounds), (al.teacher_ids, al.teacher_bounds)):
             assert bounds[0][0] == 0 and bounds[-1][1] == len(ids)
             assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:])) and all(lo < hi for lo, hi in bounds)
-        # each chunk is the same text on both sides
+        # every chunk is the same text on both sides: no chunk boundary falls inside a character
+        pieces = []
         for k, (lo, hi) in enumerate(al.student_bounds):
             tlo, thi = al.teacher_bounds[k]
             s_text = tokenizer.decode(al.student_ids[lo:hi])
             t_text = teacher[0].decode(al.teacher_ids[tlo:thi])
-            if "\ufffd" not in s_text + t_text:  # a split multi-byte character decodes partially on its own
-                assert s_text == t_text
+            assert s_text == t_text and "\ufffd" not in s_text, (k, s_text, t_text, text)
+            pieces.append(s_text)
+        assert "".join(pieces) == text
         assert len(al.student_chunk_of_token()) == len(al.student_ids)
 
 

@@ -2,18 +2,27 @@
 tokenizers both have a token boundary.
 
 Both tokenizers encode the same text; each token's end offset in the text is a boundary of
-that side. The boundaries the two sides share cut the text into *chunks*; every token of
-either side lies inside exactly one chunk. A chunk's log-probability on one side is the sum
+that side, but only where the token ends on a character boundary: a token that stops inside
+a multi-byte character (a byte-level BPE piece, a byte-fallback ``<0xE6>`` token) belongs to
+the chunk of the character it helps spell. Offsets come from the bytes each token spells (its
+token string, through the tokenizer's decoder replayed token by token), in time linear in
+the number of tokens. The boundaries the two sides share cut the text into *chunks*; every
+token of either side lies inside exactly one chunk, and a chunk spells the same bytes on
+both sides. A chunk's log-probability on one side is the sum
 of that side's token log-probs inside it, so the teacher's chunk log-probs come from **one
 teacher forward pass plus prefix sums** (:func:`teacher_token_logprobs`, :func:`chunk_sums`),
 never from copying one teacher token's log-prob onto several student tokens.
 
 Text that a tokenizer does not reproduce exactly (normalisation, dropped characters, tokens
-that do not cover the text contiguously) raises :class:`AlignmentError` naming the side.
+whose bytes do not spell the text) raises :class:`AlignmentError` naming the side.
 """
 
 from __future__ import annotations
 
+import codecs
+import json
+import re
+import weakref
 from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Sequence
@@ -25,29 +34,236 @@ class AlignmentError(ValueError):
     """The two tokenizations of a text cannot be aligned."""
 
 
+def _gpt2_byte_of_char() -> dict[str, int]:
+    """The inverse of GPT-2's ``bytes_to_unicode``: the byte each character of a byte-level token stands for."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), ord("\xff") + 1)]
+    chars, extra = list(printable), 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+_BYTE_OF_CHAR = _gpt2_byte_of_char()
+_BYTE_TOKEN = re.compile(rb"<0x([0-9A-Fa-f]{2})>")
+_REPLACEMENT = "\ufffd".encode()
+_SUPPORTED_STEPS = {"ByteLevel", "ByteFallback", "Fuse", "Replace", "Strip", "Metaspace"}
+
+
+def _decoder_steps(tokenizer) -> list[dict] | None:
+    """The tokenizer's decoder as a flat list of steps, or None when it is not one this module can replay per token."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    decoder = getattr(backend, "decoder", None)
+    if decoder is None:
+        return None
+    try:
+        spec = json.loads(decoder.__getstate__())
+    except Exception:  # noqa: BLE001 - an unknown decoder object: fall back to decoding token by token
+        return None
+    steps: list[dict] = []
+
+    def flatten(d: dict) -> bool:
+        if d.get("type") == "Sequence":
+            return all(flatten(x) for x in d.get("decoders", []))
+        if d.get("type") not in _SUPPORTED_STEPS:
+            return False
+        if d["type"] == "Replace" and "String" not in d.get("pattern", {}):
+            return False  # a regex pattern
+        steps.append(d)
+        return True
+
+    return steps if flatten(spec) else None
+
+
+def _apply_steps(steps: list[dict], tokens: list[str]) -> list[bytes]:
+    """Each token's bytes, replaying the decoder's steps token by token (linear in the number of tokens).
+
+    Per-token steps act on every token; after ``Fuse`` the decoder sees one string, so a later
+    ``Strip`` or ``Metaspace`` acts on the concatenation (its start and end)."""
+    pieces = [t.encode() for t in tokens]
+    fused = False
+    for step in steps:
+        kind = step["type"]
+        if kind == "ByteLevel":  # a token whose characters are all byte characters spells those bytes; others, themselves
+            out = []
+            for p in pieces:
+                try:
+                    out.append(bytes(_BYTE_OF_CHAR[c] for c in p.decode()))
+                except (KeyError, UnicodeDecodeError):
+                    out.append(p)
+            pieces = out
+        elif kind == "Replace":
+            pattern, content = step["pattern"]["String"].encode(), step["content"].encode()
+            pieces = [p.replace(pattern, content) for p in pieces]
+        elif kind == "ByteFallback":  # <0xHH> runs decode together; an invalid run gives one U+FFFD per byte token
+            out, run = [], []
+            for p in pieces + [None]:
+                m = _BYTE_TOKEN.fullmatch(p) if p is not None else None
+                if m:
+                    run.append(bytes([int(m.group(1), 16)]))
+                    continue
+                if run:
+                    try:
+                        b"".join(run).decode("utf-8")
+                        out += run
+                    except UnicodeDecodeError:
+                        out += [_REPLACEMENT] * len(run)
+                    run = []
+                if p is not None:
+                    out.append(p)
+            pieces = out
+        elif kind == "Fuse":
+            fused = True
+        elif kind == "Strip":
+            content = step["content"].encode()
+            if fused:
+                _strip_across(pieces, content, step["start"], step["stop"])
+            else:
+                for i, p in enumerate(pieces):
+                    pieces[i] = _strip_across([p], content, step["start"], step["stop"])[0]
+        elif kind == "Metaspace":  # the first token loses its replacement characters when a prefix was prepended
+            rep = step.get("replacement", "\u2581").encode()
+            scheme = step.get("prepend_scheme", "always" if step.get("add_prefix_space", True) else "never")
+            first = len(pieces) if fused else 1
+            pieces = [p.replace(rep, b"" if i < first and scheme != "never" else b" ") for i, p in enumerate(pieces)]
+    return pieces
+
+
+def _strip_across(pieces: list[bytes], content: bytes, start: int, stop: int) -> list[bytes]:
+    """Remove up to ``start`` leading and ``stop`` trailing ``content`` from the concatenation of ``pieces``, in place."""
+    done, i = 0, 0
+    while done < start and i < len(pieces):
+        if not pieces[i]:
+            i += 1
+        elif pieces[i].startswith(content):
+            pieces[i] = pieces[i][len(content):]
+            done += 1
+        else:
+            break
+    done, i = 0, len(pieces) - 1
+    while done < stop and i >= 0:
+        if not pieces[i]:
+            i -= 1
+        elif pieces[i].endswith(content):
+            pieces[i] = pieces[i][: -len(content)]
+            done += 1
+        else:
+            break
+    return pieces
+
+
+class _Speller:
+    """The bytes each token id spells, in context, for one tokenizer: a replay of its decoder per token,
+    or (a decoder this module does not know) each token decoded on its own."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.steps = _decoder_steps(tokenizer)
+        self._alone: dict[int, bytes] = {}
+
+    def pieces(self, ids: Sequence[int], side: str) -> list[bytes]:
+        ids = [int(i) for i in ids]
+        if self.steps is None:
+            for i in set(ids) - self._alone.keys():
+                self._alone[i] = self.tokenizer.decode([i], clean_up_tokenization_spaces=False).encode()
+            return [self._alone[i] for i in ids]
+        tokens = self.tokenizer.convert_ids_to_tokens(ids)
+        missing = [i for i, t in zip(ids, tokens) if t is None]
+        if missing:
+            raise AlignmentError(f"{side}: token id {missing[0]} is not in its vocabulary")
+        return _apply_steps(self.steps, list(tokens))
+
+
+_SPELLERS: "weakref.WeakKeyDictionary[object, tuple[int, _Speller]]" = weakref.WeakKeyDictionary()
+
+
+def _speller(tokenizer) -> _Speller:
+    size = len(tokenizer) if hasattr(tokenizer, "__len__") else -1
+    try:
+        cached = _SPELLERS.get(tokenizer)
+    except TypeError:  # not weak-referenceable: no cache
+        return _Speller(tokenizer)
+    if cached is None or cached[0] != size:  # added tokens invalidate the cache
+        cached = (size, _Speller(tokenizer))
+        _SPELLERS[tokenizer] = cached
+    return cached[1]
+
+
+def _char_ends(pieces: Sequence[bytes], text: str, side: str) -> list[int]:
+    """End offset in ``text`` of every token, given the bytes each spells; linear in the bytes.
+
+    A token's end is a boundary only when it falls on a character boundary (no bytes of a
+    character are still pending); a token that stops inside a character takes the end of
+    the first later token that completes it, so it joins the chunk of the character it helps
+    spell. Bytes that are not UTF-8 count as the U+FFFD characters ``decode`` gives for them.
+    A leading token that spells nothing takes the first positive end. Raises
+    :class:`AlignmentError` when the bytes do not spell ``text``."""
+    if not pieces:
+        raise AlignmentError(f"{side}: no tokens for {text[:40]!r}")
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    out, ends, n = [], [], 0
+    for p in pieces:
+        s = decoder.decode(p)
+        out.append(s)
+        n += len(s)
+        ends.append(n if n > 0 and not decoder.getstate()[0] else -1)
+    s = decoder.decode(b"", final=True)
+    out.append(s)
+    n += len(s)
+    spelled = "".join(out)
+    if spelled != text:
+        at = next((i for i, (a, b) in enumerate(zip(spelled, text)) if a != b), min(len(spelled), len(text)))
+        raise AlignmentError(f"{side}: its tokens spell {spelled[at:at + 20]!r} where the text has "
+                             f"{text[at:at + 20]!r} (offset {at})")
+    ends[-1] = n
+    nxt = n
+    for i in range(len(ends) - 1, -1, -1):
+        if ends[i] < 0:
+            ends[i] = nxt
+        else:
+            nxt = ends[i]
+    return ends
+
+
+def _check_text(text: str, side: str) -> None:
+    if not isinstance(text, str):
+        raise AlignmentError(f"{side}: text must be a str, got {type(text).__name__}")
+    if not text:
+        raise AlignmentError(f"{side}: empty text")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise AlignmentError(f"{side}: text holds a lone surrogate at offset {e.start}; it is not valid Unicode") from None
+
+
 def token_ends(tokenizer, text: str, side: str = "tokenizer") -> tuple[list[int], list[int]]:
     """``(ids, ends)``: the text's token ids (no special tokens added) and each token's end offset.
 
-    Tokens of a byte-level tokenizer that split one character share that character's end, so
-    no boundary falls inside a character."""
-    if not text:
-        raise AlignmentError(f"{side}: empty text")
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids, offsets = list(enc["input_ids"]), list(enc["offset_mapping"])
+    Ends come from the bytes each token spells (:func:`sampled_token_ends`), not from the
+    tokenizer's character offsets, which put a token that stops inside a character at that
+    character's end."""
+    _check_text(text, side)
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
     if not ids:
         raise AlignmentError(f"{side}: produced no tokens for {text[:40]!r}")
     decoded = tokenizer.decode(ids, clean_up_tokenization_spaces=False)
     if decoded != text:
         raise AlignmentError(f"{side}: tokenizing changes the text (normalisation?): {text[:40]!r} -> {decoded[:40]!r}")
-    ends, covered = [], 0
-    for i, (start, end) in enumerate(offsets):
-        if start > covered:
-            raise AlignmentError(f"{side}: token {i} ({start}, {end}) leaves a gap after offset {covered}")
-        covered = max(covered, end)
-        ends.append(covered)
-    if covered != len(text):
-        raise AlignmentError(f"{side}: tokens cover {covered} of {len(text)} characters")
-    return ids, ends
+    return ids, sampled_token_ends(tokenizer, ids, text, side)
+
+
+def sampled_token_ends(tokenizer, ids: Sequence[int], text: str, side: str = "student tokenizer") -> list[int]:
+    """End offset in ``text`` of each of the (sampled, not necessarily canonical) token ids; ``text`` is their decoding.
+
+    Linear in the number of tokens: each token's bytes come from its token string (the
+    tokenizer's decoder replayed token by token), never from decoding prefixes. Only a token
+    that ends on a character boundary ends a chunk: one that stops inside a character
+    (a byte-level BPE piece, a ``<0xE6>`` byte-fallback token) takes the end of the token
+    that completes the character."""
+    _check_text(text, side)
+    return _char_ends(_speller(tokenizer).pieces(ids, side), text, side)
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from mentorrl.opd.align import AlignmentError, _bounds, chunk_sums, token_ends
+from mentorrl.opd.align import AlignmentError, _bounds, chunk_sums, sampled_token_ends, token_ends
 from mentorrl.opd.teacher import Capability, HFTeacher, TeacherSignal, tokenizer_fingerprint
 from mentorrl.trajectory import Trajectory
 
@@ -95,22 +95,6 @@ def _pieces(ids: Sequence[int], special: set[int]) -> list[tuple[bool, int, int]
     if lo < len(ids):
         out.append((False, lo, len(ids)))
     return out
-
-
-def sampled_token_ends(tokenizer, ids: Sequence[int], text: str) -> list[int]:
-    """End offset in ``text`` of each of the (sampled, not necessarily canonical) token ids.
-
-    A token that stops inside a character (byte-level BPE) takes the end of the token before
-    it, so a boundary never falls inside a character."""
-    ends, last = [], 0
-    for i in range(len(ids)):
-        prefix = tokenizer.decode(list(ids[: i + 1]), clean_up_tokenization_spaces=False)
-        if text.startswith(prefix):
-            last = len(prefix)
-        ends.append(last)
-    if last != len(text):
-        raise AlignmentError(f"student tokenizer: its tokens decode to {last} of {len(text)} characters")
-    return ends
 
 
 def vocab_map(teacher_tokenizer, student_tokenizer, special_tokens: Mapping[str, str] | None = None) -> torch.Tensor:
