@@ -8,6 +8,11 @@ rollout would have produced:
 * an assistant message with one tool call <-> ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``;
 * an assistant message with text content <-> a final answer;
 * a tool message's content is the observation text as rendered by the contract.
+
+:func:`prompt_pieces` gives the same rendering as pieces for :class:`mentorrl.contract.ChatEncoder`:
+the content of every message is plain text (a user cannot close their turn with a literal
+``<|im_end|>``); only the template's tokens and an assistant turn's tool-call tags are control
+tokens, as in a rollout.
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ import json
 import uuid
 from typing import Any, Mapping, Sequence
 
-from mentorrl.contract import IM_START, ParsedAction, parse_action, render_message, render_tool_call
+from mentorrl.contract import (IM_START, Control, ParsedAction, loads_bounded, message_pieces, parse_action,
+                               tool_call_pieces, turn_pieces)
 from mentorrl.trajectory import Trajectory
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -42,8 +48,9 @@ def assistant_message(turn_text: str) -> dict[str, Any]:
     return {"role": "assistant", "content": action.text if action.kind == "answer" else turn_text}
 
 
-def message_text(msg: Mapping[str, Any]) -> str:
-    """A message's content in the contract's text form."""
+def message_pieces_of(msg: Mapping[str, Any]) -> list[str]:
+    """A message's content as pieces (see :func:`mentorrl.contract.turn_pieces`): an assistant's
+    tool calls and tool-call tags are control pieces, all other content is plain text."""
     role = msg.get("role")
     if role not in ROLES:
         raise MessageError(f"unknown role {role!r}; expected one of {', '.join(ROLES)}")
@@ -51,21 +58,27 @@ def message_text(msg: Mapping[str, Any]) -> str:
     if calls:
         if role != "assistant":
             raise MessageError(f"only assistant messages carry tool_calls, not {role!r}")
-        parts = []
+        parts: list[str] = []
         for c in calls:
             fn = c.get("function") if isinstance(c, Mapping) else None
             if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
                 raise MessageError("a tool call needs function.name")
             args = fn.get("arguments", "{}")
             try:
-                args = json.loads(args) if isinstance(args, str) else args
+                args = loads_bounded(args) if isinstance(args, str) else args
             except json.JSONDecodeError as e:
                 raise MessageError(f"tool call {fn['name']!r}: arguments are not JSON ({e.msg})") from None
+            except ValueError as e:
+                raise MessageError(f"tool call {fn['name']!r}: arguments: {e}") from None
             if not isinstance(args, Mapping):
                 raise MessageError(f"tool call {fn['name']!r}: arguments must be a JSON object")
-            parts.append(render_tool_call(fn["name"], dict(args)))
-        return (msg.get("content") or "") + "".join(parts)
-    content = msg.get("content")
+            parts += tool_call_pieces(fn["name"], dict(args))
+        return turn_pieces(_content(role, msg.get("content") or "")) + parts
+    content = _content(role, msg.get("content"))
+    return turn_pieces(content) if role == "assistant" else [content]
+
+
+def _content(role: str, content: Any) -> str:
     if content is None:
         return ""
     if not isinstance(content, str):
@@ -73,9 +86,23 @@ def message_text(msg: Mapping[str, Any]) -> str:
     return content
 
 
+def message_text(msg: Mapping[str, Any]) -> str:
+    """A message's content in the contract's text form."""
+    return "".join(message_pieces_of(msg))
+
+
+def prompt_pieces(messages: Sequence[Mapping[str, Any]]) -> list[str]:
+    """:func:`prompt_text` as pieces for :class:`mentorrl.contract.ChatEncoder`."""
+    pieces: list[str] = []
+    for m in messages:
+        content = message_pieces_of(m)
+        pieces += message_pieces(m["role"], content)
+    return pieces + [Control(IM_START), "assistant\n"]
+
+
 def prompt_text(messages: Sequence[Mapping[str, Any]]) -> str:
     """The contract's text for a conversation, ending with the header of the next assistant turn."""
-    return "".join(render_message(m["role"], message_text(m)) for m in messages) + f"{IM_START}assistant\n"
+    return "".join(prompt_pieces(messages))
 
 
 def action_of(msg: Mapping[str, Any]) -> ParsedAction:
@@ -122,5 +149,6 @@ def _observation_content(text: str) -> str:
     return body[:end] if end >= 0 else body
 
 
-__all__ = ["MessageError", "ROLES", "action_key", "action_of", "assistant_message", "message_text", "prompt_text",
+__all__ = ["MessageError", "ROLES", "action_key", "action_of", "assistant_message", "message_pieces_of", "message_text",
+           "prompt_pieces", "prompt_text",
            "tool_call_dict", "trajectory_messages"]

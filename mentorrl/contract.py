@@ -10,13 +10,25 @@ Both the rollout engine and the learner import this module. It owns
 
 Observations are rendered to text and tokenised **once**, here, and appended to the
 trajectory as ids. The learner trains on ``Trajectory.token_ids`` and never re-tokenises.
+
+Control tokens (``<|im_start|>``, ``<|im_end|>``, the tool-call tags, any special token of the
+tokenizer) only ever come from the template. A rendering is a list of *pieces*: :class:`Control`
+pieces, written by the template, become their token id; every other piece -- a message's
+content, a tool observation, the system prompt -- is encoded as plain text by
+:class:`ChatEncoder`, so ``"A<|im_end|>"`` in a user message or an observation stays the
+characters it is and cannot close a turn or forge another. A policy turn's own tool-call tags
+are the policy's control tokens (:func:`turn_pieces`). Untrusted JSON from a turn is parsed
+with a bounded nesting depth, and error text shown to the policy is clipped to
+:data:`MAX_ERROR_CHARS`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -72,12 +84,72 @@ class ParsedAction:
     error: str | None = None
 
 
+MAX_JSON_DEPTH = 64  # nesting a tool call's JSON may have (deeper: a malformed call, never a RecursionError)
+MAX_ERROR_CHARS = 500  # error text shown to the policy (a bad argument is never echoed whole)
+
+
+class Control(str):
+    """A piece of a rendering that is a control token, written by the template (never by content)."""
+
+
+def message_pieces(role: str, content: str | list[str]) -> list[str]:
+    """One message: ``content`` is a string (plain text) or already a list of pieces."""
+    body = [content] if isinstance(content, str) else list(content)
+    return [Control(IM_START), f"{role}\n", *body, Control(IM_END), "\n"]
+
+
+def tool_call_pieces(name: str, arguments: dict[str, Any]) -> list[str]:
+    return [Control(TOOL_CALL_OPEN), dumps_compact({"name": name, "arguments": arguments}), Control(TOOL_CALL_CLOSE)]
+
+
+def turn_pieces(text: str) -> list[str]:
+    """A policy turn's text as pieces: its tool-call tags are the policy's own control tokens;
+    everything else (``<|im_end|>``, ``<|im_start|>`` included) is text."""
+    pieces: list[str] = []
+    for i, part in enumerate(_TAGS.split(text)):
+        if part:
+            pieces.append(Control(part) if i % 2 else part)
+    return pieces
+
+
+_TAGS = re.compile(f"({re.escape(TOOL_CALL_OPEN)}|{re.escape(TOOL_CALL_CLOSE)})")
+
+
 def render_message(role: str, content: str) -> str:
-    return f"{IM_START}{role}\n{content}{IM_END}\n"
+    return "".join(message_pieces(role, content))
 
 
 def render_tool_call(name: str, arguments: dict[str, Any]) -> str:
-    return f"{TOOL_CALL_OPEN}{dumps_compact({'name': name, 'arguments': arguments})}{TOOL_CALL_CLOSE}"
+    return "".join(tool_call_pieces(name, arguments))
+
+
+def clip_text(text: str, limit: int = MAX_ERROR_CHARS) -> str:
+    """``text`` cut to ``limit`` characters, saying how much was cut."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... [{len(text) - limit} more characters]"
+
+
+def json_depth(text: str) -> int:
+    """The deepest nesting of ``[``/``{`` in JSON ``text``, outside strings (linear, no recursion)."""
+    brackets = _NOT_BRACKET.sub("", _STRINGS.sub("", text))
+    return max(0, max(accumulate(map(_DEPTH_STEP.__getitem__, brackets)), default=0))
+
+
+_STRINGS = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+_DEPTH_STEP = {"[": 1, "{": 1, "]": -1, "}": -1}
+
+
+def loads_bounded(text: str, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """``json.loads`` for untrusted text: nesting deeper than ``max_depth`` raises ``ValueError``
+    (never ``RecursionError``). Non-finite numbers (NaN, Infinity) parse; tools refuse them."""
+    if json_depth(text) > max_depth:
+        raise ValueError(f"JSON nested deeper than {max_depth} levels")
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError(f"JSON nested deeper than {max_depth} levels") from None
 
 
 def parse_action(text: str) -> ParsedAction:
@@ -85,6 +157,8 @@ def parse_action(text: str) -> ParsedAction:
 
     A turn that contains a tool-call tag is a tool call and must be exactly one
     well-formed ``<tool_call>{json}</tool_call>``; anything else is a final answer.
+    Never raises: a call that cannot be parsed (bad JSON, nesting deeper than
+    :data:`MAX_JSON_DEPTH`) is ``malformed``.
     """
     raw = text
     if TOOL_CALL_OPEN not in text and TOOL_CALL_CLOSE not in text:
@@ -96,9 +170,11 @@ def parse_action(text: str) -> ParsedAction:
         return ParsedAction("malformed", raw=raw, error="malformed tool call: unbalanced <tool_call> tags")
     body = text[start + len(TOOL_CALL_OPEN) : end].strip()
     try:
-        obj = json.loads(body)
+        obj = loads_bounded(body)
     except json.JSONDecodeError as e:
         return ParsedAction("malformed", raw=body, error=f"malformed tool call: invalid JSON ({e.msg} at char {e.pos})")
+    except ValueError as e:
+        return ParsedAction("malformed", raw=body, error=f"malformed tool call: {e}")
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return ParsedAction("malformed", raw=body, error='malformed tool call: expected {"name": str, "arguments": object}')
     args = obj.get("arguments", {})
@@ -107,7 +183,7 @@ def parse_action(text: str) -> ParsedAction:
 
 
 def render_observation_content(ok: bool, content: Any, error: str | None) -> str:
-    return dumps_compact(content) if ok else f"error: {error}"
+    return dumps_compact(content) if ok else f"error: {clip_text(str(error))}"
 
 
 def system_text(system_prompt: str, tool_signatures: list[str]) -> str:
@@ -119,16 +195,80 @@ def system_text(system_prompt: str, tool_signatures: list[str]) -> str:
     )
 
 
+def prompt_pieces(system: str | None, user_message: str) -> list[str]:
+    """System (if any) and user turns, then the header of the first assistant turn."""
+    head = message_pieces("system", system) if system is not None else []
+    return head + message_pieces("user", user_message) + [Control(IM_START), "assistant\n"]
+
+
 def prompt_text(system: str | None, user_message: str) -> str:
     """System (if any) and user turns, then the header of the first assistant turn."""
-    head = render_message("system", system) if system is not None else ""
-    return head + render_message("user", user_message) + f"{IM_START}assistant\n"
+    return "".join(prompt_pieces(system, user_message))
+
+
+def observation_pieces(content: str) -> list[str]:
+    """A tool observation. The policy's turn ended with <|im_end|>; this closes the line,
+    renders the tool turn and opens the next assistant turn."""
+    return ["\n", *message_pieces("tool", content), Control(IM_START), "assistant\n"]
 
 
 def observation_text(content: str) -> str:
-    """A tool observation. The policy's turn ended with <|im_end|>; this closes the line,
-    renders the tool turn and opens the next assistant turn."""
-    return "\n" + render_message("tool", content) + f"{IM_START}assistant\n"
+    return "".join(observation_pieces(content))
+
+
+class ChatEncoder:
+    """Pieces -> token ids for one tokenizer, with control tokens from the template only.
+
+    A :class:`Control` piece becomes its token id (or, for a tokenizer without that token, its
+    text). Runs of other pieces are joined and encoded as plain text: any control string in
+    them (the contract's tokens and every special token of the tokenizer) is cut after its
+    first character, so no run can match it, whatever the tokenizer's added-token settings
+    (no tokenizer state is changed, so this is thread-safe). Text without control strings
+    encodes exactly as ``tokenizer.encode`` would."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        unk = getattr(tokenizer, "unk_token_id", None)
+        names = set(SPECIAL_TOKENS) | set(getattr(tokenizer, "all_special_tokens", []) or [])
+        for tok in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values():
+            if getattr(tok, "special", False):
+                names.add(str(tok.content))
+        self.control_ids: dict[str, int] = {}
+        for name in names:
+            i = tokenizer.convert_tokens_to_ids(name)
+            if isinstance(i, int) and i != unk:
+                self.control_ids[name] = i
+        names = sorted((n for n in names if n), key=len, reverse=True)
+        self._control = re.compile("|".join(re.escape(n) for n in names)) if names else None
+
+    def text(self, text: str) -> list[int]:
+        """Plain text: control strings in ``text`` stay characters, never control tokens."""
+        if not text:
+            return []
+        pieces = [text]
+        if self._control is not None:
+            cuts = [m.start() + 1 for m in self._control.finditer(text)]
+            pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)]) if b > a]
+        ids: list[int] = []
+        for piece in pieces:
+            ids += self.tokenizer.encode(piece, add_special_tokens=False)
+        bad = set(ids) & set(self.control_ids.values())
+        if bad:  # only a one-character control token (or a normalising match) gets here
+            raise ValueError(f"text {clip_text(text, 80)!r} encodes to control token ids {sorted(bad)}")
+        return ids
+
+    def pieces(self, pieces: list[str]) -> list[int]:
+        ids: list[int] = []
+        run: list[str] = []
+        for p in pieces:
+            if isinstance(p, Control):
+                ids += self.text("".join(run))
+                run = []
+                i = self.control_ids.get(p)
+                ids += [i] if i is not None else self.tokenizer.encode(str(p), add_special_tokens=False)
+            else:
+                run.append(p)
+        return ids + self.text("".join(run))
 
 
 @dataclass
@@ -160,6 +300,7 @@ class RolloutContract:
         self.stop_token_ids = sorted(stops)
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         self.pad_token_id = int(pad)
+        self.encoder = ChatEncoder(tok)
         self._fingerprint = self._compute_fingerprint()
 
     # ---- rendering (text) -------------------------------------------------
@@ -174,17 +315,22 @@ class RolloutContract:
 
     # ---- token ids (rendered once) ---------------------------------------
     def encode(self, text: str) -> list[int]:
+        """The tokenizer's own encoding of template text: control strings in it become control
+        tokens. Never for content (use :meth:`ChatEncoder.text`)."""
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def prompt_ids(self, user_message: str) -> list[int]:
-        return self.encode(self.prompt_text(user_message))
+        """The prompt; the system prompt and the user's message are plain text."""
+        return self.encoder.pieces(prompt_pieces(self.system_text(), user_message))
 
     def observation_ids(self, content: str) -> list[int]:
-        return self.encode(self.observation_text(content))
+        """A tool observation; ``content`` (the environment's output) is plain text."""
+        return self.encoder.pieces(observation_pieces(content))
 
     def policy_turn_ids(self, text: str) -> list[int]:
-        """Ids for a policy turn written by someone else (expert demos): the text plus the stop token."""
-        return self.encode(text) + [self.im_end_id]
+        """Ids for a policy turn written by someone else (expert demos, a teacher's reply): the
+        text plus the stop token. Its tool-call tags are control tokens; the rest is plain text."""
+        return self.encoder.pieces(turn_pieces(text)) + [self.im_end_id]
 
     def decode_turn(self, ids: list[int]) -> str:
         """Text of a generated turn, without the stop token."""
@@ -204,6 +350,7 @@ class RolloutContract:
         h.update(json.dumps(self.sampling.model_dump(), sort_keys=True).encode())
         h.update(json.dumps(self.limits.model_dump(), sort_keys=True).encode())
         h.update(f"{self.env_name}:{self.env_version}".encode())
+        h.update(b"content:plain-text")  # message content never encodes to control tokens
         return h.hexdigest()[:16]
 
     def sampling_dict(self) -> dict[str, Any]:
@@ -237,6 +384,10 @@ def contract_for_env(
 
 __all__ = [
     "CHAT_TEMPLATE",
+    "ChatEncoder",
+    "Control",
+    "MAX_ERROR_CHARS",
+    "MAX_JSON_DEPTH",
     "ContractLimits",
     "ParsedAction",
     "PromptFormat",
@@ -244,8 +395,15 @@ __all__ = [
     "SPECIAL_TOKENS",
     "SamplingParams",
     "contract_for_env",
+    "clip_text",
+    "loads_bounded",
+    "message_pieces",
+    "observation_pieces",
     "parse_action",
+    "prompt_pieces",
     "render_message",
     "render_observation_content",
     "render_tool_call",
+    "tool_call_pieces",
+    "turn_pieces",
 ]

@@ -1,16 +1,22 @@
 """`mentorrl serve MODEL_DIR`: an OpenAI-compatible chat-completions server for a local policy.
 
 The server speaks the OpenAI chat-completions protocol and renders every conversation with
-:func:`mentorrl.chat.prompt_text`, so a request sees exactly the ChatML text the policy was
-trained on; a generated turn comes back through :func:`mentorrl.chat.assistant_message`
-(``tool_calls`` for a well-formed ``<tool_call>``, else ``content``).
+:func:`mentorrl.chat.prompt_pieces` and :class:`mentorrl.contract.ChatEncoder`, so a request
+sees exactly the ChatML the policy was trained on; a generated turn comes back through
+:func:`mentorrl.chat.assistant_message` (``tool_calls`` for a well-formed ``<tool_call>``, else
+``content``). Message content is plain text: a literal ``<|im_end|>`` or ``<|im_start|>`` in it
+never becomes a control token, so a client cannot forge turns.
 
 * ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``.
 * Bad requests get a 4xx with an OpenAI-style body ``{"error": {"message", "type", ...}}``;
   FastAPI's validation errors are answered with **400** in that shape, not 422.
 * Optional bearer token on every ``/v1`` route (401 without it; ``/health`` stays open).
 * Request bodies over ``max_body_bytes`` get 413, checked from Content-Length and while
-  reading the body.
+  reading the body; a body nested deeper than ``MAX_BODY_DEPTH`` gets 400. Text with a lone
+  surrogate (``"\ud800"``, which is not UTF-8) in a message or a stop string gets 400; so do
+  more than ``MAX_STOP_STRINGS`` stop strings or one over ``MAX_STOP_CHARS`` characters.
+* The access log shows paths without their query string (``?[redacted]``): a token passed
+  as ``?access_token=...`` never reaches the log.
 * Dynamic batching: one worker thread owns the model; concurrent requests are queued and
   generated together, left-padded, in one ``model.generate`` call (up to ``--max-batch`` rows,
   the sum of their ``n``; the first waits up to ``--batch-window-ms`` for company). Requests
@@ -31,6 +37,7 @@ import contextlib
 import hashlib
 import hmac
 import ipaddress
+import logging
 import os
 import queue
 import re
@@ -50,8 +57,8 @@ from typing import Any, Iterator, Mapping, Optional, Sequence
 import typer
 from pydantic import BaseModel, ConfigDict, Field
 
-from mentorrl.chat import MessageError, assistant_message, prompt_text
-from mentorrl.contract import IM_END
+from mentorrl.chat import MessageError, assistant_message, message_pieces_of, prompt_pieces
+from mentorrl.contract import IM_END, MAX_JSON_DEPTH, ChatEncoder, json_depth
 
 DEFAULT_MAX_BODY_BYTES = 1_000_000
 DEFAULT_MAX_TOKENS_CAP = 512
@@ -61,6 +68,9 @@ READY_PREFIX = "mentorrl serve: listening on "
 LOOPBACK_NAMES = ("localhost",)
 GREEDY_BELOW = 1e-5  # temperatures under this decode greedily, as vLLM does
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+MAX_STOP_STRINGS = 4
+MAX_STOP_CHARS = 64  # Hugging Face's stop-string matcher allocates vocab x length: keep it small
+MAX_BODY_DEPTH = MAX_JSON_DEPTH + 8  # the request's own nesting around a tool call's arguments
 
 
 # ------------------------------------------------------------------- request ------
@@ -114,13 +124,33 @@ class ChatRequest(BaseModel):
     max_completion_tokens: int | None = Field(None, ge=1, description="the newer name of max_tokens; wins if both")
     n: int = Field(1, ge=1, le=16)
     seed: int | None = Field(None, ge=0, le=2**63 - 1, description="equal requests with a seed give equal answers")
-    stop: str | list[str] | None = Field(None, description="up to 4 strings; the text ends before the first one")
+    stop: str | list[str] | None = Field(None, description=f"up to {MAX_STOP_STRINGS} strings of at most "
+                                                            f"{MAX_STOP_CHARS} characters; the text ends before the first one")
     stream: bool = False
     response_format: dict[str, Any] | None = None
 
     def stop_strings(self) -> list[str]:
+        """The non-empty stop strings. Raises :class:`APIError` (400) for too many, too long or
+        not UTF-8 (a lone surrogate)."""
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return [s for s in stops if s]
+        stops = [s for s in stops if s]
+        if len(stops) > MAX_STOP_STRINGS:
+            raise APIError(400, f"stop: at most {MAX_STOP_STRINGS} strings, got {len(stops)}", param="stop")
+        for i, s in enumerate(stops):
+            if len(s) > MAX_STOP_CHARS:
+                raise APIError(400, f"stop[{i}]: {len(s)} characters; a stop string may have at most "
+                                    f"{MAX_STOP_CHARS}", param="stop")
+            check_utf8(s, "stop")
+        return stops
+
+
+def check_utf8(text: str, param: str) -> None:
+    """:class:`APIError` (400) when ``text`` cannot be UTF-8 (JSON's ``\\ud800`` escapes give lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(400, f"{param}: text holds a lone surrogate ({text[e.start]!r} at character {e.start}); "
+                            "send valid Unicode", param=param) from None
 
 
 # -------------------------------------------------------------------- errors ------
@@ -158,7 +188,8 @@ def _validation_message(errors: Sequence[Mapping[str, Any]]) -> tuple[str, str |
 
 # --------------------------------------------------------------- middleware ------
 class BodyLimitMiddleware:
-    """ASGI middleware: 413 for a request body over ``max_body_bytes``.
+    """ASGI middleware: 413 for a request body over ``max_body_bytes``; 400 for one nested deeper
+    than :data:`MAX_BODY_DEPTH` (JSON parsers recurse: a deep body must never reach them).
 
     A declared Content-Length over the limit is refused before reading; otherwise the body is
     read (and counted) here, up to the limit, and replayed to the app, so a lying or missing
@@ -194,6 +225,9 @@ class BodyLimitMiddleware:
             chunks.append(chunk)
             more = message.get("more_body", False)
         body, replayed = b"".join(chunks), False
+        if body and json_depth(body.decode("utf-8", "replace")) > MAX_BODY_DEPTH:
+            await _reply(scope, receive, send, 400, f"request body is nested deeper than {MAX_BODY_DEPTH} levels")
+            return
 
         async def replay() -> dict[str, Any]:
             nonlocal replayed
@@ -289,9 +323,12 @@ class PolicyGenerator:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
         self.pad_id = int(pad)
         self.max_positions = _max_positions(model, tokenizer)
+        self.encoder = ChatEncoder(tokenizer)
 
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+    def prompt_ids(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """The conversation's ids; content is plain text, control tokens come from the template.
+        Raises :class:`MessageError` for a message that cannot be rendered."""
+        return self.encoder.pieces(prompt_pieces(messages))
 
     def request(self, prompt_ids: list[int], n: int, temperature: float, top_p: float, max_new_tokens: int | None,
                 seed: int | None = None, stop: Sequence[str] = ()) -> GenRequest:
@@ -538,13 +575,14 @@ def create_app(tokenizer: Any, model: Any, model_name: str, token: str | None = 
         if req.stream:
             raise APIError(400, "stream=true is not supported; send stream=false", param="stream")
         stop = req.stop_strings()
-        if len(stop) > 4:
-            raise APIError(400, "stop: at most 4 strings", param="stop")
         try:
-            text = prompt_text([m.as_dict() for m in req.messages])
+            messages = [m.as_dict() for m in req.messages]
+            for i, m in enumerate(messages):
+                for piece in message_pieces_of(m):
+                    check_utf8(piece, f"messages[{i}]")
+            prompt_ids = gen.prompt_ids(messages)
         except MessageError as e:
             raise APIError(400, str(e), param="messages") from None
-        prompt_ids = gen.encode(text)
         turns = batcher.submit(gen.request(prompt_ids, req.n, req.temperature, req.top_p,
                                            req.max_completion_tokens or req.max_tokens, req.seed, stop))
         choices = []
@@ -596,6 +634,34 @@ def base_url(sock: socket.socket) -> str:
     return f"http://[{host}]:{port}/v1" if ":" in host else f"http://{host}:{port}/v1"
 
 
+def redact_query(path: str) -> str:
+    """``path`` without its query string's content: ``/v1/models?access_token=x`` -> ``/v1/models?[redacted]``."""
+    head, sep, query = path.partition("?")
+    return f"{head}?[redacted]" if sep and query else head
+
+
+class RedactQueryFilter(logging.Filter):
+    """A filter for uvicorn's access logger: the logged path loses its query string (tokens)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple):
+            record.args = tuple(redact_query(a) if isinstance(a, str) and "?" in a else a for a in args)
+        return True
+
+
+def server_config(app: Any, log_level: str = "info") -> Any:
+    """The ``uvicorn.Config`` for ``app``, with query strings redacted from the access log
+    (installed after uvicorn configures its loggers)."""
+    import uvicorn
+
+    config = uvicorn.Config(app, lifespan="off", log_level=log_level, timeout_graceful_shutdown=30)
+    access = logging.getLogger("uvicorn.access")
+    if not any(isinstance(f, RedactQueryFilter) for f in access.filters):
+        access.addFilter(RedactQueryFilter())
+    return config
+
+
 def run_server(app: Any, sock: socket.socket, ready_line: str, log_level: str = "info") -> int:
     """Serve ``app`` on ``sock`` until SIGTERM / SIGINT; print ``ready_line`` (flushed) once serving.
 
@@ -608,12 +674,12 @@ def run_server(app: Any, sock: socket.socket, ready_line: str, log_level: str = 
             if not self.should_exit:
                 print(ready_line, flush=True)
 
+    config = server_config(app, log_level)
     stopped: list[int] = []
     # uvicorn re-raises the signal it shut down on; catch that re-raise so the exit is a clean 0.
     previous = {s: signal.signal(s, lambda sig, frame: stopped.append(sig)) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        _Server(uvicorn.Config(app, lifespan="off", log_level=log_level, timeout_graceful_shutdown=30)).run(
-            sockets=[sock])
+        _Server(config).run(sockets=[sock])
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
@@ -771,6 +837,7 @@ def _tail(errlog: Any, n: int = 2000) -> str:
 
 
 __all__ = ["APIError", "Batcher", "BearerAuthMiddleware", "BodyLimitMiddleware", "ChatMessage", "ChatRequest",
-           "GenRequest", "PolicyGenerator", "READY_PREFIX", "RowSampler", "base_url", "bind_socket", "create_app",
-           "error_body", "group_requests", "is_loopback", "register", "row_generator", "run_server", "serve_command",
-           "serve_subprocess"]
+           "GenRequest", "MAX_BODY_DEPTH", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "PolicyGenerator", "READY_PREFIX",
+           "RedactQueryFilter", "RowSampler", "base_url", "bind_socket", "check_utf8", "create_app", "error_body",
+           "group_requests", "is_loopback", "redact_query", "register", "row_generator", "run_server", "serve_command",
+           "serve_subprocess", "server_config"]

@@ -437,3 +437,56 @@ def test_stream_stop_abandons_rows_in_flight(tool_happy_model, make_contract, or
                           stop=stop)
     assert engine.last_stats["aborted"] == 1.0
     assert 3 <= len(out) < len(tasks) and engine.last_stats["admitted"] < len(tasks)
+
+
+# ------------------------------------------------------------- untrusted values ----
+@pytest.mark.parametrize("amount", ["NaN", "Infinity", "-Infinity", "1e999"])
+def test_non_finite_numbers_are_bad_arguments(amount, find_task, orders_entry, make_contract):
+    """``issue_refund(amount=NaN)`` passed the schema and the policy checks and only a NOT NULL
+    constraint stopped it (with SQL text in the observation): it is refused before the tool runs."""
+    task = find_task("refund")
+    env = orders_entry.make_env()
+    contract = make_contract(env=env, max_turns=8, max_total_tokens=2048)
+    req = task.reference["request"]
+    try:
+        traj = play(contract, env, task, [
+            render_tool_call("find_customer", {"email": req["email"]}),
+            f'<tool_call>{{"name": "issue_refund", "arguments": {{"order_id": "{req["order_id"]}", '
+            f'"amount": {amount}}}}}</tool_call>',
+            "I could not refund that.",
+        ])
+        refunds = env.step("get_order", {"order_id": req["order_id"]})
+    finally:
+        env.close()
+    call = traj.tool_calls[1]
+    assert call.name == "issue_refund" and call.error_kind == "bad_arguments"
+    assert "amount: must be a finite number" in call.error and "NULL" not in call.error
+    assert "must be a finite number" in observation_bodies(traj, contract.tokenizer)[1]
+    assert refunds.ok and refunds.content["refunded"] == 0
+
+
+def test_error_observations_do_not_echo_a_huge_value(toy_env, toy_task, make_contract):
+    huge = "z" * 1_000_000
+    for name, args in (("slow", {"seconds": huge}), ("echo", {"text": huge, huge: 1}), (huge, {})):
+        r = toy_env.registry.call(name, args)  # jsonschema quotes the bad value; an unknown name is quoted too
+        assert not r.ok and len(r.error) < 700 and "more characters" in r.error, r.error[:200]
+    contract = make_contract(env=toy_env, max_total_tokens=8192)
+    big = "z" * 3000
+    traj = play(contract, toy_env, toy_task, [render_tool_call("slow", {"seconds": big}), ECHO, "ok, done"])
+    assert [c.error_kind for c in traj.tool_calls] == ["bad_arguments", None] and traj.reward.success
+    body = observation_bodies(traj, contract.tokenizer)[0]
+    assert len(body) < 800 and body.startswith("error: bad arguments for slow: seconds:")
+
+
+def test_deep_nesting_is_a_malformed_or_bad_call_never_a_crash(toy_env, toy_task, make_contract):
+    contract = make_contract(env=toy_env, max_total_tokens=4096)
+    traj = play(contract, toy_env, toy_task, ["<tool_call>" + "[" * 1000 + "</tool_call>", ECHO, "ok, done"])
+    assert [c.error_kind for c in traj.tool_calls] == ["malformed", None] and traj.reward.success
+    assert "nested deeper" in observation_bodies(traj, contract.tokenizer)[0]
+    deep: list = []
+    for _ in range(5000):  # nesting Python's json and jsonschema would recurse into
+        deep = [deep]
+    r = toy_env.registry.call("echo", {"text": deep})
+    assert not r.ok and r.error_kind == "bad_arguments" and "nested deeper" in r.error
+    r = toy_env.registry.call("slow", {"seconds": float("nan")})
+    assert not r.ok and r.error_kind == "bad_arguments" and "seconds: must be a finite number" in r.error

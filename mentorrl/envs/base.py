@@ -4,7 +4,10 @@ An environment owns real state (SQLite), exposes tools with JSON-schema argument
 judges its own final state through a verifier. Tool calls coming from a model are
 untrusted: the registry validates names and arguments, catches exceptions and enforces a
 timeout, and turns every failure into a :class:`ToolResult` with an ``error_kind``
-instead of raising.
+instead of raising. Arguments nested deeper than :data:`~mentorrl.contract.MAX_JSON_DEPTH` or
+holding a non-finite number (NaN, Infinity) are ``bad_arguments`` before any schema or tool
+sees them, and every error message is clipped to :data:`~mentorrl.contract.MAX_ERROR_CHARS`,
+so a huge bad value is never echoed back whole.
 """
 
 from __future__ import annotations
@@ -15,7 +18,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Protocol
 
+import math
+
 import jsonschema
+
+from mentorrl.contract import MAX_ERROR_CHARS, MAX_JSON_DEPTH, clip_text
 
 
 class ToolError(Exception):
@@ -58,11 +65,34 @@ class Tool:
         return f"{self.name}({args}) - {self.description}" if with_description else f"{self.name}({args})"
 
     def validation_error(self, arguments: Any) -> str | None:
-        err = jsonschema.exceptions.best_match(self._validator.iter_errors(arguments))
+        problem = argument_problem(arguments)
+        if problem is not None:
+            return clip_text(problem)
+        try:
+            err = jsonschema.exceptions.best_match(self._validator.iter_errors(arguments))
+        except RecursionError:
+            return f"arguments: nested deeper than {MAX_JSON_DEPTH} levels"
         if err is None:
             return None
         where = "/".join(str(p) for p in err.absolute_path) or "arguments"
-        return f"{where}: {err.message}"
+        return clip_text(f"{where}: {err.message}")
+
+
+def argument_problem(arguments: Any, max_depth: int = MAX_JSON_DEPTH) -> str | None:
+    """What makes ``arguments`` unusable whatever the schema says: a non-finite number (NaN,
+    Infinity, which JSON cannot carry but Python's parser accepts) or nesting deeper than
+    ``max_depth``. Walks iteratively (no recursion); None when fine."""
+    stack: list[tuple[str, Any, int]] = [("", arguments, 0)]
+    while stack:
+        path, value, depth = stack.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"{path or 'arguments'}: must be a finite number, not {value!r}"
+        if isinstance(value, (dict, list)):
+            if depth >= max_depth:
+                return f"{path or 'arguments'}: nested deeper than {max_depth} levels"
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            stack.extend((f"{path}/{k}" if path else str(k), v, depth + 1) for k, v in items)
+    return None
 
 
 class ToolRegistry:
@@ -92,12 +122,14 @@ class ToolRegistry:
     def call(self, name: Any, arguments: Any) -> ToolResult:
         t0 = time.perf_counter()
 
-        def done(**kw: Any) -> ToolResult:
-            return ToolResult(latency_s=time.perf_counter() - t0, **kw)
+        def done(error: str | None = None, **kw: Any) -> ToolResult:
+            error = clip_text(error, MAX_ERROR_CHARS) if error is not None else None
+            return ToolResult(latency_s=time.perf_counter() - t0, error=error, **kw)
 
         if not isinstance(name, str) or name not in self.tools:
             known = ", ".join(sorted(self.tools))
-            return done(ok=False, content=None, error=f"unknown tool {name!r}; known tools: {known}", error_kind="unknown_tool")
+            shown = clip_text(repr(name), 80)
+            return done(ok=False, content=None, error=f"unknown tool {shown}; known tools: {known}", error_kind="unknown_tool")
         tool = self.tools[name]
         if not isinstance(arguments, dict):
             return done(ok=False, content=None, error=f"arguments for {name} must be a JSON object", error_kind="bad_arguments")
