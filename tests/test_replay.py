@@ -327,3 +327,109 @@ def test_priority_proportions_match_the_weights(path):
     chi2 = sum((drawn[c] - e) ** 2 / e for c, e in expected.items())
     assert chi2 < 13.82, (drawn, chi2)  # the 0.999 quantile of chi-square with 2 degrees of freedom
     assert abs(drawn["hard"] / n - 0.6) < 0.02
+
+
+# ------------------------------------------------------------- rollback and bad files -------
+def _state(buf: ReplayBuffer):
+    return buf.ids(), [t.policy_version for t in buf.trajectories()], buf.stats()
+
+
+def test_rollback_restores_the_marked_state_exactly():
+    """Property: whatever was added (evictions and rejections included) after a mark, a rollback to
+    it gives back the same entries, order, counts; twice in a row (a second crash) too."""
+    import tempfile
+    from pathlib import Path
+
+    from hypothesis import given, settings, strategies as st
+
+    op = st.tuples(st.integers(0, 30), st.booleans())  # (trajectory number: repeats are duplicates, success)
+
+    @settings(max_examples=60, deadline=None)
+    @given(st.integers(1, 6), st.lists(op, max_size=12), st.lists(op, max_size=12), st.lists(op, max_size=6))
+    def check(capacity, before, after, again):
+        with tempfile.TemporaryDirectory() as d, ReplayBuffer(Path(d) / "r.sqlite",
+                                                              ReplayConfig(capacity=capacity, min_reward=0.5)) as buf:
+            for i, ok in before:
+                buf.add(traj(i, success=ok, version=1))
+            mark, want = buf.mark(), _state(buf)
+            for i, ok in after:
+                buf.add(traj(i, success=ok, version=9))
+            buf.rollback(mark)
+            assert _state(buf) == want
+            for i, ok in again:
+                buf.add(traj(i, success=ok, version=9))
+            buf.rollback(mark)
+            assert _state(buf) == want
+            buf.rollback(None)
+            assert len(buf) == 0 and buf.stats().rejections == {}
+
+    check()
+
+
+def test_rollback_survives_reopening_and_forget_evicted_bounds_the_copies(path):
+    cfg = ReplayConfig(capacity=3)
+    with ReplayBuffer(path, cfg) as buf:
+        for i in range(3):
+            buf.add(traj(i, version=0))
+        mark = buf.mark()
+        for i in range(3, 8):
+            buf.add(traj(i, version=5))  # evicts every marked entry
+        assert buf.ids() == ["t-5", "t-6", "t-7"]
+    with ReplayBuffer(path, cfg) as buf:  # a new process after a kill
+        assert buf.rollback(mark) == 3
+        assert buf.ids() == ["t-0", "t-1", "t-2"] and {t.policy_version for t in buf.trajectories()} == {0}
+        for i in range(3, 8):
+            buf.add(traj(i, version=5))
+        later = buf.mark()
+        assert buf.forget_evicted(later["high_water"]) == 5
+        buf.rollback(later)
+        assert buf.ids() == ["t-5", "t-6", "t-7"]
+
+
+def test_a_garbage_or_foreign_database_is_refused_with_the_file_named(tmp_path):
+    import sqlite3
+
+    from mentorrl.replay import ReplayBufferError
+
+    garbage = tmp_path / "garbage.sqlite"
+    garbage.write_bytes(b"\x00not a database at all" * 200)
+    with pytest.raises(ReplayBufferError, match="garbage.sqlite"):
+        ReplayBuffer(garbage)
+    other = tmp_path / "other.sqlite"
+    with sqlite3.connect(other) as conn:
+        conn.execute("CREATE TABLE users (name TEXT)")
+    with pytest.raises(ReplayBufferError, match="other.sqlite.*not a replay buffer"):
+        ReplayBuffer(other)
+    assert {r[0] for r in sqlite3.connect(other).execute("SELECT name FROM sqlite_master")} == {"users"}  # untouched
+    shaped = tmp_path / "shaped.sqlite"
+    with sqlite3.connect(shaped) as conn:
+        conn.execute("CREATE TABLE entries (seq INTEGER PRIMARY KEY, json TEXT)")
+    with pytest.raises(ReplayBufferError, match="shaped.sqlite.*columns"):
+        ReplayBuffer(shaped)
+    truncated = tmp_path / "truncated.sqlite"
+    with ReplayBuffer(truncated) as buf:
+        for i in range(200):
+            buf.add(traj(i, policy_tokens=50))
+    data = truncated.read_bytes()
+    truncated.write_bytes(data[: len(data) // 3])
+    with pytest.raises(ReplayBufferError, match="truncated.sqlite"):
+        with ReplayBuffer(truncated) as buf:
+            buf.trajectories()
+
+
+def test_rollback_refuses_another_buffer_or_an_older_copy(tmp_path):
+    import shutil
+
+    from mentorrl.replay import ReplayBufferError
+
+    a, b = tmp_path / "a.sqlite", tmp_path / "b.sqlite"
+    with ReplayBuffer(a) as buf:
+        buf.add(traj(0))
+    shutil.copy(a, tmp_path / "a-old.sqlite")
+    with ReplayBuffer(a) as buf:
+        buf.add(traj(1))
+        mark = buf.mark()
+    with ReplayBuffer(b) as other, pytest.raises(ReplayBufferError, match="b.sqlite.*replaced"):
+        other.rollback(mark)
+    with ReplayBuffer(tmp_path / "a-old.sqlite") as old, pytest.raises(ReplayBufferError, match="a-old.sqlite.*older copy"):
+        old.rollback(mark)

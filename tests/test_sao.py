@@ -292,3 +292,115 @@ def test_two_workers_share_one_task_stream(tool_happy_model, make_contract, orde
     assert not pool.is_alive()
     with pytest.raises(ValueError, match="workers"):
         RolloutPool(tool_happy_model, make_contract(), orders_entry.make_env, iter([]), box, 1, 1, 0, workers=0)
+
+
+class _Killed(Exception):
+    pass
+
+
+def _sao_workspace(tmp_path, tokenizer, orders_entry, overrides):
+    import io
+
+    from rich.console import Console
+
+    from mentorrl.train.stages import Workspace
+
+    cfg = load_config(None, TINY_OVERRIDES + overrides + [f"run_dir={tmp_path / 'run'}"])
+    out = io.StringIO()
+    ws = Workspace(cfg=cfg, run_dir=tmp_path / "run", env_entry=orders_entry, console=Console(file=out, width=300),
+                   show_progress=False)
+    ws.run_dir.mkdir(parents=True, exist_ok=True)
+    ws.bind_tokenizer(tokenizer)
+    return ws, out
+
+
+FAST_SAO = ["sao.steps=4", "sao.batch_size=3", "sao.rollout.slots=3", "sao.critic.warmup_steps=1",
+            "sao.checkpoint_every=2", "sao.replay={capacity: 7}", "sao.mix={online: 1, replay: 1}",
+            "sao.sample_trajectories=0", "audit.eval_every=0"]
+
+
+def test_sao_resume_rolls_the_replay_buffer_back_to_the_checkpoint(tmp_path, tokenizer, orders_entry,
+                                                                    model, monkeypatch):
+    """Killed in step 3 after its trajectories entered the (real SQLite) buffer, with the step-2
+    checkpoint on disk: the resumed run sees the buffer exactly as it was at the checkpoint (the
+    discarded step's entries are gone, what they evicted is back), and no entry ever carries a
+    policy version newer than the learner that samples it."""
+    from mentorrl.train import sao as sao_mod
+
+    ws, out = _sao_workspace(tmp_path, tokenizer, orders_entry, FAST_SAO)
+    db = ws.run_dir / "sao" / "replay.sqlite"
+    real_record = sao_mod._record_batch
+    at_checkpoint: dict = {}
+    discarded: list[str] = []
+
+    def record_then_die(run_dir, step, items, n):
+        real_record(run_dir, step, items, n)
+        if step == 2:  # the step-2 checkpoint follows this step: the buffer as it will be recorded
+            with ReplayBuffer(db) as buf:
+                at_checkpoint.update(ids=buf.ids(), versions=[t.policy_version for t in buf.trajectories()])
+        if step == 3:
+            with ReplayBuffer(db) as buf:
+                discarded.extend(i for i in buf.ids() if i not in at_checkpoint["ids"])
+            raise _Killed  # after this step's buffer writes, before its checkpoint
+
+    monkeypatch.setattr(sao_mod, "_record_batch", record_then_die)
+    with pytest.raises(_Killed):
+        sao_mod.sao_stage(ws, copy.deepcopy(model), resume=False)
+    assert discarded, "the killed step added nothing to the buffer: nothing was tested"
+    with ReplayBuffer(db) as buf:
+        assert len(buf) == 7  # at capacity: the discarded step's inserts evicted checkpointed entries
+        evicted_by_discarded = set(at_checkpoint["ids"]) - set(buf.ids())
+    assert evicted_by_discarded
+
+    seen_at_first_step: dict = {}
+    sampled_versions: list[tuple[int, int]] = []
+    real_hybrid = sao_mod._hybrid
+
+    def watching_hybrid(s, online, demos, buffer, current, rng):
+        if not seen_at_first_step:
+            seen_at_first_step.update(ids=buffer.ids(), versions=[t.policy_version for t in buffer.trajectories()])
+        items = real_hybrid(s, online, demos, buffer, current, rng)
+        sampled_versions.extend((it.trajectory.policy_version, current) for it in items if it.source == "replay")
+        return items
+
+    monkeypatch.setattr(sao_mod, "_record_batch", real_record)
+    monkeypatch.setattr(sao_mod, "_hybrid", watching_hybrid)
+    ws2, out2 = _sao_workspace(tmp_path, tokenizer, orders_entry, FAST_SAO)
+    sao_mod.sao_stage(ws2, copy.deepcopy(model), resume=True)
+    assert "resuming from step-000002" in out2.getvalue()
+    assert seen_at_first_step == at_checkpoint  # the checkpoint's buffer, evicted entries back, in order
+    assert all(v <= current for v, current in sampled_versions)
+    replayed = {i for s in (3, 4) for i in json.loads((ws.run_dir / "sao" / "consumed" / f"step-{s:06d}.json")
+                                                       .read_text())["replay"]}
+    assert not replayed & set(discarded), "an entry of a discarded step was replayed"
+    with ReplayBuffer(db) as buf:
+        assert not set(buf.ids()) & set(discarded)
+    sao = MetricsLog(ws.run_dir / "metrics.jsonl").read("sao")
+    assert [r["step"] for r in sao] == [1, 2, 3, 4]
+
+
+def test_sao_resume_refuses_a_replaced_replay_buffer_naming_it(tmp_path, tokenizer, orders_entry, model, monkeypatch):
+    from mentorrl.replay import ReplayBufferError
+    from mentorrl.train import sao as sao_mod
+
+    ws, _ = _sao_workspace(tmp_path, tokenizer, orders_entry, FAST_SAO)
+    real_record = sao_mod._record_batch
+
+    def die_in_step_3(run_dir, step, items, n):
+        real_record(run_dir, step, items, n)
+        if step == 3:
+            raise _Killed
+
+    monkeypatch.setattr(sao_mod, "_record_batch", die_in_step_3)
+    with pytest.raises(_Killed):
+        sao_mod.sao_stage(ws, copy.deepcopy(model), resume=False)
+    db = ws.run_dir / "sao" / "replay.sqlite"
+    for f in db.parent.glob("replay.sqlite*"):
+        f.unlink()
+    ReplayBuffer(db).close()  # another (empty) buffer in its place
+    monkeypatch.setattr(sao_mod, "_record_batch", real_record)
+    with pytest.raises(ReplayBufferError, match="replay.sqlite.*replaced"):
+        sao_mod.sao_stage(ws, copy.deepcopy(model), resume=True)
+    db.write_bytes(b"garbage" * 100)
+    with pytest.raises(ReplayBufferError, match="replay.sqlite"):
+        sao_mod.sao_stage(ws, copy.deepcopy(model), resume=True)

@@ -4,6 +4,7 @@ retries, skips and cache hits are counted; the key never leaves the request head
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 
@@ -124,19 +125,21 @@ def test_concurrency_is_bounded(server):
     script.plans["busy"] = [(200, GOOD, {}, 0.15)]
     c = client(url, "busy", max_concurrency=2)
     in_flight, peak, lock = [0], [0], threading.Lock()
-    real = c._http.post
+    real = c._http.stream
 
-    def counting(*a, **kw):
+    @contextlib.contextmanager
+    def counting(*a, **kw):  # the client streams each response (deadline and size limit)
         with lock:
             in_flight[0] += 1
             peak[0] = max(peak[0], in_flight[0])
         try:
-            return real(*a, **kw)
+            with real(*a, **kw) as r:
+                yield r
         finally:
             with lock:
                 in_flight[0] -= 1
 
-    c._http.post = counting
+    c._http.stream = counting
     threads = [threading.Thread(target=c.chat, args=([{"role": "user", "content": str(i)}],)) for i in range(6)]
     for t in threads:
         t.start()
@@ -152,3 +155,161 @@ def test_client_config_rejects_bad_values_with_the_field_named():
                        ({"max_retries": -1}, "max_retries"), ({"retries": 3}, "retries")):
         with pytest.raises(ValidationError, match=field):
             ClientConfig(**bad)
+
+
+# ----------------------------------------------------------- faults found by the independent check ---
+@pytest.fixture()
+def raw_server():
+    """A real local HTTP server whose handler is given per test: ``(set_handler, base_url)``.
+
+    ``set_handler(fn)``: ``fn(handler, request_body: bytes)`` writes the whole response itself
+    (status line, headers, body), e.g. a body dripped byte by byte or one that echoes the headers."""
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    box: dict = {}
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_POST(self):
+            body = self.rfile.read(int(self.headers.get("content-length", 0)))
+            try:
+                box["fn"](self, body)
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield (lambda fn: box.__setitem__("fn", fn)), f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    time.sleep(0)
+
+
+def test_a_200_whose_gzip_body_is_not_gzip_is_counted_and_skipped(server, tmp_path):
+    script, url = server
+    script.plans["gz"] = [(200, GOOD, {"content-encoding": "gzip"}, 0.0)]  # claims gzip, sends plain JSON
+    c = client(url, "gz", cache_path=str(tmp_path / "cache.sqlite"))
+    assert c.chat(MSG) is None  # no httpx.DecodingError out of chat()
+    assert c.stats["malformed"] == 1 and c.stats["cache_hits"] == 0
+    assert c.structured(MSG, Score) is None and c.stats["malformed"] == 2  # still not cached
+
+
+def test_a_dripped_body_ends_at_the_total_deadline(raw_server):
+    import time
+
+    set_handler, url = raw_server
+    stop = threading.Event()
+
+    def drip(h, _body):
+        h.send_response(200)
+        h.send_header("content-type", "application/json")
+        h.send_header("content-length", str(40))
+        h.end_headers()
+        for _ in range(40):  # a byte every 0.2 s: each read is quick, the whole body takes 8 s
+            if stop.wait(0.2):
+                return
+            h.wfile.write(b" ")
+            h.wfile.flush()
+
+    set_handler(drip)
+    c = client(url, "drip", timeout_s=1.0, max_retries=0)
+    t0 = time.monotonic()
+    try:
+        assert c.chat(MSG) is None
+        took = time.monotonic() - t0
+    finally:
+        stop.set()
+    assert took < 1.6, f"a timeout_s=1 request took {took:.1f} s"
+    assert c.stats["timeouts"] == 1 and c.stats["failures"] == 1
+
+
+def test_backoff_with_jitter_never_exceeds_the_cap():
+    cfg = ClientConfig(backoff_s=1.0, backoff_max_s=4.0, api_key_env=None)
+    for seed in range(20):
+        c = TeacherClient(cfg, seed=seed)
+        waits = [c._backoff(a, None) for a in range(8)] + [c._backoff(a, "100") for a in range(3)]
+        assert max(waits) <= 4.0, waits
+        assert min(waits) >= 0.0
+        c.close()
+
+
+def test_an_oversize_response_is_refused_and_never_cached(server, tmp_path):
+    script, url = server
+    huge = json.dumps({"choices": [{"message": {"content": "x" * 50_000}}]})
+    script.plans["big"] = [(200, huge, {}, 0.0)]
+    db = tmp_path / "cache.sqlite"
+    c = client(url, "big", cache_path=str(db), max_response_bytes=10_000)
+    assert c.chat(MSG) is None
+    assert c.stats["oversize"] == 1 and c.stats["failures"] == 0 and c.stats["retries"] == 0
+    assert b"xxxxxxxxxx" not in db.read_bytes()
+    assert c.chat(MSG) is None and script.hits["big"] == 2  # asked again, nothing was cached
+    ok = client(url, "big", cache_path=str(tmp_path / "c2.sqlite"), max_response_bytes=100_000)
+    assert ok.chat(MSG) == "x" * 50_000  # under the limit: answered as before
+    with pytest.raises(Exception, match="max_response_bytes"):
+        ClientConfig(max_response_bytes=0)
+
+
+def test_an_oversize_body_without_a_length_is_cut_while_streaming(raw_server):
+    set_handler, url = raw_server
+    sent = []
+
+    def endless(h, _body):  # no content-length, chunked-less close-delimited: an endless body
+        h.send_response(200)
+        h.send_header("content-type", "application/json")
+        h.send_header("connection", "close")
+        h.end_headers()
+        for _ in range(2_000):
+            h.wfile.write(b"x" * 4096)
+            sent.append(1)
+
+    set_handler(endless)
+    c = client(url, "endless", max_response_bytes=20_000, max_retries=0)
+    assert c.chat(MSG) is None and c.stats["oversize"] == 1
+
+
+def test_a_teacher_echoing_the_request_headers_never_gets_the_key_into_the_cache(raw_server, tmp_path, monkeypatch):
+    monkeypatch.setenv("MENTORRL_TEST_KEY", "sk-secret-789/abc")
+    set_handler, url = raw_server
+
+    def echo(h, _body):
+        seen = "\n".join(f"{k}: {v}" for k, v in h.headers.items())
+        body = json.dumps({"choices": [{"message": {"content": "you sent:\n" + seen}}],
+                           "debug": {"authorization": h.headers.get("authorization")}}).encode()
+        h.send_response(200)
+        h.send_header("content-type", "application/json")
+        h.send_header("content-length", str(len(body)))
+        h.end_headers()
+        h.wfile.write(body)
+
+    set_handler(echo)
+    db = tmp_path / "cache.sqlite"
+    c = client(url, "echo", cache_path=str(db))
+    text = c.chat(MSG)
+    assert text is not None and "you sent" in text
+    assert "sk-secret" not in text and "[REDACTED]" in text
+    c.close()
+    raw = db.read_bytes()
+    assert b"sk-secret" not in raw and b"789" not in raw
+    again = client(url, "echo", cache_path=str(db))
+    assert again.chat(MSG) == text and again.stats["cache_hits"] == 1
+
+
+def test_scrub_removes_the_key_wherever_it_is_echoed():
+    from hypothesis import given, settings, strategies as st
+
+    from mentorrl.opd.api import scrub_secrets
+
+    key = "sk-live/AbC123-xyz"
+
+    @settings(max_examples=150, deadline=None)
+    @given(st.lists(st.sampled_from(["plain", key, json.dumps(key), f"Authorization: Bearer {key}",
+                                     '"authorization": "Basic dXNlcjpwYXNz"', "bearer tok-9", " ", "\\n", "\u00e9"]),
+                    max_size=8))
+    def check(parts):
+        out = scrub_secrets("".join(parts), key)
+        assert key not in out and "AbC123" not in out and "dXNlcjpwYXNz" not in out and "tok-9" not in out
+
+    check()

@@ -2,27 +2,37 @@
 
 - The base URL and model come from the config. The key is read from an environment variable
   (``api_key_env``), kept only in the request header and never in ``repr``, logs, metrics or
-  the cache.
-- Every request has a timeout. Timeouts, connection errors, 429 and 5xx are retried with
-  exponential backoff and jitter (a ``Retry-After`` header is honoured, up to the backoff cap);
-  other 4xx are not retried.
+  the cache. A teacher that echoes the request back does not leak it either: every response
+  body is scrubbed of the key and of ``Bearer`` / ``Authorization`` values before it is parsed,
+  returned or cached.
+- Every attempt has a total deadline of ``timeout_s``, from sending the request to the last
+  byte of the body (the body is streamed and the deadline checked at every chunk; a read that
+  stalls is cut by the same per-read limit), so a body dripped slowly cannot stretch it.
+- Timeouts, connection errors, 429 and 5xx are retried with exponential backoff and jitter (a
+  ``Retry-After`` header is honoured); every wait is at most ``backoff_max_s``. Other 4xx are
+  not retried.
+- A response body is bounded by ``max_response_bytes`` (decoded bytes, counted while streaming):
+  a longer one is cut off, counted as ``oversize`` and skipped, never cached.
 - A semaphore bounds the requests in flight across threads.
 - Responses are cached on SQLite, keyed by a hash of the request (URL, model, messages and
   parameters; not the key).
-- Malformed responses (not JSON, truncated, no choices, wrong fields) and structured output
-  that fails its pydantic model are counted and give ``None``: the caller skips the sample.
-  Nothing here raises on a teacher's bad behaviour.
+- Malformed responses (not JSON, truncated, no choices, wrong fields, a body that does not
+  decode as its ``Content-Encoding`` says) and structured output that fails its pydantic model
+  are counted and give ``None``: the caller skips the sample. Nothing here raises on a
+  teacher's bad behaviour.
 
 :attr:`TeacherClient.stats` counts requests, retries, timeouts, rate limits, server errors,
-failures, malformed responses and cache hits, for the run's metrics.
+failures, malformed and oversize responses and cache hits, for the run's metrics.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import random
+import re
 import sqlite3
 import threading
 import time
@@ -35,7 +45,35 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 T = TypeVar("T", bound=BaseModel)
 STAT_KEYS = ("requests", "retries", "timeouts", "rate_limited", "server_errors", "failures", "malformed",
-             "cache_hits", "invalid_structured")
+             "oversize", "cache_hits", "invalid_structured")
+REDACTED = "[REDACTED]"
+# ``Bearer <token>`` anywhere, and the value of an ``Authorization`` header or field (``: v`` or ``": "v"``).
+_BEARER = re.compile(r"(?i)(bearer\s+)(?:(?!bearer)[^\s\"'\\,;])+")
+_AUTH_FIELD = re.compile(r"(?i)(\"?(?:proxy-)?authorization\"?\s*[:=]\s*\"?)([^\"\\\r\n]+)")
+
+
+def scrub_secrets(text: str, key: str | None) -> str:
+    """``text`` with the API key (as is and JSON-escaped) and every ``Bearer`` token or
+    ``Authorization`` value replaced by ``[REDACTED]``. Pure; applied to every response body."""
+    if key:
+        for form in {key, json.dumps(key)[1:-1], key.replace("/", "\\/")}:
+            text = text.replace(form, REDACTED)
+    text = _BEARER.sub(lambda m: m.group(1) + REDACTED, text)
+
+    def field(m: re.Match) -> str:
+        value = m.group(2).strip()
+        keep = value in (REDACTED, f"Bearer {REDACTED}") or value.lower() == f"bearer {REDACTED}".lower()
+        return m.group(0) if keep else m.group(1) + REDACTED
+
+    return _AUTH_FIELD.sub(field, text)
+
+
+class _Oversize(Exception):
+    """A response body longer than ``max_response_bytes``."""
+
+
+class _Deadline(Exception):
+    """An attempt past its total deadline."""
 
 
 class ClientConfig(BaseModel):
@@ -44,11 +82,13 @@ class ClientConfig(BaseModel):
     base_url: str = Field("http://127.0.0.1:8000/v1", description="the server's /v1 root")
     model: str = Field("teacher", min_length=1, description="the model name sent with each request")
     api_key_env: str | None = Field("OPENAI_API_KEY", description="environment variable holding the key (null: none)")
-    timeout_s: float = Field(30.0, gt=0, description="per-request timeout")
+    timeout_s: float = Field(30.0, gt=0, description="total deadline of one attempt, request sent to body read")
     max_retries: int = Field(4, ge=0, description="retries after the first attempt (timeouts, 429, 5xx)")
     backoff_s: float = Field(0.5, ge=0, description="first backoff; doubles each retry, with jitter")
     backoff_max_s: float = Field(8.0, ge=0, description="backoff cap (also caps Retry-After)")
     max_concurrency: int = Field(4, ge=1, description="requests in flight at once")
+    max_response_bytes: int = Field(8 * 2**20, ge=1, description="largest response body accepted (decoded bytes); "
+                                                                 "a longer one is cut off, counted and skipped")
     cache_path: str | None = Field(None, description="SQLite response cache (null: no cache)")
     cache_namespace: str | None = Field(None, description="names the teacher in cache keys instead of base_url "
                                                          "(a served checkpoint gets a new port each run)")
@@ -106,6 +146,7 @@ class TeacherClient:
                  sleep=time.sleep, seed: int = 0):
         self.config = config or ClientConfig()
         key = os.environ.get(self.config.api_key_env) if self.config.api_key_env else None
+        self._key = key or None  # kept only to scrub it out of response bodies
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         self._http = httpx.Client(base_url=self.config.base_url.rstrip("/"), headers=headers,
                                   timeout=self.config.timeout_s, transport=transport)
@@ -129,16 +170,34 @@ class TeacherClient:
 
     def _backoff(self, attempt: int, retry_after: str | None) -> float:
         c = self.config
-        wait = min(c.backoff_max_s, c.backoff_s * 2 ** attempt) * (0.5 + self._rng.random())
+        wait = c.backoff_s * 2 ** min(attempt, 64) * (0.5 + self._rng.random())  # jitter, then the cap
         if retry_after is not None:
             try:
-                wait = max(wait, min(float(retry_after), c.backoff_max_s))
+                ra = float(retry_after)
+                if math.isfinite(ra):
+                    wait = max(wait, ra)
             except ValueError:
                 pass
-        return wait
+        return max(0.0, min(wait, c.backoff_max_s))
+
+    def _read_body(self, r: httpx.Response, deadline: float) -> str:
+        """The decoded body, streamed: at most ``max_response_bytes``, read before ``deadline``."""
+        limit, size, parts = self.config.max_response_bytes, 0, []
+        declared = r.headers.get("content-length")
+        if declared is not None and declared.strip().isdigit() and int(declared) > limit:
+            raise _Oversize
+        for chunk in r.iter_bytes():
+            size += len(chunk)
+            if size > limit:
+                raise _Oversize
+            parts.append(chunk)
+            if time.monotonic() > deadline:
+                raise _Deadline
+        return scrub_secrets(b"".join(parts).decode(r.encoding or "utf-8", errors="replace"), self._key)
 
     def _post(self, payload: dict[str, Any]) -> str | None:
-        """The response body of the first acceptable attempt, or None (counted) when every attempt failed."""
+        """The response body of the first acceptable attempt, or None (counted) when every attempt
+        failed or the answer was refused (undecodable or oversize: counted as such, not retried)."""
         c = self.config
         for attempt in range(c.max_retries + 1):
             if attempt:
@@ -147,18 +206,28 @@ class TeacherClient:
             retry_after = None
             try:
                 with self._slots:
-                    r = self._http.post("/chat/completions", json=payload)
-            except httpx.TimeoutException:
+                    deadline = time.monotonic() + c.timeout_s
+                    with self._http.stream("POST", "/chat/completions", json=payload) as r:
+                        status = r.status_code
+                        if status == 429:
+                            retry_after = r.headers.get("retry-after")
+                        body = self._read_body(r, deadline) if status == 200 else None
+            except (httpx.TimeoutException, _Deadline):
                 self._count("timeouts")
+            except httpx.DecodingError:  # e.g. "Content-Encoding: gzip" over bytes that are not gzip
+                self._count("malformed")
+                return None
+            except _Oversize:
+                self._count("oversize")
+                return None
             except httpx.TransportError:
                 self._count("server_errors")
             else:
-                if r.status_code == 200:
-                    return r.text
-                if r.status_code == 429:
+                if status == 200:
+                    return body
+                if status == 429:
                     self._count("rate_limited")
-                    retry_after = r.headers.get("retry-after")
-                elif r.status_code >= 500:
+                elif status >= 500:
                     self._count("server_errors")
                 else:  # a client error: retrying the same request cannot help
                     self._count("failures")
@@ -237,4 +306,4 @@ class TeacherClient:
             self._cache.close()
 
 
-__all__ = ["ClientConfig", "ResponseCache", "STAT_KEYS", "TeacherClient"]
+__all__ = ["ClientConfig", "ResponseCache", "STAT_KEYS", "TeacherClient", "scrub_secrets"]

@@ -10,6 +10,16 @@ for sampling and bookkeeping::
             policy_version, num_policy_tokens, inserted_at, json)
     hard_tasks(task_id PRIMARY KEY)
     rejections(reason PRIMARY KEY, count)
+    evicted(<the entries columns>, evicted_by)   -- rows evicted recently, until no checkpoint needs them
+    meta(key PRIMARY KEY, value)                 -- buffer_id: a random id fixed when the file is created
+
+Rollback (crash safety): :meth:`ReplayBuffer.mark` is the buffer's state in a few numbers (its id,
+the high-water ``seq`` and the rejection counts); a training checkpoint stores it, and on resume
+:meth:`ReplayBuffer.rollback` restores that state in one transaction: entries inserted after the
+mark are deleted, entries they evicted come back from ``evicted``, and the counts are restored.
+A file that is not a replay buffer, belongs to another buffer, or is behind the mark raises
+:class:`ReplayBufferError` naming the file. :meth:`ReplayBuffer.forget_evicted` drops evicted
+rows no retained checkpoint can roll back to. Hard-task marks are not rolled back.
 
 Concurrency: every thread gets its own connection (WAL lets readers run beside a writer).
 Writes open with ``BEGIN IMMEDIATE`` and are additionally serialised by an in-process lock;
@@ -26,6 +36,7 @@ from __future__ import annotations
 import math
 import random
 import sqlite3
+import uuid
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -66,7 +77,37 @@ CREATE INDEX IF NOT EXISTS entries_category ON entries(category);
 CREATE INDEX IF NOT EXISTS entries_version ON entries(policy_version);
 CREATE TABLE IF NOT EXISTS hard_tasks (task_id TEXT PRIMARY KEY);
 CREATE TABLE IF NOT EXISTS rejections (reason TEXT PRIMARY KEY, count INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS evicted (
+    seq INTEGER PRIMARY KEY,
+    traj_id TEXT NOT NULL,
+    task_id TEXT NOT NULL,
+    family TEXT NOT NULL,
+    category TEXT NOT NULL,
+    reward REAL NOT NULL,
+    success INTEGER NOT NULL,
+    policy_version INTEGER NOT NULL,
+    num_policy_tokens INTEGER NOT NULL,
+    inserted_at REAL NOT NULL,
+    json TEXT NOT NULL,
+    evicted_by INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS evicted_by ON evicted(evicted_by);
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
+_ENTRY_COLUMNS = ("seq", "traj_id", "task_id", "family", "category", "reward", "success", "policy_version",
+                  "num_policy_tokens", "inserted_at", "json")
+_COLS = ", ".join(_ENTRY_COLUMNS)
+# The tables a replay buffer may hold; a file holding any other table is not one.
+_OWN_TABLES = {"entries", "hard_tasks", "rejections", "evicted", "meta", "sqlite_sequence"}
+
+
+class ReplayBufferError(ValueError):
+    """A replay database that cannot be used: not a replay buffer, corrupt, another run's, or behind
+    the checkpoint being resumed. The message names the file."""
+
+    def __init__(self, path: Path, reason: str):
+        super().__init__(f"replay buffer {path}: {reason}")
+        self.path = path
 
 
 class ReplayConfig(BaseModel):
@@ -156,17 +197,40 @@ class ReplayBuffer:
         self._conns_lock = threading.Lock()
         self._write_lock = threading.Lock()
         self._closed = False
-        conn = self._conn()
-        with self._write_lock:
-            conn.executescript(_SCHEMA)
-            # A smaller capacity than the file was written with takes effect on open.
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                self._evict_over_capacity(conn)
-                conn.execute("COMMIT")
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
+        try:
+            conn = self._conn()
+            self._check_file(conn)
+            with self._write_lock:
+                conn.executescript(_SCHEMA)
+                # A smaller capacity than the file was written with takes effect on open.
+                conn.execute("BEGIN IMMEDIATE")
+                try:
+                    conn.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('buffer_id', ?)", (uuid.uuid4().hex,))
+                    self._evict_over_capacity(conn)
+                    conn.execute("COMMIT")
+                except BaseException:
+                    conn.execute("ROLLBACK")
+                    raise
+        except sqlite3.DatabaseError as e:  # "file is not a database", "database disk image is malformed", ...
+            self.close()
+            raise ReplayBufferError(self.path, f"not a usable SQLite replay database ({e})") from e
+        except ReplayBufferError:
+            self.close()
+            raise
+
+    def _check_file(self, conn: sqlite3.Connection) -> None:
+        """Refuse a database that is not a replay buffer (other tables, or ``entries`` of another shape)."""
+        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        foreign = {t for t in tables - _OWN_TABLES if not t.startswith("sqlite_")}
+        if foreign:
+            raise ReplayBufferError(self.path, f"not a replay buffer (it holds tables {sorted(foreign)})")
+        if "entries" in tables:
+            cols = tuple(r[1] for r in conn.execute("PRAGMA table_info(entries)"))
+            if cols != _ENTRY_COLUMNS:
+                raise ReplayBufferError(self.path, f"not a replay buffer (entries has columns {list(cols)})")
+        (ok,) = conn.execute("PRAGMA quick_check").fetchone()
+        if ok != "ok":
+            raise ReplayBufferError(self.path, f"corrupt database ({ok})")
 
     # -- connections ---------------------------------------------------------------------
 
@@ -294,8 +358,63 @@ class ReplayBuffer:
         if excess <= 0:
             return []
         rows = conn.execute("SELECT seq, traj_id FROM entries ORDER BY seq LIMIT ?", (excess,)).fetchall()
+        by = self._high_water(conn)  # kept in ``evicted`` so a rollback past this insert can restore them
+        conn.executemany(f"INSERT OR REPLACE INTO evicted ({_COLS}, evicted_by) SELECT {_COLS}, ? FROM entries"
+                         " WHERE seq = ?", [(by, s) for s, _ in rows])
         conn.executemany("DELETE FROM entries WHERE seq = ?", [(s,) for s, _ in rows])
         return [t for _, t in rows]
+
+    # -- rollback (crash safety) ---------------------------------------------------------
+
+    @staticmethod
+    def _high_water(conn: sqlite3.Connection) -> int:
+        row = conn.execute("SELECT seq FROM sqlite_sequence WHERE name = 'entries'").fetchone()
+        return int(row[0]) if row else 0
+
+    def mark(self) -> dict:
+        """The buffer's state as a checkpoint records it: ``{"buffer_id", "high_water", "rejections"}``."""
+
+        def read(conn: sqlite3.Connection) -> dict:
+            (bid,) = conn.execute("SELECT value FROM meta WHERE key = 'buffer_id'").fetchone()
+            rej = dict(conn.execute("SELECT reason, count FROM rejections ORDER BY reason").fetchall())
+            return {"buffer_id": bid, "high_water": self._high_water(conn), "rejections": rej}
+
+        return self._read(read)
+
+    def rollback(self, mark: Mapping | None) -> int:
+        """Restore the state ``mark`` (from :meth:`mark`) recorded, in one transaction; ``None``:
+        the empty buffer (a stage starting from scratch). Returns how many entries were dropped.
+
+        Raises :class:`ReplayBufferError` when ``mark`` names another buffer, or the file's
+        high-water is below the mark (it was replaced by an older copy): training cannot continue
+        from that checkpoint with this file."""
+        hw = 0 if mark is None else int(mark["high_water"])
+
+        def txn(conn: sqlite3.Connection) -> int:
+            if mark is not None:
+                (bid,) = conn.execute("SELECT value FROM meta WHERE key = 'buffer_id'").fetchone()
+                if bid != mark["buffer_id"]:
+                    raise ReplayBufferError(self.path, f"is buffer {bid}, but the checkpoint was taken with buffer "
+                                                       f"{mark['buffer_id']} (the file was replaced)")
+                now = self._high_water(conn)
+                if now < hw:
+                    raise ReplayBufferError(self.path, f"ends at entry {now}, before the checkpoint's entry {hw} "
+                                                       "(replaced by an older copy)")
+            dropped = conn.execute("DELETE FROM entries WHERE seq > ?", (hw,)).rowcount
+            conn.execute(f"INSERT OR IGNORE INTO entries ({_COLS}) SELECT {_COLS} FROM evicted"
+                         " WHERE evicted_by > ? AND seq <= ?", (hw, hw))
+            conn.execute("DELETE FROM evicted WHERE evicted_by > ? OR seq > ?", (hw, hw))
+            conn.execute("DELETE FROM rejections")
+            rej = {} if mark is None else dict(mark.get("rejections", {}))
+            conn.executemany("INSERT INTO rejections (reason, count) VALUES (?, ?)", sorted(rej.items()))
+            self._evict_over_capacity(conn)
+            return dropped
+
+        return self._write(txn)
+
+    def forget_evicted(self, up_to: int) -> int:
+        """Drop the kept copies of entries evicted by inserts up to ``up_to`` (no rollback needs them)."""
+        return self._write(lambda conn: conn.execute("DELETE FROM evicted WHERE evicted_by <= ?", (up_to,)).rowcount)
 
     def mark_hard(self, task_ids: Iterable[str]) -> int:
         """Mark task ids hard: stored entries of those tasks, and later ones, become ``"hard"``.

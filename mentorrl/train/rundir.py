@@ -5,21 +5,29 @@ Layout::
     RUN_DIR/config.yaml
     RUN_DIR/metrics.jsonl              one JSON object per logged step ({"stage", "step", ...})
     RUN_DIR/samples/grpo-step-N.jsonl  a sample of each step's trajectories (Trajectory JSONL)
-    RUN_DIR/<stage>/checkpoints/step-000010/   save_pretrained + trainer_state.pt
-    RUN_DIR/<stage>/final/             the stage's last weights (a plain HF directory)
+    RUN_DIR/<stage>/checkpoints/step-000010/   save_pretrained + trainer_state.pt + checksums.sha256
+    RUN_DIR/<stage>/checkpoints/corrupt-step-000012/   a checkpoint that failed its checks (kept, never used)
+    RUN_DIR/<stage>/final/             the stage's last weights (a plain HF directory, + checksums.sha256)
 
 A checkpoint is written to a temporary directory and renamed into place, so a run killed
-mid-write leaves the previous checkpoint as the latest complete one.
+mid-write leaves the previous checkpoint as the latest complete one. The last
+:data:`KEEP_CHECKPOINTS` are kept. Every checkpoint carries ``checksums.sha256`` (``sha256sum``
+format, one line per file), written last and verified on load; :func:`restore_checkpoint` takes
+the newest checkpoint that passes its checksums *and* loads, names every bad file it skipped
+(:class:`CorruptCheckpointError`), moves those aside as ``corrupt-step-N``, and raises when no
+intact checkpoint is left. A checkpoint from before checksums (no manifest) is checked by loading.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
+import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -67,6 +75,71 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
 
 
+KEEP_CHECKPOINTS = 2  # the latest and the one before it, to fall back to
+MANIFEST = "checksums.sha256"
+TRAINER_STATE = "trainer_state.pt"
+_MANIFEST_LINE = re.compile(r"^([0-9a-f]{64}) [ *]([^/\\]+)$")
+
+
+class CorruptCheckpointError(ValueError):
+    """A checkpoint file that fails its checksum or does not load. The message names the file."""
+
+    def __init__(self, path: Path, reason: str):
+        super().__init__(f"{path}: {reason}")
+        self.path = path
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_manifest(directory: Path) -> Path:
+    """Write ``checksums.sha256`` over every file directly in ``directory`` (fsynced, the last write)."""
+    lines = [f"{sha256_file(p)}  {p.name}\n" for p in sorted(directory.iterdir()) if p.is_file() and p.name != MANIFEST]
+    out = directory / MANIFEST
+    with open(out, "w", encoding="utf-8") as f:
+        f.write("".join(lines))
+        f.flush()
+        os.fsync(f.fileno())
+    return out
+
+
+def verify_manifest(directory: Path, required: tuple[str, ...] = ()) -> bool:
+    """Check ``directory`` against its ``checksums.sha256``: every listed file exists and matches.
+
+    Returns False when there is no manifest (a checkpoint written before checksums); raises
+    :class:`CorruptCheckpointError` naming the first bad file (or the manifest itself)."""
+    manifest = directory / MANIFEST
+    if not manifest.exists():
+        return False
+    try:
+        text = manifest.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise CorruptCheckpointError(manifest, f"unreadable checksum manifest ({e})") from e
+    listed: dict[str, str] = {}
+    for n, line in enumerate(text.splitlines(), 1):
+        m = _MANIFEST_LINE.match(line)
+        if m is None:
+            raise CorruptCheckpointError(manifest, f"line {n} is not '<sha256>  <file>'")
+        listed[m.group(2)] = m.group(1)
+    for name in required:
+        if name not in listed:
+            raise CorruptCheckpointError(manifest, f"does not list {name}")
+    for name, want in listed.items():
+        f = directory / name
+        if not f.is_file():
+            raise CorruptCheckpointError(f, "missing (listed in the checksum manifest)")
+        got = sha256_file(f)
+        if got != want:
+            raise CorruptCheckpointError(f, f"sha256 {got[:16]}... does not match the manifest's {want[:16]}... "
+                                            "(the file changed or is damaged)")
+    return True
+
+
 def save_checkpoint(stage_dir: Path, step: int, model, tokenizer, trainer_state: dict[str, Any]) -> Path:
     ckpts = stage_dir / "checkpoints"
     ckpts.mkdir(parents=True, exist_ok=True)
@@ -75,27 +148,103 @@ def save_checkpoint(stage_dir: Path, step: int, model, tokenizer, trainer_state:
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
-    torch.save({**trainer_state, "step": step, "rng": _rng_state()}, tmp / "trainer_state.pt")
+    torch.save({**trainer_state, "step": step, "rng": _rng_state()}, tmp / TRAINER_STATE)
+    write_manifest(tmp)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     return final
 
 
-def latest_checkpoint(stage_dir: Path) -> Path | None:
+def _checkpoints(stage_dir: Path) -> list[Path]:
+    """Complete checkpoints (renamed into place, with a trainer state), oldest first."""
     ckpts = stage_dir / "checkpoints"
     if not ckpts.is_dir():
-        return None
-    done = sorted(p for p in ckpts.iterdir() if p.name.startswith("step-") and (p / "trainer_state.pt").exists())
+        return []
+    return sorted(p for p in ckpts.iterdir() if p.name.startswith("step-") and (p / TRAINER_STATE).exists())
+
+
+def latest_checkpoint(stage_dir: Path) -> Path | None:
+    done = _checkpoints(stage_dir)
     return done[-1] if done else None
 
 
-def load_trainer_state(ckpt: Path) -> dict[str, Any]:
-    state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
-    _set_rng_state(state["rng"])
+def read_trainer_state(ckpt: Path) -> dict[str, Any]:
+    """``trainer_state.pt`` of ``ckpt``, checked for shape; nothing is applied (see :func:`apply_rng`)."""
+    path = ckpt / TRAINER_STATE
+    try:
+        state = torch.load(path, weights_only=False)
+    except Exception as e:  # truncated or garbage: EOFError, UnpicklingError, RuntimeError, ...
+        raise CorruptCheckpointError(path, f"does not load ({type(e).__name__}: {e})") from e
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int) or not isinstance(state.get("rng"), dict):
+        raise CorruptCheckpointError(path, "is not a trainer state (no step / rng)")
     return state
 
 
-def prune_checkpoints(stage_dir: Path, keep: int = 2) -> None:
+def apply_rng(state: dict[str, Any]) -> None:
+    _set_rng_state(state["rng"])
+
+
+def load_trainer_state(ckpt: Path) -> dict[str, Any]:
+    state = read_trainer_state(ckpt)
+    apply_rng(state)
+    return state
+
+
+def quarantine(ckpt: Path) -> Path:
+    """Move a bad checkpoint aside (``corrupt-step-N``): kept for inspection, never loaded or pruned."""
+    dest = ckpt.with_name("corrupt-" + ckpt.name)
+    n = 1
+    while dest.exists():
+        n += 1
+        dest = ckpt.with_name(f"corrupt{n}-" + ckpt.name)
+    os.replace(ckpt, dest)
+    return dest
+
+
+def check_checkpoint(ckpt: Path, load_weights: Callable[[Path], None]) -> dict[str, Any]:
+    """Verify ``ckpt`` (checksums, then the trainer state, then the weights through ``load_weights``)
+    and return its trainer state; :class:`CorruptCheckpointError` names the bad file."""
+    verify_manifest(ckpt, required=(TRAINER_STATE,))
+    state = read_trainer_state(ckpt)
+    try:
+        load_weights(ckpt)
+    except CorruptCheckpointError:
+        raise
+    except Exception as e:  # truncated or garbage safetensors, missing or mismatched tensors, ...
+        weights = next((p for p in sorted(ckpt.glob("*.safetensors"))), ckpt / "model.safetensors")
+        raise CorruptCheckpointError(weights, f"weights do not load ({type(e).__name__}: {e})") from e
+    return state
+
+
+def restore_checkpoint(stage_dir: Path, load_weights: Callable[[Path], None],
+                       warn: Callable[[str], None] = print) -> tuple[Path, dict[str, Any]] | None:
+    """The newest intact checkpoint of ``stage_dir`` and its trainer state (RNG state applied), its
+    weights loaded through ``load_weights``; None when the stage has no checkpoint.
+
+    A checkpoint that fails (:func:`check_checkpoint`) is reported through ``warn``, and the one
+    before it is tried. When one passes, the failed newer ones are moved aside (:func:`quarantine`);
+    when none passes, nothing is moved and :class:`CorruptCheckpointError` names every bad file."""
+    bad: list[tuple[Path, CorruptCheckpointError]] = []
+    for ckpt in reversed(_checkpoints(stage_dir)):
+        try:
+            state = check_checkpoint(ckpt, load_weights)
+        except CorruptCheckpointError as e:
+            warn(f"checkpoint {ckpt.name} is not intact: {e}")
+            bad.append((ckpt, e))
+            continue
+        for b, _ in bad:
+            warn(f"falling back to {ckpt.name}; {b.name} moved aside to {quarantine(b).name}")
+        apply_rng(state)
+        return ckpt, state
+    if not bad:
+        return None
+    if len(bad) == 1:
+        raise bad[0][1]
+    raise CorruptCheckpointError(bad[0][1].path, "no intact checkpoint to resume from: "
+                                 + "; ".join(str(e) for _, e in bad))
+
+
+def prune_checkpoints(stage_dir: Path, keep: int = KEEP_CHECKPOINTS) -> None:
     ckpts = stage_dir / "checkpoints"
     done = sorted(p for p in ckpts.iterdir() if p.name.startswith("step-"))
     for p in done[:-keep]:

@@ -16,10 +16,15 @@ Expert demonstrations in a hybrid batch have no behaviour log-probs of this poli
 relabelled with the current policy's own log-probs (ratio 1 at the update) and a fixed positive
 advantage, which turns their share of the loss into weighted maximum likelihood.
 
-Crash safety: checkpoints hold the weights, optimiser, critic and policy version; the replay
-buffer is SQLite (each insert one transaction); the per-step records (``metrics.jsonl``,
-``samples/sao-step-N.jsonl``, ``sao/consumed/step-N.json``) are rewritten when a step is redone.
-Trajectories in flight when the run died are simply lost; the resumed worker starts new ones.
+Crash safety: checkpoints hold the weights, optimiser, critic and policy version, and the replay
+buffer's mark (:meth:`ReplayBuffer.mark`: its id and high-water entry). The buffer is SQLite (each
+insert one transaction); on resume it is rolled back to the restored checkpoint's mark in one
+transaction, so entries added by the discarded steps (possibly of a policy version newer than the
+restored learner) are gone and entries they evicted are back; a stage that starts from step 0
+starts from an empty buffer. A buffer file that was replaced raises :class:`ReplayBufferError`
+naming it. The per-step records (``metrics.jsonl``, ``samples/sao-step-N.jsonl``,
+``sao/consumed/step-N.json``) are rewritten when a step is redone. Trajectories in flight when
+the run died are simply lost; the resumed worker starts new ones.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from mentorrl.train.audit import GapMonitor
 from mentorrl.train.batch import collate, forward_logprobs
 from mentorrl.train.consistency import policy_lag
 from mentorrl.train.learner import Learner
+from mentorrl.train.rundir import KEEP_CHECKPOINTS
 from mentorrl.train.stages import (
     TRAIN_POOL_SEED_OFFSET,
     Critic,
@@ -99,9 +105,14 @@ def sao_stage(ws: Workspace, model, resume: bool = False) -> Path:
         tasks = ws.train_tasks(s.num_demos, cfg.seed + SAO_POOL_SEED_OFFSET)
         demos = expert_demonstrations(ws.contract, ws.make_env, ws.env_entry.make_expert(), tasks, weights=cfg.reward)
     box = WeightBox()
-    run: dict[str, Any] = {"worker": None, "t0": None, "consumed_here": 0}
+    # replay_marks: the buffer's high-water at the last KEEP_CHECKPOINTS checkpoints (evicted rows newer
+    # than the oldest of them are kept so that a rollback to any retained checkpoint restores them).
+    run: dict[str, Any] = {"worker": None, "t0": None, "consumed_here": 0, "restored": False, "replay_marks": []}
 
     def worker_for(step: int) -> RolloutPool:
+        if buffer is not None and not run["restored"]:  # no checkpoint was restored: the stage starts empty
+            buffer.rollback(None)
+            run["restored"] = True
         if run["worker"] is None:  # started lazily: after run_stage restored the weights of a resumed run
             box.publish(model, state["policy"])
             w = RolloutPool(model, ws.contract, ws.make_env, task_stream(pool, cfg.seed * 7_919 + step), box,
@@ -187,9 +198,26 @@ def sao_stage(ws: Workspace, model, resume: bool = False) -> Path:
         return metrics
 
     def extra_state() -> dict[str, Any]:
-        return {**state, "gap_monitor": monitor.state_dict(), **critic.state_dict()}
+        out = {**state, "gap_monitor": monitor.state_dict(), **critic.state_dict()}
+        if buffer is not None:
+            mark, marks = buffer.mark(), run["replay_marks"]
+            if len(marks) >= KEEP_CHECKPOINTS:  # no retained checkpoint (nor this one) is older than that
+                buffer.forget_evicted(marks[-KEEP_CHECKPOINTS])
+            run["replay_marks"] = (marks + [mark["high_water"]])[-KEEP_CHECKPOINTS:]
+            out.update(replay=mark, replay_marks=list(run["replay_marks"]))
+        return out
 
     def restore(saved: dict[str, Any]) -> None:
+        if buffer is not None:
+            if saved.get("replay") is not None:
+                dropped = buffer.rollback(saved["replay"])  # ReplayBufferError (file named) if it was replaced
+                ws.console.print(f"[yellow]sao: replay buffer rolled back to the checkpoint "
+                                 f"({dropped} entries of discarded steps dropped)[/yellow]")
+            else:
+                ws.console.print("[red]sao: this checkpoint predates replay-buffer marks; the buffer is kept as it "
+                                 "is (entries of discarded steps may remain)[/red]")
+            run["replay_marks"] = list(saved.get("replay_marks", []))
+            run["restored"] = True
         state.update({k: saved[k] for k in ("policy", "dirty", "consumed") if k in saved})
         monitor.load_state_dict(saved.get("gap_monitor", {}))
         critic.load_state_dict(saved)

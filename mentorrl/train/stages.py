@@ -1,7 +1,8 @@
 """Training stages (SFT, GRPO) and evaluation, composed from rollout, rewards, algos and the learner.
 
 Every stage is resumable: batches and task samples are a pure function of (seed, step), the
-weights, optimiser and RNG state come back from the latest complete checkpoint, and
+weights, optimiser and RNG state come back from the latest intact checkpoint (complete, its
+checksums verified, loadable; a damaged one is named, moved aside and the one before it used), and
 ``metrics.jsonl`` is cut back to that step, so a resumed run continues the same step
 count and the same metrics file.
 """
@@ -19,6 +20,7 @@ from typing import Any, Callable
 
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from mentorrl.algos.advantages import (
@@ -41,11 +43,14 @@ from mentorrl.train.consistency import batch_checks, policy_lag
 from mentorrl.models.value import build_critic
 from mentorrl.train.learner import CriticLearner, Learner, pad_token_values
 from mentorrl.train.rundir import (
+    KEEP_CHECKPOINTS,
+    CorruptCheckpointError,
     MetricsLog,
-    latest_checkpoint,
-    load_trainer_state,
     prune_checkpoints,
+    restore_checkpoint,
     save_checkpoint,
+    verify_manifest,
+    write_manifest,
 )
 from mentorrl.train.rft import rft_round_stats, rising, select_rft_data, task_outcomes
 from mentorrl.trajectory import Trajectory, read_jsonl, write_jsonl
@@ -148,15 +153,23 @@ def run_stage(
     A step whose metrics hold ``stop: True`` ends the stage early (after checkpointing it)."""
     stage_dir = ws.run_dir / stage
     final = stage_dir / "final"
+    warn = lambda msg: ws.console.print(f"[red]{stage}: {escape(msg)}[/red]")  # noqa: E731
     if resume and (final / "DONE").exists():
-        _load_weights_into(model, final)
-        ws.console.print(f"[dim]{stage}: already complete, loaded {final}[/dim]")
-        return final
+        try:
+            verify_manifest(final)
+            _load_weights_into(model, final)
+            ws.console.print(f"[dim]{stage}: already complete, loaded {final}[/dim]")
+            return final
+        except Exception as e:  # a damaged final dir: rewritten from the last checkpoint (the same weights)
+            warn(f"final weights are not intact ({e}); rewriting them from the last checkpoint")
+            if restore_checkpoint(stage_dir, lambda c: _load_weights_into(model, c), warn) is None:
+                raise CorruptCheckpointError(final, f"damaged and no checkpoint to rebuild it from ({e})") from e
+            _save_final(ws, model, final, steps)
+            return final
     start = 0
-    ckpt = latest_checkpoint(stage_dir) if resume else None
-    if ckpt is not None:
-        _load_weights_into(model, ckpt)
-        state = load_trainer_state(ckpt)
+    restored = restore_checkpoint(stage_dir, lambda c: _load_weights_into(model, c), warn) if resume else None
+    if restored is not None:
+        ckpt, state = restored
         learner.load_state_dict(state["learner"])
         if restore_extra is not None:
             restore_extra(state.get("extra", {}))
@@ -167,7 +180,7 @@ def run_stage(
     def checkpoint(step: int) -> None:
         state = {"learner": learner.state_dict(), "extra": extra_state() if extra_state else {}}
         save_checkpoint(stage_dir, step, model, ws.tokenizer, state)
-        prune_checkpoints(stage_dir, keep=2)
+        prune_checkpoints(stage_dir, keep=KEEP_CHECKPOINTS)
 
     with ws.progress() as prog:
         bar = prog.add_task(stage, total=steps, completed=start, info="") if prog else None
@@ -184,11 +197,17 @@ def run_stage(
                 prog.update(bar, advance=1, info=info)
             if stop:
                 break
+    _save_final(ws, model, final, steps)
+    return final
+
+
+def _save_final(ws: Workspace, model, final: Path, steps: int) -> None:
+    """The stage's last weights as a plain HF directory, with its checksum manifest, then ``DONE``."""
     final.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(final, safe_serialization=True)
     ws.tokenizer.save_pretrained(final)
+    write_manifest(final)
     (final / "DONE").write_text(json.dumps({"steps": steps}))
-    return final
 
 
 # ---------------------------------------------------------------- SFT -----
