@@ -165,7 +165,7 @@ def check(
     if not cfg_file.exists():
         err.print(f"[red]{run_dir} is not a run directory (no config.yaml)[/red]")
         raise typer.Exit(2)
-    cfg = _load(cfg_file, [f"run_dir={run_dir}"])
+    cfg = _load(cfg_file, [f"run_dir={json.dumps(str(run_dir))}"])  # quoted: a path is a string
     ws = open_workspace(cfg, show_progress=False)
     try:
         tokenizer, _ = load_policy(base_model_dir(ws))

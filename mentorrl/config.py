@@ -703,13 +703,17 @@ def _parent_path(path: Path, parent: Any) -> Path:
         raise ConfigError(f"config {path}: extends must be a file name, got {parent!r}")
     base = path.parent / parent
     try:
+        if "\x00" in parent:
+            raise ValueError("embedded null byte")
         if not base.exists() and (PACKAGED_CONFIG_DIR / parent).is_file():
             base = PACKAGED_CONFIG_DIR / parent
-    except (OSError, ValueError) as e:
+        if base.is_dir():
+            raise ConfigError(f"config {path}: extends {parent} is a directory, not a YAML file")
+        return base.resolve()
+    except (OSError, ValueError, RuntimeError) as e:  # a name too long, a NUL, a symlink loop ...
+        if isinstance(e, ConfigError):
+            raise
         raise ConfigError(f"config {path}: extends {parent!r} is not a usable file name ({e})") from None
-    if base.is_dir():
-        raise ConfigError(f"config {path}: extends {parent} is a directory, not a YAML file")
-    return base
 
 
 def _read_yaml(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
@@ -723,7 +727,7 @@ def _read_yaml(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
     if parent is None:
         return data
     base = _parent_path(path, parent)
-    if base.resolve() in seen or base.resolve() == path.resolve():
+    if base in seen or base == path.resolve():
         raise ConfigError(f"config {path}: extends {parent} makes a cycle")
     if len(seen) + 1 >= MAX_EXTENDS:
         raise ConfigError(f"config {path}: extends chain longer than {MAX_EXTENDS} files")

@@ -359,3 +359,11 @@ def test_cli_init_model_on_an_existing_file_exits_2(tmp_path):
     _assert_exit_2(runner.invoke(app, ["init-model", str(target)]), str(target))
     assert target.read_text() == "precious"
     _assert_exit_2(runner.invoke(app, ["init-model", str(target / "sub")]), str(target))
+
+
+def test_cli_run_dir_option_is_taken_as_a_string(tmp_path):
+    """--run-dir is quoted before it becomes an override: a path that reads as YAML stays a path."""
+    from mentorrl.cli_common import load_run_config
+
+    for name in ["[a]", "x: y", "true", "1e3", "{b}", "#c", "null"]:
+        assert load_run_config(None, [], str(tmp_path / name) if name[0] != "[" else name).run_dir.endswith(name)
