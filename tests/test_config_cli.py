@@ -351,6 +351,16 @@ def test_cli_max_total_tokens_below_the_prompt_exits_2_before_sft(tmp_path):
     res = runner.invoke(app, args)
     _assert_exit_2(res, "limits.max_total_tokens", "prompt")
     assert not (run / "sft").exists() and not (run / "metrics.jsonl").exists()
+    res = runner.invoke(app, args + ["--set", "limits.max_total_tokens=512", "--set", "train_split=nope"])
+    _assert_exit_2(res, "train_split", "nope")  # a split the environment does not have: also before SFT
+    assert not (run / "sft").exists() and not (run / "metrics.jsonl").exists()
+
+
+def test_cli_checkpoints_the_stages_load_are_checked_first(tmp_path):
+    cfg = _write(tmp_path, f"run_dir: {tmp_path / 'run'}\nrecipe: [sft, opd]\n"
+                           f"opd:\n  teachers: [{{name: t, path: {tmp_path / 'nowhere'}}}]\n")
+    _assert_exit_2(runner.invoke(app, ["train", str(cfg)]), "opd.teachers.0.path", "nowhere")
+    assert not (tmp_path / "run" / "base_model").exists()
 
 
 def test_cli_init_model_on_an_existing_file_exits_2(tmp_path):

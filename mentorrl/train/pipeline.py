@@ -7,6 +7,7 @@ read, and the prompt length against ``limits.max_total_tokens`` are checked, so 
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -56,7 +57,7 @@ def _checkpoint_fields(cfg: RunConfig) -> list[tuple[str, str]]:
         if stage in cfg.recipe and critic.backbone == "separate" and critic.path is not None:
             out.append((f"{stage}.critic.path", critic.path))
     if "opd" in cfg.recipe:
-        out += [(f"opd.teachers[{i}].path", t.path) for i, t in enumerate(cfg.opd.teachers)
+        out += [(f"opd.teachers.{i}.path", t.path) for i, t in enumerate(cfg.opd.teachers)
                 if t.kind == "hf" and t.path is not None]
     serve = cfg.blackbox.teacher.serve
     if "blackbox" in cfg.recipe and serve is not None and serve.path is not None:
@@ -87,14 +88,15 @@ def preflight_config(cfg: RunConfig) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ConfigError(f"run_dir {run_dir}: cannot be created ({e.strerror or e})") from None
+    if not os.access(run_dir, os.W_OK | os.X_OK):
+        raise ConfigError(f"run_dir {run_dir}: not writable")
 
 
-def longest_prompt(ws: Workspace, split: str, n: int, seed: int) -> tuple[int, str]:
-    """(tokens, task id) of the longest rendered prompt among ``n`` tasks of ``split``."""
+def longest_prompt(ws: Workspace, tasks) -> tuple[int, str]:
+    """(tokens, task id) of the longest prompt among ``tasks``, rendered with the run's tokenizer."""
     env = ws.make_env()
     try:
-        return max(((len(ws.contract.prompt_ids(env.reset(t))), t.id) for t in ws.tasks(split, n, seed)),
-                   default=(0, ""))
+        return max(((len(ws.contract.prompt_ids(env.reset(t))), t.id) for t in tasks), default=(0, ""))
     finally:
         env.close()
 
@@ -108,9 +110,10 @@ def preflight_prompts(ws: Workspace) -> None:
     for field, split, n, seed in (("train_split", cfg.train_split, PREFLIGHT_TRAIN_TASKS, cfg.seed),
                                   ("eval.split", cfg.eval.split, cfg.eval.num_tasks, cfg.eval.seed)):
         try:
-            tokens, task = longest_prompt(ws, split, n, seed)
+            tasks = ws.tasks(split, n, seed)
         except ValueError as e:
             raise ConfigError(f"{field} {split!r}: {e}") from None
+        tokens, task = longest_prompt(ws, tasks)
         if tokens >= limit:
             raise ConfigError(f"limits.max_total_tokens={limit} leaves no room for a turn: the prompt of {split} "
                               f"task {task} is {tokens} tokens; set limits.max_total_tokens above {tokens}")
