@@ -21,12 +21,13 @@ def _load(config: Optional[Path], overrides: list[str], run_dir: Optional[str] =
 def _run_recipe(cfg, resume: bool) -> dict:
     from rich.markup import escape
 
+    from mentorrl.config import ConfigError
     from mentorrl.train.pipeline import RewardAuditFailed, run_demo
 
     try:
         return run_demo(cfg, resume=resume)
-    except FileNotFoundError as e:  # e.g. model.path is not a checkpoint directory
-        err.print(f"[red]{e}[/red]")
+    except (FileNotFoundError, ConfigError) as e:  # e.g. model.path is not a checkpoint; a preflight check failed
+        err.print(f"[red]{escape(str(e))}[/red]")
         raise typer.Exit(2)
     except RewardAuditFailed as e:
         err.print(f"[red]{escape(str(e))}[/red]")
@@ -76,11 +77,14 @@ def init_model_cmd(
     from mentorrl.models.build import dir_digest
     from mentorrl.train.pipeline import build_tiny_model
 
-    cfg = _load(config, set_, default="demo.yaml")
+    from rich.markup import escape
+
+    cfg = _load(config, set_, default="demo.yaml")  # an unknown env.name exits 2 here
+    entry = get_env(cfg.env.name)
     try:
-        entry = get_env(cfg.env.name)
-    except ValueError as e:
-        err.print(f"[red]{e}[/red]")
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # OUT_DIR (or a folder above it) is an existing file, or not writable
+        err.print(f"[red]{escape(f'init-model: cannot use {out_dir} as the output directory: {e.strerror or e}')}[/red]")
         raise typer.Exit(2)
     path = build_tiny_model(entry, out_dir, cfg.model.spec, cfg.model.tokenizer_corpus_tasks, cfg.seed, cfg.prompt)
     console.print(f"wrote {path} (digest {dir_digest(path)})")
@@ -161,7 +165,7 @@ def check(
     if not cfg_file.exists():
         err.print(f"[red]{run_dir} is not a run directory (no config.yaml)[/red]")
         raise typer.Exit(2)
-    cfg = _load(cfg_file, [f"run_dir={run_dir}"])
+    cfg = _load(cfg_file, [f"run_dir={json.dumps(str(run_dir))}"])  # quoted: a path is a string
     ws = open_workspace(cfg, show_progress=False)
     try:
         tokenizer, _ = load_policy(base_model_dir(ws))

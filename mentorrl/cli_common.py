@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Optional
 
@@ -34,7 +35,7 @@ def load_run_config(config: Optional[Path], overrides: list[str], run_dir: Optio
     path = config if config is not None else (PACKAGED_CONFIGS / default if default else None)
     ov = list(overrides)
     if run_dir is not None and not any(o.startswith("run_dir=") for o in ov):
-        ov.append(f"run_dir={run_dir}")
+        ov.append(f"run_dir={json.dumps(str(run_dir))}")  # quoted: a path is a string, whatever its characters
     try:
         return load_config(path, ov)
     except ConfigError as e:

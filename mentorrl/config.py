@@ -1,13 +1,19 @@
 """Run configuration: YAML in, validated pydantic models out.
 
 Every field has a default, so an empty file is a valid config (the demo recipe). Unknown
-or ill-typed fields fail loudly with the dotted path of the field.
+or ill-typed fields fail loudly with the dotted path of the field, as do non-finite numbers
+(inf, nan) and booleans given where a number is expected, anywhere in the config. Registered
+names (environment, advantage estimator) are resolved here, at load time. Input is untrusted:
+files and documents are bounded in bytes, nodes (YAML aliases followed) and depth, and every
+failure is a :class:`ConfigError` naming the file or field.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
-from typing import Any, Literal
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -29,6 +35,14 @@ class _Section(BaseModel):
 
 class EnvConfig(_Section):
     name: str = Field("orders", description="registered environment name")
+
+    @field_validator("name")
+    @classmethod
+    def _registered(cls, v: str) -> str:
+        from mentorrl.envs import get_env
+
+        get_env(v)  # ValueError naming the registered environments
+        return v
     tool_timeout_s: float = Field(5.0, gt=0, description="per tool call")
     latency: LatencyModel | None = Field(
         None, description="inject seeded heavy-tailed tool latency (log-normal or Pareto); null: none"
@@ -82,6 +96,20 @@ class GRPOConfig(_Section):
     hard_pool_state: str | None = Field(
         None, description="start the pool from a saved state, e.g. the hard_pool.json written by `mentorrl flywheel`"
     )
+
+    @field_validator("advantage")
+    @classmethod
+    def _registered(cls, v: str) -> str:
+        from mentorrl.algos.advantages import get_advantage_estimator
+
+        get_advantage_estimator(v)  # ValueError naming the registered estimators
+        return v
+
+    @model_validator(mode="after")
+    def _state_needs_a_pool(self) -> "GRPOConfig":
+        if self.hard_pool_state and self.hard_pool is None:
+            raise ValueError("grpo.hard_pool_state is set but grpo.hard_pool is null; enable the pool to use it")
+        return self
 
 
 class RFTConfig(_Section):
@@ -565,25 +593,78 @@ class RunConfig(_Section):
         assert_trainable_splits([v])  # HiddenSetError is a ValueError: reported with the field name
         return v
 
+    @model_validator(mode="after")
+    def _reward_range(self) -> "RunConfig":
+        if not self.audit.reward_low < self.audit.reward_high:
+            raise ValueError(f"audit.reward_low ({self.audit.reward_low}) must be below audit.reward_high "
+                             f"({self.audit.reward_high})")
+        return self
+
 
 class ConfigError(ValueError):
     pass
 
 
-def _format_errors(err: ValidationError, source: str) -> str:
-    lines = [f"invalid config {source}:"]
-    for e in err.errors():
-        where = ".".join(str(p) for p in e["loc"]) or "(top level)"
-        lines.append(f"  {where}: {e['msg']}")
-    return "\n".join(lines)
+# Bounds on untrusted config input. A real recipe is a few hundred nodes and a few KB.
+MAX_CONFIG_BYTES = 1 << 20  # per file
+MAX_CONFIG_NODES = 20_000  # per document, with YAML aliases followed (an anchor bomb expands exponentially)
+MAX_CONFIG_DEPTH = 32  # nesting levels
+MAX_EXTENDS = 16  # files in one `extends` chain
+MAX_CONFIG_INT = 2**63 - 1  # every int field fits in 64 bits (seeds reach torch and numpy)
+
+Loc = tuple[Any, ...]
+
+
+def _dotted(loc: Loc) -> str:
+    return ".".join(str(p) for p in loc) or "(top level)"
+
+
+def _format_problems(problems: dict[Loc, str], source: str) -> str:
+    return "\n".join([f"invalid config {source}:", *(f"  {_dotted(loc)}: {msg}" for loc, msg in problems.items())])
+
+
+def check_bounded(value: Any, what: str, max_nodes: int = MAX_CONFIG_NODES, max_depth: int = MAX_CONFIG_DEPTH) -> None:
+    """Refuse a parsed document with more than ``max_nodes`` nodes or ``max_depth`` levels.
+
+    Nodes are counted as if every YAML alias were expanded (shared and even cyclic references
+    count each time they are reached), and the walk stops at the first excess, so its cost is
+    bounded by ``max_nodes`` whatever the document."""
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    nodes = 0
+    while stack:
+        v, depth = stack.pop()
+        nodes += 1
+        if nodes > max_nodes:
+            raise ConfigError(f"{what} is too large: more than {max_nodes} YAML nodes once aliases are expanded")
+        if depth > max_depth:
+            raise ConfigError(f"{what} is too deep: more than {max_depth} levels of nesting")
+        if isinstance(v, dict):
+            stack.extend((x, depth + 1) for kv in v.items() for x in kv)
+        elif isinstance(v, (list, tuple, set, frozenset)):
+            stack.extend((x, depth + 1) for x in v)
+
+
+def parse_yaml(text: str, what: str) -> Any:
+    """``yaml.safe_load`` of untrusted text: any failure, or a document over the bounds, is a ConfigError."""
+    try:
+        loaded = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{what} is not valid YAML: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"{what} is too deep: nesting exhausted the YAML parser") from None
+    check_bounded(loaded, what)
+    return loaded
 
 
 def _deep_set(d: dict[str, Any], dotted: str, value: Any) -> None:
     keys = dotted.split(".")
+    if not all(keys):
+        raise ConfigError(f"override {dotted}=...: empty field name; write key.sub=value")
     for k in keys[:-1]:
-        d = d.setdefault(k, {})
-        if not isinstance(d, dict):
+        child = d.setdefault(k, {})
+        if not isinstance(child, dict):
             raise ConfigError(f"override {dotted}: {k} is not a section")
+        d[k] = d = dict(child)  # a copy: a YAML alias may share this mapping with another field
     d[keys[-1]] = value
 
 
@@ -597,33 +678,184 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _read_text(path: Path) -> str:
+    """A config file's text: UTF-8, at most MAX_CONFIG_BYTES; every failure names the file."""
+    try:
+        with path.open("rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config {path} is a directory, not a YAML file") from None
+    except (OSError, ValueError) as e:  # permissions, a name too long, an embedded NUL ...
+        raise ConfigError(f"config {path} cannot be read: {getattr(e, 'strerror', None) or e}") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"config {path} is too large: over {MAX_CONFIG_BYTES} bytes")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config {path} is not UTF-8 text (byte {e.start}: 0x{raw[e.start]:02x})") from None
+
+
+def _parent_path(path: Path, parent: Any) -> Path:
+    """Where ``extends: parent`` of ``path`` points: next to ``path``, else a packaged config."""
+    if not isinstance(parent, str) or not parent.strip():
+        raise ConfigError(f"config {path}: extends must be a file name, got {parent!r}")
+    base = path.parent / parent
+    try:
+        if "\x00" in parent:
+            raise ValueError("embedded null byte")
+        if not base.exists() and (PACKAGED_CONFIG_DIR / parent).is_file():
+            base = PACKAGED_CONFIG_DIR / parent
+        if base.is_dir():
+            raise ConfigError(f"config {path}: extends {parent} is a directory, not a YAML file")
+        return base.resolve()
+    except (OSError, ValueError, RuntimeError) as e:  # a name too long, a NUL, a symlink loop ...
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"config {path}: extends {parent!r} is not a usable file name ({e})") from None
+
+
 def _read_yaml(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
     """A config file's mapping; ``extends: FILE`` (relative to this file, else a packaged config
     such as ``demo.yaml``) is loaded first and this file's keys are merged over it."""
-    try:
-        loaded = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"config file not found: {path}") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"config {path} is not valid YAML: {e}") from None
+    loaded = parse_yaml(_read_text(path), f"config {path}")
     if loaded is not None and not isinstance(loaded, dict):
         raise ConfigError(f"config {path} must be a mapping at the top level")
     data = loaded or {}
     parent = data.pop("extends", None)
     if parent is None:
         return data
-    if not isinstance(parent, str):
-        raise ConfigError(f"config {path}: extends must be a file name, got {parent!r}")
-    base = path.parent / parent
-    if not base.exists() and (PACKAGED_CONFIG_DIR / parent).exists():
-        base = PACKAGED_CONFIG_DIR / parent
-    if base.resolve() in seen or base.resolve() == path.resolve():
+    base = _parent_path(path, parent)
+    if base in seen or base == path.resolve():
         raise ConfigError(f"config {path}: extends {parent} makes a cycle")
-    return _merge(_read_yaml(base, (*seen, path.resolve())), data)
+    if len(seen) + 1 >= MAX_EXTENDS:
+        raise ConfigError(f"config {path}: extends chain longer than {MAX_EXTENDS} files")
+    merged = _merge(_read_yaml(base, (*seen, path.resolve())), data)
+    check_bounded(merged, f"config {path} (merged over {parent})")
+    return merged
+
+
+_MISSING = object()
+
+
+def _child(raw: Any, key: Any) -> Any:
+    if isinstance(raw, dict):
+        return raw.get(key, _MISSING)
+    if isinstance(raw, (list, tuple)) and isinstance(key, int) and key < len(raw):
+        return raw[key]
+    return _MISSING
+
+
+def _members(tp: Any) -> list[Any]:
+    if get_origin(tp) in (Union, UnionType):
+        return [a for a in get_args(tp) if a is not type(None)]
+    return [tp]
+
+
+def _child_type(tp: Any, key: Any) -> Any:
+    """The annotation of item ``key`` inside a value annotated ``tp`` (None: unknown)."""
+    for m in _members(tp):
+        if isinstance(m, type) and issubclass(m, BaseModel):
+            info = m.model_fields.get(key) if isinstance(key, str) else None
+            return info.annotation if info is not None else None
+        origin, args = get_origin(m), get_args(m)
+        if origin is dict and len(args) == 2:
+            return args[1]
+        if origin is list and args:
+            return args[0]
+        if origin is tuple and args:
+            if len(args) == 2 and args[1] is Ellipsis:
+                return args[0]
+            return args[key] if isinstance(key, int) and 0 <= key < len(args) else None
+    return None
+
+
+def _is_number(tp: Any) -> bool:
+    members = _members(tp)
+    return bool(members) and all(m in (int, float) for m in members)
+
+
+def raw_number_problems(raw: Any, tp: Any = None, loc: Loc = ()) -> dict[Loc, str]:
+    """The one numeric check of the input, before pydantic sees it: every field annotated as a number
+    (int or float, in any section, dict, list or tuple) must get a finite number, not a boolean.
+
+    Pydantic alone accepts ``inf``, ``nan``, ``1e999`` and YAML's ``.inf`` for a float and reads
+    ``steps: true`` as 1. ``raw`` must be bounded (see :func:`check_bounded`)."""
+    tp = RunConfig if tp is None and not loc else tp
+    if tp is None:
+        return {}
+    out: dict[Loc, str] = {}
+    if isinstance(raw, dict):
+        for k, v in raw.items():
+            out.update(raw_number_problems(v, _child_type(tp, k), (*loc, k)))
+    elif isinstance(raw, (list, tuple)):
+        for i, v in enumerate(raw):
+            out.update(raw_number_problems(v, _child_type(tp, i), (*loc, i)))
+    elif _is_number(tp):
+        if isinstance(raw, bool):
+            out[loc] = f"expected a number, got the boolean {str(raw).lower()}"
+        elif isinstance(raw, int) and all(m is int for m in _members(tp)):
+            if not -MAX_CONFIG_INT <= raw <= MAX_CONFIG_INT:
+                out[loc] = f"integer out of range: |value| must be at most 2**63 - 1, got {str(raw)[:40]}..."
+        elif isinstance(raw, (int, float, str)):
+            try:
+                finite = math.isfinite(float(raw))
+            except OverflowError:  # an int beyond float range
+                finite = False
+            except ValueError:  # not a number at all: pydantic says so
+                finite = True
+            if not finite:
+                out[loc] = f"must be a finite number, got {str(raw)[:40]}"
+    return out
+
+
+def number_problems(value: Any, raw: Any = _MISSING, loc: Loc = ()) -> dict[Loc, str]:
+    """The same rule on the validated config (a safety net for types :func:`raw_number_problems`
+    cannot resolve): every float is finite, and no number was given as a boolean. ``raw`` is the
+    input the value was validated from, walked alongside."""
+    out: dict[Loc, str] = {}
+    if isinstance(value, BaseModel):
+        for name in type(value).model_fields:
+            out.update(number_problems(getattr(value, name), _child(raw, name), (*loc, name)))
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            out.update(number_problems(v, _child(raw, k), (*loc, k)))
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            out.update(number_problems(v, _child(raw, i), (*loc, i)))
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        if isinstance(raw, bool):
+            out[loc] = f"expected a number, got the boolean {str(raw).lower()}"
+        elif isinstance(value, float) and not math.isfinite(value):
+            out[loc] = f"must be a finite number, got {value}"
+    return out
+
+
+def validate_config(data: Any, source: str = "(defaults)") -> RunConfig:
+    """A RunConfig from parsed data, or a ConfigError listing every bad field by dotted path."""
+    check_bounded(data, f"config {source}")
+    problems = raw_number_problems(data)
+    try:
+        cfg = RunConfig.model_validate(data)
+    except ValidationError as e:
+        found = list(problems)
+        for err in e.errors():
+            loc = tuple(err["loc"])
+            if not any(f[:len(loc)] == loc for f in found):  # not a consequence of a number already reported
+                problems.setdefault(loc, err["msg"])
+    else:
+        for loc, msg in number_problems(cfg, data).items():
+            problems.setdefault(loc, msg)
+    if problems:
+        raise ConfigError(_format_problems(problems, source))
+    return cfg
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
-    """Load YAML (or defaults), apply ``key.sub=value`` overrides, validate."""
+    """Load YAML (or defaults), apply ``key.sub=value`` overrides, validate.
+
+    Raises ConfigError (naming the file or field) for anything else than a valid config."""
     data: dict[str, Any] = {}
     source = "(defaults)"
     if path is not None:
@@ -633,11 +865,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if "=" not in ov:
             raise ConfigError(f"override {ov!r} must look like key.sub=value")
         key, raw = ov.split("=", 1)
-        _deep_set(data, key.strip(), yaml.safe_load(raw))
-    try:
-        return RunConfig.model_validate(data)
-    except ValidationError as e:
-        raise ConfigError(_format_errors(e, source)) from None
+        key = key.strip()
+        _deep_set(data, key, parse_yaml(raw, f"override {key}"))
+    return validate_config(data, source)
 
 
 def dump_config(cfg: RunConfig) -> str:

@@ -224,3 +224,156 @@ def test_every_packaged_recipe_loads():
     assert len(configs) >= 12
     for path in configs:
         assert load_config(path).run_dir, path
+
+
+# ------------------------------------------------- bad input (issue 16) ----
+def _config_cli(*args: str):
+    return runner.invoke(app, ["config", *args])
+
+
+def _assert_exit_2(res, *needles: str) -> str:
+    out = _output(res)
+    assert res.exception is None or isinstance(res.exception, SystemExit), repr(res.exception)
+    assert res.exit_code == 2, out
+    assert "Traceback" not in out
+    for n in needles:
+        assert n in out, (n, out)
+    return out
+
+
+def test_cli_non_utf8_config_exits_2_naming_the_file(tmp_path):
+    bad = tmp_path / "latin.yaml"
+    bad.write_bytes(b"seed: 1\nrun_dir: caf\xe9\n")
+    _assert_exit_2(_config_cli("--config", str(bad)), "latin.yaml", "UTF-8")
+    child = _write(tmp_path, "extends: latin.yaml\nseed: 2\n", "child.yaml")
+    _assert_exit_2(_config_cli("--config", str(child)), "latin.yaml", "UTF-8")
+
+
+def test_cli_set_value_not_yaml_exits_2_naming_the_field():
+    _assert_exit_2(_config_cli("--set", "grpo.steps=[1,"), "grpo.steps", "not valid YAML")
+    _assert_exit_2(_config_cli("--set", "seed=" + "[" * 5000), "seed")  # deep nesting: no RecursionError
+
+
+def test_cli_extends_a_directory_exits_2(tmp_path):
+    (tmp_path / "adir").mkdir()
+    child = _write(tmp_path, "extends: adir\n", "child.yaml")
+    _assert_exit_2(_config_cli("--config", str(child)), "adir", "child.yaml")
+
+
+def _anchor_bomb(levels: int = 8, width: int = 9) -> str:
+    lines = ["l0: &l0 {" + ", ".join(f"k{i}: x" for i in range(width)) + "}"]
+    for lv in range(1, levels):
+        lines.append(f"l{lv}: &l{lv} {{" + ", ".join(f"k{i}: *l{lv - 1}" for i in range(width)) + "}")
+    return "\n".join(lines) + f"\ngrpo: *l{levels - 1}\n"
+
+
+def test_cli_anchor_bomb_through_extends_fails_fast(tmp_path):
+    """9 ** 8 = 43M nodes once expanded: the loader refuses it instead of walking it."""
+    import time
+
+    (tmp_path / "base.yaml").write_text(_anchor_bomb())
+    child = _write(tmp_path, "extends: base.yaml\n" + _anchor_bomb(), "child.yaml")
+    t0 = time.perf_counter()
+    out = _assert_exit_2(_config_cli("--config", str(child)), "yaml")
+    assert time.perf_counter() - t0 < 10
+    assert "too large" in out or "too deep" in out
+    with pytest.raises(ConfigError, match="too large"):
+        load_config(None, ["grpo=" + _anchor_bomb().replace("\n", ", ").join("{}")])  # through --set too
+
+
+@pytest.mark.parametrize("field", ["grpo.optim.lr", "sampling.temperature", "grpo.eps_high", "grpo.kl_coef",
+                                   "audit.reward_low", "audit.reward_high", "reward.tool", "sft.optim.betas"])
+@pytest.mark.parametrize("value", [".inf", "-.inf", ".nan", "inf", "nan", "1e999"])
+def test_non_finite_floats_are_refused_everywhere(field, value):
+    if field.endswith("betas"):
+        value = f"[{value}, 0.9]"
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        load_config(None, [f"{field}={value}"])
+
+
+def test_cli_non_finite_float_in_a_file_exits_2(tmp_path):
+    path = _write(tmp_path, "grpo:\n  optim:\n    lr: .inf\naudit:\n  reward_high: .nan\n")
+    _assert_exit_2(_config_cli("--config", str(path)), "grpo.optim.lr", "audit.reward_high", "finite")
+
+
+def test_reward_bounds_must_be_ordered():
+    with pytest.raises(ConfigError, match="reward_low"):
+        load_config(None, ["audit.reward_low=2", "audit.reward_high=1"])
+
+
+@pytest.mark.parametrize("override,field", [("grpo.steps=true", "grpo.steps"), ("sft.batch_size=false", "sft.batch_size"),
+                                            ("grpo.optim.lr=true", "grpo.optim.lr"), ("seed=true", "seed"),
+                                            ("limits.max_turns=yes", "limits.max_turns"),
+                                            ("sao.mix={online: true}", "sao.mix.online")])
+def test_booleans_are_not_numbers(override, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        load_config(None, [override])
+
+
+def test_cli_boolean_steps_in_a_file_exits_2(tmp_path):
+    path = _write(tmp_path, "grpo:\n  steps: true\n")
+    _assert_exit_2(_config_cli("--config", str(path)), "grpo.steps")
+    assert load_config(None, ["grpo.steps=1.0"]).grpo.steps == 1  # an integral float is still an int
+
+
+def test_registered_names_are_checked_at_load_time():
+    _assert_exit_2(_config_cli("--set", "grpo.advantage=nope"), "grpo.advantage", "grpo")
+    _assert_exit_2(_config_cli("--set", "env.name=nope"), "env.name", "orders")
+    assert load_config(None, ["grpo.advantage=grpo", "env.name=orders"]).env.name == "orders"
+
+
+def test_cli_train_run_dir_is_a_file_exits_2_before_anything(tmp_path):
+    run_file = tmp_path / "run"
+    run_file.write_text("not a directory")
+    cfg = _write(tmp_path, f"run_dir: {run_file}\n")
+    res = runner.invoke(app, ["train", str(cfg)])
+    _assert_exit_2(res, "run_dir", str(run_file))
+    assert run_file.read_text() == "not a directory"
+    res = runner.invoke(app, ["train", str(cfg), "--set", f"run_dir={run_file}/sub"])
+    _assert_exit_2(res, "run_dir")
+
+
+def test_cli_hard_pool_state_checked_before_training(tmp_path):
+    cfg = _write(tmp_path, f"run_dir: {tmp_path / 'run'}\ngrpo:\n  hard_pool: {{}}\n  hard_pool_state: {tmp_path / 'no.json'}\n")
+    _assert_exit_2(runner.invoke(app, ["train", str(cfg)]), "grpo.hard_pool_state")
+    assert not (tmp_path / "run" / "sft").exists()
+    with pytest.raises(ConfigError, match="grpo.hard_pool_state"):
+        load_config(None, [f"grpo.hard_pool_state={tmp_path / 'x.json'}"])  # set without a pool
+
+
+def test_cli_max_total_tokens_below_the_prompt_exits_2_before_sft(tmp_path):
+    from test_resume import TINY_OVERRIDES
+
+    run = tmp_path / "run"
+    args = ["demo", "--run-dir", str(run)]
+    for ov in TINY_OVERRIDES + ["limits.max_total_tokens=40", "audit.preflight=false"]:
+        args += ["--set", ov]
+    res = runner.invoke(app, args)
+    _assert_exit_2(res, "limits.max_total_tokens", "prompt")
+    assert not (run / "sft").exists() and not (run / "metrics.jsonl").exists()
+    res = runner.invoke(app, args + ["--set", "limits.max_total_tokens=512", "--set", "train_split=nope"])
+    _assert_exit_2(res, "train_split", "nope")  # a split the environment does not have: also before SFT
+    assert not (run / "sft").exists() and not (run / "metrics.jsonl").exists()
+
+
+def test_cli_checkpoints_the_stages_load_are_checked_first(tmp_path):
+    cfg = _write(tmp_path, f"run_dir: {tmp_path / 'run'}\nrecipe: [sft, opd]\n"
+                           f"opd:\n  teachers: [{{name: t, path: {tmp_path / 'nowhere'}}}]\n")
+    _assert_exit_2(runner.invoke(app, ["train", str(cfg)]), "opd.teachers.0.path", "nowhere")
+    assert not (tmp_path / "run" / "base_model").exists()
+
+
+def test_cli_init_model_on_an_existing_file_exits_2(tmp_path):
+    target = tmp_path / "model"
+    target.write_text("precious")
+    _assert_exit_2(runner.invoke(app, ["init-model", str(target)]), str(target))
+    assert target.read_text() == "precious"
+    _assert_exit_2(runner.invoke(app, ["init-model", str(target / "sub")]), str(target))
+
+
+def test_cli_run_dir_option_is_taken_as_a_string(tmp_path):
+    """--run-dir is quoted before it becomes an override: a path that reads as YAML stays a path."""
+    from mentorrl.cli_common import load_run_config
+
+    for name in ["[a]", "x: y", "true", "1e3", "{b}", "#c", "null"]:
+        assert load_run_config(None, [], str(tmp_path / name) if name[0] != "[" else name).run_dir.endswith(name)

@@ -62,8 +62,8 @@ def test_hard_pool_settings_are_checked(tmp_path):
     from mentorrl.train.stages import _hard_pool
 
     assert _hard_pool(GRPOConfig()) is None
-    with pytest.raises(ValueError, match="hard_pool is null"):
-        _hard_pool(GRPOConfig(hard_pool_state=str(tmp_path / "x.json")))
+    with pytest.raises(ValueError, match="hard_pool is null"):  # refused when the config is built, before any stage
+        GRPOConfig(hard_pool_state=str(tmp_path / "x.json"))
     with pytest.raises(FileNotFoundError, match="does not exist"):
         _hard_pool(GRPOConfig(hard_pool=HardPoolConfig(), hard_pool_state=str(tmp_path / "x.json")))
     saved = HardTaskPool(HardPoolConfig(boost=1.0))

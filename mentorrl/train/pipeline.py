@@ -1,15 +1,20 @@
-"""Recipes composed from stages: building the base model, and the demo (SFT -> eval -> GRPO -> eval)."""
+"""Recipes composed from stages: building the base model, and the demo (SFT -> eval -> GRPO -> eval).
+
+Before the first step a recipe runs its preflight: the run directory, the files the stages will
+read, and the prompt length against ``limits.max_total_tokens`` are checked, so a bad setting is a
+:class:`~mentorrl.config.ConfigError` naming the field, not a crash after SFT."""
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
 
 from rich.table import Table
 
-from mentorrl.config import RunConfig
+from mentorrl.config import ConfigError, RunConfig
 from mentorrl.eval.plots import plot_rl_curves
 from mentorrl.models.build import ModelSpec, init_model, load_policy
 from mentorrl.models.corpus import expert_transcripts
@@ -37,6 +42,81 @@ def base_model_dir(ws: Workspace) -> Path:
             raise FileNotFoundError(f"model.path {path} is not a Hugging Face checkpoint directory (no config.json)")
         return path
     return build_tiny_model(ws.env_entry, ws.run_dir / "base_model", ws.cfg.model.spec, ws.cfg.model.tokenizer_corpus_tasks, ws.cfg.seed, ws.cfg.prompt)
+
+
+PREFLIGHT_TRAIN_TASKS = 64  # train tasks whose prompts are rendered by the preflight (plus every eval task)
+
+
+def _checkpoint_fields(cfg: RunConfig) -> list[tuple[str, str]]:
+    """(field, path) of every Hugging Face checkpoint the recipe's stages will load."""
+    out: list[tuple[str, str]] = []
+    if cfg.model.path is not None:
+        out.append(("model.path", cfg.model.path))
+    for stage in ("ppo", "sao"):
+        critic = getattr(cfg, stage).critic
+        if stage in cfg.recipe and critic.backbone == "separate" and critic.path is not None:
+            out.append((f"{stage}.critic.path", critic.path))
+    if "opd" in cfg.recipe:
+        out += [(f"opd.teachers.{i}.path", t.path) for i, t in enumerate(cfg.opd.teachers)
+                if t.kind == "hf" and t.path is not None]
+    serve = cfg.blackbox.teacher.serve
+    if "blackbox" in cfg.recipe and serve is not None and serve.path is not None:
+        out.append(("blackbox.teacher.serve.path", serve.path))
+    return out
+
+
+def preflight_config(cfg: RunConfig) -> None:
+    """What can be checked without a model, before anything is written: the run directory can be
+    one, every checkpoint the stages load is one, and the GRPO hard-pool state loads.
+
+    Raises :class:`ConfigError` naming the field."""
+    run_dir = Path(cfg.run_dir)
+    for p in (run_dir, *run_dir.parents):
+        if p.exists() and not p.is_dir():
+            raise ConfigError(f"run_dir {run_dir}: {p} is an existing file, not a directory")
+    for name, path in _checkpoint_fields(cfg):
+        if not (Path(path) / "config.json").is_file():
+            raise ConfigError(f"{name} {path} is not a Hugging Face checkpoint directory (no config.json)")
+    if "grpo" in cfg.recipe and cfg.grpo.hard_pool_state:
+        from mentorrl.train.stages import _hard_pool
+
+        try:
+            _hard_pool(cfg.grpo)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ConfigError(f"grpo.hard_pool_state {cfg.grpo.hard_pool_state}: cannot be loaded ({e})") from None
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"run_dir {run_dir}: cannot be created ({e.strerror or e})") from None
+    if not os.access(run_dir, os.W_OK | os.X_OK):
+        raise ConfigError(f"run_dir {run_dir}: not writable")
+
+
+def longest_prompt(ws: Workspace, tasks) -> tuple[int, str]:
+    """(tokens, task id) of the longest prompt among ``tasks``, rendered with the run's tokenizer."""
+    env = ws.make_env()
+    try:
+        return max(((len(ws.contract.prompt_ids(env.reset(t))), t.id) for t in tasks), default=(0, ""))
+    finally:
+        env.close()
+
+
+def preflight_prompts(ws: Workspace) -> None:
+    """Render the prompts the run will use (every evaluation task, a sample of training tasks) with
+    the run's tokenizer; each must leave room under ``limits.max_total_tokens``.
+
+    Raises :class:`ConfigError` naming the field (also for a split the environment does not have)."""
+    cfg, limit = ws.cfg, ws.cfg.limits.max_total_tokens
+    for field, split, n, seed in (("train_split", cfg.train_split, PREFLIGHT_TRAIN_TASKS, cfg.seed),
+                                  ("eval.split", cfg.eval.split, cfg.eval.num_tasks, cfg.eval.seed)):
+        try:
+            tasks = ws.tasks(split, n, seed)
+        except ValueError as e:
+            raise ConfigError(f"{field} {split!r}: {e}") from None
+        tokens, task = longest_prompt(ws, tasks)
+        if tokens >= limit:
+            raise ConfigError(f"limits.max_total_tokens={limit} leaves no room for a turn: the prompt of {split} "
+                              f"task {task} is {tokens} tokens; set limits.max_total_tokens above {tokens}")
 
 
 def _fmt_pct(x: float) -> str:
@@ -98,6 +178,7 @@ def run_recipe(cfg: RunConfig, resume: bool = False, show_progress: bool = True)
     audit) and, when GRPO ran, ``curves.png``.
     """
     t0 = time.perf_counter()
+    preflight_config(cfg)
     ws = open_workspace(cfg, show_progress=show_progress)
     con = ws.console
     con.rule("[bold]mentorrl " + " -> ".join(cfg.recipe))
@@ -106,6 +187,7 @@ def run_recipe(cfg: RunConfig, resume: bool = False, show_progress: bool = True)
     ws.bind_tokenizer(tokenizer)
     n_params = sum(p.numel() for p in model.parameters())
     con.print(f"model: {model_dir} ({n_params / 1e6:.2f}M parameters, vocab {len(tokenizer)}), run dir: {ws.run_dir}")
+    preflight_prompts(ws)
 
     if cfg.audit.preflight:
         preflight_reward_audit(ws)
