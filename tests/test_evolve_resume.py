@@ -157,3 +157,17 @@ def test_evolve_fresh_start_empties_the_buffer_of_an_earlier_run(tmp_path, token
         evolve_mod.evolve_stage(ws, copy.deepcopy(model), resume=False)
     assert first["ids"] == [] and first["rejections"] == {}
     assert [v["version"] for v in first["versions"]] == [0] and first["dirs"] == ["v0"]
+
+
+def test_evolve_resume_refuses_a_replaced_replay_buffer_naming_it(tmp_path, tokenizer, orders_entry, model,
+                                                                  monkeypatch):
+    from mentorrl.replay import ReplayBufferError
+    from mentorrl.train import evolve as evolve_mod
+
+    ws, _, _ = _run_killed_at_the_step_4_checkpoint(tmp_path, tokenizer, orders_entry, model, monkeypatch)
+    db = ws.run_dir / "evolve" / "replay.sqlite"
+    for f in db.parent.glob("replay.sqlite*"):
+        f.unlink()
+    ReplayBuffer(db).close()  # another (empty) buffer in its place
+    with pytest.raises(ReplayBufferError, match="replay.sqlite.*replaced"):
+        evolve_mod.evolve_stage(ws, copy.deepcopy(model), resume=True)
