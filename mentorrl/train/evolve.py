@@ -16,6 +16,14 @@ One iteration is ``steps_per_iteration`` learning steps, then a held-out check a
   version is saved to ``evolve/versions/vN`` and becomes the teacher, a rejected one is rolled
   back to the last accepted weights. ``evolve/versions.json`` lists every version with its
   held-out score, its teacher and the verdict.
+
+Crash safety: a checkpoint records, besides weights, optimiser, curriculum and version list, the
+replay buffer's mark (:meth:`ReplayBuffer.mark`). On resume the persisted state is brought back
+to that checkpoint: the buffer is rolled back in one transaction (entries admitted by the
+discarded steps are gone, entries they evicted are back), ``versions.json`` is rewritten from
+the restored list and ``versions/vN`` directories of versions the checkpoint does not list as
+accepted are removed. A stage that starts from step 0 starts from an empty buffer and no version
+directories. A buffer file that was replaced raises :class:`ReplayBufferError` naming it.
 """
 
 from __future__ import annotations
@@ -23,6 +31,8 @@ from __future__ import annotations
 import copy
 import json
 import random
+import re
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -38,6 +48,7 @@ from mentorrl.rollout.runner import expert_demonstrations, rollout_tasks
 from mentorrl.train.consistency import policy_lag
 from mentorrl.train.curriculum import Curriculum
 from mentorrl.train.learner import Learner
+from mentorrl.train.rundir import KEEP_CHECKPOINTS
 from mentorrl.train.stages import (
     TRAIN_POOL_SEED_OFFSET,
     Workspace,
@@ -65,6 +76,18 @@ def curriculum_levels(tasks, expert_calls: dict[str, int]) -> list[list]:
     return levels
 
 
+_VERSION_DIR = re.compile(r"v[0-9]+")
+
+
+def stale_version_dirs(versions_dir: Path, versions: list[dict[str, Any]]) -> list[Path]:
+    """The ``vN`` directories under ``versions_dir`` that ``versions`` does not list as accepted
+    (written by steps a resumed run discarded, or by an earlier attempt of a restarted stage)."""
+    if not versions_dir.is_dir():
+        return []
+    keep = {f"v{v['version']}" for v in versions if v.get("accepted")}
+    return sorted(p for p in versions_dir.iterdir() if _VERSION_DIR.fullmatch(p.name) and p.name not in keep)
+
+
 def _frozen_teacher(model, tokenizer, version: int) -> HFTeacher:
     return HFTeacher(copy.deepcopy(model), tokenizer, f"v{version}")
 
@@ -83,6 +106,10 @@ def evolve_stage(ws: Workspace, model, resume: bool = False) -> Path:
     buffer = ReplayBuffer(root / "replay.sqlite", ReplayConfig(min_reward=None))
     state: dict[str, Any] = {"policy": 0, "versions": [], "best": None, "teacher": 0, "rollout_tokens": 0}
     box = {"teacher": _frozen_teacher(model, ws.tokenizer, 0)}
+    # restored: persisted state already matches a restored checkpoint (else the first step resets it);
+    # replay_marks: the buffer's high-water at the last KEEP_CHECKPOINTS checkpoints (evicted rows newer
+    # than the oldest of them are kept so that a rollback to any retained checkpoint restores them).
+    run: dict[str, Any] = {"restored": False, "replay_marks": []}
 
     def save_version(k: int) -> Path:
         path = versions_dir / f"v{k}"
@@ -94,7 +121,18 @@ def evolve_stage(ws: Workspace, model, resume: bool = False) -> Path:
         root.mkdir(parents=True, exist_ok=True)
         (root / "versions.json").write_text(json.dumps(state["versions"], indent=2))
 
+    def sync_versions() -> None:
+        """Make ``versions.json`` and ``versions/`` say what ``state["versions"]`` says."""
+        for stale in stale_version_dirs(versions_dir, state["versions"]):
+            shutil.rmtree(stale)
+        if state["versions"] or (root / "versions.json").exists():
+            write_versions()
+
     def step_fn(step: int) -> dict[str, float]:
+        if not run["restored"]:  # no checkpoint was restored: the stage starts from scratch
+            buffer.rollback(None)
+            sync_versions()
+            run["restored"] = True
         if step == 0 and not state["versions"]:  # v0: the starting checkpoint, scored like every later version
             score = heldout_check(ws, model, e.eval_tasks)
             state["versions"].append({"version": 0, "iteration": 0, "heldout_success": score, "accepted": True,
@@ -162,10 +200,25 @@ def evolve_stage(ws: Workspace, model, resume: bool = False) -> Path:
         return {"heldout_success": score, "version_accepted": float(accepted)}
 
     def extra_state() -> dict[str, Any]:
-        return {**state, "curriculum": curriculum.state_dict()}
+        mark, marks = buffer.mark(), run["replay_marks"]
+        if len(marks) >= KEEP_CHECKPOINTS:  # no retained checkpoint (nor this one) is older than that
+            buffer.forget_evicted(marks[-KEEP_CHECKPOINTS])
+        run["replay_marks"] = (marks + [mark["high_water"]])[-KEEP_CHECKPOINTS:]
+        return {**state, "curriculum": curriculum.state_dict(), "replay": mark,
+                "replay_marks": list(run["replay_marks"])}
 
     def restore(st: dict[str, Any]) -> None:
+        if st.get("replay") is not None:
+            dropped = buffer.rollback(st["replay"])  # ReplayBufferError (file named) if it was replaced
+            ws.console.print(f"[yellow]evolve: replay buffer rolled back to the checkpoint "
+                             f"({dropped} entries of discarded steps dropped)[/yellow]")
+        else:
+            ws.console.print("[red]evolve: this checkpoint predates replay-buffer marks; the buffer is kept as it "
+                             "is (entries of discarded steps may remain)[/red]")
+        run["replay_marks"] = list(st.get("replay_marks", []))
+        run["restored"] = True
         state.update({k: st[k] for k in state if k in st})
+        sync_versions()
         if st.get("curriculum"):
             curriculum.load_state_dict(st["curriculum"])
         path = versions_dir / f"v{state['teacher']}"
@@ -181,4 +234,4 @@ def evolve_stage(ws: Workspace, model, resume: bool = False) -> Path:
         buffer.close()
 
 
-__all__ = ["curriculum_levels", "evolve_stage"]
+__all__ = ["curriculum_levels", "evolve_stage", "stale_version_dirs"]
