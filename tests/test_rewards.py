@@ -149,7 +149,7 @@ def test_failures_earn_no_soft_reward():
     do_nothing = compose_reward(Verdict(success=False), [], "answer", w)
     tried = compose_reward(Verdict(success=False), [_call(True), _call(False)], "answer", w)
     assert do_nothing.total == tried.total == 0.0
-    assert (do_nothing.tool, do_nothing.format) == (1.0, 1.0)  # still recorded in the breakdown
+    assert (do_nothing.tool, do_nothing.format) == (0.0, 1.0)  # still recorded; no calls earn no tool credit
     assert tried.runtime < 0
 
 
@@ -159,8 +159,8 @@ def test_reward_terms_exact():
     assert (r.task, r.tool, r.format, r.runtime) == (1.0, 0.75, 1.0, -0.25)
     assert r.total == pytest.approx(1.0 + 0.1 * 0.75 + 0.1 - 0.2 * 0.25)
     r = compose_reward(Verdict(success=False), [], "length", w)
-    assert (r.task, r.tool, r.format, r.runtime) == (0.0, 1.0, 0.0, -0.5)
-    assert r.total == pytest.approx(0.1 - 0.1)
+    assert (r.task, r.tool, r.format, r.runtime) == (0.0, 0.0, 0.0, -0.5)
+    assert r.total == 0.0
     r = compose_reward(Verdict(success=False), [_call(False)] * 3, "max_tokens", w)
     assert r.runtime == -1.0  # clipped at -1
 
@@ -223,7 +223,7 @@ def test_redundant_penalty_weight_is_used():
                                               (600, -1.0), (5000, -1.0)])
 def test_verbosity_term(length, expected):
     w = RewardWeights()
-    r = compose_reward(Verdict(success=True), [], "answer", w, final_answer="a" * length)
+    r = compose_reward(Verdict(success=True), [_call(True)], "answer", w, final_answer="a" * length)
     assert r.details["verbosity"] == pytest.approx(expected)
     assert r.details["answer_chars"] == length
     assert r.total == pytest.approx(1.0 + w.tool + w.format + w.verbosity * expected)
