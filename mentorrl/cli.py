@@ -22,11 +22,14 @@ def _run_recipe(cfg, resume: bool) -> dict:
     from rich.markup import escape
 
     from mentorrl.config import ConfigError
+    from mentorrl.replay.buffer import ReplayBufferError
     from mentorrl.train.pipeline import RewardAuditFailed, run_demo
+    from mentorrl.train.rundir import CorruptCheckpointError
 
     try:
         return run_demo(cfg, resume=resume)
-    except (FileNotFoundError, ConfigError) as e:  # e.g. model.path is not a checkpoint; a preflight check failed
+    except (FileNotFoundError, ConfigError, CorruptCheckpointError, ReplayBufferError) as e:
+        # model.path is not a checkpoint; a preflight check failed; a damaged checkpoint or replay DB (named)
         err.print(f"[red]{escape(str(e))}[/red]")
         raise typer.Exit(2)
     except RewardAuditFailed as e:

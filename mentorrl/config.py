@@ -155,6 +155,9 @@ class GAEConfig(_Section):
     lambda_alpha: float | None = Field(
         None, gt=0, description="length-adaptive GAE lambda = 1 - 1/(alpha * policy tokens); null: fixed lam"
     )
+    value_lam: float | None = Field(
+        None, ge=0, le=1, description="lambda of the critic's returns (decoupled GAE; VAPO uses 1); null: the "
+                                      "advantages' lambda")
     normalize_advantages: bool = Field(True, description="whiten advantages over the batch's policy tokens")
 
 

@@ -70,6 +70,21 @@ def test_critic_advantages_are_return_minus_value_with_lambda_one(demos):
     assert abs(allp.mean().item()) < 1e-5 and abs(allp.std(unbiased=False).item() - 1) < 1e-3
 
 
+def test_gae_value_lam_gives_the_critic_monte_carlo_returns(demos):
+    """ppo.gae.value_lam decouples the critic's returns from the advantages' lambda (VAPO: 1)."""
+    trajs = demos[:3]
+    values = [torch.linspace(0.0, 1.0, len(t.token_ids)) for t in trajs]
+    rewards = torch.tensor([1.2, 0.0, -1.0])
+    adv_c, ret_c = critic_advantages(trajs, rewards, values, GAEConfig(lam=0.5, normalize_advantages=False))
+    adv_d, ret_d = critic_advantages(trajs, rewards, values,
+                                     GAEConfig(lam=0.5, value_lam=1.0, normalize_advantages=False))
+    for t, a_c, a_d, r_d, reward in zip(trajs, adv_c, adv_d, ret_d, rewards.tolist()):
+        m = torch.tensor(t.loss_mask) != 0
+        assert torch.equal(a_c, a_d)  # the policy's advantages are unchanged
+        assert torch.allclose(r_d[m], torch.full_like(r_d[m], reward))  # lambda 1, gamma 1: the outcome itself
+    assert not all(torch.allclose(a, b) for a, b in zip(ret_c, ret_d))
+
+
 @pytest.mark.slow
 def test_sft_ppo_recipe_end_to_end(tmp_path):
     args = ["demo", "--run-dir", str(tmp_path / "run")]

@@ -380,7 +380,8 @@ def critic_advantages(trajs: list[Trajectory], rewards: torch.Tensor, values: li
     mask = pad_token_values([torch.tensor(t.loss_mask) for t in trajs], T)
     vals = pad_token_values(values, T)
     lam = adaptive_gae_lambda(mask.sum(1), p.lambda_alpha) if p.lambda_alpha else p.lam
-    adv, ret = gae_advantages(outcome_token_rewards(rewards, mask), vals, mask, gamma=p.gamma, lam=lam)
+    adv, ret = gae_advantages(outcome_token_rewards(rewards, mask), vals, mask, gamma=p.gamma, lam=lam,
+                              value_lam=p.value_lam)
     if p.normalize_advantages:
         keep = mask != 0
         if int(keep.sum()) > 1:
