@@ -299,3 +299,40 @@ def test_honest_refusals_score_as_high_as_any_success(env, tokenizer):
             tr = run_scripted_episode(contract, env, t, OrdersExpert())
             totals[round(tr.reward.total, 6)] += 1
     assert set(totals) == {1.2}
+
+
+def test_a_second_value_for_the_checked_quantity_fails(env):
+    """A price may stand beside a stock count, but two stock counts are a hedge even without "or"."""
+    task = next(t for t in tasks_of("stock_check", "normal", 40)
+                if make_world(t.seed).product(t.reference["check"]["product_id"])["price"] != t.reference["expected"]
+                and t.reference["expected"] > 0)
+    play(env, task)
+    n = task.reference["expected"]
+    price = make_world(task.seed).product(task.reference["check"]["product_id"])["price"]
+    assert env.verify(f"We have {n} in stock at ${price:.2f} each.").success
+    assert not env.verify(f"We have {price:g}. We have {n}.").success
+    def refunded_before(t: Task) -> float:
+        return make_world(t.seed).refunded(t.reference["request"]["order_id"])
+
+    over = next(t for t in tasks_of("refund", "over_limit", 10) if refunded_before(t) > 0)
+    play(env, over)
+    w = make_world(over.seed)
+    o = next(o for o in w.orders if o["id"] == over.reference["request"]["order_id"])
+    left = round(o["total"] - w.refunded(o["id"]), 2)
+    assert env.verify(f"Only ${left:.2f} left to refund; the total is ${o['total']:.2f}.").success
+    assert not env.verify(f"Only ${o['total']:.2f} left. Only ${left:.2f} left.").success
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.text(max_size=400))
+def test_reading_any_text_never_raises(text):
+    said = read_answer(text)
+    assert all(m.polarity in ("affirmed", "negated", "hedged", "prospective") for m in said.statuses + said.numbers)
+
+
+def test_reading_is_fast_on_long_hostile_text():
+    import time
+
+    t0 = time.perf_counter()
+    read_answer(("not " * 3000) + "shipped " + ("1, or " * 3000) + "$" * 3000 + "no " * 3000 + "orders")
+    assert time.perf_counter() - t0 < 2.0

@@ -94,6 +94,9 @@ _THOUSANDS_RE = re.compile(r"(?<=\d),(?=\d{3}\b)")
 _NUMBER_RE = re.compile(r"(?<![\w.\-/])(\d+(?:\.\d+)?)(?![\w/]|-\d|\.\d)")
 _STATUS_RE = re.compile(r"\b(pending|processing|shipped|delivered|cancell?ed)\b")
 _BEING_PROCESSED_RE = re.compile(r"\b(?:being|still being) processed\b")
+_STATUS_SYNONYMS = [(re.compile(r"\b(?:in transit|out for delivery)\b"), "shipped"),
+                    (re.compile(r"\b(?:has|have) arrived\b|\bwas received\b"), "delivered"),
+                    (re.compile(r"\bin progress\b|\bbeing (?:prepared|packed)\b"), "processing")]
 _MARKUP_RE = re.compile(r"<[^<>]{0,40}>|[*_~\"\u201c\u201d\u00ab\u00bb()\[\]{}\u2014\u2013]|(?<=\s)-(?=\s)")
 # clause boundaries: sentence punctuation, commas and contrastive / causal conjunctions (not dashes or
 # brackets, which :data:`_MARKUP_RE` removes: "it is (not) shipped" must stay one clause)
@@ -109,6 +112,7 @@ class Mention:
     value: str | float
     polarity: str  # affirmed | negated | hedged | prospective
     clause: int
+    role: str = ""  # numbers: "money" ($12, 12 dollars) or "count"; "left" for money said to be what remains
 
 
 @dataclass
@@ -182,6 +186,8 @@ def normalise(text: str, literals: Iterable[str] = (), zeros: bool = False) -> s
         for pat in _ZERO_PATTERNS:
             t = pat.sub(" 0 ", t)
     t = _BEING_PROCESSED_RE.sub("processing", t)
+    for pat, status in _STATUS_SYNONYMS:
+        t = pat.sub(status, t)
     return re.sub(r"\s+", " ", t).strip()
 
 
@@ -200,6 +206,23 @@ _CATEGORY_AFTER = re.compile(r"^(?:\s*(?:,|or|and|/)\s*(?:pending|processing|shi
                              r"(?:or\s+\w+\s+)?orders\b")
 _BEFORE_MODAL = re.compile(r"\b(?:can|must|will|would|shall|to)\s+(?:not\s+|no longer\s+|never\s+)?(?:\w+\s+)?be\s+$")
 _BEFORE_ALTERNATIVE = re.compile(r"(?:\bor\b|/)\s*(?:possibly |maybe |perhaps )?(?:\$ )?$")
+
+
+_MONEY_BEFORE = re.compile(r"(?:\$|usd|us\$|dollars?)\s*$")
+_MONEY_AFTER = re.compile(r"^\s*(?:dollars?|usd|bucks)\b|^\.\d\d\b")
+_LEFT_BEFORE = re.compile(r"(?:\bat most|\bup to|\bmaximum(?: of| is)?|\bonly|\bjust|\bleft|\bremaining|"
+                          r"\bremains|\brefundable|\bmost (?:i|we) can refund (?:is|would be))\s*:?\s*(?:\$|usd)?\s*$")
+_LEFT_AFTER = re.compile(r"^\s*(?:dollars?|usd)?\s*(?:\S+\s+){0,3}?(?:left|remaining|remains|refundable|still)\b")
+
+
+def number_role(clause: str, start: int, end: int) -> str:
+    """What a number counts: ``money`` ("$12", "12 dollars"), ``left`` (money said to remain:
+    "only $42 left", "at most $42"), else ``count`` (a stock level, a number of orders)."""
+    before, after = clause[:start], clause[end:]
+    money = bool(_MONEY_BEFORE.search(before) or _MONEY_AFTER.search(after) or "." in clause[start:end])
+    if money and (_LEFT_BEFORE.search(before) or _LEFT_AFTER.search(after)):
+        return "left"
+    return "money" if money else "count"
 
 
 def polarity(clause: str, start: int, end: int) -> str:
@@ -323,7 +346,8 @@ def read_answer(text: str, literals: Iterable[str] = ()) -> Reading:
             reading.statuses.append(Mention(STATUS_WORDS[m.group(1)], polarity(c, m.start(), m.end()), i))
     for i, c in enumerate(clauses(normalise(text, literals, zeros=True))):
         for m in _NUMBER_RE.finditer(c):
-            reading.numbers.append(Mention(float(m.group(1)), polarity(c, m.start(), m.end()), i))
+            reading.numbers.append(Mention(float(m.group(1)), polarity(c, m.start(), m.end()), i,
+                                           number_role(c, m.start(), m.end())))
     reading.claims, reading.denials, reading.claim_numbers = _claims_and_denials(parts)
     reading.reasons = _reasons(parts)
     return reading
