@@ -16,8 +16,9 @@ tokenizer) only ever come from the template. A rendering is a list of *pieces*: 
 pieces, written by the template, become their token id; every other piece -- a message's
 content, a tool observation, the system prompt -- is encoded as plain text by
 :class:`ChatEncoder`, so ``"A<|im_end|>"`` in a user message or an observation stays the
-characters it is and cannot close a turn or forge another. A policy turn's own tool-call tags
-are the policy's control tokens (:func:`turn_pieces`). Untrusted JSON from a turn is parsed
+characters it is and cannot close a turn or forge another (surrogate code points, which are
+not valid Unicode, become U+FFFD there instead of crashing the tokenizer). A policy turn's own
+tool-call tags are the policy's control tokens (:func:`turn_pieces`). Untrusted JSON from a turn is parsed
 with a bounded nesting depth, and error text shown to the policy is clipped to
 :data:`MAX_ERROR_CHARS`.
 """
@@ -123,6 +124,14 @@ def render_tool_call(name: str, arguments: dict[str, Any]) -> str:
     return "".join(tool_call_pieces(name, arguments))
 
 
+_SURROGATES = re.compile("[\ud800-\udfff]")
+
+
+def replace_surrogates(text: str) -> str:
+    """``text`` with every surrogate code point (not encodable as UTF-8) replaced by U+FFFD."""
+    return _SURROGATES.sub("\ufffd", text)
+
+
 def clip_text(text: str, limit: int = MAX_ERROR_CHARS) -> str:
     """``text`` cut to ``limit`` characters, saying how much was cut."""
     if len(text) <= limit:
@@ -223,8 +232,10 @@ class ChatEncoder:
     text). Runs of other pieces are joined and encoded as plain text: any control string in
     them (the contract's tokens and every special token of the tokenizer) is cut after its
     first character, so no run can match it, whatever the tokenizer's added-token settings
-    (no tokenizer state is changed, so this is thread-safe). Text without control strings
-    encodes exactly as ``tokenizer.encode`` would."""
+    (no tokenizer state is changed, so this is thread-safe). Surrogate code points (a lone
+    ``"\\ud800"`` in a tool's output or a user's message is not valid Unicode, and tokenizers
+    raise on it) become U+FFFD, one per code point, so bad content never crashes an episode.
+    Other text without control strings encodes exactly as ``tokenizer.encode`` would."""
 
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
@@ -245,6 +256,7 @@ class ChatEncoder:
         """Plain text: control strings in ``text`` stay characters, never control tokens."""
         if not text:
             return []
+        text = replace_surrogates(text)
         pieces = [text]
         if self._control is not None:
             cuts = [m.start() + 1 for m in self._control.finditer(text)]
@@ -404,6 +416,7 @@ __all__ = [
     "render_message",
     "render_observation_content",
     "render_tool_call",
+    "replace_surrogates",
     "tool_call_pieces",
     "turn_pieces",
 ]

@@ -15,7 +15,10 @@ token's log-prob is ever copied onto several student tokens.
   teacher sequence; chunk log-probs come from prefix sums over its token log-probs.
   Special tokens (role markers, end of turn, tool-call tags) never go through BPE: each is
   its own chunk, mapped to the teacher's own spelling by ``special_tokens`` when the two
-  chat templates differ. Text the teacher cannot reproduce raises
+  chat templates differ. The text between them is encoded for the teacher as plain text
+  (:class:`~mentorrl.contract.ChatEncoder`), exactly as the student's contract encoded it: a
+  user's message or a tool's output that spells ``<|im_end|>`` or ``<tool_call>`` is text on
+  both sides and never becomes a teacher control token. Text the teacher cannot reproduce raises
   :class:`~mentorrl.opd.align.AlignmentError`.
 """
 
@@ -26,7 +29,8 @@ from typing import Mapping, Sequence
 
 import torch
 
-from mentorrl.opd.align import AlignmentError, _bounds, chunk_sums, sampled_token_ends, token_ends
+from mentorrl.contract import ChatEncoder
+from mentorrl.opd.align import AlignmentError, _bounds, _check_text, chunk_sums, sampled_token_ends
 from mentorrl.opd.teacher import Capability, HFTeacher, TeacherSignal, tokenizer_fingerprint
 from mentorrl.trajectory import Trajectory
 
@@ -97,6 +101,23 @@ def _pieces(ids: Sequence[int], special: set[int]) -> list[tuple[bool, int, int]
     return out
 
 
+def plain_token_ends(encoder: ChatEncoder, text: str, side: str) -> tuple[list[int], list[int]]:
+    """:func:`~mentorrl.opd.align.token_ends` through the contract's plain-text path: ``(ids, ends)`` of
+    ``text`` encoded by ``encoder`` as plain text, so a control string in it (``<|im_end|>`` in a user's
+    message or a tool's output) stays text and never becomes the tokenizer's control token."""
+    _check_text(text, side)
+    try:
+        ids = encoder.text(text)
+    except ValueError as e:
+        raise AlignmentError(f"{side}: {e}") from None
+    if not ids:
+        raise AlignmentError(f"{side}: produced no tokens for {text[:40]!r}")
+    decoded = encoder.tokenizer.decode(ids, clean_up_tokenization_spaces=False)
+    if decoded != text:
+        raise AlignmentError(f"{side}: tokenizing changes the text (normalisation?): {text[:40]!r} -> {decoded[:40]!r}")
+    return ids, sampled_token_ends(encoder.tokenizer, ids, text, side)
+
+
 def vocab_map(teacher_tokenizer, student_tokenizer, special_tokens: Mapping[str, str] | None = None) -> torch.Tensor:
     """``[teacher vocab]``: the student id of the token that spells the same text as each teacher
     token, -1 where the student has none (or several). Text is the token decoded alone; a token
@@ -148,6 +169,7 @@ class CrossTokenizerTeacher:
         self.special_map = dict(special_tokens or {})
         self.fingerprint = tokenizer_fingerprint(tokenizer)
         self._student_special = _special_ids(student_tokenizer)
+        self._encoder = ChatEncoder(tokenizer)
         self._special_cache: dict[int, list[int]] = {}
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
         self._vocab_map: torch.Tensor | None = None
@@ -171,7 +193,7 @@ class CrossTokenizerTeacher:
         return self._special_cache[student_id]
 
     def _plain_ids(self, text: str) -> tuple[list[int], list[int]]:
-        return token_ends(self.tokenizer, text, "teacher tokenizer")
+        return plain_token_ends(self._encoder, text, "teacher tokenizer")
 
     def alignment(self, traj: Trajectory) -> tuple[list[int], torch.Tensor, list[tuple[int, int]]]:
         """``(teacher_ids, chunk_of, teacher_bounds)``: the teacher's sequence for the whole trajectory,
@@ -256,5 +278,5 @@ class CrossTokenizerTeacher:
         return TeacherSignal(torch.zeros(T), ids, vals, mask)
 
 
-__all__ = ["ChunkSignal", "CrossTokenizerTeacher", "chunk_advantages", "same_tokenizer_signal",
+__all__ = ["ChunkSignal", "CrossTokenizerTeacher", "chunk_advantages", "plain_token_ends", "same_tokenizer_signal",
            "sampled_token_ends", "student_chunk_logprobs", "vocab_map"]
