@@ -247,7 +247,9 @@ class ChatEncoder:
         self.control_ids: dict[str, int] = {}
         for name in names:
             i = tokenizer.convert_tokens_to_ids(name)
-            if isinstance(i, int) and i != unk:
+            # a name that maps to the unknown id is absent, unless it *is* the unknown token
+            # (the tiny tokenizers use <|endoftext|> as unk: it is still a control token)
+            if isinstance(i, int) and (i != unk or tokenizer.convert_ids_to_tokens(i) == name):
                 self.control_ids[name] = i
         names = sorted((n for n in names if n), key=len, reverse=True)
         self._control = re.compile("|".join(re.escape(n) for n in names)) if names else None

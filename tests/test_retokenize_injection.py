@@ -257,9 +257,13 @@ def test_episode_with_surrogates_in_observation_and_user_text(make_contract, gli
     assert '"x\ufffd"' in text and '"\ufffdy"' in text
     assert "hi \ufffd then" in tokenizer.decode(traj.token_ids[:traj.segments[0].end])
     _template_controls_only(traj, tokenizer)
+    assert "\ud800" not in repr(traj.tool_calls[0].result) and traj.to_json()  # the record saves, too
 
 
 def test_both_tokenizers_know_the_template_tokens(tokenizer, teacher_tok):
     """Both test tokenizers know every template token (the tests above rely on it)."""
     for tok in (tokenizer, teacher_tok):
         assert {IM_START, IM_END, TOOL_CALL_OPEN, TOOL_CALL_CLOSE} <= set(ChatEncoder(tok).control_ids)
+    # the tiny tokenizer's unk *is* <|endoftext|>: still a control token the content guard knows
+    if tokenizer.unk_token == "<|endoftext|>":
+        assert ChatEncoder(tokenizer).control_ids["<|endoftext|>"] == tokenizer.unk_token_id

@@ -14,11 +14,19 @@ drive the same :class:`Episode`, so every trajectory is assembled by one piece o
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from typing import Any, Callable
 
-from mentorrl.contract import ParsedAction, RolloutContract, parse_action, render_observation_content, render_tool_call
+from mentorrl.contract import (
+    ParsedAction,
+    RolloutContract,
+    parse_action,
+    render_observation_content,
+    render_tool_call,
+    replace_surrogates,
+)
 from mentorrl.envs.base import Environment, FinalAnswer, Task, ToolResult
 from mentorrl.rewards.compose import RewardWeights, compose_reward
 from mentorrl.trajectory import Segment, ToolCall, Trajectory
@@ -103,6 +111,7 @@ class Episode:
             result = ToolResult(ok=False, content=None, error=action.error, error_kind="malformed")
         else:
             result = self.env.step(action.name, action.arguments)
+        result = _clean_result(result)  # an environment's lone surrogates never reach the record or the tokenizer
         self.timings["tool_s"] += result.latency_s
         self.tool_calls.append(
             ToolCall(
@@ -164,6 +173,25 @@ class Episode:
             timings=self.timings,
             source=self.source,
         )
+
+
+def _clean(value: Any) -> Any:
+    """``value`` with every string's surrogate code points replaced by U+FFFD (JSON-serialisable)."""
+    if isinstance(value, str):
+        return replace_surrogates(value)
+    if isinstance(value, dict):
+        return {_clean(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    return value
+
+
+def _clean_result(result: ToolResult) -> ToolResult:
+    if result.ok:
+        content = _clean(result.content)
+        return result if content == result.content else dataclasses.replace(result, content=content)
+    error = _clean(result.error)
+    return result if error == result.error else dataclasses.replace(result, error=error)
 
 
 def drive_script(expert: Any, task: Task, act: Callable[[str], ToolResult | None]) -> None:
