@@ -353,15 +353,19 @@ def read_answer(text: str, literals: Iterable[str] = ()) -> Reading:
     return reading
 
 
+def _name_tokens(text: str) -> list[str]:
+    return [t.strip(".") for t in re.sub(r"[^\w@.+-]+", " ", text.lower()).split() if t.strip(".")]
+
+
 def mentions(text: str, needles: Iterable[str]) -> list[str]:
-    """Which of ``needles`` (names, e-mail addresses, street addresses) occur in ``text``,
-    compared case-insensitively with whitespace collapsed and punctuation around them ignored."""
-    hay = " " + re.sub(r"[^\w@.+-]+", " ", text.lower()) + " "
-    hay = re.sub(r"\s+", " ", hay)
+    """Which of ``needles`` (names, e-mail addresses, street addresses) occur in ``text`` as whole
+    words, compared case-insensitively with punctuation and spacing ignored ("Ana  LOPEZ." finds
+    "Ana Lopez")."""
+    hay = " " + " ".join(_name_tokens(unicodedata.normalize("NFKC", text))) + " "
     found = []
     for n in needles:
-        key = re.sub(r"\s+", " ", re.sub(r"[^\w@.+-]+", " ", n.lower())).strip()
-        if key and re.search(r"(?<![\w@.+-])" + re.escape(key) + r"(?![\w@+-]|\.\w)", hay):
+        key = " ".join(_name_tokens(n))
+        if key and f" {key} " in hay:
             found.append(n)
     return found
 

@@ -10,6 +10,7 @@ import random
 import sqlite3
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 FIRST_NAMES = [
@@ -111,21 +112,30 @@ def make_world(seed: int) -> World:
     return w
 
 
+@lru_cache(maxsize=1024)
+def _rows(seed: int) -> tuple[tuple, ...]:
+    """The insert rows of ``seed``'s world (cached: the verifier rebuilds the same world twice per episode)."""
+    w = make_world(seed)
+    return (
+        tuple((c["id"], c["name"], c["email"], c["address"]) for c in w.customers),
+        tuple((p["id"], p["name"], p["price"], p["stock"]) for p in w.products),
+        tuple((o["id"], o["customer_id"], o["status"], o["total"]) for o in w.orders),
+        tuple((o["id"], pid, q) for o in w.orders for pid, q in o["items"]),
+        tuple(w.refunds),
+    )
+
+
 def build_db(seed: int) -> sqlite3.Connection:
     """A fresh in-memory database holding the world for ``seed``."""
-    w = make_world(seed)
+    customers, products, orders, items, refunds = _rows(seed)
     conn = sqlite3.connect(":memory:", check_same_thread=False)
     conn.executescript(SCHEMA)
     with conn:
-        conn.executemany("INSERT INTO customers VALUES (?, ?, ?, ?)",
-                         [(c["id"], c["name"], c["email"], c["address"]) for c in w.customers])
-        conn.executemany("INSERT INTO products VALUES (?, ?, ?, ?)",
-                         [(p["id"], p["name"], p["price"], p["stock"]) for p in w.products])
-        conn.executemany("INSERT INTO orders VALUES (?, ?, ?, ?)",
-                         [(o["id"], o["customer_id"], o["status"], o["total"]) for o in w.orders])
-        conn.executemany("INSERT INTO order_items VALUES (?, ?, ?)",
-                         [(o["id"], pid, q) for o in w.orders for pid, q in o["items"]])
-        conn.executemany("INSERT INTO refunds (order_id, amount) VALUES (?, ?)", w.refunds)
+        conn.executemany("INSERT INTO customers VALUES (?, ?, ?, ?)", customers)
+        conn.executemany("INSERT INTO products VALUES (?, ?, ?, ?)", products)
+        conn.executemany("INSERT INTO orders VALUES (?, ?, ?, ?)", orders)
+        conn.executemany("INSERT INTO order_items VALUES (?, ?, ?)", items)
+        conn.executemany("INSERT INTO refunds (order_id, amount) VALUES (?, ?)", refunds)
     return conn
 
 
