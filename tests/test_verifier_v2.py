@@ -336,3 +336,18 @@ def test_reading_is_fast_on_long_hostile_text():
     t0 = time.perf_counter()
     read_answer(("not " * 3000) + "shipped " + ("1, or " * 3000) + "$" * 3000 + "no " * 3000 + "orders")
     assert time.perf_counter() - t0 < 2.0
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.text(max_size=300) | st.from_regex(r"[0-9$., a-z]{0,80}", fullmatch=True)
+       | st.just("9" * 400) | st.just("\ud800 not shipped"))
+def test_verify_never_raises_on_any_answer(text):
+    env = OrdersEnv()
+    try:
+        for family, kind in (("refund", "over_limit"), ("order_status", "normal"), ("cancel_order", "normal")):
+            task = tasks_of(family, kind)[0]
+            play(env, task)
+            v = env.verify(text)
+            assert isinstance(v.success, bool) and isinstance(v.violations, list)
+    finally:
+        env.close()
