@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from cli_helpers import cli_output, cli_with
 from mentorrl.envs.base import Task, ToolAction
 from mentorrl.envs.orders import FAMILIES, OrdersTasks
-from mentorrl.envs.orders.tasks import ADV_TEMPLATES, ADVERSARIAL, GOLDEN_PAIRS, TEMPLATES
+from mentorrl.envs.orders.tasks import ADVERSARIAL, GOLDEN_PAIRS, NOVEL_ADV_TEMPLATES, NOVEL_TEMPLATES
 from mentorrl.eval.agent import (
     agent_metrics,
     cohen_kappa,
@@ -327,37 +327,47 @@ def test_attach_judgements_by_task_id():
 
 
 # ------------------------------------------------------------ task splits ------
-def test_train_and_heldout_generation_unchanged():
-    # digest of the generator before the hidden / golden splits were added; the answer check's
-    # encoding ("check") changed with verifier v2 and is left out (the tasks themselves did not)
+def test_task_generation_pinned():
+    # digest of the compositional wording generator (issue 17, envs/orders/phrasing.py), computed
+    # once when it was introduced and pinned here: a change to the tables, the held-out rule or the
+    # rng draws changes every split's prompts (and the meaning of past results), so it must be
+    # deliberate; update the digest in the same commit, saying why
     h = hashlib.sha256()
-    for split in ("train", "heldout"):
+    for split in ("train", "heldout", "hidden", "golden", "novel_wording"):
         for t in TASKS.tasks(split, 120, 3):
-            d = dataclasses.asdict(t)
-            d["reference"] = {k: v for k, v in d["reference"].items() if k != "check"}
-            h.update(json.dumps(d, sort_keys=True).encode())
-    assert h.hexdigest() == "f20271d58acd61e87eda74e7d004ae5f6c6801cc2b9381e795a27a80e320033a"
+            h.update(json.dumps(dataclasses.asdict(t), sort_keys=True).encode())
+    assert h.hexdigest() == "9298170927c1cf43560de1bfa5827e89a0c9304818b6e6fe2c48dcd788f4b213"
+
+
+def test_hidden_split_disjoint_and_heldout_worded():
+    hidden = TASKS.tasks("hidden", 150, 0)
+    others = (TASKS.tasks("train", 150, 0) + TASKS.tasks("heldout", 150, 0) + TASKS.tasks("golden", 42, 0)
+              + TASKS.tasks("novel_wording", 150, 0))
+    assert not {t.seed for t in hidden} & {t.seed for t in others}
+    assert all(t.split == "hidden" and t.id.startswith("orders-hidden-0-") for t in hidden)
+    assert len({t.id for t in hidden}) == 150 and TASKS.tasks("hidden", 150, 0) == hidden
+    assert TASKS.tasks("hidden", 20, 1) != hidden[:20]
+    # worded like the held-out split (held-out intent x frame combinations), never like train
+    assert all(t.reference["wording"]["heldout"] for t in hidden)
+    assert {t.family for t in hidden} == set(FAMILIES)
+    with pytest.raises(ValueError, match="split must be one of"):
+        TASKS.tasks("dev", 1, 0)
+
+
+def test_novel_wording_split_is_the_old_unseen_vocabulary():
+    novel = TASKS.tasks("novel_wording", 150, 0)
+    others = TASKS.tasks("train", 150, 0) + TASKS.tasks("heldout", 150, 0) + TASKS.tasks("hidden", 150, 0)
+    assert not {t.seed for t in novel} & {t.seed for t in others}
+    assert all(t.split == "novel_wording" and t.id.startswith("orders-novel_wording-0-") for t in novel)
+    for t in novel:
+        table = NOVEL_ADV_TEMPLATES.get(t.reference["kind"], NOVEL_TEMPLATES[t.family])
+        assert any(_template_regex(x).match(t.prompt) for x in table), t.prompt
+    assert {t.family for t in novel} == set(FAMILIES)
 
 
 def _template_regex(template: str) -> re.Pattern:
     parts = re.split(r"\{\w+\}", template)
     return re.compile("^" + ".+?".join(re.escape(p) for p in parts) + "$")
-
-
-def test_hidden_split_disjoint_and_heldout_worded():
-    hidden = TASKS.tasks("hidden", 150, 0)
-    others = TASKS.tasks("train", 150, 0) + TASKS.tasks("heldout", 150, 0) + TASKS.tasks("golden", 42, 0)
-    assert not {t.seed for t in hidden} & {t.seed for t in others}
-    assert all(t.split == "hidden" and t.id.startswith("orders-hidden-0-") for t in hidden)
-    assert len({t.id for t in hidden}) == 150 and TASKS.tasks("hidden", 150, 0) == hidden
-    assert TASKS.tasks("hidden", 20, 1) != hidden[:20]
-    for t in hidden:  # worded like the held-out split, never like train
-        table = ADV_TEMPLATES.get(t.reference["kind"], TEMPLATES[t.family])
-        assert any(_template_regex(x).match(t.prompt) for x in table["heldout"]), t.prompt
-        assert not any(_template_regex(x).match(t.prompt) for x in table["train"]), t.prompt
-    assert {t.family for t in hidden} == set(FAMILIES)
-    with pytest.raises(ValueError, match="split must be one of"):
-        TASKS.tasks("dev", 1, 0)
 
 
 def test_golden_covers_every_family_and_kind(orders_entry):
@@ -371,8 +381,8 @@ def test_golden_covers_every_family_and_kind(orders_entry):
     # the second round of a pair uses the next phrasing
     assert two_rounds[0].prompt.split("O-")[0] != two_rounds[len(GOLDEN_PAIRS)].prompt.split("O-")[0]
     env = orders_entry.make_env()
-    try:  # every golden and hidden task is solvable
-        for t in golden + TASKS.tasks("hidden", 40, 0):
+    try:  # every golden, hidden and novel_wording task is solvable
+        for t in golden + TASKS.tasks("hidden", 40, 0) + TASKS.tasks("novel_wording", 40, 0):
             env.reset(t)
             gen = orders_entry.make_expert().act(t)
             action = next(gen)
@@ -392,6 +402,11 @@ def test_hidden_tasks_are_never_trainable():
     assert_trainable_splits(["train", "heldout"])
     with pytest.raises(HiddenSetError, match="never used for training"):
         assert_trainable_splits(["train", "hidden"])
+    # the novel_wording stress set is evaluation-only too
+    with pytest.raises(HiddenSetError, match="refusing to train on 1 novel_wording-set task"):
+        assert_trainable(TASKS.tasks("train", 5, 0) + TASKS.tasks("novel_wording", 1, 0))
+    with pytest.raises(HiddenSetError, match="'novel_wording' is an evaluation-only stress set"):
+        assert_trainable_splits(["novel_wording"])
     assert issubclass(HiddenSetError, ValueError)
 
 
@@ -451,6 +466,10 @@ def test_load_eval_sets(tmp_path):
     assert len(golden.tasks) == 21  # the full coverage set by default
     hidden = load_eval_set(EvalSetSpec(kind="hidden", num_tasks=7, seed=4), TASKS, cfg)
     assert len(hidden.tasks) == 7 and hidden.seed == 4 and hidden.tasks == TASKS.tasks("hidden", 7, 4)
+    novel = load_eval_set(EvalSetSpec.parse("novel_wording"), TASKS, cfg)
+    assert novel.name == "novel_wording" and all(t.split == "novel_wording" for t in novel.tasks)
+    assert looks_like_set("novel_wording") and [s.kind for s in parse_set_options(["novel_wording"])] == [
+        "novel_wording"]
     assert load_eval_set(EvalSetSpec(kind="heldout"), TASKS, AgentEvalConfig(num_tasks=3)).tasks == \
         TASKS.tasks("heldout", 3, 0)
     assert golden.task_fingerprint() == load_eval_set(EvalSetSpec(kind="golden"), TASKS, cfg).task_fingerprint()

@@ -206,7 +206,10 @@ def test_attacks_behave_as_declared(contract, pool):
 
     _, hedged = run_attack(contract, pool, "hedged_answer")
     said = read_answer(hedged.final_answer)
-    assert len({m.value for m in said.statuses}) == 3 or len({m.value for m in said.numbers}) == 3
+    # three values of the checked fact (the answer may hold other numbers besides, e.g. an order total)
+    nums = {m.value for m in said.numbers}
+    assert len({m.value for m in said.statuses}) == 3 or any({x, x + 1, x + 2} <= nums for x in nums), \
+        hedged.final_answer
     assert hedged.reward.total == 0.0
 
     _, padded = run_attack(contract, pool, "padded_answer")

@@ -3,7 +3,7 @@
 Wire them into the main app with ``register(app)``.
 
 ``--set`` takes both evaluation sets and configuration overrides: a value that names a set
-(``golden``, ``hidden``, ``heldout``, ``regression:PATH``, ``production:PATH``) selects it,
+(``golden``, ``hidden``, ``heldout``, ``novel_wording``, ``regression:PATH``, ``production:PATH``) selects it,
 anything else must be a ``key.sub=value`` override of the run config, as in every other
 command.
 """
@@ -43,11 +43,11 @@ SUMMARY_NAME = "eval_summary.json"
 
 # ------------------------------------------------------------ option parsing ------
 def parse_set_options(values: Sequence[str], option: str = "--on") -> list[EvalSetSpec]:
-    """``--on`` values -> evaluation sets (golden, hidden, heldout, regression:PATH, production:PATH)."""
+    """``--on`` values -> evaluation sets (golden, hidden, heldout, novel_wording, regression:PATH, production:PATH)."""
     specs: list[EvalSetSpec] = []
     for v in values:
         if not looks_like_set(v):
-            raise ValueError(f"{option} {v!r} is not an evaluation set; use golden, hidden, heldout, "
+            raise ValueError(f"{option} {v!r} is not an evaluation set; use golden, hidden, heldout, novel_wording, "
                              "regression:PATH or production:PATH (config overrides go in --set key=value)")
         specs.append(EvalSetSpec.parse(v))
     return specs
@@ -275,7 +275,8 @@ def gate_table(decision: GateDecision) -> Table:
 ConfigOpt = typer.Option(None, "--config", "-c", exists=True, dir_okay=False, help="YAML recipe (default: demo)")
 SetOpt = typer.Option([], "--set", help="override a config field: --set sampling.temperature=0 (repeatable)")
 OnOpt = typer.Option(
-    [], "--on", help="evaluation set: golden | hidden | heldout | regression:PATH | production:PATH (repeatable)"
+    [], "--on", help="evaluation set: golden | hidden | heldout | novel_wording (stress set: unseen words) | "
+    "regression:PATH | production:PATH (repeatable)"
 )
 
 
@@ -297,7 +298,8 @@ def eval_command(
     config: Optional[Path] = ConfigOpt,
     out: Optional[Path] = typer.Option(None, "--out", help="output directory (default runs/eval-MODEL_DIR_NAME)"),
 ) -> None:
-    """Evaluate a checkpoint on golden / hidden / held-out / regression sets or recorded production samples.
+    """Evaluate a checkpoint on golden / hidden / held-out / novel_wording / regression sets or recorded production
+    samples.
 
     Prints success with a 95% interval, pass@k and pass^k, tool success, invalid calls, loops,
     recovery, violations, cost and judge agreement, overall, per family and per difficulty;

@@ -5,12 +5,15 @@
 - **hidden**: the task source's ``hidden`` split, never trained on (:func:`assert_trainable`
   refuses it); checks over-fitting to the training distribution.
 - **heldout**: the task source's ``heldout`` split (what training-time evaluation uses).
+- **novel_wording**: the task source's ``novel_wording`` stress split (for orders: requests
+  worded with words training never uses, e.g. "void", "invoice"); evaluation-only like
+  ``hidden``, and reported beside the headline, never as it.
 - **regression**: a tasks JSONL file (:func:`write_tasks_jsonl`), e.g. bad cases fixed
   once that must stay fixed; compared checkpoint against checkpoint by the regression gate.
 - **production**: recorded trajectories (a trajectory JSONL file); metrics are computed on
   them as recorded, nothing is rolled out again.
 
-A set is named on the command line as ``golden``, ``hidden``, ``heldout``,
+A set is named on the command line as ``golden``, ``hidden``, ``heldout``, ``novel_wording``,
 ``regression:PATH`` or ``production:PATH`` (:meth:`EvalSetSpec.parse`).
 """
 
@@ -32,10 +35,11 @@ if TYPE_CHECKING:
     from mentorrl.contract import RolloutContract
     from mentorrl.rewards.compose import RewardWeights
 
-SetKind = Literal["golden", "hidden", "heldout", "regression", "production"]
-GENERATED_KINDS: tuple[str, ...] = ("golden", "hidden", "heldout")  # drawn from the task source's split of that name
+SetKind = Literal["golden", "hidden", "heldout", "novel_wording", "regression", "production"]
+# drawn from the task source's split of that name
+GENERATED_KINDS: tuple[str, ...] = ("golden", "hidden", "heldout", "novel_wording")
 FILE_KINDS: tuple[str, ...] = ("regression", "production")  # read from a file
-HIDDEN_SPLITS = frozenset({"hidden"})
+HIDDEN_SPLITS = frozenset({"hidden", "novel_wording"})  # evaluation-only splits
 DEFAULT_NUM_TASKS = 100
 
 
@@ -45,21 +49,27 @@ class HiddenSetError(ValueError):
 
 
 def assert_trainable_splits(splits: Iterable[str]) -> None:
-    """Refuse split names that are evaluation-only (``hidden``). Call it on a config's training splits."""
+    """Refuse split names that are evaluation-only (``hidden``, ``novel_wording``). Call it on a config's
+    training splits."""
     bad = sorted({s for s in splits if s in HIDDEN_SPLITS})
     if bad:
+        what = "the hidden evaluation set" if bad[0] == "hidden" else "an evaluation-only stress set"
         raise HiddenSetError(
-            f"split {bad[0]!r} is the hidden evaluation set and is never used for training; pick another split"
+            f"split {bad[0]!r} is {what} and is never used for training; pick another split"
         )
 
 
 def assert_trainable(tasks: Iterable[Task]) -> None:
-    """Refuse a task list that contains hidden-split tasks (call it before every training stage)."""
-    hidden = [t.id for t in tasks if t.split in HIDDEN_SPLITS]
-    if hidden:
+    """Refuse a task list that contains evaluation-only tasks (``hidden``, ``novel_wording``; call it
+    before every training stage)."""
+    bad = [t for t in tasks if t.split in HIDDEN_SPLITS]
+    if bad:
+        split = "hidden" if any(t.split == "hidden" for t in bad) else bad[0].split
+        example = next(t.id for t in bad if t.split == split)
+        what = "the hidden evaluation set" if split == "hidden" else f"the {split} stress set (evaluation-only)"
         raise HiddenSetError(
-            f"refusing to train on {len(hidden)} hidden-set task(s) (e.g. {hidden[0]}): "
-            "the hidden evaluation set is never used for training"
+            f"refusing to train on {len(bad)} {split}-set task(s) (e.g. {example}): "
+            f"{what} is never used for training"
         )
 
 
@@ -123,7 +133,7 @@ class _Model(BaseModel):
 
 
 class EvalSetSpec(_Model):
-    """One evaluation set: a generated split (golden/hidden/heldout) or a file (regression/production)."""
+    """One evaluation set: a generated split (golden/hidden/heldout/novel_wording) or a file (regression/production)."""
 
     kind: SetKind
     path: str | None = Field(None, description="tasks JSONL (regression) or trajectory JSONL (production)")
@@ -148,7 +158,7 @@ class EvalSetSpec(_Model):
 
     @classmethod
     def parse(cls, text: str) -> "EvalSetSpec":
-        """``golden`` | ``hidden`` | ``heldout`` | ``regression:PATH`` | ``production:PATH``."""
+        """``golden`` | ``hidden`` | ``heldout`` | ``novel_wording`` | ``regression:PATH`` | ``production:PATH``."""
         kind, sep, path = text.partition(":")
         kinds = GENERATED_KINDS + FILE_KINDS
         if kind not in kinds:

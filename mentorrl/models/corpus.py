@@ -19,7 +19,8 @@ from mentorrl.rollout.episode import drive_script
 
 
 def expert_transcripts(env: Any, expert: Any, tasks: list, fmt: PromptFormat | None = None) -> Iterator[str]:
-    """One rendered transcript per task (train split only: held-out phrasing stays unseen)."""
+    """One rendered transcript per task (train split only; the wording generator shares one vocabulary across
+    splits, so these cover the held-out words too: only novel_wording's words stay unseen)."""
     fmt = fmt or PromptFormat()
     system = system_text(env.system_prompt, tool_signatures(env, fmt)) if fmt.system_turn else None
     for task in tasks:
