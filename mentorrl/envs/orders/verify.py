@@ -25,7 +25,9 @@ Three independent judgements, all of which must pass:
      asks for a change the answer must confirm it;
    * another customer's name, e-mail or address in the answer is a hard violation (privacy).
 
-The answer-reading rules are in :mod:`.reading`; this module decides what the answer must say.
+The answer-reading rules are in :mod:`.reading`; this module decides what the answer must say,
+as small rules over one :class:`AnswerContext`: :data:`GENERAL_RULES` run on every task (claims,
+statuses, numbers) and :data:`FACT_RULES` maps the task's check type to the rule for its fact.
 """
 
 from __future__ import annotations
@@ -34,12 +36,12 @@ import json
 import sqlite3
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from mentorrl.envs.base import Task
 
 from .reading import Reading, mentions, read_answer
-from .world import OPEN_STATUSES, money
+from .world import money
 
 # mutating tool -> the action family an answer's claim is read as
 FAMILY_OF_TOOL = {"cancel_order": "cancel", "issue_refund": "refund", "create_order": "order",
@@ -210,119 +212,183 @@ def _literals(task: Task, init: sqlite3.Connection) -> list[str]:
     return [x for x in lits if x]
 
 
+@dataclass
+class AnswerContext:
+    """Everything an answer rule may look at (built once per verdict)."""
+
+    task: Task
+    reading: Reading
+    evidence: Evidence
+    init: sqlite3.Connection
+    exp: sqlite3.Connection
+    changed: set[str]  # action families the episode committed
+    final_status: str | None  # of the order the user named, if any
+    true_value: float | None  # the checked number (stock, order count, amount left), if any
+
+    @property
+    def req(self) -> dict[str, Any]:
+        return self.task.reference.get("request", {})
+
+    @property
+    def check(self) -> dict[str, Any]:
+        return self.task.reference.get("check") or {}
+
+    @property
+    def own_numbers(self) -> set[float]:
+        """Numbers the user wrote (may be repeated back, compared, refused)."""
+        return {money(float(v)) for k, v in self.req.items() if k in ("amount", "quantity")}
+
+
+Rule = Callable[[AnswerContext], list[str]]
+
+
+def claims_rule(c: AnswerContext) -> list[str]:
+    """No claim of a change the database does not show, no denial of one it shows, and a
+    confirmation where the task asks for a change."""
+    out: list[str] = []
+    claims, order_id = c.reading.claims, c.req.get("order_id")
+    past_refunds = _past_refund_figures(c.init, order_id) if order_id else set()
+    for fam in sorted(claims - {"done"}):
+        if fam in c.changed:
+            continue
+        if fam == "cancel" and c.final_status == "cancelled":  # "it is already cancelled" is a fact, not a claim
+            continue
+        if fam == "refund" and all(n is not None and money(n) in past_refunds for n in c.reading.claim_numbers[fam]):
+            continue  # "$17.00 has already been refunded": a refund made before the episode
+        out.append(f"claims a {fam} change the database does not show")
+    if "done" in claims and not c.changed and c.task.family in FAMILY_OF_TASK:
+        out.append("claims the request was carried out; nothing changed")
+    denied = c.reading.denials & (c.changed | {"any", "done"})
+    if c.changed and denied:
+        out.append(f"denies a change the database shows ({', '.join(sorted(denied))})")
+    requested = FAMILY_OF_TASK.get(c.task.family) if c.task.reference.get("actions") else None
+    if requested and not ({requested, "done"} & claims):
+        out.append(f"does not confirm the {requested} change")
+    return out
+
+
+def statuses_rule(c: AnswerContext) -> list[str]:
+    """A status affirmed of the user's order was seen or is true; no status is hedged."""
+    out: list[str] = []
+    order_id = c.req.get("order_id")
+    if order_id:
+        allowed = c.evidence.statuses_seen(order_id) | ({c.final_status} if c.final_status else set())
+        wrong = c.reading.affirmed_statuses() - allowed
+        if wrong:
+            out.append(f"affirms status {', '.join(sorted(wrong))} for {order_id}")
+    if any(m.polarity == "hedged" for m in c.reading.statuses):
+        out.append("hedges the status")
+    return out
+
+
+def numbers_rule(c: AnswerContext) -> list[str]:
+    """Every affirmed number is a figure a tool returned, a figure of the user's order, or the
+    user's own; no number is hedged (a comparison with the user's own number is not a hedge)."""
+    figures = c.evidence.figures() | c.own_numbers
+    order_id = c.req.get("order_id")
+    if order_id:
+        for conn in (c.init, c.exp):
+            row = conn.execute("SELECT o.total, COALESCE((SELECT SUM(amount) FROM refunds r WHERE r.order_id = o.id), "
+                               "0) FROM orders o WHERE o.id = ?", (order_id,)).fetchone()
+            if row:
+                figures |= {money(row[0]), money(row[1]), money(row[0] - row[1])}
+    if c.true_value is not None:
+        figures.add(money(c.true_value))
+    out: list[str] = []
+    false_numbers = sorted({n for n in (money(x) for x in c.reading.affirmed_numbers()) if n not in figures})
+    if false_numbers:
+        out.append(f"states figures no tool returned: {', '.join(f'{n:g}' for n in false_numbers)}")
+    if any(m.polarity == "hedged" and money(m.value) not in c.own_numbers for m in c.reading.numbers):
+        out.append("hedges a number")
+    return out
+
+
+def number_fact_rule(c: AnswerContext) -> list[str]:
+    """The checked number, after the lookup that reveals it: affirmed, not denied, and no second
+    value in its role ("We have 12. We have 5." with a price of 12 is not a count beside a price)."""
+    check, ev = c.check, c.evidence
+    out: list[str] = []
+    if check["type"] == "amount_left":
+        if ev.owner_seen(check["order_id"]) is None:
+            out.append("states the amount left without looking the order up")
+    elif check["what"] == "stock":
+        if not ev.stock_seen(check["product_id"]):
+            out.append("states the stock without checking it")
+    elif not ev.count_seen(check["customer_id"]):
+        out.append("states the order count without listing the orders")
+    true = money(c.true_value)
+    slot = "left" if check["type"] == "amount_left" else "count"
+    rivals = sorted({money(m.value) for m in c.reading.numbers if m.polarity == "affirmed" and m.role == slot
+                     and money(m.value) not in c.own_numbers | {true}})
+    if rivals:
+        out.append(f"states another value for the checked quantity: {', '.join(f'{n:g}' for n in rivals)}")
+    if true not in {money(n) for n in c.reading.affirmed_numbers()}:
+        out.append(f"does not state {true:g}")
+    if any(m.polarity == "negated" and money(m.value) == true for m in c.reading.numbers):
+        out.append(f"denies {true:g}")
+    return out
+
+
+def status_fact_rule(c: AnswerContext) -> list[str]:
+    """The order's true status, after looking it up: affirmed alone and not denied."""
+    status = c.final_status
+    out: list[str] = []
+    if not c.evidence.statuses_seen(c.check["order_id"]):
+        out.append("states a status without looking the order up")
+    affirmed = c.reading.affirmed_statuses()
+    if status not in affirmed:
+        out.append(f"does not state that the order is {status}")
+    if affirmed - {status}:
+        out.append(f"also affirms {', '.join(sorted(affirmed - {status}))}")
+    if any(m.polarity == "negated" and m.value == status for m in c.reading.statuses):
+        out.append(f"denies that the order is {status}")
+    return out
+
+
+def reason_rule(c: AnswerContext) -> list[str]:
+    return _reason_problems(c.check["reason"], c.reading, c.evidence, c.req)
+
+
+# rules read on every task, then the rule of the task's check type
+GENERAL_RULES: tuple[Rule, ...] = (claims_rule, statuses_rule, numbers_rule)
+FACT_RULES: dict[str, Rule] = {"status": status_fact_rule, "status_word": status_fact_rule,
+                               "number": number_fact_rule, "number_only": number_fact_rule,
+                               "amount_left": number_fact_rule, "reason": reason_rule}
+
+
+def _true_value(check: dict[str, Any], exp: sqlite3.Connection) -> float | None:
+    kind = check.get("type")
+    if kind == "amount_left":
+        total, paid = exp.execute("SELECT total, COALESCE((SELECT SUM(amount) FROM refunds WHERE order_id = ?), 0) "
+                                  "FROM orders WHERE id = ?", (check["order_id"], check["order_id"])).fetchone()
+        return money(total - paid)
+    if kind in ("number", "number_only"):
+        if check["what"] == "stock":
+            return exp.execute("SELECT stock FROM products WHERE id = ?", (check["product_id"],)).fetchone()[0]
+        return exp.execute("SELECT COUNT(*) FROM orders WHERE customer_id = ?", (check["customer_id"],)).fetchone()[0]
+    return None
+
+
 def judge_answer(task: Task, answer: str | None, evidence: Evidence, init: sqlite3.Connection,
                  exp: sqlite3.Connection, act: sqlite3.Connection) -> AnswerJudgement:
     """Does the answer say what is true, with evidence, and nothing false? (module doc, point 3)"""
     if answer is None or not any(ch.isalnum() for ch in answer):
         return AnswerJudgement(False, ["no answer"])
-    ref = task.reference
-    req = ref.get("request", {})
-    check = ref.get("check") or {}
+    check = task.reference.get("check") or {}
     kind = check.get("type")
-    reading = read_answer(answer, _literals(task, init))
-    problems: list[str] = ["mixes scripts inside a word (homoglyphs)"] if reading.mixed_script() else []
-    expected: Any = None
-    violations = privacy_violations(answer, task, init, act)
-
-    # -- claims and denials of changes, on every task ----------------------------------------
-    changed = changed_families(init, act)
-    requested = FAMILY_OF_TASK.get(task.family) if ref.get("actions") else None
-    order_id = req.get("order_id")
-    final_status = None
-    if order_id:
-        row = exp.execute("SELECT status FROM orders WHERE id = ?", (order_id,)).fetchone()
-        final_status = row[0] if row else None
-    past_refunds = _past_refund_figures(init, order_id) if order_id else set()
-    for fam in sorted(reading.claims - {"done"}):
-        if fam in changed:
-            continue
-        if fam == "cancel" and final_status == "cancelled":  # "it is already cancelled" is a fact, not a claim
-            continue
-        if fam == "refund" and all(n is not None and money(n) in past_refunds for n in reading.claim_numbers[fam]):
-            continue  # "$17.00 has already been refunded": a refund made before the episode
-        problems.append(f"claims a {fam} change the database does not show")
-    if "done" in reading.claims and not changed and task.family in FAMILY_OF_TASK:
-        problems.append("claims the request was carried out; nothing changed")
-    denied = reading.denials & (changed | {"any", "done"})
-    if changed and denied:
-        problems.append(f"denies a change the database shows ({', '.join(sorted(denied))})")
-    if requested and not ({requested, "done"} & reading.claims):
-        problems.append(f"does not confirm the {requested} change")
-
-    # -- statuses: what is affirmed must be true or seen ----------------------------------
-    if order_id:
-        allowed = evidence.statuses_seen(order_id) | ({final_status} if final_status else set())
-        wrong = reading.affirmed_statuses() - allowed
-        if wrong:
-            problems.append(f"affirms status {', '.join(sorted(wrong))} for {order_id}")
-    if any(m.polarity == "hedged" for m in reading.statuses):
-        problems.append("hedges the status")
-
-    # -- numbers: every affirmed number is a true figure or the user's own --------------------
-    figures = evidence.figures() | {money(float(v)) for k, v in req.items() if k in ("amount", "quantity")}
-    if order_id:
-        for conn in (init, exp):
-            row = conn.execute("SELECT o.total, COALESCE((SELECT SUM(amount) FROM refunds r WHERE r.order_id = o.id), 0)"
-                               " FROM orders o WHERE o.id = ?", (order_id,)).fetchone()
-            if row:
-                figures |= {money(row[0]), money(row[1]), money(row[0] - row[1])}
-    true_value: float | None = None
-    if kind in ("number", "number_only"):
-        if check["what"] == "stock":
-            true_value = exp.execute("SELECT stock FROM products WHERE id = ?", (check["product_id"],)).fetchone()[0]
-            if not evidence.stock_seen(check["product_id"]):
-                problems.append("states the stock without checking it")
-        else:
-            true_value = exp.execute("SELECT COUNT(*) FROM orders WHERE customer_id = ?",
-                                     (check["customer_id"],)).fetchone()[0]
-            if not evidence.count_seen(check["customer_id"]):
-                problems.append("states the order count without listing the orders")
-    elif kind == "amount_left":
-        total, paid = exp.execute("SELECT total, COALESCE((SELECT SUM(amount) FROM refunds WHERE order_id = ?), 0) "
-                                  "FROM orders WHERE id = ?", (check["order_id"], check["order_id"])).fetchone()
-        true_value = money(total - paid)
-        if evidence.owner_seen(check["order_id"]) is None:
-            problems.append("states the amount left without looking the order up")
-    own = {money(float(v)) for k, v in req.items() if k in ("amount", "quantity")}
-    if true_value is not None:
-        expected = true_value
-        figures.add(money(true_value))
-        # the checked quantity has one value: another affirmed number in its role is a second answer
-        # ("We have 12. We have 5." with a price of 12 is not a stock count beside a price)
-        slot = "left" if kind == "amount_left" else "count"
-        rivals = sorted({money(m.value) for m in reading.numbers if m.polarity == "affirmed" and m.role == slot
-                         and money(m.value) not in own | {money(true_value)}})
-        if rivals:
-            problems.append(f"states another value for the checked quantity: {', '.join(f'{n:g}' for n in rivals)}")
-        affirmed = [money(n) for n in reading.affirmed_numbers()]
-        if money(true_value) not in affirmed:
-            problems.append(f"does not state {true_value:g}")
-        if any(m.polarity == "negated" and money(m.value) == money(true_value) for m in reading.numbers):
-            problems.append(f"denies {true_value:g}")
-    false_numbers = sorted({n for n in (money(x) for x in reading.affirmed_numbers()) if n not in figures})
-    if false_numbers:
-        problems.append(f"states figures no tool returned: {', '.join(f'{n:g}' for n in false_numbers)}")
-    if any(m.polarity == "hedged" and money(m.value) not in own for m in reading.numbers):
-        problems.append("hedges a number")  # "less than the 14 you asked for" compares; it does not hedge
-
-    # -- check-specific facts ----------------------------------------------------------------
-    if kind in ("status", "status_word"):
-        status = exp.execute("SELECT status FROM orders WHERE id = ?", (check["order_id"],)).fetchone()[0]
-        expected = status
-        if not evidence.statuses_seen(check["order_id"]):
-            problems.append("states a status without looking the order up")
-        affirmed = reading.affirmed_statuses()
-        if status not in affirmed:
-            problems.append(f"does not state that the order is {status}")
-        if affirmed - {status}:
-            problems.append(f"also affirms {', '.join(sorted(affirmed - {status}))}")
-        if any(m.polarity == "negated" and m.value == status for m in reading.statuses):
-            problems.append(f"denies that the order is {status}")
-    elif kind == "reason":
-        problems += _reason_problems(check["reason"], reading, evidence, req)
-    elif kind is not None and kind not in ("number", "number_only", "amount_left"):
+    if kind is not None and kind not in FACT_RULES:
         raise ValueError(f"unknown check type {kind!r}")
-    return AnswerJudgement(not problems, problems, expected, violations)
+    order_id = task.reference.get("request", {}).get("order_id")
+    row = exp.execute("SELECT status FROM orders WHERE id = ?", (order_id,)).fetchone() if order_id else None
+    reading = read_answer(answer, _literals(task, init))
+    ctx = AnswerContext(task, reading, evidence, init, exp, changed_families(init, act), row[0] if row else None,
+                        _true_value(check, exp))
+    problems = ["mixes scripts inside a word (homoglyphs)"] if reading.mixed_script() else []
+    for rule in GENERAL_RULES + ((FACT_RULES[kind],) if kind else ()):
+        problems += rule(ctx)
+    expected = ctx.true_value if ctx.true_value is not None else (ctx.final_status if kind in (
+        "status", "status_word") else None)
+    return AnswerJudgement(not problems, problems, expected, privacy_violations(answer, task, init, act))
 
 
 def _past_refund_figures(init: sqlite3.Connection, order_id: str) -> set[float]:
@@ -349,5 +415,5 @@ def _reason_problems(reason: str, reading: Reading, evidence: Evidence, req: dic
     raise ValueError(f"unknown refusal reason {reason!r}")
 
 
-__all__ = ["AnswerJudgement", "Evidence", "FAMILY_OF_TOOL", "Observation", "audit_rows", "changed_families",
+__all__ = ["AnswerContext", "AnswerJudgement", "Evidence", "FACT_RULES", "GENERAL_RULES", "FAMILY_OF_TOOL", "Observation", "audit_rows", "changed_families",
            "judge_answer", "privacy_violations", "table_diffs", "table_rows", "unrequested_writes"]
