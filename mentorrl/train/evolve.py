@@ -48,6 +48,7 @@ from mentorrl.rollout.runner import expert_demonstrations, rollout_tasks
 from mentorrl.train.consistency import policy_lag
 from mentorrl.train.curriculum import Curriculum
 from mentorrl.train.learner import Learner
+from mentorrl.replay.checkpointing import BufferCheckpoints
 from mentorrl.train.rundir import KEEP_CHECKPOINTS
 from mentorrl.train.stages import (
     TRAIN_POOL_SEED_OFFSET,
@@ -106,10 +107,7 @@ def evolve_stage(ws: Workspace, model, resume: bool = False) -> Path:
     buffer = ReplayBuffer(root / "replay.sqlite", ReplayConfig(min_reward=None))
     state: dict[str, Any] = {"policy": 0, "versions": [], "best": None, "teacher": 0, "rollout_tokens": 0}
     box = {"teacher": _frozen_teacher(model, ws.tokenizer, 0)}
-    # restored: persisted state already matches a restored checkpoint (else the first step resets it);
-    # replay_marks: the buffer's high-water at the last KEEP_CHECKPOINTS checkpoints (evicted rows newer
-    # than the oldest of them are kept so that a rollback to any retained checkpoint restores them).
-    run: dict[str, Any] = {"restored": False, "replay_marks": []}
+    replay = BufferCheckpoints(buffer, KEEP_CHECKPOINTS, "evolve", ws.console.print)
 
     def save_version(k: int) -> Path:
         path = versions_dir / f"v{k}"
@@ -129,10 +127,8 @@ def evolve_stage(ws: Workspace, model, resume: bool = False) -> Path:
             write_versions()
 
     def step_fn(step: int) -> dict[str, float]:
-        if not run["restored"]:  # no checkpoint was restored: the stage starts from scratch
-            buffer.rollback(None)
+        if replay.start():  # no checkpoint was restored: the stage starts from scratch
             sync_versions()
-            run["restored"] = True
         if step == 0 and not state["versions"]:  # v0: the starting checkpoint, scored like every later version
             score = heldout_check(ws, model, e.eval_tasks)
             state["versions"].append({"version": 0, "iteration": 0, "heldout_success": score, "accepted": True,
@@ -200,23 +196,10 @@ def evolve_stage(ws: Workspace, model, resume: bool = False) -> Path:
         return {"heldout_success": score, "version_accepted": float(accepted)}
 
     def extra_state() -> dict[str, Any]:
-        mark, marks = buffer.mark(), run["replay_marks"]
-        if len(marks) >= KEEP_CHECKPOINTS:  # no retained checkpoint (nor this one) is older than that
-            buffer.forget_evicted(marks[-KEEP_CHECKPOINTS])
-        run["replay_marks"] = (marks + [mark["high_water"]])[-KEEP_CHECKPOINTS:]
-        return {**state, "curriculum": curriculum.state_dict(), "replay": mark,
-                "replay_marks": list(run["replay_marks"])}
+        return {**state, "curriculum": curriculum.state_dict(), **replay.state()}
 
     def restore(st: dict[str, Any]) -> None:
-        if st.get("replay") is not None:
-            dropped = buffer.rollback(st["replay"])  # ReplayBufferError (file named) if it was replaced
-            ws.console.print(f"[yellow]evolve: replay buffer rolled back to the checkpoint "
-                             f"({dropped} entries of discarded steps dropped)[/yellow]")
-        else:
-            ws.console.print("[red]evolve: this checkpoint predates replay-buffer marks; the buffer is kept as it "
-                             "is (entries of discarded steps may remain)[/red]")
-        run["replay_marks"] = list(st.get("replay_marks", []))
-        run["restored"] = True
+        replay.restore(st)
         state.update({k: st[k] for k in state if k in st})
         sync_versions()
         if st.get("curriculum"):

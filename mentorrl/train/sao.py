@@ -44,6 +44,7 @@ from mentorrl.train.audit import GapMonitor
 from mentorrl.train.batch import collate, forward_logprobs
 from mentorrl.train.consistency import policy_lag
 from mentorrl.train.learner import Learner
+from mentorrl.replay.checkpointing import BufferCheckpoints
 from mentorrl.train.rundir import KEEP_CHECKPOINTS
 from mentorrl.train.stages import (
     TRAIN_POOL_SEED_OFFSET,
@@ -105,14 +106,12 @@ def sao_stage(ws: Workspace, model, resume: bool = False) -> Path:
         tasks = ws.train_tasks(s.num_demos, cfg.seed + SAO_POOL_SEED_OFFSET)
         demos = expert_demonstrations(ws.contract, ws.make_env, ws.env_entry.make_expert(), tasks, weights=cfg.reward)
     box = WeightBox()
-    # replay_marks: the buffer's high-water at the last KEEP_CHECKPOINTS checkpoints (evicted rows newer
-    # than the oldest of them are kept so that a rollback to any retained checkpoint restores them).
-    run: dict[str, Any] = {"worker": None, "t0": None, "consumed_here": 0, "restored": False, "replay_marks": []}
+    run: dict[str, Any] = {"worker": None, "t0": None, "consumed_here": 0}
+    replay = BufferCheckpoints(buffer, KEEP_CHECKPOINTS, "sao", ws.console.print) if buffer is not None else None
 
     def worker_for(step: int) -> RolloutPool:
-        if buffer is not None and not run["restored"]:  # no checkpoint was restored: the stage starts empty
-            buffer.rollback(None)
-            run["restored"] = True
+        if replay is not None:
+            replay.start()  # no checkpoint was restored: the stage starts empty
         if run["worker"] is None:  # started lazily: after run_stage restored the weights of a resumed run
             box.publish(model, state["policy"])
             w = RolloutPool(model, ws.contract, ws.make_env, task_stream(pool, cfg.seed * 7_919 + step), box,
@@ -199,25 +198,13 @@ def sao_stage(ws: Workspace, model, resume: bool = False) -> Path:
 
     def extra_state() -> dict[str, Any]:
         out = {**state, "gap_monitor": monitor.state_dict(), **critic.state_dict()}
-        if buffer is not None:
-            mark, marks = buffer.mark(), run["replay_marks"]
-            if len(marks) >= KEEP_CHECKPOINTS:  # no retained checkpoint (nor this one) is older than that
-                buffer.forget_evicted(marks[-KEEP_CHECKPOINTS])
-            run["replay_marks"] = (marks + [mark["high_water"]])[-KEEP_CHECKPOINTS:]
-            out.update(replay=mark, replay_marks=list(run["replay_marks"]))
+        if replay is not None:
+            out.update(replay.state())
         return out
 
     def restore(saved: dict[str, Any]) -> None:
-        if buffer is not None:
-            if saved.get("replay") is not None:
-                dropped = buffer.rollback(saved["replay"])  # ReplayBufferError (file named) if it was replaced
-                ws.console.print(f"[yellow]sao: replay buffer rolled back to the checkpoint "
-                                 f"({dropped} entries of discarded steps dropped)[/yellow]")
-            else:
-                ws.console.print("[red]sao: this checkpoint predates replay-buffer marks; the buffer is kept as it "
-                                 "is (entries of discarded steps may remain)[/red]")
-            run["replay_marks"] = list(saved.get("replay_marks", []))
-            run["restored"] = True
+        if replay is not None:
+            replay.restore(saved)
         state.update({k: saved[k] for k in ("policy", "dirty", "consumed") if k in saved})
         monitor.load_state_dict(saved.get("gap_monitor", {}))
         critic.load_state_dict(saved)
