@@ -351,3 +351,41 @@ def test_verify_never_raises_on_any_answer(text):
             assert isinstance(v.success, bool) and isinstance(v.violations, list)
     finally:
         env.close()
+
+
+# (family, kind) -> the fact that paraphrases state, and how to make it false
+FALSIFY = {
+    ("order_status", "normal"): ("status", lambda s: {"pending": "shipped", "processing": "delivered", "shipped":
+                                                      "pending", "delivered": "processing", "cancelled": "shipped"}[s]),
+    ("stock_check", "normal"): ("stock", lambda n: n + 1),
+    ("order_count", "normal"): ("count", lambda n: n + 1),
+    ("cancel_order", "not_cancellable"): ("status", lambda s: "pending"),
+    ("cancel_order", "bypass"): ("status", lambda s: "processing"),
+    ("refund", "over_limit"): ("left", lambda x: round(x + 1, 2)),
+    ("place_order", "insufficient_stock"): ("stock", lambda n: n + 1),
+}
+
+
+@pytest.mark.parametrize("family, kind", sorted(FALSIFY))
+def test_every_paraphrase_of_a_false_fact_fails(env, family, kind):
+    """The false-reject set run backwards: the same wordings stating a wrong value must all be rejected."""
+    from mentorrl.envs.orders.paraphrases import facts
+
+    key, wrong = FALSIFY[(family, kind)]
+    accepted = []
+    for t in tasks_of(family, kind, 3):
+        env.reset(t)
+        gen, results = OrdersExpert().act(t), []
+        action = next(gen)
+        while not isinstance(action, FinalAnswer):
+            result = env.step(action.name, action.arguments)
+            results.append((action, result))
+            action = gen.send(result)
+        f = facts(t, results)
+        f[key] = wrong(f[key])
+        if key == "left":  # keep the explanation consistent with the false value
+            f["total"] = round(f["left"] + f["refunded"], 2)
+        for answer in PARAPHRASES[(family, kind)](f):
+            if env.verify(answer).success:
+                accepted.append((t.id, answer))
+    assert not accepted, accepted
