@@ -71,25 +71,39 @@ def init_model_cmd(
     out_dir: Path = typer.Argument(..., help="directory to write the tokenizer and model into"),
     config: Optional[Path] = ConfigOpt,
     set_: list[str] = SetOpt,
+    pretrain_steps: Optional[int] = typer.Option(
+        None, "--pretrain-steps", min=0,
+        help="next-token pretraining steps on the environment's language (default: model.pretrain.steps, 0)"),
 ) -> None:
     """Build the tiny local BPE tokenizer and Qwen2-architecture model (no download).
 
-    Size, seed, environment and prompt format come from the config (default: the demo recipe)."""
+    Size, seed, environment, prompt format and pretraining come from the config (default: the demo
+    recipe; pretraining settings under model.pretrain). Writes OUT_DIR/mentorrl_build.json with the
+    command, the build config and its hash, and the pretraining corpus size and loss curve."""
     quiet_transformers()
+    import shlex
+
+    import torch
+
     from mentorrl.envs import get_env
     from mentorrl.models.build import dir_digest
     from mentorrl.train.pipeline import build_tiny_model
 
     from rich.markup import escape
 
-    cfg = _load(config, set_, default="demo.yaml")  # an unknown env.name exits 2 here
+    overrides = list(set_) + ([f"model.pretrain.steps={pretrain_steps}"] if pretrain_steps is not None else [])
+    cfg = _load(config, overrides, default="demo.yaml")  # an unknown env.name exits 2 here
     entry = get_env(cfg.env.name)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:  # OUT_DIR (or a folder above it) is an existing file, or not writable
         err.print(f"[red]{escape(f'init-model: cannot use {out_dir} as the output directory: {e.strerror or e}')}[/red]")
         raise typer.Exit(2)
-    path = build_tiny_model(entry, out_dir, cfg.model.spec, cfg.model.tokenizer_corpus_tasks, cfg.seed, cfg.prompt)
+    command = shlex.join(["mentorrl", *sys.argv[1:]]) if sys.argv[1:2] == ["init-model"] else None
+    path = build_tiny_model(entry, out_dir, cfg.model.spec, cfg.model.tokenizer_corpus_tasks, cfg.seed, cfg.prompt,
+                            pretrain=cfg.model.pretrain, command=command)
     console.print(f"wrote {path} (digest {dir_digest(path)})")
 
 

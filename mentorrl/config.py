@@ -23,6 +23,7 @@ from mentorrl.envs.latency import LatencyModel
 from mentorrl.eval.sets import assert_trainable_splits
 from mentorrl.flywheel.hard_pool import HardPoolConfig
 from mentorrl.models.build import ModelSpec
+from mentorrl.models.pretrain import PretrainSpec
 from mentorrl.opd.api import ClientConfig
 from mentorrl.replay.buffer import ReplayConfig
 from mentorrl.rewards.compose import RewardWeights
@@ -55,6 +56,10 @@ class ModelConfig(_Section):
     )
     spec: ModelSpec = Field(default_factory=ModelSpec, description="size of the tiny model (used when path is null)")
     tokenizer_corpus_tasks: int = Field(400, ge=10, description="expert episodes rendered to train the tiny tokenizer")
+    pretrain: PretrainSpec = Field(
+        default_factory=PretrainSpec,
+        description="next-token pretraining of the tiny model on the environment's language, run by "
+                    "`mentorrl init-model` (steps 0: none); a recipe starts from it with model.path")
 
 
 class OptimConfig(_Section):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -114,13 +114,19 @@ def dir_digest(path: str | Path) -> str:
     return h.hexdigest()[:16]
 
 
-def init_model(out_dir: str | Path, corpus: Iterable[str], spec: ModelSpec | None = None) -> Path:
-    """Train the tokenizer on ``corpus``, build the model and save both to ``out_dir``."""
+def init_model(out_dir: str | Path, corpus: Iterable[str], spec: ModelSpec | None = None,
+               before_save: Callable[[Any, Any], None] | None = None) -> Path:
+    """Train the tokenizer on ``corpus``, build the model and save both to ``out_dir``.
+
+    ``before_save(tokenizer, model)``, when given, runs on the fresh model before it is saved
+    (pretraining: see :mod:`mentorrl.models.pretrain`)."""
     spec = spec or ModelSpec()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer(corpus, spec.vocab_size)
     model = build_model(tokenizer, spec)
+    if before_save is not None:
+        before_save(tokenizer, model)
     tokenizer.save_pretrained(out)
     model.save_pretrained(out, safe_serialization=True)
     (out / "mentorrl_spec.json").write_text(json.dumps(spec.model_dump(), indent=2))

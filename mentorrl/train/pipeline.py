@@ -16,23 +16,46 @@ from rich.table import Table
 
 from mentorrl.config import ConfigError, RunConfig
 from mentorrl.eval.plots import plot_rl_curves
-from mentorrl.models.build import ModelSpec, init_model, load_policy
+from mentorrl.models.build import ModelSpec, dir_digest, init_model, load_policy
+from mentorrl.models.pretrain import PretrainSpec, run_pretraining
+from mentorrl.models.pretrain import config_hash as pretrain_config_hash
 from mentorrl.models.corpus import expert_transcripts
 from mentorrl.train.report import RL_STAGES, build_report, write_report
 from mentorrl.train.stages import (Workspace, evaluate, frozen_copy, grpo_stage, open_workspace, ppo_stage, rft_stage,
                                    sft_stage)
 
 
-def build_tiny_model(env_entry, out_dir: Path, spec: ModelSpec, corpus_tasks: int, seed: int = 0, fmt=None) -> Path:
-    """Tokenizer trained on expert transcripts of train tasks + a fresh Qwen2-architecture model."""
+def build_tiny_model(env_entry, out_dir: Path, spec: ModelSpec, corpus_tasks: int, seed: int = 0, fmt=None,
+                     pretrain: PretrainSpec | None = None, command: str | None = None) -> Path:
+    """Tokenizer trained on expert transcripts of train tasks + a fresh Qwen2-architecture model,
+    pretrained on the environment's language when ``pretrain.steps > 0`` (see
+    :mod:`mentorrl.models.pretrain`). Writes ``mentorrl_build.json``: the build config and its
+    hash, the command, and (when pretrained) the corpus size and loss curve."""
     if (out_dir / "model.safetensors").exists() and (out_dir / "tokenizer.json").exists():
         return out_dir
+    t0 = time.perf_counter()
+    pretrain = pretrain or PretrainSpec()
     env, expert = env_entry.make_env(), env_entry.make_expert()
+    env_name = str(getattr(env, "name", ""))
     try:
         corpus = list(expert_transcripts(env, expert, env_entry.make_tasks().tasks(split="train", n=corpus_tasks, seed=seed), fmt))
     finally:
         env.close()
-    return init_model(out_dir, corpus, spec)
+    record: dict[str, Any] = {}
+
+    def before_save(tokenizer, model) -> None:
+        if pretrain.steps > 0:
+            record["pretrain"] = run_pretraining(env_entry, env_name, tokenizer, model, pretrain, fmt)
+
+    path = init_model(out_dir, corpus, spec, before_save=before_save)
+    config = {"env": env_name, "spec": spec.model_dump(mode="json"), "tokenizer_corpus_tasks": corpus_tasks,
+              "seed": seed, "prompt": fmt.model_dump(mode="json") if fmt is not None else None,
+              "pretrain": pretrain.model_dump(mode="json")}
+    build = {"command": command, "config": config, "config_hash": pretrain_config_hash(config),
+             "tokenizer_corpus": {"docs": len(corpus), "chars": sum(map(len, corpus))},
+             **record, "digest": dir_digest(path), "wall_s": round(time.perf_counter() - t0, 2)}
+    (path / "mentorrl_build.json").write_text(json.dumps(build, indent=2))
+    return path
 
 
 def base_model_dir(ws: Workspace) -> Path:

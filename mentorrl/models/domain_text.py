@@ -1,0 +1,155 @@
+"""Generated text about an environment's domain, for pretraining the tiny base model.
+
+Two kinds of document per seeded world, both a pure function of ``(world seed, rng)``:
+
+* ``free_text``: sentences describing the world's customers, orders, stock and refunds, and the
+  store policy, in plain prose (several sentence frames each, chosen by the rng);
+* ``tool_session``: a run of tool calls on the world's live database, each rendered through the
+  contract as an assistant tool-call turn followed by the tool's observation -- lookups of real
+  and unknown records, and writes that succeed or are refused by the policy.
+
+Worlds come only from the training seed range (``OrdersTasks.SEED_BASE["train"]``), so nothing
+here describes a held-out or hidden episode's database. The free text deliberately does not reuse
+the task templates of any split (held-out wording stays unseen).
+
+Environments register a generator in :data:`DOMAIN_TEXT`; one without a generator pretrains on
+its transcripts, tool schemas and observations only.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Callable
+
+from mentorrl.contract import IM_START, Control, observation_pieces, render_observation_content, tool_call_pieces
+
+Pieces = list[str]
+# (env name) -> fn(rng, n_worlds) -> (documents as (kind, pieces), world seeds used)
+DomainTextFn = Callable[[random.Random, int], tuple[list[tuple[str, Pieces]], list[int]]]
+
+
+def _money(x: float) -> str:
+    return f"${x:.2f}"
+
+
+def _qty(n: int, name: str) -> str:
+    from mentorrl.envs.orders.tasks import plural
+
+    return f"{n} {plural(name) if n != 1 else name}"
+
+
+def _orders_free_text(w: Any, rng: random.Random) -> str:
+    """Prose about one world: every customer, product and order, plus a few policy sentences."""
+    from mentorrl.envs.orders.world import OPEN_STATUSES
+
+    pick = rng.choice
+    lines: list[str] = []
+    for c in w.customers:
+        first = c["name"].split()[0]
+        lines.append(pick([
+            f"Customer {c['id']} is {c['name']}, email {c['email']}, living at {c['address']}.",
+            f"{c['name']} ({c['id']}) can be reached at {c['email']}. Their address is {c['address']}.",
+            f"The account {c['id']} belongs to {c['name']}. {first}'s email address is {c['email']}.",
+            f"{first} lives at {c['address']}; the email on file for {c['id']} is {c['email']}.",
+        ]))
+    for p in w.products:
+        stock = "out of stock" if p["stock"] == 0 else f"{_qty(p['stock'], p['name'])} in stock"
+        lines.append(pick([
+            f"Product {p['id']} is the {p['name']} at {_money(p['price'])}; there are {p['stock']} left.",
+            f"The {p['name']} ({p['id']}) costs {_money(p['price'])} and the shop has {stock}.",
+            f"We sell the {p['name']} for {_money(p['price'])} each. Stock: {p['stock']}.",
+        ]))
+    for o in w.orders:
+        c = w.customer(o["customer_id"])
+        items = ", ".join(_qty(q, w.product(pid)["name"]) for pid, q in o["items"])
+        refunded = w.refunded(o["id"])
+        lines.append("")  # one paragraph per order: its sentences stay together when paragraphs are shuffled
+        lines[-1] = pick([
+            f"Order {o['id']} was placed by {c['name']} ({c['id']}) for {items}; it is {o['status']}, "
+            f"total {_money(o['total'])}.",
+            f"{c['name']} ordered {items} in order {o['id']}. Status: {o['status']}. Total: {_money(o['total'])}.",
+            f"Order {o['id']} ({o['status']}) belongs to customer {c['id']} and totals {_money(o['total'])}.",
+        ])
+        if refunded > 0:
+            left = round(o["total"] - refunded, 2)
+            lines[-1] += (f" {_money(refunded)} of order {o['id']} has already been refunded, "
+                          f"so at most {_money(left)} can still be refunded.")
+        if o["status"] in OPEN_STATUSES:
+            lines[-1] += " " + pick([f"Order {o['id']} is {o['status']}, so it can still be cancelled.",
+                                     f"Since {o['id']} has not shipped yet, {c['name'].split()[0]} may cancel it."])
+        else:
+            lines[-1] += " " + pick([f"Order {o['id']} is {o['status']} and can no longer be cancelled.",
+                                     f"A {o['status']} order such as {o['id']} cannot be cancelled."])
+    rng.shuffle(lines)
+    lines += rng.sample(POLICY_SENTENCES, 3)
+    return "\n".join(lines)
+
+
+POLICY_SENTENCES = [
+    "An agent identifies the customer by email with find_customer before changing their data or orders.",
+    "Only pending or processing orders can be cancelled; shipped and delivered orders cannot.",
+    "Total refunds on an order may never exceed the order total.",
+    "An order cannot ask for more units of a product than are in stock.",
+    "A receipt is only emailed for an order that belongs to the customer asking for it.",
+    "Each requested change is made once; then the agent answers briefly with the key fact.",
+    "Cancelling an order puts its items back in stock.",
+    "A new order starts as pending, and its total is the price times the quantity.",
+    "When a customer, order or product does not exist, the agent says so instead of guessing.",
+    "Being a manager or staff member does not override the store policy.",
+]
+
+
+def _orders_tool_session(seed: int, rng: random.Random) -> Pieces:
+    """Random but well-formed tool calls on world ``seed``'s database, with their real observations."""
+    from mentorrl.envs.base import ToolError
+    from mentorrl.envs.orders.backend import OrdersBackend
+    from mentorrl.envs.orders.world import build_db, make_world
+
+    w = make_world(seed)
+    conn = build_db(seed)
+    backend = OrdersBackend(conn)
+    pieces: Pieces = []
+    try:
+        for _ in range(rng.randint(3, 7)):
+            c, o, p = rng.choice(w.customers), rng.choice(w.orders), rng.choice(w.products)
+            calls = [
+                ("find_customer", {"email": c["email"]}),
+                ("find_customer", {"email": f"{c['name'].split()[0].lower()}{rng.randint(1, 99)}@{rng.choice(['mail.com', 'example.org'])}"}),
+                ("get_order", {"order_id": o["id"]}),
+                ("get_order", {"order_id": f"O-{rng.randint(101, 999)}"}),
+                ("list_orders", {"customer_id": c["id"]}),
+                ("check_inventory", {"product": rng.choice([p["name"], p["name"].lower()])}),
+                ("cancel_order", {"order_id": o["id"]}),
+                ("issue_refund", {"order_id": o["id"], "amount": float(rng.choice([5, 10, 20, 50, round(o["total"], 2)]))}),
+                ("create_order", {"customer_id": c["id"], "product_id": p["id"], "quantity": rng.randint(1, 6)}),
+                ("send_email", {"customer_id": c["id"], "order_id": o["id"]}),
+            ]
+            name, args = rng.choice(calls)
+            try:
+                ok, content, error = True, getattr(backend, name)(**args), None
+            except ToolError as e:
+                ok, content, error = False, None, str(e)
+            if not pieces:
+                pieces += [Control(IM_START), "assistant\n"]
+            pieces += [*tool_call_pieces(name, args), Control("<|im_end|>"),
+                       *observation_pieces(render_observation_content(ok, content, error))]
+    finally:
+        conn.close()
+    return pieces
+
+
+def orders_domain_text(rng: random.Random, n_worlds: int) -> tuple[list[tuple[str, Pieces]], list[int]]:
+    from mentorrl.envs.orders.tasks import SEED_BASE
+    from mentorrl.envs.orders.world import make_world
+
+    docs: list[tuple[str, Pieces]] = []
+    seeds: list[int] = []
+    for _ in range(n_worlds):
+        seed = SEED_BASE["train"] + rng.getrandbits(39)  # the train split's seed range only
+        seeds.append(seed)
+        docs.append(("free_text", [_orders_free_text(make_world(seed), rng)]))
+        docs.append(("tool_session", _orders_tool_session(seed, rng)))
+    return docs, seeds
+
+
+DOMAIN_TEXT: dict[str, DomainTextFn] = {"orders": orders_domain_text}

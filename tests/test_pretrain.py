@@ -1,0 +1,136 @@
+"""Pretraining the tiny base model on the environment's language (mentorrl.models.pretrain)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from mentorrl.cli import app
+from mentorrl.contract import PAD
+from mentorrl.envs.orders.tasks import SEED_BASE, OrdersTasks
+from mentorrl.models.build import ModelSpec, build_model, load_policy
+from mentorrl.models.pretrain import (PretrainSpec, batch_order, build_corpus, heldout_transcripts, mean_token_loss,
+                                      pack, pretrain, separator_id)
+from mentorrl.train.pipeline import build_tiny_model
+
+from conftest import TINY_SPEC
+
+SMALL = dict(transcripts=150, worlds=30, eval_transcripts=0)
+
+
+@pytest.fixture(scope="module")
+def corpus(orders_entry, tokenizer):
+    return build_corpus(orders_entry, "orders", tokenizer, PretrainSpec(**SMALL))
+
+
+def test_corpus_is_train_only_and_has_every_kind(corpus, tokenizer):
+    assert set(corpus.kinds) == {"transcript", "schema", "free_text", "tool_session"}
+    assert corpus.world_seeds and all(SEED_BASE["train"] <= s < SEED_BASE["heldout"] for s in corpus.world_seeds)
+    assert corpus.task_ids and all(t.startswith("orders-train-") for t in corpus.task_ids)
+    text = "\n".join(tokenizer.decode(d, skip_special_tokens=False) for d in corpus.docs)
+    source = OrdersTasks()
+    train = source.tasks("train", 150, seed=PretrainSpec().seed + 7_919)
+    assert sum(t.prompt in text for t in train) == len(train)  # the check below can fire
+    for split in ("heldout", "hidden"):
+        leaked = [t.prompt for t in source.tasks(split, 300, seed=0) if t.prompt in text]
+        assert not leaked, f"{split} prompts in the pretraining corpus: {leaked[:3]}"
+    for phrase in ("void order", "call it off", "invoice", "credit me", "return $"):  # held-out-only wording
+        assert phrase not in text
+
+
+def test_corpus_is_deterministic(orders_entry, tokenizer, corpus):
+    again = build_corpus(orders_entry, "orders", tokenizer, PretrainSpec(**SMALL))
+    assert again.docs == corpus.docs and again.kinds == corpus.kinds
+    other = build_corpus(orders_entry, "orders", tokenizer, PretrainSpec(**{**SMALL, "seed": 1}))
+    assert other.docs != corpus.docs
+
+
+def test_packing_gives_full_blocks_separated_by_eos(tokenizer):
+    sep = separator_id(tokenizer)
+    assert tokenizer.convert_ids_to_tokens(sep) == PAD
+    docs = [list(range(1, 1 + n)) for n in (5, 9, 3, 14, 7, 2, 11)]
+    blocks = pack(docs, 8, sep, seed=0)
+    total = sum(len(d) + 1 for d in docs)
+    assert blocks.shape == (total // 8, 8)  # full blocks only; the tail is dropped
+    stream = blocks.flatten().tolist()
+    # the stream is the documents in a shuffled order, each followed by one separator
+    pieces, cur = [], []
+    for t in stream:
+        if t == sep:
+            pieces.append(cur)
+            cur = []
+        else:
+            cur.append(t)
+    assert all(p in docs for p in pieces) and len(set(map(tuple, pieces))) == len(pieces)
+    assert sum(len(p) + 1 for p in pieces) + len(cur) == len(stream)
+    assert torch.equal(pack(docs, 8, sep, seed=0), blocks)
+    assert not torch.equal(pack(docs, 8, sep, seed=1), blocks)
+    with pytest.raises(ValueError, match="shorter than one block"):
+        pack([[1, 2]], 8, sep, seed=0)
+
+
+def test_batch_order_covers_every_block_each_epoch():
+    order = batch_order(10, 5, 4, seed=3)
+    flat = [i for b in order for i in b]
+    assert sorted(flat[:10]) == list(range(10)) and sorted(flat[10:20]) == list(range(10))
+    assert order == batch_order(10, 5, 4, seed=3)
+
+
+def _build(orders_entry, path, steps):
+    return build_tiny_model(orders_entry, path, ModelSpec(**TINY_SPEC), corpus_tasks=60,
+                            pretrain=PretrainSpec(steps=steps, batch_size=4, block_size=128, **SMALL))
+
+
+def test_same_seed_same_weights(orders_entry, tmp_path):
+    a, b = _build(orders_entry, tmp_path / "a", 5), _build(orders_entry, tmp_path / "b", 5)
+    assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
+    fresh = _build(orders_entry, tmp_path / "fresh", 0)
+    wa, wf = load_file(a / "model.safetensors"), load_file(fresh / "model.safetensors")
+    assert any(not torch.equal(wa[k], wf[k]) for k in wa)  # the 5 steps changed the weights
+    rec = json.loads((a / "mentorrl_build.json").read_text())
+    assert rec["config"]["pretrain"]["steps"] == 5 and len(rec["config_hash"]) == 16
+    assert rec["pretrain"]["corpus"]["blocks"] > 0 and rec["pretrain"]["loss_curve"][-1]["step"] == 5
+    assert json.loads((fresh / "mentorrl_build.json").read_text())["config_hash"] != rec["config_hash"]
+    assert "pretrain" not in json.loads((fresh / "mentorrl_build.json").read_text())
+
+
+def test_no_pretraining_builds_todays_model(orders_entry, tiny_model_dir, tmp_path):
+    """steps 0 (the default) is the build every existing caller gets: same tokenizer, same weights."""
+    path = _build(orders_entry, tmp_path / "m", 0)
+    assert (path / "model.safetensors").read_bytes() == (tiny_model_dir / "model.safetensors").read_bytes()
+    assert (path / "tokenizer.json").read_bytes() == (tiny_model_dir / "tokenizer.json").read_bytes()
+
+
+def test_pretraining_lowers_heldout_transcript_loss(orders_entry, tokenizer):
+    torch.manual_seed(0)
+    spec = PretrainSpec(steps=30, batch_size=4, block_size=256, lr=3e-3, warmup_steps=5, **SMALL)
+    corpus = build_corpus(orders_entry, "orders", tokenizer, spec)
+    blocks = pack(corpus.docs, spec.block_size, separator_id(tokenizer), spec.seed)
+    evals = heldout_transcripts(orders_entry, tokenizer, 16)
+    fresh = build_model(tokenizer, ModelSpec(**TINY_SPEC))
+    trained = build_model(tokenizer, ModelSpec(**TINY_SPEC))
+    curve = pretrain(trained, blocks, spec)
+    pad = separator_id(tokenizer)
+    before, after = mean_token_loss(fresh, evals, pad), mean_token_loss(trained, evals, pad)
+    assert curve[-1]["loss"] < curve[0]["loss"]
+    assert after < before - 1.0, (before, after)
+
+
+def test_cli_init_model_pretrain_steps(tmp_path):
+    out = tmp_path / "m"
+    args = ["init-model", str(out), "--pretrain-steps", "2", "--set", "model.tokenizer_corpus_tasks=40",
+            "--set", "model.pretrain.transcripts=40", "--set", "model.pretrain.worlds=5",
+            "--set", "model.pretrain.eval_transcripts=0", "--set", "model.pretrain.block_size=64",
+            "--set", "model.spec.vocab_size=500", "--set", "model.spec.hidden_size=32",
+            "--set", "model.spec.intermediate_size=64", "--set", "model.spec.num_layers=1"]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    rec = json.loads((out / "mentorrl_build.json").read_text())
+    assert rec["config"]["pretrain"]["steps"] == 2 and rec["config"]["prompt"]["system_turn"] is False
+    assert len(rec["pretrain"]["loss_curve"]) == 1
+    tok, model = load_policy(out)  # the ordinary from_pretrained path
+    assert model.config.vocab_size == len(tok)
