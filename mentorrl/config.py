@@ -58,8 +58,8 @@ class ModelConfig(_Section):
     tokenizer_corpus_tasks: int = Field(400, ge=10, description="expert episodes rendered to train the tiny tokenizer")
     pretrain: PretrainSpec = Field(
         default_factory=PretrainSpec,
-        description="next-token pretraining of the tiny model on the environment's language, run by "
-                    "`mentorrl init-model` (steps 0: none); a recipe starts from it with model.path")
+        description="next-token pretraining of the tiny model on the environment's language when it is built "
+                    "(by a recipe with model.path null, or by `mentorrl init-model`); steps 0: none")
 
 
 class OptimConfig(_Section):

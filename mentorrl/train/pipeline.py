@@ -64,7 +64,8 @@ def base_model_dir(ws: Workspace) -> Path:
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"model.path {path} is not a Hugging Face checkpoint directory (no config.json)")
         return path
-    return build_tiny_model(ws.env_entry, ws.run_dir / "base_model", ws.cfg.model.spec, ws.cfg.model.tokenizer_corpus_tasks, ws.cfg.seed, ws.cfg.prompt)
+    return build_tiny_model(ws.env_entry, ws.run_dir / "base_model", ws.cfg.model.spec, ws.cfg.model.tokenizer_corpus_tasks, ws.cfg.seed, ws.cfg.prompt,
+                            pretrain=ws.cfg.model.pretrain)
 
 
 PREFLIGHT_TRAIN_TASKS = 64  # train tasks whose prompts are rendered by the preflight (plus every eval task)
