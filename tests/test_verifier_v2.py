@@ -389,3 +389,13 @@ def test_every_paraphrase_of_a_false_fact_fails(env, family, kind):
             if env.verify(answer).success:
                 accepted.append((t.id, answer))
     assert not accepted, accepted
+
+
+def test_junk_not_found_lookups_cannot_pad_the_tool_share():
+    ok = ToolCall(turn=1, name="get_order", arguments={"order_id": "O-1"}, raw="", result={"x": 1})
+    bad = ToolCall(turn=2, name="cancel_order", arguments={"order_id": "O-1"}, raw="", error="no", error_kind="policy")
+    junk = [ToolCall(turn=3 + i, name=n, arguments={"k": "zz"}, raw="", error="no", error_kind="not_found")
+            for i, n in enumerate(["find_customer", "check_inventory", "list_orders"])]
+    base = compose(Verdict(success=True), [ok, bad])
+    padded = compose(Verdict(success=True), [ok, bad, *junk])
+    assert padded.tool == base.tool == 0.5 and padded.total == base.total

@@ -9,8 +9,9 @@
   doing nothing). A lookup that answered "not found" (``error_kind`` ``not_found``) is an
   informative result, not a failure: the first one per tool counts as a success and costs no
   runtime, so an honest refusal that rests on a failed lookup scores as high as any other
-  honest success; further not-found answers of the same tool count as failed calls (guessing
-  ids or e-mails until one matches is not free);
+  honest success; it counts on neither side of the share (a junk lookup cannot pad it), and
+  further not-found answers of the same tool count as failed calls (guessing ids or e-mails
+  until one matches is not free);
 * ``format`` in {0, 1}: the episode ended with a well-formed final answer;
 * ``runtime`` in [-1, 0]: ``-(error_penalty * failed calls + redundant_penalty * redundant calls
   + truncation_penalty if the episode hit a limit)``, clipped at -1. A call is *redundant* when
@@ -74,18 +75,31 @@ class RewardWeights(BaseModel):
         return self
 
 
+def informative_calls(calls: Sequence[ToolCall]) -> list[bool]:
+    """Per call: is it the first ``not_found`` answer of its tool (an informative lookup)?"""
+    seen: set[str | None] = set()
+    out = []
+    for c in calls:
+        first = not c.ok and c.error_kind == "not_found" and c.name not in seen
+        if first:
+            seen.add(c.name)
+        out.append(first)
+    return out
+
+
 def failed_calls(calls: Sequence[ToolCall]) -> int:
     """Calls that failed, except the first ``not_found`` answer of each tool (an informative lookup)."""
-    informative: set[str | None] = set()
-    n = 0
-    for c in calls:
-        if c.ok:
-            continue
-        if c.error_kind == "not_found" and c.name not in informative:
-            informative.add(c.name)
-            continue
-        n += 1
-    return n
+    return sum(not c.ok and not info for c, info in zip(calls, informative_calls(calls)))
+
+
+def tool_success_share(calls: Sequence[ToolCall]) -> float:
+    """Share of calls that succeeded, informative lookups counted on neither side (so extra
+    "not found" lookups cannot pad the share); 0 with no calls, 1 when every call was informative."""
+    info = informative_calls(calls)
+    counted = [c for c, i in zip(calls, info) if not i]
+    if not counted:
+        return 1.0 if calls else 0.0
+    return sum(c.ok for c in counted) / len(counted)
 
 
 def redundant_calls(calls: Sequence[ToolCall]) -> int:
@@ -118,7 +132,7 @@ def compose_reward(
     calls = list(tool_calls)
     n_err = failed_calls(calls)
     n_redundant = redundant_calls(calls)
-    tool = (len(calls) - n_err) / len(calls) if calls else 0.0
+    tool = tool_success_share(calls)
     fmt = 1.0 if finish_reason == "answer" else 0.0
     truncation = 0.0 if finish_reason == "answer" else weights.truncation_penalty
     runtime = -min(1.0, n_err * weights.error_penalty + n_redundant * weights.redundant_penalty + truncation)
