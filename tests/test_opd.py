@@ -311,14 +311,18 @@ def test_a_budgeted_episode_stops_at_its_budget(make_contract, orders_entry, too
     from mentorrl.rollout.runner import rollout_tasks
 
     contract = make_contract(max_total_tokens=640)
-    tasks = orders_entry.make_tasks().tasks("train", 1, 4) * 2
-    full, short = rollout_tasks(tool_happy_model, contract, orders_entry.make_env, tasks, seed=1,
-                                token_budgets=[None, 40])
-    prompt = short.segments[0].end
-    assert len(short.token_ids) <= prompt + 40 and short.sampling["max_total_tokens"] == prompt + 40
-    assert full.sampling["max_total_tokens"] == 640 and len(full.token_ids) > prompt + 40
+    tasks = orders_entry.make_tasks().tasks("train", 6, 4)
+    trajs = rollout_tasks(tool_happy_model, contract, orders_entry.make_env, tasks * 2, seed=1,
+                          token_budgets=[None] * len(tasks) + [40] * len(tasks))
+    full, short = trajs[: len(tasks)], trajs[len(tasks):]
+    for t in short:
+        prompt = t.segments[0].end
+        assert len(t.token_ids) <= prompt + 40 and t.sampling["max_total_tokens"] == prompt + 40
+    assert all(t.sampling["max_total_tokens"] == 640 for t in full)
+    # the same tasks unbudgeted run past the budget (which episodes do depends on sampling; some must)
+    assert any(len(t.token_ids) > t.segments[0].end + 40 for t in full), [len(t.token_ids) - t.segments[0].end for t in full]
     with pytest.raises(ValueError, match="token_budgets has 1 entries for 2 tasks"):
-        rollout_tasks(tool_happy_model, contract, orders_entry.make_env, tasks, token_budgets=[100])
+        rollout_tasks(tool_happy_model, contract, orders_entry.make_env, tasks[:1] * 2, token_budgets=[100])
 
 
 def test_sampled_advantages_are_centred_over_the_tokens_they_cover():
