@@ -1,0 +1,95 @@
+"""The demo's lift over seeds: SFT -> GRPO held-out success, mean ± sd and a 95% interval of the lift.
+
+Each seed is one whole `mentorrl demo` run in its own process and run directory
+(``OUT/seed-S``, ``--set seed=S``), exactly what a user runs; extra ``--set`` overrides go to
+every seed. A finished seed is read back instead of rerun (its ``report.json``), so the bench
+can be stopped and started again. It prints one row per seed (held-out success after SFT and
+after GRPO with 95% Wilson intervals, and the lift), then the mean ± sd of the lift over seeds
+and a Student-t 95% interval of the mean lift, and writes everything to ``OUT/seeds_lift.json``.
+
+    python bench/seeds_lift.py --out runs/seeds-lift                     # seeds 0 1 2, the demo recipe
+    python bench/seeds_lift.py --out runs/seeds-lift --seeds 0 1 2 3 --set eval.num_tasks=500
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+# two-sided 95% Student-t quantiles by degrees of freedom (1..30); normal beyond
+_T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
+
+
+def t95(dof: int) -> float:
+    return _T95[dof - 1] if 1 <= dof <= len(_T95) else 1.96
+
+
+def lift_summary(lifts: list[float]) -> dict[str, float | None]:
+    """Mean, sample sd and the Student-t 95% interval of the mean of per-seed lifts (points)."""
+    if not lifts:
+        raise ValueError("no seed finished")
+    mean = statistics.fmean(lifts)
+    if len(lifts) < 2:
+        return {"n": 1, "mean": mean, "sd": None, "ci95": None}
+    sd = statistics.stdev(lifts)
+    half = t95(len(lifts) - 1) * sd / math.sqrt(len(lifts))
+    return {"n": len(lifts), "mean": mean, "sd": sd, "ci95": (mean - half, mean + half)}
+
+
+def run_seed(out: Path, seed: int, overrides: list[str]) -> dict:
+    run_dir = out / f"seed-{seed}"
+    report = run_dir / "report.json"
+    if not report.exists():
+        cmd = [sys.executable, "-m", "mentorrl.cli", "demo", "--run-dir", str(run_dir), "--set", f"seed={seed}"]
+        for ov in overrides:
+            cmd += ["--set", ov]
+        env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+        done = subprocess.run(cmd, env=env)
+        if done.returncode != 0 or not report.exists():
+            raise SystemExit(f"seed {seed}: `{' '.join(cmd)}` exited {done.returncode}")
+    evals = json.loads(report.read_text())["evals"]
+    sft, grpo = evals["sft"], evals["grpo"]
+    return {"seed": seed, "n": sft["n"], "sft": sft["success"], "sft_ci95": sft["success_ci95"],
+            "grpo": grpo["success"], "grpo_ci95": grpo["success_ci95"],
+            "lift_points": 100 * (grpo["success"] - sft["success"])}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path("runs/seeds-lift"))
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--set", dest="overrides", action="append", default=[], help="a config override for every seed")
+    args = ap.parse_args(argv)
+    if len(set(args.seeds)) != len(args.seeds):
+        ap.error("--seeds must be distinct")
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = [run_seed(args.out, s, args.overrides) for s in args.seeds]
+
+    def pct(x: float, ci: list[float]) -> str:
+        return f"{100 * x:5.1f}% [{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]"
+
+    print(f"{'seed':>4}  {'n':>4}  {'after SFT':>21}  {'after GRPO':>21}  {'lift':>7}")
+    for r in rows:
+        print(f"{r['seed']:>4}  {r['n']:>4}  {pct(r['sft'], r['sft_ci95']):>21}  {pct(r['grpo'], r['grpo_ci95']):>21}  "
+              f"{r['lift_points']:+6.1f}")
+    s = lift_summary([r["lift_points"] for r in rows])
+    if s["sd"] is None:
+        print(f"lift over 1 seed: {s['mean']:+.1f} points (one seed: no spread, no interval)")
+    else:
+        lo, hi = s["ci95"]
+        verdict = "a lift" if lo > 0 else ("a drop" if hi < 0 else "no difference (the interval holds 0)")
+        print(f"lift over {s['n']} seeds: {s['mean']:+.1f} ± {s['sd']:.1f} points (mean ± sd); "
+              f"95% interval of the mean [{lo:+.1f}, {hi:+.1f}]: {verdict}")
+    (args.out / "seeds_lift.json").write_text(json.dumps({"seeds": rows, "lift": s, "overrides": args.overrides},
+                                                         indent=2))
+
+
+if __name__ == "__main__":
+    main()
