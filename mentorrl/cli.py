@@ -74,6 +74,8 @@ def init_model_cmd(
     pretrain_steps: Optional[int] = typer.Option(
         None, "--pretrain-steps", min=0,
         help="next-token pretraining steps on the environment's language (default: model.pretrain.steps, 0)"),
+    rebuild: bool = typer.Option(False, "--rebuild", help="build even when the package ships a base with the same "
+                                                          "build config (how the shipped base itself is made)"),
 ) -> None:
     """Build the tiny local BPE tokenizer and Qwen2-architecture model (no download).
 
@@ -102,8 +104,8 @@ def init_model_cmd(
         err.print(f"[red]{escape(f'init-model: cannot use {out_dir} as the output directory: {e.strerror or e}')}[/red]")
         raise typer.Exit(2)
     command = shlex.join(["mentorrl", *sys.argv[1:]]) if sys.argv[1:2] == ["init-model"] else None
-    path = build_tiny_model(entry, out_dir, cfg.model.spec, cfg.model.tokenizer_corpus_tasks, cfg.seed, cfg.prompt,
-                            pretrain=cfg.model.pretrain, command=command)
+    path = build_tiny_model(entry, out_dir, cfg.model.spec, cfg.model.tokenizer_corpus_tasks, cfg.model.spec.seed,
+                            cfg.prompt, pretrain=cfg.model.pretrain, command=command, use_shipped=not rebuild)
     console.print(f"wrote {path} (digest {dir_digest(path)})")
 
 

@@ -20,23 +20,43 @@ from mentorrl.models.build import ModelSpec, dir_digest, init_model, load_policy
 from mentorrl.models.pretrain import PretrainSpec, run_pretraining
 from mentorrl.models.pretrain import config_hash as pretrain_config_hash
 from mentorrl.models.corpus import expert_transcripts
+from mentorrl.models.shipped import find_shipped_base, install_shipped_base
 from mentorrl.train.report import RL_STAGES, build_report, write_report
 from mentorrl.train.stages import (Workspace, evaluate, frozen_copy, grpo_stage, open_workspace, ppo_stage, rft_stage,
                                    sft_stage)
 
 
+def build_config(env_name: str, spec: ModelSpec, corpus_tasks: int, seed: int, fmt=None,
+                 pretrain: PretrainSpec | None = None) -> dict[str, Any]:
+    """Everything that determines a built base model; its hash names the build."""
+    pretrain = pretrain or PretrainSpec()
+    return {"env": env_name, "spec": spec.model_dump(mode="json"), "tokenizer_corpus_tasks": corpus_tasks,
+            "seed": seed, "prompt": fmt.model_dump(mode="json") if fmt is not None else None,
+            "pretrain": pretrain.model_dump(mode="json")}
+
+
 def build_tiny_model(env_entry, out_dir: Path, spec: ModelSpec, corpus_tasks: int, seed: int = 0, fmt=None,
-                     pretrain: PretrainSpec | None = None, command: str | None = None) -> Path:
+                     pretrain: PretrainSpec | None = None, command: str | None = None,
+                     use_shipped: bool = True) -> Path:
     """Tokenizer trained on expert transcripts of train tasks + a fresh Qwen2-architecture model,
     pretrained on the environment's language when ``pretrain.steps > 0`` (see
     :mod:`mentorrl.models.pretrain`). Writes ``mentorrl_build.json``: the build config and its
-    hash, the command, and (when pretrained) the corpus size and loss curve."""
+    hash, the command, and (when pretrained) the corpus size and loss curve.
+
+    When the package ships a base built from the same config (same hash; see
+    :mod:`mentorrl.models.shipped`) and ``use_shipped`` is true, that base is copied instead."""
     if (out_dir / "model.safetensors").exists() and (out_dir / "tokenizer.json").exists():
         return out_dir
     t0 = time.perf_counter()
     pretrain = pretrain or PretrainSpec()
     env, expert = env_entry.make_env(), env_entry.make_expert()
     env_name = str(getattr(env, "name", ""))
+    config = build_config(env_name, spec, corpus_tasks, seed, fmt, pretrain)
+    chash = pretrain_config_hash(config)
+    shipped = find_shipped_base(chash) if use_shipped else None
+    if shipped is not None:
+        env.close()
+        return install_shipped_base(shipped, out_dir)
     try:
         corpus = list(expert_transcripts(env, expert, env_entry.make_tasks().tasks(split="train", n=corpus_tasks, seed=seed), fmt))
     finally:
@@ -48,10 +68,7 @@ def build_tiny_model(env_entry, out_dir: Path, spec: ModelSpec, corpus_tasks: in
             record["pretrain"] = run_pretraining(env_entry, env_name, tokenizer, model, pretrain, fmt)
 
     path = init_model(out_dir, corpus, spec, before_save=before_save)
-    config = {"env": env_name, "spec": spec.model_dump(mode="json"), "tokenizer_corpus_tasks": corpus_tasks,
-              "seed": seed, "prompt": fmt.model_dump(mode="json") if fmt is not None else None,
-              "pretrain": pretrain.model_dump(mode="json")}
-    build = {"command": command, "config": config, "config_hash": pretrain_config_hash(config),
+    build = {"command": command, "config": config, "config_hash": chash,
              "tokenizer_corpus": {"docs": len(corpus), "chars": sum(map(len, corpus))},
              **record, "digest": dir_digest(path), "wall_s": round(time.perf_counter() - t0, 2)}
     (path / "mentorrl_build.json").write_text(json.dumps(build, indent=2))
@@ -64,8 +81,9 @@ def base_model_dir(ws: Workspace) -> Path:
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"model.path {path} is not a Hugging Face checkpoint directory (no config.json)")
         return path
-    return build_tiny_model(ws.env_entry, ws.run_dir / "base_model", ws.cfg.model.spec, ws.cfg.model.tokenizer_corpus_tasks, ws.cfg.seed, ws.cfg.prompt,
-                            pretrain=ws.cfg.model.pretrain)
+    # the base is a function of model.* alone (like a real checkpoint); the run seed varies post-training only
+    return build_tiny_model(ws.env_entry, ws.run_dir / "base_model", ws.cfg.model.spec, ws.cfg.model.tokenizer_corpus_tasks,
+                            ws.cfg.model.spec.seed, ws.cfg.prompt, pretrain=ws.cfg.model.pretrain)
 
 
 PREFLIGHT_TRAIN_TASKS = 64  # train tasks whose prompts are rendered by the preflight (plus every eval task)
