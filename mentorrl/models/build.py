@@ -23,7 +23,7 @@ class ModelSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    vocab_size: int = Field(1024, ge=300, description="BPE vocabulary size including special tokens (number tokens 0-999 come on top)")
+    vocab_size: int = Field(1024, ge=300, description="BPE vocabulary size including special tokens")
     hidden_size: int = Field(128, ge=16, description="model width")
     intermediate_size: int = Field(384, ge=16, description="MLP width")
     num_layers: int = Field(4, ge=1, description="decoder layers")
@@ -33,25 +33,27 @@ class ModelSpec(BaseModel):
     seed: int = Field(0, description="weight initialisation seed")
 
 
-# Pre-tokenisation: whitespace, letter runs, numbers in chunks of up to three digits, and
-# punctuation runs are separate pieces. Unlike GPT-2's "Ġword" pieces, a word is then the
-# same token after a space as after a quote, and every 1-3 digit chunk is one token (as in
-# cl100k / Llama 3), so copying a name or an id from the user's message into tool arguments
-# is an identity copy of whole tokens -- which a tiny model learns far faster than copying
-# digit sequences in order.
-PRETOKENIZE_PATTERN = r"\s+|[A-Za-z]+|[0-9]{1,3}|[^\sA-Za-z0-9]+"
-NUMBER_TOKENS = [str(i) for i in range(1000)] + [f"{i:02d}" for i in range(10)] + [f"{i:03d}" for i in range(100)]
+# Pre-tokenisation is exactly Qwen2's (NFC, then its split regex, then byte-level): the model is a
+# Qwen2-architecture checkpoint, and `AutoTokenizer` -- hence vLLM, TRL and every other tool -- loads a
+# `qwen2` checkpoint's tokenizer as `Qwen2Tokenizer`, which rebuilds the normaliser and pre-tokeniser
+# from these fixed settings whatever tokenizer.json says. Any other choice here would be trained on one
+# tokenisation and served another (it was: numbers and spaces were split differently after reloading).
+# Digits are single tokens, as in Qwen2.
+QWEN2_PRETOKENIZE_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
+                           r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
 
 
 def train_tokenizer(corpus: Iterable[str], vocab_size: int):
-    """Byte-level BPE (digits split one by one, as Qwen2 does) with the ChatML special tokens."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    """Byte-level BPE with Qwen2's normaliser and pre-tokeniser (digits split one by one) and the
+    ChatML special tokens; it loads back through ``AutoTokenizer`` unchanged."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(Regex(PRETOKENIZE_PATTERN), behavior="isolated"),
+            pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )
@@ -63,8 +65,6 @@ def train_tokenizer(corpus: Iterable[str], vocab_size: int):
         show_progress=False,
     )
     tok.train_from_iterator(list(corpus), trainer=trainer)
-    vocab = tok.get_vocab()
-    tok.add_tokens([n for n in NUMBER_TOKENS if n not in vocab])  # every 1-3 digit chunk is a token
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token=IM_END,
@@ -125,9 +125,12 @@ def init_model(out_dir: str | Path, corpus: Iterable[str], spec: ModelSpec | Non
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer(corpus, spec.vocab_size)
     model = build_model(tokenizer, spec)
-    if before_save is not None:
-        before_save(tokenizer, model)
     tokenizer.save_pretrained(out)
+    model.config.save_pretrained(out)
+    if before_save is not None:  # pretraining sees the tokenizer exactly as every later stage loads it
+        from transformers import AutoTokenizer
+
+        before_save(AutoTokenizer.from_pretrained(out), model)
     model.save_pretrained(out, safe_serialization=True)
     (out / "mentorrl_spec.json").write_text(json.dumps(spec.model_dump(), indent=2))
     return out
