@@ -14,7 +14,8 @@ from test_resume import TINY_OVERRIDES
 
 RECIPE = ["recipe=[sft, rft, grpo]", "rft.max_iterations=3", "rft.num_tasks=4", "rft.samples_per_task=2",
           "rft.sft_steps=2", "rft.batch_size=4", "rft.band=[0.0, 1.0]", "grpo.steps=2",
-          "audit.eval_every=1", "audit.eval_tasks=4", "eval.batch_size=4", "grpo.hard_pool={boost: 4.0}"]
+          "audit.eval_every=1", "audit.eval_tasks=4", "eval.batch_size=4", "grpo.hard_pool={boost: 4.0}",
+          "eval.final_splits=[hidden, novel_wording]"]
 
 
 def _run(tmp_path, *flags: str):
@@ -38,6 +39,11 @@ def test_sft_rft_grpo_recipe_writes_report_and_resumes(tmp_path):
     assert len(report["audit"]["gap_checks"]) == 2  # one held-out check per GRPO step
     assert {"flagged_high_reward_failures", "rewards_clipped", "end_to_end"} <= set(report["audit"])
     assert (run / "report.md").read_text().startswith("# Run report")
+    # the final checkpoint on the hidden set and the novel-wording stress set, beside the headline
+    assert list(report["other_splits"]) == ["hidden", "novel_wording"]
+    assert all(report["other_splits"][s]["n"] == 4 for s in ("hidden", "novel_wording"))
+    assert json.loads((run / "eval_grpo_hidden.json").read_text())["split"] == "hidden"
+    assert "## Final checkpoint on other splits" in (run / "report.md").read_text()
     grpo = MetricsLog(run / "metrics.jsonl").read("grpo")
     assert all({"reward_clipped", "reward_flagged", "heldout_success", "gap_warning", "rollouts",
                 "hard_pool_size", "hard_tasks_in_batch"} <= set(r) for r in grpo)
@@ -105,3 +111,11 @@ def test_check_flags_a_tampered_batch(tmp_path):
     assert "observation_mask" in checked.output and "contract" in checked.output
     missing = CliRunner().invoke(app, ["check", str(tmp_path)])
     assert missing.exit_code == 2 and "not a run directory" in missing.output
+
+
+def test_final_splits_never_include_training_splits():
+    from mentorrl.config import ConfigError, load_config
+
+    assert load_config(None, ["eval.final_splits=[hidden, novel_wording]"]).eval.final_splits == ["hidden", "novel_wording"]
+    with pytest.raises(ConfigError, match="final_splits"):
+        load_config(None, ["eval.final_splits=[train]"])

@@ -246,17 +246,23 @@ def run_recipe(cfg: RunConfig, resume: bool = False, show_progress: bool = True)
         con.print(f"held-out success after {STAGE_LABELS[stage]}: {_fmt_pct(evals[stage]['success'])}")
 
     con.print(before_after_table(rows))
+    final = cfg.recipe[-1]
+    other: dict[str, dict[str, Any]] = {}
+    for split in cfg.eval.final_splits:
+        other[split] = evaluate(ws, model, f"{final}_{split}", resume=resume, split=split)
+        note = " (stress set: words never used in training)" if split == "novel_wording" else ""
+        con.print(f"{STAGE_LABELS[final]} on {split}: {_fmt_pct(other[split]['success'])}{note}")
     records = ws.metrics.read()
     rl_at = max((i for i, s in enumerate(cfg.recipe) if s in RL_STAGES), default=None)  # the last RL stage
     rl_stage = cfg.recipe[rl_at] if rl_at is not None else None
     pre_rl = cfg.recipe[rl_at - 1] if rl_at else None
     report = build_report(records, evals, cfg.audit, pre_rl_label=pre_rl, final_label=rl_stage,
-                          rl_stage=rl_stage or "grpo")
+                          rl_stage=rl_stage or "grpo", other_splits=other)
     json_path, md_path = write_report(ws.run_dir, report)
     _print_audit(con, report)
     result: dict[str, Any] = {"rows": rows, "report": str(json_path), "run_dir": str(ws.run_dir)}
     first, last = evals[cfg.recipe[0]], evals[cfg.recipe[-1]]
-    result.update(before=first, after=last)
+    result.update(before=first, after=last, other_splits=other)
     if rl_stage is not None:
         rl_records = [r for r in records if r.get("stage") == rl_stage]
         marks = {s: evals[s]["success"] for s in cfg.recipe}

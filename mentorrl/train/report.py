@@ -53,9 +53,10 @@ def async_summary(sao: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 def build_report(records: list[dict[str, Any]], evals: dict[str, dict[str, Any]], audit: AuditConfig,
                  pre_rl_label: str | None = None, final_label: str | None = None,
-                 rl_stage: str = "grpo") -> dict[str, Any]:
+                 rl_stage: str = "grpo", other_splits: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """``rl_stage``'s records feed the gap checks and the end-to-end gap; the reward audit
-    counts cover every RL stage of the run."""
+    counts cover every RL stage of the run. ``other_splits``: the final checkpoint's evaluations
+    on other splits (hidden, the novel_wording stress set), reported beside the held-out ones."""
     by_stage: dict[str, list[dict[str, Any]]] = {}
     for r in records:
         by_stage.setdefault(r.get("stage", "?"), []).append(r)
@@ -67,9 +68,10 @@ def build_report(records: list[dict[str, Any]], evals: dict[str, dict[str, Any]]
     rl = by_stage.get(rl_stage, [])
     every_rl = [r for name in RL_STAGES for r in by_stage.get(name, [])]
     checks = [r for r in rl if "heldout_success" in r]
+    keys = ("n", "success", "success_ci95", "mean_reward", "violation_rate", "tool_success", "mean_turns")
     report: dict[str, Any] = {
-        "evals": {k: {key: v.get(key) for key in ("n", "success", "success_ci95", "mean_reward", "violation_rate",
-                                                  "tool_success", "mean_turns")} for k, v in evals.items()},
+        "evals": {k: {key: v.get(key) for key in keys} for k, v in evals.items()},
+        "other_splits": {k: {key: v.get(key) for key in keys} for k, v in (other_splits or {}).items()},
         "stages": stages,
         "rft_rounds": [{k: r.get(k) for k in ("step", "positive_task_rate", "trajectory_success_rate",
                                               "samples_to_success", "tasks_in_band", "selected", "dataset_size",
@@ -129,6 +131,14 @@ def report_markdown(report: dict[str, Any]) -> str:
         lo, hi = e.get("success_ci95") or (None, None)
         lines.append(f"| {label} | {e.get('n')} | {_pct(e.get('success'))} | [{_pct(lo)}, {_pct(hi)}] | "
                      f"{(e.get('mean_reward') or 0):.3f} | {_pct(e.get('violation_rate'))} |")
+    if report.get("other_splits"):
+        lines += ["", "## Final checkpoint on other splits", "",
+                  "`novel_wording` is a stress set worded with words training never uses; it is not the headline.", "",
+                  "| split | n | success | 95% CI | mean reward | violations |", "|---|---|---|---|---|---|"]
+        for split, e in report["other_splits"].items():
+            lo, hi = e.get("success_ci95") or (None, None)
+            lines.append(f"| {split} | {e.get('n')} | {_pct(e.get('success'))} | [{_pct(lo)}, {_pct(hi)}] | "
+                         f"{(e.get('mean_reward') or 0):.3f} | {_pct(e.get('violation_rate'))} |")
     lines += ["", "## Stages", "", "| stage | steps | rollouts | seconds |", "|---|---|---|---|"]
     for name, s in report["stages"].items():
         lines.append(f"| {name} | {s['steps']} | {s['rollouts']} | {s['seconds']:.0f} |")

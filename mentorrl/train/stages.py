@@ -567,14 +567,16 @@ def eval_contract(ws: Workspace) -> RolloutContract:
     return replace(ws.contract, sampling=ws.contract.sampling.model_copy(update={"temperature": t}))
 
 
-def evaluate(ws: Workspace, model, label: str, resume: bool = False) -> dict[str, Any]:
-    """Roll out held-out tasks; writes eval_<label>.json and eval_<label>.jsonl into the run dir."""
+def evaluate(ws: Workspace, model, label: str, resume: bool = False, split: str | None = None) -> dict[str, Any]:
+    """Roll out ``eval.num_tasks`` tasks of ``split`` (default ``eval.split``, the held-out set);
+    writes eval_<label>.json and eval_<label>.jsonl into the run dir."""
     cfg, e = ws.cfg, ws.cfg.eval
+    split = split or e.split
     out_json = ws.run_dir / f"eval_{label}.json"
     if resume and out_json.exists():
         return json.loads(out_json.read_text())
     contract = eval_contract(ws)
-    tasks = ws.tasks(e.split, e.num_tasks, e.seed)
+    tasks = ws.tasks(split, e.num_tasks, e.seed)
     with ws.progress() as prog:
         bar = prog.add_task(f"eval {label}", total=len(tasks), info="") if prog else None
         trajs = rollout_tasks(
@@ -582,6 +584,6 @@ def evaluate(ws: Workspace, model, label: str, resume: bool = False) -> dict[str
             on_batch=(lambda n: prog.update(bar, advance=n)) if prog else None,
         )
     write_jsonl(ws.run_dir / f"eval_{label}.jsonl", trajs)
-    summary = {"label": label, "split": e.split, **summarize(trajs)}
+    summary = {"label": label, "split": split, **summarize(trajs)}
     out_json.write_text(json.dumps(summary, indent=2))
     return summary
