@@ -131,8 +131,10 @@ def preflight_prompts(ws: Workspace) -> None:
 
     Raises :class:`ConfigError` naming the field (also for a split the environment does not have)."""
     cfg, limit = ws.cfg, ws.cfg.limits.max_total_tokens
-    for field, split, n, seed in (("train_split", cfg.train_split, PREFLIGHT_TRAIN_TASKS, cfg.seed),
-                                  ("eval.split", cfg.eval.split, cfg.eval.num_tasks, cfg.eval.seed)):
+    checks = [("train_split", cfg.train_split, PREFLIGHT_TRAIN_TASKS, cfg.seed)]
+    if cfg.eval.num_tasks > 0:
+        checks.append(("eval.split", cfg.eval.split, cfg.eval.num_tasks, cfg.eval.seed))
+    for field, split, n, seed in checks:
         try:
             tasks = ws.tasks(split, n, seed)
         except ValueError as e:
@@ -196,7 +198,10 @@ def run_stage_by_name(ws: Workspace, stage: str, model, resume: bool) -> Path:
 
 
 def run_recipe(cfg: RunConfig, resume: bool = False, show_progress: bool = True) -> dict[str, Any]:
-    """Run ``cfg.recipe`` (e.g. sft -> rft -> grpo), evaluating held-out success after every stage.
+    """Run ``cfg.recipe`` (e.g. sft -> rft -> grpo), evaluating held-out success after every stage
+    (unless ``eval.num_tasks`` is 0). A recipe of several evaluated stages ends with the change in
+    held-out success from the first stage to the last; a one-stage recipe (or one without
+    evaluation) ends with each stage's own numbers (:func:`stage_summary`).
 
     Writes ``report.json`` / ``report.md`` (evaluations, rollout budget, RFT rounds, reward
     audit) and, when GRPO ran, ``curves.png``.
@@ -223,11 +228,13 @@ def run_recipe(cfg: RunConfig, resume: bool = False, show_progress: bool = True)
         con.rule(STAGE_TITLES[stage])
         run_stage_by_name(ws, stage, model, resume)
         done.append(stage)
-        evals[stage] = evaluate(ws, model, stage, resume=resume)
-        rows[" + ".join(STAGE_LABELS[s] for s in done)] = evals[stage]
-        con.print(f"held-out success after {STAGE_LABELS[stage]}: {_fmt_pct(evals[stage]['success'])}")
+        if cfg.eval.num_tasks > 0:
+            evals[stage] = evaluate(ws, model, stage, resume=resume)
+            rows[" + ".join(STAGE_LABELS[s] for s in done)] = evals[stage]
+            con.print(f"held-out success after {STAGE_LABELS[stage]}: {_fmt_pct(evals[stage]['success'])}")
 
-    con.print(before_after_table(rows))
+    if rows:
+        con.print(before_after_table(rows))
     records = ws.metrics.read()
     rl_at = max((i for i, s in enumerate(cfg.recipe) if s in RL_STAGES), default=None)  # the last RL stage
     rl_stage = cfg.recipe[rl_at] if rl_at is not None else None
@@ -237,16 +244,37 @@ def run_recipe(cfg: RunConfig, resume: bool = False, show_progress: bool = True)
     json_path, md_path = write_report(ws.run_dir, report)
     _print_audit(con, report)
     result: dict[str, Any] = {"rows": rows, "report": str(json_path), "run_dir": str(ws.run_dir)}
-    first, last = evals[cfg.recipe[0]], evals[cfg.recipe[-1]]
-    result.update(before=first, after=last)
+    if evals:
+        result.update(before=evals[cfg.recipe[0]], after=evals[cfg.recipe[-1]])
     if rl_stage is not None:
         rl_records = [r for r in records if r.get("stage") == rl_stage]
-        marks = {s: evals[s]["success"] for s in cfg.recipe}
+        marks = {s: evals[s]["success"] for s in cfg.recipe if s in evals}
         result["plot"] = str(plot_rl_curves(rl_records, ws.run_dir / "curves.png", marks, STAGE_LABELS[rl_stage]))
-    delta = last["success"] - first["success"]
-    con.print(f"{' -> '.join(cfg.recipe[1:]) or cfg.recipe[0]} changed held-out success by {100 * delta:+.1f} points; "
-              f"report: {md_path}; total time {time.perf_counter() - t0:.0f}s")
+    if len(cfg.recipe) > 1 and evals:
+        delta = evals[cfg.recipe[-1]]["success"] - evals[cfg.recipe[0]]["success"]
+        con.print(f"{' -> '.join(cfg.recipe[1:])} changed held-out success by {100 * delta:+.1f} points "
+                  f"(after {cfg.recipe[0]}: {_fmt_pct(evals[cfg.recipe[0]]['success'])})")
+    else:  # one stage (nothing to compare it with), or no evaluation: each stage's own numbers
+        for stage in dict.fromkeys(cfg.recipe):
+            con.print(stage_summary(stage, [r for r in records if r.get("stage") == stage], evals.get(stage)))
+    con.print(f"report: {md_path}; total time {time.perf_counter() - t0:.0f}s")
     return result
+
+
+def stage_summary(stage: str, records: list[dict[str, Any]], ev: dict[str, Any] | None) -> str:
+    """One line of a stage's own numbers: steps, its training loss / reward / success (first -> last
+    logged step) and its held-out success with the 95% interval (or that evaluation was skipped)."""
+    parts = [f"{stage}: {len(records)} steps"]
+    for key, fmt in (("loss", "{:.3f}"), ("reward_mean", "{:.3f}"), ("task_success", "{:.1%}")):
+        vals = [r[key] for r in records if isinstance(r.get(key), (int, float))]
+        if vals:
+            parts.append(f"{key.replace('_', ' ')} {fmt.format(vals[0])} -> {fmt.format(vals[-1])}")
+    if ev is None:
+        parts.append("held-out evaluation skipped (eval.num_tasks 0)")
+    else:
+        lo, hi = ev["success_ci95"]
+        parts.append(f"held-out success {_fmt_pct(ev['success'])} [{_fmt_pct(lo)}, {_fmt_pct(hi)}] on {ev['n']} tasks")
+    return ", ".join(parts)
 
 
 class RewardAuditFailed(RuntimeError):

@@ -228,7 +228,8 @@ def sft_stage(ws: Workspace, model, resume: bool = False) -> Path:
         batch = [demos[i] for i in rng.sample(range(len(demos)), min(cfg.sft.batch_size, len(demos)))]
         return learner.sft_step(batch, agg=cfg.sft.loss_agg)
 
-    return run_stage(ws, "sft", model, learner, cfg.sft.steps, step_fn, checkpoint_every=max(cfg.sft.steps, 1), resume=resume)
+    return run_stage(ws, "sft", model, learner, cfg.sft.steps, step_fn, checkpoint_every=cfg.sft.checkpoint_every,
+                     resume=resume)
 
 
 # ---------------------------------------------------------------- RFT -----
