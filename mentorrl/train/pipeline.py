@@ -15,12 +15,12 @@ from typing import Any
 from rich.table import Table
 
 from mentorrl.config import ConfigError, RunConfig
-from mentorrl.eval.plots import plot_rl_curves
+from mentorrl.eval.plots import plot_rl_curves, plot_step_metrics
 from mentorrl.models.build import ModelSpec, dir_digest, init_model, load_policy
 from mentorrl.models.pretrain import PretrainSpec, run_pretraining
 from mentorrl.models.pretrain import config_hash as pretrain_config_hash
 from mentorrl.models.corpus import expert_transcripts
-from mentorrl.train.report import RL_STAGES, build_report, write_report
+from mentorrl.train.report import RL_STAGES, STEP_METRICS_PLOT, build_report, write_report
 from mentorrl.train.stages import (Workspace, evaluate, frozen_copy, grpo_stage, open_workspace, ppo_stage, rft_stage,
                                    sft_stage)
 
@@ -204,7 +204,8 @@ def run_recipe(cfg: RunConfig, resume: bool = False, show_progress: bool = True)
     evaluation) ends with each stage's own numbers (:func:`stage_summary`).
 
     Writes ``report.json`` / ``report.md`` (evaluations, rollout budget, RFT rounds, reward
-    audit) and, when GRPO ran, ``curves.png``.
+    audit, per-step rollout metrics) and, when an RL stage ran, ``curves.png`` and
+    ``step_metrics.png``.
     """
     t0 = time.perf_counter()
     preflight_config(cfg)
@@ -241,6 +242,11 @@ def run_recipe(cfg: RunConfig, resume: bool = False, show_progress: bool = True)
     pre_rl = cfg.recipe[rl_at - 1] if rl_at else None
     report = build_report(records, evals, cfg.audit, pre_rl_label=pre_rl, final_label=rl_stage,
                           rl_stage=rl_stage or "grpo")
+    if "step_metrics" in report:
+        sm = report["step_metrics"]
+        stage_records = [r for r in records if r.get("stage") == sm["stage"] and "tool_calls_per_traj" in r]
+        plot_step_metrics(stage_records, ws.run_dir / STEP_METRICS_PLOT, STAGE_LABELS.get(sm["stage"], sm["stage"]))
+        sm["plot"] = STEP_METRICS_PLOT
     json_path, md_path = write_report(ws.run_dir, report)
     _print_audit(con, report)
     result: dict[str, Any] = {"rows": rows, "report": str(json_path), "run_dir": str(ws.run_dir)}
