@@ -9,6 +9,11 @@ rollout would have produced:
 * an assistant message with text content <-> a final answer;
 * a tool message's content is the observation text as rendered by the contract.
 
+With ``tools=`` (OpenAI function schemas) the system turn is the contract's system turn (tool
+signatures and call syntax), and the chat template saved with checkpoints
+(:data:`mentorrl.contract.CHAT_TEMPLATE`) renders every conversation to the same text, so
+``apply_chat_template`` agrees with a rollout.
+
 :func:`prompt_pieces` gives the same rendering as pieces for :class:`mentorrl.contract.ChatEncoder`:
 the content of every message is plain text (a user cannot close their turn with a literal
 ``<|im_end|>``); only the template's tokens and an assistant turn's tool-call tags are control
@@ -22,8 +27,8 @@ import uuid
 from typing import Any, Mapping, Sequence
 
 from mentorrl.contract import (IM_START, Control, ParsedAction, loads_bounded, message_pieces, parse_action,
-                               tool_call_pieces, turn_pieces)
-from mentorrl.trajectory import Trajectory
+                               system_text, tool_call_pieces, turn_pieces)
+from mentorrl.trajectory import Trajectory, dumps_compact
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -34,7 +39,7 @@ class MessageError(ValueError):
 
 def tool_call_dict(name: str, arguments: Mapping[str, Any] | None) -> dict[str, Any]:
     return {"id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",
-            "function": {"name": name, "arguments": json.dumps(dict(arguments or {}))}}
+            "function": {"name": name, "arguments": dumps_compact(dict(arguments or {}))}}
 
 
 def assistant_message(turn_text: str) -> dict[str, Any]:
@@ -63,7 +68,8 @@ def message_pieces_of(msg: Mapping[str, Any]) -> list[str]:
             fn = c.get("function") if isinstance(c, Mapping) else None
             if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
                 raise MessageError("a tool call needs function.name")
-            args = fn.get("arguments", "{}")
+            args = fn.get("arguments")
+            args = {} if args is None else args
             try:
                 args = loads_bounded(args) if isinstance(args, str) else args
             except json.JSONDecodeError as e:
@@ -91,18 +97,45 @@ def message_text(msg: Mapping[str, Any]) -> str:
     return "".join(message_pieces_of(msg))
 
 
-def prompt_pieces(messages: Sequence[Mapping[str, Any]]) -> list[str]:
+def tool_signature(tool: Mapping[str, Any], with_description: bool = True) -> str:
+    """The contract's one-line signature of an OpenAI tool schema (``{"type": "function",
+    "function": {...}}`` or the bare function), as :meth:`mentorrl.envs.base.Tool.signature` writes it."""
+    fn = tool.get("function", tool) if isinstance(tool, Mapping) else None
+    if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+        raise MessageError("a tool needs function.name")
+    params = fn.get("parameters") or {}
+    props, required = params.get("properties") or {}, set(params.get("required") or [])
+    args = ", ".join(f"{k}{'' if k in required else '?'}: {v.get('type', 'any')}" for k, v in props.items())
+    return f"{fn['name']}({args}) - {fn.get('description', '')}" if with_description else f"{fn['name']}({args})"
+
+
+def prompt_pieces(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None,
+                  tool_descriptions: bool = True) -> list[str]:
     """:func:`prompt_text` as pieces for :class:`mentorrl.contract.ChatEncoder`."""
+    messages = list(messages)
     pieces: list[str] = []
+    if tools:
+        system = ""
+        if messages and messages[0].get("role") == "system":
+            system = _content("system", messages[0].get("content"))
+            messages = messages[1:]
+        sigs = [tool_signature(t, tool_descriptions) for t in tools]
+        pieces += message_pieces("system", system_text(system, sigs))
     for m in messages:
         content = message_pieces_of(m)
         pieces += message_pieces(m["role"], content)
     return pieces + [Control(IM_START), "assistant\n"]
 
 
-def prompt_text(messages: Sequence[Mapping[str, Any]]) -> str:
-    """The contract's text for a conversation, ending with the header of the next assistant turn."""
-    return "".join(prompt_pieces(messages))
+def prompt_text(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None,
+                tool_descriptions: bool = True) -> str:
+    """The contract's text for a conversation, ending with the header of the next assistant turn.
+
+    With ``tools`` (OpenAI function schemas) the system turn is the contract's: the system
+    message's content (or "") followed by the tools' signatures and the call syntax, as a rollout
+    renders it; the checkpoint's chat template (:data:`mentorrl.contract.CHAT_TEMPLATE`) renders
+    the same text."""
+    return "".join(prompt_pieces(messages, tools, tool_descriptions))
 
 
 def action_of(msg: Mapping[str, Any]) -> ParsedAction:
@@ -151,4 +184,4 @@ def _observation_content(text: str) -> str:
 
 __all__ = ["MessageError", "ROLES", "action_key", "action_of", "assistant_message", "message_pieces_of", "message_text",
            "prompt_pieces", "prompt_text",
-           "tool_call_dict", "trajectory_messages"]
+           "tool_call_dict", "tool_signature", "trajectory_messages"]

@@ -39,6 +39,8 @@ def _run_recipe(cfg, resume: bool) -> dict:
 
 ConfigOpt = typer.Option(None, "--config", "-c", exists=True, dir_okay=False, help="YAML recipe")
 SetOpt = typer.Option([], "--set", help="override a field: --set grpo.steps=10 (repeatable)")
+NoEvalOpt = typer.Option(False, "--no-eval", help="skip the held-out evaluation after each stage (eval.num_tasks=0)")
+NO_EVAL = ["eval.num_tasks=0"]
 
 
 @app.command()
@@ -46,11 +48,12 @@ def demo(
     config: Optional[Path] = ConfigOpt,
     run_dir: Optional[str] = typer.Option(None, help="default: runs/demo"),
     resume: bool = typer.Option(False, "--resume", help="continue from the run dir's last checkpoint"),
+    no_eval: bool = NoEvalOpt,
     set_: list[str] = SetOpt,
 ) -> None:
     """Build the tiny model, audit the reward, SFT, evaluate, GRPO, evaluate again; print the table and report."""
     quiet_transformers()
-    cfg = _load(config, set_, run_dir, default="demo.yaml")
+    cfg = _load(config, [*set_, *NO_EVAL] if no_eval else set_, run_dir, default="demo.yaml")
     result = _run_recipe(cfg, resume)
     Path(cfg.run_dir, "demo_result.json").write_text(json.dumps(result, indent=2))
 
@@ -58,12 +61,13 @@ def demo(
 @app.command()
 def train(
     config: Path = typer.Argument(..., exists=True, dir_okay=False, help="YAML recipe"),
-    resume: bool = typer.Option(False, "--resume"),
+    resume: bool = typer.Option(False, "--resume", help="continue every stage from its last checkpoint"),
+    no_eval: bool = NoEvalOpt,
     set_: list[str] = SetOpt,
 ) -> None:
     """Run a recipe's stages (e.g. sft -> rft -> grpo, held-out eval after each); model.path may be any HF checkpoint."""
     quiet_transformers()
-    _run_recipe(_load(config, set_), resume)
+    _run_recipe(_load(config, [*set_, *NO_EVAL] if no_eval else set_), resume)
 
 
 @app.command("init-model")

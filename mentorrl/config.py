@@ -78,6 +78,8 @@ class SFTConfig(_Section):
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=3e-3, warmup_steps=5))
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field(
         "token-mean", description="token-mean, seq-mean-token-mean or seq-mean-token-sum")
+    checkpoint_every: int = Field(
+        10, ge=1, description="steps between checkpoints (weights, optimizer and RNG state); --resume continues from the last")
 
 
 class GRPOConfig(_Section):
@@ -560,7 +562,7 @@ class EvolveConfig(_Section):
 
 
 class EvalConfig(_Section):
-    num_tasks: int = Field(200, ge=1, description="held-out tasks evaluated after each stage")
+    num_tasks: int = Field(200, ge=0, description="held-out tasks evaluated after each stage (0: no evaluation, as --no-eval)")
     split: Literal["heldout", "train"] = Field("heldout", description="task split evaluated after each stage")
     seed: int = Field(12345, description="task seed of the evaluation")
     temperature: float | None = Field(None, ge=0, description="null: the contract's sampling temperature")

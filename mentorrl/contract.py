@@ -40,13 +40,79 @@ IM_START, IM_END, PAD = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 SPECIAL_TOKENS = [PAD, IM_START, IM_END, TOOL_CALL_OPEN, TOOL_CALL_CLOSE]
 
-# Jinja chat template stored with the tokenizer, so `apply_chat_template` agrees with
-# the renderer below for plain messages (a test checks that they agree).
+# Jinja chat template stored with the tokenizer of every checkpoint mentorrl writes, so that
+# `apply_chat_template` (and TRL, vLLM's chat endpoint) renders a conversation byte for byte as
+# :func:`mentorrl.chat.prompt_text` does (tests/test_chat_template.py checks it on recorded expert
+# trajectories):
+# * ``tools`` (OpenAI function schemas) render the contract's system turn: the system message's
+#   content (or "") + the tool signatures + the call syntax (:func:`system_text`); without
+#   ``tools`` a system message is rendered as given (the client sends the full system text);
+# * an assistant message is its content (None is "") then one ``<tool_call>{"name": ...,
+#   "arguments": ...}</tool_call>`` per tool call; dict arguments are serialised as the contract
+#   does (``json.dumps``, ", "/": " separators, no ASCII escaping), string arguments verbatim
+#   (the contract re-serialises them, so the two agree for the JSON mentorrl writes);
+# * a tool message is its content; ``{% generation %}`` marks the assistant tokens (the policy's
+#   turn and its <|im_end|>), for assistant-only losses;
+# * an unknown role, a non-string content or tool_calls on a non-assistant message raise.
+# Rendering is text: a tokenizer that re-tokenises the text turns a literal "<|im_end|>" inside
+# content into the control token; untrusted content must go through ChatEncoder (as serve does).
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    "{%- set ns = namespace(first=0, system='') -%}"
+    "{%- set with_desc = tool_descriptions if tool_descriptions is defined else true -%}"
+    "{%- if tools -%}"
+    "{%- if messages and messages[0]['role'] == 'system' -%}"
+    "{%- set ns.first = 1 -%}"
+    "{%- if messages[0]['content'] is defined and messages[0]['content'] is not none -%}"
+    "{%- if messages[0]['content'] is not string -%}{{- raise_exception('system message content must be a string') -}}{%- endif -%}"
+    "{%- set ns.system = messages[0]['content'] -%}"
+    "{%- endif -%}"
+    "{%- endif -%}"
+    "{{- '<|im_start|>system\n' ~ ns.system ~ '\nTools:\n' -}}"
+    "{%- for tool in tools -%}"
+    "{%- set fn = tool['function'] if tool['function'] is defined else tool -%}"
+    "{%- set params = fn['parameters'] if fn['parameters'] is defined and fn['parameters'] else {} -%}"
+    "{%- set props = params['properties'] if params['properties'] is defined and params['properties'] else {} -%}"
+    "{%- set required = params['required'] if params['required'] is defined and params['required'] else [] -%}"
+    "{{- '- ' ~ fn['name'] ~ '(' -}}"
+    "{%- for key, spec in props.items() -%}"
+    "{{- (', ' if not loop.first else '') ~ key ~ ('' if key in required else '?') ~ ': '"
+    " ~ (spec['type'] if spec['type'] is defined else 'any') -}}"
+    "{%- endfor -%}"
+    "{{- ')' -}}"
+    "{%- if with_desc -%}{{- ' - ' ~ (fn['description'] if fn['description'] is defined else '') -}}{%- endif -%}"
+    "{{- '\n' if not loop.last else '' -}}"
+    "{%- endfor -%}"
+    "{{- '\nCall a tool with <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>. "
+    "Reply without a tool call to give the final answer.<|im_end|>\n' -}}"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if loop.index0 >= ns.first -%}"
+    "{%- if message['role'] not in ['system', 'user', 'assistant', 'tool'] -%}"
+    "{{- raise_exception('unknown role ' ~ (message['role'] | tojson) ~ '; expected one of system, user, assistant, tool') -}}"
+    "{%- endif -%}"
+    "{%- set content = message['content'] if message['content'] is defined and message['content'] is not none else '' -%}"
+    "{%- if content is not string -%}{{- raise_exception(message['role'] ~ ' message content must be a string') -}}{%- endif -%}"
+    "{%- set calls = message['tool_calls'] if message['tool_calls'] is defined and message['tool_calls'] else [] -%}"
+    "{{- '<|im_start|>' ~ message['role'] ~ '\n' -}}"
+    "{%- if message['role'] == 'assistant' -%}"
+    "{%- generation -%}"
+    "{{- content -}}"
+    "{%- for call in calls -%}"
+    "{%- set fn = call['function'] if call['function'] is defined else call -%}"
+    "{%- set args = fn['arguments'] if fn['arguments'] is defined and fn['arguments'] is not none else {} -%}"
+    "{{- '<tool_call>{\"name\": ' ~ (fn['name'] | tojson) ~ ', \"arguments\": '"
+    " ~ (args if args is string else args | tojson) ~ '}</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{{- '<|im_end|>' -}}"
+    "{%- endgeneration -%}"
+    "{{- '\n' -}}"
+    "{%- else -%}"
+    "{%- if calls -%}{{- raise_exception('only assistant messages carry tool_calls, not ' ~ (message['role'] | tojson)) -}}{%- endif -%}"
+    "{{- content ~ '<|im_end|>\n' -}}"
+    "{%- endif -%}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"
 )
 
 
@@ -376,6 +442,13 @@ def tool_signatures(env: Any, fmt: PromptFormat | None = None) -> list[str]:
     return [t.signature(with_description=fmt.tool_descriptions) for t in env.registry.tools.values()]
 
 
+def tool_schemas(env: Any) -> list[dict[str, Any]]:
+    """The environment's tools as OpenAI function schemas (``tools=`` of ``apply_chat_template`` or
+    a chat-completions request); rendered, they give the contract's tool signatures."""
+    return [{"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.parameters}}
+            for t in env.registry.tools.values()]
+
+
 def contract_for_env(
     tokenizer: Any,
     env: Any,
@@ -420,5 +493,6 @@ __all__ = [
     "render_tool_call",
     "replace_surrogates",
     "tool_call_pieces",
+    "tool_schemas",
     "turn_pieces",
 ]

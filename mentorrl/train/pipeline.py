@@ -15,13 +15,13 @@ from typing import Any
 from rich.table import Table
 
 from mentorrl.config import ConfigError, RunConfig
-from mentorrl.eval.plots import plot_rl_curves
+from mentorrl.eval.plots import plot_rl_curves, plot_step_metrics
 from mentorrl.models.build import ModelSpec, dir_digest, init_model, load_policy
 from mentorrl.models.pretrain import PretrainSpec, run_pretraining
 from mentorrl.models.pretrain import config_hash as pretrain_config_hash
 from mentorrl.models.corpus import expert_transcripts
 from mentorrl.models.shipped import find_shipped_base, install_shipped_base
-from mentorrl.train.report import RL_STAGES, build_report, write_report
+from mentorrl.train.report import RL_STAGES, STEP_METRICS_PLOT, build_report, write_report
 from mentorrl.train.stages import (Workspace, evaluate, frozen_copy, grpo_stage, open_workspace, ppo_stage, rft_stage,
                                    sft_stage)
 
@@ -149,8 +149,10 @@ def preflight_prompts(ws: Workspace) -> None:
 
     Raises :class:`ConfigError` naming the field (also for a split the environment does not have)."""
     cfg, limit = ws.cfg, ws.cfg.limits.max_total_tokens
-    for field, split, n, seed in (("train_split", cfg.train_split, PREFLIGHT_TRAIN_TASKS, cfg.seed),
-                                  ("eval.split", cfg.eval.split, cfg.eval.num_tasks, cfg.eval.seed)):
+    checks = [("train_split", cfg.train_split, PREFLIGHT_TRAIN_TASKS, cfg.seed)]
+    if cfg.eval.num_tasks > 0:
+        checks.append(("eval.split", cfg.eval.split, cfg.eval.num_tasks, cfg.eval.seed))
+    for field, split, n, seed in checks:
         try:
             tasks = ws.tasks(split, n, seed)
         except ValueError as e:
@@ -214,10 +216,14 @@ def run_stage_by_name(ws: Workspace, stage: str, model, resume: bool) -> Path:
 
 
 def run_recipe(cfg: RunConfig, resume: bool = False, show_progress: bool = True) -> dict[str, Any]:
-    """Run ``cfg.recipe`` (e.g. sft -> rft -> grpo), evaluating held-out success after every stage.
+    """Run ``cfg.recipe`` (e.g. sft -> rft -> grpo), evaluating held-out success after every stage
+    (unless ``eval.num_tasks`` is 0). A recipe of several evaluated stages ends with the change in
+    held-out success from the first stage to the last; a one-stage recipe (or one without
+    evaluation) ends with each stage's own numbers (:func:`stage_summary`).
 
     Writes ``report.json`` / ``report.md`` (evaluations, rollout budget, RFT rounds, reward
-    audit) and, when GRPO ran, ``curves.png``.
+    audit, per-step rollout metrics) and, when an RL stage ran, ``curves.png`` and
+    ``step_metrics.png``.
     """
     t0 = time.perf_counter()
     preflight_config(cfg)
@@ -241,14 +247,16 @@ def run_recipe(cfg: RunConfig, resume: bool = False, show_progress: bool = True)
         con.rule(STAGE_TITLES[stage])
         run_stage_by_name(ws, stage, model, resume)
         done.append(stage)
-        evals[stage] = evaluate(ws, model, stage, resume=resume)
-        rows[" + ".join(STAGE_LABELS[s] for s in done)] = evals[stage]
-        con.print(f"held-out success after {STAGE_LABELS[stage]}: {_fmt_pct(evals[stage]['success'])}")
+        if cfg.eval.num_tasks > 0:
+            evals[stage] = evaluate(ws, model, stage, resume=resume)
+            rows[" + ".join(STAGE_LABELS[s] for s in done)] = evals[stage]
+            con.print(f"held-out success after {STAGE_LABELS[stage]}: {_fmt_pct(evals[stage]['success'])}")
 
-    con.print(before_after_table(rows))
+    if rows:
+        con.print(before_after_table(rows))
     final = cfg.recipe[-1]
     other: dict[str, dict[str, Any]] = {}
-    for split in cfg.eval.final_splits:
+    for split in (cfg.eval.final_splits if cfg.eval.num_tasks > 0 else []):
         other[split] = evaluate(ws, model, f"{final}_{split}", resume=resume, split=split)
         note = " (stress set: words never used in training)" if split == "novel_wording" else ""
         con.print(f"{STAGE_LABELS[final]} on {split}: {_fmt_pct(other[split]['success'])}{note}")
@@ -258,19 +266,45 @@ def run_recipe(cfg: RunConfig, resume: bool = False, show_progress: bool = True)
     pre_rl = cfg.recipe[rl_at - 1] if rl_at else None
     report = build_report(records, evals, cfg.audit, pre_rl_label=pre_rl, final_label=rl_stage,
                           rl_stage=rl_stage or "grpo", other_splits=other)
+    if "step_metrics" in report:
+        sm = report["step_metrics"]
+        stage_records = [r for r in records if r.get("stage") == sm["stage"] and "tool_calls_per_traj" in r]
+        plot_step_metrics(stage_records, ws.run_dir / STEP_METRICS_PLOT, STAGE_LABELS.get(sm["stage"], sm["stage"]))
+        sm["plot"] = STEP_METRICS_PLOT
     json_path, md_path = write_report(ws.run_dir, report)
     _print_audit(con, report)
-    result: dict[str, Any] = {"rows": rows, "report": str(json_path), "run_dir": str(ws.run_dir)}
-    first, last = evals[cfg.recipe[0]], evals[cfg.recipe[-1]]
-    result.update(before=first, after=last, other_splits=other)
+    result: dict[str, Any] = {"rows": rows, "report": str(json_path), "run_dir": str(ws.run_dir), "other_splits": other}
+    if evals:
+        result.update(before=evals[cfg.recipe[0]], after=evals[cfg.recipe[-1]])
     if rl_stage is not None:
         rl_records = [r for r in records if r.get("stage") == rl_stage]
-        marks = {s: evals[s]["success"] for s in cfg.recipe}
+        marks = {s: evals[s]["success"] for s in cfg.recipe if s in evals}
         result["plot"] = str(plot_rl_curves(rl_records, ws.run_dir / "curves.png", marks, STAGE_LABELS[rl_stage]))
-    delta = last["success"] - first["success"]
-    con.print(f"{' -> '.join(cfg.recipe[1:]) or cfg.recipe[0]} changed held-out success by {100 * delta:+.1f} points; "
-              f"report: {md_path}; total time {time.perf_counter() - t0:.0f}s")
+    if len(cfg.recipe) > 1 and evals:
+        delta = evals[cfg.recipe[-1]]["success"] - evals[cfg.recipe[0]]["success"]
+        con.print(f"{' -> '.join(cfg.recipe[1:])} changed held-out success by {100 * delta:+.1f} points "
+                  f"(after {cfg.recipe[0]}: {_fmt_pct(evals[cfg.recipe[0]]['success'])})")
+    else:  # one stage (nothing to compare it with), or no evaluation: each stage's own numbers
+        for stage in dict.fromkeys(cfg.recipe):
+            con.print(stage_summary(stage, [r for r in records if r.get("stage") == stage], evals.get(stage)))
+    con.print(f"report: {md_path}; total time {time.perf_counter() - t0:.0f}s")
     return result
+
+
+def stage_summary(stage: str, records: list[dict[str, Any]], ev: dict[str, Any] | None) -> str:
+    """One line of a stage's own numbers: steps, its training loss / reward / success (first -> last
+    logged step) and its held-out success with the 95% interval (or that evaluation was skipped)."""
+    parts = [f"{stage}: {len(records)} steps"]
+    for key, fmt in (("loss", "{:.3f}"), ("reward_mean", "{:.3f}"), ("task_success", "{:.1%}")):
+        vals = [r[key] for r in records if isinstance(r.get(key), (int, float))]
+        if vals:
+            parts.append(f"{key.replace('_', ' ')} {fmt.format(vals[0])} -> {fmt.format(vals[-1])}")
+    if ev is None:
+        parts.append("held-out evaluation skipped (eval.num_tasks 0)")
+    else:
+        lo, hi = ev["success_ci95"]
+        parts.append(f"held-out success {_fmt_pct(ev['success'])} [{_fmt_pct(lo)}, {_fmt_pct(hi)}] on {ev['n']} tasks")
+    return ", ".join(parts)
 
 
 class RewardAuditFailed(RuntimeError):

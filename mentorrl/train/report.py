@@ -1,4 +1,6 @@
-"""The run report: evaluations, rollout budget per stage, RFT rounds and the reward audit.
+"""The run report: evaluations, rollout budget per stage, RFT rounds, the reward audit and the
+per-step rollout metrics (tool calls, malformed calls, finish reasons, turns, tokens, seconds,
+CPU utilisation) of the RL stage, with their plot.
 
 Built from ``metrics.jsonl`` and the evaluation summaries, so it can be rebuilt for any run
 directory after the fact (``build_report``) and is written as ``report.json`` + ``report.md``.
@@ -91,11 +93,45 @@ def build_report(records: list[dict[str, Any]], evals: dict[str, dict[str, Any]]
             ),
         },
     }
+    step_stage = rl_stage if rl else next((n for n in reversed(list(by_stage)) if any(
+        "tool_calls_per_traj" in r for r in by_stage[n])), None)
+    summary = step_metrics_summary(step_stage, by_stage.get(step_stage, [])) if step_stage else None
+    if summary is not None:
+        report["step_metrics"] = summary
     if "sao" in by_stage:
         report["async"] = async_summary(by_stage["sao"])
     if "opd" in by_stage:
         report["opd"] = opd_summary(by_stage["opd"])
     return report
+
+
+STEP_METRICS = ("tool_calls_per_traj", "malformed_call_rate", "finish_answer", "finish_max_turns", "finish_max_tokens",
+                "finish_length", "mean_turns", "mean_policy_tokens", "rollout_s", "update_s", "step_s", "cpu_util",
+                "rollout_cpu_util")
+STEP_METRIC_LABELS = {"tool_calls_per_traj": "tool calls per trajectory", "malformed_call_rate": "malformed-call rate",
+                      "finish_answer": "finished with an answer", "finish_max_turns": "finished at the turn limit",
+                      "finish_max_tokens": "finished at the context budget",
+                      "finish_length": "finished with a turn cut at max_new_tokens", "mean_turns": "turns",
+                      "mean_policy_tokens": "policy tokens per trajectory", "rollout_s": "rollout seconds",
+                      "update_s": "update seconds", "step_s": "step seconds", "cpu_util": "CPU utilisation (step)",
+                      "rollout_cpu_util": "CPU utilisation (rollout)"}
+STEP_METRICS_PLOT = "step_metrics.png"
+
+
+def step_metrics_summary(stage: str, records: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """First, last and mean of each per-step rollout metric of ``stage`` (those it logged);
+    the run report shows them next to the plot (:func:`mentorrl.eval.plots.plot_step_metrics`)."""
+    rows = [r for r in records if "tool_calls_per_traj" in r]
+    if not rows:
+        return None
+    keys = [k for k in STEP_METRICS if any(isinstance(r.get(k), (int, float)) for r in rows)]
+
+    def vals(k: str) -> list[float]:
+        return [float(r[k]) for r in rows if isinstance(r.get(k), (int, float))]
+
+    return {"stage": stage, "steps": len(rows), "cpu_cores": rows[-1].get("cpu_cores"),
+            "first": {k: vals(k)[0] for k in keys}, "last": {k: vals(k)[-1] for k in keys},
+            "means": {k: _mean(vals(k)) for k in keys}}
 
 
 def opd_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -161,6 +197,23 @@ def report_markdown(report: dict[str, Any]) -> str:
                    "to the training tasks)") if e2e["warning"] else "consistent"
         lines.append(f"- end to end: training reward {e2e['reward_first_window']:.3f} -> {e2e['reward_last_window']:.3f}, "
                      f"held-out success {_pct(e2e['heldout_before'])} -> {_pct(e2e['heldout_after'])}: {verdict}")
+    sm = report.get("step_metrics")
+    if sm:
+        pct = {"malformed_call_rate", "finish_answer", "finish_max_turns", "finish_max_tokens", "finish_length",
+               "cpu_util", "rollout_cpu_util"}
+
+        def cell(k: str, v: float) -> str:
+            return _pct(v) if k in pct else f"{v:.2f}"
+
+        cores = f" of {int(sm['cpu_cores'])} cores" if sm.get("cpu_cores") else ""
+        lines += ["", "## Per-step rollout metrics", "",
+                  f"Stage `{sm['stage']}`, {sm['steps']} steps (`metrics.jsonl`; CPU utilisation is the share"
+                  f"{cores} the process kept busy).", ""]
+        if sm.get("plot"):
+            lines += [f"![per-step rollout metrics]({sm['plot']})", ""]
+        lines += ["| metric | first step | last step | mean |", "|---|---|---|---|"]
+        lines += [f"| {STEP_METRIC_LABELS[k]} | {cell(k, sm['first'][k])} | {cell(k, sm['last'][k])} | "
+                  f"{cell(k, sm['means'][k])} |" for k in sm["means"]]
     asy = report.get("async")
     if asy:
         lags = ", ".join(f"{k}: {v}" for k, v in asy["policy_lag_hist"].items())

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import random
 import time
 from contextlib import nullcontext
@@ -32,7 +33,7 @@ from mentorrl.algos.advantages import (
     sanitize_group_rewards,
 )
 from mentorrl.config import RunConfig, dump_config
-from mentorrl.contract import RolloutContract, contract_for_env
+from mentorrl.contract import CHAT_TEMPLATE, RolloutContract, contract_for_env
 from mentorrl.envs import EnvEntry, get_env
 from mentorrl.eval.metrics import summarize
 from mentorrl.eval.sets import assert_trainable, assert_trainable_splits
@@ -80,6 +81,10 @@ class Workspace:
         return self.env_entry.make_env(tool_timeout_s=self.cfg.env.tool_timeout_s, **extra)
 
     def bind_tokenizer(self, tokenizer) -> None:
+        """Use ``tokenizer`` for the run; its chat template becomes the contract's
+        (:data:`mentorrl.contract.CHAT_TEMPLATE`), so every checkpoint the run saves renders
+        conversations with ``apply_chat_template`` as the policy was trained on them."""
+        tokenizer.chat_template = CHAT_TEMPLATE
         self.tokenizer = tokenizer
         env = self.make_env()
         try:
@@ -185,10 +190,10 @@ def run_stage(
     with ws.progress() as prog:
         bar = prog.add_task(stage, total=steps, completed=start, info="") if prog else None
         for step in range(start, steps):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             m = step_fn(step)
             stop = bool(m.pop("stop", False))
-            rec = {"stage": stage, "step": step + 1, **m, "step_s": time.perf_counter() - t0}
+            rec = {"stage": stage, "step": step + 1, **m, **step_timing(m, time.perf_counter() - t0, time.process_time() - c0)}
             ws.metrics.log(rec)
             if stop or (step + 1) % checkpoint_every == 0 or step + 1 == steps:
                 checkpoint(step + 1)
@@ -199,6 +204,26 @@ def run_stage(
                 break
     _save_final(ws, model, final, steps)
     return final
+
+
+def cpu_cores() -> int:
+    """Cores this process may run on."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def step_timing(m: dict[str, Any], step_s: float, cpu_s: float) -> dict[str, float]:
+    """A step's wall and CPU time for ``metrics.jsonl``: ``step_s``; ``cpu_s`` (this process's CPU
+    seconds, all threads); ``cpu_cores``; ``cpu_util`` = cpu_s / (step_s x cpu_cores), the share of
+    the cores the step kept busy; and, for a stage that times its rollout but not its update,
+    ``update_s`` = the rest of the step."""
+    cores = cpu_cores()
+    out = {"step_s": step_s, "cpu_s": cpu_s, "cpu_cores": float(cores), "cpu_util": cpu_s / max(step_s, 1e-9) / cores}
+    if "rollout_s" in m and "update_s" not in m:
+        out["update_s"] = max(0.0, step_s - m["rollout_s"])
+    return out
 
 
 def _save_final(ws: Workspace, model, final: Path, steps: int) -> None:
@@ -224,7 +249,8 @@ def sft_stage(ws: Workspace, model, resume: bool = False) -> Path:
         batch = [demos[i] for i in rng.sample(range(len(demos)), min(cfg.sft.batch_size, len(demos)))]
         return learner.sft_step(batch, agg=cfg.sft.loss_agg)
 
-    return run_stage(ws, "sft", model, learner, cfg.sft.steps, step_fn, checkpoint_every=max(cfg.sft.steps, 1), resume=resume)
+    return run_stage(ws, "sft", model, learner, cfg.sft.steps, step_fn, checkpoint_every=cfg.sft.checkpoint_every,
+                     resume=resume)
 
 
 # ---------------------------------------------------------------- RFT -----
@@ -282,16 +308,31 @@ def rft_stage(ws: Workspace, model, resume: bool = False) -> Path:
 
 
 # --------------------------------------------------------------- GRPO -----
+FINISH_REASONS = ("answer", "max_turns", "max_tokens", "length")
+
+
 def rollout_metrics(trajs: list[Trajectory]) -> dict[str, float]:
+    """What one step's rollouts did, for ``metrics.jsonl``: success, tool calls per trajectory
+    (well-formed ones, whatever the tool answered), the malformed-call rate (turns with unparsable
+    tool-call tags, over all call attempts), the share of each finish reason (``finish_answer``,
+    ``finish_max_turns``: turn limit, ``finish_max_tokens``: context budget, ``finish_length``:
+    a turn cut at ``max_new_tokens``), turns and policy tokens."""
     s = summarize(trajs)
-    return {
+    n = len(trajs)
+    calls = [c for t in trajs for c in t.tool_calls]
+    malformed = sum(c.error_kind == "malformed" for c in calls)
+    out = {
         "task_success": s["success"],
         "tool_success": s["tool_success"],
         "mean_turns": s["mean_turns"],
         "violation_rate": s["violation_rate"],
         "mean_policy_tokens": s["mean_policy_tokens"],
         "rollout_tokens": float(sum(t.num_policy_tokens for t in trajs)),  # policy tokens the student generated
+        "tool_calls_per_traj": (len(calls) - malformed) / n if n else 0.0,
+        "malformed_call_rate": malformed / len(calls) if calls else 0.0,
     }
+    out.update({f"finish_{r}": (sum(t.finish_reason == r for t in trajs) / n if n else 0.0) for r in FINISH_REASONS})
+    return out
 
 
 def grpo_stage(ws: Workspace, model, ref_model=None, resume: bool = False) -> Path:
@@ -310,10 +351,11 @@ def grpo_stage(ws: Workspace, model, ref_model=None, resume: bool = False) -> Pa
         chosen = hard.sample(pool, n_tasks, rng) if hard is not None else rng.sample(pool, n_tasks)
         hard_in_batch = sum(t.id in hard for t in chosen) if hard is not None else 0
         grouped = [t for t in chosen for _ in range(g.group_size)]
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         trajs = rollout_tasks(model, ws.contract, ws.make_env, grouped, policy_version=version["policy"],
                               seed=cfg.seed * 7_777 + step, batch_size=len(grouped), weights=cfg.reward)
         t_roll = time.perf_counter() - t0
+        rollout_cpu = time.process_time() - c0
         raw = torch.tensor([t.reward.total for t in trajs], dtype=torch.float32).view(len(chosen), g.group_size)
         rewards, clipped = sanitize_group_rewards(raw, audit.reward_low, audit.reward_high, audit.outlier_z)
         adv = estimator(rewards, normalize_std=g.normalize_std).reshape(-1)
@@ -341,7 +383,8 @@ def grpo_stage(ws: Workspace, model, ref_model=None, resume: bool = False) -> Pa
                                                         "approx_kl", "logprob_abs_gap", "train_rollout_kl",
                                                         "policy_lag_mean", "policy_lag_max")))
         metrics.update(trained_trajectories=len(keep), policy_version=version["policy"],
-                       rollout_s=t_roll, update_s=time.perf_counter() - t1)
+                       rollout_s=t_roll, update_s=time.perf_counter() - t1,
+                       rollout_cpu_util=rollout_cpu / max(t_roll, 1e-9) / cpu_cores())
         if hard is not None:
             hard.update(trajs)
             metrics.update(hard_tasks_in_batch=float(hard_in_batch), hard_pool_size=float(len(hard)))

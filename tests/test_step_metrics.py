@@ -1,0 +1,79 @@
+"""Per-step rollout metrics in metrics.jsonl (tool calls per trajectory, malformed-call rate,
+finish-reason shares, turns, policy tokens, rollout vs update seconds, CPU utilisation), and the
+run report's plot of them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from mentorrl.trajectory import read_jsonl
+
+FINISH = ("answer", "max_turns", "max_tokens", "length")
+
+
+def _expected(trajs) -> dict[str, float]:
+    n = len(trajs)
+    calls = [c for t in trajs for c in t.tool_calls]
+    malformed = sum(c.error_kind == "malformed" for c in calls)
+    out = {"tool_calls_per_traj": (len(calls) - malformed) / n,
+           "malformed_call_rate": malformed / len(calls) if calls else 0.0,
+           "mean_turns": sum(t.num_turns for t in trajs) / n,
+           "mean_policy_tokens": sum(t.num_policy_tokens for t in trajs) / n,
+           "rollout_tokens": float(sum(t.num_policy_tokens for t in trajs))}
+    out.update({f"finish_{r}": sum(t.finish_reason == r for t in trajs) / n for r in FINISH})
+    return out
+
+
+def test_rollout_metrics_count_calls_malformed_and_finish_reasons(make_demos):
+    from mentorrl.train.stages import rollout_metrics
+
+    _, demos = make_demos(6)
+    trajs = [d.model_copy(deep=True) for d in demos]
+    # one malformed call in the first trajectory, and two trajectories that did not answer
+    trajs[0].tool_calls[0].error_kind, trajs[0].tool_calls[0].error = "malformed", "malformed tool call"
+    trajs[1].finish_reason, trajs[2].finish_reason = "max_turns", "length"
+    m = rollout_metrics(trajs)
+    want = _expected(trajs)
+    assert {k: m[k] for k in want} == pytest.approx(want)
+    calls = sum(len(t.tool_calls) for t in trajs)
+    assert m["malformed_call_rate"] == pytest.approx(1 / calls) and m["malformed_call_rate"] > 0
+    assert m["finish_answer"] == pytest.approx((len(trajs) - 2) / len(trajs))
+    assert sum(m[f"finish_{r}"] for r in FINISH) == pytest.approx(1.0)
+
+
+def test_grpo_steps_log_rollout_metrics_and_the_report_plots_them(tiny_model_dir, tmp_path):
+    from mentorrl.config import RunConfig
+    from mentorrl.train.pipeline import run_recipe
+
+    run = tmp_path / "run"
+    cfg = RunConfig.model_validate({
+        "run_dir": str(run), "recipe": ["grpo"], "threads": 1, "model": {"path": str(tiny_model_dir)},
+        "audit": {"preflight": False}, "eval": {"num_tasks": 0},
+        "sampling": {"max_new_tokens": 12}, "limits": {"max_turns": 3, "max_total_tokens": 1024},
+        "grpo": {"steps": 2, "tasks_per_step": 2, "group_size": 2, "sample_trajectories": 4, "checkpoint_every": 2},
+    })
+    run_recipe(cfg, show_progress=False)
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    recs = [r for r in recs if r["stage"] == "grpo"]
+    assert [r["step"] for r in recs] == [1, 2]
+    for r in recs:
+        trajs = list(read_jsonl(run / "samples" / f"grpo-step-{r['step']:06d}.jsonl"))  # every trajectory of the step
+        assert len(trajs) == 4
+        want = _expected(trajs)
+        assert {k: r[k] for k in want} == pytest.approx(want)
+        assert 0 < r["rollout_s"] and 0 <= r["update_s"] and r["rollout_s"] + r["update_s"] <= r["step_s"]
+        assert r["cpu_cores"] >= 1 and 0 < r["cpu_util"] <= 1.0 + 1e-6
+        assert r["cpu_s"] == pytest.approx(r["cpu_util"] * r["cpu_cores"] * r["step_s"], rel=1e-6)
+        assert 0 < r["rollout_cpu_util"] <= 1.0 + 1e-6
+    report = json.loads((run / "report.json").read_text())
+    plot = report["step_metrics"]["plot"]
+    assert (run / plot).is_file() and (run / plot).stat().st_size > 1000
+    assert report["step_metrics"]["stage"] == "grpo"
+    means = report["step_metrics"]["means"]
+    assert means["tool_calls_per_traj"] == pytest.approx(sum(r["tool_calls_per_traj"] for r in recs) / 2)
+    md = (run / "report.md").read_text()
+    assert "## Per-step rollout metrics" in md and f"![per-step rollout metrics]({plot})" in md
+    assert "malformed-call rate" in md and "CPU utilisation" in md
