@@ -103,7 +103,12 @@ def test_vocab_map_pairs_tokens_that_spell_the_same_text(policy, other):
     t_tok, _ = other
     same = vocab_map(tok, tok)
     plain = [i for i in range(len(tok)) if same[i] >= 0]
-    assert len(plain) > 0.9 * len(tok) and all(same[i] == i for i in plain)
+    assert all(same[i] == i for i in plain)
+    # every ordinary token that spells whole characters maps to itself (only lone bytes of a
+    # multi-byte character, which decode to U+FFFD, have no spelling)
+    whole = [i for i in range(len(tok)) if i not in tok.all_special_ids and "\ufffd" not in tok.decode([i])]
+    texts = [tok.decode([i]) for i in whole]
+    assert [i for i, x in zip(whole, texts) if texts.count(x) == 1] == [i for i in plain if i not in tok.all_special_ids]
     m = vocab_map(t_tok, tok)
     hits = (m >= 0).nonzero().flatten().tolist()
     assert 0 < len(hits) < len(t_tok)
@@ -149,7 +154,9 @@ def test_cross_teacher_topk_on_one_to_one_chunks_matches_the_teachers_own_distri
         mask = torch.tensor(t.loss_mask, dtype=torch.bool)
         assert torch.equal(top.topk_mask, mask)
         spellable = mask & (own.to_student[ref.topk_ids] >= 0).all(-1)  # (a few tokens decode to part of a character)
-        assert spellable.sum() > 0.5 * mask.sum()
+        # not vacuous: an untrained tiny model puts lone bytes of multi-byte characters (128 of its
+        # 600 tokens, never spellable) in its top 4 often, so about (472/600)^4 of positions qualify
+        assert spellable.sum() >= 0.2 * mask.sum()
         assert torch.equal(top.topk_ids[spellable], ref.topk_ids[spellable])
         assert (top.topk_logprobs[spellable] - ref.topk_logprobs[spellable]).abs().max() < 1e-5
 
