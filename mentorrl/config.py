@@ -572,6 +572,17 @@ class EvalConfig(_Section):
                                           "reported beside the held-out headline, e.g. [hidden, novel_wording]")
 
 
+class DistributedConfig(_Section):
+    backend: Literal["auto", "none", "ddp"] = Field(
+        "auto", description="auto: a data-parallel learner (DDP) when launched by torchrun with WORLD_SIZE > 1, "
+                            "else one process; none: one process (refuses a torchrun launch of several ranks); "
+                            "ddp: torch DDP over gloo, launched with `torchrun --nproc-per-node N -m mentorrl.cli train`")
+    timeout_s: float = Field(1800.0, gt=0, description="how long a rank waits for the others (e.g. while rank 0 "
+                                                       "builds the model or evaluates) before the run fails")
+
+
+DISTRIBUTED_STAGES = ("sft", "grpo")  # stages whose learner runs data-parallel under distributed.backend ddp
+
 STAGE_NAMES = ("sft", "rft", "grpo", "ppo", "sao", "opd", "blackbox", "evolve")
 
 
@@ -599,6 +610,7 @@ class RunConfig(_Section):
     evolve: EvolveConfig = Field(default_factory=EvolveConfig)
     audit: AuditConfig = Field(default_factory=AuditConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
 
     @field_validator("train_split")
     @classmethod

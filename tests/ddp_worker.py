@@ -62,8 +62,15 @@ def run_updates(model, dp=None) -> dict:
 
     trajs = trajectories()
     learner = Learner(model, OPTIM, pad_id=0, dp=dp)
-    out: dict = {"metrics": []}
+    out: dict = {"metrics": [], "rows_sft": 0}
+
+    def count_rows(_module, args, kwargs):  # sequences this process runs forward on
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        out["rows_sft"] += ids.shape[0]
+
+    hook = model.get_input_embeddings().register_forward_pre_hook(lambda m, a: count_rows(m, a, {}))
     out["metrics"].append(learner.sft_step(trajs, agg="token-mean"))
+    hook.remove()
     out["grads_sft"] = grads(model)
     out["metrics"].append(learner.policy_step(trajs, ADVANTAGES, "grpo", agg="token-mean"))
     out["grads_grpo"] = grads(model)

@@ -56,6 +56,8 @@ def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float, 
 def test_two_rank_gradients_and_weights_equal_the_single_process_learner(two_ranks, single):
     r0, r1, _ = two_ranks
     assert (r0["rank"], r1["rank"], r0["world_size"]) == (0, 1, 2)
+    # each rank ran forward on its own share only (2 and 3 of the 5 sequences), not on the whole batch
+    assert (r0["rows_sft"], r1["rows_sft"], single["rows_sft"]) == (2, 3, 5)
     # the gradients every rank applies are the full batch's (after the all-reduce)
     for key in ("grads_sft", "grads_grpo"):
         _close(r0[key], single[key], atol=1e-6)

@@ -2,11 +2,17 @@
 
 The algorithm itself lives in ``mentorrl.algos`` (pure functions); the learner only
 feeds it tensors built from trajectories and applies the gradient.
+
+Data parallel (``dp=``, a :class:`~mentorrl.train.distributed.DataParallel`): every rank is given
+the whole batch, runs forward/backward on its contiguous share only, and DDP all-reduces the
+gradients once per optimizer step; micro-batches are weighted by their share of the global batch
+so the result is the single-process full-batch gradient (see :mod:`mentorrl.train.distributed`).
 """
 
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from typing import Callable, Sequence
 
 import torch
@@ -46,17 +52,52 @@ def pad_token_values(rows: Sequence[torch.Tensor], T: int, dtype: torch.dtype = 
 
 
 class Learner:
-    def __init__(self, model, optim: OptimConfig, pad_id: int, temperature: float = 1.0):
+    def __init__(self, model, optim: OptimConfig, pad_id: int, temperature: float = 1.0, dp=None):
         self.model = model
         self.cfg = optim
         self.pad_id = pad_id
         self.temperature = temperature if temperature > 0 else 1.0
         self.optimizer, self.scheduler = make_optimizer(model, optim)
+        self.dp = dp if dp is not None and dp.world_size > 1 else None
+        self._ddp = self.dp.wrap(model) if self.dp is not None else None
 
     # ---- generic accumulation --------------------------------------------
-    def _forward(self, mb: TokenBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward_with(self, model, mb: TokenBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """What ``loss_fn`` receives per micro-batch: (per-token outputs, per-token entropy), both [B, T]."""
-        return forward_logprobs(self.model, mb, self.temperature, with_entropy=True)
+        return forward_logprobs(model, mb, self.temperature, with_entropy=True)
+
+    def _forward(self, mb: TokenBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._forward_with(self.model, mb)
+
+    def _run(self, fn: Callable, *args):
+        """``fn(model, *args)``, through DDP when data-parallel (which arms the gradient all-reduce)."""
+        return self._ddp(fn, *args) if self._ddp is not None else fn(self.model, *args)
+
+    def _sync(self, last: bool):
+        """DDP's ``no_sync`` for all but a rank's last micro-batch: one all-reduce per optimizer step."""
+        return self._ddp.no_sync() if self._ddp is not None and not last else nullcontext()
+
+    def _own_slices(self, n: int) -> list[slice]:
+        """This rank's micro-batches, as slices of the *global* batch (so per-trajectory inputs
+        such as advantages are indexed the same way on every rank)."""
+        own = self.dp.shard(n) if self.dp is not None else range(n)
+        mbs = self.cfg.micro_batch_size
+        return [slice(lo, min(lo + mbs, own.stop)) for lo in range(own.start, own.stop, mbs)]
+
+    def reduce_across_ranks(self, sums: dict[str, float], maxes: dict[str, float] | None = None
+                            ) -> tuple[dict[str, float], dict[str, float]]:
+        """Per-rank partial sums summed (and maxima maxed) over ranks; unchanged in one process."""
+        maxes = maxes or {}
+        if self.dp is None:
+            return sums, maxes
+        s_out: dict[str, float] = {}
+        m_out: dict[str, float] = {}
+        for s, m in self.dp.all_gather((sums, maxes)):
+            for k, v in s.items():
+                s_out[k] = s_out.get(k, 0.0) + v
+            for k, v in m.items():
+                m_out[k] = max(m_out.get(k, v), v)
+        return s_out, m_out
 
     def _accumulate(
         self,
@@ -65,26 +106,39 @@ class Learner:
         loss_fn: Callable[[TokenBatch, torch.Tensor, torch.Tensor, slice], tuple[torch.Tensor, dict]],
         forward: Callable[[TokenBatch, slice], tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> dict[str, float]:
-        """Run ``loss_fn`` per micro-batch, weighting each so the sum is the full-batch loss; one optimiser step."""
+        """Run ``loss_fn`` per micro-batch, weighting each so the sum is the full-batch loss; one optimiser step.
+
+        ``forward(model, mb, sl)`` replaces the default forward. Data-parallel: only this rank's
+        share is run; each loss is scaled by the world size because DDP averages the ranks'
+        gradients, and the metrics' per-rank partial sums are summed over ranks."""
         self.model.train()
         device = next(self.model.parameters()).device
         total_tokens = float(sum(t.num_policy_tokens for t in trajs))
         metrics: dict[str, float] = {}
-        mbs = self.cfg.micro_batch_size
+        scale = float(self.dp.world_size) if self.dp is not None else 1.0
+        fwd = forward if forward is not None else (lambda model, mb, sl: self._forward_with(model, mb))
         self.optimizer.zero_grad(set_to_none=True)
         ent_sum, tok_sum = 0.0, 0.0
-        for lo in range(0, len(trajs), mbs):
-            sl = slice(lo, min(lo + mbs, len(trajs)))
-            mb = collate(trajs[sl], self.pad_id).to(device)
-            logprobs, entropy = forward(mb, sl) if forward is not None else self._forward(mb)
-            loss, m = loss_fn(mb, logprobs, entropy, sl)
-            w = _share(mb, total_tokens, len(trajs), agg)
-            (loss * w).backward()
+        slices = self._own_slices(len(trajs))
+        idle = not slices  # a rank with no share still joins the step's one gradient all-reduce, with zeros
+        for i, sl in enumerate(slices or [slice(0, 1)]):
+            with self._sync(last=i == max(len(slices), 1) - 1):
+                mb = collate(trajs[sl], self.pad_id).to(device)
+                logprobs, entropy = self._run(fwd, mb, sl)
+                if idle:
+                    (logprobs.sum() * 0.0).backward()
+                    continue
+                loss, m = loss_fn(mb, logprobs, entropy, sl)
+                w = _share(mb, total_tokens, len(trajs), agg)
+                (loss * (w * scale)).backward()
             for k, v in m.items():
                 metrics[k] = metrics.get(k, 0.0) + w * float(v)
             n = float(mb.loss_mask.sum())
             ent_sum += float(masked_mean(entropy, mb.loss_mask)) * n
             tok_sum += n
+        if self.dp is not None:
+            metrics, _ = self.reduce_across_ranks({**metrics, "__ent": ent_sum, "__tok": tok_sum})
+            ent_sum, tok_sum = metrics.pop("__ent"), metrics.pop("__tok")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
         gn = float(grad_norm)
         if math.isfinite(gn):
@@ -183,9 +237,9 @@ class Learner:
         device = next(self.model.parameters()).device
         seen: dict[str, float] = {"max": 0.0, "sum": 0.0}
 
-        def forward(mb, sl):
+        def forward(model, mb, sl):
             ids = pad_token_values(topk_ids[sl], mb.input_ids.shape[1], dtype=torch.long).to(device)
-            return forward_selected_logprobs(self.model, mb, ids, self.temperature), torch.zeros_like(mb.loss_mask, dtype=torch.float32)
+            return forward_selected_logprobs(model, mb, ids, self.temperature), torch.zeros_like(mb.loss_mask, dtype=torch.float32)
 
         def fn(mb, student_k, _entropy, sl):
             T = mb.input_ids.shape[1]
@@ -199,6 +253,8 @@ class Learner:
 
         m = self._accumulate(trajs, "sum", fn, forward=forward)
         m.pop("entropy", None)
+        (sums, maxes) = self.reduce_across_ranks({"sum": seen["sum"]}, {"max": seen["max"]})
+        seen.update(sum=sums["sum"], max=maxes["max"])
         m.update(distill_loss=seen["sum"] / total, divergence_max=seen["max"], distilled_token_weight=total)
         return m
 
@@ -264,10 +320,10 @@ class CriticLearner(Learner):
     def __init__(self, critic, optim: OptimConfig, pad_id: int):
         super().__init__(critic, optim, pad_id)
 
-    def _forward(self, mb: TokenBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward_with(self, model, mb: TokenBatch) -> tuple[torch.Tensor, torch.Tensor]:
         from mentorrl.models.value import forward_values
 
-        values = forward_values(self.model, mb)
+        values = forward_values(model, mb)
         return values, torch.zeros_like(values)
 
     def value_step(self, trajs: Sequence[Trajectory], returns: Sequence[torch.Tensor],

@@ -5,6 +5,10 @@ weights, optimiser and RNG state come back from the latest intact checkpoint (co
 checksums verified, loadable; a damaged one is named, moved aside and the one before it used), and
 ``metrics.jsonl`` is cut back to that step, so a resumed run continues the same step
 count and the same metrics file.
+
+Under a data-parallel launch (``ws.dp``, see :mod:`mentorrl.train.distributed`) the SFT and GRPO
+learners train on each rank's share of the batch, GRPO rollouts are split over the ranks and
+gathered, and only rank 0 writes (metrics, checkpoints, final weights, samples, audits).
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from mentorrl.train.rundir import (
     KEEP_CHECKPOINTS,
     CorruptCheckpointError,
     MetricsLog,
+    load_trainer_state,
     prune_checkpoints,
     restore_checkpoint,
     save_checkpoint,
@@ -71,6 +76,16 @@ class Workspace:
     contract: RolloutContract | None = None
     console: Console = field(default_factory=Console)
     show_progress: bool = True
+    dp: Any = None  # the DataParallel group of a torchrun launch (mentorrl.train.distributed), or None
+
+    @property
+    def is_main(self) -> bool:
+        """Whether this process writes: always in one process, rank 0 only under data parallel."""
+        return self.dp is None or self.dp.is_main
+
+    def on_main(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` run by the writing process only, its result returned on every rank."""
+        return fn() if self.dp is None else self.dp.on_main(fn)
 
     @property
     def metrics(self) -> MetricsLog:
@@ -117,13 +132,17 @@ class Workspace:
         )
 
 
-def open_workspace(cfg: RunConfig, show_progress: bool = True) -> Workspace:
+def open_workspace(cfg: RunConfig, show_progress: bool = True, dp=None) -> Workspace:
+    """The run's workspace; with ``dp`` (a data-parallel rank) only rank 0 writes and shows progress."""
     run_dir = Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(dump_config(cfg))
+    main = dp is None or dp.is_main
+    if main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(dump_config(cfg))
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    return Workspace(cfg=cfg, run_dir=run_dir, env_entry=get_env(cfg.env.name), show_progress=show_progress)
+    return Workspace(cfg=cfg, run_dir=run_dir, env_entry=get_env(cfg.env.name), show_progress=show_progress and main,
+                     console=Console() if main else Console(quiet=True), dp=dp)
 
 
 def frozen_copy(model):
@@ -155,34 +174,31 @@ def run_stage(
 ) -> Path:
     """Run ``step_fn`` for steps [start, steps), checkpointing; returns the stage's final weights dir.
 
-    A step whose metrics hold ``stop: True`` ends the stage early (after checkpointing it)."""
+    A step whose metrics hold ``stop: True`` ends the stage early (after checkpointing it).
+    Under data parallel, rank 0 alone decides where to resume (it may move a damaged checkpoint
+    aside) and writes; the other ranks load what it chose and wait for its final weights."""
     stage_dir = ws.run_dir / stage
     final = stage_dir / "final"
-    warn = lambda msg: ws.console.print(f"[red]{stage}: {escape(msg)}[/red]")  # noqa: E731
-    if resume and (final / "DONE").exists():
-        try:
-            verify_manifest(final)
-            _load_weights_into(model, final)
-            ws.console.print(f"[dim]{stage}: already complete, loaded {final}[/dim]")
-            return final
-        except Exception as e:  # a damaged final dir: rewritten from the last checkpoint (the same weights)
-            warn(f"final weights are not intact ({e}); rewriting them from the last checkpoint")
-            if restore_checkpoint(stage_dir, lambda c: _load_weights_into(model, c), warn) is None:
-                raise CorruptCheckpointError(final, f"damaged and no checkpoint to rebuild it from ({e})") from e
-            _save_final(ws, model, final, steps)
-            return final
-    start = 0
-    restored = restore_checkpoint(stage_dir, lambda c: _load_weights_into(model, c), warn) if resume else None
-    if restored is not None:
-        ckpt, state = restored
-        learner.load_state_dict(state["learner"])
-        if restore_extra is not None:
-            restore_extra(state.get("extra", {}))
-        start = state["step"]
-        ws.console.print(f"[yellow]{stage}: resuming from {ckpt.name} (step {start}/{steps})[/yellow]")
-    ws.metrics.truncate_after(stage, start)  # steps past the checkpoint are redone, never logged twice
+    where, start = None, 0
+    if resume and ws.dp is not None:
+        where, start = ws.on_main(lambda: _resume_point(ws, stage, model, learner, steps, restore_extra))
+        if not ws.is_main and where is not None:  # load what rank 0 chose (it may have moved a bad one aside)
+            _load_weights_into(model, where)
+            if where != final:
+                state = load_trainer_state(where)
+                learner.load_state_dict(state["learner"])
+                if restore_extra is not None:
+                    restore_extra(state.get("extra", {}))
+    elif resume:
+        where, start = _resume_point(ws, stage, model, learner, steps, restore_extra)
+    if where == final:
+        return final
+    if ws.is_main:
+        ws.metrics.truncate_after(stage, start)  # steps past the checkpoint are redone, never logged twice
 
     def checkpoint(step: int) -> None:
+        if not ws.is_main:
+            return
         state = {"learner": learner.state_dict(), "extra": extra_state() if extra_state else {}}
         save_checkpoint(stage_dir, step, model, ws.tokenizer, state)
         prune_checkpoints(stage_dir, keep=KEEP_CHECKPOINTS)
@@ -194,7 +210,8 @@ def run_stage(
             m = step_fn(step)
             stop = bool(m.pop("stop", False))
             rec = {"stage": stage, "step": step + 1, **m, **step_timing(m, time.perf_counter() - t0, time.process_time() - c0)}
-            ws.metrics.log(rec)
+            if ws.is_main:
+                ws.metrics.log(rec)
             if stop or (step + 1) % checkpoint_every == 0 or step + 1 == steps:
                 checkpoint(step + 1)
             if prog:
@@ -202,8 +219,39 @@ def run_stage(
                 prog.update(bar, advance=1, info=info)
             if stop:
                 break
-    _save_final(ws, model, final, steps)
+    ws.on_main(lambda: _save_final(ws, model, final, steps))
     return final
+
+
+def _resume_point(ws: Workspace, stage: str, model, learner: Learner, steps: int,
+                  restore_extra: Callable[[dict[str, Any]], None] | None) -> tuple[Path | None, int]:
+    """Load what ``--resume`` continues from into ``model`` / ``learner`` and return it with the step
+    to start at: the stage's final dir when it is complete, else its newest intact checkpoint,
+    else ``(None, 0)``."""
+    final = ws.run_dir / stage / "final"
+    stage_dir = final.parent
+    warn = lambda msg: ws.console.print(f"[red]{stage}: {escape(msg)}[/red]")  # noqa: E731
+    if (final / "DONE").exists():
+        try:
+            verify_manifest(final)
+            _load_weights_into(model, final)
+            ws.console.print(f"[dim]{stage}: already complete, loaded {final}[/dim]")
+            return final, steps
+        except Exception as e:  # a damaged final dir: rewritten from the last checkpoint (the same weights)
+            warn(f"final weights are not intact ({e}); rewriting them from the last checkpoint")
+            if restore_checkpoint(stage_dir, lambda c: _load_weights_into(model, c), warn) is None:
+                raise CorruptCheckpointError(final, f"damaged and no checkpoint to rebuild it from ({e})") from e
+            _save_final(ws, model, final, steps)
+            return final, steps
+    restored = restore_checkpoint(stage_dir, lambda c: _load_weights_into(model, c), warn)
+    if restored is None:
+        return None, 0
+    ckpt, state = restored
+    learner.load_state_dict(state["learner"])
+    if restore_extra is not None:
+        restore_extra(state.get("extra", {}))
+    ws.console.print(f"[yellow]{stage}: resuming from {ckpt.name} (step {state['step']}/{steps})[/yellow]")
+    return ckpt, int(state["step"])
 
 
 def cpu_cores() -> int:

@@ -1,0 +1,194 @@
+"""A data-parallel learner through ``torchrun``: torch DDP over gloo (CPU), one process per rank.
+
+Launch::
+
+    torchrun --standalone --nproc-per-node 2 -m mentorrl.cli train recipe.yaml --set threads=1
+
+``distributed.backend`` (``auto`` by default) turns it on when torchrun's environment says there is
+more than one rank (:func:`distributed_plan` checks the setting against that environment and
+refuses, naming the field, what cannot work). Every rank holds the whole model and the whole
+batch of trajectories; the learner (:class:`~mentorrl.train.learner.Learner` with ``dp=``) runs
+forward/backward on this rank's contiguous share (:meth:`DataParallel.shard`) and DDP all-reduces
+the gradients once per optimizer step. Each micro-batch's loss is weighted by its share of the
+*global* batch (tokens for ``token-mean``) and multiplied by the world size, so DDP's average is
+exactly the single-process full-batch gradient, whatever the token counts of the ranks. Gradients
+are then identical on every rank, so clipping and the AdamW step keep the replicas identical.
+
+Only rank 0 writes (metrics, checkpoints, final weights, evaluations, the report); the others wait
+for it through :meth:`DataParallel.on_main`, which also carries rank 0's failure to them. GRPO
+rollouts are split the same way and gathered, so every rank sees the same trajectories.
+
+Where a GPU exists, the same learner shape maps onto FSDP2 (``torch.distributed.fsdp.fully_shard``
+over NCCL): the weighting above is unchanged because FSDP also averages gradients over ranks;
+it is documented, not implemented (there is no device here to test it on).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from contextlib import nullcontext
+from typing import Any, Callable, Mapping, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from mentorrl.config import DISTRIBUTED_STAGES, ConfigError, RunConfig
+
+T = TypeVar("T")
+
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _env_int(env: Mapping[str, str], name: str) -> int:
+    try:
+        return int(env[name])
+    except (KeyError, ValueError):
+        raise ConfigError(f"distributed: environment variable {name}={env.get(name)!r} is not an integer "
+                          f"(launch with torchrun, which sets RANK and WORLD_SIZE)") from None
+
+
+def distributed_plan(cfg: RunConfig, env: Mapping[str, str] | None = None) -> tuple[int, int] | None:
+    """``(rank, world_size)`` when this process is one rank of a data-parallel run, None for a plain
+    one-process run. A setting that cannot work is a :class:`ConfigError` naming the field."""
+    env = os.environ if env is None else env
+    backend = cfg.distributed.backend
+    launched = "WORLD_SIZE" in env
+    if not launched:
+        if backend == "ddp":
+            raise ConfigError("distributed.backend: ddp needs a torchrun launch (WORLD_SIZE and RANK are not set); "
+                              "run `torchrun --nproc-per-node N -m mentorrl.cli train CONFIG`, or set "
+                              "distributed.backend: auto (or none) for one process")
+        return None
+    world, rank = _env_int(env, "WORLD_SIZE"), _env_int(env, "RANK")
+    if world < 1 or not 0 <= rank < world:
+        raise ConfigError(f"distributed: RANK={rank} is not a rank of WORLD_SIZE={world}")
+    if world == 1 and backend != "ddp":
+        return None
+    if backend == "none":
+        raise ConfigError(f"distributed.backend: none, but torchrun launched {world} ranks: each would train alone "
+                          f"and write the same run_dir; set distributed.backend: ddp (or auto), or launch one process")
+    missing = [s for s in dict.fromkeys(cfg.recipe) if s not in DISTRIBUTED_STAGES]
+    if missing:
+        raise ConfigError(f"recipe: stage(s) {', '.join(missing)} cannot run under distributed.backend "
+                          f"{backend} with {world} ranks; data-parallel stages: {', '.join(DISTRIBUTED_STAGES)}")
+    return rank, world
+
+
+class _CallThrough(torch.nn.Module):
+    """Lets DDP run any forward function of the model: ``DDP(_CallThrough(m))(fn, *args) == fn(m, *args)``.
+
+    The learner's forwards (split decoder / head, shared-prefix KV reuse, top-k selection) call
+    submodules, not ``model(...)``; going through DDP's own forward is what arms its gradient
+    all-reduce for the backward that follows."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return fn(self.model, *args)
+
+
+class DataParallel:
+    """This process's rank in an initialised gloo process group, and the collectives the learner uses."""
+
+    def __init__(self, rank: int, world_size: int):
+        self.rank, self.world_size = rank, world_size
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def shard(self, n: int) -> range:
+        """This rank's contiguous share of ``n`` items (sizes differ by at most one; may be empty)."""
+        return range(self.rank * n // self.world_size, (self.rank + 1) * n // self.world_size)
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """A DDP module over ``model`` (rank 0's weights broadcast to all ranks now).
+
+        ``broadcast_buffers=False``: a buffer broadcast in every forward would be a collective per
+        micro-batch, and ranks run different numbers of micro-batches."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(_CallThrough(model), broadcast_buffers=False)
+
+    @staticmethod
+    def no_sync(ddp: torch.nn.Module | None, sync: bool):
+        return ddp.no_sync() if ddp is not None and not sync else nullcontext()
+
+    def all_gather(self, obj: T) -> list[T]:
+        """Every rank's ``obj`` (picklable), in rank order."""
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def broadcast(self, obj: T) -> T:
+        """Rank 0's ``obj`` on every rank."""
+        box = [obj if self.is_main else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def on_main(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on rank 0 only and return its result on every rank. When it raises, rank 0
+        re-raises it and the other ranks raise :class:`RankZeroFailed` with its message, instead
+        of waiting for a collective that never comes."""
+        if self.is_main:
+            try:
+                value = fn()
+            except BaseException as e:
+                self.broadcast(("error", f"{type(e).__name__}: {e}"))
+                raise
+            return self.broadcast(("ok", value))[1]
+        status, value = self.broadcast(None)
+        if status == "error":
+            raise RankZeroFailed(f"rank 0 failed: {value}")
+        return value
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+
+class RankZeroFailed(RuntimeError):
+    """Raised on ranks > 0 when rank 0 failed in work they were waiting for."""
+
+
+_CURRENT: DataParallel | None = None
+
+
+def current() -> DataParallel | None:
+    """The data-parallel group this process joined (:func:`setup_distributed`), or None."""
+    return _CURRENT
+
+
+def is_main_process() -> bool:
+    return _CURRENT is None or _CURRENT.is_main
+
+
+def setup_distributed(cfg: RunConfig, env: Mapping[str, str] | None = None) -> DataParallel | None:
+    """Join the gloo process group when :func:`distributed_plan` says this is a data-parallel run.
+
+    Idempotent: a second call returns the group already joined."""
+    global _CURRENT
+    plan = distributed_plan(cfg, env)
+    if plan is None:
+        return None
+    if _CURRENT is not None:
+        return _CURRENT
+    rank, world = plan
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=cfg.distributed.timeout_s))
+    _CURRENT = DataParallel(dist.get_rank(), dist.get_world_size())
+    return _CURRENT
+
+
+def shutdown_distributed() -> None:
+    global _CURRENT
+    if _CURRENT is not None and dist.is_initialized():
+        dist.destroy_process_group()
+    _CURRENT = None
+
+
+__all__ = ["DataParallel", "RankZeroFailed", "current", "distributed_plan", "is_main_process", "setup_distributed",
+           "shutdown_distributed"]
