@@ -23,11 +23,15 @@ def _run_recipe(cfg, resume: bool) -> dict:
 
     from mentorrl.config import ConfigError
     from mentorrl.replay.buffer import ReplayBufferError
+    from mentorrl.train.distributed import RankZeroFailed
     from mentorrl.train.pipeline import RewardAuditFailed, run_demo
     from mentorrl.train.rundir import CorruptCheckpointError
 
     try:
         return run_demo(cfg, resume=resume)
+    except RankZeroFailed as e:  # a rank > 0 of a torchrun launch: rank 0 printed the reason
+        err.print(f"[red]{escape(str(e))}[/red]")
+        raise typer.Exit(1)
     except (FileNotFoundError, ConfigError, CorruptCheckpointError, ReplayBufferError) as e:
         # model.path is not a checkpoint; a preflight check failed; a damaged checkpoint or replay DB (named)
         err.print(f"[red]{escape(str(e))}[/red]")
@@ -55,7 +59,10 @@ def demo(
     quiet_transformers()
     cfg = _load(config, [*set_, *NO_EVAL] if no_eval else set_, run_dir, default="demo.yaml")
     result = _run_recipe(cfg, resume)
-    Path(cfg.run_dir, "demo_result.json").write_text(json.dumps(result, indent=2))
+    from mentorrl.train.distributed import is_main_process
+
+    if is_main_process():  # under torchrun, rank 0 alone writes
+        Path(cfg.run_dir, "demo_result.json").write_text(json.dumps(result, indent=2))
 
 
 @app.command()

@@ -109,9 +109,13 @@ class DataParallel:
 
         ``broadcast_buffers=False``: a buffer broadcast in every forward would be a collective per
         micro-batch, and ranks run different numbers of micro-batches."""
+        import inspect
+
         from torch.nn.parallel import DistributedDataParallel
 
-        return DistributedDataParallel(_CallThrough(model), broadcast_buffers=False)
+        params = inspect.signature(DistributedDataParallel.__init__).parameters
+        no_buffer_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in params else {"broadcast_buffers": False}
+        return DistributedDataParallel(_CallThrough(model), **no_buffer_sync)
 
     @staticmethod
     def no_sync(ddp: torch.nn.Module | None, sync: bool):
@@ -162,7 +166,11 @@ def current() -> DataParallel | None:
 
 
 def is_main_process() -> bool:
-    return _CURRENT is None or _CURRENT.is_main
+    """Whether this process writes run-level files: rank 0 of the group joined, else (no group, e.g.
+    after the recipe left it) torchrun's ``RANK`` 0 or a plain launch."""
+    if _CURRENT is not None:
+        return _CURRENT.is_main
+    return os.environ.get("RANK", "0").strip() in ("", "0")
 
 
 def setup_distributed(cfg: RunConfig, env: Mapping[str, str] | None = None) -> DataParallel | None:

@@ -21,6 +21,8 @@ from mentorrl.models.pretrain import PretrainSpec, run_pretraining
 from mentorrl.models.pretrain import config_hash as pretrain_config_hash
 from mentorrl.models.corpus import expert_transcripts
 from mentorrl.models.shipped import find_shipped_base, install_shipped_base
+from mentorrl.train.distributed import current as current_dp
+from mentorrl.train.distributed import setup_distributed, shutdown_distributed
 from mentorrl.train.report import RL_STAGES, STEP_METRICS_PLOT, build_report, write_report
 from mentorrl.train.stages import (Workspace, evaluate, frozen_copy, grpo_stage, open_workspace, ppo_stage, rft_stage,
                                    sft_stage)
@@ -224,13 +226,30 @@ def run_recipe(cfg: RunConfig, resume: bool = False, show_progress: bool = True)
     Writes ``report.json`` / ``report.md`` (evaluations, rollout budget, RFT rounds, reward
     audit, per-step rollout metrics) and, when an RL stage ran, ``curves.png`` and
     ``step_metrics.png``.
+
+    Launched by torchrun with several ranks (``distributed.backend``, see
+    :mod:`mentorrl.train.distributed`), every rank runs the stages' learners on its share of each
+    batch; rank 0 alone builds the base model, audits the reward, evaluates and writes, and the
+    result is returned on every rank.
     """
     t0 = time.perf_counter()
     preflight_config(cfg)
-    ws = open_workspace(cfg, show_progress=show_progress)
+    owned = current_dp() is None
+    dp = setup_distributed(cfg)
+    try:
+        return _run_recipe(cfg, resume, show_progress, dp, t0)
+    finally:
+        if dp is not None and owned:
+            shutdown_distributed()
+
+
+def _run_recipe(cfg: RunConfig, resume: bool, show_progress: bool, dp, t0: float) -> dict[str, Any]:
+    ws = open_workspace(cfg, show_progress=show_progress, dp=dp)
     con = ws.console
     con.rule("[bold]mentorrl " + " -> ".join(cfg.recipe))
-    model_dir = base_model_dir(ws)
+    if dp is not None:
+        con.print(f"data parallel: {dp.world_size} ranks (DDP over gloo); rank 0 writes")
+    model_dir = ws.on_main(lambda: base_model_dir(ws))
     tokenizer, model = load_policy(model_dir)
     ws.bind_tokenizer(tokenizer)
     n_params = sum(p.numel() for p in model.parameters())
@@ -238,7 +257,7 @@ def run_recipe(cfg: RunConfig, resume: bool = False, show_progress: bool = True)
     preflight_prompts(ws)
 
     if cfg.audit.preflight:
-        preflight_reward_audit(ws)
+        ws.on_main(lambda: preflight_reward_audit(ws))
 
     rows: dict[str, dict[str, Any]] = {}
     evals: dict[str, dict[str, Any]] = {}
@@ -248,10 +267,17 @@ def run_recipe(cfg: RunConfig, resume: bool = False, show_progress: bool = True)
         run_stage_by_name(ws, stage, model, resume)
         done.append(stage)
         if cfg.eval.num_tasks > 0:
-            evals[stage] = evaluate(ws, model, stage, resume=resume)
+            evals[stage] = ws.on_main(lambda: evaluate(ws, model, stage, resume=resume))
             rows[" + ".join(STAGE_LABELS[s] for s in done)] = evals[stage]
             con.print(f"held-out success after {STAGE_LABELS[stage]}: {_fmt_pct(evals[stage]['success'])}")
 
+    return ws.on_main(lambda: _finish_recipe(ws, model, resume, rows, evals, t0))
+
+
+def _finish_recipe(ws: Workspace, model, resume: bool, rows: dict[str, dict[str, Any]],
+                   evals: dict[str, dict[str, Any]], t0: float) -> dict[str, Any]:
+    """After the stages: final-split evaluations, the report, plots and the closing summary."""
+    cfg, con = ws.cfg, ws.console
     if rows:
         con.print(before_after_table(rows))
     final = cfg.recipe[-1]

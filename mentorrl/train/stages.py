@@ -290,7 +290,7 @@ def sft_stage(ws: Workspace, model, resume: bool = False) -> Path:
     demos = expert_demonstrations(ws.contract, ws.make_env, ws.env_entry.make_expert(), tasks, weights=cfg.reward)
     if not demos:
         raise RuntimeError("the scripted expert produced no verified demonstrations")
-    learner = Learner(model, cfg.sft.optim, ws.contract.pad_token_id, ws.contract.sampling.temperature)
+    learner = Learner(model, cfg.sft.optim, ws.contract.pad_token_id, ws.contract.sampling.temperature, dp=ws.dp)
 
     def step_fn(step: int) -> dict[str, float]:
         rng = random.Random(cfg.seed * 1_000_003 + step)
@@ -386,7 +386,7 @@ def rollout_metrics(trajs: list[Trajectory]) -> dict[str, float]:
 def grpo_stage(ws: Workspace, model, ref_model=None, resume: bool = False) -> Path:
     cfg, g, audit = ws.cfg, ws.cfg.grpo, ws.cfg.audit
     pool = ws.train_tasks(max(g.tasks_per_step * max(g.steps, 1), 64), cfg.seed + TRAIN_POOL_SEED_OFFSET)
-    learner = Learner(model, g.optim, ws.contract.pad_token_id, ws.contract.sampling.temperature)
+    learner = Learner(model, g.optim, ws.contract.pad_token_id, ws.contract.sampling.temperature, dp=ws.dp)
     estimator = get_advantage_estimator(g.advantage)
     version = {"policy": 0}
     monitor = GapMonitor(audit.reward_window, audit.reward_rise, audit.success_rise)
@@ -400,8 +400,7 @@ def grpo_stage(ws: Workspace, model, ref_model=None, resume: bool = False) -> Pa
         hard_in_batch = sum(t.id in hard for t in chosen) if hard is not None else 0
         grouped = [t for t in chosen for _ in range(g.group_size)]
         t0, c0 = time.perf_counter(), time.process_time()
-        trajs = rollout_tasks(model, ws.contract, ws.make_env, grouped, policy_version=version["policy"],
-                              seed=cfg.seed * 7_777 + step, batch_size=len(grouped), weights=cfg.reward)
+        trajs = _rollout_shared(ws, model, grouped, version["policy"], cfg.seed * 7_777 + step)
         t_roll = time.perf_counter() - t0
         rollout_cpu = time.process_time() - c0
         raw = torch.tensor([t.reward.total for t in trajs], dtype=torch.float32).view(len(chosen), g.group_size)
@@ -410,7 +409,8 @@ def grpo_stage(ws: Workspace, model, ref_model=None, resume: bool = False) -> Pa
         metrics: dict[str, float] = {f"reward_{k}": v for k, v in group_reward_stats(rewards).items()}
         metrics.update({f"reward_{k}": v for k, v in clipped.items()})
         metrics.update(rollout_metrics(trajs), rollouts=len(trajs))
-        metrics.update(_reward_debugger(trajs, audit.flag_reward, audit_dir / f"flagged-grpo-step-{step + 1:06d}.jsonl"))
+        metrics.update(ws.on_main(lambda: _reward_debugger(trajs, audit.flag_reward,
+                                                           audit_dir / f"flagged-grpo-step-{step + 1:06d}.jsonl")))
         # Zero-advantage trajectories give exactly zero policy gradient; without a KL term, skip them.
         keep = [i for i in range(len(trajs)) if g.kl_coef > 0 or adv[i].abs() > 1e-8]
         update_metrics: list[dict[str, float]] = []
@@ -438,8 +438,10 @@ def grpo_stage(ws: Workspace, model, ref_model=None, resume: bool = False) -> Pa
             metrics.update(hard_tasks_in_batch=float(hard_in_batch), hard_pool_size=float(len(hard)))
         monitor.observe_reward(step + 1, metrics["reward_mean"])
         if audit.eval_every and (step + 1) % audit.eval_every == 0:
-            metrics.update(_gap_check(ws, model, monitor, step + 1))
-        if g.sample_trajectories:
+            gap = ws.on_main(lambda: (_gap_check(ws, model, monitor, step + 1), monitor.state_dict()))
+            metrics.update(gap[0])
+            monitor.load_state_dict(gap[1])  # every rank keeps the same monitor (it is checkpointed)
+        if g.sample_trajectories and ws.is_main:
             samples_dir.mkdir(exist_ok=True)  # one file per step: a redone step overwrites, never duplicates
             write_jsonl(samples_dir / f"grpo-step-{step + 1:06d}.jsonl", trajs[: g.sample_trajectories])
         return metrics
@@ -459,6 +461,19 @@ def grpo_stage(ws: Workspace, model, ref_model=None, resume: bool = False) -> Pa
 
 
 # ---------------------------------------------------------------- PPO -----
+def _rollout_shared(ws: Workspace, model, tasks: list, policy_version: int, seed: int) -> list[Trajectory]:
+    """One GRPO step's rollouts, in task order. Under data parallel each rank decodes its
+    contiguous share (seeded by its offset in the batch) and all ranks gather every trajectory."""
+    cfg = ws.cfg
+    if ws.dp is None:
+        return rollout_tasks(model, ws.contract, ws.make_env, tasks, policy_version=policy_version, seed=seed,
+                             batch_size=len(tasks), weights=cfg.reward)
+    own = ws.dp.shard(len(tasks))
+    mine = rollout_tasks(model, ws.contract, ws.make_env, tasks[own.start:own.stop], policy_version=policy_version,
+                         seed=seed + own.start, batch_size=max(len(own), 1), weights=cfg.reward) if len(own) else []
+    return [t for part in ws.dp.all_gather(mine) for t in part]
+
+
 def critic_advantages(trajs: list[Trajectory], rewards: torch.Tensor, values: list[torch.Tensor], p) -> tuple[
         list[torch.Tensor], list[torch.Tensor]]:
     """Per-trajectory GAE advantages and returns (1-D, aligned to tokens) from outcome rewards and critic values
