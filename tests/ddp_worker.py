@@ -105,6 +105,10 @@ def main(out_dir: Path) -> None:
     trajs = trajectories()
     run_stage(ws, "sft", model, learner, 2, lambda step: learner.sft_step(trajs), checkpoint_every=1, resume=False)
     result["rank"], result["world_size"] = dp.rank, dp.world_size
+    try:  # rank 0 failing in work the others wait for: they raise with its message instead of hanging
+        dp.on_main(lambda: 1 / 0)
+    except Exception as e:
+        result["on_main_error"] = f"{type(e).__name__}: {e}"
     torch.save(result, out_dir / f"rank{dp.rank}.pt")
     shutdown_distributed()
 

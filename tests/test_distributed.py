@@ -101,6 +101,12 @@ def test_only_rank_zero_writes_metrics_and_checkpoints(two_ranks):
     assert not other.exists() or not [p for p in other.rglob("*") if p.is_file()]
 
 
+def test_a_failure_on_rank_zero_reaches_the_other_ranks(two_ranks):
+    r0, r1, _ = two_ranks
+    assert r0["on_main_error"].startswith("ZeroDivisionError")
+    assert r1["on_main_error"].startswith("RankZeroFailed: rank 0 failed: ZeroDivisionError")
+
+
 # ---------------------------------------------------------------- config -----
 def test_a_distributed_backend_that_does_not_exist_names_the_field(tmp_path):
     with pytest.raises(ConfigError, match=r"distributed\.backend"):

@@ -193,15 +193,15 @@ def run_stage(
         where, start = _resume_point(ws, stage, model, learner, steps, restore_extra)
     if where == final:
         return final
-    if ws.is_main:
-        ws.metrics.truncate_after(stage, start)  # steps past the checkpoint are redone, never logged twice
+    ws.on_main(lambda: ws.metrics.truncate_after(stage, start))  # steps past the checkpoint are redone, never logged twice
 
-    def checkpoint(step: int) -> None:
-        if not ws.is_main:
-            return
-        state = {"learner": learner.state_dict(), "extra": extra_state() if extra_state else {}}
-        save_checkpoint(stage_dir, step, model, ws.tokenizer, state)
-        prune_checkpoints(stage_dir, keep=KEEP_CHECKPOINTS)
+    def record(rec: dict[str, Any], save: bool) -> None:
+        """The step's metrics record and, when due, its checkpoint (rank 0 only: the caller's on_main)."""
+        ws.metrics.log(rec)
+        if save:
+            state = {"learner": learner.state_dict(), "extra": extra_state() if extra_state else {}}
+            save_checkpoint(stage_dir, rec["step"], model, ws.tokenizer, state)
+            prune_checkpoints(stage_dir, keep=KEEP_CHECKPOINTS)
 
     with ws.progress() as prog:
         bar = prog.add_task(stage, total=steps, completed=start, info="") if prog else None
@@ -210,10 +210,8 @@ def run_stage(
             m = step_fn(step)
             stop = bool(m.pop("stop", False))
             rec = {"stage": stage, "step": step + 1, **m, **step_timing(m, time.perf_counter() - t0, time.process_time() - c0)}
-            if ws.is_main:
-                ws.metrics.log(rec)
-            if stop or (step + 1) % checkpoint_every == 0 or step + 1 == steps:
-                checkpoint(step + 1)
+            save = stop or (step + 1) % checkpoint_every == 0 or step + 1 == steps
+            ws.on_main(lambda: record(rec, save))  # under data parallel the others wait, and see a failure
             if prog:
                 info = " ".join(f"{k}={m[k]:.3f}" for k in ("loss", "reward_mean", "task_success", "positive_task_rate") if k in m)
                 prog.update(bar, advance=1, info=info)
