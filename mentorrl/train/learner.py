@@ -104,7 +104,7 @@ class Learner:
         trajs: Sequence[Trajectory],
         agg: str,
         loss_fn: Callable[[TokenBatch, torch.Tensor, torch.Tensor, slice], tuple[torch.Tensor, dict]],
-        forward: Callable[[TokenBatch, slice], tuple[torch.Tensor, torch.Tensor]] | None = None,
+        forward: Callable[[torch.nn.Module, TokenBatch, slice], tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> dict[str, float]:
         """Run ``loss_fn`` per micro-batch, weighting each so the sum is the full-batch loss; one optimiser step.
 
