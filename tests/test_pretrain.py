@@ -28,7 +28,7 @@ def corpus(orders_entry, tokenizer):
 
 
 def test_corpus_is_train_only_and_has_every_kind(corpus, tokenizer):
-    assert set(corpus.kinds) == {"transcript", "schema", "free_text", "tool_session"}
+    assert set(corpus.kinds) == {"transcript", "schema", "free_text", "tool_session", "chained_session"}
     assert corpus.world_seeds and all(SEED_BASE["train"] <= s < SEED_BASE["heldout"] for s in corpus.world_seeds)
     assert corpus.task_ids and all(t.startswith("orders-train-") for t in corpus.task_ids)
     text = "\n".join(tokenizer.decode(d, skip_special_tokens=False) for d in corpus.docs)
@@ -134,3 +134,30 @@ def test_cli_init_model_pretrain_steps(tmp_path):
     assert len(rec["pretrain"]["loss_curve"]) == 1
     tok, model = load_policy(out)  # the ordinary from_pretrained path
     assert model.config.vocab_size == len(tok)
+
+
+def test_chained_sessions_copy_what_the_note_and_the_observations_said():
+    """A chained session's calls reuse the e-mail of its opening note and the customer id that
+    find_customer returned: the corpus teaches copying identifiers across prose, JSON and tool output."""
+    import random
+    import re
+
+    from mentorrl.contract import Control
+    from mentorrl.models.domain_text import _orders_chained_session
+
+    chained = 0
+    for i in range(40):
+        text = "".join(str(p) for p in _orders_chained_session(SEED_BASE["train"] + i, random.Random(i)))
+        note = text.split("\n", 1)[0]
+        email = re.search(r"[\w.]+@[\w.]+\w", note).group(0)
+        calls = [json.loads(m) for m in re.findall(r"<tool_call>(.*?)</tool_call>", text)]
+        assert calls[0] == {"name": "find_customer", "arguments": {"email": email}}
+        found = re.search(r'"customer_id": "(C-\d+)", "name"', text)
+        if found is None:
+            assert len(calls) == 1  # not found: the session stops there
+            continue
+        chained += len(calls) > 1
+        for c in calls[1:]:
+            if "customer_id" in c["arguments"]:
+                assert c["arguments"]["customer_id"] == found.group(1)
+    assert chained > 20

@@ -138,6 +138,89 @@ def _orders_tool_session(seed: int, rng: random.Random) -> Pieces:
     return pieces
 
 
+# Plain-prose notes that open a chained session: a support log line naming the customer and the
+# order in running text, so that the calls after it copy them into JSON (a different context and,
+# for words, a different token: " chloe" in prose, "chloe" after a quote). Deliberately not the
+# task templates of any split.
+NOTE_FRAMES = [
+    "Support log: {email} got in touch about order {order}.",
+    "Case note. Customer e-mail {email}; order mentioned: {order}.",
+    "Log entry for {email}. The message refers to {order} and to the {product}.",
+    "A message arrived from {email} about {order}.",
+    "Note: the sender, {name} ({email}), quoted order {order}.",
+    "Ticket opened by {email}: question about {order}, also the {product}.",
+]
+SUMMARY_FRAMES = [
+    "Summary: {email} is customer {cid}; order {order} is {status}.",
+    "Logged: customer {cid} ({email}), order {order}, status {status}.",
+    "Closed: {order} for {cid} is {status}.",
+]
+
+
+def _orders_chained_session(seed: int, rng: random.Random) -> Pieces:
+    """A support log note, then tool calls that reuse what the note and earlier observations said
+    (the e-mail -> the customer id -> that customer's orders -> one order), then a prose summary
+    that quotes the observations: copying identifiers between prose, JSON and tool output."""
+    from mentorrl.envs.base import ToolError
+    from mentorrl.envs.orders.backend import OrdersBackend
+    from mentorrl.envs.orders.world import build_db, make_world
+
+    w = make_world(seed)
+    conn = build_db(seed)
+    backend = OrdersBackend(conn)
+    c = rng.choice(w.customers)
+    own = [o for o in w.orders if o["customer_id"] == c["id"]]
+    o = rng.choice(own) if own and rng.random() < 0.8 else rng.choice(w.orders)
+    p = rng.choice(w.products)
+    email = c["email"] if rng.random() < 0.85 else f"{c['name'].split()[0].lower()}{rng.randint(1, 99)}@{rng.choice(['mail.com', 'example.org'])}"
+    order_id = o["id"] if rng.random() < 0.85 else f"O-{rng.randint(101, 999)}"
+    pieces: Pieces = [rng.choice(NOTE_FRAMES).format(email=email, order=order_id, product=p["name"].lower(),
+                                                     name=c["name"]) + "\n", Control(IM_START), "assistant\n"]
+
+    def call(name: str, args: dict[str, Any]) -> Any:
+        try:
+            ok, content, error = True, getattr(backend, name)(**args), None
+        except ToolError as e:
+            ok, content, error = False, None, str(e)
+        # the observation closes the call's turn and opens the next assistant turn
+        pieces.extend([*tool_call_pieces(name, args), Control("<|im_end|>"),
+                       *observation_pieces(render_observation_content(ok, content, error))])
+        return content if ok else None
+
+    try:
+        found = call("find_customer", {"email": email})
+        if found is None:
+            del pieces[-2:]  # the unused assistant opener
+            return pieces
+        cid = found["customer_id"]
+        steps = rng.sample(["list", "get", "stock", "write"], k=rng.randint(1, 3))
+        status = None
+        for step in steps:
+            if step == "list":
+                listed = call("list_orders", {"customer_id": cid})
+                if listed and listed["orders"] and rng.random() < 0.5:
+                    order_id = rng.choice(listed["orders"])["order_id"]
+            elif step == "get":
+                got = call("get_order", {"order_id": order_id})
+                status = got["status"] if got else status
+            elif step == "stock":
+                call("check_inventory", {"product": rng.choice([p["name"], p["name"].lower()])})
+            else:
+                name, args = rng.choice([
+                    ("cancel_order", {"order_id": order_id}),
+                    ("send_email", {"customer_id": cid, "order_id": order_id}),
+                    ("issue_refund", {"order_id": order_id, "amount": float(rng.choice([5, 10, 20]))}),
+                    ("create_order", {"customer_id": cid, "product_id": p["id"], "quantity": rng.randint(1, 4)}),
+                ])
+                call(name, args)
+        del pieces[-2:]  # the unused assistant opener
+        if status is not None:
+            pieces.append(rng.choice(SUMMARY_FRAMES).format(email=email, cid=cid, order=order_id, status=status))
+    finally:
+        conn.close()
+    return pieces
+
+
 def orders_domain_text(rng: random.Random, n_worlds: int) -> tuple[list[tuple[str, Pieces]], list[int]]:
     from mentorrl.envs.orders.tasks import SEED_BASE
     from mentorrl.envs.orders.world import make_world
@@ -149,7 +232,12 @@ def orders_domain_text(rng: random.Random, n_worlds: int) -> tuple[list[tuple[st
         seeds.append(seed)
         docs.append(("free_text", [_orders_free_text(make_world(seed), rng)]))
         docs.append(("tool_session", _orders_tool_session(seed, rng)))
+        for _ in range(CHAINED_PER_WORLD):
+            docs.append(("chained_session", _orders_chained_session(seed, rng)))
     return docs, seeds
+
+
+CHAINED_PER_WORLD = 3
 
 
 DOMAIN_TEXT: dict[str, DomainTextFn] = {"orders": orders_domain_text}

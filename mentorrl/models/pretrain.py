@@ -31,6 +31,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from mentorrl.contract import PAD, Control, message_pieces, system_text
 
+# bumped whenever the corpus generators change what they write for the same spec: it is part of the
+# build config, so a shipped base built by older generators is never served for a newer build
+CORPUS_VERSION = 2
+
 # train-task seed of the corpus transcripts: apart from SFT's demonstrations (train tasks, seed cfg.seed)
 CORPUS_TASK_SEED_OFFSET = 7_919
 HELDOUT_EVAL_SEED = 0

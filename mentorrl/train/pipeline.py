@@ -17,7 +17,7 @@ from rich.table import Table
 from mentorrl.config import ConfigError, RunConfig
 from mentorrl.eval.plots import plot_rl_curves, plot_step_metrics
 from mentorrl.models.build import ModelSpec, dir_digest, init_model, load_policy
-from mentorrl.models.pretrain import PretrainSpec, run_pretraining
+from mentorrl.models.pretrain import CORPUS_VERSION, PretrainSpec, run_pretraining
 from mentorrl.models.pretrain import config_hash as pretrain_config_hash
 from mentorrl.models.corpus import expert_transcripts
 from mentorrl.models.shipped import find_shipped_base, install_shipped_base
@@ -34,7 +34,8 @@ def build_config(env_name: str, spec: ModelSpec, corpus_tasks: int, seed: int, f
     pretrain = pretrain or PretrainSpec()
     return {"env": env_name, "spec": spec.model_dump(mode="json"), "tokenizer_corpus_tasks": corpus_tasks,
             "seed": seed, "prompt": fmt.model_dump(mode="json") if fmt is not None else None,
-            "pretrain": pretrain.model_dump(mode="json")}
+            "pretrain": pretrain.model_dump(mode="json"),
+            **({"corpus_version": CORPUS_VERSION} if pretrain.steps > 0 else {})}
 
 
 def build_tiny_model(env_entry, out_dir: Path, spec: ModelSpec, corpus_tasks: int, seed: int = 0, fmt=None,
