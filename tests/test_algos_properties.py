@@ -22,13 +22,10 @@ from hypothesis import strategies as st
 from mentorrl.algos import (
     AGG_MODES,
     aggregate_loss,
-    clipped_policy_loss,
     clipped_value_loss,
     get_policy_loss,
     group_reward_stats,
     grpo_advantages,
-    grpo_loss,
-    masked_importance_policy_loss,
     sft_loss,
 )
 from mentorrl.algos.distill import distill_loss

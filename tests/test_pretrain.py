@@ -142,7 +142,6 @@ def test_chained_sessions_copy_what_the_note_and_the_observations_said():
     import random
     import re
 
-    from mentorrl.contract import Control
     from mentorrl.models.domain_text import _orders_chained_session
 
     chained = 0

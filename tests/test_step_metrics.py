@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import yaml
 
 from mentorrl.trajectory import read_jsonl
 
