@@ -21,7 +21,7 @@ from __future__ import annotations
 import random
 from typing import Any, Callable
 
-from mentorrl.contract import IM_START, Control, observation_pieces, render_observation_content, tool_call_pieces
+from mentorrl.contract import IM_END, IM_START, Control, observation_pieces, render_observation_content, tool_call_pieces
 
 Pieces = list[str]
 # (env name) -> fn(rng, n_worlds) -> (documents as (kind, pieces), world seeds used)
@@ -99,9 +99,22 @@ POLICY_SENTENCES = [
 ]
 
 
+def _tool_turn(backend: Any, name: str, args: dict[str, Any]) -> tuple[Pieces, Any]:
+    """One call on the live backend, rendered as the contract renders it: the assistant's tool call,
+    ``<|im_end|>``, the observation, and the next assistant turn's opener. Returns (pieces, the tool's
+    result or None when it raised)."""
+    from mentorrl.envs.base import ToolError
+
+    try:
+        ok, content, error = True, getattr(backend, name)(**args), None
+    except ToolError as e:
+        ok, content, error = False, None, str(e)
+    return [*tool_call_pieces(name, args), Control(IM_END),
+            *observation_pieces(render_observation_content(ok, content, error))], content
+
+
 def _orders_tool_session(seed: int, rng: random.Random) -> Pieces:
     """Random but well-formed tool calls on world ``seed``'s database, with their real observations."""
-    from mentorrl.envs.base import ToolError
     from mentorrl.envs.orders.backend import OrdersBackend
     from mentorrl.envs.orders.world import build_db, make_world
 
@@ -125,14 +138,9 @@ def _orders_tool_session(seed: int, rng: random.Random) -> Pieces:
                 ("send_email", {"customer_id": c["id"], "order_id": o["id"]}),
             ]
             name, args = rng.choice(calls)
-            try:
-                ok, content, error = True, getattr(backend, name)(**args), None
-            except ToolError as e:
-                ok, content, error = False, None, str(e)
             if not pieces:
                 pieces += [Control(IM_START), "assistant\n"]
-            pieces += [*tool_call_pieces(name, args), Control("<|im_end|>"),
-                       *observation_pieces(render_observation_content(ok, content, error))]
+            pieces += _tool_turn(backend, name, args)[0]
     finally:
         conn.close()
     return pieces
@@ -161,7 +169,6 @@ def _orders_chained_session(seed: int, rng: random.Random) -> Pieces:
     """A support log note, then tool calls that reuse what the note and earlier observations said
     (the e-mail -> the customer id -> that customer's orders -> one order), then a prose summary
     that quotes the observations: copying identifiers between prose, JSON and tool output."""
-    from mentorrl.envs.base import ToolError
     from mentorrl.envs.orders.backend import OrdersBackend
     from mentorrl.envs.orders.world import build_db, make_world
 
@@ -178,14 +185,9 @@ def _orders_chained_session(seed: int, rng: random.Random) -> Pieces:
                                                      name=c["name"]) + "\n", Control(IM_START), "assistant\n"]
 
     def call(name: str, args: dict[str, Any]) -> Any:
-        try:
-            ok, content, error = True, getattr(backend, name)(**args), None
-        except ToolError as e:
-            ok, content, error = False, None, str(e)
-        # the observation closes the call's turn and opens the next assistant turn
-        pieces.extend([*tool_call_pieces(name, args), Control("<|im_end|>"),
-                       *observation_pieces(render_observation_content(ok, content, error))])
-        return content if ok else None
+        turn, result = _tool_turn(backend, name, args)
+        pieces.extend(turn)
+        return result
 
     try:
         found = call("find_customer", {"email": email})

@@ -160,21 +160,24 @@ def _num(x: Any) -> str:
     return "-" if x is None else f"{x:g}"
 
 
+def _eval_row(label: str, e: dict[str, Any]) -> str:
+    """``| label | n | success | 95% CI | mean reward | violations |`` for one evaluation summary."""
+    lo, hi = e.get("success_ci95") or (None, None)
+    return (f"| {label} | {e.get('n')} | {_pct(e.get('success'))} | [{_pct(lo)}, {_pct(hi)}] | "
+            f"{(e.get('mean_reward') or 0):.3f} | {_pct(e.get('violation_rate'))} |")
+
+
 def report_markdown(report: dict[str, Any]) -> str:
     lines = ["# Run report", "", "## Held-out evaluation", "",
              "| checkpoint | n | success | 95% CI | mean reward | violations |", "|---|---|---|---|---|---|"]
     for label, e in report["evals"].items():
-        lo, hi = e.get("success_ci95") or (None, None)
-        lines.append(f"| {label} | {e.get('n')} | {_pct(e.get('success'))} | [{_pct(lo)}, {_pct(hi)}] | "
-                     f"{(e.get('mean_reward') or 0):.3f} | {_pct(e.get('violation_rate'))} |")
+        lines.append(_eval_row(label, e))
     if report.get("other_splits"):
         lines += ["", "## Final checkpoint on other splits", "",
                   "`novel_wording` is a stress set worded with words training never uses; it is not the headline.", "",
                   "| split | n | success | 95% CI | mean reward | violations |", "|---|---|---|---|---|---|"]
         for split, e in report["other_splits"].items():
-            lo, hi = e.get("success_ci95") or (None, None)
-            lines.append(f"| {split} | {e.get('n')} | {_pct(e.get('success'))} | [{_pct(lo)}, {_pct(hi)}] | "
-                         f"{(e.get('mean_reward') or 0):.3f} | {_pct(e.get('violation_rate'))} |")
+            lines.append(_eval_row(split, e))
     lines += ["", "## Stages", "", "| stage | steps | rollouts | seconds |", "|---|---|---|---|"]
     for name, s in report["stages"].items():
         lines.append(f"| {name} | {s['steps']} | {s['rollouts']} | {s['seconds']:.0f} |")
