@@ -52,7 +52,7 @@ def build_tiny_model(env_entry, out_dir: Path, spec: ModelSpec, corpus_tasks: in
         return out_dir
     t0 = time.perf_counter()
     pretrain = pretrain or PretrainSpec()
-    env, expert = env_entry.make_env(), env_entry.make_expert()
+    env = env_entry.make_env()
     env_name = str(getattr(env, "name", ""))
     config = build_config(env_name, spec, corpus_tasks, seed, fmt, pretrain)
     chash = pretrain_config_hash(config)
@@ -60,6 +60,7 @@ def build_tiny_model(env_entry, out_dir: Path, spec: ModelSpec, corpus_tasks: in
     if shipped is not None:
         env.close()
         return install_shipped_base(shipped, out_dir)
+    expert = env_entry.make_expert()
     try:
         corpus = list(expert_transcripts(env, expert, env_entry.make_tasks().tasks(split="train", n=corpus_tasks, seed=seed), fmt))
     finally:
