@@ -15,32 +15,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import statistics
 import subprocess
 import sys
 from pathlib import Path
 
-# two-sided 95% Student-t quantiles by degrees of freedom (1..30); normal beyond
-_T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
-        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
-
-
-def t95(dof: int) -> float:
-    return _T95[dof - 1] if 1 <= dof <= len(_T95) else 1.96
+from mentorrl.eval.metrics import mean_interval
 
 
 def lift_summary(lifts: list[float]) -> dict[str, float | None]:
     """Mean, sample sd and the Student-t 95% interval of the mean of per-seed lifts (points)."""
     if not lifts:
         raise ValueError("no seed finished")
-    mean = statistics.fmean(lifts)
-    if len(lifts) < 2:
-        return {"n": 1, "mean": mean, "sd": None, "ci95": None}
-    sd = statistics.stdev(lifts)
-    half = t95(len(lifts) - 1) * sd / math.sqrt(len(lifts))
-    return {"n": len(lifts), "mean": mean, "sd": sd, "ci95": (mean - half, mean + half)}
+    s = mean_interval(lifts)
+    return {k: s[k] for k in ("n", "mean", "sd", "ci95")}
 
 
 def run_seed(out: Path, seed: int, overrides: list[str]) -> dict:
