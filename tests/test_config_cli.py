@@ -168,16 +168,22 @@ def test_cli_eval_missing_model_dir_exits_2(tmp_path):
     assert res.exit_code == 2
 
 
-def test_readme_config_reference_is_generated_from_the_models():
-    """The README's configuration table is exactly `mentorrl config --reference`: docs cannot drift."""
+def test_config_reference_page_is_generated_from_the_models():
+    """docs/reference/configuration.md is exactly `mentorrl config --reference` (plus its header): docs cannot drift."""
+    import importlib.util
     from pathlib import Path
 
     from mentorrl.config import config_reference_markdown
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("gen_config_reference", root / "docs" / "gen_config_reference.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
     res = runner.invoke(app, ["config", "--reference"])
     assert res.exit_code == 0 and res.output == config_reference_markdown()
-    assert config_reference_markdown() in readme, "regenerate the README table with `mentorrl config --reference`"
+    page = (root / "docs" / "reference" / "configuration.md").read_text()
+    assert config_reference_markdown() in page
+    assert page == gen.render(), "regenerate the page: python docs/gen_config_reference.py"
 
 
 def test_config_extends_merges_over_its_parent(tmp_path):
