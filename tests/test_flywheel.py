@@ -20,7 +20,7 @@ from cli_helpers import cli_with
 from mentorrl.contract import render_tool_call
 from mentorrl.envs.base import FinalAnswer, Task
 from mentorrl.envs.orders import OrdersExpert
-from mentorrl.eval import trace
+from mentorrl.core import trace
 from mentorrl.flywheel import (
     PRECEDENCE,
     AttributionConfig,

@@ -16,9 +16,9 @@ from mentorrl.contract import contract_for_env
 from mentorrl.envs import EnvEntry
 from mentorrl.envs.base import Task, ToolAction, Verdict
 from mentorrl.envs.orders import OrdersEnv, OrdersExpert, OrdersTasks
-from mentorrl.envs.orders.attacks import falsify, hedge, orders_attacks, orders_corruptions, wrong_arguments
+from mentorrl.envs.orders.hacks import falsify, hedge, orders_attacks, orders_corruptions, wrong_arguments
 from mentorrl.envs.orders.reading import read_answer
-from mentorrl.eval.trace import claims_success
+from mentorrl.core.trace import claims_success
 from mentorrl.integrity import attacks as attacks_mod
 from mentorrl.integrity import validation as validation_mod
 from mentorrl.integrity.attacks import (

@@ -24,7 +24,8 @@ from mentorrl.eval.llm_judge import (
     rubric_messages,
     transcript,
 )
-from mentorrl.opd.api import ClientConfig, TeacherClient
+from mentorrl.clients.config import ClientConfig
+from mentorrl.clients.openai_api import TeacherClient
 from mentorrl.trajectory import JudgeVerdict, RewardBreakdown, ToolCall, Trajectory, read_jsonl, write_jsonl
 
 RUBRIC = {"task_success": 0.9, "tool_correctness": 0.8, "state_tracking": 0.7, "efficiency": 0.6,

@@ -24,7 +24,7 @@ from typing import Any, Iterable, Sequence
 from pydantic import BaseModel, ConfigDict, Field
 
 from mentorrl.envs.base import Task
-from mentorrl.eval import trace
+from mentorrl.core import trace
 from mentorrl.trajectory import Trajectory
 
 STATE_VERSION = 1
