@@ -33,7 +33,7 @@ from mentorrl.integrity.attacks import (
     select_tasks,
     task_pool,
 )
-from mentorrl.integrity.commands import register, tiny_tokenizer
+from mentorrl.cli.integrity import register, tiny_tokenizer
 from mentorrl.integrity.validation import auc, overlap_share, range_overlap, validate_env
 from mentorrl.rewards.compose import RewardWeights
 from mentorrl.trajectory import Trajectory

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from cli_helpers import cli_output, cli_with
 from mentorrl.envs.base import Task
 from mentorrl.eval.agent import judge_agreement
-from mentorrl.eval.commands import register
+from mentorrl.cli.eval import register
 from mentorrl.eval.judge import Judge, attach_judgements, judge_names, make_judge
 from mentorrl.eval.llm_judge import (
     DIMENSIONS,

@@ -3,7 +3,7 @@
 * :mod:`mentorrl.integrity.attacks` -- scripted attacks per environment, the audit runner and
   the :class:`LostResponseEnv` fault-injection wrapper;
 * :mod:`mentorrl.integrity.validation` -- labelled correct / corrupted trajectories, AUC and overlap;
-* :mod:`mentorrl.integrity.commands` -- the ``mentorrl reward-audit`` command.
+* :mod:`mentorrl.cli.integrity` -- the ``mentorrl reward-audit`` command.
 """
 
 from mentorrl.integrity.attacks import (
