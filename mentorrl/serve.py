@@ -392,7 +392,8 @@ class PolicyGenerator:
 class RowSampler:
     """A logits processor that samples inside a greedy ``generate``, each row on its own.
 
-    A sampled row's logits are divided by its temperature, cut to its top-p nucleus and
+    A sampled row's logits are divided by its temperature, cut to its top-p nucleus (the rollouts'
+    cut, :func:`mentorrl.rollout.sampling.nucleus`) and
     perturbed with Gumbel noise from its own generator, so the greedy argmax samples
     softmax(logits / T) over the nucleus (the Gumbel-max trick) and a row's draws depend on
     its generator alone, not on the rest of the batch. Greedy rows (no generator) are left alone."""
@@ -411,7 +412,9 @@ class RowSampler:
             return scores
         logits = scores[self.rows] / self.temperature
         if self.nucleus:
-            logits = _nucleus(logits, self.top_p)
+            from mentorrl.rollout.sampling import nucleus
+
+            logits = nucleus(logits.log_softmax(dim=-1), self.top_p)  # the rollouts' cut (a row shift: same argmax)
         scores = scores.clone()
         scores[self.rows] = logits + _gumbel(logits.shape[1], self.generators)
         return scores
@@ -427,15 +430,6 @@ def row_generator(seed: int | None, index: int, device: Any) -> Any:
     else:
         g.manual_seed(int.from_bytes(hashlib.blake2b(f"{seed}/{index}".encode(), digest_size=8).digest(), "little"))
     return g
-
-
-def _nucleus(logits: Any, top_p: Any) -> Any:
-    """``logits`` with -inf outside each row's top-p nucleus: the most likely tokens whose mass
-    reaches ``top_p`` (as Hugging Face's top-p: a token stays while the mass before it is below)."""
-    ordered, order = logits.sort(dim=-1, descending=True)
-    probs = ordered.softmax(dim=-1)
-    outside = (probs.cumsum(dim=-1) - probs >= top_p) & (top_p < 1.0)
-    return logits.scatter(-1, order, ordered.masked_fill(outside, float("-inf")))
 
 
 def _gumbel(size: int, generators: Sequence[Any]) -> Any:
