@@ -9,7 +9,7 @@
 from mentorrl.integrity.attacks import (
     Attack,
     AttackResult,
-    AuditConfig,
+    AttackAuditConfig,
     AuditReport,
     LostResponseEnv,
     audit_env,
@@ -32,7 +32,7 @@ from mentorrl.integrity.validation import (
 __all__ = [
     "Attack",
     "AttackResult",
-    "AuditConfig",
+    "AttackAuditConfig",
     "AuditReport",
     "Corruption",
     "LostResponseEnv",

@@ -70,7 +70,7 @@ def get_attacks(env_name: str) -> list[Attack]:
 
 # ------------------------------------------------------------------------- running ----
 @dataclass(frozen=True)
-class AuditConfig:
+class AttackAuditConfig:
     """How many tasks each attack runs on, which tasks, and the episode limits and reward weights."""
 
     tasks_per_attack: int = 3
@@ -185,10 +185,10 @@ def run_audit(
     tasks: Sequence[Task],
     expert: Any,
     tokenizer: Any,
-    config: AuditConfig | None = None,
+    config: AttackAuditConfig | None = None,
 ) -> AuditReport:
     """Run every attack on its tasks from ``tasks`` (the pool) and the honest expert on the same tasks."""
-    config = config or AuditConfig()
+    config = config or AttackAuditConfig()
     env = make_env()  # building an env is the costly part (tool schemas); reset() gives each episode fresh state
     honest: dict[str, Trajectory] = {}
     results: list[AttackResult] = []
@@ -223,21 +223,25 @@ def run_audit(
     )
 
 
-def task_pool(make_tasks: Callable[[], Any], config: AuditConfig) -> list[Task]:
+# the old name, kept only while train/pipeline.py imports it (it aliases it to AttackAuditConfig already)
+AuditConfig = AttackAuditConfig
+
+
+def task_pool(make_tasks: Callable[[], Any], config: AttackAuditConfig) -> list[Task]:
     return list(make_tasks().tasks(split=config.split, n=config.pool_size, seed=config.seed))
 
 
 def audit_env(
     env_name: str,
     tokenizer: Any,
-    config: AuditConfig | None = None,
+    config: AttackAuditConfig | None = None,
     make_env: Callable[[], Environment] | None = None,
     attacks: Sequence[Attack] | None = None,
 ) -> AuditReport:
     """The audit of a registered environment; ``make_env`` swaps in another environment/verifier."""
     from mentorrl.envs import get_env
 
-    config = config or AuditConfig()
+    config = config or AttackAuditConfig()
     entry = get_env(env_name)
     return run_audit(
         attacks if attacks is not None else get_attacks(env_name),
@@ -263,7 +267,7 @@ def iter_rows(report: AuditReport) -> Iterator[tuple[str, ...]]:
 __all__ = [
     "Attack",
     "AttackResult",
-    "AuditConfig",
+    "AttackAuditConfig",
     "AuditReport",
     "LostResponseEnv",
     "Script",
