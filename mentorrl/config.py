@@ -18,16 +18,14 @@ from typing import Any, Literal, Union, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from mentorrl.clients.config import ClientConfig
 from mentorrl.contract import ContractLimits, PromptFormat, SamplingParams
+from mentorrl.core.splits import assert_trainable_splits
 from mentorrl.envs.latency import LatencyModel
-from mentorrl.eval.sets import assert_trainable_splits
-from mentorrl.flywheel.hard_pool import HardPoolConfig
-from mentorrl.models.build import ModelSpec
-from mentorrl.models.pretrain import PretrainSpec
-from mentorrl.opd.api import ClientConfig
+from mentorrl.models.spec import ModelSpec, PretrainSpec
 from mentorrl.replay.buffer import ReplayConfig
 from mentorrl.rewards.compose import RewardWeights
-from mentorrl.train.audit import AuditConfig
+from mentorrl.train.audit import AuditConfig  # light (pydantic only); see pyproject's import contracts
 
 
 class _Section(BaseModel):
@@ -80,6 +78,17 @@ class SFTConfig(_Section):
         "token-mean", description="token-mean, seq-mean-token-mean or seq-mean-token-sum")
     checkpoint_every: int = Field(
         10, ge=1, description="steps between checkpoints (weights, optimizer and RNG state); --resume continues from the last")
+
+
+class HardPoolConfig(_Section):
+    """The hard-task pool of :mod:`mentorrl.flywheel.hard_pool` (declared here: the config imports no runtime module)."""
+
+    boost: float = Field(4.0, ge=0.0, description="sampling weight of a pooled task is 1 + boost * score")
+    max_share: float = Field(0.5, ge=0.0, le=1.0, description="at most this share of a draw comes from the pool")
+    decay: float = Field(0.9, gt=0.0, le=1.0, description="scores are multiplied by this at every update")
+    success_relief: float = Field(0.5, ge=0.0, le=1.0, description="a success multiplies its task's score by 1 - this")
+    min_score: float = Field(0.05, ge=0.0, description="entries below this score are dropped")
+    max_score: float = Field(5.0, gt=0.0, description="cap on one task's score (a task failing forever stays bounded)")
 
 
 class GRPOConfig(_Section):

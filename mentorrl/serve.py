@@ -1,4 +1,4 @@
-"""`mentorrl serve MODEL_DIR`: an OpenAI-compatible chat-completions server for a local policy.
+"""An OpenAI-compatible chat-completions server for a local policy.
 
 The server speaks the OpenAI chat-completions protocol and renders every conversation with
 :func:`mentorrl.chat.prompt_pieces` and :class:`mentorrl.contract.ChatEncoder`, so a request
@@ -27,8 +27,8 @@ never becomes a control token, so a client cannot forge turns.
   request repeats exactly whatever it is batched with, up to floating-point effects of padding.
 
 Build the app with :func:`create_app` (tests use ``fastapi.testclient.TestClient``); start a
-real server in a subprocess with :func:`serve_subprocess`. Wire the command into the main app
-with ``register(app)``.
+real server in a subprocess with :func:`serve_subprocess`. The ``mentorrl serve`` command itself is
+:mod:`mentorrl.cli.serve`.
 """
 
 from __future__ import annotations
@@ -52,9 +52,8 @@ import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Optional, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
-import typer
 from pydantic import BaseModel, ConfigDict, Field
 
 from mentorrl.chat import MessageError, assistant_message, message_pieces_of, prompt_pieces
@@ -393,7 +392,8 @@ class PolicyGenerator:
 class RowSampler:
     """A logits processor that samples inside a greedy ``generate``, each row on its own.
 
-    A sampled row's logits are divided by its temperature, cut to its top-p nucleus and
+    A sampled row's logits are divided by its temperature, cut to its top-p nucleus (the rollouts'
+    cut, :func:`mentorrl.rollout.sampling.nucleus`) and
     perturbed with Gumbel noise from its own generator, so the greedy argmax samples
     softmax(logits / T) over the nucleus (the Gumbel-max trick) and a row's draws depend on
     its generator alone, not on the rest of the batch. Greedy rows (no generator) are left alone."""
@@ -412,7 +412,9 @@ class RowSampler:
             return scores
         logits = scores[self.rows] / self.temperature
         if self.nucleus:
-            logits = _nucleus(logits, self.top_p)
+            from mentorrl.rollout.sampling import nucleus
+
+            logits = nucleus(logits.log_softmax(dim=-1), self.top_p)  # the rollouts' cut (a row shift: same argmax)
         scores = scores.clone()
         scores[self.rows] = logits + _gumbel(logits.shape[1], self.generators)
         return scores
@@ -428,15 +430,6 @@ def row_generator(seed: int | None, index: int, device: Any) -> Any:
     else:
         g.manual_seed(int.from_bytes(hashlib.blake2b(f"{seed}/{index}".encode(), digest_size=8).digest(), "little"))
     return g
-
-
-def _nucleus(logits: Any, top_p: Any) -> Any:
-    """``logits`` with -inf outside each row's top-p nucleus: the most likely tokens whose mass
-    reaches ``top_p`` (as Hugging Face's top-p: a token stays while the mass before it is below)."""
-    ordered, order = logits.sort(dim=-1, descending=True)
-    probs = ordered.softmax(dim=-1)
-    outside = (probs.cumsum(dim=-1) - probs >= top_p) & (top_p < 1.0)
-    return logits.scatter(-1, order, ordered.masked_fill(outside, float("-inf")))
 
 
 def _gumbel(size: int, generators: Sequence[Any]) -> Any:
@@ -687,77 +680,6 @@ def run_server(app: Any, sock: socket.socket, ready_line: str, log_level: str = 
     return 0
 
 
-def serve_command(
-    model_dir: Path = typer.Argument(..., help="HF checkpoint directory (a ChatML tokenizer)"),
-    host: str = typer.Option("127.0.0.1", help="address to bind; a non-loopback one needs --allow-remote"),
-    port: int = typer.Option(8000, min=0, max=65535, help="0: any free port (read it from the ready line)"),
-    allow_remote: bool = typer.Option(False, "--allow-remote", help="allow binding a non-loopback address"),
-    token_env: Optional[str] = typer.Option(None, "--token-env", metavar="NAME",
-                                            help="environment variable holding the bearer token required on /v1"),
-    max_body_bytes: int = typer.Option(DEFAULT_MAX_BODY_BYTES, min=1, help="larger request bodies get 413"),
-    max_tokens_cap: int = typer.Option(DEFAULT_MAX_TOKENS_CAP, min=1, help="the most tokens one reply may have"),
-    max_batch: int = typer.Option(DEFAULT_MAX_BATCH, min=1,
-                                  help="the most rows (the sum of the requests' n) one generate call batches; "
-                                       "1: one request at a time"),
-    batch_window_ms: float = typer.Option(DEFAULT_BATCH_WINDOW_MS, min=0.0,
-                                          help="how long a batch waits for more requests"),
-    threads: int = typer.Option(0, min=0, help="torch CPU threads (0: torch's default)"),
-    model_name: Optional[str] = typer.Option(None, help="the model id clients see (default: the directory name)"),
-    log_level: str = typer.Option("info", help="uvicorn log level (access logs at info)"),
-) -> None:
-    """Serve a policy over the OpenAI chat-completions protocol (POST /v1/chat/completions).
-
-    Prints "mentorrl serve: listening on http://HOST:PORT/v1" on stdout when ready."""
-    from rich.markup import escape
-
-    from mentorrl.cli_common import err, quiet_transformers
-
-    def fail(message: str) -> typer.Exit:
-        err.print(f"[red]{escape(message)}[/red]")
-        return typer.Exit(2)
-
-    if log_level not in LOG_LEVELS:
-        raise fail(f"--log-level must be one of {', '.join(LOG_LEVELS)}")
-    if not is_loopback(host) and not allow_remote:
-        raise fail(f"refusing to bind {host}: it is not a loopback address; pass --allow-remote to serve "
-                   "beyond this machine (and --token-env to require a token)")
-    token = None
-    if token_env is not None:
-        token = os.environ.get(token_env, "").strip()
-        if not token:
-            raise fail(f"--token-env {token_env}: the environment variable {token_env} is not set or empty")
-    elif not is_loopback(host):
-        err.print(f"[yellow]warning: serving on {escape(host)} without a token; anyone who can reach it can "
-                  "use the model (see --token-env)[/yellow]")
-    if not model_dir.is_dir():
-        raise fail(f"MODEL_DIR {model_dir} is not a directory")
-    try:
-        sock = bind_socket(host, port)
-    except OSError as e:
-        raise fail(f"cannot listen on {host}:{port}: {e}")
-    quiet_transformers()
-    if threads:
-        import torch
-
-        torch.set_num_threads(threads)
-    from mentorrl.models.build import load_policy
-
-    try:
-        tokenizer, model = load_policy(model_dir)
-        app = create_app(tokenizer, model, model_name or model_dir.resolve().name, token=token,
-                         max_body_bytes=max_body_bytes, max_new_tokens_cap=max_tokens_cap, max_batch=max_batch,
-                         batch_window_ms=batch_window_ms)
-    except (OSError, ValueError) as e:
-        sock.close()
-        raise fail(f"cannot load a policy from {model_dir}: {e}")
-    raise typer.Exit(run_server(app, sock, READY_PREFIX + base_url(sock), log_level))
-
-
-def register(app: typer.Typer) -> None:
-    """Add the ``serve`` command to ``app``."""
-    app.command("serve")(serve_command)
-
-
 # ------------------------------------------------------------ subprocess helper ------
 @contextlib.contextmanager
 def serve_subprocess(model_dir: str | Path, token_env: str | None = None, extra_args: Sequence[str] = (), *,
@@ -839,5 +761,5 @@ def _tail(errlog: Any, n: int = 2000) -> str:
 __all__ = ["APIError", "Batcher", "BearerAuthMiddleware", "BodyLimitMiddleware", "ChatMessage", "ChatRequest",
            "GenRequest", "MAX_BODY_DEPTH", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "PolicyGenerator", "READY_PREFIX",
            "RedactQueryFilter", "RowSampler", "base_url", "bind_socket", "check_utf8", "create_app", "error_body",
-           "group_requests", "is_loopback", "redact_query", "register", "row_generator", "run_server", "serve_command",
+           "group_requests", "is_loopback", "redact_query", "row_generator", "run_server",
            "serve_subprocess", "server_config"]

@@ -15,7 +15,7 @@ from mentorrl.algos.preference import soft_label_loss
 from mentorrl.chat import assistant_message, trajectory_messages
 from mentorrl.config import OptimConfig
 from mentorrl.contract import parse_action
-from mentorrl.opd.blackbox import ActingTeacher, StudentEpisode, TrajectoryScore, action_agreement
+from mentorrl.opd.remote_teacher import ActingTeacher, StudentEpisode, TrajectoryScore, action_agreement
 from mentorrl.train.blackbox import (
     candidate_trajectory,
     corrected_trajectory,
@@ -130,7 +130,7 @@ def test_soft_label_loss_against_hand_computed_values():
 def test_sequence_step_is_exact_whatever_the_micro_batch(make_demos, model, tokenizer):
     """The two-pass update equals backpropagating the loss of sequence log-probs directly."""
     from mentorrl.algos.preference import sequence_logprobs
-    from mentorrl.train.batch import collate, forward_logprobs
+    from mentorrl.models.batch import collate, forward_logprobs
     from mentorrl.train.learner import pad_token_values
 
     contract, demos = make_demos(4)
@@ -267,8 +267,9 @@ def _reply(content: str) -> str:
 
 
 def _prompted(url: str, route: str):
-    from mentorrl.opd.api import ClientConfig, TeacherClient
-    from mentorrl.opd.blackbox import PromptedTeacher
+    from mentorrl.clients.config import ClientConfig
+    from mentorrl.clients.openai_api import TeacherClient
+    from mentorrl.opd.remote_teacher import PromptedTeacher
 
     cfg = ClientConfig(base_url=f"{url}/{route}/v1", model="judge", timeout_s=2.0, max_retries=0, api_key_env=None)
     return PromptedTeacher(TeacherClient(cfg, sleep=lambda s: None))

@@ -20,7 +20,7 @@ from mentorrl.contract import (
 )
 from mentorrl.rollout.engine import RolloutEngine
 from mentorrl.rollout.episode import Episode, run_scripted_episode
-from mentorrl.train.batch import collate, forward_logprobs
+from mentorrl.models.batch import collate, forward_logprobs
 from mentorrl.trajectory import Trajectory
 
 TOL = 1e-4

@@ -20,7 +20,7 @@ import torch
 import ddp_worker as W
 from mentorrl.algos.losses import sft_loss
 from mentorrl.config import ConfigError, DistributedConfig, RunConfig, load_config
-from mentorrl.train.batch import collate, forward_logprobs
+from mentorrl.models.batch import collate, forward_logprobs
 from mentorrl.train.distributed import distributed_plan
 
 pytestmark = pytest.mark.distributed

@@ -25,7 +25,7 @@ from mentorrl.eval.agent import (
     pass_at_k,
     pass_hat_k,
 )
-from mentorrl.eval.commands import agent_eval_config, parse_ks, parse_set_options, register
+from mentorrl.cli.eval import agent_eval_config, parse_ks, parse_set_options, register
 from mentorrl.eval.judge import (
     RUBRIC,
     Judge,

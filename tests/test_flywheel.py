@@ -20,7 +20,7 @@ from cli_helpers import cli_with
 from mentorrl.contract import render_tool_call
 from mentorrl.envs.base import FinalAnswer, Task
 from mentorrl.envs.orders import OrdersExpert
-from mentorrl.eval import trace
+from mentorrl.core import trace
 from mentorrl.flywheel import (
     PRECEDENCE,
     AttributionConfig,
@@ -41,7 +41,7 @@ from mentorrl.flywheel import (
     write_review_queue,
     write_tasks_jsonl,
 )
-from mentorrl.flywheel.commands import register
+from mentorrl.cli.flywheel import register
 from mentorrl.flywheel.corrections import parse_task_id, prompt_ids, read_pairs_jsonl
 from mentorrl.flywheel.review import DISAGREEMENT, bucket_key, read_review_queue
 from mentorrl.rollout.episode import Episode, run_scripted_episode, run_text_turns

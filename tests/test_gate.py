@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from cli_helpers import cli_output, cli_with
 from mentorrl.envs.orders import OrdersTasks
-from mentorrl.eval.commands import register
+from mentorrl.cli.eval import register
 from mentorrl.eval.gate import GateDecision, GateError, SetResult, gate_decision, set_results
 from mentorrl.eval.sets import write_tasks_jsonl
 

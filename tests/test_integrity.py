@@ -16,14 +16,14 @@ from mentorrl.contract import contract_for_env
 from mentorrl.envs import EnvEntry
 from mentorrl.envs.base import Task, ToolAction, Verdict
 from mentorrl.envs.orders import OrdersEnv, OrdersExpert, OrdersTasks
-from mentorrl.envs.orders.attacks import falsify, hedge, orders_attacks, orders_corruptions, wrong_arguments
+from mentorrl.envs.orders.hacks import falsify, hedge, orders_attacks, orders_corruptions, wrong_arguments
 from mentorrl.envs.orders.reading import read_answer
-from mentorrl.eval.trace import claims_success
+from mentorrl.core.trace import claims_success
 from mentorrl.integrity import attacks as attacks_mod
 from mentorrl.integrity import validation as validation_mod
 from mentorrl.integrity.attacks import (
     Attack,
-    AuditConfig,
+    AttackAuditConfig,
     LostResponseEnv,
     audit_env,
     get_attacks,
@@ -33,7 +33,7 @@ from mentorrl.integrity.attacks import (
     select_tasks,
     task_pool,
 )
-from mentorrl.integrity.commands import register, tiny_tokenizer
+from mentorrl.cli.integrity import register, tiny_tokenizer
 from mentorrl.integrity.validation import auc, overlap_share, range_overlap, validate_env
 from mentorrl.rewards.compose import RewardWeights
 from mentorrl.trajectory import Trajectory
@@ -57,19 +57,19 @@ def tok(tmp_path_factory) -> Any:
 
 @pytest.fixture(scope="module")
 def shipped_audit(tok):
-    return audit_env("orders", tok, AuditConfig(tasks_per_attack=TASKS_PER_ATTACK))
+    return audit_env("orders", tok, AttackAuditConfig(tasks_per_attack=TASKS_PER_ATTACK))
 
 
 @pytest.fixture(scope="module")
 def pool() -> list[Task]:
-    return task_pool(OrdersTasks, AuditConfig())
+    return task_pool(OrdersTasks, AttackAuditConfig())
 
 
 @pytest.fixture(scope="module")
 def contract(tok):
     env = OrdersEnv()
     try:
-        return contract_for_env(tok, env, limits=AuditConfig().limits)
+        return contract_for_env(tok, env, limits=AttackAuditConfig().limits)
     finally:
         env.close()
 
@@ -236,7 +236,7 @@ def test_shipped_reward_passes_the_audit(shipped_audit):
 
 def test_naive_verifier_fails_the_audit(tok):
     """A verifier that trusts the agent's claim rewards the fake success as much as the real work."""
-    rep = audit_env("orders", tok, AuditConfig(tasks_per_attack=TASKS_PER_ATTACK), make_env=NaiveOrdersEnv)
+    rep = audit_env("orders", tok, AttackAuditConfig(tasks_per_attack=TASKS_PER_ATTACK), make_env=NaiveOrdersEnv)
     by_name = {a.name: a for a in rep.attacks}
     assert not rep.passed
     fake = by_name["fake_success"]
@@ -247,7 +247,7 @@ def test_naive_verifier_fails_the_audit(tok):
 def test_spam_and_padding_need_the_redundancy_and_verbosity_terms(tok):
     """Without those two terms a spammed or padded correct answer ties the honest one: the audit says so."""
     old = RewardWeights(redundant_penalty=0.0, verbosity=0.0)
-    rep = audit_env("orders", tok, AuditConfig(tasks_per_attack=1, weights=old),
+    rep = audit_env("orders", tok, AttackAuditConfig(tasks_per_attack=1, weights=old),
                     attacks=[attack("tool_spam"), attack("padded_answer"), attack("fake_success")])
     assert [a.passed for a in rep.attacks] == [False, False, True]
     assert all(a.max_reward == pytest.approx(a.honest_min) for a in rep.attacks[:2])
@@ -281,7 +281,7 @@ def test_attack_registry():
 
 def test_an_attack_without_tasks_fails(tok):
     never = Attack("never", "applies nowhere", False, lambda t: False, lambda t: iter(()))
-    rep = audit_env("orders", tok, AuditConfig(tasks_per_attack=1, pool_size=50), attacks=[never])
+    rep = audit_env("orders", tok, AttackAuditConfig(tasks_per_attack=1, pool_size=50), attacks=[never])
     assert not rep.passed and rep.attacks[0].reason == "no applicable task in the pool"
 
 

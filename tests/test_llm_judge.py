@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from cli_helpers import cli_output, cli_with
 from mentorrl.envs.base import Task
 from mentorrl.eval.agent import judge_agreement
-from mentorrl.eval.commands import register
+from mentorrl.cli.eval import register
 from mentorrl.eval.judge import Judge, attach_judgements, judge_names, make_judge
 from mentorrl.eval.llm_judge import (
     DIMENSIONS,
@@ -24,7 +24,8 @@ from mentorrl.eval.llm_judge import (
     rubric_messages,
     transcript,
 )
-from mentorrl.opd.api import ClientConfig, TeacherClient
+from mentorrl.clients.config import ClientConfig
+from mentorrl.clients.openai_api import TeacherClient
 from mentorrl.trajectory import JudgeVerdict, RewardBreakdown, ToolCall, Trajectory, read_jsonl, write_jsonl
 
 RUBRIC = {"task_success": 0.9, "tool_correctness": 0.8, "state_tracking": 0.7, "efficiency": 0.6,

@@ -13,7 +13,7 @@ from mentorrl.cli import app
 from mentorrl.config import SAOConfig, load_config, ConfigError
 from mentorrl.replay.buffer import ReplayBuffer
 from mentorrl.train.async_rl import RolloutPool, WeightBox, lag_histogram, staleness_weights
-from mentorrl.train.batch import collate, forward_logprobs
+from mentorrl.models.batch import collate, forward_logprobs
 from mentorrl.train.rundir import MetricsLog
 from mentorrl.trajectory import read_jsonl, write_jsonl
 

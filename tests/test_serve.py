@@ -25,6 +25,7 @@ from typer.testing import CliRunner
 from cli_helpers import cli_output, cli_with
 from mentorrl.chat import assistant_message, prompt_text
 from mentorrl.contract import IM_END, IM_START
+from mentorrl.cli.serve import register
 from mentorrl.serve import (
     MAX_STOP_CHARS,
     READY_PREFIX,
@@ -36,7 +37,6 @@ from mentorrl.serve import (
     create_app,
     group_requests,
     is_loopback,
-    register,
     row_generator,
     serve_subprocess,
     server_config,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mentorrl.opd.teacher import Capability, HFTeacher, MissingCapability, Teacher, require, tokenizer_fingerprint
-from mentorrl.train.batch import collate, forward_logprobs
+from mentorrl.models.batch import collate, forward_logprobs
 
 
 class ApiOnly:

@@ -11,7 +11,8 @@ import threading
 import pytest
 from pydantic import BaseModel
 
-from mentorrl.opd.api import ClientConfig, TeacherClient
+from mentorrl.clients.config import ClientConfig
+from mentorrl.clients.openai_api import TeacherClient
 
 GOOD = json.dumps({"choices": [{"message": {"role": "assistant", "content": '{"score": 0.75, "reason": "ok"}'}}]})
 
@@ -300,7 +301,7 @@ def test_a_teacher_echoing_the_request_headers_never_gets_the_key_into_the_cache
 def test_scrub_removes_the_key_wherever_it_is_echoed():
     from hypothesis import given, settings, strategies as st
 
-    from mentorrl.opd.api import scrub_secrets
+    from mentorrl.clients.openai_api import scrub_secrets
 
     key = "sk-live/AbC123-xyz"
 

@@ -1,9 +1,15 @@
-"""Environment registry: name -> (environment class, task source, scripted expert)."""
+"""Environment registry: name -> (environment class, task source, scripted expert, integrity suites).
+
+An :class:`EnvEntry` also carries what the layers above need to know about the environment
+without naming it: its reward-hacking attacks and validation corruptions (run by
+:mod:`mentorrl.integrity`, types in :mod:`mentorrl.envs.suites`) and its mutating tools (read by
+the flywheel's failure attribution).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 
 @dataclass(frozen=True)
@@ -11,12 +17,28 @@ class EnvEntry:
     make_env: Callable[..., Any]
     make_tasks: Callable[[], Any]
     make_expert: Callable[[], Any]
+    attacks: Callable[[], Sequence[Any]] | None = None  # factory of its Attack suite (mentorrl.envs.suites)
+    corruptions: Callable[[], Sequence[Any]] | None = None  # factory of its Corruption suite
+    mutating_tools: tuple[str, ...] | None = None  # tools that change state; None: unknown
+
+
+def _orders_attacks() -> Sequence[Any]:
+    from mentorrl.envs.orders.hacks import orders_attacks
+
+    return orders_attacks()
+
+
+def _orders_corruptions() -> Sequence[Any]:
+    from mentorrl.envs.orders.hacks import orders_corruptions
+
+    return orders_corruptions()
 
 
 def _orders() -> EnvEntry:
-    from mentorrl.envs.orders import OrdersEnv, OrdersExpert, OrdersTasks
+    from mentorrl.envs.orders import OrdersBackend, OrdersEnv, OrdersExpert, OrdersTasks
 
-    return EnvEntry(OrdersEnv, OrdersTasks, OrdersExpert)
+    return EnvEntry(OrdersEnv, OrdersTasks, OrdersExpert, attacks=_orders_attacks, corruptions=_orders_corruptions,
+                    mutating_tools=tuple(OrdersBackend.MUTATING))
 
 
 _REGISTRY: dict[str, Callable[[], EnvEntry]] = {"orders": _orders}
@@ -32,3 +54,8 @@ def get_env(name: str) -> EnvEntry:
     if name not in _REGISTRY:
         raise ValueError(f"unknown environment {name!r}; registered: {', '.join(sorted(_REGISTRY))}")
     return _REGISTRY[name]()
+
+
+def registered_envs() -> list[str]:
+    """The registered environment names, sorted."""
+    return sorted(_REGISTRY)

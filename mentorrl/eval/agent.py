@@ -25,7 +25,7 @@ from typing import Callable, Iterable, Sequence
 
 from pydantic import BaseModel, ConfigDict
 
-from mentorrl.eval import trace
+from mentorrl.core import trace
 from mentorrl.eval.metrics import wilson_interval
 from mentorrl.trajectory import Trajectory
 

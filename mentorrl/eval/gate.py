@@ -5,7 +5,7 @@ previous accepted checkpoint), evaluated on the same tasks with the same seeds. 
 success drops by more than its tolerance (absolute, in success-rate units) rejects the
 checkpoint; so does a gated set that is missing from the new evaluation or was evaluated
 on different tasks, seeds or sampling settings (the gate fails closed). Everything here
-is pure; :mod:`mentorrl.eval.commands` evaluates checkpoints and calls it.
+is pure; :mod:`mentorrl.cli.eval` evaluates checkpoints and calls it.
 """
 
 from __future__ import annotations

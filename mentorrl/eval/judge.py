@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol, Sequence, runtime_checkable
 
 from mentorrl.envs.base import Task
-from mentorrl.eval import trace
+from mentorrl.core import trace
 from mentorrl.trajectory import JudgeVerdict, ToolCall, Trajectory
 
 RUBRIC = ("task_success", "tool_correctness", "state_tracking", "efficiency", "final_answer")

@@ -2,7 +2,7 @@
 
 :class:`LLMJudge` sends a compact text :func:`transcript` of a trajectory (the request, each
 tool call with its arguments and what came back, the final answer) to a chat-completions
-server through :class:`~mentorrl.opd.api.TeacherClient` (timeouts, retries, SQLite response
+server through :class:`~mentorrl.clients.openai_api.TeacherClient` (timeouts, retries, SQLite response
 cache, counted failures) and asks for a :class:`Rubric`: six scores in [0, 1] and a reason.
 The judge never sees ``task.reference``, the reward or the verifier's output.
 
@@ -31,7 +31,8 @@ from typing import Any, Literal, Mapping, Sequence
 from pydantic import BaseModel, ConfigDict, Field
 
 from mentorrl.envs.base import Task
-from mentorrl.opd.api import ClientConfig, TeacherClient
+from mentorrl.clients.config import ClientConfig
+from mentorrl.clients.openai_api import TeacherClient
 from mentorrl.trajectory import JudgeVerdict, Trajectory, dumps_compact
 
 DIMENSIONS = ("task_success", "tool_correctness", "state_tracking", "efficiency", "final_answer", "safety")

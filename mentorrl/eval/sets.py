@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, Sequence
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from mentorrl.contract import IM_END, IM_START
+from mentorrl.core.splits import HIDDEN_SPLITS, HiddenSetError, assert_trainable_splits
 from mentorrl.envs.base import Task, TaskSource
 from mentorrl.trajectory import Trajectory, read_jsonl
 
@@ -39,26 +40,10 @@ SetKind = Literal["golden", "hidden", "heldout", "novel_wording", "regression", 
 # drawn from the task source's split of that name
 GENERATED_KINDS: tuple[str, ...] = ("golden", "hidden", "heldout", "novel_wording")
 FILE_KINDS: tuple[str, ...] = ("regression", "production")  # read from a file
-HIDDEN_SPLITS = frozenset({"hidden", "novel_wording"})  # evaluation-only splits
 DEFAULT_NUM_TASKS = 100
 
 
 # ------------------------------------------------------------ hidden-set guard ------
-class HiddenSetError(ValueError):
-    """Raised when hidden evaluation tasks are about to be used for training."""
-
-
-def assert_trainable_splits(splits: Iterable[str]) -> None:
-    """Refuse split names that are evaluation-only (``hidden``, ``novel_wording``). Call it on a config's
-    training splits."""
-    bad = sorted({s for s in splits if s in HIDDEN_SPLITS})
-    if bad:
-        what = "the hidden evaluation set" if bad[0] == "hidden" else "an evaluation-only stress set"
-        raise HiddenSetError(
-            f"split {bad[0]!r} is {what} and is never used for training; pick another split"
-        )
-
-
 def assert_trainable(tasks: Iterable[Task]) -> None:
     """Refuse a task list that contains evaluation-only tasks (``hidden``, ``novel_wording``; call it
     before every training stage)."""

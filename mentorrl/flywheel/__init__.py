@@ -7,7 +7,7 @@ Trajectories without user feedback go through
 * :mod:`~mentorrl.flywheel.routing`      -- which training method each failure type feeds;
 * :mod:`~mentorrl.flywheel.corrections`  -- verified corrected trajectories and preference pairs;
 * :mod:`~mentorrl.flywheel.hard_pool`    -- failed tasks sampled more often in later rollouts;
-* :mod:`~mentorrl.flywheel.commands`     -- ``mentorrl flywheel`` (``register(app)``).
+* :mod:`~mentorrl.cli.flywheel`     -- ``mentorrl flywheel`` (``register(app)``).
 """
 
 from mentorrl.flywheel.attribution import (

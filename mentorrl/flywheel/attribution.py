@@ -51,7 +51,7 @@ from typing import Any, Iterable, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from mentorrl.eval import trace
+from mentorrl.core import trace
 from mentorrl.trajectory import ToolCall, Trajectory, dumps_compact
 
 
@@ -81,9 +81,11 @@ PRECEDENCE: tuple[FailureType, ...] = (
 
 
 def _default_mutating_tools() -> dict[str, list[str]]:
-    from mentorrl.envs.orders import OrdersBackend
+    """Each registered environment's mutating tools, as its :class:`~mentorrl.envs.EnvEntry` declares them."""
+    from mentorrl.envs import get_env, registered_envs
 
-    return {"orders": list(OrdersBackend.MUTATING)}
+    entries = {name: get_env(name) for name in registered_envs()}
+    return {name: list(e.mutating_tools) for name, e in entries.items() if e.mutating_tools is not None}
 
 
 class AttributionConfig(BaseModel):

@@ -21,24 +21,14 @@ import math
 import random
 from typing import Any, Iterable, Sequence
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 
+from mentorrl.config import HardPoolConfig
 from mentorrl.envs.base import Task
-from mentorrl.eval import trace
+from mentorrl.core import trace
 from mentorrl.trajectory import Trajectory
 
 STATE_VERSION = 1
-
-
-class HardPoolConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    boost: float = Field(4.0, ge=0.0, description="sampling weight of a pooled task is 1 + boost * score")
-    max_share: float = Field(0.5, ge=0.0, le=1.0, description="at most this share of a draw comes from the pool")
-    decay: float = Field(0.9, gt=0.0, le=1.0, description="scores are multiplied by this at every update")
-    success_relief: float = Field(0.5, ge=0.0, le=1.0, description="a success multiplies its task's score by 1 - this")
-    min_score: float = Field(0.05, ge=0.0, description="entries below this score are dropped")
-    max_score: float = Field(5.0, gt=0.0, description="cap on one task's score (a task failing forever stays bounded)")
 
 
 class PoolEntry(BaseModel):

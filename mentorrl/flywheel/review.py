@@ -4,7 +4,7 @@ Notes (“没有用户反馈时如何有效抽检”): random.sample fills a rev
 Instead the queue is built in four passes, each deterministic for a given seed:
 
 1. **Mandatory** -- every trajectory whose final answer claims success
-   (:func:`~mentorrl.eval.trace.claims_success`) while the verifier says it failed. These are
+   (:func:`~mentorrl.core.trace.claims_success`) while the verifier says it failed. These are
    the failure modes the evaluation system does not see; they are always queued, even past
    the budget. (With ``flags_mandatory`` the uncertainty and anomaly flags are mandatory too.)
 2. **Bucket minimums** -- trajectories are bucketed by (family, success, tools used, length
@@ -32,7 +32,7 @@ from typing import Iterable, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from mentorrl.eval import trace
+from mentorrl.core import trace
 from mentorrl.trajectory import Trajectory, read_models_jsonl, write_models_jsonl
 
 DISAGREEMENT = "claimed_success_verifier_failed"

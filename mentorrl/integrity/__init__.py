@@ -3,13 +3,13 @@
 * :mod:`mentorrl.integrity.attacks` -- scripted attacks per environment, the audit runner and
   the :class:`LostResponseEnv` fault-injection wrapper;
 * :mod:`mentorrl.integrity.validation` -- labelled correct / corrupted trajectories, AUC and overlap;
-* :mod:`mentorrl.integrity.commands` -- the ``mentorrl reward-audit`` command.
+* :mod:`mentorrl.cli.integrity` -- the ``mentorrl reward-audit`` command.
 """
 
 from mentorrl.integrity.attacks import (
     Attack,
     AttackResult,
-    AuditConfig,
+    AttackAuditConfig,
     AuditReport,
     LostResponseEnv,
     audit_env,
@@ -32,7 +32,7 @@ from mentorrl.integrity.validation import (
 __all__ = [
     "Attack",
     "AttackResult",
-    "AuditConfig",
+    "AttackAuditConfig",
     "AuditReport",
     "Corruption",
     "LostResponseEnv",

@@ -27,24 +27,19 @@ import itertools
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from statistics import fmean
-from typing import Any, Callable, Generator, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from mentorrl.contract import ContractLimits, RolloutContract, contract_for_env
 from mentorrl.envs.base import (
-    Action,
     Environment,
     Task,
-    ToolRegistry,
-    ToolResult,
-    Verdict,
 )
+from mentorrl.envs.suites import Attack, LostResponseEnv, Script
 from mentorrl.integrity.registry import SuiteRegistry
 from mentorrl.rewards.compose import RewardWeights
 from mentorrl.rollout.episode import run_scripted_episode
 from mentorrl.trajectory import Trajectory
 
-Script = Generator[Action, ToolResult, None]
-"""A scripted policy's turns: yields actions, receives each tool result via ``send``."""
 
 
 class ScriptPolicy:
@@ -57,88 +52,7 @@ class ScriptPolicy:
         return self._script(task)
 
 
-# ------------------------------------------------------------------ fault injection ----
-class LostResponseEnv:
-    """Wraps an environment so the first ``times`` successful calls to ``tools`` lose their response.
-
-    The call really runs (its side effect is committed to the environment's state); the policy
-    is then told the call timed out -- the classic lost response behind double submissions. The
-    counter restarts at every :meth:`reset`. Everything else is delegated to the wrapped env, so
-    the verifier still judges the real state.
-    """
-
-    def __init__(self, env: Environment, tools: Iterable[str], times: int = 1):
-        if times < 0:
-            raise ValueError(f"times must be >= 0, got {times}")
-        self.env = env
-        self.tools = frozenset(tools)
-        self.times = times
-        self.lost: list[str] = []  # names of the calls whose response was lost this episode
-
-    # the Environment protocol's attributes come from the wrapped env
-    @property
-    def name(self) -> str:
-        return self.env.name
-
-    @property
-    def version(self) -> str:
-        return self.env.version
-
-    @property
-    def system_prompt(self) -> str:
-        return self.env.system_prompt
-
-    @property
-    def registry(self) -> ToolRegistry:
-        return self.env.registry
-
-    def reset(self, task: Task) -> str:
-        self.lost = []
-        return self.env.reset(task)
-
-    def step(self, name: Any, arguments: Any) -> ToolResult:
-        result = self.env.step(name, arguments)
-        if result.ok and name in self.tools and len(self.lost) < self.times:
-            self.lost.append(name)
-            timeout = getattr(self.env.registry, "timeout_s", 0.0)
-            return ToolResult(ok=False, content=None, error=f"tool {name} timed out after {timeout:g}s",
-                              error_kind="timeout", latency_s=result.latency_s)
-        return result
-
-    def verify(self, final_answer: str | None) -> Verdict:
-        return self.env.verify(final_answer)
-
-    def close(self) -> None:
-        self.env.close()
-
-
-# ------------------------------------------------------------------------- attacks ----
-@dataclass(frozen=True)
-class Attack:
-    """One reward-hacking strategy, as a scripted policy, and the tasks it targets.
-
-    ``hard`` declares that a successful execution breaks a hard constraint (a forbidden state
-    change the verifier must report as a violation): such an attack must score below 0.
-    ``applies`` picks the tasks the attack makes sense on (it may use the task's private
-    reference: the audit is white-box). ``wrap_env`` optionally wraps the environment the
-    attack runs in (fault injection); the honest baseline always runs unwrapped.
-    """
-
-    name: str
-    description: str
-    hard: bool
-    applies: Callable[[Task], bool]
-    script: Callable[[Task], Script]
-    wrap_env: Callable[[Environment], Environment] | None = None
-
-
-def _builtin_orders() -> Sequence[Attack]:
-    from mentorrl.envs.orders.attacks import orders_attacks
-
-    return orders_attacks()
-
-
-ATTACKS: SuiteRegistry[Attack] = SuiteRegistry("reward-hacking attacks", {"orders": _builtin_orders})
+ATTACKS: SuiteRegistry[Attack] = SuiteRegistry("reward-hacking attacks", "attacks")
 
 
 def register_attacks(env_name: str, factory: Callable[[], Sequence[Attack]]) -> None:
@@ -156,7 +70,7 @@ def get_attacks(env_name: str) -> list[Attack]:
 
 # ------------------------------------------------------------------------- running ----
 @dataclass(frozen=True)
-class AuditConfig:
+class AttackAuditConfig:
     """How many tasks each attack runs on, which tasks, and the episode limits and reward weights."""
 
     tasks_per_attack: int = 3
@@ -271,10 +185,10 @@ def run_audit(
     tasks: Sequence[Task],
     expert: Any,
     tokenizer: Any,
-    config: AuditConfig | None = None,
+    config: AttackAuditConfig | None = None,
 ) -> AuditReport:
     """Run every attack on its tasks from ``tasks`` (the pool) and the honest expert on the same tasks."""
-    config = config or AuditConfig()
+    config = config or AttackAuditConfig()
     env = make_env()  # building an env is the costly part (tool schemas); reset() gives each episode fresh state
     honest: dict[str, Trajectory] = {}
     results: list[AttackResult] = []
@@ -309,21 +223,25 @@ def run_audit(
     )
 
 
-def task_pool(make_tasks: Callable[[], Any], config: AuditConfig) -> list[Task]:
+# the old name, kept only while train/pipeline.py imports it (it aliases it to AttackAuditConfig already)
+AuditConfig = AttackAuditConfig
+
+
+def task_pool(make_tasks: Callable[[], Any], config: AttackAuditConfig) -> list[Task]:
     return list(make_tasks().tasks(split=config.split, n=config.pool_size, seed=config.seed))
 
 
 def audit_env(
     env_name: str,
     tokenizer: Any,
-    config: AuditConfig | None = None,
+    config: AttackAuditConfig | None = None,
     make_env: Callable[[], Environment] | None = None,
     attacks: Sequence[Attack] | None = None,
 ) -> AuditReport:
     """The audit of a registered environment; ``make_env`` swaps in another environment/verifier."""
     from mentorrl.envs import get_env
 
-    config = config or AuditConfig()
+    config = config or AttackAuditConfig()
     entry = get_env(env_name)
     return run_audit(
         attacks if attacks is not None else get_attacks(env_name),
@@ -349,7 +267,7 @@ def iter_rows(report: AuditReport) -> Iterator[tuple[str, ...]]:
 __all__ = [
     "Attack",
     "AttackResult",
-    "AuditConfig",
+    "AttackAuditConfig",
     "AuditReport",
     "LostResponseEnv",
     "Script",

@@ -22,13 +22,12 @@ from typing import Any, Callable, Sequence
 
 from mentorrl.contract import ContractLimits, contract_for_env
 from mentorrl.envs.base import Environment, Task
-from mentorrl.integrity.attacks import Script, select_tasks
+from mentorrl.envs.suites import Corruption, Script
+from mentorrl.integrity.attacks import select_tasks
 from mentorrl.integrity.registry import SuiteRegistry
 from mentorrl.rewards.compose import RewardWeights
 from mentorrl.rollout.episode import run_scripted_episode
 
-Mark = Callable[[], None]
-"""Called by a corruption at the moment it changes the expert's behaviour."""
 
 
 # ------------------------------------------------------------------------- metrics ----
@@ -58,20 +57,6 @@ def range_overlap(positive: Sequence[float], negative: Sequence[float]) -> tuple
 
 
 # --------------------------------------------------------------------- corruptions ----
-@dataclass(frozen=True)
-class Corruption:
-    """A deliberate error in the expert's behaviour.
-
-    ``transform(task, expert_turns, mark)`` returns the corrupted turns: it relays the expert's
-    generator and changes one thing, calling ``mark()`` when (and only when) the change makes
-    the trajectory wrong.
-    """
-
-    name: str
-    description: str
-    transform: Callable[[Task, Script, Mark], Script]
-
-
 class CorruptedPolicy:
     """The expert with one corruption; ``applied`` tells whether the last episode was corrupted."""
 
@@ -87,13 +72,7 @@ class CorruptedPolicy:
         return self.corruption.transform(task, self.expert.act(task), self._mark)
 
 
-def _builtin_orders() -> Sequence[Corruption]:
-    from mentorrl.envs.orders.attacks import orders_corruptions
-
-    return orders_corruptions()
-
-
-CORRUPTIONS: SuiteRegistry[Corruption] = SuiteRegistry("reward-validation corruptions", {"orders": _builtin_orders})
+CORRUPTIONS: SuiteRegistry[Corruption] = SuiteRegistry("reward-validation corruptions", "corruptions")
 
 
 def register_corruptions(env_name: str, factory: Callable[[], Sequence[Corruption]]) -> None:

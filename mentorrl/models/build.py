@@ -13,24 +13,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
 from mentorrl.contract import CHAT_TEMPLATE, IM_END, PAD, SPECIAL_TOKENS
-
-
-class ModelSpec(BaseModel):
-    """Size of the tiny default model (a Qwen2-architecture causal LM)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    vocab_size: int = Field(1024, ge=300, description="BPE vocabulary size including special tokens")
-    hidden_size: int = Field(128, ge=16, description="model width")
-    intermediate_size: int = Field(384, ge=16, description="MLP width")
-    num_layers: int = Field(4, ge=1, description="decoder layers")
-    num_heads: int = Field(4, ge=1, description="attention heads")
-    num_kv_heads: int = Field(2, ge=1, description="key/value heads (GQA)")
-    max_positions: int = Field(2048, ge=64, description="context length")
-    seed: int = Field(0, description="weight initialisation seed")
+from mentorrl.models.spec import ModelSpec
 
 
 # Pre-tokenisation is exactly Qwen2's (NFC, then its split regex, then byte-level): the model is a

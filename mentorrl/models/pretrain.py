@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
 from mentorrl.contract import PAD, Control, message_pieces, system_text
+from mentorrl.models.spec import PretrainSpec
 
 # bumped whenever the corpus generators change what they write for the same spec: it is part of the
 # build config, so a shipped base built by older generators is never served for a newer build
@@ -38,26 +38,6 @@ CORPUS_VERSION = 2
 # train-task seed of the corpus transcripts: apart from SFT's demonstrations (train tasks, seed cfg.seed)
 CORPUS_TASK_SEED_OFFSET = 7_919
 HELDOUT_EVAL_SEED = 0
-
-
-class PretrainSpec(BaseModel):
-    """Next-token pretraining of the tiny model on a generated corpus of the environment's language."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    steps: int = Field(0, ge=0, description="optimizer steps of pretraining; 0 builds the model without it")
-    batch_size: int = Field(8, ge=1, description="packed blocks per step")
-    block_size: int = Field(512, ge=16, description="tokens per packed block")
-    lr: float = Field(1e-3, gt=0, description="peak AdamW learning rate (cosine decay after warm-up)")
-    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="final learning rate as a fraction of lr")
-    warmup_steps: int = Field(20, ge=0, description="linear learning-rate warm-up")
-    weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay")
-    max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping")
-    transcripts: int = Field(2000, ge=0, description="expert episodes on train tasks in the corpus")
-    worlds: int = Field(400, ge=0, description="train-range seeded worlds described in free text and tool sessions")
-    seed: int = Field(0, description="corpus sampling and block order")
-    eval_transcripts: int = Field(64, ge=0, description="held-out-split expert transcripts scored before and after "
-                                                        "(never trained on)")
 
 
 @dataclass

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from mentorrl.train.batch import TokenBatch, _next_token_states
+from mentorrl.models.batch import TokenBatch, _next_token_states
 
 
 class ValueModel(torch.nn.Module):

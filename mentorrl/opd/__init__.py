@@ -1,4 +1,12 @@
-"""On-policy distillation: teachers, cross-tokenizer alignment (groundwork for white-box OPD)."""
+"""On-policy distillation pieces used by the OPD, black-box and evolve stages (``train/``).
+
+* :mod:`~mentorrl.opd.teacher` -- the Teacher protocol, its capability ladder and local HF teachers;
+* :mod:`~mentorrl.opd.align` / :mod:`~mentorrl.opd.retokenize` -- cross-tokenizer alignment;
+* :mod:`~mentorrl.opd.advantage`, :mod:`~mentorrl.opd.mopd`, :mod:`~mentorrl.opd.rlsd`,
+  :mod:`~mentorrl.opd.signals` -- distillation advantages, multi-teacher weights, RLSD, signal records;
+* :mod:`~mentorrl.opd.remote_teacher` -- black-box (API-only) teachers over
+  :mod:`mentorrl.clients.openai_api`.
+"""
 
 from mentorrl.opd.align import (
     AlignmentError,

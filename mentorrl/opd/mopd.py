@@ -1,4 +1,4 @@
-"""Multi-teacher OPD (MOPD) weighting as pure functions (groundwork).
+"""Multi-teacher OPD (MOPD) weighting as pure functions (used by the OPD stage, ``opd.mopd``).
 
 Per-teacher weights for each student trajectory come from three sources, multiplied and
 renormalised over teachers (:func:`combine`):

@@ -40,7 +40,7 @@ from typing import Iterable, Sequence
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mentorrl.envs.base import Verdict
-from mentorrl.eval.trace import call_key
+from mentorrl.core.trace import call_key
 from mentorrl.trajectory import RewardBreakdown, ToolCall
 
 

@@ -15,6 +15,20 @@ import torch
 from mentorrl.contract import SamplingParams
 
 
+def nucleus(logp: torch.Tensor, top_p: float | torch.Tensor) -> torch.Tensor:
+    """``logp`` [B, V] with -inf outside each row's top-p nucleus: the most likely tokens, taken in
+    order while the mass before each is at most ``top_p`` (the token that crosses ``top_p`` stays;
+    so does one whose preceding mass equals it exactly). ``top_p`` is a number or a [B, 1] tensor;
+    a row with ``top_p >= 1`` keeps everything. The one top-p cut of the project: rollouts
+    (:func:`sample_tokens`) and ``mentorrl serve`` (:class:`mentorrl.serve.RowSampler`) use it."""
+    sorted_lp, idx = torch.sort(logp, dim=-1, descending=True)
+    cum = sorted_lp.softmax(-1).cumsum(-1)
+    drop = cum - sorted_lp.softmax(-1) > top_p  # keep the token that crosses top_p
+    if isinstance(top_p, torch.Tensor):
+        drop &= top_p < 1.0
+    return logp.scatter(-1, idx, sorted_lp.masked_fill(drop, float("-inf")))
+
+
 def sample_tokens(
     logits: torch.Tensor,
     params: SamplingParams,
@@ -36,10 +50,7 @@ def sample_tokens(
             kth = torch.topk(filt, params.top_k, dim=-1).values[:, -1:]
             filt = filt.masked_fill(filt < kth, float("-inf"))
         if params.top_p < 1.0:
-            sorted_lp, idx = torch.sort(filt, dim=-1, descending=True)
-            cum = sorted_lp.softmax(-1).cumsum(-1)
-            drop = cum - sorted_lp.softmax(-1) > params.top_p  # keep the token that crosses top_p
-            filt = filt.scatter(-1, idx, sorted_lp.masked_fill(drop, float("-inf")))
+            filt = nucleus(filt, params.top_p)
         if isinstance(generator, list):
             u = torch.stack([torch.rand(filt.shape[-1], generator=g) for g in generator]).to(filt.device)
             gumbel = -torch.log(-torch.log(u.clamp(1e-20, 1.0 - 1e-7)))

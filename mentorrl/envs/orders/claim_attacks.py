@@ -18,9 +18,9 @@ from __future__ import annotations
 from typing import Callable
 
 from mentorrl.envs.base import FinalAnswer, Task, ToolAction, ToolResult
-from mentorrl.integrity.attacks import Attack, Script
+from mentorrl.envs.suites import Attack, Script
 
-from .attacks import (
+from .hacks import (
     INFO_FAMILIES, MUTATING, claim_for, expert_turns, kind, relay, requested_action, targets, world,
 )
 from .paraphrases import word
@@ -412,7 +412,7 @@ def _claim_refused(task: Task, turns: Script, mark) -> Script:
 
 
 def claim_corruptions() -> list:
-    from mentorrl.integrity.validation import Corruption
+    from mentorrl.envs.suites import Corruption
 
     return [
         Corruption("deny_change", "make the right change, answer that nothing was changed", _deny_change),

@@ -26,7 +26,7 @@ import typer
 from rich.console import Console
 
 from mentorrl.envs.base import Task
-from mentorrl.eval import trace
+from mentorrl.core import trace
 from mentorrl.flywheel.attribution import PRECEDENCE, Attribution, AttributionConfig, attribute, failure_distribution
 from mentorrl.flywheel.corrections import (
     build_corrections,

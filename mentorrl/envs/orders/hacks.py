@@ -18,8 +18,7 @@ from functools import lru_cache, partial
 from typing import Callable, Generator
 
 from mentorrl.envs.base import Action, FinalAnswer, Task, ToolAction, ToolResult
-from mentorrl.integrity.attacks import Attack, LostResponseEnv, Script
-from mentorrl.integrity.validation import Corruption, Mark
+from mentorrl.envs.suites import Attack, Corruption, LostResponseEnv, Mark, Script
 
 from .backend import OrdersBackend
 from .expert import OrdersExpert

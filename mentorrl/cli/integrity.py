@@ -122,7 +122,7 @@ def register(app: typer.Typer) -> None:
         """Run scripted reward-hacking attacks and the offline reward validation; exit 1 on any failure."""
         from mentorrl.cli_common import console, err
         from mentorrl.envs import get_env
-        from mentorrl.integrity.attacks import AuditConfig, audit_env, get_attacks
+        from mentorrl.integrity.attacks import AttackAuditConfig, audit_env, get_attacks
         from mentorrl.integrity.validation import get_corruptions, validate_env
 
         try:
@@ -130,7 +130,7 @@ def register(app: typer.Typer) -> None:
             attacks = get_attacks(env)
             if validate:
                 get_corruptions(env)
-            config = AuditConfig(tasks_per_attack=tasks, seed=seed, split=split)
+            config = AttackAuditConfig(tasks_per_attack=tasks, seed=seed, split=split)
         except ValueError as e:
             err.print(f"[red]{e}[/red]")
             raise typer.Exit(2) from None

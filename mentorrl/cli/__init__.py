@@ -1,4 +1,12 @@
-"""`mentorrl` command line."""
+"""`mentorrl` command line: the app and its core commands here, one module per command group beside it.
+
+* :mod:`mentorrl.cli.eval` -- ``mentorrl eval`` and ``mentorrl gate``;
+* :mod:`mentorrl.cli.flywheel` -- ``mentorrl flywheel``;
+* :mod:`mentorrl.cli.integrity` -- ``mentorrl reward-audit``;
+* :mod:`mentorrl.cli.serve` -- ``mentorrl serve``.
+
+Nothing outside the CLI imports this package or :mod:`mentorrl.cli_common` (an import contract).
+"""
 
 from __future__ import annotations
 
@@ -254,10 +262,10 @@ def config_cmd(
 
 def _register_extensions() -> None:
     """Commands that live beside the code they drive."""
-    from mentorrl.eval.commands import register as register_eval
-    from mentorrl.flywheel.commands import register as register_flywheel
-    from mentorrl.integrity.commands import register as register_integrity
-    from mentorrl.serve import register as register_serve
+    from mentorrl.cli.eval import register as register_eval
+    from mentorrl.cli.flywheel import register as register_flywheel
+    from mentorrl.cli.integrity import register as register_integrity
+    from mentorrl.cli.serve import register as register_serve
 
     register_eval(app)
     register_integrity(app)
@@ -266,6 +274,3 @@ def _register_extensions() -> None:
 
 
 _register_extensions()
-
-if __name__ == "__main__":
-    app()

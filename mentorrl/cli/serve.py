@@ -1,0 +1,97 @@
+"""``mentorrl serve MODEL_DIR``: the command that starts the :mod:`mentorrl.serve` server on a local policy."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from mentorrl.serve import (
+    DEFAULT_BATCH_WINDOW_MS,
+    DEFAULT_MAX_BATCH,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_TOKENS_CAP,
+    LOG_LEVELS,
+    READY_PREFIX,
+    base_url,
+    bind_socket,
+    create_app,
+    is_loopback,
+    run_server,
+)
+
+
+def serve_command(
+    model_dir: Path = typer.Argument(..., help="HF checkpoint directory (a ChatML tokenizer)"),
+    host: str = typer.Option("127.0.0.1", help="address to bind; a non-loopback one needs --allow-remote"),
+    port: int = typer.Option(8000, min=0, max=65535, help="0: any free port (read it from the ready line)"),
+    allow_remote: bool = typer.Option(False, "--allow-remote", help="allow binding a non-loopback address"),
+    token_env: Optional[str] = typer.Option(None, "--token-env", metavar="NAME",
+                                            help="environment variable holding the bearer token required on /v1"),
+    max_body_bytes: int = typer.Option(DEFAULT_MAX_BODY_BYTES, min=1, help="larger request bodies get 413"),
+    max_tokens_cap: int = typer.Option(DEFAULT_MAX_TOKENS_CAP, min=1, help="the most tokens one reply may have"),
+    max_batch: int = typer.Option(DEFAULT_MAX_BATCH, min=1,
+                                  help="the most rows (the sum of the requests' n) one generate call batches; "
+                                       "1: one request at a time"),
+    batch_window_ms: float = typer.Option(DEFAULT_BATCH_WINDOW_MS, min=0.0,
+                                          help="how long a batch waits for more requests"),
+    threads: int = typer.Option(0, min=0, help="torch CPU threads (0: torch's default)"),
+    model_name: Optional[str] = typer.Option(None, help="the model id clients see (default: the directory name)"),
+    log_level: str = typer.Option("info", help="uvicorn log level (access logs at info)"),
+) -> None:
+    """Serve a policy over the OpenAI chat-completions protocol (POST /v1/chat/completions).
+
+    Prints "mentorrl serve: listening on http://HOST:PORT/v1" on stdout when ready."""
+    from rich.markup import escape
+
+    from mentorrl.cli_common import err, quiet_transformers
+
+    def fail(message: str) -> typer.Exit:
+        err.print(f"[red]{escape(message)}[/red]")
+        return typer.Exit(2)
+
+    if log_level not in LOG_LEVELS:
+        raise fail(f"--log-level must be one of {', '.join(LOG_LEVELS)}")
+    if not is_loopback(host) and not allow_remote:
+        raise fail(f"refusing to bind {host}: it is not a loopback address; pass --allow-remote to serve "
+                   "beyond this machine (and --token-env to require a token)")
+    token = None
+    if token_env is not None:
+        token = os.environ.get(token_env, "").strip()
+        if not token:
+            raise fail(f"--token-env {token_env}: the environment variable {token_env} is not set or empty")
+    elif not is_loopback(host):
+        err.print(f"[yellow]warning: serving on {escape(host)} without a token; anyone who can reach it can "
+                  "use the model (see --token-env)[/yellow]")
+    if not model_dir.is_dir():
+        raise fail(f"MODEL_DIR {model_dir} is not a directory")
+    try:
+        sock = bind_socket(host, port)
+    except OSError as e:
+        raise fail(f"cannot listen on {host}:{port}: {e}")
+    quiet_transformers()
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    from mentorrl.models.build import load_policy
+
+    try:
+        tokenizer, model = load_policy(model_dir)
+        app = create_app(tokenizer, model, model_name or model_dir.resolve().name, token=token,
+                         max_body_bytes=max_body_bytes, max_new_tokens_cap=max_tokens_cap, max_batch=max_batch,
+                         batch_window_ms=batch_window_ms)
+    except (OSError, ValueError) as e:
+        sock.close()
+        raise fail(f"cannot load a policy from {model_dir}: {e}")
+    raise typer.Exit(run_server(app, sock, READY_PREFIX + base_url(sock), log_level))
+
+
+def register(app: typer.Typer) -> None:
+    """Add the ``serve`` command to ``app``."""
+    app.command("serve")(serve_command)
+
+
+__all__ = ["register", "serve_command"]
