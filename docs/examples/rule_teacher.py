@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from mentorrl.opd.blackbox import StudentEpisode, TrajectoryScore
+from mentorrl.opd.remote_teacher import StudentEpisode, TrajectoryScore
 from mentorrl.opd.teacher import Capability
 
 
