@@ -69,15 +69,44 @@ class OptimConfig(_Section):
     micro_batch_size: int = Field(32, ge=1, description="sequences per forward/backward; gradients accumulate")
 
 
+# ---- fields every policy-update stage shares, declared once (each stage keeps its own defaults) ----
+LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+CLIP_LOW, CLIP_HIGH = "clip range below 1 of the importance ratio", "clip range above 1 of the importance ratio"
+
+
+def eps_low_field(description: str = CLIP_LOW) -> Any:
+    return Field(0.2, ge=0, description=description)
+
+
+def eps_high_field(description: str = CLIP_HIGH) -> Any:
+    return Field(0.28, ge=0, description=description)
+
+
+def loss_agg_field(description: str = "loss aggregation, as for SFT") -> Any:
+    return Field("token-mean", description=description)
+
+
+def updates_per_step_field(default: int, description: str) -> Any:
+    return Field(default, ge=1, description=description)
+
+
+def checkpoint_every_field(default: int = 5, description: str = "steps between checkpoints") -> Any:
+    return Field(default, ge=1, description=description)
+
+
+def optim_field(**defaults: Any) -> Any:
+    """The stage's AdamW settings; ``defaults`` are this stage's defaults (lr, warmup_steps, ...)."""
+    return Field(default_factory=lambda: OptimConfig(**defaults))
+
+
 class SFTConfig(_Section):
     num_demos: int = Field(1000, ge=1, description="expert demonstrations on train tasks")
     steps: int = Field(40, ge=0, description="optimizer steps")
     batch_size: int = Field(32, ge=1, description="demonstrations per step")
-    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=3e-3, warmup_steps=5))
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field(
-        "token-mean", description="token-mean, seq-mean-token-mean or seq-mean-token-sum")
-    checkpoint_every: int = Field(
-        10, ge=1, description="steps between checkpoints (weights, optimizer and RNG state); --resume continues from the last")
+    optim: OptimConfig = optim_field(lr=3e-3, warmup_steps=5)
+    loss_agg: LossAgg = loss_agg_field("token-mean, seq-mean-token-mean or seq-mean-token-sum")
+    checkpoint_every: int = checkpoint_every_field(
+        10, "steps between checkpoints (weights, optimizer and RNG state); --resume continues from the last")
 
 
 class HardPoolConfig(_Section):
@@ -95,16 +124,15 @@ class GRPOConfig(_Section):
     steps: int = Field(20, ge=0, description="GRPO steps (one rollout batch each)")
     tasks_per_step: int = Field(16, ge=1, description="distinct tasks per step")
     group_size: int = Field(8, ge=2, description="samples per task")
-    updates_per_step: int = Field(2, ge=1, description="optimizer steps per rollout batch (minibatches)")
+    updates_per_step: int = updates_per_step_field(2, "optimizer steps per rollout batch (minibatches)")
     normalize_std: bool = Field(True, description="divide group-centred rewards by the group std")
-    eps_low: float = Field(0.2, ge=0, description="clip range below 1 of the importance ratio")
-    eps_high: float = Field(0.28, ge=0, description="clip range above 1 of the importance ratio")
+    eps_low: float = eps_low_field()
+    eps_high: float = eps_high_field()
     kl_coef: float = Field(0.0, ge=0, description="k3 KL penalty to the frozen reference (the SFT model)")
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field(
-        "token-mean", description="loss aggregation, as for SFT")
+    loss_agg: LossAgg = loss_agg_field()
     advantage: str = Field("grpo", description="name in mentorrl.algos.advantages.ADVANTAGE_ESTIMATORS")
-    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=5e-4))
-    checkpoint_every: int = Field(5, ge=1, description="steps between checkpoints")
+    optim: OptimConfig = optim_field(lr=5e-4)
+    checkpoint_every: int = checkpoint_every_field()
     sample_trajectories: int = Field(8, ge=0, description="trajectories per step written to RUN_DIR/samples/grpo-step-N.jsonl")
     hard_pool: HardPoolConfig | None = Field(
         None, description="hard-task pool: failed tasks are drawn again at a raised rate (null: uniform task draws)"
@@ -130,14 +158,14 @@ class GRPOConfig(_Section):
 
 class RFTConfig(_Section):
     max_iterations: int = Field(3, ge=1, description="sample -> filter -> fine-tune rounds at most")
-    num_tasks: int = Field(128, ge=1, description="train tasks sampled each round (coverage beats depth: see README)")
+    num_tasks: int = Field(128, ge=1, description="train tasks sampled each round (coverage beats depth: see docs/rl.md)")
     samples_per_task: int = Field(4, ge=1, description="N trajectories per task per round")
     top_k: int = Field(2, ge=1, description="successes kept per task (distinct tool-call sequences first)")
     band: tuple[float, float] = Field((0.05, 0.5), description="keep tasks whose estimated success lies in [lo, hi]")
     min_gain: float = Field(0.0, ge=0, description="stop when the positive-task rate rises by no more than this")
     sft_steps: int = Field(15, ge=1, description="fine-tuning steps on the RFT set per round")
     batch_size: int = Field(32, ge=1, description="trajectories per fine-tuning step")
-    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=2e-4))
+    optim: OptimConfig = optim_field(lr=2e-4)
     rollout_batch: int = Field(256, ge=1, description="trajectories decoded together")
 
     @field_validator("band")
@@ -160,7 +188,7 @@ class CriticConfig(_Section):
     steps: int = Field(2, ge=1, description="critic optimizer steps (minibatches) per actor step")
     warmup_steps: int = Field(2, ge=0, description="first steps train only the critic")
     value_clip: float | None = Field(0.2, gt=0, description="clip of the value update around the old value; null: off")
-    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=5e-4))
+    optim: OptimConfig = optim_field(lr=5e-4)
 
 
 class GAEConfig(_Section):
@@ -181,15 +209,14 @@ class PPOConfig(_Section):
     steps: int = Field(20, ge=0, description="PPO steps (one rollout batch each)")
     tasks_per_step: int = Field(32, ge=1, description="distinct tasks per step")
     samples_per_task: int = Field(1, ge=1, description="rollouts per task (PPO needs no group; the critic is the baseline)")
-    updates_per_step: int = Field(2, ge=1, description="actor optimizer steps (minibatches) per rollout batch")
+    updates_per_step: int = updates_per_step_field(2, "actor optimizer steps (minibatches) per rollout batch")
     gae: GAEConfig = Field(default_factory=GAEConfig)
     critic: CriticConfig = Field(default_factory=CriticConfig)
-    eps_low: float = Field(0.2, ge=0, description="clip range below 1 of the importance ratio")
-    eps_high: float = Field(0.28, ge=0, description="clip range above 1 of the importance ratio")
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field(
-        "token-mean", description="loss aggregation, as for SFT")
-    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-4))
-    checkpoint_every: int = Field(5, ge=1, description="steps between checkpoints")
+    eps_low: float = eps_low_field()
+    eps_high: float = eps_high_field()
+    loss_agg: LossAgg = loss_agg_field()
+    optim: OptimConfig = optim_field(lr=1e-4)
+    checkpoint_every: int = checkpoint_every_field()
 
 
 class AsyncConfig(_Section):
@@ -220,11 +247,10 @@ class SegmentReplayConfig(_Section):
 class SAOConfig(_Section):
     steps: int = Field(20, ge=0, description="learner steps")
     batch_size: int = Field(32, ge=1, description="online trajectories per learner step, taken as they finish")
-    updates_per_step: int = Field(1, ge=1, description="actor optimizer steps (minibatches) per learner step")
-    eps_low: float = Field(0.2, ge=0, description="tokens with ratio below 1 - eps_low are masked out")
-    eps_high: float = Field(0.28, ge=0, description="tokens with ratio above 1 + eps_high are masked out")
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field(
-        "token-mean", description="loss aggregation, as for SFT")
+    updates_per_step: int = updates_per_step_field(1, "actor optimizer steps (minibatches) per learner step")
+    eps_low: float = eps_low_field("tokens with ratio below 1 - eps_low are masked out")
+    eps_high: float = eps_high_field("tokens with ratio above 1 + eps_high are masked out")
+    loss_agg: LossAgg = loss_agg_field()
     gae: GAEConfig = Field(default_factory=GAEConfig)
     critic: CriticConfig = Field(default_factory=CriticConfig)
     rollout: AsyncConfig = Field(default_factory=AsyncConfig)
@@ -238,8 +264,8 @@ class SAOConfig(_Section):
     expert_advantage: float = Field(
         1.0, description="advantage of every policy token of an expert demonstration (behaviour = current policy)")
     num_demos: int = Field(256, ge=0, description="expert demonstrations on train tasks (used when mix.expert > 0)")
-    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-4))
-    checkpoint_every: int = Field(5, ge=1, description="steps between checkpoints")
+    optim: OptimConfig = optim_field(lr=1e-4)
+    checkpoint_every: int = checkpoint_every_field()
     sample_trajectories: int = Field(8, ge=0, description="trajectories per step written to RUN_DIR/samples/sao-step-N.jsonl")
 
     @field_validator("mix")
@@ -361,7 +387,7 @@ class OPDConfig(_Section):
     steps: int = Field(10, ge=0, description="OPD steps (one student rollout batch each)")
     tasks_per_step: int = Field(16, ge=1, description="distinct tasks per step")
     samples_per_task: int = Field(2, ge=1, description="student rollouts per task (a group, for reward terms)")
-    updates_per_step: int = Field(2, ge=1, description="optimizer steps (minibatches) per pass over a rollout batch")
+    updates_per_step: int = updates_per_step_field(2, "optimizer steps (minibatches) per pass over a rollout batch")
     epochs: int = Field(1, ge=1, description="passes over each rollout batch (the teacher scores it once); more "
                                              "passes learn more per student rollout token")
     teachers: list[TeacherConfig] = Field(default_factory=lambda: [TeacherConfig()],
@@ -394,15 +420,14 @@ class OPDConfig(_Section):
     rlsd: RLSDConfig | None = Field(None, description="RLSD: self-distillation of verified trajectories (teacher kind self)")
     reward_weighted: RewardWeightedConfig | None = Field(
         None, description="reward-weighted distillation: weighted MLE on the group, weights softmax(R / T)")
-    eps_low: float = Field(0.2, ge=0, description="clip range below 1 of the importance ratio")
-    eps_high: float = Field(0.28, ge=0, description="clip range above 1 of the importance ratio")
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field(
-        "token-mean", description="loss aggregation, as for SFT")
-    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=2e-4, warmup_steps=2))
+    eps_low: float = eps_low_field()
+    eps_high: float = eps_high_field()
+    loss_agg: LossAgg = loss_agg_field()
+    optim: OptimConfig = optim_field(lr=2e-4, warmup_steps=2)
     eval_every: int = Field(0, ge=0, description="held-out check every N steps, logged with the rollout tokens so "
                                                  "far (0: off)")
     eval_tasks: int = Field(200, ge=1, description="tasks per held-out check")
-    checkpoint_every: int = Field(5, ge=1, description="steps between checkpoints")
+    checkpoint_every: int = checkpoint_every_field()
     sample_trajectories: int = Field(8, ge=0, description="trajectories per step written to samples/, with each "
                                                           "teacher's signal and weight in opd/signals-step-N.jsonl")
 
@@ -519,23 +544,22 @@ class BlackBoxConfig(_Section):
     steps: int = Field(10, ge=0, description="steps (one student rollout batch each)")
     tasks_per_step: int = Field(8, ge=1, description="distinct tasks per step")
     samples_per_task: int = Field(4, ge=1, description="student rollouts per task (candidates / a GRPO group)")
-    updates_per_step: int = Field(1, ge=1, description="optimizer steps per rollout batch: minibatches for the "
+    updates_per_step: int = updates_per_step_field(1, "optimizer steps per rollout batch: minibatches for the "
                                                        "policy-gradient recipes (score, critique), passes over the "
                                                        "pairs / candidate groups for ranking, soft_labels, actions")
-    eps_low: float = Field(0.2, ge=0, description="clip range below 1 of the importance ratio")
-    eps_high: float = Field(0.28, ge=0, description="clip range above 1 of the importance ratio")
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field(
-        "token-mean", description="policy-gradient and SFT loss aggregation")
+    eps_low: float = eps_low_field()
+    eps_high: float = eps_high_field()
+    loss_agg: LossAgg = loss_agg_field("policy-gradient and SFT loss aggregation")
     preference: PreferenceConfig = Field(default_factory=PreferenceConfig)
     score: ScoreRewardConfig = Field(default_factory=ScoreRewardConfig)
     critique: CritiqueConfig = Field(default_factory=CritiqueConfig)
     soft_labels: SoftLabelConfig = Field(default_factory=SoftLabelConfig)
     actions: ActionRankConfig = Field(default_factory=ActionRankConfig)
     correction: CorrectionConfig = Field(default_factory=CorrectionConfig)
-    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-4, warmup_steps=2))
+    optim: OptimConfig = optim_field(lr=1e-4, warmup_steps=2)
     eval_every: int = Field(0, ge=0, description="held-out check every N steps (0: off)")
     eval_tasks: int = Field(200, ge=1, description="tasks per held-out check")
-    checkpoint_every: int = Field(5, ge=1, description="steps between checkpoints")
+    checkpoint_every: int = checkpoint_every_field()
 
     @model_validator(mode="after")
     def _groups(self) -> "BlackBoxConfig":
@@ -559,9 +583,9 @@ class EvolveConfig(_Section):
     accept_margin: float = Field(0.0, ge=0, description="accept a version unless its held-out success drops by more "
                                                         "than this below the best accepted")
     eval_tasks: int = Field(200, ge=1, description="held-out tasks per version")
-    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-4, warmup_steps=2))
-    eps_low: float = Field(0.2, ge=0, description="clip range below 1 of the importance ratio")
-    eps_high: float = Field(0.28, ge=0, description="clip range above 1 of the importance ratio")
+    optim: OptimConfig = optim_field(lr=1e-4, warmup_steps=2)
+    eps_low: float = eps_low_field()
+    eps_high: float = eps_high_field()
 
     @model_validator(mode="after")
     def _curriculum_band(self) -> "EvolveConfig":
