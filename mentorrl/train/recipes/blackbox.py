@@ -54,17 +54,16 @@ from mentorrl.rollout.episode import Episode, text_turn_player
 from mentorrl.rollout.runner import rollout_tasks
 from mentorrl.train.consistency import policy_lag
 from mentorrl.train.learner import Learner
-from mentorrl.train.stages import (
+from mentorrl.train.loop import (
     TRAIN_POOL_SEED_OFFSET,
-    Workspace,
-    _minibatches,
-    _reduce_updates,
-    _require_consistent,
-    frozen_copy,
-    heldout_check,
+    minibatches,
+    reduce_updates,
+    require_consistent,
     rollout_metrics,
-    run_stage,
 )
+from mentorrl.train.registry import register_stage
+from mentorrl.train.stage_runner import run_stage
+from mentorrl.train.workspace import Workspace, frozen_copy, heldout_check
 from mentorrl.trajectory import Segment, Trajectory
 
 NEEDS = {"correction": [Capability.STEP_CRITIQUE, Capability.SAMPLING], "ranking": [Capability.RANKING],
@@ -93,7 +92,7 @@ def open_teacher(ws: Workspace, t: BlackBoxTeacherConfig, student=None, seed: in
         client_cfg = t.client
         if t.serve is not None:
             from mentorrl.serve import serve_subprocess
-            from mentorrl.train.opd import build_teacher
+            from mentorrl.train.teachers import build_teacher
 
             path = Path(t.serve.path) if t.serve.path else build_teacher(ws, t.serve, student)
             if not (path / "config.json").exists():
@@ -311,13 +310,13 @@ def step_advantages(trajs: list[Trajectory], outcome_adv: torch.Tensor, step_sco
 def policy_gradient_update(learner, trajs, token_adv, o: BlackBoxConfig, state, step: int) -> dict[str, float]:
     ups = []
     keep = [i for i in range(len(trajs)) if token_adv[i].abs().sum() > 0]
-    for idx in _minibatches(keep, o.updates_per_step, seed=step * 7 + 3) if keep else []:
+    for idx in minibatches(keep, o.updates_per_step, seed=step * 7 + 3) if keep else []:
         batch = [trajs[i] for i in idx]
         ups.append({**learner.token_policy_step(batch, [token_adv[i] for i in idx], "clipped", eps_low=o.eps_low,
                                                 eps_high=o.eps_high, agg=o.loss_agg),
                     **policy_lag(batch, state["policy"])})
         state["policy"] += 1
-    return {**_reduce_updates(ups, PG_KEYS), "batch_size": float(len(keep))}
+    return {**reduce_updates(ups, PG_KEYS), "batch_size": float(len(keep))}
 
 
 # ---------------------------------------------------- soft labels and actions ------
@@ -414,6 +413,7 @@ def action_groups(ws: Workspace, model, teacher: BlackBoxTeacher, eps: list[Stud
 
 
 # -------------------------------------------------------------------- stage ------
+@register_stage("blackbox", config="blackbox", title="Black-box on-policy distillation", label="BB-OPD", rl=True)
 def blackbox_stage(ws: Workspace, model, resume: bool = False) -> Path:
     cfg, o = ws.cfg, ws.cfg.blackbox
     with open_teacher(ws, o.teacher, student=model, seed=cfg.seed) as teacher:
@@ -560,7 +560,7 @@ def _run(ws: Workspace, model, teacher: BlackBoxTeacher, resume: bool) -> Path:
         t0 = time.perf_counter()
         trajs = rollout_tasks(model, ws.contract, ws.make_env, grouped, policy_version=state["policy"],
                               seed=cfg.seed * 4_241 + step, batch_size=len(grouped), weights=cfg.reward)
-        _require_consistent(ws, trajs, state["policy"], f"blackbox step {step + 1}")
+        require_consistent(ws, trajs, state["policy"], f"blackbox step {step + 1}")
         state["rollout_tokens"] += sum(t.num_policy_tokens for t in trajs)
         verifier = torch.tensor([t.reward.total for t in trajs], dtype=torch.float32).view(len(chosen), G)
         m: dict[str, float] = {**rollout_metrics(trajs), "rollouts": float(len(trajs)),
