@@ -16,6 +16,13 @@ One step:
    policy-gradient update per minibatch (``loss: topk`` instead minimises a top-k divergence
    to the teacher with :meth:`~mentorrl.train.learner.Learner.distill_step`).
 
+The variants are not branches of one loop but three lists of terms the config selects
+(:func:`token_term_names`, :func:`sequence_term_names`, :func:`loss_term_names`): token terms
+and sequence terms are the pure functions of :mod:`mentorrl.algos.opd_terms`
+(``until_first_error``, ``step_weights``, ``center``, ``short``; ``reward_weighted``,
+``rlsd_selected``), loss terms are this module's :data:`LOSS_TERMS` (``pg``, ``topk``,
+``rlsd_topk``, ``sequence_fallback``), run in that order.
+
 Every step logs the student rollout tokens so far (the budget OPD is compared on), the
 teacher tokens read, the reverse-KL estimate, alignment failures and the distilled share;
 ``opd/signals-step-N.jsonl`` keeps, for the sampled trajectories, each teacher's signal and
@@ -289,16 +296,14 @@ class OPDRun:
 
     def _update(self, s: OPDStep) -> None:
         """The selected loss terms, in order; their metrics into ``s.m``."""
-        ups: list[dict[str, float]] = []
-        dm: dict[str, float] = {}
+        u = Updates()
         for name in self.loss_terms:
-            LOSS_TERMS[name](self, s, ups, dm)
-        s.m.update(reduce_updates(ups, PG_METRICS))
-        s.m.update({k: v for k, v in dm.items() if k in ("distill_loss", "divergence_max")})
-        if dm and not ups:
-            s.m["grad_norm"] = dm.get("grad_norm", 0.0)
-        if "sequence_fallback" in self.loss_terms:
-            s.m.update(_sequence_fallback(self.ws, self.learner, self.cross, s.chosen, s.step, self.state))
+            LOSS_TERMS[name](self, s, u)
+        s.m.update(reduce_updates(u.pg, PG_METRICS))
+        s.m.update({k: v for k, v in u.distill.items() if k in ("distill_loss", "divergence_max")})
+        if u.distill and not u.pg:
+            s.m["grad_norm"] = u.distill.get("grad_norm", 0.0)
+        s.m.update(u.other)
 
     def extra_state(self) -> dict[str, Any]:
         st = self.state
@@ -313,33 +318,43 @@ class OPDRun:
             self.budget.load_state_dict(st["budget"])
 
 
-def _pg_loss(run: OPDRun, s: OPDStep, ups: list, dm: dict) -> None:
+@dataclass
+class Updates:
+    """What a step's loss terms did: the policy-gradient updates' metrics, the last distillation
+    update's metrics (a later distillation term replaces an earlier one's), and any other metrics."""
+
+    pg: list = field(default_factory=list)
+    distill: dict = field(default_factory=dict)
+    other: dict = field(default_factory=dict)
+
+
+def _pg_loss(run: OPDRun, s: OPDStep, u: Updates) -> None:
     """The clipped policy gradient on the token advantages, ``epochs`` passes (loss sampled; else one)."""
     o = run.o
     for e in range(o.epochs if o.loss == "sampled" else 1):
-        ups += pg_update(run.learner, s.trajs, s.token_adv, o.updates_per_step, s.step * 7 + 3 + 101 * e, run.state,
-                         skip_zero=True, eps_low=o.eps_low, eps_high=o.eps_high, agg=o.loss_agg)
+        u.pg += pg_update(run.learner, s.trajs, s.token_adv, o.updates_per_step, s.step * 7 + 3 + 101 * e, run.state,
+                          skip_zero=True, eps_low=o.eps_low, eps_high=o.eps_high, agg=o.loss_agg)
 
 
-def _topk_loss(run: OPDRun, s: OPDStep, ups: list, dm: dict) -> None:
-    out, n_up = _topk_update(run.learner, s.topk_rows, s.trajs, s.w, s.kl, run.o, seed=s.step)
-    dm.clear()
-    dm.update(out)
+def _topk_loss(run: OPDRun, s: OPDStep, u: Updates) -> None:
+    """A top-k divergence to each trajectory's most-weighted teacher (``loss: topk``)."""
+    u.distill, n_up = _topk_update(run.learner, s.topk_rows, s.trajs, s.w, s.kl, run.o, seed=s.step)
     run.state["policy"] += n_up
 
 
-def _rlsd_topk_loss(run: OPDRun, s: OPDStep, ups: list, dm: dict) -> None:
+def _rlsd_topk_loss(run: OPDRun, s: OPDStep, u: Updates) -> None:
+    """RLSD's forward KL to the start-of-step snapshot's top-k on the verified trajectories."""
     if s.rlsd_targets is not None:
-        dm.clear()
-        dm.update(_rlsd_topk_update(run.learner, s.rlsd_targets, run.o.topk_tail))
+        u.distill = _rlsd_topk_update(run.learner, s.rlsd_targets, run.o.topk_tail)
         run.state["policy"] += 1
 
 
-def _no_update(run: OPDRun, s: OPDStep, ups: list, dm: dict) -> None:
-    """The sequence-level fallback runs after the others' metrics are reduced (see :meth:`OPDRun._update`)."""
+def _sequence_fallback_loss(run: OPDRun, s: OPDStep, u: Updates) -> None:
+    """The cross-tokenizer teachers' own verified episodes as one SFT update."""
+    u.other.update(_sequence_fallback(run.ws, run.learner, run.cross, s.chosen, s.step, run.state))
 
 
-LOSS_TERMS = {"pg": _pg_loss, "topk": _topk_loss, "rlsd_topk": _rlsd_topk_loss, "sequence_fallback": _no_update}
+LOSS_TERMS = {"pg": _pg_loss, "topk": _topk_loss, "rlsd_topk": _rlsd_topk_loss, "sequence_fallback": _sequence_fallback_loss}
 
 
 # ------------------------------------------------------------- helpers -----
