@@ -50,7 +50,7 @@ def orders_entry():
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, orders_entry) -> Path:
-    from mentorrl.train.pipeline import build_tiny_model
+    from mentorrl.train.models_init import build_tiny_model
 
     path = tmp_path_factory.mktemp("tiny_model") / "model"
     return build_tiny_model(orders_entry, path, ModelSpec(**TINY_SPEC), corpus_tasks=60)

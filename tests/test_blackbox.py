@@ -16,7 +16,7 @@ from mentorrl.chat import assistant_message, trajectory_messages
 from mentorrl.config import OptimConfig
 from mentorrl.contract import parse_action
 from mentorrl.opd.remote_teacher import ActingTeacher, StudentEpisode, TrajectoryScore, action_agreement
-from mentorrl.train.blackbox import (
+from mentorrl.train.recipes.blackbox import (
     candidate_trajectory,
     corrected_trajectory,
     fused_rewards,
@@ -320,7 +320,7 @@ def test_prompted_teacher_counts_and_skips_answers_that_do_not_fit(server, make_
 @pytest.mark.parametrize("loss", ["dpo", "ipo", "orpo", "dpo+nll", "dpo+average"])
 def test_preference_update_runs_each_loss_on_agent_pairs(make_demos, model, loss):
     from mentorrl.config import BlackBoxConfig
-    from mentorrl.train.blackbox import preference_update
+    from mentorrl.train.recipes.blackbox import preference_update
 
     contract, demos = make_demos(4)
     pairs, _ = preference_pairs([demos[:2], demos[2:4]], [[1.0, 0.0], [0.0, 1.0]], min_margin=0.1)
@@ -347,7 +347,7 @@ def test_teacher_calls_run_concurrently_up_to_the_client_bound_and_keep_their_or
     import time
     from types import SimpleNamespace
 
-    from mentorrl.train.blackbox import teacher_map
+    from mentorrl.train.recipes.blackbox import teacher_map
 
     live, peak, lock = [0], [0], threading.Lock()
 

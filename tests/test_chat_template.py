@@ -119,7 +119,7 @@ def test_checkpoints_carry_the_template_whatever_the_base_had(tiny_model_dir, tm
     checkpoints are saved with the contract's template."""
     from mentorrl.config import RunConfig
     from mentorrl.models.build import load_policy
-    from mentorrl.train.stages import open_workspace
+    from mentorrl.train.workspace import open_workspace
 
     tok, _ = load_policy(tiny_model_dir)
     tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"

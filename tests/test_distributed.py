@@ -151,7 +151,7 @@ def test_torchrun_train_runs_sft_and_grpo_data_parallel_with_the_single_process_
     from mentorrl.envs import get_env
     from mentorrl.models.build import ModelSpec
     from mentorrl.models.pretrain import PretrainSpec
-    from mentorrl.train.pipeline import build_tiny_model
+    from mentorrl.train.models_init import build_tiny_model
 
     model_dir = build_tiny_model(get_env("orders"), tmp_path / "model", ModelSpec(
         hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2, num_kv_heads=1, vocab_size=600),

@@ -16,6 +16,7 @@ import pytest
 
 from mentorrl.config import load_config
 from mentorrl.replay.buffer import ReplayBuffer
+from mentorrl.train import loop as loop_mod
 from mentorrl.train.learner import Learner
 from mentorrl.train.rundir import MetricsLog
 
@@ -33,7 +34,7 @@ class _Killed(Exception):
 def _workspace(tmp_path, tokenizer, orders_entry):
     from rich.console import Console
 
-    from mentorrl.train.stages import Workspace
+    from mentorrl.train.workspace import Workspace
 
     cfg = load_config(None, TINY_OVERRIDES + FAST_EVOLVE + [f"run_dir={tmp_path / 'run'}"])
     out = io.StringIO()
@@ -72,8 +73,8 @@ def _run_killed_at_the_step_4_checkpoint(tmp_path, tokenizer, orders_entry, mode
     """Runs evolve until it dies writing the step-4 checkpoint (after iteration 2 was closed:
     its buffer entries, its ``versions.json`` entry and ``versions/v2`` are on disk). Returns the
     persisted state as the step-2 checkpoint recorded it, and the state at the kill."""
-    from mentorrl.train import evolve as evolve_mod
-    from mentorrl.train import stages as stages_mod
+    from mentorrl.train.recipes import evolve as evolve_mod
+    from mentorrl.train import stage_runner as stages_mod
 
     ws, _ = _workspace(tmp_path, tokenizer, orders_entry)
     real_save = stages_mod.save_checkpoint
@@ -87,7 +88,7 @@ def _run_killed_at_the_step_4_checkpoint(tmp_path, tokenizer, orders_entry, mode
         return real_save(stage_dir, step, *a, **kw)
 
     monkeypatch.setattr(stages_mod, "save_checkpoint", save_then_die)
-    monkeypatch.setattr(evolve_mod, "rollout_tasks", _half_verified(evolve_mod.rollout_tasks))
+    monkeypatch.setattr(loop_mod, "rollout_tasks", _half_verified(loop_mod.rollout_tasks))  # the rollout prologue is in loop
     with pytest.raises(_Killed):
         evolve_mod.evolve_stage(ws, copy.deepcopy(model), resume=False)
     monkeypatch.setattr(stages_mod, "save_checkpoint", real_save)
@@ -105,7 +106,7 @@ def test_evolve_resume_restores_buffer_and_versions_to_the_checkpoint(tmp_path, 
     starts its first redone step from the checkpoint's buffer (entries of the discarded steps 3-4
     gone, rejection counts restored), ``versions.json`` and ``versions/`` as at the checkpoint,
     never replays a discarded entry, and finishes with a consistent version list."""
-    from mentorrl.train import evolve as evolve_mod
+    from mentorrl.train.recipes import evolve as evolve_mod
 
     _, at_ckpt, killed = _run_killed_at_the_step_4_checkpoint(tmp_path, tokenizer, orders_entry, model, monkeypatch)
     discarded = set(killed["ids"]) - set(at_ckpt["ids"])
@@ -125,7 +126,7 @@ def test_evolve_resume_restores_buffer_and_versions_to_the_checkpoint(tmp_path, 
         replayed.extend(t.id for t in batch)
         return real_sft(self, batch, *a, **kw)
 
-    monkeypatch.setattr(evolve_mod, "rollout_tasks", _half_verified(real_rollout, on_rollout))
+    monkeypatch.setattr(loop_mod, "rollout_tasks", _half_verified(real_rollout, on_rollout))
     monkeypatch.setattr(Learner, "sft_step", watching_sft)
     evolve_mod.evolve_stage(ws, copy.deepcopy(model), resume=True)
     assert "resuming from step-000002" in out.getvalue()
@@ -142,7 +143,7 @@ def test_evolve_fresh_start_empties_the_buffer_of_an_earlier_run(tmp_path, token
     """A stage started from step 0 (no --resume) in a run dir that holds an earlier attempt's
     buffer and versions starts from an empty buffer and only its own versions."""
     from mentorrl.rollout.runner import rollout_tasks as real_rollout
-    from mentorrl.train import evolve as evolve_mod
+    from mentorrl.train.recipes import evolve as evolve_mod
 
     _run_killed_at_the_step_4_checkpoint(tmp_path, tokenizer, orders_entry, model, monkeypatch)
     ws, _ = _workspace(tmp_path, tokenizer, orders_entry)
@@ -152,7 +153,7 @@ def test_evolve_fresh_start_empties_the_buffer_of_an_earlier_run(tmp_path, token
         first.update(_snapshot(ws.run_dir))
         raise _Killed  # seen what the first step starts from: enough
 
-    monkeypatch.setattr(evolve_mod, "rollout_tasks", _half_verified(real_rollout, on_rollout))
+    monkeypatch.setattr(loop_mod, "rollout_tasks", _half_verified(real_rollout, on_rollout))
     with pytest.raises(_Killed):
         evolve_mod.evolve_stage(ws, copy.deepcopy(model), resume=False)
     assert first["ids"] == [] and first["rejections"] == {}
@@ -162,7 +163,7 @@ def test_evolve_fresh_start_empties_the_buffer_of_an_earlier_run(tmp_path, token
 def test_evolve_resume_refuses_a_replaced_replay_buffer_naming_it(tmp_path, tokenizer, orders_entry, model,
                                                                   monkeypatch):
     from mentorrl.replay import ReplayBufferError
-    from mentorrl.train import evolve as evolve_mod
+    from mentorrl.train.recipes import evolve as evolve_mod
 
     ws, _, _ = _run_killed_at_the_step_4_checkpoint(tmp_path, tokenizer, orders_entry, model, monkeypatch)
     db = ws.run_dir / "evolve" / "replay.sqlite"

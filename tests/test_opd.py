@@ -22,8 +22,8 @@ from mentorrl.opd.advantage import (
     until_first_error,
 )
 from mentorrl.opd.signals import ChunkSignal
-from mentorrl.train.evolve import curriculum_levels
-from mentorrl.train.opd import _rlsd_weights, _short_select
+from mentorrl.train.recipes.evolve import curriculum_levels
+from mentorrl.train.recipes.opd import _rlsd_weights, _short_select
 from mentorrl.train.rundir import MetricsLog
 from mentorrl.trajectory import RewardBreakdown, Segment, ToolCall, Trajectory
 
@@ -171,7 +171,7 @@ def test_opd_config_errors_name_the_problem(overrides, message):
 def test_topk_loss_refuses_a_teacher_without_topk_logprobs():
     from mentorrl.config import TeacherConfig
     from mentorrl.opd.teacher import Capability, MissingCapability, require
-    from mentorrl.train.opd import needed_capabilities
+    from mentorrl.train.recipes.opd import needed_capabilities
 
     class ScoresOnly:  # e.g. a teacher behind an API that returns the sampled tokens' log-probs only
         name = "scores-only"
@@ -186,8 +186,8 @@ def test_topk_loss_refuses_a_teacher_without_topk_logprobs():
 def test_a_student_initialised_teacher_is_the_student_trained_on_and_is_cached_by_its_weights(policy, tmp_path):
     from mentorrl.config import TeacherConfig
     from mentorrl.models.build import load_policy
-    from mentorrl.train.opd import build_teacher, teacher_dir, weights_fingerprint
-    from mentorrl.train.stages import open_workspace
+    from mentorrl.train.teachers import build_teacher, teacher_dir, weights_fingerprint
+    from mentorrl.train.workspace import open_workspace
 
     tok, model = policy
     student = copy.deepcopy(model)
@@ -326,7 +326,7 @@ def test_a_budgeted_episode_stops_at_its_budget(make_contract, orders_entry, too
 
 
 def test_sampled_advantages_are_centred_over_the_tokens_they_cover():
-    from mentorrl.train.opd import _center
+    from mentorrl.train.recipes.opd import _center
 
     kl = [torch.tensor([0.0, -1.0, -3.0]), None, torch.tensor([0.0, 0.0, -2.0])]
     out = _center([None, None, None], kl)
@@ -335,7 +335,7 @@ def test_sampled_advantages_are_centred_over_the_tokens_they_cover():
 
 
 def test_weights_fingerprint_covers_every_tensor_kind_and_value():
-    from mentorrl.train.opd import weights_fingerprint
+    from mentorrl.train.teachers import weights_fingerprint
 
     def module(scale: float) -> torch.nn.Module:
         m = torch.nn.Module()

@@ -34,7 +34,7 @@ def demos(make_demos):
 @pytest.fixture(scope="module")
 def other(orders_entry, tmp_path_factory):
     """A teacher with its own tokenizer (another vocabulary size, so other merges) and model."""
-    from mentorrl.train.pipeline import build_tiny_model
+    from mentorrl.train.models_init import build_tiny_model
 
     path = tmp_path_factory.mktemp("other") / "model"
     spec = ModelSpec(hidden_size=48, intermediate_size=96, num_layers=2, num_heads=2, num_kv_heads=1,

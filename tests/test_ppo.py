@@ -14,7 +14,7 @@ from mentorrl.config import CriticConfig, GAEConfig, PPOConfig
 from mentorrl.models.value import ValueModel, build_critic
 from mentorrl.train.learner import CriticLearner
 from mentorrl.train.rundir import MetricsLog
-from mentorrl.train.stages import critic_advantages
+from mentorrl.train.critic import critic_advantages
 
 from test_resume import TINY_OVERRIDES
 

@@ -98,7 +98,7 @@ def test_orpo_update_compares_each_side_over_its_whole_completion():
     from types import SimpleNamespace
 
     from mentorrl.config import BlackBoxConfig
-    from mentorrl.train.blackbox import preference_update
+    from mentorrl.train.recipes.blackbox import preference_update
 
     def traj(ids, mask):
         return SimpleNamespace(token_ids=ids, loss_mask=mask)

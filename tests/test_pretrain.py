@@ -15,7 +15,7 @@ from mentorrl.envs.orders.tasks import SEED_BASE, OrdersTasks
 from mentorrl.models.build import ModelSpec, build_model, load_policy
 from mentorrl.models.pretrain import (PretrainSpec, batch_order, build_corpus, heldout_transcripts, mean_token_loss,
                                       pack, pretrain, separator_id)
-from mentorrl.train.pipeline import build_tiny_model
+from mentorrl.train.models_init import build_tiny_model
 
 from conftest import TINY_SPEC
 

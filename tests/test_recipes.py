@@ -65,7 +65,7 @@ def test_sft_rft_grpo_recipe_writes_report_and_resumes(tmp_path):
 def test_hard_pool_settings_are_checked(tmp_path):
     from mentorrl.config import GRPOConfig
     from mentorrl.flywheel.hard_pool import HardPoolConfig, HardTaskPool
-    from mentorrl.train.stages import _hard_pool
+    from mentorrl.train.recipes.grpo import load_hard_pool as _hard_pool
 
     assert _hard_pool(GRPOConfig()) is None
     with pytest.raises(ValueError, match="hard_pool is null"):  # refused when the config is built, before any stage

@@ -303,7 +303,7 @@ def _sao_workspace(tmp_path, tokenizer, orders_entry, overrides):
 
     from rich.console import Console
 
-    from mentorrl.train.stages import Workspace
+    from mentorrl.train.workspace import Workspace
 
     cfg = load_config(None, TINY_OVERRIDES + overrides + [f"run_dir={tmp_path / 'run'}"])
     out = io.StringIO()
@@ -325,7 +325,7 @@ def test_sao_resume_rolls_the_replay_buffer_back_to_the_checkpoint(tmp_path, tok
     checkpoint on disk: the resumed run sees the buffer exactly as it was at the checkpoint (the
     discarded step's entries are gone, what they evicted is back), and no entry ever carries a
     policy version newer than the learner that samples it."""
-    from mentorrl.train import sao as sao_mod
+    from mentorrl.train.recipes import sao as sao_mod
 
     ws, out = _sao_workspace(tmp_path, tokenizer, orders_entry, FAST_SAO)
     db = ws.run_dir / "sao" / "replay.sqlite"
@@ -381,7 +381,7 @@ def test_sao_resume_rolls_the_replay_buffer_back_to_the_checkpoint(tmp_path, tok
 
 def test_sao_resume_refuses_a_replaced_replay_buffer_naming_it(tmp_path, tokenizer, orders_entry, model, monkeypatch):
     from mentorrl.replay import ReplayBufferError
-    from mentorrl.train import sao as sao_mod
+    from mentorrl.train.recipes import sao as sao_mod
 
     ws, _ = _sao_workspace(tmp_path, tokenizer, orders_entry, FAST_SAO)
     real_record = sao_mod._record_batch

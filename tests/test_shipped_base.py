@@ -12,7 +12,7 @@ import pytest
 from mentorrl.models.build import ModelSpec, dir_digest, load_policy
 from mentorrl.models.pretrain import PretrainSpec, config_hash
 from mentorrl.models.shipped import find_shipped_base, shipped_bases
-from mentorrl.train.pipeline import build_tiny_model
+from mentorrl.train.models_init import build_tiny_model
 from conftest import TINY_SPEC
 
 SMALL = dict(steps=2, batch_size=2, block_size=64, transcripts=4, worlds=2, eval_transcripts=0)
@@ -56,7 +56,7 @@ def test_a_damaged_shipped_base_is_skipped_with_its_name(built, tmp_path):
 def test_build_copies_a_matching_shipped_base_and_rebuilds_otherwise(orders_entry, built, tmp_path, monkeypatch):
     root = tmp_path / "bases"
     shutil.copytree(built, root / "tiny")
-    import mentorrl.train.pipeline as pipeline
+    import mentorrl.train.models_init as pipeline
 
     calls = []
     monkeypatch.setattr(pipeline, "find_shipped_base", lambda h: calls.append(h) or find_shipped_base(h, root))
@@ -76,7 +76,7 @@ def test_build_copies_a_matching_shipped_base_and_rebuilds_otherwise(orders_entr
 
 def _demo_build_config():
     from mentorrl.cli_common import load_run_config
-    from mentorrl.train.pipeline import build_config
+    from mentorrl.train.models_init import build_config
 
     cfg = load_run_config(None, [], None, "demo.yaml")
     return cfg, build_config(cfg.env.name, cfg.model.spec, cfg.model.tokenizer_corpus_tasks, cfg.model.spec.seed,

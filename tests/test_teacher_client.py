@@ -111,7 +111,7 @@ def test_a_cache_namespace_lets_a_teacher_on_a_new_address_reuse_its_answers(ser
 
 
 def test_a_served_checkpoint_is_named_by_its_files(tmp_path):
-    from mentorrl.train.blackbox import checkpoint_identity
+    from mentorrl.train.recipes.blackbox import checkpoint_identity
 
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "model.safetensors").write_bytes(b"weights")

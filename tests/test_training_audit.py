@@ -58,7 +58,7 @@ def test_reward_debugger_flags_only_high_reward_failures():
 
 
 def test_reward_debugger_in_stage_writes_flagged_file(tmp_path):
-    from mentorrl.train.stages import _reward_debugger
+    from mentorrl.train.loop import reward_debugger as _reward_debugger
 
     trajs = [traj(0, "a", False, total=0.9), traj(1, "a", True)]
     m = _reward_debugger(trajs, 0.5, tmp_path / "audit" / "flagged.jsonl")
@@ -199,7 +199,7 @@ def test_config_refuses_training_on_the_hidden_set():
 def test_training_stages_refuse_hidden_tasks(monkeypatch, tmp_path):
     """Even when a task source hands hidden tasks to a training stage, the stage refuses them."""
     from mentorrl.eval.sets import HiddenSetError
-    from mentorrl.train.stages import open_workspace
+    from mentorrl.train.workspace import open_workspace
 
     ws = open_workspace(load_config(None, [f"run_dir={tmp_path}"]), show_progress=False)
     assert all(t.split == "train" for t in ws.train_tasks(4, 0))

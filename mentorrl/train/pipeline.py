@@ -1,4 +1,6 @@
-"""Recipes composed from stages: building the base model, and the demo (SFT -> eval -> GRPO -> eval).
+"""Recipes composed from stages: the demo (SFT -> eval -> GRPO -> eval) and any ``recipe`` list,
+each stage run through the registry (:mod:`mentorrl.train.registry`), on a base model from
+:mod:`mentorrl.train.models_init`.
 
 Before the first step a recipe runs its preflight: the run directory, the files the stages will
 read, and the prompt length against ``limits.max_total_tokens`` are checked, so a bad setting is a
@@ -16,78 +18,13 @@ from rich.table import Table
 
 from mentorrl.config import ConfigError, RunConfig
 from mentorrl.eval.plots import plot_rl_curves, plot_step_metrics
-from mentorrl.models.build import ModelSpec, dir_digest, init_model, load_policy
-from mentorrl.models.pretrain import CORPUS_VERSION, PretrainSpec, run_pretraining
-from mentorrl.models.pretrain import config_hash as pretrain_config_hash
-from mentorrl.models.corpus import expert_transcripts
-from mentorrl.models.shipped import find_shipped_base, install_shipped_base
+from mentorrl.models.build import load_policy
 from mentorrl.train.distributed import current as current_dp
 from mentorrl.train.distributed import setup_distributed, shutdown_distributed
-from mentorrl.train.report import RL_STAGES, STEP_METRICS_PLOT, build_report, write_report
-from mentorrl.train.stages import (Workspace, evaluate, frozen_copy, grpo_stage, open_workspace, ppo_stage, rft_stage,
-                                   sft_stage)
-
-
-def build_config(env_name: str, spec: ModelSpec, corpus_tasks: int, seed: int, fmt=None,
-                 pretrain: PretrainSpec | None = None) -> dict[str, Any]:
-    """Everything that determines a built base model; its hash names the build."""
-    pretrain = pretrain or PretrainSpec()
-    return {"env": env_name, "spec": spec.model_dump(mode="json"), "tokenizer_corpus_tasks": corpus_tasks,
-            "seed": seed, "prompt": fmt.model_dump(mode="json") if fmt is not None else None,
-            "pretrain": pretrain.model_dump(mode="json"),
-            **({"corpus_version": CORPUS_VERSION} if pretrain.steps > 0 else {})}
-
-
-def build_tiny_model(env_entry, out_dir: Path, spec: ModelSpec, corpus_tasks: int, seed: int = 0, fmt=None,
-                     pretrain: PretrainSpec | None = None, command: str | None = None,
-                     use_shipped: bool = True) -> Path:
-    """Tokenizer trained on expert transcripts of train tasks + a fresh Qwen2-architecture model,
-    pretrained on the environment's language when ``pretrain.steps > 0`` (see
-    :mod:`mentorrl.models.pretrain`). Writes ``mentorrl_build.json``: the build config and its
-    hash, the command, and (when pretrained) the corpus size and loss curve.
-
-    When the package ships a base built from the same config (same hash; see
-    :mod:`mentorrl.models.shipped`) and ``use_shipped`` is true, that base is copied instead."""
-    if (out_dir / "model.safetensors").exists() and (out_dir / "tokenizer.json").exists():
-        return out_dir
-    t0 = time.perf_counter()
-    pretrain = pretrain or PretrainSpec()
-    env = env_entry.make_env()
-    env_name = str(getattr(env, "name", ""))
-    config = build_config(env_name, spec, corpus_tasks, seed, fmt, pretrain)
-    chash = pretrain_config_hash(config)
-    shipped = find_shipped_base(chash) if use_shipped else None
-    if shipped is not None:
-        env.close()
-        return install_shipped_base(shipped, out_dir)
-    expert = env_entry.make_expert()
-    try:
-        corpus = list(expert_transcripts(env, expert, env_entry.make_tasks().tasks(split="train", n=corpus_tasks, seed=seed), fmt))
-    finally:
-        env.close()
-    record: dict[str, Any] = {}
-
-    def before_save(tokenizer, model) -> None:
-        if pretrain.steps > 0:
-            record["pretrain"] = run_pretraining(env_entry, env_name, tokenizer, model, pretrain, fmt)
-
-    path = init_model(out_dir, corpus, spec, before_save=before_save)
-    build = {"command": command, "config": config, "config_hash": chash,
-             "tokenizer_corpus": {"docs": len(corpus), "chars": sum(map(len, corpus))},
-             **record, "digest": dir_digest(path), "wall_s": round(time.perf_counter() - t0, 2)}
-    (path / "mentorrl_build.json").write_text(json.dumps(build, indent=2))
-    return path
-
-
-def base_model_dir(ws: Workspace) -> Path:
-    if ws.cfg.model.path is not None:
-        path = Path(ws.cfg.model.path)
-        if not (path / "config.json").exists():
-            raise FileNotFoundError(f"model.path {path} is not a Hugging Face checkpoint directory (no config.json)")
-        return path
-    # the base is a function of model.* alone (like a real checkpoint); the run seed varies post-training only
-    return build_tiny_model(ws.env_entry, ws.run_dir / "base_model", ws.cfg.model.spec, ws.cfg.model.tokenizer_corpus_tasks,
-                            ws.cfg.model.spec.seed, ws.cfg.prompt, pretrain=ws.cfg.model.pretrain)
+from mentorrl.train.models_init import base_model_dir, build_config, build_tiny_model  # noqa: F401  (public here too)
+from mentorrl.train.registry import get_stage, rl_stage_names, run_stage_by_name
+from mentorrl.train.report import STEP_METRICS_PLOT, build_report, write_report
+from mentorrl.train.workspace import Workspace, evaluate, open_workspace
 
 
 PREFLIGHT_TRAIN_TASKS = 64  # train tasks whose prompts are rendered by the preflight (plus every eval task)
@@ -124,10 +61,10 @@ def preflight_config(cfg: RunConfig) -> None:
         if not (Path(path) / "config.json").is_file():
             raise ConfigError(f"{name} {path} is not a Hugging Face checkpoint directory (no config.json)")
     if "grpo" in cfg.recipe and cfg.grpo.hard_pool_state:
-        from mentorrl.train.stages import _hard_pool
+        from mentorrl.train.recipes.grpo import load_hard_pool
 
         try:
-            _hard_pool(cfg.grpo)
+            load_hard_pool(cfg.grpo)
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ConfigError(f"grpo.hard_pool_state {cfg.grpo.hard_pool_state}: cannot be loaded ({e})") from None
     try:
@@ -182,41 +119,12 @@ def before_after_table(rows: dict[str, dict[str, Any]]) -> Table:
     return t
 
 
-STAGE_TITLES = {"sft": "SFT on expert demonstrations", "rft": "RFT: sample, verify, fine-tune", "grpo": "GRPO",
-                "ppo": "PPO with a critic", "sao": "SAO: asynchronous single-rollout optimisation",
-                "opd": "On-policy distillation",
-                "blackbox": "Black-box on-policy distillation", "evolve": "Self-evolving loop"}
-STAGE_LABELS = {"sft": "SFT", "rft": "RFT", "grpo": "GRPO", "ppo": "PPO", "sao": "SAO", "opd": "OPD", "blackbox": "BB-OPD",
-                "evolve": "Evolve"}
-
-
-def run_stage_by_name(ws: Workspace, stage: str, model, resume: bool) -> Path:
-    if stage == "sft":
-        return sft_stage(ws, model, resume=resume)
-    if stage == "rft":
-        return rft_stage(ws, model, resume=resume)
-    if stage == "grpo":
-        ref = frozen_copy(model) if ws.cfg.grpo.kl_coef > 0 else None
-        return grpo_stage(ws, model, ref_model=ref, resume=resume)
-    if stage == "ppo":
-        return ppo_stage(ws, model, resume=resume)
-    if stage == "sao":
-        from mentorrl.train.sao import sao_stage
-
-        return sao_stage(ws, model, resume=resume)
-    if stage == "opd":
-        from mentorrl.train.opd import opd_stage
-
-        return opd_stage(ws, model, resume=resume)
-    if stage == "blackbox":
-        from mentorrl.train.blackbox import blackbox_stage
-
-        return blackbox_stage(ws, model, resume=resume)
-    if stage == "evolve":
-        from mentorrl.train.evolve import evolve_stage
-
-        return evolve_stage(ws, model, resume=resume)
-    raise ValueError(f"unknown stage {stage!r}")
+def stage_label(name: str) -> str:
+    """A stage's short name in the evaluation table (its registered ``label``; the name when unregistered)."""
+    try:
+        return get_stage(name).label
+    except ValueError:
+        return name
 
 
 def run_recipe(cfg: RunConfig, resume: bool = False, show_progress: bool = True) -> dict[str, Any]:
@@ -265,13 +173,13 @@ def _run_recipe(cfg: RunConfig, resume: bool, show_progress: bool, dp, t0: float
     evals: dict[str, dict[str, Any]] = {}
     done: list[str] = []
     for stage in cfg.recipe:
-        con.rule(STAGE_TITLES[stage])
+        con.rule(get_stage(stage).title)
         run_stage_by_name(ws, stage, model, resume)
         done.append(stage)
         if cfg.eval.num_tasks > 0:
             evals[stage] = ws.on_main(lambda: evaluate(ws, model, stage, resume=resume))
-            rows[" + ".join(STAGE_LABELS[s] for s in done)] = evals[stage]
-            con.print(f"held-out success after {STAGE_LABELS[stage]}: {_fmt_pct(evals[stage]['success'])}")
+            rows[" + ".join(stage_label(s) for s in done)] = evals[stage]
+            con.print(f"held-out success after {stage_label(stage)}: {_fmt_pct(evals[stage]['success'])}")
 
     return ws.on_main(lambda: _finish_recipe(ws, model, resume, rows, evals, t0))
 
@@ -287,9 +195,9 @@ def _finish_recipe(ws: Workspace, model, resume: bool, rows: dict[str, dict[str,
     for split in (cfg.eval.final_splits if cfg.eval.num_tasks > 0 else []):
         other[split] = evaluate(ws, model, f"{final}_{split}", resume=resume, split=split)
         note = " (stress set: words never used in training)" if split == "novel_wording" else ""
-        con.print(f"{STAGE_LABELS[final]} on {split}: {_fmt_pct(other[split]['success'])}{note}")
+        con.print(f"{stage_label(final)} on {split}: {_fmt_pct(other[split]['success'])}{note}")
     records = ws.metrics.read()
-    rl_at = max((i for i, s in enumerate(cfg.recipe) if s in RL_STAGES), default=None)  # the last RL stage
+    rl_at = max((i for i, s in enumerate(cfg.recipe) if s in rl_stage_names()), default=None)  # the last RL stage
     rl_stage = cfg.recipe[rl_at] if rl_at is not None else None
     pre_rl = cfg.recipe[rl_at - 1] if rl_at else None
     report = build_report(records, evals, cfg.audit, pre_rl_label=pre_rl, final_label=rl_stage,
@@ -297,7 +205,7 @@ def _finish_recipe(ws: Workspace, model, resume: bool, rows: dict[str, dict[str,
     if "step_metrics" in report:
         sm = report["step_metrics"]
         stage_records = [r for r in records if r.get("stage") == sm["stage"] and "tool_calls_per_traj" in r]
-        plot_step_metrics(stage_records, ws.run_dir / STEP_METRICS_PLOT, STAGE_LABELS.get(sm["stage"], sm["stage"]))
+        plot_step_metrics(stage_records, ws.run_dir / STEP_METRICS_PLOT, stage_label(sm["stage"]))
         sm["plot"] = STEP_METRICS_PLOT
     json_path, md_path = write_report(ws.run_dir, report)
     _print_audit(con, report)
@@ -307,7 +215,7 @@ def _finish_recipe(ws: Workspace, model, resume: bool, rows: dict[str, dict[str,
     if rl_stage is not None:
         rl_records = [r for r in records if r.get("stage") == rl_stage]
         marks = {s: evals[s]["success"] for s in cfg.recipe if s in evals}
-        result["plot"] = str(plot_rl_curves(rl_records, ws.run_dir / "curves.png", marks, STAGE_LABELS[rl_stage]))
+        result["plot"] = str(plot_rl_curves(rl_records, ws.run_dir / "curves.png", marks, stage_label(rl_stage)))
     if len(cfg.recipe) > 1 and evals:
         delta = evals[cfg.recipe[-1]]["success"] - evals[cfg.recipe[0]]["success"]
         con.print(f"{' -> '.join(cfg.recipe[1:])} changed held-out success by {100 * delta:+.1f} points "

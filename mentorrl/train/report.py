@@ -13,13 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from mentorrl.train.audit import AuditConfig
+from mentorrl.train.registry import rl_stage_names
 
 
 def _mean(xs: list[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
-
-
-RL_STAGES = ("grpo", "ppo", "sao", "opd", "blackbox", "evolve")
 
 
 def end_to_end_gap(rl: list[dict[str, Any]], before: float | None, after: float | None,
@@ -68,7 +66,7 @@ def build_report(records: list[dict[str, Any]], evals: dict[str, dict[str, Any]]
         for name, rs in by_stage.items()
     }
     rl = by_stage.get(rl_stage, [])
-    every_rl = [r for name in RL_STAGES for r in by_stage.get(name, [])]
+    every_rl = [r for name in rl_stage_names() for r in by_stage.get(name, [])]
     checks = [r for r in rl if "heldout_success" in r]
     keys = ("n", "success", "success_ci95", "mean_reward", "violation_rate", "tool_success", "mean_turns")
     report: dict[str, Any] = {

@@ -42,23 +42,23 @@ from mentorrl.rollout.runner import expert_demonstrations
 from mentorrl.train.async_rl import RolloutPool, WeightBox, lag_histogram, staleness_weights
 from mentorrl.train.audit import GapMonitor
 from mentorrl.train.batch import collate, forward_logprobs
-from mentorrl.train.consistency import policy_lag
 from mentorrl.train.learner import Learner
 from mentorrl.replay.checkpointing import BufferCheckpoints
 from mentorrl.train.rundir import KEEP_CHECKPOINTS
-from mentorrl.train.stages import (
-    TRAIN_POOL_SEED_OFFSET,
-    Critic,
-    Workspace,
-    _gap_check,
-    _minibatches,
-    _reduce_updates,
-    _require_consistent,
-    _reward_debugger,
+from mentorrl.train.critic import Critic
+from mentorrl.train.loop import (
+    gap_check,
     outcome_rewards,
+    pg_update,
+    reduce_updates,
+    require_consistent,
+    reward_debugger,
     rollout_metrics,
-    run_stage,
+    train_pool,
 )
+from mentorrl.train.registry import register_stage
+from mentorrl.train.stage_runner import run_stage
+from mentorrl.train.workspace import Workspace
 from mentorrl.trajectory import Trajectory, write_jsonl
 
 SAO_POOL_SEED_OFFSET = 6007
@@ -90,55 +90,81 @@ def _first_policy_value(traj: Trajectory, values: torch.Tensor) -> float:
     return float(values[first])
 
 
+@register_stage("sao", config="sao", title="SAO: asynchronous single-rollout optimisation", label="SAO", rl=True)
 def sao_stage(ws: Workspace, model, resume: bool = False) -> Path:
-    cfg, s, audit = ws.cfg, ws.cfg.sao, ws.cfg.audit
-    r = s.rollout
-    pool = ws.train_tasks(max(s.batch_size * max(s.steps, 1), 64), cfg.seed + TRAIN_POOL_SEED_OFFSET)
-    temperature = ws.contract.sampling.temperature
-    learner = Learner(model, s.optim, ws.contract.pad_token_id, temperature)
-    critic = Critic(model, s.critic, ws.contract.pad_token_id)
-    state: dict[str, Any] = {"policy": 0, "dirty": False, "consumed": 0}
-    monitor = GapMonitor(audit.reward_window, audit.reward_rise, audit.success_rise)
-    stage_dir = ws.run_dir / "sao"
-    buffer = ReplayBuffer(stage_dir / "replay.sqlite", s.replay) if s.replay is not None else None
-    demos: list[Trajectory] = []
-    if s.mix["expert"] > 0:
-        tasks = ws.train_tasks(s.num_demos, cfg.seed + SAO_POOL_SEED_OFFSET)
-        demos = expert_demonstrations(ws.contract, ws.make_env, ws.env_entry.make_expert(), tasks, weights=cfg.reward)
-    box = WeightBox()
-    run: dict[str, Any] = {"worker": None, "t0": None, "consumed_here": 0}
-    replay = BufferCheckpoints(buffer, KEEP_CHECKPOINTS, "sao", ws.console.print) if buffer is not None else None
+    run = SAORun(ws, model)
+    try:
+        final = run_stage(ws, "sao", model, run.learner, ws.cfg.sao.steps, run.step, ws.cfg.sao.checkpoint_every,
+                          resume, extra_state=run.extra_state, restore_extra=run.restore)
+    finally:
+        if run.worker is not None:
+            run.worker.close()
+        if run.buffer is not None:
+            run.buffer.close()
+    run.critic.save(run.stage_dir)
+    return final
 
-    def worker_for(step: int) -> RolloutPool:
-        if replay is not None:
-            replay.start()  # no checkpoint was restored: the stage starts empty
-        if run["worker"] is None:  # started lazily: after run_stage restored the weights of a resumed run
-            box.publish(model, state["policy"])
-            w = RolloutPool(model, ws.contract, ws.make_env, task_stream(pool, cfg.seed * 7_919 + step), box,
-                            slots=r.slots, queue_size=r.queue_size or s.batch_size, seed=cfg.seed * 104_729 + step,
-                            weights=cfg.reward, recompute_kv=r.recompute_kv, workers=r.workers)
+
+SAO_METRICS = ("pg_loss", "masked_frac", "ratio_p05", "ratio_p50", "ratio_p95", "ratio_max", "entropy", "grad_norm",
+               "approx_kl", "logprob_abs_gap", "train_rollout_kl", "policy_lag_mean", "policy_lag_max")
+
+
+class SAORun:
+    """The SAO stage's state (learner, critic, replay buffer, rollout worker) and its learner step."""
+
+    def __init__(self, ws: Workspace, model):
+        cfg, s, audit = ws.cfg, ws.cfg.sao, ws.cfg.audit
+        self.ws, self.model, self.s = ws, model, s
+        self.pool = train_pool(ws, s.batch_size, s.steps)
+        self.temperature = ws.contract.sampling.temperature
+        self.learner = Learner(model, s.optim, ws.contract.pad_token_id, self.temperature)
+        self.critic = Critic(model, s.critic, ws.contract.pad_token_id)
+        self.state: dict[str, Any] = {"policy": 0, "dirty": False, "consumed": 0}
+        self.monitor = GapMonitor(audit.reward_window, audit.reward_rise, audit.success_rise)
+        self.stage_dir = ws.run_dir / "sao"
+        self.buffer = ReplayBuffer(self.stage_dir / "replay.sqlite", s.replay) if s.replay is not None else None
+        self.demos: list[Trajectory] = []
+        if s.mix["expert"] > 0:
+            tasks = ws.train_tasks(s.num_demos, cfg.seed + SAO_POOL_SEED_OFFSET)
+            self.demos = expert_demonstrations(ws.contract, ws.make_env, ws.env_entry.make_expert(), tasks,
+                                               weights=cfg.reward)
+        self.box = WeightBox()
+        self.worker: RolloutPool | None = None
+        self.t0: float | None = None
+        self.consumed_here = 0
+        self.replay = BufferCheckpoints(self.buffer, KEEP_CHECKPOINTS, "sao", ws.console.print) \
+            if self.buffer is not None else None
+
+    def worker_for(self, step: int) -> RolloutPool:
+        if self.replay is not None:
+            self.replay.start()  # no checkpoint was restored: the stage starts empty
+        if self.worker is None:  # started lazily: after run_stage restored the weights of a resumed run
+            cfg, s, r = self.ws.cfg, self.s, self.s.rollout
+            self.box.publish(self.model, self.state["policy"])
+            w = RolloutPool(self.model, self.ws.contract, self.ws.make_env, task_stream(self.pool, cfg.seed * 7_919 + step),
+                            self.box, slots=r.slots, queue_size=r.queue_size or s.batch_size,
+                            seed=cfg.seed * 104_729 + step, weights=cfg.reward, recompute_kv=r.recompute_kv,
+                            workers=r.workers)
             w.start()
-            run["worker"], run["t0"] = w, time.perf_counter()
-        return run["worker"]
+            self.worker, self.t0 = w, time.perf_counter()
+        return self.worker
 
-    def step_fn(step: int) -> dict[str, float]:
-        worker = worker_for(step)
+    def step(self, step: int) -> dict[str, float]:
+        ws, cfg, s, r, audit = self.ws, self.ws.cfg, self.s, self.s.rollout, self.ws.cfg.audit
+        worker = self.worker_for(step)
         t0 = time.perf_counter()
         online = worker.get(s.batch_size, r.get_timeout_s)
         t_wait = time.perf_counter() - t0
-        current = state["policy"]
+        current = self.state["policy"]
         lags = [current - t.policy_version for t in online]
         weights = staleness_weights(lags, r.max_staleness, r.stale, r.staleness_decay)
         fresh = [(t, w) for t, w in zip(online, weights) if w > 0]
         rng = random.Random(cfg.seed * 1_000_003 + 31 * step + 7)
-        items = _hybrid(s, [t for t, _ in fresh], demos, buffer, current, rng)
-        weight_of = {t.id: w for t, w in fresh}
+        items = _hybrid(s, [t for t, _ in fresh], self.demos, self.buffer, current, rng)
         rl = [it.trajectory for it in items if it.source != "expert"]
-        expert = relabel_behaviour(model, [it.trajectory for it in items if it.source == "expert"],
-                                   ws.contract.pad_token_id, temperature)
-        batch = rl + expert
-        _require_consistent(ws, batch, current, f"SAO step {step + 1}")
-
+        expert = relabel_behaviour(self.model, [it.trajectory for it in items if it.source == "expert"],
+                                   ws.contract.pad_token_id, self.temperature)
+        require_consistent(ws, rl + expert, current, f"SAO step {step + 1}")
         metrics: dict[str, float | dict] = {"rollouts": float(len(online)), "policy_lag_hist": lag_histogram(lags),
                                             "stale_dropped": float(sum(w == 0 for w in weights)),
                                             "stale_downweighted": float(sum(0 < w < 1 for w in weights)),
@@ -150,75 +176,68 @@ def sao_stage(ws: Workspace, model, resume: bool = False) -> Path:
         metrics.update(reward_mean=rewards_online.mean().item(),
                        reward_std=rewards_online.std().item() if len(online) > 1 else 0.0,
                        reward_clipped=clipped["clipped"])
-        metrics.update(_reward_debugger(online, audit.flag_reward, ws.run_dir / "audit" / f"flagged-sao-step-{step + 1:06d}.jsonl"))
-
+        metrics.update(reward_debugger(online, audit.flag_reward,
+                                       ws.run_dir / "audit" / f"flagged-sao-step-{step + 1:06d}.jsonl"))
         t1 = time.perf_counter()
-        am: list[dict[str, float]] = []
-        token_adv: list[torch.Tensor] = []
-        metrics.update(_reduce_updates([], Critic.METRICS))  # 0s when no trajectory is left to fit
-        if rl:
-            rewards, _ = outcome_rewards(rl, audit)
-            adv, old_values, value_metrics = critic.step(rl, rewards, s.gae, seed=step * 7 + 1)
-            metrics.update(value_metrics)
-            token_adv = [a * weight_of.get(t.id, 1.0) for t, a in zip(rl, adv)]  # replayed data: weight 1
-            if buffer is not None:
-                added = [buffer.add(t, advantage=rewards[i].item() - _first_policy_value(t, old_values[i]))
-                         for i, t in enumerate(rl) if weight_of.get(t.id) is not None]
-                metrics["replay_admitted"] = float(sum(bool(a) for a in added))
-        token_adv += [torch.tensor(t.loss_mask, dtype=torch.float32) * s.expert_advantage for t in expert]
-        if step >= s.critic.warmup_steps and batch:
-            for idx in _minibatches(list(range(len(batch))), s.updates_per_step, seed=step * 7 + 2):
-                part = [batch[i] for i in idx]
-                am.append({**learner.token_policy_step(part, [token_adv[i] for i in idx], "masked_is",
-                                                       eps_low=s.eps_low, eps_high=s.eps_high, agg=s.loss_agg),
-                           **policy_lag(part, current)})
-            state["dirty"] = True
-        if (step + 1) % r.sync_every == 0 and state["dirty"]:
-            state["policy"] += 1
-            state["dirty"] = False
-            box.publish(model, state["policy"])
-        metrics.update(_reduce_updates(am, ("pg_loss", "masked_frac", "ratio_p05", "ratio_p50", "ratio_p95", "ratio_max",
-                                            "entropy", "grad_norm", "approx_kl", "logprob_abs_gap", "train_rollout_kl",
-                                            "policy_lag_mean", "policy_lag_max")))
-        metrics["loss"] = metrics.pop("pg_loss")
-        state["consumed"] += len(online)
-        run["consumed_here"] += len(online)
-        elapsed = time.perf_counter() - run["t0"]
-        metrics.update(actor_updated=float(bool(am)), policy_version=float(state["policy"]), update_s=time.perf_counter() - t1,
-                       trajectories_consumed=float(state["consumed"]), traj_per_s=run["consumed_here"] / elapsed,
+        self._learn(step, rl, expert, {t.id: w for t, w in fresh}, metrics)
+        self.state["consumed"] += len(online)
+        self.consumed_here += len(online)
+        elapsed = time.perf_counter() - self.t0
+        metrics.update(policy_version=float(self.state["policy"]), update_s=time.perf_counter() - t1,
+                       trajectories_consumed=float(self.state["consumed"]), traj_per_s=self.consumed_here / elapsed,
                        worker_produced=float(worker.produced), worker_syncs=float(worker.syncs),
                        queue_depth=float(worker.out.qsize()))
-        if buffer is not None:
-            metrics["buffer_size"] = float(len(buffer))
-        monitor.observe_reward(step + 1, metrics["reward_mean"])
+        if self.buffer is not None:
+            metrics["buffer_size"] = float(len(self.buffer))
+        self.monitor.observe_reward(step + 1, metrics["reward_mean"])
         if audit.eval_every and (step + 1) % audit.eval_every == 0:
-            metrics.update(_gap_check(ws, model, monitor, step + 1))
+            metrics.update(gap_check(ws, self.model, self.monitor, step + 1))
         _record_batch(ws.run_dir, step + 1, items, s.sample_trajectories)
         return metrics
 
-    def extra_state() -> dict[str, Any]:
-        out = {**state, "gap_monitor": monitor.state_dict(), **critic.state_dict()}
-        if replay is not None:
-            out.update(replay.state())
+    def _learn(self, step: int, rl: list[Trajectory], expert: list[Trajectory], weight_of: dict[str, float],
+               metrics: dict) -> None:
+        """The critic's update and GAE advantages, replay admission, the masked-IS policy minibatches and,
+        every ``sync_every`` steps that changed the policy, the weight sync to the worker."""
+        s, audit = self.s, self.ws.cfg.audit
+        batch = rl + expert
+        token_adv: list[torch.Tensor] = []
+        metrics.update(reduce_updates([], Critic.METRICS))  # 0s when no trajectory is left to fit
+        if rl:
+            rewards, _ = outcome_rewards(rl, audit)
+            adv, old_values, value_metrics = self.critic.step(rl, rewards, s.gae, seed=step * 7 + 1)
+            metrics.update(value_metrics)
+            token_adv = [a * weight_of.get(t.id, 1.0) for t, a in zip(rl, adv)]  # replayed data: weight 1
+            if self.buffer is not None:
+                added = [self.buffer.add(t, advantage=rewards[i].item() - _first_policy_value(t, old_values[i]))
+                         for i, t in enumerate(rl) if weight_of.get(t.id) is not None]
+                metrics["replay_admitted"] = float(sum(bool(a) for a in added))
+        token_adv += [torch.tensor(t.loss_mask, dtype=torch.float32) * s.expert_advantage for t in expert]
+        am: list[dict[str, float]] = []
+        if step >= s.critic.warmup_steps and batch:
+            am = pg_update(self.learner, batch, token_adv, s.updates_per_step, step * 7 + 2, self.state,
+                           kind="masked_is", bump=False, eps_low=s.eps_low, eps_high=s.eps_high, agg=s.loss_agg)
+            self.state["dirty"] = True
+        if (step + 1) % s.rollout.sync_every == 0 and self.state["dirty"]:
+            self.state["policy"] += 1
+            self.state["dirty"] = False
+            self.box.publish(self.model, self.state["policy"])
+        metrics.update(reduce_updates(am, SAO_METRICS))
+        metrics["loss"] = metrics.pop("pg_loss")
+        metrics["actor_updated"] = float(bool(am))
+
+    def extra_state(self) -> dict[str, Any]:
+        out = {**self.state, "gap_monitor": self.monitor.state_dict(), **self.critic.state_dict()}
+        if self.replay is not None:
+            out.update(self.replay.state())
         return out
 
-    def restore(saved: dict[str, Any]) -> None:
-        if replay is not None:
-            replay.restore(saved)
-        state.update({k: saved[k] for k in ("policy", "dirty", "consumed") if k in saved})
-        monitor.load_state_dict(saved.get("gap_monitor", {}))
-        critic.load_state_dict(saved)
-
-    try:
-        final = run_stage(ws, "sao", model, learner, s.steps, step_fn, s.checkpoint_every, resume,
-                          extra_state=extra_state, restore_extra=restore)
-    finally:
-        if run["worker"] is not None:
-            run["worker"].close()
-        if buffer is not None:
-            buffer.close()
-    critic.save(stage_dir)
-    return final
+    def restore(self, saved: dict[str, Any]) -> None:
+        if self.replay is not None:
+            self.replay.restore(saved)
+        self.state.update({k: saved[k] for k in ("policy", "dirty", "consumed") if k in saved})
+        self.monitor.load_state_dict(saved.get("gap_monitor", {}))
+        self.critic.load_state_dict(saved)
 
 
 def _hybrid(s, online: list[Trajectory], demos: list[Trajectory], buffer: ReplayBuffer | None, current: int,

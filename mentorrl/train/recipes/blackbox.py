@@ -51,20 +51,13 @@ from mentorrl.opd.api import STAT_KEYS, TeacherClient
 from mentorrl.opd.blackbox import ActingTeacher, BlackBoxTeacher, PromptedTeacher, StudentEpisode
 from mentorrl.opd.teacher import Capability, require
 from mentorrl.rollout.episode import Episode, text_turn_player
-from mentorrl.rollout.runner import rollout_tasks
-from mentorrl.train.consistency import policy_lag
 from mentorrl.train.learner import Learner
-from mentorrl.train.stages import (
-    TRAIN_POOL_SEED_OFFSET,
-    Workspace,
-    _minibatches,
-    _reduce_updates,
-    _require_consistent,
-    frozen_copy,
-    heldout_check,
-    rollout_metrics,
-    run_stage,
-)
+from mentorrl.rollout.kvcache import cache_kwarg, make_cache
+from mentorrl.rollout.sampling import sample_tokens
+from mentorrl.train.loop import collect_group, pg_update, pick_tasks, reduce_updates, rollout_metrics, train_pool
+from mentorrl.train.registry import register_stage
+from mentorrl.train.stage_runner import run_stage
+from mentorrl.train.workspace import Workspace, frozen_copy, heldout_check
 from mentorrl.trajectory import Segment, Trajectory
 
 NEEDS = {"correction": [Capability.STEP_CRITIQUE, Capability.SAMPLING], "ranking": [Capability.RANKING],
@@ -93,7 +86,7 @@ def open_teacher(ws: Workspace, t: BlackBoxTeacherConfig, student=None, seed: in
         client_cfg = t.client
         if t.serve is not None:
             from mentorrl.serve import serve_subprocess
-            from mentorrl.train.opd import build_teacher
+            from mentorrl.train.teachers import build_teacher
 
             path = Path(t.serve.path) if t.serve.path else build_teacher(ws, t.serve, student)
             if not (path / "config.json").exists():
@@ -309,15 +302,11 @@ def step_advantages(trajs: list[Trajectory], outcome_adv: torch.Tensor, step_sco
 
 
 def policy_gradient_update(learner, trajs, token_adv, o: BlackBoxConfig, state, step: int) -> dict[str, float]:
-    ups = []
+    """Clipped policy-gradient minibatches over the trajectories with a non-zero advantage."""
     keep = [i for i in range(len(trajs)) if token_adv[i].abs().sum() > 0]
-    for idx in _minibatches(keep, o.updates_per_step, seed=step * 7 + 3) if keep else []:
-        batch = [trajs[i] for i in idx]
-        ups.append({**learner.token_policy_step(batch, [token_adv[i] for i in idx], "clipped", eps_low=o.eps_low,
-                                                eps_high=o.eps_high, agg=o.loss_agg),
-                    **policy_lag(batch, state["policy"])})
-        state["policy"] += 1
-    return {**_reduce_updates(ups, PG_KEYS), "batch_size": float(len(keep))}
+    ups = pg_update(learner, trajs, token_adv, o.updates_per_step, step * 7 + 3, state, items=keep,
+                    eps_low=o.eps_low, eps_high=o.eps_high, agg=o.loss_agg)
+    return {**reduce_updates(ups, PG_KEYS), "batch_size": float(len(keep))}
 
 
 # ---------------------------------------------------- soft labels and actions ------
@@ -347,20 +336,26 @@ def soft_label_update(learner, groups: list[tuple[list[Trajectory], list[torch.T
 
 @torch.no_grad()
 def sample_turns(model, contract, prefix: list[int], k: int, seed: int) -> list[list[int]]:
-    """``k`` student samples of the next turn from ``prefix`` (each ending at its stop token, if reached)."""
+    """``k`` student samples of the next turn from ``prefix`` (each ending at its stop token, if reached),
+    decoded by the rollout sampler (:func:`mentorrl.rollout.sampling.sample_tokens`) with the contract's
+    temperature and top-p (top-k off), row ``j`` drawing its noise from a generator seeded ``seed + j``."""
     device = next(model.parameters()).device
-    torch.manual_seed(seed)
-    ids = torch.tensor([prefix], device=device)
-    t = contract.sampling.temperature
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=t > 0,
-                         temperature=t if t > 0 else None, top_p=contract.sampling.top_p, top_k=0,
-                         max_new_tokens=contract.sampling.max_new_tokens, num_return_sequences=k,
-                         eos_token_id=list(contract.stop_token_ids), pad_token_id=contract.pad_token_id)
-    turns = []
-    for row in out[:, len(prefix):].tolist():
-        cut = next((i + 1 for i, tok in enumerate(row) if tok in contract.stop_token_ids), len(row))
-        turns.append(row[:cut])
-    return turns
+    params = contract.sampling.model_copy(update={"top_k": 0})
+    gens = [torch.Generator().manual_seed(seed + j) for j in range(k)]
+    stops = set(contract.stop_token_ids)
+    ids = torch.tensor([prefix] * k, device=device)
+    cache = make_cache(model)
+    out = model(input_ids=ids, use_cache=True, **{cache_kwarg(model): cache})
+    rows: list[list[int]] = [[] for _ in range(k)]
+    for _ in range(contract.sampling.max_new_tokens):
+        tokens, _ = sample_tokens(out.logits[:, -1], params, gens)
+        for row, tok in zip(rows, tokens.tolist()):
+            if not (row and row[-1] in stops):
+                row.append(tok)
+        if all(row and row[-1] in stops for row in rows):
+            break
+        out = model(input_ids=tokens[:, None].to(device), use_cache=True, **{cache_kwarg(model): cache})
+    return rows
 
 
 def candidate_trajectory(traj: Trajectory, prefix_len: int, turn_ids: list[int]) -> Trajectory:
@@ -414,6 +409,7 @@ def action_groups(ws: Workspace, model, teacher: BlackBoxTeacher, eps: list[Stud
 
 
 # -------------------------------------------------------------------- stage ------
+@register_stage("blackbox", config="blackbox", title="Black-box on-policy distillation", label="BB-OPD", rl=True)
 def blackbox_stage(ws: Workspace, model, resume: bool = False) -> Path:
     cfg, o = ws.cfg, ws.cfg.blackbox
     with open_teacher(ws, o.teacher, student=model, seed=cfg.seed) as teacher:
@@ -545,7 +541,7 @@ RECIPE_STEPS = {"correction": _correction, "ranking": _ranking, "score": _score,
 
 def _run(ws: Workspace, model, teacher: BlackBoxTeacher, resume: bool) -> Path:
     cfg, o = ws.cfg, ws.cfg.blackbox
-    pool = ws.train_tasks(max(o.tasks_per_step * max(o.steps, 1), 64), cfg.seed + TRAIN_POOL_SEED_OFFSET)
+    pool = train_pool(ws, o.tasks_per_step, o.steps)
     learner = Learner(model, o.optim, ws.contract.pad_token_id, ws.contract.sampling.temperature)
     ref_model = None
     if uses_preference(o) and o.preference.loss != "orpo":  # DPO / IPO: the policy as the stage starts
@@ -554,18 +550,12 @@ def _run(ws: Workspace, model, teacher: BlackBoxTeacher, resume: bool) -> Path:
     G = o.samples_per_task
 
     def step_fn(step: int) -> dict[str, float]:
-        rng = random.Random(cfg.seed * 1_000_003 + 17 * step + 29)
-        chosen = rng.sample(pool, min(o.tasks_per_step, len(pool)))
-        grouped = [t for t in chosen for _ in range(G)]
-        t0 = time.perf_counter()
-        trajs = rollout_tasks(model, ws.contract, ws.make_env, grouped, policy_version=state["policy"],
-                              seed=cfg.seed * 4_241 + step, batch_size=len(grouped), weights=cfg.reward)
-        _require_consistent(ws, trajs, state["policy"], f"blackbox step {step + 1}")
-        state["rollout_tokens"] += sum(t.num_policy_tokens for t in trajs)
-        verifier = torch.tensor([t.reward.total for t in trajs], dtype=torch.float32).view(len(chosen), G)
-        m: dict[str, float] = {**rollout_metrics(trajs), "rollouts": float(len(trajs)),
-                               "rollout_s": time.perf_counter() - t0,
-                               **{f"reward_{k}": v for k, v in group_reward_stats(verifier).items()}}
+        rng, chosen = pick_tasks(pool, o.tasks_per_step, cfg.seed * 1_000_003 + 17 * step + 29)
+        grp = collect_group(ws, model, chosen, G, state["policy"], cfg.seed * 4_241 + step, f"blackbox step {step + 1}")
+        trajs, grouped = grp.trajs, grp.grouped
+        state["rollout_tokens"] += grp.policy_tokens
+        m: dict[str, float] = {**rollout_metrics(trajs), "rollouts": float(len(trajs)), "rollout_s": grp.rollout_s,
+                               **{f"reward_{k}": v for k, v in group_reward_stats(grp.raw_rewards()).items()}}
         t1 = time.perf_counter()
         ctx = Step(ws, model, learner, teacher, student_episodes(ws, grouped, trajs), G, state, step, rng, ref_model)
         m.update(RECIPE_STEPS[o.recipe](ctx))

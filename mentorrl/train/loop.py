@@ -1,0 +1,211 @@
+"""The training loop's shared parts, public for every stage in :mod:`mentorrl.train.recipes`.
+
+- the rollout prologue: :func:`pick_tasks` draws a step's tasks with its seeded RNG, and
+  :func:`collect_group` rolls each task out ``group_size`` times with the current policy, times
+  it and refuses data the policy did not produce under the run's contract
+  (:func:`require_consistent`);
+- the policy-gradient minibatch update: :func:`minibatches` deals the step's trajectories into
+  shuffled minibatches, :func:`pg_update` runs one clipped (or GRPO / masked-IS) update per
+  minibatch and counts policy versions, and :func:`reduce_updates` turns the updates' metrics into
+  one value per metric for ``metrics.jsonl``;
+- the step's rewards and rollout metrics (:func:`group_rewards`, :func:`outcome_rewards`,
+  :func:`rollout_metrics`), the high-reward-failure debugger and the held-out gap check.
+
+Every seed is a pure function of (run seed, step), so a resumed stage redoes a step exactly.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mentorrl.algos.advantages import group_reward_stats, sanitize_group_rewards
+from mentorrl.eval.metrics import summarize
+from mentorrl.rollout.runner import rollout_tasks
+from mentorrl.train.audit import GapMonitor, flag_high_reward_failures
+from mentorrl.train.consistency import batch_checks, policy_lag
+from mentorrl.train.workspace import Workspace, heldout_check
+from mentorrl.trajectory import Trajectory, write_jsonl
+
+TRAIN_POOL_SEED_OFFSET = 7919
+FINISH_REASONS = ("answer", "max_turns", "max_tokens", "length")
+PG_METRICS = ("pg_loss", "clip_frac", "entropy", "grad_norm", "approx_kl", "logprob_abs_gap", "train_rollout_kl",
+              "policy_lag_mean", "policy_lag_max")
+
+
+# ------------------------------------------------------------ rollouts -----
+def train_pool(ws: Workspace, per_step: int, steps: int, offset: int = 0, least: int = 64) -> list:
+    """The stage's training task pool: enough tasks for every step (at least ``least``), seeded by the run."""
+    return ws.train_tasks(max(per_step * max(steps, 1), least), ws.cfg.seed + TRAIN_POOL_SEED_OFFSET + offset)
+
+
+def pick_tasks(pool: list, n: int, seed: int) -> tuple[random.Random, list]:
+    """The step's RNG (seeded with ``seed``) and the ``min(n, len(pool))`` tasks it draws from ``pool``."""
+    rng = random.Random(seed)
+    return rng, rng.sample(pool, min(n, len(pool)))
+
+
+@dataclass
+class Group:
+    """One step's rollouts: the tasks, each repeated ``group_size`` times, and what the policy did."""
+
+    chosen: list
+    grouped: list
+    trajs: list[Trajectory]
+    rollout_s: float
+    rollout_cpu_s: float
+
+    @property
+    def policy_tokens(self) -> int:
+        return sum(t.num_policy_tokens for t in self.trajs)
+
+    def raw_rewards(self) -> torch.Tensor:
+        """The trajectories' total rewards as ``[tasks, group_size]``."""
+        return torch.tensor([t.reward.total for t in self.trajs], dtype=torch.float32).view(len(self.chosen), -1)
+
+
+def collect_group(ws: Workspace, model, chosen: list, group_size: int, policy_version: int, seed: int,
+                  where: str | None, token_budgets: list[int] | None = None, shard: bool = False) -> Group:
+    """Roll every task of ``chosen`` out ``group_size`` times (task by task, seeds from ``seed``);
+    with ``where``, raise unless the batch passes the consistency checks (:func:`require_consistent`).
+    ``shard``: split the rollouts over the data-parallel ranks (:func:`rollout_shared`)."""
+    grouped = [t for t in chosen for _ in range(group_size)]
+    extra = {"token_budgets": token_budgets} if token_budgets is not None else {}
+    t0, c0 = time.perf_counter(), time.process_time()
+    if shard:
+        trajs = rollout_shared(ws, model, grouped, policy_version, seed)
+    else:
+        trajs = rollout_tasks(model, ws.contract, ws.make_env, grouped, policy_version=policy_version, seed=seed,
+                              batch_size=len(grouped), weights=ws.cfg.reward, **extra)
+    group = Group(chosen, grouped, trajs, time.perf_counter() - t0, time.process_time() - c0)
+    if where is not None:
+        require_consistent(ws, trajs, policy_version, where)
+    return group
+
+
+def rollout_shared(ws: Workspace, model, tasks: list, policy_version: int, seed: int) -> list[Trajectory]:
+    """One step's rollouts, in task order. Under data parallel each rank decodes its contiguous
+    share (seeded by its offset in the batch) and all ranks gather every trajectory."""
+    cfg = ws.cfg
+    if ws.dp is None:
+        return rollout_tasks(model, ws.contract, ws.make_env, tasks, policy_version=policy_version, seed=seed,
+                             batch_size=len(tasks), weights=cfg.reward)
+    own = ws.dp.shard(len(tasks))
+    mine = rollout_tasks(model, ws.contract, ws.make_env, tasks[own.start:own.stop], policy_version=policy_version,
+                         seed=seed + own.start, batch_size=max(len(own), 1), weights=cfg.reward) if len(own) else []
+    return [t for part in ws.dp.all_gather(mine) for t in part]
+
+
+def require_consistent(ws: Workspace, trajs: list[Trajectory], current_version: int, where: str) -> None:
+    """Never train on data the policy did not produce under this run's contract: raise on any failed check."""
+    checks = batch_checks(trajs, current_version, ws.contract.env_name, ws.contract.env_version,
+                          ws.contract.fingerprint())
+    failed = [f"{c.name}: {c.detail}" for c in checks if not c.passed]
+    if failed:
+        raise RuntimeError(f"{where}: train/rollout consistency check failed: " + "; ".join(failed))
+
+
+# ------------------------------------------------------------- rewards -----
+def group_rewards(raw: torch.Tensor, audit) -> tuple[torch.Tensor, dict[str, float], dict[str, float]]:
+    """``[tasks, G]`` rewards sanitised with the audit's bounds and outlier rule, the clip counters,
+    and the group statistics as ``reward_*`` metrics."""
+    rewards, clipped = sanitize_group_rewards(raw, audit.reward_low, audit.reward_high, audit.outlier_z)
+    return rewards, clipped, {f"reward_{k}": v for k, v in group_reward_stats(rewards).items()}
+
+
+def outcome_rewards(trajs: list[Trajectory], audit) -> tuple[torch.Tensor, dict[str, float]]:
+    """Each trajectory's total reward, sanitised (non-finite / out-of-range clipped) without group statistics: ``[B]``."""
+    raw = torch.tensor([t.reward.total for t in trajs], dtype=torch.float32).view(-1, 1)
+    rewards, clipped = sanitize_group_rewards(raw, audit.reward_low, audit.reward_high, None)
+    return rewards.view(-1), clipped
+
+
+def rollout_metrics(trajs: list[Trajectory]) -> dict[str, float]:
+    """What one step's rollouts did, for ``metrics.jsonl``: success, tool calls per trajectory
+    (well-formed ones, whatever the tool answered), the malformed-call rate (turns with unparsable
+    tool-call tags, over all call attempts), the share of each finish reason (``finish_answer``,
+    ``finish_max_turns``: turn limit, ``finish_max_tokens``: context budget, ``finish_length``:
+    a turn cut at ``max_new_tokens``), turns and policy tokens."""
+    s = summarize(trajs)
+    n = len(trajs)
+    calls = [c for t in trajs for c in t.tool_calls]
+    malformed = sum(c.error_kind == "malformed" for c in calls)
+    out = {
+        "task_success": s["success"],
+        "tool_success": s["tool_success"],
+        "mean_turns": s["mean_turns"],
+        "violation_rate": s["violation_rate"],
+        "mean_policy_tokens": s["mean_policy_tokens"],
+        "rollout_tokens": float(sum(t.num_policy_tokens for t in trajs)),  # policy tokens the student generated
+        "tool_calls_per_traj": (len(calls) - malformed) / n if n else 0.0,
+        "malformed_call_rate": malformed / len(calls) if calls else 0.0,
+    }
+    out.update({f"finish_{r}": (sum(t.finish_reason == r for t in trajs) / n if n else 0.0) for r in FINISH_REASONS})
+    return out
+
+
+def reward_debugger(trajs: list[Trajectory], threshold: float, path: Path) -> dict[str, float]:
+    """Flag high-reward failures; write them for review (a redone step overwrites its file)."""
+    flagged = flag_high_reward_failures(trajs, threshold)
+    if flagged:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_jsonl(path, flagged)
+    return {"reward_flagged": float(len(flagged)), "reward_flagged_share": len(flagged) / len(trajs) if trajs else 0.0}
+
+
+def gap_check(ws: Workspace, model, monitor: GapMonitor, step: int) -> dict[str, float]:
+    """Held-out success now, fed to the reward-success gap monitor."""
+    success = heldout_check(ws, model, ws.cfg.audit.eval_tasks)
+    warning = monitor.observe_eval(step, success)
+    if warning:
+        ws.console.print(f"[bold red]warning:[/bold red] {warning['message']}")
+    return {"heldout_success": success, "gap_warning": 1.0 if warning else 0.0}
+
+
+# ------------------------------------------------------------- updates -----
+def minibatches(items: list[int], k: int, seed: int) -> list[list[int]]:
+    """``items`` shuffled with ``seed`` and dealt round-robin into ``min(k, len(items))`` minibatches."""
+    perm = torch.randperm(len(items), generator=torch.Generator().manual_seed(seed)).tolist()
+    order = [items[i] for i in perm]
+    k = min(k, len(order))
+    return [order[i::k] for i in range(k)]
+
+
+def reduce_updates(updates: list[dict[str, float]], keys: tuple[str, ...]) -> dict[str, float]:
+    """One value per metric over a step's optimizer updates: the max for ``*_max`` keys, else the mean (0 if none)."""
+    out = {}
+    for key in keys:
+        vals = [m[key] for m in updates if key in m]
+        out[key] = (max(vals) if key.endswith("_max") else sum(vals) / len(vals)) if vals else 0.0
+    return out
+
+
+def pg_update(learner, trajs: list[Trajectory], adv, k: int, seed: int, version: dict[str, Any], *,
+              items: list[int] | None = None, kind: str = "clipped", bump: bool = True, skip_zero: bool = False,
+              **loss: Any) -> list[dict[str, float]]:
+    """One pass of policy-gradient updates: ``items`` (default: every trajectory) dealt into ``k``
+    minibatches with ``seed``, one optimizer step per minibatch; each update's metrics with the
+    minibatch's policy lag behind ``version["policy"]``, which every update increments (``bump``).
+
+    ``adv``: per-trajectory token advantages (a list of 1-D tensors), or for ``kind="grpo"`` one
+    advantage per trajectory (a tensor). ``skip_zero`` skips a minibatch whose advantages are all 0.
+    ``loss`` goes to the learner's step (``eps_low``, ``eps_high``, ``agg``, ``ref_model``, ``kl_coef``)."""
+    items = list(range(len(trajs))) if items is None else items
+    ups: list[dict[str, float]] = []
+    for idx in minibatches(items, k, seed) if items else []:
+        if skip_zero and not any(adv[i].abs().sum() > 0 for i in idx):
+            continue
+        batch = [trajs[i] for i in idx]
+        if kind == "grpo":
+            m = learner.policy_step(batch, adv[idx], kind, **loss)
+        else:
+            m = learner.token_policy_step(batch, [adv[i] for i in idx], kind, **loss)
+        ups.append({**m, **policy_lag(batch, version["policy"])})
+        if bump:
+            version["policy"] += 1
+    return ups

@@ -1,0 +1,214 @@
+"""The self-evolving loop (``recipe: [sft, evolve]``): each accepted version of the student
+becomes the next iteration's teacher.
+
+One iteration is ``steps_per_iteration`` learning steps, then a held-out check and a gate:
+
+* tasks come from a :class:`~mentorrl.train.curriculum.Curriculum` whose levels grow with
+  the scripted expert's solution length (tasks solved in fewer tool calls first, adversarial
+  tasks last); it raises the level when windowed success exceeds ``raise_above`` and lowers
+  it when success drops below ``lower_below``;
+* the student rolls out; each token's advantage is ``reward_coef * A_env`` (group-relative)
+  plus ``kl_coef * A_kl`` towards the current teacher (the last accepted version, frozen);
+* verifier-passed trajectories are admitted into a SQLite replay buffer (the verifier is the
+  gate: failures never enter), and ``replay_batch`` of them are replayed as an SFT step;
+* at the end of the iteration the student is evaluated on held-out tasks. It is accepted
+  unless it falls more than ``accept_margin`` below the best accepted score; an accepted
+  version is saved to ``evolve/versions/vN`` and becomes the teacher, a rejected one is rolled
+  back to the last accepted weights. ``evolve/versions.json`` lists every version with its
+  held-out score, its teacher and the verdict.
+
+Crash safety: a checkpoint records, besides weights, optimiser, curriculum and version list, the
+replay buffer's mark (:meth:`ReplayBuffer.mark`). On resume the persisted state is brought back
+to that checkpoint: the buffer is rolled back in one transaction (entries admitted by the
+discarded steps are gone, entries they evicted are back), ``versions.json`` is rewritten from
+the restored list and ``versions/vN`` directories of versions the checkpoint does not list as
+accepted are removed. A stage that starts from step 0 starts from an empty buffer and no version
+directories. A buffer file that was replaced raises :class:`ReplayBufferError` naming it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mentorrl.algos.advantages import get_advantage_estimator
+from mentorrl.opd.advantage import kl_advantages
+from mentorrl.opd.signals import same_tokenizer_signal
+from mentorrl.opd.teacher import HFTeacher
+from mentorrl.replay.buffer import ReplayBuffer, ReplayConfig
+from mentorrl.rollout.runner import expert_demonstrations
+from mentorrl.train.curriculum import Curriculum
+from mentorrl.train.learner import Learner
+from mentorrl.replay.checkpointing import BufferCheckpoints
+from mentorrl.train.rundir import KEEP_CHECKPOINTS
+from mentorrl.train.loop import collect_group, group_rewards, pg_update, reduce_updates, rollout_metrics, train_pool
+from mentorrl.train.registry import register_stage
+from mentorrl.train.stage_runner import run_stage
+from mentorrl.train.workspace import Workspace, heldout_check, load_weights_into
+
+
+def curriculum_levels(tasks, expert_calls: dict[str, int]) -> list[list]:
+    """Levels, easiest first: normal tasks whose expert solution needs at most 1, 2, ... tool calls,
+    then every task (adversarial ones included). Levels that add nothing are dropped."""
+    normal = [t for t in tasks if t.difficulty == "normal"]
+    levels: list[list] = []
+    for c in sorted({expert_calls.get(t.id, 0) for t in normal}):
+        level = [t for t in normal if expert_calls.get(t.id, 0) <= c]
+        if not levels or len(level) > len(levels[-1]):
+            levels.append(level)
+    if not levels or len(tasks) > len(levels[-1]):
+        levels.append(list(tasks))
+    return levels
+
+
+_VERSION_DIR = re.compile(r"v[0-9]+")
+
+
+def stale_version_dirs(versions_dir: Path, versions: list[dict[str, Any]]) -> list[Path]:
+    """The ``vN`` directories under ``versions_dir`` that ``versions`` does not list as accepted
+    (written by steps a resumed run discarded, or by an earlier attempt of a restarted stage)."""
+    if not versions_dir.is_dir():
+        return []
+    keep = {f"v{v['version']}" for v in versions if v.get("accepted")}
+    return sorted(p for p in versions_dir.iterdir() if _VERSION_DIR.fullmatch(p.name) and p.name not in keep)
+
+
+def _frozen_teacher(model, tokenizer, version: int) -> HFTeacher:
+    return HFTeacher(copy.deepcopy(model), tokenizer, f"v{version}")
+
+
+@register_stage("evolve", config="evolve", title="Self-evolving loop", label="Evolve", rl=True)
+def evolve_stage(ws: Workspace, model, resume: bool = False) -> Path:
+    run = EvolveRun(ws, model)
+    try:
+        return run_stage(ws, "evolve", model, run.learner, run.steps, run.step, ws.cfg.evolve.steps_per_iteration,
+                         resume, extra_state=run.extra_state, restore_extra=run.restore)
+    finally:
+        run.buffer.close()
+
+
+class EvolveRun:
+    """The evolve stage's state (curriculum, replay buffer, versions, the current teacher) and its step."""
+
+    def __init__(self, ws: Workspace, model):
+        cfg, e = ws.cfg, ws.cfg.evolve
+        self.ws, self.model, self.e = ws, model, e
+        self.steps = e.iterations * e.steps_per_iteration
+        self.pool = train_pool(ws, e.tasks_per_step * self.steps, 1, offset=1, least=128)
+        demos = expert_demonstrations(ws.contract, ws.make_env, ws.env_entry.make_expert(), self.pool,
+                                      weights=cfg.reward)
+        levels = curriculum_levels(self.pool, {d.task_id: len(d.tool_calls) for d in demos})
+        self.curriculum = Curriculum(levels, e.raise_above, e.lower_below, e.window, seed=cfg.seed)
+        self.learner = Learner(model, e.optim, ws.contract.pad_token_id, ws.contract.sampling.temperature)
+        self.estimator = get_advantage_estimator("grpo")
+        self.root = ws.run_dir / "evolve"
+        self.versions_dir = self.root / "versions"
+        self.buffer = ReplayBuffer(self.root / "replay.sqlite", ReplayConfig(min_reward=None))
+        self.state: dict[str, Any] = {"policy": 0, "versions": [], "best": None, "teacher": 0, "rollout_tokens": 0}
+        self.teacher = _frozen_teacher(model, ws.tokenizer, 0)
+        self.replay = BufferCheckpoints(self.buffer, KEEP_CHECKPOINTS, "evolve", ws.console.print)
+
+    def save_version(self, k: int) -> Path:
+        path = self.versions_dir / f"v{k}"
+        self.model.save_pretrained(path, safe_serialization=True)
+        self.ws.tokenizer.save_pretrained(path)
+        return path
+
+    def write_versions(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        (self.root / "versions.json").write_text(json.dumps(self.state["versions"], indent=2))
+
+    def sync_versions(self) -> None:
+        """Make ``versions.json`` and ``versions/`` say what ``state["versions"]`` says."""
+        for stale in stale_version_dirs(self.versions_dir, self.state["versions"]):
+            shutil.rmtree(stale)
+        if self.state["versions"] or (self.root / "versions.json").exists():
+            self.write_versions()
+
+    def step(self, step: int) -> dict[str, float]:
+        ws, cfg, e, state = self.ws, self.ws.cfg, self.e, self.state
+        if self.replay.start():  # no checkpoint was restored: the stage starts from scratch
+            self.sync_versions()
+        if step == 0 and not state["versions"]:  # v0: the starting checkpoint, scored like every later version
+            score = heldout_check(ws, self.model, e.eval_tasks)
+            state["versions"].append({"version": 0, "iteration": 0, "heldout_success": score, "accepted": True,
+                                      "teacher": None, "path": str(self.save_version(0))})
+            state["best"] = score
+            self.write_versions()
+        chosen = self.curriculum.sample(e.tasks_per_step)
+        grp = collect_group(ws, self.model, chosen, e.samples_per_task, state["policy"], cfg.seed * 5_003 + step,
+                            f"evolve step {step + 1}")
+        trajs = grp.trajs
+        state["rollout_tokens"] += grp.policy_tokens
+        level_before = self.curriculum.level
+        self.curriculum.observe([bool(t.reward and t.reward.success) for t in trajs])
+        admitted = sum(bool(self.buffer.add(t)) for t in trajs if t.reward and t.reward.success)  # the verifier gates
+        rewards, clipped, stats = group_rewards(grp.raw_rewards(), cfg.audit)
+        env_adv = self.estimator(rewards, normalize_std=True).reshape(-1)
+        signals = [[same_tokenizer_signal(self.teacher, t) for t in trajs]]
+        kl = kl_advantages(trajs, signals, torch.ones(len(trajs), 1, dtype=torch.float64), [True])
+        adv = [e.reward_coef * float(env_adv[i]) * torch.tensor(t.loss_mask, dtype=torch.float32) + e.kl_coef * kl[i]
+               for i, t in enumerate(trajs)]
+        ups = pg_update(self.learner, trajs, adv, 2, step * 5 + 1, state, eps_low=e.eps_low, eps_high=e.eps_high)
+        m: dict[str, float] = dict(stats)
+        m.update(rollout_metrics(trajs), rollouts=float(len(trajs)), rollout_s=grp.rollout_s,
+                 reward_clipped=clipped["clipped"])
+        m.update(reduce_updates(ups, ("pg_loss", "clip_frac", "entropy", "grad_norm", "logprob_abs_gap",
+                                      "policy_lag_max")))
+        m["opd_reverse_kl"] = -sum(float(k.sum()) for k in kl if k is not None) / max(grp.policy_tokens, 1)
+        replayed = self.buffer.sample(e.replay_batch, rng=random.Random(cfg.seed * 7 + step)) if e.replay_batch else []
+        if replayed and e.replay_coef > 0:
+            m["replay_sft_loss"] = self.learner.sft_step(replayed)["loss"]
+        c = self.curriculum
+        m.update(curriculum_level=float(c.level), level_changed=float(c.level != level_before),
+                 curriculum_success=c.success_rate if c.success_rate is not None else -1.0,
+                 admitted=float(admitted), replay_size=float(len(self.buffer)), replayed=float(len(replayed)),
+                 teacher_version=float(state["teacher"]), rollout_tokens_total=float(state["rollout_tokens"]))
+        if (step + 1) % e.steps_per_iteration == 0:
+            m.update(self.close_iteration(step))
+        return m
+
+    def close_iteration(self, step: int) -> dict[str, float]:
+        """The held-out check and gate at the end of an iteration: accept (save, new teacher) or roll back."""
+        e, state = self.e, self.state
+        it = (step + 1) // e.steps_per_iteration
+        score = heldout_check(self.ws, self.model, e.eval_tasks)
+        accepted = score >= state["best"] - e.accept_margin
+        entry = {"version": it, "iteration": it, "heldout_success": score, "accepted": accepted,
+                 "teacher": state["teacher"], "path": None}
+        if accepted:
+            entry["path"] = str(self.save_version(it))
+            state["best"], state["teacher"] = max(state["best"], score), it
+            self.teacher = _frozen_teacher(self.model, self.ws.tokenizer, it)
+        else:  # roll back to the last accepted version
+            load_weights_into(self.model, self.versions_dir / f"v{state['teacher']}")
+        state["versions"] = [v for v in state["versions"] if v["version"] != it] + [entry]
+        self.write_versions()
+        self.ws.console.print(f"evolve iteration {it}: held-out {100 * score:.1f}% -> "
+                              f"{'accepted as the next teacher' if accepted else 'rejected, rolled back'}")
+        return {"heldout_success": score, "version_accepted": float(accepted)}
+
+    def extra_state(self) -> dict[str, Any]:
+        return {**self.state, "curriculum": self.curriculum.state_dict(), **self.replay.state()}
+
+    def restore(self, st: dict[str, Any]) -> None:
+        self.replay.restore(st)
+        self.state.update({k: st[k] for k in self.state if k in st})
+        self.sync_versions()
+        if st.get("curriculum"):
+            self.curriculum.load_state_dict(st["curriculum"])
+        path = self.versions_dir / f"v{self.state['teacher']}"
+        if (path / "config.json").exists():
+            from mentorrl.models.build import load_policy
+
+            self.teacher = HFTeacher(load_policy(path)[1], self.ws.tokenizer, f"v{self.state['teacher']}")
+
+
+__all__ = ["EvolveRun", "curriculum_levels", "evolve_stage", "stale_version_dirs"]

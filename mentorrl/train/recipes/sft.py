@@ -1,0 +1,31 @@
+"""SFT on the scripted expert's verified demonstrations (``recipe: [sft, ...]``)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from mentorrl.rollout.runner import expert_demonstrations
+from mentorrl.train.learner import Learner
+from mentorrl.train.registry import register_stage
+from mentorrl.train.stage_runner import run_stage
+from mentorrl.train.workspace import Workspace
+
+
+@register_stage("sft", config="sft", title="SFT on expert demonstrations", label="SFT")
+def sft_stage(ws: Workspace, model, resume: bool = False) -> Path:
+    """``sft.steps`` steps of the SFT loss on batches drawn (seeded by step) from the demonstrations."""
+    cfg = ws.cfg
+    tasks = ws.train_tasks(cfg.sft.num_demos, cfg.seed)
+    demos = expert_demonstrations(ws.contract, ws.make_env, ws.env_entry.make_expert(), tasks, weights=cfg.reward)
+    if not demos:
+        raise RuntimeError("the scripted expert produced no verified demonstrations")
+    learner = Learner(model, cfg.sft.optim, ws.contract.pad_token_id, ws.contract.sampling.temperature, dp=ws.dp)
+
+    def step_fn(step: int) -> dict[str, float]:
+        rng = random.Random(cfg.seed * 1_000_003 + step)
+        batch = [demos[i] for i in rng.sample(range(len(demos)), min(cfg.sft.batch_size, len(demos)))]
+        return learner.sft_step(batch, agg=cfg.sft.loss_agg)
+
+    return run_stage(ws, "sft", model, learner, cfg.sft.steps, step_fn, checkpoint_every=cfg.sft.checkpoint_every,
+                     resume=resume)

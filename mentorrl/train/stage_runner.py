@@ -1,0 +1,155 @@
+"""The resumable stage runner: a stage is a ``step_fn(step) -> metrics`` run for its steps with
+checkpoints, ``metrics.jsonl`` records and final weights.
+
+Every stage is resumable: batches and task samples are a pure function of (seed, step), the
+weights, optimiser and RNG state come back from the latest intact checkpoint (complete, its
+checksums verified, loadable; a damaged one is named, moved aside and the one before it used), and
+``metrics.jsonl`` is cut back to that step, so a resumed run continues the same step
+count and the same metrics file.
+
+Under a data-parallel launch (``ws.dp``, see :mod:`mentorrl.train.distributed`) rank 0 alone decides
+where to resume and writes (metrics, checkpoints, final weights); the other ranks follow it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from rich.markup import escape
+
+from mentorrl.train.learner import Learner
+from mentorrl.train.rundir import (
+    KEEP_CHECKPOINTS,
+    CorruptCheckpointError,
+    load_trainer_state,
+    prune_checkpoints,
+    restore_checkpoint,
+    save_checkpoint,
+    verify_manifest,
+    write_manifest,
+)
+from mentorrl.train.workspace import Workspace, load_weights_into
+
+def run_stage(
+    ws: Workspace,
+    stage: str,
+    model,
+    learner: Learner,
+    steps: int,
+    step_fn: Callable[[int], dict[str, float]],
+    checkpoint_every: int,
+    resume: bool,
+    extra_state: Callable[[], dict[str, Any]] | None = None,
+    restore_extra: Callable[[dict[str, Any]], None] | None = None,
+) -> Path:
+    """Run ``step_fn`` for steps [start, steps), checkpointing; returns the stage's final weights dir.
+
+    A step whose metrics hold ``stop: True`` ends the stage early (after checkpointing it).
+    Under data parallel, rank 0 alone decides where to resume (it may move a damaged checkpoint
+    aside) and writes; the other ranks load what it chose and wait for its final weights."""
+    stage_dir = ws.run_dir / stage
+    final = stage_dir / "final"
+    where, start = None, 0
+    if resume and ws.dp is not None:
+        where, start = ws.on_main(lambda: _resume_point(ws, stage, model, learner, steps, restore_extra))
+        if not ws.is_main and where is not None:  # load what rank 0 chose (it may have moved a bad one aside)
+            load_weights_into(model, where)
+            if where != final:
+                state = load_trainer_state(where)
+                learner.load_state_dict(state["learner"])
+                if restore_extra is not None:
+                    restore_extra(state.get("extra", {}))
+    elif resume:
+        where, start = _resume_point(ws, stage, model, learner, steps, restore_extra)
+    if where == final:
+        return final
+    ws.on_main(lambda: ws.metrics.truncate_after(stage, start))  # steps past the checkpoint are redone, never logged twice
+
+    def record(rec: dict[str, Any], save: bool) -> None:
+        """The step's metrics record and, when due, its checkpoint (rank 0 only: the caller's on_main)."""
+        ws.metrics.log(rec)
+        if save:
+            state = {"learner": learner.state_dict(), "extra": extra_state() if extra_state else {}}
+            save_checkpoint(stage_dir, rec["step"], model, ws.tokenizer, state)
+            prune_checkpoints(stage_dir, keep=KEEP_CHECKPOINTS)
+
+    with ws.progress() as prog:
+        bar = prog.add_task(stage, total=steps, completed=start, info="") if prog else None
+        for step in range(start, steps):
+            t0, c0 = time.perf_counter(), time.process_time()
+            m = step_fn(step)
+            stop = bool(m.pop("stop", False))
+            rec = {"stage": stage, "step": step + 1, **m, **step_timing(m, time.perf_counter() - t0, time.process_time() - c0)}
+            save = stop or (step + 1) % checkpoint_every == 0 or step + 1 == steps
+            ws.on_main(lambda: record(rec, save))  # under data parallel the others wait, and see a failure
+            if prog:
+                info = " ".join(f"{k}={m[k]:.3f}" for k in ("loss", "reward_mean", "task_success", "positive_task_rate") if k in m)
+                prog.update(bar, advance=1, info=info)
+            if stop:
+                break
+    ws.on_main(lambda: _save_final(ws, model, final, steps))
+    return final
+
+
+def _resume_point(ws: Workspace, stage: str, model, learner: Learner, steps: int,
+                  restore_extra: Callable[[dict[str, Any]], None] | None) -> tuple[Path | None, int]:
+    """Load what ``--resume`` continues from into ``model`` / ``learner`` and return it with the step
+    to start at: the stage's final dir when it is complete, else its newest intact checkpoint,
+    else ``(None, 0)``."""
+    final = ws.run_dir / stage / "final"
+    stage_dir = final.parent
+    warn = lambda msg: ws.console.print(f"[red]{stage}: {escape(msg)}[/red]")  # noqa: E731
+    if (final / "DONE").exists():
+        try:
+            verify_manifest(final)
+            load_weights_into(model, final)
+            ws.console.print(f"[dim]{stage}: already complete, loaded {final}[/dim]")
+            return final, steps
+        except Exception as e:  # a damaged final dir: rewritten from the last checkpoint (the same weights)
+            warn(f"final weights are not intact ({e}); rewriting them from the last checkpoint")
+            if restore_checkpoint(stage_dir, lambda c: load_weights_into(model, c), warn) is None:
+                raise CorruptCheckpointError(final, f"damaged and no checkpoint to rebuild it from ({e})") from e
+            _save_final(ws, model, final, steps)
+            return final, steps
+    restored = restore_checkpoint(stage_dir, lambda c: load_weights_into(model, c), warn)
+    if restored is None:
+        return None, 0
+    ckpt, state = restored
+    learner.load_state_dict(state["learner"])
+    if restore_extra is not None:
+        restore_extra(state.get("extra", {}))
+    ws.console.print(f"[yellow]{stage}: resuming from {ckpt.name} (step {state['step']}/{steps})[/yellow]")
+    return ckpt, int(state["step"])
+
+
+def cpu_cores() -> int:
+    """Cores this process may run on."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def step_timing(m: dict[str, Any], step_s: float, cpu_s: float) -> dict[str, float]:
+    """A step's wall and CPU time for ``metrics.jsonl``: ``step_s``; ``cpu_s`` (this process's CPU
+    seconds, all threads); ``cpu_cores``; ``cpu_util`` = cpu_s / (step_s x cpu_cores), the share of
+    the cores the step kept busy; and, for a stage that times its rollout but not its update,
+    ``update_s`` = the rest of the step."""
+    cores = cpu_cores()
+    out = {"step_s": step_s, "cpu_s": cpu_s, "cpu_cores": float(cores), "cpu_util": cpu_s / max(step_s, 1e-9) / cores}
+    if "rollout_s" in m and "update_s" not in m:
+        out["update_s"] = max(0.0, step_s - m["rollout_s"])
+    return out
+
+
+def _save_final(ws: Workspace, model, final: Path, steps: int) -> None:
+    """The stage's last weights as a plain HF directory, with its checksum manifest, then ``DONE``."""
+    final.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(final, safe_serialization=True)
+    ws.tokenizer.save_pretrained(final)
+    write_manifest(final)
+    (final / "DONE").write_text(json.dumps({"steps": steps}))
