@@ -40,10 +40,10 @@ from rich.table import Table  # noqa: E402
 from mentorrl.cli_common import quiet_transformers  # noqa: E402
 from mentorrl.config import load_config  # noqa: E402
 from mentorrl.models.build import load_policy  # noqa: E402
-from mentorrl.train.opd import build_teacher  # noqa: E402
+from mentorrl.train.teachers import build_teacher  # noqa: E402
 from mentorrl.train.pipeline import run_recipe  # noqa: E402
 from mentorrl.train.rundir import MetricsLog  # noqa: E402
-from mentorrl.train.stages import heldout_check, open_workspace  # noqa: E402
+from mentorrl.train.workspace import heldout_check, open_workspace  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "mentorrl" / "configs" / "demo.yaml"

@@ -43,7 +43,7 @@ from mentorrl.eval.metrics import mean_interval  # noqa: E402
 from mentorrl.models.build import load_policy  # noqa: E402
 from mentorrl.train.pipeline import run_recipe  # noqa: E402
 from mentorrl.train.rundir import MetricsLog  # noqa: E402
-from mentorrl.train.stages import evaluate, open_workspace  # noqa: E402
+from mentorrl.train.workspace import evaluate, open_workspace  # noqa: E402
 
 DEMO = Path(__file__).resolve().parents[1] / "mentorrl" / "configs" / "demo.yaml"
 

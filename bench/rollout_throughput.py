@@ -48,7 +48,7 @@ from mentorrl.rollout.engine import RolloutEngine  # noqa: E402
 from mentorrl.rollout.episode import Episode  # noqa: E402
 from mentorrl.rollout.runner import expert_demonstrations  # noqa: E402
 from mentorrl.train.learner import Learner  # noqa: E402
-from mentorrl.train.pipeline import build_tiny_model  # noqa: E402
+from mentorrl.train.models_init import build_tiny_model  # noqa: E402
 
 ENV_NAME = "orders"
 # The contract of the demo recipe (the model it trains is the default model here).

@@ -41,7 +41,7 @@ from mentorrl.contract import contract_for_env  # noqa: E402
 from mentorrl.envs import get_env  # noqa: E402
 from mentorrl.rollout.runner import expert_demonstrations  # noqa: E402
 from mentorrl.serve import DEFAULT_BATCH_WINDOW_MS, DEFAULT_MAX_BATCH, serve_subprocess  # noqa: E402
-from mentorrl.train.pipeline import build_tiny_model  # noqa: E402
+from mentorrl.train.models_init import build_tiny_model  # noqa: E402
 
 ENV_NAME = "orders"
 _DEMO = load_config(Path(__file__).resolve().parent.parent / "mentorrl" / "configs" / "demo.yaml")

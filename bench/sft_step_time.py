@@ -25,8 +25,8 @@ from mentorrl.cli_common import load_run_config
 from mentorrl.models.build import load_policy
 from mentorrl.rollout.runner import expert_demonstrations
 from mentorrl.train.learner import Learner
-from mentorrl.train.pipeline import base_model_dir
-from mentorrl.train.stages import open_workspace
+from mentorrl.train.models_init import base_model_dir
+from mentorrl.train.workspace import open_workspace
 
 
 def main() -> None:

@@ -39,9 +39,10 @@ from rich.table import Table  # noqa: E402
 from mentorrl.cli_common import quiet_transformers  # noqa: E402
 from mentorrl.config import load_config  # noqa: E402
 from mentorrl.models.build import load_policy  # noqa: E402
-from mentorrl.train.pipeline import run_recipe, run_stage_by_name  # noqa: E402
+from mentorrl.train.pipeline import run_recipe  # noqa: E402
+from mentorrl.train.registry import run_stage_by_name  # noqa: E402
 from mentorrl.train.rundir import MetricsLog  # noqa: E402
-from mentorrl.train.stages import evaluate, open_workspace  # noqa: E402
+from mentorrl.train.workspace import evaluate, open_workspace  # noqa: E402
 
 DEMO = Path(__file__).resolve().parents[1] / "mentorrl" / "configs" / "demo.yaml"
 

@@ -25,7 +25,6 @@ from mentorrl.envs.latency import LatencyModel
 from mentorrl.models.spec import ModelSpec, PretrainSpec
 from mentorrl.replay.buffer import ReplayConfig
 from mentorrl.rewards.compose import RewardWeights
-from mentorrl.train.audit import AuditConfig  # light (pydantic only); see pyproject's import contracts
 
 
 class _Section(BaseModel):
@@ -594,6 +593,30 @@ class EvolveConfig(_Section):
         return self
 
 
+class AuditConfig(_Section):
+    """The `audit:` section: the preflight reward-hacking suite, the reward debugger and the gap monitor
+    (:mod:`mentorrl.train.audit`)."""
+
+    preflight: bool = Field(
+        True, description="run the environment's reward-hacking suite with this run's reward before training; "
+                          "refuse to train when it fails"
+    )
+    flag_reward: float = Field(0.5, description="reward debugger: flag failures whose reward is at least this")
+    reward_low: float = Field(-1.0, description="declared lower end of the reward range; lower rewards are clipped")
+    reward_high: float = Field(1.5, description="declared upper end of the reward range; higher rewards are clipped")
+    outlier_z: float | None = Field(
+        None, gt=0, description="also clip rewards further than this many group std from the group mean (off: null)"
+    )
+    eval_every: int = Field(0, ge=0, description="GRPO steps between held-out checks for the gap monitor (0: off)")
+    eval_tasks: int = Field(
+        200, ge=1, description="held-out tasks per gap-monitor check (the first tasks of the final evaluation; "
+                               "small checks are noisy: 64 tasks give about +-8 points)"
+    )
+    reward_window: int = Field(5, ge=1, description="training steps averaged for the reward side of the gap")
+    reward_rise: float = Field(0.05, ge=0, description="warn when mean training reward rose by more than this ...")
+    success_rise: float = Field(0.02, description="... while held-out success rose by no more than this")
+
+
 class EvalConfig(_Section):
     num_tasks: int = Field(200, ge=0, description="held-out tasks evaluated after each stage (0: no evaluation, as --no-eval)")
     split: Literal["heldout", "train"] = Field("heldout", description="task split evaluated after each stage")
@@ -616,15 +639,17 @@ class DistributedConfig(_Section):
 
 DISTRIBUTED_STAGES = ("sft", "grpo")  # stages whose learner runs data-parallel under distributed.backend ddp
 
-STAGE_NAMES = ("sft", "rft", "grpo", "ppo", "sao", "opd", "blackbox", "evolve")
+STAGE_NAMES = ("sft", "rft", "grpo", "ppo", "sao", "opd", "blackbox", "evolve")  # the built-in stages (tested
+# equal to mentorrl.train.registry's built-ins); a recipe may also name a stage a user registered
 
 
 class RunConfig(_Section):
     run_dir: str = Field("runs/demo", description="where everything is written")
     seed: int = Field(0, description="seeds task sampling, batches and rollouts")
-    recipe: list[Literal["sft", "rft", "grpo", "ppo", "sao", "opd", "blackbox", "evolve"]] = Field(
-        default_factory=lambda: ["sft", "grpo"], min_length=1, description="stages run in order"
-    )
+    recipe: list[str] = Field(
+        default_factory=lambda: ["sft", "grpo"], min_length=1,
+        description="stages run in order: " + ", ".join(STAGE_NAMES) + ", or a stage registered with "
+                    "mentorrl.train.registry.register_stage")
     train_split: str = Field("train", description="task split every training stage draws from (never 'hidden')")
     threads: int = Field(0, ge=0, description="torch CPU threads; 0 keeps torch's default")
     env: EnvConfig = Field(default_factory=EnvConfig)
@@ -644,6 +669,19 @@ class RunConfig(_Section):
     audit: AuditConfig = Field(default_factory=AuditConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+
+    @field_validator("recipe")
+    @classmethod
+    def _registered_stages(cls, v: list[str]) -> list[str]:
+        unknown = [name for name in v if name not in STAGE_NAMES]
+        if unknown:  # a user's stage: ask the registry (loaded only then, when a config is validated)
+            from mentorrl.train.registry import stage_names
+
+            known = stage_names()
+            unknown = [name for name in unknown if name not in known]
+            if unknown:
+                raise ValueError(f"unknown stage(s) {unknown}; registered: {', '.join(known)}")
+        return v
 
     @field_validator("train_split")
     @classmethod

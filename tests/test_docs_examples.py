@@ -101,9 +101,26 @@ def policy_and_trajs():
 
 def test_stage_example_runs_checkpoints_and_resumes(tmp_path, monkeypatch, policy_and_trajs):
     from mentorrl.config import load_config
-    from mentorrl.train.stages import open_workspace
+
+    from mentorrl.config import ConfigError
+    from mentorrl.train.registry import get_stage, unregister_stage
 
     mod = _load("self_imitation_stage")
+    try:
+        # the module alone registers the stage: a recipe may name it, and the registry runs it
+        assert get_stage("self_imitation").run is mod.self_imitation_stage
+        assert load_config(None, ["recipe=[sft, self_imitation]"]).recipe == ["sft", "self_imitation"]
+        _run_stage_example(mod, tmp_path, monkeypatch, policy_and_trajs)
+    finally:
+        unregister_stage("self_imitation")
+    with pytest.raises(ConfigError, match="unknown stage"):
+        load_config(None, ["recipe=[sft, self_imitation]"])
+
+
+def _run_stage_example(mod, tmp_path, monkeypatch, policy_and_trajs):
+    from mentorrl.config import load_config
+    from mentorrl.train.workspace import open_workspace
+
     tokenizer, model, expert_trajs = policy_and_trajs
     cfg = load_config(None, [f"run_dir={tmp_path / 'run'}", "threads=1", "sampling.max_new_tokens=48",
                              "limits.max_turns=3"])
@@ -128,7 +145,7 @@ def test_teacher_example_ranks_and_declares(shipped_tokenizer):
     from mentorrl.chat import trajectory_messages
     from mentorrl.contract import contract_for_env
     from mentorrl.envs import get_env
-    from mentorrl.opd.blackbox import StudentEpisode
+    from mentorrl.opd.remote_teacher import StudentEpisode
     from mentorrl.opd.teacher import MissingCapability, Teacher, require
     from mentorrl.rollout.episode import run_scripted_episode, run_text_turns
 

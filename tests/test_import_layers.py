@@ -33,7 +33,7 @@ def test_the_import_contracts_hold():
 
 
 @pytest.mark.parametrize("module, line, contract", [
-    ("mentorrl/envs/_probe.py", "import mentorrl.train.stages", "Layers point one way"),
+    ("mentorrl/envs/_probe.py", "import mentorrl.train.workspace", "Layers point one way"),
     ("mentorrl/rewards/_probe.py", "from mentorrl.cli_common import err", "Nothing outside the command line"),
     ("mentorrl/core/_probe.py", "import mentorrl.trajectory\nimport mentorrl.config", "Layers point one way"),
 ])

@@ -2,8 +2,9 @@
 verifier keeps its successes, and the policy is fine-tuned on them (a one-round, on-line RFT).
 
 A stage is one function ``stage(ws, model, resume) -> final weights dir`` built on
-:func:`mentorrl.train.stages.run_stage`, which gives it checkpoints every N steps, ``--resume``,
-``metrics.jsonl`` and the final Hugging Face directory for free.
+:func:`mentorrl.train.stage_runner.run_stage`, which gives it checkpoints every N steps, ``--resume``,
+``metrics.jsonl`` and the final Hugging Face directory for free; ``@register_stage`` makes
+``recipe: [sft, self_imitation]`` run it. This file is the whole change: nothing else is edited.
 
 Run it: ``python docs/examples/self_imitation_stage.py RUN_DIR`` trains the shipped tiny base for
 two steps.
@@ -20,11 +21,14 @@ from pydantic import BaseModel, Field
 from mentorrl.config import OptimConfig
 from mentorrl.rollout.runner import rollout_tasks
 from mentorrl.train.learner import Learner
-from mentorrl.train.stages import Workspace, rollout_metrics, run_stage
+from mentorrl.train.loop import rollout_metrics
+from mentorrl.train.registry import register_stage
+from mentorrl.train.stage_runner import run_stage
+from mentorrl.train.workspace import Workspace
 
 
 class SelfImitationConfig(BaseModel):
-    """The stage's own config section (registered in mentorrl/config.py as ``self_imitation:``)."""
+    """The stage's own settings (its defaults here; pass another instance to change them)."""
 
     steps: int = Field(10, ge=1, description="steps (one rollout batch each)")
     tasks_per_step: int = Field(8, ge=1, description="train tasks played per step")
@@ -32,6 +36,7 @@ class SelfImitationConfig(BaseModel):
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-4), description="the optimiser")
 
 
+@register_stage("self_imitation", title="Self-imitation on verified successes", label="Self-imitation", rl=True)
 def self_imitation_stage(ws: Workspace, model, resume: bool = False,
                          sic: SelfImitationConfig | None = None) -> Path:
     cfg, sic = ws.cfg, sic or SelfImitationConfig()
@@ -56,7 +61,7 @@ if __name__ == "__main__":
     from mentorrl.config import load_config
     from mentorrl.models.build import load_policy
     from mentorrl.models.shipped import SHIPPED_ROOT
-    from mentorrl.train.stages import open_workspace
+    from mentorrl.train.workspace import open_workspace
 
     run_dir = sys.argv[1] if len(sys.argv) > 1 else "runs/self-imitation"
     cfg = load_config(None, [f"run_dir={run_dir}", "threads=1"])

@@ -108,7 +108,7 @@ def init_model_cmd(
 
     from mentorrl.envs import get_env
     from mentorrl.models.build import dir_digest
-    from mentorrl.train.pipeline import build_tiny_model
+    from mentorrl.train.models_init import build_tiny_model
 
     from rich.markup import escape
 
@@ -150,7 +150,7 @@ def diagnose(
     from mentorrl.train.diagnose import diagnose as run_diagnosis
     from mentorrl.train.diagnose import probe_stats
     from mentorrl.train.rundir import MetricsLog
-    from mentorrl.train.stages import open_workspace
+    from mentorrl.train.workspace import open_workspace
 
     cfg = _load(config, set_, f"runs/diagnose-{model_dir.name}", default="demo.yaml")
     ws = open_workspace(cfg, show_progress=False)
@@ -194,9 +194,9 @@ def check(
 
     from mentorrl.models.build import load_policy
     from mentorrl.train.consistency import batch_checks
-    from mentorrl.train.pipeline import base_model_dir
+    from mentorrl.train.models_init import base_model_dir
     from mentorrl.train.rundir import MetricsLog
-    from mentorrl.train.stages import open_workspace
+    from mentorrl.train.workspace import open_workspace
     from mentorrl.trajectory import read_jsonl
 
     cfg_file = run_dir / "config.yaml"

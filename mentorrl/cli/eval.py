@@ -124,7 +124,7 @@ def evaluate_checkpoint(
     Returns the summary written to ``out_dir/eval_summary.json``.
     """
     from mentorrl.models.build import load_policy
-    from mentorrl.train.stages import open_workspace
+    from mentorrl.train.workspace import open_workspace
 
     judge = make_judge(ecfg.judge)
     ws = open_workspace(cfg.model_copy(update={"run_dir": str(out_dir)}), show_progress=show_progress)

@@ -223,8 +223,6 @@ def run_audit(
     )
 
 
-# the old name, kept only while train/pipeline.py imports it (it aliases it to AttackAuditConfig already)
-AuditConfig = AttackAuditConfig
 
 
 def task_pool(make_tasks: Callable[[], Any], config: AttackAuditConfig) -> list[Task]:

@@ -20,32 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from pydantic import BaseModel, ConfigDict, Field
 
+from mentorrl.config import AuditConfig  # noqa: F401 (declared with the config; imported from here by callers)
 from mentorrl.trajectory import Trajectory
-
-
-class AuditConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    preflight: bool = Field(
-        True, description="run the environment's reward-hacking suite with this run's reward before training; "
-                          "refuse to train when it fails"
-    )
-    flag_reward: float = Field(0.5, description="reward debugger: flag failures whose reward is at least this")
-    reward_low: float = Field(-1.0, description="declared lower end of the reward range; lower rewards are clipped")
-    reward_high: float = Field(1.5, description="declared upper end of the reward range; higher rewards are clipped")
-    outlier_z: float | None = Field(
-        None, gt=0, description="also clip rewards further than this many group std from the group mean (off: null)"
-    )
-    eval_every: int = Field(0, ge=0, description="GRPO steps between held-out checks for the gap monitor (0: off)")
-    eval_tasks: int = Field(
-        200, ge=1, description="held-out tasks per gap-monitor check (the first tasks of the final evaluation; "
-                               "small checks are noisy: 64 tasks give about +-8 points)"
-    )
-    reward_window: int = Field(5, ge=1, description="training steps averaged for the reward side of the gap")
-    reward_rise: float = Field(0.05, ge=0, description="warn when mean training reward rose by more than this ...")
-    success_rise: float = Field(0.02, description="... while held-out success rose by no more than this")
 
 
 def flag_high_reward_failures(trajs: Sequence[Trajectory], threshold: float) -> list[Trajectory]:

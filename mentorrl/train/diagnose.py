@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import torch
 
 from mentorrl.algos.advantages import grpo_advantages, group_reward_stats
-from mentorrl.eval.trace import invalid_calls
+from mentorrl.core.trace import invalid_calls
 from mentorrl.trajectory import Trajectory
 
 

@@ -21,7 +21,7 @@ from mentorrl.algos.losses import clipped_value_loss, get_policy_loss, sft_loss
 from mentorrl.algos.logprobs import masked_mean
 from mentorrl.config import OptimConfig
 from mentorrl.train.consistency import logprob_gap_metrics
-from mentorrl.train.batch import TokenBatch, collate, forward_logprobs
+from mentorrl.models.batch import TokenBatch, collate, forward_logprobs
 from mentorrl.trajectory import Trajectory
 
 
@@ -226,7 +226,7 @@ class Learner:
         from mentorrl.algos.distill import divergence_of, renormalise, with_tail
 
         support = with_tail if tail else renormalise
-        from mentorrl.train.batch import forward_selected_logprobs
+        from mentorrl.models.batch import forward_selected_logprobs
 
         weights = [torch.tensor(t.loss_mask, dtype=torch.float32) for t in trajs]
         if token_weights is not None:

@@ -18,7 +18,7 @@ from collections import defaultdict
 from typing import Sequence
 
 from mentorrl.eval.agent import TaskOutcome, task_results
-from mentorrl.eval.trace import call_key
+from mentorrl.core.trace import call_key
 from mentorrl.trajectory import Trajectory
 
 

@@ -68,7 +68,9 @@ def build_teacher(ws: Workspace, t: TeacherConfig, student=None) -> Path:
 
     ``build.init: scratch`` trains a fresh tiny model; ``student`` trains on from a copy of
     ``student`` (the policy as it enters the stage), so the teacher is the student trained longer."""
-    from mentorrl.train.recipes.sft import sft_stage
+    from mentorrl.train.registry import get_stage
+
+    sft_stage = get_stage("sft").run
 
     from_student = t.build.init == "student"
     if from_student and student is None:

@@ -5,7 +5,7 @@ turns that into an update.
 One step:
 
 1. Roll out ``tasks_per_step x samples_per_task`` episodes with the student.
-2. Send them to the teacher as chat messages (:class:`~mentorrl.opd.blackbox.StudentEpisode`).
+2. Send them to the teacher as chat messages (:class:`~mentorrl.opd.remote_teacher.StudentEpisode`).
 3. Build the recipe's batch:
 
    ========================  =======================  ==============================================
@@ -47,8 +47,8 @@ from mentorrl.algos.preference import after_shared_prefix, dpo_loss, ipo_loss, o
 from mentorrl.chat import action_key, action_of, assistant_message, message_text, trajectory_messages
 from mentorrl.config import BlackBoxConfig, BlackBoxTeacherConfig
 from mentorrl.contract import render_observation_content
-from mentorrl.opd.api import STAT_KEYS, TeacherClient
-from mentorrl.opd.blackbox import ActingTeacher, BlackBoxTeacher, PromptedTeacher, StudentEpisode
+from mentorrl.clients.openai_api import STAT_KEYS, TeacherClient
+from mentorrl.opd.remote_teacher import ActingTeacher, BlackBoxTeacher, PromptedTeacher, StudentEpisode
 from mentorrl.opd.teacher import Capability, require
 from mentorrl.rollout.episode import Episode, text_turn_player
 from mentorrl.train.learner import Learner

@@ -360,7 +360,7 @@ LOSS_TERMS = {"pg": _pg_loss, "topk": _topk_loss, "rlsd_topk": _rlsd_topk_loss, 
 # ------------------------------------------------------------- helpers -----
 @torch.no_grad()
 def _student_entropy(learner: Learner, trajs: list[Trajectory]) -> list[torch.Tensor]:
-    from mentorrl.train.batch import collate, forward_logprobs
+    from mentorrl.models.batch import collate, forward_logprobs
 
     out = []
     mbs = learner.cfg.micro_batch_size

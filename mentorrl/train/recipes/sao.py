@@ -41,7 +41,7 @@ from mentorrl.replay.buffer import BatchItem, ReplayBuffer, hybrid_batch, segmen
 from mentorrl.rollout.runner import expert_demonstrations
 from mentorrl.train.async_rl import RolloutPool, WeightBox, lag_histogram, staleness_weights
 from mentorrl.train.audit import GapMonitor
-from mentorrl.train.batch import collate, forward_logprobs
+from mentorrl.models.batch import collate, forward_logprobs
 from mentorrl.train.learner import Learner
 from mentorrl.replay.checkpointing import BufferCheckpoints
 from mentorrl.train.rundir import KEEP_CHECKPOINTS
