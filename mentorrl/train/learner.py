@@ -105,15 +105,21 @@ class Learner:
         agg: str,
         loss_fn: Callable[[TokenBatch, torch.Tensor, torch.Tensor, slice], tuple[torch.Tensor, dict]],
         forward: Callable[[torch.nn.Module, TokenBatch, slice], tuple[torch.Tensor, torch.Tensor]] | None = None,
+        norm: tuple[float, int] | None = None,
     ) -> dict[str, float]:
         """Run ``loss_fn`` per micro-batch, weighting each so the sum is the full-batch loss; one optimiser step.
+
+        ``norm = (policy tokens, sequences)`` of the batch the aggregate is taken over, when ``trajs``
+        is part of it: trajectories left out because their loss is exactly zero (zero advantage, no
+        KL term) still count in the token-mean / seq-mean denominator, so the update is the
+        full batch's update, not a larger one (default: ``trajs`` themselves).
 
         ``forward(model, mb, sl)`` replaces the default forward. Data-parallel: only this rank's
         share is run; each loss is scaled by the world size because DDP averages the ranks'
         gradients, and the metrics' per-rank partial sums are summed over ranks."""
         self.model.train()
         device = next(self.model.parameters()).device
-        total_tokens = float(sum(t.num_policy_tokens for t in trajs))
+        total_tokens, total_seqs = (float(sum(t.num_policy_tokens for t in trajs)), len(trajs)) if norm is None else norm
         metrics: dict[str, float] = {}
         scale = float(self.dp.world_size) if self.dp is not None else 1.0
         fwd = forward if forward is not None else (lambda model, mb, sl: self._forward_with(model, mb))
@@ -129,7 +135,7 @@ class Learner:
                     (logprobs.sum() * 0.0).backward()
                     continue
                 loss, m = loss_fn(mb, logprobs, entropy, sl)
-                w = _share(mb, total_tokens, len(trajs), agg)
+                w = _share(mb, total_tokens, total_seqs, agg)
                 (loss * (w * scale)).backward()
             for k, v in m.items():
                 metrics[k] = metrics.get(k, 0.0) + w * float(v)
@@ -164,9 +170,11 @@ class Learner:
         advantages: torch.Tensor,
         loss_name: str = "grpo",
         ref_model=None,
+        norm: tuple[float, int] | None = None,
         **loss_kwargs,
     ) -> dict[str, float]:
-        """One clipped policy-gradient update; ``advantages`` is [len(trajs)] (sequence level)."""
+        """One clipped policy-gradient update; ``advantages`` is [len(trajs)] (sequence level).
+        ``norm``: see :meth:`_accumulate` (the batch ``trajs`` were taken from)."""
         agg = loss_kwargs.get("agg", "token-mean")
         loss = get_policy_loss(loss_name)
 
@@ -182,17 +190,18 @@ class Learner:
             value, m = loss(logprobs, mb.old_logprobs, adv, mb.loss_mask, **kw)
             return value, {**m, **logprob_gap_metrics(mb.old_logprobs, logprobs, mb.loss_mask)}
 
-        return self._accumulate(trajs, agg, fn)
+        return self._accumulate(trajs, agg, fn, norm=norm)
 
     def token_policy_step(
         self,
         trajs: Sequence[Trajectory],
         token_advantages: Sequence[torch.Tensor],
         loss_name: str = "clipped",
+        norm: tuple[float, int] | None = None,
         **loss_kwargs,
     ) -> dict[str, float]:
         """One policy-gradient update with per-token advantages (PPO / SAO): one 1-D tensor per
-        trajectory, aligned to its ``token_ids`` (0 off the policy tokens)."""
+        trajectory, aligned to its ``token_ids`` (0 off the policy tokens). ``norm``: see :meth:`_accumulate`."""
         agg = loss_kwargs.get("agg", "token-mean")
         loss = get_policy_loss(loss_name)
 
@@ -201,7 +210,7 @@ class Learner:
             value, m = loss(logprobs, mb.old_logprobs, adv, mb.loss_mask, **loss_kwargs)
             return value, {**m, **logprob_gap_metrics(mb.old_logprobs, logprobs, mb.loss_mask)}
 
-        return self._accumulate(trajs, agg, fn)
+        return self._accumulate(trajs, agg, fn, norm=norm)
 
     def distill_step(
         self,

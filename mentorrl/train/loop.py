@@ -187,24 +187,34 @@ def reduce_updates(updates: list[dict[str, float]], keys: tuple[str, ...]) -> di
 
 def pg_update(learner, trajs: list[Trajectory], adv, k: int, seed: int, version: dict[str, Any], *,
               items: list[int] | None = None, kind: str = "clipped", bump: bool = True, skip_zero: bool = False,
-              **loss: Any) -> list[dict[str, float]]:
+              drop_zero: bool = False, **loss: Any) -> list[dict[str, float]]:
     """One pass of policy-gradient updates: ``items`` (default: every trajectory) dealt into ``k``
     minibatches with ``seed``, one optimizer step per minibatch; each update's metrics with the
     minibatch's policy lag behind ``version["policy"]``, which every update increments (``bump``).
 
     ``adv``: per-trajectory token advantages (a list of 1-D tensors), or for ``kind="grpo"`` one
     advantage per trajectory (a tensor). ``skip_zero`` skips a minibatch whose advantages are all 0.
+    ``drop_zero`` (only without a KL term: then a zero-advantage trajectory's loss is exactly 0) does
+    not forward a minibatch's zero-advantage trajectories but keeps them in its loss denominator,
+    so each update equals the one over the whole minibatch (dropping them from the denominator too
+    would scale the step up by up to ``group_size`` when few groups carry signal). A minibatch
+    with no signal at all is skipped.
     ``loss`` goes to the learner's step (``eps_low``, ``eps_high``, ``agg``, ``ref_model``, ``kl_coef``)."""
     items = list(range(len(trajs))) if items is None else items
     ups: list[dict[str, float]] = []
     for idx in minibatches(items, k, seed) if items else []:
-        if skip_zero and not any(adv[i].abs().sum() > 0 for i in idx):
+        live = [i for i in idx if adv[i].abs().sum() > 0]
+        if (skip_zero or drop_zero) and not live:
             continue
+        norm = None
+        if drop_zero and len(live) < len(idx):
+            norm = (float(sum(trajs[i].num_policy_tokens for i in idx)), len(idx))
+            idx = live
         batch = [trajs[i] for i in idx]
         if kind == "grpo":
-            m = learner.policy_step(batch, adv[idx], kind, **loss)
+            m = learner.policy_step(batch, adv[idx], kind, norm=norm, **loss)
         else:
-            m = learner.token_policy_step(batch, [adv[i] for i in idx], kind, **loss)
+            m = learner.token_policy_step(batch, [adv[i] for i in idx], kind, norm=norm, **loss)
         ups.append({**m, **policy_lag(batch, version["policy"])})
         if bump:
             version["policy"] += 1

@@ -302,11 +302,12 @@ def step_advantages(trajs: list[Trajectory], outcome_adv: torch.Tensor, step_sco
 
 
 def policy_gradient_update(learner, trajs, token_adv, o: BlackBoxConfig, state, step: int) -> dict[str, float]:
-    """Clipped policy-gradient minibatches over the trajectories with a non-zero advantage."""
-    keep = [i for i in range(len(trajs)) if token_adv[i].abs().sum() > 0]
-    ups = pg_update(learner, trajs, token_adv, o.updates_per_step, step * 7 + 3, state, items=keep,
+    """Clipped policy-gradient minibatches over the batch; trajectories with a zero advantage are
+    not forwarded but keep their place in the loss denominator (:func:`~mentorrl.train.loop.pg_update`)."""
+    ups = pg_update(learner, trajs, token_adv, o.updates_per_step, step * 7 + 3, state, drop_zero=True,
                     eps_low=o.eps_low, eps_high=o.eps_high, agg=o.loss_agg)
-    return {**reduce_updates(ups, PG_KEYS), "batch_size": float(len(keep))}
+    live = sum(1 for a in token_adv if a.abs().sum() > 0)
+    return {**reduce_updates(ups, PG_KEYS), "batch_size": float(live)}
 
 
 # ---------------------------------------------------- soft labels and actions ------
