@@ -255,8 +255,7 @@ def preflight_reward_audit(ws: Workspace) -> dict[str, Any] | None:
     writes ``reward_audit.json`` and raises :class:`RewardAuditFailed` when an attack wins.
     Environments without a registered suite are skipped with a note.
     """
-    from mentorrl.integrity.attacks import AuditConfig as AttackAuditConfig
-    from mentorrl.integrity.attacks import audit_env, get_attacks
+    from mentorrl.integrity.attacks import AttackAuditConfig, audit_env, get_attacks
 
     name = ws.cfg.env.name
     try:
