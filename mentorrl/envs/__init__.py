@@ -41,7 +41,14 @@ def _orders() -> EnvEntry:
                     mutating_tools=tuple(OrdersBackend.MUTATING))
 
 
-_REGISTRY: dict[str, Callable[[], EnvEntry]] = {"orders": _orders}
+def _code() -> EnvEntry:
+    from mentorrl.envs.code import CodeEnv, CodeExpert, CodeTasks, register_suites
+
+    register_suites()  # its reward-hacking attacks and validation corruptions
+    return EnvEntry(CodeEnv, CodeTasks, CodeExpert)
+
+
+_REGISTRY: dict[str, Callable[[], EnvEntry]] = {"orders": _orders, "code": _code}
 
 
 def register_env(name: str, factory: Callable[[], EnvEntry]) -> None:
