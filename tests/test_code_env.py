@@ -14,7 +14,6 @@ try:
     REASON = ""
 except SandboxUnavailable as e:  # pragma: no cover - depends on the machine
     REASON = str(e)
-needs_sandbox = pytest.mark.skipif(bool(REASON), reason=f"no sandbox here: {REASON}")
 
 
 def test_tasks_are_deterministic_and_splits_disjoint():
@@ -32,7 +31,6 @@ def test_tasks_are_deterministic_and_splits_disjoint():
         src.tasks("golden", 1, 0)
 
 
-@needs_sandbox
 def test_expert_solves_every_family_and_a_stub_fails():
     from mentorrl.envs import get_env
 
@@ -54,17 +52,16 @@ def test_expert_solves_every_family_and_a_stub_fails():
         env.close()
 
 
-@needs_sandbox
 def test_reward_audit_and_validation_pass():
-    from mentorrl.integrity.attacks import AuditConfig, audit_env
-    from mentorrl.integrity.commands import tiny_tokenizer
+    from mentorrl.integrity.attacks import AttackAuditConfig, audit_env
+    from mentorrl.cli.integrity import tiny_tokenizer
     from mentorrl.integrity.validation import validate_env
 
     import tempfile
     from pathlib import Path
 
     tok = tiny_tokenizer("code", Path(tempfile.mkdtemp()), corpus_tasks=12)
-    report = audit_env("code", tok, AuditConfig(tasks_per_attack=2, pool_size=16))
+    report = audit_env("code", tok, AttackAuditConfig(tasks_per_attack=2, pool_size=16))
     names = {a.name for a in report.attacks}
     assert {"edit_tests", "hardcode_visible", "print_expected", "exit_in_tests", "monkeypatch_runner",
             "read_hidden_tests", "timeout_games", "write_outside"} <= names
@@ -77,7 +74,6 @@ def test_reward_audit_and_validation_pass():
 
 
 @pytest.mark.slow
-@needs_sandbox
 def test_code_recipe_trains_sft_then_grpo(tmp_path):
     from typer.testing import CliRunner
 

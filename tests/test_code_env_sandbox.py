@@ -15,8 +15,8 @@ try:
     check_sandbox()
     REASON = ""
 except SandboxUnavailable as e:  # pragma: no cover - depends on the machine
-    REASON = str(e)
-needs_sandbox = pytest.mark.skipif(bool(REASON), reason=f"no sandbox here: {REASON}")
+    REASON = str(e)  # the tests below then fail on CodeEnv()/check_sandbox() with this reason
+# Never skipped: on a machine without isolation these tests fail (the environment refuses to start there).
 
 
 @pytest.fixture
@@ -31,21 +31,22 @@ def env_task():
     env.close()
 
 
-@needs_sandbox
 def test_infinite_loop_is_stopped_by_the_cpu_limit(env_task):
     env, _ = env_task
     r = env.step("run_python", {"code": "while True:\n    pass"})
-    assert not r.ok and r.error_kind == "timeout" and "CPU-time limit" in r.error
+    # on idle cores the 2 s CPU limit ends it; on busy ones (a loaded CI machine) the 4 s wall limit can come first
+    assert not r.ok and r.error_kind == "timeout" and ("CPU-time limit" in r.error or "wall-time limit" in r.error)
+    # the CPU limit itself, with a wall limit far away
+    res = sb.run_sandboxed(env.workspace, "while True:\n    pass", limits=sb.Limits(cpu_s=1, wall_s=120.0))
+    assert res.status == "cpu", res
 
 
-@needs_sandbox
 def test_sleeping_program_is_stopped_by_the_wall_limit(env_task):
     env, _ = env_task
     r = env.step("run_python", {"code": "import time\ntime.sleep(60)"})
     assert not r.ok and r.error_kind == "timeout" and "wall-time limit" in r.error
 
 
-@needs_sandbox
 def test_fork_bomb_hits_the_process_limit(env_task):
     env, _ = env_task
     before = len(os.listdir("/proc"))
@@ -54,14 +55,12 @@ def test_fork_bomb_hits_the_process_limit(env_task):
     assert len(os.listdir("/proc")) < before + 20  # the PID namespace died with its init: nothing left over
 
 
-@needs_sandbox
 def test_huge_allocation_hits_the_memory_limit(env_task):
     env, _ = env_task
     r = env.step("run_python", {"code": "x = bytearray(8 << 30)"})
     assert not r.ok and "memory limit" in r.error
 
 
-@needs_sandbox
 def test_rm_rf_leaves_the_host_untouched(env_task, tmp_path):
     """The canary lives outside the workspace; the sandbox's read-only view is what protects it
     (the command deletes only the canary, so a broken sandbox would cost nothing but this test)."""
@@ -79,7 +78,6 @@ def test_rm_rf_leaves_the_host_untouched(env_task, tmp_path):
         canary.unlink(missing_ok=True)
 
 
-@needs_sandbox
 def test_no_network(env_task):
     env, _ = env_task
     with socket.socket() as srv:  # a listener on the host's loopback: unreachable from the sandbox
@@ -91,7 +89,6 @@ def test_no_network(env_task):
             assert not r.ok and ("no network" in r.error or "refused" in r.error.lower()), r.error
 
 
-@needs_sandbox
 def test_other_tasks_hidden_tests_are_out_of_view():
     from mentorrl.envs import get_env
 
@@ -115,7 +112,6 @@ def test_other_tasks_hidden_tests_are_out_of_view():
         b.close()
 
 
-@needs_sandbox
 def test_output_is_capped_and_no_capability_is_left(env_task):
     env, _ = env_task
     r = env.step("run_python", {"code": "print('x' * 10**6)"})
@@ -127,7 +123,6 @@ def test_output_is_capped_and_no_capability_is_left(env_task):
     assert r.ok and r.content["stdout"].strip() != "0"
 
 
-@needs_sandbox
 def test_symlink_in_the_workspace_cannot_lead_write_file_outside(env_task):
     env, _ = env_task
     r = env.step("run_python", {"code": "import os\nos.symlink('/etc', 'etc')"})

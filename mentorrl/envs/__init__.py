@@ -41,11 +41,23 @@ def _orders() -> EnvEntry:
                     mutating_tools=tuple(OrdersBackend.MUTATING))
 
 
-def _code() -> EnvEntry:
-    from mentorrl.envs.code import CodeEnv, CodeExpert, CodeTasks, register_suites
+def _code_attacks() -> Sequence[Any]:
+    from mentorrl.envs.code.attacks import code_attacks
 
-    register_suites()  # its reward-hacking attacks and validation corruptions
-    return EnvEntry(CodeEnv, CodeTasks, CodeExpert)
+    return code_attacks()
+
+
+def _code_corruptions() -> Sequence[Any]:
+    from mentorrl.envs.code.attacks import code_corruptions
+
+    return code_corruptions()
+
+
+def _code() -> EnvEntry:
+    from mentorrl.envs.code import CodeEnv, CodeExpert, CodeTasks
+
+    return EnvEntry(CodeEnv, CodeTasks, CodeExpert, attacks=_code_attacks, corruptions=_code_corruptions,
+                    mutating_tools=("write_file",))
 
 
 _REGISTRY: dict[str, Callable[[], EnvEntry]] = {"orders": _orders, "code": _code}

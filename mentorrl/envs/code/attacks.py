@@ -16,8 +16,7 @@ import json
 from typing import Callable, Generator
 
 from mentorrl.envs.base import Action, FinalAnswer, Task, ToolAction, ToolResult
-from mentorrl.integrity.attacks import Attack, Script
-from mentorrl.integrity.validation import Corruption, Mark
+from mentorrl.envs.suites import Attack, Corruption, Mark, Script
 
 from .env import TEST_FILE
 from .expert import CodeExpert
