@@ -284,8 +284,11 @@ def export_rows(run_dir: Path, kind: str, tokenizer: Any, *, env_info: EnvInfo |
             where = f"{path}:{line}"
             try:
                 if kind == "preferences":
-                    key = f"{obj.get('chosen', {}).get('id')}|{obj.get('rejected', {}).get('id')}"
-                    split = (obj.get("rejected") or {}).get("split", TRAIN_SPLIT)
+                    sides = [obj.get("chosen"), obj.get("rejected")]
+                    if not all(isinstance(x, dict) for x in sides):
+                        raise ValueError("a preference pair needs 'chosen' and 'rejected' trajectories")
+                    key = f"{sides[0].get('id')}|{sides[1].get('id')}"
+                    split = sides[1].get("split", TRAIN_SPLIT)
                     ok = True
                 else:
                     traj = Trajectory.model_validate(obj)

@@ -330,6 +330,10 @@ def test_a_row_over_the_token_limit_and_skip_invalid(tmp_path, tiny_model_dir):
 def test_missing_dataset_and_non_chatml_tokenizer(tmp_path, tiny_model_dir):
     res = _import(tmp_path / "nope.parquet", tmp_path / "d.jsonl", tiny_model_dir)
     assert res.exit_code == 2 and "no such file" in cli_output(res)
+    (tmp_path / "fw").mkdir()
+    (tmp_path / "fw" / "preference_pairs.jsonl").write_text('{"chosen": 1}\n')
+    res = _export(tmp_path, tmp_path / "o", tiny_model_dir, "--what", "preferences")
+    assert res.exit_code == 2 and "preference_pairs.jsonl:1: not a valid record" in cli_output(res), cli_output(res)
     res = runner.invoke(APP, ["export", str(tmp_path), str(tmp_path / "o"), "--what", "everything"])
     assert res.exit_code == 2 and "--what 'everything'" in " ".join(cli_output(res).split())
 
