@@ -1,5 +1,6 @@
 """`mentorrl` command line: the app and its core commands here, one module per command group beside it.
 
+* :mod:`mentorrl.cli.data` -- ``mentorrl export`` and ``mentorrl import``;
 * :mod:`mentorrl.cli.eval` -- ``mentorrl eval`` and ``mentorrl gate``;
 * :mod:`mentorrl.cli.flywheel` -- ``mentorrl flywheel``;
 * :mod:`mentorrl.cli.integrity` -- ``mentorrl reward-audit``;
@@ -262,6 +263,7 @@ def config_cmd(
 
 def _register_extensions() -> None:
     """Commands that live beside the code they drive."""
+    from mentorrl.cli.data import register as register_data
     from mentorrl.cli.eval import register as register_eval
     from mentorrl.cli.flywheel import register as register_flywheel
     from mentorrl.cli.integrity import register as register_integrity
@@ -271,6 +273,7 @@ def _register_extensions() -> None:
     register_integrity(app)
     register_flywheel(app)
     register_serve(app)
+    register_data(app)
 
 
 _register_extensions()
