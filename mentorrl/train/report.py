@@ -434,17 +434,8 @@ td.answer{max-width:360px;white-space:pre-wrap;word-break:break-word}
 """
 
 
-def report_html(report: dict[str, Any], records: list[dict[str, Any]],
-                breakdown: dict[str, dict[int, dict[str, float]]] | None = None,
-                failure_mix: dict[str, dict[str, int]] | None = None,
-                review: list[dict[str, Any]] | None = None, review_label: str | None = None) -> str:
-    """The run report as one self-contained HTML page: the held-out table, training curves per stage,
-    the reward breakdown over steps, the failure-type mix per evaluation and the review queue's top cases."""
-    p: list[str] = ['<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">',
-                    '<meta name="viewport" content="width=device-width, initial-scale=1">',
-                    f"<title>mentorrl run report</title><style>{_CSS}</style></head><body>",
-                    "<h1>Run report</h1>"]
-    p.append('<h2 id="evaluation">Held-out evaluation</h2>')
+def _html_evaluation(report: dict[str, Any]) -> list[str]:
+    p = ['<h2 id="evaluation">Held-out evaluation</h2>']
     evals = {**report.get("evals", {}), **{f"final on {k}": v for k, v in (report.get("other_splits") or {}).items()}}
     if evals:
         p.append("<table><tr><th>checkpoint</th><th>n</th><th>success</th><th>95% CI</th><th>mean reward</th>"
@@ -462,8 +453,11 @@ def report_html(report: dict[str, Any], records: list[dict[str, Any]],
         p += [f"<tr><td>{_esc(n)}</td><td>{s['steps']}</td><td>{s['rollouts']}</td><td>{s['seconds']:.0f}</td></tr>"
               for n, s in report["stages"].items()]
         p.append("</table>")
+    return p
 
-    p.append('<h2 id="curves">Training curves</h2>')
+
+def _html_curves(records: list[dict[str, Any]]) -> list[str]:
+    p = ['<h2 id="curves">Training curves</h2>']
     by_stage: dict[str, list[dict[str, Any]]] = {}
     for r in records:
         by_stage.setdefault(str(r.get("stage", "?")), []).append(r)
@@ -478,48 +472,67 @@ def report_html(report: dict[str, Any], records: list[dict[str, Any]],
                 charts.append(svg_line_chart(k, {stage: s}))
         if charts:
             p.append(f"<h3>{_esc(stage)}</h3><div class=\"charts\">" + "".join(charts) + "</div>")
+    return p
 
-    p.append('<h2 id="reward">Reward breakdown over time</h2>')
-    if breakdown:
-        charts = []
-        for stage, steps in breakdown.items():
-            series = {t: [(float(st), v[t]) for st, v in sorted(steps.items()) if t in v] for t in REWARD_TERMS}
-            charts.append(svg_line_chart(f"{stage}: mean reward terms of the sampled trajectories",
-                                         {k: v for k, v in series.items() if v}, width=640, height=260))
-        p.append('<div class="charts">' + "".join(charts) + "</div>")
-        p.append('<p class="muted">From <code>samples/&lt;stage&gt;-step-N.jsonl</code> (each term before its '
-                 "weight; total is the composed reward).</p>")
-    else:
-        p.append('<p class="muted">No trajectory samples in this run (<code>grpo.sample_trajectories</code>).</p>')
 
-    p.append('<h2 id="failures">Failure-type mix</h2>')
-    if failure_mix:
-        p.append(svg_stacked_bars("evaluation trajectories by outcome and primary failure type", failure_mix))
-        p.append('<p class="muted">Each failed evaluation trajectory attributed to one primary failure type '
-                 "(<code>mentorrl.flywheel.attribution</code>, without expert references; "
-                 "<code>mentorrl flywheel</code> adds them).</p>")
-    else:
-        p.append('<p class="muted">No evaluation trajectories in this run.</p>')
+def _html_reward(breakdown: dict[str, dict[int, dict[str, float]]] | None) -> list[str]:
+    p = ['<h2 id="reward">Reward breakdown over time</h2>']
+    if not breakdown:
+        return p + ['<p class="muted">No trajectory samples in this run (<code>grpo.sample_trajectories</code>).</p>']
+    charts = []
+    for stage, steps in breakdown.items():
+        series = {t: [(float(st), v[t]) for st, v in sorted(steps.items()) if t in v] for t in REWARD_TERMS}
+        charts.append(svg_line_chart(f"{stage}: mean reward terms of the sampled trajectories",
+                                     {k: v for k, v in series.items() if v}, width=640, height=260))
+    return p + ['<div class="charts">' + "".join(charts) + "</div>",
+                '<p class="muted">From <code>samples/&lt;stage&gt;-step-N.jsonl</code> (each term before its '
+                "weight; total is the composed reward).</p>"]
 
-    p.append('<h2 id="review">Review queue: top cases</h2>')
-    if review:
-        p.append(f"<p>The {len(review)} highest-risk trajectories of <code>eval_{_esc(review_label)}.jsonl</code> "
-                 "in the review queue (<code>mentorrl.flywheel.review</code>).</p>")
-        p.append("<table><tr><th>#</th><th>risk</th><th>trajectory</th><th>family</th><th>reasons</th>"
-                 "<th>outcome</th><th>tools</th><th>final answer</th></tr>")
-        for i, e in enumerate(review, 1):
-            s = e["summary"]
-            outcome = ("success" if s["success"] else "failed") + f", {s['finish_reason']}, {s['num_turns']} turns"
-            if s.get("violations"):
-                outcome += "; violations: " + ", ".join(s["violations"])
-            p.append(f"<tr><td>{i}</td><td>{e['risk_score']:.2f}</td><td><code>{_esc(e['trajectory_id'])}</code>"
-                     f"<br>task <code>{_esc(e['task_id'])}</code></td><td>{_esc(e['family'])}</td>"
-                     f"<td>{_esc('; '.join(e['reasons']))}</td><td>{_esc(outcome)}</td>"
-                     f"<td>{_esc(', '.join(s['tools']))}</td><td class=\"answer\">{_esc(s.get('final_answer') or '')}"
-                     "</td></tr>")
-        p.append("</table>")
-    else:
-        p.append('<p class="muted">No evaluation trajectories to review.</p>')
+
+def _html_failures(failure_mix: dict[str, dict[str, int]] | None) -> list[str]:
+    p = ['<h2 id="failures">Failure-type mix</h2>']
+    if not failure_mix:
+        return p + ['<p class="muted">No evaluation trajectories in this run.</p>']
+    return p + [svg_stacked_bars("evaluation trajectories by outcome and primary failure type", failure_mix),
+                '<p class="muted">Each failed evaluation trajectory attributed to one primary failure type '
+                "(<code>mentorrl.flywheel.attribution</code>, without expert references; "
+                "<code>mentorrl flywheel</code> adds them).</p>"]
+
+
+def _html_review(review: list[dict[str, Any]] | None, review_label: str | None) -> list[str]:
+    p = ['<h2 id="review">Review queue: top cases</h2>']
+    if not review:
+        return p + ['<p class="muted">No evaluation trajectories to review.</p>']
+    p.append(f"<p>The {len(review)} highest-risk trajectories of <code>eval_{_esc(review_label)}.jsonl</code> "
+             "in the review queue (<code>mentorrl.flywheel.review</code>).</p>")
+    p.append("<table><tr><th>#</th><th>risk</th><th>trajectory</th><th>family</th><th>reasons</th>"
+             "<th>outcome</th><th>tools</th><th>final answer</th></tr>")
+    for i, e in enumerate(review, 1):
+        s = e["summary"]
+        outcome = ("success" if s["success"] else "failed") + f", {s['finish_reason']}, {s['num_turns']} turns"
+        if s.get("violations"):
+            outcome += "; violations: " + ", ".join(s["violations"])
+        p.append(f"<tr><td>{i}</td><td>{e['risk_score']:.2f}</td><td><code>{_esc(e['trajectory_id'])}</code>"
+                 f"<br>task <code>{_esc(e['task_id'])}</code></td><td>{_esc(e['family'])}</td>"
+                 f"<td>{_esc('; '.join(e['reasons']))}</td><td>{_esc(outcome)}</td>"
+                 f"<td>{_esc(', '.join(s['tools']))}</td><td class=\"answer\">{_esc(s.get('final_answer') or '')}"
+                 "</td></tr>")
+    p.append("</table>")
+    return p
+
+
+def report_html(report: dict[str, Any], records: list[dict[str, Any]],
+                breakdown: dict[str, dict[int, dict[str, float]]] | None = None,
+                failure_mix: dict[str, dict[str, int]] | None = None,
+                review: list[dict[str, Any]] | None = None, review_label: str | None = None) -> str:
+    """The run report as one self-contained HTML page: the held-out table, training curves per stage,
+    the reward breakdown over steps, the failure-type mix per evaluation and the review queue's top cases."""
+    p: list[str] = ['<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">',
+                    '<meta name="viewport" content="width=device-width, initial-scale=1">',
+                    f"<title>mentorrl run report</title><style>{_CSS}</style></head><body>",
+                    "<h1>Run report</h1>"]
+    p += _html_evaluation(report) + _html_curves(records) + _html_reward(breakdown)
+    p += _html_failures(failure_mix) + _html_review(review, review_label)
     a = report.get("audit") or {}
     if a:
         p.append('<h2 id="audit">Reward audit</h2><ul>'
