@@ -125,3 +125,16 @@ def test_line_chart_handles_flat_and_empty_series():
     assert svg_line_chart("x", {}) == ""
     flat = svg_line_chart("flat", {"a": [(1.0, 0.5)]})
     assert flat.startswith("<svg") and "nan" not in flat and "<circle" in flat
+
+
+def test_a_failing_html_page_never_costs_the_run_its_report(tmp_path, monkeypatch):
+    import pytest
+
+    import mentorrl.train.report as R
+
+    run = tmp_path / "run"
+    report = make_run(run)
+    monkeypatch.setattr(R, "failure_review", lambda *a, **k: (_ for _ in ()).throw(ValueError("duplicate ids")))
+    with pytest.warns(RuntimeWarning, match=r"report.html not written \(ValueError: duplicate ids\)"):
+        j, m = write_report(run, report)
+    assert j.exists() and m.exists() and not (run / "report.html").exists()

@@ -250,7 +250,13 @@ def write_report(run_dir: Path, report: dict[str, Any]) -> tuple[Path, Path]:
     j, m = run_dir / "report.json", run_dir / "report.md"
     j.write_text(json.dumps(report, indent=2))
     m.write_text(report_markdown(report))
-    write_report_html(run_dir, report)
+    try:
+        write_report_html(run_dir, report)
+    except Exception as e:  # the page is a view of the files above: its failure never costs the run its report
+        import warnings
+
+        warnings.warn(f"report.html not written ({type(e).__name__}: {e}); report.md and report.json are",
+                      RuntimeWarning, stacklevel=2)
     return j, m
 
 
