@@ -637,6 +637,23 @@ class DistributedConfig(_Section):
                                                        "builds the model or evaluates) before the run fails")
 
 
+class LoggingConfig(_Section):
+    """The `logging:` section: where step metrics go besides ``metrics.jsonl`` (:mod:`mentorrl.train.trackers`)."""
+
+    trackers: list[Literal["tensorboard", "wandb", "mlflow", "trackio"]] = Field(
+        default_factory=list,
+        description="trackers every step metric also goes to, all local (never the network), under "
+                    "RUN_DIR/trackers/: tensorboard event files, wandb in offline mode, an mlflow file store, "
+                    "trackio's local store; a tracker that fails to import or log is warned about once and dropped")
+
+    @field_validator("trackers")
+    @classmethod
+    def _once_each(cls, v: list[str]) -> list[str]:
+        if len(set(v)) != len(v):
+            raise ValueError(f"a tracker is named twice: {v}")
+        return v
+
+
 DISTRIBUTED_STAGES = ("sft", "grpo")  # stages whose learner runs data-parallel under distributed.backend ddp
 
 STAGE_NAMES = ("sft", "rft", "grpo", "ppo", "sao", "opd", "blackbox", "evolve")  # the built-in stages (tested
@@ -669,6 +686,7 @@ class RunConfig(_Section):
     audit: AuditConfig = Field(default_factory=AuditConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
 
     @field_validator("recipe")
     @classmethod

@@ -67,7 +67,7 @@ def test_mkdocs_build_is_strict_and_clean(tmp_path):
     missing = [m for m in ("mkdocs", "material") if importlib.util.find_spec(m) is None]
     assert not missing, "mkdocs-material is missing: pip install -e '.[test]'"
     assert "mkdocs-material" in (ROOT / "pyproject.toml").read_text(), "the [test] extra must install mkdocs-material"
-    res = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(tmp_path / "site")],
+    res = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
                          cwd=ROOT, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
     out = res.stdout + res.stderr

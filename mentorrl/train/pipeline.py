@@ -133,7 +133,7 @@ def run_recipe(cfg: RunConfig, resume: bool = False, show_progress: bool = True)
     held-out success from the first stage to the last; a one-stage recipe (or one without
     evaluation) ends with each stage's own numbers (:func:`stage_summary`).
 
-    Writes ``report.json`` / ``report.md`` (evaluations, rollout budget, RFT rounds, reward
+    Writes ``report.json`` / ``report.md`` / ``report.html`` (evaluations, rollout budget, RFT rounds, reward
     audit, per-step rollout metrics) and, when an RL stage ran, ``curves.png`` and
     ``step_metrics.png``.
 

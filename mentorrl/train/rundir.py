@@ -4,6 +4,8 @@ Layout::
 
     RUN_DIR/config.yaml
     RUN_DIR/metrics.jsonl              one JSON object per logged step ({"stage", "step", ...})
+    RUN_DIR/trackers/                  the same step metrics in TensorBoard / W&B / MLflow / trackio
+                                       (``logging.trackers``, :mod:`mentorrl.train.trackers`)
     RUN_DIR/samples/grpo-step-N.jsonl  a sample of each step's trajectories (Trajectory JSONL)
     RUN_DIR/<stage>/checkpoints/step-000010/   save_pretrained + trainer_state.pt + checksums.sha256
     RUN_DIR/<stage>/checkpoints/corrupt-step-000012/   a checkpoint that failed its checks (kept, never used)
@@ -33,15 +35,21 @@ import torch
 
 
 class MetricsLog:
-    def __init__(self, path: str | Path):
+    """``metrics.jsonl``: the one place step metrics are written. With ``trackers`` (a
+    :class:`mentorrl.train.trackers.TrackerSet`), every record logged also goes to each tracker."""
+
+    def __init__(self, path: str | Path, trackers: Any = None):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.trackers = trackers
 
     def log(self, record: dict[str, Any]) -> None:
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
             f.flush()
             os.fsync(f.fileno())
+        if self.trackers is not None:
+            self.trackers.log(record)  # never raises: a failing tracker is warned about and dropped
 
     def read(self, stage: str | None = None) -> list[dict[str, Any]]:
         if not self.path.exists():

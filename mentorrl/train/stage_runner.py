@@ -5,7 +5,8 @@ Every stage is resumable: batches and task samples are a pure function of (seed,
 weights, optimiser and RNG state come back from the latest intact checkpoint (complete, its
 checksums verified, loadable; a damaged one is named, moved aside and the one before it used), and
 ``metrics.jsonl`` is cut back to that step, so a resumed run continues the same step
-count and the same metrics file.
+count and the same metrics file. Each record also goes to the configured trackers
+(``logging.trackers``, :mod:`mentorrl.train.trackers`), which are never sent a step twice.
 
 Under a data-parallel launch (``ws.dp``, see :mod:`mentorrl.train.distributed`) rank 0 alone decides
 where to resume and writes (metrics, checkpoints, final weights); the other ranks follow it.
@@ -25,6 +26,7 @@ from mentorrl.train.learner import Learner
 from mentorrl.train.rundir import (
     KEEP_CHECKPOINTS,
     CorruptCheckpointError,
+    MetricsLog,
     load_trainer_state,
     prune_checkpoints,
     restore_checkpoint,
@@ -32,7 +34,20 @@ from mentorrl.train.rundir import (
     verify_manifest,
     write_manifest,
 )
+from mentorrl.train.trackers import TrackerSet, open_trackers
 from mentorrl.train.workspace import Workspace, load_weights_into
+
+
+def run_trackers(ws: Workspace) -> TrackerSet | None:
+    """The run's trackers (``logging.trackers``; opened once, on the writing rank), or None."""
+    names = getattr(getattr(ws.cfg, "logging", None), "trackers", None) or []
+    warn = lambda msg: ws.console.print(f"[red]warning: {escape(msg)}[/red]")  # noqa: E731
+    return open_trackers(ws.run_dir, names, warn)
+
+
+def metrics_log(ws: Workspace) -> MetricsLog:
+    """``metrics.jsonl`` with the run's trackers attached (call on the writing rank only)."""
+    return MetricsLog(ws.metrics.path, trackers=run_trackers(ws))
 
 def run_stage(
     ws: Workspace,
@@ -67,11 +82,11 @@ def run_stage(
         where, start = _resume_point(ws, stage, model, learner, steps, restore_extra)
     if where == final:
         return final
-    ws.on_main(lambda: ws.metrics.truncate_after(stage, start))  # steps past the checkpoint are redone, never logged twice
+    ws.on_main(lambda: _rewind(ws, stage, start, resume))  # steps past the checkpoint are redone, never logged twice
 
     def record(rec: dict[str, Any], save: bool) -> None:
         """The step's metrics record and, when due, its checkpoint (rank 0 only: the caller's on_main)."""
-        ws.metrics.log(rec)
+        metrics_log(ws).log(rec)
         if save:
             state = {"learner": learner.state_dict(), "extra": extra_state() if extra_state else {}}
             save_checkpoint(stage_dir, rec["step"], model, ws.tokenizer, state)
@@ -93,6 +108,15 @@ def run_stage(
                 break
     ws.on_main(lambda: _save_final(ws, model, final, steps))
     return final
+
+
+def _rewind(ws: Workspace, stage: str, start: int, resume: bool) -> None:
+    """Cut ``metrics.jsonl`` back to ``start``; a stage started over (not resumed) is sent to the
+    trackers again from its first step (a resumed one never sends a step twice)."""
+    ws.metrics.truncate_after(stage, start)
+    trackers = run_trackers(ws)
+    if trackers is not None and not resume:
+        trackers.restart(stage)
 
 
 def _resume_point(ws: Workspace, stage: str, model, learner: Learner, steps: int,
