@@ -100,6 +100,10 @@ def optim_field(**defaults: Any) -> Any:
 
 class SFTConfig(_Section):
     num_demos: int = Field(1000, ge=1, description="expert demonstrations on train tasks")
+    demos: str | None = Field(
+        None, description="train on this dataset instead of the scripted expert: conversations in TRL's format (a "
+                          "Parquet file, save_to_disk folder or JSON lines, e.g. from `mentorrl export`), validated and "
+                          "tokenised with this run's tokenizer; train-split rows only")
     steps: int = Field(40, ge=0, description="optimizer steps")
     batch_size: int = Field(32, ge=1, description="demonstrations per step")
     optim: OptimConfig = optim_field(lr=3e-3, warmup_steps=5)

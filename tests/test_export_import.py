@@ -357,3 +357,28 @@ def test_imported_demos_train_sft_steps(tmp_path, recorded, policy, tiny_model_d
     losses = [learner.sft_step(imported)["loss"] for _ in range(6)]
     assert all(x == x for x in losses) and losses[-1] < losses[0], losses
     assert time.perf_counter() - t0 < 60
+
+
+def test_a_recipe_trains_sft_on_an_exported_dataset(tmp_path, recorded, tiny_model_dir):
+    """sft.demos: the SFT stage trains on the dataset (tokenised with the run's tokenizer) instead of the expert."""
+    from mentorrl.config import load_config
+    from mentorrl.train.pipeline import run_recipe
+    from mentorrl.train.rundir import MetricsLog
+
+    _, demos, _ = recorded
+    run = _run_dir(tmp_path, demos)
+    assert _export(run, tmp_path / "out", tiny_model_dir).exit_code == 0
+    data = tmp_path / "out" / "trajectories.parquet"
+    cfg = load_config(None, ["threads=1", f"model.path={tiny_model_dir}", "recipe=[sft]", "eval.num_tasks=0",
+                             "audit.preflight=false", "sft.steps=3", "sft.batch_size=4", f"sft.demos={data}",
+                             f"run_dir={tmp_path / 'train'}"])
+    run_recipe(cfg, show_progress=False)
+    recs = MetricsLog(tmp_path / "train" / "metrics.jsonl").read("sft")
+    assert [r["step"] for r in recs] == [1, 2, 3] and all(r["loss"] == r["loss"] for r in recs)
+    # the policy tokens trained on are the dataset's, not the expert's on other tasks
+    assert all(r["num_tokens"] <= sum(d.num_policy_tokens for d in demos) for r in recs)
+    bad = load_config(None, ["threads=1", f"model.path={tiny_model_dir}", "recipe=[sft]", "eval.num_tasks=0",
+                             "audit.preflight=false", f"sft.demos={tmp_path / 'missing.parquet'}",
+                             f"run_dir={tmp_path / 'bad'}"])
+    with pytest.raises(FileNotFoundError, match="missing.parquet"):
+        run_recipe(bad, show_progress=False)
