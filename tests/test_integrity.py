@@ -16,7 +16,8 @@ from mentorrl.contract import contract_for_env
 from mentorrl.envs import EnvEntry
 from mentorrl.envs.base import Task, ToolAction, Verdict
 from mentorrl.envs.orders import OrdersEnv, OrdersExpert, OrdersTasks
-from mentorrl.envs.orders.hacks import falsify, hedge, orders_attacks, orders_corruptions, wrong_arguments
+from mentorrl.envs.orders.hacks import falsify, hedge, wrong_arguments
+from mentorrl.envs.orders.suite import orders_attacks, orders_corruptions
 from mentorrl.envs.orders.reading import read_answer
 from mentorrl.core.trace import claims_success
 from mentorrl.integrity import attacks as attacks_mod

@@ -23,13 +23,13 @@ class EnvEntry:
 
 
 def _orders_attacks() -> Sequence[Any]:
-    from mentorrl.envs.orders.hacks import orders_attacks
+    from mentorrl.envs.orders.suite import orders_attacks
 
     return orders_attacks()
 
 
 def _orders_corruptions() -> Sequence[Any]:
-    from mentorrl.envs.orders.hacks import orders_corruptions
+    from mentorrl.envs.orders.suite import orders_corruptions
 
     return orders_corruptions()
 

@@ -30,8 +30,8 @@ there are 9 frames), so the vocabulary is shared; only the combination is new.
 
 The unseen-vocabulary wordings used before ("void", "call it off", "invoice", "credit me",
 "return $X to me") are no longer produced here: they are the ``novel_wording`` stress split
-(see :mod:`mentorrl.envs.orders.tasks`); :data:`NOVEL_ONLY_WORDS` never occur in this module's
-output.
+(see :mod:`mentorrl.envs.orders.tasks`, whose ``form_counts`` counts the surface forms);
+:data:`NOVEL_ONLY_WORDS` never occur in this module's output.
 """
 
 from __future__ import annotations
@@ -259,16 +259,5 @@ def abstract_forms(family: str, kind: str, mode: Mode, n: int, seed: int = 0, ty
     return {compose(family, kind, rng, mode, typo_rate=TYPO_RATE if typos else 0.0)[0] for _ in range(n)}
 
 
-def form_counts(n: int = 3000) -> list[tuple[str, str, int, int, int]]:
-    """(family, kind, train forms, train forms without typos, held-out forms) among ``n`` draws each.
-
-    ``python -c "from mentorrl.envs.orders.phrasing import form_counts; [print(*r) for r in form_counts()]"``
-    """
-    from .tasks import ADVERSARIAL, FAMILIES
-
-    return [(f, k, len(abstract_forms(f, k, "train", n)), len(abstract_forms(f, k, "train", n, typos=False)),
-             len(abstract_forms(f, k, "heldout", n))) for f, k in [(f, "normal") for f in FAMILIES] + list(ADVERSARIAL)]
-
-
 __all__ = ["FRAMES", "INTENTS", "HELDOUT_MOD", "NOVEL_ONLY_WORDS", "OWN_INTENT_KINDS", "abstract_forms",
-           "add_typo", "compose", "form_counts", "intents", "is_heldout_pair", "pairs"]
+           "add_typo", "compose", "intents", "is_heldout_pair", "pairs"]

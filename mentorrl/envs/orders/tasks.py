@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 from mentorrl.envs.base import Task
 
-from .phrasing import compose
+from .phrasing import abstract_forms, compose
 from .world import DOMAINS, FIRST_NAMES, LAST_NAMES, OPEN_STATUSES, World, make_world, random_address
 
 FAMILIES = (
@@ -319,6 +319,16 @@ class OrdersTasks:
                 difficulty="normal" if kind == "normal" else "adversarial", reference=built["ref"],
             ))
         return out
+
+
+def form_counts(n: int = 3000) -> list[tuple[str, str, int, int, int]]:
+    """(family, kind, train forms, train forms without typos, held-out forms) among ``n`` draws each.
+
+    ``python -c "from mentorrl.envs.orders.tasks import form_counts; [print(*r) for r in form_counts()]"``
+    """
+    groups = [(f, "normal") for f in FAMILIES] + list(ADVERSARIAL)
+    return [(f, k, len(abstract_forms(f, k, "train", n)), len(abstract_forms(f, k, "train", n, typos=False)),
+             len(abstract_forms(f, k, "heldout", n))) for f, k in groups]
 
 
 __all__ = ["FAMILIES", "ADVERSARIAL", "GOLDEN_PAIRS", "SEED_BASE", "PHRASING", "OrdersTasks", "NOVEL_TEMPLATES",

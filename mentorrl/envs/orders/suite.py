@@ -1,0 +1,23 @@
+"""The orders environment's whole reward-hacking suite and validation corruptions: the state and
+history attacks of :mod:`.hacks` followed by the answer attacks of :mod:`.claim_attacks` (which
+build on :mod:`.hacks`' helpers, so the two lists meet here, not in either module)."""
+
+from __future__ import annotations
+
+from mentorrl.envs.suites import Attack, Corruption
+
+from .claim_attacks import claim_attacks, claim_corruptions
+from .hacks import state_attacks, state_corruptions
+
+
+def orders_attacks() -> list[Attack]:
+    """Every orders attack, in the order the audit reports them."""
+    return [*state_attacks(), *claim_attacks()]
+
+
+def orders_corruptions() -> list[Corruption]:
+    """Every orders corruption for offline reward validation."""
+    return [*state_corruptions(), *claim_corruptions()]
+
+
+__all__ = ["orders_attacks", "orders_corruptions"]
