@@ -132,9 +132,16 @@ def main() -> int:
         lo, hi = s["ci95"]
         con.print(f"sft+rft+grpo minus sft+grpo over {s['n']} seeds: {s['mean']:+.1f} ± {s['sd']:.1f} points "
                   f"(mean ± sd); 95% interval of the mean [{lo:+.1f}, {hi:+.1f}]: {s['verdict']}")
+    rft_lifts = [100 * (r["sft+rft+grpo"]["after_rft"] - r["sft (start)"]["success"]) for r in results.values()]
+    r = mean_interval(rft_lifts)
+    if r["ci95"] is not None:
+        lo, hi = r["ci95"]
+        con.print(f"right after RFT minus SFT over {r['n']} seeds: {r['mean']:+.1f} ± {r['sd']:.1f} points; "
+                  f"95% interval of the mean [{lo:+.1f}, {hi:+.1f}]: {r['verdict']}")
     out = args.out / "rft_vs_grpo_seeds.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"seeds": {str(k): v for k, v in results.items()}, "difference_points": s,
+                               "rft_minus_sft_points": r,
                                "overrides": args.overrides}, indent=2))
     con.print(f"wrote {out}")
     return 0
