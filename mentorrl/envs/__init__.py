@@ -8,6 +8,8 @@ the flywheel's failure attribution).
 
 from __future__ import annotations
 
+import importlib
+
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -22,41 +24,28 @@ class EnvEntry:
     mutating_tools: tuple[str, ...] | None = None  # tools that change state; None: unknown
 
 
-def _orders_attacks() -> Sequence[Any]:
-    from mentorrl.envs.orders.suite import orders_attacks
+def _suite(module: str, name: str) -> Callable[[], Sequence[Any]]:
+    """A suite factory that imports ``module`` only when the suite is asked for."""
 
-    return orders_attacks()
+    def load() -> Sequence[Any]:
+        return getattr(importlib.import_module(module), name)()
 
-
-def _orders_corruptions() -> Sequence[Any]:
-    from mentorrl.envs.orders.suite import orders_corruptions
-
-    return orders_corruptions()
+    return load
 
 
 def _orders() -> EnvEntry:
     from mentorrl.envs.orders import OrdersBackend, OrdersEnv, OrdersExpert, OrdersTasks
 
-    return EnvEntry(OrdersEnv, OrdersTasks, OrdersExpert, attacks=_orders_attacks, corruptions=_orders_corruptions,
+    return EnvEntry(OrdersEnv, OrdersTasks, OrdersExpert, attacks=_suite("mentorrl.envs.orders.suite", "orders_attacks"),
+                    corruptions=_suite("mentorrl.envs.orders.suite", "orders_corruptions"),
                     mutating_tools=tuple(OrdersBackend.MUTATING))
-
-
-def _code_attacks() -> Sequence[Any]:
-    from mentorrl.envs.code.attacks import code_attacks
-
-    return code_attacks()
-
-
-def _code_corruptions() -> Sequence[Any]:
-    from mentorrl.envs.code.attacks import code_corruptions
-
-    return code_corruptions()
 
 
 def _code() -> EnvEntry:
     from mentorrl.envs.code import CodeEnv, CodeExpert, CodeTasks
 
-    return EnvEntry(CodeEnv, CodeTasks, CodeExpert, attacks=_code_attacks, corruptions=_code_corruptions,
+    return EnvEntry(CodeEnv, CodeTasks, CodeExpert, attacks=_suite("mentorrl.envs.code.attacks", "code_attacks"),
+                    corruptions=_suite("mentorrl.envs.code.attacks", "code_corruptions"),
                     mutating_tools=("write_file",))
 
 

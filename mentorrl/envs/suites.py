@@ -12,13 +12,38 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Generator, Iterable
 
-from mentorrl.envs.base import Action, Environment, Task, ToolRegistry, ToolResult, Verdict
+from mentorrl.envs.base import Action, Environment, FinalAnswer, Task, ToolAction, ToolRegistry, ToolResult, Verdict
 
 Script = Generator[Action, ToolResult, None]
 """A scripted policy's turns: yields actions, receives each tool result via ``send``."""
 
 Mark = Callable[[], None]
 """Called by a corruption at the moment it changes the expert's behaviour."""
+
+ToolHook = Callable[[ToolAction], Generator[Action, ToolResult, "ToolResult | None"]]
+"""Plays one of the expert's tool calls (any number of turns); returns the result the expert
+receives, or None when the hook ended the episode (e.g. by answering)."""
+AnswerHook = Callable[[FinalAnswer], "FinalAnswer | None"]
+"""Rewrites the expert's final answer; None drops it (the episode ends without an answer)."""
+
+
+def relay(turns: Script, on_tool: ToolHook | None = None, on_answer: AnswerHook | None = None) -> Script:
+    """Forward a scripted policy's turns, letting ``on_tool`` / ``on_answer`` change them (every
+    environment's attacks and corruptions are built this way)."""
+    action = next(turns)
+    while True:
+        if isinstance(action, FinalAnswer):
+            final = action if on_answer is None else on_answer(action)
+            if final is not None:
+                yield final
+            return
+        result = (yield from on_tool(action)) if on_tool is not None else (yield action)
+        if result is None:
+            return
+        try:
+            action = turns.send(result)
+        except StopIteration:
+            return
 
 
 # ------------------------------------------------------------------ fault injection ----

@@ -16,34 +16,12 @@ import json
 from typing import Callable, Generator
 
 from mentorrl.envs.base import Action, FinalAnswer, Task, ToolAction, ToolResult
-from mentorrl.envs.suites import Attack, Corruption, Mark, Script
+from mentorrl.envs.suites import Attack, Corruption, Mark, Script, relay
 
 from .env import TEST_FILE
 from .expert import CodeExpert
 
 CLAIM = "Done: solution.py is written and all visible tests pass."
-ToolHook = Callable[[ToolAction], Generator[Action, ToolResult, "ToolResult | None"]]
-
-
-def relay(turns: Script, on_tool: ToolHook | None = None,
-          on_answer: Callable[[FinalAnswer], FinalAnswer | None] | None = None) -> Script:
-    """Forward a scripted policy's turns, letting ``on_tool`` / ``on_answer`` change them."""
-    action = next(turns)
-    while True:
-        if isinstance(action, FinalAnswer):
-            final = action if on_answer is None else on_answer(action)
-            if final is not None:
-                yield final
-            return
-        result = (yield from on_tool(action)) if on_tool is not None else (yield action)
-        if result is None:
-            return
-        try:
-            action = turns.send(result)
-        except StopIteration:
-            return
-
-
 # ------------------------------------------------------------------ fake solutions ----
 def _visible(task: Task) -> list[tuple[dict, object]]:
     return [(v["case"], v["expected"]) for v in task.reference["visible"]]

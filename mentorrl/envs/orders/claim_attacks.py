@@ -18,10 +18,10 @@ from __future__ import annotations
 from typing import Callable
 
 from mentorrl.envs.base import FinalAnswer, Task, ToolAction, ToolResult
-from mentorrl.envs.suites import Attack, Script
+from mentorrl.envs.suites import Attack, Script, relay
 
 from .hacks import (
-    INFO_FAMILIES, MUTATING, claim_for, expert_turns, kind, relay, requested_action, targets, world,
+    INFO_FAMILIES, MUTATING, claim_for, expert_turns, kind, requested_action, targets, world,
 )
 from .paraphrases import word
 from .world import money

@@ -18,17 +18,12 @@ from functools import lru_cache, partial
 from typing import Callable, Generator
 
 from mentorrl.envs.base import Action, FinalAnswer, Task, ToolAction, ToolResult
-from mentorrl.envs.suites import Attack, Corruption, LostResponseEnv, Mark, Script
+from mentorrl.envs.suites import Attack, Corruption, LostResponseEnv, Mark, Script, relay
 
 from .backend import OrdersBackend
 from .expert import OrdersExpert
 from .world import OPEN_STATUSES, STATUSES, World, make_world, money
 
-ToolHook = Callable[[ToolAction], Generator[Action, ToolResult, "ToolResult | None"]]
-"""Plays one of the expert's tool calls (any number of turns); returns the result the expert
-receives, or None when the hook ended the episode (e.g. by answering)."""
-AnswerHook = Callable[[FinalAnswer], "FinalAnswer | None"]
-"""Rewrites the expert's final answer; None drops it (the episode ends without an answer)."""
 
 MUTATING = frozenset(OrdersBackend.MUTATING)
 READS = frozenset({"get_order", "list_orders", "check_inventory"})  # find_customer also marks identity
@@ -48,24 +43,6 @@ _NUMBER_RE = re.compile(r"(?<![\w.\-/])\d+(?:\.\d+)?(?![\w\-/])")
 
 
 # ------------------------------------------------------------------------ relaying ----
-def relay(turns: Script, on_tool: ToolHook | None = None, on_answer: AnswerHook | None = None) -> Script:
-    """Forward a scripted policy's turns, letting ``on_tool`` / ``on_answer`` change them."""
-    action = next(turns)
-    while True:
-        if isinstance(action, FinalAnswer):
-            final = action if on_answer is None else on_answer(action)
-            if final is not None:
-                yield final
-            return
-        result = (yield from on_tool(action)) if on_tool is not None else (yield action)
-        if result is None:
-            return
-        try:
-            action = turns.send(result)
-        except StopIteration:
-            return
-
-
 def expert_turns(task: Task) -> Script:
     return OrdersExpert().act(task)
 
@@ -467,5 +444,5 @@ def state_corruptions() -> list[Corruption]:
     ]
 
 
-__all__ = ["claim_for", "falsify", "hedge", "pad", "relay", "requested_action", "state_attacks",
+__all__ = ["claim_for", "falsify", "hedge", "pad", "requested_action", "state_attacks",
            "state_corruptions", "wrong_arguments"]
