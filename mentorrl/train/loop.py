@@ -8,6 +8,9 @@
   shuffled minibatches, :func:`pg_update` runs one clipped (or GRPO / masked-IS) update per
   minibatch and counts policy versions, and :func:`reduce_updates` turns the updates' metrics into
   one value per metric for ``metrics.jsonl``;
+- off-policy guidance: :func:`relabel_behaviour` gives demonstrations the current policy's
+  behaviour log-probs, and :func:`guide_failed_groups` puts the scripted expert's verified
+  demonstration into each group in which no rollout succeeded (``grpo.guide``);
 - the step's rewards and rollout metrics (:func:`group_rewards`, :func:`outcome_rewards`,
   :func:`rollout_metrics`), the high-reward-failure debugger and the held-out gap check.
 
@@ -26,7 +29,8 @@ import torch
 
 from mentorrl.algos.advantages import group_reward_stats, sanitize_group_rewards
 from mentorrl.eval.metrics import summarize
-from mentorrl.rollout.runner import rollout_tasks
+from mentorrl.models.batch import collate, forward_logprobs
+from mentorrl.rollout.runner import expert_demonstrations, rollout_tasks
 from mentorrl.train.audit import GapMonitor, flag_high_reward_failures
 from mentorrl.train.consistency import batch_checks, policy_lag
 from mentorrl.train.workspace import Workspace, heldout_check
@@ -108,6 +112,58 @@ def require_consistent(ws: Workspace, trajs: list[Trajectory], current_version: 
     failed = [f"{c.name}: {c.detail}" for c in checks if not c.passed]
     if failed:
         raise RuntimeError(f"{where}: train/rollout consistency check failed: " + "; ".join(failed))
+
+
+# ------------------------------------------------------------ guidance -----
+@torch.no_grad()
+def relabel_behaviour(model, trajs: list[Trajectory], pad_id: int, temperature: float,
+                      policy_version: int | None = None) -> list[Trajectory]:
+    """Copies of ``trajs`` whose behaviour log-probs are the current policy's (for off-policy
+    demonstrations): the importance ratio is 1 at the update, so a demonstration's share of the
+    policy-gradient loss is its advantage times the maximum-likelihood gradient. With
+    ``policy_version`` the copies are stamped with it (the version whose log-probs they carry)."""
+    if not trajs:
+        return []
+    device = next(model.parameters()).device
+    lp = forward_logprobs(model, collate(trajs, pad_id).to(device), temperature)[0].cpu()
+    extra = {} if policy_version is None else {"policy_version": policy_version}
+    return [t.model_copy(update={"logprobs": [float(x) if m else 0.0 for x, m in zip(lp[b, : len(t.token_ids)].tolist(),
+                                                                                     t.loss_mask)], **extra})
+            for b, t in enumerate(trajs)]
+
+
+def guide_failed_groups(ws: Workspace, model, group: "Group", expert: Any, policy_version: int,
+                        pad_id: int) -> tuple[list[Trajectory], int]:
+    """Expert guidance for GRPO (mixed-policy groups, as in LUFFY, Yan et al. 2025): in every group
+    where no rollout succeeded, the scripted expert's demonstration of that task, if the verifier
+    accepts it, replaces the group's lowest-reward rollout (the last of equals). Such a group
+    otherwise carries no signal towards success: every member failed, so group-relative
+    advantages only rank failures. The demonstration is relabelled with the current policy's
+    log-probs and version (:func:`relabel_behaviour`). Returns the step's trajectories (same
+    length and order; groups with a success, or whose task the expert cannot solve, unchanged) and
+    how many were replaced."""
+    trajs = list(group.trajs)
+    size = len(trajs) // max(len(group.chosen), 1)
+    failed = [i for i in range(len(group.chosen))
+              if not any(t.reward is not None and t.reward.success for t in trajs[i * size:(i + 1) * size])]
+    if not failed:
+        return trajs, 0
+    demos = expert_demonstrations(ws.contract, ws.make_env, expert, [group.chosen[i] for i in failed],
+                                  weights=ws.cfg.reward)
+    by_task = {d.task_id: d for d in demos}
+    slots, chosen = [], []
+    for i in failed:
+        demo = by_task.get(group.chosen[i].id)
+        if demo is None:
+            continue
+        members = range(i * size, (i + 1) * size)
+        worst = min(members, key=lambda j: (trajs[j].reward.total if trajs[j].reward is not None else float("-inf"), -j))
+        slots.append(worst)
+        chosen.append(demo)
+    for j, demo in zip(slots, relabel_behaviour(model, chosen, pad_id, ws.contract.sampling.temperature,
+                                                policy_version)):
+        trajs[j] = demo
+    return trajs, len(slots)
 
 
 # ------------------------------------------------------------- rewards -----

@@ -7,6 +7,7 @@ learner trains on each rank's share of every minibatch, and only rank 0 writes."
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import time
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from mentorrl.algos.advantages import get_advantage_estimator
+from mentorrl.envs.adapters.common import NoExpert
 from mentorrl.flywheel.hard_pool import HardTaskPool
 from mentorrl.train.audit import GapMonitor
 from mentorrl.train.learner import Learner
@@ -21,6 +23,7 @@ from mentorrl.train.loop import (
     collect_group,
     gap_check,
     group_rewards,
+    guide_failed_groups,
     pg_update,
     reduce_updates,
     reward_debugger,
@@ -52,6 +55,18 @@ def load_hard_pool(g) -> HardTaskPool | None:
     return pool
 
 
+def guide_expert(ws: Workspace):
+    """The scripted expert of ``grpo.guide: expert``, or None; an environment without one is refused
+    before the first step."""
+    if ws.cfg.grpo.guide != "expert":
+        return None
+    expert = ws.env_entry.make_expert()
+    if isinstance(expert, NoExpert):
+        raise ValueError(f"grpo.guide: expert needs a scripted expert, and environment {ws.cfg.env.name!r} has "
+                         "none; set grpo.guide: none")
+    return expert
+
+
 @register_stage("grpo", config="grpo", title="GRPO", label="GRPO", rl=True)
 def run_grpo(ws: Workspace, model, resume: bool = False) -> Path:
     """GRPO, with a frozen reference policy when ``grpo.kl_coef > 0``."""
@@ -67,6 +82,7 @@ def grpo_stage(ws: Workspace, model, ref_model=None, resume: bool = False) -> Pa
     version = {"policy": 0}
     monitor = GapMonitor(audit.reward_window, audit.reward_rise, audit.success_rise)
     hard = load_hard_pool(g)
+    expert = guide_expert(ws)
 
     def step_fn(step: int) -> dict[str, float]:
         rng = random.Random(cfg.seed * 1_000_003 + 17 * step + 1)
@@ -75,11 +91,17 @@ def grpo_stage(ws: Workspace, model, ref_model=None, resume: bool = False) -> Pa
         hard_in_batch = sum(t.id in hard for t in chosen) if hard is not None else 0
         grp = collect_group(ws, model, chosen, g.group_size, version["policy"], cfg.seed * 7_777 + step,
                             f"GRPO step {step + 1}", shard=True)
+        metrics: dict[str, float] = {**rollout_metrics(grp.trajs), "rollouts": len(grp.trajs)}  # the policy's own
+        if hard is not None:
+            hard.update(grp.trajs)
+        if expert is not None:
+            guided, n_guided = guide_failed_groups(ws, model, grp, expert, version["policy"], ws.contract.pad_token_id)
+            grp = dataclasses.replace(grp, trajs=guided)
+            metrics["guided_groups"] = float(n_guided)
         trajs = grp.trajs
         rewards, clipped, stats = group_rewards(grp.raw_rewards(), audit)
         adv = estimator(rewards, normalize_std=g.normalize_std).reshape(-1)
-        metrics: dict[str, float] = {**stats, **{f"reward_{k}": v for k, v in clipped.items()}}
-        metrics.update(rollout_metrics(trajs), rollouts=len(trajs))
+        metrics.update({**stats, **{f"reward_{k}": v for k, v in clipped.items()}})
         metrics.update(ws.on_main(lambda: reward_debugger(
             trajs, audit.flag_reward, ws.run_dir / "audit" / f"flagged-grpo-step-{step + 1:06d}.jsonl")))
         # Zero-advantage trajectories give exactly zero policy gradient: without a KL term they are
@@ -94,7 +116,6 @@ def grpo_stage(ws: Workspace, model, ref_model=None, resume: bool = False) -> Pa
                        rollout_s=grp.rollout_s, update_s=time.perf_counter() - t1,
                        rollout_cpu_util=grp.rollout_cpu_s / max(grp.rollout_s, 1e-9) / cpu_cores())
         if hard is not None:
-            hard.update(trajs)
             metrics.update(hard_tasks_in_batch=float(hard_in_batch), hard_pool_size=float(len(hard)))
         metrics.update(_after_step(ws, model, monitor, step, metrics["reward_mean"], trajs))
         return metrics

@@ -41,7 +41,6 @@ from mentorrl.replay.buffer import BatchItem, ReplayBuffer, hybrid_batch, segmen
 from mentorrl.rollout.runner import expert_demonstrations
 from mentorrl.train.async_rl import RolloutPool, WeightBox, lag_histogram, staleness_weights
 from mentorrl.train.audit import GapMonitor
-from mentorrl.models.batch import collate, forward_logprobs
 from mentorrl.train.learner import Learner
 from mentorrl.replay.checkpointing import BufferCheckpoints
 from mentorrl.train.rundir import KEEP_CHECKPOINTS
@@ -50,6 +49,7 @@ from mentorrl.train.loop import (
     gap_check,
     outcome_rewards,
     pg_update,
+    relabel_behaviour,
     reduce_updates,
     require_consistent,
     reward_debugger,
@@ -71,18 +71,6 @@ def task_stream(pool: list, seed: int) -> Iterator:
         order = list(pool)
         rng.shuffle(order)
         yield from order
-
-
-@torch.no_grad()
-def relabel_behaviour(model, trajs: list[Trajectory], pad_id: int, temperature: float) -> list[Trajectory]:
-    """Copies of ``trajs`` whose behaviour log-probs are the current policy's (for off-policy demonstrations)."""
-    if not trajs:
-        return []
-    device = next(model.parameters()).device
-    lp = forward_logprobs(model, collate(trajs, pad_id).to(device), temperature)[0].cpu()
-    return [t.model_copy(update={"logprobs": [float(x) if m else 0.0 for x, m in zip(lp[b, : len(t.token_ids)].tolist(),
-                                                                                     t.loss_mask)]})
-            for b, t in enumerate(trajs)]
 
 
 def _first_policy_value(traj: Trajectory, values: torch.Tensor) -> float:

@@ -1,0 +1,127 @@
+"""grpo.guide: expert — a group in which no rollout succeeded gets the scripted expert's verified
+demonstration in place of its lowest-reward rollout, relabelled with the current policy's
+log-probs, so GRPO has a signal towards success on tasks the policy never solves."""
+
+from __future__ import annotations
+
+import copy
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from mentorrl.cli import app
+from mentorrl.config import OptimConfig, RunConfig
+from mentorrl.envs.adapters.common import NoExpert
+from mentorrl.envs.base import FinalAnswer
+from mentorrl.models.batch import collate, forward_logprobs
+from mentorrl.rollout.runner import expert_demonstrations, rollout_tasks
+from mentorrl.train.learner import Learner
+from mentorrl.train.loop import Group, guide_failed_groups, pg_update
+from mentorrl.train.recipes.grpo import guide_expert
+from mentorrl.train.rundir import MetricsLog
+
+from test_resume import TINY_OVERRIDES
+
+G = 3
+
+
+@pytest.fixture(scope="module")
+def setting(orders_entry, make_contract, model, find_task):
+    contract = make_contract(max_turns=8, max_total_tokens=2048)
+    ws = SimpleNamespace(contract=contract, make_env=orders_entry.make_env, cfg=RunConfig())
+    tasks = [find_task("refund"), find_task("order_status")]
+    grouped = [t for t in tasks for _ in range(G)]
+    trajs = rollout_tasks(model, contract, orders_entry.make_env, grouped, policy_version=0, seed=5, batch_size=len(grouped))
+    assert not any(t.reward.success for t in trajs)  # an untrained model: every rollout fails
+    # group 1 holds one success (the expert's, as if the policy had found it)
+    solved = expert_demonstrations(contract, orders_entry.make_env, orders_entry.make_expert(), [tasks[1]])[0]
+    trajs[G + 1] = solved
+    return ws, Group(tasks, grouped, trajs, 0.0, 0.0)
+
+
+def test_only_failed_groups_get_the_demonstration_in_their_worst_slot(setting, model, orders_entry, tokenizer):
+    ws, group = setting
+    out, n = guide_failed_groups(ws, model, group, orders_entry.make_expert(), policy_version=7,
+                                 pad_id=tokenizer.pad_token_id)
+    assert n == 1 and len(out) == len(group.trajs)
+    assert out[G:] == group.trajs[G:]  # the group with a success is untouched
+    totals = [t.reward.total for t in group.trajs[:G]]
+    worst = max(j for j in range(G) if totals[j] == min(totals))
+    replaced = [j for j in range(G) if out[j] is not group.trajs[j]]
+    assert replaced == [worst]
+    demo = out[worst]
+    assert demo.source == "expert" and demo.reward.success and demo.task_id == group.chosen[0].id
+    assert demo.policy_version == 7
+    # behaviour log-probs are the current policy's on the policy tokens (ratio 1 at the update), 0 elsewhere
+    lp, _ = forward_logprobs(model, collate([demo], tokenizer.pad_token_id), ws.contract.sampling.temperature)
+    mask = torch.tensor(demo.loss_mask, dtype=torch.bool)
+    got = torch.tensor(demo.logprobs)
+    torch.testing.assert_close(got[mask], lp[0, : len(demo.token_ids)][mask], rtol=1e-5, atol=1e-5)
+    assert (got[~mask] == 0).all() and (got[mask] < 0).all()
+
+
+class _WrongExpert:
+    """Answers every task with a constant; the verifier never accepts it."""
+
+    def act(self, task):
+        yield FinalAnswer("I cannot help with that.")
+
+
+def test_a_task_the_expert_cannot_solve_is_left_alone(setting, model, tokenizer):
+    ws, group = setting
+    out, n = guide_failed_groups(ws, model, group, _WrongExpert(), 0, tokenizer.pad_token_id)
+    assert n == 0 and out == group.trajs
+
+
+def test_the_guided_update_raises_the_demonstration_and_lowers_the_failures(setting, model, orders_entry, tokenizer):
+    ws, group = setting
+    out, _ = guide_failed_groups(ws, model, group, orders_entry.make_expert(), 0, tokenizer.pad_token_id)
+    rows = out[:G]
+    rewards = torch.tensor([[t.reward.total for t in rows]])
+    adv = ((rewards - rewards.mean()) / rewards.std()).reshape(-1)
+    demo_row = next(j for j, t in enumerate(rows) if t.source == "expert")
+    assert adv[demo_row] > 0 and (adv[[j for j in range(G) if j != demo_row]] < 0).all()
+    m = copy.deepcopy(model).train()
+    learner = Learner(m, OptimConfig(lr=3e-3, micro_batch_size=4), tokenizer.pad_token_id)
+    pad = tokenizer.pad_token_id
+
+    def seq_lp(mod):
+        with torch.no_grad():
+            lp, _ = forward_logprobs(mod, collate(rows, pad), 1.0)
+        mask = collate(rows, pad).loss_mask
+        return (lp * mask).sum(1)
+
+    before = seq_lp(model)
+    pg_update(learner, rows, adv, 1, seed=0, version={"policy": 0}, kind="grpo", eps_low=0.2, eps_high=0.28)
+    after = seq_lp(m.eval())
+    assert after[demo_row] > before[demo_row] + 1.0
+
+
+def test_an_environment_without_an_expert_is_refused_before_the_first_step():
+    cfg = RunConfig.model_validate({"grpo": {"guide": "expert"}})
+    ws = SimpleNamespace(cfg=cfg, env_entry=SimpleNamespace(make_expert=lambda: NoExpert("x")))
+    with pytest.raises(ValueError, match="needs a scripted expert"):
+        guide_expert(ws)
+    assert guide_expert(SimpleNamespace(cfg=RunConfig())) is None
+    with pytest.raises(ValueError):
+        RunConfig.model_validate({"grpo": {"guide": "teacher"}})
+
+
+def test_a_guided_grpo_run_logs_its_guided_groups_and_passes_the_check(tmp_path):
+    run = tmp_path / "run"
+    args = ["demo", "--run-dir", str(run)]
+    for ov in TINY_OVERRIDES + ["recipe=[grpo]", "grpo.steps=2", "grpo.guide=expert", "limits.max_turns=6",
+                                "limits.max_total_tokens=1024", "audit.preflight=false",
+                                "eval.final_splits=[]"]:
+        args += ["--set", ov]
+    res = CliRunner().invoke(app, args, catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    rows = MetricsLog(run / "metrics.jsonl").read("grpo")
+    assert len(rows) == 2 and all(r["guided_groups"] >= 1 for r in rows)  # an untrained policy fails everything
+    assert all(r["task_success"] == 0 for r in rows)  # the policy's own rollouts, not the demonstrations
+    assert json.loads((run / "report.json").read_text())["evals"]
+    checked = CliRunner().invoke(app, ["check", str(run)])
+    assert checked.exit_code == 0, checked.output
