@@ -13,6 +13,8 @@ so a huge bad value is never echoed back whole.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
+import json
 import threading
 import time
 from dataclasses import dataclass, field
@@ -46,6 +48,27 @@ class ToolResult:
     latency_s: float = 0.0
 
 
+@functools.lru_cache(maxsize=1024)
+def _validator_for(key: str) -> jsonschema.Draft202012Validator:
+    schema = json.loads(key)
+    jsonschema.Draft202012Validator.check_schema(schema)
+    return jsonschema.Draft202012Validator(schema)
+
+
+def schema_validator(schema: dict[str, Any]) -> jsonschema.Draft202012Validator:
+    """A checked validator for a tool's argument schema, memoised by the schema's content: an
+    environment built per episode re-checks nothing (checking the orders tools' nine schemas cost
+    ~60 ms per environment, ~8 CPU-s per GRPO step of 128 episodes). Invalid schemas raise
+    ``jsonschema.SchemaError`` every time (exceptions are not cached); a schema that is not JSON
+    (a Python object inside) is checked without the memo."""
+    try:
+        key = json.dumps(schema, sort_keys=True)
+    except (TypeError, ValueError):
+        jsonschema.Draft202012Validator.check_schema(schema)
+        return jsonschema.Draft202012Validator(schema)
+    return _validator_for(key)
+
+
 @dataclass
 class Tool:
     name: str
@@ -54,8 +77,7 @@ class Tool:
     fn: Callable[..., Any]
 
     def __post_init__(self) -> None:
-        jsonschema.Draft202012Validator.check_schema(self.parameters)
-        self._validator = jsonschema.Draft202012Validator(self.parameters)
+        self._validator = schema_validator(self.parameters)
 
     def signature(self, with_description: bool = True) -> str:
         """One-line rendering for prompts: ``name(arg: type, ...) - description``."""
