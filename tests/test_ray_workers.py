@@ -53,7 +53,7 @@ def ray_local():
 def _cfg(run_dir: Path, extra: list[str]):
     return load_config(None, TINY_OVERRIDES + [
         f"run_dir={run_dir}", "recipe=[grpo]", "grpo.steps=2", "grpo.checkpoint_every=1",
-        "grpo.sample_trajectories=1000", "eval.num_tasks=0", "audit.preflight=false"] + extra)
+        "grpo.sample_trajectories=1000", "grpo.kl_coef=0.1", "eval.num_tasks=0", "audit.preflight=false"] + extra)
 
 
 def _run(run_dir: Path, extra: list[str]):

@@ -491,11 +491,13 @@ class RayRolloutPool:
     each into an outbox of ``queue_size / workers`` finished trajectories (the back-pressure).
     ``box`` is the learner's :class:`~mentorrl.train.async_rl.WeightBox`: each :meth:`get` first
     broadcasts a newer published version. ``workers`` is ignored (``distributed.rollout_workers``
-    counts the actors)."""
+    counts the actors); with ``ws`` the environments are the workspace's (:func:`env_factory`)."""
 
     def __init__(self, policy, contract, make_env: Callable[[], Any], tasks: Iterator, box, slots: int,
                  queue_size: int, seed: int, weights=None, recompute_kv: bool = False, workers: int = 1, *,
-                 dist: DistributedConfig):
+                 dist: DistributedConfig, ws=None):
+        if ws is not None:  # the workspace's environment, as a factory that pickles (its bound make_env does not)
+            make_env = env_factory(ws)
         init_ray(dist)
         _require_cpus(dist.rollout_workers)
         self.dist, self.contract, self.make_env, self.tasks, self.box = dist, contract, make_env, tasks, box

@@ -133,7 +133,7 @@ class SAORun:
             pool_cls = RolloutPool
             if cfg.distributed.backend == "ray":  # rollout actors (mentorrl.distributed.ray_workers, docs/ray.md)
                 from mentorrl.distributed.ray_workers import RayRolloutPool
-                pool_cls = functools.partial(RayRolloutPool, dist=cfg.distributed)
+                pool_cls = functools.partial(RayRolloutPool, dist=cfg.distributed, ws=self.ws)
             w = pool_cls(self.model, self.ws.contract, self.ws.make_env, task_stream(self.pool, cfg.seed * 7_919 + step),
                             self.box, slots=r.slots, queue_size=r.queue_size or s.batch_size,
                             seed=cfg.seed * 104_729 + step, weights=cfg.reward, recompute_kv=r.recompute_kv,
