@@ -266,3 +266,60 @@ def test_sao_stage_on_ray_actors(ray_local, tmp_path):
     assert all(r["policy_lag_max"] <= 1 for r in sao)
     assert sao[-1]["policy_version"] >= 3 and sao[-1]["worker_syncs"] >= 2
     assert (run / "sao" / "final" / "DONE").exists()
+
+
+# ------------------------------------------------------------------ a killed driver -------
+def test_driver_sigkilled_mid_grpo_on_ray_resumes(ray_local, tmp_path):
+    """The driver (learner + Ray head it started) SIGKILLed after GRPO step 3 was logged; ``--resume``
+    starts new actors, continues from the step-2 checkpoint, and redoes step 3 exactly: the same
+    tasks and, since Ray rollouts are a function of (weights, tasks, seed, workers), the same tokens."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import yaml
+
+    from test_resume import BLOCKING_CLI, _env, _sample_task_ids, _steps
+
+    run_dir = tmp_path / "run"
+    cfg = _cfg(run_dir, ["grpo.steps=4", "grpo.checkpoint_every=2", "distributed.backend=ray",
+                         "distributed.rollout_workers=2"])
+    cfg_path = tmp_path / "cfg.yaml"
+    cfg_path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    marker = tmp_path / "blocked"
+    env = _env()
+    env["MENTORRL_TEST_MARKER"] = str(marker)
+    env.pop("RAY_ADDRESS", None)  # the CLI starts its own local Ray, as a user's run would
+    proc = subprocess.Popen([sys.executable, "-c", BLOCKING_CLI, "train", str(cfg_path)], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not marker.exists():
+            if proc.poll() is not None:
+                pytest.fail(f"run ended before it could be interrupted (rc={proc.returncode}):\n{proc.stdout.read()}")
+            if time.monotonic() > deadline:
+                pytest.fail("run did not reach GRPO step 3 in time")
+            time.sleep(0.1)
+        os.killpg(proc.pid, signal.SIGKILL)  # the driver and every process of the Ray it started
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    killed = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert _steps(killed, "grpo") == [1, 2, 3]
+    killed_step3 = _samples(run_dir, 3)
+    killed_ids = _sample_task_ids(run_dir)
+
+    res = subprocess.run([sys.executable, "-m", "mentorrl.cli", "train", str(cfg_path), "--resume"], cwd=tmp_path,
+                         env=_env(), capture_output=True, text=True, timeout=300, start_new_session=True)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out
+    assert "grpo: resuming from step-000002 (step 2/4)" in out, out
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert _steps(records, "grpo") == [1, 2, 3, 4]  # exactly once each
+    assert _sample_task_ids(run_dir)[3] == killed_ids[3]
+    _same(_samples(run_dir, 3), killed_step3)  # the redone step, token for token
+    assert (run_dir / "grpo" / "final" / "DONE").exists()
