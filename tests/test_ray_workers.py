@@ -249,6 +249,35 @@ def test_sao_stream_across_actors_versions_and_staleness(ray_local, tool_happy_m
         pool.close()
 
 
+def test_sao_stream_survives_a_killed_actor(ray_local, tool_happy_model, make_contract, orders_entry, orders_tasks):
+    """Kill a streaming actor between two gets: its replacement gets the tasks it held (in flight or
+    finished but not yet collected), so every task of the stream comes back exactly once."""
+    from mentorrl.config import DistributedConfig
+    from mentorrl.distributed.ray_workers import RayRolloutPool
+    from mentorrl.train.async_rl import WeightBox
+
+    ray = ray_local
+    contract = make_contract()
+    model = copy.deepcopy(tool_happy_model)
+    box = WeightBox()
+    box.publish(model, 0)
+    tasks = orders_tasks[200:216]
+    pool = RayRolloutPool(model, contract, orders_entry.make_env, iter(tasks), box, slots=2, queue_size=4, seed=5,
+                          dist=DistributedConfig(backend="ray", rollout_workers=2))
+    pool.start()
+    try:
+        got = pool.get(3, 120)
+        victim = pool.actors[0]
+        assert pool.given[0]  # it holds tasks now
+        ray.kill(victim)
+        got += pool.get(len(tasks) - 3, 120)
+        assert pool.replaced == 1 and pool.actors[0]._actor_id != victim._actor_id
+        assert sorted(t.task_id for t in got) == sorted(t.id for t in tasks)
+        assert not any(pool.given) and pool.spill == []
+    finally:
+        pool.close()
+
+
 def test_sao_stage_on_ray_actors(ray_local, tmp_path):
     """``recipe: [sao]`` with ``distributed.backend: ray``: the learner trains on what two actors
     stream, and no trajectory it trains on lags more than ``max_staleness`` versions."""

@@ -266,6 +266,8 @@ class RolloutActor:
                 task = self.inbox.get(timeout=0.1)
             except queue.Empty:
                 continue
+            if task is None:  # the driver's task stream ran dry: finish the live rows and stop
+                return None
             return Episode(self.contract, self.make_env(), task, policy_version=self.version,
                            weights=self.reward_weights)
         return None
@@ -294,13 +296,18 @@ class RolloutActor:
         self.stop = threading.Event()
         self.error: str | None = None
         self.produced = self.syncs = 0
+        self.ended = False
         self.thread = threading.Thread(target=self._stream, name="ray-rollout-stream", daemon=True)
         self.thread.start()
 
-    def poll(self, tasks: list, max_items: int) -> dict[str, Any]:
-        """Take more tasks; hand back up to ``max_items`` finished trajectories (one batch)."""
+    def poll(self, tasks: list, max_items: int, end: bool = False) -> dict[str, Any]:
+        """Take more tasks (``end``: there will be no more); hand back up to ``max_items`` finished
+        trajectories (one batch)."""
         for t in tasks:
             self.inbox.put(t)
+        if end and not self.ended:
+            self.inbox.put(None)
+            self.ended = True
         out: list[Trajectory] = []
         while len(out) < max_items:
             try:
@@ -575,11 +582,14 @@ class RayRolloutPool:
         """The next ``n`` finished trajectories (in the order their batches arrived); raises if an
         actor's stream failed, all ran dry, or none came for ``timeout_s``. A dead actor is replaced."""
         got, self.spill = self.spill[:n], self.spill[n:]
-        waited = 0.0
+        last = time.monotonic()
         restarts = 0
         while len(got) < n:
             self._publish()
-            refs = [a.poll.remote(self._deal(i), n - len(got)) for i, a in enumerate(self.actors)]
+            refs = []
+            for i, a in enumerate(self.actors):
+                new = self._deal(i)
+                refs.append(a.poll.remote(new, n - len(got), self.dry))
             before = len(got)
             for i, ref in enumerate(refs):
                 try:
@@ -600,12 +610,11 @@ class RayRolloutPool:
             if len(got) == before:
                 if self.dry and not any(self.given):
                     raise RuntimeError("rollout workers stopped: their task stream ran dry")
-                time.sleep(0.05)
-                waited += 0.05
-                if waited >= timeout_s:
+                if time.monotonic() - last >= timeout_s:
                     raise TimeoutError(f"no trajectory from the rollout workers in {timeout_s:.0f}s")
+                time.sleep(0.05)
             else:
-                waited = 0.0
+                last = time.monotonic()
         got, extra = got[:n], got[n:]
         self.spill = extra + self.spill
         return got
