@@ -637,12 +637,22 @@ class EvalConfig(_Section):
 
 
 class DistributedConfig(_Section):
-    backend: Literal["auto", "none", "ddp"] = Field(
+    backend: Literal["auto", "none", "ddp", "ray"] = Field(
         "auto", description="auto: a data-parallel learner (DDP) when launched by torchrun with WORLD_SIZE > 1, "
                             "else one process; none: one process (refuses a torchrun launch of several ranks); "
-                            "ddp: torch DDP over gloo, launched with `torchrun --nproc-per-node N -m mentorrl.cli train`")
+                            "ddp: torch DDP over gloo, launched with `torchrun --nproc-per-node N -m mentorrl.cli train`; "
+                            "ray: GRPO and SAO rollouts on Ray actors (`pip install \"mentorrl[ray]\"`, docs/ray.md), "
+                            "the learner in this process")
     timeout_s: float = Field(1800.0, gt=0, description="how long a rank waits for the others (e.g. while rank 0 "
                                                        "builds the model or evaluates) before the run fails")
+    rollout_workers: int = Field(2, ge=1, description="backend ray: rollout actors, each with a policy copy and the "
+                                                      "rollout engine, one CPU each")
+    env_workers: int = Field(0, ge=0, description="backend ray: environment actors serving the rollout actors' "
+                                                  "environments; 0 keeps each environment inside its rollout actor")
+    address: str | None = Field(None, description="backend ray: null starts a local Ray in this process; 'auto' "
+                                                  "(or host:port, ray://...) joins a running cluster (`ray start`)")
+    actor_restarts: int = Field(3, ge=0, description="backend ray: dead actors replaced (and their episodes re-run) "
+                                                     "within one step before the step fails")
 
 
 class LoggingConfig(_Section):

@@ -65,6 +65,9 @@ def distributed_plan(cfg: RunConfig, env: Mapping[str, str] | None = None) -> tu
         raise ConfigError(f"distributed: RANK={rank} is not a rank of WORLD_SIZE={world}")
     if world == 1 and backend != "ddp":
         return None
+    if backend == "ray":
+        raise ConfigError(f"distributed.backend: ray runs the learner in one process (rollouts on Ray actors); "
+                          f"launch it without torchrun, not as {world} ranks")
     if backend == "none":
         raise ConfigError(f"distributed.backend: none, but torchrun launched {world} ranks: each would train alone "
                           f"and write the same run_dir; set distributed.backend: ddp (or auto), or launch one process")

@@ -94,8 +94,12 @@ def collect_group(ws: Workspace, model, chosen: list, group_size: int, policy_ve
 
 def rollout_shared(ws: Workspace, model, tasks: list, policy_version: int, seed: int) -> list[Trajectory]:
     """One step's rollouts, in task order. Under data parallel each rank decodes its contiguous
-    share (seeded by its offset in the batch) and all ranks gather every trajectory."""
+    share (seeded by its offset in the batch) and all ranks gather every trajectory; under
+    ``distributed.backend: ray`` the shares go to the Ray rollout actors the same way."""
     cfg = ws.cfg
+    if cfg.distributed.backend == "ray":  # rollout actors (mentorrl.distributed.ray_workers, docs/ray.md)
+        from mentorrl.distributed.ray_workers import ray_rollouts
+        return ray_rollouts(ws, model, tasks, policy_version, seed)
     if ws.dp is None:
         return rollout_tasks(model, ws.contract, ws.make_env, tasks, policy_version=policy_version, seed=seed,
                              batch_size=len(tasks), weights=cfg.reward)

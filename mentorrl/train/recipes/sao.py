@@ -29,6 +29,7 @@ the run died are simply lost; the resumed worker starts new ones.
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import time
@@ -129,7 +130,11 @@ class SAORun:
         if self.worker is None:  # started lazily: after run_stage restored the weights of a resumed run
             cfg, s, r = self.ws.cfg, self.s, self.s.rollout
             self.box.publish(self.model, self.state["policy"])
-            w = RolloutPool(self.model, self.ws.contract, self.ws.make_env, task_stream(self.pool, cfg.seed * 7_919 + step),
+            pool_cls = RolloutPool
+            if cfg.distributed.backend == "ray":  # rollout actors (mentorrl.distributed.ray_workers, docs/ray.md)
+                from mentorrl.distributed.ray_workers import RayRolloutPool
+                pool_cls = functools.partial(RayRolloutPool, dist=cfg.distributed, ws=self.ws)
+            w = pool_cls(self.model, self.ws.contract, self.ws.make_env, task_stream(self.pool, cfg.seed * 7_919 + step),
                             self.box, slots=r.slots, queue_size=r.queue_size or s.batch_size,
                             seed=cfg.seed * 104_729 + step, weights=cfg.reward, recompute_kv=r.recompute_kv,
                             workers=r.workers)
