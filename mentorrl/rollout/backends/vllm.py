@@ -24,6 +24,7 @@ import os
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -33,6 +34,18 @@ from mentorrl.contract import RolloutContract
 from mentorrl.rollout.backends.base import Generation, GenerationBackend
 
 EXTENSION = "mentorrl.rollout.backends.vllm_worker.WeightSyncExtension"
+
+
+@dataclass(frozen=True)
+class VLLMOptions:
+    """The engine options of the ``rollout:`` config section, with its defaults (for use without a run config)."""
+
+    dtype: str = "float32"
+    kv_cache_gib: float = 1.0
+    gpu_memory_utilization: float = 0.5
+    max_num_seqs: int = 256
+    prefix_caching: bool = True
+    enforce_eager: bool = True
 
 
 def _shm_dir() -> str | None:
@@ -49,10 +62,10 @@ class VLLMBackend(GenerationBackend):
     name = "vllm"
 
     def __init__(self, model, contract: RolloutContract, cfg: Any = None, seed: int = 0):
+        """``cfg``: the run's ``rollout:`` section (:class:`mentorrl.config.RolloutConfig`), or None for
+        :class:`VLLMOptions`' defaults."""
         super().__init__()
-        from mentorrl.config import RolloutConfig
-
-        cfg = cfg if cfg is not None else RolloutConfig(backend="vllm")
+        cfg = cfg if cfg is not None else VLLMOptions()
         self.cfg, self.contract = cfg, contract
         self._arch = self._arch_of(model)
         self.dir = Path(tempfile.mkdtemp(prefix="mentorrl-vllm-", dir=_shm_dir()))
