@@ -122,6 +122,7 @@ def test_follow_pushes_only_changed_weights(engine, policy_copy):
 def test_rollout_tasks_through_vllm_pass_the_consistency_checks(engine, policy_copy, contract, orders_entry,
                                                                  orders_tasks):
     from mentorrl.models.batch import collate, forward_logprobs
+    from mentorrl.rollout.backends import backend_of
     from mentorrl.rollout.runner import rollout_tasks
     from mentorrl.train.consistency import batch_checks, logprob_gap_metrics
 
@@ -129,6 +130,8 @@ def test_rollout_tasks_through_vllm_pass_the_consistency_checks(engine, policy_c
     trajs = rollout_tasks(policy_copy, contract, orders_entry.make_env, orders_tasks[:6], policy_version=5, seed=3,
                           backend=engine)
     assert len(trajs) == 6 and all(t.task_id == task.id for t, task in zip(trajs, orders_tasks[:6]))
+    assert backend_of(trajs) == "vllm"
+    assert backend_of(rollout_tasks(policy_copy, contract, orders_entry.make_env, orders_tasks[:2])) == "hf"
     checks = batch_checks(trajs, 5, contract.env_name, contract.env_version, contract.fingerprint())
     assert all(c.passed for c in checks), [c for c in checks if not c.passed]
     batch = collate(trajs, contract.pad_token_id)

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from mentorrl.rollout.backends.base import Generation, GenerationBackend, drive_episodes, turn_seed
+from mentorrl.rollout.backends.base import Generation, GenerationBackend, backend_of, drive_episodes, turn_seed
 
-__all__ = ["Generation", "GenerationBackend", "backend_for", "configure", "current_config", "drive_episodes",
+__all__ = ["Generation", "GenerationBackend", "backend_for", "backend_name", "backend_of", "configure", "current_config", "drive_episodes",
            "release", "sync_weights", "turn_seed"]
 
 _config: Any = None  # the active RolloutConfig (None: hf)

@@ -61,6 +61,14 @@ class GenerationBackend(ABC):
         return drive_episodes(self, episodes, seed=seed)
 
 
+def backend_of(trajs: Sequence[Trajectory]) -> str:
+    """The backend that sampled the policy's trajectories among ``trajs`` (demonstrations are not
+    counted): its name, ``"mixed"``, or ``"none"``. A trajectory without a ``sampling["backend"]``
+    stamp came from the project's engine (hf)."""
+    names = {t.sampling.get("backend", "hf") for t in trajs if t.source == "policy"}
+    return names.pop() if len(names) == 1 else ("mixed" if names else "none")
+
+
 def turn_seed(seed: int, episode: int, turn: int) -> int:
     """The sampling seed of ``episode``'s ``turn``-th policy turn in a batch rolled out with ``seed``."""
     return (seed * 1_000_003 + episode * 7_919 + turn * 104_729) % (2**31 - 1)
@@ -88,6 +96,7 @@ def drive_episodes(backend: GenerationBackend, episodes: list[Episode], seed: in
     def finish(e: int) -> None:
         traj = episodes[e].finish()
         traj.timings["rollout_s"] = time.perf_counter() - t0
+        traj.sampling["backend"] = backend.name  # which engine sampled it (absent: the project's own)
         results[e] = traj
 
     with cf.ThreadPoolExecutor(max_workers=tool_workers or len(episodes), thread_name_prefix="rollout-tool") as pool:
