@@ -20,6 +20,7 @@ reloads from that file, re-ties the output layer to the embedding, and the prefi
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import tempfile
@@ -69,6 +70,7 @@ class VLLMBackend(GenerationBackend):
         self.cfg, self.contract = cfg, contract
         self._arch = self._arch_of(model)
         self.dir = Path(tempfile.mkdtemp(prefix="mentorrl-vllm-", dir=_shm_dir()))
+        atexit.register(shutil.rmtree, self.dir, True)  # the copy in /dev/shm goes with the process
         t0 = time.perf_counter()
         model.save_pretrained(self.dir / "model", safe_serialization=True)
         self.llm = self._build(cfg, seed)
