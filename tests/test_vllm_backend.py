@@ -9,7 +9,9 @@
 - ``rollout_tasks`` through the backend passes the train/rollout consistency checks;
 - a GRPO run of 2 steps with ``rollout.backend: vllm`` logs the consistency metrics tagged with it.
 
-Skipped only when ``import vllm`` fails (install the extra with ``.ci/install_vllm.sh``).
+The vLLM tests carry the ``vllm`` marker and are skipped only when ``import vllm`` fails (install
+the extra with ``.ci/install_vllm.sh``). One test needs no vLLM: the turn-level episode driver over
+the narrow interface, run with the hf backend's ``generate``.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ try:
 except Exception:  # noqa: BLE001 (a broken install, e.g. CUDA torchvision beside CPU torch, fails here too)
     HAVE_VLLM = False
 
-pytestmark = [pytest.mark.vllm, pytest.mark.skipif(not HAVE_VLLM, reason="vllm does not import (.ci/install_vllm.sh)")]
+needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vllm does not import (.ci/install_vllm.sh)")
 
 T = 0.7
 TOL = 1e-4
@@ -79,6 +81,34 @@ def generate(be, contract, prompts, seed=0):
                        seeds=[seed + i for i in range(len(prompts))])
 
 
+def test_the_turn_driver_over_the_narrow_interface_records_the_learners_logprobs(policy_copy, contract, orders_entry,
+                                                                                 orders_tasks):
+    """drive_episodes with the hf backend's one-turn generate: multi-turn episodes assembled in
+    mentorrl from token ids in / ids and log-probs out, passing the consistency checks."""
+    from mentorrl.models.batch import collate, forward_logprobs
+    from mentorrl.rollout.backends import backend_of, drive_episodes
+    from mentorrl.rollout.backends.hf import HFBackend
+    from mentorrl.rollout.episode import Episode
+    from mentorrl.train.consistency import batch_checks, logprob_gap_metrics
+
+    be = HFBackend(policy_copy, contract)
+    envs = [orders_entry.make_env() for _ in range(4)]
+    try:
+        trajs = drive_episodes(be, [Episode(contract, env, t) for env, t in zip(envs, orders_tasks[:4])], seed=1)
+    finally:
+        for env in envs:
+            env.close()
+    assert [t.task_id for t in trajs] == [t.id for t in orders_tasks[:4]] and backend_of(trajs) == "hf"
+    assert be.last_stats["generate_calls"] >= max(t.num_turns for t in trajs)
+    checks = batch_checks(trajs, 0, contract.env_name, contract.env_version, contract.fingerprint())
+    assert all(c.passed for c in checks), [c for c in checks if not c.passed]
+    batch = collate(trajs, contract.pad_token_id)
+    m = logprob_gap_metrics(batch.old_logprobs, forward_logprobs(policy_copy, batch, T)[0], batch.loss_mask)
+    assert m["logprob_abs_gap"] < TOL
+
+
+@pytest.mark.vllm
+@needs_vllm
 def test_logprobs_match_the_engine_before_and_after_a_weight_update(engine, policy_copy, contract, prompts):
     from mentorrl.rollout.backends.hf import HFBackend
 
@@ -108,6 +138,8 @@ def test_logprobs_match_the_engine_before_and_after_a_weight_update(engine, poli
     assert max_gap(policy_copy, prompts, again) < TOL
 
 
+@pytest.mark.vllm
+@needs_vllm
 def test_follow_pushes_only_changed_weights(engine, policy_copy):
     engine.follow(policy_copy, 3)
     n = engine.weight_syncs
@@ -119,6 +151,8 @@ def test_follow_pushes_only_changed_weights(engine, policy_copy):
     assert engine.weight_syncs == n + 1 and engine.version == 4
 
 
+@pytest.mark.vllm
+@needs_vllm
 def test_rollout_tasks_through_vllm_pass_the_consistency_checks(engine, policy_copy, contract, orders_entry,
                                                                  orders_tasks):
     from mentorrl.models.batch import collate, forward_logprobs
@@ -140,6 +174,8 @@ def test_rollout_tasks_through_vllm_pass_the_consistency_checks(engine, policy_c
     assert m["logprob_abs_gap"] < TOL and m["train_rollout_kl"] < 1e-6
 
 
+@pytest.mark.vllm
+@needs_vllm
 def test_sft_then_grpo_two_steps_with_the_vllm_backend(tiny_model_dir, tmp_path):
     from mentorrl.config import RunConfig
     from mentorrl.rollout import backends
