@@ -3,8 +3,9 @@
 
 Both decode the same held-out tasks through :func:`mentorrl.rollout.runner.rollout_tasks` (the
 entry point every stage uses: episodes, tool calls and rewards in mentorrl), with the same model,
-the demo recipe's rollout contract and seeds. Per backend: policy tokens per second (the tokens the
-policy generated, over the wall time of the rollout), trajectories per second, and the mean
+the demo recipe's rollout contract and seeds; their runs alternate, so a change in the machine's
+load hits both. Per backend: policy tokens per second (the tokens the policy generated, over the
+wall time of the rollout; the median over the runs), trajectories per second, and the mean
 |behaviour - learner| log-prob gap of its trajectories (the consistency metric the learner logs).
 For vLLM also the engine's start time and the weight-sync time per update (``set_weights`` of a
 perturbed copy of the model). Ends with the vllm / hf ratios.
@@ -63,23 +64,24 @@ def prepare(args, entry):
     return load_policy(out), "random-init Qwen2 " + SPEC_20M.model_dump_json()
 
 
-def measure(name, be, model, contract, entry, tasks, repeats, seed):
-    rollout_tasks(model, contract, entry.make_env, tasks[:4], seed=seed + 999, batch_size=4, backend=be)  # warm-up
-    walls, toks, trajs = [], [], []
-    for r in range(repeats):
-        t0 = time.perf_counter()
-        out = rollout_tasks(model, contract, entry.make_env, tasks, seed=seed + r, batch_size=len(tasks), backend=be)
-        walls.append(time.perf_counter() - t0)
-        toks.append(sum(t.num_policy_tokens for t in out))
-        trajs = out
+def run_once(be, model, contract, entry, tasks, seed):
+    t0 = time.perf_counter()
+    out = rollout_tasks(model, contract, entry.make_env, tasks, seed=seed, batch_size=len(tasks), backend=be)
+    return out, time.perf_counter() - t0
+
+
+def summarise(name, runs, model, contract, n_tasks):
+    walls = [w for _, w in runs]
+    toks = [sum(t.num_policy_tokens for t in out) for out, _ in runs]
+    trajs = runs[-1][0]
     batch = collate(trajs, contract.pad_token_id)
     with torch.no_grad():
         lp = forward_logprobs(model, batch, contract.sampling.temperature)[0]
     gap = logprob_gap_metrics(batch.old_logprobs, lp, batch.loss_mask)
     rates = [k / w for k, w in zip(toks, walls)]
     return {"backend": name, "policy_tokens_per_s": statistics.median(rates), "runs_tokens_per_s": rates,
-            "trajectories_per_s": len(tasks) / statistics.median(walls), "wall_s": statistics.median(walls),
-            "mean_policy_tokens": sum(toks) / len(toks) / len(tasks), **gap}
+            "trajectories_per_s": n_tasks / statistics.median(walls), "wall_s": statistics.median(walls),
+            "mean_policy_tokens": sum(toks) / len(toks) / n_tasks, **gap}
 
 
 def main() -> None:
@@ -108,18 +110,26 @@ def main() -> None:
           f"T={contract.sampling.temperature}, max_new_tokens={contract.sampling.max_new_tokens}; "
           f"torch threads {args.threads}")
 
-    rows = [measure("hf", HFBackend(model, contract), model, contract, entry, tasks, args.repeats, args.seed)]
+    backends = {"hf": HFBackend(model, contract)}
     extra: dict = {}
     try:
         import vllm  # noqa: F401
     except Exception as e:  # noqa: BLE001
-        print(f"vllm does not import ({type(e).__name__}: {e}); only the hf backend was measured")
+        print(f"vllm does not import ({type(e).__name__}: {e}); only the hf backend is measured")
     else:
         from mentorrl.rollout.backends.vllm import VLLMBackend
 
-        be = VLLMBackend(model, contract)
-        extra["vllm_start_s"] = be.start_s
-        rows.append(measure("vllm", be, model, contract, entry, tasks, args.repeats, args.seed))
+        backends["vllm"] = VLLMBackend(model, contract)
+        extra["vllm_start_s"] = backends["vllm"].start_s
+    runs: dict[str, list] = {name: [] for name in backends}
+    for name, be in backends.items():  # warm-up
+        run_once(be, model, contract, entry, tasks[:4], args.seed + 999)
+    for r in range(args.repeats):  # interleaved, so a change in the machine's load hits both alike
+        for name, be in backends.items():
+            runs[name].append(run_once(be, model, contract, entry, tasks, args.seed + r))
+    rows = [summarise(name, runs[name], model, contract, len(tasks)) for name in backends]
+    if "vllm" in backends:
+        be = backends["vllm"]
         moved = copy.deepcopy(model)
         times = []
         for v in range(args.syncs):

@@ -75,10 +75,12 @@ def turn_seed(seed: int, episode: int, turn: int) -> int:
 
 
 def drive_episodes(backend: GenerationBackend, episodes: list[Episode], seed: int = 0,
-                   tool_workers: int | None = None) -> list[Trajectory]:
+                   tool_workers: int | None = None, gather_s: float = 0.05) -> list[Trajectory]:
     """Multi-turn rollout over ``backend.generate``: each round generates the next policy turn of
     every episode that is not waiting on a tool, as one call (each row resubmits its whole context);
-    tool calls run in a thread pool between rounds. Trajectories come back in input order."""
+    tool calls run in a thread pool between rounds. Once one tool call has returned, the others get
+    up to ``gather_s`` more to join the same round (fewer, fuller calls; a slow tool holds up only
+    its own episode). Trajectories come back in input order."""
     if not episodes:
         return []
     contract: RolloutContract = episodes[0].contract
@@ -116,8 +118,9 @@ def drive_episodes(backend: GenerationBackend, episodes: list[Episode], seed: in
                     else:
                         waiting[e] = pool.submit(episodes[e].run_tool, action)
                 ready = []
-            if waiting:  # wait for at least one tool; take every result that is back
+            if waiting:  # wait for one tool, give the rest gather_s to join; take every result that is back
                 cf.wait(list(waiting.values()), return_when=cf.FIRST_COMPLETED)
+                cf.wait(list(waiting.values()), timeout=gather_s)
                 for e in sorted(e for e, f in waiting.items() if f.done()):
                     if episodes[e].add_observation(waiting.pop(e).result()) is None:
                         finish(e)
