@@ -42,6 +42,7 @@ class GenerationBackend(ABC):
         self.version: int | None = None  # the policy version whose weights are loaded (None: as built)
         self.weight_syncs = 0
         self.last_sync_s = 0.0
+        self.last_stats: dict[str, float] = {}  # counters of the last rollout
 
     @abstractmethod
     def generate(self, prompts: Sequence[Sequence[int]], *, temperature: float, max_tokens: Sequence[int],

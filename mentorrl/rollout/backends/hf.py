@@ -28,7 +28,6 @@ class HFBackend(GenerationBackend):
         super().__init__()
         self.model, self.contract = model, contract
         self.pad_token_id = contract.pad_token_id if pad_token_id is None else pad_token_id
-        self.last_stats: dict[str, float] = {}
 
     def run_episodes(self, episodes: list[Episode], seed: int = 0) -> list[Trajectory]:
         engine = RolloutEngine(self.model, self.contract)

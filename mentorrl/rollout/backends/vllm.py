@@ -76,7 +76,6 @@ class VLLMBackend(GenerationBackend):
         self.llm = self._build(cfg, seed)
         self.start_s = time.perf_counter() - t0
         self._seen = params_version(model)
-        self.last_stats: dict[str, float] = {}
 
     @staticmethod
     def _arch_of(model) -> str:
