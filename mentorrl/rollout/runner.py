@@ -1,4 +1,8 @@
-"""Roll out a list of tasks with a model: one fresh environment per episode, batched decode."""
+"""Roll out a list of tasks with a model: one fresh environment per episode, batched decode.
+
+:func:`rollout_tasks` is the rollout entry point of every stage; it decodes through the process's
+generation backend (:func:`mentorrl.rollout.backends.backend_for`: the project's engine by
+default, or vLLM under ``rollout.backend: vllm``), which it first brings to ``model``'s weights."""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ from typing import Any, Callable, Sequence
 from mentorrl.contract import RolloutContract
 from mentorrl.envs.base import Task
 from mentorrl.rewards.compose import RewardWeights
-from mentorrl.rollout.engine import RolloutEngine
+from mentorrl.rollout.backends import GenerationBackend, backend_for
 from mentorrl.rollout.episode import Episode, run_scripted_episode
 from mentorrl.trajectory import Trajectory
 
@@ -23,12 +27,14 @@ def rollout_tasks(
     weights: RewardWeights | None = None,
     on_batch: Callable[[int], None] | None = None,
     token_budgets: Sequence[int | None] | None = None,
+    backend: GenerationBackend | None = None,
 ) -> list[Trajectory]:
     """Trajectories in task order. ``batch_size`` bounds how many decode together; ``token_budgets``
-    (one per task) caps each episode's tokens after the prompt (see :class:`Episode`)."""
+    (one per task) caps each episode's tokens after the prompt (see :class:`Episode`). ``backend``:
+    decode with this one as it is (default: the process's backend, synced with ``model``)."""
     if token_budgets is not None and len(token_budgets) != len(tasks):
         raise ValueError(f"token_budgets has {len(token_budgets)} entries for {len(tasks)} tasks")
-    engine = RolloutEngine(model, contract)
+    engine = backend if backend is not None else backend_for(model, contract, policy_version)
     out: list[Trajectory] = []
     for lo in range(0, len(tasks), batch_size):
         chunk = tasks[lo : lo + batch_size]
@@ -37,7 +43,7 @@ def rollout_tasks(
             budgets = token_budgets[lo : lo + batch_size] if token_budgets is not None else [None] * len(chunk)
             eps = [Episode(contract, env, t, policy_version=policy_version, weights=weights, token_budget=b)
                    for env, t, b in zip(envs, chunk, budgets)]
-            out.extend(engine.run(eps, seed=seed + lo))
+            out.extend(engine.run_episodes(eps, seed=seed + lo))
         finally:
             for env in envs:
                 env.close()

@@ -30,6 +30,7 @@ import torch
 from mentorrl.algos.advantages import group_reward_stats, sanitize_group_rewards
 from mentorrl.eval.metrics import summarize
 from mentorrl.models.batch import collate, forward_logprobs
+from mentorrl.rollout.backends import backend_of, sync_weights
 from mentorrl.rollout.runner import expert_demonstrations, rollout_tasks
 from mentorrl.train.audit import GapMonitor, flag_high_reward_failures
 from mentorrl.train.consistency import batch_checks, policy_lag
@@ -204,6 +205,7 @@ def rollout_metrics(trajs: list[Trajectory]) -> dict[str, float]:
         "rollout_tokens": float(sum(t.num_policy_tokens for t in trajs)),  # policy tokens the student generated
         "tool_calls_per_traj": (len(calls) - malformed) / n if n else 0.0,
         "malformed_call_rate": malformed / len(calls) if calls else 0.0,
+        "rollout_backend": backend_of(trajs),  # a tag: the engine that sampled them (hf, vllm), for the consistency metrics
     }
     out.update({f"finish_{r}": (sum(t.finish_reason == r for t in trajs) / n if n else 0.0) for r in FINISH_REASONS})
     return out
@@ -278,4 +280,6 @@ def pg_update(learner, trajs: list[Trajectory], adv, k: int, seed: int, version:
         ups.append({**m, **policy_lag(batch, version["policy"])})
         if bump:
             version["policy"] += 1
+    if ups:
+        sync_weights(learner.model, version["policy"])  # a rollout engine of its own (vLLM) gets the new weights
     return ups

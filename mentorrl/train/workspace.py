@@ -19,6 +19,7 @@ from mentorrl.contract import CHAT_TEMPLATE, RolloutContract, contract_for_env
 from mentorrl.envs import EnvEntry, get_env
 from mentorrl.eval.metrics import summarize
 from mentorrl.eval.sets import assert_trainable, assert_trainable_splits
+from mentorrl.rollout.backends import configure as configure_rollout_backend
 from mentorrl.rollout.runner import rollout_tasks
 from mentorrl.train.rundir import MetricsLog
 from mentorrl.trajectory import write_jsonl
@@ -99,6 +100,7 @@ def open_workspace(cfg: RunConfig, show_progress: bool = True, dp=None) -> Works
         (run_dir / "config.yaml").write_text(dump_config(cfg))
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    configure_rollout_backend(cfg.rollout)  # rollout.backend: what rollout_tasks decodes with
     return Workspace(cfg=cfg, run_dir=run_dir, env_entry=get_env(cfg.env.name), show_progress=show_progress and main,
                      console=Console() if main else Console(quiet=True), dp=dp)
 
