@@ -19,7 +19,8 @@ from mentorrl.envs.base import FinalAnswer
 from mentorrl.models.batch import collate, forward_logprobs
 from mentorrl.rollout.runner import expert_demonstrations, rollout_tasks
 from mentorrl.train.learner import Learner
-from mentorrl.train.loop import Group, guide_failed_groups, pg_update
+from mentorrl.algos.advantages import get_advantage_estimator
+from mentorrl.train.loop import Group, guide_failed_groups, guided_advantages, pg_update
 from mentorrl.train.recipes.grpo import guide_expert
 from mentorrl.train.rundir import MetricsLog
 
@@ -42,17 +43,12 @@ def setting(orders_entry, make_contract, model, find_task):
     return ws, Group(tasks, grouped, trajs, 0.0, 0.0)
 
 
-def test_only_failed_groups_get_the_demonstration_in_their_worst_slot(setting, model, orders_entry, tokenizer):
+def test_only_failed_groups_get_a_relabelled_demonstration(setting, model, orders_entry, tokenizer):
     ws, group = setting
-    out, n = guide_failed_groups(ws, model, group, orders_entry.make_expert(), policy_version=7,
+    guided = guide_failed_groups(ws, model, group, orders_entry.make_expert(), policy_version=7,
                                  pad_id=tokenizer.pad_token_id)
-    assert n == 1 and len(out) == len(group.trajs)
-    assert out[G:] == group.trajs[G:]  # the group with a success is untouched
-    totals = [t.reward.total for t in group.trajs[:G]]
-    worst = max(j for j in range(G) if totals[j] == min(totals))
-    replaced = [j for j in range(G) if out[j] is not group.trajs[j]]
-    assert replaced == [worst]
-    demo = out[worst]
+    assert [i for i, _ in guided] == [0]  # group 1 holds a success: nothing for it
+    demo = guided[0][1]
     assert demo.source == "expert" and demo.reward.success and demo.task_id == group.chosen[0].id
     assert demo.policy_version == 7
     # behaviour log-probs are the current policy's on the policy tokens (ratio 1 at the update), 0 elsewhere
@@ -70,20 +66,37 @@ class _WrongExpert:
         yield FinalAnswer("I cannot help with that.")
 
 
-def test_a_task_the_expert_cannot_solve_is_left_alone(setting, model, tokenizer):
+def test_a_task_the_expert_cannot_solve_gets_nothing(setting, model, tokenizer):
     ws, group = setting
-    out, n = guide_failed_groups(ws, model, group, _WrongExpert(), 0, tokenizer.pad_token_id)
-    assert n == 0 and out == group.trajs
+    assert guide_failed_groups(ws, model, group, _WrongExpert(), 0, tokenizer.pad_token_id) == []
 
 
-def test_the_guided_update_raises_the_demonstration_and_lowers_the_failures(setting, model, orders_entry, tokenizer):
+def test_guided_advantages_treat_the_demonstration_as_one_more_group_member():
+    est = get_advantage_estimator("grpo")
+    rewards = torch.tensor([[-1.0, 0.0, 0.1], [0.0, 1.2, 0.5], [0.2, 0.2, 0.2]])
+    plain = est(rewards, normalize_std=True).reshape(-1)
+    adv, demo = guided_advantages(est, rewards, [], normalize_std=True)
+    assert torch.equal(adv, plain) and demo.numel() == 0  # no guidance: exactly GRPO
+    adv, demo = guided_advantages(est, rewards, [(0, 1.2), (2, 1.2)], normalize_std=True)
+    want0 = est(torch.tensor([[-1.0, 0.0, 0.1, 1.2]]), normalize_std=True).view(-1)
+    want2 = est(torch.tensor([[0.2, 0.2, 0.2, 1.2]]), normalize_std=True).view(-1)
+    torch.testing.assert_close(adv.view(3, 3)[0], want0[:3])
+    torch.testing.assert_close(adv.view(3, 3)[2], want2[:3])
+    torch.testing.assert_close(demo, torch.stack([want0[3], want2[3]]))
+    torch.testing.assert_close(adv.view(3, 3)[1], plain.view(3, 3)[1])  # an unguided group is untouched
+    a0 = adv.view(3, 3)[0]
+    assert demo[0] > 0 and a0[0] < a0[1] < 0  # the violation (-1) stays the most pushed-down member
+    assert (adv.view(3, 3)[2] < 0).all()  # a group of equal failures now has a signal
+
+
+def test_the_guided_update_raises_the_demonstration(setting, model, orders_entry, tokenizer):
     ws, group = setting
-    out, _ = guide_failed_groups(ws, model, group, orders_entry.make_expert(), 0, tokenizer.pad_token_id)
-    rows = out[:G]
-    rewards = torch.tensor([[t.reward.total for t in rows]])
-    adv = ((rewards - rewards.mean()) / rewards.std()).reshape(-1)
-    demo_row = next(j for j, t in enumerate(rows) if t.source == "expert")
-    assert adv[demo_row] > 0 and (adv[[j for j in range(G) if j != demo_row]] < 0).all()
+    (i, demo), = guide_failed_groups(ws, model, group, orders_entry.make_expert(), 0, tokenizer.pad_token_id)
+    rows = list(group.trajs[i * G:(i + 1) * G]) + [demo]
+    est = get_advantage_estimator("grpo")
+    adv, demo_adv = guided_advantages(est, torch.tensor([[t.reward.total for t in rows[:G]]]),
+                                      [(0, demo.reward.total)], normalize_std=True)
+    adv = torch.cat([adv, demo_adv])
     m = copy.deepcopy(model).train()
     learner = Learner(m, OptimConfig(lr=3e-3, micro_batch_size=4), tokenizer.pad_token_id)
     pad = tokenizer.pad_token_id
@@ -91,13 +104,12 @@ def test_the_guided_update_raises_the_demonstration_and_lowers_the_failures(sett
     def seq_lp(mod):
         with torch.no_grad():
             lp, _ = forward_logprobs(mod, collate(rows, pad), 1.0)
-        mask = collate(rows, pad).loss_mask
-        return (lp * mask).sum(1)
+        return (lp * collate(rows, pad).loss_mask).sum(1)
 
     before = seq_lp(model)
     pg_update(learner, rows, adv, 1, seed=0, version={"policy": 0}, kind="grpo", eps_low=0.2, eps_high=0.28)
     after = seq_lp(m.eval())
-    assert after[demo_row] > before[demo_row] + 1.0
+    assert after[G] > before[G] + 1.0
 
 
 def test_an_environment_without_an_expert_is_refused_before_the_first_step():
@@ -121,6 +133,7 @@ def test_a_guided_grpo_run_logs_its_guided_groups_and_passes_the_check(tmp_path)
     assert res.exit_code == 0, res.output
     rows = MetricsLog(run / "metrics.jsonl").read("grpo")
     assert len(rows) == 2 and all(r["guided_groups"] >= 1 for r in rows)  # an untrained policy fails everything
+    assert all(r["rollouts"] == 2 * 2 for r in rows)  # the policy's own; the demonstrations come on top
     assert all(r["task_success"] == 0 for r in rows)  # the policy's own rollouts, not the demonstrations
     assert json.loads((run / "report.json").read_text())["evals"]
     checked = CliRunner().invoke(app, ["check", str(run)])

@@ -138,37 +138,41 @@ def relabel_behaviour(model, trajs: list[Trajectory], pad_id: int, temperature: 
 
 
 def guide_failed_groups(ws: Workspace, model, group: "Group", expert: Any, policy_version: int,
-                        pad_id: int) -> tuple[list[Trajectory], int]:
-    """Expert guidance for GRPO (mixed-policy groups, as in LUFFY, Yan et al. 2025): in every group
+                        pad_id: int) -> list[tuple[int, Trajectory]]:
+    """Expert guidance for GRPO (mixed-policy groups, after LUFFY, Yan et al. 2025): for every group
     where no rollout succeeded, the scripted expert's demonstration of that task, if the verifier
-    accepts it, replaces the group's lowest-reward rollout (the last of equals). Such a group
-    otherwise carries no signal towards success: every member failed, so group-relative
-    advantages only rank failures. The demonstration is relabelled with the current policy's
-    log-probs and version (:func:`relabel_behaviour`). Returns the step's trajectories (same
-    length and order; groups with a success, or whose task the expert cannot solve, unchanged) and
-    how many were replaced."""
-    trajs = list(group.trajs)
-    size = len(trajs) // max(len(group.chosen), 1)
+    accepts it, as ``(group index, demonstration)``. Such a group otherwise carries no signal
+    towards success: every member failed, so group-relative advantages only rank failures. The
+    demonstration joins its group (:func:`guided_advantages`); the policy's rollouts all stay, so a
+    harmful failure (a violation) keeps its more negative advantage. It is relabelled with the
+    current policy's log-probs and version (:func:`relabel_behaviour`). Groups with a success, and
+    tasks the expert cannot solve, get nothing."""
+    size = len(group.trajs) // max(len(group.chosen), 1)
     failed = [i for i in range(len(group.chosen))
-              if not any(t.reward is not None and t.reward.success for t in trajs[i * size:(i + 1) * size])]
+              if not any(t.reward is not None and t.reward.success for t in group.trajs[i * size:(i + 1) * size])]
     if not failed:
-        return trajs, 0
+        return []
     demos = expert_demonstrations(ws.contract, ws.make_env, expert, [group.chosen[i] for i in failed],
                                   weights=ws.cfg.reward)
     by_task = {d.task_id: d for d in demos}
-    slots, chosen = [], []
-    for i in failed:
-        demo = by_task.get(group.chosen[i].id)
-        if demo is None:
-            continue
-        members = range(i * size, (i + 1) * size)
-        worst = min(members, key=lambda j: (trajs[j].reward.total if trajs[j].reward is not None else float("-inf"), -j))
-        slots.append(worst)
-        chosen.append(demo)
-    for j, demo in zip(slots, relabel_behaviour(model, chosen, pad_id, ws.contract.sampling.temperature,
-                                                policy_version)):
-        trajs[j] = demo
-    return trajs, len(slots)
+    pairs = [(i, by_task[group.chosen[i].id]) for i in failed if group.chosen[i].id in by_task]
+    relabelled = relabel_behaviour(model, [d for _, d in pairs], pad_id, ws.contract.sampling.temperature,
+                                   policy_version)
+    return [(i, d) for (i, _), d in zip(pairs, relabelled)]
+
+
+def guided_advantages(estimator: Any, rewards: torch.Tensor, guided: list[tuple[int, float]],
+                      **kw: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Advantages of the ``[tasks, G]`` policy rollouts (flattened, row-major) and of each guided
+    group's demonstration (``guided``: (group index, its reward)). A guided group's ``G + 1`` rewards
+    go through ``estimator`` together, as one group; the others exactly as without guidance."""
+    adv = estimator(rewards, **kw).clone()
+    extra = []
+    for i, r in guided:
+        row = estimator(torch.cat([rewards[i], torch.tensor([r], dtype=rewards.dtype)]).view(1, -1), **kw).view(-1)
+        adv[i] = row[:-1]
+        extra.append(row[-1])
+    return adv.reshape(-1), (torch.stack(extra) if extra else torch.zeros(0, dtype=adv.dtype))
 
 
 # ------------------------------------------------------------- rewards -----

@@ -7,12 +7,13 @@ learner trains on each rank's share of every minibatch, and only rank 0 writes."
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import random
 import time
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from mentorrl.algos.advantages import get_advantage_estimator
 from mentorrl.envs.adapters.common import NoExpert
@@ -24,6 +25,8 @@ from mentorrl.train.loop import (
     gap_check,
     group_rewards,
     guide_failed_groups,
+    guided_advantages,
+    outcome_rewards,
     pg_update,
     reduce_updates,
     reward_debugger,
@@ -94,14 +97,16 @@ def grpo_stage(ws: Workspace, model, ref_model=None, resume: bool = False) -> Pa
         metrics: dict[str, float] = {**rollout_metrics(grp.trajs), "rollouts": len(grp.trajs)}  # the policy's own
         if hard is not None:
             hard.update(grp.trajs)
-        if expert is not None:
-            guided, n_guided = guide_failed_groups(ws, model, grp, expert, version["policy"], ws.contract.pad_token_id)
-            grp = dataclasses.replace(grp, trajs=guided)
-            metrics["guided_groups"] = float(n_guided)
-        trajs = grp.trajs
         rewards, clipped, stats = group_rewards(grp.raw_rewards(), audit)
-        adv = estimator(rewards, normalize_std=g.normalize_std).reshape(-1)
         metrics.update({**stats, **{f"reward_{k}": v for k, v in clipped.items()}})
+        guided = guide_failed_groups(ws, model, grp, expert, version["policy"], ws.contract.pad_token_id) \
+            if expert is not None else []
+        demo_rewards = outcome_rewards([d for _, d in guided], audit)[0].tolist() if guided else []
+        adv, demo_adv = guided_advantages(estimator, rewards, [(i, r) for (i, _), r in zip(guided, demo_rewards)],
+                                          normalize_std=g.normalize_std)
+        trajs, adv = list(grp.trajs) + [d for _, d in guided], torch.cat([adv, demo_adv])
+        if expert is not None:
+            metrics["guided_groups"] = float(len(guided))
         metrics.update(ws.on_main(lambda: reward_debugger(
             trajs, audit.flag_reward, ws.run_dir / "audit" / f"flagged-grpo-step-{step + 1:06d}.jsonl")))
         # Zero-advantage trajectories give exactly zero policy gradient: without a KL term they are
