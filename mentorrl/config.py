@@ -144,9 +144,9 @@ class GRPOConfig(_Section):
         None, description="start the pool from a saved state, e.g. the hard_pool.json written by `mentorrl flywheel`"
     )
     guide: Literal["none", "expert"] = Field(
-        "none", description="expert: in a group where no rollout succeeded, the scripted expert's verified "
-                            "demonstration replaces the lowest-reward rollout (off-policy guidance; needs an "
-                            "environment with an expert)")
+        "none", description="expert: a group where no rollout succeeded gets the scripted expert's verified "
+                            "demonstration as one more member (off-policy guidance; needs an environment with "
+                            "an expert)")
 
     @field_validator("advantage")
     @classmethod
