@@ -1,0 +1,113 @@
+"""Does expert guidance (``grpo.guide: expert``) help GRPO? A paired comparison over seeds.
+
+For each seed, two GRPO runs start from that seed's SFT checkpoint with the demo's settings and
+the same GRPO seed, so they see the same tasks; they differ only in ``grpo.guide``:
+
+* ``plain``: GRPO as it is (a group whose rollouts all failed has no signal towards success);
+* ``guide``: such a group also gets the scripted expert's verified demonstration as one more member.
+
+Each run is ``mentorrl train mentorrl/configs/demo.yaml --set model.path=SFT --set recipe=[grpo]``
+in its own process and run directory ``OUT/ARM-sSEED`` (threads 1, so two arms or seeds can share
+the two cores); a finished run (its ``eval_grpo.json``) is read back, not rerun. The SFT figure is
+the SFT run's own ``eval_sft.json`` (``SFT/../../eval_sft.json``). Prints held-out success after
+SFT and after each arm (95% Wilson intervals, 500 tasks), the hidden set and the violation rate,
+then the mean ± sd and Student-t 95% interval of the per-seed differences (guide minus plain,
+and each arm minus SFT), and writes them to ``OUT/grpo_guide.json``.
+
+    python bench/grpo_guide.py --sft 'runs/seeds-lift/seed-{seed}/sft/final' --out runs/grpo-guide --seeds 0 1 2
+    python bench/grpo_guide.py ... --arms guide     # run (or read back) one arm only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from mentorrl.eval.metrics import mean_interval
+
+ROOT = Path(__file__).resolve().parents[1]
+ARMS = {"plain": "grpo.guide=none", "guide": "grpo.guide=expert"}
+
+
+def run_arm(out: Path, arm: str, seed: int, sft: Path, overrides: list[str]) -> Path:
+    run_dir = out / f"{arm}-s{seed}"
+    if not (run_dir / "eval_grpo.json").exists():
+        cmd = [sys.executable, "-m", "mentorrl.cli", "train", str(ROOT / "mentorrl/configs/demo.yaml")]
+        for ov in [f"model.path={sft}", "recipe=[grpo]", f"run_dir={run_dir}", f"seed={seed}", "threads=1",
+                   "audit.preflight=false", "eval.final_splits=[hidden, novel_wording]", ARMS[arm], *overrides]:
+            cmd += ["--set", ov]
+        env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "1"}
+        done = subprocess.run(cmd, env=env)
+        if done.returncode != 0:
+            raise SystemExit(f"{arm} seed {seed}: `{' '.join(cmd)}` exited {done.returncode}")
+    return run_dir
+
+
+def _eval(path: Path) -> dict:
+    d = json.loads(path.read_text())
+    return {"success": d["success"], "ci95": d["success_ci95"], "violations": d["violation_rate"], "n": d["n"]}
+
+
+def seed_row(out: Path, seed: int, sft: Path, arms: list[str], overrides: list[str]) -> dict:
+    row = {"seed": seed, "sft": _eval(sft.parents[1] / "eval_sft.json")}
+    for arm in arms:
+        run_dir = run_arm(out, arm, seed, sft, overrides)
+        row[arm] = _eval(run_dir / "eval_grpo.json")
+        hidden = run_dir / "eval_grpo_hidden.json"
+        row[arm]["hidden"] = _eval(hidden)["success"] if hidden.exists() else None
+    return row
+
+
+def summary(label: str, diffs: list[float]) -> dict:
+    s = mean_interval(diffs)
+    if s["ci95"] is None:
+        print(f"{label}: {s['mean']:+.1f} points (one seed: no interval)")
+    else:
+        lo, hi = s["ci95"]
+        print(f"{label} over {s['n']} seeds: {s['mean']:+.1f} ± {s['sd']:.1f} points (mean ± sd); "
+              f"95% interval of the mean [{lo:+.1f}, {hi:+.1f}]: {s['verdict']}")
+    return s
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sft", required=True, help="each seed's SFT checkpoint; may hold {seed}")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--out", type=Path, default=Path("runs/grpo-guide"))
+    ap.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
+    ap.add_argument("--set", dest="overrides", action="append", default=[], help="a config override for every run")
+    args = ap.parse_args(argv)
+    rows = [seed_row(args.out, s, Path(args.sft.format(seed=s)), args.arms, args.overrides) for s in args.seeds]
+
+    def pct(e: dict) -> str:
+        return f"{100 * e['success']:.1f}% [{100 * e['ci95'][0]:.1f}, {100 * e['ci95'][1]:.1f}]"
+
+    print(f"| seed | after SFT | {' | '.join(f'after GRPO {a}' for a in args.arms)} | "
+          f"{' | '.join(f'hidden {a}' for a in args.arms)} | violations SFT → {' / '.join(args.arms)} |")
+    print("|---" * (2 + 2 * len(args.arms) + 1) + "|")
+    for r in rows:
+        hid = [f"{100 * r[a]['hidden']:.1f}%" if r[a]["hidden"] is not None else "–" for a in args.arms]
+        vio = " / ".join(f"{100 * r[a]['violations']:.1f}%" for a in args.arms)
+        print(f"| {r['seed']} | {pct(r['sft'])} | {' | '.join(pct(r[a]) for a in args.arms)} | {' | '.join(hid)} | "
+              f"{100 * r['sft']['violations']:.1f}% → {vio} |")
+    result = {"seeds": rows, "overrides": args.overrides}
+    for a in args.arms:
+        result[f"{a}_minus_sft"] = summary(f"{a} minus SFT", [100 * (r[a]["success"] - r["sft"]["success"])
+                                                               for r in rows])
+    if set(ARMS) <= set(args.arms):
+        result["guide_minus_plain"] = summary("guide minus plain", [100 * (r["guide"]["success"] - r["plain"]["success"])
+                                                                    for r in rows])
+        result["violations_guide_minus_plain"] = summary(
+            "violation rate, guide minus plain", [100 * (r["guide"]["violations"] - r["plain"]["violations"])
+                                                  for r in rows])
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "grpo_guide.json").write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out / 'grpo_guide.json'}")
+
+
+if __name__ == "__main__":
+    main()
