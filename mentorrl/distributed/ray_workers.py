@@ -25,9 +25,12 @@ What runs where::
   next forward pass (SAO), and tags its trajectories with that version.
 - **Faults**: a rollout actor that dies mid-step (killed, OOM, node lost) is replaced by a fresh
   one that loads the current weights and re-runs the dead actor's share with the same seed, so no
-  trajectory is lost or duplicated; under SAO the tasks it held are handed to its replacement. A
-  dead environment actor is replaced and the share that needed it is re-run. After
-  ``distributed.actor_restarts`` replacements in one step the step fails.
+  trajectory is lost or duplicated; under SAO the tasks it held are handed to its replacement. An
+  unreachable actor is killed before it is replaced (its CPU freed, nothing more collected from it).
+  A dead environment actor is replaced and the share that needed it is re-run. After
+  ``distributed.actor_restarts`` replacements in one step the step fails. Under SAO, an actor that
+  is still starting (a new process: imports, policy copy) does not count against the "no trajectory"
+  timeout, and the driver keeps collecting from the others meanwhile (``ACTOR_START_TIMEOUT_S``).
 
 Threads: each actor runs torch with one intra-op thread (``OMP_NUM_THREADS=1``,
 ``OMP_WAIT_POLICY=PASSIVE`` in its runtime environment). ``address: null`` starts a local Ray
@@ -61,6 +64,8 @@ from mentorrl.trajectory import Trajectory
 ACTOR_ENV = {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE", "MKL_NUM_THREADS": "1",
              "TOKENIZERS_PARALLELISM": "false"}
 ROLLOUT_ACTOR_CPUS = 1.0  # a rollout actor decodes with one torch thread
+ACTOR_START_TIMEOUT_S = 900.0  # a new actor (process, imports, policy copy) may take this long on a busy node
+ENV_PING_TIMEOUT_S = 120.0  # an environment actor that does not answer a ping this long is replaced
 ENV_ACTOR_CONCURRENCY = 64  # environment calls served at once by one environment actor (each env is used serially)
 
 
@@ -323,6 +328,16 @@ class RolloutActor:
             self.thread.join(timeout=30)
 
 
+def _kill(actor) -> None:
+    """``ray.kill`` an actor that may be gone already (frees its CPU now if it was only unreachable)."""
+    if actor is None:
+        return
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception:  # noqa: BLE001 -- already gone
+        pass
+
+
 def _actor_options() -> dict[str, Any]:
     return {"runtime_env": {"env_vars": dict(ACTOR_ENV)}}
 
@@ -395,10 +410,11 @@ class RayRollouts:
         dead = []
         for i, a in enumerate(self.env_actors):
             try:
-                ray.get(a.ping.remote(), timeout=30)
+                ray.get(a.ping.remote(), timeout=ENV_PING_TIMEOUT_S)
             except (RayActorError, GetTimeoutError):
                 dead.append(i)
         for i in dead:
+            _kill(self.env_actors[i])
             self.env_actors[i] = self._new_env_actor()
             self.env_replaced += 1
         if dead:
@@ -437,6 +453,7 @@ class RayRollouts:
                             raise RuntimeError(f"rollout: more than distributed.actor_restarts="
                                                f"{self.dist.actor_restarts} actor failures in one step") from e
                         if died:
+                            _kill(self.actors[i])  # dead, or unreachable: then its CPU is freed for the new one
                             self.actors[i] = self._new_actor()
                             self.replaced += 1
                         refs[i] = submit(i, part)  # the same share, the same seed: the same episodes
@@ -446,10 +463,7 @@ class RayRollouts:
 
     def close(self) -> None:
         for a in self.actors + self.env_actors:
-            try:
-                ray.kill(a)
-            except Exception:  # noqa: BLE001 -- already gone
-                pass
+            _kill(a)
         self.actors, self.env_actors = [], []
 
 
@@ -517,6 +531,9 @@ class RayRolloutPool:
         self.sent_version = -1
         self.env_actors = [EnvActor.options(**_actor_options()).remote(make_env) for _ in range(dist.env_workers)]
         self.actors: list[Any] = [None] * n
+        self.starting: list[Any] = [None] * n  # the first ping of an actor that has not answered yet
+        self.started_at = [0.0] * n
+        self.end_sent = [False] * n
         self.given: list[list] = [[] for _ in range(n)]
         self.syncs_of = [0] * n
         self.alive = [True] * n
@@ -540,6 +557,7 @@ class RayRolloutPool:
         if self.given[i]:
             a.poll.remote(list(self.given[i]), 0)  # the tasks its predecessor held
         self.actors[i] = a
+        self.starting[i], self.started_at[i], self.end_sent[i] = a.ping.remote(), time.monotonic(), False
 
     def start(self) -> None:
         self._publish()
@@ -578,54 +596,90 @@ class RayRolloutPool:
     def is_alive(self) -> bool:
         return any(self.alive)
 
+    def _replace(self, i: int) -> None:
+        """Replace actor ``i`` (dead, or unreachable: it is killed first, so its CPU is free for the
+        replacement and nothing it still sends is ever collected); the replacement gets its tasks."""
+        _kill(self.actors[i])
+        self.replaced += 1
+        self._start_actor(i)
+
+    def _check_starting(self) -> list[int]:
+        """Actors that answered their first ping become ready; one that died starting is returned for
+        replacement; one that has not started in ``ACTOR_START_TIMEOUT_S`` fails the pool."""
+        failed = []
+        for i, ref in enumerate(self.starting):
+            if ref is None:
+                continue
+            if ray.wait([ref], timeout=0)[0]:
+                try:
+                    ray.get(ref)
+                    self.starting[i] = None
+                except RayActorError:
+                    failed.append(i)
+            elif time.monotonic() - self.started_at[i] > ACTOR_START_TIMEOUT_S:
+                raise TimeoutError(f"rollout actor {i} did not start in {ACTOR_START_TIMEOUT_S:.0f}s "
+                                   f"(does the Ray cluster have a free CPU? `ray status`)")
+        return failed
+
     def get(self, n: int, timeout_s: float) -> list[Trajectory]:
         """The next ``n`` finished trajectories (in the order their batches arrived); raises if an
-        actor's stream failed, all ran dry, or none came for ``timeout_s``. A dead actor is replaced."""
+        actor's stream failed, all ran dry, or none came for ``timeout_s`` while every actor was up
+        (an actor still starting -- a new process, its imports, its policy copy -- stops that clock;
+        it has ``ACTOR_START_TIMEOUT_S`` to start). A dead or unreachable actor is replaced and its
+        replacement gets the tasks it held (in flight or finished but not collected): every task
+        comes back exactly once."""
         got, self.spill = self.spill[:n], self.spill[n:]
         last = time.monotonic()
         restarts = 0
+
+        def replace(i: int, e: BaseException) -> None:
+            nonlocal restarts
+            restarts += 1
+            if restarts > self.dist.actor_restarts:
+                raise RuntimeError(f"rollout: more than distributed.actor_restarts="
+                                   f"{self.dist.actor_restarts} actor failures in one step") from e
+            self._replace(i)
+
         while len(got) < n:
             self._publish()
-            refs = []
+            for i in self._check_starting():
+                replace(i, RuntimeError(f"rollout actor {i} died while starting"))
+            refs = {}
             for i, a in enumerate(self.actors):
                 new = self._deal(i)
-                refs.append(a.poll.remote(new, n - len(got), self.dry))
+                if self.starting[i] is None:
+                    refs[i] = a.poll.remote(new, n - len(got), self.dry)
+                elif new or (self.dry and not self.end_sent[i]):  # queued behind its start; collects nothing
+                    a.poll.remote(new, 0, self.dry)
+                self.end_sent[i] = self.dry
             before = len(got)
-            for i, ref in enumerate(refs):
+            for i, ref in refs.items():  # polls return at once: an actor answers between forward passes
                 try:
                     res = ray.get(ref)
                 except RayActorError as e:
-                    restarts += 1
-                    if restarts > self.dist.actor_restarts:
-                        raise RuntimeError(f"rollout: more than distributed.actor_restarts="
-                                           f"{self.dist.actor_restarts} actor failures in one step") from e
-                    self.replaced += 1
-                    self._start_actor(i)
+                    replace(i, e)
                     continue
                 if res["error"] is not None:
                     raise RuntimeError(f"rollout worker failed: {res['error']}")
                 self._received(i, res["trajs"])
                 self.syncs_of[i], self.alive[i] = res["syncs"], res["alive"]
                 got.extend(res["trajs"])
-            if len(got) == before:
+            if len(got) > before or any(ref is not None for ref in self.starting):
+                last = time.monotonic()
+            else:
                 if self.dry and not any(self.given):
                     raise RuntimeError("rollout workers stopped: their task stream ran dry")
                 if time.monotonic() - last >= timeout_s:
                     raise TimeoutError(f"no trajectory from the rollout workers in {timeout_s:.0f}s")
+            if len(got) == before:
                 time.sleep(0.05)
-            else:
-                last = time.monotonic()
         got, extra = got[:n], got[n:]
         self.spill = extra + self.spill
         return got
 
     def close(self) -> None:
         for a in self.actors + self.env_actors:
-            if a is not None:
-                try:
-                    ray.kill(a)
-                except Exception:  # noqa: BLE001 -- already gone
-                    pass
+            _kill(a)
 
 
 __all__ = ["EnvActor", "RayRolloutPool", "RayRollouts", "RemoteEnv", "RemoteEnvFactory", "RolloutActor",
