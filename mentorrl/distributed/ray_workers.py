@@ -653,7 +653,7 @@ class RayRolloutPool:
                     a.poll.remote(new, 0, self.dry)
                 self.end_sent[i] = self.dry
             before = len(got)
-            for i, ref in refs.items():  # polls return at once: an actor answers between forward passes
+            for i, ref in refs.items():  # a poll only moves queue items: it returns at once
                 try:
                     res = ray.get(ref)
                 except RayActorError as e:
