@@ -34,7 +34,7 @@ LOGPROB_TOL = 1e-4
 # a new process, imports, a policy copy -- stop that clock): generous, for a loaded 2-core machine.
 GET_TIMEOUT_S = 300
 # A CLI run (its own Ray, a tiny model, 3 GRPO steps on 2 actors) takes about 30 s on an idle 2-core machine.
-CLI_TIMEOUT_S = 900
+CLI_TIMEOUT_S = 600
 
 
 def test_ray_backend_refuses_a_torchrun_launch():
@@ -49,9 +49,10 @@ def ray_local():
     ray = pytest.importorskip("ray")
     ray.init(num_cpus=2, include_dashboard=False, logging_level="warning")
     yield ray
-    from mentorrl.distributed.ray_workers import close_pools
+    from mentorrl.distributed.ray_workers import close_pools, kill_idle_actors
 
     close_pools()
+    kill_idle_actors()  # the tests share rollout actors (a closed pool's are reused by the next)
     ray.shutdown()
 
 

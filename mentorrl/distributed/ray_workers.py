@@ -32,6 +32,10 @@ What runs where::
   is still starting (a new process: imports, policy copy) does not count against the "no trajectory"
   timeout, and the driver keeps collecting from the others meanwhile (``ACTOR_START_TIMEOUT_S``).
 
+Actors are reused: a closed pool's rollout actors stay idle (holding their CPU) and the next pool
+of this process reconfigures them instead of starting processes (:func:`kill_idle_actors` ends them;
+at exit Ray does). A SAO pool first closes the GRPO actors, so ``recipe: [grpo, sao]`` fits a small cluster.
+
 Threads: each actor runs torch with one intra-op thread (``OMP_NUM_THREADS=1``,
 ``OMP_WAIT_POLICY=PASSIVE`` in its runtime environment). ``address: null`` starts a local Ray
 (``ray.init``) unless one is already initialised in this process; ``address: auto`` (or
@@ -214,18 +218,25 @@ class RolloutActor:
     """A policy copy and the rollout engine. ``rollout`` runs a share of a step (GRPO); ``start_stream`` /
     ``poll`` run continuous batching fed by the driver (SAO). Weights arrive through ``load`` /
     ``set_weights`` as ``(key, version, [object ref])``: the list keeps Ray from fetching the
-    weights for a call whose key the actor already holds."""
+    weights for a call whose key the actor already holds. A closed pool's actors are kept idle and
+    ``configure``-d for the next pool of this process (a new actor costs a process and its imports)."""
 
     def __init__(self, spec, contract, make_env: Callable[[], Any], reward_weights=None):
         torch.set_num_threads(1)
+        self.lock = threading.Lock()
+        self.thread: threading.Thread | None = None
+        self.configure(spec, contract, make_env, reward_weights)
+
+    def configure(self, spec, contract, make_env: Callable[[], Any], reward_weights=None) -> None:
+        """Start afresh for a new pool: stop any stream, a new policy copy (filled by the next weights)."""
+        self.stop_stream()
+        self.thread = None
         self.model = _build_policy(spec)
         self.contract, self.make_env, self.reward_weights = contract, make_env, reward_weights
         self.key: int | None = None
         self.version = -1
         self.loads = 0
-        self.lock = threading.Lock()
         self.pending: tuple[int, int, dict] | None = None
-        self.thread: threading.Thread | None = None
 
     def ping(self) -> int:
         return os.getpid()
@@ -342,6 +353,47 @@ def _actor_options() -> dict[str, Any]:
     return {"runtime_env": {"env_vars": dict(ACTOR_ENV)}}
 
 
+# ------------------------------------------------------------------ actor reuse ----
+# Rollout actors released by a closed pool, kept (with their CPU) for this process's next pool:
+# starting one costs a process and its imports (torch, transformers: about 6 s of CPU). Keyed by
+# the cluster, so a new ray.init never sees a previous cluster's handles.
+_IDLE: dict[str, Any] = {"cluster": None, "actors": []}
+
+
+def _cluster() -> str:
+    return ray.get_runtime_context().gcs_address
+
+
+def _acquire_actor(spec, contract, make_env: Callable[[], Any], reward_weights=None):
+    """A rollout actor for these arguments: an idle one, reconfigured (the call is queued before any
+    other, so nothing waits here), else a new one. An idle actor that died meanwhile fails its next
+    call and is replaced like any dead actor."""
+    if _IDLE["cluster"] == _cluster() and _IDLE["actors"]:
+        a = _IDLE["actors"].pop()
+        a.configure.remote(spec, contract, make_env, reward_weights)
+        return a
+    return RolloutActor.options(**_actor_options()).remote(spec, contract, make_env, reward_weights)
+
+
+def _release_actor(actor) -> None:
+    """Stop the actor's stream (if any) and keep it for the next pool."""
+    if actor is None or not ray.is_initialized():
+        return
+    cluster = _cluster()
+    if _IDLE["cluster"] != cluster:
+        _IDLE.update(cluster=cluster, actors=[])
+    actor.stop_stream.remote()
+    _IDLE["actors"].append(actor)
+
+
+def kill_idle_actors() -> None:
+    """Kill the idle rollout actors (their CPUs go back to the cluster); before ``ray.shutdown``."""
+    actors, _IDLE["actors"] = _IDLE["actors"], []
+    if ray.is_initialized():
+        for a in actors:
+            _kill(a)
+
+
 # ------------------------------------------------------------------ weights ----
 class WeightBroadcast:
     """The driver's side of the versioned broadcast: one object-store copy per change of the weights.
@@ -402,8 +454,7 @@ class RayRollouts:
         return EnvActor.options(**_actor_options()).remote(self.make_env)
 
     def _new_actor(self):
-        return RolloutActor.options(**_actor_options()).remote(self.spec, self.contract, self._worker_env(),
-                                                               self.reward_weights)
+        return _acquire_actor(self.spec, self.contract, self._worker_env(), self.reward_weights)
 
     def _heal_env_actors(self) -> bool:
         """Replace environment actors that no longer answer; True when any was replaced."""
@@ -462,7 +513,11 @@ class RayRollouts:
         return [t for i, _ in parts for t in out[i]]
 
     def close(self) -> None:
-        for a in self.actors + self.env_actors:
+        """Release the rollout actors for the next pool (:func:`kill_idle_actors` ends them); kill the
+        environment actors."""
+        for a in self.actors:
+            _release_actor(a)
+        for a in self.env_actors:
             _kill(a)
         self.actors, self.env_actors = [], []
 
@@ -487,14 +542,15 @@ def active_pool() -> RayRollouts | None:
 
 
 def close_pools() -> None:
-    """Kill the rollout actors :func:`ray_rollouts` started in this process."""
+    """Close the rollout actors :func:`ray_rollouts` started in this process (kept idle for the next pool)."""
     pool = _ACTIVE["pool"]
     _ACTIVE.update(pool=None, ws=None, model=None)
     if pool is not None and ray.is_initialized():
         pool.close()
 
 
-atexit.register(close_pools)
+atexit.register(kill_idle_actors)
+atexit.register(close_pools)  # atexit runs this first
 
 
 # ------------------------------------------------------------------ SAO: a stream ----
@@ -521,6 +577,7 @@ class RayRolloutPool:
             make_env = env_factory(ws)
         init_ray(dist)
         _require_cpus(dist.rollout_workers)
+        close_pools()  # a GRPO stage's actors (idle now) are this stream's: a small cluster has no CPUs for more
         self.dist, self.contract, self.make_env, self.tasks, self.box = dist, contract, make_env, tasks, box
         self.slots, self.seed, self.reward_weights, self.recompute_kv = slots, seed, weights, recompute_kv
         self.spec = policy_spec(policy)
@@ -549,7 +606,7 @@ class RayRolloutPool:
 
     def _start_actor(self, i: int) -> None:
         env = RemoteEnvFactory(self.env_actors) if self.env_actors else self.make_env
-        a = RolloutActor.options(**_actor_options()).remote(self.spec, self.contract, env, self.reward_weights)
+        a = _acquire_actor(self.spec, self.contract, env, self.reward_weights)
         if self.weights.ref is not None:
             a.set_weights.remote(self.weights.key, self.weights.version, [self.weights.ref])
         a.start_stream.remote(self.seed + 1_000_033 * i + 7_919 * self.replaced, self.slots, self.outbox_size,
@@ -678,10 +735,14 @@ class RayRolloutPool:
         return got
 
     def close(self) -> None:
-        for a in self.actors + self.env_actors:
+        """Release the rollout actors for the next pool; kill the environment actors."""
+        for a in self.actors:
+            _release_actor(a)
+        for a in self.env_actors:
             _kill(a)
+        self.actors = [None] * len(self.actors)
 
 
 __all__ = ["EnvActor", "RayRolloutPool", "RayRollouts", "RemoteEnv", "RemoteEnvFactory", "RolloutActor",
-           "WeightBroadcast", "active_pool", "close_pools", "env_factory", "init_ray", "ray_rollouts", "shares",
-           "weights_payload"]
+           "WeightBroadcast", "active_pool", "close_pools", "env_factory", "init_ray", "kill_idle_actors",
+           "ray_rollouts", "shares", "weights_payload"]
