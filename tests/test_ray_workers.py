@@ -283,17 +283,24 @@ def test_sao_stream_survives_a_killed_actor(ray_local, tool_happy_model, make_co
 
 
 def test_sao_stage_on_ray_actors(ray_local, tmp_path):
-    """``recipe: [sao]`` with ``distributed.backend: ray``: the learner trains on what two actors
-    stream, and no trajectory it trains on lags more than ``max_staleness`` versions."""
+    """``recipe: [grpo, sao]`` with ``distributed.backend: ray``: the SAO learner trains on what two
+    actors stream, and no trajectory it trains on lags more than ``max_staleness`` versions. The
+    GRPO stage's two actors hold both CPUs of this Ray: the stream reuses them (it would wait forever
+    for CPUs otherwise)."""
+    from mentorrl.distributed.ray_workers import close_pools
     from mentorrl.train.pipeline import run_recipe
 
     run = tmp_path / "sao"
     cfg = load_config(None, TINY_OVERRIDES + [
-        f"run_dir={run}", "recipe=[sao]", "sao.steps=4", "sao.batch_size=4", "sao.rollout.slots=2",
+        f"run_dir={run}", "recipe=[grpo, sao]", "grpo.steps=1", "sao.steps=4", "sao.batch_size=4", "sao.rollout.slots=2",
         "sao.rollout.max_staleness=1", "sao.critic.warmup_steps=0", "eval.num_tasks=0", "audit.preflight=false",
         "distributed.backend=ray", "distributed.rollout_workers=2"])
-    run_recipe(cfg, show_progress=False)
+    try:
+        run_recipe(cfg, show_progress=False)
+    finally:
+        close_pools()
     recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs if r.get("stage") == "grpo"] == [1]
     sao = [r for r in recs if r.get("stage") == "sao"]
     assert [r["step"] for r in sao] == [1, 2, 3, 4]
     assert all(r["policy_lag_max"] <= 1 for r in sao)
