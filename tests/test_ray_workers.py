@@ -30,6 +30,11 @@ from test_resume import TINY_OVERRIDES
 pytestmark = pytest.mark.ray
 
 LOGPROB_TOL = 1e-4
+# How long a streaming pool may go without a trajectory while every actor is up (starting actors --
+# a new process, imports, a policy copy -- stop that clock): generous, for a loaded 2-core machine.
+GET_TIMEOUT_S = 300
+# A CLI run (its own Ray, a tiny model, 3 GRPO steps on 2 actors) takes about 30 s on an idle 2-core machine.
+CLI_TIMEOUT_S = 600
 
 
 def test_ray_backend_refuses_a_torchrun_launch():
@@ -44,9 +49,10 @@ def ray_local():
     ray = pytest.importorskip("ray")
     ray.init(num_cpus=2, include_dashboard=False, logging_level="warning")
     yield ray
-    from mentorrl.distributed.ray_workers import close_pools
+    from mentorrl.distributed.ray_workers import close_pools, kill_idle_actors
 
     close_pools()
+    kill_idle_actors()  # the tests share rollout actors (a closed pool's are reused by the next)
     ray.shutdown()
 
 
@@ -207,8 +213,6 @@ def test_sao_stream_across_actors_versions_and_staleness(ray_local, tool_happy_m
     """Two streaming rollout actors: trajectories carry the version that started them, a newer
     version reaches every actor through the object store, trajectories started under it are
     sampled from the new weights, and the staleness rule drops the ones older than the bound."""
-    import time
-
     from mentorrl.config import DistributedConfig
     from mentorrl.distributed.ray_workers import RayRolloutPool
     from mentorrl.train.async_rl import WeightBox, staleness_weights
@@ -223,14 +227,14 @@ def test_sao_stream_across_actors_versions_and_staleness(ray_local, tool_happy_m
                           dist=DistributedConfig(backend="ray", rollout_workers=2))
     pool.start()
     try:
-        first = pool.get(4, 120)
+        first = pool.get(4, GET_TIMEOUT_S)
         assert {t.policy_version for t in first} == {0}
-        time.sleep(3)  # the actors fill their outboxes (back-pressure) with version-0 trajectories
+        # the actors hold version-0 episodes (in flight or in their outboxes) when version 3 is published
         new = _perturbed(model, 2)
         box.publish(new, 3)
         later: list = []
         for _ in range(60):
-            later += pool.get(2, 120)
+            later += pool.get(2, GET_TIMEOUT_S)
             if sum(t.policy_version == 3 for t in later) >= 4:
                 break
         versions = [t.policy_version for t in later]
@@ -266,11 +270,11 @@ def test_sao_stream_survives_a_killed_actor(ray_local, tool_happy_model, make_co
                           dist=DistributedConfig(backend="ray", rollout_workers=2))
     pool.start()
     try:
-        got = pool.get(3, 120)
+        got = pool.get(3, GET_TIMEOUT_S)
         victim = pool.actors[0]
         assert pool.given[0]  # it holds tasks now
         ray.kill(victim)
-        got += pool.get(len(tasks) - 3, 120)
+        got += pool.get(len(tasks) - 3, GET_TIMEOUT_S)
         assert pool.replaced == 1 and pool.actors[0]._actor_id != victim._actor_id
         assert sorted(t.task_id for t in got) == sorted(t.id for t in tasks)
         assert not any(pool.given) and pool.spill == []
@@ -279,17 +283,24 @@ def test_sao_stream_survives_a_killed_actor(ray_local, tool_happy_model, make_co
 
 
 def test_sao_stage_on_ray_actors(ray_local, tmp_path):
-    """``recipe: [sao]`` with ``distributed.backend: ray``: the learner trains on what two actors
-    stream, and no trajectory it trains on lags more than ``max_staleness`` versions."""
+    """``recipe: [grpo, sao]`` with ``distributed.backend: ray``: the SAO learner trains on what two
+    actors stream, and no trajectory it trains on lags more than ``max_staleness`` versions. The
+    GRPO stage's two actors hold both CPUs of this Ray: the stream reuses them (it would wait forever
+    for CPUs otherwise)."""
+    from mentorrl.distributed.ray_workers import close_pools
     from mentorrl.train.pipeline import run_recipe
 
     run = tmp_path / "sao"
     cfg = load_config(None, TINY_OVERRIDES + [
-        f"run_dir={run}", "recipe=[sao]", "sao.steps=4", "sao.batch_size=4", "sao.rollout.slots=2",
+        f"run_dir={run}", "recipe=[grpo, sao]", "grpo.steps=1", "sao.steps=4", "sao.batch_size=4", "sao.rollout.slots=2",
         "sao.rollout.max_staleness=1", "sao.critic.warmup_steps=0", "eval.num_tasks=0", "audit.preflight=false",
         "distributed.backend=ray", "distributed.rollout_workers=2"])
-    run_recipe(cfg, show_progress=False)
+    try:
+        run_recipe(cfg, show_progress=False)
+    finally:
+        close_pools()
     recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs if r.get("stage") == "grpo"] == [1]
     sao = [r for r in recs if r.get("stage") == "sao"]
     assert [r["step"] for r in sao] == [1, 2, 3, 4]
     assert all(r["policy_lag_max"] <= 1 for r in sao)
@@ -299,9 +310,10 @@ def test_sao_stage_on_ray_actors(ray_local, tmp_path):
 
 # ------------------------------------------------------------------ a killed driver -------
 def test_driver_sigkilled_mid_grpo_on_ray_resumes(ray_local, tmp_path):
-    """The driver (learner + Ray head it started) SIGKILLed after GRPO step 3 was logged; ``--resume``
-    starts new actors, continues from the step-2 checkpoint, and redoes step 3 exactly: the same
-    tasks and, since Ray rollouts are a function of (weights, tasks, seed, workers), the same tokens."""
+    """The driver (learner + Ray head it started) SIGKILLed after the last GRPO step (3) was logged and
+    before it was saved; ``--resume`` starts new actors, continues from the step-2 checkpoint, and redoes
+    step 3 exactly: the same tasks and, since Ray rollouts are a function of (weights, tasks, seed,
+    workers), the same tokens."""
     import os
     import signal
     import subprocess
@@ -313,7 +325,7 @@ def test_driver_sigkilled_mid_grpo_on_ray_resumes(ray_local, tmp_path):
     from test_resume import BLOCKING_CLI, _env, _sample_task_ids, _steps
 
     run_dir = tmp_path / "run"
-    cfg = _cfg(run_dir, ["grpo.steps=4", "grpo.checkpoint_every=2", "distributed.backend=ray",
+    cfg = _cfg(run_dir, ["grpo.steps=3", "grpo.checkpoint_every=2", "distributed.backend=ray",
                          "distributed.rollout_workers=2"])
     cfg_path = tmp_path / "cfg.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
@@ -324,7 +336,7 @@ def test_driver_sigkilled_mid_grpo_on_ray_resumes(ray_local, tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", BLOCKING_CLI, "train", str(cfg_path)], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + CLI_TIMEOUT_S
         while not marker.exists():
             if proc.poll() is not None:
                 pytest.fail(f"run ended before it could be interrupted (rc={proc.returncode}):\n{proc.stdout.read()}")
@@ -343,12 +355,12 @@ def test_driver_sigkilled_mid_grpo_on_ray_resumes(ray_local, tmp_path):
     killed_ids = _sample_task_ids(run_dir)
 
     res = subprocess.run([sys.executable, "-m", "mentorrl.cli", "train", str(cfg_path), "--resume"], cwd=tmp_path,
-                         env=_env(), capture_output=True, text=True, timeout=300, start_new_session=True)
+                         env=_env(), capture_output=True, text=True, timeout=CLI_TIMEOUT_S, start_new_session=True)
     out = res.stdout + res.stderr
     assert res.returncode == 0, out
-    assert "grpo: resuming from step-000002 (step 2/4)" in out, out
+    assert "grpo: resuming from step-000002 (step 2/3)" in out, out
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert _steps(records, "grpo") == [1, 2, 3, 4]  # exactly once each
+    assert _steps(records, "grpo") == [1, 2, 3]  # exactly once each
     assert _sample_task_ids(run_dir)[3] == killed_ids[3]
     _same(_samples(run_dir, 3), killed_step3)  # the redone step, token for token
     assert (run_dir / "grpo" / "final" / "DONE").exists()

@@ -25,9 +25,16 @@ What runs where::
   next forward pass (SAO), and tags its trajectories with that version.
 - **Faults**: a rollout actor that dies mid-step (killed, OOM, node lost) is replaced by a fresh
   one that loads the current weights and re-runs the dead actor's share with the same seed, so no
-  trajectory is lost or duplicated; under SAO the tasks it held are handed to its replacement. A
-  dead environment actor is replaced and the share that needed it is re-run. After
-  ``distributed.actor_restarts`` replacements in one step the step fails.
+  trajectory is lost or duplicated; under SAO the tasks it held are handed to its replacement. An
+  unreachable actor is killed before it is replaced (its CPU freed, nothing more collected from it).
+  A dead environment actor is replaced and the share that needed it is re-run. After
+  ``distributed.actor_restarts`` replacements in one step the step fails. Under SAO, an actor that
+  is still starting (a new process: imports, policy copy) does not count against the "no trajectory"
+  timeout, and the driver keeps collecting from the others meanwhile (``ACTOR_START_TIMEOUT_S``).
+
+Actors are reused: a closed pool's rollout actors stay idle (holding their CPU) and the next pool
+of this process reconfigures them instead of starting processes (:func:`kill_idle_actors` ends them;
+at exit Ray does). A SAO pool first closes the GRPO actors, so ``recipe: [grpo, sao]`` fits a small cluster.
 
 Threads: each actor runs torch with one intra-op thread (``OMP_NUM_THREADS=1``,
 ``OMP_WAIT_POLICY=PASSIVE`` in its runtime environment). ``address: null`` starts a local Ray
@@ -61,6 +68,8 @@ from mentorrl.trajectory import Trajectory
 ACTOR_ENV = {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE", "MKL_NUM_THREADS": "1",
              "TOKENIZERS_PARALLELISM": "false"}
 ROLLOUT_ACTOR_CPUS = 1.0  # a rollout actor decodes with one torch thread
+ACTOR_START_TIMEOUT_S = 900.0  # a new actor (process, imports, policy copy) may take this long on a busy node
+ENV_PING_TIMEOUT_S = 120.0  # an environment actor that does not answer a ping this long is replaced
 ENV_ACTOR_CONCURRENCY = 64  # environment calls served at once by one environment actor (each env is used serially)
 
 
@@ -209,18 +218,25 @@ class RolloutActor:
     """A policy copy and the rollout engine. ``rollout`` runs a share of a step (GRPO); ``start_stream`` /
     ``poll`` run continuous batching fed by the driver (SAO). Weights arrive through ``load`` /
     ``set_weights`` as ``(key, version, [object ref])``: the list keeps Ray from fetching the
-    weights for a call whose key the actor already holds."""
+    weights for a call whose key the actor already holds. A closed pool's actors are kept idle and
+    ``configure``-d for the next pool of this process (a new actor costs a process and its imports)."""
 
     def __init__(self, spec, contract, make_env: Callable[[], Any], reward_weights=None):
         torch.set_num_threads(1)
+        self.lock = threading.Lock()
+        self.thread: threading.Thread | None = None
+        self.configure(spec, contract, make_env, reward_weights)
+
+    def configure(self, spec, contract, make_env: Callable[[], Any], reward_weights=None) -> None:
+        """Start afresh for a new pool: stop any stream, a new policy copy (filled by the next weights)."""
+        self.stop_stream()
+        self.thread = None
         self.model = _build_policy(spec)
         self.contract, self.make_env, self.reward_weights = contract, make_env, reward_weights
         self.key: int | None = None
         self.version = -1
         self.loads = 0
-        self.lock = threading.Lock()
         self.pending: tuple[int, int, dict] | None = None
-        self.thread: threading.Thread | None = None
 
     def ping(self) -> int:
         return os.getpid()
@@ -323,8 +339,59 @@ class RolloutActor:
             self.thread.join(timeout=30)
 
 
+def _kill(actor) -> None:
+    """``ray.kill`` an actor that may be gone already (frees its CPU now if it was only unreachable)."""
+    if actor is None:
+        return
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception:  # noqa: BLE001 -- already gone
+        pass
+
+
 def _actor_options() -> dict[str, Any]:
     return {"runtime_env": {"env_vars": dict(ACTOR_ENV)}}
+
+
+# ------------------------------------------------------------------ actor reuse ----
+# Rollout actors released by a closed pool, kept (with their CPU) for this process's next pool:
+# starting one costs a process and its imports (torch, transformers: about 6 s of CPU). Keyed by
+# the cluster, so a new ray.init never sees a previous cluster's handles.
+_IDLE: dict[str, Any] = {"cluster": None, "actors": []}
+
+
+def _cluster() -> str:
+    return ray.get_runtime_context().gcs_address
+
+
+def _acquire_actor(spec, contract, make_env: Callable[[], Any], reward_weights=None):
+    """A rollout actor for these arguments: an idle one, reconfigured (the call is queued before any
+    other, so nothing waits here), else a new one. An idle actor that died meanwhile fails its next
+    call and is replaced like any dead actor."""
+    if _IDLE["cluster"] == _cluster() and _IDLE["actors"]:
+        a = _IDLE["actors"].pop()
+        a.configure.remote(spec, contract, make_env, reward_weights)
+        return a
+    return RolloutActor.options(**_actor_options()).remote(spec, contract, make_env, reward_weights)
+
+
+def _release_actor(actor) -> None:
+    """Stop the actor's stream (if any) and keep it for the next pool."""
+    if actor is None or not ray.is_initialized():
+        return
+    cluster = _cluster()
+    if _IDLE["cluster"] != cluster:
+        _IDLE.update(cluster=cluster, actors=[])
+    actor.stop_stream.remote()
+    _IDLE["actors"].append(actor)
+
+
+def kill_idle_actors() -> None:
+    """Kill the idle rollout actors (their CPUs go back to the cluster); before ``ray.shutdown``."""
+    actors, _IDLE["actors"] = _IDLE["actors"], []
+    if ray.is_initialized():
+        for a in actors:
+            _kill(a)
 
 
 # ------------------------------------------------------------------ weights ----
@@ -387,18 +454,18 @@ class RayRollouts:
         return EnvActor.options(**_actor_options()).remote(self.make_env)
 
     def _new_actor(self):
-        return RolloutActor.options(**_actor_options()).remote(self.spec, self.contract, self._worker_env(),
-                                                               self.reward_weights)
+        return _acquire_actor(self.spec, self.contract, self._worker_env(), self.reward_weights)
 
     def _heal_env_actors(self) -> bool:
         """Replace environment actors that no longer answer; True when any was replaced."""
         dead = []
         for i, a in enumerate(self.env_actors):
             try:
-                ray.get(a.ping.remote(), timeout=30)
+                ray.get(a.ping.remote(), timeout=ENV_PING_TIMEOUT_S)
             except (RayActorError, GetTimeoutError):
                 dead.append(i)
         for i in dead:
+            _kill(self.env_actors[i])
             self.env_actors[i] = self._new_env_actor()
             self.env_replaced += 1
         if dead:
@@ -437,6 +504,7 @@ class RayRollouts:
                             raise RuntimeError(f"rollout: more than distributed.actor_restarts="
                                                f"{self.dist.actor_restarts} actor failures in one step") from e
                         if died:
+                            _kill(self.actors[i])  # dead, or unreachable: then its CPU is freed for the new one
                             self.actors[i] = self._new_actor()
                             self.replaced += 1
                         refs[i] = submit(i, part)  # the same share, the same seed: the same episodes
@@ -445,11 +513,12 @@ class RayRollouts:
         return [t for i, _ in parts for t in out[i]]
 
     def close(self) -> None:
-        for a in self.actors + self.env_actors:
-            try:
-                ray.kill(a)
-            except Exception:  # noqa: BLE001 -- already gone
-                pass
+        """Release the rollout actors for the next pool (:func:`kill_idle_actors` ends them); kill the
+        environment actors."""
+        for a in self.actors:
+            _release_actor(a)
+        for a in self.env_actors:
+            _kill(a)
         self.actors, self.env_actors = [], []
 
 
@@ -473,14 +542,15 @@ def active_pool() -> RayRollouts | None:
 
 
 def close_pools() -> None:
-    """Kill the rollout actors :func:`ray_rollouts` started in this process."""
+    """Close the rollout actors :func:`ray_rollouts` started in this process (kept idle for the next pool)."""
     pool = _ACTIVE["pool"]
     _ACTIVE.update(pool=None, ws=None, model=None)
     if pool is not None and ray.is_initialized():
         pool.close()
 
 
-atexit.register(close_pools)
+atexit.register(kill_idle_actors)
+atexit.register(close_pools)  # atexit runs this first
 
 
 # ------------------------------------------------------------------ SAO: a stream ----
@@ -507,6 +577,7 @@ class RayRolloutPool:
             make_env = env_factory(ws)
         init_ray(dist)
         _require_cpus(dist.rollout_workers)
+        close_pools()  # a GRPO stage's actors (idle now) are this stream's: a small cluster has no CPUs for more
         self.dist, self.contract, self.make_env, self.tasks, self.box = dist, contract, make_env, tasks, box
         self.slots, self.seed, self.reward_weights, self.recompute_kv = slots, seed, weights, recompute_kv
         self.spec = policy_spec(policy)
@@ -517,6 +588,9 @@ class RayRolloutPool:
         self.sent_version = -1
         self.env_actors = [EnvActor.options(**_actor_options()).remote(make_env) for _ in range(dist.env_workers)]
         self.actors: list[Any] = [None] * n
+        self.starting: list[Any] = [None] * n  # the first ping of an actor that has not answered yet
+        self.started_at = [0.0] * n
+        self.end_sent = [False] * n
         self.given: list[list] = [[] for _ in range(n)]
         self.syncs_of = [0] * n
         self.alive = [True] * n
@@ -532,7 +606,7 @@ class RayRolloutPool:
 
     def _start_actor(self, i: int) -> None:
         env = RemoteEnvFactory(self.env_actors) if self.env_actors else self.make_env
-        a = RolloutActor.options(**_actor_options()).remote(self.spec, self.contract, env, self.reward_weights)
+        a = _acquire_actor(self.spec, self.contract, env, self.reward_weights)
         if self.weights.ref is not None:
             a.set_weights.remote(self.weights.key, self.weights.version, [self.weights.ref])
         a.start_stream.remote(self.seed + 1_000_033 * i + 7_919 * self.replaced, self.slots, self.outbox_size,
@@ -540,6 +614,7 @@ class RayRolloutPool:
         if self.given[i]:
             a.poll.remote(list(self.given[i]), 0)  # the tasks its predecessor held
         self.actors[i] = a
+        self.starting[i], self.started_at[i], self.end_sent[i] = a.ping.remote(), time.monotonic(), False
 
     def start(self) -> None:
         self._publish()
@@ -578,56 +653,96 @@ class RayRolloutPool:
     def is_alive(self) -> bool:
         return any(self.alive)
 
+    def _replace(self, i: int) -> None:
+        """Replace actor ``i`` (dead, or unreachable: it is killed first, so its CPU is free for the
+        replacement and nothing it still sends is ever collected); the replacement gets its tasks."""
+        _kill(self.actors[i])
+        self.replaced += 1
+        self._start_actor(i)
+
+    def _check_starting(self) -> list[int]:
+        """Actors that answered their first ping become ready; one that died starting is returned for
+        replacement; one that has not started in ``ACTOR_START_TIMEOUT_S`` fails the pool."""
+        failed = []
+        for i, ref in enumerate(self.starting):
+            if ref is None:
+                continue
+            if ray.wait([ref], timeout=0)[0]:
+                try:
+                    ray.get(ref)
+                    self.starting[i] = None
+                except RayActorError:
+                    failed.append(i)
+            elif time.monotonic() - self.started_at[i] > ACTOR_START_TIMEOUT_S:
+                raise TimeoutError(f"rollout actor {i} did not start in {ACTOR_START_TIMEOUT_S:.0f}s "
+                                   f"(does the Ray cluster have a free CPU? `ray status`)")
+        return failed
+
     def get(self, n: int, timeout_s: float) -> list[Trajectory]:
         """The next ``n`` finished trajectories (in the order their batches arrived); raises if an
-        actor's stream failed, all ran dry, or none came for ``timeout_s``. A dead actor is replaced."""
+        actor's stream failed, all ran dry, or none came for ``timeout_s`` while every actor was up
+        (an actor still starting -- a new process, its imports, its policy copy -- stops that clock;
+        it has ``ACTOR_START_TIMEOUT_S`` to start). A dead or unreachable actor is replaced and its
+        replacement gets the tasks it held (in flight or finished but not collected): every task
+        comes back exactly once."""
         got, self.spill = self.spill[:n], self.spill[n:]
         last = time.monotonic()
         restarts = 0
+
+        def replace(i: int, e: BaseException) -> None:
+            nonlocal restarts
+            restarts += 1
+            if restarts > self.dist.actor_restarts:
+                raise RuntimeError(f"rollout: more than distributed.actor_restarts="
+                                   f"{self.dist.actor_restarts} actor failures in one step") from e
+            self._replace(i)
+
         while len(got) < n:
             self._publish()
-            refs = []
+            for i in self._check_starting():
+                replace(i, RuntimeError(f"rollout actor {i} died while starting"))
+            refs = {}
             for i, a in enumerate(self.actors):
                 new = self._deal(i)
-                refs.append(a.poll.remote(new, n - len(got), self.dry))
+                if self.starting[i] is None:
+                    refs[i] = a.poll.remote(new, n - len(got), self.dry)
+                elif new or (self.dry and not self.end_sent[i]):  # queued behind its start; collects nothing
+                    a.poll.remote(new, 0, self.dry)
+                self.end_sent[i] = self.dry
             before = len(got)
-            for i, ref in enumerate(refs):
+            for i, ref in refs.items():  # a poll only moves queue items: it returns at once
                 try:
                     res = ray.get(ref)
                 except RayActorError as e:
-                    restarts += 1
-                    if restarts > self.dist.actor_restarts:
-                        raise RuntimeError(f"rollout: more than distributed.actor_restarts="
-                                           f"{self.dist.actor_restarts} actor failures in one step") from e
-                    self.replaced += 1
-                    self._start_actor(i)
+                    replace(i, e)
                     continue
                 if res["error"] is not None:
                     raise RuntimeError(f"rollout worker failed: {res['error']}")
                 self._received(i, res["trajs"])
                 self.syncs_of[i], self.alive[i] = res["syncs"], res["alive"]
                 got.extend(res["trajs"])
-            if len(got) == before:
+            if len(got) > before or any(ref is not None for ref in self.starting):
+                last = time.monotonic()
+            else:
                 if self.dry and not any(self.given):
                     raise RuntimeError("rollout workers stopped: their task stream ran dry")
                 if time.monotonic() - last >= timeout_s:
                     raise TimeoutError(f"no trajectory from the rollout workers in {timeout_s:.0f}s")
+            if len(got) == before:
                 time.sleep(0.05)
-            else:
-                last = time.monotonic()
         got, extra = got[:n], got[n:]
         self.spill = extra + self.spill
         return got
 
     def close(self) -> None:
-        for a in self.actors + self.env_actors:
-            if a is not None:
-                try:
-                    ray.kill(a)
-                except Exception:  # noqa: BLE001 -- already gone
-                    pass
+        """Release the rollout actors for the next pool; kill the environment actors."""
+        for a in self.actors:
+            _release_actor(a)
+        for a in self.env_actors:
+            _kill(a)
+        self.actors = [None] * len(self.actors)
 
 
 __all__ = ["EnvActor", "RayRolloutPool", "RayRollouts", "RemoteEnv", "RemoteEnvFactory", "RolloutActor",
-           "WeightBroadcast", "active_pool", "close_pools", "env_factory", "init_ray", "ray_rollouts", "shares",
-           "weights_payload"]
+           "WeightBroadcast", "active_pool", "close_pools", "env_factory", "init_ray", "kill_idle_actors",
+           "ray_rollouts", "shares", "weights_payload"]
