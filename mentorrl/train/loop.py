@@ -9,8 +9,9 @@
   minibatch and counts policy versions, and :func:`reduce_updates` turns the updates' metrics into
   one value per metric for ``metrics.jsonl``;
 - off-policy guidance: :func:`relabel_behaviour` gives demonstrations the current policy's
-  behaviour log-probs, and :func:`guide_failed_groups` puts the scripted expert's verified
-  demonstration into each group in which no rollout succeeded (``grpo.guide``);
+  behaviour log-probs, :func:`guide_failed_groups` finds the scripted expert's verified
+  demonstration for each group in which no rollout succeeded (``grpo.guide``), and
+  :func:`guided_advantages` scores it as one more member of that group;
 - the step's rewards and rollout metrics (:func:`group_rewards`, :func:`outcome_rewards`,
   :func:`rollout_metrics`), the high-reward-failure debugger and the held-out gap check.
 
