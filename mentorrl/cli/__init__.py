@@ -129,6 +129,41 @@ def init_model_cmd(
     console.print(f"wrote {path} (digest {dir_digest(path)})")
 
 
+@app.command("transplant-vocab")
+def transplant_vocab_cmd(
+    model_dir: Path = typer.Argument(..., exists=True, file_okay=False, help="HF checkpoint to move"),
+    out_dir: Path = typer.Argument(..., help="directory to write the transplanted checkpoint into"),
+    tokenizer: Path = typer.Option(..., "--tokenizer", exists=True, file_okay=False,
+                                   help="directory of the new (byte-level BPE) tokenizer, e.g. one "
+                                        "`mentorrl init-model DIR --set model.spec.vocab_size=1536` built"),
+) -> None:
+    """Re-fit a checkpoint to another tokenizer: body weights kept, each new token's embedding the mean
+    of its old spelling's. Fine-tune it briefly under the new tokenizer afterwards (an SFT stage)."""
+    quiet_transformers()
+    from rich.markup import escape
+    from transformers import AutoTokenizer
+
+    from mentorrl.models.build import dir_digest, load_policy
+    from mentorrl.models.transplant import TransplantError, exact_share, transplant_vocabulary
+
+    old_tok, model = load_policy(model_dir)
+    new_tok = AutoTokenizer.from_pretrained(tokenizer)
+    try:
+        new = transplant_vocabulary(model, old_tok, new_tok)
+        share = exact_share(old_tok, new_tok)
+    except TransplantError as e:
+        err.print(f"[red]{escape(f'transplant-vocab: {e}')}[/red]")
+        raise typer.Exit(2)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    new_tok.save_pretrained(out_dir)
+    new.save_pretrained(out_dir, safe_serialization=True)
+    (out_dir / "mentorrl_transplant.json").write_text(json.dumps(
+        {"from": str(model_dir), "from_digest": dir_digest(model_dir), "tokenizer": str(tokenizer),
+         "old_vocab": len(old_tok), "new_vocab": len(new_tok), "exact_share": share}, indent=2))
+    console.print(f"wrote {out_dir}: vocabulary {len(old_tok)} -> {len(new_tok)}, {100 * share:.1f}% of the new "
+                  f"tokens copied exactly, the rest averaged from their old spelling (digest {dir_digest(out_dir)})")
+
+
 @app.command()
 def diagnose(
     model_dir: Path = typer.Argument(..., exists=True, file_okay=False, help="HF checkpoint directory"),
