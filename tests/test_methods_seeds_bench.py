@@ -1,0 +1,96 @@
+"""bench/methods_seeds.py reads finished runs back: tokens to reach GRPO's final success, equal-trajectory
+comparisons on the same check tasks, and the per-seed differences."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench" / "methods_seeds.py"
+
+
+def _bench():
+    sys.path.insert(0, str(BENCH.parent))
+    spec = importlib.util.spec_from_file_location("methods_seeds", BENCH)
+    b = importlib.util.module_from_spec(spec)
+    sys.modules["methods_seeds"] = b  # a dataclass resolves its annotations through its module
+    spec.loader.exec_module(b)
+    return b
+
+
+def _eval(run: Path, label: str, success: float, per_task: list[bool] | None = None) -> None:
+    run.mkdir(parents=True, exist_ok=True)
+    (run / f"eval_{label}.json").write_text(json.dumps({"success": success, "success_ci95": [success - .04, success + .04],
+                                                         "violation_rate": 0.1, "n": 500}))
+    if per_task is not None:
+        (run / f"eval_{label}.jsonl").write_text("".join(json.dumps({"reward": {"success": s}}) + "\n"
+                                                         for s in per_task))
+
+
+def _metrics(run: Path, stage: str, rows: list[dict]) -> None:
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"stage": stage, **r}) + "\n" for r in rows))
+
+
+def test_tokens_to_target_and_equal_trajectories(tmp_path, capsys):
+    b = _bench()
+    for s in (0, 1, 2):
+        # SFT: 100 check tasks, 30 + s successes among them (the rest of the 500 do not count)
+        _eval(tmp_path / f"s{s}", "sft", 0.3, [i < 30 + s for i in range(100)] + [True] * 400)
+        g = tmp_path / f"grpo-s{s}"
+        _eval(g, "grpo", 0.5)
+        # GRPO: 1000 tokens and 128 rollouts a step; checks at steps 2 and 4: 0.40 then 0.50 -> target 0.45
+        _metrics(g, "grpo", [{"step": i, "rollout_tokens": 1000, "rollouts": 128,
+                              **({"heldout_success": {2: 0.4, 4: 0.5}[i]} if i in (2, 4) else {})}
+                             for i in range(1, 5)])
+        o = tmp_path / "out" / f"opd-s{s}"
+        _eval(o, "opd", 0.55 + s / 100)
+        # OPD: 100 tokens a step; checks 0.5 (two-check mean with the start ~0.4) then 0.6 (mean 0.55 >= 0.45)
+        _metrics(o, "opd", [{"step": 1, "rollout_tokens": 100, "heldout_success": 0.5},
+                            {"step": 2, "rollout_tokens": 100, "heldout_success": 0.6}])
+        sao = tmp_path / "out" / f"sao-s{s}"
+        _eval(sao, "sao", 0.45, [i < 60 for i in range(100)] + [False] * 400)
+        _metrics(sao, "sao", [{"step": i, "rollouts": 64} for i in range(1, 5)])  # 256 trajectories: GRPO step 2
+    b.main(["--sft", str(tmp_path / "s{seed}" / "sft" / "final"), "--grpo-run", str(tmp_path / "grpo-s{seed}"),
+            "--methods", "opd", "sao", "--teacher", "T", "--check-tasks", "100", "--out", str(tmp_path / "out")])
+    res = json.loads((tmp_path / "out" / "methods_opd_sao_s012.json").read_text())
+    t0 = res["opd"]["seeds"][0]["tokens"]
+    assert t0["target"] == pytest.approx(0.45)
+    assert t0["grpo_to_target"] == 4000 and t0["to_target"] == 200 and t0["fraction_of_grpo"] == pytest.approx(0.05)
+    assert [p[2] for p in t0["curve"]] == [pytest.approx(0.30), 0.5, 0.6]
+    assert res["opd"]["minus_sft"]["mean"] == pytest.approx(26.0)
+    e = res["sao"]["seeds"][1]["equal_trajectories"]
+    assert (e["trajectories"], e["grpo_step"], e["grpo_trajectories"], e["grpo"], e["method"]) == (256, 2, 256, 0.4, 0.6)
+    assert res["sao"]["equal_trajectories_minus_grpo"]["mean"] == pytest.approx(20.0)
+    out = capsys.readouterr().out
+    assert "opd minus GRPO (final evaluations) over 3 seeds" in out
+
+
+def test_a_method_that_never_reaches_the_target_is_reported_not_crashed(tmp_path, capsys):
+    b = _bench()
+    _eval(tmp_path / "s0", "sft", 0.3, [False] * 10)
+    g = tmp_path / "grpo-s0"
+    _eval(g, "grpo", 0.5)
+    _metrics(g, "grpo", [{"step": 1, "rollout_tokens": 10, "heldout_success": 0.5},
+                         {"step": 2, "rollout_tokens": 10, "heldout_success": 0.5}])
+    o = tmp_path / "out" / "opd-s0"
+    _eval(o, "opd", 0.2)
+    _metrics(o, "opd", [{"step": 1, "rollout_tokens": 5, "heldout_success": 0.1}])
+    b.main(["--sft", str(tmp_path / "s{seed}" / "sft" / "final"), "--grpo-run", str(tmp_path / "grpo-s{seed}"),
+            "--methods", "opd", "--seeds", "0", "--teacher", "T", "--check-tasks", "10", "--out", str(tmp_path / "out")])
+    assert "not within 5" in capsys.readouterr().out
+    res = json.loads((tmp_path / "out" / "methods_opd_s0.json").read_text())
+    assert res["opd"]["seeds"][0]["tokens"]["to_target"] is None
+
+
+def test_a_distilling_method_without_its_teacher_is_refused(tmp_path):
+    b = _bench()
+    _eval(tmp_path / "s0", "sft", 0.3, [False] * 10)
+    _eval(tmp_path / "grpo-s0", "grpo", 0.5)
+    _metrics(tmp_path / "grpo-s0", "grpo", [{"step": 1, "rollout_tokens": 10, "heldout_success": 0.5}])
+    with pytest.raises(SystemExit, match="cross-teacher"):
+        b.main(["--sft", str(tmp_path / "s{seed}" / "sft" / "final"), "--grpo-run", str(tmp_path / "grpo-s{seed}"),
+                "--methods", "opd_cross", "--seeds", "0", "--out", str(tmp_path / "out")])
