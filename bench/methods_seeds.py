@@ -52,7 +52,7 @@ class Method:
     config: str
     stage: str
     overrides: tuple[str, ...] = ()
-    teacher: str | None = None  # "teacher" or "cross": which command-line teacher the run distils from
+    teacher: str | None = None  # "teacher", "cross" or "both": the command-line teachers the run distils from
     checks: bool = field(default=False)  # held-out checks during training (opd.eval_every)
 
 
@@ -63,6 +63,8 @@ METHODS: dict[str, Method] = {
     "shortopd": Method("shortopd.yaml", "opd", OPD_CHECKS, teacher="teacher", checks=True),
     "reward_weighted": Method("reward_weighted.yaml", "opd", (), checks=True),
     "rlsd": Method("rlsd.yaml", "opd", ("opd.eval_every=4",), checks=True),
+    "mopd": Method("mopd.yaml", "opd", OPD_CHECKS, teacher="both", checks=True),
+    "evolve": Method("evolve.yaml", "evolve"),
     "sao": Method("sao.yaml", "sao"),
     "ppo": Method("ppo.yaml", "ppo"),
 }
@@ -76,11 +78,13 @@ def run_method(out: Path, name: str, seed: int, sft: Path, teachers: dict[str, s
     overrides = [f"model.path={sft}", f"recipe=[{m.stage}]", f"run_dir={run_dir}", f"seed={seed}", "threads=1",
                  "audit.preflight=false", f"opd.eval_tasks={check_tasks}", *m.overrides, *extra]
     if m.teacher is not None:
-        path = teachers[m.teacher]
-        if path is None:
-            raise SystemExit(f"method {name} distils from --{'cross-' if m.teacher == 'cross' else ''}teacher: give one")
-        tname = "cross-teacher" if m.teacher == "cross" else "teacher"
-        overrides.append(f"opd.teachers=[{{name: {tname}, path: {path}}}]")
+        wanted = ["teacher", "cross"] if m.teacher == "both" else [m.teacher]
+        for w in wanted:
+            if teachers[w] is None:
+                raise SystemExit(f"method {name} distils from --{'cross-' if w == 'cross' else ''}teacher: give one")
+        listed = ", ".join(f"{{name: {'cross-teacher' if w == 'cross' else 'teacher'}, path: {teachers[w]}}}"
+                           for w in wanted)
+        overrides.append(f"opd.teachers=[{listed}]")
     cmd = [sys.executable, "-m", "mentorrl.cli", "train", str(CONFIGS / m.config)]
     for ov in overrides:
         cmd += ["--set", ov]
