@@ -136,12 +136,12 @@ def seed_row(args, seed: int, name: str) -> dict:
                          "teacher_tokens": recs[-1].get("teacher_tokens_total", 0.0) if recs else 0.0,
                          "fraction_of_grpo": (m_tok / g_tok) if (m_tok is not None and g_tok) else None}
     else:
-        trajs = sum(r.get("rollouts", 0) for r in recs)
+        trajs = int(sum(r.get("rollouts", 0) for r in recs))
         per_step = [(r["step"], sum(x.get("rollouts", 0) for x in grpo_recs if x["step"] <= r["step"]),
                      r["heldout_success"]) for r in grpo_recs if "heldout_success" in r]
         at = [p for p in per_step if p[1] <= trajs]
         row["equal_trajectories"] = {
-            "trajectories": trajs, "grpo_step": at[-1][0] if at else 0, "grpo_trajectories": at[-1][1] if at else 0,
+            "trajectories": trajs, "grpo_step": at[-1][0] if at else 0, "grpo_trajectories": int(at[-1][1]) if at else 0,
             "grpo": at[-1][2] if at else start,
             "method": prefix_success(run_dir / f"eval_{m.stage}.jsonl", args.check_tasks),
             "straggler_metrics": {k: recs[-1][k] for k in ("policy_lag_mean", "stale_dropped") if recs and k in recs[-1]},
