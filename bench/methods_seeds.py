@@ -149,14 +149,18 @@ def seed_row(args, seed: int, name: str) -> dict:
     return row
 
 
-def summary(label: str, xs: list[float], unit: str = "points") -> dict:
+def summary(label: str, xs: list[float], unit: str = "points", difference: bool = True) -> dict:
+    """Mean ± sd and the Student-t 95% interval of the mean; ``difference``: the values are differences,
+    printed signed with the verdict against zero."""
     s = mean_interval(xs)
+    f = "+.1f" if difference else ".1f"
     if s["ci95"] is None:
-        print(f"  {label}: {s['mean']:+.1f} {unit} (one seed: no interval)")
+        print(f"  {label}: {s['mean']:{f}} {unit} (one seed: no interval)")
     else:
         lo, hi = s["ci95"]
-        print(f"  {label} over {s['n']} seeds: {s['mean']:+.1f} ± {s['sd']:.1f} {unit} (mean ± sd); "
-              f"95% interval of the mean [{lo:+.1f}, {hi:+.1f}]: {s['verdict']}")
+        verdict = f": {s['verdict']}" if difference else ""
+        print(f"  {label} over {s['n']} seeds: {s['mean']:{f}} ± {s['sd']:.1f} {unit} (mean ± sd); "
+              f"95% interval of the mean [{lo:{f}}, {hi:{f}}]{verdict}")
     return s
 
 
@@ -187,6 +191,13 @@ def report(name: str, rows: list[dict]) -> dict:
            "minus_sft": summary(f"{name} minus SFT", [100 * (r[name]["success"] - r["sft"]["success"]) for r in rows]),
            "minus_grpo": summary(f"{name} minus GRPO (final evaluations)",
                                  [100 * (r[name]["success"] - r["grpo"]["success"]) for r in rows])}
+    if checks:
+        fracs = [r["tokens"]["fraction_of_grpo"] for r in rows]
+        if all(f is not None for f in fracs):
+            out["fraction_of_grpo_tokens"] = summary(f"{name}'s rollout tokens to GRPO's final success, as a share of "
+                                                     "GRPO's", [100 * f for f in fracs], "% of GRPO's tokens", difference=False)
+        else:
+            print(f"  {name} did not reach GRPO's final success on {sum(f is None for f in fracs)} of {len(fracs)} seeds")
     if not checks:
         out["equal_trajectories_minus_grpo"] = summary(
             f"{name} minus GRPO at equal trajectories",
