@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
-from mentorrl.eval.metrics import mean_interval
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _seeds import final_eval, summary, train_run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 ARMS = {"plain": "grpo.guide=none", "guide": "grpo.guide=expert"}
@@ -36,41 +36,21 @@ ARMS = {"plain": "grpo.guide=none", "guide": "grpo.guide=expert"}
 def run_arm(out: Path, arm: str, seed: int, sft: Path, overrides: list[str]) -> Path:
     run_dir = out / f"{arm}-s{seed}"
     if not (run_dir / "eval_grpo.json").exists():
-        cmd = [sys.executable, "-m", "mentorrl.cli", "train", str(ROOT / "mentorrl/configs/demo.yaml")]
-        for ov in [f"model.path={sft}", "recipe=[grpo]", f"run_dir={run_dir}", f"seed={seed}", "threads=1",
-                   "audit.preflight=false", "eval.final_splits=[hidden, novel_wording]", ARMS[arm], *overrides]:
-            cmd += ["--set", ov]
-        env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "1"}
-        done = subprocess.run(cmd, env=env)
-        if done.returncode != 0:
-            raise SystemExit(f"{arm} seed {seed}: `{' '.join(cmd)}` exited {done.returncode}")
+        train_run(ROOT / "mentorrl/configs/demo.yaml",
+                  [f"model.path={sft}", "recipe=[grpo]", f"run_dir={run_dir}", f"seed={seed}", "threads=1",
+                   "audit.preflight=false", "eval.final_splits=[hidden, novel_wording]", ARMS[arm], *overrides],
+                  f"{arm} seed {seed}")
     return run_dir
 
 
-def _eval(path: Path) -> dict:
-    d = json.loads(path.read_text())
-    return {"success": d["success"], "ci95": d["success_ci95"], "violations": d["violation_rate"], "n": d["n"]}
-
-
 def seed_row(out: Path, seed: int, sft: Path, arms: list[str], overrides: list[str]) -> dict:
-    row = {"seed": seed, "sft": _eval(sft.parents[1] / "eval_sft.json")}
+    row = {"seed": seed, "sft": final_eval(sft.parents[1] / "eval_sft.json")}
     for arm in arms:
         run_dir = run_arm(out, arm, seed, sft, overrides)
-        row[arm] = _eval(run_dir / "eval_grpo.json")
+        row[arm] = final_eval(run_dir / "eval_grpo.json")
         hidden = run_dir / "eval_grpo_hidden.json"
-        row[arm]["hidden"] = _eval(hidden)["success"] if hidden.exists() else None
+        row[arm]["hidden"] = final_eval(hidden)["success"] if hidden.exists() else None
     return row
-
-
-def summary(label: str, diffs: list[float]) -> dict:
-    s = mean_interval(diffs)
-    if s["ci95"] is None:
-        print(f"{label}: {s['mean']:+.1f} points (one seed: no interval)")
-    else:
-        lo, hi = s["ci95"]
-        print(f"{label} over {s['n']} seeds: {s['mean']:+.1f} ± {s['sd']:.1f} points (mean ± sd); "
-              f"95% interval of the mean [{lo:+.1f}, {hi:+.1f}]: {s['verdict']}")
-    return s
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -31,17 +31,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _seeds import final_eval, summary, train_run  # noqa: E402
 from opd_vs_grpo import curve, smoothed, tokens_to_reach  # noqa: E402
-
-from mentorrl.eval.metrics import mean_interval  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "mentorrl" / "configs"
@@ -85,21 +82,9 @@ def run_method(out: Path, name: str, seed: int, sft: Path, teachers: dict[str, s
         listed = ", ".join(f"{{name: {'cross-teacher' if w == 'cross' else 'teacher'}, path: {teachers[w]}}}"
                            for w in wanted)
         overrides.append(f"opd.teachers=[{listed}]")
-    cmd = [sys.executable, "-m", "mentorrl.cli", "train", str(CONFIGS / m.config)]
-    for ov in overrides:
-        cmd += ["--set", ov]
-    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "1"}
     run_dir.mkdir(parents=True, exist_ok=True)
-    with open(out / f"{name}-s{seed}.log", "w") as log:
-        done = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-    if done.returncode != 0:
-        raise SystemExit(f"{name} seed {seed}: `{' '.join(cmd)}` exited {done.returncode} (log: {log.name})")
+    train_run(CONFIGS / m.config, overrides, f"{name} seed {seed}", log=out / f"{name}-s{seed}.log")
     return run_dir
-
-
-def final_eval(path: Path) -> dict:
-    d = json.loads(path.read_text())
-    return {"success": d["success"], "ci95": d["success_ci95"], "violations": d["violation_rate"], "n": d["n"]}
 
 
 def prefix_success(jsonl: Path, n: int) -> float:
@@ -149,21 +134,6 @@ def seed_row(args, seed: int, name: str) -> dict:
     return row
 
 
-def summary(label: str, xs: list[float], unit: str = "points", difference: bool = True) -> dict:
-    """Mean ± sd and the Student-t 95% interval of the mean; ``difference``: the values are differences,
-    printed signed with the verdict against zero."""
-    s = mean_interval(xs)
-    f = "+.1f" if difference else ".1f"
-    if s["ci95"] is None:
-        print(f"  {label}: {s['mean']:{f}} {unit} (one seed: no interval)")
-    else:
-        lo, hi = s["ci95"]
-        verdict = f": {s['verdict']}" if difference else ""
-        print(f"  {label} over {s['n']} seeds: {s['mean']:{f}} ± {s['sd']:.1f} {unit} (mean ± sd); "
-              f"95% interval of the mean [{lo:{f}}, {hi:{f}}]{verdict}")
-    return s
-
-
 def pct(e: dict) -> str:
     return f"{100 * e['success']:.1f}% [{100 * e['ci95'][0]:.1f}, {100 * e['ci95'][1]:.1f}]"
 
@@ -188,20 +158,22 @@ def report(name: str, rows: list[dict]) -> dict:
                     f"{100 * e['method']:.1f}%")
         print(f"| {r['seed']} | {pct(r['sft'])} | {pct(r['grpo'])} | {pct(r[name])} | {cols} |")
     out = {"seeds": rows,
-           "minus_sft": summary(f"{name} minus SFT", [100 * (r[name]["success"] - r["sft"]["success"]) for r in rows]),
+           "minus_sft": summary(f"{name} minus SFT", [100 * (r[name]["success"] - r["sft"]["success"]) for r in rows],
+                                indent="  "),
            "minus_grpo": summary(f"{name} minus GRPO (final evaluations)",
-                                 [100 * (r[name]["success"] - r["grpo"]["success"]) for r in rows])}
+                                 [100 * (r[name]["success"] - r["grpo"]["success"]) for r in rows], indent="  ")}
     if checks:
         fracs = [r["tokens"]["fraction_of_grpo"] for r in rows]
         if all(f is not None for f in fracs):
-            out["fraction_of_grpo_tokens"] = summary(f"{name}'s rollout tokens to GRPO's final success, as a share of "
-                                                     "GRPO's", [100 * f for f in fracs], "% of GRPO's tokens", difference=False)
+            out["fraction_of_grpo_tokens"] = summary(
+                f"{name}'s rollout tokens to GRPO's final success, as a share of GRPO's", [100 * f for f in fracs],
+                "% of GRPO's tokens", difference=False, indent="  ")
         else:
             print(f"  {name} did not reach GRPO's final success on {sum(f is None for f in fracs)} of {len(fracs)} seeds")
-    if not checks:
+    else:
         out["equal_trajectories_minus_grpo"] = summary(
             f"{name} minus GRPO at equal trajectories",
-            [100 * (r["equal_trajectories"]["method"] - r["equal_trajectories"]["grpo"]) for r in rows])
+            [100 * (r["equal_trajectories"]["method"] - r["equal_trajectories"]["grpo"]) for r in rows], indent="  ")
     return out
 
 
