@@ -58,21 +58,21 @@ def spell_in(old_tok, new_tok) -> list[list[int]]:
     return out
 
 
-def transplant_vocabulary(model, old_tok, new_tok):
-    """A copy of ``model`` whose embeddings (and untied output head) follow ``new_tok``."""
-    spellings = spell_in(old_tok, new_tok)
-    new = copy.deepcopy(model)
+def transplant_vocabulary(model, old_tok, new_tok, spellings: list[list[int]] | None = None):
+    """A copy of ``model`` whose embeddings (and untied output head) follow ``new_tok``
+    (``spellings``: :func:`spell_in`'s result, when the caller has it already)."""
     old_in = model.get_input_embeddings().weight.detach()
     if old_in.shape[0] < len(old_tok):
         raise TransplantError(f"model has {old_in.shape[0]} embedding rows, fewer than the old tokenizer's "
                               f"{len(old_tok)} tokens: the tokenizer is not this model's")
+    spellings = spell_in(old_tok, new_tok) if spellings is None else spellings
 
-    def remap(old_w: torch.Tensor) -> torch.Tensor:
-        rows = [old_w[ids].mean(0) if len(ids) > 1 else old_w[ids[0]] for ids in spellings]
-        return torch.stack(rows).to(old_w.dtype)
+    def remap(old_w: torch.Tensor) -> torch.Tensor:  # a shared token's mean is its one old row, exactly
+        return torch.stack([old_w[ids].mean(0) for ids in spellings]).to(old_w.dtype)
 
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     old_out = None if tied else model.get_output_embeddings().weight.detach()
+    new = copy.deepcopy(model)
     new.resize_token_embeddings(len(new_tok))
     with torch.no_grad():
         new.get_input_embeddings().weight.copy_(remap(old_in))
@@ -90,7 +90,7 @@ def transplant_vocabulary(model, old_tok, new_tok):
     return new
 
 
-def exact_share(old_tok, new_tok) -> float:
-    """The share of the new vocabulary copied exactly (a token the old vocabulary has too)."""
-    spellings = spell_in(old_tok, new_tok)
+def exact_share(spellings: list[list[int]]) -> float:
+    """The share of the new vocabulary copied exactly (a token the old vocabulary has too), from
+    :func:`spell_in`'s result."""
     return sum(len(s) == 1 for s in spellings) / len(spellings)
