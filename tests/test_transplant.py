@@ -165,3 +165,22 @@ def test_cli_refuses_a_missing_tokenizer_dir_and_a_bad_tokenizer(tmp_path, toks,
     res = CliRunner().invoke(app, ["transplant-vocab", str(bad), str(tmp_path / "o2"), "--tokenizer", str(src)])
     assert res.exit_code == 2 and "not this model's" in res.output
     assert not (tmp_path / "o2").exists()
+
+
+def test_cli_refuses_dirs_that_are_not_a_checkpoint_or_a_tokenizer_and_an_out_dir_that_is_a_file(tmp_path, toks,
+                                                                                                small_model):
+    old, new = toks
+    src, tokdir, empty = tmp_path / "src", tmp_path / "tok", tmp_path / "empty"
+    old.save_pretrained(src)
+    small_model.save_pretrained(src, safe_serialization=True)
+    new.save_pretrained(tokdir)
+    empty.mkdir()
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    for args in ([str(empty), str(tmp_path / "o1"), "--tokenizer", str(tokdir)],
+                 [str(src), str(tmp_path / "o2"), "--tokenizer", str(empty)],
+                 [str(src), str(a_file), "--tokenizer", str(tokdir)]):
+        res = CliRunner().invoke(app, ["transplant-vocab", *args])
+        assert res.exit_code == 2, (args, res.output, res.exception)
+        assert "transplant-vocab:" in res.output
+    assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists() and a_file.read_text() == "x"

@@ -146,16 +146,16 @@ def transplant_vocab_cmd(
     from mentorrl.models.build import dir_digest, load_policy
     from mentorrl.models.transplant import TransplantError, exact_share, spell_in, transplant_vocabulary
 
-    old_tok, model = load_policy(model_dir)
-    new_tok = AutoTokenizer.from_pretrained(tokenizer)
     try:
+        old_tok, model = load_policy(model_dir)
+        new_tok = AutoTokenizer.from_pretrained(tokenizer)
         spellings = spell_in(old_tok, new_tok)
         new = transplant_vocabulary(model, old_tok, new_tok, spellings)
-    except TransplantError as e:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except (TransplantError, ValueError, OSError) as e:  # not a checkpoint / tokenizer; OUT_DIR is a file
         err.print(f"[red]{escape(f'transplant-vocab: {e}')}[/red]")
         raise typer.Exit(2)
     share = exact_share(spellings)
-    out_dir.mkdir(parents=True, exist_ok=True)
     new_tok.save_pretrained(out_dir)
     new.save_pretrained(out_dir, safe_serialization=True)
     (out_dir / "mentorrl_transplant.json").write_text(json.dumps(
