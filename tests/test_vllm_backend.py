@@ -176,6 +176,50 @@ def test_rollout_tasks_through_vllm_pass_the_consistency_checks(engine, policy_c
 
 @pytest.mark.vllm
 @needs_vllm
+def test_threads_sharing_the_engine_each_decode_with_their_own_weights(engine, policy_copy, contract, prompts):
+    """SAO's worker thread and the learner's evaluations share the process's engine: each thread's calls
+    run with the weights that thread last gave it (the engine reloads them when another thread's were
+    loaded in between), never with the other thread's."""
+    import threading
+
+    other = copy.deepcopy(policy_copy)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel() + 1)) * 0.05)
+    state = {k: v.clone() for k, v in other.state_dict().items()}
+    gaps: dict[str, list[float]] = {"main": [], "worker": []}
+    turn = [threading.Event(), threading.Event()]
+    failed: list[BaseException] = []
+
+    def worker():
+        try:
+            engine.set_weights(7, state)
+            for _ in range(3):
+                turn[1].wait(60)
+                turn[1].clear()
+                gaps["worker"].append(max_gap(other, prompts, generate(engine, contract, prompts, seed=5)))
+                turn[0].set()
+        except BaseException as e:  # noqa: BLE001
+            failed.append(e)
+            turn[0].set()
+
+    engine.follow(policy_copy, 6)
+    t = threading.Thread(target=worker)
+    t.start()
+    for _ in range(3):
+        turn[1].set()
+        turn[0].wait(60)
+        turn[0].clear()
+        gaps["main"].append(max_gap(policy_copy, prompts, generate(engine, contract, prompts, seed=5)))
+    t.join(60)
+    assert not failed, failed
+    assert len(gaps["main"]) == len(gaps["worker"]) == 3
+    assert max(gaps["main"]) < TOL and max(gaps["worker"]) < TOL
+    assert engine.weight_syncs >= 6  # the weights really swapped at every turn
+
+
+@pytest.mark.vllm
+@needs_vllm
 def test_sft_then_grpo_two_steps_with_the_vllm_backend(tiny_model_dir, tmp_path):
     from mentorrl.config import RunConfig
     from mentorrl.rollout import backends
@@ -210,3 +254,43 @@ def test_sft_then_grpo_two_steps_with_the_vllm_backend(tiny_model_dir, tmp_path)
         assert r["rollout_backend"] == "vllm"
         assert r["logprob_abs_gap"] < 1e-3 and abs(r["train_rollout_kl"]) < 1e-5
     assert (run / "eval_sft.json").is_file() and (run / "eval_grpo.json").is_file()
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_sft_then_sao_with_the_vllm_backend(tiny_model_dir, tmp_path):
+    """``recipe: [sft, sao]`` unchanged under ``rollout.backend: vllm``: the asynchronous worker streams
+    through the vLLM engine (its trajectories are tagged vllm), takes each new policy version, and the
+    staleness bound holds; an evaluation every step shares the engine with the running worker."""
+    from mentorrl.config import RunConfig
+    from mentorrl.rollout import backends
+    from mentorrl.train.pipeline import run_recipe
+
+    run = tmp_path / "run"
+    cfg = RunConfig.model_validate({
+        "run_dir": str(run), "recipe": ["sft", "sao"], "threads": 1, "model": {"path": str(tiny_model_dir)},
+        "audit": {"preflight": False, "eval_every": 1, "eval_tasks": 2}, "eval": {"num_tasks": 4, "batch_size": 4},
+        "sampling": {"temperature": T, "max_new_tokens": 12}, "limits": {"max_turns": 3, "max_total_tokens": 1024},
+        "sft": {"steps": 3, "num_demos": 16, "batch_size": 8},
+        "sao": {"steps": 4, "batch_size": 4, "critic": {"warmup_steps": 0}, "checkpoint_every": 2,
+                "rollout": {"slots": 4, "max_staleness": 1, "stale": "drop"}, "optim": {"lr": 5e-4}},
+        "rollout": {"backend": "vllm"},
+    })
+    try:
+        run_recipe(cfg, show_progress=False)
+    finally:
+        backends.configure(None)
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    sao = [r for r in recs if r["stage"] == "sao"]
+    assert [r["step"] for r in sao] == [1, 2, 3, 4]
+    versions = [r["policy_version"] for r in sao]
+    assert versions[:2] == [1, 2] and versions == sorted(versions)  # later steps may drop every stale trajectory
+    for r in sao:
+        assert r["rollout_backend"] == "vllm"
+        lags = {int(k): v for k, v in r["policy_lag_hist"].items()}
+        # the staleness bound: what lags more than max_staleness versions is dropped, the rest trains
+        assert r["online_items"] == sum(v for k, v in lags.items() if k <= 1)
+        assert r["stale_dropped"] == sum(v for k, v in lags.items() if k > 1)
+        assert r["actor_updated"] == float(r["online_items"] > 0)
+    assert sao[-1]["worker_syncs"] >= 2  # the worker took new versions while it streamed
+    assert (run / "sao" / "final" / "DONE").exists() and (run / "eval_sao.json").is_file()

@@ -3,7 +3,8 @@ while the learner trains, with versioned weight syncs and a staleness rule.
 
 Data flow::
 
-    task stream -> RolloutWorker (own copy of the policy, continuous batching, heavy-tailed tools)
+    task stream -> RolloutWorker (own copy of the policy, or the process's vLLM engine;
+                   continuous batching, heavy-tailed tools)
                 -> queue of finished trajectories, each tagged with the policy version that started it
                 -> learner: staleness rule (drop / down-weight), critic advantages, masked-IS update
                 -> every ``sync_every`` learner steps: WeightBox.publish(version + 1)
@@ -87,19 +88,27 @@ class WeightBox:
 # ------------------------------------------------------------------ workers ----
 class RolloutWorker(threading.Thread):
     """One rollout thread: produces trajectories into ``out`` until ``stop_event`` is set; its
-    policy copy follows ``box``.
+    policy follows ``box``.
 
     ``tasks`` is an iterator of tasks (the worker ends when it runs dry); ``make_env`` builds one
     environment per episode (closed when the episode ends). A failure is kept in ``error``.
+
+    It decodes with the process's generation backend (:func:`mentorrl.rollout.backends.backend_name`):
+    under ``hf``, its own copy of the policy in the project's engine (token-level continuous
+    batching; new weights are loaded before the next forward pass); under ``vllm``, the process's
+    vLLM engine through the narrow interface (:func:`~mentorrl.rollout.backends.base.stream_episodes`:
+    turn-level continuous batching; new weights are loaded before the next round, so each turn is
+    sampled under one policy and every turn after a sync is prefilled again under the new weights,
+    since a weight load resets the prefix cache). The engine is shared with the learner's
+    evaluations; each caller decodes with its own weights (see :class:`VLLMBackend`).
     """
 
     def __init__(self, policy, contract, make_env: Callable[[], Any], tasks: Iterator, box: WeightBox,
                  slots: int, out: queue.Queue, stop_event: threading.Event, seed: int, weights=None,
                  recompute_kv: bool = False, name: str = "rollout-worker"):
         super().__init__(name=name, daemon=True)
-        self.model = copy.deepcopy(policy).eval()
-        for p in self.model.parameters():
-            p.requires_grad_(False)
+        from mentorrl.rollout.backends import backend_for, backend_name
+
         self.contract, self.make_env, self.tasks, self.box = contract, make_env, tasks, box
         self.slots, self.seed, self.weights, self.recompute_kv = slots, seed, weights, recompute_kv
         self.out, self.stop_event = out, stop_event
@@ -107,21 +116,39 @@ class RolloutWorker(threading.Thread):
         self.error: BaseException | None = None
         self.produced = 0
         self.syncs = 0
-        self.engine = RolloutEngine(self.model, contract)
+        self._state: dict[str, torch.Tensor] | None = None
+        self._loaded = -1  # the version this thread last gave the shared backend
+        if backend_name() == "hf":
+            self.model = copy.deepcopy(policy).eval()
+            for p in self.model.parameters():
+                p.requires_grad_(False)
+            self.engine = RolloutEngine(self.model, contract)
+            self.backend = None
+        else:
+            self.model, self.engine = None, None
+            self.backend = backend_for(policy, contract)  # built here, in the learner's thread
         self._sync()  # start from the published weights
 
     def _sync(self) -> bool:
-        """Load newer published weights, if any; True asks the engine to recompute the live rows' KV cache.
+        """Take newer published weights, if any; True asks the hf engine to recompute the live rows' KV cache.
 
         Without ``recompute_kv`` the live rows keep the keys and values the old weights computed;
         the log-probs recorded for their next tokens are still exactly what the sampler used."""
         newer = self.box.newer_than(self.version)
         if newer is None:
             return False
-        self.version, state = newer
-        self.model.load_state_dict(state)
+        self.version, self._state = newer
         self.syncs += 1
+        if self.model is not None:
+            self.model.load_state_dict(self._state)
         return self.recompute_kv
+
+    def _sync_backend(self) -> None:
+        """Before a round on the shared backend: newer weights, given to it from this thread."""
+        self._sync()
+        if self._loaded != self.version and self._state is not None:
+            self.backend.set_weights(self.version, self._state)
+            self._loaded = self.version
 
     def _next_episode(self) -> Episode | None:
         task = next(self.tasks, None)
@@ -140,8 +167,15 @@ class RolloutWorker(threading.Thread):
 
     def run(self) -> None:
         try:
-            self.engine.run_stream(self._next_episode, slots=self.slots, seed=self.seed, on_finish=self._emit,
-                                   before_step=self._sync, stop=self.stop_event, close_envs=True)
+            if self.backend is None:
+                self.engine.run_stream(self._next_episode, slots=self.slots, seed=self.seed, on_finish=self._emit,
+                                       before_step=self._sync, stop=self.stop_event, close_envs=True)
+            else:
+                from mentorrl.rollout.backends import stream_episodes
+
+                stream_episodes(self.backend, self._next_episode, slots=self.slots, seed=self.seed,
+                                on_finish=self._emit, before_round=self._sync_backend, stop=self.stop_event,
+                                close_envs=True)
         except BaseException as e:  # noqa: BLE001 -- handed to the learner, which raises it
             self.error = e
 

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from mentorrl.rollout.backends.base import Generation, GenerationBackend, backend_of, drive_episodes, turn_seed
+from mentorrl.rollout.backends.base import (Generation, GenerationBackend, backend_of, drive_episodes, stream_episodes,
+                                           turn_seed)
 
 __all__ = ["Generation", "GenerationBackend", "backend_for", "backend_name", "backend_of", "configure", "current_config", "drive_episodes",
-           "release", "sync_weights", "turn_seed"]
+           "release", "stream_episodes", "sync_weights", "turn_seed"]
 
 _config: Any = None  # the active RolloutConfig (None: hf)
 _engine: Any = None  # the process's vLLM backend, built on first use

@@ -5,19 +5,21 @@ log-probabilities at the contract's temperature (``log_softmax(logits / T)`` of 
 the value the learner recomputes). Options: a seed per row, the stop ids and the most tokens to
 generate. ``set_weights(version, state_dict)`` loads a policy version; ``close()`` frees it.
 
-Episodes, tool calls and multi-turn stay in mentorrl: :func:`drive_episodes` runs every live
-episode's next policy turn as one ``generate`` call over the whole batch, runs the tool calls in a
-thread pool, and resubmits each row's full token ids for its next turn (a backend with prefix
+Episodes, tool calls and multi-turn stay in mentorrl: :func:`drive_episodes` (a list) and
+:func:`stream_episodes` (continuous admission, for SAO's worker) run every live
+episode's next policy turn as one ``generate`` call over the whole batch, run the tool calls in a
+thread pool, and resubmit each row's full token ids for its next turn (a backend with prefix
 caching reuses the context it has already computed).
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from mentorrl.contract import RolloutContract
 from mentorrl.rollout.episode import Episode
@@ -84,27 +86,84 @@ def drive_episodes(backend: GenerationBackend, episodes: list[Episode], seed: in
     its own episode). Trajectories come back in input order."""
     if not episodes:
         return []
-    contract: RolloutContract = episodes[0].contract
-    stop_ids = list(contract.stop_token_ids)
-    max_new = contract.sampling.max_new_tokens
+    source = iter(episodes)
+    return stream_episodes(backend, lambda: next(source, None), slots=len(episodes), seed=seed,
+                           tool_workers=tool_workers, gather_s=gather_s)
+
+
+def stream_episodes(backend: GenerationBackend, next_episode: Callable[[], Episode | None], slots: int,
+                    seed: int = 0, on_finish: Callable[[Trajectory], None] | None = None,
+                    before_round: Callable[[], Any] | None = None, stop: threading.Event | None = None,
+                    close_envs: bool = False, tool_workers: int | None = None,
+                    gather_s: float = 0.05) -> list[Trajectory]:
+    """Continuous batching at turn level: up to ``slots`` episodes in flight, the next one admitted
+    from ``next_episode()`` as soon as one finishes, until it returns None and every episode is done.
+
+    Each round is one ``backend.generate`` call over every admitted episode that is not waiting on
+    a tool. Episode ``e`` (admission order) samples its ``t``-th turn with ``turn_seed(seed, e, t)``.
+    ``before_round()`` runs before every call: a policy that changes there (new weights) applies from
+    the next turn on, so every turn is sampled, and its log-probs recorded, under one policy.
+    Setting ``stop`` abandons the episodes in flight and returns what has finished; ``close_envs``
+    closes each episode's environment once it is finished or abandoned. Trajectories come back in
+    admission order."""
+    if slots < 1:
+        raise ValueError(f"slots must be >= 1, got {slots}")
+    stop_ids: list[int] | None = None
     t0 = time.perf_counter()
-    results: list[Trajectory | None] = [None] * len(episodes)
-    turns = [0] * len(episodes)
-    for ep in episodes:
-        ep.start()
-    ready = list(range(len(episodes)))
+    episodes: list[Episode] = []
+    results: list[Trajectory | None] = []
+    turns: list[int] = []
+    ready: list[int] = []
     waiting: dict[int, cf.Future] = {}
-    stats = {"generate_calls": 0, "generated_tokens": 0}
+    live: set[int] = set()
+    stats = {"generate_calls": 0, "generated_tokens": 0, "admitted": 0}
+    exhausted = False
+
+    def stopped() -> bool:
+        return stop is not None and stop.is_set()
+
+    def admit() -> None:
+        nonlocal exhausted
+        while not exhausted and len(live) < slots and not stopped():
+            ep = next_episode()
+            if ep is None:
+                exhausted = True
+                return
+            e = len(episodes)
+            episodes.append(ep)
+            results.append(None)
+            turns.append(0)
+            ep.start()
+            live.add(e)
+            ready.append(e)
+            stats["admitted"] += 1
 
     def finish(e: int) -> None:
         traj = episodes[e].finish()
         traj.timings["rollout_s"] = time.perf_counter() - t0
         traj.sampling["backend"] = backend.name  # which engine sampled it (absent: the project's own)
         results[e] = traj
+        live.discard(e)
+        if close_envs:
+            episodes[e].env.close()
+        if on_finish is not None:
+            on_finish(traj)
 
-    with cf.ThreadPoolExecutor(max_workers=tool_workers or len(episodes), thread_name_prefix="rollout-tool") as pool:
-        while ready or waiting:
+    pool = cf.ThreadPoolExecutor(max_workers=tool_workers or slots, thread_name_prefix="rollout-tool")
+    aborted = False
+    try:
+        admit()
+        while live:
+            if stopped():
+                aborted = True
+                break
             if ready:
+                if before_round is not None:
+                    before_round()
+                contract: RolloutContract = episodes[ready[0]].contract
+                if stop_ids is None:
+                    stop_ids = list(contract.stop_token_ids)
+                max_new = contract.sampling.max_new_tokens
                 outs = backend.generate(
                     [episodes[e].ids for e in ready], temperature=contract.sampling.temperature,
                     max_tokens=[min(max_new, episodes[e].tokens_left()) for e in ready], stop_ids=stop_ids,
@@ -120,12 +179,21 @@ def drive_episodes(backend: GenerationBackend, episodes: list[Episode], seed: in
                         waiting[e] = pool.submit(episodes[e].run_tool, action)
                 ready = []
             if waiting:  # wait for one tool, give the rest gather_s to join; take every result that is back
-                cf.wait(list(waiting.values()), return_when=cf.FIRST_COMPLETED)
-                cf.wait(list(waiting.values()), timeout=gather_s)
+                first = cf.wait(list(waiting.values()), timeout=0.1 if stop is not None else None,
+                                return_when=cf.FIRST_COMPLETED)
+                if first.done:
+                    cf.wait(list(waiting.values()), timeout=gather_s)
                 for e in sorted(e for e, f in waiting.items() if f.done()):
                     if episodes[e].add_observation(waiting.pop(e).result()) is None:
                         finish(e)
                     else:
                         ready.append(e)
-    backend.last_stats = {**stats, "wall_s": time.perf_counter() - t0}
+            admit()
+    finally:
+        pool.shutdown(wait=not aborted, cancel_futures=aborted)
+        if close_envs:
+            for e in live:
+                if e not in waiting:
+                    episodes[e].env.close()  # an episode whose tool is still running keeps its env open
+    backend.last_stats = {**stats, "wall_s": time.perf_counter() - t0, "aborted": float(aborted)}
     return [r for r in results if r is not None]

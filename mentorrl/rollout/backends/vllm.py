@@ -16,6 +16,11 @@ state dict as safetensors to ``/dev/shm`` and calls the worker extension
 (:class:`mentorrl.rollout.backends.vllm_worker.WeightSyncExtension`) over ``collective_rpc``: it
 reloads from that file, re-ties the output layer to the embedding, and the prefix cache is reset
 (cached keys and values were computed by the old weights).
+
+Threads: one engine serves the process. SAO's rollout worker (a thread) and the learner's
+evaluations share it; calls are serialised by a lock, and each thread decodes with the weights it
+last gave the engine (``follow`` / ``set_weights`` in that thread): when another thread's weights
+were loaded in between, they are loaded back before its call.
 """
 
 from __future__ import annotations
@@ -24,10 +29,11 @@ import atexit
 import os
 import shutil
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -47,6 +53,15 @@ class VLLMOptions:
     max_num_seqs: int = 256
     prefix_caching: bool = True
     enforce_eager: bool = True
+
+
+@dataclass(frozen=True)
+class _Want:
+    """The weights a thread decodes with: a key naming them, their policy version, and how to get them."""
+
+    key: tuple
+    version: int
+    state: Callable[[], Mapping[str, Any]]
 
 
 def _shm_dir() -> str | None:
@@ -75,7 +90,10 @@ class VLLMBackend(GenerationBackend):
         model.save_pretrained(self.dir / "model", safe_serialization=True)
         self.llm = self._build(cfg, seed)
         self.start_s = time.perf_counter() - t0
-        self._seen = params_version(model)
+        self._lock = threading.RLock()
+        self._local = threading.local()  # per thread: the weights it decodes with (a _Want)
+        self._serial = 0
+        self._held: tuple | None = ("model", *params_version(model))  # which weights the engine has loaded
 
     @staticmethod
     def _arch_of(model) -> str:
@@ -108,11 +126,18 @@ class VLLMBackend(GenerationBackend):
     # ------------------------------------------------------------------ generate ----
     def generate(self, prompts: Sequence[Sequence[int]], *, temperature: float, max_tokens: Sequence[int],
                  stop_ids: Sequence[int], seeds: Sequence[int]) -> list[Generation]:
+        if not prompts:
+            return []
+        with self._lock:  # one caller at a time (vLLM's LLM is not thread-safe), with its own weights
+            want = getattr(self._local, "want", None)
+            if want is not None and want.key != self._held:
+                self._load(want)  # another thread's weights were loaded since this thread's last call
+            return self._generate(prompts, temperature, max_tokens, stop_ids, seeds)
+
+    def _generate(self, prompts, temperature, max_tokens, stop_ids, seeds) -> list[Generation]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        if not prompts:
-            return []
         s = self.contract.sampling
         greedy = temperature == 0
         params = [SamplingParams(
@@ -131,30 +156,45 @@ class VLLMBackend(GenerationBackend):
 
     # ------------------------------------------------------------------ weights ----
     def follow(self, model, version: int | None = None) -> None:
-        """Push ``model``'s weights if they changed since the last push (or it is another model)."""
-        seen = params_version(model)
-        if seen != self._seen:
-            self.set_weights(version if version is not None else (self.version or 0), model.state_dict())
-            self._seen = seen
+        """Decode with ``model``'s weights from now on, in this thread: push them if they changed since
+        the last push (or the engine holds other weights)."""
+        key = ("model", *params_version(model))
+        with self._lock:
+            self._local.want = _Want(key, version if version is not None else (self.version or 0), model.state_dict)
+            if key != self._held:
+                self._load(self._local.want)
 
     def set_weights(self, version: int, state_dict: Mapping[str, Any]) -> None:
+        """Decode with ``state_dict`` (policy ``version``) from now on, in this thread; loads it now."""
+        with self._lock:
+            self._serial += 1
+            self._local.want = _Want(("set", self._serial), version, lambda: state_dict)
+            self._load(self._local.want)
+
+    def _load(self, want: "_Want") -> None:
         from safetensors.torch import save_file
 
         t0 = time.perf_counter()
         state = {k: v.detach().to("cpu", torch.float32 if self.cfg.dtype == "float32" else v.dtype).contiguous()
-                 for k, v in state_dict.items()}
+                 for k, v in want.state().items()}
         # tied embeddings: one tensor under two names cannot be saved; the worker re-ties lm_head itself
         if "lm_head.weight" in state and "model.embed_tokens.weight" in state and \
                 state["lm_head.weight"].data_ptr() == state["model.embed_tokens.weight"].data_ptr():
             del state["lm_head.weight"]
-        path = self.dir / f"weights-{version}.safetensors"
+        self._held = None  # a failed load leaves the engine's weights unknown
+        path = self.dir / f"weights-{want.version}.safetensors"
         save_file(state, str(path))
         try:
             self.llm.collective_rpc("mentorrl_load_weights", args=(str(path),))
         finally:
             path.unlink(missing_ok=True)
-        self.llm.reset_prefix_cache()
-        self.version = version
+        # keys and values cached under the old weights must go; requests left over from an interrupted
+        # call hold blocks, so drop those too rather than decode the next turn from stale keys
+        if not self.llm.reset_prefix_cache() and not self.llm.reset_prefix_cache(reset_running_requests=True):
+            raise RuntimeError("vLLM did not reset its prefix cache after a weight load; refusing to decode "
+                               "new turns from keys and values the old weights computed")
+        self._held = want.key
+        self.version = want.version
         self.weight_syncs += 1
         self.last_sync_s = time.perf_counter() - t0
 
