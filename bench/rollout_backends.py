@@ -13,6 +13,7 @@ perturbed copy of the model). Ends with the vllm / hf ratios.
     python bench/rollout_backends.py                       # the shipped 1M-parameter base, 32 tasks
     python bench/rollout_backends.py --size 20m --tasks 32 # a ~20M-parameter random-init Qwen2
     python bench/rollout_backends.py --json out.json
+    python bench/rollout_backends.py --size 0.5b --device cuda   # on a GPU: bench/gpu_check.sh
 
 Needs the vllm extra (``bash .ci/install_vllm.sh``); without it only the hf row is measured.
 """
@@ -52,6 +53,10 @@ DEMO = load_config(ROOT / "mentorrl" / "configs" / "demo.yaml")
 SHIPPED = ROOT / "mentorrl" / "models" / "bases" / "orders-tiny"
 # ~18.6M parameters: 6 layers of width 512 (8 heads of 64, 2 KV heads), MLP 1536, vocab 1024
 SPEC_20M = ModelSpec(hidden_size=512, intermediate_size=1536, num_layers=6, num_heads=8, num_kv_heads=2)
+# Qwen2-0.5B's shape (24 layers of width 896, 14 heads of 64, 2 KV heads, MLP 4864) with the project's 1024-token
+# vocabulary: ~0.36B parameters, random init, for the GPU check
+SPEC_05B = ModelSpec(hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14, num_kv_heads=2)
+SIZES = {"20m": SPEC_20M, "0.5b": SPEC_05B}
 
 
 def prepare(args, entry):
@@ -59,9 +64,10 @@ def prepare(args, entry):
         return load_policy(Path(args.model)), args.model
     if args.size == "tiny":
         return load_policy(SHIPPED), f"shipped base {SHIPPED.name}"
-    out = Path(tempfile.mkdtemp(prefix="mentorrl-bench-")) / "m20"
-    build_tiny_model(entry, out, SPEC_20M, corpus_tasks=60, use_shipped=False)
-    return load_policy(out), "random-init Qwen2 " + SPEC_20M.model_dump_json()
+    spec = SIZES[args.size]
+    out = Path(tempfile.mkdtemp(prefix="mentorrl-bench-")) / f"m{args.size}"
+    build_tiny_model(entry, out, spec, corpus_tasks=60, use_shipped=False)
+    return load_policy(out), "random-init Qwen2 " + spec.model_dump_json()
 
 
 def run_once(be, model, contract, entry, tasks, seed):
@@ -76,7 +82,8 @@ def summarise(name, runs, model, contract, n_tasks):
     trajs = runs[-1][0]
     batch = collate(trajs, contract.pad_token_id)
     with torch.no_grad():
-        lp = forward_logprobs(model, batch, contract.sampling.temperature)[0]
+        device = next(model.parameters()).device
+        lp = forward_logprobs(model, batch.to(device), contract.sampling.temperature)[0].cpu()
     gap = logprob_gap_metrics(batch.old_logprobs, lp, batch.loss_mask)
     rates = [k / w for k, w in zip(toks, walls)]
     return {"backend": name, "policy_tokens_per_s": statistics.median(rates), "runs_tokens_per_s": rates,
@@ -87,7 +94,9 @@ def summarise(name, runs, model, contract, n_tasks):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="a Hugging Face checkpoint directory (overrides --size)")
-    ap.add_argument("--size", choices=["tiny", "20m"], default="tiny")
+    ap.add_argument("--size", choices=["tiny", *SIZES], default="tiny")
+    ap.add_argument("--device", default="cpu", help="where the hf backend and the learner's recomputation run "
+                    "(cuda on a GPU machine; vLLM then uses the GPU too)")
     ap.add_argument("--tasks", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (both backends)")
@@ -98,7 +107,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     entry = get_env("orders")
     (tok, model), desc = prepare(args, entry)
-    model.eval()
+    model.to(args.device).eval()
     env = entry.make_env()
     try:
         contract = contract_for_env(tok, env, DEMO.sampling, DEMO.limits, DEMO.prompt)
@@ -108,7 +117,8 @@ def main() -> None:
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {desc} ({n_params / 1e6:.2f}M parameters); {len(tasks)} tasks x {args.repeats} runs; "
           f"T={contract.sampling.temperature}, max_new_tokens={contract.sampling.max_new_tokens}; "
-          f"torch threads {args.threads}")
+          f"torch threads {args.threads}; device {args.device}"
+          + (f" ({torch.cuda.get_device_name()})" if args.device.startswith("cuda") else ""))
 
     backends = {"hf": HFBackend(model, contract)}
     extra: dict = {}
@@ -152,6 +162,7 @@ def main() -> None:
               f"weight sync {extra['vllm_sync_s'] * 1000:.0f} ms per update ({n_params / 1e6:.1f}M parameters)")
     if args.json:
         Path(args.json).write_text(json.dumps({"model": desc, "params": n_params, "tasks": len(tasks),
+                                               "device": args.device,
                                                "rows": rows, **extra}, indent=2))
 
 

@@ -667,6 +667,9 @@ class DistributedConfig(_Section):
                                                       "rollout engine, one CPU each")
     env_workers: int = Field(0, ge=0, description="backend ray: environment actors serving the rollout actors' "
                                                   "environments; 0 keeps each environment inside its rollout actor")
+    teacher_workers: int = Field(0, ge=0, description="backend ray: actors serving each white-box OPD teacher (each "
+                                                      "loads the checkpoint and scores a contiguous share of a step's "
+                                                      "trajectories, one CPU each); 0 scores in the learner's process")
     address: str | None = Field(None, description="backend ray: null starts a local Ray in this process; 'auto' "
                                                   "(or host:port, ray://...) joins a running cluster (`ray start`)")
     actor_restarts: int = Field(3, ge=0, description="backend ray: dead actors replaced (and their episodes re-run) "

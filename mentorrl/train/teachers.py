@@ -99,13 +99,44 @@ def build_teacher(ws: Workspace, t: TeacherConfig, student=None) -> Path:
     return sft_stage(tws, model, resume=True)
 
 
-def load_teacher(ws: Workspace, t: TeacherConfig, student=None):
-    """An :class:`HFTeacher` when the checkpoint shares the student's tokenizer, else a
-    :class:`CrossTokenizerTeacher` (``student``: the policy a ``build.init: student`` teacher starts from)."""
+def teacher_path(ws: Workspace, t: TeacherConfig, student=None) -> Path:
+    """Teacher ``t``'s checkpoint directory: its ``path``, or the one :func:`build_teacher` builds."""
     path = Path(t.path) if t.path else build_teacher(ws, t, student)
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"teacher {t.name!r}: {path} is not a Hugging Face checkpoint directory")
+    return path
+
+
+def teacher_from_checkpoint(path: Path, student_tokenizer, t: TeacherConfig):
+    """An :class:`HFTeacher` when the checkpoint shares the student's tokenizer, else a
+    :class:`CrossTokenizerTeacher`."""
     tok, model = load_policy(path)
-    if tokenizer_fingerprint(tok) == tokenizer_fingerprint(ws.tokenizer):
+    if tokenizer_fingerprint(tok) == tokenizer_fingerprint(student_tokenizer):
         return HFTeacher(model, tok, t.name, t.temperature)
-    return CrossTokenizerTeacher(model, tok, ws.tokenizer, t.name, t.temperature, t.special_tokens)
+    return CrossTokenizerTeacher(model, tok, student_tokenizer, t.name, t.temperature, t.special_tokens)
+
+
+def load_teacher(ws: Workspace, t: TeacherConfig, student=None):
+    """Teacher ``t`` in this process (``student``: the policy a ``build.init: student`` teacher starts from)."""
+    return teacher_from_checkpoint(teacher_path(ws, t, student), ws.tokenizer, t)
+
+
+def serve_teachers(ws: Workspace, teachers: list[TeacherConfig], student=None) -> list:
+    """Under ``distributed.backend: ray`` with ``teacher_workers > 0``: one
+    :class:`~mentorrl.distributed.ray_teachers.RayTeacher` per teacher (its actors load the checkpoint
+    themselves); else an empty list (the teachers score in this process)."""
+    dist = ws.cfg.distributed
+    if dist.backend != "ray" or dist.teacher_workers == 0:
+        return []
+    from mentorrl.distributed.ray_teachers import RayTeacher, check_cpus
+
+    check_cpus(dist, len(teachers))
+    served: list = []
+    try:
+        for t in teachers:
+            served.append(RayTeacher(dist, teacher_path(ws, t, student), ws.tokenizer, t))
+    except BaseException:
+        for r in served:
+            r.close()
+        raise
+    return served

@@ -36,7 +36,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -72,7 +72,7 @@ from mentorrl.train.loop import (
 )
 from mentorrl.train.registry import register_stage
 from mentorrl.train.stage_runner import run_stage
-from mentorrl.train.teachers import build_teacher, load_teacher, weights_fingerprint
+from mentorrl.train.teachers import build_teacher, load_teacher, serve_teachers, weights_fingerprint
 from mentorrl.train.workspace import Workspace, heldout_check
 from mentorrl.trajectory import Trajectory, write_jsonl
 
@@ -85,6 +85,23 @@ def _signal(teacher, traj: Trajectory, top_k: int | None) -> tuple[ChunkSignal, 
     if top_k is None:
         return teacher.score(traj), None
     return teacher.score(traj, top_k=top_k)  # top-k on the chunks that are one token on both sides
+
+
+def teacher_row(teacher, trajs: Sequence[Trajectory], top_k: int | None, skip_cross: bool = False
+                ) -> list[tuple[ChunkSignal | None, TeacherSignal | None, bool]]:
+    """``teacher``'s signals over ``trajs``: per trajectory ``(chunk signal, top-k or None, alignment failed)``.
+    ``skip_cross``: a cross-tokenizer teacher gives none (``cross_tokenizer: sequence`` uses it otherwise).
+    Run in this process, or on teacher actors (:mod:`mentorrl.distributed.ray_teachers`)."""
+    if skip_cross and isinstance(teacher, CrossTokenizerTeacher):
+        return [(None, None, False) for _ in trajs]
+    row: list[tuple[ChunkSignal | None, TeacherSignal | None, bool]] = []
+    for traj in trajs:
+        try:
+            sig, scored = _signal(teacher, traj, top_k)
+            row.append((sig, scored, False))
+        except AlignmentError:
+            row.append((None, None, True))
+    return row
 
 
 def needed_capabilities(cfg) -> list[Capability]:
@@ -156,8 +173,12 @@ class OPDStep:
 def opd_stage(ws: Workspace, model, resume: bool = False) -> Path:
     run = OPDRun(ws, model)
     (ws.run_dir / "opd").mkdir(parents=True, exist_ok=True)
-    return run_stage(ws, "opd", model, run.learner, run.o.steps, run.step, run.o.checkpoint_every, resume,
-                     extra_state=run.extra_state, restore_extra=run.restore)
+    try:
+        return run_stage(ws, "opd", model, run.learner, run.o.steps, run.step, run.o.checkpoint_every, resume,
+                         extra_state=run.extra_state, restore_extra=run.restore)
+    finally:
+        for served in run.served:
+            served.close()  # the teacher actors' CPUs go back to the cluster
 
 
 class OPDRun:
@@ -169,7 +190,10 @@ class OPDRun:
         self.pool = train_pool(ws, o.tasks_per_step, o.steps)
         self.learner = Learner(model, o.optim, ws.contract.pad_token_id, ws.contract.sampling.temperature)
         self.estimator = get_advantage_estimator("grpo")
-        self.teachers = [load_teacher(ws, t, model) for t in o.teachers if t.kind == "hf"]
+        hf = [t for t in o.teachers if t.kind == "hf"]
+        self.teachers = [load_teacher(ws, t, model) for t in hf]
+        # distributed.backend ray with teacher_workers: each teacher also served by that many actors
+        self.served = serve_teachers(ws, hf, model) if hf else []
         for t in self.teachers:
             require(t, needed_capabilities(cfg), f"opd (loss {o.loss})")
         self.cross = [t for t in self.teachers if isinstance(t, CrossTokenizerTeacher)]
@@ -221,20 +245,16 @@ class OPDRun:
         t1 = time.perf_counter()
         s.topk_rows = [{} for _ in self.teachers]  # loss topk: the same pass's top-k
         failures = 0
-        for teacher in self.teachers:
-            row: list[ChunkSignal | None] = []
-            for traj in trajs:
-                if o.cross_tokenizer == "sequence" and isinstance(teacher, CrossTokenizerTeacher):
-                    row.append(None)
-                    continue
-                try:
-                    sig, scored = _signal(teacher, traj, o.top_k if o.loss == "topk" else None)
-                    row.append(sig)
-                    s.topk_rows[len(s.signals)][len(row) - 1] = scored
-                except AlignmentError:
-                    failures += 1
-                    row.append(None)
-            s.signals.append(row)
+        top_k = o.top_k if o.loss == "topk" else None
+        for k, teacher in enumerate(self.teachers):
+            served = self.served[k] if self.served else None
+            row = served.row(trajs, top_k, o.cross_tokenizer == "sequence") if served is not None else \
+                teacher_row(teacher, trajs, top_k, o.cross_tokenizer == "sequence")
+            for b, (_, scored, failed) in enumerate(row):
+                failures += failed
+                if scored is not None:
+                    s.topk_rows[k][b] = scored
+            s.signals.append([sig for sig, _, _ in row])
         teacher_tokens = sum(x.teacher_tokens for row in s.signals for x in row if x is not None)
         self.state["teacher_tokens"] += teacher_tokens
         s.w = teacher_weights([t.family for t in trajs], self.names, s.signals, o.mopd.routes,

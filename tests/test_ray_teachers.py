@@ -1,0 +1,161 @@
+"""White-box OPD teachers on Ray actors (``distributed: {backend: ray, teacher_workers: K}``), on a local
+Ray (``ray.init(num_cpus=2)``), compared with the same teacher scoring in this process:
+
+- same-tokenizer (with top-k; two actors, contiguous shares) and cross-tokenizer (one actor) teachers: the
+  actors' signals equal the local ones (the actors run the same ``teacher_row`` on the same checkpoint);
+- an actor killed between steps is replaced and its share scored again: nothing missing, nothing twice;
+- more teacher actors than free CPUs is a ConfigError before any actor starts (it would wait forever);
+- an OPD stage with ``teacher_workers: 1`` runs on Ray and logs the same signal counters.
+
+Skipped only where ``import ray`` fails (``pip install "mentorrl[ray]"``).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from mentorrl.config import ConfigError, DistributedConfig, TeacherConfig, load_config
+from mentorrl.models.spec import ModelSpec
+
+from test_resume import TINY_OVERRIDES
+
+pytestmark = pytest.mark.ray
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    ray = pytest.importorskip("ray")
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="warning")
+    yield ray
+    from mentorrl.distributed.ray_workers import close_pools, kill_idle_actors
+
+    close_pools()
+    kill_idle_actors()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def other_dir(orders_entry, tmp_path_factory):
+    """A teacher checkpoint with its own tokenizer (another vocabulary size)."""
+    from mentorrl.train.models_init import build_tiny_model
+
+    path = tmp_path_factory.mktemp("other") / "model"
+    spec = ModelSpec(hidden_size=48, intermediate_size=96, num_layers=2, num_heads=2, num_kv_heads=1,
+                     vocab_size=450, seed=7)
+    return build_tiny_model(orders_entry, path, spec, corpus_tasks=40, seed=3)
+
+
+@pytest.fixture(scope="module")
+def trajs(make_demos):
+    _, demos = make_demos(7, seed=11)
+    return demos
+
+
+def _same_rows(a, b) -> None:
+    assert len(a) == len(b)
+    for (sa, ka, fa), (sb, kb, fb) in zip(a, b):
+        assert fa == fb and (sa is None) == (sb is None) and (ka is None) == (kb is None)
+        if sa is not None:
+            assert torch.equal(sa.chunk_of, sb.chunk_of)
+            assert torch.equal(sa.teacher_lp, sb.teacher_lp) and sa.teacher_tokens == sb.teacher_tokens
+        if ka is not None:
+            assert torch.equal(ka.topk_ids, kb.topk_ids) and torch.equal(ka.topk_logprobs, kb.topk_logprobs)
+
+
+@pytest.fixture(scope="module")
+def served(ray_local):
+    """Teachers on actors, shared by the tests below in file order (2 CPUs: at most 2 actors at a time)."""
+    out: dict = {}
+    yield out
+    for r in out.values():
+        r.close()
+
+
+def _check_against_local(served_teacher, local, trajs, cross: bool) -> None:
+    from mentorrl.train.recipes.opd import teacher_row
+
+    for top_k in (None, 3):
+        got = served_teacher.row(trajs, top_k)
+        _same_rows(got, teacher_row(local, trajs, top_k))
+        assert sum(s is not None for s, _, _ in got) >= len(trajs) - 1  # scored, not skipped
+    assert all(s is None for s, _, _ in served_teacher.row(trajs, None, skip_cross=True)) == cross
+
+
+def test_same_tokenizer_teacher_actors_give_the_local_signals(served, tiny_model_dir, tokenizer, trajs):
+    from mentorrl.distributed.ray_teachers import RayTeacher
+    from mentorrl.train.teachers import teacher_from_checkpoint
+
+    t = TeacherConfig(name="same")
+    served["same"] = RayTeacher(DistributedConfig(backend="ray", teacher_workers=2, rollout_workers=1),
+                                tiny_model_dir, tokenizer, t)
+    _check_against_local(served["same"], teacher_from_checkpoint(tiny_model_dir, tokenizer, t), trajs, cross=False)
+
+
+def test_a_killed_teacher_actor_is_replaced_and_its_share_scored_again(ray_local, served, tiny_model_dir, tokenizer,
+                                                                      trajs):
+    from mentorrl.train.recipes.opd import teacher_row
+    from mentorrl.train.teachers import teacher_from_checkpoint
+
+    want = teacher_row(teacher_from_checkpoint(tiny_model_dir, tokenizer, TeacherConfig(name="same")), trajs, None)
+    same = served["same"]
+    ray_local.kill(same.actors[1], no_restart=True)
+    _same_rows(same.row(trajs, None), want)
+    assert same.replaced == 1
+    served.pop("same").close()  # the CPUs back for the next tests
+
+
+def test_cross_tokenizer_teacher_actors_give_the_local_signals(served, other_dir, tokenizer, trajs):
+    from mentorrl.distributed.ray_teachers import RayTeacher
+    from mentorrl.opd.signals import CrossTokenizerTeacher
+    from mentorrl.train.teachers import teacher_from_checkpoint
+
+    t = TeacherConfig(name="cross")
+    local = teacher_from_checkpoint(other_dir, tokenizer, t)
+    assert isinstance(local, CrossTokenizerTeacher)
+    served["cross"] = RayTeacher(DistributedConfig(backend="ray", teacher_workers=1, rollout_workers=1), other_dir,
+                                 tokenizer, t)
+    _check_against_local(served["cross"], local, trajs, cross=True)
+    served.pop("cross").close()
+
+
+def test_more_teacher_actors_than_free_cpus_is_a_config_error(ray_local):
+    from mentorrl.distributed.ray_teachers import check_cpus
+
+    with pytest.raises(ConfigError, match="need 3 free CPUs, the Ray cluster has 2 free"):
+        check_cpus(DistributedConfig(backend="ray", teacher_workers=1), teachers=3)
+    check_cpus(DistributedConfig(backend="ray", teacher_workers=1), teachers=2)
+
+
+def test_opd_stage_with_a_teacher_actor(ray_local, tmp_path, tiny_model_dir):
+    """``recipe: [opd]`` on Ray: rollouts on one rollout actor, the teacher on one teacher actor; the run
+    logs its teacher counters and the actors are gone (their CPUs back) when the stage ends."""
+    from mentorrl.distributed.ray_workers import close_pools
+    from mentorrl.train.pipeline import run_recipe
+
+    run = tmp_path / "opd"
+    cfg = load_config(None, TINY_OVERRIDES + [
+        f"run_dir={run}", f"model.path={tiny_model_dir}", "recipe=[opd]", "opd.steps=2", "opd.tasks_per_step=2",
+        "opd.samples_per_task=2", f"opd.teachers=[{{name: t, path: {tiny_model_dir}}}]", "eval.num_tasks=0",
+        "audit.preflight=false", "distributed.backend=ray", "distributed.rollout_workers=1",
+        "distributed.teacher_workers=1"])
+    try:
+        run_recipe(cfg, show_progress=False)
+    finally:
+        close_pools()
+    recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    opd = [r for r in recs if r.get("stage") == "opd"]
+    assert [r["step"] for r in opd] == [1, 2]
+    assert all(r["teacher_tokens"] > 0 and r["alignment_failures"] == 0 for r in opd)
+    # the student starts as its own teacher: step 1's distillation signal is 0 on every token (float noise)
+    assert abs(opd[0]["opd_reverse_kl"]) < 1e-4
+    import time
+
+    deadline = time.time() + 60  # the teacher actor's CPU comes back (the idle rollout actor keeps its own)
+    while ray_local.available_resources().get("CPU", 0.0) < 1.0 and time.time() < deadline:
+        time.sleep(0.5)
+    assert ray_local.available_resources().get("CPU", 0.0) >= 1.0
