@@ -670,6 +670,11 @@ class DistributedConfig(_Section):
     teacher_workers: int = Field(0, ge=0, description="backend ray: actors serving each white-box OPD teacher (each "
                                                       "loads the checkpoint and scores a contiguous share of a step's "
                                                       "trajectories, one CPU each); 0 scores in the learner's process")
+    learner_actor: bool = Field(False, description="backend ray: run the learner (the whole recipe: optimiser, "
+                                                   "checkpoints, evaluation, the run directory) in a Ray actor placed "
+                                                   "with learner_cpus / learner_gpus, not in the launching process")
+    learner_cpus: float = Field(1.0, gt=0, description="backend ray, learner_actor: CPUs reserved for the learner actor")
+    learner_gpus: float = Field(0.0, ge=0, description="backend ray, learner_actor: GPUs reserved for the learner actor")
     address: str | None = Field(None, description="backend ray: null starts a local Ray in this process; 'auto' "
                                                   "(or host:port, ray://...) joins a running cluster (`ray start`)")
     actor_restarts: int = Field(3, ge=0, description="backend ray: dead actors replaced (and their episodes re-run) "

@@ -1,11 +1,16 @@
-"""White-box OPD teachers on Ray actors (``distributed: {backend: ray, teacher_workers: K}``), on a local
-Ray (``ray.init(num_cpus=2)``), compared with the same teacher scoring in this process:
+"""Teachers and the learner on Ray actors, on a local Ray (``ray.init(num_cpus=2)``).
+
+White-box OPD teachers (``distributed: {backend: ray, teacher_workers: K}``), compared with the same
+teacher scoring in this process:
 
 - same-tokenizer (with top-k; two actors, contiguous shares) and cross-tokenizer (one actor) teachers: the
   actors' signals equal the local ones (the actors run the same ``teacher_row`` on the same checkpoint);
 - an actor killed between steps is replaced and its share scored again: nothing missing, nothing twice;
 - more teacher actors than free CPUs is a ConfigError before any actor starts (it would wait forever);
 - an OPD stage with ``teacher_workers: 1`` runs on Ray and logs the same signal counters.
+
+The learner in its own actor (``learner_actor: true``): ``[sft, grpo]`` runs inside it (with its own
+rollout actor) and writes the run directory; an error in the recipe comes back as its own type.
 
 Skipped only where ``import ray`` fails (``pip install "mentorrl[ray]"``).
 """
@@ -159,3 +164,31 @@ def test_opd_stage_with_a_teacher_actor(ray_local, tmp_path, tiny_model_dir):
     while ray_local.available_resources().get("CPU", 0.0) < 1.0 and time.time() < deadline:
         time.sleep(0.5)
     assert ray_local.available_resources().get("CPU", 0.0) >= 1.0
+
+
+def test_the_recipe_runs_in_a_learner_actor(ray_local, tmp_path):
+    import os
+
+    from mentorrl.train.pipeline import run_demo
+
+    run = tmp_path / "learner"
+    cfg = load_config(None, TINY_OVERRIDES + [
+        f"run_dir={run}", "recipe=[sft, grpo]", "sft.steps=2", "grpo.steps=1", "eval.num_tasks=0",
+        "audit.preflight=false", "distributed.backend=ray", "distributed.rollout_workers=1",
+        "distributed.learner_actor=true"])
+    result = run_demo(cfg, show_progress=False)
+    assert result["learner"]["pid"] != os.getpid()  # the recipe ran in another process
+    recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs if r.get("stage") == "grpo"] == [1]
+    assert (run / "grpo" / "final" / "DONE").exists() and (run / "report.json").exists()
+
+
+def test_an_error_in_the_learner_actor_keeps_its_type(ray_local, tmp_path):
+    from mentorrl.train.pipeline import run_demo
+
+    cfg = load_config(None, TINY_OVERRIDES + [
+        f"run_dir={tmp_path / 'bad'}", f"model.path={tmp_path / 'no-such-checkpoint'}", "recipe=[sft]",
+        "distributed.backend=ray", "distributed.learner_actor=true"])
+    with pytest.raises(ConfigError, match="no-such-checkpoint") as e:  # the preflight check, inside the actor
+        run_demo(cfg, show_progress=False)
+    assert type(e.value) is ConfigError and "ray::" not in str(e.value)  # the error itself, not Ray's wrapper
