@@ -39,12 +39,14 @@ Same for both arms
 TRL's settings (its best for this machine, where they are a choice)
 -------------------------------------------------------------------
 ``per_device_train_batch_size`` ``--trl-micro-batch`` (32) with ``gradient_accumulation_steps`` 64 / that,
-so each optimizer step still sees 64 trajectories (16 / 32 / 64 were tried, see
-``bench/results/vs_trl.md``); ``gradient_checkpointing=False`` (TRL's GRPOConfig defaults to True, which
-recomputes activations for nothing on a 1M-parameter model); ``bf16=False`` (fp32 as mentorrl; TRL's
-default bf16 autocast is slower on this CPU and changes numerics); ``use_cpu=True``; no vLLM, no reference
-model (``beta=0``); generation through ``model.generate`` (TRL's default path); ``max_tool_calling_iterations``
-5 (the first turn plus 5 after tool results = 6 turns); logging every step, no checkpoints, no tqdm.
+so each optimizer step still sees 64 trajectories (16 / 32 / 64 cost the same update CPU within noise;
+32 is mentorrl's ``micro_batch_size`` too); ``gradient_checkpointing=False`` (TRL's GRPOConfig defaults to
+True: ~12% more update CPU here, for ~400 MiB less peak RSS); ``bf16=False`` (fp32 as mentorrl; TRL's default
+bf16 autocast made a step 4x slower on this CPU); generation through ``model.generate``, TRL's default
+(``use_transformers_continuous_batching`` took ~17x the generation CPU); ``use_cpu=True``; no vLLM, no
+reference model (``beta=0``); ``max_tool_calling_iterations`` 5 (the first turn plus 5 after tool results =
+6 turns); logging every step, no checkpoints, no tqdm. ``--trl-set KEY=JSON`` overrides any GRPOConfig field
+(how these were tried; the measurements are in ``bench/results/vs_trl.md``).
 
 What is measured (CPU seconds of the arm's process, ``time.process_time``; wall seconds too)
 ------------------------------------------------------------------------------------------
@@ -668,6 +670,9 @@ def run_trl_arm(args, work: Path) -> dict[str, Any]:
     out_dir = work / f"trl-rep{args.rep}"
     shutil.rmtree(out_dir, ignore_errors=True)
     kw = trl_config_kwargs(args, max_completion, cfg.prompt.system_turn, cfg.prompt.tool_descriptions, str(out_dir))
+    for kv in getattr(args, "trl_set", []):
+        key, _, value = kv.partition("=")
+        kw[key] = json.loads(value)
     trainer = TimedGRPOTrainer(model=model, reward_funcs=[mentorrl_reward], args=GRPOConfig(**kw), train_dataset=data,
                                processing_class=tok, environment_factory=lambda: env_cls(ctx), callbacks=[StepClock()])
     fmt_check = trl_format_check(trainer, contract, flat)
@@ -721,6 +726,8 @@ def child_command(args, arm: str, rep: int, out: Path, work: Path) -> list[str]:
         cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     if args.trl_continuous_batching:
         cmd.append("--trl-continuous-batching")
+    for kv in args.trl_set:
+        cmd += ["--trl-set", kv]
     return cmd
 
 
@@ -761,8 +768,10 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--max-turns", type=int, default=6)
     p.add_argument("--max-total-tokens", type=int, default=768)
     p.add_argument("--trl-micro-batch", type=int, default=32, help="TRL per_device_train_batch_size (default 32)")
+    p.add_argument("--trl-set", action="append", default=[], metavar="KEY=JSON",
+                   help="override one GRPOConfig field of the TRL arm, e.g. --trl-set bf16=true (repeatable)")
     p.add_argument("--trl-continuous-batching", action="store_true",
-                   help="TRL use_transformers_continuous_batching (off: it was slower here, see the results)")
+                   help="TRL use_transformers_continuous_batching (off: far slower here, see the results)")
     p.add_argument("--work", default=None, help="run directories and logs (default: a temporary dir, removed)")
     p.add_argument("--json", default=None, metavar="OUT", help="write everything as JSON")
     p.add_argument("--arm", choices=ARMS, default=None, help=argparse.SUPPRESS)  # child mode
