@@ -1,0 +1,864 @@
+"""TRL's ``GRPOTrainer`` (multi-turn tools through ``environment_factory``) against ``mentorrl train`` GRPO,
+side by side on the same agent task, checkpoint and settings.
+
+Each arm runs in its own child process (``python bench/vs_trl.py --arm trl|mentorrl``), so its CPU
+time and peak RSS are its own; the arms alternate (TRL, mentorrl, TRL, mentorrl, ...) for ``--reps``
+repetitions, rep ``r`` using seed ``--seed + r`` in both arms. Every child runs ``--warmup`` (1) GRPO
+step that is not timed, then ``--steps`` timed ones. Children run at one torch thread, with
+``OMP_NUM_THREADS=1`` and ``OMP_WAIT_POLICY=PASSIVE`` (an idle OpenMP thread sleeps instead of
+spinning, which matters on a machine shared with other jobs) in both arms.
+
+    python bench/vs_trl.py --model runs/demo/sft/final --reps 3 --steps 2 --json bench/results/vs_trl.json
+
+``--model``: a mentorrl checkpoint directory (transformers-loadable: model.safetensors, tokenizer.json and
+the tool-aware ``chat_template.jinja`` mentorrl saves); default ``runs/demo/sft/final`` when it exists.
+The bench does not build one: make it with ``mentorrl demo`` or
+``mentorrl train mentorrl/configs/demo.yaml --set recipe=[sft]`` (the demo's SFT, ~5 minutes on 2 cores).
+Needs the ``bench`` extra (``pip install -e ".[bench]"``: trl 1.16.0, accelerate).
+
+Same for both arms
+------------------
+* checkpoint, tokenizer, the ``orders`` environment and its tools, the demo's prompt format
+  (``prompt.system_turn: false``: no system turn, the policy learnt the tools from demonstrations);
+* the tasks: each step's 16 tasks are the ones ``mentorrl train`` draws for that seed and step
+  (the TRL arm rebuilds the same draw and feeds it in order, ``shuffle_dataset=False``; the bench
+  checks the task ids match);
+* reward: mentorrl's own. The TRL reward function drives a mentorrl ``Episode`` per rollout: every
+  tool call goes through ``Episode.run_tool`` (the environment's validating registry, the same
+  ``ToolCall`` records), the episode ends with ``Episode.finish`` (``OrdersEnv.verify`` +
+  ``compose_reward`` with the demo's weights). No expert guidance (``grpo.guide=none``), no KL term;
+* 16 tasks x 8 samples per step, temperature 1 (top-p 1, no top-k), 64 new tokens per turn,
+  6 turns at most, 768 tokens per episode (TRL: ``max_completion_length`` = 768 minus the longest
+  prompt of the run, so no TRL episode is longer than mentorrl allows), lr 1e-4 constant (AdamW,
+  betas 0.9/0.99, no weight decay, grad-norm clip 1.0), clip epsilon 0.2 low / 0.28 high
+  (mentorrl ``grpo.eps_low`` / ``grpo.eps_high``; TRL ``epsilon`` / ``epsilon_high``), group-std
+  normalised advantages, token-mean loss over the whole update batch (TRL ``loss_type="dapo"``);
+* ``--updates`` (2, mentorrl's ``grpo.updates_per_step`` default) optimizer steps per rollout batch of
+  128, on minibatches of 64 (TRL: ``steps_per_generation = updates x gradient_accumulation_steps``).
+
+TRL's settings (its best for this machine, where they are a choice)
+-------------------------------------------------------------------
+``per_device_train_batch_size`` ``--trl-micro-batch`` (32) with ``gradient_accumulation_steps`` 64 / that,
+so each optimizer step still sees 64 trajectories (16 / 32 / 64 cost the same update CPU within noise;
+32 is mentorrl's ``micro_batch_size`` too); ``gradient_checkpointing=False`` (TRL's GRPOConfig defaults to
+True: ~12% more update CPU here, for ~400 MiB less peak RSS); ``bf16=False`` (fp32 as mentorrl; TRL's default
+bf16 autocast made a step 4x slower on this CPU); generation through ``model.generate``, TRL's default
+(``use_transformers_continuous_batching`` took ~17x the generation CPU); ``use_cpu=True``; no vLLM, no
+reference model (``beta=0``); ``max_tool_calling_iterations`` 5 (the first turn plus 5 after tool results =
+6 turns); logging every step, no checkpoints, no tqdm. ``--trl-set KEY=JSON`` overrides any GRPOConfig field
+(how these were tried; the measurements are in ``bench/results/vs_trl.md``).
+
+What is measured (CPU seconds of the arm's process, ``time.process_time``; wall seconds too)
+------------------------------------------------------------------------------------------
+* step: one GRPO step = one rollout batch of 128 trajectories and its ``--updates`` optimizer steps.
+  mentorrl: the stage's ``step_fn`` (wrapped in the child). TRL: the sum over that batch's optimizer
+  steps of ``on_step_begin`` -> ``on_step_end`` (a ``TrainerCallback``; the Trainer's data fetch and its
+  logging between steps are outside, which can only favour TRL);
+* rollout: generation, tool calls, verification and reward. mentorrl: ``collect_group``. TRL:
+  ``GRPOTrainer._generate`` (tokenising prompts, ``generate`` per turn, response parsing, tool calls) plus
+  ``_calculate_rewards`` (our reward function: verification and reward composition);
+* update: the rest of the step. For TRL that includes its no-grad forward pass over the 128
+  trajectories for the behaviour log-probs (``old_per_token_logps``), which it needs because
+  ``model.generate`` returns none and the second minibatch is off-policy (reported separately as
+  ``trl_old_logp``: what remains of ``_generate_and_score_completions``, plus advantages and padding);
+  mentorrl records the behaviour log-probs while sampling;
+* policy tokens: tokens the model generated (TRL: ``tool_mask`` ones; mentorrl: ``loss_mask`` ones),
+  not prompts or tool results;
+* peak RSS: the child's ``ru_maxrss`` from ``wait4`` (model, tokenizer, environments, both arms'
+  Python imports: TRL's process also imports datasets/accelerate/trl).
+
+Printed: per arm the median over reps of each figure, and the ratios mentorrl/TRL (the median over
+reps of the per-rep ratio; a rep's two arms share a seed, tasks and time of day).
+
+Format bridging (mentorrl -> TRL ``environment_factory``)
+--------------------------------------------------------
+* tools: TRL exposes an environment's public methods as tools and builds their JSON schemas from the
+  type hints and Google docstrings. :func:`environment_class` turns each mentorrl tool schema into such a
+  method (``str``/``int``/``float``/... hints from the JSON types, required = no default, the description
+  as docstring, an ``Args:`` line per argument); rendered by the checkpoint's chat template, their
+  signatures are byte for byte the contract's (``name(arg: type, opt?: type) - description``). A method
+  accepts any keyword arguments and hands them to the mentorrl environment, whose registry validates
+  them against the real schema (bounds included), as in mentorrl;
+* observations: a method returns the contract's observation text (``render_observation_content``: the
+  JSON result, or ``error: ...``); TRL wraps it as a ``tool`` message, and the chat template renders
+  ``\\n<|im_start|>tool\\n...<|im_end|>\\n<|im_start|>assistant\\n``, the contract's observation;
+* chat template: mentorrl's saved template (``mentorrl.contract.CHAT_TEMPLATE``) is prefix-preserving and
+  marks assistant turns with ``{% generation %}``, so TRL keeps it (no ``get_training_chat_template``
+  patch) and ``_get_tool_suffix_ids`` works: the tokenizer's EOS is ``<|im_end|>``, TRL trims at it.
+  TRL always passes ``tools=``, and the template then renders the contract's system turn; for a
+  ``system_turn: false`` recipe (the demo) :func:`system_turn_template` adds a ``system_turn`` switch
+  (passed through ``chat_template_kwargs``) so the prompt is the one the policy was trained on;
+* tool-call parsing: TRL reads tool calls with ``tokenizer.parse_response``, which needs a response
+  template; ``add_response_schema`` only knows published model families, so the bench sets
+  :data:`RESPONSE_TEMPLATE` (Qwen's ``<tool_call>{json}</tool_call>`` parser without the ``<think>`` field);
+* episode ends: TRL ends an episode at the first turn without a parsed tool call. The reward function
+  reads the last turn the way mentorrl does (``parse_action``): an answer is the final answer; a turn cut
+  at 64 tokens is ``length``; a turn mentorrl would have read as a (malformed) tool call -- TRL's parser
+  fell back to text -- ends the episode with no answer (``unparsed``, counted per arm as
+  ``unparsed_share``), where mentorrl would have charged the call and gone on. A call TRL refused before
+  reaching the environment (unknown tool, arguments not an object) is charged as mentorrl's registry
+  answers it. Two calls in one turn run both in TRL (mentorrl: one malformed call; ``multi_call_turns``).
+
+The issue's targets (rollout policy tokens per CPU-second >= 2x TRL, whole-step trajectories per
+CPU-second >= 4x TRL) are checked and printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import random
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+warnings.filterwarnings("ignore")
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from mentorrl.contract import (  # noqa: E402
+    IM_END,
+    IM_START,
+    ParsedAction,
+    parse_action,
+    render_observation_content,
+)
+from mentorrl.trajectory import dumps_compact  # noqa: E402
+
+DEMO_CONFIG = ROOT / "mentorrl" / "configs" / "demo.yaml"
+DEFAULT_MODEL = Path("runs/demo/sft/final")
+ARMS = ("trl", "mentorrl")
+TARGETS = {"rollout_tokens_per_cpu_s": 2.0, "trajectories_per_cpu_s": 4.0}
+ASSISTANT_HEADER = f"{IM_START}assistant\n"
+
+# ----------------------------------------------------------------- format bridging (no trl needed) ---
+# JSON-schema type -> the Python hint transformers' get_json_schema turns back into that type
+JSON_TO_PY: dict[str, Any] = {"string": str, "integer": int, "number": float, "boolean": bool, "array": list,
+                              "object": dict}
+
+# tokenizer.parse_response template for mentorrl's turns: text, then optionally
+# <tool_call>{"name": ..., "arguments": {...}}</tool_call>, then <|im_end|> (TRL's Qwen3 parser minus <think>)
+RESPONSE_TEMPLATE: dict[str, Any] = {
+    "defaults": {"role": "assistant"},
+    "start_anchor": ASSISTANT_HEADER,
+    "fields": {
+        "tool_calls": {
+            "open": "<tool_call>",
+            "close_pattern": r"</tool_call>\s*",
+            "repeats": True,
+            "content": "json",
+            "transform": {"type": "function", "function": "{content}"},
+        },
+        "content": {"close_pattern": r"<\|im_end\|>\s*", "content": "text"},
+    },
+}
+
+_TOOLS_GUARD = "{%- if tools -%}"
+_TOOLS_GUARD_SWITCHED = "{%- if tools and (system_turn if system_turn is defined else true) -%}"
+
+
+def system_turn_template(template: str) -> str:
+    """mentorrl's chat template with a ``system_turn`` switch: ``system_turn=False`` (a
+    ``chat_template_kwargs`` entry) renders no system turn even when ``tools`` are given, as a
+    ``prompt.system_turn: false`` contract does; without the variable nothing changes."""
+    if _TOOLS_GUARD_SWITCHED in template:
+        return template
+    if template.count(_TOOLS_GUARD) != 1:
+        raise ValueError("not mentorrl's chat template (mentorrl.contract.CHAT_TEMPLATE): its tools guard "
+                         f"{_TOOLS_GUARD!r} is not there exactly once")
+    return template.replace(_TOOLS_GUARD, _TOOLS_GUARD_SWITCHED)
+
+
+def tool_method(schema: dict[str, Any]) -> Callable[..., str]:
+    """A method ``name(self, **arguments) -> str`` whose signature, type hints and Google docstring make
+    transformers' ``get_json_schema`` give back ``schema``'s name, description, argument names, types and
+    required list (what the chat template renders). It calls ``self._call(name, arguments)`` with whatever
+    keyword arguments it is given: the environment's registry validates them."""
+    fn = schema.get("function", schema)
+    name = fn["name"]
+    if not name.isidentifier():
+        raise ValueError(f"tool name {name!r} is not a Python identifier; TRL calls tools by method name")
+    params = fn.get("parameters") or {}
+    props = params.get("properties") or {}
+    required = set(params.get("required") or [])
+
+    def method(self, **arguments: Any) -> str:
+        return self._call(name, arguments)
+
+    sig = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    hints: dict[str, Any] = {}
+    lines = []
+    for key, spec in props.items():
+        hint = JSON_TO_PY.get(spec.get("type"), Any) if isinstance(spec, dict) else Any
+        default = inspect.Parameter.empty if key in required else None
+        sig.append(inspect.Parameter(key, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default, annotation=hint))
+        hints[key] = hint
+        lines.append(f"    {key}: {(spec.get('description') if isinstance(spec, dict) else None) or key}")
+    hints["return"] = str
+    method.__name__ = method.__qualname__ = name
+    method.__signature__ = inspect.Signature(sig, return_annotation=str)
+    method.__annotations__ = hints
+    desc = " ".join(str(fn.get("description") or name).split())
+    method.__doc__ = desc + ("\n\nArgs:\n" + "\n".join(lines) if lines else "") + "\n"
+    return method
+
+
+class ToolEnvBase:
+    """What TRL's ``environment_factory`` builds: one per rollout, reused across batches (``reset``).
+
+    Public methods are TRL's tools (added by :func:`environment_class`); everything else is private.
+    ``ctx`` holds what the arm shares (mentorrl environment factory, contract, reward weights, tasks)."""
+
+    def __init__(self, ctx: Any):
+        self._ctx = ctx
+        self._env = ctx.make_env()
+        self._ep = None
+        self._last: dict[str, Any] = {}
+
+    def reset(self, task_index: int, **_: Any) -> str:
+        from mentorrl.rollout.episode import Episode
+
+        task = self._ctx.tasks[task_index]
+        self._ep = Episode(self._ctx.contract, self._env, task, weights=self._ctx.weights)
+        self._ep.start()  # env.reset(task): the episode's own database
+        return task.prompt  # TRL appends it to the (empty) user message
+
+    def _call(self, name: str, arguments: dict[str, Any]) -> str:
+        """One tool call as mentorrl runs it (``Episode.run_tool``); the observation text."""
+        raw = dumps_compact({"name": name, "arguments": arguments})
+        result = self._ep.run_tool(ParsedAction("tool", raw=raw, name=name, arguments=arguments))
+        return render_observation_content(result.ok, result.content, result.error)
+
+    def _score(self, messages: list[dict[str, Any]], completion_ids: Sequence[int]) -> float:
+        """The episode's mentorrl reward (``Episode.finish``: verify + compose_reward) from TRL's completion."""
+        ep, ctx = self._ep, self._ctx
+        stopped = bool(completion_ids) and completion_ids[-1] in ctx.contract.stop_token_ids
+        turn = last_turn_text(ctx.contract.tokenizer.decode(list(completion_ids), skip_special_tokens=False), stopped)
+        final, reason, _ = trl_episode_end(messages, turn, stopped, ctx.max_turns)
+        refused = refused_calls(messages, set(ctx.tool_names), ctx.max_turns)
+        for name, args in refused:  # TRL answered these itself; charge them as mentorrl's registry answers them
+            ep.run_tool(ParsedAction("tool", raw=dumps_compact({"name": name, "arguments": args}), name=name,
+                                     arguments=args))
+        # Trajectory knows mentorrl's four reasons; TRL's own end ("unparsed": no answer) scores as any other
+        # non-answer end (compose_reward only asks whether the episode ended with an answer)
+        ep.final_answer, ep.finish_reason = final, (reason if reason != "unparsed" else "max_turns")
+        ep.num_turns = sum(m.get("role") == "assistant" for m in messages)
+        traj = ep.finish()
+        self._last = {"task_id": traj.task_id, "reward": traj.reward.total, "success": traj.reward.success,
+                      "finish_reason": reason, "tool_calls": len(traj.tool_calls), "refused_calls": len(refused),
+                      "multi_call_turns": sum(len(m.get("tool_calls") or []) > 1 for m in messages
+                                              if m.get("role") == "assistant"),
+                      "unparsed_turn": turn if reason == "unparsed" else None}
+        return traj.reward.total
+
+
+def environment_class(schemas: Sequence[dict[str, Any]], base: type = ToolEnvBase) -> type:
+    """A ``base`` subclass with one public method per tool schema (:func:`tool_method`)."""
+    methods = {}
+    for s in schemas:
+        m = tool_method(s)
+        if m.__name__ in methods or m.__name__ == "reset" or hasattr(base, m.__name__):
+            raise ValueError(f"tool {m.__name__!r} clashes with another tool or an environment method")
+        methods[m.__name__] = m
+    return type("MentorrlToolEnv", (base,), methods)
+
+
+def last_turn_text(completion_text: str, stopped: bool) -> str:
+    """The last policy turn of a decoded TRL completion (policy turns and tool results, special tokens
+    kept), without its stop token: what mentorrl's ``contract.decode_turn`` gives for that turn."""
+    turn = completion_text.rsplit(ASSISTANT_HEADER, 1)[-1]
+    return turn.removesuffix(IM_END) if stopped else turn
+
+
+def trl_episode_end(messages: list[dict[str, Any]], turn_text: str, stopped: bool,
+                    max_turns: int) -> tuple[str | None, str, ParsedAction | None]:
+    """(final answer, finish reason, mentorrl's reading of the last turn) of a TRL rollout.
+
+    ``messages``: TRL's completion (assistant and tool messages); ``turn_text``: the last turn's raw
+    text; ``stopped``: it ended with the stop token. The last turn still holding a tool call means TRL
+    stopped the tool loop: at the turn limit (``max_turns``) or because the tool result did not fit
+    (``max_tokens``). A turn cut before its stop token is ``length``. Otherwise mentorrl's
+    ``parse_action`` reads the turn: an answer is the final answer; a turn it reads as a tool call (or a
+    malformed one) that TRL's parser did not is ``unparsed``: the episode ended with no answer."""
+    assistants = [m for m in messages if m.get("role") == "assistant"]
+    if assistants and assistants[-1].get("tool_calls"):
+        return None, ("max_turns" if len(assistants) >= max_turns else "max_tokens"), None
+    if not stopped:
+        return None, "length", None
+    action = parse_action(turn_text)
+    if action.kind == "answer":
+        return action.text, "answer", action
+    return None, "unparsed", action
+
+
+def refused_calls(messages: list[dict[str, Any]], tool_names: set[str], max_turns: int) -> list[tuple[Any, Any]]:
+    """Tool calls TRL answered with an error before any tool ran (its tool loop looks the name up and calls
+    ``method(**arguments)``): an unknown name, or arguments that are not an object. The last turn's calls
+    did not run at all when it is the ``max_turns``-th turn (TRL's loop ends first)."""
+    assistants = [m for m in messages if m.get("role") == "assistant"]
+    out: list[tuple[Any, Any]] = []
+    for i, m in enumerate(assistants):
+        if i == len(assistants) - 1 and len(assistants) >= max_turns:
+            break  # TRL's loop stopped before running them
+        for call in m.get("tool_calls") or []:
+            fn = call.get("function", call) if isinstance(call, dict) else {}
+            name, args = fn.get("name"), fn.get("arguments")
+            if name not in tool_names or not isinstance(args, dict):
+                out.append((name, args))
+    return out
+
+
+# --------------------------------------------------------------------------- task draw ---------------
+def grpo_step_tasks(entry: Any, seed: int, steps: int, tasks_per_step: int, split: str = "train") -> list[list]:
+    """The tasks ``mentorrl train``'s GRPO stage draws at each step for ``seed`` (no hard-task pool):
+    its train pool (``mentorrl.train.loop.train_pool``) and each step's ``random.Random`` draw, as in
+    ``mentorrl.train.recipes.grpo``. The bench checks the result against the ids the mentorrl arm used."""
+    from mentorrl.train.loop import TRAIN_POOL_SEED_OFFSET
+
+    pool = entry.make_tasks().tasks(split=split, n=max(tasks_per_step * max(steps, 1), 64),
+                                    seed=seed + TRAIN_POOL_SEED_OFFSET)
+    out = []
+    for step in range(steps):
+        rng = random.Random(seed * 1_000_003 + 17 * step + 1)
+        out.append(rng.sample(pool, min(tasks_per_step, len(pool))))
+    return out
+
+
+# ------------------------------------------------------------------------------ summary ---------------
+STEP_FIELDS = ("step_cpu_s", "step_wall_s", "rollout_cpu_s", "rollout_wall_s", "update_cpu_s", "update_wall_s")
+
+
+def rep_metrics(result: dict[str, Any], warmup: int) -> dict[str, float]:
+    """One arm's figures for one rep from its steps after the first ``warmup``: seconds per step (means),
+    trajectories per step CPU-second and policy tokens per rollout CPU-second (totals over totals)."""
+    steps = [s for s in result["steps"] if s["step"] >= warmup]
+    if not steps:
+        raise ValueError(f"{result.get('arm')} rep {result.get('rep')}: no timed steps after {warmup} warm-up")
+    n = len(steps)
+    tot = {k: sum(s[k] for s in steps) for k in (*STEP_FIELDS, "trajectories", "policy_tokens")}
+    out = {f"{k}_per_step": tot[k] / n for k in STEP_FIELDS}
+    out.update(
+        steps=float(n),
+        trajectories_per_cpu_s=tot["trajectories"] / tot["step_cpu_s"],
+        trajectories_per_wall_s=tot["trajectories"] / tot["step_wall_s"],
+        rollout_tokens_per_cpu_s=tot["policy_tokens"] / tot["rollout_cpu_s"],
+        rollout_tokens_per_wall_s=tot["policy_tokens"] / tot["rollout_wall_s"],
+        policy_tokens_per_step=tot["policy_tokens"] / n,
+        success=sum(s["success"] * s["trajectories"] for s in steps) / tot["trajectories"],
+        reward_mean=sum(s["reward_mean"] * s["trajectories"] for s in steps) / tot["trajectories"],
+    )
+    if result.get("peak_rss_mib") is not None:
+        out["peak_rss_mib"] = float(result["peak_rss_mib"])
+    return out
+
+
+def summarize(results: dict[str, list[dict[str, Any]]], warmup: int) -> dict[str, Any]:
+    """Per arm the median over reps of every :func:`rep_metrics` figure; ``ratios``: per figure the
+    median over reps of mentorrl / TRL, each rep's two arms paired (reps present in both arms)."""
+    per_rep = {arm: {r["rep"]: rep_metrics(r, warmup) for r in rs} for arm, rs in results.items()}
+    arms = {arm: {k: statistics.median(m[k] for m in reps.values()) for k in next(iter(reps.values()))}
+            for arm, reps in per_rep.items() if reps}
+    ratios: dict[str, float] = {}
+    if "trl" in per_rep and "mentorrl" in per_rep:
+        paired = sorted(set(per_rep["trl"]) & set(per_rep["mentorrl"]))
+        for k in arms.get("mentorrl", {}):
+            vals = [per_rep["mentorrl"][r][k] / per_rep["trl"][r][k] for r in paired if per_rep["trl"][r][k]]
+            if vals:
+                ratios[k] = statistics.median(vals)
+    targets = {k: {"target": t, "ratio": ratios.get(k), "met": ratios.get(k) is not None and ratios[k] >= t}
+               for k, t in TARGETS.items()}
+    return {"per_rep": {a: {str(r): m for r, m in reps.items()} for a, reps in per_rep.items()},
+            "arms": arms, "ratios": ratios, "targets": targets}
+
+
+TABLE_ROWS = (  # (label, key, format); seconds are per GRPO step of 128 trajectories
+    ("rollout CPU-s / step", "rollout_cpu_s_per_step", "{:.1f}"),
+    ("update CPU-s / step", "update_cpu_s_per_step", "{:.1f}"),
+    ("step CPU-s / step", "step_cpu_s_per_step", "{:.1f}"),
+    ("rollout wall s / step", "rollout_wall_s_per_step", "{:.1f}"),
+    ("update wall s / step", "update_wall_s_per_step", "{:.1f}"),
+    ("step wall s / step", "step_wall_s_per_step", "{:.1f}"),
+    ("trajectories / step CPU-s", "trajectories_per_cpu_s", "{:.2f}"),
+    ("rollout policy tokens / CPU-s", "rollout_tokens_per_cpu_s", "{:.0f}"),
+    ("policy tokens / step", "policy_tokens_per_step", "{:.0f}"),
+    ("task success (rollouts)", "success", "{:.1%}"),
+    ("peak RSS MiB", "peak_rss_mib", "{:.0f}"),
+)
+
+
+def markdown_table(summary: dict[str, Any]) -> str:
+    """The summary as a markdown table: medians per arm and the ratio mentorrl / TRL."""
+    arms, ratios = summary["arms"], summary["ratios"]
+    lines = ["| median over reps | TRL 1.16 GRPOTrainer | mentorrl train | mentorrl / TRL |", "|---|---:|---:|---:|"]
+    for label, key, fmt in TABLE_ROWS:
+        cells = [fmt.format(arms[a][key]) if key in arms.get(a, {}) else "–" for a in ARMS]
+        ratio = f"{ratios[key]:.2f}x" if key in ratios else "–"
+        lines.append(f"| {label} | {cells[0]} | {cells[1]} | {ratio} |")
+    return "\n".join(lines)
+
+
+def target_lines(summary: dict[str, Any]) -> list[str]:
+    names = {"rollout_tokens_per_cpu_s": "rollout policy tokens per CPU-second",
+             "trajectories_per_cpu_s": "whole GRPO step trajectories per CPU-second"}
+    out = []
+    for k, t in summary["targets"].items():
+        r = t["ratio"]
+        got = "not measured" if r is None else f"{r:.2f}x: {'met' if t['met'] else 'NOT met'}"
+        out.append(f"target {names[k]} >= {t['target']:g}x TRL: {got}")
+    return out
+
+
+# --------------------------------------------------------------------------------- arms -----------
+class Clock:
+    """Wall and CPU seconds (this process, all threads) per (step, part)."""
+
+    def __init__(self) -> None:
+        self.spans: dict[int, dict[str, list[float]]] = {}
+
+    def add(self, step: int, part: str, wall: float, cpu: float) -> None:
+        acc = self.spans.setdefault(step, {}).setdefault(part, [0.0, 0.0])
+        acc[0] += wall
+        acc[1] += cpu
+
+    def span(self, step: int, part: str):
+        clock = self
+
+        class _Span:
+            def __enter__(self):
+                self.t = (time.perf_counter(), time.process_time())
+
+            def __exit__(self, *exc):
+                clock.add(step, part, time.perf_counter() - self.t[0], time.process_time() - self.t[1])
+
+        return _Span()
+
+    def get(self, step: int, part: str) -> tuple[float, float]:
+        w, c = self.spans.get(step, {}).get(part, (0.0, 0.0))
+        return w, c
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def arm_context(args) -> dict[str, Any]:
+    """Shared by both arms: the demo recipe's contract settings and reward weights, the task draw."""
+    from mentorrl.config import load_config
+    from mentorrl.envs import get_env
+
+    cfg = load_config(DEMO_CONFIG)
+    entry = get_env("orders")
+    steps = grpo_step_tasks(entry, args.seed, args.warmup + args.steps, args.tasks)
+    return {"cfg": cfg, "entry": entry, "step_tasks": steps}
+
+
+def mentorrl_overrides(args, run_dir: Path) -> list[str]:
+    """``--set`` overrides of ``mentorrl train mentorrl/configs/demo.yaml`` for the mentorrl arm."""
+    return [f"model.path={args.model}", "recipe=[grpo]", f"run_dir={run_dir}", f"seed={args.seed}", "threads=1",
+            "audit.preflight=false", "eval.num_tasks=0", "audit.eval_every=0", "grpo.guide=none", "grpo.kl_coef=0",
+            f"grpo.steps={args.warmup + args.steps}", f"grpo.tasks_per_step={args.tasks}",
+            f"grpo.group_size={args.group}", f"grpo.updates_per_step={args.updates}",
+            f"grpo.optim.lr={args.lr}", "grpo.optim.warmup_steps=0", f"grpo.eps_low={args.eps_low}",
+            f"grpo.eps_high={args.eps_high}", "grpo.checkpoint_every=1000", "sampling.temperature=1.0",
+            f"sampling.max_new_tokens={args.max_new_tokens}", f"limits.max_turns={args.max_turns}",
+            f"limits.max_total_tokens={args.max_total_tokens}"]
+
+
+def run_mentorrl_arm(args, work: Path) -> dict[str, Any]:
+    """``mentorrl train`` (its CLI, in this process) with timing wrappers around the GRPO stage's
+    ``step_fn``, ``collect_group`` (rollout) and ``pg_update`` (update)."""
+    import torch
+
+    torch.set_num_threads(1)
+    import mentorrl.train.recipes.grpo as grpo
+    from mentorrl.cli import app
+
+    clock, info = Clock(), {}
+    cur = {"step": -1}
+    orig_collect, orig_update, orig_run_stage = grpo.collect_group, grpo.pg_update, grpo.run_stage
+
+    def collect_group(ws, model, chosen, *a, **kw):
+        with clock.span(cur["step"], "rollout"):
+            grp = orig_collect(ws, model, chosen, *a, **kw)
+        trajs = grp.trajs
+        info[cur["step"]] = {"task_ids": [t.id for t in chosen], "trajectories": len(trajs),
+                             "policy_tokens": sum(t.num_policy_tokens for t in trajs),
+                             "success": sum(bool(t.reward.success) for t in trajs) / len(trajs),
+                             "reward_mean": sum(t.reward.total for t in trajs) / len(trajs),
+                             "finish": _counts(t.finish_reason for t in trajs), "rss_after_rollout_mib": peak_rss_mib()}
+        return grp
+
+    def pg_update(*a, **kw):
+        with clock.span(cur["step"], "update_pg"):
+            return orig_update(*a, **kw)
+
+    def run_stage(ws, stage, model, learner, steps, step_fn, *a, **kw):
+        def timed(step):
+            cur["step"] = step
+            with clock.span(step, "step"):
+                m = step_fn(step)
+            info.setdefault(step, {})["rss_after_step_mib"] = peak_rss_mib()
+            return m
+        return orig_run_stage(ws, stage, model, learner, steps, timed, *a, **kw)
+
+    grpo.collect_group, grpo.pg_update, grpo.run_stage = collect_group, pg_update, run_stage
+    run_dir = work / f"mentorrl-rep{args.rep}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    argv = ["train", str(DEMO_CONFIG)]
+    for ov in mentorrl_overrides(args, run_dir):
+        argv += ["--set", ov]
+    t0, c0 = time.perf_counter(), time.process_time()
+    app(argv, standalone_mode=False)
+    total = (time.perf_counter() - t0, time.process_time() - c0)
+    steps = []
+    logged = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    logged = {r["step"] - 1: r for r in logged if r.get("stage") == "grpo"}
+    for step in sorted(info):
+        sw, sc = clock.get(step, "step")
+        rw, rc = clock.get(step, "rollout")
+        uw, uc = clock.get(step, "update_pg")
+        m = logged.get(step, {})
+        steps.append({"step": step, "step_wall_s": sw, "step_cpu_s": sc, "rollout_wall_s": rw, "rollout_cpu_s": rc,
+                      "update_wall_s": sw - rw, "update_cpu_s": sc - rc, "pg_update_wall_s": uw, "pg_update_cpu_s": uc,
+                      **info[step],
+                      "logged": {k: m.get(k) for k in ("rollout_s", "update_s", "step_s", "cpu_s", "rollout_cpu_util",
+                                                       "trained_trajectories", "rollout_tokens", "task_success")}})
+    return {"arm": "mentorrl", "steps": steps, "total_wall_s": total[0], "total_cpu_s": total[1],
+            "command": "mentorrl " + " ".join(argv), "peak_rss_mib_self": peak_rss_mib()}
+
+
+def _counts(xs) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for x in xs:
+        out[str(x)] = out.get(str(x), 0) + 1
+    return out
+
+
+class _TrlContext:
+    def __init__(self, entry, contract, weights, tasks, max_turns, tool_names):
+        self.make_env, self.contract, self.weights = entry.make_env, contract, weights
+        self.tasks, self.max_turns, self.tool_names = tasks, max_turns, tool_names
+
+
+def trl_config_kwargs(args, max_completion_length: int, system_turn: bool, tool_descriptions: bool,
+                      out_dir: str) -> dict[str, Any]:
+    """``GRPOConfig`` keyword arguments for the TRL arm (see the module docstring for why each is set)."""
+    per_update = args.tasks * args.group // args.updates
+    if per_update % args.trl_micro_batch:
+        raise SystemExit(f"--trl-micro-batch {args.trl_micro_batch} must divide the {per_update} trajectories "
+                         "of one optimizer step")
+    accum = per_update // args.trl_micro_batch
+    return dict(
+        output_dir=out_dir, seed=args.seed, use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
+        per_device_train_batch_size=args.trl_micro_batch, gradient_accumulation_steps=accum,
+        steps_per_generation=accum * args.updates, num_generations=args.group,
+        max_steps=(args.warmup + args.steps) * args.updates, num_iterations=1,
+        learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+        adam_beta1=0.9, adam_beta2=0.99, max_grad_norm=1.0,
+        beta=0.0, epsilon=args.eps_low, epsilon_high=args.eps_high, loss_type="dapo", scale_rewards="group",
+        temperature=1.0, top_p=1.0, top_k=0, max_completion_length=max_completion_length,
+        generation_kwargs={"max_new_tokens": args.max_new_tokens}, max_tool_calling_iterations=args.max_turns - 1,
+        chat_template_kwargs={"system_turn": system_turn, "tool_descriptions": tool_descriptions},
+        shuffle_dataset=False, remove_unused_columns=False, logging_steps=1, report_to="none", save_strategy="no",
+        disable_tqdm=True, dataloader_num_workers=0, log_completions=False,
+        use_transformers_continuous_batching=bool(getattr(args, "trl_continuous_batching", False)),
+    )
+
+
+def run_trl_arm(args, work: Path) -> dict[str, Any]:
+    """TRL's GRPOTrainer with mentorrl's environment and reward bridged in, timed by overriding
+    ``_generate`` / ``_calculate_rewards`` / ``_generate_and_score_completions`` and a step callback."""
+    import torch
+
+    torch.set_num_threads(1)
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from mentorrl.contract import contract_for_env, tool_schemas
+    from mentorrl.models.build import load_policy
+
+    t0, c0 = time.perf_counter(), time.process_time()
+    ctx0 = arm_context(args)
+    cfg, entry = ctx0["cfg"], ctx0["entry"]
+    flat = [t for step in ctx0["step_tasks"] for t in step]
+    tok, model = load_policy(args.model)
+    tok.chat_template = system_turn_template(tok.chat_template or "")
+    tok.response_template = RESPONSE_TEMPLATE
+    tok.padding_side = "left"
+    probe = entry.make_env()
+    try:
+        sampling = cfg.sampling.model_copy(update={"temperature": 1.0, "max_new_tokens": args.max_new_tokens})
+        limits = cfg.limits.model_copy(update={"max_turns": args.max_turns, "max_total_tokens": args.max_total_tokens})
+        contract = contract_for_env(tok, probe, sampling, limits, cfg.prompt)
+        schemas, system_prompt = tool_schemas(probe), probe.system_prompt
+    finally:
+        probe.close()
+    longest_prompt = max(len(contract.prompt_ids(t.prompt)) for t in flat)
+    max_completion = args.max_total_tokens - longest_prompt
+    ctx = _TrlContext(entry, contract, cfg.reward, flat, args.max_turns, [s["function"]["name"] for s in schemas])
+    env_cls = environment_class(schemas)
+    head = [{"role": "system", "content": system_prompt}] if cfg.prompt.system_turn else []
+    data = Dataset.from_list([{"prompt": head + [{"role": "user", "content": ""}], "task_index": i}
+                              for i in range(len(flat))])
+    updates = args.updates
+    clock: Clock = Clock()
+    info: dict[int, dict[str, Any]] = {}
+
+    def batch_of(trainer) -> int:
+        return trainer.state.global_step // updates
+
+    class StepClock(TrainerCallback):
+        def on_step_begin(self, a, state, control, **kw):
+            self.t = (time.perf_counter(), time.process_time())
+
+        def on_step_end(self, a, state, control, **kw):
+            g = (state.global_step - 1) // updates
+            clock.add(g, "step", time.perf_counter() - self.t[0], time.process_time() - self.t[1])
+            info.setdefault(g, {})["rss_after_step_mib"] = peak_rss_mib()
+
+    class TimedGRPOTrainer(GRPOTrainer):
+        def _generate_and_score_completions(self, inputs):
+            with clock.span(batch_of(self), "score_total"):
+                return super()._generate_and_score_completions(inputs)
+
+        def _generate(self, prompts):
+            g = batch_of(self)
+            with clock.span(g, "generate"):
+                out = super()._generate(prompts)
+            completion_ids, tool_mask = out[1], out[2]
+            toks = sum(sum(m) for m in tool_mask) if tool_mask is not None else sum(len(c) for c in completion_ids)
+            info.setdefault(g, {}).update(trajectories=len(prompts), policy_tokens=int(toks))
+            return out
+
+        def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+            g = batch_of(self)
+            with clock.span(g, "reward"):
+                out = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+            last = [e._last for e in self.environments]
+            n = len(last)
+            info.setdefault(g, {}).update(
+                task_ids=list(dict.fromkeys(x["task_id"] for x in last)),
+                success=sum(bool(x["success"]) for x in last) / n, reward_mean=sum(x["reward"] for x in last) / n,
+                finish=_counts(x["finish_reason"] for x in last),
+                unparsed_share=sum(x["finish_reason"] == "unparsed" for x in last) / n,
+                unparsed_examples=[x["unparsed_turn"] for x in last if x["unparsed_turn"] is not None][:3],
+                refused_calls=sum(x["refused_calls"] for x in last),
+                multi_call_turns=sum(x["multi_call_turns"] for x in last),
+                tool_calls_per_traj=sum(x["tool_calls"] for x in last) / n, rss_after_rollout_mib=peak_rss_mib())
+            return out
+
+    def mentorrl_reward(completions, completion_ids, environments, **_):
+        return [env._score(c, ids) for c, ids, env in zip(completions, completion_ids, environments)]
+
+    out_dir = work / f"trl-rep{args.rep}"
+    shutil.rmtree(out_dir, ignore_errors=True)
+    kw = trl_config_kwargs(args, max_completion, cfg.prompt.system_turn, cfg.prompt.tool_descriptions, str(out_dir))
+    for kv in getattr(args, "trl_set", []):
+        key, _, value = kv.partition("=")
+        kw[key] = json.loads(value)
+    trainer = TimedGRPOTrainer(model=model, reward_funcs=[mentorrl_reward], args=GRPOConfig(**kw), train_dataset=data,
+                               processing_class=tok, environment_factory=lambda: env_cls(ctx), callbacks=[StepClock()])
+    fmt_check = trl_format_check(trainer, contract, flat)
+    setup = (time.perf_counter() - t0, time.process_time() - c0)
+    t1, c1 = time.perf_counter(), time.process_time()
+    trainer.train()
+    train = (time.perf_counter() - t1, time.process_time() - c1)
+    steps = []
+    for g in sorted(info):
+        sw, sc = clock.get(g, "step")
+        gw, gc = clock.get(g, "generate")
+        rw, rc = clock.get(g, "reward")
+        tw, tc = clock.get(g, "score_total")
+        steps.append({"step": g, "step_wall_s": sw, "step_cpu_s": sc, "rollout_wall_s": gw + rw,
+                      "rollout_cpu_s": gc + rc, "update_wall_s": sw - gw - rw, "update_cpu_s": sc - gc - rc,
+                      "generate_wall_s": gw, "generate_cpu_s": gc, "reward_wall_s": rw, "reward_cpu_s": rc,
+                      "trl_old_logp_wall_s": tw - gw - rw, "trl_old_logp_cpu_s": tc - gc - rc, **info[g]})
+    logs = [h for h in trainer.state.log_history if "loss" in h or "reward" in h]
+    return {"arm": "trl", "steps": steps, "setup_wall_s": setup[0], "setup_cpu_s": setup[1],
+            "total_wall_s": train[0], "total_cpu_s": train[1], "max_completion_length": max_completion,
+            "longest_prompt": longest_prompt, "format_check": fmt_check, "grpo_config": {k: v for k, v in kw.items() if k != "output_dir"},
+            "trl_log": logs, "peak_rss_mib_self": peak_rss_mib()}
+
+
+def trl_format_check(trainer, contract, tasks) -> dict[str, Any]:
+    """Do TRL's token ids equal the contract's? Every task's prompt as TRL tokenises it (its
+    ``_tokenize_prompts`` call: the environment's tools, the trainer's template and kwargs) against
+    ``contract.prompt_ids``, and TRL's tool-result suffix (``_get_tool_suffix_ids``) against
+    ``contract.observation_ids`` for a success and an error observation."""
+    tok = trainer.processing_class
+    same = 0
+    for t in tasks:
+        ids = tok.apply_chat_template([{"role": "user", "content": t.prompt}], tools=trainer._env_tools[None] or None,
+                                      chat_template=trainer.chat_template, add_generation_prompt=True, tokenize=True,
+                                      return_dict=True, **trainer.chat_template_kwargs)["input_ids"]
+        same += list(ids) == contract.prompt_ids(t.prompt)
+    observations = [render_observation_content(True, {"order_id": "O-123", "status": "shipped", "total": 38.5}, None),
+                    render_observation_content(False, None, "order O-999 not found")]
+    obs_same = all(trainer._get_tool_suffix_ids([{"role": "tool", "name": "get_order", "content": o}])
+                   == contract.observation_ids(o) for o in observations)
+    return {"prompts_equal": same, "prompts": len(tasks), "observations_equal": obs_same,
+            "trl_kept_chat_template": trainer.chat_template is None}
+
+
+# -------------------------------------------------------------------------------- driver ----------
+def child_command(args, arm: str, rep: int, out: Path, work: Path) -> list[str]:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--arm", arm, "--rep", str(rep), "--arm-out", str(out),
+           "--work", str(work), "--model", str(args.model), "--seed", str(args.seed + rep)]
+    for flag in ("steps", "warmup", "tasks", "group", "updates", "lr", "eps_low", "eps_high", "max_new_tokens",
+                 "max_turns", "max_total_tokens", "trl_micro_batch"):
+        cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    if args.trl_continuous_batching:
+        cmd.append("--trl-continuous-batching")
+    for kv in args.trl_set:
+        cmd += ["--trl-set", kv]
+    return cmd
+
+
+def run_child(cmd: list[str], log: Path) -> dict[str, Any]:
+    """Run one arm; its result JSON with the child's CPU seconds and peak RSS from ``wait4``."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE", "MKL_NUM_THREADS": "1",
+           "TOKENIZERS_PARALLELISM": "false", "TRL_EXPERIMENTAL_SILENCE": "1", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-40:])
+        raise SystemExit(f"`{' '.join(cmd)}` exited {proc.returncode}; log {log}:\n{tail}")
+    out = json.loads(Path(cmd[cmd.index("--arm-out") + 1]).read_text())
+    out.update(peak_rss_mib=usage.ru_maxrss / 1024.0, process_cpu_s=usage.ru_utime + usage.ru_stime,
+               process_wall_s=time.perf_counter() - t0)
+    return out
+
+
+def parse_args(argv: list[str] | None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help=f"mentorrl checkpoint dir (default: {DEFAULT_MODEL} if it exists)")
+    p.add_argument("--reps", type=int, default=3, help="repetitions; each runs TRL then mentorrl (default 3)")
+    p.add_argument("--steps", type=int, default=2, help="timed GRPO steps per arm and rep (default 2)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed GRPO steps first (default 1)")
+    p.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
+    p.add_argument("--seed", type=int, default=0, help="rep r uses seed + r in both arms")
+    p.add_argument("--tasks", type=int, default=16, help="tasks per step")
+    p.add_argument("--group", type=int, default=8, help="samples per task")
+    p.add_argument("--updates", type=int, default=2, help="optimizer steps per rollout batch (minibatches)")
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--eps-low", type=float, default=0.2)
+    p.add_argument("--eps-high", type=float, default=0.28)
+    p.add_argument("--max-new-tokens", type=int, default=64, help="per turn")
+    p.add_argument("--max-turns", type=int, default=6)
+    p.add_argument("--max-total-tokens", type=int, default=768)
+    p.add_argument("--trl-micro-batch", type=int, default=32, help="TRL per_device_train_batch_size (default 32)")
+    p.add_argument("--trl-set", action="append", default=[], metavar="KEY=JSON",
+                   help="override one GRPOConfig field of the TRL arm, e.g. --trl-set bf16=true (repeatable)")
+    p.add_argument("--trl-continuous-batching", action="store_true",
+                   help="TRL use_transformers_continuous_batching (off: far slower here, see the results)")
+    p.add_argument("--work", default=None, help="run directories and logs (default: a temporary dir, removed)")
+    p.add_argument("--json", default=None, metavar="OUT", help="write everything as JSON")
+    p.add_argument("--arm", choices=ARMS, default=None, help=argparse.SUPPRESS)  # child mode
+    p.add_argument("--rep", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--arm-out", default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def resolve_model(arg: str | None) -> Path:
+    if arg is not None:
+        path = Path(arg)
+    else:
+        path = next((c for c in (DEFAULT_MODEL, ROOT / DEFAULT_MODEL) if (c / "config.json").exists()), None)
+        if path is None:
+            sys.exit(f"no --model and no {DEFAULT_MODEL}: build the demo's SFT checkpoint first "
+                     "(`mentorrl train mentorrl/configs/demo.yaml --set recipe=[sft]`) and pass its sft/final")
+    if not (path / "config.json").exists():
+        sys.exit(f"--model {path}: not a checkpoint directory (no config.json)")
+    return path.resolve()
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any] | None:
+    args = parse_args(argv)
+    args.model = resolve_model(args.model)
+    if args.arm is not None:  # child: one arm, one rep
+        work = Path(args.work)
+        res = (run_trl_arm if args.arm == "trl" else run_mentorrl_arm)(args, work)
+        res.update(rep=args.rep, seed=args.seed)
+        Path(args.arm_out).write_text(json.dumps(res, indent=1))
+        return None
+
+    own_work = args.work is None
+    work = Path(tempfile.mkdtemp(prefix="vs-trl-")) if own_work else Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    print(f"model {args.model}; {args.reps} reps x {args.warmup} warm-up + {args.steps} timed steps per arm; "
+          f"{args.tasks} tasks x {args.group} samples; work dir {work}", flush=True)
+    results: dict[str, list[dict[str, Any]]] = {a: [] for a in args.arms}
+    started = time.perf_counter()
+    try:
+        for rep in range(args.reps):
+            for arm in [a for a in ARMS if a in args.arms]:  # TRL first, then mentorrl, every rep
+                out = work / f"{arm}-rep{rep}.json"
+                res = run_child(child_command(args, arm, rep, out, work), work / f"{arm}-rep{rep}.log")
+                results[arm].append(res)
+                m = rep_metrics(res, args.warmup)
+                print(f"rep {rep} {arm:8s}: step {m['step_cpu_s_per_step']:.1f} CPU-s (rollout "
+                      f"{m['rollout_cpu_s_per_step']:.1f}, update {m['update_cpu_s_per_step']:.1f}); "
+                      f"{m['trajectories_per_cpu_s']:.2f} traj/CPU-s, {m['rollout_tokens_per_cpu_s']:.0f} rollout "
+                      f"tok/CPU-s; success {m['success']:.1%}; peak RSS {res['peak_rss_mib']:.0f} MiB "
+                      f"[{time.perf_counter() - started:.0f}s]", flush=True)
+    finally:
+        if own_work:
+            shutil.rmtree(work, ignore_errors=True)
+    summary = summarize(results, args.warmup)
+    same = None
+    if "trl" in results and "mentorrl" in results:
+        same = all(s_t.get("task_ids") == s_m.get("task_ids")
+                   for rt, rm in zip(results["trl"], results["mentorrl"])
+                   for s_t, s_m in zip(rt["steps"], rm["steps"]))
+    print(markdown_table(summary))
+    print("(seconds and RSS: mentorrl / TRL below 1 means mentorrl takes less; per-CPU-second rates: above 1 "
+          "means mentorrl is faster)")
+    for line in target_lines(summary):
+        print(line)
+    print(f"same tasks in both arms at every step: {same}")
+    doc = {"command": " ".join(["python", "bench/vs_trl.py", *(argv if argv is not None else sys.argv[1:])]),
+           "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+                        if k not in ("arm", "rep", "arm_out", "json")},
+           "machine": {"cpu_count": os.cpu_count(), "torch_threads": 1, "omp": "OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE"},
+           "versions": _versions(), "same_tasks": same, "summary": summary, "runs": results}
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(doc, indent=1))
+    return doc
+
+
+def _versions() -> dict[str, str | None]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out: dict[str, str | None] = {"python": sys.version.split()[0]}
+    for pkg in ("torch", "transformers", "trl", "accelerate", "datasets"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+if __name__ == "__main__":
+    main()
