@@ -85,9 +85,10 @@ Format bridging (mentorrl -> TRL ``environment_factory``)
 * chat template: mentorrl's saved template (``mentorrl.contract.CHAT_TEMPLATE``) is prefix-preserving and
   marks assistant turns with ``{% generation %}``, so TRL keeps it (no ``get_training_chat_template``
   patch) and ``_get_tool_suffix_ids`` works: the tokenizer's EOS is ``<|im_end|>``, TRL trims at it.
-  TRL always passes ``tools=``, and the template then renders the contract's system turn; for a
-  ``system_turn: false`` recipe (the demo) :func:`system_turn_template` adds a ``system_turn`` switch
-  (passed through ``chat_template_kwargs``) so the prompt is the one the policy was trained on;
+  TRL always passes ``tools=``; the template (``mentorrl.contract.chat_template_for`` the recipe's prompt
+  format, as checkpoints are saved) then renders the system turn only if the recipe has one, so for a
+  ``system_turn: false`` recipe (the demo) the prompt is the one the policy was trained on (the bench also
+  passes ``system_turn`` / ``tool_descriptions`` through ``chat_template_kwargs``);
 * tool-call parsing: TRL reads tool calls with ``tokenizer.parse_response``, which needs a response
   template; ``add_response_schema`` only knows published model families, so the bench sets
   :data:`RESPONSE_TEMPLATE` (Qwen's ``<tool_call>{json}</tool_call>`` parser without the ``<think>`` field);
@@ -136,6 +137,7 @@ from mentorrl.contract import (  # noqa: E402
     IM_END,
     IM_START,
     ParsedAction,
+    chat_template_for,
     parse_action,
     render_observation_content,
 )
@@ -168,22 +170,6 @@ RESPONSE_TEMPLATE: dict[str, Any] = {
         "content": {"close_pattern": r"<\|im_end\|>\s*", "content": "text"},
     },
 }
-
-_TOOLS_GUARD = "{%- if tools -%}"
-_TOOLS_GUARD_SWITCHED = "{%- if tools and (system_turn if system_turn is defined else true) -%}"
-
-
-def system_turn_template(template: str) -> str:
-    """mentorrl's chat template with a ``system_turn`` switch: ``system_turn=False`` (a
-    ``chat_template_kwargs`` entry) renders no system turn even when ``tools`` are given, as a
-    ``prompt.system_turn: false`` contract does; without the variable nothing changes."""
-    if _TOOLS_GUARD_SWITCHED in template:
-        return template
-    if template.count(_TOOLS_GUARD) != 1:
-        raise ValueError("not mentorrl's chat template (mentorrl.contract.CHAT_TEMPLATE): its tools guard "
-                         f"{_TOOLS_GUARD!r} is not there exactly once")
-    return template.replace(_TOOLS_GUARD, _TOOLS_GUARD_SWITCHED)
-
 
 def tool_method(schema: dict[str, Any]) -> Callable[..., str]:
     """A method ``name(self, **arguments) -> str`` whose signature, type hints and Google docstring make
@@ -599,7 +585,7 @@ def run_trl_arm(args, work: Path) -> dict[str, Any]:
     cfg, entry = ctx0["cfg"], ctx0["entry"]
     flat = [t for step in ctx0["step_tasks"] for t in step]
     tok, model = load_policy(args.model)
-    tok.chat_template = system_turn_template(tok.chat_template or "")
+    tok.chat_template = chat_template_for(cfg.prompt)  # what a checkpoint of this recipe is saved with
     tok.response_template = RESPONSE_TEMPLATE
     tok.padding_side = "left"
     probe = entry.make_env()

@@ -110,11 +110,11 @@ def tool_signature(tool: Mapping[str, Any], with_description: bool = True) -> st
 
 
 def prompt_pieces(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None,
-                  tool_descriptions: bool = True) -> list[str]:
+                  tool_descriptions: bool = True, system_turn: bool = True) -> list[str]:
     """:func:`prompt_text` as pieces for :class:`mentorrl.contract.ChatEncoder`."""
     messages = list(messages)
     pieces: list[str] = []
-    if tools:
+    if tools and system_turn:
         system = ""
         if messages and messages[0].get("role") == "system":
             system = _content("system", messages[0].get("content"))
@@ -128,14 +128,15 @@ def prompt_pieces(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping
 
 
 def prompt_text(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None,
-                tool_descriptions: bool = True) -> str:
+                tool_descriptions: bool = True, system_turn: bool = True) -> str:
     """The contract's text for a conversation, ending with the header of the next assistant turn.
 
     With ``tools`` (OpenAI function schemas) the system turn is the contract's: the system
     message's content (or "") followed by the tools' signatures and the call syntax, as a rollout
-    renders it; the checkpoint's chat template (:data:`mentorrl.contract.CHAT_TEMPLATE`) renders
-    the same text."""
-    return "".join(prompt_pieces(messages, tools, tool_descriptions))
+    renders it; with ``system_turn=False`` (a ``prompt.system_turn: false`` contract) there is none and
+    the tools are not listed. The checkpoint's chat template (:func:`mentorrl.contract.chat_template_for`)
+    renders the same text."""
+    return "".join(prompt_pieces(messages, tools, tool_descriptions, system_turn))
 
 
 def action_of(msg: Mapping[str, Any]) -> ParsedAction:

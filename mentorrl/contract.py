@@ -59,7 +59,8 @@ SPECIAL_TOKENS = [PAD, IM_START, IM_END, TOOL_CALL_OPEN, TOOL_CALL_CLOSE]
 CHAT_TEMPLATE = (
     "{%- set ns = namespace(first=0, system='') -%}"
     "{%- set with_desc = tool_descriptions if tool_descriptions is defined else true -%}"
-    "{%- if tools -%}"
+    "{%- set with_system = system_turn if system_turn is defined else true -%}"
+    "{%- if tools and with_system -%}"
     "{%- if messages and messages[0]['role'] == 'system' -%}"
     "{%- set ns.first = 1 -%}"
     "{%- if messages[0]['content'] is defined and messages[0]['content'] is not none -%}"
@@ -114,6 +115,21 @@ CHAT_TEMPLATE = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"
 )
+
+
+def chat_template_for(fmt: "PromptFormat") -> str:
+    """The chat template a run with prompt format ``fmt`` saves with its checkpoints: :data:`CHAT_TEMPLATE`
+    with the run's ``tool_descriptions`` and ``system_turn`` as the defaults of the template's variables of
+    those names, so a plain ``apply_chat_template(messages, tools=...)`` renders the prompt the policy was
+    trained on (with ``system_turn: false``, no system turn even though tools are given); a caller may
+    still pass either variable."""
+    t = CHAT_TEMPLATE
+    for name, on in (("tool_descriptions", fmt.tool_descriptions), ("system_turn", fmt.system_turn)):
+        if not on:
+            default = f"{name} if {name} is defined else true"
+            assert t.count(default) == 1
+            t = t.replace(default, f"{name} if {name} is defined else false")
+    return t
 
 
 class SamplingParams(BaseModel):
@@ -471,6 +487,7 @@ def contract_for_env(
 
 __all__ = [
     "CHAT_TEMPLATE",
+    "chat_template_for",
     "ChatEncoder",
     "Control",
     "MAX_ERROR_CHARS",

@@ -133,3 +133,46 @@ def test_checkpoints_carry_the_template_whatever_the_base_had(tiny_model_dir, tm
     msgs = [{"role": "user", "content": "hi"},
             {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {"name": "a", "arguments": {}}}]}]
     assert loaded.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == prompt_text(msgs)
+
+
+@pytest.mark.parametrize("descriptions", [True, False])
+def test_a_run_without_a_system_turn_saves_a_template_without_one(orders_entry, tokenizer, tmp_path, descriptions):
+    """prompt.system_turn false: the checkpoint's template renders no system turn even when a client passes
+    tools= (TRL always does), so apply_chat_template gives the rollout's exact text; passing system_turn=True
+    gives the full system turn back."""
+    import copy
+
+    from mentorrl.config import RunConfig
+    from mentorrl.rollout.episode import run_scripted_episode
+    from mentorrl.train.workspace import open_workspace
+
+    fmt = {"system_turn": False, "tool_descriptions": descriptions}
+    ws = open_workspace(RunConfig(run_dir=str(tmp_path / "run"), prompt=fmt), show_progress=False)
+    tok = copy.deepcopy(tokenizer)
+    ws.bind_tokenizer(tok)
+    tok.save_pretrained(tmp_path / "ckpt")
+    from transformers import AutoTokenizer
+
+    loaded = AutoTokenizer.from_pretrained(tmp_path / "ckpt")
+    env = orders_entry.make_env()
+    try:
+        tools = tool_schemas(env)
+        trajs = [run_scripted_episode(ws.contract, env, t, orders_entry.make_expert())
+                 for t in orders_entry.make_tasks().tasks("train", 4, 3)]
+    finally:
+        env.close()
+    assert ws.contract.system_text() is None
+    for traj in trajs:
+        msgs = trajectory_messages(traj, tok, None, _user_of(tok, traj))
+        assert msgs[0]["role"] == "user"
+        policy = [s for s in traj.segments if s.role == "policy"]
+        assistant_at = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
+        assert len(policy) >= 2
+        for seg, i in zip(policy, assistant_at):
+            rendered = loaded.apply_chat_template(msgs[:i], tools=tools, tokenize=False, add_generation_prompt=True)
+            assert rendered == tok.decode(traj.token_ids[:seg.start], skip_special_tokens=False)
+            assert rendered == prompt_text(msgs[:i], tools=tools, system_turn=False)
+        full = loaded.apply_chat_template(msgs[:1], tools=tools, tokenize=False, add_generation_prompt=True,
+                                          system_turn=True)
+        assert full == prompt_text(msgs[:1], tools=tools, tool_descriptions=descriptions)
+        assert full.startswith("<|im_start|>system\n")

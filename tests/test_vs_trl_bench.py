@@ -15,8 +15,8 @@ import pytest
 from transformers.utils.chat_template_utils import get_json_schema, render_jinja_template
 
 from mentorrl.chat import prompt_text
-from mentorrl.contract import (CHAT_TEMPLATE, ContractLimits, PromptFormat, SamplingParams, contract_for_env,
-                               observation_text, tool_schemas)
+from mentorrl.contract import (CHAT_TEMPLATE, ContractLimits, PromptFormat, SamplingParams, chat_template_for,
+                               contract_for_env, observation_text, tool_schemas)
 from mentorrl.rewards.compose import RewardWeights
 from mentorrl.rollout.episode import run_scripted_episode
 
@@ -111,26 +111,24 @@ def test_environment_class_refuses_clashing_or_bad_names(b):
 
 
 # ---------------------------------------------------------------------------- template ------------
-def test_system_turn_switch(b, orders):
+def test_the_recipes_template_renders_the_trl_prompt(orders):
+    """TRL always passes tools=: the template a system_turn: false recipe saves renders no system turn."""
     _, schemas, system_prompt = orders
-    tpl = b.system_turn_template(CHAT_TEMPLATE)
-    assert b.system_turn_template(tpl) == tpl
+    tpl = chat_template_for(PromptFormat(system_turn=False))
     user = [{"role": "user", "content": "Cancel O-7 please."}]
     with_system = [{"role": "system", "content": system_prompt}, *user]
-    # no variable: exactly the saved template
-    assert _render(tpl, with_system, schemas) == _render(CHAT_TEMPLATE, with_system, schemas)
-    # system_turn=False: tools given (TRL always passes them) but no system turn, as the demo contract renders
-    assert _render(tpl, user, schemas, system_turn=False) == prompt_text(user)
+    # an explicit system_turn=True: exactly the default template
+    assert _render(tpl, with_system, schemas, system_turn=True) == _render(CHAT_TEMPLATE, with_system, schemas)
+    # tools given (TRL always passes them) but no system turn, as the demo contract renders
+    assert _render(tpl, user, schemas) == prompt_text(user)
     # a tool result after a tool call renders as the contract's observation
     call = {"role": "assistant", "content": None,
             "tool_calls": [{"type": "function", "function": {"name": "get_order", "arguments": {"order_id": "O-7"}}}]}
     before = render_jinja_template([[*user, call]], chat_template=tpl)[0][0]
     after = _render(tpl, [*user, call, {"role": "tool", "name": "get_order", "content": '{"status": "shipped"}'}],
-                    schemas, system_turn=False)
+                    schemas)
     assert before.endswith("<|im_end|>\n")
     assert after == before.removesuffix("\n") + observation_text('{"status": "shipped"}')
-    with pytest.raises(ValueError, match="not mentorrl's chat template"):
-        b.system_turn_template("{{ messages }}")
 
 
 # -------------------------------------------------------------------------- episode end -----------

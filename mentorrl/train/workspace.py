@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from mentorrl.config import RunConfig, dump_config
-from mentorrl.contract import CHAT_TEMPLATE, RolloutContract, contract_for_env
+from mentorrl.contract import RolloutContract, chat_template_for, contract_for_env
 from mentorrl.envs import EnvEntry, get_env
 from mentorrl.eval.metrics import summarize
 from mentorrl.eval.sets import assert_trainable, assert_trainable_splits
@@ -55,10 +55,10 @@ class Workspace:
         return self.env_entry.make_env(tool_timeout_s=self.cfg.env.tool_timeout_s, **extra)
 
     def bind_tokenizer(self, tokenizer) -> None:
-        """Use ``tokenizer`` for the run; its chat template becomes the contract's
-        (:data:`mentorrl.contract.CHAT_TEMPLATE`), so every checkpoint the run saves renders
+        """Use ``tokenizer`` for the run; its chat template becomes the contract's for the run's prompt
+        format (:func:`mentorrl.contract.chat_template_for`), so every checkpoint the run saves renders
         conversations with ``apply_chat_template`` as the policy was trained on them."""
-        tokenizer.chat_template = CHAT_TEMPLATE
+        tokenizer.chat_template = chat_template_for(self.cfg.prompt)
         self.tokenizer = tokenizer
         env = self.make_env()
         try:
