@@ -67,6 +67,7 @@ def test_grpo_steps_log_rollout_metrics_and_the_report_plots_them(tiny_model_dir
         assert r["cpu_cores"] >= 1 and 0 < r["cpu_util"] <= 1.0 + 1e-6
         assert r["cpu_s"] == pytest.approx(r["cpu_util"] * r["cpu_cores"] * r["step_s"], rel=1e-6)
         assert 0 < r["rollout_cpu_util"] <= 1.0 + 1e-6
+        assert 0 < r["rollout_cpu_s"] and 0 <= r["update_cpu_s"] and r["rollout_cpu_s"] + r["update_cpu_s"] <= r["cpu_s"]
     report = json.loads((run / "report.json").read_text())
     plot = report["step_metrics"]["plot"]
     assert (run / plot).is_file() and (run / plot).stat().st_size > 1000

@@ -111,7 +111,7 @@ def grpo_stage(ws: Workspace, model, ref_model=None, resume: bool = False) -> Pa
             trajs, audit.flag_reward, ws.run_dir / "audit" / f"flagged-grpo-step-{step + 1:06d}.jsonl")))
         # Zero-advantage trajectories give exactly zero policy gradient: without a KL term they are
         # not forwarded, but they stay in each minibatch's loss denominator (the full-batch update).
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.process_time()
         ups = pg_update(learner, trajs, adv, g.updates_per_step, step, version, kind="grpo", drop_zero=g.kl_coef == 0,
                         ref_model=ref_model if g.kl_coef > 0 else None, kl_coef=g.kl_coef, eps_low=g.eps_low,
                         eps_high=g.eps_high, agg=g.loss_agg)
@@ -119,6 +119,7 @@ def grpo_stage(ws: Workspace, model, ref_model=None, resume: bool = False) -> Pa
         trained = len(trajs) if g.kl_coef > 0 else int((adv.abs() > 0).sum())
         metrics.update(trained_trajectories=trained, policy_version=version["policy"],
                        rollout_s=grp.rollout_s, update_s=time.perf_counter() - t1,
+                       rollout_cpu_s=grp.rollout_cpu_s, update_cpu_s=time.process_time() - c1,
                        rollout_cpu_util=grp.rollout_cpu_s / max(grp.rollout_s, 1e-9) / cpu_cores())
         if hard is not None:
             metrics.update(hard_tasks_in_batch=float(hard_in_batch), hard_pool_size=float(len(hard)))
