@@ -294,3 +294,45 @@ def test_sft_then_sao_with_the_vllm_backend(tiny_model_dir, tmp_path):
         assert r["actor_updated"] == float(r["online_items"] > 0)
     assert sao[-1]["worker_syncs"] >= 2  # the worker took new versions while it streamed
     assert (run / "sao" / "final" / "DONE").exists() and (run / "eval_sao.json").is_file()
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_grpo_and_sao_on_ray_actors_decode_with_vllm(tiny_model_dir, tmp_path):
+    """``rollout.backend: vllm`` with ``distributed.backend: ray``: each rollout actor decodes with a vLLM engine
+    of its own, synced with the broadcast weights: GRPO shares (the learner's recomputed log-probs match) and
+    SAO streams (turn-level continuous batching) are tagged vllm."""
+    ray = pytest.importorskip("ray")
+    from mentorrl.config import RunConfig
+    from mentorrl.distributed.ray_workers import close_pools, kill_idle_actors
+    from mentorrl.rollout import backends
+    from mentorrl.train.pipeline import run_recipe
+
+    backends.release()  # the engine this module's other tests left in this process
+    run = tmp_path / "run"
+    cfg = RunConfig.model_validate({
+        "run_dir": str(run), "recipe": ["sft", "grpo", "sao"], "threads": 1, "model": {"path": str(tiny_model_dir)},
+        "audit": {"preflight": False}, "eval": {"num_tasks": 0},
+        "sampling": {"temperature": T, "max_new_tokens": 12}, "limits": {"max_turns": 3, "max_total_tokens": 1024},
+        "sft": {"steps": 3, "num_demos": 16, "batch_size": 8},
+        "grpo": {"steps": 2, "tasks_per_step": 2, "group_size": 2, "kl_coef": 0.01, "optim": {"lr": 5e-4}},
+        "sao": {"steps": 2, "batch_size": 4, "critic": {"warmup_steps": 0}, "rollout": {"slots": 4}},
+        "rollout": {"backend": "vllm"},
+        "distributed": {"backend": "ray", "rollout_workers": 1},
+    })
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="warning")
+    try:
+        run_recipe(cfg, show_progress=False)
+    finally:
+        close_pools()
+        kill_idle_actors()
+        ray.shutdown()
+        backends.configure(None)
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    grpo = [r for r in recs if r["stage"] == "grpo"]
+    sao = [r for r in recs if r["stage"] == "sao"]
+    assert [r["step"] for r in grpo] == [1, 2] and [r["step"] for r in sao] == [1, 2]
+    for r in grpo:  # the second step's shares ran on the weights broadcast after the first update
+        assert r["rollout_backend"] == "vllm"
+        assert r["logprob_abs_gap"] < 1e-3 and abs(r["train_rollout_kl"]) < 1e-5
+    assert all(r["rollout_backend"] == "vllm" for r in sao)

@@ -221,16 +221,20 @@ class RolloutActor:
     weights for a call whose key the actor already holds. A closed pool's actors are kept idle and
     ``configure``-d for the next pool of this process (a new actor costs a process and its imports)."""
 
-    def __init__(self, spec, contract, make_env: Callable[[], Any], reward_weights=None):
+    def __init__(self, spec, contract, make_env: Callable[[], Any], reward_weights=None, rollout_cfg=None):
         torch.set_num_threads(1)
         self.lock = threading.Lock()
         self.thread: threading.Thread | None = None
-        self.configure(spec, contract, make_env, reward_weights)
+        self.configure(spec, contract, make_env, reward_weights, rollout_cfg)
 
-    def configure(self, spec, contract, make_env: Callable[[], Any], reward_weights=None) -> None:
-        """Start afresh for a new pool: stop any stream, a new policy copy (filled by the next weights)."""
+    def configure(self, spec, contract, make_env: Callable[[], Any], reward_weights=None, rollout_cfg=None) -> None:
+        """Start afresh for a new pool: stop any stream, a new policy copy (filled by the next weights), and
+        the run's generation backend (``rollout:``; under vllm, a vLLM engine in this actor, built on first use)."""
+        from mentorrl.rollout import backends
+
         self.stop_stream()
         self.thread = None
+        backends.configure(rollout_cfg)
         self.model = _build_policy(spec)
         self.contract, self.make_env, self.reward_weights = contract, make_env, reward_weights
         self.key: int | None = None
@@ -298,10 +302,23 @@ class RolloutActor:
                 continue
 
     def _stream(self) -> None:
+        from mentorrl.rollout import backends
+
         try:
-            RolloutEngine(self.model, self.contract).run_stream(
-                self._next_episode, slots=self.slots, seed=self.seed, on_finish=self._emit, before_step=self._sync,
-                stop=self.stop, close_envs=True)
+            if backends.backend_name() == "hf":
+                RolloutEngine(self.model, self.contract).run_stream(
+                    self._next_episode, slots=self.slots, seed=self.seed, on_finish=self._emit, before_step=self._sync,
+                    stop=self.stop, close_envs=True)
+            else:  # the actor's vLLM engine, turn-level continuous batching; weights loaded between rounds
+                backend = backends.backend_for(self.model, self.contract, self.version)
+
+                def before_round() -> None:
+                    self._sync()
+                    backend.follow(self.model, self.version)
+
+                backends.stream_episodes(backend, self._next_episode, slots=self.slots, seed=self.seed,
+                                         on_finish=self._emit, before_round=before_round, stop=self.stop,
+                                         close_envs=True)
         except BaseException as e:  # noqa: BLE001 -- reported to the driver by poll(), which raises it
             self.error = repr(e)
 
@@ -364,15 +381,15 @@ def _cluster() -> str:
     return ray.get_runtime_context().gcs_address
 
 
-def _acquire_actor(spec, contract, make_env: Callable[[], Any], reward_weights=None):
+def _acquire_actor(spec, contract, make_env: Callable[[], Any], reward_weights=None, rollout_cfg=None):
     """A rollout actor for these arguments: an idle one, reconfigured (the call is queued before any
     other, so nothing waits here), else a new one. An idle actor that died meanwhile fails its next
     call and is replaced like any dead actor."""
     if _IDLE["cluster"] == _cluster() and _IDLE["actors"]:
         a = _IDLE["actors"].pop()
-        a.configure.remote(spec, contract, make_env, reward_weights)
+        a.configure.remote(spec, contract, make_env, reward_weights, rollout_cfg)
         return a
-    return RolloutActor.options(**_actor_options()).remote(spec, contract, make_env, reward_weights)
+    return RolloutActor.options(**_actor_options()).remote(spec, contract, make_env, reward_weights, rollout_cfg)
 
 
 def _release_actor(actor) -> None:
@@ -434,10 +451,11 @@ class RayRollouts:
     step's task list, one contiguous share per actor, with faults handled (see the module docstring)."""
 
     def __init__(self, dist: DistributedConfig, model: torch.nn.Module, contract, make_env: Callable[[], Any],
-                 reward_weights=None):
+                 reward_weights=None, rollout_cfg=None):
         init_ray(dist)
         _require_cpus(dist.rollout_workers)
         self.dist, self.model, self.contract, self.reward_weights = dist, model, contract, reward_weights
+        self.rollout_cfg = rollout_cfg
         self.make_env = make_env
         self.spec = policy_spec(model)
         self.env_actors = [self._new_env_actor() for _ in range(dist.env_workers)]
@@ -454,7 +472,7 @@ class RayRollouts:
         return EnvActor.options(**_actor_options()).remote(self.make_env)
 
     def _new_actor(self):
-        return _acquire_actor(self.spec, self.contract, self._worker_env(), self.reward_weights)
+        return _acquire_actor(self.spec, self.contract, self._worker_env(), self.reward_weights, self.rollout_cfg)
 
     def _heal_env_actors(self) -> bool:
         """Replace environment actors that no longer answer; True when any was replaced."""
@@ -531,7 +549,7 @@ def ray_rollouts(ws, model, tasks: Sequence, policy_version: int, seed: int) -> 
     pool = _ACTIVE["pool"]
     if pool is None or _ACTIVE["ws"]() is not ws or _ACTIVE["model"]() is not model:
         close_pools()
-        pool = RayRollouts(ws.cfg.distributed, model, ws.contract, env_factory(ws), ws.cfg.reward)
+        pool = RayRollouts(ws.cfg.distributed, model, ws.contract, env_factory(ws), ws.cfg.reward, ws.cfg.rollout)
         _ACTIVE.update(pool=pool, ws=weakref.ref(ws), model=weakref.ref(model))
     return pool.rollout(tasks, policy_version, seed)
 
@@ -573,8 +591,10 @@ class RayRolloutPool:
     def __init__(self, policy, contract, make_env: Callable[[], Any], tasks: Iterator, box, slots: int,
                  queue_size: int, seed: int, weights=None, recompute_kv: bool = False, workers: int = 1, *,
                  dist: DistributedConfig, ws=None):
+        self.rollout_cfg = None
         if ws is not None:  # the workspace's environment, as a factory that pickles (its bound make_env does not)
             make_env = env_factory(ws)
+            self.rollout_cfg = ws.cfg.rollout  # and its generation backend
         init_ray(dist)
         _require_cpus(dist.rollout_workers)
         close_pools()  # a GRPO stage's actors (idle now) are this stream's: a small cluster has no CPUs for more
@@ -606,7 +626,7 @@ class RayRolloutPool:
 
     def _start_actor(self, i: int) -> None:
         env = RemoteEnvFactory(self.env_actors) if self.env_actors else self.make_env
-        a = _acquire_actor(self.spec, self.contract, env, self.reward_weights)
+        a = _acquire_actor(self.spec, self.contract, env, self.reward_weights, self.rollout_cfg)
         if self.weights.ref is not None:
             a.set_weights.remote(self.weights.key, self.weights.version, [self.weights.ref])
         a.start_stream.remote(self.seed + 1_000_033 * i + 7_919 * self.replaced, self.slots, self.outbox_size,
