@@ -669,7 +669,9 @@ class DistributedConfig(_Section):
                                                   "environments; 0 keeps each environment inside its rollout actor")
     teacher_workers: int = Field(0, ge=0, description="backend ray: actors serving each white-box OPD teacher (each "
                                                       "loads the checkpoint and scores a contiguous share of a step's "
-                                                      "trajectories, one CPU each); 0 scores in the learner's process")
+                                                      "trajectories, one CPU each); >= 1 also runs a served black-box "
+                                                      "teacher (blackbox.teacher.serve) on an actor; 0 keeps teachers in "
+                                                      "the learner's process")
     learner_actor: bool = Field(False, description="backend ray: run the learner (the whole recipe: optimiser, "
                                                    "checkpoints, evaluation, the run directory) in a Ray actor placed "
                                                    "with learner_cpus / learner_gpus, not in the launching process")

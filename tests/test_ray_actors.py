@@ -192,3 +192,49 @@ def test_an_error_in_the_learner_actor_keeps_its_type(ray_local, tmp_path):
     with pytest.raises(ConfigError, match="no-such-checkpoint") as e:  # the preflight check, inside the actor
         run_demo(cfg, show_progress=False)
     assert type(e.value) is ConfigError and "ray::" not in str(e.value)  # the error itself, not Ray's wrapper
+
+
+def test_a_served_teacher_on_an_actor_needs_its_token(ray_local, tiny_model_dir):
+    """``serve_on_actor``: the checkpoint served by ``mentorrl serve`` from a Ray actor (127.0.0.1 on this
+    single-node Ray), behind a fresh bearer token held in an environment variable of this process only
+    while the server lives; no token is a 401; afterwards the server is gone."""
+    import os
+
+    import httpx
+
+    from mentorrl.distributed.ray_serve import serve_on_actor
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "Where is order O-1?"}], "max_tokens": 4}
+    with serve_on_actor(DistributedConfig(backend="ray", teacher_workers=1), tiny_model_dir) as (url, token_env):
+        assert url.startswith("http://127.0.0.1:") and url.endswith("/v1")
+        token = os.environ[token_env]
+        assert len(token) >= 24
+        assert httpx.post(f"{url}/chat/completions", json=body, timeout=60).status_code == 401
+        ok = httpx.post(f"{url}/chat/completions", json=body, timeout=60, headers={"Authorization": f"Bearer {token}"})
+        assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["role"] == "assistant"
+    assert token_env not in os.environ
+    with pytest.raises(httpx.TransportError):
+        httpx.get(url.removesuffix("/v1") + "/health", timeout=5)
+
+
+def test_a_blackbox_stage_reaches_its_served_teacher_on_an_actor(ray_local, tmp_path, tiny_model_dir, monkeypatch):
+    from mentorrl.distributed import ray_serve
+    from mentorrl.train.pipeline import run_recipe
+
+    secret = "tok-7f3a9c-never-in-a-file-0123456789"
+    monkeypatch.setattr(ray_serve.secrets, "token_urlsafe", lambda n: secret)
+    run = tmp_path / "bb"
+    cfg = load_config(None, TINY_OVERRIDES + [
+        f"run_dir={run}", f"model.path={tiny_model_dir}", "recipe=[blackbox]", "blackbox.recipe=score",
+        "blackbox.steps=1", "blackbox.tasks_per_step=2", "blackbox.samples_per_task=2",
+        f"blackbox.teacher.serve={{path: {tiny_model_dir}}}", "blackbox.teacher.samples=2",
+        "blackbox.teacher.max_tokens=8", "eval.num_tasks=0", "audit.preflight=false",
+        "distributed.backend=ray", "distributed.rollout_workers=1", "distributed.teacher_workers=1"])
+    run_recipe(cfg, show_progress=False)
+    recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    bb = [r for r in recs if r.get("stage") == "blackbox"]
+    assert [r["step"] for r in bb] == [1]
+    assert bb[0]["teacher_requests"] > 0 and bb[0]["teacher_failures"] == 0  # every request authenticated
+    for f in run.rglob("*"):  # the token reached no file of the run (config, logs, metrics, cache)
+        if f.is_file():
+            assert secret.encode() not in f.read_bytes(), f

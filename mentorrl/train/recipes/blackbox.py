@@ -81,7 +81,8 @@ def checkpoint_identity(path: Path) -> str:
 def open_teacher(ws: Workspace, t: BlackBoxTeacherConfig, student=None, seed: int = 0) -> Iterator[BlackBoxTeacher]:
     """The configured black-box teacher. With ``serve`` set, the checkpoint (given, or built once
     like an OPD teacher) runs as a ``mentorrl serve`` subprocess on 127.0.0.1 for the duration and
-    is reached only through HTTP."""
+    is reached only through HTTP; under ``distributed: {backend: ray, teacher_workers: >= 1}`` that
+    subprocess runs on a Ray actor (:mod:`mentorrl.distributed.ray_serve`), behind a fresh bearer token."""
     with contextlib.ExitStack() as stack:
         client_cfg = t.client
         if t.serve is not None:
@@ -92,8 +93,14 @@ def open_teacher(ws: Workspace, t: BlackBoxTeacherConfig, student=None, seed: in
             if not (path / "config.json").exists():
                 raise FileNotFoundError(f"blackbox teacher: {path} is not a Hugging Face checkpoint directory")
             threads = ["--threads", str(ws.cfg.threads)] if ws.cfg.threads else []  # the run's CPU budget, not more
-            url = stack.enter_context(serve_subprocess(path, extra_args=threads))
-            client_cfg = client_cfg.model_copy(update={"base_url": url, "api_key_env": None,
+            dist = ws.cfg.distributed
+            if dist.backend == "ray" and dist.teacher_workers > 0:  # on a Ray actor, with a fresh bearer token
+                from mentorrl.distributed.ray_serve import serve_on_actor
+
+                url, token_env = stack.enter_context(serve_on_actor(dist, path, ["--threads", "1"]))
+            else:
+                url, token_env = stack.enter_context(serve_subprocess(path, extra_args=threads)), None
+            client_cfg = client_cfg.model_copy(update={"base_url": url, "api_key_env": token_env,
                                                        "cache_namespace": checkpoint_identity(path)})
         client = TeacherClient(client_cfg, seed=seed)
         stack.callback(client.close)
