@@ -56,12 +56,27 @@ def tiny_model_dir(tmp_path_factory, orders_entry) -> Path:
     return build_tiny_model(orders_entry, path, ModelSpec(**TINY_SPEC), corpus_tasks=60)
 
 
+_SHARED_TOKENIZERS: list = []  # session tokenizers whose chat template a test may set (bind_tokenizer)
+
+
 @pytest.fixture(scope="session")
 def policy(tiny_model_dir):
     """(tokenizer, model): shared and read-only; tests that train must deep-copy the model."""
     tokenizer, model = load_policy(tiny_model_dir)
     model.eval()
+    _SHARED_TOKENIZERS.append(tokenizer)
     return tokenizer, model
+
+
+@pytest.fixture(autouse=True)
+def _restore_shared_chat_templates():
+    """``Workspace.bind_tokenizer`` gives a tokenizer its run's chat template (``chat_template_for`` the run's
+    prompt format); a test that binds the shared tokenizer must not change what the next test renders."""
+    yield
+    from mentorrl.contract import CHAT_TEMPLATE
+
+    for tok in _SHARED_TOKENIZERS:
+        tok.chat_template = CHAT_TEMPLATE
 
 
 @pytest.fixture(scope="session")

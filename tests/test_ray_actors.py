@@ -82,7 +82,7 @@ def served(ray_local):
 
 
 def _check_against_local(served_teacher, local, trajs, cross: bool) -> None:
-    from mentorrl.train.recipes.opd import teacher_row
+    from mentorrl.opd.scoring import teacher_row
 
     for top_k in (None, 3):
         got = served_teacher.row(trajs, top_k)
@@ -93,7 +93,7 @@ def _check_against_local(served_teacher, local, trajs, cross: bool) -> None:
 
 def test_same_tokenizer_teacher_actors_give_the_local_signals(served, tiny_model_dir, tokenizer, trajs):
     from mentorrl.distributed.ray_teachers import RayTeacher
-    from mentorrl.train.teachers import teacher_from_checkpoint
+    from mentorrl.opd.scoring import teacher_from_checkpoint
 
     t = TeacherConfig(name="same")
     served["same"] = RayTeacher(DistributedConfig(backend="ray", teacher_workers=2, rollout_workers=1),
@@ -103,8 +103,8 @@ def test_same_tokenizer_teacher_actors_give_the_local_signals(served, tiny_model
 
 def test_a_killed_teacher_actor_is_replaced_and_its_share_scored_again(ray_local, served, tiny_model_dir, tokenizer,
                                                                       trajs):
-    from mentorrl.train.recipes.opd import teacher_row
-    from mentorrl.train.teachers import teacher_from_checkpoint
+    from mentorrl.opd.scoring import teacher_row
+    from mentorrl.opd.scoring import teacher_from_checkpoint
 
     want = teacher_row(teacher_from_checkpoint(tiny_model_dir, tokenizer, TeacherConfig(name="same")), trajs, None)
     same = served["same"]
@@ -117,7 +117,7 @@ def test_a_killed_teacher_actor_is_replaced_and_its_share_scored_again(ray_local
 def test_cross_tokenizer_teacher_actors_give_the_local_signals(served, other_dir, tokenizer, trajs):
     from mentorrl.distributed.ray_teachers import RayTeacher
     from mentorrl.opd.signals import CrossTokenizerTeacher
-    from mentorrl.train.teachers import teacher_from_checkpoint
+    from mentorrl.opd.scoring import teacher_from_checkpoint
 
     t = TeacherConfig(name="cross")
     local = teacher_from_checkpoint(other_dir, tokenizer, t)
@@ -131,6 +131,11 @@ def test_cross_tokenizer_teacher_actors_give_the_local_signals(served, other_dir
 def test_more_teacher_actors_than_free_cpus_is_a_config_error(ray_local):
     from mentorrl.distributed.ray_teachers import check_cpus
 
+    import time
+
+    deadline = time.time() + 120  # the earlier tests' actors are killed; Ray reports their CPUs free a little later
+    while ray_local.available_resources().get("CPU", 0.0) < 2 and time.time() < deadline:
+        time.sleep(0.5)
     with pytest.raises(ConfigError, match="need 3 free CPUs, the Ray cluster has 2 free"):
         check_cpus(DistributedConfig(backend="ray", teacher_workers=1), teachers=3)
     check_cpus(DistributedConfig(backend="ray", teacher_workers=1), teachers=2)

@@ -33,7 +33,7 @@ class TeacherActor:
     """One copy of a teacher, loaded from its checkpoint; scores shares of trajectories."""
 
     def __init__(self, path: str, student_tokenizer, teacher: TeacherConfig):
-        from mentorrl.train.teachers import teacher_from_checkpoint
+        from mentorrl.opd.scoring import teacher_from_checkpoint
 
         torch.set_num_threads(1)
         self.teacher = teacher_from_checkpoint(Path(path), student_tokenizer, teacher)
@@ -45,7 +45,7 @@ class TeacherActor:
         return os.getpid()
 
     def row(self, trajs: list[Trajectory], top_k: int | None, skip_cross: bool) -> list:
-        from mentorrl.train.recipes.opd import teacher_row
+        from mentorrl.opd.scoring import teacher_row
 
         self.calls += 1
         return teacher_row(self.teacher, trajs, top_k, skip_cross)

@@ -281,11 +281,11 @@ def preflight_reward_audit(ws: Workspace) -> dict[str, Any] | None:
 
 def run_demo(cfg: RunConfig, resume: bool = False, show_progress: bool = True) -> dict[str, Any]:
     """:func:`run_recipe`, in this process or, under ``distributed: {backend: ray, learner_actor: true}``,
-    in a Ray actor (:mod:`mentorrl.distributed.ray_learner`)."""
+    in a Ray actor (:mod:`mentorrl.train.learner_actor`)."""
     if cfg.distributed.backend == "ray" and cfg.distributed.learner_actor:
-        from mentorrl.distributed.ray_learner import run_in_learner_actor
+        from mentorrl.train.learner_actor import run_in_learner_actor
 
-        return run_in_learner_actor(cfg, resume=resume, show_progress=show_progress)
+        return run_in_learner_actor(run_recipe, cfg, resume=resume, show_progress=show_progress)
     return run_recipe(cfg, resume=resume, show_progress=show_progress)
 
 

@@ -14,8 +14,7 @@ import torch
 
 from mentorrl.config import OptimConfig, SFTConfig, TeacherConfig
 from mentorrl.models.build import load_policy
-from mentorrl.opd.signals import CrossTokenizerTeacher
-from mentorrl.opd.teacher import HFTeacher, tokenizer_fingerprint
+from mentorrl.opd.scoring import teacher_from_checkpoint
 from mentorrl.train.models_init import build_tiny_model
 from mentorrl.train.workspace import Workspace, open_workspace
 
@@ -105,15 +104,6 @@ def teacher_path(ws: Workspace, t: TeacherConfig, student=None) -> Path:
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"teacher {t.name!r}: {path} is not a Hugging Face checkpoint directory")
     return path
-
-
-def teacher_from_checkpoint(path: Path, student_tokenizer, t: TeacherConfig):
-    """An :class:`HFTeacher` when the checkpoint shares the student's tokenizer, else a
-    :class:`CrossTokenizerTeacher`."""
-    tok, model = load_policy(path)
-    if tokenizer_fingerprint(tok) == tokenizer_fingerprint(student_tokenizer):
-        return HFTeacher(model, tok, t.name, t.temperature)
-    return CrossTokenizerTeacher(model, tok, student_tokenizer, t.name, t.temperature, t.special_tokens)
 
 
 def load_teacher(ws: Workspace, t: TeacherConfig, student=None):

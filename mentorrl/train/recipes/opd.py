@@ -36,7 +36,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -51,12 +51,12 @@ from mentorrl.algos.opd_terms import (
 )
 from mentorrl.contract import contract_for_env
 from mentorrl.opd.advantage import GapBudget, kl_advantages, teacher_weights, tool_error_tokens, until_first_error
-from mentorrl.opd.align import AlignmentError
 from mentorrl.opd.mopd import step_weights
 from mentorrl.opd.retokenize import retokenize
 from mentorrl.opd.rlsd import distill_weights, exploration_split
-from mentorrl.opd.signals import ChunkSignal, CrossTokenizerTeacher, same_tokenizer_signal
-from mentorrl.opd.teacher import Capability, HFTeacher, TeacherSignal, require
+from mentorrl.opd.scoring import teacher_row
+from mentorrl.opd.signals import CrossTokenizerTeacher
+from mentorrl.opd.teacher import Capability, HFTeacher, require
 from mentorrl.rollout.runner import rollout_tasks
 from mentorrl.train.learner import Learner
 from mentorrl.train.loop import (
@@ -75,33 +75,6 @@ from mentorrl.train.stage_runner import run_stage
 from mentorrl.train.teachers import build_teacher, load_teacher, serve_teachers, weights_fingerprint
 from mentorrl.train.workspace import Workspace, heldout_check
 from mentorrl.trajectory import Trajectory, write_jsonl
-
-
-def _signal(teacher, traj: Trajectory, top_k: int | None) -> tuple[ChunkSignal, TeacherSignal | None]:
-    """The teacher's one forward pass over ``traj``: its chunk signal, and its top-k when asked for."""
-    if isinstance(teacher, HFTeacher):
-        scored = teacher.score(traj, top_k=top_k)
-        return same_tokenizer_signal(teacher, traj, scored), (scored if top_k is not None else None)
-    if top_k is None:
-        return teacher.score(traj), None
-    return teacher.score(traj, top_k=top_k)  # top-k on the chunks that are one token on both sides
-
-
-def teacher_row(teacher, trajs: Sequence[Trajectory], top_k: int | None, skip_cross: bool = False
-                ) -> list[tuple[ChunkSignal | None, TeacherSignal | None, bool]]:
-    """``teacher``'s signals over ``trajs``: per trajectory ``(chunk signal, top-k or None, alignment failed)``.
-    ``skip_cross``: a cross-tokenizer teacher gives none (``cross_tokenizer: sequence`` uses it otherwise).
-    Run in this process, or on teacher actors (:mod:`mentorrl.distributed.ray_teachers`)."""
-    if skip_cross and isinstance(teacher, CrossTokenizerTeacher):
-        return [(None, None, False) for _ in trajs]
-    row: list[tuple[ChunkSignal | None, TeacherSignal | None, bool]] = []
-    for traj in trajs:
-        try:
-            sig, scored = _signal(teacher, traj, top_k)
-            row.append((sig, scored, False))
-        except AlignmentError:
-            row.append((None, None, True))
-    return row
 
 
 def needed_capabilities(cfg) -> list[Capability]:
