@@ -71,13 +71,20 @@ def run_arm(name: str, stage: str, steps: int) -> dict:
     run_dir = Path(tempfile.mkdtemp(prefix=f"mentorrl-threads-{name}-{stage}-"))
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", **arm.get("env", {})}
     env.pop("OMP_NUM_THREADS", None)  # the arm's threads setting decides
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    t0 = time.perf_counter()
-    done = subprocess.run(command(arm, stage, steps, run_dir), env=env, cwd=ROOT, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if done.returncode != 0:
-        raise SystemExit(f"arm {name} ({stage}) failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    for attempt in (1, 2):  # a failed arm runs once more (its first failure is printed), then the bench stops
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        t0 = time.perf_counter()
+        done = subprocess.run(command(arm, stage, steps, run_dir), env=env, cwd=ROOT, capture_output=True, text=True)
+        wall = time.perf_counter() - t0
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        if done.returncode == 0:
+            break
+        message = f"arm {name} ({stage}) failed (exit {done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
+        if attempt == 2:
+            raise SystemExit(message)
+        print(message + "\n(running it once more)", flush=True)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        run_dir.mkdir(parents=True)
     recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     recs = [r for r in recs if r.get("stage") == stage and "step" in r][1:]  # the first step is warm-up
     shutil.rmtree(run_dir, ignore_errors=True)
