@@ -4,7 +4,7 @@ Each teacher of the OPD stage is served by ``K`` :class:`TeacherActor` s (one CP
 loads the teacher's checkpoint itself (from the path: on a cluster, a directory every node can read),
 so no teacher weights travel through the object store. A step's trajectories are split into
 contiguous shares (:func:`~mentorrl.distributed.ray_workers.shares`), one per actor, sent as one
-object each; each actor runs :func:`mentorrl.train.recipes.opd.teacher_row` on its share, the very
+object each; each actor runs :func:`mentorrl.opd.scoring.teacher_row` on its share, the very
 function the learner's process runs without actors, so the signals are the same numbers.
 
 Faults: an actor that dies mid-step is killed (if only unreachable), replaced by a new one that
@@ -19,10 +19,11 @@ from typing import Any, Sequence
 
 import ray
 import torch
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import GetTimeoutError, RayTaskError
 
 from mentorrl.config import ConfigError, DistributedConfig, TeacherConfig
-from mentorrl.distributed.ray_workers import ACTOR_START_TIMEOUT_S, _actor_options, _kill, init_ray, shares
+from mentorrl.distributed.ray_workers import (ACTOR_START_TIMEOUT_S, _actor_options, _kill, gather_shares, init_ray,
+                                              shares)
 from mentorrl.trajectory import Trajectory
 
 TEACHER_ACTOR_CPUS = 1.0  # a teacher actor runs its forward passes with one torch thread
@@ -37,7 +38,6 @@ class TeacherActor:
 
         torch.set_num_threads(1)
         self.teacher = teacher_from_checkpoint(Path(path), student_tokenizer, teacher)
-        self.calls = 0
 
     def ping(self) -> int:
         import os
@@ -47,7 +47,6 @@ class TeacherActor:
     def row(self, trajs: list[Trajectory], top_k: int | None, skip_cross: bool) -> list:
         from mentorrl.opd.scoring import teacher_row
 
-        self.calls += 1
         return teacher_row(self.teacher, trajs, top_k, skip_cross)
 
 
@@ -91,22 +90,16 @@ class RayTeacher:
         def submit(i: int, part: range):
             return self.actors[i].row.remote(trajs[part.start:part.stop], top_k, skip_cross)
 
-        refs = {i: submit(i, p) for i, p in parts}
-        out: dict[int, list] = {}
-        restarts = 0
-        for i, part in parts:
-            while i not in out:
-                try:
-                    out[i] = ray.get(refs[i])
-                except RayActorError as e:  # the actor is gone (killed, OOM, node lost): replace it, score again
-                    restarts += 1
-                    if restarts > self.dist.actor_restarts:
-                        raise RuntimeError(f"teacher {self.name!r}: more than distributed.actor_restarts="
-                                           f"{self.dist.actor_restarts} actor failures in one step") from e
-                    _kill(self.actors[i])
-                    self.actors[i] = self._new_actor()
-                    self.replaced += 1
-                    refs[i] = submit(i, part)
+        def retryable(i: int, e: BaseException) -> None:
+            if isinstance(e, RayTaskError):  # raised inside the scoring (mentorrl's own code): it would again
+                raise e
+
+        def replace(i: int, e: BaseException) -> None:  # the actor is gone (killed, OOM, node lost)
+            _kill(self.actors[i])
+            self.actors[i] = self._new_actor()
+            self.replaced += 1
+
+        out = gather_shares(parts, submit, retryable, replace, self.dist.actor_restarts, f"teacher {self.name!r}")
         return [x for i, _ in parts for x in out[i]]
 
     def close(self) -> None:

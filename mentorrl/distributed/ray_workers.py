@@ -445,6 +445,31 @@ class WeightBroadcast:
         return self.key, self.version, [self.ref]
 
 
+def gather_shares(parts: Sequence[tuple[int, range]], submit: Callable[[int, range], Any],
+                  retryable: Callable[[int, BaseException], None], replace: Callable[[int, BaseException], None],
+                  max_restarts: int, what: str) -> dict[int, Any]:
+    """Each share's result, by actor index: ``submit(i, share)`` for every share, then ``ray.get`` them in
+    order. A call that fails (the actor died, or raised) goes to ``retryable(i, e)``, which raises to give up;
+    past ``max_restarts`` failures in this call the step fails; else ``replace(i, e)`` replaces what failed and
+    the share is submitted again."""
+    refs = {i: submit(i, p) for i, p in parts}
+    out: dict[int, Any] = {}
+    restarts = 0
+    for i, part in parts:
+        while i not in out:
+            try:
+                out[i] = ray.get(refs[i])
+            except (RayActorError, RayTaskError) as e:
+                retryable(i, e)
+                restarts += 1
+                if restarts > max_restarts:
+                    raise RuntimeError(f"{what}: more than distributed.actor_restarts={max_restarts} actor failures "
+                                       "in one step") from e
+                replace(i, e)
+                refs[i] = submit(i, part)
+    return out
+
+
 # ------------------------------------------------------------------ GRPO: a step's rollouts ----
 class RayRollouts:
     """``rollout_workers`` rollout actors (and ``env_workers`` environment actors) that roll out a
@@ -501,31 +526,22 @@ class RayRollouts:
             return self.actors[i].rollout.remote(key, version, box, tasks[part.start:part.stop], seed + part.start,
                                                  budgets)
 
+        def retryable(i: int, e: BaseException) -> None:
+            if isinstance(e, RayTaskError):  # raised inside its call: retried only if an environment actor died
+                healed = bool(self.env_actors) and self._heal_env_actors()
+                if not healed and not (self.env_actors and isinstance(e, RayActorError)):
+                    raise e  # an error in mentorrl's own code: re-running would fail the same way
+
+        def replace(i: int, e: BaseException) -> None:
+            if not isinstance(e, RayTaskError):  # the rollout actor itself is gone
+                _kill(self.actors[i])  # dead, or unreachable: then its CPU is freed for the new one
+                self.actors[i] = self._new_actor()
+                self.replaced += 1
+
         parts = [(i, p) for i, p in enumerate(shares(len(tasks), len(self.actors))) if len(p)]
-        refs = {i: submit(i, p) for i, p in parts}
         self.in_flight.set()
-        out: dict[int, list[Trajectory]] = {}
-        restarts = 0
-        try:
-            for i, part in parts:
-                while i not in out:
-                    try:
-                        out[i] = ray.get(refs[i])
-                    except (RayActorError, RayTaskError) as e:
-                        died = not isinstance(e, RayTaskError)  # the rollout actor itself is gone
-                        if not died:  # raised inside its call: retried only if an environment actor died
-                            healed = bool(self.env_actors) and self._heal_env_actors()
-                            if not healed and not (self.env_actors and isinstance(e, RayActorError)):
-                                raise  # an error in mentorrl's own code: re-running would fail the same way
-                        restarts += 1
-                        if restarts > self.dist.actor_restarts:
-                            raise RuntimeError(f"rollout: more than distributed.actor_restarts="
-                                               f"{self.dist.actor_restarts} actor failures in one step") from e
-                        if died:
-                            _kill(self.actors[i])  # dead, or unreachable: then its CPU is freed for the new one
-                            self.actors[i] = self._new_actor()
-                            self.replaced += 1
-                        refs[i] = submit(i, part)  # the same share, the same seed: the same episodes
+        try:  # a re-run share has the same seed: the same episodes
+            out = gather_shares(parts, submit, retryable, replace, self.dist.actor_restarts, "rollout")
         finally:
             self.in_flight.clear()
         return [t for i, _ in parts for t in out[i]]

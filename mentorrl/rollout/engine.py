@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from mentorrl.contract import RolloutContract
-from mentorrl.rollout.episode import Episode
+from mentorrl.rollout.episode import Episode, EpisodeSource
 from mentorrl.rollout.kvcache import add_rows, cache_kwarg, compact, expand_batch, make_cache
 from mentorrl.rollout.sampling import sample_tokens
 from mentorrl.trajectory import Trajectory
@@ -112,17 +112,12 @@ class RolloutEngine:
         pos = torch.zeros(0, dtype=torch.long, device=device)
         stats = {"forward_passes": 0, "generated_tokens": 0, "compactions": 0, "shared_prefix": 0, "admitted": 0,
                  "weight_syncs": 0}
-        exhausted = False
+        source = EpisodeSource(next_episode, stop)
 
         def admit() -> list[int]:
             """Start episodes until every slot is busy or the source is dry; returns their indices."""
-            nonlocal exhausted
             new: list[int] = []
-            while not exhausted and len(rows) + len(new) < slots and not (stop is not None and stop.is_set()):
-                ep = next_episode()
-                if ep is None:
-                    exhausted = True
-                    break
+            for ep in source.take(slots - len(rows)):
                 e = len(episodes)
                 episodes.append(ep)
                 gens.append(torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + e))
@@ -193,7 +188,7 @@ class RolloutEngine:
                         cache = make_cache(model)
                         attn = torch.zeros(0, 0, dtype=torch.long, device=device)
                         pos = torch.zeros(0, dtype=torch.long, device=device)
-                new = admit() if not exhausted else []
+                new = admit() if not source.exhausted else []
                 if new:
                     if cache.get_seq_length() > 0 and not add_rows(cache, len(new)):
                         raise RuntimeError("this KV-cache type cannot take new rows; use run() per batch instead")

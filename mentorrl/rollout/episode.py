@@ -175,6 +175,26 @@ class Episode:
         )
 
 
+class EpisodeSource:
+    """Episodes pulled from ``next_episode()`` until it returns None (then ``exhausted``) or ``stop`` is set:
+    the admission side of continuous batching, shared by :meth:`RolloutEngine.run_stream` and
+    :func:`mentorrl.rollout.backends.stream_episodes`."""
+
+    def __init__(self, next_episode: Callable[[], "Episode | None"], stop: Any = None):
+        self.next_episode, self.stop, self.exhausted = next_episode, stop, False
+
+    def take(self, n: int) -> list["Episode"]:
+        """Up to ``n`` more episodes (fewer once the source is dry or ``stop`` is set)."""
+        out: list[Episode] = []
+        while len(out) < n and not self.exhausted and not (self.stop is not None and self.stop.is_set()):
+            ep = self.next_episode()
+            if ep is None:
+                self.exhausted = True
+            else:
+                out.append(ep)
+        return out
+
+
 def _clean(value: Any) -> Any:
     """``value`` with every string's surrogate code points replaced by U+FFFD (JSON-serialisable)."""
     if isinstance(value, str):

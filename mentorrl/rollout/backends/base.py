@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 from mentorrl.contract import RolloutContract
-from mentorrl.rollout.episode import Episode
+from mentorrl.rollout.episode import Episode, EpisodeSource
 from mentorrl.trajectory import Trajectory
 
 
@@ -108,7 +108,6 @@ def stream_episodes(backend: GenerationBackend, next_episode: Callable[[], Episo
     admission order."""
     if slots < 1:
         raise ValueError(f"slots must be >= 1, got {slots}")
-    stop_ids: list[int] | None = None
     t0 = time.perf_counter()
     episodes: list[Episode] = []
     results: list[Trajectory | None] = []
@@ -117,18 +116,10 @@ def stream_episodes(backend: GenerationBackend, next_episode: Callable[[], Episo
     waiting: dict[int, cf.Future] = {}
     live: set[int] = set()
     stats = {"generate_calls": 0, "generated_tokens": 0, "admitted": 0}
-    exhausted = False
-
-    def stopped() -> bool:
-        return stop is not None and stop.is_set()
+    source = EpisodeSource(next_episode, stop)
 
     def admit() -> None:
-        nonlocal exhausted
-        while not exhausted and len(live) < slots and not stopped():
-            ep = next_episode()
-            if ep is None:
-                exhausted = True
-                return
+        for ep in source.take(slots - len(live)):
             e = len(episodes)
             episodes.append(ep)
             results.append(None)
@@ -154,19 +145,18 @@ def stream_episodes(backend: GenerationBackend, next_episode: Callable[[], Episo
     try:
         admit()
         while live:
-            if stopped():
+            if stop is not None and stop.is_set():
                 aborted = True
                 break
             if ready:
                 if before_round is not None:
                     before_round()
                 contract: RolloutContract = episodes[ready[0]].contract
-                if stop_ids is None:
-                    stop_ids = list(contract.stop_token_ids)
                 max_new = contract.sampling.max_new_tokens
                 outs = backend.generate(
                     [episodes[e].ids for e in ready], temperature=contract.sampling.temperature,
-                    max_tokens=[min(max_new, episodes[e].tokens_left()) for e in ready], stop_ids=stop_ids,
+                    max_tokens=[min(max_new, episodes[e].tokens_left()) for e in ready],
+                    stop_ids=list(contract.stop_token_ids),
                     seeds=[turn_seed(seed, e, turns[e]) for e in ready])
                 stats["generate_calls"] += 1
                 for e, out in zip(ready, outs):
