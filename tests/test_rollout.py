@@ -195,11 +195,11 @@ def test_unstopped_turn_finish_reasons(toy_env, toy_task, make_contract):
         Episode(contract, toy_env, toy_task).finish()
 
 
-def _engine_run(model, contract, orders_entry, tasks, episode_cls=Episode, **run_kw):
+def _engine_run(model, contract, orders_entry, tasks, episode_cls=Episode, decoder="auto", **run_kw):
     envs = [orders_entry.make_env() for _ in tasks]
     try:
         eps = [episode_cls(contract, e, t) for e, t in zip(envs, tasks)]
-        engine = RolloutEngine(model, contract)
+        engine = RolloutEngine(model, contract, decoder=decoder)
         trajs = engine.run(eps, **run_kw)
     finally:
         for e in envs:
@@ -243,28 +243,28 @@ def test_engine_respects_token_and_turn_limits(tool_happy_model, make_contract, 
 
 
 # ------------------------------------------------------------ batched engine ----
-def test_engine_one_forward_pass_per_step(tool_happy_model, make_contract, orders_entry, orders_tasks):
+@pytest.mark.parametrize("decoder", ["slots", "hf"])
+def test_engine_one_forward_pass_per_step(tool_happy_model, make_contract, orders_entry, orders_tasks, decoder):
     N = 24
     tasks = orders_tasks[40 : 40 + N]
     contract = make_contract()
-    sizes: list[int] = []
-    handle = tool_happy_model.register_forward_hook(lambda mod, args, kw, out: sizes.append(kw["input_ids"].shape[0]),
-                                                    with_kwargs=True)
+    passes: list[int] = []  # the token embedding runs once per forward pass, in either decoder
+    handle = tool_happy_model.get_input_embeddings().register_forward_hook(lambda mod, args, out: passes.append(1))
     try:
-        engine, trajs = _engine_run(tool_happy_model, contract, orders_entry, tasks, seed=1)
+        engine, trajs = _engine_run(tool_happy_model, contract, orders_entry, tasks, seed=1, decoder=decoder)
     finally:
         handle.remove()
     stats = engine.last_stats
     assert [t.task_id for t in trajs] == [t.id for t in tasks]  # input order
     total = sum(t.num_policy_tokens for t in trajs)
     assert stats["generated_tokens"] == total
-    assert stats["forward_passes"] == len(sizes)
+    assert stats["forward_passes"] == len(passes)
     # one-at-a-time decoding needs at least one pass per generated token; batched is far below
     assert stats["forward_passes"] * 3 < total, stats
     # each pass gives every live row at most one token: the longest trajectory bounds it below
     decode_passes = stats["forward_passes"] - (1 if stats["shared_prefix"] else 0)
     assert decode_passes >= max(t.num_policy_tokens for t in trajs)
-    assert max(sizes) == N  # the first decode step carries every episode
+    assert stats["max_rows"] == N  # the first decode step carries every episode
     assert engine.run([], seed=0) == []
 
 
@@ -371,39 +371,36 @@ def test_slow_tool_wall_time(make_contract, orders_entry, orders_tasks, tool_hap
 
 
 # ------------------------------------------------------- continuous batching ----
-def _stream(model, contract, orders_entry, tasks, slots, **kw):
+def _stream(model, contract, orders_entry, tasks, slots, decoder="auto", **kw):
     it = iter(tasks)
 
     def next_episode():
         t = next(it, None)
         return None if t is None else Episode(contract, orders_entry.make_env(), t)
 
-    engine = RolloutEngine(model, contract)
+    engine = RolloutEngine(model, contract, decoder=decoder)
     return engine, engine.run_stream(next_episode, slots=slots, close_envs=True, **kw)
 
 
+@pytest.mark.parametrize("decoder", ["slots", "hf"])
 def test_stream_admits_into_free_slots_and_matches_a_full_batch(tool_happy_model, make_contract, orders_entry,
-                                                                 orders_tasks):
+                                                                 orders_tasks, decoder):
     """Rows admitted mid-run (into a cache other rows have filled) see exactly their own context:
     the same seeds give the same trajectories as decoding all of them in one batch."""
     contract = make_contract()
     tasks = orders_tasks[80:88]
-    sizes: list[int] = []
-    handle = tool_happy_model.register_forward_hook(lambda mod, args, kw, out: sizes.append(kw["input_ids"].shape[0]),
-                                                    with_kwargs=True)
-    try:
-        engine, streamed = _stream(tool_happy_model, contract, orders_entry, tasks, slots=3, seed=4)
-    finally:
-        handle.remove()
-    _, batched = _engine_run(tool_happy_model, contract, orders_entry, tasks, seed=4)
-    assert engine.last_stats["admitted"] == len(tasks) and max(sizes) <= 3
+    engine, streamed = _stream(tool_happy_model, contract, orders_entry, tasks, slots=3, seed=4, decoder=decoder)
+    _, batched = _engine_run(tool_happy_model, contract, orders_entry, tasks, seed=4, decoder=decoder)
+    assert engine.last_stats["admitted"] == len(tasks) and engine.last_stats["max_rows"] <= 3
     assert [t.task_id for t in streamed] == [t.id for t in tasks]  # admission order
     assert [t.token_ids for t in streamed] == [t.token_ids for t in batched]
     for a, b in zip(streamed, batched):
         assert max((abs(x - y) for x, y in zip(a.logprobs, b.logprobs)), default=0.0) < 1e-4
 
 
-def test_stream_weight_sync_refills_the_cache_exactly(tool_happy_model, make_contract, orders_entry, orders_tasks):
+@pytest.mark.parametrize("decoder", ["slots", "hf"])
+def test_stream_weight_sync_refills_the_cache_exactly(tool_happy_model, make_contract, orders_entry, orders_tasks,
+                                                      decoder):
     """A sync (``before_step`` -> True) drops the KV cache and prefills every live row again; with
     unchanged weights the trajectories are the ones an uninterrupted run samples."""
     contract = make_contract()
@@ -414,8 +411,9 @@ def test_stream_weight_sync_refills_the_cache_exactly(tool_happy_model, make_con
         calls["n"] += 1
         return calls["n"] % 7 == 0
 
-    engine, synced = _stream(tool_happy_model, contract, orders_entry, tasks, slots=4, seed=9, before_step=before_step)
-    _, plain = _stream(tool_happy_model, contract, orders_entry, tasks, slots=4, seed=9)
+    engine, synced = _stream(tool_happy_model, contract, orders_entry, tasks, slots=4, seed=9, before_step=before_step,
+                             decoder=decoder)
+    _, plain = _stream(tool_happy_model, contract, orders_entry, tasks, slots=4, seed=9, decoder=decoder)
     assert engine.last_stats["weight_syncs"] >= 2
     assert [t.token_ids for t in synced] == [t.token_ids for t in plain]
     for a, b in zip(synced, plain):

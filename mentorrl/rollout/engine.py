@@ -2,11 +2,12 @@
 
 Each step feeds, per row, whatever that row needs next: its prompt (first step), the one
 token it sampled last step, or the observation ids of a tool call that has just returned.
-Rows are left-padded to the longest of these chunks; pads are masked out of attention and
-take no position, so the KV cache holds holes but every real token sees exactly the
-context it would see alone. A row whose tool call is still running contributes only pads
-(it is paused) while the others decode; tools run in a thread pool, so a slow tool holds
-up only its own trajectory. Finished rows leave the batch and the cache.
+A decoder (:mod:`mentorrl.rollout.decoders`) runs the step: per-row KV slots with the
+step's real tokens packed together (Qwen2 / Llama checkpoints), or the model's own forward
+over left-padded rows; either way every real token sees exactly the context it would see
+alone. A row whose tool call is still running is not fed (it is paused) while the others
+decode; tools run in a thread pool, so a slow tool holds up only its own trajectory.
+Finished rows leave the batch and the cache.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 
 from mentorrl.contract import RolloutContract
 from mentorrl.rollout.episode import Episode, EpisodeSource
-from mentorrl.rollout.kvcache import add_rows, cache_kwarg, compact, expand_batch, make_cache
+from mentorrl.rollout.decoders import make_decoder
 from mentorrl.rollout.sampling import sample_tokens
 from mentorrl.trajectory import Trajectory
 
@@ -44,6 +45,7 @@ class RolloutEngine:
         tool_workers: int | None = None,
         prefill_batch_frac: float = 0.25,
         compact_ratio: float = 1.25,
+        decoder: str = "auto",
     ):
         """``tool_workers``: threads running tool calls; None gives one per slot, so no call ever
         queues behind another (tool calls wait on I/O; cap it for CPU-heavy tools).
@@ -51,12 +53,15 @@ class RolloutEngine:
         (or nothing else is decoding). A multi-token chunk widens the pass for every row, so
         gathering observations into fewer, fuller wide passes saves most of the padding.
         ``compact_ratio``: squeeze pads out of the cache once its width exceeds this multiple
-        of the longest real context."""
+        of the longest real context (the left-padded decoder).
+        ``decoder``: how the model runs (:func:`mentorrl.rollout.decoders.make_decoder`): ``auto``
+        (per-row KV slots and packed tokens where the model supports it), ``slots`` or ``hf``."""
         self.model = model
         self.contract = contract
         self.tool_workers = tool_workers
         self.prefill_batch_frac = prefill_batch_frac
         self.compact_ratio = compact_ratio
+        self.decoder = decoder
 
     @torch.no_grad()
     def run(
@@ -93,10 +98,10 @@ class RolloutEngine:
         the rows in flight and returns what has finished. ``close_envs`` closes each episode's
         environment once it is finished (or abandoned).
         """
-        contract, model = self.contract, self.model
-        device = next(model.parameters()).device
+        contract = self.contract
         stop_ids = set(contract.stop_token_ids)
         max_new = contract.sampling.max_new_tokens
+        decoder = make_decoder(self.model, self.decoder, self.compact_ratio, contract.pad_token_id)
 
         t_start = time.perf_counter()
         episodes: list[Episode] = []
@@ -107,11 +112,8 @@ class RolloutEngine:
         waiting: dict[int, cf.Future] = {}
         results: list[Trajectory | None] = []
         rows: list[int] = []  # batch row -> episode index
-        cache, cache_kw = make_cache(model), cache_kwarg(model)
-        attn = torch.zeros(0, 0, dtype=torch.long, device=device)
-        pos = torch.zeros(0, dtype=torch.long, device=device)
-        stats = {"forward_passes": 0, "generated_tokens": 0, "compactions": 0, "shared_prefix": 0, "admitted": 0,
-                 "weight_syncs": 0}
+        stats = {"forward_passes": 0, "generated_tokens": 0, "shared_prefix": 0, "admitted": 0, "weight_syncs": 0,
+                 "max_rows": 0, "fed_tokens": 0}
         source = EpisodeSource(next_episode, stop)
 
         def admit() -> list[int]:
@@ -139,24 +141,16 @@ class RolloutEngine:
                 on_finish(traj)
 
         rows = admit()
-        attn = torch.zeros(len(rows), 0, dtype=torch.long, device=device)
-        pos = torch.zeros(len(rows), dtype=torch.long, device=device)
+        decoder.reset(len(rows))
         # All prompts usually share the system turn: prefill it once and broadcast it.
         if len(rows) > 1:
             shared = _common_prefix_len([pending[e] for e in rows])
             shared = min(shared, min(len(pending[e]) for e in rows) - 1)
-            if shared >= 8:
-                prefix = torch.tensor([pending[rows[0]][:shared]], device=device)
-                model(input_ids=prefix, use_cache=True, logits_to_keep=1, **{cache_kw: cache})
-                if expand_batch(cache, len(rows)):
-                    attn = torch.ones(len(rows), shared, dtype=torch.long, device=device)
-                    pos = torch.full((len(rows),), shared, dtype=torch.long, device=device)
-                    for e in rows:
-                        pending[e] = pending[e][shared:]
-                    stats["shared_prefix"] = shared
-                    stats["forward_passes"] += 1
-                else:
-                    cache = make_cache(model)
+            if shared >= 8 and decoder.prefill_shared(pending[rows[0]][:shared]):
+                for e in rows:
+                    pending[e] = pending[e][shared:]
+                stats["shared_prefix"] = shared
+                stats["forward_passes"] += 1
 
         pool = cf.ThreadPoolExecutor(max_workers=self.tool_workers or max(slots, 1), thread_name_prefix="rollout-tool")
         aborted = False
@@ -178,70 +172,35 @@ class RolloutEngine:
                 # 2. drop finished rows from the batch and the cache; admit new episodes into free slots
                 keep = [i for i, e in enumerate(rows) if results[e] is None]
                 if len(keep) < len(rows):
-                    rows = [rows[i] for i in keep]
-                    if rows:
-                        idx = torch.tensor(keep, device=device)
-                        if cache.get_seq_length() > 0:
-                            cache.batch_select_indices(idx)
-                        attn, pos = attn[idx], pos[idx]
-                    else:
-                        cache = make_cache(model)
-                        attn = torch.zeros(0, 0, dtype=torch.long, device=device)
-                        pos = torch.zeros(0, dtype=torch.long, device=device)
+                    rows = [rows[i] for i in decoder.drop(keep)]
                 new = admit() if not source.exhausted else []
                 if new:
-                    if cache.get_seq_length() > 0 and not add_rows(cache, len(new)):
-                        raise RuntimeError("this KV-cache type cannot take new rows; use run() per batch instead")
-                    attn = torch.cat([attn, attn.new_zeros(len(new), attn.shape[1])], dim=0)
-                    pos = torch.cat([pos, pos.new_zeros(len(new))], dim=0)
+                    decoder.add_rows(len(new))
                     rows = rows + new
                 if not rows:
                     break
                 # 3. new weights: drop the cache and feed every live row its whole context again
                 if before_step is not None and before_step():
                     stats["weight_syncs"] += 1
-                    cache = make_cache(model)
-                    attn = torch.zeros(len(rows), 0, dtype=torch.long, device=device)
-                    pos = torch.zeros(len(rows), dtype=torch.long, device=device)
+                    decoder.reset(len(rows))
                     for e in rows:
                         pending[e] = episodes[e].ids + turn_ids[e]  # == everything fed so far + what is pending
                 if all(e in waiting for e in rows):
                     continue
-                # keep attention cost proportional to real context, not to accumulated pads
-                if attn.shape[1] > 64 and attn.shape[1] > self.compact_ratio * int(attn.sum(1).max()):
-                    packed = compact(cache, attn)
-                    if packed is not None:
-                        attn = packed
-                        stats["compactions"] += 1
-                # 4. one forward pass over every row's next chunk (left-padded)
+                # 4. one forward pass over every row's next chunk
                 fed = [i for i, e in enumerate(rows) if e not in waiting]
                 wide = [i for i in fed if len(pending[rows[i]]) > 1]
-                if wide and len(wide) < len(fed) and len(wide) < self.prefill_batch_frac * len(rows):
+                if (decoder.pads_wide and wide and len(wide) < len(fed)
+                        and len(wide) < self.prefill_batch_frac * len(rows)):
                     fed = [i for i in fed if len(pending[rows[i]]) == 1]  # hold observations back a step
                     stats["deferred_prefills"] = stats.get("deferred_prefills", 0) + len(wide)
-                width = max(len(pending[rows[i]]) for i in fed)
-                inp = torch.full((len(rows), width), contract.pad_token_id, dtype=torch.long)
-                new_mask = torch.zeros(len(rows), width, dtype=torch.long)
-                for i in fed:
-                    e = rows[i]
-                    n = len(pending[e])
-                    if n:
-                        inp[i, width - n :] = torch.tensor(pending[e])
-                        new_mask[i, width - n :] = 1
-                inp, new_mask = inp.to(device), new_mask.to(device)
-                position_ids = pos[:, None] + (new_mask.cumsum(1) - 1).clamp(min=0)
-                attn = torch.cat([attn, new_mask], dim=1)
-                out = model(
-                    input_ids=inp,
-                    attention_mask=attn,
-                    position_ids=position_ids,
-                    use_cache=True,
-                    logits_to_keep=1,
-                    **{cache_kw: cache},  # the DynamicCache is updated in place
-                )
-                pos = pos + new_mask.sum(1)
+                fed_set = set(fed)
+                chunks = [pending[e] if i in fed_set else [] for i, e in enumerate(rows)]
+                logits = decoder.forward(chunks)
                 stats["forward_passes"] += 1
-                tokens, logps = sample_tokens(out.logits[fed, -1, :], contract.sampling, [gens[rows[i]] for i in fed])
+                stats["max_rows"] = max(stats["max_rows"], len(rows))
+                stats["fed_tokens"] += sum(len(c) for c in chunks)
+                tokens, logps = sample_tokens(logits, contract.sampling, [gens[rows[i]] for i in fed])
                 # 5. advance each row that was fed
                 for j, i in enumerate(fed):
                     e = rows[i]
@@ -267,5 +226,6 @@ class RolloutEngine:
                 for e in rows:
                     if results[e] is None and e not in waiting:
                         episodes[e].env.close()  # a row whose tool is still running keeps its env open
+        stats.update(decoder.stats)
         self.last_stats = {**stats, "wall_s": time.perf_counter() - t_start, "aborted": float(aborted)}
         return [r for r in results if r is not None]

@@ -1,0 +1,424 @@
+"""How the rollout engine runs the model: a batch of rows, each with its own growing context.
+
+The engine (:class:`mentorrl.rollout.engine.RolloutEngine`) decides *what* each row is fed next
+(its prompt, the token it sampled, a tool observation); a decoder turns one such step into the
+next-token logits of every fed row and keeps the rows' KV caches. Two implementations:
+
+- :class:`SlotDecoder` (the default for Qwen2 and Llama checkpoints): every row owns a slot of
+  a preallocated KV cache that is written in place; a step's tokens are packed into one flat
+  sequence, so the linear layers see only real tokens (no padding), and attention reads each
+  row's slot directly (decode rows in one batched call, multi-token chunks one row at a time).
+  It runs the checkpoint's own ``transformers`` modules (norms, projections, MLP, rotary
+  embedding, LM head) and computes attention with ``scaled_dot_product_attention``, as the
+  model's ``sdpa`` path does; only the cache layout and the batching are its own. It checks
+  itself against the model's ``forward`` once per model object (:func:`slot_decoder_checks`).
+- :class:`DynamicCacheDecoder`: any causal LM through its ``forward`` with a ``DynamicCache``.
+  Rows are left-padded to the widest chunk of the step; pads are masked and take no position,
+  and the cache is compacted when the holes grow.
+
+Both give every real token exactly the context it would see alone, so the same seeds sample
+the same trajectories up to float noise (tests/test_decoders.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import weakref
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from mentorrl.rollout.kvcache import add_rows, cache_kwarg, compact, expand_batch, make_cache
+
+log = logging.getLogger(__name__)
+
+SLOT_MODEL_TYPES = ("qwen2", "llama")
+
+
+class Decoder(Protocol):
+    """``pads_wide``: a multi-token chunk widens the step for every row (the engine then gathers
+    observations into fewer wide steps). ``stats``: counters the engine reports."""
+
+    pads_wide: bool
+    stats: dict
+
+    def reset(self, n: int) -> None:
+        """``n`` rows, every context empty (a new rollout, or new weights)."""
+
+    def prefill_shared(self, prefix: list[int]) -> bool:
+        """Put ``prefix`` in every (empty) row's context with one forward pass of one row.
+        False (and nothing changed) where the decoder cannot."""
+
+    def add_rows(self, n: int) -> None:
+        """Append ``n`` rows with empty contexts."""
+
+    def drop(self, keep: list[int]) -> list[int]:
+        """Keep the rows ``keep`` (ascending) and free the others. Returns the new row order as
+        old row indices: row ``j`` is now old row ``order[j]``."""
+
+    def forward(self, chunks: list[list[int]]) -> torch.Tensor:
+        """Feed row ``i`` the tokens ``chunks[i]`` (empty: not fed this step). Returns the
+        next-token logits after each fed row's last token, [rows fed, vocab], in row order."""
+
+
+# ------------------------------------------------------------------------ transformers forward --
+class DynamicCacheDecoder:
+    """Any causal LM through its own ``forward``: left-padded steps over a ``DynamicCache``."""
+
+    pads_wide = True
+
+    def __init__(self, model, compact_ratio: float = 1.25, pad_token_id: int = 0):
+        self.model = model
+        self.pad_token_id = pad_token_id
+        self.device = next(model.parameters()).device
+        self.cache_kw = cache_kwarg(model)
+        self.compact_ratio = compact_ratio
+        self.stats = {"compactions": 0}
+        self.reset(0)
+
+    def reset(self, n: int) -> None:
+        self.cache = make_cache(self.model)
+        self.attn = torch.zeros(n, 0, dtype=torch.long, device=self.device)
+        self.pos = torch.zeros(n, dtype=torch.long, device=self.device)
+
+    def prefill_shared(self, prefix: list[int]) -> bool:
+        n = self.attn.shape[0]
+        ids = torch.tensor([prefix], device=self.device)
+        self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **{self.cache_kw: self.cache})
+        if not expand_batch(self.cache, n):
+            self.reset(n)
+            return False
+        self.attn = torch.ones(n, len(prefix), dtype=torch.long, device=self.device)
+        self.pos = torch.full((n,), len(prefix), dtype=torch.long, device=self.device)
+        return True
+
+    def add_rows(self, n: int) -> None:
+        if self.cache.get_seq_length() > 0 and not add_rows(self.cache, n):
+            raise RuntimeError("this KV-cache type cannot take new rows; use run() per batch instead")
+        self.attn = torch.cat([self.attn, self.attn.new_zeros(n, self.attn.shape[1])], dim=0)
+        self.pos = torch.cat([self.pos, self.pos.new_zeros(n)], dim=0)
+
+    def drop(self, keep: list[int]) -> list[int]:
+        if not keep:
+            self.reset(0)
+            return []
+        idx = torch.tensor(keep, device=self.device)
+        if self.cache.get_seq_length() > 0:
+            self.cache.batch_select_indices(idx)
+        self.attn, self.pos = self.attn[idx], self.pos[idx]
+        return list(keep)
+
+    def forward(self, chunks: list[list[int]]) -> torch.Tensor:
+        attn = self.attn
+        # keep attention cost proportional to real context, not to accumulated pads
+        if attn.shape[1] > 64 and attn.shape[1] > self.compact_ratio * int(attn.sum(1).max()):
+            packed = compact(self.cache, attn)
+            if packed is not None:
+                attn = packed
+                self.stats["compactions"] += 1
+        n = len(chunks)
+        width = max(len(c) for c in chunks)
+        inp = torch.full((n, width), self.pad_token_id, dtype=torch.long)
+        new_mask = torch.zeros(n, width, dtype=torch.long)
+        for i, c in enumerate(chunks):
+            if c:
+                inp[i, width - len(c):] = torch.tensor(c)
+                new_mask[i, width - len(c):] = 1
+        inp, new_mask = inp.to(self.device), new_mask.to(self.device)
+        position_ids = self.pos[:, None] + (new_mask.cumsum(1) - 1).clamp(min=0)
+        self.attn = torch.cat([attn, new_mask], dim=1)
+        out = self.model(input_ids=inp, attention_mask=self.attn, position_ids=position_ids, use_cache=True,
+                         logits_to_keep=1, **{self.cache_kw: self.cache})  # the DynamicCache is updated in place
+        self.pos = self.pos + new_mask.sum(1)
+        fed = [i for i, c in enumerate(chunks) if c]
+        return out.logits[fed, -1, :]
+
+
+# ------------------------------------------------------------------------------- slot cache --
+def slot_support(model) -> str | None:
+    """None when :class:`SlotDecoder` can run ``model``; else why not."""
+    cfg = getattr(model, "config", None)
+    mt = getattr(cfg, "model_type", None)
+    if mt not in SLOT_MODEL_TYPES:
+        return f"model type {mt!r} (supported: {', '.join(SLOT_MODEL_TYPES)})"
+    if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])):
+        return "sliding-window attention layers"
+    core = getattr(model, "model", None)
+    need = ("embed_tokens", "layers", "norm", "rotary_emb")
+    if core is None or not all(hasattr(core, a) for a in need) or not hasattr(model, "lm_head"):
+        return "not the standard decoder layout (model.model.{embed_tokens,layers,norm,rotary_emb}, lm_head)"
+    for layer in core.layers:
+        att = getattr(layer, "self_attn", None)
+        if att is None or not all(hasattr(att, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj", "scaling")):
+            return "an attention module without q/k/v/o projections"
+        if not all(hasattr(layer, a) for a in ("input_layernorm", "post_attention_layernorm", "mlp")):
+            return "a decoder layer without the standard norms and MLP"
+    if getattr(cfg, "pretraining_tp", 1) not in (None, 1):
+        return "pretraining_tp > 1"
+    return None
+
+
+class SlotDecoder:
+    """Per-row KV slots written in place; a step's real tokens packed into one flat batch."""
+
+    pads_wide = False
+
+    def __init__(self, model):
+        why = slot_support(model)
+        if why is not None:
+            raise ValueError(f"the slot decoder cannot run this model: {why}")
+        self.model = model
+        core = model.model
+        self.layers = list(core.layers)
+        self.embed, self.norm, self.rotary, self.lm_head = core.embed_tokens, core.norm, core.rotary_emb, model.lm_head
+        cfg = model.config
+        att = self.layers[0].self_attn
+        self.nh, self.nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.hd = att.head_dim if hasattr(att, "head_dim") else cfg.hidden_size // self.nh
+        self.rope = sys.modules[type(att).__module__].apply_rotary_pos_emb
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.k: list[torch.Tensor] = []  # per layer [slots, kv heads, capacity, head dim]
+        self.v: list[torch.Tensor] = []
+        self.lens: list[int] = []  # row i lives in slot i; its context length
+        self.reset(0)
+        self.stats = {"slot_moves": 0, "cache_grows": 0, "shared_rows": 0}
+
+    # ---------------------------------------------------------------------------- rows --
+    def reset(self, n: int) -> None:
+        self.lens = [0] * n
+        self.ctx: list[list[int]] = [[] for _ in range(n)]  # each row's context (exact duplicate check)
+        self.keys: list[int] = [0] * n  # a running hash of it
+
+    def add_rows(self, n: int) -> None:
+        self.lens += [0] * n
+        self.ctx += [[] for _ in range(n)]
+        self.keys += [0] * n
+
+    def drop(self, keep: list[int]) -> list[int]:
+        n = len(keep)
+        kept = set(keep)
+        holes = [j for j in range(n) if j not in kept]  # freed slots below the new row count
+        movers = [i for i in keep if i >= n]  # kept rows above it, moved down into the holes
+        order = list(range(n))
+        for h, m in zip(holes, movers):
+            length = self.lens[m]
+            for k, v in zip(self.k, self.v) if length else ():  # an unfed row may have no slot yet
+                k[h, :, :length] = k[m, :, :length]
+                v[h, :, :length] = v[m, :, :length]
+            order[h] = m
+            self.stats["slot_moves"] += 1
+        self.lens = [self.lens[o] for o in order]
+        self.ctx = [self.ctx[o] for o in order]
+        self.keys = [self.keys[o] for o in order]
+        return order
+
+    def _ensure(self, slots: int, capacity: int) -> None:
+        have_s = self.k[0].shape[0] if self.k else 0
+        have_c = self.k[0].shape[2] if self.k else 0
+        if slots <= have_s and capacity <= have_c:
+            return
+        s = max(slots, have_s)
+        c = max(have_c, 64)
+        while c < capacity:
+            c *= 2
+        if self.k:
+            self.stats["cache_grows"] += 1
+        for li in range(len(self.layers)):
+            for store in (self.k, self.v):
+                new = torch.zeros(s, self.nkv, c, self.hd, dtype=self.dtype, device=self.device)
+                if li < len(store):
+                    old = store[li]
+                    new[: old.shape[0], :, : old.shape[2]] = old
+                    store[li] = new
+                else:
+                    store.append(new)
+
+    # ------------------------------------------------------------------------- forward --
+    def prefill_shared(self, prefix: list[int]) -> bool:
+        n = len(self.lens)
+        if n == 0 or any(self.lens):
+            return False
+        self._forward([list(prefix)] + [[] for _ in range(n - 1)])
+        m = len(prefix)
+        for k, v in zip(self.k, self.v):
+            k[1:n, :, :m] = k[0:1, :, :m]
+            v[1:n, :, :m] = v[0:1, :, :m]
+        self.lens = [m] * n
+        self.ctx = [list(prefix) for _ in range(n)]
+        self.keys = [hash((0, tuple(prefix)))] * n
+        return True
+
+    def forward(self, chunks: list[list[int]]) -> torch.Tensor:
+        """Rows whose context and chunk are the same (a GRPO group's members share their prompt,
+        and often their first tokens) are computed once: the first such row runs, the others get
+        a copy of its new cache entries and its logits."""
+        leader: dict[int, int] = {}
+        follows: dict[int, int] = {}
+        keys = list(self.keys)
+        for i, c in enumerate(chunks):
+            if not c:
+                continue
+            keys[i] = hash((self.keys[i], tuple(c)))
+            j = leader.get(keys[i])
+            if j is None:
+                leader[keys[i]] = i
+            elif chunks[j] == c and self.ctx[j] == self.ctx[i]:  # equal hashes are checked token by token
+                follows[i] = j
+        if follows:
+            logits = self._forward([[] if i in follows else c for i, c in enumerate(chunks)])
+        else:
+            follows = {}
+            logits = self._forward(chunks)
+        for i, c in enumerate(chunks):
+            if c:
+                self.ctx[i] = self.ctx[i] + c
+        self.keys = keys
+        if not follows:
+            return logits
+        at = {i: j for j, i in enumerate(i for i, c in enumerate(chunks) if c and i not in follows)}
+        for f, src in follows.items():
+            a, b = self.lens[src] - len(chunks[f]), self.lens[src]
+            for k, v in zip(self.k, self.v):
+                k[f, :, a:b] = k[src, :, a:b]
+                v[f, :, a:b] = v[src, :, a:b]
+            self.lens[f] = b
+        self.stats["shared_rows"] += len(follows)
+        pick = [at[follows.get(i, i)] for i, c in enumerate(chunks) if c]
+        return logits[torch.tensor(pick, device=logits.device)]
+
+    def _forward(self, chunks: list[list[int]]) -> torch.Tensor:
+        n = len(chunks)
+        dev = self.device
+        fed = [i for i, c in enumerate(chunks) if c]
+        start = [self.lens[i] for i in range(n)]
+        end = [self.lens[i] + len(chunks[i]) for i in range(n)]
+        self._ensure(n, max(end))
+        ids: list[int] = []
+        tok_row: list[int] = []
+        tok_pos: list[int] = []
+        offsets: list[int] = []  # where each fed row's tokens begin in the flat batch
+        for i in fed:
+            offsets.append(len(ids))
+            ids.extend(chunks[i])
+            tok_row.extend([i] * len(chunks[i]))
+            tok_pos.extend(range(start[i], end[i]))
+        N = len(ids)
+        rows_t = torch.tensor(tok_row, device=dev)
+        pos_t = torch.tensor(tok_pos, device=dev)
+        last = torch.tensor([o + len(chunks[i]) - 1 for o, i in zip(offsets, fed)], device=dev)
+        dec = [j for j, i in enumerate(fed) if len(chunks[i]) == 1]  # positions in `fed`
+        wide = [j for j, i in enumerate(fed) if len(chunks[i]) > 1]
+        Lmax = max(end)
+        if dec:
+            dec_tok = torch.tensor([offsets[j] for j in dec], device=dev)
+            dec_rows = torch.tensor([fed[j] for j in dec], device=dev)
+            all_rows = len(dec) == n
+            ends = torch.tensor(end, device=dev).clamp(min=1)
+            dec_mask = (torch.arange(Lmax, device=dev)[None, :] < ends[:, None])[:, None, None, :]
+        wide_masks = []
+        for j in wide:
+            i = fed[j]
+            c = len(chunks[i])
+            if start[i] == 0:
+                wide_masks.append(None)  # a fresh context: plain causal
+            else:
+                q_at = torch.arange(start[i], end[i], device=dev)[:, None]
+                wide_masks.append(torch.arange(end[i], device=dev)[None, :] <= q_at)
+        gqa = self.nkv != self.nh
+
+        h = self.embed(torch.tensor(ids, device=dev))  # [N, hidden]
+        cos, sin = self.rotary(h, pos_t[None])
+        cos, sin = cos[0], sin[0]  # [N, head dim]
+        for li, layer in enumerate(self.layers):
+            att = layer.self_attn
+            a = layer.input_layernorm(h)
+            q = att.q_proj(a).view(N, self.nh, self.hd)
+            k = att.k_proj(a).view(N, self.nkv, self.hd)
+            v = att.v_proj(a).view(N, self.nkv, self.hd)
+            q, k = self.rope(q, k, cos, sin, unsqueeze_dim=1)
+            K, V = self.k[li], self.v[li]
+            K[rows_t, :, pos_t] = k.to(K.dtype)
+            V[rows_t, :, pos_t] = v.to(V.dtype)
+            out = q.new_empty(N, self.nh, self.hd)
+            if dec:
+                if all_rows:
+                    qd = q[dec_tok][:, :, None, :]
+                else:
+                    qd = q.new_zeros(n, self.nh, 1, self.hd)
+                    qd[dec_rows] = q[dec_tok][:, :, None, :]
+                od = F.scaled_dot_product_attention(qd, K[:n, :, :Lmax], V[:n, :, :Lmax], attn_mask=dec_mask,
+                                                    scale=att.scaling, enable_gqa=gqa)
+                out[dec_tok] = od[:, :, 0, :] if all_rows else od[dec_rows][:, :, 0, :]
+            for j, mask in zip(wide, wide_masks):
+                i = fed[j]
+                o, c = offsets[j], len(chunks[i])
+                qw = q[o:o + c].transpose(0, 1)[None]  # [1, heads, c, head dim]
+                ow = F.scaled_dot_product_attention(qw, K[i:i + 1, :, :end[i]], V[i:i + 1, :, :end[i]],
+                                                    attn_mask=mask, is_causal=mask is None, scale=att.scaling,
+                                                    enable_gqa=gqa)
+                out[o:o + c] = ow[0].transpose(0, 1)
+            h = h + att.o_proj(out.reshape(N, self.nh * self.hd))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        self.lens = end
+        return self.lm_head(self.norm(h[last]))
+
+
+# ---------------------------------------------------------------------------------- choice --
+_checked: "weakref.WeakKeyDictionary[torch.nn.Module, str | None]" = weakref.WeakKeyDictionary()
+
+
+@torch.no_grad()
+def slot_decoder_checks(model) -> str | None:
+    """None when :class:`SlotDecoder` gives ``model``'s own logits (checked once per model
+    object, on a short two-row rollout against ``model.forward``); else why not."""
+    if model in _checked:
+        return _checked[model]
+    why = slot_support(model)
+    if why is None:
+        why = _compare_with_forward(model)
+    _checked[model] = why
+    if why is not None:
+        log.info("rollout decoder: the model's own forward (%s)", why)
+    return why
+
+
+def _compare_with_forward(model) -> str | None:
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    a = torch.randint(0, vocab, (7,), generator=g).tolist()
+    b = torch.randint(0, vocab, (3,), generator=g).tolist()
+    c = torch.randint(0, vocab, (4,), generator=g).tolist()
+    try:
+        dec = SlotDecoder(model)
+        dec.reset(2)
+        first = dec.forward([a, b])  # two fresh prompts
+        second = dec.forward([[5], c])  # a decode step beside a chunk on a non-empty context
+    except Exception as exc:  # noqa: BLE001 - an unusual module falls back, named in the log
+        return f"slot decoder failed: {type(exc).__name__}: {exc}"
+    device = next(model.parameters()).device
+    want = []
+    for seq in (a, b, a + [5], b + c):
+        out = model(input_ids=torch.tensor([seq], device=device), use_cache=False)
+        want.append(out.logits[0, -1].float())
+    got = [first[0], first[1], second[0], second[1]]
+    for x, y in zip(got, want):
+        scale = max(1.0, float(y.abs().max()))
+        if not torch.allclose(x.float(), y, atol=2e-3 * scale, rtol=0):
+            return f"slot decoder logits differ from the model's forward by {float((x.float() - y).abs().max()):.3g}"
+    return None
+
+
+def make_decoder(model, kind: str = "auto", compact_ratio: float = 1.25, pad_token_id: int = 0) -> Decoder:
+    """``kind``: ``slots`` (:class:`SlotDecoder`, an error if the model does not support it),
+    ``hf`` (:class:`DynamicCacheDecoder`), or ``auto`` (slots where the model passes
+    :func:`slot_decoder_checks`, else hf)."""
+    if kind == "hf":
+        return DynamicCacheDecoder(model, compact_ratio, pad_token_id)
+    if kind == "slots":
+        return SlotDecoder(model)
+    if kind != "auto":
+        raise ValueError(f"unknown decoder {kind!r} (auto, slots, hf)")
+    return SlotDecoder(model) if slot_decoder_checks(model) is None else DynamicCacheDecoder(model, compact_ratio, pad_token_id)

@@ -1,0 +1,188 @@
+"""The rollout decoders (mentorrl/rollout/decoders.py): every fed row's logits are the model's own
+logits for that row's whole context, whatever the rows around it do; the engine samples the same
+trajectories through either decoder."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mentorrl.rollout.decoders import (
+    DynamicCacheDecoder,
+    SlotDecoder,
+    make_decoder,
+    slot_decoder_checks,
+    slot_support,
+)
+from mentorrl.rollout.engine import RolloutEngine
+from mentorrl.rollout.episode import Episode
+
+
+def _llama_gqa():
+    """A Llama with grouped-query attention (4 query heads over 2 kv heads), biases and llama3 rope
+    scaling: the layout differences a user's real checkpoint brings."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=512, attention_bias=True,
+                      rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                       "original_max_position_embeddings": 64})
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def models(model):
+    return {"qwen2": model.eval(), "llama-gqa": _llama_gqa()}
+
+
+def _reference(model, ctx: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ctx]), use_cache=False).logits[0, -1].float()
+
+
+# An operation schedule: ('feed', {row: chunk length}) / ('add', n) / ('drop', keep mask) / ('reset',)
+_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("feed"), st.lists(st.sampled_from([0, 1, 1, 1, 2, 5, 13]), min_size=1, max_size=8)),
+        st.tuples(st.just("add"), st.integers(1, 3)),
+        st.tuples(st.just("drop"), st.lists(st.booleans(), min_size=1, max_size=8)),
+        st.tuples(st.just("reset")),
+        st.tuples(st.just("twins"), st.integers(2, 4)),
+        st.tuples(st.just("echo"), st.integers(0, 96)),  # every row fed one token: twins stay twins
+    ),
+    min_size=1, max_size=14,
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=_ops, which=st.sampled_from(["qwen2", "llama-gqa"]), seed=st.integers(0, 10_000))
+def test_slot_decoder_gives_each_row_its_own_context_logits(models, ops, which, seed):
+    """Random schedules of admissions, decode steps, multi-token chunks (prompts, observations),
+    fresh rows sharing a prompt, drops and resets: each fed row's logits equal the model's forward
+    over that row's whole context, alone."""
+    model = models[which]
+    vocab = model.config.vocab_size
+    rng = random.Random(seed)
+    dec = SlotDecoder(model)
+    ctx: list[list[int]] = []
+    dec.reset(0)
+    checked = 0
+    for op in ops:
+        if op[0] == "add":
+            dec.add_rows(op[1])
+            ctx += [[] for _ in range(op[1])]
+        elif op[0] == "reset":
+            dec.reset(len(ctx))
+            ctx = [[] for _ in ctx]
+        elif op[0] == "drop":
+            keep = [i for i in range(len(ctx)) if op[1][i % len(op[1])]]
+            order = dec.drop(keep)
+            assert sorted(order) == keep
+            ctx = [ctx[o] for o in order]
+        else:
+            if op[0] == "twins":  # fresh rows with one prompt (a GRPO group), beside a decode step
+                start = len(ctx)
+                dec.add_rows(op[1])
+                ctx += [[] for _ in range(op[1])]
+                prompt = [rng.randrange(vocab) for _ in range(rng.randint(1, 9))]
+                chunks = [[rng.randrange(vocab)] if c else [] for c in ctx[:start]] + [list(prompt)] * op[1]
+            elif op[0] == "echo":
+                chunks = [[op[1]] for _ in ctx]
+            else:
+                lens = op[1]
+                chunks = [[rng.randrange(vocab) for _ in range(lens[i % len(lens)])] for i in range(len(ctx))]
+            if not ctx or not any(chunks):
+                continue
+            logits = dec.forward(chunks)
+            fed = [i for i, c in enumerate(chunks) if c]
+            assert logits.shape == (len(fed), vocab)
+            for j, i in enumerate(fed):
+                ctx[i] = ctx[i] + chunks[i]
+                want = _reference(model, ctx[i])
+                assert torch.allclose(logits[j].float(), want, atol=1e-4, rtol=0), (which, i, ctx[i])
+                checked += 1
+    assert dec.lens == [len(c) for c in ctx]
+
+
+def test_prefill_shared_then_rows_diverge(models):
+    for model in models.values():
+        dec = SlotDecoder(model)
+        dec.reset(3)
+        prefix = [3, 9, 4, 1, 7, 7, 2, 8]
+        assert dec.prefill_shared(prefix)
+        chunks = [[5], [6, 2, 9], [11]]
+        logits = dec.forward(chunks)
+        for j in range(3):
+            assert torch.allclose(logits[j].float(), _reference(model, prefix + chunks[j]), atol=1e-4, rtol=0)
+        assert not dec.prefill_shared(prefix)  # only into empty contexts
+
+
+def test_rows_with_one_prompt_are_computed_once(models):
+    model = models["qwen2"]
+    dec = SlotDecoder(model)
+    dec.reset(4)
+    prompt = [4, 8, 15, 16, 23, 42]
+    logits = dec.forward([prompt, [9, 9], prompt, prompt])
+    assert dec.stats["shared_rows"] == 2
+    assert torch.equal(logits[0], logits[2]) and torch.equal(logits[0], logits[3])
+    # the copied cache entries are the leader's: the next step agrees with the model per row
+    nxt = dec.forward([[1], [2], [3], [4]])
+    for j, ctx in enumerate([prompt + [1], [9, 9, 2], prompt + [3], prompt + [4]]):
+        assert torch.allclose(nxt[j].float(), _reference(model, ctx), atol=1e-4, rtol=0)
+
+
+def test_auto_falls_back_to_the_models_forward_where_slots_do_not_fit():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_embd=32, n_layer=1, n_head=2, n_positions=64)).eval()
+    assert "gpt2" in slot_support(gpt2)
+    assert isinstance(make_decoder(gpt2, "auto"), DynamicCacheDecoder)
+    with pytest.raises(ValueError, match="slot decoder cannot run"):
+        make_decoder(gpt2, "slots")
+    with pytest.raises(ValueError, match="unknown decoder"):
+        make_decoder(gpt2, "fast")
+
+
+def test_a_model_whose_slot_logits_disagree_falls_back(monkeypatch):
+    """The self-check compares against the model's own forward, so a layout the decoder gets
+    wrong (here: a layer whose forward was changed) falls back instead of sampling garbage."""
+    model = _llama_gqa()
+    mlp = model.model.layers[0].mlp
+    # the model's forward runs the layer's own forward; the slot decoder calls the modules inside it
+    layer = model.model.layers[0]
+    original = layer.forward
+    monkeypatch.setattr(layer, "forward", lambda *a, **k: original(*a, **k) * 1.5)
+    why = slot_decoder_checks(model)
+    assert why is not None and "differ" in why
+    assert isinstance(make_decoder(model, "auto"), DynamicCacheDecoder)
+    assert mlp is model.model.layers[0].mlp
+
+
+def test_engine_samples_the_same_trajectories_through_either_decoder(tool_happy_model, make_contract,
+                                                                      orders_entry, orders_tasks):
+    contract = make_contract()
+    tasks = [t for t in orders_tasks[20:26] for _ in range(3)]  # groups share a prompt
+
+    def run(kind):
+        envs = [orders_entry.make_env() for _ in tasks]
+        try:
+            eng = RolloutEngine(tool_happy_model, contract, decoder=kind)
+            return eng, eng.run([Episode(contract, e, t) for e, t in zip(envs, tasks)], seed=11)
+        finally:
+            for e in envs:
+                e.close()
+
+    slots_eng, a = run("slots")
+    hf_eng, b = run("hf")
+    assert slots_eng.last_stats["shared_rows"] >= 12 and "compactions" in hf_eng.last_stats
+    assert sum(len(t.tool_calls) for t in a) >= 10  # multi-turn: observations were fed mid-context
+    assert [t.token_ids for t in a] == [t.token_ids for t in b]
+    for x, y in zip(a, b):
+        assert max((abs(p - q) for p, q in zip(x.logprobs, y.logprobs)), default=0.0) < 1e-4
+    assert isinstance(make_decoder(tool_happy_model, "auto"), SlotDecoder)
