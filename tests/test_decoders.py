@@ -186,3 +186,57 @@ def test_engine_samples_the_same_trajectories_through_either_decoder(tool_happy_
     for x, y in zip(a, b):
         assert max((abs(p - q) for p, q in zip(x.logprobs, y.logprobs)), default=0.0) < 1e-4
     assert isinstance(make_decoder(tool_happy_model, "auto"), SlotDecoder)
+
+
+def test_cache_buffers_are_reused_after_close_and_never_shared(models):
+    """A closed decoder's buffers serve the next decoder on the same model; stale entries from the
+    earlier rollout never reach a row's logits; two open decoders never hold the same buffers."""
+    model = models["qwen2"]
+    first = SlotDecoder(model)
+    first.reset(3)
+    first.forward([[7] * 40, [9] * 25, [3, 4, 5]])  # fills slots with values the next rollout must not see
+    held = first.k[0]
+    other = SlotDecoder(model)  # while `first` is open: its own buffers
+    other.reset(1)
+    other.forward([[1, 2]])
+    assert other.k[0].data_ptr() != held.data_ptr()
+    first.close()
+    second = SlotDecoder(model)
+    assert second.k[0] is held
+    second.reset(2)
+    got = second.forward([[11, 12], [13]])
+    got2 = second.forward([[14], [15, 16, 17]])
+    assert torch.allclose(got[0].float(), _reference(model, [11, 12]), atol=1e-4, rtol=0)
+    assert torch.allclose(got2[1].float(), _reference(model, [13, 15, 16, 17]), atol=1e-4, rtol=0)
+    second.close()
+    other.close()
+
+
+def test_non_finite_logits_raise_and_the_buffers_are_dropped():
+    model = _llama_gqa()
+    with torch.no_grad():
+        model.lm_head.weight[5, 0] = float("nan")
+    dec = SlotDecoder(model)
+    dec.reset(1)
+    with pytest.raises(FloatingPointError, match="not finite"):
+        dec.forward([[1, 2, 3]])
+    dec.close()
+    assert SlotDecoder(model).k == []  # nothing was pooled
+
+
+def test_a_sequence_length_dependent_rope_runs_per_pass():
+    """Dynamic NTK rope rescales with the sequence length, so no position table is cached."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(1)
+    cfg = LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, max_position_embeddings=16,
+                      rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
+    model = LlamaForCausalLM(cfg).eval()
+    dec = SlotDecoder(model)
+    assert not dec.static_rope
+    dec.reset(2)
+    a, b = list(range(1, 12)), [5, 6]
+    out = dec.forward([a, b])
+    assert torch.allclose(out[0].float(), _reference(model, a), atol=1e-4, rtol=0)
+    assert torch.allclose(out[1].float(), _reference(model, b), atol=1e-4, rtol=0)

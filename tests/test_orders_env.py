@@ -378,3 +378,28 @@ def test_reset_gives_fresh_state(env):
     assert env.reset(task) == task.prompt
     assert unchanged(env, task)
     assert isinstance(env._conn, sqlite3.Connection)
+
+
+def test_built_databases_are_independent_copies_of_one_world():
+    """build_db copies a per-seed template: a write to one copy reaches neither the template nor
+    another copy, and each copy equals a database built from scratch."""
+    from mentorrl.envs.orders.world import _fresh_db, build_db, snapshot
+
+    a, b = build_db(4242), build_db(4242)
+    try:
+        a.execute("DELETE FROM orders")
+        a.execute("INSERT INTO refunds (order_id, amount) VALUES ('O-1', 1.0)")
+        a.commit()
+        c = build_db(4242)
+        ref = _fresh_db(4242)
+        assert snapshot(b) == snapshot(c) == snapshot(ref)
+        assert snapshot(a) != snapshot(ref)
+        # the autoincrement sequence is copied too: the next refund id is the same
+        for conn in (c, ref):
+            conn.execute("INSERT INTO refunds (order_id, amount) VALUES ('O-2', 2.0)")
+        assert c.execute("SELECT MAX(id) FROM refunds").fetchone() == ref.execute("SELECT MAX(id) FROM refunds").fetchone()
+        c.close()
+        ref.close()
+    finally:
+        a.close()
+        b.close()

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 import weakref
 from typing import Protocol
 
@@ -62,6 +63,9 @@ class Decoder(Protocol):
         """Feed row ``i`` the tokens ``chunks[i]`` (empty: not fed this step). Returns the
         next-token logits after each fed row's last token, [rows fed, vocab], in row order."""
 
+    def close(self) -> None:
+        """The rollout is over (its buffers may serve the next one)."""
+
 
 # ------------------------------------------------------------------------ transformers forward --
 class DynamicCacheDecoder:
@@ -77,6 +81,9 @@ class DynamicCacheDecoder:
         self.compact_ratio = compact_ratio
         self.stats = {"compactions": 0}
         self.reset(0)
+
+    def close(self) -> None:
+        self.cache = make_cache(self.model)
 
     def reset(self, n: int) -> None:
         self.cache = make_cache(self.model)
@@ -160,6 +167,16 @@ def slot_support(model) -> str | None:
     return None
 
 
+# Slot buffers outlive a rollout: zero-filling a fresh cache of a few hundred MB costs more than a
+# rollout step. A decoder takes its model's buffers out of the pool and puts them back on close(),
+# so two decoders never share them. Stale entries are finite values of earlier rollouts, always
+# masked out (a pass whose logits are not finite raises, and its buffers are not returned).
+_POOL: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[list[torch.Tensor], list[torch.Tensor]]]" = (
+    weakref.WeakKeyDictionary())
+_POOL_LOCK = threading.Lock()
+_STATIC_ROPE = ("default", "linear", "llama3")  # rotary tables that do not depend on the sequence length
+
+
 class SlotDecoder:
     """Per-row KV slots written in place; a step's real tokens packed into one flat batch."""
 
@@ -180,11 +197,28 @@ class SlotDecoder:
         self.rope = sys.modules[type(att).__module__].apply_rotary_pos_emb
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
-        self.k: list[torch.Tensor] = []  # per layer [slots, kv heads, capacity, head dim]
-        self.v: list[torch.Tensor] = []
+        with _POOL_LOCK:
+            k, v = _POOL.pop(model, ([], []))
+        if k and (k[0].dtype != self.dtype or k[0].device != self.device or len(k) != len(self.layers)):
+            k, v = [], []
+        self.k: list[torch.Tensor] = k  # per layer [slots, kv heads, capacity, head dim]
+        self.v: list[torch.Tensor] = v
+        self.static_rope = getattr(self.rotary, "rope_type", "default") in _STATIC_ROPE
+        self._cos = self._sin = None  # rotary tables over the capacity (static rope types)
+        self.closed = False
         self.lens: list[int] = []  # row i lives in slot i; its context length
         self.reset(0)
         self.stats = {"slot_moves": 0, "cache_grows": 0, "shared_rows": 0}
+
+    def close(self) -> None:
+        """Return the cache buffers to the model's pool (a later decoder reuses them)."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.k:
+            with _POOL_LOCK:
+                _POOL[self.model] = (self.k, self.v)
+        self.k, self.v = [], []
 
     # ---------------------------------------------------------------------------- rows --
     def reset(self, n: int) -> None:
@@ -274,7 +308,7 @@ class SlotDecoder:
             logits = self._forward(chunks)
         for i, c in enumerate(chunks):
             if c:
-                self.ctx[i] = self.ctx[i] + c
+                self.ctx[i].extend(c)
         self.keys = keys
         if not follows:
             return logits
@@ -330,8 +364,15 @@ class SlotDecoder:
         gqa = self.nkv != self.nh
 
         h = self.embed(torch.tensor(ids, device=dev))  # [N, hidden]
-        cos, sin = self.rotary(h, pos_t[None])
-        cos, sin = cos[0], sin[0]  # [N, head dim]
+        if self.static_rope:
+            cap = self.k[0].shape[2]
+            if self._cos is None or self._cos.shape[0] < cap:
+                table = self.rotary(h, torch.arange(cap, device=dev)[None])
+                self._cos, self._sin = table[0][0], table[1][0]
+            cos, sin = self._cos[pos_t], self._sin[pos_t]  # [N, head dim]
+        else:
+            cos, sin = self.rotary(h, pos_t[None])
+            cos, sin = cos[0], sin[0]
         for li, layer in enumerate(self.layers):
             att = layer.self_attn
             a = layer.input_layernorm(h)
@@ -363,7 +404,11 @@ class SlotDecoder:
             h = h + att.o_proj(out.reshape(N, self.nh * self.hd))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         self.lens = end
-        return self.lm_head(self.norm(h[last]))
+        logits = self.lm_head(self.norm(h[last]))
+        if not bool(torch.isfinite(logits).all()):
+            self.k, self.v, self.closed = [], [], True  # never pool buffers that may hold non-finite values
+            raise FloatingPointError("the model's logits are not finite (NaN or inf) in this rollout step")
+        return logits
 
 
 # ---------------------------------------------------------------------------------- choice --

@@ -131,15 +131,28 @@ class RolloutEngine:
             stats["admitted"] += len(new)
             return new
 
-        def finish(e: int) -> None:
+        ended: set[int] = set()  # episodes whose last turn is in (their verdict may still be running)
+        verdicts: dict[int, cf.Future] = {}
+
+        def _verify(e: int) -> Trajectory:
             traj = episodes[e].finish()
             traj.timings["rollout_s"] = time.perf_counter() - t_start
-            results[e] = traj
             if close_envs:
                 episodes[e].env.close()
-            if on_finish is not None:
-                on_finish(traj)
+            return traj
 
+        def finish(e: int) -> None:
+            """The verifier runs in the tool pool, beside the decoding of the other rows."""
+            ended.add(e)
+            verdicts[e] = pool.submit(_verify, e)
+
+        def collect(block: bool = False) -> None:
+            for e in [e for e, f in verdicts.items() if block or f.done()]:
+                results[e] = traj = verdicts.pop(e).result()
+                if on_finish is not None:
+                    on_finish(traj)
+
+        pool = cf.ThreadPoolExecutor(max_workers=self.tool_workers or max(slots, 1), thread_name_prefix="rollout-tool")
         rows = admit()
         decoder.reset(len(rows))
         # All prompts usually share the system turn: prefill it once and broadcast it.
@@ -152,7 +165,6 @@ class RolloutEngine:
                 stats["shared_prefix"] = shared
                 stats["forward_passes"] += 1
 
-        pool = cf.ThreadPoolExecutor(max_workers=self.tool_workers or max(slots, 1), thread_name_prefix="rollout-tool")
         aborted = False
         try:
             while rows:
@@ -161,8 +173,9 @@ class RolloutEngine:
                     break
                 # 1. collect tool results that have come back; wait if every row is paused
                 if waiting and all(e in waiting for e in rows):
-                    cf.wait(list(waiting.values()), timeout=0.05 if stop is not None else None,
+                    cf.wait([*waiting.values(), *verdicts.values()], timeout=0.05 if stop is not None else None,
                             return_when=cf.FIRST_COMPLETED)
+                collect()
                 for e in [e for e, f in waiting.items() if f.done()]:
                     obs = episodes[e].add_observation(waiting.pop(e).result())
                     if obs is None:
@@ -170,7 +183,7 @@ class RolloutEngine:
                     else:
                         pending[e] = pending[e] + obs  # the unfed stop token, then the observation
                 # 2. drop finished rows from the batch and the cache; admit new episodes into free slots
-                keep = [i for i, e in enumerate(rows) if results[e] is None]
+                keep = [i for i, e in enumerate(rows) if e not in ended]
                 if len(keep) < len(rows):
                     rows = [rows[i] for i in decoder.drop(keep)]
                 new = admit() if not source.exhausted else []
@@ -220,11 +233,13 @@ class RolloutEngine:
                         finish(e)
                     else:
                         waiting[e] = pool.submit(ep.run_tool, action)
+            collect(block=True)  # an abandoned run keeps the trajectories that had finished
         finally:
+            decoder.close()
             pool.shutdown(wait=not aborted, cancel_futures=aborted)
             if close_envs:
                 for e in rows:
-                    if results[e] is None and e not in waiting:
+                    if e not in ended and e not in waiting:
                         episodes[e].env.close()  # a row whose tool is still running keeps its env open
         stats.update(decoder.stats)
         self.last_stats = {**stats, "wall_s": time.perf_counter() - t_start, "aborted": float(aborted)}

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import random
 import sqlite3
-from collections import Counter
+import threading
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -125,8 +126,7 @@ def _rows(seed: int) -> tuple[tuple, ...]:
     )
 
 
-def build_db(seed: int) -> sqlite3.Connection:
-    """A fresh in-memory database holding the world for ``seed``."""
+def _fresh_db(seed: int) -> sqlite3.Connection:
     customers, products, orders, items, refunds = _rows(seed)
     conn = sqlite3.connect(":memory:", check_same_thread=False)
     conn.executescript(SCHEMA)
@@ -136,6 +136,29 @@ def build_db(seed: int) -> sqlite3.Connection:
         conn.executemany("INSERT INTO orders VALUES (?, ?, ?, ?)", orders)
         conn.executemany("INSERT INTO order_items VALUES (?, ?, ?)", items)
         conn.executemany("INSERT INTO refunds (order_id, amount) VALUES (?, ?)", refunds)
+    return conn
+
+
+_TEMPLATES: "OrderedDict[int, sqlite3.Connection]" = OrderedDict()
+_TEMPLATES_MAX = 256
+_TEMPLATES_LOCK = threading.Lock()
+
+
+def build_db(seed: int) -> sqlite3.Connection:
+    """A fresh in-memory database holding the world for ``seed``: a page copy (``backup``) of a
+    template built once per seed (an episode builds the same world three times: the agent's, the
+    verifier's initial and expected states; a GRPO group shares its task). Templates are never
+    written; the most recent 256 are kept."""
+    conn = sqlite3.connect(":memory:", check_same_thread=False)
+    with _TEMPLATES_LOCK:
+        tpl = _TEMPLATES.get(seed)
+        if tpl is None:
+            tpl = _TEMPLATES[seed] = _fresh_db(seed)
+            while len(_TEMPLATES) > _TEMPLATES_MAX:
+                _TEMPLATES.popitem(last=False)[1].close()
+        else:
+            _TEMPLATES.move_to_end(seed)
+        tpl.backup(conn)
     return conn
 
 
