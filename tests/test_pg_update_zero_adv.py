@@ -66,3 +66,40 @@ def test_a_minibatch_without_signal_is_skipped(make_demos, model, tokenizer):
     assert ups == [] and all(float(g.abs().sum()) == 0 for g in grads)
     for a, b in zip(model.parameters(), m.parameters()):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kind", ["grpo", "token"])
+def test_length_sorted_micro_batches_give_the_same_update(make_demos, model, tokenizer, kind, monkeypatch):
+    """pg_update feeds the learner each minibatch sorted by length (less padding per micro-batch);
+    the gradient is the one of the minibatch in its dealt order."""
+    import mentorrl.train.loop as loop
+
+    _, demos = make_demos(7)
+    assert len({len(d.token_ids) for d in demos}) > 2, "need trajectories of different lengths"
+    adv = _advantages(demos, kind, zero_rows=[1])
+    _, sorted_grads, _ = _run(model, tokenizer, demos, adv, kind, "token-mean", k=1)
+    monkeypatch.setattr(loop, "length_order", lambda idx, trajs, world_size=1: list(idx))
+    _, dealt_grads, _ = _run(model, tokenizer, demos, adv, kind, "token-mean", k=1)
+    assert max(g.abs().max().item() for g in dealt_grads) > 0
+    for a, b in zip(dealt_grads, sorted_grads):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-7)
+
+
+def test_length_order_is_a_permutation_sorted_within_each_ranks_share():
+    from types import SimpleNamespace
+
+    from mentorrl.train.loop import length_order
+
+    lengths = [50, 3, 400, 7, 7, 120, 90, 1, 64]
+    trajs = [SimpleNamespace(token_ids=[0] * n) for n in lengths]
+    idx = [8, 0, 3, 5, 1, 6, 2, 4]
+    one = length_order(idx, trajs)
+    assert sorted(one) == sorted(idx) and [lengths[i] for i in one] == sorted(lengths[i] for i in idx)
+    two = length_order(idx, trajs, world_size=2)
+    assert sorted(two) == sorted(idx)
+    n = len(two)
+    shares = [two[0: n // 2], two[n // 2:]]  # DataParallel.shard's contiguous shares
+    for share in shares:
+        assert [lengths[i] for i in share] == sorted(lengths[i] for i in share)
+    # the shares are alike: neither holds all the long ones
+    assert abs(sum(lengths[i] for i in shares[0]) - sum(lengths[i] for i in shares[1])) < max(lengths)

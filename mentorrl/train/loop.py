@@ -243,6 +243,16 @@ def minibatches(items: list[int], k: int, seed: int) -> list[list[int]]:
     return [order[i::k] for i in range(k)]
 
 
+def length_order(idx: list[int], trajs: list[Trajectory], world_size: int = 1) -> list[int]:
+    """``idx`` reordered so that micro-batches (consecutive runs) hold trajectories of similar length:
+    less right-padding in the learner's forward and backward. With ``world_size`` data-parallel
+    ranks, each rank's contiguous share gets every ``world_size``-th trajectory of the sorted order,
+    so the shares stay alike in length. An update's loss is a weighted sum over trajectories, so the
+    order changes it only by float rounding."""
+    s = sorted(idx, key=lambda i: len(trajs[i].token_ids))
+    return s if world_size <= 1 else [i for r in range(world_size) for i in s[r::world_size]]
+
+
 def reduce_updates(updates: list[dict[str, float]], keys: tuple[str, ...]) -> dict[str, float]:
     """One value per metric over a step's optimizer updates: the max for ``*_max`` keys, else the mean (0 if none)."""
     out = {}
@@ -277,6 +287,7 @@ def pg_update(learner, trajs: list[Trajectory], adv, k: int, seed: int, version:
         if drop_zero and len(live) < len(idx):
             norm = (float(sum(trajs[i].num_policy_tokens for i in idx)), len(idx))
             idx = live
+        idx = length_order(idx, trajs, learner.dp.world_size if learner.dp is not None else 1)
         batch = [trajs[i] for i in idx]
         if kind == "grpo":
             m = learner.policy_step(batch, adv[idx], kind, norm=norm, **loss)
