@@ -240,3 +240,14 @@ def test_a_sequence_length_dependent_rope_runs_per_pass():
     out = dec.forward([a, b])
     assert torch.allclose(out[0].float(), _reference(model, a), atol=1e-4, rtol=0)
     assert torch.allclose(out[1].float(), _reference(model, b), atol=1e-4, rtol=0)
+
+
+def test_the_cache_grows_to_the_contract_limit_not_past_it(models):
+    model = _llama_gqa()  # its own buffers (no pooled ones from other tests)
+    dec = SlotDecoder(model, max_len=100)
+    dec.reset(1)
+    dec.forward([[3] * 70])
+    assert dec.k[0].shape[2] == 100  # doubling from 64 would give 128
+    dec.forward([[4] * 40])  # a row past the limit still fits
+    assert dec.k[0].shape[2] == 110
+    assert torch.allclose(dec.forward([[5]])[0].float(), _reference(model, [3] * 70 + [4] * 40 + [5]), atol=1e-4, rtol=0)

@@ -182,11 +182,14 @@ class SlotDecoder:
 
     pads_wide = False
 
-    def __init__(self, model):
+    def __init__(self, model, max_len: int | None = None):
+        """``max_len``: the longest context a row can reach (the contract's token limit); the cache
+        grows by doubling up to it, never past it unless a row needs more."""
         why = slot_support(model)
         if why is not None:
             raise ValueError(f"the slot decoder cannot run this model: {why}")
         self.model = model
+        self.max_len = max_len
         core = model.model
         self.layers = list(core.layers)
         self.embed, self.norm, self.rotary, self.lm_head = core.embed_tokens, core.norm, core.rotary_emb, model.lm_head
@@ -258,6 +261,8 @@ class SlotDecoder:
         c = max(have_c, 64)
         while c < capacity:
             c *= 2
+        if self.max_len is not None:
+            c = max(capacity, min(c, self.max_len))
         if self.k:
             self.stats["cache_grows"] += 1
         for li in range(len(self.layers)):
@@ -456,14 +461,15 @@ def _compare_with_forward(model) -> str | None:
     return None
 
 
-def make_decoder(model, kind: str = "auto", compact_ratio: float = 1.25, pad_token_id: int = 0) -> Decoder:
+def make_decoder(model, kind: str = "auto", compact_ratio: float = 1.25, pad_token_id: int = 0,
+                 max_len: int | None = None) -> Decoder:
     """``kind``: ``slots`` (:class:`SlotDecoder`, an error if the model does not support it),
     ``hf`` (:class:`DynamicCacheDecoder`), or ``auto`` (slots where the model passes
     :func:`slot_decoder_checks`, else hf)."""
     if kind == "hf":
         return DynamicCacheDecoder(model, compact_ratio, pad_token_id)
     if kind == "slots":
-        return SlotDecoder(model)
+        return SlotDecoder(model, max_len)
     if kind != "auto":
         raise ValueError(f"unknown decoder {kind!r} (auto, slots, hf)")
-    return SlotDecoder(model) if slot_decoder_checks(model) is None else DynamicCacheDecoder(model, compact_ratio, pad_token_id)
+    return SlotDecoder(model, max_len) if slot_decoder_checks(model) is None else DynamicCacheDecoder(model, compact_ratio, pad_token_id)

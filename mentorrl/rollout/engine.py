@@ -101,7 +101,8 @@ class RolloutEngine:
         contract = self.contract
         stop_ids = set(contract.stop_token_ids)
         max_new = contract.sampling.max_new_tokens
-        decoder = make_decoder(self.model, self.decoder, self.compact_ratio, contract.pad_token_id)
+        decoder = make_decoder(self.model, self.decoder, self.compact_ratio, contract.pad_token_id,
+                               max_len=contract.limits.max_total_tokens + 1)
 
         t_start = time.perf_counter()
         episodes: list[Episode] = []
