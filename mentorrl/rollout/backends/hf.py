@@ -24,13 +24,13 @@ from mentorrl.trajectory import Trajectory
 class HFBackend(GenerationBackend):
     name = "hf"
 
-    def __init__(self, model, contract: RolloutContract, pad_token_id: int | None = None):
+    def __init__(self, model, contract: RolloutContract, pad_token_id: int | None = None, decoder: str = "auto"):
         super().__init__()
-        self.model, self.contract = model, contract
+        self.model, self.contract, self.decoder = model, contract, decoder
         self.pad_token_id = contract.pad_token_id if pad_token_id is None else pad_token_id
 
     def run_episodes(self, episodes: list[Episode], seed: int = 0) -> list[Trajectory]:
-        engine = RolloutEngine(self.model, self.contract)
+        engine = RolloutEngine(self.model, self.contract, decoder=self.decoder)
         out = engine.run(episodes, seed=seed)
         self.last_stats = getattr(engine, "last_stats", {})
         return out
