@@ -318,12 +318,21 @@ class SlotDecoder:
         if not follows:
             return logits
         at = {i: j for j, i in enumerate(i for i, c in enumerate(chunks) if c and i not in follows)}
+        # copy the leaders' new cache entries: every copied position in one indexed op per layer
+        dst_rows: list[int] = []
+        src_rows: list[int] = []
+        at_pos: list[int] = []
         for f, src in follows.items():
             a, b = self.lens[src] - len(chunks[f]), self.lens[src]
-            for k, v in zip(self.k, self.v):
-                k[f, :, a:b] = k[src, :, a:b]
-                v[f, :, a:b] = v[src, :, a:b]
+            dst_rows.extend([f] * (b - a))
+            src_rows.extend([src] * (b - a))
+            at_pos.extend(range(a, b))
             self.lens[f] = b
+        dev = self.device
+        dst_t, src_t, pos_t = (torch.tensor(x, device=dev) for x in (dst_rows, src_rows, at_pos))
+        for k, v in zip(self.k, self.v):
+            k[dst_t, :, pos_t] = k[src_t, :, pos_t]
+            v[dst_t, :, pos_t] = v[src_t, :, pos_t]
         self.stats["shared_rows"] += len(follows)
         pick = [at[follows.get(i, i)] for i, c in enumerate(chunks) if c]
         return logits[torch.tensor(pick, device=logits.device)]
