@@ -266,3 +266,18 @@ def test_the_run_config_picks_the_decoder(model, make_contract):
         backends.configure(before)
     with pytest.raises(ValueError):
         RolloutConfig(decoder="fast")
+
+
+def test_pooled_buffers_longer_than_the_limit_still_take_more_rows():
+    """A pooled cache from a run with a longer contract, reused under a shorter limit by a decoder
+    that needs more rows: the rows grow, the capacity never shrinks below what is held."""
+    model = _llama_gqa()
+    first = SlotDecoder(model, max_len=300)
+    first.reset(1)
+    first.forward([[2] * 200])
+    first.close()
+    second = SlotDecoder(model, max_len=100)
+    second.reset(3)
+    out = second.forward([[3] * 5, [4] * 7, [5]])
+    assert second.k[0].shape[0] == 3 and second.k[0].shape[2] >= 256
+    assert torch.allclose(out[1].float(), _reference(model, [4] * 7), atol=1e-4, rtol=0)

@@ -261,8 +261,8 @@ class SlotDecoder:
         c = max(have_c, 64)
         while c < capacity:
             c *= 2
-        if self.max_len is not None:
-            c = max(capacity, min(c, self.max_len))
+        if self.max_len is not None:  # never below what the buffers hold (pooled ones may be longer)
+            c = max(have_c, capacity, min(c, self.max_len))
         if self.k:
             self.stats["cache_grows"] += 1
         for li in range(len(self.layers)):
