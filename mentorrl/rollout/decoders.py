@@ -306,11 +306,7 @@ class SlotDecoder:
                 leader[keys[i]] = i
             elif chunks[j] == c and self.ctx[j] == self.ctx[i]:  # equal hashes are checked token by token
                 follows[i] = j
-        if follows:
-            logits = self._forward([[] if i in follows else c for i, c in enumerate(chunks)])
-        else:
-            follows = {}
-            logits = self._forward(chunks)
+        logits = self._forward([[] if i in follows else c for i, c in enumerate(chunks)] if follows else chunks)
         for i, c in enumerate(chunks):
             if c:
                 self.ctx[i].extend(c)
