@@ -49,9 +49,10 @@ class RolloutEngine:
     ):
         """``tool_workers``: threads running tool calls; None gives one per slot, so no call ever
         queues behind another (tool calls wait on I/O; cap it for CPU-heavy tools).
-        ``prefill_batch_frac``: an observation is fed once this share of live rows has one ready
-        (or nothing else is decoding). A multi-token chunk widens the pass for every row, so
-        gathering observations into fewer, fuller wide passes saves most of the padding.
+        ``prefill_batch_frac`` (the left-padded decoder only, where a multi-token chunk widens the
+        pass for every row): an observation is fed once this share of live rows has one ready (or
+        nothing else is decoding), gathering observations into fewer, fuller wide passes. The slot
+        decoder feeds each observation as soon as it is back.
         ``compact_ratio``: squeeze pads out of the cache once its width exceeds this multiple
         of the longest real context (the left-padded decoder).
         ``decoder``: how the model runs (:func:`mentorrl.rollout.decoders.make_decoder`): ``auto``
