@@ -11,7 +11,6 @@ import sqlite3
 import threading
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import Any
 
 FIRST_NAMES = [
@@ -113,9 +112,8 @@ def make_world(seed: int) -> World:
     return w
 
 
-@lru_cache(maxsize=1024)
 def _rows(seed: int) -> tuple[tuple, ...]:
-    """The insert rows of ``seed``'s world (cached: the verifier rebuilds the same world twice per episode)."""
+    """The insert rows of ``seed``'s world (built once per template, see :func:`build_db`)."""
     w = make_world(seed)
     return (
         tuple((c["id"], c["name"], c["email"], c["address"]) for c in w.customers),
