@@ -72,7 +72,6 @@ def test_slot_decoder_gives_each_row_its_own_context_logits(models, ops, which, 
     dec = SlotDecoder(model)
     ctx: list[list[int]] = []
     dec.reset(0)
-    checked = 0
     for op in ops:
         if op[0] == "add":
             dec.add_rows(op[1])
@@ -106,7 +105,6 @@ def test_slot_decoder_gives_each_row_its_own_context_logits(models, ops, which, 
                 ctx[i] = ctx[i] + chunks[i]
                 want = _reference(model, ctx[i])
                 assert torch.allclose(logits[j].float(), want, atol=1e-4, rtol=0), (which, i, ctx[i])
-                checked += 1
     assert dec.lens == [len(c) for c in ctx]
 
 

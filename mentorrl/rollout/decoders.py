@@ -83,7 +83,7 @@ class DynamicCacheDecoder:
         self.reset(0)
 
     def close(self) -> None:
-        self.cache = make_cache(self.model)
+        self.reset(0)
 
     def reset(self, n: int) -> None:
         self.cache = make_cache(self.model)
@@ -209,7 +209,6 @@ class SlotDecoder:
         self.static_rope = getattr(self.rotary, "rope_type", "default") in _STATIC_ROPE
         self._cos = self._sin = None  # rotary tables over the capacity (static rope types)
         self.closed = False
-        self.lens: list[int] = []  # row i lives in slot i; its context length
         self.reset(0)
         self.stats = {"slot_moves": 0, "cache_grows": 0, "shared_rows": 0}
 
@@ -224,13 +223,16 @@ class SlotDecoder:
         self.k, self.v = [], []
 
     # ---------------------------------------------------------------------------- rows --
+    @property
+    def lens(self) -> list[int]:
+        """Each row's context length (row ``i`` lives in slot ``i``)."""
+        return [len(c) for c in self.ctx]
+
     def reset(self, n: int) -> None:
-        self.lens = [0] * n
-        self.ctx: list[list[int]] = [[] for _ in range(n)]  # each row's context (exact duplicate check)
+        self.ctx: list[list[int]] = [[] for _ in range(n)]  # each row's context (what its slot holds)
         self.keys: list[int] = [0] * n  # a running hash of it
 
     def add_rows(self, n: int) -> None:
-        self.lens += [0] * n
         self.ctx += [[] for _ in range(n)]
         self.keys += [0] * n
 
@@ -241,13 +243,12 @@ class SlotDecoder:
         movers = [i for i in keep if i >= n]  # kept rows above it, moved down into the holes
         order = list(range(n))
         for h, m in zip(holes, movers):
-            length = self.lens[m]
+            length = len(self.ctx[m])
             for k, v in zip(self.k, self.v) if length else ():  # an unfed row may have no slot yet
                 k[h, :, :length] = k[m, :, :length]
                 v[h, :, :length] = v[m, :, :length]
             order[h] = m
             self.stats["slot_moves"] += 1
-        self.lens = [self.lens[o] for o in order]
         self.ctx = [self.ctx[o] for o in order]
         self.keys = [self.keys[o] for o in order]
         return order
@@ -277,15 +278,14 @@ class SlotDecoder:
 
     # ------------------------------------------------------------------------- forward --
     def prefill_shared(self, prefix: list[int]) -> bool:
-        n = len(self.lens)
-        if n == 0 or any(self.lens):
+        n = len(self.ctx)
+        if n == 0 or any(self.ctx):
             return False
         self._forward([list(prefix)] + [[] for _ in range(n - 1)])
         m = len(prefix)
         for k, v in zip(self.k, self.v):
             k[1:n, :, :m] = k[0:1, :, :m]
             v[1:n, :, :m] = v[0:1, :, :m]
-        self.lens = [m] * n
         self.ctx = [list(prefix) for _ in range(n)]
         self.keys = [hash((0, tuple(prefix)))] * n
         return True
@@ -307,9 +307,6 @@ class SlotDecoder:
             elif chunks[j] == c and self.ctx[j] == self.ctx[i]:  # equal hashes are checked token by token
                 follows[i] = j
         logits = self._forward([[] if i in follows else c for i, c in enumerate(chunks)] if follows else chunks)
-        for i, c in enumerate(chunks):
-            if c:
-                self.ctx[i].extend(c)
         self.keys = keys
         if not follows:
             return logits
@@ -319,11 +316,11 @@ class SlotDecoder:
         src_rows: list[int] = []
         at_pos: list[int] = []
         for f, src in follows.items():
-            a, b = self.lens[src] - len(chunks[f]), self.lens[src]
+            a, b = len(self.ctx[f]), len(self.ctx[src])  # the leader's chunk is in already
             dst_rows.extend([f] * (b - a))
             src_rows.extend([src] * (b - a))
             at_pos.extend(range(a, b))
-            self.lens[f] = b
+            self.ctx[f].extend(chunks[f])
         dev = self.device
         dst_t, src_t, pos_t = (torch.tensor(x, device=dev) for x in (dst_rows, src_rows, at_pos))
         for k, v in zip(self.k, self.v):
@@ -337,8 +334,8 @@ class SlotDecoder:
         n = len(chunks)
         dev = self.device
         fed = [i for i, c in enumerate(chunks) if c]
-        start = [self.lens[i] for i in range(n)]
-        end = [self.lens[i] + len(chunks[i]) for i in range(n)]
+        start = self.lens
+        end = [start[i] + len(chunks[i]) for i in range(n)]
         self._ensure(n, max(end))
         ids: list[int] = []
         tok_row: list[int] = []
@@ -413,7 +410,8 @@ class SlotDecoder:
                 out[o:o + c] = ow[0].transpose(0, 1)
             h = h + att.o_proj(out.reshape(N, self.nh * self.hd))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
-        self.lens = end
+        for i in fed:
+            self.ctx[i].extend(chunks[i])
         logits = self.lm_head(self.norm(h[last]))
         if not bool(torch.isfinite(logits).all()):
             self.k, self.v, self.closed = [], [], True  # never pool buffers that may hold non-finite values
