@@ -279,3 +279,17 @@ def test_pooled_buffers_longer_than_the_limit_still_take_more_rows():
     out = second.forward([[3] * 5, [4] * 7, [5]])
     assert second.k[0].shape[0] == 3 and second.k[0].shape[2] >= 256
     assert torch.allclose(out[1].float(), _reference(model, [4] * 7), atol=1e-4, rtol=0)
+
+
+def test_rows_whose_running_hashes_collide_are_not_merged(models):
+    """The duplicate check groups rows by a running hash, then compares contexts token by token: rows
+    forced onto one hash with different contexts are each computed on their own."""
+    model = models["qwen2"]
+    dec = SlotDecoder(model)
+    dec.reset(2)
+    dec.forward([[3, 1, 4], [2, 7, 1]])
+    dec.keys = [123, 123]  # a collision: same hash, different contexts
+    out = dec.forward([[5], [5]])
+    assert dec.stats["shared_rows"] == 0
+    assert torch.allclose(out[0].float(), _reference(model, [3, 1, 4, 5]), atol=1e-4, rtol=0)
+    assert torch.allclose(out[1].float(), _reference(model, [2, 7, 1, 5]), atol=1e-4, rtol=0)
