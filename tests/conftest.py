@@ -7,7 +7,11 @@ on expert transcripts of the orders environment. Everything here is deterministi
 from __future__ import annotations
 
 import copy
+import os
 import threading
+
+# Two test workers (pytest -n 2) share the two cores: OpenMP must not busy-wait (read when torch loads).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from pathlib import Path
 from typing import Any, Callable
 
