@@ -631,6 +631,9 @@ class EvalConfig(_Section):
     seed: int = Field(12345, description="task seed of the evaluation")
     temperature: float | None = Field(None, ge=0, description="null: the contract's sampling temperature")
     batch_size: int = Field(100, ge=1, description="trajectories decoded together")
+    stratify: bool = Field(False, description="draw evaluation tasks (not golden's curated set) with each stratum's "
+                                              "exact share (orders: family x kind), so held-out, hidden and "
+                                              "novel_wording hold the same mix; also `mentorrl eval`'s default")
     final_splits: list[Literal["heldout", "hidden", "golden", "novel_wording"]] = Field(
         default_factory=list, description="splits the final checkpoint is also evaluated on (num_tasks each), "
                                           "reported beside the held-out headline, e.g. [hidden, novel_wording]")

@@ -74,7 +74,7 @@ def agent_eval_config(cfg: Any, specs: list[EvalSetSpec], **options: Any) -> Age
     """
     base = getattr(cfg, "agent_eval", None)
     data = base.model_dump() if isinstance(base, AgentEvalConfig) else {
-        "temperature": cfg.eval.temperature, "batch_size": cfg.eval.batch_size}
+        "temperature": cfg.eval.temperature, "batch_size": cfg.eval.batch_size, "stratify": cfg.eval.stratify}
     if specs:
         data["sets"] = [s.model_dump() for s in specs]
     data.update({k: v for k, v in options.items() if v is not None})

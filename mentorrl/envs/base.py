@@ -248,7 +248,24 @@ class Environment(Protocol):
 
 
 class TaskSource(Protocol):
+    """Seeded tasks of a split. A source whose class sets ``stratifies = True`` also takes
+    ``tasks(..., stratified=True)``: each of its strata (e.g. family x kind) gets its exact share."""
+
     def tasks(self, split: str, n: int, seed: int) -> list[Task]: ...
+
+
+def draw_tasks(source: TaskSource, split: str, n: int, seed: int, stratified: bool = False) -> list[Task]:
+    """``source.tasks(split, n, seed)``, stratified when asked (a clear error where the source cannot)."""
+    if not stratified:
+        return source.tasks(split=split, n=n, seed=seed)
+    check_stratifies(source)
+    return source.tasks(split=split, n=n, seed=seed, stratified=True)  # type: ignore[call-arg]
+
+
+def check_stratifies(source: TaskSource) -> None:
+    if not getattr(source, "stratifies", False):
+        raise ValueError(f"eval.stratify: the task source {type(source).__name__} cannot draw stratified tasks "
+                         "(it has no `stratifies = True`); set eval.stratify: false")
 
 
 class ExpertPolicy(Protocol):

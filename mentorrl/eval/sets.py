@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from mentorrl.contract import IM_END, IM_START
 from mentorrl.core.splits import HIDDEN_SPLITS, HiddenSetError, assert_trainable_splits
-from mentorrl.envs.base import Task, TaskSource
+from mentorrl.envs.base import Task, TaskSource, draw_tasks
 from mentorrl.trajectory import Trajectory, read_jsonl
 
 if TYPE_CHECKING:
@@ -174,6 +174,7 @@ class AgentEvalConfig(_Model):
     seed: int = Field(0, description="task seed of generated sets and the sampling seed of rollouts")
     temperature: float | None = Field(None, ge=0, description="null: the contract's sampling temperature")
     batch_size: int = Field(100, ge=1, description="trajectories decoded together")
+    stratify: bool = Field(False, description="generated sets (not golden) drawn with each stratum's exact share")
 
     @field_validator("k")
     @classmethod
@@ -221,7 +222,7 @@ def load_eval_set(spec: EvalSetSpec, source: TaskSource, cfg: AgentEvalConfig) -
         n = spec.num_tasks or cfg.num_tasks
         if n is None:
             n = getattr(source, "golden_size", DEFAULT_NUM_TASKS) if spec.kind == "golden" else DEFAULT_NUM_TASKS
-        tasks = source.tasks(split=spec.kind, n=n, seed=seed)
+        tasks = draw_tasks(source, spec.kind, n, seed, stratified=cfg.stratify and spec.kind != "golden")
         return EvalSet(name=spec.label, kind=spec.kind, seed=seed, tasks=tasks, source=spec.kind)
     path = Path(spec.path or "")
     if not path.is_file():

@@ -90,12 +90,12 @@ def preflight_prompts(ws: Workspace) -> None:
 
     Raises :class:`ConfigError` naming the field (also for a split the environment does not have)."""
     cfg, limit = ws.cfg, ws.cfg.limits.max_total_tokens
-    checks = [("train_split", cfg.train_split, PREFLIGHT_TRAIN_TASKS, cfg.seed)]
+    checks = [("train_split", cfg.train_split, lambda: ws.tasks(cfg.train_split, PREFLIGHT_TRAIN_TASKS, cfg.seed))]
     if cfg.eval.num_tasks > 0:
-        checks.append(("eval.split", cfg.eval.split, cfg.eval.num_tasks, cfg.eval.seed))
-    for field, split, n, seed in checks:
+        checks.append(("eval.split", cfg.eval.split, lambda: ws.eval_tasks(cfg.eval.split, cfg.eval.num_tasks)))
+    for field, split, draw in checks:
         try:
-            tasks = ws.tasks(split, n, seed)
+            tasks = draw()
         except ValueError as e:
             raise ConfigError(f"{field} {split!r}: {e}") from None
         tokens, task = longest_prompt(ws, tasks)

@@ -17,6 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from mentorrl.config import RunConfig, dump_config
 from mentorrl.contract import RolloutContract, chat_template_for, contract_for_env
 from mentorrl.envs import EnvEntry, get_env
+from mentorrl.envs.base import check_stratifies, draw_tasks
 from mentorrl.eval.metrics import summarize
 from mentorrl.eval.sets import assert_trainable, assert_trainable_splits
 from mentorrl.rollout.backends import configure as configure_rollout_backend
@@ -66,8 +67,12 @@ class Workspace:
         finally:
             env.close()
 
-    def tasks(self, split: str, n: int, seed: int):
-        return self.env_entry.make_tasks().tasks(split=split, n=n, seed=seed)
+    def tasks(self, split: str, n: int, seed: int, stratified: bool = False):
+        return draw_tasks(self.env_entry.make_tasks(), split, n, seed, stratified=stratified)
+
+    def eval_tasks(self, split: str, n: int):
+        """The evaluation tasks of ``split`` (``eval.seed``; stratified when ``eval.stratify``)."""
+        return self.tasks(split, n, self.cfg.eval.seed, stratified=self.cfg.eval.stratify and split != "golden")
 
     def train_tasks(self, n: int, seed: int):
         """Tasks for a training stage, from ``cfg.train_split``; refuses the hidden evaluation set."""
@@ -101,7 +106,10 @@ def open_workspace(cfg: RunConfig, show_progress: bool = True, dp=None) -> Works
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     configure_rollout_backend(cfg.rollout)  # rollout.backend: what rollout_tasks decodes with
-    return Workspace(cfg=cfg, run_dir=run_dir, env_entry=get_env(cfg.env.name), show_progress=show_progress and main,
+    entry = get_env(cfg.env.name)
+    if cfg.eval.stratify:
+        check_stratifies(entry.make_tasks())  # before the first step
+    return Workspace(cfg=cfg, run_dir=run_dir, env_entry=entry, show_progress=show_progress and main,
                      console=Console() if main else Console(quiet=True), dp=dp)
 
 
@@ -124,7 +132,7 @@ def load_weights_into(model, ckpt: Path) -> None:
 
 def heldout_check(ws: Workspace, model, n: int) -> float:
     """Held-out success of the current weights on ``n`` tasks (the same tasks at every check of a run)."""
-    tasks = ws.tasks(ws.cfg.eval.split, n, ws.cfg.eval.seed)
+    tasks = ws.eval_tasks(ws.cfg.eval.split, n)
     trajs = rollout_tasks(model, eval_contract(ws), ws.make_env, tasks, seed=ws.cfg.eval.seed,
                           batch_size=ws.cfg.eval.batch_size, weights=ws.cfg.reward)
     return float(summarize(trajs)["success"])
@@ -147,7 +155,7 @@ def evaluate(ws: Workspace, model, label: str, resume: bool = False, split: str 
     if resume and out_json.exists():
         return json.loads(out_json.read_text())
     contract = eval_contract(ws)
-    tasks = ws.tasks(split, e.num_tasks, e.seed)
+    tasks = ws.eval_tasks(split, e.num_tasks)
     with ws.progress() as prog:
         bar = prog.add_task(f"eval {label}", total=len(tasks), info="") if prog else None
         trajs = rollout_tasks(

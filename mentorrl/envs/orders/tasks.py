@@ -22,6 +22,10 @@ appears; the slots the task needs are copied exactly), seeded by the task's rng:
   measures vocabulary the model was never shown, is reported beside the headline, never
   as it, and is never trained on (like ``hidden``).
 
+``stratified=True`` (``eval.stratify``) gives every (family, kind) stratum its exact share of
+``n`` (:func:`stratum_counts`): two splits drawn with the same ``n`` then hold the same mix,
+so their success rates differ by wording and worlds, not by which families the draw favoured.
+
 Each task's ``reference["wording"]`` records how it was worded (``intent``, ``frame``,
 ``position``, ``heldout``; ``{"form": "novel"}`` for ``novel_wording``); the verifier and
 the scripted expert read only ``reference["request"]`` and the checks, never the prompt.
@@ -285,15 +289,23 @@ class OrdersTasks:
     SEED_BASE = SEED_BASE
     golden_size = len(GOLDEN_PAIRS)  # the smallest golden set that covers every (family, kind) pair
 
-    def tasks(self, split: str = "train", n: int = 200, seed: int = 0) -> list[Task]:
+    stratifies = True  # tasks(..., stratified=True) is supported
+
+    def tasks(self, split: str = "train", n: int = 200, seed: int = 0, stratified: bool = False) -> list[Task]:
         if split not in SEED_BASE:
             raise ValueError(f"split must be one of {', '.join(SEED_BASE)}, not {split!r}")
         rng = random.Random(f"orders/{split}/{seed}")
         out: list[Task] = []
         used_seeds: set[int] = set()
+        plan: list[tuple[str, str]] | None = None
+        if stratified and split != "golden":  # golden is a curated cycle already
+            plan = [st for st, c in zip(STRATA, stratum_counts(n)) for _ in range(c)]
+            rng.shuffle(plan)
         for i in range(n):
             if split == "golden":
                 family, kind = GOLDEN_PAIRS[i % len(GOLDEN_PAIRS)]
+            elif plan is not None:
+                family, kind = plan[i]
             elif rng.random() < ADVERSARIAL_SHARE:
                 family, kind = rng.choice(ADVERSARIAL)
             else:
@@ -319,6 +331,27 @@ class OrdersTasks:
                 difficulty="normal" if kind == "normal" else "adversarial", reference=built["ref"],
             ))
         return out
+
+
+# every (family, kind) a non-golden split draws, with its probability
+STRATA: tuple[tuple[str, str], ...] = tuple((f, "normal") for f in FAMILIES) + ADVERSARIAL
+STRATUM_SHARES: tuple[float, ...] = ((1 - ADVERSARIAL_SHARE) / len(FAMILIES),) * len(FAMILIES) + (
+    ADVERSARIAL_SHARE / len(ADVERSARIAL),) * len(ADVERSARIAL)
+
+
+def stratum_counts(n: int) -> list[int]:
+    """How many of ``n`` tasks each of :data:`STRATA` gets: its share of ``n`` rounded down, and
+    the tasks left over to the largest remainders (ties broken by a fixed order that depends on
+    ``n`` only, so every split drawn with the same ``n`` gets the same counts). Each count is
+    within 1 of ``n * share``; they sum to ``n``."""
+    exact = [n * w for w in STRATUM_SHARES]
+    counts = [int(x) for x in exact]
+    tiebreak = list(range(len(STRATA)))
+    random.Random(f"orders/strata/{n}").shuffle(tiebreak)
+    rank = sorted(range(len(STRATA)), key=lambda j: (-(exact[j] - counts[j]), tiebreak.index(j)))
+    for j in rank[: n - sum(counts)]:
+        counts[j] += 1
+    return counts
 
 
 def form_counts(n: int = 3000) -> list[tuple[str, str, int, int, int]]:
