@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import sqlite3
 from collections import Counter
@@ -403,3 +404,82 @@ def test_built_databases_are_independent_copies_of_one_world():
     finally:
         a.close()
         b.close()
+
+
+# -- the verifier's per-task reference worlds (built once per task, shared by its episodes) --------------
+
+def _episode_variants(task: Task):
+    """Three ways an episode can end on ``task``: the expert's, the expert's plus a stray write, and
+    no action with a claimed success."""
+    def expert(env):
+        return run_expert(env, task)[1]
+
+    def stray(env):  # every reference write done twice (a duplicate e-mail or order is a violation)
+        answer = run_expert(env, task)[1]
+        for name, args in task.reference.get("actions", []):
+            env.step(name, dict(args))
+        return answer
+
+    def idle(env):
+        env.reset(task)
+        return "Done, all sorted."
+    return (expert, stray, idle)
+
+
+def _verdict(env: OrdersEnv, play) -> tuple:
+    v = env.verify(play(env))
+    return (v.success, tuple(v.violations), json.dumps(v.details, sort_keys=True, default=str))
+
+
+def test_cached_reference_worlds_give_the_verdicts_a_cold_cache_gives():
+    from mentorrl.envs.orders import env as env_mod
+
+    tasks = TASKS.tasks("train", 40, seed=11)
+    env = OrdersEnv()
+    try:
+        cold = []
+        for task in tasks:
+            for play in _episode_variants(task):
+                env_mod._REFERENCES.clear()
+                cold.append(_verdict(env, play))
+        env_mod._REFERENCES.clear()
+        warm = [_verdict(env, play) for _ in range(2) for task in tasks for play in _episode_variants(task)]
+    finally:
+        env.close()
+    assert warm == cold + cold  # the first round fills the cache, the second reads it
+    assert len({c[0] for c in cold}) == 2  # successes and failures both among them
+
+
+def test_episodes_of_one_task_verified_concurrently_get_their_own_verdicts():
+    import concurrent.futures as cf
+
+    from mentorrl.envs.orders import env as env_mod
+
+    task = next(t for t in TASKS.tasks("train", 80, seed=12)
+                if t.family == "email_receipt" and t.difficulty == "normal")
+    plays = list(_episode_variants(task)) * 6
+    envs = [OrdersEnv() for _ in plays]
+    try:
+        serial = [_verdict(e, p) for e, p in zip(envs, plays)]
+        env_mod._REFERENCES.clear()
+        with cf.ThreadPoolExecutor(len(plays)) as pool:
+            parallel = list(pool.map(_verdict, envs, plays))
+    finally:
+        for e in envs:
+            e.close()
+    assert parallel == serial
+    assert serial[0][0] and not serial[1][0] and not serial[2][0]
+
+
+def test_reference_worlds_cannot_be_written():
+    from mentorrl.envs.orders.env import reference_worlds
+
+    task = TASKS.tasks("train", 1, seed=13)[0]
+    env = OrdersEnv()
+    try:
+        ref = reference_worlds(task, env.expected_db)
+    finally:
+        env.close()
+    for conn in (ref.init, ref.exp):
+        with pytest.raises(sqlite3.OperationalError):
+            conn.execute("DELETE FROM customers")

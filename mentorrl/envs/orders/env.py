@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import sqlite3
+import threading
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
 from typing import Any
 
 from mentorrl.envs.base import Task, ToolError, ToolRegistry, ToolResult, Verdict
 from mentorrl.envs.latency import LatencyModel, LatencySampler
 
 from .backend import OrdersBackend, make_tools
-from .verify import Evidence, Observation, judge_answer, table_diffs, unrequested_writes
+from .verify import Evidence, Observation, audit_rows, judge_answer, rows_diffs, table_rows, unrequested_audit
 from .world import OPEN_STATUSES, Snapshot, build_db, money, snapshot
 
 SYSTEM_PROMPT = (
@@ -85,18 +89,14 @@ class OrdersEnv:
         task = self._task
         if task is None or self._conn is None:
             return Verdict(success=False, details={"error": "no active episode"})
-        init_conn, exp_conn = build_db(task.seed), self.expected_db(task)
-        try:
-            init, exp, act = snapshot(init_conn), snapshot(exp_conn), snapshot(self._conn)
-            diffs, violations = _compare(task, init, exp, act)
-            diffs += [d for d in table_diffs(exp_conn, self._conn) if d not in diffs]
-            violations += unrequested_writes(init_conn, exp_conn, self._conn)
-            answer = judge_answer(task, final_answer, Evidence(list(self._observations)), init_conn, exp_conn,
-                                  self._conn)
-            violations += answer.violations
-        finally:
-            init_conn.close()
-            exp_conn.close()
+        ref = reference_worlds(task, self.expected_db)
+        act = self._conn
+        diffs, violations = _compare(task, ref.init_snap, ref.exp_snap, snapshot(act))
+        diffs += [d for d in rows_diffs(ref.exp_rows, table_rows(act)) if d not in diffs]
+        violations += unrequested_audit(ref.init_audit, ref.exp_audit, audit_rows(act))
+        with ref.lock:  # the answer's rules query the shared read-only worlds
+            answer = judge_answer(task, final_answer, Evidence(list(self._observations)), ref.init, ref.exp, act)
+        violations += answer.violations
         violations = list(dict.fromkeys(violations))
         success = final_answer is not None and not diffs and not violations and answer.ok
         details: dict[str, Any] = {"diffs": diffs[:6], "answer_ok": answer.ok}
@@ -107,6 +107,50 @@ class OrdersEnv:
         if answer.expected is not None:
             details["expected"] = answer.expected
         return Verdict(success=success, violations=violations, details=details)
+
+
+@dataclass
+class ReferenceWorlds:
+    """A task's initial and expected worlds, and what the verifier reads of them: built once per
+    task and shared by every episode of it (a GRPO group verifies one task 8 times). Nothing
+    writes them: the connections are ``query_only`` and used under ``lock``; the snapshots, row
+    multisets and audit logs are only read."""
+
+    init: sqlite3.Connection
+    exp: sqlite3.Connection
+    init_snap: Snapshot
+    exp_snap: Snapshot
+    exp_rows: dict[str, Counter]
+    init_audit: Counter
+    exp_audit: Counter
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+_REFERENCES: "OrderedDict[tuple[int, str], ReferenceWorlds]" = OrderedDict()
+_REFERENCES_MAX = 256
+_REFERENCES_LOCK = threading.Lock()
+
+
+def reference_worlds(task: Task, expected_db) -> ReferenceWorlds:
+    """The cached :class:`ReferenceWorlds` of ``task``, keyed by what determines them: the world
+    seed and the reference actions (``expected_db(task)`` replays them on the seed's world). The
+    most recent 256 are kept; an evicted entry stays valid for whoever still holds it."""
+    key = (task.seed, json.dumps(task.reference.get("actions", []), sort_keys=True, default=repr))
+    with _REFERENCES_LOCK:
+        ref = _REFERENCES.get(key)
+        if ref is not None:
+            _REFERENCES.move_to_end(key)
+            return ref
+    init, exp = build_db(task.seed), expected_db(task)
+    for conn in (init, exp):
+        conn.execute("PRAGMA query_only = ON")
+    ref = ReferenceWorlds(init, exp, snapshot(init), snapshot(exp), table_rows(exp), audit_rows(init), audit_rows(exp))
+    with _REFERENCES_LOCK:
+        ref = _REFERENCES.setdefault(key, ref)  # a racing build of the same task: keep the first
+        _REFERENCES.move_to_end(key)
+        while len(_REFERENCES) > _REFERENCES_MAX:
+            _REFERENCES.popitem(last=False)
+    return ref
 
 
 def _compare(task: Task, init: Snapshot, exp: Snapshot, act: Snapshot) -> tuple[list[str], list[str]]:

@@ -147,8 +147,12 @@ def audit_rows(conn: sqlite3.Connection) -> Counter:
 
 def unrequested_writes(init: sqlite3.Connection, exp: sqlite3.Connection, act: sqlite3.Connection) -> list[str]:
     """Writes of the episode that the reference actions do not contain (each a hard violation)."""
-    base = audit_rows(init)
-    extra = (audit_rows(act) - base) - (audit_rows(exp) - base)
+    return unrequested_audit(audit_rows(init), audit_rows(exp), audit_rows(act))
+
+
+def unrequested_audit(base: Counter, exp: Counter, act: Counter) -> list[str]:
+    """:func:`unrequested_writes` on the three audit logs (:func:`audit_rows`)."""
+    extra = (act - base) - (exp - base)
     out = []
     for (tool, args), k in sorted(extra.items()):
         try:
@@ -160,7 +164,11 @@ def unrequested_writes(init: sqlite3.Connection, exp: sqlite3.Connection, act: s
 
 
 def table_diffs(exp: sqlite3.Connection, act: sqlite3.Connection) -> list[str]:
-    e, a = table_rows(exp), table_rows(act)
+    return rows_diffs(table_rows(exp), table_rows(act))
+
+
+def rows_diffs(e: dict[str, Counter], a: dict[str, Counter]) -> list[str]:
+    """:func:`table_diffs` on two :func:`table_rows` results."""
     return [f"table {t} differs" for t in sorted(set(e) | set(a)) if t != "audit_log" and e.get(t) != a.get(t)]
 
 
@@ -416,4 +424,5 @@ def _reason_problems(reason: str, reading: Reading, evidence: Evidence, req: dic
 
 
 __all__ = ["AnswerContext", "AnswerJudgement", "Evidence", "FACT_RULES", "GENERAL_RULES", "FAMILY_OF_TOOL", "Observation", "audit_rows", "changed_families",
-           "judge_answer", "privacy_violations", "table_diffs", "table_rows", "unrequested_writes"]
+           "judge_answer", "privacy_violations", "rows_diffs", "table_diffs", "table_rows", "unrequested_audit",
+           "unrequested_writes"]
