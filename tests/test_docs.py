@@ -15,7 +15,7 @@ README = ROOT / "README.md"
 DEMO_COMMAND = ("python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && pip install -e . "
                 "&& mentorrl demo")
 TEST_COMMAND = ("python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && "
-                "pip install -e \".[test]\" && python -m pytest -q")
+                "pip install -e \".[test]\" && python -m pytest -q -n 2")
 
 _LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
 _FENCE = re.compile(r"^(```|~~~).*?^\1", re.S | re.M)
@@ -42,7 +42,7 @@ def test_readme_keeps_the_two_set_up_commands():
     assert f"```bash\n{TEST_COMMAND}\n```" in text
     # .ci/run runs the README's test command: the two must agree
     ci = (ROOT / ".ci" / "run").read_text()
-    assert 'pip install -q -e ".[test]"' in ci and "python -m pytest -q" in ci
+    assert 'pip install -q -e ".[test]"' in ci and "python -m pytest -q -n 2" in ci
 
 
 def test_every_relative_link_resolves():
