@@ -483,3 +483,20 @@ def test_reference_worlds_cannot_be_written():
     for conn in (ref.init, ref.exp):
         with pytest.raises(sqlite3.OperationalError):
             conn.execute("DELETE FROM customers")
+
+
+def test_a_subclass_replaying_the_reference_differently_gets_its_own_reference_worlds():
+    class NoReplay(OrdersEnv):
+        def expected_db(self, task):  # expects nothing to change
+            return build_db(task.seed)
+
+    task = next(t for t in TASKS.tasks("train", 80, seed=14) if t.family == "email_receipt" and t.difficulty == "normal")
+    plain, odd = OrdersEnv(), NoReplay()
+    try:
+        run_expert(plain, task)
+        assert plain.verify("Done: the receipt is on its way.").details["diffs"] == []
+        answer = run_expert(odd, task)[1]
+        assert odd.verify(answer).details["diffs"]  # its own expected world, not the cached one
+    finally:
+        plain.close()
+        odd.close()

@@ -126,16 +126,18 @@ class ReferenceWorlds:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-_REFERENCES: "OrderedDict[tuple[int, str], ReferenceWorlds]" = OrderedDict()
+_REFERENCES: "OrderedDict[tuple[Any, int, str], ReferenceWorlds]" = OrderedDict()
 _REFERENCES_MAX = 256
 _REFERENCES_LOCK = threading.Lock()
 
 
 def reference_worlds(task: Task, expected_db) -> ReferenceWorlds:
     """The cached :class:`ReferenceWorlds` of ``task``, keyed by what determines them: the world
-    seed and the reference actions (``expected_db(task)`` replays them on the seed's world). The
-    most recent 256 are kept; an evicted entry stays valid for whoever still holds it."""
-    key = (task.seed, json.dumps(task.reference.get("actions", []), sort_keys=True, default=repr))
+    seed, the reference actions and the function that replays them (``expected_db(task)``; a
+    subclass that overrides it gets its own entries). The most recent 256 are kept; an evicted
+    entry stays valid for whoever still holds it."""
+    key = (getattr(expected_db, "__func__", expected_db), task.seed,
+           json.dumps(task.reference.get("actions", []), sort_keys=True, default=repr))
     with _REFERENCES_LOCK:
         ref = _REFERENCES.get(key)
         if ref is not None:
