@@ -222,7 +222,7 @@ def load_eval_set(spec: EvalSetSpec, source: TaskSource, cfg: AgentEvalConfig) -
         n = spec.num_tasks or cfg.num_tasks
         if n is None:
             n = getattr(source, "golden_size", DEFAULT_NUM_TASKS) if spec.kind == "golden" else DEFAULT_NUM_TASKS
-        tasks = draw_tasks(source, spec.kind, n, seed, stratified=cfg.stratify and spec.kind != "golden")
+        tasks = draw_tasks(source, spec.kind, n, seed, stratified=cfg.stratify)  # the source keeps golden curated
         return EvalSet(name=spec.label, kind=spec.kind, seed=seed, tasks=tasks, source=spec.kind)
     path = Path(spec.path or "")
     if not path.is_file():

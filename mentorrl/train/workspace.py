@@ -71,8 +71,9 @@ class Workspace:
         return draw_tasks(self.env_entry.make_tasks(), split, n, seed, stratified=stratified)
 
     def eval_tasks(self, split: str, n: int):
-        """The evaluation tasks of ``split`` (``eval.seed``; stratified when ``eval.stratify``)."""
-        return self.tasks(split, n, self.cfg.eval.seed, stratified=self.cfg.eval.stratify and split != "golden")
+        """The evaluation tasks of ``split`` (``eval.seed``; stratified when ``eval.stratify``, as the
+        task source stratifies that split: orders keeps golden's curated cycle)."""
+        return self.tasks(split, n, self.cfg.eval.seed, stratified=self.cfg.eval.stratify)
 
     def train_tasks(self, n: int, seed: int):
         """Tasks for a training stage, from ``cfg.train_split``; refuses the hidden evaluation set."""
