@@ -115,12 +115,11 @@ class DynamicCacheDecoder:
         if self.cache.get_seq_length() > 0:
             self.cache.batch_select_indices(idx)
         self.attn, self.pos = self.attn[idx], self.pos[idx]
+        if self.attn.shape[1] and not bool(self.attn.any()):
+            self.reset(len(keep))  # only rows never fed are left: no real entry to keep
         return list(keep)
 
     def forward(self, chunks: list[list[int]]) -> torch.Tensor:
-        if self.attn.shape[1] and not bool(self.attn.any()):
-            # every real entry belonged to rows since dropped (the rest were never fed): start afresh
-            self.reset(len(chunks))
         attn = self.attn
         # keep attention cost proportional to real context, not to accumulated pads
         if attn.shape[1] > 64 and attn.shape[1] > self.compact_ratio * int(attn.sum(1).max()):
