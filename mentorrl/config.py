@@ -147,6 +147,10 @@ class GRPOConfig(_Section):
         "none", description="expert: a group where no rollout succeeded gets the scripted expert's verified "
                             "demonstration as one more member (off-policy guidance; needs an environment with "
                             "an expert)")
+    guide_sft: float = Field(
+        0.0, ge=0, description="with guide: expert, weight of an SFT term on the step's expert demonstrations "
+                               "(their token-mean negative log-likelihood, added to each update's loss besides "
+                               "their place in the group; single-stage SFT + RL); 0: none")
 
     @field_validator("advantage")
     @classmethod
@@ -160,6 +164,8 @@ class GRPOConfig(_Section):
     def _state_needs_a_pool(self) -> "GRPOConfig":
         if self.hard_pool_state and self.hard_pool is None:
             raise ValueError("grpo.hard_pool_state is set but grpo.hard_pool is null; enable the pool to use it")
+        if self.guide_sft > 0 and self.guide != "expert":
+            raise ValueError("grpo.guide_sft > 0 needs grpo.guide: expert (the demonstrations it trains on)")
         return self
 
 

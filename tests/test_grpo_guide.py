@@ -125,7 +125,8 @@ def test_an_environment_without_an_expert_is_refused_before_the_first_step():
 def test_a_guided_grpo_run_logs_its_guided_groups_and_passes_the_check(tmp_path):
     run = tmp_path / "run"
     args = ["demo", "--run-dir", str(run)]
-    for ov in TINY_OVERRIDES + ["recipe=[grpo]", "grpo.steps=2", "grpo.guide=expert", "limits.max_turns=6",
+    for ov in TINY_OVERRIDES + ["recipe=[grpo]", "grpo.steps=2", "grpo.guide=expert", "grpo.guide_sft=0.5",
+                                "limits.max_turns=6",
                                 "limits.max_total_tokens=1024", "audit.preflight=false",
                                 "eval.final_splits=[]"]:
         args += ["--set", ov]
@@ -138,3 +139,89 @@ def test_a_guided_grpo_run_logs_its_guided_groups_and_passes_the_check(tmp_path)
     assert json.loads((run / "report.json").read_text())["evals"]
     checked = CliRunner().invoke(app, ["check", str(run)])
     assert checked.exit_code == 0, checked.output
+
+
+# ---- grpo.guide_sft: an SFT term on the step's demonstrations, inside the same updates ----
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+from mentorrl.algos.losses import weighted_nll  # noqa: E402
+from mentorrl.train.recipes.grpo import guide_nll_weights  # noqa: E402
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 6), st.data())
+def test_weighted_nll_is_the_weighted_sum_of_masked_token_nll(b, t, data):
+    lp = torch.tensor(data.draw(st.lists(st.lists(st.floats(-30, 0), min_size=t, max_size=t), min_size=b, max_size=b)))
+    mask = torch.tensor(data.draw(st.lists(st.lists(st.booleans(), min_size=t, max_size=t), min_size=b, max_size=b)))
+    w = torch.tensor(data.draw(st.lists(st.sampled_from([0.0, 0.5, 2.0]), min_size=b, max_size=b)))
+    want = sum(float(w[i]) * sum(-float(lp[i, j]) for j in range(t) if mask[i, j]) for i in range(b))
+    poisoned = torch.where(mask, lp, torch.full_like(lp, float("nan")))  # junk off the mask never leaks
+    poisoned[w == 0] = float("nan")  # nor from a row of weight 0
+    got = weighted_nll(poisoned, mask, w)
+    assert abs(float(got) - want) <= 1e-4 * max(1.0, abs(want))
+
+
+def test_guide_nll_weights_are_a_token_mean_over_the_demonstrations():
+    demos = [SimpleNamespace(num_policy_tokens=30), SimpleNamespace(num_policy_tokens=10)]
+    w = guide_nll_weights(5, demos, 2.0)
+    assert w[:5].abs().sum() == 0 and torch.allclose(w[5:], torch.full((2,), 2.0 / 40))
+    assert guide_nll_weights(3, [], 1.0).abs().sum() == 0
+
+
+def _grads(model, fn):
+    m = copy.deepcopy(model).train()
+    fn(m)
+    return torch.cat([p.grad.reshape(-1) for p in m.parameters() if p.grad is not None])
+
+
+@pytest.mark.filterwarnings("ignore:Seems like `optimizer.step")
+def test_the_sft_term_adds_exactly_its_gradient_whatever_the_micro_batching(setting, model, orders_entry, tokenizer):
+    """policy_step(nll_weights=w) has the gradient of the clipped loss plus sum_i w_i NLL_i, with 1 or 4
+    sequences per micro-batch (the term is normalised over the batch, not per micro-batch)."""
+    ws, group = setting
+    (i, demo), = guide_failed_groups(ws, model, group, orders_entry.make_expert(), 0, tokenizer.pad_token_id)
+    rows = list(group.trajs) + [demo]
+    adv = torch.linspace(-1, 1, len(rows))
+    w = guide_nll_weights(len(group.trajs), [demo], 0.7)
+    pad = tokenizer.pad_token_id
+
+    def step(mb, nll):
+        def fn(m):
+            learner = Learner(m, OptimConfig(lr=1e-9, micro_batch_size=mb, max_grad_norm=1e9), pad)
+            learner.optimizer.step = lambda *a, **k: None  # keep the gradient, not the update
+            learner.policy_step(rows, adv, "grpo", nll_weights=nll, eps_low=0.2, eps_high=0.28)
+        return fn
+
+    base = _grads(model, step(32, None))
+    with_term = _grads(model, step(1, w))
+    torch.testing.assert_close(_grads(model, step(4, w)), with_term, rtol=1e-4, atol=1e-6)
+
+    def nll_only(m):
+        lp, _ = forward_logprobs(m, collate([demo], pad), 1.0)
+        (weighted_nll(lp, collate([demo], pad).loss_mask, torch.tensor([0.7 / demo.num_policy_tokens]))).backward()
+    torch.testing.assert_close(with_term - base, _grads(model, nll_only), rtol=1e-3, atol=1e-6)
+    assert (with_term - base).abs().max() > 1e-4  # the term is not a no-op
+
+
+def test_pg_update_forwards_a_demonstration_with_zero_advantage_but_an_sft_weight(setting, model, tokenizer):
+    """drop_zero skips zero-advantage rows, but not one the SFT term trains on; kind must be grpo."""
+    ws, group = setting
+    rows = list(group.trajs[:2])
+    adv = torch.zeros(2)
+    pad = tokenizer.pad_token_id
+    m = copy.deepcopy(model)
+    learner = Learner(m, OptimConfig(lr=1e-3), pad)
+    assert pg_update(learner, rows, adv, 1, 0, {"policy": 0}, kind="grpo", drop_zero=True) == []
+    ups = pg_update(learner, rows, adv, 1, 0, {"policy": 0}, kind="grpo", drop_zero=True,
+                    nll_weights=torch.tensor([0.0, 0.1]))
+    assert len(ups) == 1 and any(not torch.equal(a, b) for a, b in zip(m.parameters(), model.parameters()))
+    with pytest.raises(ValueError, match="kind='grpo'"):
+        pg_update(learner, rows, [torch.zeros(3)] * 2, 1, 0, {"policy": 0}, nll_weights=torch.ones(2))
+
+
+def test_guide_sft_needs_the_expert_guide():
+    with pytest.raises(ValueError, match="guide_sft"):
+        RunConfig.model_validate({"grpo": {"guide_sft": 1.0}})
+    with pytest.raises(ValueError):
+        RunConfig.model_validate({"grpo": {"guide": "expert", "guide_sft": -1.0}})
+    assert RunConfig.model_validate({"grpo": {"guide": "expert", "guide_sft": 1.0}}).grpo.guide_sft == 1.0

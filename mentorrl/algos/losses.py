@@ -37,6 +37,7 @@ __all__ = [
     "kl_penalty",
     "grpo_loss",
     "sft_loss",
+    "weighted_nll",
 ]
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
@@ -307,6 +308,14 @@ def grpo_loss(
     metrics["kl"] = kl_val
     metrics["loss"] = loss.detach().item()
     return loss, metrics
+
+
+def weighted_nll(logprobs: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``sum_b weights[b] * sum_t -logprobs[b, t] * mask[b, t]``: each row's summed negative
+    log-likelihood of its masked tokens, weighted per row (a row of weight 0 adds nothing, not even
+    a NaN from a masked-out position). ``weights`` [B]; the caller normalises (e.g. by token count)."""
+    nll = torch.where(mask != 0, -logprobs, torch.zeros_like(logprobs)).sum(dim=-1)
+    return (torch.where(weights != 0, nll, torch.zeros_like(nll)) * weights.to(nll.dtype)).sum()
 
 
 def sft_loss(

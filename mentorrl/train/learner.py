@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from mentorrl.algos.losses import clipped_value_loss, get_policy_loss, sft_loss
+from mentorrl.algos.losses import clipped_value_loss, get_policy_loss, sft_loss, weighted_nll
 from mentorrl.algos.logprobs import masked_mean
 from mentorrl.config import OptimConfig
 from mentorrl.train.consistency import logprob_gap_metrics
@@ -109,6 +109,9 @@ class Learner:
     ) -> dict[str, float]:
         """Run ``loss_fn`` per micro-batch, weighting each so the sum is the full-batch loss; one optimiser step.
 
+        ``loss_fn`` returns ``(loss, metrics)``, or ``(loss, metrics, extra)`` where ``extra`` is a term
+        already normalised over the whole batch (added as it is, not weighted by the micro-batch's share).
+
         ``norm = (policy tokens, sequences)`` of the batch the aggregate is taken over, when ``trajs``
         is part of it: trajectories left out because their loss is exactly zero (zero advantage, no
         KL term) still count in the token-mean / seq-mean denominator, so the update is the
@@ -134,9 +137,9 @@ class Learner:
                 if idle:
                     (logprobs.sum() * 0.0).backward()
                     continue
-                loss, m = loss_fn(mb, logprobs, entropy, sl)
+                loss, m, *extra = loss_fn(mb, logprobs, entropy, sl)
                 w = _share(mb, total_tokens, total_seqs, agg)
-                (loss * (w * scale)).backward()
+                ((loss * w + (extra[0] if extra else 0.0)) * scale).backward()
             for k, v in m.items():
                 metrics[k] = metrics.get(k, 0.0) + w * float(v)
             n = float(mb.loss_mask.sum())
@@ -171,10 +174,14 @@ class Learner:
         loss_name: str = "grpo",
         ref_model=None,
         norm: tuple[float, int] | None = None,
+        nll_weights: torch.Tensor | None = None,
         **loss_kwargs,
     ) -> dict[str, float]:
         """One clipped policy-gradient update; ``advantages`` is [len(trajs)] (sequence level).
-        ``norm``: see :meth:`_accumulate` (the batch ``trajs`` were taken from)."""
+        ``norm``: see :meth:`_accumulate` (the batch ``trajs`` were taken from).
+        ``nll_weights`` ([len(trajs)], or None): adds ``sum_i w_i * NLL_i`` to the loss, ``NLL_i`` the
+        summed negative log-likelihood of trajectory i's policy tokens, whatever its advantage (an SFT
+        term on chosen trajectories, e.g. the expert's demonstrations of ``grpo.guide_sft``)."""
         agg = loss_kwargs.get("agg", "token-mean")
         loss = get_policy_loss(loss_name)
 
@@ -188,7 +195,11 @@ class Learner:
             if ref is not None:
                 kw["ref_logprobs"] = ref
             value, m = loss(logprobs, mb.old_logprobs, adv, mb.loss_mask, **kw)
-            return value, {**m, **logprob_gap_metrics(mb.old_logprobs, logprobs, mb.loss_mask)}
+            m = {**m, **logprob_gap_metrics(mb.old_logprobs, logprobs, mb.loss_mask)}
+            if nll_weights is None:
+                return value, m
+            nll = weighted_nll(logprobs, mb.loss_mask, nll_weights[sl].to(logprobs.device))
+            return value, m, nll
 
         return self._accumulate(trajs, agg, fn, norm=norm)
 

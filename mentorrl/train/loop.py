@@ -264,7 +264,7 @@ def reduce_updates(updates: list[dict[str, float]], keys: tuple[str, ...]) -> di
 
 def pg_update(learner, trajs: list[Trajectory], adv, k: int, seed: int, version: dict[str, Any], *,
               items: list[int] | None = None, kind: str = "clipped", bump: bool = True, skip_zero: bool = False,
-              drop_zero: bool = False, **loss: Any) -> list[dict[str, float]]:
+              drop_zero: bool = False, nll_weights: torch.Tensor | None = None, **loss: Any) -> list[dict[str, float]]:
     """One pass of policy-gradient updates: ``items`` (default: every trajectory) dealt into ``k``
     minibatches with ``seed``, one optimizer step per minibatch; each update's metrics with the
     minibatch's policy lag behind ``version["policy"]``, which every update increments (``bump``).
@@ -276,11 +276,15 @@ def pg_update(learner, trajs: list[Trajectory], adv, k: int, seed: int, version:
     so each update equals the one over the whole minibatch (dropping them from the denominator too
     would scale the step up by up to ``group_size`` when few groups carry signal). A minibatch
     with no signal at all is skipped.
+    ``nll_weights`` (``kind="grpo"`` only; [len(trajs)] or None): an SFT term per trajectory
+    (:meth:`Learner.policy_step`); a trajectory with a non-zero weight is forwarded whatever its advantage.
     ``loss`` goes to the learner's step (``eps_low``, ``eps_high``, ``agg``, ``ref_model``, ``kl_coef``)."""
+    if nll_weights is not None and kind != "grpo":
+        raise ValueError("pg_update: nll_weights needs kind='grpo'")
     items = list(range(len(trajs))) if items is None else items
     ups: list[dict[str, float]] = []
     for idx in minibatches(items, k, seed) if items else []:
-        live = [i for i in idx if adv[i].abs().sum() > 0]
+        live = [i for i in idx if adv[i].abs().sum() > 0 or (nll_weights is not None and nll_weights[i] != 0)]
         if (skip_zero or drop_zero) and not live:
             continue
         norm = None
@@ -290,7 +294,8 @@ def pg_update(learner, trajs: list[Trajectory], adv, k: int, seed: int, version:
         idx = length_order(idx, trajs, learner.dp.world_size if learner.dp is not None else 1)
         batch = [trajs[i] for i in idx]
         if kind == "grpo":
-            m = learner.policy_step(batch, adv[idx], kind, norm=norm, **loss)
+            nll = nll_weights[idx] if nll_weights is not None else None
+            m = learner.policy_step(batch, adv[idx], kind, norm=norm, nll_weights=nll, **loss)
         else:
             m = learner.token_policy_step(batch, [adv[i] for i in idx], kind, norm=norm, **loss)
         ups.append({**m, **policy_lag(batch, version["policy"])})

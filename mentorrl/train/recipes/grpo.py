@@ -58,6 +58,17 @@ def load_hard_pool(g) -> HardTaskPool | None:
     return pool
 
 
+def guide_nll_weights(n_policy: int, demos: list, coef: float) -> torch.Tensor:
+    """Per-trajectory weights of ``grpo.guide_sft``'s SFT term over ``n_policy`` rollouts followed by
+    ``demos``: 0 for the rollouts, ``coef / (the demonstrations' policy tokens)`` for each
+    demonstration, so the term is ``coef`` times their token-mean negative log-likelihood."""
+    tokens = sum(d.num_policy_tokens for d in demos)
+    w = torch.zeros(n_policy + len(demos))
+    if tokens:
+        w[n_policy:] = coef / tokens
+    return w
+
+
 def guide_expert(ws: Workspace):
     """The scripted expert of ``grpo.guide: expert``, or None; an environment without one is refused
     before the first step."""
@@ -105,6 +116,8 @@ def grpo_stage(ws: Workspace, model, ref_model=None, resume: bool = False) -> Pa
         adv, demo_adv = guided_advantages(estimator, rewards, [(i, r) for (i, _), r in zip(guided, demo_rewards)],
                                           normalize_std=g.normalize_std)
         trajs, adv = list(grp.trajs) + [d for _, d in guided], torch.cat([adv, demo_adv])
+        nll = guide_nll_weights(len(grp.trajs), [d for _, d in guided], g.guide_sft) if guided and g.guide_sft > 0 \
+            else None
         if expert is not None:
             metrics["guided_groups"] = float(len(guided))
         metrics.update(ws.on_main(lambda: reward_debugger(
@@ -114,7 +127,7 @@ def grpo_stage(ws: Workspace, model, ref_model=None, resume: bool = False) -> Pa
         t1, c1 = time.perf_counter(), time.process_time()
         ups = pg_update(learner, trajs, adv, g.updates_per_step, step, version, kind="grpo", drop_zero=g.kl_coef == 0,
                         ref_model=ref_model if g.kl_coef > 0 else None, kl_coef=g.kl_coef, eps_low=g.eps_low,
-                        eps_high=g.eps_high, agg=g.loss_agg)
+                        eps_high=g.eps_high, agg=g.loss_agg, nll_weights=nll)
         metrics.update(reduce_updates(ups, GRPO_METRICS))
         trained = len(trajs) if g.kl_coef > 0 else int((adv.abs() > 0).sum())
         metrics.update(trained_trajectories=trained, policy_version=version["policy"],
