@@ -37,6 +37,21 @@ def final_eval(path: Path) -> dict:
     return {"success": d["success"], "ci95": d["success_ci95"], "violations": d["violation_rate"], "n": d["n"]}
 
 
+def same_tasks(a: Path, b: Path) -> None:
+    """Refuse to compare two evaluations (``eval_*.json``) run on different tasks, e.g. a plain and
+    a stratified draw: the task ids of the ``.jsonl`` beside each, in order, must be equal. Files
+    written without their ``.jsonl`` are not checked."""
+    ids = []
+    for p in (a, b):
+        rows = p.with_suffix(".jsonl")
+        if not rows.exists():
+            return
+        ids.append([json.loads(line)["task_id"] for line in rows.read_text().splitlines() if line.strip()])
+    if ids[0] != ids[1]:
+        raise SystemExit(f"{a} and {b} were evaluated on different tasks (another eval.seed, split, num_tasks "
+                         "or eval.stratify?): re-evaluate one with the other's settings before comparing them")
+
+
 def summary(label: str, xs: list[float], unit: str = "points", difference: bool = True, indent: str = "") -> dict:
     """Print and return the mean ± sd and Student-t 95% interval of the mean of ``xs`` (one per seed);
     ``difference``: the values are differences, printed signed with the verdict against zero."""

@@ -37,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _seeds import final_eval, summary, train_run  # noqa: E402
+from _seeds import final_eval, same_tasks, summary, train_run  # noqa: E402
 from opd_vs_grpo import curve, smoothed, tokens_to_reach  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,6 +108,8 @@ def seed_row(args, seed: int, name: str) -> dict:
     teachers = {"teacher": args.teacher, "cross": args.cross_teacher}
     run_dir = run_method(args.out, name, seed, sft, teachers, args.overrides, args.check_tasks)
     m = METHODS[name]
+    for other in (grpo_dir / "eval_grpo.json", run_dir / f"eval_{m.stage}.json"):
+        same_tasks(sft.parents[1] / "eval_sft.json", other)
     row = {"seed": seed, "sft": final_eval(sft.parents[1] / "eval_sft.json"),
            "grpo": final_eval(grpo_dir / "eval_grpo.json"), name: final_eval(run_dir / f"eval_{m.stage}.json")}
     recs = records(run_dir, m.stage)

@@ -35,3 +35,19 @@ def test_paired_differences_over_seeds_from_finished_runs(tmp_path, capsys):
     assert res["seeds"][0]["guide"]["hidden"] == pytest.approx(0.53) and res["seeds"][0]["plain"]["hidden"] is None
     out = capsys.readouterr().out
     assert "guide minus plain over 3 seeds" in out and "| 0 | 30.0% [26.0, 34.0] |" in out
+
+
+def test_an_arm_evaluated_on_other_tasks_than_its_sft_start_is_refused(tmp_path):
+    spec = importlib.util.spec_from_file_location("grpo_guide", BENCH)
+    b = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(b)
+    sft, arm = tmp_path / "s0" / "eval_sft.json", tmp_path / "out" / "guide-s0" / "eval_grpo.json"
+    for path, ids in ((sft, ["t1", "t2"]), (arm, ["t1", "t3"])):
+        _write(path, 0.5)
+        path.with_suffix(".jsonl").write_text("".join(json.dumps({"task_id": i}) + "\n" for i in ids))
+    with pytest.raises(SystemExit, match="different tasks"):
+        b.main(["--sft", str(tmp_path / "s{seed}" / "sft" / "final"), "--out", str(tmp_path / "out"),
+                "--seeds", "0", "--arms", "guide"])
+    arm.with_suffix(".jsonl").write_text("".join(json.dumps({"task_id": i}) + "\n" for i in ["t1", "t2"]))
+    b.main(["--sft", str(tmp_path / "s{seed}" / "sft" / "final"), "--out", str(tmp_path / "out"),
+            "--seeds", "0", "--arms", "guide"])

@@ -27,8 +27,8 @@ def _eval(run: Path, label: str, success: float, per_task: list[bool] | None = N
     (run / f"eval_{label}.json").write_text(json.dumps({"success": success, "success_ci95": [success - .04, success + .04],
                                                          "violation_rate": 0.1, "n": 500}))
     if per_task is not None:
-        (run / f"eval_{label}.jsonl").write_text("".join(json.dumps({"reward": {"success": s}}) + "\n"
-                                                         for s in per_task))
+        (run / f"eval_{label}.jsonl").write_text("".join(json.dumps({"task_id": f"t{i}", "reward": {"success": s}})
+                                                         + "\n" for i, s in enumerate(per_task)))
 
 
 def _metrics(run: Path, stage: str, rows: list[dict]) -> None:

@@ -164,6 +164,6 @@ def evaluate(ws: Workspace, model, label: str, resume: bool = False, split: str 
             on_batch=(lambda n: prog.update(bar, advance=n)) if prog else None,
         )
     write_jsonl(ws.run_dir / f"eval_{label}.jsonl", trajs)
-    summary = {"label": label, "split": split, **summarize(trajs)}
+    summary = {"label": label, "split": split, "eval_seed": e.seed, "stratified": e.stratify, **summarize(trajs)}
     out_json.write_text(json.dumps(summary, indent=2))
     return summary
