@@ -24,8 +24,9 @@ from typing import Any, Callable
 from mentorrl.contract import IM_END, IM_START, Control, observation_pieces, render_observation_content, tool_call_pieces
 
 Pieces = list[str]
-# (env name) -> fn(rng, n_worlds) -> (documents as (kind, pieces), world seeds used)
-DomainTextFn = Callable[[random.Random, int], tuple[list[tuple[str, Pieces]], list[int]]]
+# (env name) -> fn(rng, n_worlds, version) -> (documents as (kind, pieces), world seeds used); ``version``
+# is ``model.pretrain.corpus_version`` (a generator keeps every version it has shipped reproducible)
+DomainTextFn = Callable[[random.Random, int, int], tuple[list[tuple[str, Pieces]], list[int]]]
 
 
 def _money(x: float) -> str:
@@ -165,12 +166,39 @@ SUMMARY_FRAMES = [
 ]
 
 
-def _orders_chained_session(seed: int, rng: random.Random) -> Pieces:
+# Corpus version 3: a second note sentence naming an amount to pay back and/or a new address, which
+# the session's write then copies into its arguments, and a closing line that quotes what the write
+# returned. Version 2's notes named only an e-mail and an order, and its writes used amounts of
+# their own, so nothing taught copying a sum or a free-text address across turns.
+AMOUNT_FRAMES = [
+    "They want ${amount} back.",
+    "Amount in question: ${amount}.",
+    "The sum named was ${amount}.",
+    "Asked to return ${amount} to them.",
+]
+ADDRESS_FRAMES = [
+    "New address given: {addr}.",
+    "They moved; the address is {addr} now.",
+    "Address on file should become {addr}.",
+    "Mail should go to {addr} from now on.",
+]
+WRITE_SUMMARY_FRAMES = {
+    "issue_refund": ["Closed: ${refunded} paid back on {order}.", "Logged: {order} refunded ${refunded}."],
+    "update_address": ["Closed: {cid} now at {address}.", "Logged: address of {cid} set to {address}."],
+}
+
+
+def _money_text(x: float) -> str:
+    return f"{x:.0f}" if float(x).is_integer() else f"{x:.2f}"
+
+
+def _orders_chained_session(seed: int, rng: random.Random, version: int = 2) -> Pieces:
     """A support log note, then tool calls that reuse what the note and earlier observations said
     (the e-mail -> the customer id -> that customer's orders -> one order), then a prose summary
-    that quotes the observations: copying identifiers between prose, JSON and tool output."""
+    that quotes the observations: copying identifiers between prose, JSON and tool output. From
+    ``version`` 3 the note may also name an amount and a new address, which the write copies."""
     from mentorrl.envs.orders.backend import OrdersBackend
-    from mentorrl.envs.orders.world import build_db, make_world
+    from mentorrl.envs.orders.world import build_db, make_world, random_address
 
     w = make_world(seed)
     conn = build_db(seed)
@@ -181,8 +209,20 @@ def _orders_chained_session(seed: int, rng: random.Random) -> Pieces:
     p = rng.choice(w.products)
     email = c["email"] if rng.random() < 0.85 else f"{c['name'].split()[0].lower()}{rng.randint(1, 99)}@{rng.choice(['mail.com', 'example.org'])}"
     order_id = o["id"] if rng.random() < 0.85 else f"O-{rng.randint(101, 999)}"
-    pieces: Pieces = [rng.choice(NOTE_FRAMES).format(email=email, order=order_id, product=p["name"].lower(),
-                                                     name=c["name"]) + "\n", Control(IM_START), "assistant\n"]
+    note = rng.choice(NOTE_FRAMES).format(email=email, order=order_id, product=p["name"].lower(), name=c["name"])
+    amount = addr = None
+    if version >= 3:
+        extra = []
+        if rng.random() < 0.6:
+            top = max(1, int(o["total"])) if rng.random() < 0.8 else 200  # mostly within the order's total
+            amount = float(rng.randint(1, top)) if rng.random() < 0.8 else round(rng.uniform(1, top), 2)
+            extra.append(rng.choice(AMOUNT_FRAMES).format(amount=_money_text(amount)))
+        if rng.random() < 0.5:
+            addr = random_address(rng)
+            extra.append(rng.choice(ADDRESS_FRAMES).format(addr=addr))
+        rng.shuffle(extra)
+        note = " ".join([note, *extra])
+    pieces: Pieces = [note + "\n", Control(IM_START), "assistant\n"]
 
     def call(name: str, args: dict[str, Any]) -> Any:
         turn, result = _tool_turn(backend, name, args)
@@ -196,7 +236,9 @@ def _orders_chained_session(seed: int, rng: random.Random) -> Pieces:
             return pieces
         cid = found["customer_id"]
         steps = rng.sample(["list", "get", "stock", "write"], k=rng.randint(1, 3))
-        status = None
+        if version >= 3 and (amount is not None or addr is not None) and "write" not in steps:
+            steps.append("write")  # a named sum or address is always used
+        status, closing = None, None
         for step in steps:
             if step == "list":
                 listed = call("list_orders", {"customer_id": cid})
@@ -207,6 +249,15 @@ def _orders_chained_session(seed: int, rng: random.Random) -> Pieces:
                 status = got["status"] if got else status
             elif step == "stock":
                 call("check_inventory", {"product": rng.choice([p["name"], p["name"].lower()])})
+            elif version >= 3 and (amount is not None or addr is not None):
+                copied = ([("issue_refund", {"order_id": order_id, "amount": amount})] if amount is not None else []) \
+                    + ([("update_address", {"customer_id": cid, "address": addr})] if addr is not None else [])
+                name, args = rng.choice(copied)
+                result = call(name, args)
+                if result is not None:
+                    closing = rng.choice(WRITE_SUMMARY_FRAMES[name]).format(
+                        order=order_id, cid=cid, refunded=_money_text(result.get("refunded", 0.0)),
+                        address=result.get("address", ""))
             else:
                 name, args = rng.choice([
                     ("cancel_order", {"order_id": order_id}),
@@ -218,12 +269,14 @@ def _orders_chained_session(seed: int, rng: random.Random) -> Pieces:
         del pieces[-2:]  # the unused assistant opener
         if status is not None:
             pieces.append(rng.choice(SUMMARY_FRAMES).format(email=email, cid=cid, order=order_id, status=status))
+        if closing is not None:
+            pieces.append((" " if status is not None else "") + closing)
     finally:
         conn.close()
     return pieces
 
 
-def orders_domain_text(rng: random.Random, n_worlds: int) -> tuple[list[tuple[str, Pieces]], list[int]]:
+def orders_domain_text(rng: random.Random, n_worlds: int, version: int = 2) -> tuple[list[tuple[str, Pieces]], list[int]]:
     from mentorrl.envs.orders.tasks import SEED_BASE
     from mentorrl.envs.orders.world import make_world
 
@@ -235,7 +288,7 @@ def orders_domain_text(rng: random.Random, n_worlds: int) -> tuple[list[tuple[st
         docs.append(("free_text", [_orders_free_text(make_world(seed), rng)]))
         docs.append(("tool_session", _orders_tool_session(seed, rng)))
         for _ in range(CHAINED_PER_WORLD):
-            docs.append(("chained_session", _orders_chained_session(seed, rng)))
+            docs.append(("chained_session", _orders_chained_session(seed, rng, version)))
     return docs, seeds
 
 

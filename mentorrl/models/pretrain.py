@@ -31,9 +31,10 @@ import torch
 from mentorrl.contract import PAD, Control, message_pieces, system_text
 from mentorrl.models.spec import PretrainSpec
 
-# bumped whenever the corpus generators change what they write for the same spec: it is part of the
-# build config, so a shipped base built by older generators is never served for a newer build
-CORPUS_VERSION = 2
+# The corpus generators' versions (``PretrainSpec.corpus_version``): a generator that changes what it
+# writes adds a version and keeps the older ones reproducible. The version is part of the build config,
+# so a shipped base built by one version is never served for another.
+CORPUS_VERSIONS = (2, 3)
 
 # train-task seed of the corpus transcripts: apart from SFT's demonstrations (train tasks, seed cfg.seed)
 CORPUS_TASK_SEED_OFFSET = 7_919
@@ -107,7 +108,8 @@ def build_corpus(env_entry: Any, env_name: str, tokenizer: Any, spec: PretrainSp
 
     gen = DOMAIN_TEXT.get(env_name)
     if gen is not None and spec.worlds:
-        docs, corpus.world_seeds = gen(random.Random(f"pretrain/{env_name}/{spec.seed}"), spec.worlds)
+        docs, corpus.world_seeds = gen(random.Random(f"pretrain/{env_name}/{spec.seed}"), spec.worlds,
+                                       spec.corpus_version)
         for kind, pieces in docs:
             corpus.add(kind, enc.pieces([p if isinstance(p, Control) else str(p) for p in pieces]))
     return corpus

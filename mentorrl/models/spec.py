@@ -43,6 +43,9 @@ class PretrainSpec(BaseModel):
     seed: int = Field(0, description="corpus sampling and block order")
     eval_transcripts: int = Field(64, ge=0, description="held-out-split expert transcripts scored before and after "
                                                         "(never trained on)")
+    corpus_version: int = Field(2, ge=2, le=3, description="generated corpus: 2: support-log notes naming an e-mail and "
+                                                           "an order that the tool calls copy; 3: the notes may also "
+                                                           "name an amount and a new address that the writes copy")
 
 
 __all__ = ["ModelSpec", "PretrainSpec"]

@@ -14,7 +14,7 @@ from typing import Any
 
 from mentorrl.models.build import ModelSpec, dir_digest, init_model
 from mentorrl.models.corpus import expert_transcripts
-from mentorrl.models.pretrain import CORPUS_VERSION, PretrainSpec, run_pretraining
+from mentorrl.models.pretrain import PretrainSpec, run_pretraining
 from mentorrl.models.pretrain import config_hash as pretrain_config_hash
 from mentorrl.models.shipped import find_shipped_base, install_shipped_base
 
@@ -25,8 +25,8 @@ def build_config(env_name: str, spec: ModelSpec, corpus_tasks: int, seed: int, f
     pretrain = pretrain or PretrainSpec()
     return {"env": env_name, "spec": spec.model_dump(mode="json"), "tokenizer_corpus_tasks": corpus_tasks,
             "seed": seed, "prompt": fmt.model_dump(mode="json") if fmt is not None else None,
-            "pretrain": pretrain.model_dump(mode="json"),
-            **({"corpus_version": CORPUS_VERSION} if pretrain.steps > 0 else {})}
+            "pretrain": pretrain.model_dump(mode="json", exclude={"corpus_version"}),
+            **({"corpus_version": pretrain.corpus_version} if pretrain.steps > 0 else {})}
 
 
 def build_tiny_model(env_entry, out_dir: Path, spec: ModelSpec, corpus_tasks: int, seed: int = 0, fmt=None,
