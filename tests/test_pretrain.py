@@ -160,3 +160,63 @@ def test_chained_sessions_copy_what_the_note_and_the_observations_said():
             if "customer_id" in c["arguments"]:
                 assert c["arguments"]["customer_id"] == found.group(1)
     assert chained > 20
+
+
+def test_corpus_version_2_is_what_the_shipped_base_was_built_from():
+    """Version 2's documents are pinned (a digest taken before version 3 existed), and the default
+    build config hashes as before, so the shipped base is still found."""
+    import hashlib
+    import random
+
+    from mentorrl.models.domain_text import orders_domain_text
+
+    docs, _ = orders_domain_text(random.Random("pin"), 12)
+    assert hashlib.sha256(repr([(k, [str(p) for p in ps]) for k, ps in docs]).encode()).hexdigest()[:16] \
+        == "6c05ccae7007fed8"
+    assert orders_domain_text(random.Random("pin"), 12, 2) == orders_domain_text(random.Random("pin"), 12)
+    from mentorrl.train.models_init import build_config
+
+    base = build_config("orders", ModelSpec(), 400, 0, None, PretrainSpec(steps=10))
+    assert base["corpus_version"] == 2 and "corpus_version" not in base["pretrain"]
+    v3 = build_config("orders", ModelSpec(), 400, 0, None, PretrainSpec(steps=10, corpus_version=3))
+    assert v3["corpus_version"] == 3 and {**v3, "corpus_version": 2} == base
+    with pytest.raises(ValueError):
+        PretrainSpec(corpus_version=4)
+
+
+def test_version_3_sessions_copy_the_notes_amount_and_address_into_the_write():
+    """Every version-3 session whose note names a sum or an address, and whose customer is found, makes
+    a write that copies one of them exactly, and its closing line quotes what the write returned."""
+    import random
+    import re
+
+    from mentorrl.models.domain_text import _orders_chained_session
+
+    copied = {"issue_refund": 0, "update_address": 0}
+    for i in range(120):
+        text = "".join(str(p) for p in _orders_chained_session(SEED_BASE["train"] + i, random.Random(i), 3))
+        note = text.split("\n", 1)[0]
+        amount = re.search(r"\$(\d+(?:\.\d\d)?)", note)
+        addr = re.search(r"(\d+ [A-Z]\w+ (?:St|Ave|Rd|Ln|Dr), [A-Z]\w+)", note)
+        calls = [json.loads(m) for m in re.findall(r"<tool_call>(.*?)</tool_call>", text)]
+        if (amount is None and addr is None) or len(calls) == 1:  # nothing named, or the e-mail was unknown
+            continue
+        writes = [c for c in calls if c["name"] in copied]
+        assert len(writes) == 1, text
+        w = writes[0]
+        if w["name"] == "issue_refund":
+            assert w["arguments"]["amount"] == float(amount.group(1))
+        else:
+            assert w["arguments"]["address"] == addr.group(1)
+        copied[w["name"]] += 1
+        after = text.split(json.dumps(w))[1]
+        observation = after.split("tool\n", 1)[1].split("<|im_end|>", 1)[0]
+        closing = text.rsplit("\n", 1)[1]
+        if observation.startswith("{"):  # the write went through: the closing line quotes its result
+            result = json.loads(observation)
+            quoted = f"${w['arguments']['amount']:.2f}".replace(".00", "") if w["name"] == "issue_refund" \
+                else result["address"]
+            assert quoted in closing, (closing, observation)
+        else:
+            assert observation.startswith("error:") and "paid back" not in closing and "now at" not in closing
+    assert min(copied.values()) >= 10, copied
