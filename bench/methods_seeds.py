@@ -108,9 +108,10 @@ def seed_row(args, seed: int, name: str) -> dict:
     teachers = {"teacher": args.teacher, "cross": args.cross_teacher}
     run_dir = run_method(args.out, name, seed, sft, teachers, args.overrides, args.check_tasks)
     m = METHODS[name]
+    sft_eval = sft.parents[1] / "eval_sft.json"
     for other in (grpo_dir / "eval_grpo.json", run_dir / f"eval_{m.stage}.json"):
-        same_tasks(sft.parents[1] / "eval_sft.json", other)
-    row = {"seed": seed, "sft": final_eval(sft.parents[1] / "eval_sft.json"),
+        same_tasks(sft_eval, other)
+    row = {"seed": seed, "sft": final_eval(sft_eval),
            "grpo": final_eval(grpo_dir / "eval_grpo.json"), name: final_eval(run_dir / f"eval_{m.stage}.json")}
     recs = records(run_dir, m.stage)
     if m.checks:

@@ -188,16 +188,13 @@ WRITE_SUMMARY_FRAMES = {
 }
 
 
-def _money_text(x: float) -> str:
-    return f"{x:.0f}" if float(x).is_integer() else f"{x:.2f}"
-
-
 def _orders_chained_session(seed: int, rng: random.Random, version: int = 2) -> Pieces:
     """A support log note, then tool calls that reuse what the note and earlier observations said
     (the e-mail -> the customer id -> that customer's orders -> one order), then a prose summary
     that quotes the observations: copying identifiers between prose, JSON and tool output. From
     ``version`` 3 the note may also name an amount and a new address, which the write copies."""
     from mentorrl.envs.orders.backend import OrdersBackend
+    from mentorrl.envs.orders.tasks import fmt_amount
     from mentorrl.envs.orders.world import build_db, make_world, random_address
 
     w = make_world(seed)
@@ -216,7 +213,7 @@ def _orders_chained_session(seed: int, rng: random.Random, version: int = 2) -> 
         if rng.random() < 0.6:
             top = max(1, int(o["total"])) if rng.random() < 0.8 else 200  # mostly within the order's total
             amount = float(rng.randint(1, top)) if rng.random() < 0.8 else round(rng.uniform(1, top), 2)
-            extra.append(rng.choice(AMOUNT_FRAMES).format(amount=_money_text(amount)))
+            extra.append(rng.choice(AMOUNT_FRAMES).format(amount=fmt_amount(amount)))
         if rng.random() < 0.5:
             addr = random_address(rng)
             extra.append(rng.choice(ADDRESS_FRAMES).format(addr=addr))
@@ -236,7 +233,8 @@ def _orders_chained_session(seed: int, rng: random.Random, version: int = 2) -> 
             return pieces
         cid = found["customer_id"]
         steps = rng.sample(["list", "get", "stock", "write"], k=rng.randint(1, 3))
-        if version >= 3 and (amount is not None or addr is not None) and "write" not in steps:
+        named = amount is not None or addr is not None  # only from version 3
+        if named and "write" not in steps:
             steps.append("write")  # a named sum or address is always used
         status, closing = None, None
         for step in steps:
@@ -249,14 +247,14 @@ def _orders_chained_session(seed: int, rng: random.Random, version: int = 2) -> 
                 status = got["status"] if got else status
             elif step == "stock":
                 call("check_inventory", {"product": rng.choice([p["name"], p["name"].lower()])})
-            elif version >= 3 and (amount is not None or addr is not None):
+            elif named:
                 copied = ([("issue_refund", {"order_id": order_id, "amount": amount})] if amount is not None else []) \
                     + ([("update_address", {"customer_id": cid, "address": addr})] if addr is not None else [])
                 name, args = rng.choice(copied)
                 result = call(name, args)
                 if result is not None:
                     closing = rng.choice(WRITE_SUMMARY_FRAMES[name]).format(
-                        order=order_id, cid=cid, refunded=_money_text(result.get("refunded", 0.0)),
+                        order=order_id, cid=cid, refunded=fmt_amount(result.get("refunded", 0.0)),
                         address=result.get("address", ""))
             else:
                 name, args = rng.choice([

@@ -31,11 +31,6 @@ import torch
 from mentorrl.contract import PAD, Control, message_pieces, system_text
 from mentorrl.models.spec import PretrainSpec
 
-# The corpus generators' versions (``PretrainSpec.corpus_version``): a generator that changes what it
-# writes adds a version and keeps the older ones reproducible. The version is part of the build config,
-# so a shipped base built by one version is never served for another.
-CORPUS_VERSIONS = (2, 3)
-
 # train-task seed of the corpus transcripts: apart from SFT's demonstrations (train tasks, seed cfg.seed)
 CORPUS_TASK_SEED_OFFSET = 7_919
 HELDOUT_EVAL_SEED = 0

@@ -25,6 +25,12 @@ class ModelSpec(BaseModel):
     seed: int = Field(0, description="weight initialisation seed")
 
 
+# The corpus generators' versions (``PretrainSpec.corpus_version``): a generator that changes what it
+# writes adds a version and keeps the older ones reproducible. The version is part of the build config,
+# so a shipped base built by one version is never served for another.
+CORPUS_VERSIONS = (2, 3)
+
+
 class PretrainSpec(BaseModel):
     """Next-token pretraining of the tiny model on a generated corpus of the environment's language."""
 
@@ -43,9 +49,9 @@ class PretrainSpec(BaseModel):
     seed: int = Field(0, description="corpus sampling and block order")
     eval_transcripts: int = Field(64, ge=0, description="held-out-split expert transcripts scored before and after "
                                                         "(never trained on)")
-    corpus_version: int = Field(2, ge=2, le=3, description="generated corpus: 2: support-log notes naming an e-mail and "
+    corpus_version: int = Field(2, ge=CORPUS_VERSIONS[0], le=CORPUS_VERSIONS[-1], description="generated corpus: 2: support-log notes naming an e-mail and "
                                                            "an order that the tool calls copy; 3: the notes may also "
                                                            "name an amount and a new address that the writes copy")
 
 
-__all__ = ["ModelSpec", "PretrainSpec"]
+__all__ = ["CORPUS_VERSIONS", "ModelSpec", "PretrainSpec"]
