@@ -181,7 +181,7 @@ def test_corpus_version_2_is_what_the_shipped_base_was_built_from():
     v3 = build_config("orders", ModelSpec(), 400, 0, None, PretrainSpec(steps=10, corpus_version=3))
     assert v3["corpus_version"] == 3 and {**v3, "corpus_version": 2} == base
     with pytest.raises(ValueError):
-        PretrainSpec(corpus_version=4)
+        PretrainSpec(corpus_version=5)
 
 
 def test_version_3_sessions_copy_the_notes_amount_and_address_into_the_write():
@@ -220,3 +220,27 @@ def test_version_3_sessions_copy_the_notes_amount_and_address_into_the_write():
         else:
             assert observation.startswith("error:") and "paid back" not in closing and "now at" not in closing
     assert min(copied.values()) >= 10, copied
+
+
+def test_version_4_is_version_3_plus_echoes_that_repeat_a_run_of_values_exactly():
+    """Version 4 adds echo documents and changes nothing else in a world's documents: every echo's
+    later lines repeat the first line whole or from one of its items on, character for character."""
+    import random
+
+    from mentorrl.models.domain_text import ECHO_LEADS, orders_domain_text
+
+    v3, seeds3 = orders_domain_text(random.Random("v4"), 1, 3)
+    v4, seeds4 = orders_domain_text(random.Random("v4"), 1, 4)
+    assert seeds3 == seeds4 and v4[:len(v3)] == v3  # the first world's documents are version 3's
+    echoes = [ps for k, ps in orders_domain_text(random.Random("e"), 60, 4)[0] if k == "echo"]
+    assert len(echoes) == 120
+    partial = 0
+    for (text,) in echoes:
+        first, *again = text.split("\n")
+        assert again and len(again) <= 2
+        for line in again:
+            lead = next(ld for ld in ECHO_LEADS if line.startswith(ld + " "))
+            copy = line[len(lead) + 1:]
+            assert first.endswith(copy) and copy.strip(), (first, line)
+            partial += copy != first
+    assert partial > 10

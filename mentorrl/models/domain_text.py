@@ -274,6 +274,62 @@ def _orders_chained_session(seed: int, rng: random.Random, version: int = 2) -> 
     return pieces
 
 
+# Corpus version 4: version 3 plus *echo* documents -- a run of the domain's values (addresses, sums,
+# e-mails, ids, names, products, statuses, plain words) written once and then again, whole or from one
+# of its items on. Copying whatever token followed the current one earlier (an induction head) is what
+# a street name or a town needs in a write three turns after the user named it; version 2's chained
+# sessions only ever copied e-mails and ids, and the SFT policy learned to copy those and to guess the
+# rest (teacher-forced loss 1.5-5 nats on every street and town token of held-out demonstrations).
+ECHO_PER_WORLD = 2
+ECHO_LEADS = ["Read back:", "Noted:", "Again:", "Copied:", "As written:", "To confirm:", "Repeat:", "Same as above:"]
+ECHO_WORDS = ["order", "refund", "address", "customer", "stock", "email", "receipt", "cancel", "ship", "note",
+              "ticket", "account", "total", "amount", "item", "store", "policy", "request", "update", "check"]
+
+
+def _echo_item(w: Any, rng: random.Random) -> str:
+    from mentorrl.envs.orders.tasks import fmt_amount
+    from mentorrl.envs.orders.world import CITIES, STATUSES, STREETS, random_address
+
+    c, o, p = rng.choice(w.customers), rng.choice(w.orders), rng.choice(w.products)
+    kind = rng.randrange(10)
+    if kind == 0:
+        return random_address(rng)
+    if kind == 1:
+        amt = float(rng.randint(1, 300)) if rng.random() < 0.7 else round(rng.uniform(1, 300), 2)
+        return "$" + fmt_amount(amt) if rng.random() < 0.5 else fmt_amount(amt)
+    if kind == 2:
+        return c["email"]
+    if kind == 3:
+        return rng.choice([o["id"], c["id"], p["id"]])
+    if kind == 4:
+        return c["name"] if rng.random() < 0.5 else rng.choice(c["name"].split())
+    if kind == 5:
+        return p["name"] if rng.random() < 0.5 else p["name"].lower()
+    if kind == 6:
+        return rng.choice(STATUSES)
+    if kind == 7:
+        return rng.choice([rng.choice(STREETS), rng.choice(CITIES)])
+    if kind == 8:
+        return str(rng.randint(1, 999))
+    return rng.choice(ECHO_WORDS)
+
+
+def _orders_echo(seed: int, rng: random.Random) -> str:
+    """Values of world ``seed`` in a random order, then the same run again (whole, or from one of its
+    items on), sometimes a third time: the copy is exact, so only attending back can predict it."""
+    from mentorrl.envs.orders.world import make_world
+
+    w = make_world(seed)
+    items = [_echo_item(w, rng) for _ in range(rng.randint(2, 10))]
+    sep = rng.choice([", ", "; ", " | ", " "])
+    first = sep.join(items)
+    lines = [first]
+    for _ in range(rng.choice([1, 1, 1, 2])):
+        start = 0 if rng.random() < 0.6 else rng.randrange(len(items))
+        lines.append(f"{rng.choice(ECHO_LEADS)} {sep.join(items[start:])}")
+    return "\n".join(lines)
+
+
 def orders_domain_text(rng: random.Random, n_worlds: int, version: int = 2) -> tuple[list[tuple[str, Pieces]], list[int]]:
     from mentorrl.envs.orders.tasks import SEED_BASE
     from mentorrl.envs.orders.world import make_world
@@ -287,6 +343,9 @@ def orders_domain_text(rng: random.Random, n_worlds: int, version: int = 2) -> t
         docs.append(("tool_session", _orders_tool_session(seed, rng)))
         for _ in range(CHAINED_PER_WORLD):
             docs.append(("chained_session", _orders_chained_session(seed, rng, version)))
+        if version >= 4:
+            for _ in range(ECHO_PER_WORLD):
+                docs.append(("echo", [_orders_echo(seed, rng)]))
     return docs, seeds
 
 

@@ -28,7 +28,7 @@ class ModelSpec(BaseModel):
 # The corpus generators' versions (``PretrainSpec.corpus_version``): a generator that changes what it
 # writes adds a version and keeps the older ones reproducible. The version is part of the build config,
 # so a shipped base built by one version is never served for another.
-CORPUS_VERSIONS = (2, 3)
+CORPUS_VERSIONS = (2, 3, 4)
 
 
 class PretrainSpec(BaseModel):
@@ -51,7 +51,9 @@ class PretrainSpec(BaseModel):
                                                         "(never trained on)")
     corpus_version: int = Field(2, ge=CORPUS_VERSIONS[0], le=CORPUS_VERSIONS[-1], description="generated corpus: 2: support-log notes naming an e-mail and "
                                                            "an order that the tool calls copy; 3: the notes may also "
-                                                           "name an amount and a new address that the writes copy")
+                                                           "name an amount and a new address that the writes copy; "
+                                                           "4: 3 plus echo documents (a run of the domain's values "
+                                                           "written again: copying any token back)")
 
 
 __all__ = ["CORPUS_VERSIONS", "ModelSpec", "PretrainSpec"]
