@@ -25,6 +25,7 @@ import torch
 
 from mentorrl.cli_common import load_run_config
 from mentorrl.envs.orders.world import CITIES, PRODUCT_NAMES, STREETS
+from mentorrl.models.batch import collate, forward_logprobs
 from mentorrl.models.build import load_policy
 from mentorrl.rollout.runner import expert_demonstrations
 from mentorrl.train.workspace import open_workspace
@@ -45,16 +46,16 @@ def classify(tok, street_town: set[int], product: set[int]):
     return cls
 
 
-def token_losses(model, demos, cls) -> dict[str, list[float]]:
+def token_losses(model, demos, cls, pad_id: int) -> dict[str, list[float]]:
+    """Negative log-likelihood of each policy token, grouped by ``cls(token id)``: the learner's own
+    forward (:func:`forward_logprobs`), so the figures are the SFT loss's terms."""
     out: dict[str, list[float]] = {}
     for d in demos:
-        ids = torch.tensor([d.token_ids])
         with torch.no_grad():
-            lp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
-        nll = -lp.gather(1, ids[0, 1:, None])[:, 0]
-        for i, keep in enumerate(d.loss_mask[1:]):
+            lp, _ = forward_logprobs(model, collate([d], pad_id))
+        for t, keep in enumerate(d.loss_mask):
             if keep:
-                out.setdefault(cls(d.token_ids[i + 1]), []).append(float(nll[i]))
+                out.setdefault(cls(d.token_ids[t]), []).append(-float(lp[0, t]))
     return out
 
 
@@ -75,7 +76,7 @@ def main() -> None:
         demos = expert_demonstrations(ws.contract, ws.make_env, ws.env_entry.make_expert(),
                                       ws.tasks("heldout", a.n, a.seed), weights=cfg.reward)
         cls = classify(tok, first_word_ids(tok, STREETS + CITIES), first_word_ids(tok, PRODUCT_NAMES))
-        losses = token_losses(model, demos, cls)
+        losses = token_losses(model, demos, cls, ws.contract.pad_token_id)
         print(json.dumps({"checkpoint": path, "demos": len(demos), **{
             k: {"mean_nats": round(sum(v) / len(v), 3), "tokens": len(v)} for k, v in sorted(losses.items())}}),
             flush=True)

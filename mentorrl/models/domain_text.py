@@ -314,12 +314,9 @@ def _echo_item(w: Any, rng: random.Random) -> str:
     return rng.choice(ECHO_WORDS)
 
 
-def _orders_echo(seed: int, rng: random.Random) -> str:
-    """Values of world ``seed`` in a random order, then the same run again (whole, or from one of its
+def _orders_echo(w: Any, rng: random.Random) -> str:
+    """Values of world ``w`` in a random order, then the same run again (whole, or from one of its
     items on), sometimes a third time: the copy is exact, so only attending back can predict it."""
-    from mentorrl.envs.orders.world import make_world
-
-    w = make_world(seed)
     items = [_echo_item(w, rng) for _ in range(rng.randint(2, 10))]
     sep = rng.choice([", ", "; ", " | ", " "])
     first = sep.join(items)
@@ -339,13 +336,14 @@ def orders_domain_text(rng: random.Random, n_worlds: int, version: int = 2) -> t
     for _ in range(n_worlds):
         seed = SEED_BASE["train"] + rng.getrandbits(39)  # the train split's seed range only
         seeds.append(seed)
-        docs.append(("free_text", [_orders_free_text(make_world(seed), rng)]))
+        w = make_world(seed)
+        docs.append(("free_text", [_orders_free_text(w, rng)]))
         docs.append(("tool_session", _orders_tool_session(seed, rng)))
         for _ in range(CHAINED_PER_WORLD):
             docs.append(("chained_session", _orders_chained_session(seed, rng, version)))
         if version >= 4:
             for _ in range(ECHO_PER_WORLD):
-                docs.append(("echo", [_orders_echo(seed, rng)]))
+                docs.append(("echo", [_orders_echo(w, rng)]))
     return docs, seeds
 
 
