@@ -162,9 +162,10 @@ def test_chained_sessions_copy_what_the_note_and_the_observations_said():
     assert chained > 20
 
 
-def test_corpus_version_2_is_what_the_shipped_base_was_built_from():
-    """Version 2's documents are pinned (a digest taken before version 3 existed), and the default
-    build config hashes as before, so the shipped base is still found."""
+def test_corpus_versions_2_and_4_stay_reproducible():
+    """Version 2's documents (the default, and the base shipped until version 4) are pinned by a digest
+    taken before version 3 existed, and version 4's (the shipped base's) by one taken when it shipped;
+    the default build config hashes as before."""
     import hashlib
     import random
 
@@ -174,6 +175,9 @@ def test_corpus_version_2_is_what_the_shipped_base_was_built_from():
     assert hashlib.sha256(repr([(k, [str(p) for p in ps]) for k, ps in docs]).encode()).hexdigest()[:16] \
         == "6c05ccae7007fed8"
     assert orders_domain_text(random.Random("pin"), 12, 2) == orders_domain_text(random.Random("pin"), 12)
+    v4_docs, _ = orders_domain_text(random.Random("pin"), 12, 4)
+    assert hashlib.sha256(repr([(k, [str(p) for p in ps]) for k, ps in v4_docs]).encode()).hexdigest()[:16] \
+        == "960724bc9a090752"
     from mentorrl.train.models_init import build_config
 
     base = build_config("orders", ModelSpec(), 400, 0, None, PretrainSpec(steps=10))
