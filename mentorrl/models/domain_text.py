@@ -327,6 +327,45 @@ def _orders_echo(w: Any, rng: random.Random) -> str:
     return "\n".join(lines)
 
 
+# Corpus version 5: version 4 plus *copy drills* -- a note naming one value of a kind (an address, a
+# product, a customer, a sum) beside another of the same kind that is already on file, then the tool
+# call that writes or looks up the named one. The demo's policies copied e-mails and digits but wrote
+# a guessed street and town (teacher-forced loss ~2.3 nats, a uniform guess over the ten streets, even
+# on the pretrained base's own echo documents): the write must pick the value by its role, not its kind.
+COPY_DRILLS_PER_WORLD = 3
+DRILL_ON_FILE = ["On file: {old}.", "The record says {old}.", "Currently {old}.", "Last time it was {old}.",
+                 "Old value: {old}."]
+DRILL_PRODUCT_FRAMES = ["They asked whether the {new} is in stock.", "Question about the {new}.",
+                        "Is the {new} available?", "They want the {new}."]
+
+
+def _orders_copy_drill(w: Any, rng: random.Random) -> Pieces:
+    """One drill: the on-file value and the named one in either order, then the call using the named one."""
+    from mentorrl.envs.orders.world import random_address
+
+    c = rng.choice(w.customers)
+    kind = rng.choice(["address", "address", "product", "amount"])
+    if kind == "address":
+        old, new = random_address(rng), random_address(rng)
+        named = rng.choice(ADDRESS_FRAMES).format(addr=new)
+        call = {"name": "update_address", "arguments": {"customer_id": c["id"], "address": new}}
+    elif kind == "product":
+        old, new = (p["name"] for p in rng.sample(w.products, 2))
+        named = rng.choice(DRILL_PRODUCT_FRAMES).format(new=new if rng.random() < 0.5 else new.lower())
+        call = {"name": "check_inventory", "arguments": {"product": new}}
+    else:
+        from mentorrl.envs.orders.tasks import fmt_amount
+
+        o = rng.choice(w.orders)
+        old, amount = fmt_amount(o["total"]), float(rng.randint(1, 300))
+        named = rng.choice(AMOUNT_FRAMES).format(amount=fmt_amount(amount))
+        call = {"name": "issue_refund", "arguments": {"order_id": o["id"], "amount": amount}}
+    on_file = rng.choice(DRILL_ON_FILE).format(old=old)
+    note = " ".join([on_file, named] if rng.random() < 0.5 else [named, on_file])
+    return [note + "\n", Control(IM_START), "assistant\n", *tool_call_pieces(call["name"], call["arguments"]),
+            Control(IM_END)]
+
+
 def orders_domain_text(rng: random.Random, n_worlds: int, version: int = 2) -> tuple[list[tuple[str, Pieces]], list[int]]:
     from mentorrl.envs.orders.tasks import SEED_BASE
     from mentorrl.envs.orders.world import make_world
@@ -344,6 +383,9 @@ def orders_domain_text(rng: random.Random, n_worlds: int, version: int = 2) -> t
         if version >= 4:
             for _ in range(ECHO_PER_WORLD):
                 docs.append(("echo", [_orders_echo(w, rng)]))
+        if version >= 5:
+            for _ in range(COPY_DRILLS_PER_WORLD):
+                docs.append(("copy_drill", _orders_copy_drill(w, rng)))
     return docs, seeds
 
 

@@ -28,7 +28,7 @@ class ModelSpec(BaseModel):
 # The corpus generators' versions (``PretrainSpec.corpus_version``): a generator that changes what it
 # writes adds a version and keeps the older ones reproducible. The version is part of the build config,
 # so a shipped base built by one version is never served for another.
-CORPUS_VERSIONS = (2, 3, 4)
+CORPUS_VERSIONS = (2, 3, 4, 5)
 
 
 class PretrainSpec(BaseModel):
@@ -53,7 +53,9 @@ class PretrainSpec(BaseModel):
                                                            "an order that the tool calls copy; 3: the notes may also "
                                                            "name an amount and a new address that the writes copy; "
                                                            "4: 3 plus echo documents (a run of the domain's values "
-                                                           "written again: copying any token back)")
+                                                           "written again: copying any token back); 5: 4 plus copy "
+                                                           "drills (a named value beside an on-file one of the same "
+                                                           "kind, then the call that uses the named one)")
 
 
 __all__ = ["CORPUS_VERSIONS", "ModelSpec", "PretrainSpec"]
