@@ -185,7 +185,7 @@ def test_corpus_versions_2_and_4_stay_reproducible():
     v3 = build_config("orders", ModelSpec(), 400, 0, None, PretrainSpec(steps=10, corpus_version=3))
     assert v3["corpus_version"] == 3 and {**v3, "corpus_version": 2} == base
     with pytest.raises(ValueError):
-        PretrainSpec(corpus_version=5)
+        PretrainSpec(corpus_version=6)
 
 
 def test_version_3_sessions_copy_the_notes_amount_and_address_into_the_write():
@@ -248,3 +248,45 @@ def test_version_4_is_version_3_plus_echoes_that_repeat_a_run_of_values_exactly(
             assert first.endswith(copy) and copy.strip(), (first, line)
             partial += copy != first
     assert partial > 10
+
+
+def test_version_5_is_version_4_plus_copy_drills_whose_call_uses_the_named_value_not_the_on_file_one():
+    """Version 5 adds copy drills and changes nothing else in a world's documents. Each drill names a
+    value beside an on-file one of the same kind; its tool call carries the named value (a product
+    name in either case as the note wrote it), never the on-file one when they differ."""
+    import json
+    import random
+
+    from mentorrl.contract import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+    from mentorrl.models.domain_text import DRILL_ON_FILE, orders_domain_text
+
+    v4, seeds4 = orders_domain_text(random.Random("v5"), 1, 4)
+    v5, seeds5 = orders_domain_text(random.Random("v5"), 1, 5)
+    assert seeds4 == seeds5 and v5[:len(v4)] == v4
+    drills = [ps for k, ps in orders_domain_text(random.Random("d"), 80, 5)[0] if k == "copy_drill"]
+    assert len(drills) == 240
+    seen = set()
+    for ps in drills:
+        text = "".join(str(p) for p in ps)
+        note = text.split("\n", 1)[0]
+        call = json.loads(text.split(TOOL_CALL_OPEN, 1)[1].split(TOOL_CALL_CLOSE, 1)[0])
+        name, args = call["name"], call["arguments"]
+        seen.add(name)
+        on_file = next(m for f in DRILL_ON_FILE for m in [_drill_slot(note, f)] if m is not None)
+        if name == "update_address":
+            assert args["address"] in note and args["address"] != on_file
+        elif name == "check_inventory":
+            assert args["product"].lower() in note.lower()
+            assert args["product"] != on_file
+        else:
+            assert name == "issue_refund" and (f"${args['amount']:.0f} " in note or f"${args['amount']:.0f}." in note)
+    assert seen == {"update_address", "check_inventory", "issue_refund"}
+
+
+def _drill_slot(note: str, frame: str) -> str | None:
+    """The ``{old}`` value of ``frame`` when ``note`` contains it (a frame ends its sentence)."""
+    import re
+
+    head, tail = (re.escape(x) for x in frame.split("{old}"))
+    m = re.search(f"{head}(.+?){tail}(?: |$)", note)
+    return m.group(1) if m else None
