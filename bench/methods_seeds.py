@@ -49,7 +49,7 @@ class Method:
     config: str
     stage: str
     overrides: tuple[str, ...] = ()
-    teacher: str | None = None  # "teacher", "cross" or "both": the command-line teachers the run distils from
+    teacher: str | None = None  # "teacher", "cross", "both" (OPD teachers) or "bb" (a served black-box teacher)
     checks: bool = field(default=False)  # held-out checks during training (opd.eval_every)
 
 
@@ -65,6 +65,12 @@ METHODS: dict[str, Method] = {
     "sao": Method("sao.yaml", "sao"),
     "ppo": Method("ppo.yaml", "ppo"),
 }
+# The six black-box recipes (docs/blackbox.md), each against a teacher served by `mentorrl serve` from
+# --bb-teacher and reached only over HTTP; bb_dpo.yaml's budget unless the recipe's config sets its own.
+BB_RECIPES = ("correction", "ranking", "score", "critique", "soft_labels", "actions")
+BB_CONFIG = {"score": "bb_score.yaml", "actions": "bb_action_dpo.yaml"}
+METHODS.update({f"bb_{r}": Method(BB_CONFIG.get(r, "bb_dpo.yaml"), "blackbox", (f"blackbox.recipe={r}",), teacher="bb")
+                for r in BB_RECIPES})
 
 
 def run_method(out: Path, name: str, seed: int, sft: Path, teachers: dict[str, str | None],
@@ -74,7 +80,11 @@ def run_method(out: Path, name: str, seed: int, sft: Path, teachers: dict[str, s
         return run_dir
     overrides = [f"model.path={sft}", f"recipe=[{m.stage}]", f"run_dir={run_dir}", f"seed={seed}", "threads=1",
                  "audit.preflight=false", f"opd.eval_tasks={check_tasks}", *m.overrides, *extra]
-    if m.teacher is not None:
+    if m.teacher == "bb":
+        if teachers["bb"] is None:
+            raise SystemExit(f"method {name} asks a served teacher: give --bb-teacher")
+        overrides.append(f"blackbox.teacher.serve={{path: {teachers['bb']}}}")
+    elif m.teacher is not None:
         wanted = ["teacher", "cross"] if m.teacher == "both" else [m.teacher]
         for w in wanted:
             if teachers[w] is None:
@@ -105,7 +115,7 @@ def seed_row(args, seed: int, name: str) -> dict:
     start = prefix_success(sft.parents[1] / "eval_sft.jsonl", args.check_tasks)
     grpo_recs = records(grpo_dir, "grpo")
     grpo_curve = curve(grpo_recs, start)
-    teachers = {"teacher": args.teacher, "cross": args.cross_teacher}
+    teachers = {"teacher": args.teacher, "cross": args.cross_teacher, "bb": args.bb_teacher}
     run_dir = run_method(args.out, name, seed, sft, teachers, args.overrides, args.check_tasks)
     m = METHODS[name]
     sft_eval = sft.parents[1] / "eval_sft.json"
@@ -188,6 +198,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--teacher", help="same-tokenizer teacher checkpoint for every seed")
     ap.add_argument("--cross-teacher", help="teacher checkpoint with its own tokenizer (opd_cross)")
+    ap.add_argument("--bb-teacher", help="checkpoint served as the black-box teacher (bb_* methods; any tokenizer)")
     ap.add_argument("--check-tasks", type=int, default=200, help="tasks of the GRPO run's held-out checks")
     ap.add_argument("--out", type=Path, default=Path("runs/methods-seeds"))
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="a config override for every run")

@@ -333,6 +333,10 @@ def _orders_echo(w: Any, rng: random.Random) -> str:
 # a guessed street and town (teacher-forced loss ~2.3 nats, a uniform guess over the ten streets, even
 # on the pretrained base's own echo documents): the write must pick the value by its role, not its kind.
 COPY_DRILLS_PER_WORLD = 3
+# ... and many more echo documents: at version 4's dose (2 a world, 5% of the tokens) the 4000-step
+# base copied e-mails only (loss on a street or town the context had just named: 2.3 nats; with the
+# drills alone 2.1); with 6 or 14 more a world it copies (0.02 nats), a phase change, not a trend.
+ECHO_EXTRA_V5 = 14
 DRILL_ON_FILE = ["On file: {old}.", "The record says {old}.", "Currently {old}.", "Last time it was {old}.",
                  "Old value: {old}."]
 DRILL_PRODUCT_FRAMES = ["They asked whether the {new} is in stock.", "Question about the {new}.",
@@ -386,6 +390,8 @@ def orders_domain_text(rng: random.Random, n_worlds: int, version: int = 2) -> t
         if version >= 5:
             for _ in range(COPY_DRILLS_PER_WORLD):
                 docs.append(("copy_drill", _orders_copy_drill(w, rng)))
+            for _ in range(ECHO_EXTRA_V5):
+                docs.append(("echo", [_orders_echo(w, rng)]))
     return docs, seeds
 
 
