@@ -162,10 +162,10 @@ def test_chained_sessions_copy_what_the_note_and_the_observations_said():
     assert chained > 20
 
 
-def test_corpus_versions_2_and_4_stay_reproducible():
+def test_corpus_versions_2_4_and_5_stay_reproducible():
     """Version 2's documents (the default, and the base shipped until version 4) are pinned by a digest
-    taken before version 3 existed, and version 4's (the shipped base's) by one taken when it shipped;
-    the default build config hashes as before."""
+    taken before version 3 existed, version 4's by one taken when it shipped, and version 5's (the
+    shipped base's) likewise; the default build config hashes as before."""
     import hashlib
     import random
 
@@ -178,6 +178,9 @@ def test_corpus_versions_2_and_4_stay_reproducible():
     v4_docs, _ = orders_domain_text(random.Random("pin"), 12, 4)
     assert hashlib.sha256(repr([(k, [str(p) for p in ps]) for k, ps in v4_docs]).encode()).hexdigest()[:16] \
         == "960724bc9a090752"
+    v5_docs, _ = orders_domain_text(random.Random("pin"), 12, 5)
+    assert hashlib.sha256(repr([(k, [str(p) for p in ps]) for k, ps in v5_docs]).encode()).hexdigest()[:16] \
+        == "7f89d00e76e8cbfc"
     from mentorrl.train.models_init import build_config
 
     base = build_config("orders", ModelSpec(), 400, 0, None, PretrainSpec(steps=10))
