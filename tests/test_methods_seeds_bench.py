@@ -94,3 +94,23 @@ def test_a_distilling_method_without_its_teacher_is_refused(tmp_path):
     with pytest.raises(SystemExit, match="cross-teacher"):
         b.main(["--sft", str(tmp_path / "s{seed}" / "sft" / "final"), "--grpo-run", str(tmp_path / "grpo-s{seed}"),
                 "--methods", "opd_cross", "--seeds", "0", "--out", str(tmp_path / "out")])
+
+
+def test_blackbox_methods_serve_the_given_teacher_and_their_overrides_validate(tmp_path, monkeypatch):
+    """Every black-box recipe runs its config's blackbox stage with that recipe and the --bb-teacher
+    checkpoint served over HTTP; the overrides load as a valid run config; without a teacher it refuses."""
+    from mentorrl.cli_common import load_run_config
+
+    b = _bench()
+    seen = {}
+    monkeypatch.setattr(b, "train_run", lambda config, overrides, *a, **k: seen.setdefault(Path(config).name, overrides))
+    teachers = {"teacher": None, "cross": None, "bb": str(tmp_path / "T")}
+    for recipe in b.BB_RECIPES:
+        seen.clear()
+        b.run_method(tmp_path / "out", f"bb_{recipe}", 0, tmp_path / "sft", teachers, [], 100)
+        (config, overrides), = seen.items()
+        assert f"blackbox.recipe={recipe}" in overrides and "recipe=[blackbox]" in overrides
+        cfg = load_run_config(str(b.CONFIGS / config), overrides, str(tmp_path / "run"), "demo.yaml")
+        assert cfg.blackbox.recipe == recipe and str(cfg.blackbox.teacher.serve.path) == str(tmp_path / "T")
+    with pytest.raises(SystemExit, match="bb-teacher"):
+        b.run_method(tmp_path / "out2", "bb_score", 0, tmp_path / "sft", {**teachers, "bb": None}, [], 100)
