@@ -254,18 +254,20 @@ def test_version_4_is_version_3_plus_echoes_that_repeat_a_run_of_values_exactly(
 
 
 def test_version_5_is_version_4_plus_copy_drills_whose_call_uses_the_named_value_not_the_on_file_one():
-    """Version 5 adds copy drills and changes nothing else in a world's documents. Each drill names a
-    value beside an on-file one of the same kind; its tool call carries the named value (a product
-    name in either case as the note wrote it), never the on-file one when they differ."""
+    """Version 5 adds copy drills and more echo documents after a world's version-4 documents and
+    changes nothing else. Each drill names a value beside an on-file one of the same kind; its tool
+    call carries the named value (a product name in either case as the note wrote it), never the
+    on-file one when they differ."""
     import json
     import random
 
     from mentorrl.contract import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
-    from mentorrl.models.domain_text import DRILL_ON_FILE, orders_domain_text
+    from mentorrl.models.domain_text import COPY_DRILLS_PER_WORLD, DRILL_ON_FILE, ECHO_EXTRA_V5, orders_domain_text
 
     v4, seeds4 = orders_domain_text(random.Random("v5"), 1, 4)
     v5, seeds5 = orders_domain_text(random.Random("v5"), 1, 5)
     assert seeds4 == seeds5 and v5[:len(v4)] == v4
+    assert [k for k, _ in v5[len(v4):]] == ["copy_drill"] * COPY_DRILLS_PER_WORLD + ["echo"] * ECHO_EXTRA_V5
     drills = [ps for k, ps in orders_domain_text(random.Random("d"), 80, 5)[0] if k == "copy_drill"]
     assert len(drills) == 240
     seen = set()
@@ -275,7 +277,7 @@ def test_version_5_is_version_4_plus_copy_drills_whose_call_uses_the_named_value
         call = json.loads(text.split(TOOL_CALL_OPEN, 1)[1].split(TOOL_CALL_CLOSE, 1)[0])
         name, args = call["name"], call["arguments"]
         seen.add(name)
-        on_file = next(m for f in DRILL_ON_FILE for m in [_drill_slot(note, f)] if m is not None)
+        on_file = next(filter(None, (_drill_slot(note, f) for f in DRILL_ON_FILE)))
         if name == "update_address":
             assert args["address"] in note and args["address"] != on_file
         elif name == "check_inventory":

@@ -335,7 +335,8 @@ def _orders_echo(w: Any, rng: random.Random) -> str:
 COPY_DRILLS_PER_WORLD = 3
 # ... and many more echo documents: at version 4's dose (2 a world, 5% of the tokens) the 4000-step
 # base copied e-mails only (loss on a street or town the context had just named: 2.3 nats; with the
-# drills alone 2.1); with 6 or 14 more a world it copies (0.02 nats), a phase change, not a trend.
+# drills alone 2.1); with 6 or 14 more a world it copies (0.31 / 0.19 nats, bench/copy_loss.py), a phase
+# change, not a trend (bench/results/pretrain_sweep.md, seventh measurement).
 ECHO_EXTRA_V5 = 14
 DRILL_ON_FILE = ["On file: {old}.", "The record says {old}.", "Currently {old}.", "Last time it was {old}.",
                  "Old value: {old}."]

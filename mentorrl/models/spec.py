@@ -55,7 +55,8 @@ class PretrainSpec(BaseModel):
                                                            "4: 3 plus echo documents (a run of the domain's values "
                                                            "written again: copying any token back); 5: 4 plus copy "
                                                            "drills (a named value beside an on-file one of the same "
-                                                           "kind, then the call that uses the named one)")
+                                                           "kind, then the call that uses the named one) and 14 more "
+                                                           "echo documents a world")
 
 
 __all__ = ["CORPUS_VERSIONS", "ModelSpec", "PretrainSpec"]
