@@ -204,7 +204,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="a config override for every run")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    result = {"teacher": args.teacher, "cross_teacher": args.cross_teacher, "overrides": args.overrides}
+    result = {"teacher": args.teacher, "cross_teacher": args.cross_teacher, "bb_teacher": args.bb_teacher,
+              "overrides": args.overrides}
     for name in args.methods:
         result[name] = report(name, [seed_row(args, s, name) for s in args.seeds])
     path = args.out / f"methods_{'_'.join(args.methods)}_s{''.join(map(str, args.seeds))}.json"
