@@ -138,9 +138,14 @@ def seed_row(args, seed: int, name: str) -> dict:
         per_step = [(r["step"], sum(x.get("rollouts", 0) for x in grpo_recs if x["step"] <= r["step"]),
                      r["heldout_success"]) for r in grpo_recs if "heldout_success" in r]
         at = [p for p in per_step if p[1] <= trajs]
+        # GRPO's checks are every audit.eval_every steps, so the one at or below may be its start (step 0):
+        # also its first check at or above the method's trajectories, GRPO given at least as many
+        above = [p for p in per_step if p[1] >= trajs]
         row["equal_trajectories"] = {
             "trajectories": trajs, "grpo_step": at[-1][0] if at else 0, "grpo_trajectories": int(at[-1][1]) if at else 0,
             "grpo": at[-1][2] if at else start,
+            "grpo_at_or_above": ({"step": above[0][0], "trajectories": int(above[0][1]), "success": above[0][2]}
+                                 if above else None),
             "method": prefix_success(run_dir / f"eval_{m.stage}.jsonl", args.check_tasks),
             "straggler_metrics": {k: recs[-1][k] for k in ("policy_lag_mean", "stale_dropped") if recs and k in recs[-1]},
         }
@@ -187,6 +192,11 @@ def report(name: str, rows: list[dict]) -> dict:
         out["equal_trajectories_minus_grpo"] = summary(
             f"{name} minus GRPO at equal trajectories",
             [100 * (r["equal_trajectories"]["method"] - r["equal_trajectories"]["grpo"]) for r in rows], indent="  ")
+        above = [r["equal_trajectories"]["grpo_at_or_above"] for r in rows]
+        if all(a is not None for a in above):
+            out["minus_grpo_at_or_above"] = summary(
+                f"{name} minus GRPO's first check at or above its trajectories",
+                [100 * (r["equal_trajectories"]["method"] - a["success"]) for r, a in zip(rows, above)], indent="  ")
     return out
 
 

@@ -65,6 +65,9 @@ def test_tokens_to_target_and_equal_trajectories(tmp_path, capsys):
     e = res["sao"]["seeds"][1]["equal_trajectories"]
     assert (e["trajectories"], e["grpo_step"], e["grpo_trajectories"], e["grpo"], e["method"]) == (256, 2, 256, 0.4, 0.6)
     assert res["sao"]["equal_trajectories_minus_grpo"]["mean"] == pytest.approx(20.0)
+    # 256 trajectories sit exactly on GRPO's step-2 check; the first at or above it is that same check
+    assert e["grpo_at_or_above"] == {"step": 2, "trajectories": 256, "success": 0.4}
+    assert res["sao"]["minus_grpo_at_or_above"]["mean"] == pytest.approx(20.0)
     out = capsys.readouterr().out
     assert "opd minus GRPO (final evaluations) over 3 seeds" in out
 
@@ -114,3 +117,23 @@ def test_blackbox_methods_serve_the_given_teacher_and_their_overrides_validate(t
         assert cfg.blackbox.recipe == recipe and str(cfg.blackbox.teacher.serve.path) == str(tmp_path / "T")
     with pytest.raises(SystemExit, match="bb-teacher"):
         b.run_method(tmp_path / "out2", "bb_score", 0, tmp_path / "sft", {**teachers, "bb": None}, [], 100)
+
+
+def test_a_method_between_grpo_checks_is_also_compared_with_the_next_check(tmp_path):
+    """192 trajectories fall before GRPO's first check (256): at-or-below is GRPO's start, and the
+    comparison that gives GRPO at least as many trajectories is its step-2 check."""
+    b = _bench()
+    _eval(tmp_path / "s0", "sft", 0.3, [i < 30 for i in range(100)] + [True] * 400)
+    g = tmp_path / "grpo-s0"
+    _eval(g, "grpo", 0.5)
+    _metrics(g, "grpo", [{"step": i, "rollouts": 128, **({"heldout_success": {2: 0.4, 4: 0.5}[i]} if i in (2, 4) else {})}
+                         for i in range(1, 5)])
+    sao = tmp_path / "out" / "sao-s0"
+    _eval(sao, "sao", 0.45, [i < 55 for i in range(100)] + [False] * 400)
+    _metrics(sao, "sao", [{"step": i, "rollouts": 64} for i in range(1, 4)])
+    b.main(["--sft", str(tmp_path / "s{seed}" / "sft" / "final"), "--grpo-run", str(tmp_path / "grpo-s{seed}"),
+            "--methods", "sao", "--seeds", "0", "--check-tasks", "100", "--out", str(tmp_path / "out")])
+    e = json.loads((tmp_path / "out" / "methods_sao_s0.json").read_text())["sao"]["seeds"][0]["equal_trajectories"]
+    assert (e["trajectories"], e["grpo_step"], e["grpo"]) == (192, 0, pytest.approx(0.30))
+    assert e["grpo_at_or_above"] == {"step": 2, "trajectories": 256, "success": 0.4}
+    assert e["method"] == pytest.approx(0.55)
