@@ -66,6 +66,10 @@ class OptimConfig(_Section):
     max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping")
     warmup_steps: int = Field(0, ge=0, description="linear learning-rate warm-up")
     micro_batch_size: int = Field(32, ge=1, description="sequences per forward/backward; gradients accumulate")
+    pack_prefixes: bool = Field(True, description="run each token prefix a micro-batch's sequences share once "
+                                "(prefix-tree packing with a tree attention mask): the same loss and gradient "
+                                "as the padded forward, with fewer tokens; the padded forward where the model "
+                                "cannot take a tree mask")
 
 
 # ---- fields every policy-update stage shares, declared once (each stage keeps its own defaults) ----

@@ -26,9 +26,10 @@ def _advantages(demos, kind, zero_rows, seed=0):
     return adv
 
 
-def _run(model, tokenizer, demos, adv, kind, agg, k, **how):
+def _run(model, tokenizer, demos, adv, kind, agg, k, pack=True, **how):
     m = copy.deepcopy(model)
-    learner = Learner(m, OptimConfig(lr=1e-3, micro_batch_size=2, max_grad_norm=1e9), tokenizer.pad_token_id)
+    learner = Learner(m, OptimConfig(lr=1e-3, micro_batch_size=2, max_grad_norm=1e9, pack_prefixes=pack),
+                      tokenizer.pad_token_id)
     ups = pg_update(learner, demos, adv, k, seed=3, version={"policy": 0}, kind="grpo" if kind == "grpo" else "clipped",
                     agg=agg, eps_low=1.0, eps_high=1e9, **how)
     grads = [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in m.parameters()]
@@ -68,18 +69,20 @@ def test_a_minibatch_without_signal_is_skipped(make_demos, model, tokenizer):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("pack", [True, False])
 @pytest.mark.parametrize("kind", ["grpo", "token"])
-def test_length_sorted_micro_batches_give_the_same_update(make_demos, model, tokenizer, kind, monkeypatch):
-    """pg_update feeds the learner each minibatch sorted by length (less padding per micro-batch);
-    the gradient is the one of the minibatch in its dealt order."""
+def test_sorted_micro_batches_give_the_same_update(make_demos, model, tokenizer, kind, pack, monkeypatch):
+    """pg_update feeds the learner each minibatch sorted (by shared prefix when it packs prefixes,
+    else by length: less padding per micro-batch); the gradient is the one of the minibatch in its
+    dealt order."""
     import mentorrl.train.loop as loop
 
     _, demos = make_demos(7)
     assert len({len(d.token_ids) for d in demos}) > 2, "need trajectories of different lengths"
     adv = _advantages(demos, kind, zero_rows=[1])
-    _, sorted_grads, _ = _run(model, tokenizer, demos, adv, kind, "token-mean", k=1)
-    monkeypatch.setattr(loop, "length_order", lambda idx, trajs, world_size=1: list(idx))
-    _, dealt_grads, _ = _run(model, tokenizer, demos, adv, kind, "token-mean", k=1)
+    _, sorted_grads, _ = _run(model, tokenizer, demos, adv, kind, "token-mean", k=1, pack=pack)
+    monkeypatch.setattr(loop, "update_order", lambda learner, idx, trajs: list(idx))
+    _, dealt_grads, _ = _run(model, tokenizer, demos, adv, kind, "token-mean", k=1, pack=pack)
     assert max(g.abs().max().item() for g in dealt_grads) > 0
     for a, b in zip(dealt_grads, sorted_grads):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-7)
@@ -103,3 +106,16 @@ def test_length_order_is_a_permutation_sorted_within_each_ranks_share():
         assert [lengths[i] for i in share] == sorted(lengths[i] for i in share)
     # the shares are alike: neither holds all the long ones
     assert abs(sum(lengths[i] for i in shares[0]) - sum(lengths[i] for i in shares[1])) < max(lengths)
+
+
+def test_update_order_groups_shared_prefixes_when_the_learner_packs():
+    from types import SimpleNamespace
+
+    from mentorrl.train.loop import update_order
+
+    toks = [[5, 1, 2], [3, 9], [5, 1, 7, 7], [3, 9, 9, 9, 9], [5, 2]]
+    trajs = [SimpleNamespace(token_ids=t) for t in toks]
+    packing = SimpleNamespace(packs_prefixes=True, dp=None)
+    assert [toks[i] for i in update_order(packing, [0, 1, 2, 3, 4], trajs)] == sorted(toks)
+    plain = SimpleNamespace(packs_prefixes=False, dp=None)
+    assert [len(toks[i]) for i in update_order(plain, [0, 1, 2, 3, 4], trajs)] == sorted(len(t) for t in toks)

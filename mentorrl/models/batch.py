@@ -7,12 +7,13 @@ Tensors are aligned to token positions: ``logprobs[b, t]`` is the log-probabilit
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
-from mentorrl.algos.logprobs import entropy_from_logits, gather_token_logprobs
+from mentorrl.algos.logprobs import entropy_from_logits
 from mentorrl.rollout.kvcache import cache_kwarg, expand_batch, make_cache
 from mentorrl.trajectory import Trajectory
 
@@ -87,47 +88,226 @@ def _next_token_states(module, batch: TokenBatch, attr: str, min_shared: int = 3
     return getattr(module(input_ids=ids, attention_mask=attn, use_cache=False), attr)[:, :-1]
 
 
-def forward_logprobs(model, batch: TokenBatch, temperature: float = 1.0, with_entropy: bool = False):
+# ------------------------------------------------------------ prefix-tree packing -----
+@dataclass
+class PrefixPack:
+    """A micro-batch's rows packed as prefix trees: every distinct token prefix is one node.
+
+    Rollouts of one task share their prompt and often their first turns too; the plain forward
+    runs those tokens once per row. Here rows are sorted lexicographically and each packed row
+    holds consecutive trajectories as a trie in depth-first order: a trajectory adds only the
+    tokens after its longest common prefix with the one before it. Each node attends to its
+    ancestors and itself (``allowed``) at its depth (``position_ids``), so its hidden state is the
+    one every trajectory through it would compute; the gradient of a node sums over them."""
+
+    input_ids: torch.Tensor  # [R, N] node tokens (pad_id after a row's last node)
+    position_ids: torch.Tensor  # [R, N] node depth = position in its trajectories
+    allowed: torch.Tensor  # [R, N, N] bool: query node -> key node (ancestors and itself; pads see themselves)
+    node: torch.Tensor  # [B, T] long: flat index r * N + c of token (b, t)'s node, -1 on padding
+
+
+def _lcp(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def prefix_pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_id: int = 0) -> PrefixPack | None:
+    """Pack right-padded rows ``[B, T]`` into prefix trees of at most ``T`` nodes per packed row.
+
+    None when packing would not leave fewer token slots than the padded batch (then the plain
+    forward is as cheap). A packed row never exceeds the longest input row, so neither the token
+    count nor the attention area (``R * N^2`` against ``B * T^2``) grows."""
+    B, T = input_ids.shape
+    if B < 2:
+        return None
+    lens = attention_mask.sum(1).tolist()
+    rows = [input_ids[b, : lens[b]].tolist() for b in range(B)]
+    order = sorted(range(B), key=lambda b: rows[b])
+    packed: list[list[int]] = []  # per packed row: its node tokens
+    depth: list[list[int]] = []
+    paths: list[tuple[int, list[int], int]] = [(0, [], 0)] * B  # per input row: (packed row, node columns, new from)
+    prev: list[int] = []
+    prev_path: list[int] = []
+    for b in order:
+        seq = rows[b]
+        shared = _lcp(prev, seq) if packed else 0
+        if not packed or len(packed[-1]) + len(seq) - shared > T:
+            packed.append([])
+            depth.append([])
+            shared = 0
+        row = packed[-1]
+        path = prev_path[:shared] + list(range(len(row), len(row) + len(seq) - shared))
+        row.extend(seq[shared:])
+        depth[-1].extend(range(shared, len(seq)))
+        paths[b] = (len(packed) - 1, path, shared)
+        prev, prev_path = seq, path
+    R, N = len(packed), max(len(r) for r in packed)
+    if R * N >= B * T:
+        return None
+    ids = torch.full((R, N), pad_id, dtype=torch.long)
+    pos = torch.zeros(R, N, dtype=torch.long)
+    for r, (toks, dep) in enumerate(zip(packed, depth)):
+        ids[r, : len(toks)] = torch.tensor(toks, dtype=torch.long)
+        pos[r, : len(dep)] = torch.tensor(dep, dtype=torch.long)
+    allowed = torch.zeros(R, N, N, dtype=torch.bool)
+    tril = torch.ones(T, T, dtype=torch.bool).tril()
+    node = torch.full((B, T), -1, dtype=torch.long)
+    for b, (r, path, shared) in enumerate(paths):
+        cols = torch.tensor(path, dtype=torch.long)
+        L = len(path)
+        if L > shared:  # the rows of the nodes this trajectory added: each sees its ancestors and itself
+            allowed[r, cols[shared:, None], cols[None, :]] = tril[shared:L, :L]
+        node[b, :L] = r * N + cols
+    for r, toks in enumerate(packed):  # a pad slot attends to itself only (a fully masked row would be NaN)
+        c = torch.arange(len(toks), N)
+        allowed[r, c, c] = True
+    return PrefixPack(ids, pos, allowed, node)
+
+
+def packable(model) -> bool:
+    """Whether the learner's forward of ``model`` can take a tree mask (:func:`selected_states`)."""
+    split = _split_head(model)
+    return _packable(split[0] if split is not None else model) is not None
+
+
+def _packable(module) -> str | None:
+    """The 4-D mask form ``module`` takes (``"bool"`` for SDPA, ``"additive"`` for eager attention), or
+    None when a custom tree mask cannot stand in for its causal one (sliding-window or other layer
+    types, attention kernels that ignore a 4-D mask)."""
+    cfg = getattr(module, "config", None)
+    impl = getattr(cfg, "_attn_implementation", None)
+    if impl not in ("sdpa", "eager"):
+        return None
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types is not None and any(t != "full_attention" for t in layer_types):
+        return None
+    if layer_types is None and getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None):
+        return None
+    return "bool" if impl == "sdpa" else "additive"
+
+
+# per module: does its packed forward match its plain one (checked once, on the first packed batch)?
+_PACK_VERIFIED: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
+
+
+def _packed_outputs(module, pack: PrefixPack, attr: str, form: str) -> torch.Tensor:
+    """``module``'s ``attr`` at every node, flattened ``[R * N, *]``."""
+    mask = pack.allowed[:, None].to(pack.input_ids.device)
+    if form == "additive":
+        dtype = next(module.parameters()).dtype
+        mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+    out = getattr(module(input_ids=pack.input_ids, position_ids=pack.position_ids, attention_mask=mask,
+                         use_cache=False), attr)
+    return out.reshape(-1, *out.shape[2:])
+
+
+def _packing_matches(module, batch: TokenBatch, pack: PrefixPack, attr: str, form: str) -> bool:
+    """One no-grad comparison of the packed and plain forwards at the real positions (eval mode, so
+    dropout cannot tell them apart); cached per module."""
+    ok = _PACK_VERIFIED.get(module)
+    if ok is None:
+        was = module.training
+        module.eval()
+        try:
+            with torch.no_grad():
+                real = batch.attention_mask[:, :-1].bool()
+                plain = _next_token_states(module, batch, attr)[real].float()
+                packed = _packed_outputs(module, pack, attr, form)[pack.node[:, :-1][real].to(plain.device)].float()
+            tol = 1e-3 if plain.dtype == torch.float32 and next(module.parameters()).dtype == torch.float32 else 5e-2
+            ok = bool(torch.isfinite(packed).all()) and bool((packed - plain).abs().max() <= tol * (1 + plain.abs().max()))
+        finally:
+            module.train(was)
+        _PACK_VERIFIED[module] = ok
+    return ok
+
+
+def selected_states(module, batch: TokenBatch, attr: str, sel: torch.Tensor,
+                    pack: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``module``'s ``attr`` at the positions ``sel`` ([B, T-1] bool: the next token is scored) as
+    ``(states [U, *], inverse)``: position i's state is ``states[inverse[i]]`` (``inverse`` None: one
+    state per position, in ``sel``'s row-major order).
+
+    ``pack``: run each distinct prefix once (:func:`prefix_pack`) when the model takes a tree mask
+    and its packed forward matched its plain one on first use; positions sharing a prefix share
+    one state (and their gradients add up there), so values and gradients equal the plain forward's."""
+    form = _packable(module) if pack and bool(sel.any()) else None
+    packed = prefix_pack(batch.input_ids, batch.attention_mask) if form is not None else None
+    if packed is not None:
+        packed = PrefixPack(*(t.to(batch.input_ids.device) for t in (packed.input_ids, packed.position_ids,
+                                                                      packed.allowed, packed.node)))
+    if packed is None or not _packing_matches(module, batch, packed, attr, form):
+        return _next_token_states(module, batch, attr)[sel], None
+    nodes, inverse = torch.unique(packed.node[:, :-1][sel], return_inverse=True)
+    return _packed_outputs(module, packed, attr, form)[nodes], inverse
+
+
+def _scored_logits(model, batch: TokenBatch, sel: torch.Tensor, pack: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logits ``[U, V]`` predicting each scored token (``sel``) and their ``inverse`` (see
+    :func:`selected_states`). When logits are a plain linear map of the decoder's last hidden state
+    the head runs only on those states, not on every prompt and observation token."""
+    split = _split_head(model)
+    if split is None:
+        return selected_states(model, batch, "logits", sel, pack)
+    decoder, head = split
+    states, inverse = selected_states(decoder, batch, "last_hidden_state", sel, pack)
+    return head(states), inverse
+
+
+_CHUNK = 1024  # logit rows upcast to fp32 at once (bounds the extra working memory)
+
+
+def _selected_logprobs(logits: torch.Tensor, inverse: torch.Tensor | None, targets: torch.Tensor,
+                       temperature: float, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of ``targets`` [n] (and entropies, detached) from ``logits`` [U, V], position i reading
+    row ``inverse[i]`` (``inverse`` None: row i). ``z[target] - logsumexp(z)`` in fp32, ``z = logits / T``."""
+    n = targets.shape[0]
+    if n == 0:
+        empty = logits.new_zeros(0, dtype=torch.float32)
+        return empty, (empty if with_entropy else None)
+    idx = inverse if inverse is not None else torch.arange(n, device=logits.device)
+    lse = torch.cat([torch.logsumexp(logits[i: i + _CHUNK].float() / temperature, dim=-1)
+                     for i in range(0, logits.shape[0], _CHUNK)])
+    lp = logits[idx, targets.long()].float() / temperature - lse[idx]
+    ent = entropy_from_logits(logits.detach(), temperature=temperature)[idx] if with_entropy else None
+    return lp, ent
+
+
+def forward_logprobs(model, batch: TokenBatch, temperature: float = 1.0, with_entropy: bool = False,
+                     pack: bool = True):
     """Per-token log-probs (and optionally entropies) aligned to token positions, [B, T].
 
-    Values are exact on loss-mask positions (the policy's tokens); elsewhere they are 0 when
-    the model's head can be applied selectively, which is all the losses ever read.
+    Values are exact on loss-mask positions (the policy's tokens) and 0 elsewhere, which the losses
+    never read. ``pack``: run shared prefixes once (:func:`selected_states`); the result is the same.
     """
     targets = batch.input_ids[:, 1:]
     t = temperature if temperature > 0 else 1.0
-    split = _split_head(model)
-    if split is None:
-        logits = _next_token_states(model, batch, "logits")
-        lp = gather_token_logprobs(logits, targets, temperature=t)
-        ent = entropy_from_logits(logits.detach(), temperature=t) if with_entropy else None
-    else:
-        decoder, head = split
-        hidden = _next_token_states(decoder, batch, "last_hidden_state")
-        sel = batch.loss_mask[:, 1:] > 0
-        logits = head(hidden[sel])[None]  # [1, N, V]: only the policy's tokens
-        lp = torch.zeros(targets.shape, dtype=torch.float32, device=targets.device)
-        lp = lp.masked_scatter(sel, gather_token_logprobs(logits, targets[sel][None], temperature=t)[0])
-        ent = None
-        if with_entropy:
-            ent = torch.zeros_like(lp).masked_scatter(sel, entropy_from_logits(logits.detach(), temperature=t)[0])
-    zero = torch.zeros_like(lp[:, :1])
+    sel = batch.loss_mask[:, 1:] > 0
+    logits, inverse = _scored_logits(model, batch, sel, pack)
+    lp_sel, ent_sel = _selected_logprobs(logits, inverse, targets[sel], t, with_entropy)
+    lp = torch.zeros(targets.shape, dtype=torch.float32, device=targets.device).masked_scatter(sel, lp_sel)
+    zero = lp.new_zeros(lp.shape[0], 1)  # position 0 is never scored (also when T = 1)
     logprobs = torch.cat([zero, lp], dim=1)
-    return logprobs, (torch.cat([zero, ent], dim=1) if ent is not None else None)
+    if ent_sel is None:
+        return logprobs, None
+    return logprobs, torch.cat([zero, torch.zeros_like(lp).masked_scatter(sel, ent_sel)], dim=1)
 
 
-def forward_selected_logprobs(model, batch: TokenBatch, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def forward_selected_logprobs(model, batch: TokenBatch, ids: torch.Tensor, temperature: float = 1.0,
+                              pack: bool = True) -> torch.Tensor:
     """The student's full-vocabulary log-probs of the given candidate ``ids`` ``[B, T, k]`` at every
     position ``t`` (predicting token ``t`` from tokens ``< t``): ``[B, T, k]``, exact on loss-mask
     positions and 0 elsewhere. For top-k distillation against a teacher's top-k token ids."""
     t = temperature if temperature > 0 else 1.0
     sel = batch.loss_mask[:, 1:] > 0
-    split = _split_head(model)
-    if split is None:
-        logits = _next_token_states(model, batch, "logits")[sel]
-    else:
-        decoder, head = split
-        logits = head(_next_token_states(decoder, batch, "last_hidden_state")[sel])
-    lp = torch.log_softmax(logits.float() / t, dim=-1).gather(-1, ids[:, 1:][sel].long())  # [N, k]
+    logits, inverse = _scored_logits(model, batch, sel, pack)
+    lp = _at(torch.log_softmax(logits.float() / t, dim=-1), inverse).gather(-1, ids[:, 1:][sel].long())  # [N, k]
     out = torch.zeros(ids.shape, dtype=torch.float32, device=lp.device)
     out[:, 1:][sel] = lp
     return out
+
+
+def _at(x: torch.Tensor, inverse: torch.Tensor | None) -> torch.Tensor:
+    return x if inverse is None else x[inverse]

@@ -253,6 +253,21 @@ def length_order(idx: list[int], trajs: list[Trajectory], world_size: int = 1) -
     return s if world_size <= 1 else [i for r in range(world_size) for i in s[r::world_size]]
 
 
+def prefix_order(idx: list[int], trajs: list[Trajectory]) -> list[int]:
+    """``idx`` in lexicographic order of the trajectories' tokens, so a micro-batch (a consecutive
+    run, and a data-parallel rank's contiguous share) holds whole groups whose shared prompt and
+    common first turns the learner's prefix packing runs once (:func:`mentorrl.models.batch.prefix_pack`)."""
+    return sorted(idx, key=lambda i: trajs[i].token_ids)
+
+
+def update_order(learner, idx: list[int], trajs: list[Trajectory]) -> list[int]:
+    """The order a minibatch is micro-batched in: by shared prefix when the learner packs prefixes,
+    else by length."""
+    if learner.packs_prefixes:
+        return prefix_order(idx, trajs)
+    return length_order(idx, trajs, learner.dp.world_size if learner.dp is not None else 1)
+
+
 def reduce_updates(updates: list[dict[str, float]], keys: tuple[str, ...]) -> dict[str, float]:
     """One value per metric over a step's optimizer updates: the max for ``*_max`` keys, else the mean (0 if none)."""
     out = {}
@@ -291,7 +306,7 @@ def pg_update(learner, trajs: list[Trajectory], adv, k: int, seed: int, version:
         if drop_zero and len(live) < len(idx):
             norm = (float(sum(trajs[i].num_policy_tokens for i in idx)), len(idx))
             idx = live
-        idx = length_order(idx, trajs, learner.dp.world_size if learner.dp is not None else 1)
+        idx = update_order(learner, idx, trajs)
         batch = [trajs[i] for i in idx]
         if kind == "grpo":
             nll = nll_weights[idx] if nll_weights is not None else None
