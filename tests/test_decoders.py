@@ -11,6 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import mentorrl.rollout.decoders as decoders_mod
 from mentorrl.rollout.decoders import (
     DynamicCacheDecoder,
     SlotDecoder,
@@ -63,12 +64,16 @@ _ops = st.lists(
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=_ops, which=st.sampled_from(["qwen2", "llama-gqa"]), seed=st.integers(0, 10_000))
-@pytest.mark.parametrize("kind", ["slots", "hf"])
-def test_each_decoder_gives_each_row_its_own_context_logits(models, kind, ops, which, seed):
+@pytest.mark.parametrize("kind,gather_share", [("slots", 0.5), ("slots", 0.0), ("slots", 1.0), ("hf", None)])
+def test_each_decoder_gives_each_row_its_own_context_logits(models, kind, gather_share, ops, which, seed, monkeypatch):
     """Random schedules of admissions, decode steps, multi-token chunks (prompts, observations),
     fresh rows sharing a prompt, drops and resets: each fed row's logits equal the model's forward
     over that row's whole context, alone. Long chunks push the left-padded cache past its
-    compaction width, and drops can leave it holding only rows never fed."""
+    compaction width, and drops can leave it holding only rows never fed. The slot decoder's decode
+    attention runs over every slot (share 0), over copies of the decode rows' slots (share 1), or
+    picks by the share of rows decoding (the default)."""
+    if gather_share is not None:
+        monkeypatch.setattr(decoders_mod, "GATHER_SHARE", gather_share)
     model = models[which]
     vocab = model.config.vocab_size
     rng = random.Random(seed)

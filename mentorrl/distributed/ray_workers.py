@@ -306,7 +306,8 @@ class RolloutActor:
 
         try:
             if backends.backend_name() == "hf":
-                RolloutEngine(self.model, self.contract, decoder=backends.decoder_name()).run_stream(
+                RolloutEngine(self.model, self.contract, decoder=backends.decoder_name(),
+                              inline_tool_s=backends.inline_tool_s()).run_stream(
                     self._next_episode, slots=self.slots, seed=self.seed, on_finish=self._emit, before_step=self._sync,
                     stop=self.stop, close_envs=True)
             else:  # the actor's vLLM engine, turn-level continuous batching; weights loaded between rounds

@@ -36,6 +36,7 @@ from mentorrl.rollout.kvcache import add_rows, cache_kwarg, compact, expand_batc
 log = logging.getLogger(__name__)
 
 SLOT_MODEL_TYPES = ("qwen2", "llama")
+GATHER_SHARE = 0.5  # decode rows at most this share of the slots: attention reads copies of their slots only
 
 
 class Decoder(Protocol):
@@ -359,8 +360,17 @@ class SlotDecoder:
             dec_tok = torch.tensor([offsets[j] for j in dec], device=dev)
             dec_rows = torch.tensor([fed[j] for j in dec], device=dev)
             all_rows = len(dec) == n
-            ends = torch.tensor(end, device=dev).clamp(min=1)
-            dec_mask = (torch.arange(Lmax, device=dev)[None, :] < ends[:, None])[:, None, None, :]
+            # Few decode rows (the rest wait, prefill a chunk, or follow a leader with the same context):
+            # attend over copies of their own slots up to their own longest context, instead of over
+            # every slot up to the longest context of all.
+            gather = len(dec) <= GATHER_SHARE * n
+            if gather:
+                L_dec = max(end[fed[j]] for j in dec)
+                ends = torch.tensor([end[fed[j]] for j in dec], device=dev)
+                dec_mask = (torch.arange(L_dec, device=dev)[None, :] < ends[:, None])[:, None, None, :]
+            else:
+                ends = torch.tensor(end, device=dev).clamp(min=1)
+                dec_mask = (torch.arange(Lmax, device=dev)[None, :] < ends[:, None])[:, None, None, :]
         wide_masks = []
         for j in wide:
             i = fed[j]
@@ -393,7 +403,12 @@ class SlotDecoder:
             K[rows_t, :, pos_t] = k.to(K.dtype)
             V[rows_t, :, pos_t] = v.to(V.dtype)
             out = q.new_empty(N, self.nh, self.hd)
-            if dec:
+            if dec and gather:
+                od = F.scaled_dot_product_attention(q[dec_tok][:, :, None, :], K[dec_rows, :, :L_dec],
+                                                    V[dec_rows, :, :L_dec], attn_mask=dec_mask,
+                                                    scale=att.scaling, enable_gqa=gqa)
+                out[dec_tok] = od[:, :, 0, :]
+            elif dec:
                 if all_rows:
                     qd = q[dec_tok][:, :, None, :]
                 else:

@@ -22,6 +22,7 @@ import torch
 from mentorrl.contract import RolloutContract
 from mentorrl.rollout.episode import Episode, EpisodeSource
 from mentorrl.rollout.decoders import make_decoder
+from mentorrl.rollout.dispatch import Dispatch, tool_kind, verify_kind
 from mentorrl.rollout.sampling import sample_tokens
 from mentorrl.trajectory import Trajectory
 
@@ -46,6 +47,7 @@ class RolloutEngine:
         prefill_batch_frac: float = 0.25,
         compact_ratio: float = 1.25,
         decoder: str = "auto",
+        inline_tool_s: float = 0.005,
     ):
         """``tool_workers``: threads running tool calls; None gives one per slot, so no call ever
         queues behind another (tool calls wait on I/O; cap it for CPU-heavy tools).
@@ -56,13 +58,17 @@ class RolloutEngine:
         ``compact_ratio``: squeeze pads out of the cache once its width exceeds this multiple
         of the longest real context (the left-padded decoder).
         ``decoder``: how the model runs (:func:`mentorrl.rollout.decoders.make_decoder`): ``auto``
-        (per-row KV slots and packed tokens where the model supports it), ``slots`` or ``hf``."""
+        (per-row KV slots and packed tokens where the model supports it), ``slots`` or ``hf``.
+        ``inline_tool_s``: a kind of tool call (or verification) whose recent calls took at most this
+        much CPU time runs inline in the decode loop instead of the pool (:mod:`mentorrl.rollout.dispatch`;
+        0: always the pool)."""
         self.model = model
         self.contract = contract
         self.tool_workers = tool_workers
         self.prefill_batch_frac = prefill_batch_frac
         self.compact_ratio = compact_ratio
         self.decoder = decoder
+        self.inline_tool_s = inline_tool_s
 
     @torch.no_grad()
     def run(
@@ -146,7 +152,7 @@ class RolloutEngine:
         def finish(e: int) -> None:
             """The verifier runs in the tool pool, beside the decoding of the other rows."""
             ended.add(e)
-            verdicts[e] = pool.submit(_verify, e)
+            verdicts[e] = dispatch.submit(verify_kind(episodes[e].env), _verify, e)
 
         def collect(block: bool = False) -> None:
             for e in [e for e, f in verdicts.items() if block or f.done()]:
@@ -155,6 +161,7 @@ class RolloutEngine:
                     on_finish(traj)
 
         pool = cf.ThreadPoolExecutor(max_workers=self.tool_workers or max(slots, 1), thread_name_prefix="rollout-tool")
+        dispatch = Dispatch(pool, self.inline_tool_s)
         rows = admit()
         decoder.reset(len(rows))
         # All prompts usually share the system turn: prefill it once and broadcast it.
@@ -234,7 +241,7 @@ class RolloutEngine:
                     if action is None:
                         finish(e)
                     else:
-                        waiting[e] = pool.submit(ep.run_tool, action)
+                        waiting[e] = dispatch.submit(tool_kind(ep.env, action.name), ep.run_tool, action)
             collect(block=True)  # an abandoned run keeps the trajectories that had finished
         finally:
             decoder.close()
@@ -244,5 +251,6 @@ class RolloutEngine:
                     if e not in ended and e not in waiting:
                         episodes[e].env.close()  # a row whose tool is still running keeps its env open
         stats.update(decoder.stats)
+        stats.update(dispatch.stats)
         self.last_stats = {**stats, "wall_s": time.perf_counter() - t_start, "aborted": float(aborted)}
         return [r for r in results if r is not None]

@@ -107,7 +107,7 @@ class RolloutWorker(threading.Thread):
                  slots: int, out: queue.Queue, stop_event: threading.Event, seed: int, weights=None,
                  recompute_kv: bool = False, name: str = "rollout-worker"):
         super().__init__(name=name, daemon=True)
-        from mentorrl.rollout.backends import backend_for, backend_name, decoder_name
+        from mentorrl.rollout.backends import backend_for, backend_name, decoder_name, inline_tool_s
 
         self.contract, self.make_env, self.tasks, self.box = contract, make_env, tasks, box
         self.slots, self.seed, self.weights, self.recompute_kv = slots, seed, weights, recompute_kv
@@ -122,7 +122,7 @@ class RolloutWorker(threading.Thread):
             self.model = copy.deepcopy(policy).eval()
             for p in self.model.parameters():
                 p.requires_grad_(False)
-            self.engine = RolloutEngine(self.model, contract, decoder=decoder_name())
+            self.engine = RolloutEngine(self.model, contract, decoder=decoder_name(), inline_tool_s=inline_tool_s())
             self.backend = None
         else:
             self.model, self.engine = None, None

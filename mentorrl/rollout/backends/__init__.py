@@ -20,7 +20,7 @@ from typing import Any
 from mentorrl.rollout.backends.base import (Generation, GenerationBackend, backend_of, drive_episodes, stream_episodes,
                                            turn_seed)
 
-__all__ = ["Generation", "GenerationBackend", "backend_for", "backend_name", "backend_of", "configure", "current_config", "decoder_name", "drive_episodes",
+__all__ = ["Generation", "GenerationBackend", "backend_for", "backend_name", "backend_of", "configure", "current_config", "decoder_name", "drive_episodes", "inline_tool_s",
            "release", "stream_episodes", "sync_weights", "turn_seed"]
 
 _config: Any = None  # the active RolloutConfig (None: hf)
@@ -45,6 +45,12 @@ def decoder_name() -> str:
     return getattr(_config, "decoder", "auto") or "auto"
 
 
+def inline_tool_s() -> float:
+    """The hf engine's inline threshold for tool calls and verifications, in seconds (``rollout.inline_tool_ms``)."""
+    ms = getattr(_config, "inline_tool_ms", None)
+    return 0.005 if ms is None else float(ms) / 1000.0
+
+
 def backend_name() -> str:
     return getattr(_config, "backend", "hf") or "hf"
 
@@ -55,7 +61,7 @@ def backend_for(model, contract, version: int | None = None) -> GenerationBacken
     if backend_name() == "hf":
         from mentorrl.rollout.backends.hf import HFBackend
 
-        return HFBackend(model, contract, decoder=decoder_name())
+        return HFBackend(model, contract, decoder=decoder_name(), inline_tool_s=inline_tool_s())
     global _engine
     from mentorrl.rollout.backends.vllm import VLLMBackend
 

@@ -24,13 +24,14 @@ from mentorrl.trajectory import Trajectory
 class HFBackend(GenerationBackend):
     name = "hf"
 
-    def __init__(self, model, contract: RolloutContract, pad_token_id: int | None = None, decoder: str = "auto"):
+    def __init__(self, model, contract: RolloutContract, pad_token_id: int | None = None, decoder: str = "auto",
+                 inline_tool_s: float = 0.005):
         super().__init__()
-        self.model, self.contract, self.decoder = model, contract, decoder
+        self.model, self.contract, self.decoder, self.inline_tool_s = model, contract, decoder, inline_tool_s
         self.pad_token_id = contract.pad_token_id if pad_token_id is None else pad_token_id
 
     def run_episodes(self, episodes: list[Episode], seed: int = 0) -> list[Trajectory]:
-        engine = RolloutEngine(self.model, self.contract, decoder=self.decoder)
+        engine = RolloutEngine(self.model, self.contract, decoder=self.decoder, inline_tool_s=self.inline_tool_s)
         out = engine.run(episodes, seed=seed)
         self.last_stats = getattr(engine, "last_stats", {})
         return out
