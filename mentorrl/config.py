@@ -664,9 +664,9 @@ class RolloutConfig(_Section):
                             "own forward, else hf")
     inline_tool_ms: float = Field(
         5.0, ge=0, description="hf backend: a kind of tool call (environment and tool) or verification whose recent "
-                               "calls took at most this many CPU milliseconds (and under 10x as long in wall time) "
+                               "calls took at most this many milliseconds (median CPU and wall time; none over 10x) "
                                "runs inline in the decode loop; slower ones, and each kind's first calls, run in a "
-                               "thread pool beside decoding. 0: always the pool")
+                               "thread pool beside decoding. 0: always the pool (tools that can hang without warning)")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="vllm: the engine's dtype (float32 keeps its log-probs equal to the learner's)")
     kv_cache_gib: float = Field(1.0, gt=0, description="vllm: KV-cache size in GiB (on CPU, VLLM_CPU_KVCACHE_SPACE)")

@@ -8,11 +8,13 @@ waits for the interpreter lock the decode loop holds, and the switching shows up
 
 :class:`Dispatch` decides per *kind* of call (the environment's class and the tool's name, or
 the verifier): a kind's first calls run in the pool, and its measured cost decides from then on.
-It runs inline once the median of its recent calls is cheap in CPU time (``inline_s``) *and*
-short in wall time (``10 * inline_s``; a pool call's wall time includes waiting for the lock, which
-is why the CPU-time test leads): a call that waits on the network or a subprocess uses little CPU
-but a long wall time, and stays in the pool. A kind that turns slow goes back to the pool.
-``inline_s = 0`` sends every call to the pool (the engine's behaviour before this module).
+It runs inline once its recent calls are cheap: median CPU time and median wall time at most
+``inline_s``, and none of them longer than ``10 * inline_s`` in wall time. A call that waits on the
+network or a subprocess uses little CPU but a long wall time, and stays in the pool; so does a kind
+whose calls are usually quick but sometimes stall. A kind that turns slow goes back to the pool.
+What an inline call costs the other rows is its own duration, like one more decode step; a tool
+that can hang without warning should run with ``inline_s = 0`` (``rollout.inline_tool_ms: 0``),
+which sends every call to the pool (the engine's behaviour before this module).
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ def runs_inline(kind: Hashable, inline_s: float) -> bool:
         return False
     cpu = statistics.median(s[0] for s in samples)
     wall = statistics.median(s[1] for s in samples)
-    return cpu <= inline_s and wall <= WALL_FACTOR * inline_s
+    return cpu <= inline_s and wall <= inline_s and max(s[1] for s in samples) <= WALL_FACTOR * inline_s
 
 
 def forget() -> None:
@@ -93,9 +95,14 @@ def _timed(kind: Hashable, fn: Callable[..., Any], args: tuple) -> Any:
         record(kind, time.thread_time() - c0, time.perf_counter() - t0)
 
 
-def tool_kind(env: Any, name: str | None) -> tuple[str, str, str]:
-    return ("tool", f"{type(env).__module__}.{type(env).__qualname__}", str(name))
+def _name(obj: Any) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
-def verify_kind(env: Any) -> tuple[str, str]:
-    return ("verify", f"{type(env).__module__}.{type(env).__qualname__}")
+def tool_kind(episode: Any, name: str | None) -> tuple[str, str, str, str]:
+    """A tool call's kind: the episode class (which may wrap ``run_tool``), the environment, the tool."""
+    return ("tool", _name(episode), _name(episode.env), str(name))
+
+
+def verify_kind(episode: Any) -> tuple[str, str, str]:
+    return ("verify", _name(episode), _name(episode.env))

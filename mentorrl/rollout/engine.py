@@ -152,7 +152,7 @@ class RolloutEngine:
         def finish(e: int) -> None:
             """The verifier runs in the tool pool, beside the decoding of the other rows."""
             ended.add(e)
-            verdicts[e] = dispatch.submit(verify_kind(episodes[e].env), _verify, e)
+            verdicts[e] = dispatch.submit(verify_kind(episodes[e]), _verify, e)
 
         def collect(block: bool = False) -> None:
             for e in [e for e, f in verdicts.items() if block or f.done()]:
@@ -241,7 +241,7 @@ class RolloutEngine:
                     if action is None:
                         finish(e)
                     else:
-                        waiting[e] = dispatch.submit(tool_kind(ep.env, action.name), ep.run_tool, action)
+                        waiting[e] = dispatch.submit(tool_kind(ep, action.name), ep.run_tool, action)
             collect(block=True)  # an abandoned run keeps the trajectories that had finished
         finally:
             decoder.close()
