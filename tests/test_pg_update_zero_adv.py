@@ -119,3 +119,35 @@ def test_update_order_groups_shared_prefixes_when_the_learner_packs():
     assert [toks[i] for i in update_order(packing, [0, 1, 2, 3, 4], trajs)] == sorted(toks)
     plain = SimpleNamespace(packs_prefixes=False, dp=None)
     assert [len(toks[i]) for i in update_order(plain, [0, 1, 2, 3, 4], trajs)] == sorted(len(t) for t in toks)
+
+
+def test_groups_are_dealt_whole_into_minibatches():
+    """pg_update(groups=...) keeps each GRPO group (with its guided demonstration) in one minibatch;
+    every trajectory is trained once per pass, and the deal depends on the seed."""
+    from types import SimpleNamespace
+
+    import mentorrl.train.loop as loop
+
+    seen: list[list[int]] = []
+
+    class Recorder:
+        packs_prefixes, dp, model = True, None, torch.nn.Linear(1, 1)
+
+        def policy_step(self, batch, adv, kind, **kw):
+            seen.append([t.index for t in batch])
+            return {}
+
+    trajs = [SimpleNamespace(index=i, token_ids=[i % 3, i], num_policy_tokens=1, policy_version=0) for i in range(13)]
+    groups = [[0, 1, 2, 12], [3, 4, 5], [6, 7, 8], [9, 10, 11]]  # 12: group 0's demonstration
+    adv = torch.ones(13)
+    deals = set()
+    for seed in range(6):
+        seen.clear()
+        loop.pg_update(Recorder(), trajs, adv, 2, seed, {"policy": 0}, kind="grpo", groups=groups, drop_zero=True)
+        assert len(seen) == 2 and sorted(i for mb in seen for i in mb) == list(range(13))
+        for mb in seen:
+            assert all(set(g) <= set(mb) or not set(g) & set(mb) for g in groups)
+        deals.add(tuple(sorted(tuple(sorted(mb)) for mb in seen)))
+    assert len(deals) > 1
+    with pytest.raises(ValueError, match="items or groups"):
+        loop.pg_update(Recorder(), trajs, adv, 2, 0, {"policy": 0}, kind="grpo", groups=groups, items=[0, 1])

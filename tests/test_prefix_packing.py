@@ -132,15 +132,16 @@ def test_packed_forward_equals_the_padded_one(sdpa_model, data):
 @given(grouped_rows())
 def test_pack_layout_invariants(data):
     """Each row's tokens read back from its nodes at positions 0..L-1; a node sees exactly the nodes
-    of its own prefix; the pack never holds more token slots than the padded batch."""
+    of its own prefix; a pack is returned only when it costs less than the padded batch."""
     rows, masks = data
     b = _batch(rows, masks)
-    p = prefix_pack(b.input_ids, b.attention_mask)
+    w = 1.0 / 64
+    p = prefix_pack(b.input_ids, b.attention_mask, attn_weight=w)
     Bn, T = b.input_ids.shape
     if p is None:
         return
     R, N = p.input_ids.shape
-    assert R * N < Bn * T and N <= T
+    assert B.pack_cost(R, N, w) < B.pack_cost(Bn, T, w) and N <= max(B.PACK_CAPS) * T
     flat_ids, flat_pos = p.input_ids.reshape(-1), p.position_ids.reshape(-1)
     for r_i, row in enumerate(rows):
         nodes = p.node[r_i, : len(row)]
@@ -156,13 +157,15 @@ def test_pack_layout_invariants(data):
 
 
 def test_a_group_with_a_shared_prompt_packs_into_fewer_slots():
-    """A packed row is at most as long as the batch's longest row (so neither slots nor attention
-    area grow); below that, a group's prompt runs once and each distinct continuation after it."""
+    """A group's prompt runs once, then each distinct continuation after it; with attention costly
+    (a small model) packed rows stay as long as the longest input row, with it cheap they grow to
+    hold whole groups."""
     prompt = list(range(1, 21))
     rows = [prompt + [21, 22, 23], prompt + [21, 22, 24, 25], prompt + [30], prompt + [21, 22, 23],
             list(range(40, 72))]
     b = _batch(rows, [[0] * 20 + [1] * (len(r) - 20) for r in rows])
-    p = prefix_pack(b.input_ids, b.attention_mask)
+    assert prefix_pack(b.input_ids, b.attention_mask, attn_weight=0.0).input_ids.shape == (1, 32 + 26)
+    p = prefix_pack(b.input_ids, b.attention_mask, attn_weight=1.0)
     assert p is not None and p.input_ids.shape == (2, 32)
     group_row = int(p.node[0, 0]) // 32
     assert int((p.node[:4] // 32 == group_row).sum()) == sum(len(r) for r in rows[:4])  # one packed row
@@ -172,7 +175,8 @@ def test_a_group_with_a_shared_prompt_packs_into_fewer_slots():
 def test_a_batch_without_anything_to_share_is_not_packed():
     rows = [[1, 2, 3, 4], [5, 6, 7, 8]]
     b = _batch(rows, [[0, 1, 1, 1]] * 2)
-    assert prefix_pack(b.input_ids, b.attention_mask) is None  # two full rows: no slot saved
+    assert prefix_pack(b.input_ids, b.attention_mask) is None  # two full rows: nothing saved
+    assert prefix_pack(b.input_ids, b.attention_mask, attn_weight=0.0) is None  # one row of 8: the same slots
     assert prefix_pack(b.input_ids[:1], b.attention_mask[:1]) is None
 
 
@@ -255,3 +259,10 @@ def test_the_cheapest_fake_would_be_caught(sdpa_model, monkeypatch):
     nodes = p.node[:, :-1][sel]
     lp = torch.log_softmax(head(out[nodes]), -1).gather(-1, b.input_ids[:, 1:][sel][:, None])[:, 0]
     assert (lp - want[:, 1:][sel]).abs().max() > 1e-3
+
+
+def test_attention_weight_follows_the_model_shape(sdpa_model):
+    """Linear layers cost ~2 x the layer's parameters per slot, attention ~4 x heads x head dim per key."""
+    dec = sdpa_model.get_decoder()
+    per_layer = (sum(p.numel() for p in dec.parameters()) - dec.get_input_embeddings().weight.numel()) / 2
+    assert B.attention_weight(dec) == pytest.approx(2 * 32 / per_layer)

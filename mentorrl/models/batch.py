@@ -114,27 +114,23 @@ def _lcp(a: list[int], b: list[int]) -> int:
     return i
 
 
-def prefix_pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_id: int = 0) -> PrefixPack | None:
-    """Pack right-padded rows ``[B, T]`` into prefix trees of at most ``T`` nodes per packed row.
+PACK_CAPS = (1.0, 1.5, 2.0)  # packed-row lengths tried, as multiples of the longest input row
+DEFAULT_ATTN_WEIGHT = 1.0 / 1024  # attention's cost per slot and key, relative to a slot's linear layers
 
-    None when packing would not leave fewer token slots than the padded batch (then the plain
-    forward is as cheap). A packed row never exceeds the longest input row, so neither the token
-    count nor the attention area (``R * N^2`` against ``B * T^2``) grows."""
-    B, T = input_ids.shape
-    if B < 2:
-        return None
-    lens = attention_mask.sum(1).tolist()
-    rows = [input_ids[b, : lens[b]].tolist() for b in range(B)]
-    order = sorted(range(B), key=lambda b: rows[b])
-    packed: list[list[int]] = []  # per packed row: its node tokens
+
+def _layout(rows: list[list[int]], order: list[int], cap: int):
+    """Greedy prefix-tree layout of ``rows`` taken in ``order`` (lexicographic): each packed row holds
+    consecutive rows as a trie of at most ``cap`` nodes. Returns (node tokens per packed row, node
+    depths per packed row, per input row (packed row, node columns, first column it added))."""
+    packed: list[list[int]] = []
     depth: list[list[int]] = []
-    paths: list[tuple[int, list[int], int]] = [(0, [], 0)] * B  # per input row: (packed row, node columns, new from)
+    paths: list[tuple[int, list[int], int]] = [(0, [], 0)] * len(rows)
     prev: list[int] = []
     prev_path: list[int] = []
     for b in order:
         seq = rows[b]
         shared = _lcp(prev, seq) if packed else 0
-        if not packed or len(packed[-1]) + len(seq) - shared > T:
+        if not packed or len(packed[-1]) + len(seq) - shared > cap:
             packed.append([])
             depth.append([])
             shared = 0
@@ -144,9 +140,56 @@ def prefix_pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_id: i
         depth[-1].extend(range(shared, len(seq)))
         paths[b] = (len(packed) - 1, path, shared)
         prev, prev_path = seq, path
-    R, N = len(packed), max(len(r) for r in packed)
-    if R * N >= B * T:
+    return packed, depth, paths
+
+
+def pack_cost(rows: int, length: int, attn_weight: float) -> float:
+    """Estimated forward cost of ``rows`` sequences of ``length`` slots: the linear layers grow with
+    the slots, attention with slots times keys (``attn_weight``: its cost per key relative to a
+    slot's linear layers; :func:`attention_weight`)."""
+    return rows * length * (1.0 + attn_weight * length)
+
+
+def attention_weight(module) -> float:
+    """``attn_weight`` of :func:`pack_cost` for a decoder: per layer, a slot's linear layers cost about
+    2 x (the layer's parameters) FLOPs and its attention 4 x (heads x head dim) per key."""
+    cfg = getattr(module, "config", None)
+    layers = getattr(cfg, "num_hidden_layers", None)
+    heads = getattr(cfg, "num_attention_heads", None)
+    hidden = getattr(cfg, "hidden_size", None)
+    if not (layers and heads and hidden):
+        return DEFAULT_ATTN_WEIGHT
+    head_dim = getattr(cfg, "head_dim", None) or hidden // heads
+    emb = module.get_input_embeddings() if hasattr(module, "get_input_embeddings") else None
+    params = sum(p.numel() for p in module.parameters()) - (emb.weight.numel() if emb is not None else 0)
+    per_layer = params / layers
+    return 2.0 * heads * head_dim / per_layer if per_layer > 0 else DEFAULT_ATTN_WEIGHT
+
+
+def prefix_pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_id: int = 0,
+                attn_weight: float = DEFAULT_ATTN_WEIGHT) -> PrefixPack | None:
+    """Pack right-padded rows ``[B, T]`` into prefix trees.
+
+    Packed rows hold at most ``c * T`` nodes, ``c`` in :data:`PACK_CAPS`: longer rows split fewer
+    groups (each split runs the shared prompt again) but cost more attention per slot. The layout
+    with the lowest :func:`pack_cost` is kept; None when none costs less than the padded batch (then
+    the plain forward is as cheap)."""
+    B, T = input_ids.shape
+    if B < 2:
         return None
+    lens = attention_mask.sum(1).tolist()
+    rows = [input_ids[b, : lens[b]].tolist() for b in range(B)]
+    order = sorted(range(B), key=lambda b: rows[b])
+    best, best_cost = None, pack_cost(B, T, attn_weight)
+    for c in PACK_CAPS:
+        layout = _layout(rows, order, max(int(c * T), T))
+        cost = pack_cost(len(layout[0]), max(len(r) for r in layout[0]), attn_weight)
+        if cost < best_cost:
+            best, best_cost = layout, cost
+    if best is None:
+        return None
+    packed, depth, paths = best
+    R, N = len(packed), max(len(r) for r in packed)
     ids = torch.full((R, N), pad_id, dtype=torch.long)
     pos = torch.zeros(R, N, dtype=torch.long)
     for r, (toks, dep) in enumerate(zip(packed, depth)):
@@ -234,7 +277,8 @@ def selected_states(module, batch: TokenBatch, attr: str, sel: torch.Tensor,
     and its packed forward matched its plain one on first use; positions sharing a prefix share
     one state (and their gradients add up there), so values and gradients equal the plain forward's."""
     form = _packable(module) if pack and bool(sel.any()) else None
-    packed = prefix_pack(batch.input_ids, batch.attention_mask) if form is not None else None
+    packed = prefix_pack(batch.input_ids, batch.attention_mask, attn_weight=attention_weight(module)) \
+        if form is not None else None
     if packed is not None:
         packed = PrefixPack(*(t.to(batch.input_ids.device) for t in (packed.input_ids, packed.position_ids,
                                                                       packed.allowed, packed.node)))

@@ -237,8 +237,14 @@ def gap_check(ws: Workspace, model, monitor: GapMonitor, step: int) -> dict[str,
 # ------------------------------------------------------------- updates -----
 def minibatches(items: list[int], k: int, seed: int) -> list[list[int]]:
     """``items`` shuffled with ``seed`` and dealt round-robin into ``min(k, len(items))`` minibatches."""
-    perm = torch.randperm(len(items), generator=torch.Generator().manual_seed(seed)).tolist()
-    order = [items[i] for i in perm]
+    return [[i for unit in mb for i in unit] for mb in deal([[i] for i in items], k, seed)]
+
+
+def deal(units: list[list[int]], k: int, seed: int) -> list[list[list[int]]]:
+    """``units`` (lists of items that stay together, e.g. a GRPO group) shuffled with ``seed`` and
+    dealt round-robin into ``min(k, len(units))`` minibatches."""
+    perm = torch.randperm(len(units), generator=torch.Generator().manual_seed(seed)).tolist()
+    order = [units[i] for i in perm]
     k = min(k, len(order))
     return [order[i::k] for i in range(k)]
 
@@ -278,11 +284,15 @@ def reduce_updates(updates: list[dict[str, float]], keys: tuple[str, ...]) -> di
 
 
 def pg_update(learner, trajs: list[Trajectory], adv, k: int, seed: int, version: dict[str, Any], *,
-              items: list[int] | None = None, kind: str = "clipped", bump: bool = True, skip_zero: bool = False,
-              drop_zero: bool = False, nll_weights: torch.Tensor | None = None, **loss: Any) -> list[dict[str, float]]:
+              items: list[int] | None = None, groups: list[list[int]] | None = None, kind: str = "clipped",
+              bump: bool = True, skip_zero: bool = False, drop_zero: bool = False,
+              nll_weights: torch.Tensor | None = None, **loss: Any) -> list[dict[str, float]]:
     """One pass of policy-gradient updates: ``items`` (default: every trajectory) dealt into ``k``
     minibatches with ``seed``, one optimizer step per minibatch; each update's metrics with the
     minibatch's policy lag behind ``version["policy"]``, which every update increments (``bump``).
+    ``groups`` (instead of ``items``): lists of trajectories dealt together, so a minibatch holds
+    whole GRPO groups (as verl deals prompts): their advantages balance within it, and the learner
+    runs each group's shared prompt and common turns once, not once per minibatch it was split over.
 
     ``adv``: per-trajectory token advantages (a list of 1-D tensors), or for ``kind="grpo"`` one
     advantage per trajectory (a tensor). ``skip_zero`` skips a minibatch whose advantages are all 0.
@@ -296,9 +306,12 @@ def pg_update(learner, trajs: list[Trajectory], adv, k: int, seed: int, version:
     ``loss`` goes to the learner's step (``eps_low``, ``eps_high``, ``agg``, ``ref_model``, ``kl_coef``)."""
     if nll_weights is not None and kind != "grpo":
         raise ValueError("pg_update: nll_weights needs kind='grpo'")
-    items = list(range(len(trajs))) if items is None else items
+    if groups is not None and items is not None:
+        raise ValueError("pg_update: give items or groups, not both")
+    units = groups if groups is not None else [[i] for i in (range(len(trajs)) if items is None else items)]
+    units = [u for u in units if u]
     ups: list[dict[str, float]] = []
-    for idx in minibatches(items, k, seed) if items else []:
+    for idx in [[i for u in mb for i in u] for mb in deal(units, k, seed)] if units else []:
         live = [i for i in idx if adv[i].abs().sum() > 0 or (nll_weights is not None and nll_weights[i] != 0)]
         if (skip_zero or drop_zero) and not live:
             continue

@@ -125,7 +125,12 @@ def grpo_stage(ws: Workspace, model, ref_model=None, resume: bool = False) -> Pa
         # Zero-advantage trajectories give exactly zero policy gradient: without a KL term they are
         # not forwarded, but they stay in each minibatch's loss denominator (the full-batch update).
         t1, c1 = time.perf_counter(), time.process_time()
-        ups = pg_update(learner, trajs, adv, g.updates_per_step, step, version, kind="grpo", drop_zero=g.kl_coef == 0,
+        size = len(grp.trajs) // max(len(chosen), 1)  # group i: rollouts i * size ... (as the advantages)
+        groups = [list(range(i * size, (i + 1) * size)) for i in range(len(chosen))]
+        for j, (i, _) in enumerate(guided):  # a guided group's demonstration is dealt with its group
+            groups[i].append(len(grp.trajs) + j)
+        ups = pg_update(learner, trajs, adv, g.updates_per_step, step, version, kind="grpo", groups=groups,
+                        drop_zero=g.kl_coef == 0,
                         ref_model=ref_model if g.kl_coef > 0 else None, kl_coef=g.kl_coef, eps_low=g.eps_low,
                         eps_high=g.eps_high, agg=g.loss_agg, nll_weights=nll)
         metrics.update(reduce_updates(ups, GRPO_METRICS))
