@@ -46,7 +46,8 @@ bf16 autocast made a step 4x slower on this CPU); generation through ``model.gen
 (``use_transformers_continuous_batching`` took ~17x the generation CPU); ``use_cpu=True``; no vLLM, no
 reference model (``beta=0``); ``max_tool_calling_iterations`` 5 (the first turn plus 5 after tool results =
 6 turns); logging every step, no checkpoints, no tqdm. ``--trl-set KEY=JSON`` overrides any GRPOConfig field
-(how these were tried; the measurements are in ``bench/results/vs_trl.md``).
+(how these were tried; the measurements are in ``bench/results/vs_trl.md``); ``--mentorrl-set KEY=VALUE`` adds
+a ``--set`` to the mentorrl arm (ablations: ``grpo.optim.pack_prefixes=false``, ``rollout.inline_tool_ms=0``).
 
 What is measured (CPU seconds of the arm's process, ``time.process_time``; wall seconds too)
 ------------------------------------------------------------------------------------------
@@ -463,7 +464,7 @@ def mentorrl_overrides(args, run_dir: Path) -> list[str]:
             f"grpo.optim.lr={args.lr}", "grpo.optim.warmup_steps=0", f"grpo.eps_low={args.eps_low}",
             f"grpo.eps_high={args.eps_high}", "grpo.checkpoint_every=1000", "sampling.temperature=1.0",
             f"sampling.max_new_tokens={args.max_new_tokens}", f"limits.max_turns={args.max_turns}",
-            f"limits.max_total_tokens={args.max_total_tokens}"]
+            f"limits.max_total_tokens={args.max_total_tokens}", *getattr(args, "mentorrl_set", [])]
 
 
 def run_mentorrl_arm(args, work: Path) -> dict[str, Any]:
@@ -714,6 +715,8 @@ def child_command(args, arm: str, rep: int, out: Path, work: Path) -> list[str]:
         cmd.append("--trl-continuous-batching")
     for kv in args.trl_set:
         cmd += ["--trl-set", kv]
+    for kv in getattr(args, "mentorrl_set", []):
+        cmd += ["--mentorrl-set", kv]
     return cmd
 
 
@@ -756,6 +759,9 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--trl-micro-batch", type=int, default=32, help="TRL per_device_train_batch_size (default 32)")
     p.add_argument("--trl-set", action="append", default=[], metavar="KEY=JSON",
                    help="override one GRPOConfig field of the TRL arm, e.g. --trl-set bf16=true (repeatable)")
+    p.add_argument("--mentorrl-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="one more --set of the mentorrl arm (an ablation), e.g. --mentorrl-set "
+                        "grpo.optim.pack_prefixes=false (repeatable)")
     p.add_argument("--trl-continuous-batching", action="store_true",
                    help="TRL use_transformers_continuous_batching (off: far slower here, see the results)")
     p.add_argument("--work", default=None, help="run directories and logs (default: a temporary dir, removed)")
