@@ -113,3 +113,22 @@ def test_the_engine_samples_the_same_trajectories_inline_or_in_the_pool(tool_hap
     assert [t.token_ids for t in a] == [t.token_ids for t in b]
     assert [t.reward.total for t in a] == [t.reward.total for t in b]
     assert [t.reward.success for t in a] == [t.reward.success for t in b]
+
+
+def test_the_run_config_sets_the_threshold(model, make_contract):
+    from pydantic import ValidationError
+
+    from mentorrl.config import RolloutConfig
+    from mentorrl.rollout import backends
+
+    contract = make_contract()
+    before = backends.current_config()
+    try:
+        backends.configure(RolloutConfig(inline_tool_ms=0))
+        assert backends.backend_for(model, contract).inline_tool_s == 0.0
+        backends.configure(RolloutConfig())
+        assert backends.backend_for(model, contract).inline_tool_s == pytest.approx(0.005)
+    finally:
+        backends.configure(before)
+    with pytest.raises(ValidationError):
+        RolloutConfig(inline_tool_ms=-1)
