@@ -64,13 +64,19 @@ def run_updates(model, dp=None) -> dict:
     learner = Learner(model, OPTIM, pad_id=0, dp=dp)
     out: dict = {"metrics": [], "rows_sft": 0}
 
-    def count_rows(_module, args, kwargs):  # sequences this process runs forward on
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        out["rows_sft"] += ids.shape[0]
+    import mentorrl.train.learner as learner_mod
 
-    hook = model.get_input_embeddings().register_forward_pre_hook(lambda m, a: count_rows(m, a, {}))
-    out["metrics"].append(learner.sft_step(trajs, agg="token-mean"))
-    hook.remove()
+    collate = learner_mod.collate
+
+    def counting_collate(batch, pad_id):  # sequences this process runs forward on (however its forward packs them)
+        out["rows_sft"] += len(batch)
+        return collate(batch, pad_id)
+
+    learner_mod.collate = counting_collate
+    try:
+        out["metrics"].append(learner.sft_step(trajs, agg="token-mean"))
+    finally:
+        learner_mod.collate = collate
     out["grads_sft"] = grads(model)
     out["metrics"].append(learner.policy_step(trajs, ADVANTAGES, "grpo", agg="token-mean"))
     out["grads_grpo"] = grads(model)
