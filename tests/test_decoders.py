@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from engine_helpers import engine_run
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -19,8 +20,6 @@ from mentorrl.rollout.decoders import (
     slot_decoder_checks,
     slot_support,
 )
-from mentorrl.rollout.engine import RolloutEngine
-from mentorrl.rollout.episode import Episode
 
 
 def _llama_gqa():
@@ -190,17 +189,8 @@ def test_engine_samples_the_same_trajectories_through_either_decoder(tool_happy_
     contract = make_contract()
     tasks = [t for t in orders_tasks[20:26] for _ in range(3)]  # groups share a prompt
 
-    def run(kind):
-        envs = [orders_entry.make_env() for _ in tasks]
-        try:
-            eng = RolloutEngine(tool_happy_model, contract, decoder=kind)
-            return eng, eng.run([Episode(contract, e, t) for e, t in zip(envs, tasks)], seed=11)
-        finally:
-            for e in envs:
-                e.close()
-
-    slots_eng, a = run("slots")
-    hf_eng, b = run("hf")
+    slots_eng, a = engine_run(tool_happy_model, contract, orders_entry, tasks, seed=11, decoder="slots")
+    hf_eng, b = engine_run(tool_happy_model, contract, orders_entry, tasks, seed=11, decoder="hf")
     assert slots_eng.last_stats["shared_rows"] >= 12 and "compactions" in hf_eng.last_stats
     assert sum(len(t.tool_calls) for t in a) >= 10  # multi-turn: observations were fed mid-context
     assert [t.token_ids for t in a] == [t.token_ids for t in b]

@@ -6,6 +6,7 @@ import threading
 import time
 
 import pytest
+from engine_helpers import engine_run
 
 from mentorrl.contract import IM_END, IM_START, render_tool_call
 from mentorrl.rewards.compose import RewardWeights
@@ -195,24 +196,12 @@ def test_unstopped_turn_finish_reasons(toy_env, toy_task, make_contract):
         Episode(contract, toy_env, toy_task).finish()
 
 
-def _engine_run(model, contract, orders_entry, tasks, episode_cls=Episode, decoder="auto", **run_kw):
-    envs = [orders_entry.make_env() for _ in tasks]
-    try:
-        eps = [episode_cls(contract, e, t) for e, t in zip(envs, tasks)]
-        engine = RolloutEngine(model, contract, decoder=decoder)
-        trajs = engine.run(eps, **run_kw)
-    finally:
-        for e in envs:
-            e.close()
-    return engine, trajs
-
-
 def test_engine_respects_token_and_turn_limits(tool_happy_model, make_contract, orders_entry, orders_tasks):
     tasks = orders_tasks[20:30]
     probe = make_contract()
     budget = max(len(probe.prompt_ids(t.prompt)) for t in tasks) + 40
     contract = make_contract(max_new_tokens=16, max_turns=3, max_total_tokens=budget)
-    _, trajs = _engine_run(tool_happy_model, contract, orders_entry, tasks, seed=3)
+    _, trajs = engine_run(tool_happy_model, contract, orders_entry, tasks, seed=3)
     reasons = {t.finish_reason for t in trajs}
     assert "max_tokens" in reasons, reasons
     for t in trajs:
@@ -237,7 +226,7 @@ def test_engine_respects_token_and_turn_limits(tool_happy_model, make_contract, 
             assert t.token_ids[-1] in contract.stop_token_ids
 
     contract = make_contract(max_new_tokens=24, max_turns=2, max_total_tokens=1024)
-    _, trajs = _engine_run(tool_happy_model, contract, orders_entry, orders_tasks[:12], seed=0)
+    _, trajs = engine_run(tool_happy_model, contract, orders_entry, orders_tasks[:12], seed=0)
     assert any(t.finish_reason == "max_turns" for t in trajs)
     assert all(t.num_turns <= 2 for t in trajs)
 
@@ -251,7 +240,7 @@ def test_engine_one_forward_pass_per_step(tool_happy_model, make_contract, order
     passes: list[int] = []  # the token embedding runs once per forward pass, in either decoder
     handle = tool_happy_model.get_input_embeddings().register_forward_hook(lambda mod, args, out: passes.append(1))
     try:
-        engine, trajs = _engine_run(tool_happy_model, contract, orders_entry, tasks, seed=1, decoder=decoder)
+        engine, trajs = engine_run(tool_happy_model, contract, orders_entry, tasks, seed=1, decoder=decoder)
     finally:
         handle.remove()
     stats = engine.last_stats
@@ -281,8 +270,8 @@ def test_engine_is_deterministic_given_seed(tool_happy_model, make_contract, ord
 
         return JitterEpisode
 
-    _, a = _engine_run(tool_happy_model, contract, orders_entry, tasks, episode_cls=jittery([0.0] * 50), seed=5)
-    _, b = _engine_run(tool_happy_model, contract, orders_entry, tasks, episode_cls=jittery([0.03, 0.0] * 25), seed=5)
+    _, a = engine_run(tool_happy_model, contract, orders_entry, tasks, episode_cls=jittery([0.0] * 50), seed=5)
+    _, b = engine_run(tool_happy_model, contract, orders_entry, tasks, episode_cls=jittery([0.03, 0.0] * 25), seed=5)
     assert [t.token_ids for t in a] == [t.token_ids for t in b]
     # log-probs agree to float noise (the batch layout of each step differs between the runs)
     for ta, tb in zip(a, b):
@@ -331,7 +320,7 @@ def test_slow_tool_does_not_block_other_trajectories(tool_happy_model, make_cont
 
     contract = make_contract()
     tasks = orders_tasks[60 : 60 + N]
-    engine, trajs = _engine_run(tool_happy_model, contract, orders_entry, tasks, episode_cls=GatedEpisode,
+    engine, trajs = engine_run(tool_happy_model, contract, orders_entry, tasks, episode_cls=GatedEpisode,
                                 seed=2, on_finish=gate.on_finish)
     assert gate.slow_id is not None, "no trajectory made a tool call"
     assert gate.unfinished_at_block >= 2, "others had already finished: nothing was tested"
@@ -361,7 +350,7 @@ def test_slow_tool_wall_time(make_contract, orders_entry, orders_tasks, tool_hap
 
     contract = make_contract()
     tasks = orders_tasks[60 : 60 + N]
-    engine, trajs = _engine_run(tool_happy_model, contract, orders_entry, tasks, episode_cls=SleepyEpisode, seed=2)
+    engine, trajs = engine_run(tool_happy_model, contract, orders_entry, tasks, episode_cls=SleepyEpisode, seed=2)
     assert len(calls) >= 8
     # some tool calls of different trajectories overlapped in time
     overlaps = sum(1 for i, a in enumerate(calls) for b in calls[i + 1 :] if a[0] != b[0] and a[1] < b[2] and b[1] < a[2])
@@ -390,7 +379,7 @@ def test_stream_admits_into_free_slots_and_matches_a_full_batch(tool_happy_model
     contract = make_contract()
     tasks = orders_tasks[80:88]
     engine, streamed = _stream(tool_happy_model, contract, orders_entry, tasks, slots=3, seed=4, decoder=decoder)
-    _, batched = _engine_run(tool_happy_model, contract, orders_entry, tasks, seed=4, decoder=decoder)
+    _, batched = engine_run(tool_happy_model, contract, orders_entry, tasks, seed=4, decoder=decoder)
     assert engine.last_stats["admitted"] == len(tasks) and engine.last_stats["max_rows"] <= 3
     assert [t.task_id for t in streamed] == [t.id for t in tasks]  # admission order
     assert [t.token_ids for t in streamed] == [t.token_ids for t in batched]

@@ -8,10 +8,9 @@ import concurrent.futures as cf
 import time
 
 import pytest
+from engine_helpers import engine_run
 
 from mentorrl.rollout import dispatch as D
-from mentorrl.rollout.engine import RolloutEngine
-from mentorrl.rollout.episode import Episode
 
 
 @pytest.fixture(autouse=True)
@@ -95,13 +94,7 @@ def test_the_engine_samples_the_same_trajectories_inline_or_in_the_pool(tool_hap
     tasks = [t for t in orders_tasks[30:36] for _ in range(3)]
 
     def run(inline_s):
-        envs = [orders_entry.make_env() for _ in tasks]
-        try:
-            eng = RolloutEngine(tool_happy_model, contract, inline_tool_s=inline_s)
-            return eng, eng.run([Episode(contract, e, t) for e, t in zip(envs, tasks)], seed=5)
-        finally:
-            for e in envs:
-                e.close()
+        return engine_run(tool_happy_model, contract, orders_entry, tasks, seed=5, inline_tool_s=inline_s)
 
     pool_eng, a = run(0.0)
     D.forget()
