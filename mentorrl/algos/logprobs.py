@@ -14,6 +14,7 @@ import torch
 
 __all__ = [
     "gather_token_logprobs",
+    "gather_row_logprobs",
     "entropy_from_logits",
     "masked_sum",
     "masked_mean",
@@ -56,24 +57,37 @@ def gather_token_logprobs(
     tensor is materialised; rows are processed in chunks so the fp32 upcast /
     temperature scaling copy stays bounded. Differentiable w.r.t. ``logits``.
     """
-    _check_temperature(temperature)
     if logits.shape[:-1] != targets.shape:
         raise ValueError(
             f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} disagree"
         )
-    lead = targets.shape
     V = logits.shape[-1]
-    flat_logits = logits.reshape(-1, V)
-    flat_targets = targets.reshape(-1).long()
-    out = []
-    for start in range(0, flat_logits.shape[0], _CHUNK_ROWS):
-        z = _scaled_fp32(flat_logits[start : start + _CHUNK_ROWS], temperature)
-        tgt = flat_targets[start : start + _CHUNK_ROWS]
-        picked = z.gather(-1, tgt.unsqueeze(-1)).squeeze(-1)
-        out.append(picked - torch.logsumexp(z, dim=-1))
-    if not out:
-        return flat_logits.new_zeros(lead, dtype=torch.float32)
-    return torch.cat(out).reshape(lead)
+    return gather_row_logprobs(logits.reshape(-1, V), targets.reshape(-1), temperature=temperature).reshape(targets.shape)
+
+
+def gather_row_logprobs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    rows: torch.Tensor | None = None,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """``log_softmax(logits[rows[i]] / temperature)[targets[i]]`` for each i, in fp32: ``[n]``.
+
+    ``logits`` ``[U, V]`` may be shared by several positions (``rows`` ``[n]`` indexes them; None:
+    position i reads row i): each row's ``logsumexp`` is computed once, in chunks of rows as in
+    :func:`gather_token_logprobs`. Differentiable w.r.t. ``logits``."""
+    _check_temperature(temperature)
+    n = targets.shape[0]
+    if rows is None:
+        if logits.shape[0] != n:
+            raise ValueError(f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} disagree")
+        rows = torch.arange(n, device=logits.device)
+    if n == 0:
+        return logits.new_zeros(0, dtype=torch.float32)
+    lse = torch.cat([torch.logsumexp(_scaled_fp32(logits[start : start + _CHUNK_ROWS], temperature), dim=-1)
+                     for start in range(0, logits.shape[0], _CHUNK_ROWS)])
+    picked = _scaled_fp32(logits[rows, targets.long()], temperature)
+    return picked - lse[rows]
 
 
 def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

@@ -13,8 +13,8 @@ from typing import Sequence
 
 import torch
 
-from mentorrl.algos.logprobs import entropy_from_logits
-from mentorrl.rollout.kvcache import cache_kwarg, expand_batch, make_cache
+from mentorrl.algos.logprobs import entropy_from_logits, gather_row_logprobs
+from mentorrl.rollout.kvcache import cache_kwarg, common_prefix_len, expand_batch, make_cache
 from mentorrl.trajectory import Trajectory
 
 
@@ -106,14 +106,6 @@ class PrefixPack:
     node: torch.Tensor  # [B, T] long: flat index r * N + c of token (b, t)'s node, -1 on padding
 
 
-def _lcp(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
 PACK_CAPS = (1.0, 1.5, 2.0)  # packed-row lengths tried, as multiples of the longest input row
 DEFAULT_ATTN_WEIGHT = 1.0 / 1024  # attention's cost per slot and key, relative to a slot's linear layers
 
@@ -129,7 +121,7 @@ def _layout(rows: list[list[int]], order: list[int], cap: int):
     prev_path: list[int] = []
     for b in order:
         seq = rows[b]
-        shared = _lcp(prev, seq) if packed else 0
+        shared = common_prefix_len([prev, seq]) if packed else 0
         if not packed or len(packed[-1]) + len(seq) - shared > cap:
             packed.append([])
             depth.append([])
@@ -300,22 +292,12 @@ def _scored_logits(model, batch: TokenBatch, sel: torch.Tensor, pack: bool) -> t
     return head(states), inverse
 
 
-_CHUNK = 1024  # logit rows upcast to fp32 at once (bounds the extra working memory)
-
-
 def _selected_logprobs(logits: torch.Tensor, inverse: torch.Tensor | None, targets: torch.Tensor,
                        temperature: float, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of ``targets`` [n] (and entropies, detached) from ``logits`` [U, V], position i reading
-    row ``inverse[i]`` (``inverse`` None: row i). ``z[target] - logsumexp(z)`` in fp32, ``z = logits / T``."""
-    n = targets.shape[0]
-    if n == 0:
-        empty = logits.new_zeros(0, dtype=torch.float32)
-        return empty, (empty if with_entropy else None)
-    idx = inverse if inverse is not None else torch.arange(n, device=logits.device)
-    lse = torch.cat([torch.logsumexp(logits[i: i + _CHUNK].float() / temperature, dim=-1)
-                     for i in range(0, logits.shape[0], _CHUNK)])
-    lp = logits[idx, targets.long()].float() / temperature - lse[idx]
-    ent = entropy_from_logits(logits.detach(), temperature=temperature)[idx] if with_entropy else None
+    row ``inverse[i]`` (``inverse`` None: row i)."""
+    lp = gather_row_logprobs(logits, targets, inverse, temperature=temperature)
+    ent = _at(entropy_from_logits(logits.detach(), temperature=temperature), inverse) if with_entropy else None
     return lp, ent
 
 

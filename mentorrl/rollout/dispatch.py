@@ -26,6 +26,7 @@ import time
 from collections import deque
 from typing import Any, Callable, Hashable
 
+INLINE_TOOL_S = 0.005  # the default threshold (``rollout.inline_tool_ms: 5``)
 WINDOW = 8  # recent calls per kind that decide
 MIN_SAMPLES = 3  # a kind's first calls always run in the pool
 WALL_FACTOR = 10.0

@@ -22,20 +22,10 @@ import torch
 from mentorrl.contract import RolloutContract
 from mentorrl.rollout.episode import Episode, EpisodeSource
 from mentorrl.rollout.decoders import make_decoder
-from mentorrl.rollout.dispatch import Dispatch, tool_kind, verify_kind
+from mentorrl.rollout.dispatch import INLINE_TOOL_S, Dispatch, tool_kind, verify_kind
+from mentorrl.rollout.kvcache import common_prefix_len
 from mentorrl.rollout.sampling import sample_tokens
 from mentorrl.trajectory import Trajectory
-
-
-def _common_prefix_len(seqs: list[list[int]]) -> int:
-    first = seqs[0]
-    n = min(len(x) for x in seqs)
-    for other in seqs[1:]:
-        k = 0
-        while k < n and other[k] == first[k]:
-            k += 1
-        n = k
-    return n
 
 
 class RolloutEngine:
@@ -47,7 +37,7 @@ class RolloutEngine:
         prefill_batch_frac: float = 0.25,
         compact_ratio: float = 1.25,
         decoder: str = "auto",
-        inline_tool_s: float = 0.005,
+        inline_tool_s: float = INLINE_TOOL_S,
     ):
         """``tool_workers``: threads running tool calls; None gives one per slot, so no call ever
         queues behind another (tool calls wait on I/O; cap it for CPU-heavy tools).
@@ -60,8 +50,8 @@ class RolloutEngine:
         ``decoder``: how the model runs (:func:`mentorrl.rollout.decoders.make_decoder`): ``auto``
         (per-row KV slots and packed tokens where the model supports it), ``slots`` or ``hf``.
         ``inline_tool_s``: a kind of tool call (or verification) whose recent calls took at most this
-        much CPU time runs inline in the decode loop instead of the pool (:mod:`mentorrl.rollout.dispatch`;
-        0: always the pool)."""
+        long (median CPU and wall time, none stalled past 10x) runs inline in the decode loop instead
+        of the pool (:mod:`mentorrl.rollout.dispatch`; 0: always the pool)."""
         self.model = model
         self.contract = contract
         self.tool_workers = tool_workers
@@ -150,7 +140,8 @@ class RolloutEngine:
             return traj
 
         def finish(e: int) -> None:
-            """The verifier runs in the tool pool, beside the decoding of the other rows."""
+            """The verifier runs in the tool pool beside the decoding of the other rows, or inline
+            once verifications have measured cheap (:mod:`mentorrl.rollout.dispatch`)."""
             ended.add(e)
             verdicts[e] = dispatch.submit(verify_kind(episodes[e]), _verify, e)
 
@@ -166,7 +157,7 @@ class RolloutEngine:
         decoder.reset(len(rows))
         # All prompts usually share the system turn: prefill it once and broadcast it.
         if len(rows) > 1:
-            shared = _common_prefix_len([pending[e] for e in rows])
+            shared = common_prefix_len([pending[e] for e in rows])
             shared = min(shared, min(len(pending[e]) for e in rows) - 1)
             if shared >= 8 and decoder.prefill_shared(pending[rows[0]][:shared]):
                 for e in rows:

@@ -11,6 +11,19 @@ import inspect
 import torch
 
 
+def common_prefix_len(seqs: list[list[int]]) -> int:
+    """Length of the token prefix every sequence in ``seqs`` (at least one) shares: what a shared
+    prefill (the engine) or a prefix-tree pack (the learner) computes once."""
+    first = seqs[0]
+    n = min(len(x) for x in seqs)
+    for other in seqs[1:]:
+        k = 0
+        while k < n and other[k] == first[k]:
+            k += 1
+        n = k
+    return n
+
+
 def cache_kwarg(model) -> str:
     """transformers >= 5.2x calls the cache argument ``cache``; earlier releases ``past_key_values``."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"

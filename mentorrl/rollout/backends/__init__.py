@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from mentorrl.rollout.dispatch import INLINE_TOOL_S
 from mentorrl.rollout.backends.base import (Generation, GenerationBackend, backend_of, drive_episodes, stream_episodes,
                                            turn_seed)
 
@@ -48,7 +49,7 @@ def decoder_name() -> str:
 def inline_tool_s() -> float:
     """The hf engine's inline threshold for tool calls and verifications, in seconds (``rollout.inline_tool_ms``)."""
     ms = getattr(_config, "inline_tool_ms", None)
-    return 0.005 if ms is None else float(ms) / 1000.0
+    return INLINE_TOOL_S if ms is None else float(ms) / 1000.0
 
 
 def backend_name() -> str:

@@ -14,6 +14,7 @@ import torch
 
 from mentorrl.contract import RolloutContract
 from mentorrl.rollout.backends.base import Generation, GenerationBackend
+from mentorrl.rollout.dispatch import INLINE_TOOL_S
 from mentorrl.rollout.engine import RolloutEngine
 from mentorrl.rollout.episode import Episode
 from mentorrl.rollout.kvcache import cache_kwarg, make_cache
@@ -25,7 +26,7 @@ class HFBackend(GenerationBackend):
     name = "hf"
 
     def __init__(self, model, contract: RolloutContract, pad_token_id: int | None = None, decoder: str = "auto",
-                 inline_tool_s: float = 0.005):
+                 inline_tool_s: float = INLINE_TOOL_S):
         super().__init__()
         self.model, self.contract, self.decoder, self.inline_tool_s = model, contract, decoder, inline_tool_s
         self.pad_token_id = contract.pad_token_id if pad_token_id is None else pad_token_id
