@@ -9,6 +9,8 @@ a row that is a prefix of another, rows that branch at the first token, rows of 
 from __future__ import annotations
 
 import copy
+from contextlib import contextmanager
+from unittest import mock
 
 import pytest
 import torch
@@ -16,7 +18,24 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mentorrl.models import batch as B
+from mentorrl.models import tree as TR
 from mentorrl.models.batch import TokenBatch, forward_logprobs, forward_selected_logprobs, prefix_pack
+
+FORMS = ("tree", "dense")  # block-sparse attention over one trie row, or a dense tree mask over packed rows
+
+
+@contextmanager
+def packing_form(form: str, block: int | None = None, min_block: int | None = None):
+    """Run the learner's packed forward in ``form`` ("dense": as for a model the tree forward does not
+    serve), with tree query blocks of ``block`` / ``min_block`` nodes and no fixed cost per block
+    (so small test batches are packed)."""
+    with mock.patch.object(TR, "BLOCK", block or TR.BLOCK), mock.patch.object(TR, "MIN_BLOCK", min_block or TR.MIN_BLOCK), \
+            mock.patch.object(B, "BLOCK_COST", 0.0):
+        if form == "dense":
+            with mock.patch.object(B, "tree_support", lambda module: "dense form under test"):
+                yield
+        else:
+            yield
 
 VOCAB = 37
 
@@ -86,10 +105,18 @@ def _branching() -> tuple[list[list[int]], list[list[int]]]:
     return rows, masks
 
 
+def _would_pack(model, b: TokenBatch) -> bool:
+    """Does the learner's forward of ``model`` pack ``b`` (its form and cost rule)?"""
+    decoder = model.get_decoder()
+    form = B._packable(decoder)
+    return form is not None and prefix_pack(b.input_ids, b.attention_mask, attn_weight=B.attention_weight(decoder),
+                                            tree=form == "tree") is not None
+
+
 def _used_packing(model, b: TokenBatch) -> bool:
     """Did the last packed forward of ``model`` on ``b`` really pack (and pass its first-use check)?"""
     decoder = model.get_decoder()
-    return prefix_pack(b.input_ids, b.attention_mask) is not None and B._PACK_VERIFIED.get(decoder) is True
+    return _would_pack(model, b) and B._PACK_VERIFIED.get(decoder, {}).get(B._packable(decoder)) is True
 
 
 def _grads(model, loss):
@@ -118,14 +145,16 @@ def _compare(model, rows, masks, must_pack: bool = True):
         assert _used_packing(model, b), "the packed path did not run: this compared the padded forward with itself"
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(grouped_rows())
-def test_packed_forward_equals_the_padded_one(sdpa_model, data):
+@pytest.mark.parametrize("form", FORMS)
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=grouped_rows(), block=st.integers(1, 24), min_share=st.floats(0.0, 1.0))
+def test_packed_forward_equals_the_padded_one(sdpa_model, form, data, block, min_share):
+    """Values, entropies and gradients; tree query blocks from 1 node up, cut anywhere in a segment."""
     rows, masks = data
     b = _batch(rows, masks)
-    # packing applies when it saves slots and some token is scored; then the packed path must run
-    _compare(sdpa_model, rows, masks, must_pack=prefix_pack(b.input_ids, b.attention_mask) is not None
-             and bool((b.loss_mask[:, 1:] > 0).any()))
+    with packing_form(form, block, max(1, int(min_share * block))):
+        # packing applies when it saves slots and some token is scored; then the packed path must run
+        _compare(sdpa_model, rows, masks, must_pack=_would_pack(sdpa_model, b) and bool((b.loss_mask[:, 1:] > 0).any()))
 
 
 @settings(max_examples=60, deadline=None)
@@ -180,32 +209,39 @@ def test_a_batch_without_anything_to_share_is_not_packed():
     assert prefix_pack(b.input_ids[:1], b.attention_mask[:1]) is None
 
 
-def test_short_rows_share_a_packed_row_without_a_common_prefix(sdpa_model):
+@pytest.mark.parametrize("form", FORMS)
+def test_short_rows_share_a_packed_row_without_a_common_prefix(sdpa_model, form):
     """Packing is also padding-free batching: unrelated short rows fill one packed row and do not see each other."""
     rows = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10], [11, 12, 13], [14, 15]]
     masks = [[0] + [1] * (len(r) - 1) for r in rows]
     b = _batch(rows, masks)
     p = prefix_pack(b.input_ids, b.attention_mask)
     assert p is not None and p.input_ids.shape[0] < len(rows)
-    _compare(sdpa_model, rows, masks)
+    with packing_form(form, block=3, min_block=1):
+        _compare(sdpa_model, rows, masks)
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("attn,model_type", [("eager", "qwen2"), ("sdpa", "llama"), ("eager", "llama")])
-def test_other_attention_kernels_and_architectures(attn, model_type):
+def test_other_attention_kernels_and_architectures(attn, model_type, form):
     model = _model(attn, model_type)
     rows, masks = _branching()
     assert B.packable(model)
-    _compare(model, rows, masks)
+    with packing_form(form, block=7):
+        assert B._packable(model.get_decoder()) == ("tree" if form == "tree" else "additive" if attn == "eager" else "bool")
+        _compare(model, rows, masks)
 
 
-def test_selected_logprobs_for_distillation_match(sdpa_model):
+@pytest.mark.parametrize("form", FORMS)
+def test_selected_logprobs_for_distillation_match(sdpa_model, form):
     rows, masks = _branching()
     b = _batch(rows, masks)
     ids = torch.randint(0, VOCAB, (*b.input_ids.shape, 4), generator=torch.Generator().manual_seed(1))
-    a = forward_selected_logprobs(sdpa_model, b, ids, 1.3, pack=False)
-    c = forward_selected_logprobs(sdpa_model, b, ids, 1.3, pack=True)
-    torch.testing.assert_close(c, a, rtol=1e-5, atol=1e-5)
-    assert _used_packing(sdpa_model, b)
+    with packing_form(form, block=5):
+        a = forward_selected_logprobs(sdpa_model, b, ids, 1.3, pack=False)
+        c = forward_selected_logprobs(sdpa_model, b, ids, 1.3, pack=True)
+        torch.testing.assert_close(c, a, rtol=1e-5, atol=1e-5)
+        assert _used_packing(sdpa_model, b)
 
 
 def test_models_a_tree_mask_cannot_serve_are_not_packed():
@@ -222,38 +258,47 @@ def _flex_ok() -> bool:
         return False
 
 
-def test_a_packed_forward_that_disagrees_falls_back_to_the_padded_one(monkeypatch):
+def _causal_only(pack: B.PrefixPack) -> B.PrefixPack:
+    """The cheapest fake of either form: ignore the tree, attend causally over the packed row."""
+    broken = copy.copy(pack)
+    R, N = pack.input_ids.shape
+    if pack.plan is not None:
+        broken.plan = TR.plan_blocks([TR.Segment(0, N, [])], N, block=5)
+    else:
+        broken.allowed = torch.ones(N, N, dtype=torch.bool).tril().expand(R, N, N).clone()
+    return broken
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_a_packed_forward_that_disagrees_falls_back_to_the_padded_one(monkeypatch, form):
     """The safety net: a model whose packed forward differs from its padded one (here a broken mask)
     is detected on first use and keeps the padded forward's numbers from then on."""
     model = _model("sdpa")
     rows, masks = _branching()
     b = _batch(rows, masks)
-    assert prefix_pack(b.input_ids, b.attention_mask) is not None
-    want, _ = forward_logprobs(model, b, pack=False)
-    real = B._packed_outputs
-
-    def causal_only(module, pack, attr, form):  # the cheapest fake: ignore the tree, attend causally
-        R, N = pack.input_ids.shape
-        broken = copy.copy(pack)
-        broken.allowed = torch.ones(N, N, dtype=torch.bool).tril().expand(R, N, N)
-        return real(module, broken, attr, form)
-
-    monkeypatch.setattr(B, "_packed_outputs", causal_only)
-    got, _ = forward_logprobs(model, b, pack=True)
-    torch.testing.assert_close(got, want)
-    assert B._PACK_VERIFIED[model.get_decoder()] is False
+    with packing_form(form):
+        assert _would_pack(model, b)
+        want, _ = forward_logprobs(model, b, pack=False)
+        real = B._packed_outputs
+        monkeypatch.setattr(B, "_packed_outputs", lambda module, pack, attr, f: real(module, _causal_only(pack), attr, f))
+        got, _ = forward_logprobs(model, b, pack=True)
+        torch.testing.assert_close(got, want)
+        dec = model.get_decoder()
+        assert B._PACK_VERIFIED[dec][B._packable(dec)] is False
 
 
-def test_the_cheapest_fake_would_be_caught(sdpa_model, monkeypatch):
+@pytest.mark.parametrize("form", FORMS)
+def test_the_cheapest_fake_would_be_caught(sdpa_model, form):
     """Causal attention over the packed row (no tree mask) changes the numbers of a branching batch,
     so the equality test above can tell a real tree mask from it."""
     rows, masks = _branching()
     b = _batch(rows, masks)
     want, _ = forward_logprobs(sdpa_model, b, pack=False)
-    p = prefix_pack(b.input_ids, b.attention_mask)
-    R, N = p.input_ids.shape
-    p.allowed = torch.ones(N, N, dtype=torch.bool).tril().expand(R, N, N).clone()
-    out = B._packed_outputs(sdpa_model.get_decoder(), p, "last_hidden_state", "bool")
+    dec = sdpa_model.get_decoder()
+    with packing_form(form):
+        f = B._packable(dec)
+        p = _causal_only(prefix_pack(b.input_ids, b.attention_mask, attn_weight=B.attention_weight(dec), tree=f == "tree"))
+        out = B._packed_outputs(dec, p, "last_hidden_state", f)
     head = sdpa_model.get_output_embeddings()
     sel = b.loss_mask[:, 1:] > 0
     nodes = p.node[:, :-1][sel]

@@ -14,6 +14,7 @@ from typing import Sequence
 import torch
 
 from mentorrl.algos.logprobs import entropy_from_logits, gather_row_logprobs
+from mentorrl.models.tree import BLOCK_COST, Segment, TreePlan, plan_blocks, tree_hidden_states, tree_support
 from mentorrl.rollout.kvcache import cache_kwarg, common_prefix_len, expand_batch, make_cache
 from mentorrl.trajectory import Trajectory
 
@@ -97,13 +98,23 @@ class PrefixPack:
     runs those tokens once per row. Here rows are sorted lexicographically and each packed row
     holds consecutive trajectories as a trie in depth-first order: a trajectory adds only the
     tokens after its longest common prefix with the one before it. Each node attends to its
-    ancestors and itself (``allowed``) at its depth (``position_ids``), so its hidden state is the
-    one every trajectory through it would compute; the gradient of a node sums over them."""
+    ancestors and itself at its depth (``position_ids``), so its hidden state is the one every
+    trajectory through it would compute; the gradient of a node sums over them.
+
+    Two forms: a dense tree mask (``allowed``) over rows of bounded length, for any model whose
+    attention takes a 4-D mask; or one row for the whole micro-batch with a block-sparse
+    attention ``plan`` (:mod:`mentorrl.models.tree`), which computes only the pairs the tree allows."""
 
     input_ids: torch.Tensor  # [R, N] node tokens (pad_id after a row's last node)
     position_ids: torch.Tensor  # [R, N] node depth = position in its trajectories
-    allowed: torch.Tensor  # [R, N, N] bool: query node -> key node (ancestors and itself; pads see themselves)
+    allowed: torch.Tensor | None  # [R, N, N] bool: query node -> key node (ancestors and itself; pads see themselves)
     node: torch.Tensor  # [B, T] long: flat index r * N + c of token (b, t)'s node, -1 on padding
+    plan: TreePlan | None = None  # the block-sparse form (R = 1, ``allowed`` None)
+
+    def to(self, device) -> "PrefixPack":
+        return PrefixPack(self.input_ids.to(device), self.position_ids.to(device),
+                          None if self.allowed is None else self.allowed.to(device), self.node.to(device),
+                          None if self.plan is None else self.plan.to(device))
 
 
 PACK_CAPS = (1.0, 1.5, 2.0)  # packed-row lengths tried, as multiples of the longest input row
@@ -159,20 +170,25 @@ def attention_weight(module) -> float:
 
 
 def prefix_pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_id: int = 0,
-                attn_weight: float = DEFAULT_ATTN_WEIGHT) -> PrefixPack | None:
+                attn_weight: float = DEFAULT_ATTN_WEIGHT, tree: bool = False) -> PrefixPack | None:
     """Pack right-padded rows ``[B, T]`` into prefix trees.
 
-    Packed rows hold at most ``c * T`` nodes, ``c`` in :data:`PACK_CAPS`: longer rows split fewer
-    groups (each split runs the shared prompt again) but cost more attention per slot. The layout
-    with the lowest :func:`pack_cost` is kept; None when none costs less than the padded batch (then
-    the plain forward is as cheap)."""
+    ``tree``: one trie row for the whole batch with a block-sparse attention plan (:mod:`mentorrl.models.tree`);
+    its cost counts the nodes, the (query, key) pairs its blocks compute and a fixed cost per block.
+    Otherwise packed rows hold at most ``c * T`` nodes, ``c`` in :data:`PACK_CAPS`, under a dense
+    tree mask: longer rows split fewer groups (each split runs the shared prompt again) but cost more
+    attention per slot. The layout with the lowest :func:`pack_cost` is kept; None when none costs
+    less than the padded batch (then the plain forward is as cheap)."""
     B, T = input_ids.shape
     if B < 2:
         return None
     lens = attention_mask.sum(1).tolist()
     rows = [input_ids[b, : lens[b]].tolist() for b in range(B)]
     order = sorted(range(B), key=lambda b: rows[b])
-    best, best_cost = None, pack_cost(B, T, attn_weight)
+    plain_cost = pack_cost(B, T, attn_weight)
+    if tree:
+        return _tree_pack(rows, order, T, pad_id, attn_weight, plain_cost)
+    best, best_cost = None, plain_cost
     for c in PACK_CAPS:
         layout = _layout(rows, order, max(int(c * T), T))
         cost = pack_cost(len(layout[0]), max(len(r) for r in layout[0]), attn_weight)
@@ -181,25 +197,51 @@ def prefix_pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_id: i
     if best is None:
         return None
     packed, depth, paths = best
+    ids, pos = _node_rows(packed, depth, pad_id)
+    R, N = ids.shape
+    allowed = torch.zeros(R, N, N, dtype=torch.bool)
+    tril = torch.ones(T, T, dtype=torch.bool).tril()
+    for r, path, shared in paths:
+        cols = torch.tensor(path, dtype=torch.long)
+        L = len(path)
+        if L > shared:  # the rows of the nodes this trajectory added: each sees its ancestors and itself
+            allowed[r, cols[shared:, None], cols[None, :]] = tril[shared:L, :L]
+    for r, toks in enumerate(packed):  # a pad slot attends to itself only (a fully masked row would be NaN)
+        c = torch.arange(len(toks), N)
+        allowed[r, c, c] = True
+    return PrefixPack(ids, pos, allowed, _node_index(paths, T, N))
+
+
+def _node_rows(packed: list[list[int]], depth: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     R, N = len(packed), max(len(r) for r in packed)
     ids = torch.full((R, N), pad_id, dtype=torch.long)
     pos = torch.zeros(R, N, dtype=torch.long)
     for r, (toks, dep) in enumerate(zip(packed, depth)):
         ids[r, : len(toks)] = torch.tensor(toks, dtype=torch.long)
         pos[r, : len(dep)] = torch.tensor(dep, dtype=torch.long)
-    allowed = torch.zeros(R, N, N, dtype=torch.bool)
-    tril = torch.ones(T, T, dtype=torch.bool).tril()
-    node = torch.full((B, T), -1, dtype=torch.long)
-    for b, (r, path, shared) in enumerate(paths):
-        cols = torch.tensor(path, dtype=torch.long)
-        L = len(path)
-        if L > shared:  # the rows of the nodes this trajectory added: each sees its ancestors and itself
-            allowed[r, cols[shared:, None], cols[None, :]] = tril[shared:L, :L]
-        node[b, :L] = r * N + cols
-    for r, toks in enumerate(packed):  # a pad slot attends to itself only (a fully masked row would be NaN)
-        c = torch.arange(len(toks), N)
-        allowed[r, c, c] = True
-    return PrefixPack(ids, pos, allowed, node)
+    return ids, pos
+
+
+def _node_index(paths, T: int, N: int) -> torch.Tensor:
+    node = torch.full((len(paths), T), -1, dtype=torch.long)
+    for b, (r, path, _shared) in enumerate(paths):
+        node[b, : len(path)] = r * N + torch.tensor(path, dtype=torch.long)
+    return node
+
+
+def _tree_pack(rows: list[list[int]], order: list[int], T: int, pad_id: int, attn_weight: float,
+               plain_cost: float) -> PrefixPack | None:
+    """The whole batch as one trie row with a block-sparse plan; None when the padded batch costs less."""
+    packed, depth, paths = _layout(rows, order, sum(len(r) for r in rows))
+    n = len(packed[0])
+    segments = [Segment(path[shared], path[-1] + 1, path[:shared])
+                for _r, path, shared in sorted(paths, key=lambda p: p[1][p[2]] if len(p[1]) > p[2] else -1)
+                if len(path) > shared]
+    plan = plan_blocks(segments, n)
+    if n + attn_weight * plan.pairs + BLOCK_COST * len(plan.q_sizes) >= plain_cost:
+        return None
+    ids, pos = _node_rows(packed, depth, pad_id)
+    return PrefixPack(ids, pos, None, _node_index(paths, T, n), plan)
 
 
 def packable(model) -> bool:
@@ -209,9 +251,12 @@ def packable(model) -> bool:
 
 
 def _packable(module) -> str | None:
-    """The 4-D mask form ``module`` takes (``"bool"`` for SDPA, ``"additive"`` for eager attention), or
-    None when a custom tree mask cannot stand in for its causal one (sliding-window or other layer
-    types, attention kernels that ignore a 4-D mask)."""
+    """How ``module``'s forward runs a prefix trie: ``"tree"`` (block-sparse attention, for the decoder
+    layouts :func:`mentorrl.models.tree.tree_support` accepts), else the 4-D mask form it takes
+    (``"bool"`` for SDPA, ``"additive"`` for eager attention); None when a custom tree mask cannot
+    stand in for its causal one (sliding-window or other layer types, kernels that ignore a 4-D mask)."""
+    if tree_support(module) is None:
+        return "tree"
     cfg = getattr(module, "config", None)
     impl = getattr(cfg, "_attn_implementation", None)
     if impl not in ("sdpa", "eager"):
@@ -224,12 +269,17 @@ def _packable(module) -> str | None:
     return "bool" if impl == "sdpa" else "additive"
 
 
-# per module: does its packed forward match its plain one (checked once, on the first packed batch)?
-_PACK_VERIFIED: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
+# per module and form: does its packed forward match its plain one (checked once, on the first packed batch)?
+_PACK_VERIFIED: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, bool]]" = weakref.WeakKeyDictionary()
 
 
 def _packed_outputs(module, pack: PrefixPack, attr: str, form: str) -> torch.Tensor:
     """``module``'s ``attr`` at every node, flattened ``[R * N, *]``."""
+    if form == "tree":
+        if attr != "last_hidden_state" or pack.plan is None:
+            raise ValueError("the tree forward gives a decoder's last_hidden_state over a planned trie row")
+        out = tree_hidden_states(module, pack.input_ids, pack.position_ids, pack.plan)
+        return out.reshape(-1, *out.shape[2:])
     mask = pack.allowed[:, None].to(pack.input_ids.device)
     if form == "additive":
         dtype = next(module.parameters()).dtype
@@ -241,8 +291,8 @@ def _packed_outputs(module, pack: PrefixPack, attr: str, form: str) -> torch.Ten
 
 def _packing_matches(module, batch: TokenBatch, pack: PrefixPack, attr: str, form: str) -> bool:
     """One no-grad comparison of the packed and plain forwards at the real positions (eval mode, so
-    dropout cannot tell them apart); cached per module."""
-    ok = _PACK_VERIFIED.get(module)
+    dropout cannot tell them apart); cached per module and form."""
+    ok = _PACK_VERIFIED.setdefault(module, {}).get(form)
     if ok is None:
         was = module.training
         module.eval()
@@ -255,7 +305,7 @@ def _packing_matches(module, batch: TokenBatch, pack: PrefixPack, attr: str, for
             ok = bool(torch.isfinite(packed).all()) and bool((packed - plain).abs().max() <= tol * (1 + plain.abs().max()))
         finally:
             module.train(was)
-        _PACK_VERIFIED[module] = ok
+        _PACK_VERIFIED[module][form] = ok
     return ok
 
 
@@ -265,15 +315,17 @@ def selected_states(module, batch: TokenBatch, attr: str, sel: torch.Tensor,
     ``(states [U, *], inverse)``: position i's state is ``states[inverse[i]]`` (``inverse`` None: one
     state per position, in ``sel``'s row-major order).
 
-    ``pack``: run each distinct prefix once (:func:`prefix_pack`) when the model takes a tree mask
-    and its packed forward matched its plain one on first use; positions sharing a prefix share
+    ``pack``: run each distinct prefix once (:func:`prefix_pack`; block-sparse for the decoders
+    :mod:`mentorrl.models.tree` runs, else under a dense tree mask) when the model takes one and its
+    packed forward matched its plain one on first use; positions sharing a prefix share
     one state (and their gradients add up there), so values and gradients equal the plain forward's."""
     form = _packable(module) if pack and bool(sel.any()) else None
-    packed = prefix_pack(batch.input_ids, batch.attention_mask, attn_weight=attention_weight(module)) \
-        if form is not None else None
+    if form == "tree" and attr != "last_hidden_state":
+        form = None
+    packed = prefix_pack(batch.input_ids, batch.attention_mask, attn_weight=attention_weight(module),
+                         tree=form == "tree") if form is not None else None
     if packed is not None:
-        packed = PrefixPack(*(t.to(batch.input_ids.device) for t in (packed.input_ids, packed.position_ids,
-                                                                      packed.allowed, packed.node)))
+        packed = packed.to(batch.input_ids.device)
     if packed is None or not _packing_matches(module, batch, packed, attr, form):
         return _next_token_states(module, batch, attr)[sel], None
     nodes, inverse = torch.unique(packed.node[:, :-1][sel], return_inverse=True)

@@ -156,17 +156,25 @@ def slot_support(model) -> str | None:
     if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])):
         return "sliding-window attention layers"
     core = getattr(model, "model", None)
+    if core is None or not hasattr(model, "lm_head"):
+        return "not the standard causal-LM layout (model.model, lm_head)"
+    if getattr(cfg, "pretraining_tp", 1) not in (None, 1):
+        return "pretraining_tp > 1"
+    return decoder_layout_problem(core)
+
+
+def decoder_layout_problem(core) -> str | None:
+    """None when ``core`` (a causal LM's ``model``) has the standard decoder layout the slot
+    decoder and the learner's tree forward run module by module; else what it lacks."""
     need = ("embed_tokens", "layers", "norm", "rotary_emb")
-    if core is None or not all(hasattr(core, a) for a in need) or not hasattr(model, "lm_head"):
-        return "not the standard decoder layout (model.model.{embed_tokens,layers,norm,rotary_emb}, lm_head)"
+    if not all(hasattr(core, a) for a in need):
+        return "not the standard decoder layout (embed_tokens, layers, norm, rotary_emb)"
     for layer in core.layers:
         att = getattr(layer, "self_attn", None)
         if att is None or not all(hasattr(att, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj", "scaling")):
             return "an attention module without q/k/v/o projections"
         if not all(hasattr(layer, a) for a in ("input_layernorm", "post_attention_layernorm", "mlp")):
             return "a decoder layer without the standard norms and MLP"
-    if getattr(cfg, "pretraining_tp", 1) not in (None, 1):
-        return "pretraining_tp > 1"
     return None
 
 
