@@ -110,6 +110,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import math
 import os
 import random
 import resource
@@ -142,6 +143,7 @@ from mentorrl.contract import (  # noqa: E402
     parse_action,
     render_observation_content,
 )
+from mentorrl.eval.metrics import mean_interval  # noqa: E402
 from mentorrl.trajectory import dumps_compact  # noqa: E402
 
 DEMO_CONFIG = ROOT / "mentorrl" / "configs" / "demo.yaml"
@@ -355,21 +357,37 @@ def rep_metrics(result: dict[str, Any], warmup: int) -> dict[str, float]:
     return out
 
 
+def ratio_spread(vals: Sequence[float]) -> dict[str, Any]:
+    """Per-rep ratios: their range and geometric mean with a Student-t 95% interval (on the logs;
+    None with one rep)."""
+    iv = mean_interval([math.log(v) for v in vals])
+    ci = None if iv["ci95"] is None else [math.exp(iv["ci95"][0]), math.exp(iv["ci95"][1])]
+    return {"reps": len(vals), "min": min(vals), "max": max(vals), "geo_mean": math.exp(iv["mean"]), "ci95": ci}
+
+
 def summarize(results: dict[str, list[dict[str, Any]]], warmup: int) -> dict[str, Any]:
     """Per arm the median over reps of every :func:`rep_metrics` figure; ``ratios``: per figure the
-    median over reps of mentorrl / TRL, each rep's two arms paired (reps present in both arms)."""
+    median over reps of mentorrl / TRL, each rep's two arms paired (reps present in both arms).
+    ``targets``: the issue's targets against the median ratio (``met``), with the per-rep spread and
+    a 95% interval (:func:`ratio_spread`; ``interval_above``: its lower end at or above the target)."""
     per_rep = {arm: {r["rep"]: rep_metrics(r, warmup) for r in rs} for arm, rs in results.items()}
     arms = {arm: {k: statistics.median(m[k] for m in reps.values()) for k in next(iter(reps.values()))}
             for arm, reps in per_rep.items() if reps}
     ratios: dict[str, float] = {}
+    spreads: dict[str, dict[str, Any]] = {}
     if "trl" in per_rep and "mentorrl" in per_rep:
         paired = sorted(set(per_rep["trl"]) & set(per_rep["mentorrl"]))
         for k in arms.get("mentorrl", {}):
             vals = [per_rep["mentorrl"][r][k] / per_rep["trl"][r][k] for r in paired if per_rep["trl"][r][k]]
             if vals:
                 ratios[k] = statistics.median(vals)
-    targets = {k: {"target": t, "ratio": ratios.get(k), "met": ratios.get(k) is not None and ratios[k] >= t}
-               for k, t in TARGETS.items()}
+                if k in TARGETS and all(v > 0 for v in vals):
+                    spreads[k] = ratio_spread(vals)
+    targets = {}
+    for k, t in TARGETS.items():
+        sp = spreads.get(k)
+        targets[k] = {"target": t, "ratio": ratios.get(k), "met": ratios.get(k) is not None and ratios[k] >= t,
+                      **(sp or {}), "interval_above": bool(sp and sp["ci95"] and sp["ci95"][0] >= t)}
     return {"per_rep": {a: {str(r): m for r, m in reps.items()} for a, reps in per_rep.items()},
             "arms": arms, "ratios": ratios, "targets": targets}
 
@@ -407,8 +425,41 @@ def target_lines(summary: dict[str, Any]) -> list[str]:
     for k, t in summary["targets"].items():
         r = t["ratio"]
         got = "not measured" if r is None else f"{r:.2f}x: {'met' if t['met'] else 'NOT met'}"
+        if t.get("reps"):
+            got += f" (median of {t['reps']} reps; per rep {t['min']:.2f}-{t['max']:.2f}x; geometric mean {t['geo_mean']:.2f}x"
+            got += (f", 95% CI {t['ci95'][0]:.2f}-{t['ci95'][1]:.2f}x: {'above' if t['interval_above'] else 'not above'}"
+                    " the target)" if t["ci95"] else ")")
         out.append(f"target {names[k]} >= {t['target']:g}x TRL: {got}")
     return out
+
+
+def merge_runs(docs: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """The arms' results of several runs (``--json`` files) as one set of reps: run ``i``'s rep ``r``
+    becomes rep ``1000 * i + r``, so reps pair within their run only."""
+    merged: dict[str, list[dict[str, Any]]] = {}
+    for i, doc in enumerate(docs):
+        for arm, rs in doc["runs"].items():
+            merged.setdefault(arm, []).extend({**r, "rep": 1000 * i + r["rep"]} for r in rs)
+    return merged
+
+
+def summarize_files(paths: Sequence[str]) -> dict[str, Any]:
+    """``--summarize``: the table and targets over every rep of the given ``--json`` runs."""
+    docs = []
+    for p in paths:
+        try:
+            docs.append(json.loads(Path(p).read_text()))
+        except (OSError, ValueError) as exc:
+            sys.exit(f"--summarize {p}: cannot read a bench result ({exc})")
+    warm = {d["settings"]["warmup"] for d in docs}
+    if len(warm) != 1:
+        sys.exit(f"--summarize: the runs used different --warmup ({sorted(warm)})")
+    summary = summarize(merge_runs(docs), warm.pop())
+    print(f"{len(docs)} runs: {', '.join(paths)}")
+    print(markdown_table(summary))
+    for line in target_lines(summary):
+        print(line)
+    return summary
 
 
 # --------------------------------------------------------------------------------- arms -----------
@@ -766,6 +817,8 @@ def parse_args(argv: list[str] | None):
                    help="TRL use_transformers_continuous_batching (off: far slower here, see the results)")
     p.add_argument("--work", default=None, help="run directories and logs (default: a temporary dir, removed)")
     p.add_argument("--json", default=None, metavar="OUT", help="write everything as JSON")
+    p.add_argument("--summarize", nargs="+", default=None, metavar="RUN_JSON",
+                   help="no run: print the table and targets over every rep of these --json results")
     p.add_argument("--arm", choices=ARMS, default=None, help=argparse.SUPPRESS)  # child mode
     p.add_argument("--rep", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--arm-out", default=None, help=argparse.SUPPRESS)
@@ -787,6 +840,8 @@ def resolve_model(arg: str | None) -> Path:
 
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     args = parse_args(argv)
+    if args.summarize:
+        return summarize_files(args.summarize)
     args.model = resolve_model(args.model)
     if args.arm is not None:  # child: one arm, one rep
         work = Path(args.work)

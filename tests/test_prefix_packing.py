@@ -185,6 +185,40 @@ def test_pack_layout_invariants(data):
             assert sorted(seen) == sorted(cols[: t + 1].tolist())
 
 
+@settings(max_examples=60, deadline=None)
+@given(data=grouped_rows(), block=st.integers(1, 20), min_block=st.integers(1, 20))
+def test_tree_plan_invariants(data, block, min_block):
+    """The block-sparse form: one trie row; each row's tokens read back from its nodes at positions
+    0..L-1; the query blocks cover the row in order; each node attends to exactly the nodes of its
+    own prefix (its block's keys under its mask row), whatever the block sizes."""
+    rows, masks = data
+    b = _batch(rows, masks)
+    with packing_form("tree", block, min_block):
+        p = prefix_pack(b.input_ids, b.attention_mask, attn_weight=0.0, tree=True)
+    if p is None:  # only when the trie saves no slot: one row, or distinct rows of one length
+        distinct = {tuple(r) for r in rows}
+        assert len(rows) < 2 or (len(distinct) == len(rows) and len({len(r) for r in rows}) == 1
+                                 and all(x[:1] != y[:1] for x in distinct for y in distinct if x != y))
+        return
+    plan = p.plan
+    R, N = p.input_ids.shape
+    assert R == 1 and plan.n == N and sum(plan.q_sizes) == N and max(plan.q_sizes) <= block
+    assert p.allowed is None and (p.node[b.attention_mask == 0] == -1).all()
+    seen_by: dict[int, list[int]] = {}
+    q0 = k0 = 0
+    for q, k, m in zip(plan.q_sizes, plan.k_sizes, plan.masks):
+        keys = plan.keys[k0:k0 + k]
+        assert m.shape == (q, k) and bool((keys[1:] > keys[:-1]).all())  # keys in column order, no repeats
+        for j in range(q):
+            seen_by[q0 + j] = keys[m[j]].tolist()
+        q0, k0 = q0 + q, k0 + k
+    for r_i, row in enumerate(rows):
+        nodes = p.node[r_i, : len(row)]
+        assert p.input_ids[0, nodes].tolist() == row and p.position_ids[0, nodes].tolist() == list(range(len(row)))
+        for t in range(len(row)):
+            assert sorted(seen_by[int(nodes[t])]) == sorted(nodes[: t + 1].tolist())
+
+
 def test_a_group_with_a_shared_prompt_packs_into_fewer_slots():
     """A group's prompt runs once, then each distinct continuation after it; with attention costly
     (a small model) packed rows stay as long as the longest input row, with it cheap they grow to

@@ -275,7 +275,8 @@ def test_summary_medians_paired_ratios_and_targets(b):
     # rollout: 8/4, 16/2, 8/2 -> 2, 8, 4 -> 4
     assert s["ratios"]["rollout_tokens_per_cpu_s"] == pytest.approx(4.0)
     assert s["ratios"]["peak_rss_mib"] == pytest.approx(0.6)
-    assert s["targets"]["rollout_tokens_per_cpu_s"] == {"target": 2.0, "ratio": pytest.approx(4.0), "met": True}
+    t = s["targets"]["rollout_tokens_per_cpu_s"]
+    assert (t["target"], t["ratio"], t["met"], t["reps"]) == (2.0, pytest.approx(4.0), True, 3)
     assert s["targets"]["trajectories_per_cpu_s"]["met"] is False
     table = b.markdown_table(s)
     assert "| trajectories / step CPU-s | 5.82 | 12.80 | 2.00x |" in table
@@ -285,6 +286,35 @@ def test_summary_medians_paired_ratios_and_targets(b):
     one = b.summarize({"mentorrl": results["mentorrl"]}, warmup=1)
     assert one["ratios"] == {} and one["targets"]["trajectories_per_cpu_s"]["ratio"] is None
     assert "–" in b.markdown_table(one)
+
+
+def test_ratio_intervals_and_merged_runs(b, tmp_path):
+    """Targets carry the per-rep range and a 95% interval of the geometric mean; ``--summarize`` pools the
+    reps of several runs, pairing arms within each run only."""
+    def run(arm, rep, cpu, rollout):
+        return {"arm": arm, "rep": rep, "peak_rss_mib": 1.0, "steps": [_step(0, 1.0, 1.0), _step(1, cpu, rollout)]}
+
+    def doc(ratios):
+        return {"settings": {"warmup": 1},
+                "runs": {"trl": [run("trl", r, 20.0, 8.0) for r in range(len(ratios))],
+                         "mentorrl": [run("mentorrl", r, 20.0 / x, 8.0 / x) for r, x in enumerate(ratios)]}}
+
+    one = b.summarize(doc([4.0, 5.0, 6.0])["runs"], warmup=1)["targets"]["trajectories_per_cpu_s"]
+    assert one["ratio"] == pytest.approx(5.0) and one["met"] and (one["min"], one["max"]) == pytest.approx((4.0, 6.0))
+    assert one["geo_mean"] == pytest.approx(120 ** (1 / 3))
+    lo, hi = one["ci95"]
+    assert lo < 4.0 < 6.0 < hi and not one["interval_above"]  # 3 reps: wide
+    paths = []
+    for i, ratios in enumerate(([4.4, 4.6, 4.5], [4.5, 4.7, 4.6])):
+        paths.append(str(tmp_path / f"run{i}.json"))
+        (tmp_path / f"run{i}.json").write_text(__import__("json").dumps(doc(ratios)))
+    merged = b.summarize_files(paths)["targets"]["trajectories_per_cpu_s"]
+    assert merged["reps"] == 6 and merged["interval_above"] and merged["ratio"] == pytest.approx(4.55)
+    one_rep = b.summarize(doc([4.2])["runs"], warmup=1)["targets"]["trajectories_per_cpu_s"]
+    assert one_rep["ci95"] is None and not one_rep["interval_above"]
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(SystemExit, match="bad.json"):
+        b.summarize_files([str(tmp_path / "bad.json")])
 
 
 def test_child_command_carries_every_setting(b, tmp_path):
