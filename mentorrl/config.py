@@ -70,6 +70,10 @@ class OptimConfig(_Section):
                                 "(prefix-tree packing with a tree attention mask): the same loss and gradient "
                                 "as the padded forward, with fewer tokens; the padded forward where the model "
                                 "cannot take a tree mask")
+    tree_attention: bool = Field(True, description="with pack_prefixes: pack a micro-batch as one prefix trie whose "
+                                 "attention is block-sparse (each query block attends to its nodes' ancestors only) "
+                                 "for the decoders that support it (Qwen2, Llama); false: a dense tree mask over "
+                                 "packed rows of bounded length")
 
 
 # ---- fields every policy-update stage shares, declared once (each stage keeps its own defaults) ----

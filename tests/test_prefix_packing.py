@@ -345,3 +345,25 @@ def test_attention_weight_follows_the_model_shape(sdpa_model):
     dec = sdpa_model.get_decoder()
     per_layer = (sum(p.numel() for p in dec.parameters()) - dec.get_input_embeddings().weight.numel()) / 2
     assert B.attention_weight(dec) == pytest.approx(2 * 32 / per_layer)
+
+
+def test_the_learner_chooses_the_form_from_its_config():
+    """``optim.tree_attention: false`` keeps prefix packing under the dense tree mask; the values agree."""
+    from mentorrl.config import OptimConfig
+    from mentorrl.train.learner import Learner
+
+    model = _model("sdpa")
+    dec = model.get_decoder()
+    assert Learner(model, OptimConfig(), pad_id=0).pack_mode is True
+    assert Learner(model, OptimConfig(tree_attention=False), pad_id=0).pack_mode == "dense"
+    assert Learner(model, OptimConfig(pack_prefixes=False, tree_attention=True), pad_id=0).pack_mode is False
+    rows, masks = _branching()
+    b = _batch(rows, masks)
+    with packing_form("tree"):
+        dense, _ = forward_logprobs(model, b, pack="dense")
+        assert set(B._PACK_VERIFIED[dec]) == {"bool"}
+        tree, _ = forward_logprobs(model, b, pack=True)
+        assert set(B._PACK_VERIFIED[dec]) == {"bool", "tree"} and all(B._PACK_VERIFIED[dec].values())
+    torch.testing.assert_close(tree, dense, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="pack"):
+        forward_logprobs(model, b, pack="sparse")

@@ -250,12 +250,13 @@ def packable(model) -> bool:
     return _packable(split[0] if split is not None else model) is not None
 
 
-def _packable(module) -> str | None:
+def _packable(module, tree: bool = True) -> str | None:
     """How ``module``'s forward runs a prefix trie: ``"tree"`` (block-sparse attention, for the decoder
-    layouts :func:`mentorrl.models.tree.tree_support` accepts), else the 4-D mask form it takes
-    (``"bool"`` for SDPA, ``"additive"`` for eager attention); None when a custom tree mask cannot
-    stand in for its causal one (sliding-window or other layer types, kernels that ignore a 4-D mask)."""
-    if tree_support(module) is None:
+    layouts :func:`mentorrl.models.tree.tree_support` accepts; not when ``tree`` is False), else the
+    4-D mask form it takes (``"bool"`` for SDPA, ``"additive"`` for eager attention); None when a custom
+    tree mask cannot stand in for its causal one (sliding-window or other layer types, kernels that
+    ignore a 4-D mask)."""
+    if tree and tree_support(module) is None:
         return "tree"
     cfg = getattr(module, "config", None)
     impl = getattr(cfg, "_attn_implementation", None)
@@ -310,7 +311,7 @@ def _packing_matches(module, batch: TokenBatch, pack: PrefixPack, attr: str, for
 
 
 def selected_states(module, batch: TokenBatch, attr: str, sel: torch.Tensor,
-                    pack: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    pack: bool | str = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``module``'s ``attr`` at the positions ``sel`` ([B, T-1] bool: the next token is scored) as
     ``(states [U, *], inverse)``: position i's state is ``states[inverse[i]]`` (``inverse`` None: one
     state per position, in ``sel``'s row-major order).
@@ -318,8 +319,11 @@ def selected_states(module, batch: TokenBatch, attr: str, sel: torch.Tensor,
     ``pack``: run each distinct prefix once (:func:`prefix_pack`; block-sparse for the decoders
     :mod:`mentorrl.models.tree` runs, else under a dense tree mask) when the model takes one and its
     packed forward matched its plain one on first use; positions sharing a prefix share
-    one state (and their gradients add up there), so values and gradients equal the plain forward's."""
-    form = _packable(module) if pack and bool(sel.any()) else None
+    one state (and their gradients add up there), so values and gradients equal the plain forward's.
+    ``pack="dense"``: the dense tree mask even where the block-sparse forward would serve."""
+    if pack not in (True, False, "dense"):
+        raise ValueError(f"pack: True, False or 'dense' (got {pack!r})")
+    form = _packable(module, tree=pack is True) if pack and bool(sel.any()) else None
     if form == "tree" and attr != "last_hidden_state":
         form = None
     packed = prefix_pack(batch.input_ids, batch.attention_mask, attn_weight=attention_weight(module),
@@ -332,7 +336,7 @@ def selected_states(module, batch: TokenBatch, attr: str, sel: torch.Tensor,
     return _packed_outputs(module, packed, attr, form)[nodes], inverse
 
 
-def _scored_logits(model, batch: TokenBatch, sel: torch.Tensor, pack: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _scored_logits(model, batch: TokenBatch, sel: torch.Tensor, pack: bool | str) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logits ``[U, V]`` predicting each scored token (``sel``) and their ``inverse`` (see
     :func:`selected_states`). When logits are a plain linear map of the decoder's last hidden state
     the head runs only on those states, not on every prompt and observation token."""
@@ -354,7 +358,7 @@ def _selected_logprobs(logits: torch.Tensor, inverse: torch.Tensor | None, targe
 
 
 def forward_logprobs(model, batch: TokenBatch, temperature: float = 1.0, with_entropy: bool = False,
-                     pack: bool = True):
+                     pack: bool | str = True):
     """Per-token log-probs (and optionally entropies) aligned to token positions, [B, T].
 
     Values are exact on loss-mask positions (the policy's tokens) and 0 elsewhere, which the losses
@@ -374,7 +378,7 @@ def forward_logprobs(model, batch: TokenBatch, temperature: float = 1.0, with_en
 
 
 def forward_selected_logprobs(model, batch: TokenBatch, ids: torch.Tensor, temperature: float = 1.0,
-                              pack: bool = True) -> torch.Tensor:
+                              pack: bool | str = True) -> torch.Tensor:
     """The student's full-vocabulary log-probs of the given candidate ``ids`` ``[B, T, k]`` at every
     position ``t`` (predicting token ``t`` from tokens ``< t``): ``[B, T, k]``, exact on loss-mask
     positions and 0 elsewhere. For top-k distillation against a teacher's top-k token ids."""

@@ -62,6 +62,14 @@ class Learner:
         self._ddp = self.dp.wrap(model) if self.dp is not None else None
 
     @property
+    def pack_mode(self) -> bool | str:
+        """The ``pack`` argument of the learner's forwards (:func:`mentorrl.models.batch.selected_states`):
+        False, "dense" (a dense tree mask only), or True (block-sparse where the model supports it)."""
+        if not self.cfg.pack_prefixes:
+            return False
+        return True if self.cfg.tree_attention else "dense"
+
+    @property
     def packs_prefixes(self) -> bool:
         """Whether this learner's forwards pack shared prefixes (config on and a model that takes a
         tree mask; a model whose packed forward then disagrees with its padded one still falls back)."""
@@ -72,7 +80,7 @@ class Learner:
     # ---- generic accumulation --------------------------------------------
     def _forward_with(self, model, mb: TokenBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """What ``loss_fn`` receives per micro-batch: (per-token outputs, per-token entropy), both [B, T]."""
-        return forward_logprobs(model, mb, self.temperature, with_entropy=True, pack=self.cfg.pack_prefixes)
+        return forward_logprobs(model, mb, self.temperature, with_entropy=True, pack=self.pack_mode)
 
     def _forward(self, mb: TokenBatch) -> tuple[torch.Tensor, torch.Tensor]:
         return self._forward_with(self.model, mb)
@@ -198,7 +206,7 @@ class Learner:
             ref = None
             if ref_model is not None:
                 with torch.no_grad():
-                    ref, _ = forward_logprobs(ref_model, mb, self.temperature, pack=self.cfg.pack_prefixes)
+                    ref, _ = forward_logprobs(ref_model, mb, self.temperature, pack=self.pack_mode)
             kw = dict(loss_kwargs)
             if ref is not None:
                 kw["ref_logprobs"] = ref
@@ -267,7 +275,7 @@ class Learner:
 
         def forward(model, mb, sl):
             ids = pad_token_values(topk_ids[sl], mb.input_ids.shape[1], dtype=torch.long).to(device)
-            return forward_selected_logprobs(model, mb, ids, self.temperature, pack=self.cfg.pack_prefixes), torch.zeros_like(mb.loss_mask, dtype=torch.float32)
+            return forward_selected_logprobs(model, mb, ids, self.temperature, pack=self.pack_mode), torch.zeros_like(mb.loss_mask, dtype=torch.float32)
 
         def fn(mb, student_k, _entropy, sl):
             T = mb.input_ids.shape[1]
@@ -299,7 +307,7 @@ class Learner:
         for lo in range(0, len(trajs), self.cfg.micro_batch_size):
             sl = slice(lo, min(lo + self.cfg.micro_batch_size, len(trajs)))
             mb = collate(trajs[sl], self.pad_id).to(device)
-            lp, _ = forward_logprobs(model, mb, self.temperature, pack=self.cfg.pack_prefixes)
+            lp, _ = forward_logprobs(model, mb, self.temperature, pack=self.pack_mode)
             out.append(sequence_logprobs(lp, pad_token_values(masks[sl], mb.input_ids.shape[1]).to(device), average))
         return torch.cat(out).float().cpu()
 
