@@ -241,6 +241,8 @@ def test_a_batch_without_anything_to_share_is_not_packed():
     assert prefix_pack(b.input_ids, b.attention_mask) is None  # two full rows: nothing saved
     assert prefix_pack(b.input_ids, b.attention_mask, attn_weight=0.0) is None  # one row of 8: the same slots
     assert prefix_pack(b.input_ids[:1], b.attention_mask[:1]) is None
+    empty = torch.zeros_like(b.attention_mask)
+    assert prefix_pack(b.input_ids, empty) is None and prefix_pack(b.input_ids, empty, tree=True) is None
 
 
 @pytest.mark.parametrize("form", FORMS)

@@ -183,6 +183,8 @@ def prefix_pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_id: i
     if B < 2:
         return None
     lens = attention_mask.sum(1).tolist()
+    if not any(lens):
+        return None
     rows = [input_ids[b, : lens[b]].tolist() for b in range(B)]
     order = sorted(range(B), key=lambda b: rows[b])
     plain_cost = pack_cost(B, T, attn_weight)
