@@ -5,18 +5,24 @@ step changes the weights and the Ray arms broadcast them every step) in this pro
 the other, on one local Ray (``ray.init(num_cpus=2)``, started before the first arm and not timed).
 The first ``--warmup`` steps of each arm (actor start-up, first weight load) are not timed; the
 median of the rest is. The learner runs with ``threads`` torch threads in every arm; each actor
-with one. Prints a table, the ratios, and one JSON line.
+with one. ``--model``: a trained checkpoint instead of an untrained base (trajectories of a random
+model are long and rarely call tools). ``cores busy``: the machine's busy CPU seconds (every
+process, from ``/proc/stat``) over the arm's wall seconds, its start-up included. Prints a table,
+the ratios, and one JSON line.
 
     OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS=1 python bench/ray_scaling.py
     OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS=1 python bench/ray_scaling.py --tasks 8 --group 4 --steps 4
+    OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS=1 python bench/ray_scaling.py --model RUNS/s0/sft/final --tasks 16 --group 8
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
+import time
 from pathlib import Path
 
 import ray
@@ -31,6 +37,16 @@ ARMS = {"plain": [], "ray-1": ["distributed.backend=ray", "distributed.rollout_w
         "ray-2": ["distributed.backend=ray", "distributed.rollout_workers=2"]}
 
 
+def busy_cpu_s() -> float | None:
+    """The machine's busy CPU seconds since boot (all cores, every process), or None off Linux."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    except (OSError, ValueError, IndexError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tasks", type=int, default=8, help="grpo.tasks_per_step")
@@ -39,6 +55,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=1, help="untimed first steps per arm")
     p.add_argument("--threads", type=int, default=1, help="the learner's torch threads")
     p.add_argument("--set", action="append", default=[], help="more config overrides (a.b=value)")
+    p.add_argument("--model", default=None, help="a checkpoint directory to start from (default: an untrained base)")
     a = p.parse_args()
     ray.init(num_cpus=2, include_dashboard=False, logging_level="warning")
     common = [f"threads={a.threads}", "model.pretrain.steps=0", "recipe=[grpo]",
@@ -46,26 +63,31 @@ def main() -> None:
               "grpo.kl_coef=0.05", "grpo.checkpoint_every=1000", "eval.num_tasks=0", "audit.preflight=false"] + a.set
     out: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        base = base_model_dir(open_workspace(load_config(None, common + [f"run_dir={tmp}/base"]), show_progress=False))
+        base = Path(a.model).resolve() if a.model else base_model_dir(
+            open_workspace(load_config(None, common + [f"run_dir={tmp}/base"]), show_progress=False))
         for arm, extra in ARMS.items():
             run_dir = Path(tmp) / arm
             cfg = load_config(None, common + [f"run_dir={run_dir}", f"model.path={base}"] + extra)
+            busy0, t0 = busy_cpu_s(), time.perf_counter()
             run_recipe(cfg, show_progress=False)
+            busy1, wall = busy_cpu_s(), time.perf_counter() - t0
             recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
             steps = [r for r in recs if r.get("stage") == "grpo"][a.warmup:]
             pool = active_pool()
             out[arm] = {"step_s": statistics.median(r["step_s"] for r in steps),
                         "rollout_s": statistics.median(r["rollout_s"] for r in steps),
                         "update_s": statistics.median(r["update_s"] for r in steps),
-                        "policy_version": steps[-1]["policy_version"]}
+                        "policy_version": steps[-1]["policy_version"],
+                        "cores_busy": None if busy0 is None or busy1 is None else (busy1 - busy0) / wall}
             if pool is not None:
                 out[arm].update(broadcasts=pool.weights.broadcasts, put_s=pool.weights.last_put_s)
             close_pools()
     ray.shutdown()
     print(f"\nGRPO, {a.tasks} tasks x {a.group} rollouts per step, median of {a.steps} steps (after {a.warmup} warm-up)")
-    print(f"{'arm':8s} {'step_s':>8s} {'rollout_s':>10s} {'update_s':>9s}")
+    print(f"{'arm':8s} {'step_s':>8s} {'rollout_s':>10s} {'update_s':>9s} {'cores busy':>11s}")
     for arm, m in out.items():
-        print(f"{arm:8s} {m['step_s']:8.2f} {m['rollout_s']:10.2f} {m['update_s']:9.2f}")
+        busy = "-" if m["cores_busy"] is None else f"{m['cores_busy']:.2f}"
+        print(f"{arm:8s} {m['step_s']:8.2f} {m['rollout_s']:10.2f} {m['update_s']:9.2f} {busy:>11s}")
     ratios = {f"{x}/{y}": {k: out[x][k] / max(out[y][k], 1e-9) for k in ("step_s", "rollout_s")}
               for x, y in (("plain", "ray-1"), ("plain", "ray-2"), ("ray-1", "ray-2"))}
     for name, r in ratios.items():

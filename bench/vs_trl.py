@@ -335,7 +335,8 @@ STEP_FIELDS = ("step_cpu_s", "step_wall_s", "rollout_cpu_s", "rollout_wall_s", "
 
 def rep_metrics(result: dict[str, Any], warmup: int) -> dict[str, float]:
     """One arm's figures for one rep from its steps after the first ``warmup``: seconds per step (means),
-    trajectories per step CPU-second and policy tokens per rollout CPU-second (totals over totals)."""
+    trajectories per step CPU-second, policy tokens per rollout CPU-second and cores kept busy (CPU
+    seconds over wall seconds) (totals over totals)."""
     steps = [s for s in result["steps"] if s["step"] >= warmup]
     if not steps:
         raise ValueError(f"{result.get('arm')} rep {result.get('rep')}: no timed steps after {warmup} warm-up")
@@ -348,6 +349,8 @@ def rep_metrics(result: dict[str, Any], warmup: int) -> dict[str, float]:
         trajectories_per_wall_s=tot["trajectories"] / tot["step_wall_s"],
         rollout_tokens_per_cpu_s=tot["policy_tokens"] / tot["rollout_cpu_s"],
         rollout_tokens_per_wall_s=tot["policy_tokens"] / tot["rollout_wall_s"],
+        rollout_cores_busy=tot["rollout_cpu_s"] / tot["rollout_wall_s"],
+        step_cores_busy=tot["step_cpu_s"] / tot["step_wall_s"],
         policy_tokens_per_step=tot["policy_tokens"] / n,
         success=sum(s["success"] * s["trajectories"] for s in steps) / tot["trajectories"],
         reward_mean=sum(s["reward_mean"] * s["trajectories"] for s in steps) / tot["trajectories"],
@@ -401,6 +404,8 @@ TABLE_ROWS = (  # (label, key, format); seconds are per GRPO step of 128 traject
     ("step wall s / step", "step_wall_s_per_step", "{:.1f}"),
     ("trajectories / step CPU-s", "trajectories_per_cpu_s", "{:.2f}"),
     ("rollout policy tokens / CPU-s", "rollout_tokens_per_cpu_s", "{:.0f}"),
+    ("rollout cores busy (CPU-s / wall-s)", "rollout_cores_busy", "{:.2f}"),
+    ("step cores busy (CPU-s / wall-s)", "step_cores_busy", "{:.2f}"),
     ("policy tokens / step", "policy_tokens_per_step", "{:.0f}"),
     ("task success (rollouts)", "success", "{:.1%}"),
     ("peak RSS MiB", "peak_rss_mib", "{:.0f}"),

@@ -257,6 +257,7 @@ def test_rep_metrics_skips_warmup_and_sums_before_dividing(b):
     assert m["trajectories_per_cpu_s"] == pytest.approx(256 / 50)
     assert m["rollout_tokens_per_cpu_s"] == pytest.approx(14000 / 20)
     assert m["success"] == pytest.approx(0.375) and m["peak_rss_mib"] == 900.0
+    assert m["rollout_cores_busy"] == pytest.approx(1 / 1.1) and m["step_cores_busy"] == pytest.approx(1 / 1.1)
     with pytest.raises(ValueError, match="no timed steps"):
         b.rep_metrics(res, warmup=3)
 
