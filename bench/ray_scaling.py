@@ -12,7 +12,8 @@ the ratios, and one JSON line.
 
     OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS=1 python bench/ray_scaling.py
     OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS=1 python bench/ray_scaling.py --tasks 8 --group 4 --steps 4
-    OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS=1 python bench/ray_scaling.py --model RUNS/s0/sft/final --tasks 16 --group 8
+    OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS=1 python bench/ray_scaling.py --config mentorrl/configs/demo.yaml \
+        --model RUNS/s0/sft/final --tasks 16 --group 8
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="the learner's torch threads")
     p.add_argument("--set", action="append", default=[], help="more config overrides (a.b=value)")
     p.add_argument("--model", default=None, help="a checkpoint directory to start from (default: an untrained base)")
+    p.add_argument("--config", default=None, help="a recipe file to start from (default: the built-in defaults)")
     a = p.parse_args()
     ray.init(num_cpus=2, include_dashboard=False, logging_level="warning")
     common = [f"threads={a.threads}", "model.pretrain.steps=0", "recipe=[grpo]",
@@ -64,10 +66,10 @@ def main() -> None:
     out: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(a.model).resolve() if a.model else base_model_dir(
-            open_workspace(load_config(None, common + [f"run_dir={tmp}/base"]), show_progress=False))
+            open_workspace(load_config(a.config, common + [f"run_dir={tmp}/base"]), show_progress=False))
         for arm, extra in ARMS.items():
             run_dir = Path(tmp) / arm
-            cfg = load_config(None, common + [f"run_dir={run_dir}", f"model.path={base}"] + extra)
+            cfg = load_config(a.config, common + [f"run_dir={run_dir}", f"model.path={base}"] + extra)
             busy0, t0 = busy_cpu_s(), time.perf_counter()
             run_recipe(cfg, show_progress=False)
             busy1, wall = busy_cpu_s(), time.perf_counter() - t0
