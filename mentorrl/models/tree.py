@@ -110,19 +110,15 @@ def plan_blocks(segments: list[Segment], n: int, block: int | None = None, min_b
         while k < len(segments) and segments[k].lo < hi:
             pieces.append(k)
             k += 1
-        seen = torch.zeros(n, dtype=torch.bool)
-        for p in pieces:
-            s = segments[p]
-            seen[anc[p]] = True
-            seen[s.lo:min(hi, s.hi)] = True
-        cols = seen.nonzero().view(-1)
+        # the block's keys: its pieces' ancestors and their own nodes up to the block's end (work grows with
+        # the keys, not with the row)
+        cols = torch.cat([t for p in pieces for t in (anc[p], torch.arange(segments[p].lo, min(hi, segments[p].hi)))])
+        cols = torch.unique(cols)  # sorted
         rows = []
         for p in pieces:
             s = segments[p]
-            in_anc = torch.zeros(n, dtype=torch.bool)
-            in_anc[anc[p]] = True
             q = torch.arange(max(lo, s.lo), min(hi, s.hi))
-            rows.append(in_anc[cols][None, :] | ((cols[None, :] >= s.lo) & (cols[None, :] <= q[:, None])))
+            rows.append(torch.isin(cols, anc[p])[None, :] | ((cols[None, :] >= s.lo) & (cols[None, :] <= q[:, None])))
         q_sizes.append(hi - lo)
         k_sizes.append(len(cols))
         keys.append(cols)
