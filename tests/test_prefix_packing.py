@@ -369,3 +369,10 @@ def test_the_learner_chooses_the_form_from_its_config():
     torch.testing.assert_close(tree, dense, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="pack"):
         forward_logprobs(model, b, pack="sparse")
+
+
+@pytest.mark.parametrize("segments,n", [([], 0), ([TR.Segment(1, 3, [0])], 3), ([TR.Segment(0, 2, []), TR.Segment(3, 4, [1])], 4),
+                                        ([TR.Segment(0, 2, []), TR.Segment(2, 2, [1])], 2), ([TR.Segment(0, 3, [])], 4)])
+def test_a_plan_refuses_segments_that_do_not_tile_the_row(segments, n):
+    with pytest.raises(ValueError, match="cover the row"):
+        TR.plan_blocks(segments, n)

@@ -236,9 +236,8 @@ def _tree_pack(rows: list[list[int]], order: list[int], T: int, pad_id: int, att
     """The whole batch as one trie row with a block-sparse plan; None when the padded batch costs less."""
     packed, depth, paths = _layout(rows, order, sum(len(r) for r in rows))
     n = len(packed[0])
-    segments = [Segment(path[shared], path[-1] + 1, path[:shared])
-                for _r, path, shared in sorted(paths, key=lambda p: p[1][p[2]] if len(p[1]) > p[2] else -1)
-                if len(path) > shared]
+    segments = [Segment(path[shared], path[-1] + 1, path[:shared])  # _layout adds them in ``order``, column by column
+                for _r, path, shared in (paths[b] for b in order) if len(path) > shared]
     plan = plan_blocks(segments, n)
     if n + attn_weight * plan.pairs + BLOCK_COST * len(plan.q_sizes) >= plain_cost:
         return None
@@ -325,9 +324,8 @@ def selected_states(module, batch: TokenBatch, attr: str, sel: torch.Tensor,
     ``pack="dense"``: the dense tree mask even where the block-sparse forward would serve."""
     if pack not in (True, False, "dense"):
         raise ValueError(f"pack: True, False or 'dense' (got {pack!r})")
-    form = _packable(module, tree=pack is True) if pack and bool(sel.any()) else None
-    if form == "tree" and attr != "last_hidden_state":
-        form = None
+    # the tree forward gives a decoder's last hidden states; anything else takes the dense mask
+    form = _packable(module, tree=pack is True and attr == "last_hidden_state") if pack and bool(sel.any()) else None
     packed = prefix_pack(batch.input_ids, batch.attention_mask, attn_weight=attention_weight(module),
                          tree=form == "tree") if form is not None else None
     if packed is not None:

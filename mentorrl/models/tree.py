@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from mentorrl.rollout.decoders import SLOT_MODEL_TYPES, decoder_layout_problem
+from mentorrl.rollout.decoders import decoder_config_problem, decoder_layout_problem
 
 BLOCK = 128  # longest query block
 MIN_BLOCK = BLOCK // 4  # short segments are merged into a block until it is at least this long
@@ -93,8 +93,8 @@ def plan_blocks(segments: list[Segment], n: int, block: int | None = None, min_b
     min_block = min(block, MIN_BLOCK if min_block is None else min_block)
     if block < 1 or min_block < 1:
         raise ValueError(f"query blocks need at least one node (block {block}, min_block {min_block})")
-    if not segments or segments[0].lo != 0 or segments[-1].hi != n or any(
-            a.hi != b.lo or a.lo >= a.hi for a, b in zip(segments, segments[1:])) or segments[-1].lo >= n:
+    if (not segments or segments[0].lo != 0 or segments[-1].hi != n or any(s.lo >= s.hi for s in segments)
+            or any(a.hi != b.lo for a, b in zip(segments, segments[1:]))):
         raise ValueError("segments must cover the row in order, each non-empty")
     anc = [torch.tensor(s.anc, dtype=torch.long) for s in segments]
     q_sizes: list[int] = []
@@ -143,15 +143,11 @@ def tree_support(module) -> str | None:
     """None when :func:`tree_hidden_states` can run ``module`` (a Qwen2 or Llama decoder, the
     ``get_decoder()`` of a causal LM, with full attention); else why not."""
     cfg = getattr(module, "config", None)
-    mt = getattr(cfg, "model_type", None)
-    if mt not in SLOT_MODEL_TYPES:
-        return f"model type {mt!r} (supported: {', '.join(SLOT_MODEL_TYPES)})"
+    why = decoder_config_problem(cfg)
+    if why is not None:
+        return why
     if getattr(cfg, "_attn_implementation", None) not in ("sdpa", "eager"):
         return f"attention implementation {getattr(cfg, '_attn_implementation', None)!r}"
-    if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])):
-        return "sliding-window attention layers"
-    if getattr(cfg, "pretraining_tp", 1) not in (None, 1):
-        return "pretraining_tp > 1"
     if hasattr(module, "lm_head"):
         return "a causal LM, not its decoder"
     return decoder_layout_problem(module)

@@ -149,18 +149,27 @@ class DynamicCacheDecoder:
 # ------------------------------------------------------------------------------- slot cache --
 def slot_support(model) -> str | None:
     """None when :class:`SlotDecoder` can run ``model``; else why not."""
-    cfg = getattr(model, "config", None)
+    why = decoder_config_problem(getattr(model, "config", None))
+    if why is not None:
+        return why
+    core = getattr(model, "model", None)
+    if core is None or not hasattr(model, "lm_head"):
+        return "not the standard causal-LM layout (model.model, lm_head)"
+    return decoder_layout_problem(core)
+
+
+def decoder_config_problem(cfg) -> str | None:
+    """None when a model's config is one the slot decoder and the learner's tree forward run module
+    by module (Qwen2 or Llama, full attention in every layer, no tensor-parallel pretraining split);
+    else why not."""
     mt = getattr(cfg, "model_type", None)
     if mt not in SLOT_MODEL_TYPES:
         return f"model type {mt!r} (supported: {', '.join(SLOT_MODEL_TYPES)})"
     if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])):
         return "sliding-window attention layers"
-    core = getattr(model, "model", None)
-    if core is None or not hasattr(model, "lm_head"):
-        return "not the standard causal-LM layout (model.model, lm_head)"
     if getattr(cfg, "pretraining_tp", 1) not in (None, 1):
         return "pretraining_tp > 1"
-    return decoder_layout_problem(core)
+    return None
 
 
 def decoder_layout_problem(core) -> str | None:
