@@ -107,7 +107,7 @@ def test_the_guided_update_raises_the_demonstration(setting, model, orders_entry
         return (lp * collate(rows, pad).loss_mask).sum(1)
 
     before = seq_lp(model)
-    pg_update(learner, rows, adv, 1, seed=0, version={"policy": 0}, kind="grpo", eps_low=0.2, eps_high=0.28)
+    pg_update(learner, rows, adv, 1, seed=0, kind="grpo", eps_low=0.2, eps_high=0.28)
     after = seq_lp(m.eval())
     assert after[G] > before[G] + 1.0
 
@@ -211,12 +211,12 @@ def test_pg_update_forwards_a_demonstration_with_zero_advantage_but_an_sft_weigh
     pad = tokenizer.pad_token_id
     m = copy.deepcopy(model)
     learner = Learner(m, OptimConfig(lr=1e-3), pad)
-    assert pg_update(learner, rows, adv, 1, 0, {"policy": 0}, kind="grpo", drop_zero=True) == []
-    ups = pg_update(learner, rows, adv, 1, 0, {"policy": 0}, kind="grpo", drop_zero=True,
+    assert pg_update(learner, rows, adv, 1, 0, kind="grpo", drop_zero=True) == []
+    ups = pg_update(learner, rows, adv, 1, 0, kind="grpo", drop_zero=True,
                     nll_weights=torch.tensor([0.0, 0.1]))
     assert len(ups) == 1 and any(not torch.equal(a, b) for a, b in zip(m.parameters(), model.parameters()))
     with pytest.raises(ValueError, match="kind='grpo'"):
-        pg_update(learner, rows, [torch.zeros(3)] * 2, 1, 0, {"policy": 0}, nll_weights=torch.ones(2))
+        pg_update(learner, rows, [torch.zeros(3)] * 2, 1, 0, nll_weights=torch.ones(2))
 
 
 def test_guide_sft_needs_the_expert_guide():

@@ -30,7 +30,7 @@ def _run(model, tokenizer, demos, adv, kind, agg, k, pack=True, **how):
     m = copy.deepcopy(model)
     learner = Learner(m, OptimConfig(lr=1e-3, micro_batch_size=2, max_grad_norm=1e9, pack_prefixes=pack),
                       tokenizer.pad_token_id)
-    ups = pg_update(learner, demos, adv, k, seed=3, version={"policy": 0}, kind="grpo" if kind == "grpo" else "clipped",
+    ups = pg_update(learner, demos, adv, k, seed=3, kind="grpo" if kind == "grpo" else "clipped",
                     agg=agg, eps_low=1.0, eps_high=1e9, **how)
     grads = [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in m.parameters()]
     return m, grads, ups
@@ -131,7 +131,7 @@ def test_groups_are_dealt_whole_into_minibatches():
     seen: list[list[int]] = []
 
     class Recorder:
-        packs_prefixes, dp, model = True, None, torch.nn.Linear(1, 1)
+        packs_prefixes, dp, model, version = True, None, torch.nn.Linear(1, 1), 0
 
         def policy_step(self, batch, adv, kind, **kw):
             seen.append([t.index for t in batch])
@@ -143,11 +143,11 @@ def test_groups_are_dealt_whole_into_minibatches():
     deals = set()
     for seed in range(6):
         seen.clear()
-        loop.pg_update(Recorder(), trajs, adv, 2, seed, {"policy": 0}, kind="grpo", groups=groups, drop_zero=True)
+        loop.pg_update(Recorder(), trajs, adv, 2, seed, kind="grpo", groups=groups, drop_zero=True)
         assert len(seen) == 2 and sorted(i for mb in seen for i in mb) == list(range(13))
         for mb in seen:
             assert all(set(g) <= set(mb) or not set(g) & set(mb) for g in groups)
         deals.add(tuple(sorted(tuple(sorted(mb)) for mb in seen)))
     assert len(deals) > 1
     with pytest.raises(ValueError, match="items or groups"):
-        loop.pg_update(Recorder(), trajs, adv, 2, 0, {"policy": 0}, kind="grpo", groups=groups, items=[0, 1])
+        loop.pg_update(Recorder(), trajs, adv, 2, 0, kind="grpo", groups=groups, items=[0, 1])

@@ -52,8 +52,14 @@ def pad_token_values(rows: Sequence[torch.Tensor], T: int, dtype: torch.dtype = 
 
 
 class Learner:
-    def __init__(self, model, optim: OptimConfig, pad_id: int, temperature: float = 1.0, dp=None):
+    def __init__(self, model, optim: OptimConfig, pad_id: int, temperature: float = 1.0, dp=None,
+                 version_per_update: bool = True):
         self.model = model
+        # The policy version: the number of weight versions the rollout may have sampled from. With
+        # ``version_per_update`` every optimizer step is a new version; otherwise the owner calls
+        # :meth:`publish` when its weights go to the rollout (SAO's sync every k steps).
+        self.version = 0
+        self.version_per_update = version_per_update
         self.cfg = optim
         self.pad_id = pad_id
         self.temperature = temperature if temperature > 0 else 1.0
@@ -172,6 +178,8 @@ class Learner:
             self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.model.eval()
+        if self.version_per_update:
+            self.version += 1
         metrics.update(grad_norm=gn, entropy=ent_sum / max(tok_sum, 1.0), lr=self.scheduler.get_last_lr()[0],
                        skipped_update=float(not math.isfinite(gn)))
         return metrics
@@ -342,12 +350,19 @@ class Learner:
         out.update({k: float(v) for k, v in metrics.items()}, loss=float(loss.detach()))
         return out
 
+    def publish(self) -> int:
+        """A new policy version (for a learner whose versions are not its optimizer steps)."""
+        self.version += 1
+        return self.version
+
     def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "version": self.version}
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        self.version = int(state.get("version", 0))
 
 
 class CriticLearner(Learner):

@@ -283,13 +283,13 @@ def reduce_updates(updates: list[dict[str, float]], keys: tuple[str, ...]) -> di
     return out
 
 
-def pg_update(learner, trajs: list[Trajectory], adv, k: int, seed: int, version: dict[str, Any], *,
+def pg_update(learner, trajs: list[Trajectory], adv, k: int, seed: int, *,
               items: list[int] | None = None, groups: list[list[int]] | None = None, kind: str = "clipped",
-              bump: bool = True, skip_zero: bool = False, drop_zero: bool = False,
+              skip_zero: bool = False, drop_zero: bool = False,
               nll_weights: torch.Tensor | None = None, **loss: Any) -> list[dict[str, float]]:
     """One pass of policy-gradient updates: ``items`` (default: every trajectory) dealt into ``k``
     minibatches with ``seed``, one optimizer step per minibatch; each update's metrics with the
-    minibatch's policy lag behind ``version["policy"]``, which every update increments (``bump``).
+    minibatch's policy lag behind the learner's policy version (which the learner advances).
     ``groups`` (instead of ``items``): lists of trajectories dealt together, so a minibatch holds
     whole GRPO groups (as verl deals prompts): their advantages balance within it, and the learner
     runs each group's shared prompt and common turns once, not once per minibatch it was split over.
@@ -321,14 +321,13 @@ def pg_update(learner, trajs: list[Trajectory], adv, k: int, seed: int, version:
             idx = live
         idx = update_order(learner, idx, trajs)
         batch = [trajs[i] for i in idx]
+        lag_from = learner.version
         if kind == "grpo":
             nll = nll_weights[idx] if nll_weights is not None else None
             m = learner.policy_step(batch, adv[idx], kind, norm=norm, nll_weights=nll, **loss)
         else:
             m = learner.token_policy_step(batch, [adv[i] for i in idx], kind, norm=norm, **loss)
-        ups.append({**m, **policy_lag(batch, version["policy"])})
-        if bump:
-            version["policy"] += 1
+        ups.append({**m, **policy_lag(batch, lag_from)})
     if ups:
-        sync_weights(learner.model, version["policy"])  # a rollout engine of its own (vLLM) gets the new weights
+        sync_weights(learner.model, learner.version)  # a rollout engine of its own (vLLM) gets the new weights
     return ups

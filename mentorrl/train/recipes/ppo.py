@@ -4,75 +4,63 @@ the policy's decoder) and GAE over policy tokens."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
-from mentorrl.train.audit import GapMonitor
 from mentorrl.train.critic import Critic
-from mentorrl.train.learner import Learner
-from mentorrl.train.loop import (
-    PG_METRICS,
-    collect_group,
-    gap_check,
-    outcome_rewards,
-    pg_update,
-    pick_tasks,
-    reduce_updates,
-    reward_debugger,
-    rollout_metrics,
-    train_pool,
-)
-from mentorrl.train.registry import register_stage
-from mentorrl.train.stage_runner import run_stage
+from mentorrl.train.loop import outcome_rewards, pg_update, reward_debugger
+from mentorrl.train.rl_loop import RewardGapWatch, Stage, StepBatch, run_on_loop
 from mentorrl.train.workspace import Workspace
 
 
-@register_stage("ppo", config="ppo", title="PPO with a critic", label="PPO", rl=True)
-def ppo_stage(ws: Workspace, model, resume: bool = False) -> Path:
-    cfg, p, audit = ws.cfg, ws.cfg.ppo, ws.cfg.audit
-    pool = train_pool(ws, p.tasks_per_step, p.steps)
-    learner = Learner(model, p.optim, ws.contract.pad_token_id, ws.contract.sampling.temperature)
-    critic = Critic(model, p.critic, ws.contract.pad_token_id)
-    version = {"policy": 0}
-    monitor = GapMonitor(audit.reward_window, audit.reward_rise, audit.success_rise)
+class PPOStage(Stage):
+    """PPO with a critic: outcome rewards, GAE advantages from the critic, clipped minibatches (the
+    actor waits ``critic.warmup_steps`` steps while the critic fits)."""
 
-    def step_fn(step: int) -> dict[str, float]:
-        _, chosen = pick_tasks(pool, p.tasks_per_step, cfg.seed * 1_000_003 + 17 * step + 5)
-        grp = collect_group(ws, model, chosen, p.samples_per_task, version["policy"], cfg.seed * 7_919 + step,
-                            f"PPO step {step + 1}")
-        trajs = grp.trajs
-        rewards, clipped = outcome_rewards(trajs, audit)
-        metrics: dict[str, float] = {"reward_mean": rewards.mean().item(),
-                                     "reward_std": rewards.std().item() if len(trajs) > 1 else 0.0,
-                                     "reward_clipped": clipped["clipped"], "rollouts": float(len(trajs))}
-        metrics.update(rollout_metrics(trajs))
-        metrics.update(reward_debugger(trajs, audit.flag_reward,
-                                       ws.run_dir / "audit" / f"flagged-ppo-step-{step + 1:06d}.jsonl"))
-        t1 = time.perf_counter()
-        adv, _, value_metrics = critic.step(trajs, rewards, p.gae, seed=step * 7 + 1)
-        am = []
-        if step >= p.critic.warmup_steps:
-            am = pg_update(learner, trajs, adv, p.updates_per_step, step * 7 + 2, version, eps_low=p.eps_low,
-                           eps_high=p.eps_high, agg=p.loss_agg)
-        metrics.update(value_metrics)
-        metrics.update(reduce_updates(am, PG_METRICS))
-        metrics.update(actor_updated=float(bool(am)), policy_version=version["policy"], rollout_s=grp.rollout_s,
-                       update_s=time.perf_counter() - t1)
-        monitor.observe_reward(step + 1, metrics["reward_mean"])
-        if audit.eval_every and (step + 1) % audit.eval_every == 0:
-            metrics.update(gap_check(ws, model, monitor, step + 1))
-        return metrics
+    name = "ppo"
 
-    def extra_state() -> dict[str, Any]:
-        return {**version, **critic.state_dict(), "gap_monitor": monitor.state_dict()}
+    def __init__(self, ws: Workspace, model):
+        super().__init__(ws, model)
+        self.critic = Critic(model, self.cfg.critic, ws.contract.pad_token_id)
+        self.gap = RewardGapWatch(ws, model)
 
-    def restore(state: dict[str, Any]) -> None:
-        version["policy"] = state.get("policy", 0)
-        monitor.load_state_dict(state.get("gap_monitor", {}))
-        critic.load_state_dict(state)
+    def score(self, b: StepBatch) -> None:
+        rewards, clipped = outcome_rewards(b.trajs, self.ws.cfg.audit)
+        b.rewards = rewards
+        b.metrics.update(reward_mean=rewards.mean().item(), reward_std=rewards.std().item() if len(b.trajs) > 1 else 0.0,
+                         reward_clipped=clipped["clipped"])
+        b.metrics.update(reward_debugger(b.trajs, self.ws.cfg.audit.flag_reward,
+                                         self.ws.run_dir / "audit" / f"flagged-ppo-step-{b.step + 1:06d}.jsonl"))
 
-    final = run_stage(ws, "ppo", model, learner, p.steps, step_fn, p.checkpoint_every, resume,
-                      extra_state=extra_state, restore_extra=restore)
-    critic.save(ws.run_dir / "ppo")
-    return final
+    def advantages(self, b: StepBatch) -> None:
+        b.adv, _, value_metrics = self.critic.step(b.trajs, b.rewards, self.cfg.gae, seed=b.seeds("critic"))
+        b.metrics.update(value_metrics)
+
+    def update(self, b: StepBatch) -> None:
+        p = self.cfg
+        if b.step >= p.critic.warmup_steps:
+            b.updates += pg_update(self.learner, b.trajs, b.adv, p.updates_per_step, b.seeds("minibatches"),
+                                   eps_low=p.eps_low, eps_high=p.eps_high, agg=p.loss_agg)
+        b.metrics["actor_updated"] = float(bool(b.updates))
+
+    def after(self, b: StepBatch) -> None:
+        b.metrics.update(self.gap.observe(b.step, b.metrics["reward_mean"]))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**self.critic.state_dict(), "gap_monitor": self.gap.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.gap.load_state_dict(state.get("gap_monitor", {}))
+        if state:
+            self.critic.load_state_dict(state)
+
+    def finish(self, final: Path) -> Path:
+        self.critic.save(self.ws.run_dir / "ppo")
+        return final
+
+
+ppo_stage = run_on_loop(PPOStage)
+
+from mentorrl.train.registry import register_stage  # noqa: E402  (TEMP until the registry table lands)
+
+register_stage("ppo", config="ppo", title="PPO with a critic", label="PPO", rl=True)(ppo_stage)

@@ -3,71 +3,101 @@
 
 from __future__ import annotations
 
-import random
 import time
 from pathlib import Path
 from typing import Any
 
 from mentorrl.rollout.runner import rollout_tasks
-from mentorrl.train.learner import Learner
-from mentorrl.train.registry import register_stage
 from mentorrl.train.rft import rft_round_stats, rising, select_rft_data, task_outcomes
-from mentorrl.train.stage_runner import run_stage
+from mentorrl.train.rl_loop import Stage, StepBatch, run_on_loop
 from mentorrl.train.workspace import Workspace, load_weights_into
 from mentorrl.trajectory import read_jsonl, write_jsonl
 
-RFT_POOL_SEED_OFFSET = 4099
 
-
-@register_stage("rft", config="rft", title="RFT: sample, verify, fine-tune", label="RFT")
-def rft_stage(ws: Workspace, model, resume: bool = False) -> Path:
+class RFTStage(Stage):
     """Rejection-sampling fine-tuning rounds (see :mod:`mentorrl.train.rft`: the selection); one round per step.
 
     Each round's kept trajectories are written to ``rft/data-round-N.jsonl`` (a redone round
     overwrites its file) and the training set is the union of all rounds so far. When the
     positive-task rate stops rising, the stage stops and keeps the weights that measured best.
     """
-    cfg, r = ws.cfg, ws.cfg.rft
-    tasks = ws.train_tasks(r.num_tasks, cfg.seed + RFT_POOL_SEED_OFFSET)
-    learner = Learner(model, r.optim, ws.contract.pad_token_id, ws.contract.sampling.temperature)
-    stage_dir, best_dir = ws.run_dir / "rft", ws.run_dir / "rft" / "best"
-    state: dict[str, Any] = {"history": [], "best_rate": -1.0}
 
-    def data_file(round_: int) -> Path:
-        return stage_dir / f"data-round-{round_:03d}.jsonl"
+    name = "rft"
+    update_metrics = ()
 
-    def step_fn(step: int) -> dict[str, float]:
-        grouped = [t for t in tasks for _ in range(r.samples_per_task)]
-        t0 = time.perf_counter()
-        trajs = rollout_tasks(model, ws.contract, ws.make_env, grouped, seed=cfg.seed * 9_973 + 101 * step,
-                              batch_size=r.rollout_batch, weights=cfg.reward)
-        stats = rft_round_stats(task_outcomes(trajs))
-        rate = stats["positive_task_rate"]
-        state["history"] = state["history"][:step] + [rate]
-        m: dict[str, float] = {**stats, "rollouts": len(trajs), "rollout_s": time.perf_counter() - t0}
-        if rate > state["best_rate"]:  # the weights that sampled this round are the best so far
-            state["best_rate"] = rate
-            model.save_pretrained(best_dir, safe_serialization=True)
-        if not rising(state["history"], r.min_gain):
-            if rate < state["best_rate"]:
-                load_weights_into(model, best_dir)
-            m.update(stop=True, stopped_on_plateau=1.0, kept_best_rate=state["best_rate"])
-            return m
-        kept, counts = select_rft_data(trajs, r.top_k, tuple(r.band), seed=cfg.seed + step)
-        stage_dir.mkdir(parents=True, exist_ok=True)
-        write_jsonl(data_file(step), kept)
-        data = [t for i in range(step + 1) if data_file(i).exists() for t in read_jsonl(data_file(i))]
-        m.update(counts, dataset_size=len(data))
-        losses = []
-        if data:
-            for k in range(r.sft_steps):
-                batch_rng = random.Random(cfg.seed * 1_000_033 + 1_000 * step + k)
-                batch = [data[i] for i in batch_rng.sample(range(len(data)), min(r.batch_size, len(data)))]
-                losses.append(learner.sft_step(batch, agg=cfg.sft.loss_agg)["loss"])
-        m["loss"] = sum(losses) / len(losses) if losses else 0.0
-        return m
+    def __init__(self, ws: Workspace, model):
+        super().__init__(ws, model)
+        self.stage_dir = ws.run_dir / "rft"
+        self.best_dir = self.stage_dir / "best"
+        self.state: dict[str, Any] = {"history": [], "best_rate": -1.0}
 
-    return run_stage(
-        ws, "rft", model, learner, r.max_iterations, step_fn, checkpoint_every=1, resume=resume,
-        extra_state=lambda: dict(state), restore_extra=lambda st: state.update(st),
-    )
+    @property
+    def steps(self) -> int:
+        return self.cfg.max_iterations
+
+    @property
+    def checkpoint_every(self) -> int:
+        return 1
+
+    def make_pool(self) -> list:
+        return self.ws.train_tasks(self.cfg.num_tasks, self.seeds("pool"))
+
+    def tasks(self, b: StepBatch) -> None:
+        b.tasks = self.pool
+
+    def rollout(self, b: StepBatch) -> None:
+        r, t0 = self.cfg, time.perf_counter()
+        grouped = [t for t in b.tasks for _ in range(r.samples_per_task)]
+        b.trajs = rollout_tasks(self.model, self.ws.contract, self.ws.make_env, grouped, seed=b.seeds("rollout"),
+                                batch_size=r.rollout_batch, weights=self.ws.cfg.reward)
+        b.group_size = r.samples_per_task
+        b.metrics.update(rollouts=len(b.trajs), rollout_s=time.perf_counter() - t0)
+
+    def score(self, b: StepBatch) -> None:
+        """The round's positive-task rate; a new best saves the weights that sampled it, a plateau
+        stops the stage on the best weights."""
+        stats = rft_round_stats(task_outcomes(b.trajs))
+        rate, st = stats["positive_task_rate"], self.state
+        st["history"] = st["history"][: b.step] + [rate]
+        b.metrics.update(stats)
+        if rate > st["best_rate"]:
+            st["best_rate"] = rate
+            self.model.save_pretrained(self.best_dir, safe_serialization=True)
+        if not rising(st["history"], self.cfg.min_gain):
+            if rate < st["best_rate"]:
+                load_weights_into(self.model, self.best_dir)
+            b.metrics.update(stopped_on_plateau=1.0, kept_best_rate=st["best_rate"])
+            b.stop = True
+
+    def advantages(self, b: StepBatch) -> None:
+        """The kept trajectories of this round (written out) and the training set of all rounds so far."""
+        r = self.cfg
+        kept, counts = select_rft_data(b.trajs, r.top_k, tuple(r.band), seed=b.seeds("select"))
+        self.stage_dir.mkdir(parents=True, exist_ok=True)
+        write_jsonl(self.data_file(b.step), kept)
+        b.data["train"] = [t for i in range(b.step + 1) if self.data_file(i).exists() for t in read_jsonl(self.data_file(i))]
+        b.metrics.update(counts, dataset_size=len(b.data["train"]))
+
+    def update(self, b: StepBatch) -> None:
+        r, data, losses = self.cfg, b.data["train"], []
+        for k in range(r.sft_steps if data else 0):
+            rng = b.seeds.rng(f"batch-{k}")
+            batch = [data[i] for i in rng.sample(range(len(data)), min(r.batch_size, len(data)))]
+            losses.append(self.learner.sft_step(batch, agg=self.ws.cfg.sft.loss_agg)["loss"])
+        b.metrics["loss"] = sum(losses) / len(losses) if losses else 0.0
+
+    def data_file(self, round_: int) -> Path:
+        return self.stage_dir / f"data-round-{round_:03d}.jsonl"
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.state)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.state.update(state)
+
+
+rft_stage = run_on_loop(RFTStage)
+
+from mentorrl.train.registry import register_stage  # noqa: E402  (TEMP until the registry table lands)
+
+register_stage("rft", config="rft", title="RFT: sample, verify, fine-tune", label="RFT")(rft_stage)

@@ -41,13 +41,10 @@ import torch
 from mentorrl.replay.buffer import BatchItem, ReplayBuffer, hybrid_batch, segment_replay
 from mentorrl.rollout.runner import expert_demonstrations
 from mentorrl.train.async_rl import RolloutPool, WeightBox, lag_histogram, staleness_weights
-from mentorrl.train.audit import GapMonitor
-from mentorrl.train.learner import Learner
 from mentorrl.replay.checkpointing import BufferCheckpoints
-from mentorrl.train.rundir import KEEP_CHECKPOINTS
 from mentorrl.train.critic import Critic
+from mentorrl.train.learner import Learner
 from mentorrl.train.loop import (
-    gap_check,
     outcome_rewards,
     pg_update,
     relabel_behaviour,
@@ -55,14 +52,12 @@ from mentorrl.train.loop import (
     require_consistent,
     reward_debugger,
     rollout_metrics,
-    train_pool,
 )
-from mentorrl.train.registry import register_stage
-from mentorrl.train.stage_runner import run_stage
+from mentorrl.train.rl_loop import RewardGapWatch, Stage, StepBatch, run_on_loop
+from mentorrl.train.rundir import KEEP_CHECKPOINTS
 from mentorrl.train.workspace import Workspace
 from mentorrl.trajectory import Trajectory, write_jsonl
 
-SAO_POOL_SEED_OFFSET = 6007
 
 
 def task_stream(pool: list, seed: int) -> Iterator:
@@ -79,44 +74,33 @@ def _first_policy_value(traj: Trajectory, values: torch.Tensor) -> float:
     return float(values[first])
 
 
-@register_stage("sao", config="sao", title="SAO: asynchronous single-rollout optimisation", label="SAO", rl=True)
-def sao_stage(ws: Workspace, model, resume: bool = False) -> Path:
-    run = SAORun(ws, model)
-    try:
-        final = run_stage(ws, "sao", model, run.learner, ws.cfg.sao.steps, run.step, ws.cfg.sao.checkpoint_every,
-                          resume, extra_state=run.extra_state, restore_extra=run.restore)
-    finally:
-        if run.worker is not None:
-            run.worker.close()
-        if run.buffer is not None:
-            run.buffer.close()
-    run.critic.save(run.stage_dir)
-    return final
-
-
 SAO_METRICS = ("pg_loss", "masked_frac", "ratio_p05", "ratio_p50", "ratio_p95", "ratio_max", "entropy", "grad_norm",
                "approx_kl", "logprob_abs_gap", "train_rollout_kl", "policy_lag_mean", "policy_lag_max")
 
 
-class SAORun:
-    """The SAO stage's state (learner, critic, replay buffer, rollout worker) and its learner step."""
+class SAOStage(Stage):
+    """SAO on the loop: the rollout hook takes finished trajectories from the asynchronous worker,
+    the critic gives GAE advantages, the update is token-level masked importance sampling, and the
+    policy version moves only when the weights go to the worker (every ``rollout.sync_every`` steps
+    that changed them)."""
+
+    name = "sao"
+    update_metrics = ()  # reduced in the update hook (its pg_loss is the stage's loss)
 
     def __init__(self, ws: Workspace, model):
-        cfg, s, audit = ws.cfg, ws.cfg.sao, ws.cfg.audit
-        self.ws, self.model, self.s = ws, model, s
-        self.pool = train_pool(ws, s.batch_size, s.steps)
+        super().__init__(ws, model)
+        s = self.cfg
         self.temperature = ws.contract.sampling.temperature
-        self.learner = Learner(model, s.optim, ws.contract.pad_token_id, self.temperature)
         self.critic = Critic(model, s.critic, ws.contract.pad_token_id)
-        self.state: dict[str, Any] = {"policy": 0, "dirty": False, "consumed": 0}
-        self.monitor = GapMonitor(audit.reward_window, audit.reward_rise, audit.success_rise)
+        self.state: dict[str, Any] = {"dirty": False, "consumed": 0}
+        self.gap = RewardGapWatch(ws, model)
         self.stage_dir = ws.run_dir / "sao"
         self.buffer = ReplayBuffer(self.stage_dir / "replay.sqlite", s.replay) if s.replay is not None else None
         self.demos: list[Trajectory] = []
         if s.mix["expert"] > 0:
-            tasks = ws.train_tasks(s.num_demos, cfg.seed + SAO_POOL_SEED_OFFSET)
+            tasks = ws.train_tasks(s.num_demos, self.seeds("demos"))
             self.demos = expert_demonstrations(ws.contract, ws.make_env, ws.env_entry.make_expert(), tasks,
-                                               weights=cfg.reward)
+                                               weights=ws.cfg.reward)
         self.box = WeightBox()
         self.worker: RolloutPool | None = None
         self.t0: float | None = None
@@ -124,113 +108,137 @@ class SAORun:
         self.replay = BufferCheckpoints(self.buffer, KEEP_CHECKPOINTS, "sao", ws.console.print) \
             if self.buffer is not None else None
 
-    def worker_for(self, step: int) -> RolloutPool:
+    def make_learner(self) -> Learner:
+        ws = self.ws
+        return Learner(self.model, self.cfg.optim, ws.contract.pad_token_id, ws.contract.sampling.temperature,
+                       version_per_update=False)
+
+    def make_pool(self) -> list:
+        return self.ws.train_tasks(max(self.cfg.batch_size * max(self.steps, 1), self.pool_least), self.seeds("pool"))
+
+    def worker_for(self, b: StepBatch) -> RolloutPool:
         if self.replay is not None:
             self.replay.start()  # no checkpoint was restored: the stage starts empty
-        if self.worker is None:  # started lazily: after run_stage restored the weights of a resumed run
-            cfg, s, r = self.ws.cfg, self.s, self.s.rollout
-            self.box.publish(self.model, self.state["policy"])
+        if self.worker is None:  # started lazily: after the runner restored the weights of a resumed run
+            cfg, s, r = self.ws.cfg, self.cfg, self.cfg.rollout
+            self.box.publish(self.model, self.learner.version)
             pool_cls = RolloutPool
             if cfg.distributed.backend == "ray":  # rollout actors (mentorrl.distributed.ray_workers, docs/ray.md)
                 from mentorrl.distributed.ray_workers import RayRolloutPool
                 pool_cls = functools.partial(RayRolloutPool, dist=cfg.distributed, ws=self.ws)
-            w = pool_cls(self.model, self.ws.contract, self.ws.make_env, task_stream(self.pool, cfg.seed * 7_919 + step),
-                            self.box, slots=r.slots, queue_size=r.queue_size or s.batch_size,
-                            seed=cfg.seed * 104_729 + step, weights=cfg.reward, recompute_kv=r.recompute_kv,
-                            workers=r.workers)
+            w = pool_cls(self.model, self.ws.contract, self.ws.make_env, task_stream(self.pool, b.seeds("task-stream")),
+                         self.box, slots=r.slots, queue_size=r.queue_size or s.batch_size, seed=b.seeds("worker"),
+                         weights=cfg.reward, recompute_kv=r.recompute_kv, workers=r.workers)
             w.start()
             self.worker, self.t0 = w, time.perf_counter()
         return self.worker
 
-    def step(self, step: int) -> dict[str, float]:
-        ws, cfg, s, r, audit = self.ws, self.ws.cfg, self.s, self.s.rollout, self.ws.cfg.audit
-        worker = self.worker_for(step)
+    def tasks(self, b: StepBatch) -> None:
+        """The worker draws its own tasks (an endless seeded stream over the pool)."""
+
+    def rollout(self, b: StepBatch) -> None:
+        """The next ``batch_size`` finished trajectories, the staleness rule, and the hybrid batch."""
+        s, r = self.cfg, self.cfg.rollout
+        worker = self.worker_for(b)
         t0 = time.perf_counter()
         online = worker.get(s.batch_size, r.get_timeout_s)
         t_wait = time.perf_counter() - t0
-        current = self.state["policy"]
+        current = self.learner.version
         lags = [current - t.policy_version for t in online]
         weights = staleness_weights(lags, r.max_staleness, r.stale, r.staleness_decay)
         fresh = [(t, w) for t, w in zip(online, weights) if w > 0]
-        rng = random.Random(cfg.seed * 1_000_003 + 31 * step + 7)
-        items = _hybrid(s, [t for t, _ in fresh], self.demos, self.buffer, current, rng)
+        items = _hybrid(s, [t for t, _ in fresh], self.demos, self.buffer, current, b.seeds.rng("hybrid"))
         rl = [it.trajectory for it in items if it.source != "expert"]
         expert = relabel_behaviour(self.model, [it.trajectory for it in items if it.source == "expert"],
-                                   ws.contract.pad_token_id, self.temperature)
-        require_consistent(ws, rl + expert, current, f"SAO step {step + 1}")
-        metrics: dict[str, float | dict] = {"rollouts": float(len(online)), "policy_lag_hist": lag_histogram(lags),
-                                            "stale_dropped": float(sum(w == 0 for w in weights)),
-                                            "stale_downweighted": float(sum(0 < w < 1 for w in weights)),
-                                            "online_items": float(len(fresh)), "wait_s": t_wait,
-                                            "replay_items": float(sum(it.source == "replay" for it in items)),
-                                            "expert_items": float(len(expert))}
-        metrics.update(rollout_metrics(online))
-        rewards_online, clipped = outcome_rewards(online, audit)
-        metrics.update(reward_mean=rewards_online.mean().item(),
-                       reward_std=rewards_online.std().item() if len(online) > 1 else 0.0,
-                       reward_clipped=clipped["clipped"])
-        metrics.update(reward_debugger(online, audit.flag_reward,
-                                       ws.run_dir / "audit" / f"flagged-sao-step-{step + 1:06d}.jsonl"))
-        t1 = time.perf_counter()
-        self._learn(step, rl, expert, {t.id: w for t, w in fresh}, metrics)
-        self.state["consumed"] += len(online)
-        self.consumed_here += len(online)
-        elapsed = time.perf_counter() - self.t0
-        metrics.update(policy_version=float(self.state["policy"]), update_s=time.perf_counter() - t1,
-                       trajectories_consumed=float(self.state["consumed"]), traj_per_s=self.consumed_here / elapsed,
-                       worker_produced=float(worker.produced), worker_syncs=float(worker.syncs),
-                       queue_depth=float(worker.out.qsize()))
-        if self.buffer is not None:
-            metrics["buffer_size"] = float(len(self.buffer))
-        self.monitor.observe_reward(step + 1, metrics["reward_mean"])
-        if audit.eval_every and (step + 1) % audit.eval_every == 0:
-            metrics.update(gap_check(ws, self.model, self.monitor, step + 1))
-        _record_batch(ws.run_dir, step + 1, items, s.sample_trajectories)
-        return metrics
+                                   self.ws.contract.pad_token_id, self.temperature)
+        require_consistent(self.ws, rl + expert, current, f"SAO step {b.step + 1}")
+        b.trajs = online
+        b.data.update(items=items, rl=rl, expert=expert, weight_of={t.id: w for t, w in fresh})
+        b.metrics.update({"rollouts": float(len(online)), "policy_lag_hist": lag_histogram(lags),
+                          "stale_dropped": float(sum(w == 0 for w in weights)),
+                          "stale_downweighted": float(sum(0 < w < 1 for w in weights)),
+                          "online_items": float(len(fresh)), "wait_s": t_wait,
+                          "replay_items": float(sum(it.source == "replay" for it in items)),
+                          "expert_items": float(len(expert))})
+        b.metrics.update(rollout_metrics(online))
 
-    def _learn(self, step: int, rl: list[Trajectory], expert: list[Trajectory], weight_of: dict[str, float],
-               metrics: dict) -> None:
-        """The critic's update and GAE advantages, replay admission, the masked-IS policy minibatches and,
-        every ``sync_every`` steps that changed the policy, the weight sync to the worker."""
-        s, audit = self.s, self.ws.cfg.audit
-        batch = rl + expert
-        token_adv: list[torch.Tensor] = []
-        metrics.update(reduce_updates([], Critic.METRICS))  # 0s when no trajectory is left to fit
+    def score(self, b: StepBatch) -> None:
+        audit = self.ws.cfg.audit
+        rewards, clipped = outcome_rewards(b.trajs, audit)
+        b.metrics.update(reward_mean=rewards.mean().item(), reward_std=rewards.std().item() if len(b.trajs) > 1 else 0.0,
+                         reward_clipped=clipped["clipped"])
+        b.metrics.update(reward_debugger(b.trajs, audit.flag_reward,
+                                         self.ws.run_dir / "audit" / f"flagged-sao-step-{b.step + 1:06d}.jsonl"))
+
+    def advantages(self, b: StepBatch) -> None:
+        """The critic's update and GAE advantages (stale data down-weighted), replay admission, and
+        the expert items' fixed advantage."""
+        s, rl, weight_of = self.cfg, b.data["rl"], b.data["weight_of"]
+        b.adv = []
+        b.metrics.update(reduce_updates([], Critic.METRICS))  # 0s when no trajectory is left to fit
         if rl:
-            rewards, _ = outcome_rewards(rl, audit)
-            adv, old_values, value_metrics = self.critic.step(rl, rewards, s.gae, seed=step * 7 + 1)
-            metrics.update(value_metrics)
-            token_adv = [a * weight_of.get(t.id, 1.0) for t, a in zip(rl, adv)]  # replayed data: weight 1
+            rewards, _ = outcome_rewards(rl, self.ws.cfg.audit)
+            adv, old_values, value_metrics = self.critic.step(rl, rewards, s.gae, seed=b.seeds("critic"))
+            b.metrics.update(value_metrics)
+            b.adv = [a * weight_of.get(t.id, 1.0) for t, a in zip(rl, adv)]  # replayed data: weight 1
             if self.buffer is not None:
                 added = [self.buffer.add(t, advantage=rewards[i].item() - _first_policy_value(t, old_values[i]))
                          for i, t in enumerate(rl) if weight_of.get(t.id) is not None]
-                metrics["replay_admitted"] = float(sum(bool(a) for a in added))
-        token_adv += [torch.tensor(t.loss_mask, dtype=torch.float32) * s.expert_advantage for t in expert]
-        am: list[dict[str, float]] = []
-        if step >= s.critic.warmup_steps and batch:
-            am = pg_update(self.learner, batch, token_adv, s.updates_per_step, step * 7 + 2, self.state,
-                           kind="masked_is", bump=False, eps_low=s.eps_low, eps_high=s.eps_high, agg=s.loss_agg)
-            self.state["dirty"] = True
-        if (step + 1) % s.rollout.sync_every == 0 and self.state["dirty"]:
-            self.state["policy"] += 1
-            self.state["dirty"] = False
-            self.box.publish(self.model, self.state["policy"])
-        metrics.update(reduce_updates(am, SAO_METRICS))
-        metrics["loss"] = metrics.pop("pg_loss")
-        metrics["actor_updated"] = float(bool(am))
+                b.metrics["replay_admitted"] = float(sum(bool(a) for a in added))
+        b.adv += [torch.tensor(t.loss_mask, dtype=torch.float32) * s.expert_advantage for t in b.data["expert"]]
 
-    def extra_state(self) -> dict[str, Any]:
-        out = {**self.state, "gap_monitor": self.monitor.state_dict(), **self.critic.state_dict()}
+    def update(self, b: StepBatch) -> None:
+        """Masked-IS minibatches; every ``sync_every`` steps that changed the policy, a new version to the worker."""
+        s, batch = self.cfg, b.data["rl"] + b.data["expert"]
+        if b.step >= s.critic.warmup_steps and batch:
+            b.updates += pg_update(self.learner, batch, b.adv, s.updates_per_step, b.seeds("minibatches"),
+                                   kind="masked_is", eps_low=s.eps_low, eps_high=s.eps_high, agg=s.loss_agg)
+            self.state["dirty"] = True
+        if (b.step + 1) % s.rollout.sync_every == 0 and self.state["dirty"]:
+            self.state["dirty"] = False
+            self.box.publish(self.model, self.learner.publish())
+        b.metrics.update(reduce_updates(b.updates, SAO_METRICS))
+        b.metrics["loss"] = b.metrics.pop("pg_loss")
+        b.metrics["actor_updated"] = float(bool(b.updates))
+
+    def after(self, b: StepBatch) -> None:
+        worker, n = self.worker, len(b.trajs)
+        self.state["consumed"] += n
+        self.consumed_here += n
+        b.metrics.update(trajectories_consumed=float(self.state["consumed"]),
+                         traj_per_s=self.consumed_here / (time.perf_counter() - self.t0),
+                         worker_produced=float(worker.produced), worker_syncs=float(worker.syncs),
+                         queue_depth=float(worker.out.qsize()))
+        if self.buffer is not None:
+            b.metrics["buffer_size"] = float(len(self.buffer))
+        b.metrics.update(self.gap.observe(b.step, b.metrics["reward_mean"]))
+        _record_batch(self.ws.run_dir, b.step + 1, b.data["items"], self.cfg.sample_trajectories)
+
+    def state_dict(self) -> dict[str, Any]:
+        out = {**self.state, "gap_monitor": self.gap.state_dict(), **self.critic.state_dict()}
         if self.replay is not None:
             out.update(self.replay.state())
         return out
 
-    def restore(self, saved: dict[str, Any]) -> None:
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
         if self.replay is not None:
             self.replay.restore(saved)
-        self.state.update({k: saved[k] for k in ("policy", "dirty", "consumed") if k in saved})
-        self.monitor.load_state_dict(saved.get("gap_monitor", {}))
+        self.state.update({k: saved[k] for k in ("dirty", "consumed") if k in saved})
+        self.gap.load_state_dict(saved.get("gap_monitor", {}))
         self.critic.load_state_dict(saved)
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+        if self.buffer is not None:
+            self.buffer.close()
+
+    def finish(self, final: Path) -> Path:
+        self.critic.save(self.stage_dir)
+        return final
+
+
+sao_stage = run_on_loop(SAOStage)
 
 
 def _hybrid(s, online: list[Trajectory], demos: list[Trajectory], buffer: ReplayBuffer | None, current: int,
@@ -267,3 +275,7 @@ def _record_batch(run_dir: Path, step: int, items: list[BatchItem], n_samples: i
         samples = run_dir / "samples"
         samples.mkdir(exist_ok=True)
         write_jsonl(samples / f"sao-step-{step:06d}.jsonl", [it.trajectory for it in items if it.source == "online"][:n_samples])
+
+from mentorrl.train.registry import register_stage  # noqa: E402  (TEMP until the registry table lands)
+
+register_stage("sao", config="sao", title="SAO: asynchronous single-rollout optimisation", label="SAO", rl=True)(sao_stage)

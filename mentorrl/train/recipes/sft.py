@@ -3,13 +3,10 @@
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 from mentorrl.rollout.runner import expert_demonstrations
-from mentorrl.train.learner import Learner
-from mentorrl.train.registry import register_stage
-from mentorrl.train.stage_runner import run_stage
+from mentorrl.train.rl_loop import Stage, StepBatch, run_on_loop
 from mentorrl.train.workspace import Workspace
 
 
@@ -31,17 +28,31 @@ def sft_demonstrations(ws: Workspace) -> list:
     return demos
 
 
-@register_stage("sft", config="sft", title="SFT on expert demonstrations", label="SFT")
-def sft_stage(ws: Workspace, model, resume: bool = False) -> Path:
+class SFTStage(Stage):
     """``sft.steps`` steps of the SFT loss on batches drawn (seeded by step) from the demonstrations."""
-    cfg = ws.cfg
-    demos = sft_demonstrations(ws)
-    learner = Learner(model, cfg.sft.optim, ws.contract.pad_token_id, ws.contract.sampling.temperature, dp=ws.dp)
 
-    def step_fn(step: int) -> dict[str, float]:
-        rng = random.Random(cfg.seed * 1_000_003 + step)
-        batch = [demos[i] for i in rng.sample(range(len(demos)), min(cfg.sft.batch_size, len(demos)))]
-        return learner.sft_step(batch, agg=cfg.sft.loss_agg)
+    name = "sft"
+    data_parallel = True
+    update_metrics = ()
 
-    return run_stage(ws, "sft", model, learner, cfg.sft.steps, step_fn, checkpoint_every=cfg.sft.checkpoint_every,
-                     resume=resume)
+    def __init__(self, ws: Workspace, model):
+        super().__init__(ws, model)
+        self.demos = sft_demonstrations(ws)
+
+    def rollout(self, b: StepBatch) -> None:
+        """No rollout: the step's batch is drawn from the demonstrations."""
+        rng = b.seeds.rng("batch")
+        b.trajs = [self.demos[i] for i in rng.sample(range(len(self.demos)), min(self.cfg.batch_size, len(self.demos)))]
+
+    def score(self, b: StepBatch) -> None:
+        """Demonstrations need no reward."""
+
+    def update(self, b: StepBatch) -> None:
+        b.metrics.update(self.learner.sft_step(b.trajs, agg=self.cfg.loss_agg))
+
+
+sft_stage = run_on_loop(SFTStage)
+
+from mentorrl.train.registry import register_stage  # noqa: E402  (TEMP until the registry table lands)
+
+register_stage("sft", config="sft", title="SFT on expert demonstrations", label="SFT")(sft_stage)

@@ -1,0 +1,280 @@
+"""The one training loop every stage runs on.
+
+A stage is a small class of hooks (:class:`Stage`) plus its own config section; :class:`RLLoop`
+owns everything else, in this order, for every step::
+
+    tasks -> rollout -> score -> advantages -> update -> after
+
+- each hook reads and fills one typed record, the step's :class:`StepBatch` (tasks, trajectories,
+  rewards, advantages, the updates' metrics, and a ``data`` dict for what a stage carries between
+  its own hooks);
+- :class:`StepSeeds` hands out every seed: a pure function of (run seed, stage, step, purpose),
+  so a resumed stage redoes a step exactly and no two purposes share a stream by accident;
+- the :class:`~mentorrl.train.learner.Learner` owns the policy version (one per optimizer step,
+  or one per :meth:`~mentorrl.train.learner.Learner.publish` for SAO's periodic sync);
+- the loop times the rollout and the update, reduces the updates' metrics, and hands the step to
+  the resumable runner (:func:`mentorrl.train.stage_runner.run_stage`), which checkpoints the
+  weights, the learner (with its version) and the stage's own :meth:`Stage.state_dict`.
+
+A stage says only what differs: GRPO its group advantages and guidance, PPO its critic, SAO that
+its rollouts come from an asynchronous worker, OPD its teachers' scores, the black-box recipes
+their teacher calls, evolve its curriculum and version gate, SFT and RFT that their data is a
+dataset (their rollout hook does nothing or samples and filters). A new stage is one class and one
+registry entry (see ``docs/architecture.md`` for a worked example).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from mentorrl.train.audit import GapMonitor
+from mentorrl.train.learner import Learner
+from mentorrl.train.loop import PG_METRICS, collect_group, gap_check, group_rewards, reduce_updates, rollout_metrics
+from mentorrl.train.stage_runner import cpu_cores, run_stage
+from mentorrl.train.workspace import Workspace
+from mentorrl.trajectory import Trajectory, write_jsonl
+
+SEED_SPACE = 2**31 - 1  # seeds fit torch, numpy and the rollout's turn seeds
+HOOKS = ("tasks", "rollout", "score", "advantages", "update", "after")
+
+
+def derive_seed(*parts: Any) -> int:
+    """A seed in ``[0, SEED_SPACE)`` that is a pure function of ``parts`` (their ``str``), the same in
+    every process and Python version (blake2b, not ``hash``)."""
+    digest = hashlib.blake2b("\x1f".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") % SEED_SPACE
+
+
+@dataclass(frozen=True)
+class StepSeeds:
+    """Every seed of a stage: ``seeds("purpose")`` at one step (or stage-wide when ``step`` is None,
+    e.g. the task pool), derived from (run seed, stage, step, purpose)."""
+
+    run: int
+    stage: str
+    step: int | None = None
+
+    def __call__(self, purpose: str) -> int:
+        return derive_seed(self.run, self.stage, self.step, purpose)
+
+    def rng(self, purpose: str) -> random.Random:
+        return random.Random(self(purpose))
+
+    def at(self, step: int) -> "StepSeeds":
+        return StepSeeds(self.run, self.stage, step)
+
+
+@dataclass
+class StepBatch:
+    """One step's data as it moves through the hooks."""
+
+    step: int
+    seeds: StepSeeds
+    tasks: list = field(default_factory=list)
+    trajs: list[Trajectory] = field(default_factory=list)
+    group_size: int = 1
+    rewards: torch.Tensor | None = None  # [tasks, group_size], sanitised (or [B] for outcome rewards)
+    adv: Any = None  # one advantage per trajectory (a tensor), or a token advantage tensor per trajectory
+    groups: list[list[int]] | None = None  # trajectories an update deals together (a GRPO group)
+    updates: list[dict[str, float]] = field(default_factory=list)  # each optimizer update's metrics
+    metrics: dict[str, Any] = field(default_factory=dict)
+    data: dict[str, Any] = field(default_factory=dict)  # what a stage carries between its own hooks
+    stop: bool = False  # end the stage after this step (checkpointed)
+
+    @property
+    def policy_tokens(self) -> int:
+        return sum(t.num_policy_tokens for t in self.trajs)
+
+    def raw_rewards(self) -> torch.Tensor:
+        """The trajectories' total rewards as ``[tasks, group_size]``."""
+        return torch.tensor([t.reward.total for t in self.trajs], dtype=torch.float32).view(-1, self.group_size)
+
+    def group_indices(self) -> list[list[int]]:
+        """Trajectory indices per task, in rollout order."""
+        g = self.group_size
+        return [list(range(i, i + g)) for i in range(0, len(self.trajs), g)]
+
+
+class Stage:
+    """A training stage as hooks on :class:`RLLoop`. Subclasses set ``name`` and ``section`` and
+    override only the hooks that differ; every hook takes the step's :class:`StepBatch`."""
+
+    name: ClassVar[str]
+    section: ClassVar[str | None] = None  # the RunConfig section of this stage (defaults to ``name``)
+    data_parallel: ClassVar[bool] = False  # the learner trains data-parallel under a torchrun launch
+    update_metrics: ClassVar[tuple[str, ...]] = PG_METRICS  # reduced over a step's updates
+    pool_least: ClassVar[int] = 64
+
+    def __init__(self, ws: Workspace, model):
+        self.ws, self.model = ws, model
+        self.cfg = getattr(ws.cfg, self.section or self.name)
+        self.seeds = StepSeeds(ws.cfg.seed, self.name)
+        self.learner = self.make_learner()
+        self.pool = self.make_pool()
+
+    # ---- set-up -------------------------------------------------------------------------------
+    def make_learner(self) -> Learner:
+        ws = self.ws
+        return Learner(self.model, self.cfg.optim, ws.contract.pad_token_id, ws.contract.sampling.temperature,
+                       dp=ws.dp if self.data_parallel else None)
+
+    @property
+    def steps(self) -> int:
+        return self.cfg.steps
+
+    @property
+    def checkpoint_every(self) -> int:
+        return self.cfg.checkpoint_every
+
+    def make_pool(self) -> list:
+        """The stage's training tasks: enough for ``tasks_per_step`` at every step (at least
+        ``pool_least``), seeded by the stage; none for a stage without ``tasks_per_step``."""
+        per_step = getattr(self.cfg, "tasks_per_step", None)
+        if per_step is None:
+            return []
+        return self.ws.train_tasks(max(per_step * max(self.steps, 1), self.pool_least), self.seeds("pool"))
+
+    # ---- hooks, in the order the loop runs them ---------------------------------------------
+    def tasks(self, b: StepBatch) -> None:
+        """Choose the step's tasks (default: ``tasks_per_step`` drawn from the stage's pool)."""
+        rng = b.seeds.rng("tasks")
+        b.tasks = rng.sample(self.pool, min(self.cfg.tasks_per_step, len(self.pool)))
+
+    def rollout(self, b: StepBatch) -> None:
+        """Roll every task out ``samples_per_task`` times with the current policy (checked for consistency)."""
+        self.collect(b, self.cfg.samples_per_task)
+
+    def score(self, b: StepBatch) -> None:
+        """Rewards (default: the verifier's, sanitised per group, with their statistics)."""
+        rewards, clipped, stats = group_rewards(b.raw_rewards(), self.ws.cfg.audit)
+        b.rewards = rewards
+        b.metrics.update(stats, reward_clipped=clipped["clipped"])
+
+    def advantages(self, b: StepBatch) -> None:
+        """Advantages into ``b.adv`` (default: none)."""
+
+    def update(self, b: StepBatch) -> None:
+        """Optimizer updates; append each one's metrics to ``b.updates`` (default: none)."""
+
+    def after(self, b: StepBatch) -> None:
+        """Anything after the update: held-out checks, sample files (default: nothing)."""
+
+    # ---- state --------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """What the stage keeps across steps beyond the weights and the learner (checkpointed)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` from a checkpoint."""
+
+    def close(self) -> None:
+        """Release what the stage holds (workers, teacher servers, buffers); runs however the stage ends."""
+
+    def finish(self, final: Path) -> Path:
+        """After the last step (e.g. save a critic beside the weights); returns the stage's weights dir."""
+        return final
+
+    # ---- shared helpers -----------------------------------------------------------------------
+    def collect(self, b: StepBatch, group_size: int, token_budgets: list[int] | None = None,
+                shard: bool = False) -> None:
+        """The common rollout: ``b.tasks`` each rolled out ``group_size`` times, timed, checked for
+        consistency, with the rollout metrics."""
+        grp = collect_group(self.ws, self.model, b.tasks, group_size, self.learner.version, b.seeds("rollout"),
+                            f"{self.name} step {b.step + 1}", token_budgets=token_budgets, shard=shard)
+        b.trajs, b.group_size = list(grp.trajs), group_size
+        b.metrics.update(rollout_metrics(grp.trajs), rollouts=float(len(grp.trajs)), rollout_s=grp.rollout_s,
+                         rollout_cpu_s=grp.rollout_cpu_s,
+                         rollout_cpu_util=grp.rollout_cpu_s / max(grp.rollout_s, 1e-9) / cpu_cores())
+
+    def write_samples(self, b: StepBatch, n: int, trajs: list[Trajectory] | None = None) -> None:
+        """``samples/<stage>-step-N.jsonl``: the step's first ``n`` trajectories (a redone step overwrites)."""
+        if not n or not self.ws.is_main:
+            return
+        samples = self.ws.run_dir / "samples"
+        samples.mkdir(exist_ok=True)
+        write_jsonl(samples / f"{self.name}-step-{b.step + 1:06d}.jsonl", (b.trajs if trajs is None else trajs)[:n])
+
+
+class RewardGapWatch:
+    """The reward-success gap monitor of an RL stage: each step's mean reward, and every
+    ``audit.eval_every`` steps a held-out check (all ranks keep the same monitor; it is checkpointed)."""
+
+    def __init__(self, ws: Workspace, model):
+        a = ws.cfg.audit
+        self.ws, self.model = ws, model
+        self.monitor = GapMonitor(a.reward_window, a.reward_rise, a.success_rise)
+
+    def observe(self, step: int, reward_mean: float) -> dict[str, float]:
+        """Feed step ``step``'s (0-based) mean reward; the held-out check's metrics when it is due."""
+        ws, audit = self.ws, self.ws.cfg.audit
+        self.monitor.observe_reward(step + 1, reward_mean)
+        if not (audit.eval_every and (step + 1) % audit.eval_every == 0):
+            return {}
+        out, state = ws.on_main(lambda: (gap_check(ws, self.model, self.monitor, step + 1), self.monitor.state_dict()))
+        self.monitor.load_state_dict(state)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.monitor.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.monitor.load_state_dict(state or {})
+
+
+class RLLoop:
+    """Runs a :class:`Stage`'s hooks for its steps, resumably (see the module doc)."""
+
+    def __init__(self, stage: Stage):
+        self.stage = stage
+
+    def step(self, step: int) -> dict[str, Any]:
+        stage = self.stage
+        b = StepBatch(step, stage.seeds.at(step))
+        for hook in HOOKS:
+            t0, c0 = time.perf_counter(), time.process_time()
+            getattr(stage, hook)(b)
+            if hook == "update":
+                b.metrics.setdefault("update_s", time.perf_counter() - t0)
+                b.metrics.setdefault("update_cpu_s", time.process_time() - c0)
+            if b.stop and hook in ("tasks", "rollout", "score"):
+                break
+        if stage.update_metrics:
+            b.metrics.update({k: v for k, v in reduce_updates(b.updates, stage.update_metrics).items()
+                              if k not in b.metrics})
+        b.metrics["policy_version"] = float(stage.learner.version)
+        if b.stop:
+            b.metrics["stop"] = True
+        return b.metrics
+
+    def extra_state(self) -> dict[str, Any]:
+        return {"stage": self.stage.state_dict()}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.stage.load_state_dict(state.get("stage", {}))
+
+    def run(self, resume: bool = False) -> Path:
+        s = self.stage
+        try:
+            final = run_stage(s.ws, s.name, s.model, s.learner, s.steps, self.step, s.checkpoint_every, resume,
+                              extra_state=self.extra_state, restore_extra=self.restore)
+            return s.finish(final)
+        finally:
+            s.close()
+
+
+def run_on_loop(stage_cls: type[Stage]):
+    """The registry's ``run(ws, model, resume=False) -> Path`` for a :class:`Stage` class."""
+
+    def run(ws: Workspace, model, resume: bool = False) -> Path:
+        return RLLoop(stage_cls(ws, model)).run(resume)
+
+    run.__name__ = f"run_{stage_cls.name}"
+    run.__doc__ = stage_cls.__doc__
+    return run
