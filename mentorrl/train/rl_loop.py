@@ -143,7 +143,9 @@ class Stage:
 
     # ---- hooks, in the order the loop runs them ---------------------------------------------
     def tasks(self, b: StepBatch) -> None:
-        """Choose the step's tasks (default: ``tasks_per_step`` drawn from the stage's pool)."""
+        """Choose the step's tasks (default: ``tasks_per_step`` drawn from the stage's pool, if it has one)."""
+        if not self.pool:
+            return
         rng = b.seeds.rng("tasks")
         b.tasks = rng.sample(self.pool, min(self.cfg.tasks_per_step, len(self.pool)))
 
