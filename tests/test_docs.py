@@ -74,3 +74,74 @@ def test_mkdocs_build_is_strict_and_clean(tmp_path):
     assert res.returncode == 0, out
     assert "WARNING" not in out, out
     assert (tmp_path / "site" / "reference" / "configuration" / "index.html").exists()
+
+
+# --- the results page and the changelog -------------------------------------------------------------------
+
+RESULTS = ROOT / "docs" / "results.md"
+CHANGELOG = ROOT / "docs" / "changelog.md"
+_RAW_REF = re.compile(r"bench/results/[A-Za-z0-9_.*/-]*[A-Za-z0-9_*/]")
+_HASH = re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b")
+_FIGURE = re.compile(r"\d+(?:\.\d+)?\s?%|\d(?:\.\d+)?×")
+_ISSUE_REF = re.compile(r"\bissues?\b|(?<![\w/])#\d+\b", re.I)
+
+
+def _results_sections() -> list[tuple[str, str]]:
+    """(heading, body) for every ## / ### section of the results page, the preamble left out."""
+    parts = re.split(r"^(#{2,3} .*)$", RESULTS.read_text(), flags=re.M)
+    return list(zip(parts[1::2], parts[2::2]))
+
+
+def test_results_page_is_under_25_kb():
+    size = len(RESULTS.read_bytes())
+    assert size < 25 * 1024, f"docs/results.md is {size} bytes: superseded runs belong in bench/results/archive/"
+
+
+def test_every_raw_result_the_results_page_names_exists():
+    refs = sorted(set(_RAW_REF.findall(RESULTS.read_text())))
+    assert len(refs) >= 10, refs  # guard the guard: the page names its raw files this way
+    missing = [r for r in refs if not (list(ROOT.glob(r)) if "*" in r else (ROOT / r).exists())]
+    assert not missing, f"docs/results.md names raw files that do not exist: {missing}"
+
+
+def test_every_figure_on_the_results_page_has_a_command_and_a_raw_file():
+    inline_command = re.compile(r"`(?:python bench/|mentorrl )[^`]+`")
+    lacking = []
+    for heading, body in _results_sections():
+        if not _FIGURE.search(body):
+            continue
+        has_command = "```bash" in body or bool(inline_command.search(body))
+        has_raw = bool(_RAW_REF.search(body))
+        if not (has_command and has_raw):
+            lacking.append(f"{heading} (command: {has_command}, raw file: {has_raw})")
+    assert not lacking, "sections with figures but no command or raw file:\n" + "\n".join(lacking)
+
+
+def test_results_page_cites_commits_only_as_what_a_figure_was_measured_at():
+    text = RESULTS.read_text()
+    assert not _ISSUE_REF.search(text), _ISSUE_REF.search(text)
+    stray = [line for line in text.splitlines() if _HASH.search(line) and not line.startswith("- Measured at:")]
+    assert not stray, "commit hashes outside a 'Measured at' line:\n" + "\n".join(stray)
+    assert text.count("- Measured at:") >= 8
+
+
+def test_readme_links_to_the_results_instead_of_repeating_them():
+    text = README.read_text()
+    figures = [m for m in re.findall(r"\d+(?:\.\d+)?%", text) if m != "95%"]
+    assert not figures, f"README repeats measured figures {figures}: link docs/results.md instead"
+    assert len(re.findall(r"\bminutes\b", text)) == 2  # the demo's time and the tests' time, once each
+
+
+def test_changelog_is_per_release_with_added_changed_fixed_only():
+    text = CHANGELOG.read_text()
+    releases = re.findall(r"^## (.*)$", text, flags=re.M)
+    assert releases[0] == "[Unreleased]", releases
+    version = re.search(r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), flags=re.M).group(1)
+    assert f"[{version}]" in releases[1], (version, releases)
+    for heading in releases[1:]:
+        assert re.fullmatch(r"\[\d+\.\d+\.\d+\] - \d{4}-\d{2}-\d{2}", heading), heading
+    for block in re.split(r"^## .*$", text, flags=re.M)[1:]:
+        kinds = re.findall(r"^### (.*)$", block, flags=re.M)
+        assert kinds == ["Added", "Changed", "Fixed"], kinds
+    assert not _ISSUE_REF.search(text), _ISSUE_REF.search(text)
+    assert len(text.encode()) < 12 * 1024, "the changelog is a user-facing summary, not a work log"
