@@ -279,4 +279,5 @@ def run_on_loop(stage_cls: type[Stage]):
 
     run.__name__ = f"run_{stage_cls.name}"
     run.__doc__ = stage_cls.__doc__
+    run.stage_cls = stage_cls  # type: ignore[attr-defined]  (what the registry and tests introspect)
     return run
