@@ -217,9 +217,6 @@ def diagnose(
         {"stats": stats, "findings": [f.__dict__ for f in run_diagnosis(stats, history)]}, indent=2))
 
 
-RL_SAMPLE_STAGES = ("grpo", "sao")  # stages that write samples/<stage>-step-N.jsonl
-
-
 @app.command()
 def check(
     run_dir: Path = typer.Argument(..., exists=True, file_okay=False, help="a run directory"),
@@ -230,6 +227,7 @@ def check(
     from rich.table import Table
 
     from mentorrl.models.build import load_policy
+    from mentorrl.config.stages import sample_writing_stages
     from mentorrl.train.consistency import batch_checks
     from mentorrl.train.models_init import base_model_dir
     from mentorrl.train.rundir import MetricsLog
@@ -249,8 +247,8 @@ def check(
         raise typer.Exit(2)
     ws.bind_tokenizer(tokenizer)
     log = MetricsLog(run_dir / "metrics.jsonl")
-    versions = {(stage, r["step"]): int(r.get("policy_version", 0)) for stage in RL_SAMPLE_STAGES for r in log.read(stage)}
-    files = [f for stage in RL_SAMPLE_STAGES for f in sorted((run_dir / "samples").glob(f"{stage}-step-*.jsonl"))]
+    versions = {(stage, r["step"]): int(r.get("policy_version", 0)) for stage in sample_writing_stages() for r in log.read(stage)}
+    files = [f for stage in sample_writing_stages() for f in sorted((run_dir / "samples").glob(f"{stage}-step-*.jsonl"))]
     files += sorted((run_dir / "rft").glob("data-round-*.jsonl"))
     if not files:
         err.print(f"[red]no recorded batches under {run_dir}/samples or {run_dir}/rft[/red]")

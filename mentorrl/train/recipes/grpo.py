@@ -33,7 +33,6 @@ from mentorrl.train.loop import (
     rollout_metrics,
     train_pool,
 )
-from mentorrl.train.registry import register_stage
 from mentorrl.train.stage_runner import cpu_cores, run_stage
 from mentorrl.train.workspace import Workspace, frozen_copy
 from mentorrl.trajectory import write_jsonl
@@ -81,7 +80,6 @@ def guide_expert(ws: Workspace):
     return expert
 
 
-@register_stage("grpo", config="grpo", title="GRPO", label="GRPO", rl=True)
 def run_grpo(ws: Workspace, model, resume: bool = False) -> Path:
     """GRPO, with a frozen reference policy when ``grpo.kl_coef > 0``."""
     ref = frozen_copy(model) if ws.cfg.grpo.kl_coef > 0 else None
@@ -103,7 +101,7 @@ def grpo_stage(ws: Workspace, model, ref_model=None, resume: bool = False) -> Pa
         n_tasks = min(g.tasks_per_step, len(pool))
         chosen = hard.sample(pool, n_tasks, rng) if hard is not None else rng.sample(pool, n_tasks)
         hard_in_batch = sum(t.id in hard for t in chosen) if hard is not None else 0
-        grp = collect_group(ws, model, chosen, g.group_size, version["policy"], cfg.seed * 7_777 + step,
+        grp = collect_group(ws, model, chosen, g.samples_per_task, version["policy"], cfg.seed * 7_777 + step,
                             f"GRPO step {step + 1}", shard=True)
         metrics: dict[str, float] = {**rollout_metrics(grp.trajs), "rollouts": len(grp.trajs)}  # the policy's own
         if hard is not None:

@@ -23,12 +23,10 @@ from mentorrl.train.loop import (
     rollout_metrics,
     train_pool,
 )
-from mentorrl.train.registry import register_stage
 from mentorrl.train.stage_runner import run_stage
 from mentorrl.train.workspace import Workspace
 
 
-@register_stage("ppo", config="ppo", title="PPO with a critic", label="PPO", rl=True)
 def ppo_stage(ws: Workspace, model, resume: bool = False) -> Path:
     cfg, p, audit = ws.cfg, ws.cfg.ppo, ws.cfg.audit
     pool = train_pool(ws, p.tasks_per_step, p.steps)

@@ -10,7 +10,6 @@ from typing import Any
 
 from mentorrl.rollout.runner import rollout_tasks
 from mentorrl.train.learner import Learner
-from mentorrl.train.registry import register_stage
 from mentorrl.train.rft import rft_round_stats, rising, select_rft_data, task_outcomes
 from mentorrl.train.stage_runner import run_stage
 from mentorrl.train.workspace import Workspace, load_weights_into
@@ -19,7 +18,6 @@ from mentorrl.trajectory import read_jsonl, write_jsonl
 RFT_POOL_SEED_OFFSET = 4099
 
 
-@register_stage("rft", config="rft", title="RFT: sample, verify, fine-tune", label="RFT")
 def rft_stage(ws: Workspace, model, resume: bool = False) -> Path:
     """Rejection-sampling fine-tuning rounds (see :mod:`mentorrl.train.rft`: the selection); one round per step.
 

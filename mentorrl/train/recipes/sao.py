@@ -57,7 +57,6 @@ from mentorrl.train.loop import (
     rollout_metrics,
     train_pool,
 )
-from mentorrl.train.registry import register_stage
 from mentorrl.train.stage_runner import run_stage
 from mentorrl.train.workspace import Workspace
 from mentorrl.trajectory import Trajectory, write_jsonl
@@ -79,7 +78,6 @@ def _first_policy_value(traj: Trajectory, values: torch.Tensor) -> float:
     return float(values[first])
 
 
-@register_stage("sao", config="sao", title="SAO: asynchronous single-rollout optimisation", label="SAO", rl=True)
 def sao_stage(ws: Workspace, model, resume: bool = False) -> Path:
     run = SAORun(ws, model)
     try:

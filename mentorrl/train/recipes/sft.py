@@ -8,7 +8,6 @@ from pathlib import Path
 
 from mentorrl.rollout.runner import expert_demonstrations
 from mentorrl.train.learner import Learner
-from mentorrl.train.registry import register_stage
 from mentorrl.train.stage_runner import run_stage
 from mentorrl.train.workspace import Workspace
 
@@ -31,7 +30,6 @@ def sft_demonstrations(ws: Workspace) -> list:
     return demos
 
 
-@register_stage("sft", config="sft", title="SFT on expert demonstrations", label="SFT")
 def sft_stage(ws: Workspace, model, resume: bool = False) -> Path:
     """``sft.steps`` steps of the SFT loss on batches drawn (seeded by step) from the demonstrations."""
     cfg = ws.cfg
