@@ -23,8 +23,9 @@ from mentorrl.cli_common import console, err, load_run_config, quiet_transformer
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Post-training for language-model agents.")
 
 
-def _load(config: Optional[Path], overrides: list[str], run_dir: Optional[str] = None, default: str | None = None):
-    return load_run_config(config, overrides, run_dir, default)
+def _load(config: Optional[Path], overrides: list[str], run_dir: Optional[str] = None, default: str | None = None,
+          plugins: Optional[list[str]] = None):
+    return load_run_config(config, overrides, run_dir, default, plugins)
 
 
 def _run_recipe(cfg, resume: bool) -> dict:
@@ -80,10 +81,13 @@ def train(
     resume: bool = typer.Option(False, "--resume", help="continue every stage from its last checkpoint"),
     no_eval: bool = NoEvalOpt,
     set_: list[str] = SetOpt,
+    plugin: list[str] = typer.Option(
+        [], "--plugin", help="import this module before the recipe is validated (it may register stages with their "
+                             "config sections, and environments); repeatable, added to the recipe's plugins"),
 ) -> None:
     """Run a recipe's stages (e.g. sft -> rft -> grpo, held-out eval after each); model.path may be any HF checkpoint."""
     quiet_transformers()
-    _run_recipe(_load(config, [*set_, *NO_EVAL] if no_eval else set_), resume)
+    _run_recipe(_load(config, [*set_, *NO_EVAL] if no_eval else set_, plugins=plugin), resume)
 
 
 @app.command("init-model")
