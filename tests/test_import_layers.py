@@ -51,7 +51,7 @@ def test_config_imports_no_runtime_module(tmp_path):
     """The config contract itself: a validator importing eval at module level breaks it."""
     shutil.copytree(ROOT / "mentorrl", tmp_path / "mentorrl", ignore=shutil.ignore_patterns("__pycache__", "bases"))
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
-    cfg = tmp_path / "mentorrl" / "config" / "base.py"
+    cfg = tmp_path / "mentorrl" / "config" / "loading.py"
     cfg.write_text(cfg.read_text().replace("import yaml\n", "import yaml\n\nimport mentorrl.eval.sets  # noqa\n", 1))
     res = lint_imports(tmp_path)
     assert res.returncode != 0
