@@ -31,7 +31,7 @@ TINY = [
     "threads=1", "model.spec.hidden_size=64", "model.spec.intermediate_size=128", "model.spec.num_layers=2",
     "model.spec.num_heads=2", "model.spec.num_kv_heads=1", "model.spec.vocab_size=600",
     "model.tokenizer_corpus_tasks=60", "model.pretrain.steps=0", "sft.steps=6", "sft.num_demos=16",
-    "sft.batch_size=4", "grpo.steps=5", "grpo.tasks_per_step=2", "grpo.group_size=2", "grpo.checkpoint_every=2",
+    "sft.batch_size=4", "grpo.steps=5", "grpo.tasks_per_step=2", "grpo.samples_per_task=2", "grpo.checkpoint_every=2",
     "eval.num_tasks=8", "sampling.max_new_tokens=24", "limits.max_turns=3", "limits.max_total_tokens=512",
     "prompt.tool_descriptions=false",
 ]

@@ -51,7 +51,7 @@ def busy_cpu_s() -> float | None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tasks", type=int, default=8, help="grpo.tasks_per_step")
-    p.add_argument("--group", type=int, default=4, help="grpo.group_size")
+    p.add_argument("--group", type=int, default=4, help="grpo.samples_per_task")
     p.add_argument("--steps", type=int, default=4, help="timed steps per arm")
     p.add_argument("--warmup", type=int, default=1, help="untimed first steps per arm")
     p.add_argument("--threads", type=int, default=1, help="the learner's torch threads")
@@ -61,7 +61,7 @@ def main() -> None:
     a = p.parse_args()
     ray.init(num_cpus=2, include_dashboard=False, logging_level="warning")
     common = [f"threads={a.threads}", "model.pretrain.steps=0", "recipe=[grpo]",
-              f"grpo.steps={a.steps + a.warmup}", f"grpo.tasks_per_step={a.tasks}", f"grpo.group_size={a.group}",
+              f"grpo.steps={a.steps + a.warmup}", f"grpo.tasks_per_step={a.tasks}", f"grpo.samples_per_task={a.group}",
               "grpo.kl_coef=0.05", "grpo.checkpoint_every=1000", "eval.num_tasks=0", "audit.preflight=false"] + a.set
     out: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:

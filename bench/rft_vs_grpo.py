@@ -6,7 +6,7 @@ with the same seed:
 * ``sft+rft+grpo``: RFT rounds (sample N per task, verifier filter, difficulty band, top-K,
   fine-tune; stop when the positive-task rate stops rising), then ``grpo.steps`` GRPO steps;
 * ``sft+grpo``: GRPO only, with as many extra steps as it takes to spend at least the
-  rollouts the RFT arm spent in RFT (``ceil(rft_rollouts / (tasks_per_step * group_size))``).
+  rollouts the RFT arm spent in RFT (``ceil(rft_rollouts / (tasks_per_step * samples_per_task))``).
 
 Every rollout counts, including RFT's. Prints one table (rollouts per stage and held-out
 success with a 95% interval) and writes it as JSON.
@@ -74,7 +74,7 @@ def run_seed(args, seed: int | None, sft: Path | None, out: Path, con: Console) 
     rft_res = run_recipe(rft_cfg, resume=args.resume)
     rft_rollouts, grpo_rollouts = rollouts(rft_dir, "rft"), rollouts(rft_dir, "grpo")
 
-    per_step = rft_cfg.grpo.tasks_per_step * rft_cfg.grpo.group_size
+    per_step = rft_cfg.grpo.tasks_per_step * rft_cfg.grpo.samples_per_task
     extra = math.ceil(rft_rollouts / per_step)
     base_dir = out / "sft+grpo"
     base_cfg = load_config(DEMO, [*common, f"run_dir={base_dir}", f"model.path={sft}", "recipe=[grpo]",

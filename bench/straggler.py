@@ -86,7 +86,7 @@ def main() -> int:
 
     arms = {
         # neither arm uses a KL reference (SAO has none): GRPO does no extra reference forward pass
-        "grpo": ["grpo.kl_coef=0", f"grpo.steps={args.steps}", f"grpo.tasks_per_step={args.tasks}", f"grpo.group_size={args.group}",
+        "grpo": ["grpo.kl_coef=0", f"grpo.steps={args.steps}", f"grpo.tasks_per_step={args.tasks}", f"grpo.samples_per_task={args.group}",
                  f"grpo.checkpoint_every={args.steps}", "grpo.sample_trajectories=0"],
         "sao": [f"sao.steps={args.steps}", f"sao.batch_size={batch}", f"sao.rollout.slots={batch}",
                 f"sao.checkpoint_every={args.steps}", "sao.sample_trajectories=0"],

@@ -48,7 +48,7 @@ ARMS: dict[str, dict] = {
 }
 STAGES = {  # the demo's settings but fewer demonstrations and tasks per step (the step's shape is the same)
     "sft": ["recipe=[sft]", "sft.num_demos=256"],
-    "grpo": ["recipe=[grpo]", "grpo.tasks_per_step=8", "grpo.group_size=8"],
+    "grpo": ["recipe=[grpo]", "grpo.tasks_per_step=8", "grpo.samples_per_task=8"],
 }
 STEPS = {"sft": 4, "grpo": 2}  # timed steps per arm (after 1 warm-up step)
 

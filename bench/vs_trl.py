@@ -516,7 +516,7 @@ def mentorrl_overrides(args, run_dir: Path) -> list[str]:
     return [f"model.path={args.model}", "recipe=[grpo]", f"run_dir={run_dir}", f"seed={args.seed}", "threads=1",
             "audit.preflight=false", "eval.num_tasks=0", "audit.eval_every=0", "grpo.guide=none", "grpo.kl_coef=0",
             f"grpo.steps={args.warmup + args.steps}", f"grpo.tasks_per_step={args.tasks}",
-            f"grpo.group_size={args.group}", f"grpo.updates_per_step={args.updates}",
+            f"grpo.samples_per_task={args.group}", f"grpo.updates_per_step={args.updates}",
             f"grpo.optim.lr={args.lr}", "grpo.optim.warmup_steps=0", f"grpo.eps_low={args.eps_low}",
             f"grpo.eps_high={args.eps_high}", "grpo.checkpoint_every=1000", "sampling.temperature=1.0",
             f"sampling.max_new_tokens={args.max_new_tokens}", f"limits.max_turns={args.max_turns}",

@@ -24,8 +24,9 @@ def quiet_transformers() -> None:
 
 
 def load_run_config(config: Optional[Path], overrides: list[str], run_dir: Optional[str] = None,
-                    default: str | None = "demo.yaml"):
-    """A RunConfig from ``config`` (else the packaged ``default``) and ``key=value`` overrides.
+                    default: str | None = "demo.yaml", plugins: Optional[list[str]] = None):
+    """A RunConfig from ``config`` (else the packaged ``default``) and ``key=value`` overrides, with
+    ``plugins`` (modules) loaded before it is validated, besides the config's own ``plugins``.
 
     ``run_dir`` is a default: an explicit ``run_dir=...`` override wins. A bad config exits 2
     with the message naming the field.
@@ -37,7 +38,7 @@ def load_run_config(config: Optional[Path], overrides: list[str], run_dir: Optio
     if run_dir is not None and not any(o.startswith("run_dir=") for o in ov):
         ov.append(f"run_dir={json.dumps(str(run_dir))}")  # quoted: a path is a string, whatever its characters
     try:
-        return load_config(path, ov)
+        return load_config(path, ov, plugins=plugins)
     except ConfigError as e:
         err.print(f"[red]{escape(str(e))}[/red]")
         raise typer.Exit(2) from None

@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
 
+from mentorrl.config.prompt import ContractLimits, PromptFormat, SamplingParams
 from mentorrl.trajectory import dumps_compact
 
 IM_START, IM_END, PAD = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
@@ -130,31 +130,6 @@ def chat_template_for(fmt: "PromptFormat") -> str:
             assert t.count(default) == 1
             t = t.replace(default, f"{name} if {name} is defined else false")
     return t
-
-
-class SamplingParams(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    temperature: float = Field(1.0, ge=0.0, description="0 means greedy")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling (keep 1.0 for on-policy RL)")
-    top_k: int = Field(0, ge=0, description="0 disables top-k")
-    max_new_tokens: int = Field(96, ge=1, description="per policy turn")
-
-
-class PromptFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    tool_descriptions: bool = Field(True, description="list tools with their descriptions (false: signatures only)")
-    system_turn: bool = Field(
-        True, description="render the system turn (role, rules, tools); false: the policy learns the tools from data"
-    )
-
-
-class ContractLimits(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    max_turns: int = Field(8, ge=1, description="policy turns per trajectory")
-    max_total_tokens: int = Field(1024, ge=16, description="prompt + all turns + observations")
 
 
 @dataclass

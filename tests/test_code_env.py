@@ -84,7 +84,7 @@ def test_code_recipe_trains_sft_then_grpo(tmp_path):
         "model.spec.hidden_size=64", "model.spec.intermediate_size=128", "model.spec.num_layers=2",
         "model.spec.num_heads=2", "model.spec.num_kv_heads=1", "model.spec.vocab_size=600",
         "model.tokenizer_corpus_tasks=24", "sft.steps=2", "sft.num_demos=8", "sft.batch_size=4",
-        "grpo.steps=1", "grpo.tasks_per_step=2", "grpo.group_size=2", "audit.eval_every=0",
+        "grpo.steps=1", "grpo.tasks_per_step=2", "grpo.samples_per_task=2", "audit.eval_every=0",
         "eval.num_tasks=2", "eval.batch_size=2", "sampling.max_new_tokens=48", "limits.max_total_tokens=1024",
     ]
     args = ["train", "mentorrl/configs/code.yaml"]

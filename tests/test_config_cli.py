@@ -86,10 +86,10 @@ def test_non_mapping_and_bad_yaml(tmp_path):
 
 
 def test_set_overrides(tmp_path):
-    path = _write(tmp_path, "grpo:\n  steps: 3\n  group_size: 4\nsampling:\n  temperature: 0.9\n")
+    path = _write(tmp_path, "grpo:\n  steps: 3\n  samples_per_task: 4\nsampling:\n  temperature: 0.9\n")
     cfg = load_config(path, ["grpo.steps=7", "sampling.temperature=0.5", "run_dir=/tmp/x", "model.path=null",
                              "grpo.optim.lr=1e-5"])
-    assert cfg.grpo.steps == 7 and cfg.grpo.group_size == 4  # the file's other values survive
+    assert cfg.grpo.steps == 7 and cfg.grpo.samples_per_task == 4  # the file's other values survive
     assert cfg.sampling.temperature == 0.5
     assert cfg.run_dir == "/tmp/x" and cfg.model.path is None
     assert cfg.grpo.optim.lr == 1e-5

@@ -166,7 +166,7 @@ def test_torchrun_train_runs_sft_and_grpo_data_parallel_with_the_single_process_
                "sampling": {"max_new_tokens": 16},
                "sft": {"num_demos": 8, "steps": 2, "batch_size": 5, "checkpoint_every": 1,
                        "optim": {"micro_batch_size": 2}},
-               "grpo": {"steps": 2, "tasks_per_step": 2, "group_size": 2, "updates_per_step": 1, "kl_coef": 0.05}}
+               "grpo": {"steps": 2, "tasks_per_step": 2, "samples_per_task": 2, "updates_per_step": 1, "kl_coef": 0.05}}
         path = tmp_path / f"{name}.yaml"
         path.write_text(yaml.safe_dump(cfg))
         proc = subprocess.run([*launcher, "-m", "mentorrl.cli", "train", str(path)], env=env, capture_output=True,

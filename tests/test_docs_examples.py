@@ -103,12 +103,12 @@ def test_stage_example_runs_checkpoints_and_resumes(tmp_path, monkeypatch, polic
     from mentorrl.config import load_config
 
     from mentorrl.config import ConfigError
-    from mentorrl.train.registry import get_stage, unregister_stage
+    from mentorrl.train.registry import get_stage, resolve_runner, unregister_stage
 
     mod = _load("self_imitation_stage")
     try:
         # the module alone registers the stage: a recipe may name it, and the registry runs it
-        assert get_stage("self_imitation").run is mod.self_imitation_stage
+        assert resolve_runner(get_stage("self_imitation")) is mod.self_imitation_stage
         assert load_config(None, ["recipe=[sft, self_imitation]"]).recipe == ["sft", "self_imitation"]
         _run_stage_example(mod, tmp_path, monkeypatch, policy_and_trajs)
     finally:

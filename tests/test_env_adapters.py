@@ -51,7 +51,7 @@ def _grpo(tmp_path, env_name: str, model_dir) -> dict:
 
     cfg = load_config(None, [
         f"env.name={env_name}", f"model.path={model_dir}", f"run_dir={tmp_path / 'run'}", "threads=1",
-        "recipe=[grpo]", "grpo.steps=2", "grpo.tasks_per_step=2", "grpo.group_size=2", "audit.eval_every=0",
+        "recipe=[grpo]", "grpo.steps=2", "grpo.tasks_per_step=2", "grpo.samples_per_task=2", "audit.eval_every=0",
         "audit.preflight=false", "eval.num_tasks=0", "sampling.max_new_tokens=16", "limits.max_turns=2",
         "limits.max_total_tokens=512",
     ])

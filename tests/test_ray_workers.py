@@ -115,7 +115,7 @@ def test_grpo_two_steps_on_two_rollout_actors_matches_single_process_rollouts(ra
     weights = [run / "base_model", run / "grpo" / "checkpoints" / "step-000001"]
     for step in (1, 2):
         got = _samples(run, step)
-        assert len(got) == cfg.grpo.tasks_per_step * cfg.grpo.group_size
+        assert len(got) == cfg.grpo.tasks_per_step * cfg.grpo.samples_per_task
         tasks = [by_id[t.task_id] for t in got]
         model = _load(weights[step - 1])
         seed = cfg.seed * 7_777 + (step - 1)

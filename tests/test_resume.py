@@ -31,7 +31,7 @@ TINY_OVERRIDES = [
     "model.spec.num_heads=2", "model.spec.num_kv_heads=1", "model.spec.vocab_size=600",
     "model.tokenizer_corpus_tasks=60", "model.pretrain.steps=0",
     "sft.steps=4", "sft.num_demos=16", "sft.batch_size=4",
-    "grpo.steps=4", "grpo.tasks_per_step=2", "grpo.group_size=2", "grpo.checkpoint_every=2",
+    "grpo.steps=4", "grpo.tasks_per_step=2", "grpo.samples_per_task=2", "grpo.checkpoint_every=2",
     "eval.num_tasks=4",
     "sampling.max_new_tokens=24", "limits.max_turns=3", "limits.max_total_tokens=512",
     "prompt.tool_descriptions=false",
@@ -109,7 +109,7 @@ def test_cli_resume_after_sigkill(tmp_path):
     assert not (run_dir / "grpo" / "final").exists()
     assert (run_dir / "eval_sft.json").exists() and not (run_dir / "eval_grpo.json").exists()
     eval_sft_before = (run_dir / "eval_sft.json").read_text()
-    per_step = cfg.grpo.tasks_per_step * cfg.grpo.group_size
+    per_step = cfg.grpo.tasks_per_step * cfg.grpo.samples_per_task
     killed_samples = _sample_task_ids(run_dir)
     assert sorted(killed_samples) == [1, 2, 3] and all(len(v) == per_step for v in killed_samples.values())
 

@@ -161,10 +161,10 @@ def test_resume_restores_the_stage_state_and_the_policy_version(loop_ws, model, 
 
 def test_every_builtin_stage_runs_on_the_loop():
     """No stage builds its own loop: each registered built-in runner is a Stage class run by RLLoop."""
-    from mentorrl.train.registry import get_stage, stage_names
+    from mentorrl.train.registry import get_stage, resolve_runner, stage_names
 
     for name in stage_names():
-        run = get_stage(name).run
+        run = resolve_runner(get_stage(name))
         owner = getattr(run, "stage_cls", None)
         assert owner is not None and issubclass(owner, Stage) and owner.name == name, name
 

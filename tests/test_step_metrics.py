@@ -52,7 +52,7 @@ def test_grpo_steps_log_rollout_metrics_and_the_report_plots_them(tiny_model_dir
         "run_dir": str(run), "recipe": ["grpo"], "threads": 1, "model": {"path": str(tiny_model_dir)},
         "audit": {"preflight": False}, "eval": {"num_tasks": 0},
         "sampling": {"max_new_tokens": 12}, "limits": {"max_turns": 3, "max_total_tokens": 1024},
-        "grpo": {"steps": 2, "tasks_per_step": 2, "group_size": 2, "sample_trajectories": 4, "checkpoint_every": 2},
+        "grpo": {"steps": 2, "tasks_per_step": 2, "samples_per_task": 2, "sample_trajectories": 4, "checkpoint_every": 2},
     })
     run_recipe(cfg, show_progress=False)
     recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

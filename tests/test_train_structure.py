@@ -47,11 +47,12 @@ def test_no_stage_imports_another_modules_private_names():
 
 def test_the_registry_holds_exactly_the_config_stage_names():
     from mentorrl.config import STAGE_NAMES, RunConfig
-    from mentorrl.train.registry import stage_names, stages
+    from mentorrl.train.registry import resolve_runner, stage_names, stages
 
     assert stage_names() == STAGE_NAMES
-    for name, spec in stages().items():  # each stage's config section exists on the run config
-        assert spec.config is None or spec.config in RunConfig.model_fields, name
+    for name, spec in stages().items():  # each stage's section is its run-config field; its runner resolves
+        assert spec.section is None or RunConfig.model_fields[name].annotation is spec.section, name
+        assert callable(resolve_runner(spec)), name
 
 
 def test_adding_a_stage_is_one_registered_function_and_runs_through_the_pipeline(tmp_path, tiny_model_dir):

@@ -232,7 +232,7 @@ def test_sft_then_grpo_two_steps_with_the_vllm_backend(tiny_model_dir, tmp_path)
         "sampling": {"temperature": T, "max_new_tokens": 12}, "limits": {"max_turns": 3, "max_total_tokens": 1024},
         "sft": {"steps": 3, "num_demos": 16, "batch_size": 8},
         # kl_coef > 0 updates even all-zero-advantage groups, and weight decay moves every weight at each update
-        "grpo": {"steps": 2, "tasks_per_step": 2, "group_size": 2, "updates_per_step": 1, "checkpoint_every": 2,
+        "grpo": {"steps": 2, "tasks_per_step": 2, "samples_per_task": 2, "updates_per_step": 1, "checkpoint_every": 2,
                  "kl_coef": 0.01, "optim": {"lr": 5e-4, "weight_decay": 0.5}},
         "rollout": {"backend": "vllm"},
     })
@@ -315,7 +315,7 @@ def test_grpo_and_sao_on_ray_actors_decode_with_vllm(tiny_model_dir, tmp_path):
         "audit": {"preflight": False}, "eval": {"num_tasks": 0},
         "sampling": {"temperature": T, "max_new_tokens": 12}, "limits": {"max_turns": 3, "max_total_tokens": 1024},
         "sft": {"steps": 3, "num_demos": 16, "batch_size": 8},
-        "grpo": {"steps": 2, "tasks_per_step": 2, "group_size": 2, "kl_coef": 0.01, "optim": {"lr": 5e-4}},
+        "grpo": {"steps": 2, "tasks_per_step": 2, "samples_per_task": 2, "kl_coef": 0.01, "optim": {"lr": 5e-4}},
         "sao": {"steps": 2, "batch_size": 4, "critic": {"warmup_steps": 0}, "rollout": {"slots": 4}},
         "rollout": {"backend": "vllm"},
         "distributed": {"backend": "ray", "rollout_workers": 1},

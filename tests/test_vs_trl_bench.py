@@ -327,7 +327,7 @@ def test_child_command_carries_every_setting(b, tmp_path):
     assert child.steps == 4 and child.lr == args.lr and child.eps_high == 0.28 and child.max_turns == 6
     ov = b.mentorrl_overrides(child, tmp_path / "run")
     for want in ("grpo.eps_low=0.2", "grpo.eps_high=0.28", "grpo.optim.lr=0.0001", "grpo.guide=none",
-                 "grpo.steps=5", "grpo.tasks_per_step=16", "grpo.group_size=8", "sampling.max_new_tokens=64",
+                 "grpo.steps=5", "grpo.tasks_per_step=16", "grpo.samples_per_task=8", "sampling.max_new_tokens=64",
                  "limits.max_turns=6", "eval.num_tasks=0", "seed=7"):
         assert want in ov
     kw = b.trl_config_kwargs(child, 700, False, True, str(tmp_path))

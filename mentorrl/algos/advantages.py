@@ -21,6 +21,8 @@ from typing import Callable
 
 import torch
 
+from mentorrl.config.names import ADVANTAGE, register_name
+
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "register_advantage",
@@ -45,6 +47,7 @@ def register_advantage(name: str):
         if existing is not None and existing is not fn:
             raise ValueError(f"advantage estimator {name!r} already registered")
         ADVANTAGE_ESTIMATORS[name] = fn
+        register_name(ADVANTAGE, name)  # a config naming it validates
         return fn
 
     return deco

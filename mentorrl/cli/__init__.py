@@ -23,8 +23,9 @@ from mentorrl.cli_common import console, err, load_run_config, quiet_transformer
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Post-training for language-model agents.")
 
 
-def _load(config: Optional[Path], overrides: list[str], run_dir: Optional[str] = None, default: str | None = None):
-    return load_run_config(config, overrides, run_dir, default)
+def _load(config: Optional[Path], overrides: list[str], run_dir: Optional[str] = None, default: str | None = None,
+          plugins: Optional[list[str]] = None):
+    return load_run_config(config, overrides, run_dir, default, plugins)
 
 
 def _run_recipe(cfg, resume: bool) -> dict:
@@ -80,10 +81,13 @@ def train(
     resume: bool = typer.Option(False, "--resume", help="continue every stage from its last checkpoint"),
     no_eval: bool = NoEvalOpt,
     set_: list[str] = SetOpt,
+    plugin: list[str] = typer.Option(
+        [], "--plugin", help="import this module before the recipe is validated (it may register stages with their "
+                             "config sections, and environments); repeatable, added to the recipe's plugins"),
 ) -> None:
     """Run a recipe's stages (e.g. sft -> rft -> grpo, held-out eval after each); model.path may be any HF checkpoint."""
     quiet_transformers()
-    _run_recipe(_load(config, [*set_, *NO_EVAL] if no_eval else set_), resume)
+    _run_recipe(_load(config, [*set_, *NO_EVAL] if no_eval else set_, plugins=plugin), resume)
 
 
 @app.command("init-model")
@@ -217,9 +221,6 @@ def diagnose(
         {"stats": stats, "findings": [f.__dict__ for f in run_diagnosis(stats, history)]}, indent=2))
 
 
-RL_SAMPLE_STAGES = ("grpo", "sao")  # stages that write samples/<stage>-step-N.jsonl
-
-
 @app.command()
 def check(
     run_dir: Path = typer.Argument(..., exists=True, file_okay=False, help="a run directory"),
@@ -230,6 +231,7 @@ def check(
     from rich.table import Table
 
     from mentorrl.models.build import load_policy
+    from mentorrl.config.stages import sample_writing_stages
     from mentorrl.train.consistency import batch_checks
     from mentorrl.train.models_init import base_model_dir
     from mentorrl.train.rundir import MetricsLog
@@ -249,8 +251,8 @@ def check(
         raise typer.Exit(2)
     ws.bind_tokenizer(tokenizer)
     log = MetricsLog(run_dir / "metrics.jsonl")
-    versions = {(stage, r["step"]): int(r.get("policy_version", 0)) for stage in RL_SAMPLE_STAGES for r in log.read(stage)}
-    files = [f for stage in RL_SAMPLE_STAGES for f in sorted((run_dir / "samples").glob(f"{stage}-step-*.jsonl"))]
+    versions = {(stage, r["step"]): int(r.get("policy_version", 0)) for stage in sample_writing_stages() for r in log.read(stage)}
+    files = [f for stage in sample_writing_stages() for f in sorted((run_dir / "samples").glob(f"{stage}-step-*.jsonl"))]
     files += sorted((run_dir / "rft").glob("data-round-*.jsonl"))
     if not files:
         err.print(f"[red]no recorded batches under {run_dir}/samples or {run_dir}/rft[/red]")

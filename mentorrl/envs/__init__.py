@@ -9,9 +9,12 @@ the flywheel's failure attribution).
 from __future__ import annotations
 
 import importlib
-
 from dataclasses import dataclass
+from importlib import metadata
 from typing import Any, Callable, Sequence
+
+from mentorrl.config.names import ENVIRONMENT, register_name
+from mentorrl.config.plugins import ENV_GROUP
 
 
 @dataclass(frozen=True)
@@ -56,14 +59,27 @@ def register_env(name: str, factory: Callable[[], EnvEntry]) -> None:
     if name in _REGISTRY:
         raise ValueError(f"environment {name!r} is already registered")
     _REGISTRY[name] = factory
+    register_name(ENVIRONMENT, name)  # a config naming it validates
+
+
+def _load_entry_point(name: str) -> None:
+    """Register environment ``name`` from an installed package's ``mentorrl.envs`` entry point: the
+    entry point is an environment factory (``() -> EnvEntry``), or a module whose import registers it."""
+    for ep in metadata.entry_points(group=ENV_GROUP, name=name):
+        obj = ep.load()
+        if name not in _REGISTRY and callable(obj):
+            register_env(name, obj)
+        return
 
 
 def get_env(name: str) -> EnvEntry:
     if name not in _REGISTRY:
-        raise ValueError(f"unknown environment {name!r}; registered: {', '.join(sorted(_REGISTRY))}")
+        _load_entry_point(name)
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown environment {name!r}; registered: {', '.join(registered_envs())}")
     return _REGISTRY[name]()
 
 
 def registered_envs() -> list[str]:
-    """The registered environment names, sorted."""
-    return sorted(_REGISTRY)
+    """The registered environment names (installed entry points included), sorted."""
+    return sorted({*_REGISTRY, *(ep.name for ep in metadata.entry_points(group=ENV_GROUP))})

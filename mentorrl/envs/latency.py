@@ -14,33 +14,8 @@ import math
 import random
 import threading
 from collections import Counter
-from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
-
-
-class LatencyModel(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    kind: Literal["lognormal", "pareto"] = Field("lognormal", description="distribution of the per-call delay")
-    median_s: float = Field(0.02, gt=0, description="median delay in seconds")
-    sigma: float = Field(1.0, gt=0, description="log-normal: std of log(delay); 1.0 puts P99 at ~10x the median")
-    alpha: float = Field(1.5, gt=0, description="Pareto tail index; smaller is heavier (alpha <= 2: infinite variance)")
-    max_s: float = Field(30.0, gt=0, description="cap on one delay")
-    seed: int = Field(0, description="combined with each episode's seed")
-    per_tool: dict[str, float] = Field(default_factory=dict, description="multiplier of the delay per tool name")
-    repeats: Literal["independent", "same"] = Field(
-        "independent", description="independent: each episode of a task draws its own delays (the k-th episode of a "
-                                   "task in this process uses stream k); same: every episode of a task sees the same")
-
-    def quantile(self, q: float) -> float:
-        """The delay at quantile ``q`` of the (uncapped, unscaled) distribution."""
-        if self.kind == "lognormal":
-            from statistics import NormalDist
-
-            return self.median_s * math.exp(self.sigma * NormalDist().inv_cdf(q))
-        scale = self.median_s / 2 ** (1 / self.alpha)  # Pareto with this median
-        return scale / (1 - q) ** (1 / self.alpha)
+from mentorrl.config.env import LatencyModel
 
 
 _occurrences: Counter = Counter()

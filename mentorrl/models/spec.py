@@ -1,62 +1,8 @@
-"""The sizes and pretraining settings of the tiny local model, as config sections (pydantic only).
-
-:mod:`mentorrl.models.build` builds from :class:`ModelSpec` and :mod:`mentorrl.models.pretrain`
-pretrains with :class:`PretrainSpec`; they live here so the run config (:mod:`mentorrl.config`)
-holds them without importing torch.
-"""
+"""The sizes and pretraining settings of the tiny local model, as config sections (declared with the
+run config in :mod:`mentorrl.config.model`, re-exported here for the model builders)."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
-
-
-class ModelSpec(BaseModel):
-    """Size of the tiny default model (a Qwen2-architecture causal LM)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    vocab_size: int = Field(1024, ge=300, description="BPE vocabulary size including special tokens")
-    hidden_size: int = Field(128, ge=16, description="model width")
-    intermediate_size: int = Field(384, ge=16, description="MLP width")
-    num_layers: int = Field(4, ge=1, description="decoder layers")
-    num_heads: int = Field(4, ge=1, description="attention heads")
-    num_kv_heads: int = Field(2, ge=1, description="key/value heads (GQA)")
-    max_positions: int = Field(2048, ge=64, description="context length")
-    seed: int = Field(0, description="weight initialisation seed")
-
-
-# The corpus generators' versions (``PretrainSpec.corpus_version``): a generator that changes what it
-# writes adds a version and keeps the older ones reproducible. The version is part of the build config,
-# so a shipped base built by one version is never served for another.
-CORPUS_VERSIONS = (2, 3, 4, 5)
-
-
-class PretrainSpec(BaseModel):
-    """Next-token pretraining of the tiny model on a generated corpus of the environment's language."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    steps: int = Field(0, ge=0, description="optimizer steps of pretraining; 0 builds the model without it")
-    batch_size: int = Field(8, ge=1, description="packed blocks per step")
-    block_size: int = Field(512, ge=16, description="tokens per packed block")
-    lr: float = Field(1e-3, gt=0, description="peak AdamW learning rate (cosine decay after warm-up)")
-    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="final learning rate as a fraction of lr")
-    warmup_steps: int = Field(20, ge=0, description="linear learning-rate warm-up")
-    weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay")
-    max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping")
-    transcripts: int = Field(2000, ge=0, description="expert episodes on train tasks in the corpus")
-    worlds: int = Field(400, ge=0, description="train-range seeded worlds described in free text and tool sessions")
-    seed: int = Field(0, description="corpus sampling and block order")
-    eval_transcripts: int = Field(64, ge=0, description="held-out-split expert transcripts scored before and after "
-                                                        "(never trained on)")
-    corpus_version: int = Field(2, ge=CORPUS_VERSIONS[0], le=CORPUS_VERSIONS[-1], description="generated corpus: 2: support-log notes naming an e-mail and "
-                                                           "an order that the tool calls copy; 3: the notes may also "
-                                                           "name an amount and a new address that the writes copy; "
-                                                           "4: 3 plus echo documents (a run of the domain's values "
-                                                           "written again: copying any token back); 5: 4 plus copy "
-                                                           "drills (a named value beside an on-file one of the same "
-                                                           "kind, then the call that uses the named one) and 14 more "
-                                                           "echo documents a world")
-
+from mentorrl.config.model import CORPUS_VERSIONS, ModelSpec, PretrainSpec
 
 __all__ = ["CORPUS_VERSIONS", "ModelSpec", "PretrainSpec"]

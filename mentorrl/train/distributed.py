@@ -33,7 +33,8 @@ from typing import Any, Callable, Mapping, TypeVar
 import torch
 import torch.distributed as dist
 
-from mentorrl.config import DISTRIBUTED_STAGES, ConfigError, RunConfig
+from mentorrl.config import ConfigError, RunConfig
+from mentorrl.config.stages import stages_supporting
 
 T = TypeVar("T")
 
@@ -71,10 +72,10 @@ def distributed_plan(cfg: RunConfig, env: Mapping[str, str] | None = None) -> tu
     if backend == "none":
         raise ConfigError(f"distributed.backend: none, but torchrun launched {world} ranks: each would train alone "
                           f"and write the same run_dir; set distributed.backend: ddp (or auto), or launch one process")
-    missing = [s for s in dict.fromkeys(cfg.recipe) if s not in DISTRIBUTED_STAGES]
+    missing = [s for s in dict.fromkeys(cfg.recipe) if s not in stages_supporting("ddp")]
     if missing:
         raise ConfigError(f"recipe: stage(s) {', '.join(missing)} cannot run under distributed.backend "
-                          f"{backend} with {world} ranks; data-parallel stages: {', '.join(DISTRIBUTED_STAGES)}")
+                          f"{backend} with {world} ranks; data-parallel stages: {', '.join(stages_supporting('ddp'))}")
     return rank, world
 
 

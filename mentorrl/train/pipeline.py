@@ -35,16 +35,8 @@ def _checkpoint_fields(cfg: RunConfig) -> list[tuple[str, str]]:
     out: list[tuple[str, str]] = []
     if cfg.model.path is not None:
         out.append(("model.path", cfg.model.path))
-    for stage in ("ppo", "sao"):
-        critic = getattr(cfg, stage).critic
-        if stage in cfg.recipe and critic.backbone == "separate" and critic.path is not None:
-            out.append((f"{stage}.critic.path", critic.path))
-    if "opd" in cfg.recipe:
-        out += [(f"opd.teachers.{i}.path", t.path) for i, t in enumerate(cfg.opd.teachers)
-                if t.kind == "hf" and t.path is not None]
-    serve = cfg.blackbox.teacher.serve
-    if "blackbox" in cfg.recipe and serve is not None and serve.path is not None:
-        out.append(("blackbox.teacher.serve.path", serve.path))
+    for stage in dict.fromkeys(cfg.recipe):  # each stage's own (StageSpec.needs)
+        out += get_stage(stage).checkpoints(getattr(cfg, stage, None))
     return out
 
 

@@ -1,50 +1,51 @@
-"""The stage registry: every training stage a recipe can name, registered beside its code.
+"""The runtime side of the stage table (:mod:`mentorrl.config.stages`): a stage's code, found and run.
 
-A stage is a function ``run(ws, model, resume=False) -> Path`` (the stage's final weights
-directory) decorated with::
+The built-in stages are listed once, in :data:`mentorrl.config.stages.BUILTIN_STAGES`, each with its
+runner as an import path (``"mentorrl.train.recipes.grpo:run_grpo"``), imported the first time the
+stage runs. A user's stage registers its function here::
 
-    @register_stage("grpo", config="grpo", title="GRPO", label="GRPO", rl=True)
-    def grpo_stage(ws, model, resume=False): ...
+    @register_stage("toy", config=ToyConfig, title="A toy stage", label="Toy", rl=True)
+    def toy_stage(ws, model, resume=False): ...
 
-``config`` names the stage's :class:`~mentorrl.config.RunConfig` section (None for a stage
-without one), ``title`` is the rule printed before it runs, ``label`` its short name in the
-evaluation table, and ``rl`` marks a reinforcement-learning stage (the report compares the last
-RL stage with the stage before it). The built-in stages live one per module in
-:mod:`mentorrl.train.recipes`; :func:`get_stage` and :func:`stage_names` load them on first use.
-Adding a stage is one new module with its registration.
+``config`` is the stage's own pydantic section (read as ``ws.cfg.toy``; a recipe's YAML sets it
+under ``toy:``), or None. A stage is a function ``run(ws, model, resume=False) -> Path`` (the stage's
+final weights directory).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import importlib
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
+
+from pydantic import BaseModel
+
+from mentorrl.config.stages import (
+    StageSpec,
+    get_stage_spec,
+    register_stage_spec,
+    stage_specs,
+    unregister_stage_spec,
+)
+
+from mentorrl.train.rl_loop import Stage, run_on_loop
 
 StageFn = Callable[..., Path]
 
 
-@dataclass(frozen=True)
-class StageSpec:
-    """A registered stage."""
+def register_stage(name: str, *, config: type[BaseModel] | None = None, title: str | None = None,
+                   label: str | None = None, rl: bool = False, parallel: Iterable[str] = (),
+                   writes_samples: bool = False, needs: Callable[[Any], list[tuple[str, str]]] | None = None,
+                   ) -> Callable[[StageFn], StageFn]:
+    """Register the decorated :class:`~mentorrl.train.rl_loop.Stage` subclass (run by the one loop),
+    or a plain ``run(ws, model, resume=False)``, as stage ``name`` with its own config section
+    ``config`` (see :class:`~mentorrl.config.stages.StageSpec` for the rest). Registering a name
+    twice replaces the earlier stage (a test's toy stage, a reloaded module)."""
 
-    name: str
-    run: StageFn
-    config: str | None
-    title: str
-    label: str
-    rl: bool
-
-
-_STAGES: dict[str, StageSpec] = {}
-
-
-def register_stage(name: str, *, config: str | None = None, title: str | None = None, label: str | None = None,
-                   rl: bool = False) -> Callable[[StageFn], StageFn]:
-    """Register the decorated ``run(ws, model, resume=False)`` as stage ``name`` (see the module doc).
-    Registering a name twice replaces the earlier stage (a test's toy stage, a reloaded module)."""
-
-    def deco(fn: StageFn) -> StageFn:
-        _STAGES[name] = StageSpec(name, fn, config, title or name, label or name.upper(), rl)
+    def deco(fn):
+        runner = run_on_loop(fn) if isinstance(fn, type) and issubclass(fn, Stage) else fn
+        register_stage_spec(StageSpec(name, config, runner, title or name, label or name.upper(), rl,
+                                      frozenset(parallel), writes_samples, needs))
         return fn
 
     return deco
@@ -52,35 +53,42 @@ def register_stage(name: str, *, config: str | None = None, title: str | None = 
 
 def unregister_stage(name: str) -> None:
     """Forget stage ``name`` (for tests that register a toy stage)."""
-    _STAGES.pop(name, None)
-
-
-def _load_builtin() -> None:
-    import mentorrl.train.recipes  # noqa: F401  (each module registers its stage on import)
+    unregister_stage_spec(name)
 
 
 def stages() -> dict[str, StageSpec]:
     """Every registered stage by name, the built-in ones first in recipe order."""
-    _load_builtin()
-    return dict(_STAGES)
+    return stage_specs()
 
 
 def stage_names() -> tuple[str, ...]:
-    return tuple(stages())
+    return tuple(stage_specs())
 
 
 def rl_stage_names() -> tuple[str, ...]:
-    return tuple(n for n, s in stages().items() if s.rl)
+    return tuple(n for n, s in stage_specs().items() if s.rl)
 
 
 def get_stage(name: str) -> StageSpec:
     """The registered stage ``name``; ValueError naming the known ones otherwise."""
-    known = stages()
-    if name not in known:
-        raise ValueError(f"unknown stage {name!r}; registered: {', '.join(known)}")
-    return known[name]
+    return get_stage_spec(name)
+
+
+def resolve_runner(spec: StageSpec) -> StageFn:
+    """The function of stage ``spec``: its runner itself, or the one its ``"module:function"`` names."""
+    if callable(spec.runner):
+        return spec.runner
+    module, _, attr = spec.runner.partition(":")
+    fn = getattr(importlib.import_module(module), attr, None)
+    if not callable(fn):
+        raise ValueError(f"stage {spec.name}: runner {spec.runner!r} names no function")
+    return fn
 
 
 def run_stage_by_name(ws: Any, name: str, model, resume: bool) -> Path:
     """Run the registered stage ``name`` on ``model`` in workspace ``ws``."""
-    return get_stage(name).run(ws, model, resume=resume)
+    return resolve_runner(get_stage(name))(ws, model, resume=resume)
+
+
+__all__ = ["StageSpec", "get_stage", "register_stage", "resolve_runner", "rl_stage_names", "run_stage_by_name",
+           "stage_names", "stages", "unregister_stage"]

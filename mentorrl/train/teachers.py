@@ -67,9 +67,9 @@ def build_teacher(ws: Workspace, t: TeacherConfig, student=None) -> Path:
 
     ``build.init: scratch`` trains a fresh tiny model; ``student`` trains on from a copy of
     ``student`` (the policy as it enters the stage), so the teacher is the student trained longer."""
-    from mentorrl.train.registry import get_stage
+    from mentorrl.train.registry import get_stage, resolve_runner
 
-    sft_stage = get_stage("sft").run
+    sft_stage = resolve_runner(get_stage("sft"))
 
     from_student = t.build.init == "student"
     if from_student and student is None:

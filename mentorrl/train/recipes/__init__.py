@@ -1,4 +1,2 @@
-"""The built-in training stages, one module each, registered with
-:func:`mentorrl.train.registry.register_stage` on import (in recipe order)."""
-
-from mentorrl.train.recipes import sft, rft, grpo, ppo, sao, opd, blackbox, evolve  # noqa: F401  (registers them)
+"""The built-in training stages, one module each. The stage table (:data:`mentorrl.config.stages.BUILTIN_STAGES`)
+names each stage's function by import path; :mod:`mentorrl.train.registry` imports a module when its stage runs."""

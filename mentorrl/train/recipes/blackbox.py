@@ -55,7 +55,6 @@ from mentorrl.train.learner import Learner
 from mentorrl.rollout.kvcache import cache_kwarg, make_cache
 from mentorrl.rollout.sampling import sample_tokens
 from mentorrl.train.loop import collect_group, pg_update, pick_tasks, reduce_updates, rollout_metrics, train_pool
-from mentorrl.train.registry import register_stage
 from mentorrl.train.stage_runner import run_stage
 from mentorrl.train.workspace import Workspace, frozen_copy, heldout_check
 from mentorrl.trajectory import Segment, Trajectory
@@ -417,7 +416,6 @@ def action_groups(ws: Workspace, model, teacher: BlackBoxTeacher, eps: list[Stud
 
 
 # -------------------------------------------------------------------- stage ------
-@register_stage("blackbox", config="blackbox", title="Black-box on-policy distillation", label="BB-OPD", rl=True)
 def blackbox_stage(ws: Workspace, model, resume: bool = False) -> Path:
     cfg, o = ws.cfg, ws.cfg.blackbox
     with open_teacher(ws, o.teacher, student=model, seed=cfg.seed) as teacher:

@@ -49,7 +49,6 @@ from mentorrl.train.learner import Learner
 from mentorrl.replay.checkpointing import BufferCheckpoints
 from mentorrl.train.rundir import KEEP_CHECKPOINTS
 from mentorrl.train.loop import collect_group, group_rewards, pg_update, reduce_updates, rollout_metrics, train_pool
-from mentorrl.train.registry import register_stage
 from mentorrl.train.stage_runner import run_stage
 from mentorrl.train.workspace import Workspace, heldout_check, load_weights_into
 
@@ -84,7 +83,6 @@ def _frozen_teacher(model, tokenizer, version: int) -> HFTeacher:
     return HFTeacher(copy.deepcopy(model), tokenizer, f"v{version}")
 
 
-@register_stage("evolve", config="evolve", title="Self-evolving loop", label="Evolve", rl=True)
 def evolve_stage(ws: Workspace, model, resume: bool = False) -> Path:
     run = EvolveRun(ws, model)
     try:

@@ -95,7 +95,7 @@ class GRPOStage(Stage):
         b.metrics.update(hard_tasks_in_batch=float(sum(t.id in self.hard for t in b.tasks)))
 
     def rollout(self, b: StepBatch) -> None:
-        self.collect(b, self.cfg.group_size, shard=True)  # MERGE: samples_per_task
+        self.collect(b, self.cfg.samples_per_task, shard=True)
         if self.hard is not None:
             self.hard.update(b.trajs)
 
@@ -153,7 +153,3 @@ class _Group:
 
 
 run_grpo = run_on_loop(GRPOStage)
-
-from mentorrl.train.registry import register_stage  # noqa: E402  (TEMP until the registry table lands)
-
-register_stage("grpo", config="grpo", title="GRPO", label="GRPO", rl=True)(run_grpo)

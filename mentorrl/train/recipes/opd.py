@@ -70,7 +70,6 @@ from mentorrl.train.loop import (
     rollout_metrics,
     train_pool,
 )
-from mentorrl.train.registry import register_stage
 from mentorrl.train.stage_runner import run_stage
 from mentorrl.train.teachers import build_teacher, load_teacher, serve_teachers, weights_fingerprint
 from mentorrl.train.workspace import Workspace, heldout_check
@@ -142,7 +141,6 @@ class OPDStep:
 
 
 # --------------------------------------------------------------- stage -----
-@register_stage("opd", config="opd", title="On-policy distillation", label="OPD", rl=True)
 def opd_stage(ws: Workspace, model, resume: bool = False) -> Path:
     run = OPDRun(ws, model)
     (ws.run_dir / "opd").mkdir(parents=True, exist_ok=True)

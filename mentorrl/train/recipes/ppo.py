@@ -60,7 +60,3 @@ class PPOStage(Stage):
 
 
 ppo_stage = run_on_loop(PPOStage)
-
-from mentorrl.train.registry import register_stage  # noqa: E402  (TEMP until the registry table lands)
-
-register_stage("ppo", config="ppo", title="PPO with a critic", label="PPO", rl=True)(ppo_stage)

@@ -97,7 +97,3 @@ class RFTStage(Stage):
 
 
 rft_stage = run_on_loop(RFTStage)
-
-from mentorrl.train.registry import register_stage  # noqa: E402  (TEMP until the registry table lands)
-
-register_stage("rft", config="rft", title="RFT: sample, verify, fine-tune", label="RFT")(rft_stage)

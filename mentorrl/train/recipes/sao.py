@@ -275,7 +275,3 @@ def _record_batch(run_dir: Path, step: int, items: list[BatchItem], n_samples: i
         samples = run_dir / "samples"
         samples.mkdir(exist_ok=True)
         write_jsonl(samples / f"sao-step-{step:06d}.jsonl", [it.trajectory for it in items if it.source == "online"][:n_samples])
-
-from mentorrl.train.registry import register_stage  # noqa: E402  (TEMP until the registry table lands)
-
-register_stage("sao", config="sao", title="SAO: asynchronous single-rollout optimisation", label="SAO", rl=True)(sao_stage)

@@ -52,7 +52,3 @@ class SFTStage(Stage):
 
 
 sft_stage = run_on_loop(SFTStage)
-
-from mentorrl.train.registry import register_stage  # noqa: E402  (TEMP until the registry table lands)
-
-register_stage("sft", config="sft", title="SFT on expert demonstrations", label="SFT")(sft_stage)

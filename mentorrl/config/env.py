@@ -1,0 +1,52 @@
+"""The ``env:`` section and the injected tool latency (:class:`LatencyModel`, sampled by
+:mod:`mentorrl.envs.latency`)."""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from mentorrl.config.base import Section
+from mentorrl.config.names import ENVIRONMENT, check_registered
+
+
+class LatencyModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["lognormal", "pareto"] = Field("lognormal", description="distribution of the per-call delay")
+    median_s: float = Field(0.02, gt=0, description="median delay in seconds")
+    sigma: float = Field(1.0, gt=0, description="log-normal: std of log(delay); 1.0 puts P99 at ~10x the median")
+    alpha: float = Field(1.5, gt=0, description="Pareto tail index; smaller is heavier (alpha <= 2: infinite variance)")
+    max_s: float = Field(30.0, gt=0, description="cap on one delay")
+    seed: int = Field(0, description="combined with each episode's seed")
+    per_tool: dict[str, float] = Field(default_factory=dict, description="multiplier of the delay per tool name")
+    repeats: Literal["independent", "same"] = Field(
+        "independent", description="independent: each episode of a task draws its own delays (the k-th episode of a "
+                                   "task in this process uses stream k); same: every episode of a task sees the same")
+
+    def quantile(self, q: float) -> float:
+        """The delay at quantile ``q`` of the (uncapped, unscaled) distribution."""
+        if self.kind == "lognormal":
+            from statistics import NormalDist
+
+            return self.median_s * math.exp(self.sigma * NormalDist().inv_cdf(q))
+        scale = self.median_s / 2 ** (1 / self.alpha)  # Pareto with this median
+        return scale / (1 - q) ** (1 / self.alpha)
+
+
+class EnvConfig(Section):
+    name: str = Field("orders", description="registered environment name")
+
+    @field_validator("name")
+    @classmethod
+    def _registered(cls, v: str) -> str:
+        return check_registered(ENVIRONMENT, v)  # a ValueError naming the registered environments
+    tool_timeout_s: float = Field(5.0, gt=0, description="per tool call")
+    latency: LatencyModel | None = Field(
+        None, description="inject seeded heavy-tailed tool latency (log-normal or Pareto); null: none"
+    )
+
+
+__all__ = ["EnvConfig", "LatencyModel"]

@@ -1,0 +1,34 @@
+"""The rollout contract's sections: sampling, prompt format and episode limits (used by
+:mod:`mentorrl.contract`, which re-exports them)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class SamplingParams(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    temperature: float = Field(1.0, ge=0.0, description="0 means greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling (keep 1.0 for on-policy RL)")
+    top_k: int = Field(0, ge=0, description="0 disables top-k")
+    max_new_tokens: int = Field(96, ge=1, description="per policy turn")
+
+
+class PromptFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tool_descriptions: bool = Field(True, description="list tools with their descriptions (false: signatures only)")
+    system_turn: bool = Field(
+        True, description="render the system turn (role, rules, tools); false: the policy learns the tools from data"
+    )
+
+
+class ContractLimits(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_turns: int = Field(8, ge=1, description="policy turns per trajectory")
+    max_total_tokens: int = Field(1024, ge=16, description="prompt + all turns + observations")
+
+
+__all__ = ["ContractLimits", "PromptFormat", "SamplingParams"]

@@ -1,0 +1,138 @@
+"""The run config: the run-wide fields, one section per stage of the stage table
+(:mod:`mentorrl.config.stages`), and the audit, evaluation, rollout, distributed and logging sections.
+
+:data:`RunConfig` holds the built-in stages' sections; :func:`run_config_model` is the model of the
+current stage table: :data:`RunConfig` itself, or a subclass of it with a section for every stage
+registered later (a plugin's), so a plugin's section validates like a built-in one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, Field, ValidationError, create_model, field_validator, model_validator
+
+from mentorrl.config.base import Section
+from mentorrl.config.env import EnvConfig
+from mentorrl.config.model import ModelConfig
+from mentorrl.config.names import assert_trainable_splits
+from mentorrl.config.plugins import MODULE_PATH, load_plugins
+from mentorrl.config.prompt import ContractLimits, PromptFormat, SamplingParams
+from mentorrl.config.reward import RewardWeights
+from mentorrl.config.sections import AuditConfig, DistributedConfig, EvalConfig, LoggingConfig, RolloutConfig
+from mentorrl.config.stages import BUILTIN_STAGES, RESERVED, STAGE_NAMES, StageSpec, stage_specs
+
+MAX_PLUGINS = 32
+
+
+class RunSettings(Section):
+    """The run-wide fields (every field but the sections of :data:`RunConfig`)."""
+
+    run_dir: str = Field("runs/demo", description="where everything is written")
+    seed: int = Field(0, description="seeds task sampling, batches and rollouts")
+    recipe: list[str] = Field(
+        default_factory=lambda: ["sft", "grpo"], min_length=1,
+        description="stages run in order: " + ", ".join(STAGE_NAMES) + ", or a stage registered with "
+                    "mentorrl.train.registry.register_stage (e.g. by a plugin)")
+    plugins: list[str] = Field(
+        default_factory=list, max_length=MAX_PLUGINS,
+        description="modules imported before the rest of the config is validated, e.g. [my_pkg.stages]: each may "
+                    "register stages (with their own config sections) and environments; installed packages' "
+                    "`mentorrl.stages` / `mentorrl.envs` entry points load without being listed")
+    train_split: str = Field("train", description="task split every training stage draws from (never 'hidden')")
+    threads: int = Field(0, ge=0, description="torch CPU threads; 0 keeps torch's default")
+    env: EnvConfig = Field(default_factory=EnvConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    limits: ContractLimits = Field(default_factory=ContractLimits)
+    prompt: PromptFormat = Field(default_factory=PromptFormat)
+    reward: RewardWeights = Field(default_factory=RewardWeights)
+
+    @field_validator("recipe")
+    @classmethod
+    def _registered_stages(cls, v: list[str]) -> list[str]:
+        known = stage_specs()
+        unknown = [name for name in v if name not in known]
+        if unknown:
+            raise ValueError(f"unknown stage(s) {unknown}; registered: {', '.join(known)}")
+        return v
+
+    @field_validator("plugins")
+    @classmethod
+    def _module_paths(cls, v: list[str]) -> list[str]:
+        bad = [m for m in v if not MODULE_PATH.fullmatch(m)]
+        if bad:
+            raise ValueError(f"not a module path (package.module): {bad}")
+        return v
+
+    @field_validator("train_split")
+    @classmethod
+    def _hidden_is_never_trained_on(cls, v: str) -> str:
+        assert_trainable_splits([v])  # HiddenSetError is a ValueError: reported with the field name
+        return v
+
+    @model_validator(mode="after")
+    def _reward_range(self) -> "RunSettings":
+        audit = getattr(self, "audit", None)
+        if audit is not None and not audit.reward_low < audit.reward_high:
+            raise ValueError(f"audit.reward_low ({audit.reward_low}) must be below audit.reward_high "
+                             f"({audit.reward_high})")
+        return self
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # by value through the current stage table: a plugin's run config is a class made at run time
+        return restore_run_config, (self.model_dump(mode="json"),)
+
+
+TAIL_SECTIONS: dict[str, type[BaseModel]] = {
+    "audit": AuditConfig, "eval": EvalConfig, "rollout": RolloutConfig, "distributed": DistributedConfig,
+    "logging": LoggingConfig,
+}
+
+
+def _section_field(section: type[BaseModel], description: str | None = None) -> tuple[Any, Any]:
+    try:
+        section()
+    except ValidationError:  # a section with required fields: the config must give it
+        return section, Field(..., description=description)
+    return section, Field(default_factory=section, description=description)
+
+
+def _stage_fields(specs: list[StageSpec]) -> dict[str, Any]:
+    return {s.name: _section_field(s.section, f"the {s.name} stage's settings") for s in specs
+            if s.section is not None}
+
+
+RunConfig = create_model(  # the run config of the built-in stages
+    "RunConfig", __base__=RunSettings, __module__=__name__,
+    __doc__="The whole run config: run-wide fields, one section per built-in stage, then the run's other sections.",
+    **_stage_fields(list(BUILTIN_STAGES)), **{k: (v, Field(default_factory=v)) for k, v in TAIL_SECTIONS.items()},
+)
+RESERVED.update(n for n in RunConfig.model_fields if n not in STAGE_NAMES)  # no stage may take these names
+
+_MODELS: dict[tuple[tuple[str, int], ...], type[BaseModel]] = {}
+
+
+def run_config_model() -> type[BaseModel]:
+    """The run-config model of the current stage table: :data:`RunConfig`, or (once a stage with a
+    section of another name or class is registered) a subclass of it with that stage's section."""
+    extra = [s for s in stage_specs().values() if s.section is not None
+             and RunConfig.model_fields.get(s.name, None) is None]
+    changed = [s for s in stage_specs().values() if s.section is not None and s.name in RunConfig.model_fields
+               and RunConfig.model_fields[s.name].annotation is not s.section]
+    if not extra and not changed:
+        return RunConfig
+    key = tuple(sorted((s.name, id(s.section)) for s in extra + changed))
+    if key not in _MODELS:
+        _MODELS[key] = create_model("RunConfig", __base__=RunConfig, __module__=__name__,
+                                    **_stage_fields(extra + changed))
+    return _MODELS[key]
+
+
+def restore_run_config(data: dict[str, Any]) -> BaseModel:
+    """A pickled run config back: its plugins loaded first, then validated by :func:`run_config_model`."""
+    load_plugins(data.get("plugins") or [])
+    return run_config_model().model_validate(data)
+
+
+__all__ = ["RunConfig", "RunSettings", "restore_run_config", "run_config_model"]
