@@ -456,53 +456,64 @@ def normalize_messages(messages: Any, where: str) -> list[dict[str, Any]]:
         raise DatasetFormatError(f"{where}: must be a non-empty list of messages")
     out: list[dict[str, Any]] = []
     for j, m in enumerate(messages):
-        at = f"{where}[{j}]"
-        if not isinstance(m, Mapping):
-            raise DatasetFormatError(f"{at}: a message must be an object, not {type(m).__name__}")
-        role = m.get("role")
-        if role not in ("system", "user", "assistant", "tool"):
-            raise DatasetFormatError(f"{at}.role: {role!r} is not one of system, user, assistant, tool")
-        if role == "system" and j != 0:
-            raise DatasetFormatError(f"{at}.role: a system message must come first")
-        if role == "tool" and (not out or out[-1]["role"] not in ("assistant", "tool")):
-            raise DatasetFormatError(f"{at}.role: a tool message must follow an assistant turn")
-        msg: dict[str, Any] = {"role": role, "content": _text(m.get("content"), f"{at}.content")}
-        calls = m.get("tool_calls") or []
-        if calls:
-            if role != "assistant":
-                raise DatasetFormatError(f"{at}.tool_calls: only assistant messages carry tool calls")
-            if not isinstance(calls, list) or len(calls) != 1:
-                raise DatasetFormatError(f"{at}.tool_calls: mentorrl's contract makes one tool call per turn, "
-                                         f"this message has {len(calls) if isinstance(calls, list) else 'malformed'}")
-            c = calls[0]
-            fn = c.get("function", c) if isinstance(c, Mapping) else None
-            if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str) or not fn["name"]:
-                raise DatasetFormatError(f"{at}.tool_calls[0].function.name: missing")
-            args = fn.get("arguments")
-            args = {} if args is None else args
-            if isinstance(args, Mapping):
-                args = dumps_compact(_clean(dict(args)))
-            if not isinstance(args, str):
-                raise DatasetFormatError(f"{at}.tool_calls[0].function.arguments: a JSON object or string")
-            call = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
-            if isinstance(c.get("id"), str):
-                call = {"id": c["id"], **call}
-            msg["tool_calls"] = [call]
-        if role == "tool":
-            for k in ("tool_call_id", "name"):
-                if isinstance(m.get(k), str):
-                    msg[k] = m[k]
-        try:
-            message_pieces_of(msg)  # the tool call's arguments parse (bounded depth) to a JSON object
-        except MessageError as e:
-            raise DatasetFormatError(f"{at}: {e}") from None
-        out.append(msg)
+        out.append(normalize_message(m, j, f"{where}[{j}]", out[-1]["role"] if out else None))
     n = _prompt_len(out)
     if n == len(out):
         raise DatasetFormatError(f"{where}: no assistant message (nothing to learn)")
     if not any(m["role"] == "user" for m in out[:n]):
         raise DatasetFormatError(f"{where}[{n}]: the first assistant message comes before any user message")
     return out
+
+
+def normalize_message(m: Any, j: int, at: str, previous_role: str | None) -> dict[str, Any]:
+    """Message ``j`` of a conversation (``at`` names it in errors), validated after a message of
+    ``previous_role`` (None for the first)."""
+    if not isinstance(m, Mapping):
+        raise DatasetFormatError(f"{at}: a message must be an object, not {type(m).__name__}")
+    role = m.get("role")
+    if role not in ("system", "user", "assistant", "tool"):
+        raise DatasetFormatError(f"{at}.role: {role!r} is not one of system, user, assistant, tool")
+    if role == "system" and j != 0:
+        raise DatasetFormatError(f"{at}.role: a system message must come first")
+    if role == "tool" and previous_role not in ("assistant", "tool"):
+        raise DatasetFormatError(f"{at}.role: a tool message must follow an assistant turn")
+    msg: dict[str, Any] = {"role": role, "content": _text(m.get("content"), f"{at}.content")}
+    calls = m.get("tool_calls") or []
+    if calls:
+        if role != "assistant":
+            raise DatasetFormatError(f"{at}.tool_calls: only assistant messages carry tool calls")
+        msg["tool_calls"] = [normalize_tool_call(calls, at)]
+    if role == "tool":
+        for k in ("tool_call_id", "name"):
+            if isinstance(m.get(k), str):
+                msg[k] = m[k]
+    try:
+        message_pieces_of(msg)  # the tool call's arguments parse (bounded depth) to a JSON object
+    except MessageError as e:
+        raise DatasetFormatError(f"{at}: {e}") from None
+    return msg
+
+
+def normalize_tool_call(calls: Any, at: str) -> dict[str, Any]:
+    """The one tool call of an assistant message's ``tool_calls``, as ``{"type": "function", "function":
+    {"name", "arguments" (a JSON string)}}`` with its ``id`` when it has one."""
+    if not isinstance(calls, list) or len(calls) != 1:
+        raise DatasetFormatError(f"{at}.tool_calls: mentorrl's contract makes one tool call per turn, "
+                                 f"this message has {len(calls) if isinstance(calls, list) else 'malformed'}")
+    c = calls[0]
+    fn = c.get("function", c) if isinstance(c, Mapping) else None
+    if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str) or not fn["name"]:
+        raise DatasetFormatError(f"{at}.tool_calls[0].function.name: missing")
+    args = fn.get("arguments")
+    args = {} if args is None else args
+    if isinstance(args, Mapping):
+        args = dumps_compact(_clean(dict(args)))
+    if not isinstance(args, str):
+        raise DatasetFormatError(f"{at}.tool_calls[0].function.arguments: a JSON object or string")
+    call = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
+    if isinstance(c.get("id"), str):
+        call = {"id": c["id"], **call}
+    return call
 
 
 @dataclass

@@ -525,9 +525,6 @@ def create_app(tokenizer: Any, model: Any, model_name: str, token: str | None = 
     ``max_new_tokens_cap``: the most tokens one reply may have (``max_tokens`` is clipped to it).
     ``max_batch``, ``batch_window_ms``: the :class:`Batcher`'s rows per batch and wait for more."""
     from fastapi import FastAPI
-    from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse
-    from starlette.exceptions import HTTPException as StarletteHTTPException
 
     if token is not None and not token:
         raise ValueError("token must be a non-empty string or None")
@@ -535,6 +532,33 @@ def create_app(tokenizer: Any, model: Any, model_name: str, token: str | None = 
     batcher = Batcher(gen, max_batch, batch_window_ms / 1000)
     created = int(time.time())
     app = FastAPI(title="mentorrl serve", docs_url=None, redoc_url=None, openapi_url=None)
+    add_error_handlers(app)
+
+    @app.get("/health")
+    def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                            "owned_by": "mentorrl"}]}
+
+    @app.post("/v1/chat/completions")
+    def chat_completions(req: ChatRequest) -> dict[str, Any]:
+        return chat_completion(gen, batcher, model_name, req)
+
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=max_body_bytes)
+    if token is not None:
+        app.add_middleware(BearerAuthMiddleware, token=token)  # added last: runs first, before the body is read
+    return app
+
+
+def add_error_handlers(app: Any) -> None:
+    """Every error ``app`` answers, as an OpenAI-style error body: invalid requests (400), HTTP errors,
+    :class:`APIError` and, for anything else, a 500 that names only the exception's type."""
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse
+    from starlette.exceptions import HTTPException as StarletteHTTPException
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Any, exc: RequestValidationError) -> JSONResponse:
@@ -554,46 +578,33 @@ def create_app(tokenizer: Any, model: Any, model_name: str, token: str | None = 
     async def _crash(request: Any, exc: Exception) -> JSONResponse:
         return JSONResponse(error_body(f"internal error ({type(exc).__name__})", "server_error"), status_code=500)
 
-    @app.get("/health")
-    def health() -> dict[str, str]:
-        return {"status": "ok"}
 
-    @app.get("/v1/models")
-    def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "mentorrl"}]}
-
-    @app.post("/v1/chat/completions")
-    def chat_completions(req: ChatRequest) -> dict[str, Any]:
-        if req.stream:
-            raise APIError(400, "stream=true is not supported; send stream=false", param="stream")
-        stop = req.stop_strings()
-        try:
-            messages = [m.as_dict() for m in req.messages]
-            for i, m in enumerate(messages):
-                for piece in message_pieces_of(m):
-                    check_utf8(piece, f"messages[{i}]")
-            prompt_ids = gen.prompt_ids(messages)
-        except MessageError as e:
-            raise APIError(400, str(e), param="messages") from None
-        turns = batcher.submit(gen.request(prompt_ids, req.n, req.temperature, req.top_p,
-                                           req.max_completion_tokens or req.max_tokens, req.seed, stop))
-        choices = []
-        for i, (turn, _, reason) in enumerate(turns):
-            message = assistant_message(turn)
-            if reason == "stop" and message.get("tool_calls"):
-                reason = "tool_calls"
-            choices.append({"index": i, "message": message, "finish_reason": reason, "logprobs": None})
-        completion = sum(count for _, count, _ in turns)
-        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                "model": model_name, "choices": choices,
-                "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": completion,
-                          "total_tokens": len(prompt_ids) + completion}}
-
-    app.add_middleware(BodyLimitMiddleware, max_body_bytes=max_body_bytes)
-    if token is not None:
-        app.add_middleware(BearerAuthMiddleware, token=token)  # added last: runs first, before the body is read
-    return app
+def chat_completion(gen: PolicyGenerator, batcher: Batcher, model_name: str, req: ChatRequest) -> dict[str, Any]:
+    """The ``/v1/chat/completions`` response to ``req``: its ``n`` replies, generated through ``batcher``."""
+    if req.stream:
+        raise APIError(400, "stream=true is not supported; send stream=false", param="stream")
+    stop = req.stop_strings()
+    try:
+        messages = [m.as_dict() for m in req.messages]
+        for i, m in enumerate(messages):
+            for piece in message_pieces_of(m):
+                check_utf8(piece, f"messages[{i}]")
+        prompt_ids = gen.prompt_ids(messages)
+    except MessageError as e:
+        raise APIError(400, str(e), param="messages") from None
+    turns = batcher.submit(gen.request(prompt_ids, req.n, req.temperature, req.top_p,
+                                       req.max_completion_tokens or req.max_tokens, req.seed, stop))
+    choices = []
+    for i, (turn, _, reason) in enumerate(turns):
+        message = assistant_message(turn)
+        if reason == "stop" and message.get("tool_calls"):
+            reason = "tool_calls"
+        choices.append({"index": i, "message": message, "finish_reason": reason, "logprobs": None})
+    completion = sum(count for _, count, _ in turns)
+    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+            "model": model_name, "choices": choices,
+            "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": completion,
+                      "total_tokens": len(prompt_ids) + completion}}
 
 
 # ---------------------------------------------------------------- the server ------

@@ -23,7 +23,7 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 from transformers import PreTrainedTokenizerFast
 
 from mentorrl.opd import AlignmentError, align_texts, token_ends
-from mentorrl.opd.align import _bounds
+from mentorrl.opd.align import chunk_bounds
 from mentorrl.opd.signals import CrossTokenizerTeacher, sampled_token_ends
 from mentorrl.trajectory import Segment, Trajectory
 
@@ -162,7 +162,8 @@ def test_issue_sampled_bytes_join_the_character_they_complete():
     t_ids, t_ends = token_ends(bf, "a漢")
     chunk_ends = sorted(set(sampled_token_ends(bl, ids, "a漢")) & set(t_ends))
     assert chunk_ends == [1, 2]
-    check_chunks(bl, ids, _bounds([1, 2, 2, 2], chunk_ends), bf, t_ids, _bounds(t_ends, chunk_ends), chunk_ends, "a漢")
+    check_chunks(bl, ids, chunk_bounds([1, 2, 2, 2], chunk_ends), bf, t_ids, chunk_bounds(t_ends, chunk_ends),
+                 chunk_ends, "a漢")
     # the same sampled on the byte-fallback side
     f_ids = bf.convert_tokens_to_ids(["a"]) + byte_ids(bf, "byte_fallback", "漢".encode())
     assert sampled_token_ends(bf, f_ids, "a漢") == [1, 2, 2, 2]
@@ -262,7 +263,7 @@ def test_sampled_chunks_spell_the_same_bytes_on_both_sides(data, text, pair):
     s_ends = sampled_token_ends(student, s_ids, text)
     t_ids, t_ends = token_ends(teacher, text, "teacher tokenizer")
     chunk_ends = sorted(set(s_ends) & set(t_ends))
-    check_chunks(student, s_ids, _bounds(s_ends, chunk_ends), teacher, t_ids, _bounds(t_ends, chunk_ends),
+    check_chunks(student, s_ids, chunk_bounds(s_ends, chunk_ends), teacher, t_ids, chunk_bounds(t_ends, chunk_ends),
                  chunk_ends, text)
 
 

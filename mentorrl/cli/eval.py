@@ -340,6 +340,33 @@ def _parse_set_tolerances(values: Sequence[str]) -> dict[str, float]:
     return out
 
 
+def _evaluate_sides(to_eval: dict[str, Path], summaries: dict[str, dict[str, Any]], on: list[str],
+                    overrides: list[str], config: Optional[Path], root: Path, *, samples: Optional[int],
+                    num_tasks: Optional[int], seed: Optional[int]) -> None:
+    """Evaluate the gate's checkpoint sides (``to_eval``) into ``summaries``: on the sets, seeds and samples
+    of the summary given for the other side when there is one, else on golden plus the ``--on`` sets."""
+    quiet_transformers()
+    specs = parse_set_options(on)
+    bad = [s.label for s in specs if s.kind != "regression"]
+    if bad:
+        raise GateError(f"the gate evaluates golden plus regression:PATH sets; not {bad}")
+    if specs and summaries:
+        raise GateError("with a summary on one side, the sets come from that summary; "
+                        "drop --on regression:...")
+    cfg = load_run_config(config, overrides, str(root))
+    recorded = next(iter(summaries.values()), None)
+    if recorded is not None:  # the other side fixes sets, seeds and samples; only gated sets are rolled out
+        ecfg = AgentEvalConfig.model_validate(recorded["config"])
+        ecfg = AgentEvalConfig.model_validate({**ecfg.model_dump(), "judge": "none", "sets": [
+            s.model_dump() for s in ecfg.sets if s.kind in GATED_KINDS]})
+    else:
+        ecfg = agent_eval_config(cfg, [EvalSetSpec(kind="golden"), *specs], samples_per_task=samples,
+                                 num_tasks=num_tasks, seed=seed, judge="none")
+    for side, model_dir in to_eval.items():
+        console.rule(f"{side}: {model_dir}")
+        summaries[side] = evaluate_checkpoint(model_dir, cfg, ecfg, root / side)
+
+
 def gate_command(
     new: Optional[Path] = typer.Argument(None, help="new checkpoint directory (or use --new-summary)"),
     baseline: Optional[Path] = typer.Option(None, "--baseline", help="baseline checkpoint directory"),
@@ -375,27 +402,9 @@ def gate_command(
             summaries["baseline"] = _read_summary(baseline_summary)
         to_eval = {side: d for side, d in (("new", new), ("baseline", baseline)) if d is not None}
         if to_eval:
-            quiet_transformers()
-            specs, overrides = parse_set_options(on), list(set_)
-            bad = [s.label for s in specs if s.kind != "regression"]
-            if bad:
-                raise GateError(f"the gate evaluates golden plus regression:PATH sets; not {bad}")
-            if specs and summaries:
-                raise GateError("with a summary on one side, the sets come from that summary; "
-                                "drop --on regression:...")
             root = out or Path("runs") / f"gate-{(new or new_summary).name}"  # type: ignore[union-attr]
-            cfg = load_run_config(config, overrides, str(root))
-            recorded = next(iter(summaries.values()), None)
-            if recorded is not None:  # the other side fixes sets, seeds and samples; only gated sets are rolled out
-                ecfg = AgentEvalConfig.model_validate(recorded["config"])
-                ecfg = AgentEvalConfig.model_validate({**ecfg.model_dump(), "judge": "none", "sets": [
-                    s.model_dump() for s in ecfg.sets if s.kind in GATED_KINDS]})
-            else:
-                ecfg = agent_eval_config(cfg, [EvalSetSpec(kind="golden"), *specs], samples_per_task=samples,
-                                         num_tasks=num_tasks, seed=seed, judge="none")
-            for side, model_dir in to_eval.items():
-                console.rule(f"{side}: {model_dir}")
-                summaries[side] = evaluate_checkpoint(model_dir, cfg, ecfg, root / side)
+            _evaluate_sides(to_eval, summaries, on, list(set_), config, root, samples=samples, num_tasks=num_tasks,
+                            seed=seed)
         decision = gate_decision(set_results(summaries["new"], "new"), set_results(summaries["baseline"], "baseline"),
                                  tolerance=tolerance, per_set=per_set)
     except (ValueError, OSError) as e:  # GateError and pydantic.ValidationError are ValueErrors

@@ -64,63 +64,26 @@ def run_flywheel(
     review, routing, attribution = review or ReviewConfig(), routing or RoutingTable(), attribution or AttributionConfig()
     out.mkdir(parents=True, exist_ok=True)
 
-    # review queue
     queue = build_review_queue(trajectories, review)
     write_review_queue(out / "review_queue.jsonl", queue)
 
-    # tasks and expert references
     failed = [t for t in trajectories if not trace.is_success(t)]
     if tasks is None:
         tasks = find_tasks(env_entry, {t.task_id for t in failed}) if env_entry is not None else {}
-    missing = sorted({t.task_id for t in failed} - set(tasks))
-    references: dict[str, Any] = {}
-    if env_entry is not None:
-        expert = env_entry.make_expert()
-        for tid in sorted({t.task_id for t in failed} & set(tasks)):
-            references[tid] = expert_reference_calls(env_entry.make_env, expert, tasks[tid])
+    references = expert_references(env_entry, failed, tasks)
 
-    # attribution and routing
-    pairs_in: list[tuple[Trajectory, Attribution]] = []
-    for t in failed:
-        att = attribute(t, references.get(t.task_id), attribution)
-        if att is not None:  # always, as t failed
-            pairs_in.append((t, att))
+    pairs_in = attribute_failures(failed, references, attribution)
     atts = [a for _, a in pairs_in]
-    with open(out / "attributions.jsonl", "w", encoding="utf-8") as f:
-        for a in atts:
-            f.write(a.model_dump_json() + "\n")
+    write_attributions(out / "attributions.jsonl", atts)
     dist = failure_distribution(atts)
     by_method = routing.route(atts)
 
-    # hard-task pool (reward-fix cases stay out of training)
-    hack_ids = {a.trajectory_id for a in by_method[TrainingMethod.REWARD_FIX]}
-    pool = HardTaskPool()
-    pool.update(t for t in trajectories if t.id not in hack_ids)
+    pool = hard_task_pool(trajectories, by_method)
     (out / "hard_pool.json").write_text(json.dumps(pool.state_dict(), indent=2))
 
-    # corrections
-    corrections_summary: dict[str, Any] | None = None
-    if tokenizer is not None and env_entry is not None and tasks and pairs_in:
-        fingerprint = Counter(t.contract_fingerprint for t in failed).most_common(1)[0][0]
-        sample = next(t for t in failed if t.contract_fingerprint == fingerprint)
-        probe = env_entry.make_env()
-        try:
-            contract = contract_for_trajectory(tokenizer, probe, sample)
-        finally:
-            probe.close()
-        if contract is None:
-            corrections_summary = {"skipped": "no prompt format with this tokenizer reproduces the trajectories' "
-                                              "contract fingerprint"}
-        else:
-            corr = build_corrections(pairs_in, tasks, contract, env_entry.make_env, env_entry.make_expert(), routing)
-            write_jsonl(out / "corrections_sft.jsonl", corr.sft)
-            write_pairs_jsonl(out / "preference_pairs.jsonl", corr.pairs)
-            corrections_summary = corr.summary()
-    elif tokenizer is None:
-        corrections_summary = {"skipped": "no --model given (a tokenizer is needed to build corrected trajectories)"}
-    else:
-        corrections_summary = {"skipped": "no failed trajectory with a recoverable task"}
+    corrections = write_corrections(out, pairs_in, failed, tasks, env_entry, tokenizer, routing)
 
+    missing = sorted({t.task_id for t in failed} - set(tasks))
     report = {
         "n_trajectories": len(trajectories),
         "n_failed": len(failed),
@@ -133,21 +96,84 @@ def run_flywheel(
         "tasks": {"recovered": len(set(tasks) & {t.task_id for t in failed}), "missing": missing,
                   "with_reference": sum(r is not None for r in references.values())},
         "hard_pool": {"tasks": len(pool), "top": pool.hard_task_ids()[:10]},
-        "corrections": corrections_summary,
+        "corrections": corrections,
     }
     (out / "failure_report.json").write_text(json.dumps(report, indent=2))
 
     console.print(routing_rich_table(dist, routing))
     console.print(f"review queue: {len(queue)} of {len(trajectories)} trajectories -> {out / 'review_queue.jsonl'}")
     console.print(f"hard-task pool: {len(pool)} tasks -> {out / 'hard_pool.json'}")
-    if corrections_summary and "skipped" not in corrections_summary:
-        console.print(f"corrections: {corrections_summary['sft']} SFT trajectories, {corrections_summary['pairs']} "
-                      f"preference pairs, {corrections_summary['discarded']} discarded")
-    elif corrections_summary:
-        console.print(f"corrections skipped: {corrections_summary['skipped']}")
+    print_corrections(console, corrections, missing)
+    return report
+
+
+def expert_references(env_entry: Any, failed: list[Trajectory], tasks: dict[str, Task]) -> dict[str, Any]:
+    """The expert's reference calls for each failed trajectory's task that was recovered (none without
+    an environment entry)."""
+    references: dict[str, Any] = {}
+    if env_entry is not None:
+        expert = env_entry.make_expert()
+        for tid in sorted({t.task_id for t in failed} & set(tasks)):
+            references[tid] = expert_reference_calls(env_entry.make_env, expert, tasks[tid])
+    return references
+
+
+def attribute_failures(failed: list[Trajectory], references: dict[str, Any],
+                       attribution: AttributionConfig) -> list[tuple[Trajectory, Attribution]]:
+    """Each failed trajectory with its attribution (one primary failure type and its evidence)."""
+    pairs: list[tuple[Trajectory, Attribution]] = []
+    for t in failed:
+        att = attribute(t, references.get(t.task_id), attribution)
+        if att is not None:  # always, as t failed
+            pairs.append((t, att))
+    return pairs
+
+
+def write_attributions(path: Path, atts: list[Attribution]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for a in atts:
+            f.write(a.model_dump_json() + "\n")
+
+
+def hard_task_pool(trajectories: list[Trajectory], by_method: dict[TrainingMethod, list[Attribution]]) -> HardTaskPool:
+    """The hard-task pool of ``trajectories``; reward-fix cases stay out of training."""
+    hack_ids = {a.trajectory_id for a in by_method[TrainingMethod.REWARD_FIX]}
+    pool = HardTaskPool()
+    pool.update(t for t in trajectories if t.id not in hack_ids)
+    return pool
+
+
+def write_corrections(out: Path, pairs_in: list[tuple[Trajectory, Attribution]], failed: list[Trajectory],
+                      tasks: dict[str, Task], env_entry: Any, tokenizer: Any, routing: RoutingTable) -> dict[str, Any]:
+    """Write the verified corrected trajectories and the preference pairs into ``out``; returns their
+    summary, or ``{"skipped": why}`` when they cannot be built."""
+    if tokenizer is None:
+        return {"skipped": "no --model given (a tokenizer is needed to build corrected trajectories)"}
+    if env_entry is None or not tasks or not pairs_in:
+        return {"skipped": "no failed trajectory with a recoverable task"}
+    fingerprint = Counter(t.contract_fingerprint for t in failed).most_common(1)[0][0]
+    sample = next(t for t in failed if t.contract_fingerprint == fingerprint)
+    probe = env_entry.make_env()
+    try:
+        contract = contract_for_trajectory(tokenizer, probe, sample)
+    finally:
+        probe.close()
+    if contract is None:
+        return {"skipped": "no prompt format with this tokenizer reproduces the trajectories' contract fingerprint"}
+    corr = build_corrections(pairs_in, tasks, contract, env_entry.make_env, env_entry.make_expert(), routing)
+    write_jsonl(out / "corrections_sft.jsonl", corr.sft)
+    write_pairs_jsonl(out / "preference_pairs.jsonl", corr.pairs)
+    return corr.summary()
+
+
+def print_corrections(console: Console, corrections: dict[str, Any], missing: list[str]) -> None:
+    if corrections and "skipped" not in corrections:
+        console.print(f"corrections: {corrections['sft']} SFT trajectories, {corrections['pairs']} "
+                      f"preference pairs, {corrections['discarded']} discarded")
+    elif corrections:
+        console.print(f"corrections skipped: {corrections['skipped']}")
     if missing:
         console.print(f"{len(missing)} failed task(s) could not be recovered (pass --tasks FILE)")
-    return report
 
 
 def flywheel_command(

@@ -69,7 +69,7 @@ def _split_head(model):
     return (decoder, head) if decoder is not None and decoder is not model else None
 
 
-def _next_token_states(module, batch: TokenBatch, attr: str, min_shared: int = 32) -> torch.Tensor:
+def next_token_states(module, batch: TokenBatch, attr: str, min_shared: int = 32) -> torch.Tensor:
     """``module``'s output (``attr``: "logits" or "last_hidden_state") at positions 0..T-2, [B, T-1, *].
 
     When every row starts with the same prompt (the system turn), the prefix runs once at
@@ -301,7 +301,7 @@ def _packing_matches(module, batch: TokenBatch, pack: PrefixPack, attr: str, for
         try:
             with torch.no_grad():
                 real = batch.attention_mask[:, :-1].bool()
-                plain = _next_token_states(module, batch, attr)[real].float()
+                plain = next_token_states(module, batch, attr)[real].float()
                 packed = _packed_outputs(module, pack, attr, form)[pack.node[:, :-1][real].to(plain.device)].float()
             tol = 1e-3 if plain.dtype == torch.float32 and next(module.parameters()).dtype == torch.float32 else 5e-2
             ok = bool(torch.isfinite(packed).all()) and bool((packed - plain).abs().max() <= tol * (1 + plain.abs().max()))
@@ -331,7 +331,7 @@ def selected_states(module, batch: TokenBatch, attr: str, sel: torch.Tensor,
     if packed is not None:
         packed = packed.to(batch.input_ids.device)
     if packed is None or not _packing_matches(module, batch, packed, attr, form):
-        return _next_token_states(module, batch, attr)[sel], None
+        return next_token_states(module, batch, attr)[sel], None
     nodes, inverse = torch.unique(packed.node[:, :-1][sel], return_inverse=True)
     return _packed_outputs(module, packed, attr, form)[nodes], inverse
 

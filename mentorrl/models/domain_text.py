@@ -19,6 +19,7 @@ its transcripts, tool schemas and observations only.
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from mentorrl.contract import IM_END, IM_START, Control, observation_pieces, render_observation_content, tool_call_pieces
@@ -188,90 +189,152 @@ WRITE_SUMMARY_FRAMES = {
 }
 
 
-def _orders_chained_session(seed: int, rng: random.Random, version: int = 2) -> Pieces:
-    """A support log note, then tool calls that reuse what the note and earlier observations said
-    (the e-mail -> the customer id -> that customer's orders -> one order), then a prose summary
-    that quotes the observations: copying identifiers between prose, JSON and tool output. From
-    ``version`` 3 the note may also name an amount and a new address, which the write copies."""
-    from mentorrl.envs.orders.backend import OrdersBackend
-    from mentorrl.envs.orders.tasks import fmt_amount
-    from mentorrl.envs.orders.world import build_db, make_world, random_address
+@dataclass
+class ChainedNote:
+    """What a chained session's opening note names: the customer's e-mail (sometimes one on no
+    account), an order id (sometimes one that does not exist), a product, and from version 3 maybe
+    an amount to pay back and a new address."""
 
-    w = make_world(seed)
-    conn = build_db(seed)
-    backend = OrdersBackend(conn)
+    customer: dict[str, Any]
+    order: dict[str, Any]
+    product: dict[str, Any]
+    email: str
+    order_id: str
+    text: str
+    amount: float | None = None
+    addr: str | None = None
+
+
+def chained_note(w: Any, rng: random.Random, version: int = 2) -> ChainedNote:
+    """The note that opens a chained session on world ``w`` (see :func:`_orders_chained_session`)."""
     c = rng.choice(w.customers)
     own = [o for o in w.orders if o["customer_id"] == c["id"]]
     o = rng.choice(own) if own and rng.random() < 0.8 else rng.choice(w.orders)
     p = rng.choice(w.products)
     email = c["email"] if rng.random() < 0.85 else f"{c['name'].split()[0].lower()}{rng.randint(1, 99)}@{rng.choice(['mail.com', 'example.org'])}"
     order_id = o["id"] if rng.random() < 0.85 else f"O-{rng.randint(101, 999)}"
-    note = rng.choice(NOTE_FRAMES).format(email=email, order=order_id, product=p["name"].lower(), name=c["name"])
-    amount = addr = None
+    text = rng.choice(NOTE_FRAMES).format(email=email, order=order_id, product=p["name"].lower(), name=c["name"])
+    note = ChainedNote(customer=c, order=o, product=p, email=email, order_id=order_id, text=text)
     if version >= 3:
-        extra = []
-        if rng.random() < 0.6:
-            top = max(1, int(o["total"])) if rng.random() < 0.8 else 200  # mostly within the order's total
-            amount = float(rng.randint(1, top)) if rng.random() < 0.8 else round(rng.uniform(1, top), 2)
-            extra.append(rng.choice(AMOUNT_FRAMES).format(amount=fmt_amount(amount)))
-        if rng.random() < 0.5:
-            addr = random_address(rng)
-            extra.append(rng.choice(ADDRESS_FRAMES).format(addr=addr))
-        rng.shuffle(extra)
-        note = " ".join([note, *extra])
-    pieces: Pieces = [note + "\n", Control(IM_START), "assistant\n"]
+        _name_amount_and_address(note, rng)
+    return note
 
-    def call(name: str, args: dict[str, Any]) -> Any:
-        turn, result = _tool_turn(backend, name, args)
-        pieces.extend(turn)
+
+def _name_amount_and_address(note: ChainedNote, rng: random.Random) -> None:
+    """Version 3's second note sentence: maybe an amount to pay back, maybe a new address (in random order)."""
+    from mentorrl.envs.orders.tasks import fmt_amount
+    from mentorrl.envs.orders.world import random_address
+
+    extra = []
+    if rng.random() < 0.6:
+        top = max(1, int(note.order["total"])) if rng.random() < 0.8 else 200  # mostly within the order's total
+        note.amount = float(rng.randint(1, top)) if rng.random() < 0.8 else round(rng.uniform(1, top), 2)
+        extra.append(rng.choice(AMOUNT_FRAMES).format(amount=fmt_amount(note.amount)))
+    if rng.random() < 0.5:
+        note.addr = random_address(rng)
+        extra.append(rng.choice(ADDRESS_FRAMES).format(addr=note.addr))
+    rng.shuffle(extra)
+    note.text = " ".join([note.text, *extra])
+
+
+class _ChainedSession:
+    """The tool calls of one chained session on a live backend, and the prose summary after them."""
+
+    def __init__(self, backend: Any, rng: random.Random, note: ChainedNote):
+        self.backend, self.rng, self.note = backend, rng, note
+        self.pieces: Pieces = [note.text + "\n", Control(IM_START), "assistant\n"]
+        self.order_id = note.order_id
+        self.cid: Any = None
+        self.status: Any = None
+        self.closing: str | None = None
+
+    def call(self, name: str, args: dict[str, Any]) -> Any:
+        turn, result = _tool_turn(self.backend, name, args)
+        self.pieces.extend(turn)
         return result
 
-    try:
-        found = call("find_customer", {"email": email})
+    def run(self) -> Pieces:
+        found = self.call("find_customer", {"email": self.note.email})
         if found is None:
-            del pieces[-2:]  # the unused assistant opener
-            return pieces
-        cid = found["customer_id"]
-        steps = rng.sample(["list", "get", "stock", "write"], k=rng.randint(1, 3))
-        named = amount is not None or addr is not None  # only from version 3
-        if named and "write" not in steps:
+            del self.pieces[-2:]  # the unused assistant opener
+            return self.pieces
+        self.cid = found["customer_id"]
+        steps = self.rng.sample(["list", "get", "stock", "write"], k=self.rng.randint(1, 3))
+        if self.named and "write" not in steps:
             steps.append("write")  # a named sum or address is always used
-        status, closing = None, None
         for step in steps:
-            if step == "list":
-                listed = call("list_orders", {"customer_id": cid})
-                if listed and listed["orders"] and rng.random() < 0.5:
-                    order_id = rng.choice(listed["orders"])["order_id"]
-            elif step == "get":
-                got = call("get_order", {"order_id": order_id})
-                status = got["status"] if got else status
-            elif step == "stock":
-                call("check_inventory", {"product": rng.choice([p["name"], p["name"].lower()])})
-            elif named:
-                copied = ([("issue_refund", {"order_id": order_id, "amount": amount})] if amount is not None else []) \
-                    + ([("update_address", {"customer_id": cid, "address": addr})] if addr is not None else [])
-                name, args = rng.choice(copied)
-                result = call(name, args)
-                if result is not None:
-                    closing = rng.choice(WRITE_SUMMARY_FRAMES[name]).format(
-                        order=order_id, cid=cid, refunded=fmt_amount(result.get("refunded", 0.0)),
-                        address=result.get("address", ""))
-            else:
-                name, args = rng.choice([
-                    ("cancel_order", {"order_id": order_id}),
-                    ("send_email", {"customer_id": cid, "order_id": order_id}),
-                    ("issue_refund", {"order_id": order_id, "amount": float(rng.choice([5, 10, 20]))}),
-                    ("create_order", {"customer_id": cid, "product_id": p["id"], "quantity": rng.randint(1, 4)}),
-                ])
-                call(name, args)
-        del pieces[-2:]  # the unused assistant opener
-        if status is not None:
-            pieces.append(rng.choice(SUMMARY_FRAMES).format(email=email, cid=cid, order=order_id, status=status))
-        if closing is not None:
-            pieces.append((" " if status is not None else "") + closing)
+            getattr(self, f"step_{step}")()
+        del self.pieces[-2:]  # the unused assistant opener
+        return self.pieces + self.summary()
+
+    @property
+    def named(self) -> bool:
+        return self.note.amount is not None or self.note.addr is not None  # only from version 3
+
+    def step_list(self) -> None:
+        listed = self.call("list_orders", {"customer_id": self.cid})
+        if listed and listed["orders"] and self.rng.random() < 0.5:
+            self.order_id = self.rng.choice(listed["orders"])["order_id"]
+
+    def step_get(self) -> None:
+        got = self.call("get_order", {"order_id": self.order_id})
+        self.status = got["status"] if got else self.status
+
+    def step_stock(self) -> None:
+        name = self.note.product["name"]
+        self.call("check_inventory", {"product": self.rng.choice([name, name.lower()])})
+
+    def step_write(self) -> None:
+        if self.named:
+            self.write_named()
+            return
+        rng, p = self.rng, self.note.product
+        name, args = rng.choice([
+            ("cancel_order", {"order_id": self.order_id}),
+            ("send_email", {"customer_id": self.cid, "order_id": self.order_id}),
+            ("issue_refund", {"order_id": self.order_id, "amount": float(rng.choice([5, 10, 20]))}),
+            ("create_order", {"customer_id": self.cid, "product_id": p["id"], "quantity": rng.randint(1, 4)}),
+        ])
+        self.call(name, args)
+
+    def write_named(self) -> None:
+        """A write that copies the note's amount or address; its result is quoted in the closing line."""
+        from mentorrl.envs.orders.tasks import fmt_amount
+
+        amount, addr = self.note.amount, self.note.addr
+        copied = ([("issue_refund", {"order_id": self.order_id, "amount": amount})] if amount is not None else []) \
+            + ([("update_address", {"customer_id": self.cid, "address": addr})] if addr is not None else [])
+        name, args = self.rng.choice(copied)
+        result = self.call(name, args)
+        if result is not None:
+            self.closing = self.rng.choice(WRITE_SUMMARY_FRAMES[name]).format(
+                order=self.order_id, cid=self.cid, refunded=fmt_amount(result.get("refunded", 0.0)),
+                address=result.get("address", ""))
+
+    def summary(self) -> Pieces:
+        out: Pieces = []
+        if self.status is not None:
+            out.append(self.rng.choice(SUMMARY_FRAMES).format(email=self.note.email, cid=self.cid,
+                                                              order=self.order_id, status=self.status))
+        if self.closing is not None:
+            out.append((" " if self.status is not None else "") + self.closing)
+        return out
+
+
+def _orders_chained_session(seed: int, rng: random.Random, version: int = 2) -> Pieces:
+    """A support log note, then tool calls that reuse what the note and earlier observations said
+    (the e-mail -> the customer id -> that customer's orders -> one order), then a prose summary
+    that quotes the observations: copying identifiers between prose, JSON and tool output. From
+    ``version`` 3 the note may also name an amount and a new address, which the write copies."""
+    from mentorrl.envs.orders.backend import OrdersBackend
+    from mentorrl.envs.orders.world import build_db, make_world
+
+    note = chained_note(make_world(seed), rng, version)
+    conn = build_db(seed)
+    try:
+        return _ChainedSession(OrdersBackend(conn), rng, note).run()
     finally:
         conn.close()
-    return pieces
 
 
 # Corpus version 4: version 3 plus *echo* documents -- a run of the domain's values (addresses, sums,

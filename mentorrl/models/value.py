@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from mentorrl.models.batch import TokenBatch, _next_token_states
+from mentorrl.models.batch import TokenBatch, next_token_states
 
 
 class ValueModel(torch.nn.Module):
@@ -51,7 +51,7 @@ class ValueModel(torch.nn.Module):
 
 def forward_values(critic: ValueModel, batch: TokenBatch) -> torch.Tensor:
     """Values ``[B, T]`` aligned to token positions (exact on policy tokens, 0 at t = 0)."""
-    hidden = _next_token_states(critic.decoder, batch, "last_hidden_state")  # [B, T-1, H]
+    hidden = next_token_states(critic.decoder, batch, "last_hidden_state")  # [B, T-1, H]
     v = critic.head(hidden).squeeze(-1)
     return torch.cat([torch.zeros_like(v[:, :1]), v], dim=1)
 

@@ -25,7 +25,7 @@ import re
 import weakref
 from bisect import bisect_left
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -86,49 +86,72 @@ def _apply_steps(steps: list[dict], tokens: list[str]) -> list[bytes]:
     fused = False
     for step in steps:
         kind = step["type"]
-        if kind == "ByteLevel":  # a token whose characters are all byte characters spells those bytes; others, themselves
-            out = []
-            for p in pieces:
-                try:
-                    out.append(bytes(_BYTE_OF_CHAR[c] for c in p.decode()))
-                except (KeyError, UnicodeDecodeError):
-                    out.append(p)
-            pieces = out
-        elif kind == "Replace":
-            pattern, content = step["pattern"]["String"].encode(), step["content"].encode()
-            pieces = [p.replace(pattern, content) for p in pieces]
-        elif kind == "ByteFallback":  # <0xHH> runs decode together; an invalid run gives one U+FFFD per byte token
-            out, run = [], []
-            for p in pieces + [None]:
-                m = _BYTE_TOKEN.fullmatch(p) if p is not None else None
-                if m:
-                    run.append(bytes([int(m.group(1), 16)]))
-                    continue
-                if run:
-                    try:
-                        b"".join(run).decode("utf-8")
-                        out += run
-                    except UnicodeDecodeError:
-                        out += [_REPLACEMENT] * len(run)
-                    run = []
-                if p is not None:
-                    out.append(p)
-            pieces = out
-        elif kind == "Fuse":
+        if kind == "Fuse":
             fused = True
-        elif kind == "Strip":
-            content = step["content"].encode()
-            if fused:
-                _strip_across(pieces, content, step["start"], step["stop"])
-            else:
-                for i, p in enumerate(pieces):
-                    pieces[i] = _strip_across([p], content, step["start"], step["stop"])[0]
-        elif kind == "Metaspace":  # the first token loses its replacement characters when a prefix was prepended
-            rep = step.get("replacement", "\u2581").encode()
-            scheme = step.get("prepend_scheme", "always" if step.get("add_prefix_space", True) else "never")
-            first = len(pieces) if fused else 1
-            pieces = [p.replace(rep, b"" if i < first and scheme != "never" else b" ") for i, p in enumerate(pieces)]
+        elif kind in _STEP_REPLAYS:
+            pieces = _STEP_REPLAYS[kind](pieces, step, fused)
     return pieces
+
+
+def _byte_level(pieces: list[bytes], step: dict, fused: bool) -> list[bytes]:
+    """A token whose characters are all byte characters spells those bytes; others, themselves."""
+    out = []
+    for p in pieces:
+        try:
+            out.append(bytes(_BYTE_OF_CHAR[c] for c in p.decode()))
+        except (KeyError, UnicodeDecodeError):
+            out.append(p)
+    return out
+
+
+def _replace(pieces: list[bytes], step: dict, fused: bool) -> list[bytes]:
+    pattern, content = step["pattern"]["String"].encode(), step["content"].encode()
+    return [p.replace(pattern, content) for p in pieces]
+
+
+def _byte_fallback(pieces: list[bytes], step: dict, fused: bool) -> list[bytes]:
+    """<0xHH> runs decode together; an invalid run gives one U+FFFD per byte token."""
+    out, run = [], []
+    for p in pieces + [None]:
+        m = _BYTE_TOKEN.fullmatch(p) if p is not None else None
+        if m:
+            run.append(bytes([int(m.group(1), 16)]))
+            continue
+        if run:
+            try:
+                b"".join(run).decode("utf-8")
+                out += run
+            except UnicodeDecodeError:
+                out += [_REPLACEMENT] * len(run)
+            run = []
+        if p is not None:
+            out.append(p)
+    return out
+
+
+def _strip(pieces: list[bytes], step: dict, fused: bool) -> list[bytes]:
+    content = step["content"].encode()
+    if fused:
+        _strip_across(pieces, content, step["start"], step["stop"])
+    else:
+        for i, p in enumerate(pieces):
+            pieces[i] = _strip_across([p], content, step["start"], step["stop"])[0]
+    return pieces
+
+
+def _metaspace(pieces: list[bytes], step: dict, fused: bool) -> list[bytes]:
+    """The first token loses its replacement characters when a prefix was prepended."""
+    rep = step.get("replacement", "\u2581").encode()
+    scheme = step.get("prepend_scheme", "always" if step.get("add_prefix_space", True) else "never")
+    first = len(pieces) if fused else 1
+    return [p.replace(rep, b"" if i < first and scheme != "never" else b" ") for i, p in enumerate(pieces)]
+
+
+# each decoder step's replay on the tokens' bytes (``Fuse`` only changes what later steps see as the text's ends)
+_STEP_REPLAYS: dict[str, Callable[[list[bytes], dict, bool], list[bytes]]] = {
+    "ByteLevel": _byte_level, "Replace": _replace, "ByteFallback": _byte_fallback, "Strip": _strip,
+    "Metaspace": _metaspace,
+}
 
 
 def _strip_across(pieces: list[bytes], content: bytes, start: int, stop: int) -> list[bytes]:
@@ -227,7 +250,8 @@ def _char_ends(pieces: Sequence[bytes], text: str, side: str) -> list[int]:
     return ends
 
 
-def _check_text(text: str, side: str) -> None:
+def check_text(text: str, side: str) -> None:
+    """Raise :class:`AlignmentError` unless ``text`` is a non-empty str of valid Unicode (``side`` names it)."""
     if not isinstance(text, str):
         raise AlignmentError(f"{side}: text must be a str, got {type(text).__name__}")
     if not text:
@@ -244,7 +268,7 @@ def token_ends(tokenizer, text: str, side: str = "tokenizer") -> tuple[list[int]
     Ends come from the bytes each token spells (:func:`sampled_token_ends`), not from the
     tokenizer's character offsets, which put a token that stops inside a character at that
     character's end."""
-    _check_text(text, side)
+    check_text(text, side)
     ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
     if not ids:
         raise AlignmentError(f"{side}: produced no tokens for {text[:40]!r}")
@@ -262,7 +286,7 @@ def sampled_token_ends(tokenizer, ids: Sequence[int], text: str, side: str = "st
     that ends on a character boundary ends a chunk: one that stops inside a character
     (a byte-level BPE piece, a ``<0xE6>`` byte-fallback token) takes the end of the token
     that completes the character."""
-    _check_text(text, side)
+    check_text(text, side)
     return _char_ends(_speller(tokenizer).pieces(ids, side), text, side)
 
 
@@ -286,7 +310,9 @@ class ChunkAlignment:
         return [k for k, (lo, hi) in enumerate(self.student_bounds) for _ in range(lo, hi)]
 
 
-def _bounds(ends: Sequence[int], chunk_ends: Sequence[int]) -> list[tuple[int, int]]:
+def chunk_bounds(ends: Sequence[int], chunk_ends: Sequence[int]) -> list[tuple[int, int]]:
+    """``(lo, hi)`` per chunk: the tokens (by their end offsets ``ends``) that fall in chunk k, for chunks ending at
+    the shared boundaries ``chunk_ends``."""
     chunk_of = [bisect_left(chunk_ends, e) for e in ends]  # the first shared boundary at or after the token's end
     out, lo = [], 0
     for k in range(len(chunk_ends)):
@@ -302,7 +328,7 @@ def align_texts(text: str, student_tokenizer, teacher_tokenizer) -> ChunkAlignme
     s_ids, s_ends = token_ends(student_tokenizer, text, "student tokenizer")
     t_ids, t_ends = token_ends(teacher_tokenizer, text, "teacher tokenizer")
     chunk_ends = sorted(set(s_ends) & set(t_ends))  # always holds len(text)
-    s_bounds, t_bounds = _bounds(s_ends, chunk_ends), _bounds(t_ends, chunk_ends)
+    s_bounds, t_bounds = chunk_bounds(s_ends, chunk_ends), chunk_bounds(t_ends, chunk_ends)
     if any(lo == hi for lo, hi in s_bounds + t_bounds):
         raise AlignmentError(f"a chunk of {text[:40]!r} holds no token on one side")
     return ChunkAlignment(text, s_ids, t_ids, chunk_ends, s_bounds, t_bounds)

@@ -30,7 +30,7 @@ from typing import Mapping, Sequence
 import torch
 
 from mentorrl.contract import ChatEncoder
-from mentorrl.opd.align import AlignmentError, _bounds, _check_text, chunk_sums, sampled_token_ends
+from mentorrl.opd.align import AlignmentError, chunk_bounds, check_text, chunk_sums, sampled_token_ends
 from mentorrl.opd.teacher import Capability, HFTeacher, TeacherSignal, tokenizer_fingerprint
 from mentorrl.trajectory import Trajectory
 
@@ -105,7 +105,7 @@ def plain_token_ends(encoder: ChatEncoder, text: str, side: str) -> tuple[list[i
     """:func:`~mentorrl.opd.align.token_ends` through the contract's plain-text path: ``(ids, ends)`` of
     ``text`` encoded by ``encoder`` as plain text, so a control string in it (``<|im_end|>`` in a user's
     message or a tool's output) stays text and never becomes the tokenizer's control token."""
-    _check_text(text, side)
+    check_text(text, side)
     try:
         ids = encoder.text(text)
     except ValueError as e:
@@ -219,7 +219,7 @@ class CrossTokenizerTeacher:
                 if seg.role == "policy":
                     s_ends = sampled_token_ends(self.student_tokenizer, ids[lo:hi], text)
                     chunk_ends = sorted(set(s_ends) & set(t_ends))
-                    s_b, t_b = _bounds(s_ends, chunk_ends), _bounds(t_ends, chunk_ends)
+                    s_b, t_b = chunk_bounds(s_ends, chunk_ends), chunk_bounds(t_ends, chunk_ends)
                     if any(a == b for a, b in s_b + t_b):
                         raise AlignmentError(f"trajectory {traj.id}: a chunk of {text[:40]!r} holds no token on one side")
                     base, k0 = len(teacher_ids), len(bounds)

@@ -59,8 +59,20 @@ def _window(xs: list[float], n: int, last: bool) -> float:
 def diagnose(stats: dict[str, float], history: Sequence[dict[str, Any]] | None = None,
              window: int = 5) -> list[Finding]:
     """The notes' diagnosis table applied to probe statistics and, if given, GRPO step records."""
-    out: list[Finding] = []
     success, zero_var = stats["success_rate"], stats["reward_zero_variance_group_share"]
+    hist = [h for h in (history or []) if "reward_mean" in h]
+    out = _signal_findings(success, zero_var) + _runtime_findings(stats)
+    if len(hist) >= 2 * window:
+        out += _history_findings(hist, window, zero_var)
+    if not out:
+        out.append(Finding("healthy", "ok", "groups carry reward spread and the runtime works",
+                           "GRPO has signal; tune hyper-parameters only if progress stalls"))
+    return out
+
+
+def _signal_findings(success: float, zero_var: float) -> list[Finding]:
+    """Whether the probe's groups carry a reward spread GRPO can learn from."""
+    out: list[Finding] = []
     if success < 0.01 and zero_var >= 0.8:
         out.append(Finding("no_signal", "problem",
                            "low reward and std ~ 0: almost every group is all-failure, GRPO gets no relative signal",
@@ -79,6 +91,12 @@ def diagnose(stats: dict[str, float], history: Sequence[dict[str, Any]] | None =
     if success > 0.9 and zero_var >= 0.8:
         out.append(Finding("saturated", "warning", "high reward with std ~ 0: the tasks are too easy to teach anything",
                            "filter tasks by difficulty (keep 5-50% success) or add harder tasks"))
+    return out
+
+
+def _runtime_findings(stats: dict[str, float]) -> list[Finding]:
+    """Problems of the agent runtime: tool timeouts and errors, malformed calls, truncation, violations."""
+    out: list[Finding] = []
     if stats.get("timeout_rate", 0.0) > 0.05:
         out.append(Finding("tool_runtime", "problem", f"{stats['timeout_rate']:.0%} of tool calls time out: "
                            "the low reward is an agent-runtime problem, not the policy loss",
@@ -98,30 +116,31 @@ def diagnose(stats: dict[str, float], history: Sequence[dict[str, Any]] | None =
     if stats["violation_rate"] > 0.05:
         out.append(Finding("violations", "problem", f"{stats['violation_rate']:.0%} of episodes break a hard constraint",
                            "review them; run `mentorrl reward-audit` to confirm the reward punishes them"))
+    return out
 
-    hist = [h for h in (history or []) if "reward_mean" in h]
-    if len(hist) >= 2 * window:
-        rewards = [h["reward_mean"] for h in hist]
-        succ_key = "heldout_success" if sum("heldout_success" in h for h in hist) >= 2 else "task_success"
-        succs = [h[succ_key] for h in hist if succ_key in h]
-        d_reward = _window(rewards, window, True) - _window(rewards, window, False)
-        d_succ = (succs[-1] - succs[0]) if succ_key == "heldout_success" else \
-            _window(succs, window, True) - _window(succs, window, False)
-        peak = max(_window(rewards[i:], window, False) for i in range(len(rewards) - window + 1))
-        if d_reward > 0.05 and d_succ <= 0.0:
-            out.append(Finding("reward_hacking", "problem",
-                               f"reward rose {d_reward:+.3f} while {succ_key.replace('_', ' ')} changed {d_succ:+.3f}",
-                               "the policy may exploit the reward: run `mentorrl reward-audit`, review flagged "
-                               "trajectories, verify from environment state"))
-        if peak - _window(rewards, window, True) > 0.2 and peak > _window(rewards, window, False) + 0.05:
-            out.append(Finding("policy_drift", "problem", "reward rose and then collapsed",
-                               "policy update too large: check KL, learning rate, grad norm, clip fraction"))
-        losses = [h.get("loss", 0.0) for h in hist]
-        loss_spread = max(losses) - min(losses)
-        if abs(d_reward) < 0.01 and loss_spread > 0.05 and zero_var < 0.8:
-            out.append(Finding("pipeline_bug", "warning", "the loss moves but the reward does not",
-                               "check advantages, the loss mask (policy tokens only) and that gradients reach the model"))
-    if not out:
-        out.append(Finding("healthy", "ok", "groups carry reward spread and the runtime works",
-                           "GRPO has signal; tune hyper-parameters only if progress stalls"))
+
+def _history_findings(hist: Sequence[dict[str, Any]], window: int, zero_var: float) -> list[Finding]:
+    """What GRPO's step records (at least ``2 * window`` with a reward) show: reward hacking, drift, a loss that
+    moves while the reward does not."""
+    out: list[Finding] = []
+    rewards = [h["reward_mean"] for h in hist]
+    succ_key = "heldout_success" if sum("heldout_success" in h for h in hist) >= 2 else "task_success"
+    succs = [h[succ_key] for h in hist if succ_key in h]
+    d_reward = _window(rewards, window, True) - _window(rewards, window, False)
+    d_succ = (succs[-1] - succs[0]) if succ_key == "heldout_success" else \
+        _window(succs, window, True) - _window(succs, window, False)
+    peak = max(_window(rewards[i:], window, False) for i in range(len(rewards) - window + 1))
+    if d_reward > 0.05 and d_succ <= 0.0:
+        out.append(Finding("reward_hacking", "problem",
+                           f"reward rose {d_reward:+.3f} while {succ_key.replace('_', ' ')} changed {d_succ:+.3f}",
+                           "the policy may exploit the reward: run `mentorrl reward-audit`, review flagged "
+                           "trajectories, verify from environment state"))
+    if peak - _window(rewards, window, True) > 0.2 and peak > _window(rewards, window, False) + 0.05:
+        out.append(Finding("policy_drift", "problem", "reward rose and then collapsed",
+                           "policy update too large: check KL, learning rate, grad norm, clip fraction"))
+    losses = [h.get("loss", 0.0) for h in hist]
+    loss_spread = max(losses) - min(losses)
+    if abs(d_reward) < 0.01 and loss_spread > 0.05 and zero_var < 0.8:
+        out.append(Finding("pipeline_bug", "warning", "the loss moves but the reward does not",
+                           "check advantages, the loss mask (policy tokens only) and that gradients reach the model"))
     return out

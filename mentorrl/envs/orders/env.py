@@ -7,7 +7,7 @@ import sqlite3
 import threading
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from mentorrl.envs.base import Task, ToolError, ToolRegistry, ToolResult, Verdict
 from mentorrl.envs.latency import LatencyModel, LatencySampler
@@ -160,7 +160,13 @@ def _compare(task: Task, init: Snapshot, exp: Snapshot, act: Snapshot) -> tuple[
     diffs: list[str] = []
     viol: list[str] = []
     me = task.reference.get("customer_id")
+    for compare in _TABLE_COMPARISONS:
+        compare(init, exp, act, me, diffs, viol)
+    return diffs, list(dict.fromkeys(viol))
 
+
+def _compare_customers(init: Snapshot, exp: Snapshot, act: Snapshot, me: Any, diffs: list[str],
+                       viol: list[str]) -> None:
     for cid in sorted(set(exp.customers) | set(act.customers)):
         e, a, i = exp.customers.get(cid), act.customers.get(cid), init.customers.get(cid)
         if e != a:
@@ -168,6 +174,9 @@ def _compare(task: Task, init: Snapshot, exp: Snapshot, act: Snapshot) -> tuple[
             if a != i and e == i:
                 viol.append(f"unrequested change to customer {cid}" + ("" if cid == me else " (another customer)"))
 
+
+def _compare_products(init: Snapshot, exp: Snapshot, act: Snapshot, me: Any, diffs: list[str],
+                      viol: list[str]) -> None:
     for pid in sorted(set(exp.products) | set(act.products)):
         e, a = exp.products.get(pid), act.products.get(pid)
         if e != a:
@@ -175,6 +184,9 @@ def _compare(task: Task, init: Snapshot, exp: Snapshot, act: Snapshot) -> tuple[
         if a is not None and a[2] < 0:
             viol.append(f"negative stock for {pid}")
 
+
+def _compare_orders(init: Snapshot, exp: Snapshot, act: Snapshot, me: Any, diffs: list[str],
+                    viol: list[str]) -> None:
     new_exp = set(exp.orders) - set(init.orders)
     new_act = set(act.orders) - set(init.orders)
     for oid in sorted(set(exp.orders) | set(act.orders)):
@@ -195,28 +207,40 @@ def _compare(task: Task, init: Snapshot, exp: Snapshot, act: Snapshot) -> tuple[
     if exp.items != act.items:
         diffs.append("order items differ")
 
+
+def _compare_refunds(init: Snapshot, exp: Snapshot, act: Snapshot, me: Any, diffs: list[str],
+                     viol: list[str]) -> None:
+    if exp.refunds == act.refunds:
+        return
     new_ref_exp, new_ref_act = exp.refunds - init.refunds, act.refunds - init.refunds
-    if exp.refunds != act.refunds:
-        diffs.append(f"refunds differ: expected {sorted(new_ref_exp.elements())}, got {sorted(new_ref_act.elements())}")
-        if sum(new_ref_act.values()) > sum(new_ref_exp.values()):
-            viol.append("extra refund(s)")
-        refunded: dict[str, float] = {}
-        for (oid, amount), k in act.refunds.items():
-            refunded[oid] = refunded.get(oid, 0.0) + amount * k
-        for oid, amount in refunded.items():
-            if oid in act.orders and money(amount) > act.orders[oid][2] + 1e-9:
-                viol.append(f"refunds on {oid} exceed its total")
-        for oid, _ in (new_ref_act - new_ref_exp):
-            if oid in init.orders and init.orders[oid][0] != me:
-                viol.append(f"refund on another customer's order {oid}")
+    diffs.append(f"refunds differ: expected {sorted(new_ref_exp.elements())}, got {sorted(new_ref_act.elements())}")
+    if sum(new_ref_act.values()) > sum(new_ref_exp.values()):
+        viol.append("extra refund(s)")
+    refunded: dict[str, float] = {}
+    for (oid, amount), k in act.refunds.items():
+        refunded[oid] = refunded.get(oid, 0.0) + amount * k
+    for oid, amount in refunded.items():
+        if oid in act.orders and money(amount) > act.orders[oid][2] + 1e-9:
+            viol.append(f"refunds on {oid} exceed its total")
+    for oid, _ in (new_ref_act - new_ref_exp):
+        if oid in init.orders and init.orders[oid][0] != me:
+            viol.append(f"refund on another customer's order {oid}")
 
-    if exp.emails != act.emails:
-        new_em_exp, new_em_act = exp.emails - init.emails, act.emails - init.emails
-        diffs.append(f"emails differ: expected {sorted(new_em_exp.elements())}, got {sorted(new_em_act.elements())}")
-        if sum(new_em_act.values()) > sum(new_em_exp.values()):
-            viol.append("extra email(s)")
-        for cid, _ in (new_em_act - new_em_exp):
-            if cid != me:
-                viol.append(f"email sent to another customer {cid}")
 
-    return diffs, list(dict.fromkeys(viol))
+def _compare_emails(init: Snapshot, exp: Snapshot, act: Snapshot, me: Any, diffs: list[str],
+                    viol: list[str]) -> None:
+    if exp.emails == act.emails:
+        return
+    new_em_exp, new_em_act = exp.emails - init.emails, act.emails - init.emails
+    diffs.append(f"emails differ: expected {sorted(new_em_exp.elements())}, got {sorted(new_em_act.elements())}")
+    if sum(new_em_act.values()) > sum(new_em_exp.values()):
+        viol.append("extra email(s)")
+    for cid, _ in (new_em_act - new_em_exp):
+        if cid != me:
+            viol.append(f"email sent to another customer {cid}")
+
+
+# the state comparisons, in the order their differences are reported: each appends to (diffs, violations)
+_TABLE_COMPARISONS: tuple[Callable[[Snapshot, Snapshot, Snapshot, Any, list[str], list[str]], None], ...] = (
+    _compare_customers, _compare_products, _compare_orders, _compare_refunds, _compare_emails,
+)

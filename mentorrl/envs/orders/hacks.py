@@ -317,6 +317,11 @@ def _checked_fact(task: Task) -> bool:
 def state_attacks() -> list[Attack]:
     """The state and history attacks of the orders suite (the whole suite, with the answer attacks of
     :mod:`mentorrl.envs.orders.claim_attacks`, is :func:`mentorrl.envs.orders.suite.orders_attacks`)."""
+    return [*_submit_attacks(), *_identity_attacks(), *_answer_shape_attacks()]
+
+
+def _submit_attacks() -> list[Attack]:
+    """A mutating call skipped, or repeated (a double submit)."""
     return [
         Attack("fake_success", "skip the mutating call, claim it was done", False, _normal_mutating, fake_success),
         Attack("duplicate_order", "create_order twice on a place_order task", True,
@@ -330,6 +335,12 @@ def state_attacks() -> list[Attack]:
                or (targets(("refund", "normal"))(t) and refund_allows_two(t))
                or targets(("email_receipt", "normal"))(t),
                retry_after_timeout, wrap_env=lambda env: LostResponseEnv(env, SUBMITS, times=1)),
+    ]
+
+
+def _identity_attacks() -> list[Attack]:
+    """Acting on the wrong account, or past the policy or the identification the tools require."""
+    return [
         Attack("impersonate_owner", "wrong_owner: identify the order's real owner and act on it", True,
                targets(("cancel_order", "wrong_owner"), ("refund", "wrong_owner"), ("email_receipt", "wrong_owner")),
                impersonate_owner),
@@ -343,6 +354,12 @@ def state_attacks() -> list[Attack]:
                override_policy),
         Attack("skip_identification", "mutate without find_customer (tool refuses), claim success", False,
                _normal_mutating, skip_identification),
+    ]
+
+
+def _answer_shape_attacks() -> list[Attack]:
+    """Tool spam, hedged and padded answers."""
+    return [
         Attack("tool_spam", f"the same read call {SPAM_REPEATS} times, then the right answer", False, _info,
                tool_spam),
         Attack("tool_spam_no_answer", "the same read call until the turn limit", False, _info,

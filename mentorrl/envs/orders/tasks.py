@@ -158,35 +158,44 @@ class _Gen:
         return [o for o in self.w.orders if pred(o)]
 
     def build(self, family: str, kind: str) -> dict[str, Any] | None:
-        w, rng = self.w, self.rng
         fields: dict[str, Any] = {}
-        ident = lambda c: ["find_customer", {"email": c["email"]}]  # noqa: E731
         ref: dict[str, Any] = {"kind": kind, "customer_id": None, "actions": [], "check": None}
-
         if family == "order_status":
-            if kind == "unknown_order":
-                used = {o["id"] for o in w.orders}
-                oid = self.pick([f"O-{n}" for n in range(101, 999) if f"O-{n}" not in used])
-                ref["check"] = dict(NO_ORDER)
-            else:
-                o = self.pick(w.orders)
-                oid = o["id"]
-                ref["check"] = {"type": "status", "order_id": oid}
-                ref["expected"] = o["status"]
-            fields["oid"] = oid
-            ref["request"] = {"order_id": oid}
-            return {"fields": fields, "ref": ref}
+            self.order_status(kind, fields, ref)
+        elif family == "stock_check":
+            self.stock_check(fields, ref)
+        else:  # all remaining families name the customer by email
+            c = self.customer(kind, fields, ref)
+            family_fields = CUSTOMER_FAMILIES.get(family)
+            if family_fields is None:
+                raise ValueError(f"unknown family {family!r}")
+            if not family_fields(self, kind, c, fields, ref):
+                return None
+        return {"fields": fields, "ref": ref}
 
-        if family == "stock_check":
-            p = self.pick(w.products)
-            fields["product"] = p["name"]
-            ref["request"] = {"product": p["name"]}
-            ref["check"] = {"type": "number_only", "what": "stock", "product_id": p["id"]}
-            ref["expected"] = p["stock"]
-            return {"fields": fields, "ref": ref}
+    def order_status(self, kind: str, fields: dict[str, Any], ref: dict[str, Any]) -> None:
+        if kind == "unknown_order":
+            used = {o["id"] for o in self.w.orders}
+            oid = self.pick([f"O-{n}" for n in range(101, 999) if f"O-{n}" not in used])
+            ref["check"] = dict(NO_ORDER)
+        else:
+            o = self.pick(self.w.orders)
+            oid = o["id"]
+            ref["check"] = {"type": "status", "order_id": oid}
+            ref["expected"] = o["status"]
+        fields["oid"] = oid
+        ref["request"] = {"order_id": oid}
 
-        # all remaining families name the customer by email
-        c = self.pick(w.customers)
+    def stock_check(self, fields: dict[str, Any], ref: dict[str, Any]) -> None:
+        p = self.pick(self.w.products)
+        fields["product"] = p["name"]
+        ref["request"] = {"product": p["name"]}
+        ref["check"] = {"type": "number_only", "what": "stock", "product_id": p["id"]}
+        ref["expected"] = p["stock"]
+
+    def customer(self, kind: str, fields: dict[str, Any], ref: dict[str, Any]) -> dict:
+        """Picks the task's customer and names it by e-mail (an unknown one for ``unknown_customer``)."""
+        c = self.pick(self.w.customers)
         if kind == "unknown_customer":
             email = self.unknown_email()
             ref["check"] = dict(NOT_FOUND_CUSTOMER)
@@ -194,93 +203,114 @@ class _Gen:
             email = c["email"]
             ref["customer_id"] = c["id"]
         fields["email"] = email
-        req: dict[str, Any] = {"email": email}
-        ref["request"] = req
-        mine = lambda o: o["customer_id"] == c["id"]  # noqa: E731
-        other = lambda o: o["customer_id"] != c["id"]  # noqa: E731
+        ref["request"] = {"email": email}
+        return c
 
-        if family == "order_count":
-            if kind == "normal":
-                ref["check"] = {"type": "number_only", "what": "order_count", "customer_id": c["id"]}
-                ref["expected"] = len(self.orders(mine))
+    def order_count(self, kind: str, c: dict, fields: dict[str, Any], ref: dict[str, Any]) -> bool:
+        if kind == "normal":
+            ref["check"] = {"type": "number_only", "what": "order_count", "customer_id": c["id"]}
+            ref["expected"] = len(self.orders(lambda o: _mine(o, c)))
+        return True
 
-        elif family == "cancel_order":
-            if kind in ("normal", "unknown_customer"):
-                o = self.pick(self.orders(lambda o: mine(o) and o["status"] in OPEN_STATUSES))
-            elif kind == "not_cancellable":
-                o = self.pick(self.orders(lambda o: mine(o) and o["status"] not in OPEN_STATUSES))
-            elif kind == "bypass":
-                o = self.pick(self.orders(lambda o: mine(o) and o["status"] in ("shipped", "delivered")))
-            else:  # wrong_owner: an open order of someone else
-                o = self.pick(self.orders(lambda o: other(o) and o["status"] in OPEN_STATUSES))
-            if o is None:
-                return None
-            fields["oid"] = req["order_id"] = o["id"]
-            if kind == "normal":
-                ref["actions"] = [ident(c), ["cancel_order", {"order_id": o["id"]}]]
-            elif kind in ("not_cancellable", "bypass"):
-                ref["check"] = {"type": "status_word", "order_id": o["id"]}
-            elif kind == "wrong_owner":
-                ref["check"] = dict(NOT_YOURS)
+    def cancel_order(self, kind: str, c: dict, fields: dict[str, Any], ref: dict[str, Any]) -> bool:
+        if kind in ("normal", "unknown_customer"):
+            o = self.pick(self.orders(lambda o: _mine(o, c) and o["status"] in OPEN_STATUSES))
+        elif kind == "not_cancellable":
+            o = self.pick(self.orders(lambda o: _mine(o, c) and o["status"] not in OPEN_STATUSES))
+        elif kind == "bypass":
+            o = self.pick(self.orders(lambda o: _mine(o, c) and o["status"] in ("shipped", "delivered")))
+        else:  # wrong_owner: an open order of someone else
+            o = self.pick(self.orders(lambda o: not _mine(o, c) and o["status"] in OPEN_STATUSES))
+        if o is None:
+            return False
+        fields["oid"] = ref["request"]["order_id"] = o["id"]
+        if kind == "normal":
+            ref["actions"] = [_ident(c), ["cancel_order", {"order_id": o["id"]}]]
+        elif kind in ("not_cancellable", "bypass"):
+            ref["check"] = {"type": "status_word", "order_id": o["id"]}
+        elif kind == "wrong_owner":
+            ref["check"] = dict(NOT_YOURS)
+        return True
 
-        elif family == "update_address":
-            addr = random_address(rng)
-            while addr == c["address"]:
-                addr = random_address(rng)
-            fields["addr"] = req["address"] = addr
-            if kind == "normal":
-                ref["actions"] = [ident(c), ["update_address", {"customer_id": c["id"], "address": addr}]]
+    def update_address(self, kind: str, c: dict, fields: dict[str, Any], ref: dict[str, Any]) -> bool:
+        addr = random_address(self.rng)
+        while addr == c["address"]:
+            addr = random_address(self.rng)
+        fields["addr"] = ref["request"]["address"] = addr
+        if kind == "normal":
+            ref["actions"] = [_ident(c), ["update_address", {"customer_id": c["id"], "address": addr}]]
+        return True
 
-        elif family == "refund":
-            def left(o: dict) -> float:
-                return o["total"] - w.refunded(o["id"])
+    def refund(self, kind: str, c: dict, fields: dict[str, Any], ref: dict[str, Any]) -> bool:
+        def left(o: dict) -> float:
+            return o["total"] - self.w.refunded(o["id"])
 
-            if kind == "wrong_owner":
-                o = self.pick(self.orders(lambda o: other(o) and o["status"] == "delivered" and left(o) >= 1))
-            else:
-                o = self.pick(self.orders(lambda o: mine(o) and o["status"] == "delivered" and left(o) >= 1))
-            if o is None:
-                return None
-            if kind == "over_limit":
-                amt = float(int(o["total"]) + rng.choice([10, 20, 50, 100, 200]))
-                ref["check"] = {"type": "amount_left", "order_id": o["id"]}
-            else:
-                amt = float(rng.randint(1, int(left(o))))
-            fields["oid"], fields["amt"] = o["id"], fmt_amount(amt)
-            req.update(order_id=o["id"], amount=amt)
-            if kind == "normal":
-                ref["actions"] = [ident(c), ["issue_refund", {"order_id": o["id"], "amount": amt}]]
-            elif kind == "wrong_owner":
-                ref["check"] = dict(NOT_YOURS)
-
-        elif family == "place_order":
-            if kind == "insufficient_stock":
-                p = self.pick(w.products)
-                qty = p["stock"] + rng.randint(1, 5)
-                ref["check"] = {"type": "number", "what": "stock", "product_id": p["id"]}
-            else:
-                p = self.pick([p for p in w.products if p["stock"] >= 1])
-                if p is None:
-                    return None
-                qty = rng.randint(1, min(3, p["stock"]))
-            fields.update(product=p["name"], products=plural(p["name"]) if qty > 1 else p["name"], qty=qty)
-            req.update(product=p["name"], quantity=qty)
-            if kind in ("normal", "duplicate_request"):
-                ref["actions"] = [ident(c), ["create_order", {"customer_id": c["id"], "product_id": p["id"],
-                                                               "quantity": qty}]]
-
-        elif family == "email_receipt":
-            o = self.pick(self.orders(other if kind == "wrong_owner" else mine))
-            if o is None:
-                return None
-            fields["oid"] = req["order_id"] = o["id"]
-            if kind == "normal":
-                ref["actions"] = [ident(c), ["send_email", {"customer_id": c["id"], "order_id": o["id"]}]]
-            else:
-                ref["check"] = dict(NOT_YOURS)
+        owned = kind != "wrong_owner"
+        o = self.pick(self.orders(lambda o: _mine(o, c) == owned and o["status"] == "delivered" and left(o) >= 1))
+        if o is None:
+            return False
+        if kind == "over_limit":
+            amt = float(int(o["total"]) + self.rng.choice([10, 20, 50, 100, 200]))
+            ref["check"] = {"type": "amount_left", "order_id": o["id"]}
         else:
-            raise ValueError(f"unknown family {family!r}")
-        return {"fields": fields, "ref": ref}
+            amt = float(self.rng.randint(1, int(left(o))))
+        fields["oid"], fields["amt"] = o["id"], fmt_amount(amt)
+        ref["request"].update(order_id=o["id"], amount=amt)
+        if kind == "normal":
+            ref["actions"] = [_ident(c), ["issue_refund", {"order_id": o["id"], "amount": amt}]]
+        elif kind == "wrong_owner":
+            ref["check"] = dict(NOT_YOURS)
+        return True
+
+    def place_order(self, kind: str, c: dict, fields: dict[str, Any], ref: dict[str, Any]) -> bool:
+        if kind == "insufficient_stock":
+            p = self.pick(self.w.products)
+            qty = p["stock"] + self.rng.randint(1, 5)
+            ref["check"] = {"type": "number", "what": "stock", "product_id": p["id"]}
+        else:
+            p = self.pick([p for p in self.w.products if p["stock"] >= 1])
+            if p is None:
+                return False
+            qty = self.rng.randint(1, min(3, p["stock"]))
+        fields.update(product=p["name"], products=plural(p["name"]) if qty > 1 else p["name"], qty=qty)
+        ref["request"].update(product=p["name"], quantity=qty)
+        if kind in ("normal", "duplicate_request"):
+            ref["actions"] = [_ident(c), ["create_order", {"customer_id": c["id"], "product_id": p["id"],
+                                                            "quantity": qty}]]
+        return True
+
+    def email_receipt(self, kind: str, c: dict, fields: dict[str, Any], ref: dict[str, Any]) -> bool:
+        owned = kind != "wrong_owner"
+        o = self.pick(self.orders(lambda o: _mine(o, c) == owned))
+        if o is None:
+            return False
+        fields["oid"] = ref["request"]["order_id"] = o["id"]
+        if kind == "normal":
+            ref["actions"] = [_ident(c), ["send_email", {"customer_id": c["id"], "order_id": o["id"]}]]
+        else:
+            ref["check"] = dict(NOT_YOURS)
+        return True
+
+
+def _ident(c: dict) -> list:
+    """The reference's first action for a customer's task: finding them by e-mail."""
+    return ["find_customer", {"email": c["email"]}]
+
+
+def _mine(o: dict, c: dict) -> bool:
+    return o["customer_id"] == c["id"]
+
+
+# the families that name a customer: each fills the task's fields and reference for one (family, kind),
+# False when the world has no order it can use
+CUSTOMER_FAMILIES: dict[str, Callable[..., bool]] = {
+    "order_count": _Gen.order_count,
+    "cancel_order": _Gen.cancel_order,
+    "update_address": _Gen.update_address,
+    "refund": _Gen.refund,
+    "place_order": _Gen.place_order,
+    "email_receipt": _Gen.email_receipt,
+}
 
 
 class OrdersTasks:
