@@ -99,46 +99,59 @@ def policy_and_trajs():
     return tokenizer, model, trajs
 
 
-def test_stage_example_runs_checkpoints_and_resumes(tmp_path, monkeypatch, policy_and_trajs):
-    from mentorrl.config import load_config
-
-    from mentorrl.config import ConfigError
+def test_stage_example_runs_checkpoints_and_resumes(tmp_path, policy_and_trajs):
+    from mentorrl.config import ConfigError, load_config
     from mentorrl.train.registry import get_stage, resolve_runner, unregister_stage
 
     mod = _load("self_imitation_stage")
     try:
-        # the module alone registers the stage: a recipe may name it, and the registry runs it
-        assert resolve_runner(get_stage("self_imitation")) is mod.self_imitation_stage
-        assert load_config(None, ["recipe=[sft, self_imitation]"]).recipe == ["sft", "self_imitation"]
-        _run_stage_example(mod, tmp_path, monkeypatch, policy_and_trajs)
+        # the module alone registers the stage and its section: a recipe may name and configure it
+        assert resolve_runner(get_stage("self_imitation")).stage_cls is mod.SelfImitationStage
+        cfg = load_config(None, ["recipe=[sft, self_imitation]", "self_imitation.steps=3"])
+        assert cfg.recipe == ["sft", "self_imitation"] and cfg.self_imitation.steps == 3
+        with pytest.raises(ConfigError, match="self_imitation.stpes"):
+            load_config(None, ["recipe=[self_imitation]", "self_imitation.stpes=3"])
+        _run_stage_example(mod, tmp_path, policy_and_trajs)
     finally:
         unregister_stage("self_imitation")
     with pytest.raises(ConfigError, match="unknown stage"):
         load_config(None, ["recipe=[sft, self_imitation]"])
 
 
-def _run_stage_example(mod, tmp_path, monkeypatch, policy_and_trajs):
+def _example_ws(tmp_path, name, tokenizer, *overrides):
     from mentorrl.config import load_config
     from mentorrl.train.workspace import open_workspace
 
-    tokenizer, model, expert_trajs = policy_and_trajs
-    cfg = load_config(None, [f"run_dir={tmp_path / 'run'}", "threads=1", "sampling.max_new_tokens=48",
-                             "limits.max_turns=3"])
+    cfg = load_config(None, [f"run_dir={tmp_path / name}", "threads=1", "sampling.max_new_tokens=48",
+                             "limits.max_turns=3", "recipe=[self_imitation]", *overrides])
     ws = open_workspace(cfg, show_progress=False)
     ws.bind_tokenizer(tokenizer)
-    sic = mod.SelfImitationConfig(steps=2, tasks_per_step=2, checkpoint_every=1)
-    final = mod.self_imitation_stage(ws, copy.deepcopy(model), sic=sic)
+    return ws
+
+
+def _run_stage_example(mod, tmp_path, policy_and_trajs):
+    from mentorrl.train.registry import resolve_runner, get_stage
+
+    tokenizer, model, expert_trajs = policy_and_trajs
+    run = resolve_runner(get_stage("self_imitation"))
+    ws = _example_ws(tmp_path, "run", tokenizer, "self_imitation.steps=2", "self_imitation.tasks_per_step=2",
+                     "self_imitation.checkpoint_every=1")
+    final = run(ws, copy.deepcopy(model))
     assert (final / "DONE").exists() and (final / "model.safetensors").exists()
     recs = [json.loads(x) for x in (ws.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [(r["stage"], r["step"]) for r in recs] == [("self_imitation", 1), ("self_imitation", 2)]
-    assert mod.self_imitation_stage(ws, copy.deepcopy(model), resume=True, sic=sic) == final  # complete: loaded
-    # the update path: rollouts that succeed (the expert's) are imitated
-    monkeypatch.setattr(mod, "rollout_tasks", lambda *a, **k: expert_trajs)
-    ws3 = open_workspace(load_config(None, [f"run_dir={tmp_path / 'run3'}", "threads=1"]), show_progress=False)
-    ws3.bind_tokenizer(tokenizer)
-    mod.self_imitation_stage(ws3, copy.deepcopy(model), sic=mod.SelfImitationConfig(steps=1, tasks_per_step=3))
+    assert run(ws, copy.deepcopy(model), resume=True) == final  # complete: loaded
+
+    class Imitating(mod.SelfImitationStage):  # the update path: rollouts that succeed (the expert's)
+        def rollout(self, b):
+            b.trajs = expert_trajs
+
+    from mentorrl.train.rl_loop import RLLoop
+
+    ws3 = _example_ws(tmp_path, "run3", tokenizer, "self_imitation.steps=1")
+    RLLoop(Imitating(ws3, copy.deepcopy(model))).run()
     rec = json.loads((ws3.run_dir / "metrics.jsonl").read_text().splitlines()[0])
-    assert rec["task_success"] > 0 and "loss" in rec
+    assert rec["task_success"] > 0 and "loss" in rec and rec["policy_version"] == 1.0
 
 
 def test_teacher_example_ranks_and_declares(shipped_tokenizer):

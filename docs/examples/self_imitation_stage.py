@@ -1,10 +1,18 @@
 """A new training stage: self-imitation. Each step the policy plays a few train tasks, the
 verifier keeps its successes, and the policy is fine-tuned on them (a one-round, on-line RFT).
 
-A stage is one function ``stage(ws, model, resume) -> final weights dir`` built on
-:func:`mentorrl.train.stage_runner.run_stage`, which gives it checkpoints every N steps, ``--resume``,
-``metrics.jsonl`` and the final Hugging Face directory for free; ``@register_stage`` makes
-``recipe: [sft, self_imitation]`` run it. This file is the whole change: nothing else is edited.
+A stage is a :class:`~mentorrl.train.rl_loop.Stage` subclass that overrides only the hooks that
+differ; the one loop (:class:`~mentorrl.train.rl_loop.RLLoop`) runs them in order (tasks ->
+rollout -> score -> advantages -> update -> after) and gives it checkpoints every N steps,
+``--resume``, ``metrics.jsonl``, trackers, the policy version and the final Hugging Face
+directory for free. Here the default ``tasks`` hook draws ``tasks_per_step`` tasks from the
+stage's seeded pool and the default ``rollout`` hook rolls each out ``samples_per_task`` times
+(checked for train/rollout consistency); the stage adds a ``score`` and an ``update``.
+
+``@register_stage`` with ``config=`` gives it a YAML section: ``recipe: [sft, self_imitation]``
+runs it, and ``self_imitation: {steps: 4}`` (or ``--set self_imitation.steps=4``) configures it,
+validated with dotted errors. This file is the whole change: nothing else is edited. As a plugin
+it runs from the command line: ``mentorrl train recipe.yaml --plugin my_module``.
 
 Run it: ``python docs/examples/self_imitation_stage.py RUN_DIR`` trains the shipped tiny base for
 two steps.
@@ -12,60 +20,49 @@ two steps.
 
 from __future__ import annotations
 
-import random
 import sys
-from pathlib import Path
+from typing import Any, ClassVar
 
-from pydantic import BaseModel, Field
-
-from mentorrl.config import OptimConfig
-from mentorrl.rollout.runner import rollout_tasks
-from mentorrl.train.learner import Learner
-from mentorrl.train.loop import rollout_metrics
+from mentorrl.config import RolloutStageConfig
 from mentorrl.train.registry import register_stage
-from mentorrl.train.stage_runner import run_stage
-from mentorrl.train.workspace import Workspace
+from mentorrl.train.rl_loop import Stage, StepBatch
 
 
-class SelfImitationConfig(BaseModel):
-    """The stage's own settings (its defaults here; pass another instance to change them)."""
+class SelfImitationConfig(RolloutStageConfig):
+    """The stage's own settings: the shared ones (steps, optim, tasks_per_step, ...) with its defaults."""
 
-    steps: int = Field(10, ge=1, description="steps (one rollout batch each)")
-    tasks_per_step: int = Field(8, ge=1, description="train tasks played per step")
-    checkpoint_every: int = Field(5, ge=1, description="steps between checkpoints")
-    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-4), description="the optimiser")
+    defaults: ClassVar[dict[str, Any]] = {"steps": 10, "tasks_per_step": 8, "checkpoint_every": 5,
+                                          "optim": {"lr": 1e-4}}
 
 
-@register_stage("self_imitation", title="Self-imitation on verified successes", label="Self-imitation", rl=True)
-def self_imitation_stage(ws: Workspace, model, resume: bool = False,
-                         sic: SelfImitationConfig | None = None) -> Path:
-    cfg, sic = ws.cfg, sic or SelfImitationConfig()
-    pool = ws.train_tasks(max(64, sic.tasks_per_step), cfg.seed + 31)  # refuses the hidden set
-    learner = Learner(model, sic.optim, ws.contract.pad_token_id, ws.contract.sampling.temperature, dp=ws.dp)
+@register_stage("self_imitation", config=SelfImitationConfig, title="Self-imitation on verified successes",
+                label="Self-imitation", rl=True)
+class SelfImitationStage(Stage):
+    """Fine-tune on the step's verified successes."""
 
-    def step_fn(step: int) -> dict[str, float]:
-        rng = random.Random(cfg.seed * 1_000_003 + step)  # seeded by step: a resumed run redoes it exactly
-        tasks = rng.sample(pool, sic.tasks_per_step)
-        trajs = rollout_tasks(model, ws.contract, ws.make_env, tasks, policy_version=step,
-                              seed=cfg.seed * 7_777 + step, batch_size=len(tasks), weights=cfg.reward)
-        wins = [t for t in trajs if t.reward.success]
-        metrics = {**rollout_metrics(trajs), "rollouts": float(len(trajs)), "task_success": len(wins) / len(trajs)}
-        if wins:
-            metrics.update(learner.sft_step(wins))
-        return metrics
+    name = "self_imitation"
+    update_metrics = ()  # its update reports the SFT step's metrics itself
 
-    return run_stage(ws, "self_imitation", model, learner, sic.steps, step_fn, sic.checkpoint_every, resume)
+    def score(self, b: StepBatch) -> None:
+        b.data["wins"] = [t for t in b.trajs if t.reward.success]
+        b.metrics["task_success"] = len(b.data["wins"]) / max(len(b.trajs), 1)
+
+    def update(self, b: StepBatch) -> None:
+        if b.data["wins"]:
+            b.metrics.update(self.learner.sft_step(b.data["wins"]))
 
 
 if __name__ == "__main__":
     from mentorrl.config import load_config
     from mentorrl.models.build import load_policy
     from mentorrl.models.shipped import SHIPPED_ROOT
+    from mentorrl.train.rl_loop import RLLoop
     from mentorrl.train.workspace import open_workspace
 
     run_dir = sys.argv[1] if len(sys.argv) > 1 else "runs/self-imitation"
-    cfg = load_config(None, [f"run_dir={run_dir}", "threads=1"])
+    cfg = load_config(None, [f"run_dir={run_dir}", "threads=1", "self_imitation.steps=2",
+                             "self_imitation.tasks_per_step=4"])
     ws = open_workspace(cfg)
     tokenizer, model = load_policy(SHIPPED_ROOT / "orders-tiny")
     ws.bind_tokenizer(tokenizer)
-    print(self_imitation_stage(ws, model, sic=SelfImitationConfig(steps=2, tasks_per_step=4)))
+    print(RLLoop(SelfImitationStage(ws, model)).run())
