@@ -397,3 +397,13 @@ def test_blackbox_config_errors_name_the_field(overrides, message):
 
     with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
         load_config(None, overrides)
+
+
+def test_every_configurable_recipe_is_registered_with_its_capabilities():
+    from mentorrl.config import BLACKBOX_RECIPES
+    from mentorrl.opd.teacher import Capability
+    from mentorrl.train.recipes.blackbox import NEEDS, RECIPES
+
+    assert set(RECIPES) == set(BLACKBOX_RECIPES)
+    assert NEEDS["correction"] == [Capability.STEP_CRITIQUE, Capability.SAMPLING]
+    assert NEEDS["actions"] == [Capability.ACTION_RANKING, Capability.SAMPLING]

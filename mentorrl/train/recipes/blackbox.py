@@ -23,6 +23,12 @@ One step:
                                                       next actions (student samples + teacher's)
    ========================  =======================  ==============================================
 
+The stage is :class:`BlackBoxStage` on the one training loop (:mod:`mentorrl.train.rl_loop`):
+its rollout hook also turns the student's trajectories into chat episodes, and the recipe plugs in
+as the score source: a :class:`BlackBoxRecipe` registered by name (:func:`blackbox_recipe`,
+:data:`RECIPES`) whose ``score`` asks the teacher and builds the batch and whose ``advantages`` /
+``update`` train on it. The teacher opens with the stage and closes with it.
+
 Whatever the teacher fails to answer (timeouts, malformed JSON, a wrong count of scores) is
 counted and the sample left out; a step with nothing to learn from logs that and moves on. The
 client's counters are logged every step as ``teacher_<counter>`` (cumulative).
@@ -33,12 +39,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import random
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, ClassVar, Iterator
 
 import torch
 
@@ -51,17 +55,13 @@ from mentorrl.clients.openai_api import STAT_KEYS, TeacherClient
 from mentorrl.opd.remote_teacher import ActingTeacher, BlackBoxTeacher, PromptedTeacher, StudentEpisode
 from mentorrl.opd.teacher import Capability, require
 from mentorrl.rollout.episode import Episode, text_turn_player
-from mentorrl.train.learner import Learner
 from mentorrl.rollout.kvcache import cache_kwarg, make_cache
 from mentorrl.rollout.sampling import sample_tokens
-from mentorrl.train.loop import collect_group, pg_update, pick_tasks, reduce_updates, rollout_metrics, train_pool
-from mentorrl.train.stage_runner import run_stage
+from mentorrl.train.loop import pg_update, reduce_updates
+from mentorrl.train.rl_loop import Stage, StepBatch, StepSeeds, run_on_loop
 from mentorrl.train.workspace import Workspace, frozen_copy, heldout_check
 from mentorrl.trajectory import Segment, Trajectory
 
-NEEDS = {"correction": [Capability.STEP_CRITIQUE, Capability.SAMPLING], "ranking": [Capability.RANKING],
-         "score": [Capability.SCORING], "critique": [Capability.STEP_CRITIQUE],
-         "soft_labels": [Capability.RANKING], "actions": [Capability.ACTION_RANKING, Capability.SAMPLING]}
 PG_KEYS = ("pg_loss", "clip_frac", "entropy", "grad_norm", "skipped_update", "approx_kl", "logprob_abs_gap",
            "policy_lag_mean", "policy_lag_max")
 
@@ -178,7 +178,8 @@ def _correct(ws, teacher, ep: StudentEpisode, o: BlackBoxConfig) -> tuple[str, T
     return "ok", fixed
 
 
-def correction_update(ws, learner, teacher, eps, o: BlackBoxConfig) -> dict[str, float]:
+def corrections(ws, teacher, eps, o: BlackBoxConfig) -> tuple[list[Trajectory], dict[str, float]]:
+    """The step's corrected trajectories (:func:`corrected_trajectory`) and what became of the rest."""
     todo = [ep for ep in eps if not (o.correction.only_failed and ep.traj.reward.success)]
     done = teacher_map(teacher, lambda ep: _correct(ws, teacher, ep, o), todo)
     m = {"critiqued": float(len(todo)), "no_error_found": 0.0, "rejected_corrections": 0.0, "teacher_skips": 0.0}
@@ -187,9 +188,7 @@ def correction_update(ws, learner, teacher, eps, o: BlackBoxConfig) -> dict[str,
             m[what] += 1
     targets = [fixed for what, fixed in done if what == "ok"]
     m["batch_size"] = float(len(targets))
-    if targets:
-        m.update(learner.sft_step(targets, agg=o.loss_agg))
-    return m
+    return targets, m
 
 
 # ----------------------------------------------------------- ranking -> DPO ------
@@ -307,10 +306,11 @@ def step_advantages(trajs: list[Trajectory], outcome_adv: torch.Tensor, step_sco
     return out
 
 
-def policy_gradient_update(learner, trajs, token_adv, o: BlackBoxConfig, state, step: int) -> dict[str, float]:
-    """Clipped policy-gradient minibatches over the batch; trajectories with a zero advantage are
-    not forwarded but keep their place in the loss denominator (:func:`~mentorrl.train.loop.pg_update`)."""
-    ups = pg_update(learner, trajs, token_adv, o.updates_per_step, step * 7 + 3, state, drop_zero=True,
+def policy_gradient_update(learner, trajs, token_adv, o: BlackBoxConfig, seed: int) -> dict[str, float]:
+    """Clipped policy-gradient minibatches over the batch (dealt with ``seed``); trajectories with a
+    zero advantage are not forwarded but keep their place in the loss denominator
+    (:func:`~mentorrl.train.loop.pg_update`)."""
+    ups = pg_update(learner, trajs, token_adv, o.updates_per_step, seed, drop_zero=True,
                     eps_low=o.eps_low, eps_high=o.eps_high, agg=o.loss_agg)
     live = sum(1 for a in token_adv if a.abs().sum() > 0)
     return {**reduce_updates(ups, PG_KEYS), "batch_size": float(live)}
@@ -374,9 +374,12 @@ def candidate_trajectory(traj: Trajectory, prefix_len: int, turn_ids: list[int])
 
 
 def action_groups(ws: Workspace, model, teacher: BlackBoxTeacher, eps: list[StudentEpisode], o: BlackBoxConfig,
-                  rng: random.Random, seed: int) -> tuple[list, dict[str, float]]:
+                  seeds: StepSeeds) -> tuple[list, dict[str, float]]:
     """Per sampled state: the distinct candidate next turns (student samples, the turn it took and,
-    optionally, the teacher's), as candidate trajectories, with the teacher's scores."""
+    optionally, the teacher's), as candidate trajectories, with the teacher's scores. The states are
+    drawn with ``seeds.rng("states")``, the student's samples at episode ``e``'s turn ``t`` with
+    ``seeds(f"turns-{e}-{t}")``."""
+    rng = seeds.rng("states")
     a, contract = o.actions, ws.contract
     groups, m = [], {"states": 0.0, "teacher_skips": 0.0, "uninformative_states": 0.0, "candidates": 0.0}
     for e_i, ep in enumerate(eps):
@@ -385,7 +388,7 @@ def action_groups(ws: Workspace, model, teacher: BlackBoxTeacher, eps: list[Stud
             seg = turns[ti]
             state_msgs = ep.messages[:ep.turn_indices[ti]]
             cands = [ep.traj.token_ids[seg.start:seg.end]] + sample_turns(model, contract, ep.traj.token_ids[:seg.start],
-                                                                          a.candidates, seed * 9973 + e_i * 31 + ti)
+                                                                          a.candidates, seeds(f"turns-{e_i}-{ti}"))
             if a.include_teacher_action:
                 mine = teacher.act(state_msgs)
                 if mine:
@@ -415,47 +418,6 @@ def action_groups(ws: Workspace, model, teacher: BlackBoxTeacher, eps: list[Stud
     return groups, m
 
 
-# -------------------------------------------------------------------- stage ------
-def blackbox_stage(ws: Workspace, model, resume: bool = False) -> Path:
-    cfg, o = ws.cfg, ws.cfg.blackbox
-    with open_teacher(ws, o.teacher, student=model, seed=cfg.seed) as teacher:
-        require(teacher, NEEDS[o.recipe], f"blackbox ({o.recipe})")
-        return _run(ws, model, teacher, resume)
-
-
-@dataclass
-class Step:
-    """What a recipe's update sees at one step."""
-
-    ws: Workspace
-    model: Any
-    learner: Learner
-    teacher: BlackBoxTeacher
-    eps: list[StudentEpisode]  # every student episode of the step, grouped task by task
-    G: int  # episodes per task
-    state: dict[str, Any]  # policy version, rollout tokens (checkpointed)
-    step: int
-    rng: random.Random
-    ref_model: Any = None
-
-    @property
-    def o(self) -> BlackBoxConfig:
-        return self.ws.cfg.blackbox
-
-    @property
-    def trajs(self) -> list[Trajectory]:
-        return [e.traj for e in self.eps]
-
-    @property
-    def groups(self) -> list[list[StudentEpisode]]:
-        return [self.eps[i:i + self.G] for i in range(0, len(self.eps), self.G)]
-
-
-def _correction(s: Step) -> dict[str, float]:
-    m = correction_update(s.ws, s.learner, s.teacher, s.eps, s.o)
-    s.state["policy"] += int(m["batch_size"] > 0)
-    return m
-
 
 def ranking_scores(trajs: list[Trajectory], teacher_scores: list[float] | None, coef: float
                    ) -> list[float] | None:
@@ -467,129 +429,13 @@ def ranking_scores(trajs: list[Trajectory], teacher_scores: list[float] | None, 
     return None if teacher_scores is None else fused_rewards(trajs, teacher_scores, coef)[0].tolist()
 
 
-def _preference_step(s: Step, groups: list[list[Trajectory]], scores: list[list[float] | None], veto: bool
-                     ) -> dict[str, float]:
-    """Pairs from each group's scores (:func:`preference_pairs`) and ``updates_per_step`` passes of the preference loss."""
-    p = s.o.preference
-    pairs, m = preference_pairs(groups, scores, p.min_margin, veto, p.pairs)
-    m["batch_size"] = float(len(pairs))
-    if pairs:
-        m.update(_passes(lambda: preference_update(s.learner, s.ref_model, pairs, s.o), s.o.updates_per_step, s.state))
-    return m
-
-
-def _ranking(s: Step) -> dict[str, float]:
-    p, groups = s.o.preference, s.groups
-    ranked = teacher_map(s.teacher, s.teacher.rank, groups) if p.teacher_coef > 0 else [None] * len(groups)
-    trajs = [[e.traj for e in g] for g in groups]
-    scores = [ranking_scores(g, t, p.teacher_coef) for g, t in zip(trajs, ranked)]
-    return _preference_step(s, trajs, scores, p.verifier_veto)
-
-
-def _group_advantages(s: Step, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    a = s.ws.cfg.audit
-    rewards, _ = sanitize_group_rewards(raw.view(-1, s.G), a.reward_low, a.reward_high, a.outlier_z)
-    return rewards, get_advantage_estimator("grpo")(rewards, normalize_std=True).reshape(-1)
-
-
-def _score(s: Step) -> dict[str, float]:
-    trajs = s.trajs
-    ts = teacher_map(s.teacher, s.teacher.score, s.eps)
-    overall = [x.overall(s.o.score.weights) if x is not None else None for x in ts]
-    raw, fused = fused_rewards(trajs, overall, s.o.score.teacher_coef)
-    got = [x for x in overall if x is not None]
-    rewards, adv = _group_advantages(s, raw)
-    m = {"teacher_scored": float(fused), "teacher_skips": float(len(ts) - len(got)), "teacher_score_mean": _mean(got),
-         "teacher_verifier_agreement": _agreement(trajs, ts),
-         **{f"fused_reward_{k}": v for k, v in group_reward_stats(rewards).items()}}
-    token_adv = [torch.tensor(t.loss_mask, dtype=torch.float32) * float(a) for t, a in zip(trajs, adv)]
-    return {**m, **policy_gradient_update(s.learner, trajs, token_adv, s.o, s.state, s.step)}
-
-
-def _critique(s: Step) -> dict[str, float]:
-    trajs = s.trajs
-    _, adv = _group_advantages(s, torch.tensor([t.reward.total for t in trajs], dtype=torch.float32))
-    crit = teacher_map(s.teacher, s.teacher.critique, s.eps)
-    sc = [c.scores if c is not None else None for c in crit]
-    m = {"teacher_skips": float(sum(c is None for c in crit)), "step_score_mean": _mean([x for y in sc if y for x in y])}
-    token_adv = step_advantages(trajs, adv, sc, s.o.critique.coef)
-    return {**m, **policy_gradient_update(s.learner, trajs, token_adv, s.o, s.state, s.step)}
-
-
-def _soft_labels(s: Step) -> dict[str, float]:
-    scores = teacher_map(s.teacher, s.teacher.rank, s.groups)
-    data = [([e.traj for e in g], [torch.tensor(e.traj.loss_mask) for e in g], sc)
-            for g, sc in zip(s.groups, scores) if sc is not None and max(sc) - min(sc) > 1e-6]
-    m = {"teacher_skips": float(sum(sc is None for sc in scores)), "batch_size": float(len(data))}
-    if data:
-        sl = s.o.soft_labels
-        m.update(_passes(lambda: soft_label_update(s.learner, data, sl.temperature, sl.average), s.o.updates_per_step,
-                         s.state))
-    return m
-
-
-def _actions(s: Step) -> dict[str, float]:
-    data, m = action_groups(s.ws, s.model, s.teacher, s.eps, s.o, s.rng, seed=s.ws.cfg.seed + s.step)
-    a = s.o.actions
-    if a.loss == "preference":  # pairs of a state's actions; no veto: they share the episode's outcome
-        # the states' counters (teacher_skips among them) over the pairs' (every ranked state was scored)
-        return {**_preference_step(s, [t for t, _, _ in data], [sc for _, _, sc in data], veto=False), **m}
-    m["batch_size"] = float(len(data))
-    if data:
-        m.update(_passes(lambda: soft_label_update(s.learner, data, a.temperature, a.average), s.o.updates_per_step,
-                         s.state))
-    return m
-
-
-RECIPE_STEPS = {"correction": _correction, "ranking": _ranking, "score": _score, "critique": _critique,
-                "soft_labels": _soft_labels, "actions": _actions}
-
-
-def _run(ws: Workspace, model, teacher: BlackBoxTeacher, resume: bool) -> Path:
-    cfg, o = ws.cfg, ws.cfg.blackbox
-    pool = train_pool(ws, o.tasks_per_step, o.steps)
-    learner = Learner(model, o.optim, ws.contract.pad_token_id, ws.contract.sampling.temperature)
-    ref_model = None
-    if uses_preference(o) and o.preference.loss != "orpo":  # DPO / IPO: the policy as the stage starts
-        ref_model = frozen_copy(model)
-    state: dict[str, Any] = {"policy": 0, "rollout_tokens": 0}
-    G = o.samples_per_task
-
-    def step_fn(step: int) -> dict[str, float]:
-        rng, chosen = pick_tasks(pool, o.tasks_per_step, cfg.seed * 1_000_003 + 17 * step + 29)
-        grp = collect_group(ws, model, chosen, G, state["policy"], cfg.seed * 4_241 + step, f"blackbox step {step + 1}")
-        trajs, grouped = grp.trajs, grp.grouped
-        state["rollout_tokens"] += grp.policy_tokens
-        m: dict[str, float] = {**rollout_metrics(trajs), "rollouts": float(len(trajs)), "rollout_s": grp.rollout_s,
-                               **{f"reward_{k}": v for k, v in group_reward_stats(grp.raw_rewards()).items()}}
-        t1 = time.perf_counter()
-        ctx = Step(ws, model, learner, teacher, student_episodes(ws, grouped, trajs), G, state, step, rng, ref_model)
-        m.update(RECIPE_STEPS[o.recipe](ctx))
-        m.update({f"teacher_{k}": float(teacher.client.stats[k]) for k in STAT_KEYS},
-                 teacher_s=time.perf_counter() - t1, policy_version=float(state["policy"]),
-                 rollout_tokens_total=float(state["rollout_tokens"]))
-        if o.eval_every and (step + 1) % o.eval_every == 0:
-            m["heldout_success"] = heldout_check(ws, model, o.eval_tasks)
-        return m
-
-    def extra_state() -> dict[str, Any]:
-        return dict(state)
-
-    def restore(st: dict[str, Any]) -> None:
-        state.update({k: st.get(k, 0) for k in ("policy", "rollout_tokens")})
-
-    return run_stage(ws, "blackbox", model, learner, o.steps, step_fn, o.checkpoint_every, resume,
-                     extra_state=extra_state, restore_extra=restore)
-
-
-def _passes(update, n: int, state: dict[str, Any]) -> dict[str, float]:
+def passes(update, n: int) -> dict[str, float]:
     """``n`` optimizer steps on one batch of a sequence-level loss (pairs, candidate groups: fixed
     data, like offline DPO epochs); the first step's metrics, with the last step's loss as ``loss_last``."""
     first = update()
     last = first
     for _ in range(n - 1):
         last = update()
-    state["policy"] += n
     return {**first, "loss_last": last["loss"]}
 
 
@@ -603,5 +449,272 @@ def _agreement(trajs: list[Trajectory], scores) -> float:
     return sum(a == b for a, b in pairs) / len(pairs) if pairs else 0.0
 
 
-__all__ = ["NEEDS", "action_groups", "blackbox_stage", "corrected_trajectory", "fused_rewards", "open_teacher",
-           "preference_pairs", "ranking_scores", "sample_turns", "soft_label_update", "step_advantages", "student_episodes"]
+# ------------------------------------------------------------------ recipes ------
+class BlackBoxRecipe:
+    """One way to learn from the teacher, chosen by ``blackbox.recipe``: :meth:`score` asks the
+    teacher about the step's student episodes (``b.data["eps"]``, task by task) and builds the
+    batch, :meth:`advantages` and :meth:`update` train on it. ``needs``: the teacher capabilities
+    it asks for (checked when the stage opens the teacher). Register one with :func:`blackbox_recipe`."""
+
+    name: ClassVar[str]
+    needs: ClassVar[tuple[Capability, ...]]
+
+    def score(self, stage: "BlackBoxStage", b: StepBatch) -> None:
+        raise NotImplementedError
+
+    def advantages(self, stage: "BlackBoxStage", b: StepBatch) -> None:
+        """Advantages into ``b.adv`` (default: none)."""
+
+    def update(self, stage: "BlackBoxStage", b: StepBatch) -> None:
+        raise NotImplementedError
+
+
+RECIPES: dict[str, type[BlackBoxRecipe]] = {}
+
+
+def blackbox_recipe(cls: type[BlackBoxRecipe]) -> type[BlackBoxRecipe]:
+    """Register a :class:`BlackBoxRecipe` under its ``name`` (a later one of the same name replaces it)."""
+    RECIPES[cls.name] = cls
+    return cls
+
+
+def episode_groups(b: StepBatch) -> list[list[StudentEpisode]]:
+    """The step's student episodes, task by task."""
+    eps, g = b.data["eps"], b.group_size
+    return [eps[i:i + g] for i in range(0, len(eps), g)]
+
+
+class PairsRecipe(BlackBoxRecipe):
+    """Trains on the preference pairs its :meth:`score` leaves in ``b.data["pairs"]``."""
+
+    @staticmethod
+    def make_pairs(stage: "BlackBoxStage", b: StepBatch, groups: list[list[Trajectory]],
+                   scores: list[list[float] | None], veto: bool) -> None:
+        """Pairs from each group's scores (:func:`preference_pairs`), with their counters."""
+        p = stage.cfg.preference
+        pairs, m = preference_pairs(groups, scores, p.min_margin, veto, p.pairs)
+        b.data["pairs"] = pairs
+        b.metrics.update(m, batch_size=float(len(pairs)))
+
+    def update(self, stage: "BlackBoxStage", b: StepBatch) -> None:
+        """``updates_per_step`` passes of the preference loss over the pairs."""
+        pairs, o = b.data["pairs"], stage.cfg
+        if pairs:
+            b.metrics.update(passes(lambda: preference_update(stage.learner, stage.ref_model, pairs, o),
+                                    o.updates_per_step))
+
+
+class SoftLabelRecipe(BlackBoxRecipe):
+    """Trains on the candidate groups its :meth:`score` leaves in ``b.data["soft"]`` (soft labels)."""
+
+    def soft_settings(self, stage: "BlackBoxStage") -> tuple[float, bool]:
+        """(temperature, average) of the soft-label loss."""
+        sl = stage.cfg.soft_labels
+        return sl.temperature, sl.average
+
+    def update(self, stage: "BlackBoxStage", b: StepBatch) -> None:
+        data, o = b.data["soft"], stage.cfg
+        if data:
+            temperature, average = self.soft_settings(stage)
+            b.metrics.update(passes(lambda: soft_label_update(stage.learner, data, temperature, average),
+                                    o.updates_per_step))
+
+
+class PolicyGradientRecipe(BlackBoxRecipe):
+    """Trains on the token advantages in ``b.adv`` with clipped policy-gradient minibatches."""
+
+    @staticmethod
+    def group_rewards(stage: "BlackBoxStage", b: StepBatch, raw: torch.Tensor) -> None:
+        """``b.rewards``: ``raw`` (one reward per trajectory) as ``[tasks, group_size]``, sanitised by the audit."""
+        a = stage.ws.cfg.audit
+        b.rewards, _ = sanitize_group_rewards(raw.view(-1, b.group_size), a.reward_low, a.reward_high, a.outlier_z)
+
+    @staticmethod
+    def outcome_advantages(b: StepBatch) -> torch.Tensor:
+        """One group-relative (GRPO, std-normalised) advantage per trajectory from ``b.rewards``."""
+        return get_advantage_estimator("grpo")(b.rewards, normalize_std=True).reshape(-1)
+
+    def update(self, stage: "BlackBoxStage", b: StepBatch) -> None:
+        b.metrics.update(policy_gradient_update(stage.learner, b.trajs, b.adv, stage.cfg, b.seeds("minibatches")))
+
+
+@blackbox_recipe
+class CorrectionRecipe(BlackBoxRecipe):
+    """SFT on the teacher's continuation from the student's first wrong step."""
+
+    name = "correction"
+    needs = (Capability.STEP_CRITIQUE, Capability.SAMPLING)
+
+    def score(self, stage: "BlackBoxStage", b: StepBatch) -> None:
+        b.data["targets"], m = corrections(stage.ws, stage.teacher, b.data["eps"], stage.cfg)
+        b.metrics.update(m)
+
+    def update(self, stage: "BlackBoxStage", b: StepBatch) -> None:
+        if b.data["targets"]:
+            b.metrics.update(stage.learner.sft_step(b.data["targets"], agg=stage.cfg.loss_agg))
+
+
+@blackbox_recipe
+class RankingRecipe(PairsRecipe):
+    """DPO / IPO / ORPO on each task's best and worst candidates by the teacher's (fused) ranking."""
+
+    name = "ranking"
+    needs = (Capability.RANKING,)
+
+    def score(self, stage: "BlackBoxStage", b: StepBatch) -> None:
+        p, teacher, groups = stage.cfg.preference, stage.teacher, episode_groups(b)
+        ranked = teacher_map(teacher, teacher.rank, groups) if p.teacher_coef > 0 else [None] * len(groups)
+        trajs = [[e.traj for e in g] for g in groups]
+        scores = [ranking_scores(g, t, p.teacher_coef) for g, t in zip(trajs, ranked)]
+        self.make_pairs(stage, b, trajs, scores, p.verifier_veto)
+
+
+@blackbox_recipe
+class ScoreRecipe(PolicyGradientRecipe):
+    """GRPO on the verifier's reward fused with the teacher's rubric score."""
+
+    name = "score"
+    needs = (Capability.SCORING,)
+
+    def score(self, stage: "BlackBoxStage", b: StepBatch) -> None:
+        o, teacher, trajs = stage.cfg, stage.teacher, b.trajs
+        ts = teacher_map(teacher, teacher.score, b.data["eps"])
+        overall = [x.overall(o.score.weights) if x is not None else None for x in ts]
+        raw, fused = fused_rewards(trajs, overall, o.score.teacher_coef)
+        got = [x for x in overall if x is not None]
+        self.group_rewards(stage, b, raw)
+        b.metrics.update({"teacher_scored": float(fused), "teacher_skips": float(len(ts) - len(got)),
+                          "teacher_score_mean": _mean(got), "teacher_verifier_agreement": _agreement(trajs, ts),
+                          **{f"fused_reward_{k}": v for k, v in group_reward_stats(b.rewards).items()}})
+
+    def advantages(self, stage: "BlackBoxStage", b: StepBatch) -> None:
+        adv = self.outcome_advantages(b)
+        b.adv = [torch.tensor(t.loss_mask, dtype=torch.float32) * float(a) for t, a in zip(b.trajs, adv)]
+
+
+@blackbox_recipe
+class CritiqueRecipe(PolicyGradientRecipe):
+    """GRPO whose per-turn advantage adds the teacher's standardised step score."""
+
+    name = "critique"
+    needs = (Capability.STEP_CRITIQUE,)
+
+    def score(self, stage: "BlackBoxStage", b: StepBatch) -> None:
+        self.group_rewards(stage, b, b.raw_rewards().reshape(-1))
+        crit = teacher_map(stage.teacher, stage.teacher.critique, b.data["eps"])
+        sc = b.data["step_scores"] = [c.scores if c is not None else None for c in crit]
+        b.metrics.update(teacher_skips=float(sum(c is None for c in crit)),
+                         step_score_mean=_mean([x for y in sc if y for x in y]))
+
+    def advantages(self, stage: "BlackBoxStage", b: StepBatch) -> None:
+        b.adv = step_advantages(b.trajs, self.outcome_advantages(b), b.data["step_scores"], stage.cfg.critique.coef)
+
+
+@blackbox_recipe
+class SoftLabelsRecipe(SoftLabelRecipe):
+    """Cross-entropy from the teacher's softmax over a task's candidates to the student's."""
+
+    name = "soft_labels"
+    needs = (Capability.RANKING,)
+
+    def score(self, stage: "BlackBoxStage", b: StepBatch) -> None:
+        groups = episode_groups(b)
+        scores = teacher_map(stage.teacher, stage.teacher.rank, groups)
+        b.data["soft"] = [([e.traj for e in g], [torch.tensor(e.traj.loss_mask) for e in g], sc)
+                          for g, sc in zip(groups, scores) if sc is not None and max(sc) - min(sc) > 1e-6]
+        b.metrics.update(teacher_skips=float(sum(sc is None for sc in scores)), batch_size=float(len(b.data["soft"])))
+
+
+@blackbox_recipe
+class ActionsRecipe(SoftLabelRecipe, PairsRecipe):
+    """The teacher ranks candidate next turns at single states: soft labels over them, or
+    (``actions.loss: preference``) preference pairs of turns."""
+
+    name = "actions"
+    needs = (Capability.ACTION_RANKING, Capability.SAMPLING)
+
+    def soft_settings(self, stage: "BlackBoxStage") -> tuple[float, bool]:
+        a = stage.cfg.actions
+        return a.temperature, a.average
+
+    def score(self, stage: "BlackBoxStage", b: StepBatch) -> None:
+        data, m = action_groups(stage.ws, stage.model, stage.teacher, b.data["eps"], stage.cfg, b.seeds)
+        if stage.cfg.actions.loss == "preference":  # pairs of a state's actions; no veto: they share the outcome
+            self.make_pairs(stage, b, [t for t, _, _ in data], [sc for _, _, sc in data], veto=False)
+        else:
+            b.data["soft"] = data
+            b.metrics["batch_size"] = float(len(data))
+        b.metrics.update(m)  # the states' counters (teacher_skips among them) over the pairs'
+
+    def update(self, stage: "BlackBoxStage", b: StepBatch) -> None:
+        if "pairs" in b.data:
+            PairsRecipe.update(self, stage, b)
+        else:
+            SoftLabelRecipe.update(self, stage, b)
+
+
+NEEDS = {name: list(r.needs) for name, r in RECIPES.items()}
+
+
+# -------------------------------------------------------------------- stage ------
+class BlackBoxStage(Stage):
+    """Black-box on-policy distillation: the student rolls out, the teacher (opened with the stage,
+    closed with it) is asked about the student's episodes in the score hook, and the recipe
+    (:data:`RECIPES`, by ``blackbox.recipe``) turns its answers into an update."""
+
+    name = "blackbox"
+    update_metrics = ()  # each recipe reports its own update's metrics
+
+    def __init__(self, ws: Workspace, model):
+        super().__init__(ws, model)
+        o = self.cfg
+        self.recipe = RECIPES[o.recipe]()
+        self.ref_model = frozen_copy(model) if uses_preference(o) and o.preference.loss != "orpo" else None
+        self.state: dict[str, Any] = {"rollout_tokens": 0}
+        self.exit = contextlib.ExitStack()
+        try:
+            self.teacher = self.exit.enter_context(open_teacher(ws, o.teacher, student=model,
+                                                                seed=self.seeds("teacher")))
+            require(self.teacher, list(self.recipe.needs), f"blackbox ({o.recipe})")
+        except BaseException:
+            self.exit.close()
+            raise
+
+    def rollout(self, b: StepBatch) -> None:
+        """The student's rollouts, and the same as chat-message episodes for the teacher (``b.data["eps"]``)."""
+        self.collect(b, self.cfg.samples_per_task)
+        self.state["rollout_tokens"] += b.policy_tokens
+        b.data["eps"] = student_episodes(self.ws, [t for t in b.tasks for _ in range(b.group_size)], b.trajs)
+
+    def score(self, b: StepBatch) -> None:
+        """The verifier's reward statistics, then the recipe asks the teacher."""
+        b.metrics.update({f"reward_{k}": v for k, v in group_reward_stats(b.raw_rewards()).items()})
+        b.data["teacher_t0"] = time.perf_counter()
+        self.recipe.score(self, b)
+
+    def advantages(self, b: StepBatch) -> None:
+        self.recipe.advantages(self, b)
+
+    def update(self, b: StepBatch) -> None:
+        self.recipe.update(self, b)
+
+    def after(self, b: StepBatch) -> None:
+        """The client's counters (cumulative), the teacher-and-update time, and the held-out check when due."""
+        o = self.cfg
+        b.metrics.update({f"teacher_{k}": float(self.teacher.client.stats[k]) for k in STAT_KEYS},
+                         teacher_s=time.perf_counter() - b.data["teacher_t0"],
+                         rollout_tokens_total=float(self.state["rollout_tokens"]))
+        if o.eval_every and (b.step + 1) % o.eval_every == 0:
+            b.metrics["heldout_success"] = heldout_check(self.ws, self.model, o.eval_tasks)
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.state)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.state["rollout_tokens"] = state.get("rollout_tokens", 0)
+
+    def close(self) -> None:
+        self.exit.close()
+
+
+blackbox_stage = run_on_loop(BlackBoxStage)

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import copy
 import json
-import random
 import re
 import shutil
 from pathlib import Path
@@ -44,12 +43,11 @@ from mentorrl.opd.signals import same_tokenizer_signal
 from mentorrl.opd.teacher import HFTeacher
 from mentorrl.replay.buffer import ReplayBuffer, ReplayConfig
 from mentorrl.rollout.runner import expert_demonstrations
-from mentorrl.train.curriculum import Curriculum
-from mentorrl.train.learner import Learner
 from mentorrl.replay.checkpointing import BufferCheckpoints
+from mentorrl.train.curriculum import Curriculum
+from mentorrl.train.loop import pg_update
+from mentorrl.train.rl_loop import Stage, StepBatch, run_on_loop
 from mentorrl.train.rundir import KEEP_CHECKPOINTS
-from mentorrl.train.loop import collect_group, group_rewards, pg_update, reduce_updates, rollout_metrics, train_pool
-from mentorrl.train.stage_runner import run_stage
 from mentorrl.train.workspace import Workspace, heldout_check, load_weights_into
 
 
@@ -83,36 +81,43 @@ def _frozen_teacher(model, tokenizer, version: int) -> HFTeacher:
     return HFTeacher(copy.deepcopy(model), tokenizer, f"v{version}")
 
 
-def evolve_stage(ws: Workspace, model, resume: bool = False) -> Path:
-    run = EvolveRun(ws, model)
-    try:
-        return run_stage(ws, "evolve", model, run.learner, run.steps, run.step, ws.cfg.evolve.steps_per_iteration,
-                         resume, extra_state=run.extra_state, restore_extra=run.restore)
-    finally:
-        run.buffer.close()
+EVOLVE_METRICS = ("pg_loss", "clip_frac", "entropy", "grad_norm", "logprob_abs_gap", "policy_lag_max")
 
 
-class EvolveRun:
-    """The evolve stage's state (curriculum, replay buffer, versions, the current teacher) and its step."""
+class EvolveStage(Stage):
+    """The self-evolving loop on :class:`~mentorrl.train.rl_loop.RLLoop`: the curriculum chooses the
+    tasks, the advantages add a reverse-KL term towards the frozen teacher (the last accepted
+    version), the update is a policy-gradient pass and a replay SFT step, and the iteration gate
+    (held-out check: accept as the next teacher, or roll back) runs in ``after``."""
+
+    name = "evolve"
+    update_metrics = EVOLVE_METRICS
+    pool_least = 128
 
     def __init__(self, ws: Workspace, model):
-        cfg, e = ws.cfg, ws.cfg.evolve
-        self.ws, self.model, self.e = ws, model, e
-        self.steps = e.iterations * e.steps_per_iteration
-        self.pool = train_pool(ws, e.tasks_per_step * self.steps, 1, offset=1, least=128)
+        super().__init__(ws, model)
+        e = self.cfg
         demos = expert_demonstrations(ws.contract, ws.make_env, ws.env_entry.make_expert(), self.pool,
-                                      weights=cfg.reward)
+                                      weights=ws.cfg.reward)
         levels = curriculum_levels(self.pool, {d.task_id: len(d.tool_calls) for d in demos})
-        self.curriculum = Curriculum(levels, e.raise_above, e.lower_below, e.window, seed=cfg.seed)
-        self.learner = Learner(model, e.optim, ws.contract.pad_token_id, ws.contract.sampling.temperature)
+        self.curriculum = Curriculum(levels, e.raise_above, e.lower_below, e.window, seed=self.seeds("curriculum"))
         self.estimator = get_advantage_estimator("grpo")
         self.root = ws.run_dir / "evolve"
         self.versions_dir = self.root / "versions"
         self.buffer = ReplayBuffer(self.root / "replay.sqlite", ReplayConfig(min_reward=None))
-        self.state: dict[str, Any] = {"policy": 0, "versions": [], "best": None, "teacher": 0, "rollout_tokens": 0}
+        self.state: dict[str, Any] = {"versions": [], "best": None, "teacher": 0, "rollout_tokens": 0}
         self.teacher = _frozen_teacher(model, ws.tokenizer, 0)
         self.replay = BufferCheckpoints(self.buffer, KEEP_CHECKPOINTS, "evolve", ws.console.print)
 
+    @property
+    def steps(self) -> int:
+        return self.cfg.iterations * self.cfg.steps_per_iteration
+
+    @property
+    def checkpoint_every(self) -> int:
+        return self.cfg.steps_per_iteration
+
+    # ---- versions on disk ---------------------------------------------------------------------
     def save_version(self, k: int) -> Path:
         path = self.versions_dir / f"v{k}"
         self.model.save_pretrained(path, safe_serialization=True)
@@ -130,52 +135,67 @@ class EvolveRun:
         if self.state["versions"] or (self.root / "versions.json").exists():
             self.write_versions()
 
-    def step(self, step: int) -> dict[str, float]:
-        ws, cfg, e, state = self.ws, self.ws.cfg, self.e, self.state
+    def begin(self, b: StepBatch) -> None:
+        """A stage started from scratch empties its buffer and version dirs; the first step scores v0
+        (the starting checkpoint, like every later version)."""
+        state = self.state
         if self.replay.start():  # no checkpoint was restored: the stage starts from scratch
             self.sync_versions()
-        if step == 0 and not state["versions"]:  # v0: the starting checkpoint, scored like every later version
-            score = heldout_check(ws, self.model, e.eval_tasks)
+        if b.step == 0 and not state["versions"]:
+            score = heldout_check(self.ws, self.model, self.cfg.eval_tasks)
             state["versions"].append({"version": 0, "iteration": 0, "heldout_success": score, "accepted": True,
                                       "teacher": None, "path": str(self.save_version(0))})
             state["best"] = score
             self.write_versions()
-        chosen = self.curriculum.sample(e.tasks_per_step)
-        grp = collect_group(ws, self.model, chosen, e.samples_per_task, state["policy"], cfg.seed * 5_003 + step,
-                            f"evolve step {step + 1}")
-        trajs = grp.trajs
-        state["rollout_tokens"] += grp.policy_tokens
-        level_before = self.curriculum.level
-        self.curriculum.observe([bool(t.reward and t.reward.success) for t in trajs])
-        admitted = sum(bool(self.buffer.add(t)) for t in trajs if t.reward and t.reward.success)  # the verifier gates
-        rewards, clipped, stats = group_rewards(grp.raw_rewards(), cfg.audit)
-        env_adv = self.estimator(rewards, normalize_std=True).reshape(-1)
+
+    # ---- hooks --------------------------------------------------------------------------------
+    def tasks(self, b: StepBatch) -> None:
+        """The curriculum's tasks at its current level."""
+        self.begin(b)
+        b.data["level_before"] = self.curriculum.level
+        b.tasks = self.curriculum.sample(self.cfg.tasks_per_step)
+
+    def rollout(self, b: StepBatch) -> None:
+        """The rollouts; the curriculum sees their successes and the verified ones enter the replay buffer."""
+        self.collect(b, self.cfg.samples_per_task)
+        self.state["rollout_tokens"] += b.policy_tokens
+        self.curriculum.observe([bool(t.reward and t.reward.success) for t in b.trajs])
+        b.metrics["admitted"] = float(sum(bool(self.buffer.add(t)) for t in b.trajs
+                                          if t.reward and t.reward.success))  # the verifier gates
+
+    def advantages(self, b: StepBatch) -> None:
+        """``reward_coef * A_env`` (group-relative) plus ``kl_coef * A_kl`` towards the frozen teacher, per token."""
+        e, trajs = self.cfg, b.trajs
+        env_adv = self.estimator(b.rewards, normalize_std=True).reshape(-1)
         signals = [[same_tokenizer_signal(self.teacher, t) for t in trajs]]
         kl = kl_advantages(trajs, signals, torch.ones(len(trajs), 1, dtype=torch.float64), [True])
-        adv = [e.reward_coef * float(env_adv[i]) * torch.tensor(t.loss_mask, dtype=torch.float32) + e.kl_coef * kl[i]
-               for i, t in enumerate(trajs)]
-        ups = pg_update(self.learner, trajs, adv, 2, step * 5 + 1, state, eps_low=e.eps_low, eps_high=e.eps_high)
-        m: dict[str, float] = dict(stats)
-        m.update(rollout_metrics(trajs), rollouts=float(len(trajs)), rollout_s=grp.rollout_s,
-                 reward_clipped=clipped["clipped"])
-        m.update(reduce_updates(ups, ("pg_loss", "clip_frac", "entropy", "grad_norm", "logprob_abs_gap",
-                                      "policy_lag_max")))
-        m["opd_reverse_kl"] = -sum(float(k.sum()) for k in kl if k is not None) / max(grp.policy_tokens, 1)
-        replayed = self.buffer.sample(e.replay_batch, rng=random.Random(cfg.seed * 7 + step)) if e.replay_batch else []
+        b.adv = [e.reward_coef * float(env_adv[i]) * torch.tensor(t.loss_mask, dtype=torch.float32) + e.kl_coef * kl[i]
+                 for i, t in enumerate(trajs)]
+        b.metrics["opd_reverse_kl"] = -sum(float(k.sum()) for k in kl if k is not None) / max(b.policy_tokens, 1)
+
+    def update(self, b: StepBatch) -> None:
+        """Two policy-gradient minibatches, then an SFT step on ``replay_batch`` replayed successes."""
+        e = self.cfg
+        b.updates += pg_update(self.learner, b.trajs, b.adv, 2, b.seeds("minibatches"), eps_low=e.eps_low,
+                               eps_high=e.eps_high)
+        replayed = self.buffer.sample(e.replay_batch, rng=b.seeds.rng("replay")) if e.replay_batch else []
         if replayed and e.replay_coef > 0:
-            m["replay_sft_loss"] = self.learner.sft_step(replayed)["loss"]
-        c = self.curriculum
-        m.update(curriculum_level=float(c.level), level_changed=float(c.level != level_before),
-                 curriculum_success=c.success_rate if c.success_rate is not None else -1.0,
-                 admitted=float(admitted), replay_size=float(len(self.buffer)), replayed=float(len(replayed)),
-                 teacher_version=float(state["teacher"]), rollout_tokens_total=float(state["rollout_tokens"]))
-        if (step + 1) % e.steps_per_iteration == 0:
-            m.update(self.close_iteration(step))
-        return m
+            b.metrics["replay_sft_loss"] = self.learner.sft_step(replayed)["loss"]
+        b.metrics["replayed"] = float(len(replayed))
+
+    def after(self, b: StepBatch) -> None:
+        """The curriculum's and the buffer's metrics; at the end of an iteration, the gate."""
+        c, state = self.curriculum, self.state
+        b.metrics.update(curriculum_level=float(c.level), level_changed=float(c.level != b.data["level_before"]),
+                         curriculum_success=c.success_rate if c.success_rate is not None else -1.0,
+                         replay_size=float(len(self.buffer)), teacher_version=float(state["teacher"]),
+                         rollout_tokens_total=float(state["rollout_tokens"]))
+        if (b.step + 1) % self.cfg.steps_per_iteration == 0:
+            b.metrics.update(self.close_iteration(b.step))
 
     def close_iteration(self, step: int) -> dict[str, float]:
         """The held-out check and gate at the end of an iteration: accept (save, new teacher) or roll back."""
-        e, state = self.e, self.state
+        e, state = self.cfg, self.state
         it = (step + 1) // e.steps_per_iteration
         score = heldout_check(self.ws, self.model, e.eval_tasks)
         accepted = score >= state["best"] - e.accept_margin
@@ -193,10 +213,11 @@ class EvolveRun:
                               f"{'accepted as the next teacher' if accepted else 'rejected, rolled back'}")
         return {"heldout_success": score, "version_accepted": float(accepted)}
 
-    def extra_state(self) -> dict[str, Any]:
+    # ---- state --------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
         return {**self.state, "curriculum": self.curriculum.state_dict(), **self.replay.state()}
 
-    def restore(self, st: dict[str, Any]) -> None:
+    def load_state_dict(self, st: dict[str, Any]) -> None:
         self.replay.restore(st)
         self.state.update({k: st[k] for k in self.state if k in st})
         self.sync_versions()
@@ -208,5 +229,8 @@ class EvolveRun:
 
             self.teacher = HFTeacher(load_policy(path)[1], self.ws.tokenizer, f"v{self.state['teacher']}")
 
+    def close(self) -> None:
+        self.buffer.close()
 
-__all__ = ["EvolveRun", "curriculum_levels", "evolve_stage", "stale_version_dirs"]
+
+evolve_stage = run_on_loop(EvolveStage)
