@@ -99,7 +99,7 @@ class OPDStage(Stage):
         self.served = serve_teachers(ws, hf, model) if hf else []
         self.by_name = {t.name: t for t in o.terms}
         for t in self.teachers:
-            require(t, needed_capabilities(ws.cfg), f"opd (terms {sorted(self.by_name)})")
+            require(t, needed_capabilities(ws.cfg), "opd (topk term)" if "topk" in self.by_name else "opd")
         self.cross = [t for t in self.teachers if isinstance(t, CrossTokenizerTeacher)]
         if self.cross and "sequence_fallback" in self.by_name:
             for t in self.cross:
