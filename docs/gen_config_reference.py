@@ -28,11 +28,30 @@ FOOTER = """
 The demo's own recipe is `mentorrl/configs/demo.yaml`.
 """
 
+TERMS_HEADER = """
+## OPD terms
+
+`opd.terms` is an ordered list; each entry is `{name: <term>, <its settings>}` (a bare name takes
+the defaults). The settings of every term (see docs/opd.md for what each one does):
+
+"""
+
+
+def terms_markdown() -> str:
+    """One table of every OPD term's settings, from the term schemas."""
+    from mentorrl.config import OPD_TERM_SCHEMAS, config_reference
+
+    lines = ["| term setting | default | meaning |", "|---|---|---|"]
+    for name, schema in OPD_TERM_SCHEMAS.items():
+        rows = [r for r in config_reference(schema.model_construct(), f"{name}.") if r[0] != f"{name}.name"]
+        lines += [f"| `{f}` | {d} | {m} |" for f, d, m in rows] or [f"| `{name}` | | no settings |"]
+    return TERMS_HEADER + "\n".join(lines) + "\n"
+
 
 def render() -> str:
     from mentorrl.config import config_reference_markdown
 
-    return HEADER + config_reference_markdown() + FOOTER
+    return HEADER + config_reference_markdown() + terms_markdown() + FOOTER
 
 
 def main(argv: list[str]) -> int:

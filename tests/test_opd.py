@@ -12,7 +12,7 @@ import torch
 from typer.testing import CliRunner
 
 from mentorrl.cli import app
-from mentorrl.config import ConfigError, RLSDConfig, ShortOPDConfig, load_config
+from mentorrl.config import ConfigError, RLSDSelectedTerm, ShortOPDConfig, load_config
 from mentorrl.opd.advantage import (
     GapBudget,
     group_reward_weights,
@@ -23,7 +23,7 @@ from mentorrl.opd.advantage import (
 )
 from mentorrl.opd.signals import ChunkSignal
 from mentorrl.train.recipes.evolve import curriculum_levels
-from mentorrl.train.recipes.opd import _rlsd_weights, _short_select
+from mentorrl.algos.opd_terms import center_term, rlsd_weights, short_term
 from mentorrl.train.rundir import MetricsLog
 from mentorrl.trajectory import RewardBreakdown, Segment, ToolCall, Trajectory
 
@@ -104,8 +104,10 @@ def test_group_reward_weights_are_a_softmax_per_group_scaled_to_mean_one():
 def test_rlsd_distils_only_verified_non_exploration_trajectories():
     trajs = [traj([0, 1, 1], reward=1.0, success=True, id=f"p{i}") for i in range(6)]
     trajs += [traj([0, 1, 1], reward=0.2, success=False, id=f"f{i}") for i in range(2)]
-    rewards = torch.tensor([t.reward.total for t in trajs])
-    w = _rlsd_weights(trajs, rewards, RLSDConfig(exploration_share=0.25), seed=3)
+    x = {"rewards": torch.tensor([t.reward.total for t in trajs]), "seed": 3,
+         "success": torch.tensor([t.reward.success for t in trajs]),
+         "lengths": torch.tensor([float(t.num_policy_tokens) for t in trajs])}
+    w = rlsd_weights(x, RLSDSelectedTerm(exploration_share=0.25))
     from mentorrl.opd.rlsd import exploration_split
 
     explore = exploration_split(8, 0.25, 3)
@@ -120,10 +122,13 @@ def test_short_opd_keeps_the_largest_gaps_and_reports_the_share():
     b = traj([0, 0, 1, 1], id="b")
     kl = [torch.tensor([0.0, -0.1, -2.0, 0.3, -0.05]), torch.tensor([0.0, 0.0, 1.0, -0.01])]
     gaps = [k.abs() for k in kl]
-    out, share = _short_select([a, b], kl, gaps, ShortOPDConfig(top_frac=0.5))
+    x = {"masks": [torch.tensor(t.loss_mask, dtype=torch.float32) for t in (a, b)], "gaps": gaps}
+    out, m = short_term(kl, x, ShortOPDConfig(top_frac=0.5))
+    share = m["distilled_token_share"]
     assert share == pytest.approx(3 / 6)
     assert out[0].tolist() == pytest.approx([0.0, 0.0, -2.0, 0.3, 0.0]) and out[1].tolist() == pytest.approx([0, 0, 1.0, 0])
-    out, share = _short_select([a, b], kl, gaps, ShortOPDConfig(threshold=0.2))
+    out, m = short_term(kl, x, ShortOPDConfig(threshold=0.2))
+    share = m["distilled_token_share"]
     assert share == pytest.approx(3 / 6) and out[0][1] == 0
 
 
@@ -326,10 +331,8 @@ def test_a_budgeted_episode_stops_at_its_budget(make_contract, orders_entry, too
 
 
 def test_sampled_advantages_are_centred_over_the_tokens_they_cover():
-    from mentorrl.train.recipes.opd import _center
-
     kl = [torch.tensor([0.0, -1.0, -3.0]), None, torch.tensor([0.0, 0.0, -2.0])]
-    out = _center([None, None, None], kl)
+    out, _ = center_term(kl)
     assert out[1] is None
     assert out[0].tolist() == pytest.approx([0.0, 1.0, -1.0]) and out[2].tolist() == pytest.approx([0.0, 0.0, 0.0])
 

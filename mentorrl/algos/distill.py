@@ -28,6 +28,7 @@ there (the usual "top-k" distillation when only the teacher's top-k log-probs ar
 from __future__ import annotations
 
 import math
+import random
 
 import torch
 
@@ -206,7 +207,57 @@ def select_large_gap(gap: torch.Tensor, mask: torch.Tensor, threshold: float | N
     return out
 
 
+# ------------------------------------------ OPD token and trajectory weights -----
+def step_weights(mask: torch.Tensor, tool_error_tokens: torch.Tensor | None = None,
+                 low_reward: torch.Tensor | None = None, student_entropy: torch.Tensor | None = None,
+                 tool_error_boost: float = 2.0, low_reward_boost: float = 1.5, entropy_threshold: float = 1.0,
+                 entropy_boost: float = 1.5) -> torch.Tensor:
+    """Failure-aware per-token distillation weights ``[B, T]`` (0 off policy tokens, else >= 1).
+
+    Boosts multiply: ``tool_error_tokens`` marks the policy tokens of turns whose tool call
+    failed; ``low_reward`` ``[B]`` marks trajectories below the reward bar; tokens where the
+    student's entropy exceeds ``entropy_threshold`` are uncertain steps."""
+    w = mask.double().clone()
+    if tool_error_tokens is not None:
+        w = w * torch.where(tool_error_tokens.bool(), tool_error_boost, 1.0)
+    if low_reward is not None:
+        w = w * torch.where(low_reward.bool(), low_reward_boost, 1.0)[:, None]
+    if student_entropy is not None:
+        w = w * torch.where(student_entropy > entropy_threshold, entropy_boost, 1.0)
+    return w
+
+
+
+def distill_weights(rewards: torch.Tensor, lengths: torch.Tensor, passed: torch.Tensor,
+                    reward_temperature: float = 1.0, length_power: float = 0.0) -> torch.Tensor:
+    """Per-trajectory distillation weights: 0 unless ``passed``; otherwise
+    ``exp(R / T) * (length / mean length) ** -length_power``, scaled to mean 1 over the passed ones."""
+    if not reward_temperature > 0:
+        raise ValueError(f"reward_temperature must be > 0, got {reward_temperature}")
+    if length_power < 0:
+        raise ValueError(f"length_power must be >= 0, got {length_power}")
+    passed = passed.bool()
+    w = torch.zeros(rewards.shape, dtype=torch.float64)
+    if not passed.any():
+        return w
+    r = rewards.double()[passed]
+    lengths_p = lengths.double()[passed].clamp(min=1.0)
+    raw = torch.exp((r - r.max()) / reward_temperature) * (lengths_p / lengths_p.mean()) ** (-length_power)
+    w[passed] = raw / raw.mean()
+    return w
+
+
+def exploration_split(n: int, share: float, seed: int) -> list[bool]:
+    """Which of ``n`` samples are exploration (RL only): ``round(share * n)`` of them, chosen by ``seed``."""
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"exploration share must lie in [0, 1], got {share}")
+    k = round(share * n)
+    chosen = set(random.Random(seed).sample(range(n), k))
+    return [i in chosen for i in range(n)]
+
+
+
 __all__ = [
-    "DIVERGENCES", "distill_loss", "divergence_of", "renormalise", "with_tail", "weighted_token_mean", "mix_advantages", "restrict_top_k", "reward_weights",
-    "sampled_reverse_kl_advantage", "select_large_gap", "token_divergence",
+    "DIVERGENCES", "distill_loss", "distill_weights", "divergence_of", "exploration_split", "renormalise", "with_tail", "weighted_token_mean", "mix_advantages", "restrict_top_k", "reward_weights",
+    "sampled_reverse_kl_advantage", "select_large_gap", "step_weights", "token_divergence",
 ]

@@ -67,6 +67,23 @@ from mentorrl.config.loading import (
 )
 from mentorrl.config.model import ModelConfig, ModelSpec, PretrainSpec
 from mentorrl.config.opd import (
+    OPD_TERM_SCHEMAS,
+    OPDTerm,
+    RLSD_TERMS,
+    REWARD_TERMS,
+    SampledKLTerm,
+    TopKTerm,
+    UntilFirstErrorTerm,
+    StepWeightsTerm,
+    CenterTerm,
+    ShortTerm,
+    RewardWeightedTerm,
+    EnvAdvantageTerm,
+    RLSDSelectedTerm,
+    RLSDTopKTerm,
+    SequenceFallbackTerm,
+    legacy_opd_terms,
+    LEGACY_OPD_FLAGS,
     EvolveConfig,
     MOPDConfig,
     OPDConfig,
@@ -122,4 +139,5 @@ __all__ = [
     "get_stage_spec", "load_config", "load_plugins", "loss_agg_field", "number_problems", "optim_field",
     "parse_yaml", "raw_number_problems", "register_stage_spec", "run_config_model", "stage_specs",
     "unregister_stage_spec", "updates_per_step_field", "validate_config",
+    "OPD_TERM_SCHEMAS", "OPDTerm", "RLSD_TERMS", "REWARD_TERMS", "SampledKLTerm", "TopKTerm", "UntilFirstErrorTerm", "StepWeightsTerm", "CenterTerm", "ShortTerm", "RewardWeightedTerm", "EnvAdvantageTerm", "RLSDSelectedTerm", "RLSDTopKTerm", "SequenceFallbackTerm", "legacy_opd_terms", "LEGACY_OPD_FLAGS",
 ]

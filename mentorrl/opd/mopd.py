@@ -20,6 +20,8 @@ from typing import Mapping, Sequence
 
 import torch
 
+from mentorrl.algos.distill import step_weights  # the pure weights live with the other OPD math (re-exported)
+
 
 def routing_weights(families: Sequence[str], teachers: Sequence[str],
                     routes: Mapping[str, Mapping[str, float]]) -> torch.Tensor:
@@ -85,25 +87,6 @@ def mixture_log_probs(teacher_logits: torch.Tensor, weights: torch.Tensor, tempe
     lp = torch.log_softmax(teacher_logits.double() / temperature, dim=-1)
     logw = torch.log(weights.double().clamp(min=1e-300)).T[:, :, None, None]  # [M, B, 1, 1]
     return torch.logsumexp(lp + logw, dim=0)
-
-
-def step_weights(mask: torch.Tensor, tool_error_tokens: torch.Tensor | None = None,
-                 low_reward: torch.Tensor | None = None, student_entropy: torch.Tensor | None = None,
-                 tool_error_boost: float = 2.0, low_reward_boost: float = 1.5, entropy_threshold: float = 1.0,
-                 entropy_boost: float = 1.5) -> torch.Tensor:
-    """Failure-aware per-token distillation weights ``[B, T]`` (0 off policy tokens, else >= 1).
-
-    Boosts multiply: ``tool_error_tokens`` marks the policy tokens of turns whose tool call
-    failed; ``low_reward`` ``[B]`` marks trajectories below the reward bar; tokens where the
-    student's entropy exceeds ``entropy_threshold`` are uncertain steps."""
-    w = mask.double().clone()
-    if tool_error_tokens is not None:
-        w = w * torch.where(tool_error_tokens.bool(), tool_error_boost, 1.0)
-    if low_reward is not None:
-        w = w * torch.where(low_reward.bool(), low_reward_boost, 1.0)[:, None]
-    if student_entropy is not None:
-        w = w * torch.where(student_entropy > entropy_threshold, entropy_boost, 1.0)
-    return w
 
 
 __all__ = ["combine", "confidence_weights", "mixture_log_probs", "routing_weights", "step_weights", "success_weights"]
