@@ -133,7 +133,9 @@ def _run_stage_example(mod, tmp_path, monkeypatch, policy_and_trajs):
     assert [(r["stage"], r["step"]) for r in recs] == [("self_imitation", 1), ("self_imitation", 2)]
     assert mod.self_imitation_stage(ws, copy.deepcopy(model), resume=True, sic=sic) == final  # complete: loaded
     # the update path: rollouts that succeed (the expert's) are imitated
-    monkeypatch.setattr(mod, "rollout_tasks", lambda *a, **k: expert_trajs)
+    from mentorrl.rollout import Rollout
+
+    monkeypatch.setattr(Rollout, "run", lambda self, *a, **k: expert_trajs)
     ws3 = open_workspace(load_config(None, [f"run_dir={tmp_path / 'run3'}", "threads=1"]), show_progress=False)
     ws3.bind_tokenizer(tokenizer)
     mod.self_imitation_stage(ws3, copy.deepcopy(model), sic=mod.SelfImitationConfig(steps=1, tasks_per_step=3))

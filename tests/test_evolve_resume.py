@@ -16,7 +16,7 @@ import pytest
 
 from mentorrl.config import load_config
 from mentorrl.replay.buffer import ReplayBuffer
-from mentorrl.train import loop as loop_mod
+from mentorrl.rollout import api as api_mod
 from mentorrl.train.learner import Learner
 from mentorrl.train.rundir import MetricsLog
 
@@ -88,7 +88,7 @@ def _run_killed_at_the_step_4_checkpoint(tmp_path, tokenizer, orders_entry, mode
         return real_save(stage_dir, step, *a, **kw)
 
     monkeypatch.setattr(stages_mod, "save_checkpoint", save_then_die)
-    monkeypatch.setattr(loop_mod, "rollout_tasks", _half_verified(loop_mod.rollout_tasks))  # the rollout prologue is in loop
+    monkeypatch.setattr(api_mod, "rollout_tasks", _half_verified(api_mod.rollout_tasks))  # under every Rollout.run
     with pytest.raises(_Killed):
         evolve_mod.evolve_stage(ws, copy.deepcopy(model), resume=False)
     monkeypatch.setattr(stages_mod, "save_checkpoint", real_save)
@@ -126,7 +126,7 @@ def test_evolve_resume_restores_buffer_and_versions_to_the_checkpoint(tmp_path, 
         replayed.extend(t.id for t in batch)
         return real_sft(self, batch, *a, **kw)
 
-    monkeypatch.setattr(loop_mod, "rollout_tasks", _half_verified(real_rollout, on_rollout))
+    monkeypatch.setattr(api_mod, "rollout_tasks", _half_verified(real_rollout, on_rollout))
     monkeypatch.setattr(Learner, "sft_step", watching_sft)
     evolve_mod.evolve_stage(ws, copy.deepcopy(model), resume=True)
     assert "resuming from step-000002" in out.getvalue()
@@ -153,7 +153,7 @@ def test_evolve_fresh_start_empties_the_buffer_of_an_earlier_run(tmp_path, token
         first.update(_snapshot(ws.run_dir))
         raise _Killed  # seen what the first step starts from: enough
 
-    monkeypatch.setattr(loop_mod, "rollout_tasks", _half_verified(real_rollout, on_rollout))
+    monkeypatch.setattr(api_mod, "rollout_tasks", _half_verified(real_rollout, on_rollout))
     with pytest.raises(_Killed):
         evolve_mod.evolve_stage(ws, copy.deepcopy(model), resume=False)
     assert first["ids"] == [] and first["rejections"] == {}

@@ -19,7 +19,6 @@ from pathlib import Path
 from pydantic import BaseModel, Field
 
 from mentorrl.config import OptimConfig
-from mentorrl.rollout.runner import rollout_tasks
 from mentorrl.train.learner import Learner
 from mentorrl.train.loop import rollout_metrics
 from mentorrl.train.registry import register_stage
@@ -46,8 +45,7 @@ def self_imitation_stage(ws: Workspace, model, resume: bool = False,
     def step_fn(step: int) -> dict[str, float]:
         rng = random.Random(cfg.seed * 1_000_003 + step)  # seeded by step: a resumed run redoes it exactly
         tasks = rng.sample(pool, sic.tasks_per_step)
-        trajs = rollout_tasks(model, ws.contract, ws.make_env, tasks, policy_version=step,
-                              seed=cfg.seed * 7_777 + step, batch_size=len(tasks), weights=cfg.reward)
+        trajs = ws.rollout.run(model, tasks, policy_version=step, seed=cfg.seed * 7_777 + step)
         wins = [t for t in trajs if t.reward.success]
         metrics = {**rollout_metrics(trajs), "rollouts": float(len(trajs)), "task_success": len(wins) / len(trajs)}
         if wins:

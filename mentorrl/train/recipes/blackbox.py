@@ -38,7 +38,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -308,11 +308,12 @@ def step_advantages(trajs: list[Trajectory], outcome_adv: torch.Tensor, step_sco
     return out
 
 
-def policy_gradient_update(learner, trajs, token_adv, o: BlackBoxConfig, state, step: int) -> dict[str, float]:
+def policy_gradient_update(learner, trajs, token_adv, o: BlackBoxConfig, state, step: int,
+                           sync: Callable[[Any, int], None] | None = None) -> dict[str, float]:
     """Clipped policy-gradient minibatches over the batch; trajectories with a zero advantage are
     not forwarded but keep their place in the loss denominator (:func:`~mentorrl.train.loop.pg_update`)."""
     ups = pg_update(learner, trajs, token_adv, o.updates_per_step, step * 7 + 3, state, drop_zero=True,
-                    eps_low=o.eps_low, eps_high=o.eps_high, agg=o.loss_agg)
+                    eps_low=o.eps_low, eps_high=o.eps_high, agg=o.loss_agg, sync=sync)
     live = sum(1 for a in token_adv if a.abs().sum() > 0)
     return {**reduce_updates(ups, PG_KEYS), "batch_size": float(live)}
 
@@ -505,7 +506,7 @@ def _score(s: Step) -> dict[str, float]:
          "teacher_verifier_agreement": _agreement(trajs, ts),
          **{f"fused_reward_{k}": v for k, v in group_reward_stats(rewards).items()}}
     token_adv = [torch.tensor(t.loss_mask, dtype=torch.float32) * float(a) for t, a in zip(trajs, adv)]
-    return {**m, **policy_gradient_update(s.learner, trajs, token_adv, s.o, s.state, s.step)}
+    return {**m, **policy_gradient_update(s.learner, trajs, token_adv, s.o, s.state, s.step, s.ws.rollout.sync)}
 
 
 def _critique(s: Step) -> dict[str, float]:
@@ -515,7 +516,7 @@ def _critique(s: Step) -> dict[str, float]:
     sc = [c.scores if c is not None else None for c in crit]
     m = {"teacher_skips": float(sum(c is None for c in crit)), "step_score_mean": _mean([x for y in sc if y for x in y])}
     token_adv = step_advantages(trajs, adv, sc, s.o.critique.coef)
-    return {**m, **policy_gradient_update(s.learner, trajs, token_adv, s.o, s.state, s.step)}
+    return {**m, **policy_gradient_update(s.learner, trajs, token_adv, s.o, s.state, s.step, s.ws.rollout.sync)}
 
 
 def _soft_labels(s: Step) -> dict[str, float]:

@@ -43,7 +43,6 @@ from mentorrl.opd.advantage import kl_advantages
 from mentorrl.opd.signals import same_tokenizer_signal
 from mentorrl.opd.teacher import HFTeacher
 from mentorrl.replay.buffer import ReplayBuffer, ReplayConfig
-from mentorrl.rollout.runner import expert_demonstrations
 from mentorrl.train.curriculum import Curriculum
 from mentorrl.train.learner import Learner
 from mentorrl.replay.checkpointing import BufferCheckpoints
@@ -102,8 +101,7 @@ class EvolveRun:
         self.ws, self.model, self.e = ws, model, e
         self.steps = e.iterations * e.steps_per_iteration
         self.pool = train_pool(ws, e.tasks_per_step * self.steps, 1, offset=1, least=128)
-        demos = expert_demonstrations(ws.contract, ws.make_env, ws.env_entry.make_expert(), self.pool,
-                                      weights=cfg.reward)
+        demos = ws.rollout.demonstrations(ws.env_entry.make_expert(), self.pool)
         levels = curriculum_levels(self.pool, {d.task_id: len(d.tool_calls) for d in demos})
         self.curriculum = Curriculum(levels, e.raise_above, e.lower_below, e.window, seed=cfg.seed)
         self.learner = Learner(model, e.optim, ws.contract.pad_token_id, ws.contract.sampling.temperature)
@@ -156,7 +154,8 @@ class EvolveRun:
         kl = kl_advantages(trajs, signals, torch.ones(len(trajs), 1, dtype=torch.float64), [True])
         adv = [e.reward_coef * float(env_adv[i]) * torch.tensor(t.loss_mask, dtype=torch.float32) + e.kl_coef * kl[i]
                for i, t in enumerate(trajs)]
-        ups = pg_update(self.learner, trajs, adv, 2, step * 5 + 1, state, eps_low=e.eps_low, eps_high=e.eps_high)
+        ups = pg_update(self.learner, trajs, adv, 2, step * 5 + 1, state, eps_low=e.eps_low, eps_high=e.eps_high,
+                        sync=self.ws.rollout.sync)
         m: dict[str, float] = dict(stats)
         m.update(rollout_metrics(trajs), rollouts=float(len(trajs)), rollout_s=grp.rollout_s,
                  reward_clipped=clipped["clipped"])

@@ -132,7 +132,7 @@ def grpo_stage(ws: Workspace, model, ref_model=None, resume: bool = False) -> Pa
         ups = pg_update(learner, trajs, adv, g.updates_per_step, step, version, kind="grpo", groups=groups,
                         drop_zero=g.kl_coef == 0,
                         ref_model=ref_model if g.kl_coef > 0 else None, kl_coef=g.kl_coef, eps_low=g.eps_low,
-                        eps_high=g.eps_high, agg=g.loss_agg, nll_weights=nll)
+                        eps_high=g.eps_high, agg=g.loss_agg, nll_weights=nll, sync=ws.rollout.sync)
         metrics.update(reduce_updates(ups, GRPO_METRICS))
         trained = len(trajs) if g.kl_coef > 0 else int((adv.abs() > 0).sum())
         metrics.update(trained_trajectories=trained, policy_version=version["policy"],

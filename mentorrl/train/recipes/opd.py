@@ -57,7 +57,6 @@ from mentorrl.opd.rlsd import distill_weights, exploration_split
 from mentorrl.opd.scoring import teacher_row
 from mentorrl.opd.signals import CrossTokenizerTeacher
 from mentorrl.opd.teacher import Capability, HFTeacher, require
-from mentorrl.rollout.runner import rollout_tasks
 from mentorrl.train.learner import Learner
 from mentorrl.train.loop import (
     PG_METRICS,
@@ -326,7 +325,8 @@ def _pg_loss(run: OPDRun, s: OPDStep, u: Updates) -> None:
     o = run.o
     for e in range(o.epochs if o.loss == "sampled" else 1):
         u.pg += pg_update(run.learner, s.trajs, s.token_adv, o.updates_per_step, s.step * 7 + 3 + 101 * e, run.state,
-                          skip_zero=True, eps_low=o.eps_low, eps_high=o.eps_high, agg=o.loss_agg)
+                          skip_zero=True, eps_low=o.eps_low, eps_high=o.eps_high, agg=o.loss_agg,
+                          sync=run.ws.rollout.sync)
 
 
 def _topk_loss(run: OPDRun, s: OPDStep, u: Updates) -> None:
@@ -473,8 +473,8 @@ def _sequence_fallback(ws, learner, cross, tasks, step, state) -> dict[str, floa
             contract = contract_for_env(t.tokenizer, env, ws.cfg.sampling, ws.cfg.limits, ws.cfg.prompt)
         finally:
             env.close()
-        own = rollout_tasks(t.model, contract, ws.make_env, tasks, seed=ws.cfg.seed * 4_409 + step,
-                            batch_size=len(tasks), weights=ws.cfg.reward)
+        own = ws.rollout.with_contract(contract).run(t.model, tasks, seed=ws.cfg.seed * 4_409 + step,
+                                                     batch_size=len(tasks))
         generated += sum(x.num_policy_tokens for x in own)
         for x in own:
             if x.reward and x.reward.success:

@@ -54,7 +54,7 @@ def ppo_stage(ws: Workspace, model, resume: bool = False) -> Path:
         am = []
         if step >= p.critic.warmup_steps:
             am = pg_update(learner, trajs, adv, p.updates_per_step, step * 7 + 2, version, eps_low=p.eps_low,
-                           eps_high=p.eps_high, agg=p.loss_agg)
+                           eps_high=p.eps_high, agg=p.loss_agg, sync=ws.rollout.sync)
         metrics.update(value_metrics)
         metrics.update(reduce_updates(am, PG_METRICS))
         metrics.update(actor_updated=float(bool(am)), policy_version=version["policy"], rollout_s=grp.rollout_s,

@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mentorrl.rollout.runner import rollout_tasks
 from mentorrl.train.learner import Learner
 from mentorrl.train.registry import register_stage
 from mentorrl.train.rft import rft_round_stats, rising, select_rft_data, task_outcomes
@@ -39,8 +38,7 @@ def rft_stage(ws: Workspace, model, resume: bool = False) -> Path:
     def step_fn(step: int) -> dict[str, float]:
         grouped = [t for t in tasks for _ in range(r.samples_per_task)]
         t0 = time.perf_counter()
-        trajs = rollout_tasks(model, ws.contract, ws.make_env, grouped, seed=cfg.seed * 9_973 + 101 * step,
-                              batch_size=r.rollout_batch, weights=cfg.reward)
+        trajs = ws.rollout.run(model, grouped, seed=cfg.seed * 9_973 + 101 * step, batch_size=r.rollout_batch)
         stats = rft_round_stats(task_outcomes(trajs))
         rate = stats["positive_task_rate"]
         state["history"] = state["history"][:step] + [rate]

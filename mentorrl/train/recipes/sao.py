@@ -39,7 +39,6 @@ from typing import Any, Iterator
 import torch
 
 from mentorrl.replay.buffer import BatchItem, ReplayBuffer, hybrid_batch, segment_replay
-from mentorrl.rollout.runner import expert_demonstrations
 from mentorrl.train.async_rl import RolloutPool, WeightBox, lag_histogram, staleness_weights
 from mentorrl.train.audit import GapMonitor
 from mentorrl.train.learner import Learner
@@ -115,8 +114,7 @@ class SAORun:
         self.demos: list[Trajectory] = []
         if s.mix["expert"] > 0:
             tasks = ws.train_tasks(s.num_demos, cfg.seed + SAO_POOL_SEED_OFFSET)
-            self.demos = expert_demonstrations(ws.contract, ws.make_env, ws.env_entry.make_expert(), tasks,
-                                               weights=cfg.reward)
+            self.demos = ws.rollout.demonstrations(ws.env_entry.make_expert(), tasks)
         self.box = WeightBox()
         self.worker: RolloutPool | None = None
         self.t0: float | None = None
@@ -133,11 +131,11 @@ class SAORun:
             pool_cls = RolloutPool
             if cfg.distributed.backend == "ray":  # rollout actors (mentorrl.distributed.ray_workers, docs/ray.md)
                 from mentorrl.distributed.ray_workers import RayRolloutPool
-                pool_cls = functools.partial(RayRolloutPool, dist=cfg.distributed, ws=self.ws)
-            w = pool_cls(self.model, self.ws.contract, self.ws.make_env, task_stream(self.pool, cfg.seed * 7_919 + step),
+                self.ws.close_ray_rollouts()  # a GRPO stage's actors (idle now) are this stream's: no CPUs for more
+                pool_cls = functools.partial(RayRolloutPool, dist=cfg.distributed)
+            w = pool_cls(self.model, self.ws.rollout, task_stream(self.pool, cfg.seed * 7_919 + step),
                             self.box, slots=r.slots, queue_size=r.queue_size or s.batch_size,
-                            seed=cfg.seed * 104_729 + step, weights=cfg.reward, recompute_kv=r.recompute_kv,
-                            workers=r.workers)
+                            seed=cfg.seed * 104_729 + step, recompute_kv=r.recompute_kv, workers=r.workers)
             w.start()
             self.worker, self.t0 = w, time.perf_counter()
         return self.worker
@@ -209,7 +207,8 @@ class SAORun:
         am: list[dict[str, float]] = []
         if step >= s.critic.warmup_steps and batch:
             am = pg_update(self.learner, batch, token_adv, s.updates_per_step, step * 7 + 2, self.state,
-                           kind="masked_is", bump=False, eps_low=s.eps_low, eps_high=s.eps_high, agg=s.loss_agg)
+                           kind="masked_is", bump=False, eps_low=s.eps_low, eps_high=s.eps_high, agg=s.loss_agg,
+                           sync=self.ws.rollout.sync)
             self.state["dirty"] = True
         if (step + 1) % s.rollout.sync_every == 0 and self.state["dirty"]:
             self.state["policy"] += 1
