@@ -232,12 +232,16 @@ class RolloutActor:
     def configure(self, spec, rollout: RolloutSpec) -> None:
         """Start afresh for a new pool: stop any stream, a new policy copy (filled by the next weights), and
         a rollout built from ``rollout`` (under ``rollout.backend: vllm``, a vLLM engine in this actor, built on
-        first use; the previous rollout's engine is closed)."""
+        first use; the previous pool's engine is kept when the ``rollout:`` section is the same, else closed)."""
         self.stop_stream()
         self.thread = None
-        if self.rollout_ is not None:
-            self.rollout_.close()
-        self.rollout_ = rollout.build()
+        old = self.rollout_
+        if old is not None and old.backend.config == rollout.config:
+            self.rollout_ = Rollout(rollout.contract, rollout.make_env, rollout.weights, old.backend)
+        else:
+            if old is not None:
+                old.close()
+            self.rollout_ = rollout.build()
         self.model = _build_policy(spec)
         self.key: int | None = None
         self.version = -1
