@@ -29,7 +29,7 @@ from pathlib import Path
 import ray
 
 from mentorrl.config import load_config
-from mentorrl.distributed.ray_workers import active_pool, close_pools
+from mentorrl.distributed.ray_workers import RayRollouts
 from mentorrl.train.models_init import base_model_dir
 from mentorrl.train.pipeline import run_recipe
 from mentorrl.train.workspace import open_workspace
@@ -64,6 +64,14 @@ def main() -> None:
               f"grpo.steps={a.steps + a.warmup}", f"grpo.tasks_per_step={a.tasks}", f"grpo.samples_per_task={a.group}",
               "grpo.kl_coef=0.05", "grpo.checkpoint_every=1000", "eval.num_tasks=0", "audit.preflight=false"] + a.set
     out: dict[str, dict] = {}
+    closed: list[RayRollouts] = []  # the run's rollout actors, remembered when its workspace releases them
+    real_close = RayRollouts.close
+
+    def close(pool: RayRollouts) -> None:
+        closed.append(pool)
+        real_close(pool)
+
+    RayRollouts.close = close  # type: ignore[method-assign]
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(a.model).resolve() if a.model else base_model_dir(
             open_workspace(load_config(a.config, common + [f"run_dir={tmp}/base"]), show_progress=False))
@@ -75,7 +83,7 @@ def main() -> None:
             busy1, wall = busy_cpu_s(), time.perf_counter() - t0
             recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
             steps = [r for r in recs if r.get("stage") == "grpo"][a.warmup:]
-            pool = active_pool()
+            pool = closed[-1] if closed else None
             out[arm] = {"step_s": statistics.median(r["step_s"] for r in steps),
                         "rollout_s": statistics.median(r["rollout_s"] for r in steps),
                         "update_s": statistics.median(r["update_s"] for r in steps),
@@ -83,7 +91,7 @@ def main() -> None:
                         "cores_busy": None if busy0 is None or busy1 is None else (busy1 - busy0) / wall}
             if pool is not None:
                 out[arm].update(broadcasts=pool.weights.broadcasts, put_s=pool.weights.last_put_s)
-            close_pools()
+            closed.clear()
     ray.shutdown()
     print(f"\nGRPO, {a.tasks} tasks x {a.group} rollouts per step, median of {a.steps} steps (after {a.warmup} warm-up)")
     print(f"{'arm':8s} {'step_s':>8s} {'rollout_s':>10s} {'update_s':>9s} {'cores busy':>11s}")

@@ -266,15 +266,10 @@ def test_the_cache_grows_to_the_contract_limit_not_past_it(models):
 
 def test_the_run_config_picks_the_decoder(model, make_contract):
     from mentorrl.config import RolloutConfig
-    from mentorrl.rollout import backends
+    from mentorrl.rollout import BackendChoice
 
-    before = backends.current_config()
-    try:
-        for kind in ("slots", "hf", "auto"):
-            backends.configure(RolloutConfig(decoder=kind))
-            assert backends.backend_for(model, make_contract()).decoder == kind
-    finally:
-        backends.configure(before)
+    for kind in ("slots", "hf", "auto"):
+        assert BackendChoice(RolloutConfig(decoder=kind)).for_model(model, make_contract()).decoder == kind
     with pytest.raises(ValueError):
         RolloutConfig(decoder="fast")
 

@@ -17,6 +17,7 @@ import pytest
 from mentorrl.config import load_config
 from mentorrl.replay.buffer import ReplayBuffer
 from mentorrl.train import loop as loop_mod
+from mentorrl.train import rl_loop as rl_loop_mod
 from mentorrl.train.learner import Learner
 from mentorrl.train.rundir import MetricsLog
 
@@ -46,16 +47,18 @@ def _workspace(tmp_path, tokenizer, orders_entry):
 
 
 def _half_verified(real, on_call=None):
-    """``rollout_tasks`` whose every other trajectory is verified a success (so the buffer admits it)."""
+    """``collect_group`` (the stage's training rollouts; held-out checks are left alone) whose every
+    other trajectory is verified a success (so the buffer admits it)."""
 
-    def rollout(*args, **kwargs):
+    def collect(*args, **kwargs):
         if on_call is not None:
             on_call()
-        trajs = real(*args, **kwargs)
-        return [t.model_copy(update={"reward": t.reward.model_copy(update={"success": True})}) if i % 2 == 0 else t
-                for i, t in enumerate(trajs)]
+        grp = real(*args, **kwargs)
+        grp.trajs = [t.model_copy(update={"reward": t.reward.model_copy(update={"success": True})}) if i % 2 == 0
+                     else t for i, t in enumerate(grp.trajs)]
+        return grp
 
-    return rollout
+    return collect
 
 
 def _snapshot(run_dir) -> dict:
@@ -88,7 +91,7 @@ def _run_killed_at_the_step_4_checkpoint(tmp_path, tokenizer, orders_entry, mode
         return real_save(stage_dir, step, *a, **kw)
 
     monkeypatch.setattr(stages_mod, "save_checkpoint", save_then_die)
-    monkeypatch.setattr(loop_mod, "rollout_tasks", _half_verified(loop_mod.rollout_tasks))  # the rollout prologue is in loop
+    monkeypatch.setattr(rl_loop_mod, "collect_group", _half_verified(loop_mod.collect_group))
     with pytest.raises(_Killed):
         evolve_mod.evolve_stage(ws, copy.deepcopy(model), resume=False)
     monkeypatch.setattr(stages_mod, "save_checkpoint", real_save)
@@ -113,7 +116,6 @@ def test_evolve_resume_restores_buffer_and_versions_to_the_checkpoint(tmp_path, 
 
     ws, out = _workspace(tmp_path, tokenizer, orders_entry)
     first: dict = {}
-    from mentorrl.rollout.runner import rollout_tasks as real_rollout  # monkeypatch already undid the first wrap
 
     def on_rollout():
         if not first:
@@ -126,7 +128,7 @@ def test_evolve_resume_restores_buffer_and_versions_to_the_checkpoint(tmp_path, 
         replayed.extend(t.id for t in batch)
         return real_sft(self, batch, *a, **kw)
 
-    monkeypatch.setattr(loop_mod, "rollout_tasks", _half_verified(real_rollout, on_rollout))
+    monkeypatch.setattr(rl_loop_mod, "collect_group", _half_verified(loop_mod.collect_group, on_rollout))
     monkeypatch.setattr(Learner, "sft_step", watching_sft)
     evolve_mod.evolve_stage(ws, copy.deepcopy(model), resume=True)
     assert "resuming from step-000002" in out.getvalue()
@@ -142,7 +144,6 @@ def test_evolve_fresh_start_empties_the_buffer_of_an_earlier_run(tmp_path, token
                                                                  monkeypatch):
     """A stage started from step 0 (no --resume) in a run dir that holds an earlier attempt's
     buffer and versions starts from an empty buffer and only its own versions."""
-    from mentorrl.rollout.runner import rollout_tasks as real_rollout
     from mentorrl.train.recipes import evolve as evolve_mod
 
     _run_killed_at_the_step_4_checkpoint(tmp_path, tokenizer, orders_entry, model, monkeypatch)
@@ -153,7 +154,7 @@ def test_evolve_fresh_start_empties_the_buffer_of_an_earlier_run(tmp_path, token
         first.update(_snapshot(ws.run_dir))
         raise _Killed  # seen what the first step starts from: enough
 
-    monkeypatch.setattr(loop_mod, "rollout_tasks", _half_verified(real_rollout, on_rollout))
+    monkeypatch.setattr(rl_loop_mod, "collect_group", _half_verified(loop_mod.collect_group, on_rollout))
     with pytest.raises(_Killed):
         evolve_mod.evolve_stage(ws, copy.deepcopy(model), resume=False)
     assert first["ids"] == [] and first["rejections"] == {}

@@ -17,6 +17,7 @@ from mentorrl.config import OptimConfig, RunConfig
 from mentorrl.envs.adapters.common import NoExpert
 from mentorrl.envs.base import FinalAnswer
 from mentorrl.models.batch import collate, forward_logprobs
+from mentorrl.rollout import Rollout
 from mentorrl.rollout.runner import expert_demonstrations, rollout_tasks
 from mentorrl.train.learner import Learner
 from mentorrl.algos.advantages import get_advantage_estimator
@@ -32,7 +33,9 @@ G = 3
 @pytest.fixture(scope="module")
 def setting(orders_entry, make_contract, model, find_task):
     contract = make_contract(max_turns=8, max_total_tokens=2048)
-    ws = SimpleNamespace(contract=contract, make_env=orders_entry.make_env, cfg=RunConfig())
+    cfg = RunConfig()
+    ws = SimpleNamespace(contract=contract, make_env=orders_entry.make_env, cfg=cfg,
+                         rollout=Rollout(contract, orders_entry.make_env, cfg.reward))
     tasks = [find_task("refund"), find_task("order_status")]
     grouped = [t for t in tasks for _ in range(G)]
     trajs = rollout_tasks(model, contract, orders_entry.make_env, grouped, policy_version=0, seed=5, batch_size=len(grouped))

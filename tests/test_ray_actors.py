@@ -37,9 +37,8 @@ def ray_local():
         ray.shutdown()
     ray.init(num_cpus=2, include_dashboard=False, logging_level="warning")
     yield ray
-    from mentorrl.distributed.ray_workers import close_pools, kill_idle_actors
+    from mentorrl.distributed.ray_workers import kill_idle_actors
 
-    close_pools()
     kill_idle_actors()
     ray.shutdown()
 
@@ -144,7 +143,6 @@ def test_more_teacher_actors_than_free_cpus_is_a_config_error(ray_local):
 def test_opd_stage_with_a_teacher_actor(ray_local, tmp_path, tiny_model_dir):
     """``recipe: [opd]`` on Ray: rollouts on one rollout actor, the teacher on one teacher actor; the run
     logs its teacher counters and the actors are gone (their CPUs back) when the stage ends."""
-    from mentorrl.distributed.ray_workers import close_pools
     from mentorrl.train.pipeline import run_recipe
 
     run = tmp_path / "opd"
@@ -153,10 +151,7 @@ def test_opd_stage_with_a_teacher_actor(ray_local, tmp_path, tiny_model_dir):
         "opd.samples_per_task=2", f"opd.teachers=[{{name: t, path: {tiny_model_dir}}}]", "eval.num_tasks=0",
         "audit.preflight=false", "distributed.backend=ray", "distributed.rollout_workers=1",
         "distributed.teacher_workers=1"])
-    try:
-        run_recipe(cfg, show_progress=False)
-    finally:
-        close_pools()
+    run_recipe(cfg, show_progress=False)  # closing its workspace releases the rollout actors
     recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     opd = [r for r in recs if r.get("stage") == "opd"]
     assert [r["step"] for r in opd] == [1, 2]

@@ -49,9 +49,8 @@ def ray_local():
     ray = pytest.importorskip("ray")
     ray.init(num_cpus=2, include_dashboard=False, logging_level="warning")
     yield ray
-    from mentorrl.distributed.ray_workers import close_pools, kill_idle_actors
+    from mentorrl.distributed.ray_workers import kill_idle_actors
 
-    close_pools()
     kill_idle_actors()  # the tests share rollout actors (a closed pool's are reused by the next)
     ray.shutdown()
 
@@ -63,14 +62,10 @@ def _cfg(run_dir: Path, extra: list[str]):
 
 
 def _run(run_dir: Path, extra: list[str]):
-    from mentorrl.distributed.ray_workers import close_pools
     from mentorrl.train.pipeline import run_recipe
 
     cfg = _cfg(run_dir, extra)
-    try:
-        run_recipe(cfg, show_progress=False)
-    finally:
-        close_pools()
+    run_recipe(cfg, show_progress=False)  # closing its workspace releases the rollout actors
     return cfg
 
 
@@ -178,13 +173,14 @@ def test_actor_killed_mid_step_is_replaced_and_its_episodes_rerun(ray_local, whi
     exactly the trajectories of an undisturbed run (none lost, none twice)."""
     from mentorrl.config import DistributedConfig
     from mentorrl.distributed.ray_workers import RayRollouts
+    from mentorrl.rollout import RolloutSpec
 
     ray = ray_local
     contract = make_contract()
     tasks = orders_tasks[:8]
     model = copy.deepcopy(tool_happy_model)
     dist = DistributedConfig(backend="ray", rollout_workers=2, env_workers=1 if which == "env" else 0)
-    pool = RayRollouts(dist, model, contract, orders_entry.make_env)
+    pool = RayRollouts(dist, model, RolloutSpec(contract, orders_entry.make_env))
     try:
         first = pool.rollout(tasks, 0, seed=3)
         _same(first, _per_share(model, contract, orders_entry.make_env, tasks, 0, 3))
@@ -215,6 +211,7 @@ def test_sao_stream_across_actors_versions_and_staleness(ray_local, tool_happy_m
     sampled from the new weights, and the staleness rule drops the ones older than the bound."""
     from mentorrl.config import DistributedConfig
     from mentorrl.distributed.ray_workers import RayRolloutPool
+    from mentorrl.rollout import Rollout
     from mentorrl.train.async_rl import WeightBox, staleness_weights
     from mentorrl.train.loop import relabel_behaviour
 
@@ -223,7 +220,7 @@ def test_sao_stream_across_actors_versions_and_staleness(ray_local, tool_happy_m
     box = WeightBox()
     box.publish(model, 0)
     tasks = orders_tasks[:120]
-    pool = RayRolloutPool(model, contract, orders_entry.make_env, iter(tasks), box, slots=2, queue_size=4, seed=1,
+    pool = RayRolloutPool(model, Rollout(contract, orders_entry.make_env), iter(tasks), box, slots=2, queue_size=4, seed=1,
                           dist=DistributedConfig(backend="ray", rollout_workers=2))
     pool.start()
     try:
@@ -259,6 +256,7 @@ def test_sao_stream_survives_a_killed_actor(ray_local, tool_happy_model, make_co
     finished but not yet collected), so every task of the stream comes back exactly once."""
     from mentorrl.config import DistributedConfig
     from mentorrl.distributed.ray_workers import RayRolloutPool
+    from mentorrl.rollout import Rollout
     from mentorrl.train.async_rl import WeightBox
 
     ray = ray_local
@@ -267,7 +265,7 @@ def test_sao_stream_survives_a_killed_actor(ray_local, tool_happy_model, make_co
     box = WeightBox()
     box.publish(model, 0)
     tasks = orders_tasks[200:216]
-    pool = RayRolloutPool(model, contract, orders_entry.make_env, iter(tasks), box, slots=2, queue_size=4, seed=5,
+    pool = RayRolloutPool(model, Rollout(contract, orders_entry.make_env), iter(tasks), box, slots=2, queue_size=4, seed=5,
                           dist=DistributedConfig(backend="ray", rollout_workers=2))
     pool.start()
     try:
@@ -288,7 +286,6 @@ def test_sao_stage_on_ray_actors(ray_local, tmp_path):
     actors stream, and no trajectory it trains on lags more than ``max_staleness`` versions. The
     GRPO stage's two actors hold both CPUs of this Ray: the stream reuses them (it would wait forever
     for CPUs otherwise)."""
-    from mentorrl.distributed.ray_workers import close_pools
     from mentorrl.train.pipeline import run_recipe
 
     run = tmp_path / "sao"
@@ -296,10 +293,7 @@ def test_sao_stage_on_ray_actors(ray_local, tmp_path):
         f"run_dir={run}", "recipe=[grpo, sao]", "grpo.steps=1", "sao.steps=4", "sao.batch_size=4", "sao.rollout.slots=2",
         "sao.rollout.max_staleness=1", "sao.critic.warmup_steps=0", "eval.num_tasks=0", "audit.preflight=false",
         "distributed.backend=ray", "distributed.rollout_workers=2"])
-    try:
-        run_recipe(cfg, show_progress=False)
-    finally:
-        close_pools()
+    run_recipe(cfg, show_progress=False)
     recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs if r.get("stage") == "grpo"] == [1]
     sao = [r for r in recs if r.get("stage") == "sao"]

@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 from mentorrl.cli import app
 from mentorrl.config import SAOConfig, load_config, ConfigError
 from mentorrl.replay.buffer import ReplayBuffer
+from mentorrl.rollout import Rollout
 from mentorrl.train.async_rl import RolloutPool, WeightBox, lag_histogram, staleness_weights
 from mentorrl.models.batch import collate, forward_logprobs
 from mentorrl.train.rundir import MetricsLog
@@ -46,7 +47,7 @@ def test_weight_box_versions(model):
 
 
 def _worker(model, contract, orders_entry, tasks, box, slots=4, queue_size=64, make_env=None, workers=1):
-    return RolloutPool(model, contract, make_env or orders_entry.make_env, iter(tasks), box, slots=slots,
+    return RolloutPool(model, Rollout(contract, make_env or orders_entry.make_env), iter(tasks), box, slots=slots,
                        queue_size=queue_size, seed=3, workers=workers)
 
 
@@ -291,7 +292,8 @@ def test_two_workers_share_one_task_stream(tool_happy_model, make_contract, orde
     assert all(w.produced > 0 for w in pool.workers) and pool.produced == 12
     assert not pool.is_alive()
     with pytest.raises(ValueError, match="workers"):
-        RolloutPool(tool_happy_model, make_contract(), orders_entry.make_env, iter([]), box, 1, 1, 0, workers=0)
+        RolloutPool(tool_happy_model, Rollout(make_contract(), orders_entry.make_env), iter([]), box, 1, 1, 0,
+                    workers=0)
 
 
 class _Killed(Exception):

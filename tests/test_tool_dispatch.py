@@ -112,16 +112,10 @@ def test_the_run_config_sets_the_threshold(model, make_contract):
     from pydantic import ValidationError
 
     from mentorrl.config import RolloutConfig
-    from mentorrl.rollout import backends
+    from mentorrl.rollout import BackendChoice
 
     contract = make_contract()
-    before = backends.current_config()
-    try:
-        backends.configure(RolloutConfig(inline_tool_ms=0))
-        assert backends.backend_for(model, contract).inline_tool_s == 0.0
-        backends.configure(RolloutConfig())
-        assert backends.backend_for(model, contract).inline_tool_s == pytest.approx(0.005)
-    finally:
-        backends.configure(before)
+    assert BackendChoice(RolloutConfig(inline_tool_ms=0)).for_model(model, contract).inline_tool_s == 0.0
+    assert BackendChoice(RolloutConfig()).for_model(model, contract).inline_tool_s == pytest.approx(0.005)
     with pytest.raises(ValidationError):
         RolloutConfig(inline_tool_ms=-1)

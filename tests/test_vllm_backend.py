@@ -220,10 +220,20 @@ def test_threads_sharing_the_engine_each_decode_with_their_own_weights(engine, p
 
 @pytest.mark.vllm
 @needs_vllm
-def test_sft_then_grpo_two_steps_with_the_vllm_backend(tiny_model_dir, tmp_path):
+def test_sft_then_grpo_two_steps_with_the_vllm_backend(tiny_model_dir, tmp_path, monkeypatch):
     from mentorrl.config import RunConfig
-    from mentorrl.rollout import backends
+    from mentorrl.rollout import BackendChoice
     from mentorrl.train.pipeline import run_recipe
+
+    closed: list[int] = []  # the workspace closes its rollout at the end of the run: the engine's syncs then
+    real_close = BackendChoice.close
+
+    def close(self):
+        if self.engine is not None:
+            closed.append(self.engine.weight_syncs)
+        real_close(self)
+
+    monkeypatch.setattr(BackendChoice, "close", close)
 
     run = tmp_path / "run"
     cfg = RunConfig.model_validate({
@@ -236,13 +246,9 @@ def test_sft_then_grpo_two_steps_with_the_vllm_backend(tiny_model_dir, tmp_path)
                  "kl_coef": 0.01, "optim": {"lr": 5e-4, "weight_decay": 0.5}},
         "rollout": {"backend": "vllm"},
     })
-    try:
-        run_recipe(cfg, show_progress=False)
-        engine = backends._engine
-        assert engine is not None
-        syncs = engine.weight_syncs
-    finally:
-        backends.configure(None)
+    run_recipe(cfg, show_progress=False)
+    assert len(closed) == 1
+    syncs = closed[0]
     recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     recs = [r for r in recs if r["stage"] == "grpo"]
     assert [r["step"] for r in recs] == [1, 2]
@@ -263,7 +269,6 @@ def test_sft_then_sao_with_the_vllm_backend(tiny_model_dir, tmp_path):
     through the vLLM engine (its trajectories are tagged vllm), takes each new policy version, and the
     staleness bound holds; an evaluation every step shares the engine with the running worker."""
     from mentorrl.config import RunConfig
-    from mentorrl.rollout import backends
     from mentorrl.train.pipeline import run_recipe
 
     run = tmp_path / "run"
@@ -276,10 +281,7 @@ def test_sft_then_sao_with_the_vllm_backend(tiny_model_dir, tmp_path):
                 "rollout": {"slots": 4, "max_staleness": 1, "stale": "drop"}, "optim": {"lr": 5e-4}},
         "rollout": {"backend": "vllm"},
     })
-    try:
-        run_recipe(cfg, show_progress=False)
-    finally:
-        backends.configure(None)
+    run_recipe(cfg, show_progress=False)
     recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     sao = [r for r in recs if r["stage"] == "sao"]
     assert [r["step"] for r in sao] == [1, 2, 3, 4]
@@ -304,11 +306,9 @@ def test_grpo_and_sao_on_ray_actors_decode_with_vllm(tiny_model_dir, tmp_path):
     SAO streams (turn-level continuous batching) are tagged vllm."""
     ray = pytest.importorskip("ray")
     from mentorrl.config import RunConfig
-    from mentorrl.distributed.ray_workers import close_pools, kill_idle_actors
-    from mentorrl.rollout import backends
+    from mentorrl.distributed.ray_workers import kill_idle_actors
     from mentorrl.train.pipeline import run_recipe
 
-    backends.release()  # the engine this module's other tests left in this process
     run = tmp_path / "run"
     cfg = RunConfig.model_validate({
         "run_dir": str(run), "recipe": ["sft", "grpo", "sao"], "threads": 1, "model": {"path": str(tiny_model_dir)},
@@ -324,10 +324,8 @@ def test_grpo_and_sao_on_ray_actors_decode_with_vllm(tiny_model_dir, tmp_path):
     try:
         run_recipe(cfg, show_progress=False)
     finally:
-        close_pools()
         kill_idle_actors()
         ray.shutdown()
-        backends.configure(None)
     recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     grpo = [r for r in recs if r["stage"] == "grpo"]
     sao = [r for r in recs if r["stage"] == "sao"]

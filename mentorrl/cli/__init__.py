@@ -187,7 +187,6 @@ def diagnose(
     from rich.table import Table
 
     from mentorrl.models.build import load_policy
-    from mentorrl.rollout.runner import rollout_tasks
     from mentorrl.train.diagnose import diagnose as run_diagnosis
     from mentorrl.train.diagnose import probe_stats
     from mentorrl.train.rundir import MetricsLog
@@ -203,8 +202,7 @@ def diagnose(
         err.print(f"[red]{e}[/red]")
         raise typer.Exit(2)
     grouped = [t for t in probe for _ in range(samples)]
-    trajs = rollout_tasks(model, ws.contract, ws.make_env, grouped, seed=seed, batch_size=cfg.eval.batch_size,
-                          weights=cfg.reward)
+    trajs = ws.rollout.run(model, grouped, seed=seed, batch_size=cfg.eval.batch_size)
     stats = probe_stats(trajs, samples)
     history = MetricsLog(run / "metrics.jsonl").read("grpo") if run else None
     table = Table(title=f"GRPO probe: {len(probe)} tasks x {samples} samples")

@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -130,10 +129,8 @@ def evaluate_checkpoint(
     ws = open_workspace(cfg.model_copy(update={"run_dir": str(out_dir)}), show_progress=show_progress)
     tokenizer, model = load_policy(model_dir)
     ws.bind_tokenizer(tokenizer)
-    contract = ws.contract
-    if ecfg.temperature is not None:
-        contract = replace(contract, sampling=contract.sampling.model_copy(update={"temperature": ecfg.temperature}))
-    sampling = contract.sampling_dict()
+    rollout = ws.rollout.with_temperature(ecfg.temperature)
+    sampling = rollout.contract.sampling_dict()
     source = ws.env_entry.make_tasks()
     summary: dict[str, Any] = {"model": str(model_dir), "env": cfg.env.name,
                                "config": ecfg.model_dump(mode="json"), "sets": {}}
@@ -148,8 +145,7 @@ def evaluate_checkpoint(
                 total = len(tasks) * ecfg.samples_per_task
                 bar = prog.add_task(f"eval {eset.name}", total=total, info="") if prog else None
                 trajs = rollout_samples(
-                    model, contract, ws.make_env, tasks, ecfg.samples_per_task, seed=eset.seed,
-                    batch_size=ecfg.batch_size, weights=cfg.reward,
+                    model, rollout, tasks, ecfg.samples_per_task, seed=eset.seed, batch_size=ecfg.batch_size,
                     on_batch=(lambda n, bar=bar: prog.update(bar, advance=n)) if prog else None,
                 )
         if judge is not None:  # recorded verdicts are kept; only unjudged trajectories are judged
@@ -161,6 +157,7 @@ def evaluate_checkpoint(
     if judge is not None and callable(getattr(judge, "metrics", None)):  # the LLM judge: calls, skips, cache
         summary["judge_stats"] = judge.metrics()
     (out_dir / SUMMARY_NAME).write_text(json.dumps(summary, indent=2))
+    ws.close()
     return summary
 
 

@@ -4,14 +4,19 @@ What runs where::
 
     driver (the learner's process)          Ray actors (any node of the cluster)
     ------------------------------          ------------------------------------
-    config, learner, optimiser,             RolloutActor x N: a copy of the policy, mentorrl's own
-    checkpoints, replay buffer, metrics       rollout engine (rollout_tasks / run_stream), and the
+    config, learner, optimiser,             RolloutActor x N: a copy of the policy, its own Rollout
+    checkpoints, replay buffer, metrics       (built from the driver's RolloutSpec), and the
       |  ray.put(weights) once per update      environments, unless env_workers > 0:
       |  -> one object, every actor reads   EnvActor x M: the environments (reset / step / verify /
       |     it (a versioned broadcast)        close over Ray calls), shared round-robin by the workers
       '<- one object per worker per step (a batch of trajectories, never one object each)
 
-- **GRPO** (:func:`ray_rollouts`, called from ``train/loop.py:rollout_shared``): a step's task list
+- **What an actor gets**: everything explicitly, never a global or the workspace: the policy spec
+  (:func:`policy_spec`) and the run rollout's picklable parts (:class:`~mentorrl.rollout.RolloutSpec`:
+  contract, environment factory -- :func:`mentorrl.envs.env_factory`, the one the workspace uses --,
+  reward weights, ``rollout:`` section); each actor builds its own :class:`~mentorrl.rollout.Rollout`.
+- **GRPO** (:class:`RayRollouts`, owned by the workspace: ``ws.ray_rollouts(model)``, called from
+  ``train/loop.py:rollout_shared``): a step's task list
   is split into contiguous shares, one per worker, exactly as the data-parallel learner splits it
   (:func:`shares`); worker ``i`` rolls its share out with ``seed + offset`` of the share, so the
   trajectories are a pure function of (weights, task list, seed, number of workers). With one
@@ -34,7 +39,8 @@ What runs where::
 
 Actors are reused: a closed pool's rollout actors stay idle (holding their CPU) and the next pool
 of this process reconfigures them instead of starting processes (:func:`kill_idle_actors` ends them;
-at exit Ray does). A SAO pool first closes the GRPO actors, so ``recipe: [grpo, sao]`` fits a small cluster.
+at exit Ray does). The SAO stage first closes the workspace's GRPO actors, so ``recipe: [grpo, sao]``
+fits a small cluster.
 
 Threads: each actor runs torch with one intra-op thread (``OMP_NUM_THREADS=1``,
 ``OMP_WAIT_POLICY=PASSIVE`` in its runtime environment). ``address: null`` starts a local Ray
@@ -46,13 +52,13 @@ from __future__ import annotations
 
 import atexit
 import copy
-import functools
+import dataclasses
 import itertools
 import os
 import queue
 import threading
 import time
-import weakref
+from types import MappingProxyType
 from typing import Any, Callable, Iterator, Sequence
 
 import ray
@@ -60,13 +66,13 @@ import torch
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from mentorrl.config import ConfigError, DistributedConfig
-from mentorrl.rollout.engine import RolloutEngine
+from mentorrl.rollout import Rollout, RolloutSpec
+from mentorrl.rollout.backends import stream_episodes
 from mentorrl.rollout.episode import Episode
-from mentorrl.rollout.runner import rollout_tasks
 from mentorrl.trajectory import Trajectory
 
-ACTOR_ENV = {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE", "MKL_NUM_THREADS": "1",
-             "TOKENIZERS_PARALLELISM": "false"}
+ACTOR_ENV = MappingProxyType({"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE", "MKL_NUM_THREADS": "1",
+                              "TOKENIZERS_PARALLELISM": "false"})
 ROLLOUT_ACTOR_CPUS = 1.0  # a rollout actor decodes with one torch thread
 ACTOR_START_TIMEOUT_S = 900.0  # a new actor (process, imports, policy copy) may take this long on a busy node
 ENV_PING_TIMEOUT_S = 120.0  # an environment actor that does not answer a ping this long is replaced
@@ -129,12 +135,6 @@ def _build_policy(spec: Any) -> torch.nn.Module:
     for p in model.parameters():
         p.requires_grad_(False)
     return model
-
-
-def env_factory(ws) -> Callable[[], Any]:
-    """A picklable ``make_env`` for the workspace's environment (the same arguments as ``Workspace.make_env``)."""
-    extra = {"latency": ws.cfg.env.latency} if ws.cfg.env.latency is not None else {}
-    return functools.partial(ws.env_entry.make_env, tool_timeout_s=ws.cfg.env.tool_timeout_s, **extra)
 
 
 # ------------------------------------------------------------------ environment actors ----
@@ -215,28 +215,34 @@ class RemoteEnvFactory:
 # ------------------------------------------------------------------ rollout actors ----
 @ray.remote(num_cpus=ROLLOUT_ACTOR_CPUS)
 class RolloutActor:
-    """A policy copy and the rollout engine. ``rollout`` runs a share of a step (GRPO); ``start_stream`` /
+    """A policy copy and a :class:`~mentorrl.rollout.Rollout` built from the driver's
+    :class:`~mentorrl.rollout.RolloutSpec`. ``rollout`` runs a share of a step (GRPO); ``start_stream`` /
     ``poll`` run continuous batching fed by the driver (SAO). Weights arrive through ``load`` /
     ``set_weights`` as ``(key, version, [object ref])``: the list keeps Ray from fetching the
     weights for a call whose key the actor already holds. A closed pool's actors are kept idle and
     ``configure``-d for the next pool of this process (a new actor costs a process and its imports)."""
 
-    def __init__(self, spec, contract, make_env: Callable[[], Any], reward_weights=None, rollout_cfg=None):
+    def __init__(self, spec, rollout: RolloutSpec):
         torch.set_num_threads(1)
         self.lock = threading.Lock()
         self.thread: threading.Thread | None = None
-        self.configure(spec, contract, make_env, reward_weights, rollout_cfg)
+        self.rollout_: Rollout | None = None
+        self.configure(spec, rollout)
 
-    def configure(self, spec, contract, make_env: Callable[[], Any], reward_weights=None, rollout_cfg=None) -> None:
+    def configure(self, spec, rollout: RolloutSpec) -> None:
         """Start afresh for a new pool: stop any stream, a new policy copy (filled by the next weights), and
-        the run's generation backend (``rollout:``; under vllm, a vLLM engine in this actor, built on first use)."""
-        from mentorrl.rollout import backends
-
+        a rollout built from ``rollout`` (under ``rollout.backend: vllm``, a vLLM engine in this actor, built on
+        first use; the previous pool's engine is kept when the ``rollout:`` section is the same, else closed)."""
         self.stop_stream()
         self.thread = None
-        backends.configure(rollout_cfg)
+        old = self.rollout_
+        if old is not None and old.backend.config == rollout.config:
+            self.rollout_ = Rollout(rollout.contract, rollout.make_env, rollout.weights, old.backend)
+        else:
+            if old is not None:
+                old.close()
+            self.rollout_ = rollout.build()
         self.model = _build_policy(spec)
-        self.contract, self.make_env, self.reward_weights = contract, make_env, reward_weights
         self.key: int | None = None
         self.version = -1
         self.loads = 0
@@ -246,7 +252,8 @@ class RolloutActor:
         return os.getpid()
 
     def set_env_factory(self, make_env: Callable[[], Any]) -> None:
-        self.make_env = make_env
+        """The environments are on new environment actors now (same rollout, same backend)."""
+        self.rollout_ = dataclasses.replace(self.rollout_, make_env=make_env)
 
     def _apply(self, key: int, version: int, state: dict) -> None:
         self.model.load_state_dict(state)
@@ -258,8 +265,7 @@ class RolloutActor:
                 token_budgets: list | None = None) -> list[Trajectory]:
         if key != self.key:
             self._apply(key, version, ray.get(box[0]))
-        return rollout_tasks(self.model, self.contract, self.make_env, tasks, policy_version=version, seed=seed,
-                             batch_size=max(len(tasks), 1), weights=self.reward_weights, token_budgets=token_budgets)
+        return self.rollout_.run(self.model, tasks, policy_version=version, seed=seed, token_budgets=token_budgets)
 
     # ---- SAO: a stream of episodes
     def set_weights(self, key: int, version: int, box: list) -> None:
@@ -288,8 +294,8 @@ class RolloutActor:
                 continue
             if task is None:  # the driver's task stream ran dry: finish the live rows and stop
                 return None
-            return Episode(self.contract, self.make_env(), task, policy_version=self.version,
-                           weights=self.reward_weights)
+            r = self.rollout_
+            return Episode(r.contract, r.make_env(), task, policy_version=self.version, weights=r.weights)
         return None
 
     def _emit(self, traj: Trajectory) -> None:
@@ -302,24 +308,21 @@ class RolloutActor:
                 continue
 
     def _stream(self) -> None:
-        from mentorrl.rollout import backends
-
+        choice, contract = self.rollout_.backend, self.rollout_.contract
         try:
-            if backends.backend_name() == "hf":
-                RolloutEngine(self.model, self.contract, decoder=backends.decoder_name(),
-                              inline_tool_s=backends.inline_tool_s()).run_stream(
+            if choice.name == "hf":
+                choice.rollout_engine(self.model, contract).run_stream(
                     self._next_episode, slots=self.slots, seed=self.seed, on_finish=self._emit, before_step=self._sync,
                     stop=self.stop, close_envs=True)
             else:  # the actor's vLLM engine, turn-level continuous batching; weights loaded between rounds
-                backend = backends.backend_for(self.model, self.contract, self.version)
+                backend = choice.for_model(self.model, contract, self.version)
 
                 def before_round() -> None:
                     self._sync()
                     backend.follow(self.model, self.version)
 
-                backends.stream_episodes(backend, self._next_episode, slots=self.slots, seed=self.seed,
-                                         on_finish=self._emit, before_round=before_round, stop=self.stop,
-                                         close_envs=True)
+                stream_episodes(backend, self._next_episode, slots=self.slots, seed=self.seed, on_finish=self._emit,
+                                before_round=before_round, stop=self.stop, close_envs=True)
         except BaseException as e:  # noqa: BLE001 -- reported to the driver by poll(), which raises it
             self.error = repr(e)
 
@@ -382,15 +385,20 @@ def _cluster() -> str:
     return ray.get_runtime_context().gcs_address
 
 
-def _acquire_actor(spec, contract, make_env: Callable[[], Any], reward_weights=None, rollout_cfg=None):
-    """A rollout actor for these arguments: an idle one, reconfigured (the call is queued before any
-    other, so nothing waits here), else a new one. An idle actor that died meanwhile fails its next
-    call and is replaced like any dead actor."""
+def _acquire_actor(spec, rollout: RolloutSpec):
+    """A rollout actor for the policy ``spec`` and ``rollout``: an idle one, reconfigured (the call is
+    queued before any other, so nothing waits here), else a new one. An idle actor that died meanwhile
+    fails its next call and is replaced like any dead actor."""
     if _IDLE["cluster"] == _cluster() and _IDLE["actors"]:
         a = _IDLE["actors"].pop()
-        a.configure.remote(spec, contract, make_env, reward_weights, rollout_cfg)
+        a.configure.remote(spec, rollout)
         return a
-    return RolloutActor.options(**_actor_options()).remote(spec, contract, make_env, reward_weights, rollout_cfg)
+    return RolloutActor.options(**_actor_options()).remote(spec, rollout)
+
+
+def _with_env(spec: RolloutSpec, make_env: Callable[[], Any]) -> RolloutSpec:
+    """``spec`` with its environments built by ``make_env`` (e.g. on the environment actors)."""
+    return RolloutSpec(spec.contract, make_env, spec.weights, spec.config)
 
 
 def _release_actor(actor) -> None:
@@ -474,15 +482,13 @@ def gather_shares(parts: Sequence[tuple[int, range]], submit: Callable[[int, ran
 # ------------------------------------------------------------------ GRPO: a step's rollouts ----
 class RayRollouts:
     """``rollout_workers`` rollout actors (and ``env_workers`` environment actors) that roll out a
-    step's task list, one contiguous share per actor, with faults handled (see the module docstring)."""
+    step's task list, one contiguous share per actor, with faults handled (see the module docstring).
+    ``rollout``: what each actor rolls out with (the run rollout's :meth:`~mentorrl.rollout.Rollout.spec`)."""
 
-    def __init__(self, dist: DistributedConfig, model: torch.nn.Module, contract, make_env: Callable[[], Any],
-                 reward_weights=None, rollout_cfg=None):
+    def __init__(self, dist: DistributedConfig, model: torch.nn.Module, rollout: RolloutSpec):
         init_ray(dist)
         _require_cpus(dist.rollout_workers)
-        self.dist, self.model, self.contract, self.reward_weights = dist, model, contract, reward_weights
-        self.rollout_cfg = rollout_cfg
-        self.make_env = make_env
+        self.dist, self.model, self.rollout_spec = dist, model, rollout
         self.spec = policy_spec(model)
         self.env_actors = [self._new_env_actor() for _ in range(dist.env_workers)]
         self.actors = [self._new_actor() for _ in range(dist.rollout_workers)]
@@ -492,13 +498,13 @@ class RayRollouts:
         self.in_flight = threading.Event()  # set while a step's shares are submitted and not all back
 
     def _worker_env(self) -> Callable[[], Any]:
-        return RemoteEnvFactory(self.env_actors) if self.env_actors else self.make_env
+        return RemoteEnvFactory(self.env_actors) if self.env_actors else self.rollout_spec.make_env
 
     def _new_env_actor(self):
-        return EnvActor.options(**_actor_options()).remote(self.make_env)
+        return EnvActor.options(**_actor_options()).remote(self.rollout_spec.make_env)
 
     def _new_actor(self):
-        return _acquire_actor(self.spec, self.contract, self._worker_env(), self.reward_weights, self.rollout_cfg)
+        return _acquire_actor(self.spec, _with_env(self.rollout_spec, self._worker_env()))
 
     def _heal_env_actors(self) -> bool:
         """Replace environment actors that no longer answer; True when any was replaced."""
@@ -557,35 +563,7 @@ class RayRollouts:
         self.actors, self.env_actors = [], []
 
 
-_ACTIVE: dict[str, Any] = {"pool": None, "ws": None, "model": None}
-
-
-def ray_rollouts(ws, model, tasks: Sequence, policy_version: int, seed: int) -> list[Trajectory]:
-    """A GRPO step's rollouts on the workspace's Ray rollout actors (started on first use, one set per
-    process: a new workspace or model closes the previous set)."""
-    pool = _ACTIVE["pool"]
-    if pool is None or _ACTIVE["ws"]() is not ws or _ACTIVE["model"]() is not model:
-        close_pools()
-        pool = RayRollouts(ws.cfg.distributed, model, ws.contract, env_factory(ws), ws.cfg.reward, ws.cfg.rollout)
-        _ACTIVE.update(pool=pool, ws=weakref.ref(ws), model=weakref.ref(model))
-    return pool.rollout(tasks, policy_version, seed)
-
-
-def active_pool() -> RayRollouts | None:
-    """The rollout actors :func:`ray_rollouts` is using, if any (tests and benchmarks look at them)."""
-    return _ACTIVE["pool"]
-
-
-def close_pools() -> None:
-    """Close the rollout actors :func:`ray_rollouts` started in this process (kept idle for the next pool)."""
-    pool = _ACTIVE["pool"]
-    _ACTIVE.update(pool=None, ws=None, model=None)
-    if pool is not None and ray.is_initialized():
-        pool.close()
-
-
 atexit.register(kill_idle_actors)
-atexit.register(close_pools)  # atexit runs this first
 
 
 # ------------------------------------------------------------------ SAO: a stream ----
@@ -603,27 +581,24 @@ class RayRolloutPool:
     each into an outbox of ``queue_size / workers`` finished trajectories (the back-pressure).
     ``box`` is the learner's :class:`~mentorrl.train.async_rl.WeightBox`: each :meth:`get` first
     broadcasts a newer published version. ``workers`` is ignored (``distributed.rollout_workers``
-    counts the actors); with ``ws`` the environments are the workspace's (:func:`env_factory`)."""
+    counts the actors). The actors get ``rollout``'s picklable parts (:meth:`~mentorrl.rollout.Rollout.spec`:
+    its environment factory must pickle). A GRPO stage's actors must be closed first on a small
+    cluster (the workspace's: ``ws.close_ray_rollouts()``)."""
 
-    def __init__(self, policy, contract, make_env: Callable[[], Any], tasks: Iterator, box, slots: int,
-                 queue_size: int, seed: int, weights=None, recompute_kv: bool = False, workers: int = 1, *,
-                 dist: DistributedConfig, ws=None):
-        self.rollout_cfg = None
-        if ws is not None:  # the workspace's environment, as a factory that pickles (its bound make_env does not)
-            make_env = env_factory(ws)
-            self.rollout_cfg = ws.cfg.rollout  # and its generation backend
+    def __init__(self, policy, rollout: Rollout, tasks: Iterator, box, slots: int, queue_size: int, seed: int,
+                 recompute_kv: bool = False, workers: int = 1, *, dist: DistributedConfig):
         init_ray(dist)
         _require_cpus(dist.rollout_workers)
-        close_pools()  # a GRPO stage's actors (idle now) are this stream's: a small cluster has no CPUs for more
-        self.dist, self.contract, self.make_env, self.tasks, self.box = dist, contract, make_env, tasks, box
-        self.slots, self.seed, self.reward_weights, self.recompute_kv = slots, seed, weights, recompute_kv
+        self.dist, self.rollout_spec, self.tasks, self.box = dist, rollout.spec(), tasks, box
+        self.slots, self.seed, self.recompute_kv = slots, seed, recompute_kv
         self.spec = policy_spec(policy)
         n = dist.rollout_workers
         self.outbox_size = max(1, queue_size // n)
         self.target = slots + self.outbox_size + 1  # tasks held per actor: never starved before back-pressure
         self.weights = WeightBroadcast()
         self.sent_version = -1
-        self.env_actors = [EnvActor.options(**_actor_options()).remote(make_env) for _ in range(dist.env_workers)]
+        self.env_actors = [EnvActor.options(**_actor_options()).remote(self.rollout_spec.make_env)
+                           for _ in range(dist.env_workers)]
         self.actors: list[Any] = [None] * n
         self.starting: list[Any] = [None] * n  # the first ping of an actor that has not answered yet
         self.started_at = [0.0] * n
@@ -642,8 +617,8 @@ class RayRolloutPool:
         return sum(self.syncs_of)
 
     def _start_actor(self, i: int) -> None:
-        env = RemoteEnvFactory(self.env_actors) if self.env_actors else self.make_env
-        a = _acquire_actor(self.spec, self.contract, env, self.reward_weights, self.rollout_cfg)
+        env = RemoteEnvFactory(self.env_actors) if self.env_actors else self.rollout_spec.make_env
+        a = _acquire_actor(self.spec, _with_env(self.rollout_spec, env))
         if self.weights.ref is not None:
             a.set_weights.remote(self.weights.key, self.weights.version, [self.weights.ref])
         a.start_stream.remote(self.seed + 1_000_033 * i + 7_919 * self.replaced, self.slots, self.outbox_size,
@@ -781,5 +756,4 @@ class RayRolloutPool:
 
 
 __all__ = ["EnvActor", "RayRolloutPool", "RayRollouts", "RemoteEnv", "RemoteEnvFactory", "RolloutActor",
-           "WeightBroadcast", "active_pool", "close_pools", "env_factory", "init_ray", "kill_idle_actors",
-           "ray_rollouts", "shares", "weights_payload"]
+           "WeightBroadcast", "init_ray", "kill_idle_actors", "shares", "weights_payload"]

@@ -8,6 +8,7 @@ the flywheel's failure attribution).
 
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import dataclass
 from importlib import metadata
@@ -78,6 +79,14 @@ def get_env(name: str) -> EnvEntry:
     if name not in _REGISTRY:
         raise ValueError(f"unknown environment {name!r}; registered: {', '.join(registered_envs())}")
     return _REGISTRY[name]()
+
+
+def env_factory(entry: EnvEntry, env_cfg: Any) -> Callable[[], Any]:
+    """A picklable ``make_env`` for a run's environment: ``entry.make_env`` with the ``env:`` config
+    section's arguments (``tool_timeout_s``, and ``latency`` when set). The workspace's environments
+    and the Ray actors' are built by it."""
+    extra = {"latency": env_cfg.latency} if env_cfg.latency is not None else {}
+    return functools.partial(entry.make_env, tool_timeout_s=env_cfg.tool_timeout_s, **extra)
 
 
 def registered_envs() -> list[str]:

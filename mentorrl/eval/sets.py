@@ -33,8 +33,7 @@ from mentorrl.envs.base import Task, TaskSource, draw_tasks
 from mentorrl.trajectory import Trajectory, read_jsonl
 
 if TYPE_CHECKING:
-    from mentorrl.contract import RolloutContract
-    from mentorrl.rewards.compose import RewardWeights
+    from mentorrl.rollout import Rollout
 
 SetKind = Literal["golden", "hidden", "heldout", "novel_wording", "regression", "production"]
 # drawn from the task source's split of that name
@@ -268,29 +267,25 @@ def tasks_from_trajectories(trajs: Sequence[Trajectory], decode: Callable[[list[
 # ------------------------------------------------------------ rolling out a set ------
 def rollout_samples(
     model: Any,
-    contract: "RolloutContract",
-    make_env: Callable[[], Any],
+    rollout: "Rollout",
     tasks: Sequence[Task],
     samples_per_task: int,
     seed: int = 0,
     batch_size: int = 100,
-    weights: "RewardWeights | None" = None,
     on_batch: Callable[[int], None] | None = None,
 ) -> list[Trajectory]:
-    """K samples per task, task-major (``[t0 s0, t0 s1, ..., t1 s0, ...]``).
+    """K samples per task, task-major (``[t0 s0, t0 s1, ..., t1 s0, ...]``), rolled out with
+    ``rollout`` (a :class:`mentorrl.rollout.Rollout`: contract, environments, reward weights, backend).
 
     Every sample draws from its own generator (the engine seeds one per row from
     ``seed`` and the row's position), so samples of one task differ, and the same
     (tasks, samples_per_task, seed, batch_size) give the same trajectories for every
     checkpoint evaluated with them.
     """
-    from mentorrl.rollout.runner import rollout_tasks  # torch: imported only when rolling out
-
     if samples_per_task < 1:
         raise ValueError(f"samples_per_task must be >= 1, not {samples_per_task}")
     expanded = [t for t in tasks for _ in range(samples_per_task)]
-    return rollout_tasks(model, contract, make_env, expanded, seed=seed, batch_size=batch_size,
-                         weights=weights, on_batch=on_batch)
+    return rollout.run(model, expanded, seed=seed, batch_size=batch_size, on_batch=on_batch)
 
 
 __all__ = [

@@ -26,6 +26,7 @@ import logging
 import sys
 import threading
 import weakref
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -350,7 +351,8 @@ class SlotDecoder:
         pick = [at[follows.get(i, i)] for i, c in enumerate(chunks) if c]
         return logits[torch.tensor(pick, device=logits.device)]
 
-    def _forward(self, chunks: list[list[int]]) -> torch.Tensor:
+    def _plan(self, chunks: list[list[int]]) -> "_Packed":
+        """The fed rows' tokens packed flat, with where each goes in its slot and how it attends."""
         n = len(chunks)
         dev = self.device
         fed = [i for i, c in enumerate(chunks) if c]
@@ -366,49 +368,80 @@ class SlotDecoder:
             ids.extend(chunks[i])
             tok_row.extend([i] * len(chunks[i]))
             tok_pos.extend(range(start[i], end[i]))
-        N = len(ids)
-        rows_t = torch.tensor(tok_row, device=dev)
-        pos_t = torch.tensor(tok_pos, device=dev)
-        last = torch.tensor([o + len(chunks[i]) - 1 for o, i in zip(offsets, fed)], device=dev)
-        dec = [j for j, i in enumerate(fed) if len(chunks[i]) == 1]  # positions in `fed`
-        wide = [j for j, i in enumerate(fed) if len(chunks[i]) > 1]
-        Lmax = max(end)
-        if dec:
-            dec_tok = torch.tensor([offsets[j] for j in dec], device=dev)
-            dec_rows = torch.tensor([fed[j] for j in dec], device=dev)
-            all_rows = len(dec) == n
+        p = _Packed(n=n, fed=fed, chunks=chunks, end=end, offsets=offsets, ids=ids,
+                    rows_t=torch.tensor(tok_row, device=dev), pos_t=torch.tensor(tok_pos, device=dev),
+                    last=torch.tensor([o + len(chunks[i]) - 1 for o, i in zip(offsets, fed)], device=dev),
+                    dec=[j for j, i in enumerate(fed) if len(chunks[i]) == 1],  # positions in `fed`
+                    wide=[j for j, i in enumerate(fed) if len(chunks[i]) > 1], lmax=max(end))
+        if p.dec:
+            p.dec_tok = torch.tensor([offsets[j] for j in p.dec], device=dev)
+            p.dec_rows = torch.tensor([fed[j] for j in p.dec], device=dev)
+            p.all_rows = len(p.dec) == n
             # Few decode rows (the rest wait, prefill a chunk, or follow a leader with the same context):
             # attend over copies of their own slots up to their own longest context, instead of over
             # every slot up to the longest context of all.
-            gather = len(dec) <= GATHER_SHARE * n
-            if gather:
-                L_dec = max(end[fed[j]] for j in dec)
-                ends = torch.tensor([end[fed[j]] for j in dec], device=dev)
-                dec_mask = (torch.arange(L_dec, device=dev)[None, :] < ends[:, None])[:, None, None, :]
+            p.gather = len(p.dec) <= GATHER_SHARE * n
+            if p.gather:
+                p.l_dec = max(end[fed[j]] for j in p.dec)
+                ends = torch.tensor([end[fed[j]] for j in p.dec], device=dev)
+                p.dec_mask = (torch.arange(p.l_dec, device=dev)[None, :] < ends[:, None])[:, None, None, :]
             else:
                 ends = torch.tensor(end, device=dev).clamp(min=1)
-                dec_mask = (torch.arange(Lmax, device=dev)[None, :] < ends[:, None])[:, None, None, :]
-        wide_masks = []
-        for j in wide:
+                p.dec_mask = (torch.arange(p.lmax, device=dev)[None, :] < ends[:, None])[:, None, None, :]
+        for j in p.wide:
             i = fed[j]
-            c = len(chunks[i])
             if start[i] == 0:
-                wide_masks.append(None)  # a fresh context: plain causal
+                p.wide_masks.append(None)  # a fresh context: plain causal
             else:
                 q_at = torch.arange(start[i], end[i], device=dev)[:, None]
-                wide_masks.append(torch.arange(end[i], device=dev)[None, :] <= q_at)
-        gqa = self.nkv != self.nh
+                p.wide_masks.append(torch.arange(end[i], device=dev)[None, :] <= q_at)
+        return p
 
-        h = self.embed(torch.tensor(ids, device=dev))  # [N, hidden]
+    def _rotary(self, h: torch.Tensor, pos_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin at each packed token's position, ``[N, head dim]``."""
         if self.static_rope:
             cap = self.k[0].shape[2]
             if self._cos is None or self._cos.shape[0] < cap:
-                table = self.rotary(h, torch.arange(cap, device=dev)[None])
+                table = self.rotary(h, torch.arange(cap, device=self.device)[None])
                 self._cos, self._sin = table[0][0], table[1][0]
-            cos, sin = self._cos[pos_t], self._sin[pos_t]  # [N, head dim]
-        else:
-            cos, sin = self.rotary(h, pos_t[None])
-            cos, sin = cos[0], sin[0]
+            return self._cos[pos_t], self._sin[pos_t]
+        cos, sin = self.rotary(h, pos_t[None])
+        return cos[0], sin[0]
+
+    def _attend(self, p: "_Packed", q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, scale: float) -> torch.Tensor:
+        """Attention output ``[N, heads, head dim]``: decode rows together (over their gathered slots,
+        or every slot), each wide chunk over its own slot."""
+        gqa = self.nkv != self.nh
+        out = q.new_empty(len(p.ids), self.nh, self.hd)
+        if p.dec and p.gather:
+            od = F.scaled_dot_product_attention(q[p.dec_tok][:, :, None, :], K[p.dec_rows, :, :p.l_dec],
+                                                V[p.dec_rows, :, :p.l_dec], attn_mask=p.dec_mask,
+                                                scale=scale, enable_gqa=gqa)
+            out[p.dec_tok] = od[:, :, 0, :]
+        elif p.dec:
+            n, lmax = p.n, p.lmax
+            if p.all_rows:
+                qd = q[p.dec_tok][:, :, None, :]
+            else:
+                qd = q.new_zeros(n, self.nh, 1, self.hd)
+                qd[p.dec_rows] = q[p.dec_tok][:, :, None, :]
+            od = F.scaled_dot_product_attention(qd, K[:n, :, :lmax], V[:n, :, :lmax], attn_mask=p.dec_mask,
+                                                scale=scale, enable_gqa=gqa)
+            out[p.dec_tok] = od[:, :, 0, :] if p.all_rows else od[p.dec_rows][:, :, 0, :]
+        for j, mask in zip(p.wide, p.wide_masks):
+            i = p.fed[j]
+            o, c, e = p.offsets[j], len(p.chunks[i]), p.end[i]
+            qw = q[o:o + c].transpose(0, 1)[None]  # [1, heads, c, head dim]
+            ow = F.scaled_dot_product_attention(qw, K[i:i + 1, :, :e], V[i:i + 1, :, :e], attn_mask=mask,
+                                                is_causal=mask is None, scale=scale, enable_gqa=gqa)
+            out[o:o + c] = ow[0].transpose(0, 1)
+        return out
+
+    def _forward(self, chunks: list[list[int]]) -> torch.Tensor:
+        p = self._plan(chunks)
+        N = len(p.ids)
+        h = self.embed(torch.tensor(p.ids, device=self.device))  # [N, hidden]
+        cos, sin = self._rotary(h, p.pos_t)
         for li, layer in enumerate(self.layers):
             att = layer.self_attn
             a = layer.input_layernorm(h)
@@ -417,40 +450,44 @@ class SlotDecoder:
             v = att.v_proj(a).view(N, self.nkv, self.hd)
             q, k = self.rope(q, k, cos, sin, unsqueeze_dim=1)
             K, V = self.k[li], self.v[li]
-            K[rows_t, :, pos_t] = k.to(K.dtype)
-            V[rows_t, :, pos_t] = v.to(V.dtype)
-            out = q.new_empty(N, self.nh, self.hd)
-            if dec and gather:
-                od = F.scaled_dot_product_attention(q[dec_tok][:, :, None, :], K[dec_rows, :, :L_dec],
-                                                    V[dec_rows, :, :L_dec], attn_mask=dec_mask,
-                                                    scale=att.scaling, enable_gqa=gqa)
-                out[dec_tok] = od[:, :, 0, :]
-            elif dec:
-                if all_rows:
-                    qd = q[dec_tok][:, :, None, :]
-                else:
-                    qd = q.new_zeros(n, self.nh, 1, self.hd)
-                    qd[dec_rows] = q[dec_tok][:, :, None, :]
-                od = F.scaled_dot_product_attention(qd, K[:n, :, :Lmax], V[:n, :, :Lmax], attn_mask=dec_mask,
-                                                    scale=att.scaling, enable_gqa=gqa)
-                out[dec_tok] = od[:, :, 0, :] if all_rows else od[dec_rows][:, :, 0, :]
-            for j, mask in zip(wide, wide_masks):
-                i = fed[j]
-                o, c = offsets[j], len(chunks[i])
-                qw = q[o:o + c].transpose(0, 1)[None]  # [1, heads, c, head dim]
-                ow = F.scaled_dot_product_attention(qw, K[i:i + 1, :, :end[i]], V[i:i + 1, :, :end[i]],
-                                                    attn_mask=mask, is_causal=mask is None, scale=att.scaling,
-                                                    enable_gqa=gqa)
-                out[o:o + c] = ow[0].transpose(0, 1)
+            K[p.rows_t, :, p.pos_t] = k.to(K.dtype)
+            V[p.rows_t, :, p.pos_t] = v.to(V.dtype)
+            out = self._attend(p, q, K, V, att.scaling)
             h = h + att.o_proj(out.reshape(N, self.nh * self.hd))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
-        for i in fed:
+        for i in p.fed:
             self.ctx[i].extend(chunks[i])
-        logits = self.lm_head(self.norm(h[last]))
+        logits = self.lm_head(self.norm(h[p.last]))
         if not bool(torch.isfinite(logits).all()):
             self.k, self.v, self.closed = [], [], True  # never pool buffers that may hold non-finite values
             raise FloatingPointError("the model's logits are not finite (NaN or inf) in this rollout step")
         return logits
+
+
+@dataclass
+class _Packed:
+    """One slot-decoder pass: the fed rows' tokens flat (``ids``, their slot rows and positions, the
+    last token of each fed row), the decode rows (one token each) and the wide chunks, with masks."""
+
+    n: int  # rows in the batch
+    fed: list[int]
+    chunks: list[list[int]]
+    end: list[int]  # each row's context length after the pass
+    offsets: list[int]
+    ids: list[int]
+    rows_t: torch.Tensor
+    pos_t: torch.Tensor
+    last: torch.Tensor
+    dec: list[int]  # positions in ``fed`` of the one-token rows
+    wide: list[int]  # positions in ``fed`` of the multi-token chunks
+    lmax: int
+    gather: bool = False
+    all_rows: bool = False
+    l_dec: int = 0
+    dec_tok: torch.Tensor | None = None
+    dec_rows: torch.Tensor | None = None
+    dec_mask: torch.Tensor | None = None
+    wide_masks: list = field(default_factory=list)
 
 
 # ---------------------------------------------------------------------------------- choice --

@@ -15,6 +15,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -95,153 +96,206 @@ class RolloutEngine:
         the rows in flight and returns what has finished. ``close_envs`` closes each episode's
         environment once it is finished (or abandoned).
         """
-        contract = self.contract
-        stop_ids = set(contract.stop_token_ids)
-        max_new = contract.sampling.max_new_tokens
-        decoder = make_decoder(self.model, self.decoder, self.compact_ratio, contract.pad_token_id,
-                               max_len=contract.limits.max_total_tokens + 1)
-
-        t_start = time.perf_counter()
-        episodes: list[Episode] = []
-        gens: list[torch.Generator] = []
-        pending: list[list[int]] = []  # ids to feed next, per episode
-        turn_ids: list[list[int]] = []
-        turn_lp: list[list[float]] = []
-        waiting: dict[int, cf.Future] = {}
-        results: list[Trajectory | None] = []
-        rows: list[int] = []  # batch row -> episode index
-        stats = {"forward_passes": 0, "generated_tokens": 0, "shared_prefix": 0, "admitted": 0, "weight_syncs": 0,
-                 "max_rows": 0, "fed_tokens": 0}
-        source = EpisodeSource(next_episode, stop)
-
-        def admit() -> list[int]:
-            """Start episodes until every slot is busy or the source is dry; returns their indices."""
-            new: list[int] = []
-            for ep in source.take(slots - len(rows)):
-                e = len(episodes)
-                episodes.append(ep)
-                gens.append(torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + e))
-                pending.append(ep.start())
-                turn_ids.append([])
-                turn_lp.append([])
-                results.append(None)
-                new.append(e)
-            stats["admitted"] += len(new)
-            return new
-
-        ended: set[int] = set()  # episodes whose last turn is in (their verdict may still be running)
-        verdicts: dict[int, cf.Future] = {}
-
-        def _verify(e: int) -> Trajectory:
-            traj = episodes[e].finish()
-            traj.timings["rollout_s"] = time.perf_counter() - t_start
-            if close_envs:
-                episodes[e].env.close()
-            return traj
-
-        def finish(e: int) -> None:
-            """The verifier runs in the tool pool beside the decoding of the other rows, or inline
-            once verifications have measured cheap (:mod:`mentorrl.rollout.dispatch`)."""
-            ended.add(e)
-            verdicts[e] = dispatch.submit(verify_kind(episodes[e]), _verify, e)
-
-        def collect(block: bool = False) -> None:
-            for e in [e for e, f in verdicts.items() if block or f.done()]:
-                results[e] = traj = verdicts.pop(e).result()
-                if on_finish is not None:
-                    on_finish(traj)
-
-        pool = cf.ThreadPoolExecutor(max_workers=self.tool_workers or max(slots, 1), thread_name_prefix="rollout-tool")
-        dispatch = Dispatch(pool, self.inline_tool_s)
-        rows = admit()
-        decoder.reset(len(rows))
-        # All prompts usually share the system turn: prefill it once and broadcast it.
-        if len(rows) > 1:
-            shared = common_prefix_len([pending[e] for e in rows])
-            shared = min(shared, min(len(pending[e]) for e in rows) - 1)
-            if shared >= 8 and decoder.prefill_shared(pending[rows[0]][:shared]):
-                for e in rows:
-                    pending[e] = pending[e][shared:]
-                stats["shared_prefix"] = shared
-                stats["forward_passes"] += 1
-
+        run = StreamScheduler(self, EpisodeSource(next_episode, stop), slots, seed, on_finish, close_envs)
         aborted = False
         try:
-            while rows:
+            run.start()
+            while run.rows:
                 if stop is not None and stop.is_set():
                     aborted = True
                     break
-                # 1. collect tool results that have come back; wait if every row is paused
-                if waiting and all(e in waiting for e in rows):
-                    cf.wait([*waiting.values(), *verdicts.values()], timeout=0.05 if stop is not None else None,
-                            return_when=cf.FIRST_COMPLETED)
-                collect()
-                for e in [e for e, f in waiting.items() if f.done()]:
-                    obs = episodes[e].add_observation(waiting.pop(e).result())
-                    if obs is None:
-                        finish(e)
-                    else:
-                        pending[e] = pending[e] + obs  # the unfed stop token, then the observation
-                # 2. drop finished rows from the batch and the cache; admit new episodes into free slots
-                keep = [i for i, e in enumerate(rows) if e not in ended]
-                if len(keep) < len(rows):
-                    rows = [rows[i] for i in decoder.drop(keep)]
-                new = admit() if not source.exhausted else []
-                if new:
-                    decoder.add_rows(len(new))
-                    rows = rows + new
-                if not rows:
+                run.collect_tools(poll=stop is not None)
+                if not run.refill():
                     break
-                # 3. new weights: drop the cache and feed every live row its whole context again
                 if before_step is not None and before_step():
-                    stats["weight_syncs"] += 1
-                    decoder.reset(len(rows))
-                    for e in rows:
-                        pending[e] = episodes[e].ids + turn_ids[e]  # == everything fed so far + what is pending
-                if all(e in waiting for e in rows):
+                    run.resync()
+                if run.all_paused():
                     continue
-                # 4. one forward pass over every row's next chunk
-                fed = [i for i, e in enumerate(rows) if e not in waiting]
-                wide = [i for i in fed if len(pending[rows[i]]) > 1]
-                if (decoder.pads_wide and wide and len(wide) < len(fed)
-                        and len(wide) < self.prefill_batch_frac * len(rows)):
-                    fed = [i for i in fed if len(pending[rows[i]]) == 1]  # hold observations back a step
-                    stats["deferred_prefills"] = stats.get("deferred_prefills", 0) + len(wide)
-                fed_set = set(fed)
-                chunks = [pending[e] if i in fed_set else [] for i, e in enumerate(rows)]
-                logits = decoder.forward(chunks)
-                stats["forward_passes"] += 1
-                stats["max_rows"] = max(stats["max_rows"], len(rows))
-                stats["fed_tokens"] += sum(len(c) for c in chunks)
-                tokens, logps = sample_tokens(logits, contract.sampling, [gens[rows[i]] for i in fed])
-                # 5. advance each row that was fed
-                for j, i in enumerate(fed):
-                    e = rows[i]
-                    ep = episodes[e]
-                    tok = int(tokens[j])
-                    turn_ids[e].append(tok)
-                    turn_lp[e].append(float(logps[j]))
-                    pending[e] = [tok]
-                    stats["generated_tokens"] += 1
-                    stopped = tok in stop_ids
-                    budget = min(max_new, ep.tokens_left())
-                    if not stopped and len(turn_ids[e]) < budget:
-                        continue
-                    action = ep.add_policy_turn(turn_ids[e], turn_lp[e], stopped=stopped)
-                    turn_ids[e], turn_lp[e] = [], []  # pending[e] keeps the stop token until the observation
-                    if action is None:
-                        finish(e)
-                    else:
-                        waiting[e] = dispatch.submit(tool_kind(ep, action.name), ep.run_tool, action)
-            collect(block=True)  # an abandoned run keeps the trajectories that had finished
+                run.step()
+            run.collect(block=True)  # an abandoned run keeps the trajectories that had finished
         finally:
-            decoder.close()
-            pool.shutdown(wait=not aborted, cancel_futures=aborted)
-            if close_envs:
-                for e in rows:
-                    if e not in ended and e not in waiting:
-                        episodes[e].env.close()  # a row whose tool is still running keeps its env open
-        stats.update(decoder.stats)
-        stats.update(dispatch.stats)
-        self.last_stats = {**stats, "wall_s": time.perf_counter() - t_start, "aborted": float(aborted)}
-        return [r for r in results if r is not None]
+            run.close(aborted)
+        self.last_stats = {**run.final_stats(), "aborted": float(aborted)}
+        return [sl.result for sl in run.slots if sl.result is not None]
+
+
+@dataclass(eq=False)
+class EpisodeSlot:
+    """One admitted episode of a streaming run and where it stands."""
+
+    index: int  # admission order: its generator's seed and its place in the output
+    episode: Episode
+    gen: torch.Generator
+    pending: list[int]  # ids to feed next
+    turn_ids: list[int] = field(default_factory=list)  # the policy turn being sampled
+    turn_lp: list[float] = field(default_factory=list)
+    tool: cf.Future | None = None  # its running tool call (the row is paused meanwhile)
+    verdict: cf.Future | None = None  # its running verification (its last turn is in)
+    ended: bool = False
+    result: Trajectory | None = None
+
+
+class StreamScheduler:
+    """The state of one :meth:`RolloutEngine.run_stream`: the admitted episodes (:class:`EpisodeSlot`),
+    the batch rows, the decoder, the tool pool. :meth:`admit` fills free slots, :meth:`step` runs one
+    forward pass and advances every fed row, :meth:`finish` hands an episode to its verifier."""
+
+    def __init__(self, engine: RolloutEngine, source: EpisodeSource, slots: int, seed: int,
+                 on_finish: Callable[[Trajectory], None] | None, close_envs: bool):
+        contract = engine.contract
+        self.engine, self.contract, self.source, self.capacity, self.seed = engine, contract, source, slots, seed
+        self.on_finish, self.close_envs = on_finish, close_envs
+        self.stop_ids = set(contract.stop_token_ids)
+        self.decoder = make_decoder(engine.model, engine.decoder, engine.compact_ratio, contract.pad_token_id,
+                                    max_len=contract.limits.max_total_tokens + 1)
+        self.t_start = time.perf_counter()
+        self.slots: list[EpisodeSlot] = []  # every admitted episode, in admission order
+        self.rows: list[EpisodeSlot] = []  # the batch rows, in decoder order
+        self.waiting: dict[int, EpisodeSlot] = {}  # paused on a tool call, by index (in submission order)
+        self.verdicts: dict[int, EpisodeSlot] = {}  # being verified, by index (in submission order)
+        self.stats = {"forward_passes": 0, "generated_tokens": 0, "shared_prefix": 0, "admitted": 0,
+                      "weight_syncs": 0, "max_rows": 0, "fed_tokens": 0}
+        self.pool = cf.ThreadPoolExecutor(max_workers=engine.tool_workers or max(slots, 1),
+                                          thread_name_prefix="rollout-tool")
+        self.dispatch = Dispatch(self.pool, engine.inline_tool_s)
+
+    # ---- admission
+    def admit(self) -> list[EpisodeSlot]:
+        """Start episodes until every slot is busy or the source is dry; returns their slots."""
+        new: list[EpisodeSlot] = []
+        for ep in self.source.take(self.capacity - len(self.rows)):
+            e = len(self.slots)
+            sl = EpisodeSlot(e, ep, torch.Generator(device="cpu").manual_seed(self.seed * 1_000_003 + e), ep.start())
+            self.slots.append(sl)
+            new.append(sl)
+        self.stats["admitted"] += len(new)
+        return new
+
+    def start(self) -> None:
+        """The first rows; all prompts usually share the system turn: prefill it once and broadcast it."""
+        self.rows = self.admit()
+        self.decoder.reset(len(self.rows))
+        rows = self.rows
+        if len(rows) > 1:
+            shared = common_prefix_len([sl.pending for sl in rows])
+            shared = min(shared, min(len(sl.pending) for sl in rows) - 1)
+            if shared >= 8 and self.decoder.prefill_shared(rows[0].pending[:shared]):
+                for sl in rows:
+                    sl.pending = sl.pending[shared:]
+                self.stats["shared_prefix"] = shared
+                self.stats["forward_passes"] += 1
+
+    def refill(self) -> bool:
+        """Drop finished rows from the batch and the cache; admit new episodes into free slots.
+        False when no row is left."""
+        keep = [i for i, sl in enumerate(self.rows) if not sl.ended]
+        if len(keep) < len(self.rows):
+            self.rows = [self.rows[i] for i in self.decoder.drop(keep)]
+        new = self.admit() if not self.source.exhausted else []
+        if new:
+            self.decoder.add_rows(len(new))
+            self.rows = self.rows + new
+        return bool(self.rows)
+
+    # ---- tools and verdicts
+    def all_paused(self) -> bool:
+        return all(sl.index in self.waiting for sl in self.rows)
+
+    def collect_tools(self, poll: bool) -> None:
+        """Take the tool results that are back (waiting for one when every row is paused: at most
+        a moment with ``poll``, so a stop is seen) and the finished verdicts."""
+        if self.waiting and self.all_paused():
+            futures = [sl.tool for sl in self.waiting.values()] + [sl.verdict for sl in self.verdicts.values()]
+            cf.wait(futures, timeout=0.05 if poll else None, return_when=cf.FIRST_COMPLETED)
+        self.collect()
+        for sl in [sl for sl in self.waiting.values() if sl.tool.done()]:
+            del self.waiting[sl.index]
+            fut, sl.tool = sl.tool, None
+            obs = sl.episode.add_observation(fut.result())
+            if obs is None:
+                self.finish(sl)
+            else:
+                sl.pending = sl.pending + obs  # the unfed stop token, then the observation
+
+    def _verify(self, sl: EpisodeSlot) -> Trajectory:
+        traj = sl.episode.finish()
+        traj.timings["rollout_s"] = time.perf_counter() - self.t_start
+        if self.close_envs:
+            sl.episode.env.close()
+        return traj
+
+    def finish(self, sl: EpisodeSlot) -> None:
+        """The verifier runs in the tool pool beside the decoding of the other rows, or inline
+        once verifications have measured cheap (:mod:`mentorrl.rollout.dispatch`)."""
+        sl.ended = True
+        sl.verdict = self.dispatch.submit(verify_kind(sl.episode), self._verify, sl)
+        self.verdicts[sl.index] = sl
+
+    def collect(self, block: bool = False) -> None:
+        for sl in [sl for sl in self.verdicts.values() if block or sl.verdict.done()]:
+            del self.verdicts[sl.index]
+            sl.result = traj = sl.verdict.result()
+            if self.on_finish is not None:
+                self.on_finish(traj)
+
+    # ---- decoding
+    def resync(self) -> None:
+        """New weights: drop the cache and feed every live row its whole context again."""
+        self.stats["weight_syncs"] += 1
+        self.decoder.reset(len(self.rows))
+        for sl in self.rows:
+            sl.pending = sl.episode.ids + sl.turn_ids  # == everything fed so far + what is pending
+
+    def _fed_rows(self) -> list[int]:
+        """The rows fed this step: every row not paused on a tool; with the left-padded decoder,
+        observations are held back a step until enough rows have one (``prefill_batch_frac``)."""
+        fed = [i for i, sl in enumerate(self.rows) if sl.index not in self.waiting]
+        wide = [i for i in fed if len(self.rows[i].pending) > 1]
+        if (self.decoder.pads_wide and wide and len(wide) < len(fed)
+                and len(wide) < self.engine.prefill_batch_frac * len(self.rows)):
+            fed = [i for i in fed if len(self.rows[i].pending) == 1]
+            self.stats["deferred_prefills"] = self.stats.get("deferred_prefills", 0) + len(wide)
+        return fed
+
+    def step(self) -> None:
+        """One forward pass over every fed row's next chunk, a token sampled for each, and each advanced."""
+        fed = self._fed_rows()
+        fed_set = set(fed)
+        chunks = [sl.pending if i in fed_set else [] for i, sl in enumerate(self.rows)]
+        logits = self.decoder.forward(chunks)
+        self.stats["forward_passes"] += 1
+        self.stats["max_rows"] = max(self.stats["max_rows"], len(self.rows))
+        self.stats["fed_tokens"] += sum(len(c) for c in chunks)
+        tokens, logps = sample_tokens(logits, self.contract.sampling, [self.rows[i].gen for i in fed])
+        for j, i in enumerate(fed):
+            self.advance(self.rows[i], int(tokens[j]), float(logps[j]))
+
+    def advance(self, sl: EpisodeSlot, tok: int, logp: float) -> None:
+        """``tok`` sampled for ``sl``; at the turn's end, its tool call starts or the episode finishes."""
+        ep = sl.episode
+        sl.turn_ids.append(tok)
+        sl.turn_lp.append(logp)
+        sl.pending = [tok]
+        self.stats["generated_tokens"] += 1
+        stopped = tok in self.stop_ids
+        if not stopped and len(sl.turn_ids) < min(self.contract.sampling.max_new_tokens, ep.tokens_left()):
+            return
+        action = ep.add_policy_turn(sl.turn_ids, sl.turn_lp, stopped=stopped)
+        sl.turn_ids, sl.turn_lp = [], []  # pending keeps the stop token until the observation
+        if action is None:
+            self.finish(sl)
+        else:
+            sl.tool = self.dispatch.submit(tool_kind(ep, action.name), ep.run_tool, action)
+            self.waiting[sl.index] = sl
+
+    # ---- the end
+    def close(self, aborted: bool) -> None:
+        self.decoder.close()
+        self.pool.shutdown(wait=not aborted, cancel_futures=aborted)
+        if self.close_envs:
+            for sl in self.rows:
+                if not sl.ended and sl.index not in self.waiting:
+                    sl.episode.env.close()  # a row whose tool is still running keeps its env open
+
+    def final_stats(self) -> dict[str, float]:
+        return {**self.stats, **self.decoder.stats, **self.dispatch.stats, "wall_s": time.perf_counter() - self.t_start}

@@ -1,8 +1,8 @@
 """Roll out a list of tasks with a model: one fresh environment per episode, batched decode.
 
-:func:`rollout_tasks` is the rollout entry point of every stage; it decodes through the process's
-generation backend (:func:`mentorrl.rollout.backends.backend_for`: the project's engine by
-default, or vLLM under ``rollout.backend: vllm``), which it first brings to ``model``'s weights."""
+:func:`rollout_tasks` decodes with the generation backend it is given (default: the project's
+engine over ``model``); :class:`mentorrl.rollout.api.Rollout` is how stages call it, with the
+run's backend choice, environment factory and reward weights."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any, Callable, Sequence
 from mentorrl.contract import RolloutContract
 from mentorrl.envs.base import Task
 from mentorrl.rewards.compose import RewardWeights
-from mentorrl.rollout.backends import GenerationBackend, backend_for
+from mentorrl.rollout.backends.base import GenerationBackend
 from mentorrl.rollout.episode import Episode, run_scripted_episode
 from mentorrl.trajectory import Trajectory
 
@@ -31,10 +31,15 @@ def rollout_tasks(
 ) -> list[Trajectory]:
     """Trajectories in task order. ``batch_size`` bounds how many decode together; ``token_budgets``
     (one per task) caps each episode's tokens after the prompt (see :class:`Episode`). ``backend``:
-    decode with this one as it is (default: the process's backend, synced with ``model``)."""
+    decode with this one as it is (default: a fresh :class:`~mentorrl.rollout.backends.hf.HFBackend`
+    over ``model`` with its default decoder and tool threshold)."""
     if token_budgets is not None and len(token_budgets) != len(tasks):
         raise ValueError(f"token_budgets has {len(token_budgets)} entries for {len(tasks)} tasks")
-    engine = backend if backend is not None else backend_for(model, contract, policy_version)
+    if backend is None:
+        from mentorrl.rollout.backends.hf import HFBackend
+
+        backend = HFBackend(model, contract)
+    engine = backend
     out: list[Trajectory] = []
     for lo in range(0, len(tasks), batch_size):
         chunk = tasks[lo : lo + batch_size]

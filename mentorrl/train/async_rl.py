@@ -3,7 +3,7 @@ while the learner trains, with versioned weight syncs and a staleness rule.
 
 Data flow::
 
-    task stream -> RolloutWorker (own copy of the policy, or the process's vLLM engine;
+    task stream -> RolloutWorker (own copy of the policy, or the rollout's vLLM engine;
                    continuous batching, heavy-tailed tools)
                 -> queue of finished trajectories, each tagged with the policy version that started it
                 -> learner: staleness rule (drop / down-weight), critic advantages, masked-IS update
@@ -22,11 +22,12 @@ import copy
 import queue
 import threading
 from collections import Counter
-from typing import Any, Callable, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import torch
 
-from mentorrl.rollout.engine import RolloutEngine
+from mentorrl.rollout.api import Rollout
+from mentorrl.rollout.backends import stream_episodes
 from mentorrl.rollout.episode import Episode
 from mentorrl.trajectory import Trajectory
 
@@ -90,27 +91,25 @@ class RolloutWorker(threading.Thread):
     """One rollout thread: produces trajectories into ``out`` until ``stop_event`` is set; its
     policy follows ``box``.
 
-    ``tasks`` is an iterator of tasks (the worker ends when it runs dry); ``make_env`` builds one
-    environment per episode (closed when the episode ends). A failure is kept in ``error``.
+    ``tasks`` is an iterator of tasks (the worker ends when it runs dry); ``rollout`` (a
+    :class:`~mentorrl.rollout.Rollout`) gives the contract, the environments (one per episode,
+    closed when it ends), the reward weights and the backend. A failure is kept in ``error``.
 
-    It decodes with the process's generation backend (:func:`mentorrl.rollout.backends.backend_name`):
-    under ``hf``, its own copy of the policy in the project's engine (token-level continuous
-    batching; new weights are loaded before the next forward pass); under ``vllm``, the process's
-    vLLM engine through the narrow interface (:func:`~mentorrl.rollout.backends.base.stream_episodes`:
+    It decodes with the rollout's generation backend (``rollout.backend``): under ``hf``, its own
+    copy of the policy in the project's engine (token-level continuous batching; new weights are
+    loaded before the next forward pass); under ``vllm``, the rollout's vLLM engine through the
+    narrow interface (:func:`~mentorrl.rollout.backends.base.stream_episodes`:
     turn-level continuous batching; new weights are loaded before the next round, so each turn is
     sampled under one policy and every turn after a sync is prefilled again under the new weights,
     since a weight load resets the prefix cache). The engine is shared with the learner's
     evaluations; each caller decodes with its own weights (see :class:`VLLMBackend`).
     """
 
-    def __init__(self, policy, contract, make_env: Callable[[], Any], tasks: Iterator, box: WeightBox,
-                 slots: int, out: queue.Queue, stop_event: threading.Event, seed: int, weights=None,
-                 recompute_kv: bool = False, name: str = "rollout-worker"):
+    def __init__(self, policy, rollout: Rollout, tasks: Iterator, box: WeightBox, slots: int, out: queue.Queue,
+                 stop_event: threading.Event, seed: int, recompute_kv: bool = False, name: str = "rollout-worker"):
         super().__init__(name=name, daemon=True)
-        from mentorrl.rollout.backends import backend_for, backend_name, decoder_name, inline_tool_s
-
-        self.contract, self.make_env, self.tasks, self.box = contract, make_env, tasks, box
-        self.slots, self.seed, self.weights, self.recompute_kv = slots, seed, weights, recompute_kv
+        self.rollout, self.contract, self.tasks, self.box = rollout, rollout.contract, tasks, box
+        self.slots, self.seed, self.recompute_kv = slots, seed, recompute_kv
         self.out, self.stop_event = out, stop_event
         self.version = -1
         self.error: BaseException | None = None
@@ -118,15 +117,15 @@ class RolloutWorker(threading.Thread):
         self.syncs = 0
         self._state: dict[str, torch.Tensor] | None = None
         self._loaded = -1  # the version this thread last gave the shared backend
-        if backend_name() == "hf":
+        if rollout.backend.name == "hf":
             self.model = copy.deepcopy(policy).eval()
             for p in self.model.parameters():
                 p.requires_grad_(False)
-            self.engine = RolloutEngine(self.model, contract, decoder=decoder_name(), inline_tool_s=inline_tool_s())
+            self.engine = rollout.backend.rollout_engine(self.model, self.contract)
             self.backend = None
         else:
             self.model, self.engine = None, None
-            self.backend = backend_for(policy, contract)  # built here, in the learner's thread
+            self.backend = rollout.backend.for_model(policy, self.contract)  # built here, in the learner's thread
         self._sync()  # start from the published weights
 
     def _sync(self) -> bool:
@@ -154,7 +153,8 @@ class RolloutWorker(threading.Thread):
         task = next(self.tasks, None)
         if task is None:
             return None
-        return Episode(self.contract, self.make_env(), task, policy_version=self.version, weights=self.weights)
+        return Episode(self.contract, self.rollout.make_env(), task, policy_version=self.version,
+                       weights=self.rollout.weights)
 
     def _emit(self, traj: Trajectory) -> None:
         while not self.stop_event.is_set():
@@ -171,8 +171,6 @@ class RolloutWorker(threading.Thread):
                 self.engine.run_stream(self._next_episode, slots=self.slots, seed=self.seed, on_finish=self._emit,
                                        before_step=self._sync, stop=self.stop_event, close_envs=True)
             else:
-                from mentorrl.rollout.backends import stream_episodes
-
                 stream_episodes(self.backend, self._next_episode, slots=self.slots, seed=self.seed,
                                 on_finish=self._emit, before_round=self._sync_backend, stop=self.stop_event,
                                 close_envs=True)
@@ -192,20 +190,19 @@ def _locked(source: Iterator, lock: threading.Lock) -> Iterator:
 
 class RolloutPool:
     """``workers`` rollout threads, ``slots`` episodes in flight each, sharing one task stream
-    and one bounded queue of finished trajectories (the back-pressure on all of them)."""
+    and one bounded queue of finished trajectories (the back-pressure on all of them); each rolls
+    out with ``rollout`` (:class:`~mentorrl.rollout.Rollout`)."""
 
-    def __init__(self, policy, contract, make_env: Callable[[], Any], tasks: Iterator, box: WeightBox,
-                 slots: int, queue_size: int, seed: int, weights=None, recompute_kv: bool = False,
-                 workers: int = 1):
+    def __init__(self, policy, rollout: Rollout, tasks: Iterator, box: WeightBox, slots: int, queue_size: int,
+                 seed: int, recompute_kv: bool = False, workers: int = 1):
         if workers < 1:
             raise ValueError("workers must be >= 1")
         self.out: queue.Queue[Trajectory] = queue.Queue(maxsize=queue_size)
         self.stop_event = threading.Event()
         lock = threading.Lock()
         self.workers = [
-            RolloutWorker(policy, contract, make_env, _locked(tasks, lock), box, slots, self.out, self.stop_event,
-                          seed=seed + 1_000_033 * i, weights=weights, recompute_kv=recompute_kv,
-                          name=f"rollout-worker-{i}")
+            RolloutWorker(policy, rollout, _locked(tasks, lock), box, slots, self.out, self.stop_event,
+                          seed=seed + 1_000_033 * i, recompute_kv=recompute_kv, name=f"rollout-worker-{i}")
             for i in range(workers)
         ]
 

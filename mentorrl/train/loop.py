@@ -24,15 +24,14 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from mentorrl.algos.advantages import group_reward_stats, sanitize_group_rewards
 from mentorrl.eval.metrics import summarize
 from mentorrl.models.batch import collate, forward_logprobs
-from mentorrl.rollout.backends import backend_of, sync_weights
-from mentorrl.rollout.runner import expert_demonstrations, rollout_tasks
+from mentorrl.rollout.backends import backend_of
 from mentorrl.train.audit import GapMonitor, flag_high_reward_failures
 from mentorrl.train.consistency import batch_checks, policy_lag
 from mentorrl.train.workspace import Workspace, heldout_check
@@ -86,8 +85,8 @@ def collect_group(ws: Workspace, model, chosen: list, group_size: int, policy_ve
     if shard:
         trajs = rollout_shared(ws, model, grouped, policy_version, seed)
     else:
-        trajs = rollout_tasks(model, ws.contract, ws.make_env, grouped, policy_version=policy_version, seed=seed,
-                              batch_size=len(grouped), weights=ws.cfg.reward, **extra)
+        trajs = ws.rollout.run(model, grouped, policy_version=policy_version, seed=seed, batch_size=len(grouped),
+                               **extra)
     group = Group(chosen, grouped, trajs, time.perf_counter() - t0, time.process_time() - c0)
     if where is not None:
         require_consistent(ws, trajs, policy_version, where)
@@ -100,14 +99,12 @@ def rollout_shared(ws: Workspace, model, tasks: list, policy_version: int, seed:
     ``distributed.backend: ray`` the shares go to the Ray rollout actors the same way."""
     cfg = ws.cfg
     if cfg.distributed.backend == "ray":  # rollout actors (mentorrl.distributed.ray_workers, docs/ray.md)
-        from mentorrl.distributed.ray_workers import ray_rollouts
-        return ray_rollouts(ws, model, tasks, policy_version, seed)
+        return ws.ray_rollouts(model).rollout(tasks, policy_version, seed)
     if ws.dp is None:
-        return rollout_tasks(model, ws.contract, ws.make_env, tasks, policy_version=policy_version, seed=seed,
-                             batch_size=len(tasks), weights=cfg.reward)
+        return ws.rollout.run(model, tasks, policy_version=policy_version, seed=seed, batch_size=len(tasks))
     own = ws.dp.shard(len(tasks))
-    mine = rollout_tasks(model, ws.contract, ws.make_env, tasks[own.start:own.stop], policy_version=policy_version,
-                         seed=seed + own.start, batch_size=max(len(own), 1), weights=cfg.reward) if len(own) else []
+    mine = ws.rollout.run(model, tasks[own.start:own.stop], policy_version=policy_version, seed=seed + own.start,
+                          batch_size=max(len(own), 1)) if len(own) else []
     return [t for part in ws.dp.all_gather(mine) for t in part]
 
 
@@ -153,8 +150,7 @@ def guide_failed_groups(ws: Workspace, model, group: "Group", expert: Any, polic
               if not any(t.reward is not None and t.reward.success for t in group.trajs[i * size:(i + 1) * size])]
     if not failed:
         return []
-    demos = expert_demonstrations(ws.contract, ws.make_env, expert, [group.chosen[i] for i in failed],
-                                  weights=ws.cfg.reward)
+    demos = ws.rollout.demonstrations(expert, [group.chosen[i] for i in failed])
     by_task = {d.task_id: d for d in demos}
     pairs = [(i, by_task[group.chosen[i].id]) for i in failed if group.chosen[i].id in by_task]
     relabelled = relabel_behaviour(model, [d for _, d in pairs], pad_id, ws.contract.sampling.temperature,
@@ -286,7 +282,8 @@ def reduce_updates(updates: list[dict[str, float]], keys: tuple[str, ...]) -> di
 def pg_update(learner, trajs: list[Trajectory], adv, k: int, seed: int, *,
               items: list[int] | None = None, groups: list[list[int]] | None = None, kind: str = "clipped",
               skip_zero: bool = False, drop_zero: bool = False,
-              nll_weights: torch.Tensor | None = None, **loss: Any) -> list[dict[str, float]]:
+              nll_weights: torch.Tensor | None = None, sync: Callable[[Any, int], None] | None = None,
+              **loss: Any) -> list[dict[str, float]]:
     """One pass of policy-gradient updates: ``items`` (default: every trajectory) dealt into ``k``
     minibatches with ``seed``, one optimizer step per minibatch; each update's metrics with the
     minibatch's policy lag behind the learner's policy version (which the learner advances).
@@ -328,6 +325,6 @@ def pg_update(learner, trajs: list[Trajectory], adv, k: int, seed: int, *,
         else:
             m = learner.token_policy_step(batch, [adv[i] for i in idx], kind, norm=norm, **loss)
         ups.append({**m, **policy_lag(batch, lag_from)})
-    if ups:
-        sync_weights(learner.model, learner.version)  # a rollout engine of its own (vLLM) gets the new weights
+    if ups and sync is not None:  # outside the loop (which syncs after every update hook)
+        sync(learner.model, learner.version)  # a rollout engine of its own (vLLM) gets the new weights
     return ups

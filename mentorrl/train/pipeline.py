@@ -146,7 +146,12 @@ def run_recipe(cfg: RunConfig, resume: bool = False, show_progress: bool = True)
 
 
 def _run_recipe(cfg: RunConfig, resume: bool, show_progress: bool, dp, t0: float) -> dict[str, Any]:
-    ws = open_workspace(cfg, show_progress=show_progress, dp=dp)
+    with open_workspace(cfg, show_progress=show_progress, dp=dp) as ws:  # closing it frees its rollout engine
+        return _run_stages(ws, resume, t0)
+
+
+def _run_stages(ws: Workspace, resume: bool, t0: float) -> dict[str, Any]:
+    cfg, dp = ws.cfg, ws.dp
     con = ws.console
     con.rule("[bold]mentorrl " + " -> ".join(cfg.recipe))
     if dp is not None:

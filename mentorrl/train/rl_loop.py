@@ -243,6 +243,7 @@ class RLLoop:
             t0, c0 = time.perf_counter(), time.process_time()
             getattr(stage, hook)(b)
             if hook == "update":
+                stage.ws.rollout.sync(stage.model, stage.learner.version)  # an engine of its own (vLLM) follows
                 b.metrics.setdefault("update_s", time.perf_counter() - t0)
                 b.metrics.setdefault("update_cpu_s", time.process_time() - c0)
             if b.stop and hook in ("tasks", "rollout", "score"):

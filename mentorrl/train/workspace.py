@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 import json
 from contextlib import nullcontext
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -16,18 +16,19 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from mentorrl.config import RunConfig, dump_config
 from mentorrl.contract import RolloutContract, chat_template_for, contract_for_env
-from mentorrl.envs import EnvEntry, get_env
+from mentorrl.envs import EnvEntry, env_factory, get_env
 from mentorrl.envs.base import check_stratifies, draw_tasks
 from mentorrl.eval.metrics import summarize
 from mentorrl.eval.sets import assert_trainable, assert_trainable_splits
-from mentorrl.rollout.backends import configure as configure_rollout_backend
-from mentorrl.rollout.runner import rollout_tasks
+from mentorrl.rollout import BackendChoice, Rollout
 from mentorrl.train.rundir import MetricsLog
 from mentorrl.trajectory import write_jsonl
 
 @dataclass
 class Workspace:
-    """What every stage needs: config, run directory, environment, tokenizer and contract."""
+    """What every stage needs: config, run directory, environment, tokenizer and contract, and the
+    run's :class:`~mentorrl.rollout.Rollout` (``ws.rollout``, built once the contract is known;
+    :meth:`close` frees its engine)."""
 
     cfg: RunConfig
     run_dir: Path
@@ -37,6 +38,8 @@ class Workspace:
     console: Console = field(default_factory=Console)
     show_progress: bool = True
     dp: Any = None  # the DataParallel group of a torchrun launch (mentorrl.train.distributed), or None
+    _rollout: Rollout | None = field(default=None, init=False, repr=False)
+    _ray: Any = field(default=None, init=False, repr=False)  # the Ray rollout actors of ray_rollouts(), or None
 
     @property
     def is_main(self) -> bool:
@@ -52,8 +55,52 @@ class Workspace:
         return MetricsLog(self.run_dir / "metrics.jsonl")
 
     def make_env(self):
-        extra = {"latency": self.cfg.env.latency} if self.cfg.env.latency is not None else {}
-        return self.env_entry.make_env(tool_timeout_s=self.cfg.env.tool_timeout_s, **extra)
+        return env_factory(self.env_entry, self.cfg.env)()
+
+    @property
+    def rollout(self) -> Rollout:
+        """The run's rollout: its contract, environments (:func:`~mentorrl.envs.env_factory`), reward
+        weights and the ``rollout:`` section's backend. Built on first use; a new contract (a new
+        tokenizer bound) keeps the backend and its engine."""
+        r = self._rollout
+        if r is None or r.contract is not self.contract:
+            if self.contract is None:
+                raise RuntimeError("the workspace has no rollout contract yet (bind_tokenizer first)")
+            r = (Rollout(self.contract, env_factory(self.env_entry, self.cfg.env), self.cfg.reward,
+                         BackendChoice(self.cfg.rollout)) if r is None else r.with_contract(self.contract))
+            self._rollout = r
+        return r
+
+    def ray_rollouts(self, model):
+        """The Ray rollout actors (:class:`~mentorrl.distributed.ray_workers.RayRollouts`) that roll
+        ``model`` out with this workspace's rollout under ``distributed.backend: ray``: started on first
+        use; another model (or contract) closes them and starts a new set."""
+        from mentorrl.distributed.ray_workers import RayRollouts
+
+        pool, rollout = self._ray, self.rollout
+        if pool is None or pool.model is not model or pool.rollout_spec.contract is not rollout.contract:
+            self.close_ray_rollouts()
+            self._ray = pool = RayRollouts(self.cfg.distributed, model, rollout.spec())
+        return pool
+
+    def close_ray_rollouts(self) -> None:
+        """Release the Ray rollout actors of :meth:`ray_rollouts`, if any (kept idle for the next pool)."""
+        pool, self._ray = self._ray, None
+        if pool is not None:
+            pool.close()
+
+    def close(self) -> None:
+        """Free what the workspace holds: its Ray rollout actors and its rollout's engine."""
+        self.close_ray_rollouts()
+        r, self._rollout = self._rollout, None
+        if r is not None:
+            r.close()
+
+    def __enter__(self) -> "Workspace":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     def bind_tokenizer(self, tokenizer) -> None:
         """Use ``tokenizer`` for the run; its chat template becomes the contract's for the run's prompt
@@ -106,7 +153,6 @@ def open_workspace(cfg: RunConfig, show_progress: bool = True, dp=None) -> Works
         (run_dir / "config.yaml").write_text(dump_config(cfg))
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    configure_rollout_backend(cfg.rollout)  # rollout.backend: what rollout_tasks decodes with
     entry = get_env(cfg.env.name)
     if cfg.eval.stratify:
         check_stratifies(entry.make_tasks())  # before the first step
@@ -134,35 +180,28 @@ def load_weights_into(model, ckpt: Path) -> None:
 def heldout_check(ws: Workspace, model, n: int) -> float:
     """Held-out success of the current weights on ``n`` tasks (the same tasks at every check of a run)."""
     tasks = ws.eval_tasks(ws.cfg.eval.split, n)
-    trajs = rollout_tasks(model, eval_contract(ws), ws.make_env, tasks, seed=ws.cfg.eval.seed,
-                          batch_size=ws.cfg.eval.batch_size, weights=ws.cfg.reward)
+    trajs = eval_rollout(ws).run(model, tasks, seed=ws.cfg.eval.seed, batch_size=ws.cfg.eval.batch_size)
     return float(summarize(trajs)["success"])
 
 
-def eval_contract(ws: Workspace) -> RolloutContract:
-    """The rollout contract with the evaluation temperature, when one is configured."""
-    t = ws.cfg.eval.temperature
-    if t is None:
-        return ws.contract
-    return replace(ws.contract, sampling=ws.contract.sampling.model_copy(update={"temperature": t}))
+def eval_rollout(ws: Workspace) -> Rollout:
+    """The workspace's rollout at the evaluation temperature, when one is configured (same backend)."""
+    return ws.rollout.with_temperature(ws.cfg.eval.temperature)
 
 
 def evaluate(ws: Workspace, model, label: str, resume: bool = False, split: str | None = None) -> dict[str, Any]:
     """Roll out ``eval.num_tasks`` tasks of ``split`` (default ``eval.split``, the held-out set);
     writes eval_<label>.json and eval_<label>.jsonl into the run dir."""
-    cfg, e = ws.cfg, ws.cfg.eval
+    e = ws.cfg.eval
     split = split or e.split
     out_json = ws.run_dir / f"eval_{label}.json"
     if resume and out_json.exists():
         return json.loads(out_json.read_text())
-    contract = eval_contract(ws)
     tasks = ws.eval_tasks(split, e.num_tasks)
     with ws.progress() as prog:
         bar = prog.add_task(f"eval {label}", total=len(tasks), info="") if prog else None
-        trajs = rollout_tasks(
-            model, contract, ws.make_env, tasks, seed=e.seed, batch_size=e.batch_size, weights=cfg.reward,
-            on_batch=(lambda n: prog.update(bar, advance=n)) if prog else None,
-        )
+        trajs = eval_rollout(ws).run(model, tasks, seed=e.seed, batch_size=e.batch_size,
+                                     on_batch=(lambda n: prog.update(bar, advance=n)) if prog else None)
     write_jsonl(ws.run_dir / f"eval_{label}.jsonl", trajs)
     summary = {"label": label, "split": split, "eval_seed": e.seed, "stratified": e.stratify, **summarize(trajs)}
     out_json.write_text(json.dumps(summary, indent=2))

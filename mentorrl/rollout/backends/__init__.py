@@ -1,90 +1,118 @@
-"""Generation backends under the rollout engine, and which one this process uses.
+"""Generation backends under the rollout engine, and the choice of one (:class:`BackendChoice`).
 
 - :class:`~mentorrl.rollout.backends.base.GenerationBackend`: token ids in, sampled ids and their
   log-probs (at the contract's temperature) out; ``set_weights(version, state_dict)``, ``close()``.
 - ``hf`` (:class:`~mentorrl.rollout.backends.hf.HFBackend`, the default): the project's engine.
 - ``vllm`` (:class:`~mentorrl.rollout.backends.vllm.VLLMBackend`): a vLLM engine in this process.
 
-The run's ``rollout:`` config section picks one (:func:`configure`, called when a workspace
-opens); :func:`mentorrl.rollout.runner.rollout_tasks` asks :func:`backend_for` for it. A vLLM
-engine is built once per process and follows the policy: :func:`sync_weights` pushes the
-model's weights whenever they changed since the last push (tracked by the parameters' in-place
-version counters, so every optimizer step and ``load_state_dict`` is seen, in every stage), and
-learner stages call it right after their updates.
+A run's ``rollout:`` config section picks one: :class:`BackendChoice` is built from it (by
+:class:`mentorrl.rollout.api.Rollout`, which the workspace builds once) and owns the vLLM engine,
+built on first use. The engine follows the policy: :meth:`BackendChoice.sync` pushes the model's
+weights whenever they changed since the last push (tracked by the parameters' in-place version
+counters, so every optimizer step and ``load_state_dict`` is seen, in every stage), and learner
+stages call it right after their updates. Nothing here is process-wide: two choices built from
+two configs decode with their own settings and their own engines.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
-from mentorrl.rollout.dispatch import INLINE_TOOL_S
+from mentorrl.contract import RolloutContract
 from mentorrl.rollout.backends.base import (Generation, GenerationBackend, backend_of, drive_episodes, stream_episodes,
                                            turn_seed)
+from mentorrl.rollout.dispatch import INLINE_TOOL_S
 
-__all__ = ["Generation", "GenerationBackend", "backend_for", "backend_name", "backend_of", "configure", "current_config", "decoder_name", "drive_episodes", "inline_tool_s",
-           "release", "stream_episodes", "sync_weights", "turn_seed"]
-
-_config: Any = None  # the active RolloutConfig (None: hf)
-_engine: Any = None  # the process's vLLM backend, built on first use
+__all__ = ["BackendChoice", "Generation", "GenerationBackend", "backend_name", "backend_of", "decoder_name",
+           "drive_episodes", "inline_tool_s", "stream_episodes", "turn_seed"]
 
 
-def configure(cfg: Any) -> None:
-    """Use ``cfg`` (a :class:`mentorrl.config.RolloutConfig`, or None for hf) for this process's rollouts.
-    A vLLM engine built under another config is closed."""
-    global _config
-    if cfg != _config:
-        release()
-    _config = cfg
+def backend_name(cfg: Any) -> str:
+    """The backend a ``rollout:`` section (:class:`mentorrl.config.RolloutConfig`, or None) names: hf or vllm."""
+    return getattr(cfg, "backend", "hf") or "hf"
 
 
-def current_config() -> Any:
-    return _config
-
-
-def decoder_name() -> str:
+def decoder_name(cfg: Any) -> str:
     """The hf backend's decoder (``rollout.decoder``: auto, slots or hf)."""
-    return getattr(_config, "decoder", "auto") or "auto"
+    return getattr(cfg, "decoder", "auto") or "auto"
 
 
-def inline_tool_s() -> float:
+def inline_tool_s(cfg: Any) -> float:
     """The hf engine's inline threshold for tool calls and verifications, in seconds (``rollout.inline_tool_ms``)."""
-    ms = getattr(_config, "inline_tool_ms", None)
+    ms = getattr(cfg, "inline_tool_ms", None)
     return INLINE_TOOL_S if ms is None else float(ms) / 1000.0
 
 
-def backend_name() -> str:
-    return getattr(_config, "backend", "hf") or "hf"
+class BackendChoice:
+    """The generation backend a ``rollout:`` section picks (``config``: a
+    :class:`mentorrl.config.RolloutConfig`, or None for the hf defaults), and the vLLM engine it
+    owns once one was asked for. :meth:`close` frees that engine."""
 
+    def __init__(self, config: Any = None):
+        self.config = config
+        self._engine: Any = None  # this choice's vLLM backend, built on first use
+        self._lock = threading.Lock()
 
-def backend_for(model, contract, version: int | None = None) -> GenerationBackend:
-    """The backend that decodes ``model``'s rollouts under ``contract``: a fresh :class:`HFBackend`
-    over the model itself, or the process's vLLM engine with ``model``'s current weights."""
-    if backend_name() == "hf":
-        from mentorrl.rollout.backends.hf import HFBackend
+    @property
+    def name(self) -> str:
+        return backend_name(self.config)
 
-        return HFBackend(model, contract, decoder=decoder_name(), inline_tool_s=inline_tool_s())
-    global _engine
-    from mentorrl.rollout.backends.vllm import VLLMBackend
+    @property
+    def decoder(self) -> str:
+        return decoder_name(self.config)
 
-    if _engine is not None and not _engine.compatible(model, contract):
-        release()
-    if _engine is None:
-        _engine = VLLMBackend(model, contract, _config)
-    _engine.contract = contract  # the eval contract may differ from the training one in temperature only
-    _engine.follow(model, version)
-    return _engine
+    @property
+    def inline_tool_s(self) -> float:
+        return inline_tool_s(self.config)
 
+    @property
+    def engine(self) -> Any:
+        """The vLLM engine built so far (None: none yet, or the hf backend)."""
+        return self._engine
 
-def sync_weights(model, version: int) -> None:
-    """After a learner update: push ``model``'s weights (policy ``version``) to the process's
-    engine if it has one and they changed (a no-op for the hf backend, which decodes the model itself)."""
-    if _engine is not None:
-        _engine.follow(model, version)
+    def rollout_engine(self, model, contract: RolloutContract):
+        """The project's engine (:class:`~mentorrl.rollout.engine.RolloutEngine`) over ``model`` with
+        this choice's decoder and tool threshold (hf; for streaming rollouts)."""
+        from mentorrl.rollout.engine import RolloutEngine
 
+        return RolloutEngine(model, contract, decoder=self.decoder, inline_tool_s=self.inline_tool_s)
 
-def release() -> None:
-    """Close the process's vLLM engine, if any."""
-    global _engine
-    if _engine is not None:
-        _engine.close()
-        _engine = None
+    def for_model(self, model, contract: RolloutContract, version: int | None = None) -> GenerationBackend:
+        """The backend that decodes ``model``'s rollouts under ``contract``: a fresh :class:`HFBackend`
+        over the model itself, or this choice's vLLM engine with ``model``'s current weights."""
+        if self.name == "hf":
+            from mentorrl.rollout.backends.hf import HFBackend
+
+            return HFBackend(model, contract, decoder=self.decoder, inline_tool_s=self.inline_tool_s)
+        from mentorrl.rollout.backends.vllm import VLLMBackend
+
+        with self._lock:
+            if self._engine is not None and not self._engine.compatible(model, contract):
+                self._release()
+            if self._engine is None:
+                self._engine = VLLMBackend(model, contract, self.config)
+            engine = self._engine
+        engine.contract = contract  # the eval contract may differ from the training one in temperature only
+        engine.follow(model, version)
+        return engine
+
+    def sync(self, model, version: int) -> None:
+        """After a learner update: push ``model``'s weights (policy ``version``) to this choice's
+        engine if it has one and they changed (a no-op for the hf backend, which decodes the model itself)."""
+        engine = self._engine
+        if engine is not None:
+            engine.follow(model, version)
+
+    def _release(self) -> None:
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.close()
+
+    def close(self) -> None:
+        """Close this choice's vLLM engine, if any (a later rollout builds a new one)."""
+        with self._lock:
+            self._release()
+
+    def __repr__(self) -> str:
+        return f"BackendChoice({self.name}, decoder={self.decoder}, inline_tool_s={self.inline_tool_s:g})"

@@ -108,82 +108,111 @@ def stream_episodes(backend: GenerationBackend, next_episode: Callable[[], Episo
     admission order."""
     if slots < 1:
         raise ValueError(f"slots must be >= 1, got {slots}")
-    t0 = time.perf_counter()
-    episodes: list[Episode] = []
-    results: list[Trajectory | None] = []
-    turns: list[int] = []
-    ready: list[int] = []
-    waiting: dict[int, cf.Future] = {}
-    live: set[int] = set()
-    stats = {"generate_calls": 0, "generated_tokens": 0, "admitted": 0}
-    source = EpisodeSource(next_episode, stop)
-
-    def admit() -> None:
-        for ep in source.take(slots - len(live)):
-            e = len(episodes)
-            episodes.append(ep)
-            results.append(None)
-            turns.append(0)
-            ep.start()
-            live.add(e)
-            ready.append(e)
-            stats["admitted"] += 1
-
-    def finish(e: int) -> None:
-        traj = episodes[e].finish()
-        traj.timings["rollout_s"] = time.perf_counter() - t0
-        traj.sampling["backend"] = backend.name  # which engine sampled it (absent: the project's own)
-        results[e] = traj
-        live.discard(e)
-        if close_envs:
-            episodes[e].env.close()
-        if on_finish is not None:
-            on_finish(traj)
-
+    run = TurnScheduler(backend, EpisodeSource(next_episode, stop), slots, seed, on_finish, close_envs)
     pool = cf.ThreadPoolExecutor(max_workers=tool_workers or slots, thread_name_prefix="rollout-tool")
     aborted = False
     try:
-        admit()
-        while live:
+        run.admit()
+        while run.live:
             if stop is not None and stop.is_set():
                 aborted = True
                 break
-            if ready:
+            if run.ready:
                 if before_round is not None:
                     before_round()
-                contract: RolloutContract = episodes[ready[0]].contract
-                max_new = contract.sampling.max_new_tokens
-                outs = backend.generate(
-                    [episodes[e].ids for e in ready], temperature=contract.sampling.temperature,
-                    max_tokens=[min(max_new, episodes[e].tokens_left()) for e in ready],
-                    stop_ids=list(contract.stop_token_ids),
-                    seeds=[turn_seed(seed, e, turns[e]) for e in ready])
-                stats["generate_calls"] += 1
-                for e, out in zip(ready, outs):
-                    turns[e] += 1
-                    stats["generated_tokens"] += len(out.token_ids)
-                    action = episodes[e].add_policy_turn(list(out.token_ids), list(out.logprobs), stopped=out.stopped)
-                    if action is None:
-                        finish(e)
-                    else:
-                        waiting[e] = pool.submit(episodes[e].run_tool, action)
-                ready = []
-            if waiting:  # wait for one tool, give the rest gather_s to join; take every result that is back
-                first = cf.wait(list(waiting.values()), timeout=0.1 if stop is not None else None,
-                                return_when=cf.FIRST_COMPLETED)
-                if first.done:
-                    cf.wait(list(waiting.values()), timeout=gather_s)
-                for e in sorted(e for e, f in waiting.items() if f.done()):
-                    if episodes[e].add_observation(waiting.pop(e).result()) is None:
-                        finish(e)
-                    else:
-                        ready.append(e)
-            admit()
+                run.round(pool)
+            if run.waiting:
+                run.collect_tools(gather_s, poll=stop is not None)
+            run.admit()
     finally:
         pool.shutdown(wait=not aborted, cancel_futures=aborted)
-        if close_envs:
-            for e in live:
-                if e not in waiting:
-                    episodes[e].env.close()  # an episode whose tool is still running keeps its env open
-    backend.last_stats = {**stats, "wall_s": time.perf_counter() - t0, "aborted": float(aborted)}
-    return [r for r in results if r is not None]
+        run.close_abandoned()
+    backend.last_stats = {**run.stats, "wall_s": time.perf_counter() - run.t0, "aborted": float(aborted)}
+    return [sl.result for sl in run.slots if sl.result is not None]
+
+
+@dataclass(eq=False)
+class TurnSlot:
+    """One admitted episode of :func:`stream_episodes` and where it stands."""
+
+    index: int  # admission order: its turns' seeds and its place in the output
+    episode: Episode
+    turns: int = 0  # policy turns sampled so far
+    result: Trajectory | None = None
+
+
+class TurnScheduler:
+    """The state of one :func:`stream_episodes` run: :meth:`admit` fills free slots, :meth:`round`
+    samples the next turn of every ready episode in one ``generate`` call, :meth:`collect_tools`
+    takes tool results back, :meth:`finish` closes an episode."""
+
+    def __init__(self, backend: GenerationBackend, source: EpisodeSource, slots: int, seed: int,
+                 on_finish: Callable[[Trajectory], None] | None, close_envs: bool):
+        self.backend, self.source, self.capacity, self.seed = backend, source, slots, seed
+        self.on_finish, self.close_envs = on_finish, close_envs
+        self.t0 = time.perf_counter()
+        self.slots: list[TurnSlot] = []  # every admitted episode, in admission order
+        self.live: set[int] = set()
+        self.ready: list[TurnSlot] = []  # due for their next policy turn
+        self.waiting: dict[int, tuple[TurnSlot, cf.Future]] = {}  # on a tool call, by index
+        self.stats = {"generate_calls": 0, "generated_tokens": 0, "admitted": 0}
+
+    def admit(self) -> None:
+        for ep in self.source.take(self.capacity - len(self.live)):
+            sl = TurnSlot(len(self.slots), ep)
+            self.slots.append(sl)
+            ep.start()
+            self.live.add(sl.index)
+            self.ready.append(sl)
+            self.stats["admitted"] += 1
+
+    def finish(self, sl: TurnSlot) -> None:
+        traj = sl.episode.finish()
+        traj.timings["rollout_s"] = time.perf_counter() - self.t0
+        traj.sampling["backend"] = self.backend.name  # which engine sampled it (absent: the project's own)
+        sl.result = traj
+        self.live.discard(sl.index)
+        if self.close_envs:
+            sl.episode.env.close()
+        if self.on_finish is not None:
+            self.on_finish(traj)
+
+    def round(self, pool: cf.Executor) -> None:
+        """One ``generate`` call over every ready episode; each turn's tool call goes to ``pool``."""
+        ready, self.ready = self.ready, []
+        contract: RolloutContract = ready[0].episode.contract
+        max_new = contract.sampling.max_new_tokens
+        outs = self.backend.generate(
+            [sl.episode.ids for sl in ready], temperature=contract.sampling.temperature,
+            max_tokens=[min(max_new, sl.episode.tokens_left()) for sl in ready],
+            stop_ids=list(contract.stop_token_ids),
+            seeds=[turn_seed(self.seed, sl.index, sl.turns) for sl in ready])
+        self.stats["generate_calls"] += 1
+        for sl, out in zip(ready, outs):
+            sl.turns += 1
+            self.stats["generated_tokens"] += len(out.token_ids)
+            action = sl.episode.add_policy_turn(list(out.token_ids), list(out.logprobs), stopped=out.stopped)
+            if action is None:
+                self.finish(sl)
+            else:
+                self.waiting[sl.index] = (sl, pool.submit(sl.episode.run_tool, action))
+
+    def collect_tools(self, gather_s: float, poll: bool) -> None:
+        """Wait for one tool, give the rest ``gather_s`` to join; take every result that is back
+        (at most a moment's wait with ``poll``, so a stop is seen)."""
+        futures = [f for _, f in self.waiting.values()]
+        first = cf.wait(futures, timeout=0.1 if poll else None, return_when=cf.FIRST_COMPLETED)
+        if first.done:
+            cf.wait(futures, timeout=gather_s)
+        for e in sorted(e for e, (_, f) in self.waiting.items() if f.done()):
+            sl, f = self.waiting.pop(e)
+            if sl.episode.add_observation(f.result()) is None:
+                self.finish(sl)
+            else:
+                self.ready.append(sl)
+
+    def close_abandoned(self) -> None:
+        if self.close_envs:
+            for e in self.live:
+                if e not in self.waiting:
+                    self.slots[e].episode.env.close()  # an episode whose tool is still running keeps its env open

@@ -17,8 +17,8 @@ state dict as safetensors to ``/dev/shm`` and calls the worker extension
 reloads from that file, re-ties the output layer to the embedding, and the prefix cache is reset
 (cached keys and values were computed by the old weights).
 
-Threads: one engine serves the process. SAO's rollout worker (a thread) and the learner's
-evaluations share it; calls are serialised by a lock, and each thread decodes with the weights it
+Threads: one engine serves a run (its rollout's backend choice owns it). SAO's rollout worker (a
+thread) and the learner's evaluations share it; calls are serialised by a lock, and each thread decodes with the weights it
 last gave the engine (``follow`` / ``set_weights`` in that thread): when another thread's weights
 were loaded in between, they are loaded back before its call.
 """

@@ -42,7 +42,6 @@ from mentorrl.opd.advantage import kl_advantages
 from mentorrl.opd.signals import same_tokenizer_signal
 from mentorrl.opd.teacher import HFTeacher
 from mentorrl.replay.buffer import ReplayBuffer, ReplayConfig
-from mentorrl.rollout.runner import expert_demonstrations
 from mentorrl.replay.checkpointing import BufferCheckpoints
 from mentorrl.train.curriculum import Curriculum
 from mentorrl.train.loop import pg_update
@@ -97,8 +96,7 @@ class EvolveStage(Stage):
     def __init__(self, ws: Workspace, model):
         super().__init__(ws, model)
         e = self.cfg
-        demos = expert_demonstrations(ws.contract, ws.make_env, ws.env_entry.make_expert(), self.pool,
-                                      weights=ws.cfg.reward)
+        demos = ws.rollout.demonstrations(ws.env_entry.make_expert(), self.pool)
         levels = curriculum_levels(self.pool, {d.task_id: len(d.tool_calls) for d in demos})
         self.curriculum = Curriculum(levels, e.raise_above, e.lower_below, e.window, seed=self.seeds("curriculum"))
         self.estimator = get_advantage_estimator("grpo")

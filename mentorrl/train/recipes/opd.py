@@ -55,7 +55,6 @@ from mentorrl.opd.retokenize import retokenize
 from mentorrl.opd.scoring import teacher_row
 from mentorrl.opd.signals import CrossTokenizerTeacher
 from mentorrl.opd.teacher import Capability, HFTeacher, require
-from mentorrl.rollout.runner import rollout_tasks
 from mentorrl.train.learner import Learner
 from mentorrl.train.loop import minibatches, pg_update, reduce_updates
 from mentorrl.train.rl_loop import Stage, StepBatch, run_on_loop
@@ -393,8 +392,7 @@ def _sequence_fallback(ws, learner, cross, tasks, seed: int, state) -> dict[str,
             contract = contract_for_env(t.tokenizer, env, ws.cfg.sampling, ws.cfg.limits, ws.cfg.prompt)
         finally:
             env.close()
-        own = rollout_tasks(t.model, contract, ws.make_env, tasks, seed=seed, batch_size=len(tasks),
-                            weights=ws.cfg.reward)
+        own = ws.rollout.with_contract(contract).run(t.model, tasks, seed=seed, batch_size=len(tasks))
         generated += sum(x.num_policy_tokens for x in own)
         for x in own:
             if x.reward and x.reward.success:

@@ -7,7 +7,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mentorrl.rollout.runner import rollout_tasks
 from mentorrl.train.rft import rft_round_stats, rising, select_rft_data, task_outcomes
 from mentorrl.train.rl_loop import Stage, StepBatch, run_on_loop
 from mentorrl.train.workspace import Workspace, load_weights_into
@@ -48,8 +47,7 @@ class RFTStage(Stage):
     def rollout(self, b: StepBatch) -> None:
         r, t0 = self.cfg, time.perf_counter()
         grouped = [t for t in b.tasks for _ in range(r.samples_per_task)]
-        b.trajs = rollout_tasks(self.model, self.ws.contract, self.ws.make_env, grouped, seed=b.seeds("rollout"),
-                                batch_size=r.rollout_batch, weights=self.ws.cfg.reward)
+        b.trajs = self.ws.rollout.run(self.model, grouped, seed=b.seeds("rollout"), batch_size=r.rollout_batch)
         b.group_size = r.samples_per_task
         b.metrics.update(rollouts=len(b.trajs), rollout_s=time.perf_counter() - t0)
 

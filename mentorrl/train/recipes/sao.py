@@ -39,7 +39,6 @@ from typing import Any, Iterator
 import torch
 
 from mentorrl.replay.buffer import BatchItem, ReplayBuffer, hybrid_batch, segment_replay
-from mentorrl.rollout.runner import expert_demonstrations
 from mentorrl.train.async_rl import RolloutPool, WeightBox, lag_histogram, staleness_weights
 from mentorrl.replay.checkpointing import BufferCheckpoints
 from mentorrl.train.critic import Critic
@@ -99,8 +98,7 @@ class SAOStage(Stage):
         self.demos: list[Trajectory] = []
         if s.mix["expert"] > 0:
             tasks = ws.train_tasks(s.num_demos, self.seeds("demos"))
-            self.demos = expert_demonstrations(ws.contract, ws.make_env, ws.env_entry.make_expert(), tasks,
-                                               weights=ws.cfg.reward)
+            self.demos = ws.rollout.demonstrations(ws.env_entry.make_expert(), tasks)
         self.box = WeightBox()
         self.worker: RolloutPool | None = None
         self.t0: float | None = None
@@ -125,10 +123,11 @@ class SAOStage(Stage):
             pool_cls = RolloutPool
             if cfg.distributed.backend == "ray":  # rollout actors (mentorrl.distributed.ray_workers, docs/ray.md)
                 from mentorrl.distributed.ray_workers import RayRolloutPool
-                pool_cls = functools.partial(RayRolloutPool, dist=cfg.distributed, ws=self.ws)
-            w = pool_cls(self.model, self.ws.contract, self.ws.make_env, task_stream(self.pool, b.seeds("task-stream")),
-                         self.box, slots=r.slots, queue_size=r.queue_size or s.batch_size, seed=b.seeds("worker"),
-                         weights=cfg.reward, recompute_kv=r.recompute_kv, workers=r.workers)
+                self.ws.close_ray_rollouts()  # a GRPO stage's actors (idle now) are this stream's: no CPUs for more
+                pool_cls = functools.partial(RayRolloutPool, dist=cfg.distributed)
+            w = pool_cls(self.model, self.ws.rollout, task_stream(self.pool, b.seeds("task-stream")), self.box,
+                         slots=r.slots, queue_size=r.queue_size or s.batch_size, seed=b.seeds("worker"),
+                         recompute_kv=r.recompute_kv, workers=r.workers)
             w.start()
             self.worker, self.t0 = w, time.perf_counter()
         return self.worker

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mentorrl.rollout.runner import expert_demonstrations
 from mentorrl.train.rl_loop import Stage, StepBatch, run_on_loop
 from mentorrl.train.workspace import Workspace
 
@@ -22,7 +21,7 @@ def sft_demonstrations(ws: Workspace) -> list:
             raise RuntimeError(f"sft.demos {cfg.sft.demos}: no train-split conversation to learn from")
         return demos
     tasks = ws.train_tasks(cfg.sft.num_demos, cfg.seed)
-    demos = expert_demonstrations(ws.contract, ws.make_env, ws.env_entry.make_expert(), tasks, weights=cfg.reward)
+    demos = ws.rollout.demonstrations(ws.env_entry.make_expert(), tasks)
     if not demos:
         raise RuntimeError("the scripted expert produced no verified demonstrations")
     return demos
