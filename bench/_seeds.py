@@ -48,8 +48,10 @@ def same_tasks(a: Path, b: Path) -> None:
             return
         ids.append([json.loads(line)["task_id"] for line in rows.read_text().splitlines() if line.strip()])
     if ids[0] != ids[1]:
-        raise SystemExit(f"{a} and {b} were evaluated on different tasks (another eval.seed, split, num_tasks "
-                         "or eval.stratify?): re-evaluate one with the other's settings before comparing them")
+        raise SystemExit(
+            f"{a} and {b} were evaluated on different tasks (another eval.seed, split, num_tasks "
+            "or eval.stratify?): re-evaluate one with the other's settings before comparing them"
+        )
 
 
 def summary(label: str, xs: list[float], unit: str = "points", difference: bool = True, indent: str = "") -> dict:
@@ -62,6 +64,8 @@ def summary(label: str, xs: list[float], unit: str = "points", difference: bool 
     else:
         lo, hi = s["ci95"]
         verdict = f": {s['verdict']}" if difference else ""
-        print(f"{indent}{label} over {s['n']} seeds: {s['mean']:{f}} ± {s['sd']:.1f} {unit} (mean ± sd); "
-              f"95% interval of the mean [{lo:{f}}, {hi:{f}}]{verdict}")
+        print(
+            f"{indent}{label} over {s['n']} seeds: {s['mean']:{f}} ± {s['sd']:.1f} {unit} (mean ± sd); "
+            f"95% interval of the mean [{lo:{f}}, {hi:{f}}]{verdict}"
+        )
     return s

@@ -28,19 +28,41 @@ REPO = Path(__file__).resolve().parents[1]
 SECTIONS = ("evaluation", "curves", "reward", "failures", "review")
 
 TINY = [
-    "threads=1", "model.spec.hidden_size=64", "model.spec.intermediate_size=128", "model.spec.num_layers=2",
-    "model.spec.num_heads=2", "model.spec.num_kv_heads=1", "model.spec.vocab_size=600",
-    "model.tokenizer_corpus_tasks=60", "model.pretrain.steps=0", "sft.steps=6", "sft.num_demos=16",
-    "sft.batch_size=4", "grpo.steps=5", "grpo.tasks_per_step=2", "grpo.samples_per_task=2", "grpo.checkpoint_every=2",
-    "eval.num_tasks=8", "sampling.max_new_tokens=24", "limits.max_turns=3", "limits.max_total_tokens=512",
+    "threads=1",
+    "model.spec.hidden_size=64",
+    "model.spec.intermediate_size=128",
+    "model.spec.num_layers=2",
+    "model.spec.num_heads=2",
+    "model.spec.num_kv_heads=1",
+    "model.spec.vocab_size=600",
+    "model.tokenizer_corpus_tasks=60",
+    "model.pretrain.steps=0",
+    "sft.steps=6",
+    "sft.num_demos=16",
+    "sft.batch_size=4",
+    "grpo.steps=5",
+    "grpo.tasks_per_step=2",
+    "grpo.samples_per_task=2",
+    "grpo.checkpoint_every=2",
+    "eval.num_tasks=8",
+    "sampling.max_new_tokens=24",
+    "limits.max_turns=3",
+    "limits.max_total_tokens=512",
     "prompt.tool_descriptions=false",
 ]
 
 
 def tiny_run(run_dir: Path) -> None:
     """SFT -> GRPO of the tiny model, evaluated, as ``mentorrl train`` writes it (report.html included)."""
-    cmd = [sys.executable, "-m", "mentorrl.cli", "train", str(REPO / "mentorrl" / "configs" / "demo.yaml"),
-           "--set", f"run_dir={run_dir}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mentorrl.cli",
+        "train",
+        str(REPO / "mentorrl" / "configs" / "demo.yaml"),
+        "--set",
+        f"run_dir={run_dir}",
+    ]
     for o in TINY:
         cmd += ["--set", o]
     subprocess.run(cmd, check=True, cwd=REPO, stdout=subprocess.DEVNULL)
@@ -95,18 +117,30 @@ def check(page_path: Path, screenshot: Path, chromium: str | None) -> dict:
     missing = [s for s in SECTIONS if s not in sections]
     if missing:
         problems.append(f"missing sections {missing}")
-    return {"page": str(page_path), "browser": f"Chromium {version}", "charts": len(charts),
-            "curves": sum(c["polylines"] for c in charts), "bars": sum(c["bars"] for c in charts),
-            "review_rows": review_rows, "console_messages": len(console), "requests": len(requests),
-            "screenshot": str(screenshot), "problems": problems, "ok": not problems}
+    return {
+        "page": str(page_path),
+        "browser": f"Chromium {version}",
+        "charts": len(charts),
+        "curves": sum(c["polylines"] for c in charts),
+        "bars": sum(c["bars"] for c in charts),
+        "review_rows": review_rows,
+        "console_messages": len(console),
+        "requests": len(requests),
+        "screenshot": str(screenshot),
+        "problems": problems,
+        "ok": not problems,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--run-dir", type=Path, help="a run directory with report.html (default: a tiny run now)")
     ap.add_argument("--screenshot", type=Path, help="where to save the screenshot (default RUN_DIR/report_html.png)")
-    ap.add_argument("--chromium", default=shutil.which("chromium") or shutil.which("chromium-browser"),
-                    help="Chromium executable (default: chromium on PATH, else Playwright's own)")
+    ap.add_argument(
+        "--chromium",
+        default=shutil.which("chromium") or shutil.which("chromium-browser"),
+        help="Chromium executable (default: chromium on PATH, else Playwright's own)",
+    )
     args = ap.parse_args(argv)
     run_dir = args.run_dir
     if run_dir is None:

@@ -43,6 +43,7 @@ def classify(tok, street_town: set[int], product: set[int]):
         if tid in street_town:
             return "street_town"
         return "product" if tid in product else "other"
+
     return cls
 
 
@@ -73,13 +74,23 @@ def main() -> None:
         model.eval()
         ws = open_workspace(cfg, show_progress=False)
         ws.bind_tokenizer(tok)
-        demos = expert_demonstrations(ws.contract, ws.make_env, ws.env_entry.make_expert(),
-                                      ws.tasks("heldout", a.n, a.seed), weights=cfg.reward)
+        demos = expert_demonstrations(
+            ws.contract, ws.make_env, ws.env_entry.make_expert(), ws.tasks("heldout", a.n, a.seed), weights=cfg.reward
+        )
         cls = classify(tok, first_word_ids(tok, STREETS + CITIES), first_word_ids(tok, PRODUCT_NAMES))
         losses = token_losses(model, demos, cls, ws.contract.pad_token_id)
-        print(json.dumps({"checkpoint": path, "demos": len(demos), **{
-            k: {"mean_nats": round(sum(v) / len(v), 3), "tokens": len(v)} for k, v in sorted(losses.items())}}),
-            flush=True)
+        print(
+            json.dumps(
+                {
+                    "checkpoint": path,
+                    "demos": len(demos),
+                    **{
+                        k: {"mean_nats": round(sum(v) / len(v), 3), "tokens": len(v)} for k, v in sorted(losses.items())
+                    },
+                }
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

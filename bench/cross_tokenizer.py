@@ -49,8 +49,14 @@ from mentorrl.opd import (  # noqa: E402
     teacher_token_logprobs,
 )
 
-NON_ASCII = ["Bestellung für Frau Müller — Rückerstattung: 12,50 €", "注文番号 4521 の返金をお願いします。",
-             "订单已发货 😀👍🏽", "naïve café résumé ✓", "Заказ отменён", "👩\u200d❤\ufe0f\u200d👩 e\u0301 ñ"]
+NON_ASCII = [
+    "Bestellung für Frau Müller — Rückerstattung: 12,50 €",
+    "注文番号 4521 の返金をお願いします。",
+    "订单已发货 😀👍🏽",
+    "naïve café résumé ✓",
+    "Заказ отменён",
+    "👩\u200d❤\ufe0f\u200d👩 e\u0301 ñ",
+]
 
 
 def chunk_mismatches(al: ChunkAlignment, student_tok, teacher_tok) -> int:
@@ -119,11 +125,15 @@ def main() -> int:
     s_tok = sum(len(a.student_ids) for a in aligned)
     t_tok = sum(len(a.teacher_ids) for a in aligned)
     chunks = sum(a.num_chunks for a in aligned)
-    con.print(f"{len(aligned)} texts: {s_tok} student tokens (min {min(len(a.student_ids) for a in aligned)}), "
-              f"{t_tok} teacher tokens, {chunks} shared-boundary chunks")
+    con.print(
+        f"{len(aligned)} texts: {s_tok} student tokens (min {min(len(a.student_ids) for a in aligned)}), "
+        f"{t_tok} teacher tokens, {chunks} shared-boundary chunks"
+    )
     con.print(f"one teacher pass + prefix sums: {t_fast:.3f}s; one teacher forward per chunk: {t_slow:.2f}s")
     con.print(f"speed ratio: {t_slow / t_fast:.1f}x; largest |difference| of chunk log-probs: {diff:.2e}")
-    con.print(f"chunk-text mismatches: {mismatches} of {chunks} chunks; alignment errors: {errors} of {len(texts)} texts")
+    con.print(
+        f"chunk-text mismatches: {mismatches} of {chunks} chunks; alignment errors: {errors} of {len(texts)} texts"
+    )
     return 0
 
 

@@ -72,9 +72,11 @@ def main(argv: list[str] | None = None) -> None:
     t = torch.tensor(masses)
     big = int((t > 0.1).sum())
     print(f"policy tokens {total}; with a top-k target {len(masses)} ({100 * len(masses) / max(total, 1):.1f}%)")
-    print(f"teacher mass on tokens the student cannot spell, at those positions: mean {float(t.mean()):.4f}, "
-          f"p90 {float(t.quantile(0.9)):.4f}, p99 {float(t.quantile(0.99)):.4f}, max {float(t.max()):.3f}; "
-          f"above 0.1 at {big} positions ({100 * big / max(len(masses), 1):.2f}%)")
+    print(
+        f"teacher mass on tokens the student cannot spell, at those positions: mean {float(t.mean()):.4f}, "
+        f"p90 {float(t.quantile(0.9)):.4f}, p99 {float(t.quantile(0.99)):.4f}, max {float(t.max()):.3f}; "
+        f"above 0.1 at {big} positions ({100 * big / max(len(masses), 1):.2f}%)"
+    )
 
 
 if __name__ == "__main__":

@@ -45,9 +45,15 @@ def one_arm(model, ws, tasks, decoder: str, seed: int, weights) -> dict:
         for e in envs:
             e.close()
     toks = sum(t.num_policy_tokens for t in trajs)
-    return {"cpu_s": cpu, "wall_s": wall, "policy_tokens": toks, "tok_per_cpu_s": toks / cpu,
-            "forward_passes": engine.last_stats["forward_passes"], "fed_tokens": engine.last_stats["fed_tokens"],
-            "token_ids": [t.token_ids for t in trajs]}
+    return {
+        "cpu_s": cpu,
+        "wall_s": wall,
+        "policy_tokens": toks,
+        "tok_per_cpu_s": toks / cpu,
+        "forward_passes": engine.last_stats["forward_passes"],
+        "fed_tokens": engine.last_stats["fed_tokens"],
+        "token_ids": [t.token_ids for t in trajs],
+    }
 
 
 def main(argv=None) -> int:
@@ -61,8 +67,9 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    cfg = load_run_config(Path(args.config) if args.config else None, [], str(Path("/tmp") / "mentorrl-bench-dec"),
-                          "demo.yaml")
+    cfg = load_run_config(
+        Path(args.config) if args.config else None, [], str(Path("/tmp") / "mentorrl-bench-dec"), "demo.yaml"
+    )
     ws = open_workspace(cfg, show_progress=False)
     tok, model = load_policy(args.model)
     ws.bind_tokenizer(tok)
@@ -78,19 +85,36 @@ def main(argv=None) -> int:
         for arm in order:
             out[arm].pop("token_ids")
             runs[arm].append(out[arm])
-            print(f"rep {rep} {arm:5s} cpu {out[arm]['cpu_s']:.2f} s  wall {out[arm]['wall_s']:.2f} s  "
-                  f"{out[arm]['tok_per_cpu_s']:.0f} policy tok/CPU-s  passes {out[arm]['forward_passes']}", flush=True)
-    med = {arm: {k: statistics.median(r[k] for r in rs) for k in ("cpu_s", "wall_s", "tok_per_cpu_s")}
-           for arm, rs in runs.items()}
+            print(
+                f"rep {rep} {arm:5s} cpu {out[arm]['cpu_s']:.2f} s  wall {out[arm]['wall_s']:.2f} s  "
+                f"{out[arm]['tok_per_cpu_s']:.0f} policy tok/CPU-s  passes {out[arm]['forward_passes']}",
+                flush=True,
+            )
+    med = {
+        arm: {k: statistics.median(r[k] for r in rs) for k in ("cpu_s", "wall_s", "tok_per_cpu_s")}
+        for arm, rs in runs.items()
+    }
     ratios = [s["tok_per_cpu_s"] / h["tok_per_cpu_s"] for s, h in zip(runs["slots"], runs["hf"])]
-    print(f"median over {args.reps} reps: slots {med['slots']['tok_per_cpu_s']:.0f}, hf {med['hf']['tok_per_cpu_s']:.0f} "
-          f"policy tok/CPU-s; slots / hf {statistics.median(ratios):.2f}x (per rep {min(ratios):.2f}-{max(ratios):.2f}); "
-          f"CPU-s {med['slots']['cpu_s']:.2f} vs {med['hf']['cpu_s']:.2f}; wall {med['slots']['wall_s']:.2f} vs "
-          f"{med['hf']['wall_s']:.2f}; same tokens: {same}")
+    print(
+        f"median over {args.reps} reps: slots {med['slots']['tok_per_cpu_s']:.0f}, hf {med['hf']['tok_per_cpu_s']:.0f} "
+        f"policy tok/CPU-s; slots / hf {statistics.median(ratios):.2f}x (per rep {min(ratios):.2f}-{max(ratios):.2f}); "
+        f"CPU-s {med['slots']['cpu_s']:.2f} vs {med['hf']['cpu_s']:.2f}; wall {med['slots']['wall_s']:.2f} vs "
+        f"{med['hf']['wall_s']:.2f}; same tokens: {same}"
+    )
     if args.json:
-        Path(args.json).write_text(json.dumps({"command": " ".join(["python", "bench/decoders.py", *(argv or sys.argv[1:])]),
-                                               "runs": runs, "median": med, "ratio_median": statistics.median(ratios),
-                                               "ratios": ratios, "same_tokens": same}, indent=2))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "command": " ".join(["python", "bench/decoders.py", *(argv or sys.argv[1:])]),
+                    "runs": runs,
+                    "median": med,
+                    "ratio_median": statistics.median(ratios),
+                    "ratios": ratios,
+                    "same_tokens": same,
+                },
+                indent=2,
+            )
+        )
     return 0
 
 

@@ -33,8 +33,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _seeds import final_eval, same_tasks, summary, train_run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-ARMS = {"plain": ["grpo.guide=none"], "guide": ["grpo.guide=expert"],
-        "guide_sft": ["grpo.guide=expert", "grpo.guide_sft=1.0"]}
+ARMS = {
+    "plain": ["grpo.guide=none"],
+    "guide": ["grpo.guide=expert"],
+    "guide_sft": ["grpo.guide=expert", "grpo.guide_sft=1.0"],
+}
 # each arm after the first in a pair is reported minus the second, per seed
 PAIRS = [("guide", "plain"), ("guide_sft", "guide")]
 
@@ -42,10 +45,21 @@ PAIRS = [("guide", "plain"), ("guide_sft", "guide")]
 def run_arm(out: Path, arm: str, seed: int, sft: Path, overrides: list[str]) -> Path:
     run_dir = out / f"{arm}-s{seed}"
     if not (run_dir / "eval_grpo.json").exists():
-        train_run(ROOT / "mentorrl/configs/demo.yaml",
-                  [f"model.path={sft}", "recipe=[grpo]", f"run_dir={run_dir}", f"seed={seed}", "threads=1",
-                   "audit.preflight=false", "eval.final_splits=[hidden, novel_wording]", *ARMS[arm], *overrides],
-                  f"{arm} seed {seed}")
+        train_run(
+            ROOT / "mentorrl/configs/demo.yaml",
+            [
+                f"model.path={sft}",
+                "recipe=[grpo]",
+                f"run_dir={run_dir}",
+                f"seed={seed}",
+                "threads=1",
+                "audit.preflight=false",
+                "eval.final_splits=[hidden, novel_wording]",
+                *ARMS[arm],
+                *overrides,
+            ],
+            f"{arm} seed {seed}",
+        )
     return run_dir
 
 
@@ -74,24 +88,31 @@ def main(argv: list[str] | None = None) -> None:
     def pct(e: dict) -> str:
         return f"{100 * e['success']:.1f}% [{100 * e['ci95'][0]:.1f}, {100 * e['ci95'][1]:.1f}]"
 
-    print(f"| seed | after SFT | {' | '.join(f'after GRPO {a}' for a in args.arms)} | "
-          f"{' | '.join(f'hidden {a}' for a in args.arms)} | violations SFT → {' / '.join(args.arms)} |")
+    print(
+        f"| seed | after SFT | {' | '.join(f'after GRPO {a}' for a in args.arms)} | "
+        f"{' | '.join(f'hidden {a}' for a in args.arms)} | violations SFT → {' / '.join(args.arms)} |"
+    )
     print("|---" * (2 + 2 * len(args.arms) + 1) + "|")
     for r in rows:
         hid = [f"{100 * r[a]['hidden']:.1f}%" if r[a]["hidden"] is not None else "–" for a in args.arms]
         vio = " / ".join(f"{100 * r[a]['violations']:.1f}%" for a in args.arms)
-        print(f"| {r['seed']} | {pct(r['sft'])} | {' | '.join(pct(r[a]) for a in args.arms)} | {' | '.join(hid)} | "
-              f"{100 * r['sft']['violations']:.1f}% → {vio} |")
+        print(
+            f"| {r['seed']} | {pct(r['sft'])} | {' | '.join(pct(r[a]) for a in args.arms)} | {' | '.join(hid)} | "
+            f"{100 * r['sft']['violations']:.1f}% → {vio} |"
+        )
     result = {"seeds": rows, "overrides": args.overrides}
     for a in args.arms:
-        result[f"{a}_minus_sft"] = summary(f"{a} minus SFT", [100 * (r[a]["success"] - r["sft"]["success"])
-                                                               for r in rows])
+        result[f"{a}_minus_sft"] = summary(
+            f"{a} minus SFT", [100 * (r[a]["success"] - r["sft"]["success"]) for r in rows]
+        )
     for a, b in PAIRS:
         if {a, b} <= set(args.arms):
-            result[f"{a}_minus_{b}"] = summary(f"{a} minus {b}", [100 * (r[a]["success"] - r[b]["success"])
-                                                                  for r in rows])
+            result[f"{a}_minus_{b}"] = summary(
+                f"{a} minus {b}", [100 * (r[a]["success"] - r[b]["success"]) for r in rows]
+            )
             result[f"violations_{a}_minus_{b}"] = summary(
-                f"violation rate, {a} minus {b}", [100 * (r[a]["violations"] - r[b]["violations"]) for r in rows])
+                f"violation rate, {a} minus {b}", [100 * (r[a]["violations"] - r[b]["violations"]) for r in rows]
+            )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "grpo_guide.json").write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out / 'grpo_guide.json'}")

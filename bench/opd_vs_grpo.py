@@ -40,9 +40,9 @@ from rich.table import Table  # noqa: E402
 from mentorrl.cli_common import quiet_transformers  # noqa: E402
 from mentorrl.config import load_config  # noqa: E402
 from mentorrl.models.build import load_policy  # noqa: E402
-from mentorrl.train.teachers import build_teacher  # noqa: E402
 from mentorrl.train.pipeline import run_recipe  # noqa: E402
 from mentorrl.train.rundir import MetricsLog  # noqa: E402
+from mentorrl.train.teachers import build_teacher  # noqa: E402
 from mentorrl.train.workspace import heldout_check, open_workspace  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,7 +89,9 @@ def with_built_teachers(cfg, con: Console, student, tokenizer):
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sft", type=Path, required=True, help="SFT checkpoint both arms start from (e.g. runs/demo/sft/final)")
+    ap.add_argument(
+        "--sft", type=Path, required=True, help="SFT checkpoint both arms start from (e.g. runs/demo/sft/final)"
+    )
     ap.add_argument("--opd-config", type=Path, default=ROOT / "mentorrl" / "configs" / "opd.yaml")
     ap.add_argument("--out", type=Path, default=Path("runs/opd-vs-grpo"))
     ap.add_argument("--grpo-steps", type=int, default=20)
@@ -113,15 +115,31 @@ def main() -> int:
     start = heldout_check(ws0, model, args.eval_tasks)
     con.print(f"SFT checkpoint {args.sft}: held-out success {100 * start:.1f}% on {args.eval_tasks} tasks")
 
-    grpo_cfg = load_config(DEMO, [f"run_dir={args.out / 'grpo'}", f"model.path={args.sft}", "recipe=[grpo]", *checks,
-                                  f"grpo.steps={args.grpo_steps}", f"audit.eval_every={args.grpo_eval_every}",
-                                  f"audit.eval_tasks={args.eval_tasks}"])
+    grpo_cfg = load_config(
+        DEMO,
+        [
+            f"run_dir={args.out / 'grpo'}",
+            f"model.path={args.sft}",
+            "recipe=[grpo]",
+            *checks,
+            f"grpo.steps={args.grpo_steps}",
+            f"audit.eval_every={args.grpo_eval_every}",
+            f"audit.eval_tasks={args.eval_tasks}",
+        ],
+    )
     run_recipe(grpo_cfg)
     grpo = curve(MetricsLog(args.out / "grpo" / "metrics.jsonl").read("grpo"), start)
 
     built = with_built_teachers(load_config(args.opd_config, args.overrides), con, model, tok)
-    opd_over = [*args.overrides, f"run_dir={args.out / 'opd'}", f"model.path={args.sft}", "recipe=[opd]",
-                *checks, "opd.eval_every=1", f"opd.eval_tasks={args.eval_tasks}"]
+    opd_over = [
+        *args.overrides,
+        f"run_dir={args.out / 'opd'}",
+        f"model.path={args.sft}",
+        "recipe=[opd]",
+        *checks,
+        "opd.eval_every=1",
+        f"opd.eval_tasks={args.eval_tasks}",
+    ]
     if args.opd_steps is not None:
         opd_over.append(f"opd.steps={args.opd_steps}")
     opd_cfg = load_config(args.opd_config, opd_over)
@@ -137,25 +155,41 @@ def main() -> int:
     for name, pts in (("grpo", grpo), ("opd", opd)):
         means = {step: s for step, _, s in smoothed(pts)[1:]}
         for step, tok_, s in pts:
-            table.add_row(name, str(step), f"{tok_:,.0f}", f"{100 * s:.1f}%",
-                          f"{100 * means[step]:.1f}%" if step in means else "")
+            table.add_row(
+                name, str(step), f"{tok_:,.0f}", f"{100 * s:.1f}%", f"{100 * means[step]:.1f}%" if step in means else ""
+            )
     con.print(table)
     teacher_tokens = opd_recs[-1].get("teacher_tokens_total", 0.0) if opd_recs else 0.0
     con.print(f"target (GRPO's success at its end, mean of its last two checks): {100 * target:.1f}%")
     con.print(f"GRPO: {grpo[-1][1]:,.0f} rollout tokens in all; first reached the target after {g_tok:,.0f}")
     if o_tok is None:
-        con.print(f"OPD: did not reach {100 * target:.1f}% within {opd[-1][1]:,.0f} rollout tokens "
-                  f"(best two-check mean {100 * max(s for *_, s in smoothed(opd)):.1f}%)")
+        con.print(
+            f"OPD: did not reach {100 * target:.1f}% within {opd[-1][1]:,.0f} rollout tokens "
+            f"(best two-check mean {100 * max(s for *_, s in smoothed(opd)):.1f}%)"
+        )
         ratio = None
     else:
         ratio = g_tok / max(o_tok, 1.0)
-        con.print(f"OPD: reached it after {o_tok:,.0f} rollout tokens (teacher read {teacher_tokens:,.0f} tokens "
-                  f"over the whole run)")
-        con.print(f"[bold]GRPO tokens / OPD tokens to reach GRPO's final success: {ratio:.1f}x "
-                  f"(OPD needs {100 / ratio:.1f}% of GRPO's)[/bold]")
-    result = {"start": start, "target": target, "grpo_curve": grpo, "opd_curve": opd, "grpo_tokens_to_target": g_tok,
-              "opd_tokens_to_target": o_tok, "ratio": ratio, "opd_teacher_tokens": teacher_tokens,
-              "opd_config": str(args.opd_config), "eval_tasks": args.eval_tasks}
+        con.print(
+            f"OPD: reached it after {o_tok:,.0f} rollout tokens (teacher read {teacher_tokens:,.0f} tokens "
+            f"over the whole run)"
+        )
+        con.print(
+            f"[bold]GRPO tokens / OPD tokens to reach GRPO's final success: {ratio:.1f}x "
+            f"(OPD needs {100 / ratio:.1f}% of GRPO's)[/bold]"
+        )
+    result = {
+        "start": start,
+        "target": target,
+        "grpo_curve": grpo,
+        "opd_curve": opd,
+        "grpo_tokens_to_target": g_tok,
+        "opd_tokens_to_target": o_tok,
+        "ratio": ratio,
+        "opd_teacher_tokens": teacher_tokens,
+        "opd_config": str(args.opd_config),
+        "eval_tasks": args.eval_tasks,
+    }
     (args.out / "result.json").write_text(json.dumps(result, indent=2))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))

@@ -34,8 +34,11 @@ from mentorrl.train.models_init import base_model_dir
 from mentorrl.train.pipeline import run_recipe
 from mentorrl.train.workspace import open_workspace
 
-ARMS = {"plain": [], "ray-1": ["distributed.backend=ray", "distributed.rollout_workers=1"],
-        "ray-2": ["distributed.backend=ray", "distributed.rollout_workers=2"]}
+ARMS = {
+    "plain": [],
+    "ray-1": ["distributed.backend=ray", "distributed.rollout_workers=1"],
+    "ray-2": ["distributed.backend=ray", "distributed.rollout_workers=2"],
+}
 
 
 def busy_cpu_s() -> float | None:
@@ -60,9 +63,18 @@ def main() -> None:
     p.add_argument("--config", default=None, help="a recipe file to start from (default: the built-in defaults)")
     a = p.parse_args()
     ray.init(num_cpus=2, include_dashboard=False, logging_level="warning")
-    common = [f"threads={a.threads}", "model.pretrain.steps=0", "recipe=[grpo]",
-              f"grpo.steps={a.steps + a.warmup}", f"grpo.tasks_per_step={a.tasks}", f"grpo.samples_per_task={a.group}",
-              "grpo.kl_coef=0.05", "grpo.checkpoint_every=1000", "eval.num_tasks=0", "audit.preflight=false"] + a.set
+    common = [
+        f"threads={a.threads}",
+        "model.pretrain.steps=0",
+        "recipe=[grpo]",
+        f"grpo.steps={a.steps + a.warmup}",
+        f"grpo.tasks_per_step={a.tasks}",
+        f"grpo.samples_per_task={a.group}",
+        "grpo.kl_coef=0.05",
+        "grpo.checkpoint_every=1000",
+        "eval.num_tasks=0",
+        "audit.preflight=false",
+    ] + a.set
     out: dict[str, dict] = {}
     closed: list[RayRollouts] = []  # the run's rollout actors, remembered when its workspace releases them
     real_close = RayRollouts.close
@@ -73,8 +85,13 @@ def main() -> None:
 
     RayRollouts.close = close  # type: ignore[method-assign]
     with tempfile.TemporaryDirectory() as tmp:
-        base = Path(a.model).resolve() if a.model else base_model_dir(
-            open_workspace(load_config(a.config, common + [f"run_dir={tmp}/base"]), show_progress=False))
+        base = (
+            Path(a.model).resolve()
+            if a.model
+            else base_model_dir(
+                open_workspace(load_config(a.config, common + [f"run_dir={tmp}/base"]), show_progress=False)
+            )
+        )
         for arm, extra in ARMS.items():
             run_dir = Path(tmp) / arm
             cfg = load_config(a.config, common + [f"run_dir={run_dir}", f"model.path={base}"] + extra)
@@ -82,24 +99,30 @@ def main() -> None:
             run_recipe(cfg, show_progress=False)
             busy1, wall = busy_cpu_s(), time.perf_counter() - t0
             recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-            steps = [r for r in recs if r.get("stage") == "grpo"][a.warmup:]
+            steps = [r for r in recs if r.get("stage") == "grpo"][a.warmup :]
             pool = closed[-1] if closed else None
-            out[arm] = {"step_s": statistics.median(r["step_s"] for r in steps),
-                        "rollout_s": statistics.median(r["rollout_s"] for r in steps),
-                        "update_s": statistics.median(r["update_s"] for r in steps),
-                        "policy_version": steps[-1]["policy_version"],
-                        "cores_busy": None if busy0 is None or busy1 is None else (busy1 - busy0) / wall}
+            out[arm] = {
+                "step_s": statistics.median(r["step_s"] for r in steps),
+                "rollout_s": statistics.median(r["rollout_s"] for r in steps),
+                "update_s": statistics.median(r["update_s"] for r in steps),
+                "policy_version": steps[-1]["policy_version"],
+                "cores_busy": None if busy0 is None or busy1 is None else (busy1 - busy0) / wall,
+            }
             if pool is not None:
                 out[arm].update(broadcasts=pool.weights.broadcasts, put_s=pool.weights.last_put_s)
             closed.clear()
     ray.shutdown()
-    print(f"\nGRPO, {a.tasks} tasks x {a.group} rollouts per step, median of {a.steps} steps (after {a.warmup} warm-up)")
+    print(
+        f"\nGRPO, {a.tasks} tasks x {a.group} rollouts per step, median of {a.steps} steps (after {a.warmup} warm-up)"
+    )
     print(f"{'arm':8s} {'step_s':>8s} {'rollout_s':>10s} {'update_s':>9s} {'cores busy':>11s}")
     for arm, m in out.items():
         busy = "-" if m["cores_busy"] is None else f"{m['cores_busy']:.2f}"
         print(f"{arm:8s} {m['step_s']:8.2f} {m['rollout_s']:10.2f} {m['update_s']:9.2f} {busy:>11s}")
-    ratios = {f"{x}/{y}": {k: out[x][k] / max(out[y][k], 1e-9) for k in ("step_s", "rollout_s")}
-              for x, y in (("plain", "ray-1"), ("plain", "ray-2"), ("ray-1", "ray-2"))}
+    ratios = {
+        f"{x}/{y}": {k: out[x][k] / max(out[y][k], 1e-9) for k in ("step_s", "rollout_s")}
+        for x, y in (("plain", "ray-1"), ("plain", "ray-2"), ("ray-1", "ray-2"))
+    }
     for name, r in ratios.items():
         print(f"speed-up {name}: step {r['step_s']:.2f}x, rollout {r['rollout_s']:.2f}x")
     print(json.dumps({"args": vars(a), "arms": out, "ratios": ratios}))

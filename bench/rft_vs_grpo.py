@@ -77,8 +77,16 @@ def run_seed(args, seed: int | None, sft: Path | None, out: Path, con: Console) 
     per_step = rft_cfg.grpo.tasks_per_step * rft_cfg.grpo.samples_per_task
     extra = math.ceil(rft_rollouts / per_step)
     base_dir = out / "sft+grpo"
-    base_cfg = load_config(DEMO, [*common, f"run_dir={base_dir}", f"model.path={sft}", "recipe=[grpo]",
-                                  f"grpo.steps={rft_cfg.grpo.steps + extra}"])
+    base_cfg = load_config(
+        DEMO,
+        [
+            *common,
+            f"run_dir={base_dir}",
+            f"model.path={sft}",
+            "recipe=[grpo]",
+            f"grpo.steps={rft_cfg.grpo.steps + extra}",
+        ],
+    )
     base_res = run_recipe(base_cfg, resume=args.resume)
 
     rows = {
@@ -87,14 +95,21 @@ def run_seed(args, seed: int | None, sft: Path | None, out: Path, con: Console) 
         "sft+grpo": {"rft": 0, "grpo": rollouts(base_dir, "grpo"), **base_res["after"]},
     }
     rows["sft+rft+grpo"]["after_rft"] = rft_res["rows"]["RFT"]["success"]
-    table = Table(title=f"seed {seed}: RFT cold start vs GRPO alone, rollouts and held-out success "
-                        f"({args.eval_tasks} tasks)")
+    table = Table(
+        title=f"seed {seed}: RFT cold start vs GRPO alone, rollouts and held-out success ({args.eval_tasks} tasks)"
+    )
     for col in ("arm", "RFT", "GRPO", "total", "success", "95% CI"):
         table.add_column(col, justify="left" if col == "arm" else "right", no_wrap=True)
     for arm, r in rows.items():
         lo, hi = r["success_ci95"]
-        table.add_row(arm, str(r["rft"]), str(r["grpo"]), str(r["rft"] + r["grpo"]), f"{100 * r['success']:.1f}%",
-                      f"{100 * lo:.1f}-{100 * hi:.1f}%")
+        table.add_row(
+            arm,
+            str(r["rft"]),
+            str(r["grpo"]),
+            str(r["rft"] + r["grpo"]),
+            f"{100 * r['success']:.1f}%",
+            f"{100 * lo:.1f}-{100 * hi:.1f}%",
+        )
     con.print(table)
     con.print(f"held-out success right after RFT: {100 * rows['sft+rft+grpo']['after_rft']:.1f}%")
     result = {k: {kk: v for kk, v in r.items() if kk != "by_group"} for k, r in rows.items()}
@@ -105,10 +120,17 @@ def run_seed(args, seed: int | None, sft: Path | None, out: Path, con: Console) 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sft", help="SFT checkpoint both arms start from; with --seeds it may hold {seed} "
-                                  "(default: run the demo's SFT for each seed)")
-    ap.add_argument("--seeds", type=int, nargs="+", help="config seeds (each its own run dir OUT/seed-S); "
-                                                         "default: one run with the demo's seed")
+    ap.add_argument(
+        "--sft",
+        help="SFT checkpoint both arms start from; with --seeds it may hold {seed} "
+        "(default: run the demo's SFT for each seed)",
+    )
+    ap.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        help="config seeds (each its own run dir OUT/seed-S); default: one run with the demo's seed",
+    )
     ap.add_argument("--out", type=Path, default=Path("runs/rft-vs-grpo"))
     ap.add_argument("--eval-tasks", type=int, default=400)
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="config override for both arms")
@@ -130,19 +152,31 @@ def main() -> int:
         con.print(f"sft+rft+grpo minus sft+grpo: {s['mean']:+.1f} points (one seed: no interval)")
     else:
         lo, hi = s["ci95"]
-        con.print(f"sft+rft+grpo minus sft+grpo over {s['n']} seeds: {s['mean']:+.1f} ± {s['sd']:.1f} points "
-                  f"(mean ± sd); 95% interval of the mean [{lo:+.1f}, {hi:+.1f}]: {s['verdict']}")
+        con.print(
+            f"sft+rft+grpo minus sft+grpo over {s['n']} seeds: {s['mean']:+.1f} ± {s['sd']:.1f} points "
+            f"(mean ± sd); 95% interval of the mean [{lo:+.1f}, {hi:+.1f}]: {s['verdict']}"
+        )
     rft_lifts = [100 * (r["sft+rft+grpo"]["after_rft"] - r["sft (start)"]["success"]) for r in results.values()]
     r = mean_interval(rft_lifts)
     if r["ci95"] is not None:
         lo, hi = r["ci95"]
-        con.print(f"right after RFT minus SFT over {r['n']} seeds: {r['mean']:+.1f} ± {r['sd']:.1f} points; "
-                  f"95% interval of the mean [{lo:+.1f}, {hi:+.1f}]: {r['verdict']}")
+        con.print(
+            f"right after RFT minus SFT over {r['n']} seeds: {r['mean']:+.1f} ± {r['sd']:.1f} points; "
+            f"95% interval of the mean [{lo:+.1f}, {hi:+.1f}]: {r['verdict']}"
+        )
     out = args.out / "rft_vs_grpo_seeds.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"seeds": {str(k): v for k, v in results.items()}, "difference_points": s,
-                               "rft_minus_sft_points": r,
-                               "overrides": args.overrides}, indent=2))
+    out.write_text(
+        json.dumps(
+            {
+                "seeds": {str(k): v for k, v in results.items()},
+                "difference_points": s,
+                "rft_minus_sft_points": r,
+                "overrides": args.overrides,
+            },
+            indent=2,
+        )
+    )
     con.print(f"wrote {out}")
     return 0
 

@@ -86,17 +86,27 @@ def summarise(name, runs, model, contract, n_tasks):
         lp = forward_logprobs(model, batch.to(device), contract.sampling.temperature)[0].cpu()
     gap = logprob_gap_metrics(batch.old_logprobs, lp, batch.loss_mask)
     rates = [k / w for k, w in zip(toks, walls)]
-    return {"backend": name, "policy_tokens_per_s": statistics.median(rates), "runs_tokens_per_s": rates,
-            "trajectories_per_s": n_tasks / statistics.median(walls), "wall_s": statistics.median(walls),
-            "mean_policy_tokens": sum(toks) / len(toks) / n_tasks, **gap}
+    return {
+        "backend": name,
+        "policy_tokens_per_s": statistics.median(rates),
+        "runs_tokens_per_s": rates,
+        "trajectories_per_s": n_tasks / statistics.median(walls),
+        "wall_s": statistics.median(walls),
+        "mean_policy_tokens": sum(toks) / len(toks) / n_tasks,
+        **gap,
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="a Hugging Face checkpoint directory (overrides --size)")
     ap.add_argument("--size", choices=["tiny", *SIZES], default="tiny")
-    ap.add_argument("--device", default="cpu", help="where the hf backend and the learner's recomputation run "
-                    "(cuda on a GPU machine; vLLM then uses the GPU too)")
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        help="where the hf backend and the learner's recomputation run "
+        "(cuda on a GPU machine; vLLM then uses the GPU too)",
+    )
     ap.add_argument("--tasks", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (both backends)")
@@ -115,10 +125,12 @@ def main() -> None:
         env.close()
     tasks = entry.make_tasks().tasks("heldout", n=args.tasks, seed=args.seed)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"model: {desc} ({n_params / 1e6:.2f}M parameters); {len(tasks)} tasks x {args.repeats} runs; "
-          f"T={contract.sampling.temperature}, max_new_tokens={contract.sampling.max_new_tokens}; "
-          f"torch threads {args.threads}; device {args.device}"
-          + (f" ({torch.cuda.get_device_name()})" if args.device.startswith("cuda") else ""))
+    print(
+        f"model: {desc} ({n_params / 1e6:.2f}M parameters); {len(tasks)} tasks x {args.repeats} runs; "
+        f"T={contract.sampling.temperature}, max_new_tokens={contract.sampling.max_new_tokens}; "
+        f"torch threads {args.threads}; device {args.device}"
+        + (f" ({torch.cuda.get_device_name()})" if args.device.startswith("cuda") else "")
+    )
 
     backends = {"hf": HFBackend(model, contract)}
     extra: dict = {}
@@ -153,17 +165,24 @@ def main() -> None:
 
     print(f"{'backend':8} {'tokens/s':>10} {'traj/s':>8} {'wall s':>8} {'tok/traj':>9} {'|lp gap|':>10} {'KL':>10}")
     for r in rows:
-        print(f"{r['backend']:8} {r['policy_tokens_per_s']:10.1f} {r['trajectories_per_s']:8.2f} {r['wall_s']:8.2f} "
-              f"{r['mean_policy_tokens']:9.1f} {r['logprob_abs_gap']:10.2e} {r['train_rollout_kl']:10.2e}")
+        print(
+            f"{r['backend']:8} {r['policy_tokens_per_s']:10.1f} {r['trajectories_per_s']:8.2f} {r['wall_s']:8.2f} "
+            f"{r['mean_policy_tokens']:9.1f} {r['logprob_abs_gap']:10.2e} {r['train_rollout_kl']:10.2e}"
+        )
     if len(rows) == 2:
         ratio = rows[1]["policy_tokens_per_s"] / rows[0]["policy_tokens_per_s"]
         extra["ratio_vllm_over_hf"] = ratio
-        print(f"vllm / hf policy tokens/s: {ratio:.2f}x; vLLM start {extra['vllm_start_s']:.1f} s, "
-              f"weight sync {extra['vllm_sync_s'] * 1000:.0f} ms per update ({n_params / 1e6:.1f}M parameters)")
+        print(
+            f"vllm / hf policy tokens/s: {ratio:.2f}x; vLLM start {extra['vllm_start_s']:.1f} s, "
+            f"weight sync {extra['vllm_sync_s'] * 1000:.0f} ms per update ({n_params / 1e6:.1f}M parameters)"
+        )
     if args.json:
-        Path(args.json).write_text(json.dumps({"model": desc, "params": n_params, "tasks": len(tasks),
-                                               "device": args.device,
-                                               "rows": rows, **extra}, indent=2))
+        Path(args.json).write_text(
+            json.dumps(
+                {"model": desc, "params": n_params, "tasks": len(tasks), "device": args.device, "rows": rows, **extra},
+                indent=2,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -81,7 +81,9 @@ def prepare_model(args, entry, con: Console):
         tok, model = load_policy(model_dir)
         return tok, model, str(model_dir)
 
-    cache = None if args.no_cache else Path(args.cache_dir) / f"tiny-sft{args.sft_steps}-demos{args.demos}-seed{args.seed}"
+    cache = (
+        None if args.no_cache else Path(args.cache_dir) / f"tiny-sft{args.sft_steps}-demos{args.demos}-seed{args.seed}"
+    )
     if cache is not None and (cache / "DONE").exists():
         tok, model = load_policy(cache)
         return tok, model, f"cached tiny model + {args.sft_steps} SFT steps ({cache})"
@@ -91,14 +93,17 @@ def prepare_model(args, entry, con: Console):
     base = build_tiny_model(entry, tmp / "base", _DEMO.model.spec, corpus_tasks=200, seed=0, fmt=FMT)
     tok, model = load_policy(base)
     contract = _contract(tok, entry)
-    demos = expert_demonstrations(contract, entry.make_env, entry.make_expert(),
-                                  entry.make_tasks().tasks("train", n=args.demos, seed=args.seed))
+    demos = expert_demonstrations(
+        contract, entry.make_env, entry.make_expert(), entry.make_tasks().tasks("train", n=args.demos, seed=args.seed)
+    )
     if not demos:
         sys.exit("the scripted expert produced no verified demonstrations")
     learner = Learner(model, OptimConfig(lr=3e-3, warmup_steps=5), contract.pad_token_id, SAMPLING.temperature)
     loss = float("nan")
-    con.print(f"[dim]no cached model: building the tiny model and running {args.sft_steps} SFT steps "
-              f"(batch 32; slow on a small CPU, cached in {cache} afterwards)[/dim]")
+    con.print(
+        f"[dim]no cached model: building the tiny model and running {args.sft_steps} SFT steps "
+        f"(batch 32; slow on a small CPU, cached in {cache} afterwards)[/dim]"
+    )
     for step in range(args.sft_steps):
         rng = random.Random(args.seed * 1_000_003 + step)
         batch = [demos[i] for i in rng.sample(range(len(demos)), min(32, len(demos)))]
@@ -144,7 +149,11 @@ def generate_turn(model, contract, ids: list[int], max_new: int) -> tuple[list[i
     """One policy turn with ``model.generate``; ids up to and including the first stop token."""
     s = contract.sampling
     greedy = s.temperature == 0
-    kw = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)
+    kw = (
+        dict(do_sample=False)
+        if greedy
+        else dict(do_sample=True, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)
+    )
     out = model.generate(
         input_ids=torch.tensor([ids], device=next(model.parameters()).device),
         attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=next(model.parameters()).device),
@@ -155,7 +164,7 @@ def generate_turn(model, contract, ids: list[int], max_new: int) -> tuple[list[i
         output_logits=True,
         **kw,
     )
-    gen = out.sequences[0, len(ids):].tolist()
+    gen = out.sequences[0, len(ids) :].tolist()
     stops = set(contract.stop_token_ids)
     cut = next((k + 1 for k, t in enumerate(gen) if t in stops), len(gen))
     gen = gen[:cut]
@@ -204,7 +213,9 @@ def path_summary(trajs, wall: float, extra: dict) -> dict:
         "task_success": s["success"],
         "tool_calls": s["tool_calls"],
         "tool_success": s["tool_success"],
-        "finish_reasons": {r: sum(t.finish_reason == r for t in trajs) for r in sorted({t.finish_reason for t in trajs})},
+        "finish_reasons": {
+            r: sum(t.finish_reason == r for t in trajs) for r in sorted({t.finish_reason for t in trajs})
+        },
         **extra,
     }
 
@@ -212,8 +223,12 @@ def path_summary(trajs, wall: float, extra: dict) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tasks", type=int, default=64, help="held-out tasks rolled out by each path (default 64)")
-    p.add_argument("--model", default=None, help="HF checkpoint dir with a ChatML tokenizer "
-                   f"(default: {DEFAULT_MODEL} if it exists, else the tiny model + a short SFT)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="HF checkpoint dir with a ChatML tokenizer "
+        f"(default: {DEFAULT_MODEL} if it exists, else the tiny model + a short SFT)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
     p.add_argument("--sft-steps", type=int, default=40, help="SFT steps for the tiny default model")
@@ -235,8 +250,10 @@ def main(argv: list[str] | None = None) -> dict:
     contract = _contract(tok, entry)
     tasks = entry.make_tasks().tasks("heldout", n=args.tasks, seed=args.seed)
     n_params = sum(x.numel() for x in model.parameters())
-    con.print(f"model: {model_desc} ({n_params / 1e6:.2f}M params); {len(tasks)} held-out {ENV_NAME} tasks; "
-              f"torch threads {torch.get_num_threads()}; sampling {SAMPLING.model_dump()}; limits {LIMITS.model_dump()}")
+    con.print(
+        f"model: {model_desc} ({n_params / 1e6:.2f}M params); {len(tasks)} held-out {ENV_NAME} tasks; "
+        f"torch threads {torch.get_num_threads()}; sampling {SAMPLING.model_dump()}; limits {LIMITS.model_dump()}"
+    )
 
     with torch.inference_mode():
         if args.warmup_tasks:
@@ -254,9 +271,16 @@ def main(argv: list[str] | None = None) -> dict:
     for col in ("trajectories", "gen tokens", "wall s", "gen tok/s", "mean turns", "task success", "tool calls"):
         t.add_column(col, justify="right")
     for name, r in (("batched (engine)", res_b), ("sequential (generate)", res_s)):
-        t.add_row(name, str(r["trajectories"]), str(r["generated_tokens"]), f"{r['wall_s']:.2f}",
-                  f"{r['tokens_per_s']:.1f}", f"{r['mean_turns']:.2f}", f"{100 * r['task_success']:.1f}%",
-                  str(r["tool_calls"]))
+        t.add_row(
+            name,
+            str(r["trajectories"]),
+            str(r["generated_tokens"]),
+            f"{r['wall_s']:.2f}",
+            f"{r['tokens_per_s']:.1f}",
+            f"{r['mean_turns']:.2f}",
+            f"{100 * r['task_success']:.1f}%",
+            str(r["tool_calls"]),
+        )
     con.print(t)
     con.print(f"[dim]batched: {b_extra}; sequential: {s_extra}[/dim]")
     print(f"batched/sequential generated tokens/s ratio: {ratio:.1f}x", flush=True)

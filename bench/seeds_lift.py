@@ -44,9 +44,15 @@ def run_seed(out: Path, seed: int, overrides: list[str]) -> dict:
             raise SystemExit(f"seed {seed}: `{' '.join(cmd)}` exited {done.returncode}")
     evals = json.loads(report.read_text())["evals"]
     sft, grpo = evals["sft"], evals["grpo"]
-    return {"seed": seed, "n": sft["n"], "sft": sft["success"], "sft_ci95": sft["success_ci95"],
-            "grpo": grpo["success"], "grpo_ci95": grpo["success_ci95"],
-            "lift_points": 100 * (grpo["success"] - sft["success"])}
+    return {
+        "seed": seed,
+        "n": sft["n"],
+        "sft": sft["success"],
+        "sft_ci95": sft["success_ci95"],
+        "grpo": grpo["success"],
+        "grpo_ci95": grpo["success_ci95"],
+        "lift_points": 100 * (grpo["success"] - sft["success"]),
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -65,18 +71,23 @@ def main(argv: list[str] | None = None) -> None:
 
     print(f"{'seed':>4}  {'n':>4}  {'after SFT':>21}  {'after GRPO':>21}  {'lift':>7}")
     for r in rows:
-        print(f"{r['seed']:>4}  {r['n']:>4}  {pct(r['sft'], r['sft_ci95']):>21}  {pct(r['grpo'], r['grpo_ci95']):>21}  "
-              f"{r['lift_points']:+6.1f}")
+        print(
+            f"{r['seed']:>4}  {r['n']:>4}  {pct(r['sft'], r['sft_ci95']):>21}  {pct(r['grpo'], r['grpo_ci95']):>21}  "
+            f"{r['lift_points']:+6.1f}"
+        )
     s = lift_summary([r["lift_points"] for r in rows])
     if s["sd"] is None:
         print(f"lift over 1 seed: {s['mean']:+.1f} points (one seed: no spread, no interval)")
     else:
         lo, hi = s["ci95"]
         verdict = "a lift" if lo > 0 else ("a drop" if hi < 0 else "no difference (the interval holds 0)")
-        print(f"lift over {s['n']} seeds: {s['mean']:+.1f} ± {s['sd']:.1f} points (mean ± sd); "
-              f"95% interval of the mean [{lo:+.1f}, {hi:+.1f}]: {verdict}")
-    (args.out / "seeds_lift.json").write_text(json.dumps({"seeds": rows, "lift": s, "overrides": args.overrides},
-                                                         indent=2))
+        print(
+            f"lift over {s['n']} seeds: {s['mean']:+.1f} ± {s['sd']:.1f} points (mean ± sd); "
+            f"95% interval of the mean [{lo:+.1f}, {hi:+.1f}]: {verdict}"
+        )
+    (args.out / "seeds_lift.json").write_text(
+        json.dumps({"seeds": rows, "lift": s, "overrides": args.overrides}, indent=2)
+    )
 
 
 if __name__ == "__main__":

@@ -31,9 +31,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 import httpx  # noqa: E402
-from transformers import AutoTokenizer  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
 
 from mentorrl.chat import trajectory_messages  # noqa: E402
 from mentorrl.config import load_config  # noqa: E402
@@ -51,8 +51,9 @@ def prepare_model(args) -> Path:
     """``--model``, else the demo recipe's tiny model (random init), built once into ``--cache-dir``."""
     if args.model:
         return Path(args.model)
-    return build_tiny_model(get_env(ENV_NAME), Path(args.cache_dir) / "serve-tiny", _DEMO.model.spec,
-                            corpus_tasks=200, seed=0)
+    return build_tiny_model(
+        get_env(ENV_NAME), Path(args.cache_dir) / "serve-tiny", _DEMO.model.spec, corpus_tasks=200, seed=0
+    )
 
 
 def agent_states(model_dir: Path, count: int, seed: int) -> list[list[dict[str, Any]]]:
@@ -73,13 +74,15 @@ def agent_states(model_dir: Path, count: int, seed: int) -> list[list[dict[str, 
     return states[:count]
 
 
-def serve_and_send(model_dir: Path, extra_args: list[str], bodies: list[dict[str, Any]], clients: int,
-                   threads: int) -> tuple[float, list[dict[str, Any]]]:
+def serve_and_send(
+    model_dir: Path, extra_args: list[str], bodies: list[dict[str, Any]], clients: int, threads: int
+) -> tuple[float, list[dict[str, Any]]]:
     """(wall seconds, replies) for ``bodies`` sent from ``clients`` threads to a fresh server."""
     env = {"OMP_NUM_THREADS": str(threads)} if threads else None
     with serve_subprocess(model_dir, extra_args=extra_args, env=env, timeout_s=300) as url:
         limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
         with httpx.Client(base_url=url, timeout=600, limits=limits) as http:
+
             def send(body: dict[str, Any]) -> dict[str, Any]:
                 r = http.post("/chat/completions", json=body)
                 r.raise_for_status()
@@ -94,8 +97,14 @@ def serve_and_send(model_dir: Path, extra_args: list[str], bodies: list[dict[str
 
 def fingerprint(reply: dict[str, Any]) -> str:
     """A reply's choices without the random ids (tool-call ids, completion id)."""
-    choices = [{**c["message"], "tool_calls": [t["function"] for t in c["message"].get("tool_calls") or []],
-                "finish_reason": c["finish_reason"]} for c in reply["choices"]]
+    choices = [
+        {
+            **c["message"],
+            "tool_calls": [t["function"] for t in c["message"].get("tool_calls") or []],
+            "finish_reason": c["finish_reason"],
+        }
+        for c in reply["choices"]
+    ]
     return json.dumps(choices, sort_keys=True)
 
 
@@ -114,35 +123,59 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     con = Console()
 
     model_dir = prepare_model(args)
-    bodies = [{"messages": m, "n": args.n, "temperature": 1.0, "max_tokens": args.max_tokens, "seed": args.seed + i}
-              for i, m in enumerate(agent_states(model_dir, args.requests, args.seed))]
+    bodies = [
+        {"messages": m, "n": args.n, "temperature": 1.0, "max_tokens": args.max_tokens, "seed": args.seed + i}
+        for i, m in enumerate(agent_states(model_dir, args.requests, args.seed))
+    ]
     arms = {"one at a time": ["--max-batch", "1"], "batched": []}
     results, fingerprints = {}, {}
     for name, extra in arms.items():
         con.print(f"[dim]{name}: serving {model_dir} {' '.join(extra)}[/dim]")
         wall, replies = serve_and_send(model_dir, extra, bodies, args.clients, args.threads)
         tokens = sum(r["usage"]["completion_tokens"] for r in replies)
-        results[name] = {"wall_s": wall, "requests": len(replies), "completion_tokens": tokens,
-                         "requests_per_s": len(replies) / wall, "tokens_per_s": tokens / wall}
+        results[name] = {
+            "wall_s": wall,
+            "requests": len(replies),
+            "completion_tokens": tokens,
+            "requests_per_s": len(replies) / wall,
+            "tokens_per_s": tokens / wall,
+        }
         fingerprints[name] = [fingerprint(r) for r in replies]
 
-    table = Table(title=f"mentorrl serve: {args.requests} requests (n={args.n}, max_tokens={args.max_tokens}) "
-                        f"from {args.clients} clients")
+    table = Table(
+        title=f"mentorrl serve: {args.requests} requests (n={args.n}, max_tokens={args.max_tokens}) "
+        f"from {args.clients} clients"
+    )
     for col in ("server", "requests", "tokens", "wall s", "requests/s", "tokens/s"):
         table.add_column(col, justify="left" if col == "server" else "right")
-    settings = {"one at a time": "--max-batch 1",
-                "batched": f"--max-batch {DEFAULT_MAX_BATCH} --batch-window-ms {DEFAULT_BATCH_WINDOW_MS:g}"}
+    settings = {
+        "one at a time": "--max-batch 1",
+        "batched": f"--max-batch {DEFAULT_MAX_BATCH} --batch-window-ms {DEFAULT_BATCH_WINDOW_MS:g}",
+    }
     for name, r in results.items():
-        table.add_row(f"{name} ({settings[name]})", str(r["requests"]), str(r["completion_tokens"]),
-                      f"{r['wall_s']:.1f}", f"{r['requests_per_s']:.2f}", f"{r['tokens_per_s']:.0f}")
+        table.add_row(
+            f"{name} ({settings[name]})",
+            str(r["requests"]),
+            str(r["completion_tokens"]),
+            f"{r['wall_s']:.1f}",
+            f"{r['requests_per_s']:.2f}",
+            f"{r['tokens_per_s']:.0f}",
+        )
     con.print(table)
     ratio = results["batched"]["tokens_per_s"] / results["one at a time"]["tokens_per_s"]
     same = sum(a == b for a, b in zip(*fingerprints.values()))
-    con.print(f"batched / one at a time: [bold]{ratio:.2f}x[/bold] tokens/s, "
-              f"{results['batched']['requests_per_s'] / results['one at a time']['requests_per_s']:.2f}x requests/s")
+    con.print(
+        f"batched / one at a time: [bold]{ratio:.2f}x[/bold] tokens/s, "
+        f"{results['batched']['requests_per_s'] / results['one at a time']['requests_per_s']:.2f}x requests/s"
+    )
     con.print(f"identical replies (seeded): {same}/{len(bodies)}")
-    out = {"model": str(model_dir), "args": vars(args), "results": results, "ratio_tokens_per_s": ratio,
-           "identical_replies": same}
+    out = {
+        "model": str(model_dir),
+        "args": vars(args),
+        "results": results,
+        "ratio_tokens_per_s": ratio,
+        "identical_replies": same,
+    }
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
     return out

@@ -41,8 +41,13 @@ def main() -> None:
     ws = open_workspace(cfg, show_progress=False)
     tok, model = load_policy(a.base)
     ws.bind_tokenizer(tok)
-    demos = expert_demonstrations(ws.contract, ws.make_env, ws.env_entry.make_expert(),
-                                  ws.train_tasks(cfg.sft.num_demos, cfg.seed), weights=cfg.reward)
+    demos = expert_demonstrations(
+        ws.contract,
+        ws.make_env,
+        ws.env_entry.make_expert(),
+        ws.train_tasks(cfg.sft.num_demos, cfg.seed),
+        weights=cfg.reward,
+    )
     heldout = ws.tasks(cfg.eval.split, a.n, cfg.eval.seed)
     learner = Learner(model, cfg.sft.optim, ws.contract.pad_token_id, ws.contract.sampling.temperature)
     train_s = 0.0
@@ -54,14 +59,34 @@ def main() -> None:
         train_s += time.perf_counter() - t0
         if step + 1 in at:
             t1 = time.perf_counter()
-            s = summarize(rollout_tasks(model, ws.contract, ws.make_env, heldout, seed=cfg.eval.seed,
-                                        batch_size=cfg.eval.batch_size, weights=cfg.reward))
+            s = summarize(
+                rollout_tasks(
+                    model,
+                    ws.contract,
+                    ws.make_env,
+                    heldout,
+                    seed=cfg.eval.seed,
+                    batch_size=cfg.eval.batch_size,
+                    weights=cfg.reward,
+                )
+            )
             model.save_pretrained(f"{a.out}/sft-{step + 1}")
             tok.save_pretrained(f"{a.out}/sft-{step + 1}")
-            print(json.dumps({"step": step + 1, "loss": round(m["loss"], 4), "train_s": round(train_s, 1),
-                              "eval_s": round(time.perf_counter() - t1, 1), "n": s["n"], "success": s["success"],
-                              "ci95": [round(x, 3) for x in s["success_ci95"]],
-                              "tool_success": round(s["tool_success"], 3)}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "step": step + 1,
+                        "loss": round(m["loss"], 4),
+                        "train_s": round(train_s, 1),
+                        "eval_s": round(time.perf_counter() - t1, 1),
+                        "n": s["n"],
+                        "success": s["success"],
+                        "ci95": [round(x, 3) for x in s["success_ci95"]],
+                        "tool_success": round(s["tool_success"], 3),
+                    }
+                ),
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

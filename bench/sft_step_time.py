@@ -43,8 +43,9 @@ def main() -> None:
         ws = open_workspace(cfg, show_progress=False)
         tok, model = load_policy(base_model_dir(ws))
         ws.bind_tokenizer(tok)
-        demos = expert_demonstrations(ws.contract, ws.make_env, ws.env_entry.make_expert(),
-                                      ws.train_tasks(256, cfg.seed), weights=cfg.reward)
+        demos = expert_demonstrations(
+            ws.contract, ws.make_env, ws.env_entry.make_expert(), ws.train_tasks(256, cfg.seed), weights=cfg.reward
+        )
         if a.compile:
             model = torch.compile(model)
         learner = Learner(model, cfg.sft.optim, ws.contract.pad_token_id, 1.0)
@@ -58,9 +59,20 @@ def main() -> None:
             learner.sft_step(batch, agg=cfg.sft.loss_agg)
             times.append(time.perf_counter() - t0)
         timed = sorted(times[2:])
-        print(json.dumps({"threads": a.threads, "sort": a.sort, "compile": a.compile, "overrides": a.set,
-                          "batch_size": cfg.sft.batch_size, "median_s_per_step": round(timed[len(timed) // 2], 3),
-                          "min_s": round(timed[0], 3), "max_s": round(timed[-1], 3)}))
+        print(
+            json.dumps(
+                {
+                    "threads": a.threads,
+                    "sort": a.sort,
+                    "compile": a.compile,
+                    "overrides": a.set,
+                    "batch_size": cfg.sft.batch_size,
+                    "median_s_per_step": round(timed[len(timed) // 2], 3),
+                    "min_s": round(timed[0], 3),
+                    "max_s": round(timed[-1], 3),
+                }
+            )
+        )
 
 
 if __name__ == "__main__":

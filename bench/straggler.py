@@ -49,8 +49,10 @@ DEMO = Path(__file__).resolve().parents[1] / "mentorrl" / "configs" / "demo.yaml
 
 def _fmt_latency(cfg) -> str:
     m = cfg.env.latency
-    return (f"{m.kind} tool latency: median {m.median_s:g}s, alpha {m.alpha:g}, cap {m.max_s:g}s "
-            f"(p90 {m.quantile(0.9):.2f}s, p99 {m.quantile(0.99):.2f}s)")
+    return (
+        f"{m.kind} tool latency: median {m.median_s:g}s, alpha {m.alpha:g}, cap {m.max_s:g}s "
+        f"(p90 {m.quantile(0.9):.2f}s, p99 {m.quantile(0.99):.2f}s)"
+    )
 
 
 def main() -> int:
@@ -62,7 +64,9 @@ def main() -> int:
     ap.add_argument("--group", type=int, default=8, help="GRPO samples per task (SAO batch = tasks x group)")
     ap.add_argument("--median", type=float, default=1.0, help="median tool latency, seconds")
     ap.add_argument("--alpha", type=float, default=1.2, help="Pareto tail index of the tool latency")
-    ap.add_argument("--cap", type=float, default=60.0, help="longest single tool delay, seconds (also the tool timeout)")
+    ap.add_argument(
+        "--cap", type=float, default=60.0, help="longest single tool delay, seconds (also the tool timeout)"
+    )
     ap.add_argument("--eval-tasks", type=int, default=200)
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="config override for both arms")
     ap.add_argument("--arms", default="grpo,sao", help="arms to run (the ratio needs both)")
@@ -75,8 +79,12 @@ def main() -> int:
     con = Console()
     batch = args.tasks * args.group
     latency = f"env.latency={{kind: pareto, median_s: {args.median}, alpha: {args.alpha}, max_s: {args.cap}, seed: 1}}"
-    common = ["audit.eval_every=0", f"eval.num_tasks={args.eval_tasks}", f"env.tool_timeout_s={args.cap + 1}",
-              *args.overrides]
+    common = [
+        "audit.eval_every=0",
+        f"eval.num_tasks={args.eval_tasks}",
+        f"env.tool_timeout_s={args.cap + 1}",
+        *args.overrides,
+    ]
 
     sft = args.sft
     if sft is None:
@@ -86,10 +94,21 @@ def main() -> int:
 
     arms = {
         # neither arm uses a KL reference (SAO has none): GRPO does no extra reference forward pass
-        "grpo": ["grpo.kl_coef=0", f"grpo.steps={args.steps}", f"grpo.tasks_per_step={args.tasks}", f"grpo.samples_per_task={args.group}",
-                 f"grpo.checkpoint_every={args.steps}", "grpo.sample_trajectories=0"],
-        "sao": [f"sao.steps={args.steps}", f"sao.batch_size={batch}", f"sao.rollout.slots={batch}",
-                f"sao.checkpoint_every={args.steps}", "sao.sample_trajectories=0"],
+        "grpo": [
+            "grpo.kl_coef=0",
+            f"grpo.steps={args.steps}",
+            f"grpo.tasks_per_step={args.tasks}",
+            f"grpo.samples_per_task={args.group}",
+            f"grpo.checkpoint_every={args.steps}",
+            "grpo.sample_trajectories=0",
+        ],
+        "sao": [
+            f"sao.steps={args.steps}",
+            f"sao.batch_size={batch}",
+            f"sao.rollout.slots={batch}",
+            f"sao.checkpoint_every={args.steps}",
+            "sao.sample_trajectories=0",
+        ],
     }
     results: dict[str, dict] = {}
     start = None
@@ -116,31 +135,59 @@ def main() -> int:
             _, sft_model = load_policy(sft)
             start = evaluate(ews, sft_model, "sft")
         heldout = evaluate(ews, model, arm)
-        results[arm] = {"trajectories": consumed, "stale_dropped": dropped, "wall_s": wall, "traj_per_s": consumed / wall,
-                        "heldout_success": heldout["success"], "heldout_ci95": heldout["success_ci95"]}
-        con.print(f"{arm}: {consumed} trajectories in {wall:.1f}s = {consumed / wall:.2f}/s; "
-                  f"held-out {100 * heldout['success']:.1f}%")
+        results[arm] = {
+            "trajectories": consumed,
+            "stale_dropped": dropped,
+            "wall_s": wall,
+            "traj_per_s": consumed / wall,
+            "heldout_success": heldout["success"],
+            "heldout_ci95": heldout["success_ci95"],
+        }
+        con.print(
+            f"{arm}: {consumed} trajectories in {wall:.1f}s = {consumed / wall:.2f}/s; "
+            f"held-out {100 * heldout['success']:.1f}%"
+        )
 
     table = Table(title=f"Straggler bench ({_fmt_latency(cfg)})")
     for col in ("arm", "trajs", "dropped", "wall s", "traj/s", "held-out", "95% CI"):
         table.add_column(col, justify="left" if col == "arm" else "right", no_wrap=True)
     lo, hi = start["success_ci95"]
-    table.add_row("sft (start)", "-", "-", "-", "-", f"{100 * start['success']:.1f}%", f"{100 * lo:.1f}-{100 * hi:.1f}%")
+    table.add_row(
+        "sft (start)", "-", "-", "-", "-", f"{100 * start['success']:.1f}%", f"{100 * lo:.1f}-{100 * hi:.1f}%"
+    )
     for arm, r in results.items():
         lo, hi = r["heldout_ci95"]
-        table.add_row(arm, str(r["trajectories"]), str(r["stale_dropped"]), f"{r['wall_s']:.1f}", f"{r['traj_per_s']:.2f}",
-                      f"{100 * r['heldout_success']:.1f}%", f"{100 * lo:.1f}-{100 * hi:.1f}%")
+        table.add_row(
+            arm,
+            str(r["trajectories"]),
+            str(r["stale_dropped"]),
+            f"{r['wall_s']:.1f}",
+            f"{r['traj_per_s']:.2f}",
+            f"{100 * r['heldout_success']:.1f}%",
+            f"{100 * lo:.1f}-{100 * hi:.1f}%",
+        )
     con.print(table)
     ratio = None
     if {"grpo", "sao"} <= set(results):
         g, s = results["grpo"], results["sao"]
         ratio = s["traj_per_s"] / g["traj_per_s"]
         con.print(f"SAO / GRPO trajectories per second: {ratio:.2f}x")
-        con.print(f"held-out success SAO minus GRPO: {100 * (s['heldout_success'] - g['heldout_success']):+.1f} points "
-                  f"(start {100 * start['success']:.1f}%)")
+        con.print(
+            f"held-out success SAO minus GRPO: {100 * (s['heldout_success'] - g['heldout_success']):+.1f} points "
+            f"(start {100 * start['success']:.1f}%)"
+        )
     if args.json:
-        args.json.write_text(json.dumps({"arms": results, "ratio": ratio, "sft_success": start["success"],
-                                         "latency": cfg.env.latency.model_dump()}, indent=2))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "arms": results,
+                    "ratio": ratio,
+                    "sft_success": start["success"],
+                    "latency": cfg.env.latency.model_dump(),
+                },
+                indent=2,
+            )
+        )
     return 0
 
 

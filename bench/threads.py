@@ -37,7 +37,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "mentorrl" / "configs" / "demo.yaml"
-INTEROP1 = "import sys, torch; torch.set_num_interop_threads(1); from mentorrl.cli import app; sys.argv[0] = 'mentorrl'; app()"
+INTEROP1 = (
+    "import sys, torch; torch.set_num_interop_threads(1); from mentorrl.cli import app; sys.argv[0] = 'mentorrl'; app()"
+)
 
 ARMS: dict[str, dict] = {
     "t1": {"threads": 1},
@@ -54,13 +56,26 @@ STEPS = {"sft": 4, "grpo": 2}  # timed steps per arm (after 1 warm-up step)
 
 
 def command(arm: dict, stage: str, steps: int, run_dir: Path) -> list[str]:
-    sets = STAGES[stage] + [f"{stage}.steps={steps + 1}", f"threads={arm['threads']}", f"run_dir={run_dir}",
-                            "eval.num_tasks=0", "audit.preflight=false", "audit.eval_every=0",
-                            f"{stage}.checkpoint_every={steps + 10}"]
+    sets = STAGES[stage] + [
+        f"{stage}.steps={steps + 1}",
+        f"threads={arm['threads']}",
+        f"run_dir={run_dir}",
+        "eval.num_tasks=0",
+        "audit.preflight=false",
+        "audit.eval_every=0",
+        f"{stage}.checkpoint_every={steps + 10}",
+    ]
     args = ["train", str(DEMO)] + [x for s in sets for x in ("--set", s)]
     if arm.get("ranks", 1) > 1:
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={arm['ranks']}",
-                "-m", "mentorrl.cli"] + args
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={arm['ranks']}",
+            "-m",
+            "mentorrl.cli",
+        ] + args
     if arm.get("interop1"):
         return [sys.executable, "-c", INTEROP1] + args
     return [sys.executable, "-m", "mentorrl.cli"] + args
@@ -88,8 +103,13 @@ def run_arm(name: str, stage: str, steps: int) -> dict:
     recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     recs = [r for r in recs if r.get("stage") == stage and "step" in r][1:]  # the first step is warm-up
     shutil.rmtree(run_dir, ignore_errors=True)
-    out = {"arm": name, "stage": stage, "steps": len(recs), "process_wall_s": wall,
-           "cpu_s": (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)}
+    out = {
+        "arm": name,
+        "stage": stage,
+        "steps": len(recs),
+        "process_wall_s": wall,
+        "cpu_s": (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime),
+    }
     for key in ("step_s", "rollout_s", "update_s"):
         vals = [r[key] for r in recs if key in r]
         if vals:
@@ -116,8 +136,12 @@ def summarise(results: list[dict]) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=1, help="rounds over every arm (alternating)")
-    ap.add_argument("--steps", type=int, default=None, help="timed steps per arm and stage, after 1 warm-up step "
-                    f"(default: {STEPS})")
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help=f"timed steps per arm and stage, after 1 warm-up step (default: {STEPS})",
+    )
     ap.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of " + ", ".join(ARMS))
     ap.add_argument("--stages", default=",".join(STAGES))
     ap.add_argument("--json", default=None)
@@ -126,31 +150,42 @@ def main() -> None:
     unknown = [x for x in arms if x not in ARMS] + [x for x in stages if x not in STAGES]
     if unknown:
         raise SystemExit(f"unknown arms or stages: {unknown}")
-    print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; {a.reps} round(s) of "
-          f"{a.steps or STEPS} timed steps")
+    print(
+        f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; {a.reps} round(s) of "
+        f"{a.steps or STEPS} timed steps"
+    )
     results = []
     for rep in range(a.reps):
         for stage in stages:
             for name in arms:
                 r = run_arm(name, stage, a.steps or STEPS[stage])
                 results.append(r)
-                print(json.dumps({"rep": rep, **{k: (round(v, 3) if isinstance(v, float) else v)
-                                                 for k, v in r.items()}}), flush=True)
+                print(
+                    json.dumps({"rep": rep, **{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}}),
+                    flush=True,
+                )
     rows = summarise(results)
     print(f"\n{'stage':6} {'arm':12} {'step s':>8} {'rollout s':>10} {'update s':>9} {'CPU s (run)':>12}")
     for r in rows:
-        print(f"{r['stage']:6} {r['arm']:12} {r.get('step_s', float('nan')):8.2f} "
-              f"{r.get('rollout_s', float('nan')):10.2f} {r.get('update_s', float('nan')):9.2f} {r['cpu_s']:12.1f}")
+        print(
+            f"{r['stage']:6} {r['arm']:12} {r.get('step_s', float('nan')):8.2f} "
+            f"{r.get('rollout_s', float('nan')):10.2f} {r.get('update_s', float('nan')):9.2f} {r['cpu_s']:12.1f}"
+        )
     for stage in stages:
         base = next((r for r in rows if r["stage"] == stage and r["arm"] == "t2"), None)
         if base is None:
             continue
-        ratios = ", ".join(f"{r['arm']} {base['step_s'] / r['step_s']:.2f}x" for r in rows
-                           if r["stage"] == stage and r["arm"] != "t2")
+        ratios = ", ".join(
+            f"{r['arm']} {base['step_s'] / r['step_s']:.2f}x" for r in rows if r["stage"] == stage and r["arm"] != "t2"
+        )
         print(f"{stage}: speed against t2 (step s of t2 / step s of the arm): {ratios}")
     if a.json:
-        Path(a.json).write_text(json.dumps({"load_average": os.getloadavg(), "reps": a.reps, "steps": a.steps,
-                                            "results": results, "rows": rows}, indent=2))
+        Path(a.json).write_text(
+            json.dumps(
+                {"load_average": os.getloadavg(), "reps": a.reps, "steps": a.steps, "results": results, "rows": rows},
+                indent=2,
+            )
+        )
 
 
 if __name__ == "__main__":

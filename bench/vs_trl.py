@@ -154,8 +154,14 @@ ASSISTANT_HEADER = f"{IM_START}assistant\n"
 
 # ----------------------------------------------------------------- format bridging (no trl needed) ---
 # JSON-schema type -> the Python hint transformers' get_json_schema turns back into that type
-JSON_TO_PY: dict[str, Any] = {"string": str, "integer": int, "number": float, "boolean": bool, "array": list,
-                              "object": dict}
+JSON_TO_PY: dict[str, Any] = {
+    "string": str,
+    "integer": int,
+    "number": float,
+    "boolean": bool,
+    "array": list,
+    "object": dict,
+}
 
 # tokenizer.parse_response template for mentorrl's turns: text, then optionally
 # <tool_call>{"name": ..., "arguments": {...}}</tool_call>, then <|im_end|> (TRL's Qwen3 parser minus <think>)
@@ -173,6 +179,7 @@ RESPONSE_TEMPLATE: dict[str, Any] = {
         "content": {"close_pattern": r"<\|im_end\|>\s*", "content": "text"},
     },
 }
+
 
 def tool_method(schema: dict[str, Any]) -> Callable[..., str]:
     """A method ``name(self, **arguments) -> str`` whose signature, type hints and Google docstring make
@@ -242,18 +249,26 @@ class ToolEnvBase:
         final, reason, _ = trl_episode_end(messages, turn, stopped, ctx.max_turns)
         refused = refused_calls(messages, set(ctx.tool_names), ctx.max_turns)
         for name, args in refused:  # TRL answered these itself; charge them as mentorrl's registry answers them
-            ep.run_tool(ParsedAction("tool", raw=dumps_compact({"name": name, "arguments": args}), name=name,
-                                     arguments=args))
+            ep.run_tool(
+                ParsedAction("tool", raw=dumps_compact({"name": name, "arguments": args}), name=name, arguments=args)
+            )
         # Trajectory knows mentorrl's four reasons; TRL's own end ("unparsed": no answer) scores as any other
         # non-answer end (compose_reward only asks whether the episode ended with an answer)
         ep.final_answer, ep.finish_reason = final, (reason if reason != "unparsed" else "max_turns")
         ep.num_turns = sum(m.get("role") == "assistant" for m in messages)
         traj = ep.finish()
-        self._last = {"task_id": traj.task_id, "reward": traj.reward.total, "success": traj.reward.success,
-                      "finish_reason": reason, "tool_calls": len(traj.tool_calls), "refused_calls": len(refused),
-                      "multi_call_turns": sum(len(m.get("tool_calls") or []) > 1 for m in messages
-                                              if m.get("role") == "assistant"),
-                      "unparsed_turn": turn if reason == "unparsed" else None}
+        self._last = {
+            "task_id": traj.task_id,
+            "reward": traj.reward.total,
+            "success": traj.reward.success,
+            "finish_reason": reason,
+            "tool_calls": len(traj.tool_calls),
+            "refused_calls": len(refused),
+            "multi_call_turns": sum(
+                len(m.get("tool_calls") or []) > 1 for m in messages if m.get("role") == "assistant"
+            ),
+            "unparsed_turn": turn if reason == "unparsed" else None,
+        }
         return traj.reward.total
 
 
@@ -275,8 +290,9 @@ def last_turn_text(completion_text: str, stopped: bool) -> str:
     return turn.removesuffix(IM_END) if stopped else turn
 
 
-def trl_episode_end(messages: list[dict[str, Any]], turn_text: str, stopped: bool,
-                    max_turns: int) -> tuple[str | None, str, ParsedAction | None]:
+def trl_episode_end(
+    messages: list[dict[str, Any]], turn_text: str, stopped: bool, max_turns: int
+) -> tuple[str | None, str, ParsedAction | None]:
     """(final answer, finish reason, mentorrl's reading of the last turn) of a TRL rollout.
 
     ``messages``: TRL's completion (assistant and tool messages); ``turn_text``: the last turn's raw
@@ -320,8 +336,9 @@ def grpo_step_tasks(entry: Any, seed: int, steps: int, tasks_per_step: int, spli
     ``mentorrl.train.recipes.grpo``. The bench checks the result against the ids the mentorrl arm used."""
     from mentorrl.train.loop import TRAIN_POOL_SEED_OFFSET
 
-    pool = entry.make_tasks().tasks(split=split, n=max(tasks_per_step * max(steps, 1), 64),
-                                    seed=seed + TRAIN_POOL_SEED_OFFSET)
+    pool = entry.make_tasks().tasks(
+        split=split, n=max(tasks_per_step * max(steps, 1), 64), seed=seed + TRAIN_POOL_SEED_OFFSET
+    )
     out = []
     for step in range(steps):
         rng = random.Random(seed * 1_000_003 + 17 * step + 1)
@@ -374,8 +391,11 @@ def summarize(results: dict[str, list[dict[str, Any]]], warmup: int) -> dict[str
     ``targets``: the issue's targets against the median ratio (``met``), with the per-rep spread and
     a 95% interval (:func:`ratio_spread`; ``interval_above``: its lower end at or above the target)."""
     per_rep = {arm: {r["rep"]: rep_metrics(r, warmup) for r in rs} for arm, rs in results.items()}
-    arms = {arm: {k: statistics.median(m[k] for m in reps.values()) for k in next(iter(reps.values()))}
-            for arm, reps in per_rep.items() if reps}
+    arms = {
+        arm: {k: statistics.median(m[k] for m in reps.values()) for k in next(iter(reps.values()))}
+        for arm, reps in per_rep.items()
+        if reps
+    }
     ratios: dict[str, float] = {}
     spreads: dict[str, dict[str, Any]] = {}
     if "trl" in per_rep and "mentorrl" in per_rep:
@@ -389,10 +409,19 @@ def summarize(results: dict[str, list[dict[str, Any]]], warmup: int) -> dict[str
     targets = {}
     for k, t in TARGETS.items():
         sp = spreads.get(k)
-        targets[k] = {"target": t, "ratio": ratios.get(k), "met": ratios.get(k) is not None and ratios[k] >= t,
-                      **(sp or {}), "interval_above": bool(sp and sp["ci95"] and sp["ci95"][0] >= t)}
-    return {"per_rep": {a: {str(r): m for r, m in reps.items()} for a, reps in per_rep.items()},
-            "arms": arms, "ratios": ratios, "targets": targets}
+        targets[k] = {
+            "target": t,
+            "ratio": ratios.get(k),
+            "met": ratios.get(k) is not None and ratios[k] >= t,
+            **(sp or {}),
+            "interval_above": bool(sp and sp["ci95"] and sp["ci95"][0] >= t),
+        }
+    return {
+        "per_rep": {a: {str(r): m for r, m in reps.items()} for a, reps in per_rep.items()},
+        "arms": arms,
+        "ratios": ratios,
+        "targets": targets,
+    }
 
 
 TABLE_ROWS = (  # (label, key, format); seconds are per GRPO step of 128 trajectories
@@ -424,16 +453,22 @@ def markdown_table(summary: dict[str, Any]) -> str:
 
 
 def target_lines(summary: dict[str, Any]) -> list[str]:
-    names = {"rollout_tokens_per_cpu_s": "rollout policy tokens per CPU-second",
-             "trajectories_per_cpu_s": "whole GRPO step trajectories per CPU-second"}
+    names = {
+        "rollout_tokens_per_cpu_s": "rollout policy tokens per CPU-second",
+        "trajectories_per_cpu_s": "whole GRPO step trajectories per CPU-second",
+    }
     out = []
     for k, t in summary["targets"].items():
         r = t["ratio"]
         got = "not measured" if r is None else f"{r:.2f}x: {'met' if t['met'] else 'NOT met'}"
         if t.get("reps"):
             got += f" (median of {t['reps']} reps; per rep {t['min']:.2f}-{t['max']:.2f}x; geometric mean {t['geo_mean']:.2f}x"
-            got += (f", 95% CI {t['ci95'][0]:.2f}-{t['ci95'][1]:.2f}x: {'above' if t['interval_above'] else 'not above'}"
-                    " the target)" if t["ci95"] else ")")
+            got += (
+                f", 95% CI {t['ci95'][0]:.2f}-{t['ci95'][1]:.2f}x: {'above' if t['interval_above'] else 'not above'}"
+                " the target)"
+                if t["ci95"]
+                else ")"
+            )
         out.append(f"target {names[k]} >= {t['target']:g}x TRL: {got}")
     return out
 
@@ -513,14 +548,32 @@ def arm_context(args) -> dict[str, Any]:
 
 def mentorrl_overrides(args, run_dir: Path) -> list[str]:
     """``--set`` overrides of ``mentorrl train mentorrl/configs/demo.yaml`` for the mentorrl arm."""
-    return [f"model.path={args.model}", "recipe=[grpo]", f"run_dir={run_dir}", f"seed={args.seed}", "threads=1",
-            "audit.preflight=false", "eval.num_tasks=0", "audit.eval_every=0", "grpo.guide=none", "grpo.kl_coef=0",
-            f"grpo.steps={args.warmup + args.steps}", f"grpo.tasks_per_step={args.tasks}",
-            f"grpo.samples_per_task={args.group}", f"grpo.updates_per_step={args.updates}",
-            f"grpo.optim.lr={args.lr}", "grpo.optim.warmup_steps=0", f"grpo.eps_low={args.eps_low}",
-            f"grpo.eps_high={args.eps_high}", "grpo.checkpoint_every=1000", "sampling.temperature=1.0",
-            f"sampling.max_new_tokens={args.max_new_tokens}", f"limits.max_turns={args.max_turns}",
-            f"limits.max_total_tokens={args.max_total_tokens}", *getattr(args, "mentorrl_set", [])]
+    return [
+        f"model.path={args.model}",
+        "recipe=[grpo]",
+        f"run_dir={run_dir}",
+        f"seed={args.seed}",
+        "threads=1",
+        "audit.preflight=false",
+        "eval.num_tasks=0",
+        "audit.eval_every=0",
+        "grpo.guide=none",
+        "grpo.kl_coef=0",
+        f"grpo.steps={args.warmup + args.steps}",
+        f"grpo.tasks_per_step={args.tasks}",
+        f"grpo.samples_per_task={args.group}",
+        f"grpo.updates_per_step={args.updates}",
+        f"grpo.optim.lr={args.lr}",
+        "grpo.optim.warmup_steps=0",
+        f"grpo.eps_low={args.eps_low}",
+        f"grpo.eps_high={args.eps_high}",
+        "grpo.checkpoint_every=1000",
+        "sampling.temperature=1.0",
+        f"sampling.max_new_tokens={args.max_new_tokens}",
+        f"limits.max_turns={args.max_turns}",
+        f"limits.max_total_tokens={args.max_total_tokens}",
+        *getattr(args, "mentorrl_set", []),
+    ]
 
 
 def run_mentorrl_arm(args, work: Path) -> dict[str, Any]:
@@ -540,11 +593,15 @@ def run_mentorrl_arm(args, work: Path) -> dict[str, Any]:
         with clock.span(cur["step"], "rollout"):
             grp = orig_collect(ws, model, chosen, *a, **kw)
         trajs = grp.trajs
-        info[cur["step"]] = {"task_ids": [t.id for t in chosen], "trajectories": len(trajs),
-                             "policy_tokens": sum(t.num_policy_tokens for t in trajs),
-                             "success": sum(bool(t.reward.success) for t in trajs) / len(trajs),
-                             "reward_mean": sum(t.reward.total for t in trajs) / len(trajs),
-                             "finish": _counts(t.finish_reason for t in trajs), "rss_after_rollout_mib": peak_rss_mib()}
+        info[cur["step"]] = {
+            "task_ids": [t.id for t in chosen],
+            "trajectories": len(trajs),
+            "policy_tokens": sum(t.num_policy_tokens for t in trajs),
+            "success": sum(bool(t.reward.success) for t in trajs) / len(trajs),
+            "reward_mean": sum(t.reward.total for t in trajs) / len(trajs),
+            "finish": _counts(t.finish_reason for t in trajs),
+            "rss_after_rollout_mib": peak_rss_mib(),
+        }
         return grp
 
     def pg_update(*a, **kw):
@@ -558,6 +615,7 @@ def run_mentorrl_arm(args, work: Path) -> dict[str, Any]:
                 m = step_fn(step)
             info.setdefault(step, {})["rss_after_step_mib"] = peak_rss_mib()
             return m
+
         return orig_run_stage(ws, stage, model, learner, steps, timed, *a, **kw)
 
     grpo.collect_group, grpo.pg_update, grpo.run_stage = collect_group, pg_update, run_stage
@@ -577,13 +635,41 @@ def run_mentorrl_arm(args, work: Path) -> dict[str, Any]:
         rw, rc = clock.get(step, "rollout")
         uw, uc = clock.get(step, "update_pg")
         m = logged.get(step, {})
-        steps.append({"step": step, "step_wall_s": sw, "step_cpu_s": sc, "rollout_wall_s": rw, "rollout_cpu_s": rc,
-                      "update_wall_s": sw - rw, "update_cpu_s": sc - rc, "pg_update_wall_s": uw, "pg_update_cpu_s": uc,
-                      **info[step],
-                      "logged": {k: m.get(k) for k in ("rollout_s", "update_s", "step_s", "cpu_s", "rollout_cpu_util",
-                                                       "trained_trajectories", "rollout_tokens", "task_success")}})
-    return {"arm": "mentorrl", "steps": steps, "total_wall_s": total[0], "total_cpu_s": total[1],
-            "command": "mentorrl " + " ".join(argv), "peak_rss_mib_self": peak_rss_mib()}
+        steps.append(
+            {
+                "step": step,
+                "step_wall_s": sw,
+                "step_cpu_s": sc,
+                "rollout_wall_s": rw,
+                "rollout_cpu_s": rc,
+                "update_wall_s": sw - rw,
+                "update_cpu_s": sc - rc,
+                "pg_update_wall_s": uw,
+                "pg_update_cpu_s": uc,
+                **info[step],
+                "logged": {
+                    k: m.get(k)
+                    for k in (
+                        "rollout_s",
+                        "update_s",
+                        "step_s",
+                        "cpu_s",
+                        "rollout_cpu_util",
+                        "trained_trajectories",
+                        "rollout_tokens",
+                        "task_success",
+                    )
+                },
+            }
+        )
+    return {
+        "arm": "mentorrl",
+        "steps": steps,
+        "total_wall_s": total[0],
+        "total_cpu_s": total[1],
+        "command": "mentorrl " + " ".join(argv),
+        "peak_rss_mib_self": peak_rss_mib(),
+    }
 
 
 def _counts(xs) -> dict[str, int]:
@@ -599,27 +685,56 @@ class _TrlContext:
         self.tasks, self.max_turns, self.tool_names = tasks, max_turns, tool_names
 
 
-def trl_config_kwargs(args, max_completion_length: int, system_turn: bool, tool_descriptions: bool,
-                      out_dir: str) -> dict[str, Any]:
+def trl_config_kwargs(
+    args, max_completion_length: int, system_turn: bool, tool_descriptions: bool, out_dir: str
+) -> dict[str, Any]:
     """``GRPOConfig`` keyword arguments for the TRL arm (see the module docstring for why each is set)."""
     per_update = args.tasks * args.group // args.updates
     if per_update % args.trl_micro_batch:
-        raise SystemExit(f"--trl-micro-batch {args.trl_micro_batch} must divide the {per_update} trajectories "
-                         "of one optimizer step")
+        raise SystemExit(
+            f"--trl-micro-batch {args.trl_micro_batch} must divide the {per_update} trajectories of one optimizer step"
+        )
     accum = per_update // args.trl_micro_batch
     return dict(
-        output_dir=out_dir, seed=args.seed, use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
-        per_device_train_batch_size=args.trl_micro_batch, gradient_accumulation_steps=accum,
-        steps_per_generation=accum * args.updates, num_generations=args.group,
-        max_steps=(args.warmup + args.steps) * args.updates, num_iterations=1,
-        learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-        adam_beta1=0.9, adam_beta2=0.99, max_grad_norm=1.0,
-        beta=0.0, epsilon=args.eps_low, epsilon_high=args.eps_high, loss_type="dapo", scale_rewards="group",
-        temperature=1.0, top_p=1.0, top_k=0, max_completion_length=max_completion_length,
-        generation_kwargs={"max_new_tokens": args.max_new_tokens}, max_tool_calling_iterations=args.max_turns - 1,
+        output_dir=out_dir,
+        seed=args.seed,
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        gradient_checkpointing=False,
+        per_device_train_batch_size=args.trl_micro_batch,
+        gradient_accumulation_steps=accum,
+        steps_per_generation=accum * args.updates,
+        num_generations=args.group,
+        max_steps=(args.warmup + args.steps) * args.updates,
+        num_iterations=1,
+        learning_rate=args.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        adam_beta1=0.9,
+        adam_beta2=0.99,
+        max_grad_norm=1.0,
+        beta=0.0,
+        epsilon=args.eps_low,
+        epsilon_high=args.eps_high,
+        loss_type="dapo",
+        scale_rewards="group",
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        max_completion_length=max_completion_length,
+        generation_kwargs={"max_new_tokens": args.max_new_tokens},
+        max_tool_calling_iterations=args.max_turns - 1,
         chat_template_kwargs={"system_turn": system_turn, "tool_descriptions": tool_descriptions},
-        shuffle_dataset=False, remove_unused_columns=False, logging_steps=1, report_to="none", save_strategy="no",
-        disable_tqdm=True, dataloader_num_workers=0, log_completions=False,
+        shuffle_dataset=False,
+        remove_unused_columns=False,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        log_completions=False,
         use_transformers_continuous_batching=bool(getattr(args, "trl_continuous_batching", False)),
     )
 
@@ -658,8 +773,9 @@ def run_trl_arm(args, work: Path) -> dict[str, Any]:
     ctx = _TrlContext(entry, contract, cfg.reward, flat, args.max_turns, [s["function"]["name"] for s in schemas])
     env_cls = environment_class(schemas)
     head = [{"role": "system", "content": system_prompt}] if cfg.prompt.system_turn else []
-    data = Dataset.from_list([{"prompt": head + [{"role": "user", "content": ""}], "task_index": i}
-                              for i in range(len(flat))])
+    data = Dataset.from_list(
+        [{"prompt": head + [{"role": "user", "content": ""}], "task_index": i} for i in range(len(flat))]
+    )
     updates = args.updates
     clock: Clock = Clock()
     info: dict[int, dict[str, Any]] = {}
@@ -698,13 +814,16 @@ def run_trl_arm(args, work: Path) -> dict[str, Any]:
             n = len(last)
             info.setdefault(g, {}).update(
                 task_ids=list(dict.fromkeys(x["task_id"] for x in last)),
-                success=sum(bool(x["success"]) for x in last) / n, reward_mean=sum(x["reward"] for x in last) / n,
+                success=sum(bool(x["success"]) for x in last) / n,
+                reward_mean=sum(x["reward"] for x in last) / n,
                 finish=_counts(x["finish_reason"] for x in last),
                 unparsed_share=sum(x["finish_reason"] == "unparsed" for x in last) / n,
                 unparsed_examples=[x["unparsed_turn"] for x in last if x["unparsed_turn"] is not None][:3],
                 refused_calls=sum(x["refused_calls"] for x in last),
                 multi_call_turns=sum(x["multi_call_turns"] for x in last),
-                tool_calls_per_traj=sum(x["tool_calls"] for x in last) / n, rss_after_rollout_mib=peak_rss_mib())
+                tool_calls_per_traj=sum(x["tool_calls"] for x in last) / n,
+                rss_after_rollout_mib=peak_rss_mib(),
+            )
             return out
 
     def mentorrl_reward(completions, completion_ids, environments, **_):
@@ -716,8 +835,15 @@ def run_trl_arm(args, work: Path) -> dict[str, Any]:
     for kv in getattr(args, "trl_set", []):
         key, _, value = kv.partition("=")
         kw[key] = json.loads(value)
-    trainer = TimedGRPOTrainer(model=model, reward_funcs=[mentorrl_reward], args=GRPOConfig(**kw), train_dataset=data,
-                               processing_class=tok, environment_factory=lambda: env_cls(ctx), callbacks=[StepClock()])
+    trainer = TimedGRPOTrainer(
+        model=model,
+        reward_funcs=[mentorrl_reward],
+        args=GRPOConfig(**kw),
+        train_dataset=data,
+        processing_class=tok,
+        environment_factory=lambda: env_cls(ctx),
+        callbacks=[StepClock()],
+    )
     fmt_check = trl_format_check(trainer, contract, flat)
     setup = (time.perf_counter() - t0, time.process_time() - c0)
     t1, c1 = time.perf_counter(), time.process_time()
@@ -729,15 +855,39 @@ def run_trl_arm(args, work: Path) -> dict[str, Any]:
         gw, gc = clock.get(g, "generate")
         rw, rc = clock.get(g, "reward")
         tw, tc = clock.get(g, "score_total")
-        steps.append({"step": g, "step_wall_s": sw, "step_cpu_s": sc, "rollout_wall_s": gw + rw,
-                      "rollout_cpu_s": gc + rc, "update_wall_s": sw - gw - rw, "update_cpu_s": sc - gc - rc,
-                      "generate_wall_s": gw, "generate_cpu_s": gc, "reward_wall_s": rw, "reward_cpu_s": rc,
-                      "trl_old_logp_wall_s": tw - gw - rw, "trl_old_logp_cpu_s": tc - gc - rc, **info[g]})
+        steps.append(
+            {
+                "step": g,
+                "step_wall_s": sw,
+                "step_cpu_s": sc,
+                "rollout_wall_s": gw + rw,
+                "rollout_cpu_s": gc + rc,
+                "update_wall_s": sw - gw - rw,
+                "update_cpu_s": sc - gc - rc,
+                "generate_wall_s": gw,
+                "generate_cpu_s": gc,
+                "reward_wall_s": rw,
+                "reward_cpu_s": rc,
+                "trl_old_logp_wall_s": tw - gw - rw,
+                "trl_old_logp_cpu_s": tc - gc - rc,
+                **info[g],
+            }
+        )
     logs = [h for h in trainer.state.log_history if "loss" in h or "reward" in h]
-    return {"arm": "trl", "steps": steps, "setup_wall_s": setup[0], "setup_cpu_s": setup[1],
-            "total_wall_s": train[0], "total_cpu_s": train[1], "max_completion_length": max_completion,
-            "longest_prompt": longest_prompt, "format_check": fmt_check, "grpo_config": {k: v for k, v in kw.items() if k != "output_dir"},
-            "trl_log": logs, "peak_rss_mib_self": peak_rss_mib()}
+    return {
+        "arm": "trl",
+        "steps": steps,
+        "setup_wall_s": setup[0],
+        "setup_cpu_s": setup[1],
+        "total_wall_s": train[0],
+        "total_cpu_s": train[1],
+        "max_completion_length": max_completion,
+        "longest_prompt": longest_prompt,
+        "format_check": fmt_check,
+        "grpo_config": {k: v for k, v in kw.items() if k != "output_dir"},
+        "trl_log": logs,
+        "peak_rss_mib_self": peak_rss_mib(),
+    }
 
 
 def trl_format_check(trainer, contract, tasks) -> dict[str, Any]:
@@ -748,24 +898,65 @@ def trl_format_check(trainer, contract, tasks) -> dict[str, Any]:
     tok = trainer.processing_class
     same = 0
     for t in tasks:
-        ids = tok.apply_chat_template([{"role": "user", "content": t.prompt}], tools=trainer._env_tools[None] or None,
-                                      chat_template=trainer.chat_template, add_generation_prompt=True, tokenize=True,
-                                      return_dict=True, **trainer.chat_template_kwargs)["input_ids"]
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": t.prompt}],
+            tools=trainer._env_tools[None] or None,
+            chat_template=trainer.chat_template,
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=True,
+            **trainer.chat_template_kwargs,
+        )["input_ids"]
         same += list(ids) == contract.prompt_ids(t.prompt)
-    observations = [render_observation_content(True, {"order_id": "O-123", "status": "shipped", "total": 38.5}, None),
-                    render_observation_content(False, None, "order O-999 not found")]
-    obs_same = all(trainer._get_tool_suffix_ids([{"role": "tool", "name": "get_order", "content": o}])
-                   == contract.observation_ids(o) for o in observations)
-    return {"prompts_equal": same, "prompts": len(tasks), "observations_equal": obs_same,
-            "trl_kept_chat_template": trainer.chat_template is None}
+    observations = [
+        render_observation_content(True, {"order_id": "O-123", "status": "shipped", "total": 38.5}, None),
+        render_observation_content(False, None, "order O-999 not found"),
+    ]
+    obs_same = all(
+        trainer._get_tool_suffix_ids([{"role": "tool", "name": "get_order", "content": o}])
+        == contract.observation_ids(o)
+        for o in observations
+    )
+    return {
+        "prompts_equal": same,
+        "prompts": len(tasks),
+        "observations_equal": obs_same,
+        "trl_kept_chat_template": trainer.chat_template is None,
+    }
 
 
 # -------------------------------------------------------------------------------- driver ----------
 def child_command(args, arm: str, rep: int, out: Path, work: Path) -> list[str]:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--arm", arm, "--rep", str(rep), "--arm-out", str(out),
-           "--work", str(work), "--model", str(args.model), "--seed", str(args.seed + rep)]
-    for flag in ("steps", "warmup", "tasks", "group", "updates", "lr", "eps_low", "eps_high", "max_new_tokens",
-                 "max_turns", "max_total_tokens", "trl_micro_batch"):
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--arm",
+        arm,
+        "--rep",
+        str(rep),
+        "--arm-out",
+        str(out),
+        "--work",
+        str(work),
+        "--model",
+        str(args.model),
+        "--seed",
+        str(args.seed + rep),
+    ]
+    for flag in (
+        "steps",
+        "warmup",
+        "tasks",
+        "group",
+        "updates",
+        "lr",
+        "eps_low",
+        "eps_high",
+        "max_new_tokens",
+        "max_turns",
+        "max_total_tokens",
+        "trl_micro_batch",
+    ):
         cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     if args.trl_continuous_batching:
         cmd.append("--trl-continuous-batching")
@@ -778,9 +969,16 @@ def child_command(args, arm: str, rep: int, out: Path, work: Path) -> list[str]:
 
 def run_child(cmd: list[str], log: Path) -> dict[str, Any]:
     """Run one arm; its result JSON with the child's CPU seconds and peak RSS from ``wait4``."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE", "MKL_NUM_THREADS": "1",
-           "TOKENIZERS_PARALLELISM": "false", "TRL_EXPERIMENTAL_SILENCE": "1", "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "OMP_WAIT_POLICY": "PASSIVE",
+        "MKL_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "TRL_EXPERIMENTAL_SILENCE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+    }
     t0 = time.perf_counter()
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
@@ -790,8 +988,11 @@ def run_child(cmd: list[str], log: Path) -> dict[str, Any]:
         tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-40:])
         raise SystemExit(f"`{' '.join(cmd)}` exited {proc.returncode}; log {log}:\n{tail}")
     out = json.loads(Path(cmd[cmd.index("--arm-out") + 1]).read_text())
-    out.update(peak_rss_mib=usage.ru_maxrss / 1024.0, process_cpu_s=usage.ru_utime + usage.ru_stime,
-               process_wall_s=time.perf_counter() - t0)
+    out.update(
+        peak_rss_mib=usage.ru_maxrss / 1024.0,
+        process_cpu_s=usage.ru_utime + usage.ru_stime,
+        process_wall_s=time.perf_counter() - t0,
+    )
     return out
 
 
@@ -813,17 +1014,35 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--max-turns", type=int, default=6)
     p.add_argument("--max-total-tokens", type=int, default=768)
     p.add_argument("--trl-micro-batch", type=int, default=32, help="TRL per_device_train_batch_size (default 32)")
-    p.add_argument("--trl-set", action="append", default=[], metavar="KEY=JSON",
-                   help="override one GRPOConfig field of the TRL arm, e.g. --trl-set bf16=true (repeatable)")
-    p.add_argument("--mentorrl-set", action="append", default=[], metavar="KEY=VALUE",
-                   help="one more --set of the mentorrl arm (an ablation), e.g. --mentorrl-set "
-                        "grpo.optim.pack_prefixes=false (repeatable)")
-    p.add_argument("--trl-continuous-batching", action="store_true",
-                   help="TRL use_transformers_continuous_batching (off: far slower here, see the results)")
+    p.add_argument(
+        "--trl-set",
+        action="append",
+        default=[],
+        metavar="KEY=JSON",
+        help="override one GRPOConfig field of the TRL arm, e.g. --trl-set bf16=true (repeatable)",
+    )
+    p.add_argument(
+        "--mentorrl-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="one more --set of the mentorrl arm (an ablation), e.g. --mentorrl-set "
+        "grpo.optim.pack_prefixes=false (repeatable)",
+    )
+    p.add_argument(
+        "--trl-continuous-batching",
+        action="store_true",
+        help="TRL use_transformers_continuous_batching (off: far slower here, see the results)",
+    )
     p.add_argument("--work", default=None, help="run directories and logs (default: a temporary dir, removed)")
     p.add_argument("--json", default=None, metavar="OUT", help="write everything as JSON")
-    p.add_argument("--summarize", nargs="+", default=None, metavar="RUN_JSON",
-                   help="no run: print the table and targets over every rep of these --json results")
+    p.add_argument(
+        "--summarize",
+        nargs="+",
+        default=None,
+        metavar="RUN_JSON",
+        help="no run: print the table and targets over every rep of these --json results",
+    )
     p.add_argument("--arm", choices=ARMS, default=None, help=argparse.SUPPRESS)  # child mode
     p.add_argument("--rep", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--arm-out", default=None, help=argparse.SUPPRESS)
@@ -836,8 +1055,10 @@ def resolve_model(arg: str | None) -> Path:
     else:
         path = next((c for c in (DEFAULT_MODEL, ROOT / DEFAULT_MODEL) if (c / "config.json").exists()), None)
         if path is None:
-            sys.exit(f"no --model and no {DEFAULT_MODEL}: build the demo's SFT checkpoint first "
-                     "(`mentorrl train mentorrl/configs/demo.yaml --set recipe=[sft]`) and pass its sft/final")
+            sys.exit(
+                f"no --model and no {DEFAULT_MODEL}: build the demo's SFT checkpoint first "
+                "(`mentorrl train mentorrl/configs/demo.yaml --set recipe=[sft]`) and pass its sft/final"
+            )
     if not (path / "config.json").exists():
         sys.exit(f"--model {path}: not a checkpoint directory (no config.json)")
     return path.resolve()
@@ -858,8 +1079,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     own_work = args.work is None
     work = Path(tempfile.mkdtemp(prefix="vs-trl-")) if own_work else Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    print(f"model {args.model}; {args.reps} reps x {args.warmup} warm-up + {args.steps} timed steps per arm; "
-          f"{args.tasks} tasks x {args.group} samples; work dir {work}", flush=True)
+    print(
+        f"model {args.model}; {args.reps} reps x {args.warmup} warm-up + {args.steps} timed steps per arm; "
+        f"{args.tasks} tasks x {args.group} samples; work dir {work}",
+        flush=True,
+    )
     results: dict[str, list[dict[str, Any]]] = {a: [] for a in args.arms}
     started = time.perf_counter()
     try:
@@ -869,31 +1093,50 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
                 res = run_child(child_command(args, arm, rep, out, work), work / f"{arm}-rep{rep}.log")
                 results[arm].append(res)
                 m = rep_metrics(res, args.warmup)
-                print(f"rep {rep} {arm:8s}: step {m['step_cpu_s_per_step']:.1f} CPU-s (rollout "
-                      f"{m['rollout_cpu_s_per_step']:.1f}, update {m['update_cpu_s_per_step']:.1f}); "
-                      f"{m['trajectories_per_cpu_s']:.2f} traj/CPU-s, {m['rollout_tokens_per_cpu_s']:.0f} rollout "
-                      f"tok/CPU-s; success {m['success']:.1%}; peak RSS {res['peak_rss_mib']:.0f} MiB "
-                      f"[{time.perf_counter() - started:.0f}s]", flush=True)
+                print(
+                    f"rep {rep} {arm:8s}: step {m['step_cpu_s_per_step']:.1f} CPU-s (rollout "
+                    f"{m['rollout_cpu_s_per_step']:.1f}, update {m['update_cpu_s_per_step']:.1f}); "
+                    f"{m['trajectories_per_cpu_s']:.2f} traj/CPU-s, {m['rollout_tokens_per_cpu_s']:.0f} rollout "
+                    f"tok/CPU-s; success {m['success']:.1%}; peak RSS {res['peak_rss_mib']:.0f} MiB "
+                    f"[{time.perf_counter() - started:.0f}s]",
+                    flush=True,
+                )
     finally:
         if own_work:
             shutil.rmtree(work, ignore_errors=True)
     summary = summarize(results, args.warmup)
     same = None
     if "trl" in results and "mentorrl" in results:
-        same = all(s_t.get("task_ids") == s_m.get("task_ids")
-                   for rt, rm in zip(results["trl"], results["mentorrl"])
-                   for s_t, s_m in zip(rt["steps"], rm["steps"]))
+        same = all(
+            s_t.get("task_ids") == s_m.get("task_ids")
+            for rt, rm in zip(results["trl"], results["mentorrl"])
+            for s_t, s_m in zip(rt["steps"], rm["steps"])
+        )
     print(markdown_table(summary))
-    print("(seconds and RSS: mentorrl / TRL below 1 means mentorrl takes less; per-CPU-second rates: above 1 "
-          "means mentorrl is faster)")
+    print(
+        "(seconds and RSS: mentorrl / TRL below 1 means mentorrl takes less; per-CPU-second rates: above 1 "
+        "means mentorrl is faster)"
+    )
     for line in target_lines(summary):
         print(line)
     print(f"same tasks in both arms at every step: {same}")
-    doc = {"command": " ".join(["python", "bench/vs_trl.py", *(argv if argv is not None else sys.argv[1:])]),
-           "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-                        if k not in ("arm", "rep", "arm_out", "json")},
-           "machine": {"cpu_count": os.cpu_count(), "torch_threads": 1, "omp": "OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE"},
-           "versions": _versions(), "same_tasks": same, "summary": summary, "runs": results}
+    doc = {
+        "command": " ".join(["python", "bench/vs_trl.py", *(argv if argv is not None else sys.argv[1:])]),
+        "settings": {
+            k: (str(v) if isinstance(v, Path) else v)
+            for k, v in vars(args).items()
+            if k not in ("arm", "rep", "arm_out", "json")
+        },
+        "machine": {
+            "cpu_count": os.cpu_count(),
+            "torch_threads": 1,
+            "omp": "OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE",
+        },
+        "versions": _versions(),
+        "same_tasks": same,
+        "summary": summary,
+        "runs": results,
+    }
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(doc, indent=1))

@@ -26,8 +26,17 @@ import json
 import uuid
 from typing import Any, Mapping, Sequence
 
-from mentorrl.contract import (IM_START, Control, ParsedAction, loads_bounded, message_pieces, parse_action,
-                               system_text, tool_call_pieces, turn_pieces)
+from mentorrl.contract import (
+    IM_START,
+    Control,
+    ParsedAction,
+    loads_bounded,
+    message_pieces,
+    parse_action,
+    system_text,
+    tool_call_pieces,
+    turn_pieces,
+)
 from mentorrl.trajectory import Trajectory, dumps_compact
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -38,8 +47,11 @@ class MessageError(ValueError):
 
 
 def tool_call_dict(name: str, arguments: Mapping[str, Any] | None) -> dict[str, Any]:
-    return {"id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",
-            "function": {"name": name, "arguments": dumps_compact(dict(arguments or {}))}}
+    return {
+        "id": f"call_{uuid.uuid4().hex[:12]}",
+        "type": "function",
+        "function": {"name": name, "arguments": dumps_compact(dict(arguments or {}))},
+    }
 
 
 def assistant_message(turn_text: str) -> dict[str, Any]:
@@ -109,8 +121,12 @@ def tool_signature(tool: Mapping[str, Any], with_description: bool = True) -> st
     return f"{fn['name']}({args}) - {fn.get('description', '')}" if with_description else f"{fn['name']}({args})"
 
 
-def prompt_pieces(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None,
-                  tool_descriptions: bool = True, system_turn: bool = True) -> list[str]:
+def prompt_pieces(
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    tool_descriptions: bool = True,
+    system_turn: bool = True,
+) -> list[str]:
     """:func:`prompt_text` as pieces for :class:`mentorrl.contract.ChatEncoder`."""
     messages = list(messages)
     pieces: list[str] = []
@@ -127,8 +143,12 @@ def prompt_pieces(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping
     return pieces + [Control(IM_START), "assistant\n"]
 
 
-def prompt_text(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None,
-                tool_descriptions: bool = True, system_turn: bool = True) -> str:
+def prompt_text(
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    tool_descriptions: bool = True,
+    system_turn: bool = True,
+) -> str:
     """The contract's text for a conversation, ending with the header of the next assistant turn.
 
     With ``tools`` (OpenAI function schemas) the system turn is the contract's: the system
@@ -156,12 +176,12 @@ def action_key(action: ParsedAction) -> str:
 def trajectory_messages(traj: Trajectory, tokenizer, system: str | None, user: str) -> list[dict[str, Any]]:
     """The OpenAI messages of a recorded trajectory: system (if any), user, then each policy turn
     (decoded from its token ids) and each observation."""
-    msgs: list[dict[str, Any]] = ([{"role": "system", "content": system}] if system is not None else [])
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": system}] if system is not None else []
     msgs.append({"role": "user", "content": user})
     for seg in traj.segments:
         if seg.role == "prompt":
             continue
-        text = tokenizer.decode(traj.token_ids[seg.start:seg.end], skip_special_tokens=False)
+        text = tokenizer.decode(traj.token_ids[seg.start : seg.end], skip_special_tokens=False)
         if seg.role == "policy":
             msgs.append(assistant_message(_strip_turn(text)))
         else:
@@ -178,11 +198,22 @@ def _strip_turn(text: str) -> str:
 def _observation_content(text: str) -> str:
     head = f"{IM_START}tool\n"
     start = text.find(head)
-    body = text[start + len(head):] if start >= 0 else text
+    body = text[start + len(head) :] if start >= 0 else text
     end = body.find("<|im_end|>")
     return body[:end] if end >= 0 else body
 
 
-__all__ = ["MessageError", "ROLES", "action_key", "action_of", "assistant_message", "message_pieces_of", "message_text",
-           "prompt_pieces", "prompt_text",
-           "tool_call_dict", "tool_signature", "trajectory_messages"]
+__all__ = [
+    "MessageError",
+    "ROLES",
+    "action_key",
+    "action_of",
+    "assistant_message",
+    "message_pieces_of",
+    "message_text",
+    "prompt_pieces",
+    "prompt_text",
+    "tool_call_dict",
+    "tool_signature",
+    "trajectory_messages",
+]

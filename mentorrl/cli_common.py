@@ -23,8 +23,13 @@ def quiet_transformers() -> None:
     transformers.utils.logging.disable_progress_bar()
 
 
-def load_run_config(config: Optional[Path], overrides: list[str], run_dir: Optional[str] = None,
-                    default: str | None = "demo.yaml", plugins: Optional[list[str]] = None):
+def load_run_config(
+    config: Optional[Path],
+    overrides: list[str],
+    run_dir: Optional[str] = None,
+    default: str | None = "demo.yaml",
+    plugins: Optional[list[str]] = None,
+):
     """A RunConfig from ``config`` (else the packaged ``default``) and ``key=value`` overrides, with
     ``plugins`` (modules) loaded before it is validated, besides the config's own ``plugins``.
 

@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any, Literal
 
-
 from mentorrl.config.prompt import ContractLimits, PromptFormat, SamplingParams
 from mentorrl.trajectory import dumps_compact
 
@@ -83,7 +82,7 @@ CHAT_TEMPLATE = (
     "{%- if with_desc -%}{{- ' - ' ~ (fn['description'] if fn['description'] is defined else '') -}}{%- endif -%}"
     "{{- '\n' if not loop.last else '' -}}"
     "{%- endfor -%}"
-    "{{- '\nCall a tool with <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>. "
+    '{{- \'\nCall a tool with <tool_call>{"name": ..., "arguments": {...}}</tool_call>. '
     "Reply without a tool call to give the final answer.<|im_end|>\n' -}}"
     "{%- endif -%}"
     "{%- for message in messages -%}"
@@ -230,7 +229,9 @@ def parse_action(text: str) -> ParsedAction:
     if TOOL_CALL_OPEN not in text and TOOL_CALL_CLOSE not in text:
         return ParsedAction("answer", raw=raw, text=text.strip())
     if text.count(TOOL_CALL_OPEN) != 1 or text.count(TOOL_CALL_CLOSE) != 1:
-        return ParsedAction("malformed", raw=raw, error="malformed tool call: expected exactly one <tool_call>...</tool_call>")
+        return ParsedAction(
+            "malformed", raw=raw, error="malformed tool call: expected exactly one <tool_call>...</tool_call>"
+        )
     start, end = text.find(TOOL_CALL_OPEN), text.find(TOOL_CALL_CLOSE)
     if end < start:
         return ParsedAction("malformed", raw=raw, error="malformed tool call: unbalanced <tool_call> tags")
@@ -242,7 +243,9 @@ def parse_action(text: str) -> ParsedAction:
     except ValueError as e:
         return ParsedAction("malformed", raw=body, error=f"malformed tool call: {e}")
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return ParsedAction("malformed", raw=body, error='malformed tool call: expected {"name": str, "arguments": object}')
+        return ParsedAction(
+            "malformed", raw=body, error='malformed tool call: expected {"name": str, "arguments": object}'
+        )
     args = obj.get("arguments", {})
     # Leave argument type checking to the tool's JSON schema (error kind "bad_arguments").
     return ParsedAction("tool", raw=body, name=obj["name"], arguments=args)
@@ -436,8 +439,10 @@ def tool_signatures(env: Any, fmt: PromptFormat | None = None) -> list[str]:
 def tool_schemas(env: Any) -> list[dict[str, Any]]:
     """The environment's tools as OpenAI function schemas (``tools=`` of ``apply_chat_template`` or
     a chat-completions request); rendered, they give the contract's tool signatures."""
-    return [{"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.parameters}}
-            for t in env.registry.tools.values()]
+    return [
+        {"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.parameters}}
+        for t in env.registry.tools.values()
+    ]
 
 
 def contract_for_env(

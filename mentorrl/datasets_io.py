@@ -50,8 +50,18 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Literal, Mapping, Sequence
 
 from mentorrl.chat import MessageError, message_pieces_of, prompt_pieces, tool_signature
-from mentorrl.contract import (IM_END, IM_START, TOOL_CALL_CLOSE, TOOL_CALL_OPEN, ChatEncoder, Control,
-                               loads_bounded, message_pieces, parse_action, system_text)
+from mentorrl.contract import (
+    IM_END,
+    IM_START,
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
+    ChatEncoder,
+    Control,
+    loads_bounded,
+    message_pieces,
+    parse_action,
+    system_text,
+)
 from mentorrl.trajectory import Segment, ToolCall, Trajectory, dumps_compact
 
 Kind = Literal["trajectories", "corrections", "preferences"]
@@ -125,15 +135,20 @@ def turn_message(text: str, call_id: str) -> dict[str, Any]:
 
 
 def _call_message(prefix: str, name: str, arguments: dict[str, Any], call_id: str) -> dict[str, Any]:
-    return {"role": "assistant", "content": prefix or None,
-            "tool_calls": [{"id": call_id, "type": "function",
-                            "function": {"name": name, "arguments": dumps_compact(arguments)}}]}
+    return {
+        "role": "assistant",
+        "content": prefix or None,
+        "tool_calls": [
+            {"id": call_id, "type": "function", "function": {"name": name, "arguments": dumps_compact(arguments)}}
+        ],
+    }
 
 
 def _policy_message(ids: list[int], tokenizer: Any, tags: tuple[int, int] | None, call_id: str) -> dict[str, Any]:
     """The assistant message of a policy turn's ids: with exactly one tool-call tag pair as *control
     tokens* the text between them is the call (so tag strings inside its JSON stay text); otherwise
     the decoded text, parsed as a rollout parses it."""
+
     def decode(x: list[int]) -> str:
         return tokenizer.decode(x, skip_special_tokens=False)
 
@@ -144,8 +159,12 @@ def _policy_message(ids: list[int], tokenizer: Any, tags: tuple[int, int] | None
                 obj = loads_bounded(decode(ids[o + 1 : c]).strip())
             except ValueError:  # JSONDecodeError included
                 obj = None
-            if (isinstance(obj, dict) and isinstance(obj.get("name"), str)
-                    and isinstance(obj.get("arguments", {}), dict) and c == len(ids) - 1):
+            if (
+                isinstance(obj, dict)
+                and isinstance(obj.get("name"), str)
+                and isinstance(obj.get("arguments", {}), dict)
+                and c == len(ids) - 1
+            ):
                 return _call_message(decode(ids[:o]), obj["name"], obj.get("arguments", {}), call_id)
     return turn_message(decode(ids), call_id)
 
@@ -180,8 +199,9 @@ def trajectory_messages(traj: Trajectory, tokenizer: Any) -> list[dict[str, Any]
     return msgs
 
 
-def with_tools(messages: list[dict[str, Any]], info: tuple[str, list[dict[str, Any]]] | None
-               ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def with_tools(
+    messages: list[dict[str, Any]], info: tuple[str, list[dict[str, Any]]] | None
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """``(messages, tools)`` for TRL: the environment's system prompt and tool schemas when they
     render the recorded system text exactly; else the messages as they are and no tools."""
     if info is None or not messages or messages[0]["role"] != "system":
@@ -194,13 +214,23 @@ def with_tools(messages: list[dict[str, Any]], info: tuple[str, list[dict[str, A
 
 def _meta(traj: Trajectory, source_file: str) -> dict[str, Any]:
     r = traj.reward
-    return {"id": traj.id, "task_id": traj.task_id, "family": traj.family, "split": traj.split,
-            "difficulty": traj.difficulty, "env_name": traj.env_name, "env_version": traj.env_version,
-            "source": traj.source, "policy_version": traj.policy_version,
-            "success": None if r is None else bool(r.success),
-            "violations": None if r is None else list(r.violations),
-            "reward": None if r is None else float(r.total),
-            "finish_reason": traj.finish_reason, "num_turns": traj.num_turns, "source_file": source_file}
+    return {
+        "id": traj.id,
+        "task_id": traj.task_id,
+        "family": traj.family,
+        "split": traj.split,
+        "difficulty": traj.difficulty,
+        "env_name": traj.env_name,
+        "env_version": traj.env_version,
+        "source": traj.source,
+        "policy_version": traj.policy_version,
+        "success": None if r is None else bool(r.success),
+        "violations": None if r is None else list(r.violations),
+        "reward": None if r is None else float(r.total),
+        "finish_reason": traj.finish_reason,
+        "num_turns": traj.num_turns,
+        "source_file": source_file,
+    }
 
 
 def sft_row(traj: Trajectory, tokenizer: Any, env_info: EnvInfo | None = None, source_file: str = "") -> dict[str, Any]:
@@ -213,8 +243,9 @@ def _prompt_len(messages: list[dict[str, Any]]) -> int:
     return next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
 
 
-def preference_row(pair: Mapping[str, Any], tokenizer: Any, env_info: EnvInfo | None = None,
-                   source_file: str = "") -> dict[str, Any]:
+def preference_row(
+    pair: Mapping[str, Any], tokenizer: Any, env_info: EnvInfo | None = None, source_file: str = ""
+) -> dict[str, Any]:
     """One row of TRL's conversational preference format from a flywheel preference pair
     (``task_id``, ``failure_type``, ``chosen`` and ``rejected`` trajectories sharing a prompt)."""
     chosen, rejected = Trajectory.model_validate(pair["chosen"]), Trajectory.model_validate(pair["rejected"])
@@ -224,10 +255,20 @@ def preference_row(pair: Mapping[str, Any], tokenizer: Any, env_info: EnvInfo | 
     n = _prompt_len(c_msgs)
     if c_msgs[:n] != r_msgs[: _prompt_len(r_msgs)] or tools != r_tools:
         raise DatasetFormatError(f"pair for task {pair.get('task_id')!r}: chosen and rejected have different prompts")
-    return {"prompt": c_msgs[:n], "chosen": c_msgs[n:], "rejected": r_msgs[n:], "tools": tools,
-            "task_id": chosen.task_id, "failure_type": str(pair.get("failure_type", "")),
-            "chosen_id": chosen.id, "rejected_id": rejected.id, "split": rejected.split,
-            "env_name": chosen.env_name, "env_version": chosen.env_version, "source_file": source_file}
+    return {
+        "prompt": c_msgs[:n],
+        "chosen": c_msgs[n:],
+        "rejected": r_msgs[n:],
+        "tools": tools,
+        "task_id": chosen.task_id,
+        "failure_type": str(pair.get("failure_type", "")),
+        "chosen_id": chosen.id,
+        "rejected_id": rejected.id,
+        "split": rejected.split,
+        "env_name": chosen.env_name,
+        "env_version": chosen.env_version,
+        "source_file": source_file,
+    }
 
 
 # ---------------------------------------------------------------------- run dir -> rows ----
@@ -266,8 +307,15 @@ def _json_lines(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
                 yield i, obj
 
 
-def export_rows(run_dir: Path, kind: str, tokenizer: Any, *, env_info: EnvInfo | None = None,
-                only_success: bool = False, all_splits: bool = False) -> tuple[list[dict[str, Any]], ExportSummary]:
+def export_rows(
+    run_dir: Path,
+    kind: str,
+    tokenizer: Any,
+    *,
+    env_info: EnvInfo | None = None,
+    only_success: bool = False,
+    all_splits: bool = False,
+) -> tuple[list[dict[str, Any]], ExportSummary]:
     """The rows of ``kind`` recorded in ``run_dir``, de-duplicated by trajectory id.
 
     Only ``train``-split trajectories are exported unless ``all_splits`` (held-out and hidden
@@ -307,8 +355,11 @@ def export_rows(run_dir: Path, kind: str, tokenizer: Any, *, env_info: EnvInfo |
                 continue
             seen.add(key)
             try:
-                row = (preference_row(obj, tokenizer, env_info, rel) if kind == "preferences"
-                       else sft_row(traj, tokenizer, env_info, rel))
+                row = (
+                    preference_row(obj, tokenizer, env_info, rel)
+                    if kind == "preferences"
+                    else sft_row(traj, tokenizer, env_info, rel)
+                )
             except (ValueError, KeyError) as e:
                 raise ValueError(f"{where}: {e}") from None
             first = (row["prompt"] if kind == "preferences" else row["messages"])[:1]
@@ -323,7 +374,9 @@ def _need_datasets():
     try:
         import datasets
     except ImportError as e:  # pragma: no cover - the extra is installed in CI
-        raise ImportError("mentorrl export/import need the `datasets` package: pip install 'datasets>=4.7' pyarrow") from e
+        raise ImportError(
+            "mentorrl export/import need the `datasets` package: pip install 'datasets>=4.7' pyarrow"
+        ) from e
     if not hasattr(datasets, "Json"):  # pragma: no cover
         raise ImportError(f"datasets {datasets.__version__} has no Json feature; pip install 'datasets>=4.7'")
     return datasets
@@ -333,21 +386,55 @@ def features(kind: str):
     """The Arrow schema of an exported dataset (fixed message struct, ``tools`` as ``List(Json())``)."""
     ds = _need_datasets()
     Value, List = ds.Value, ds.List
-    call = {"id": Value("string"), "type": Value("string"),
-            "function": {"name": Value("string"), "arguments": Value("string")}}
-    message = {"role": Value("string"), "content": Value("string"), "tool_calls": List(call),
-               "tool_call_id": Value("string"), "name": Value("string")}
+    call = {
+        "id": Value("string"),
+        "type": Value("string"),
+        "function": {"name": Value("string"), "arguments": Value("string")},
+    }
+    message = {
+        "role": Value("string"),
+        "content": Value("string"),
+        "tool_calls": List(call),
+        "tool_call_id": Value("string"),
+        "name": Value("string"),
+    }
     conv = List(message)
-    common = {"tools": List(ds.Json()), "split": Value("string"), "env_name": Value("string"),
-              "env_version": Value("string"), "task_id": Value("string"), "source_file": Value("string")}
+    common = {
+        "tools": List(ds.Json()),
+        "split": Value("string"),
+        "env_name": Value("string"),
+        "env_version": Value("string"),
+        "task_id": Value("string"),
+        "source_file": Value("string"),
+    }
     if kind == "preferences":
-        return ds.Features({"prompt": conv, "chosen": conv, "rejected": conv, **common,
-                            "failure_type": Value("string"), "chosen_id": Value("string"),
-                            "rejected_id": Value("string")})
-    return ds.Features({"messages": conv, **common, "id": Value("string"), "family": Value("string"),
-                        "difficulty": Value("string"), "source": Value("string"), "policy_version": Value("int64"),
-                        "success": Value("bool"), "violations": List(Value("string")), "reward": Value("float64"),
-                        "finish_reason": Value("string"), "num_turns": Value("int64")})
+        return ds.Features(
+            {
+                "prompt": conv,
+                "chosen": conv,
+                "rejected": conv,
+                **common,
+                "failure_type": Value("string"),
+                "chosen_id": Value("string"),
+                "rejected_id": Value("string"),
+            }
+        )
+    return ds.Features(
+        {
+            "messages": conv,
+            **common,
+            "id": Value("string"),
+            "family": Value("string"),
+            "difficulty": Value("string"),
+            "source": Value("string"),
+            "policy_version": Value("int64"),
+            "success": Value("bool"),
+            "violations": List(Value("string")),
+            "reward": Value("float64"),
+            "finish_reason": Value("string"),
+            "num_turns": Value("int64"),
+        }
+    )
 
 
 def _padded(msgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -390,8 +477,11 @@ def load_rows(path: Path, split: str | None = None):
     if path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()):
         data = ds.load_from_disk(str(path))
     else:
-        files = [path] if path.is_file() else sorted(p for p in path.rglob("*")
-                                                       if p.suffix in (".parquet", ".jsonl", ".json") and p.is_file())
+        files = (
+            [path]
+            if path.is_file()
+            else sorted(p for p in path.rglob("*") if p.suffix in (".parquet", ".jsonl", ".json") and p.is_file())
+        )
         if not files:
             raise DatasetFormatError(f"{path}: no .parquet, .jsonl or .json files")
         suffixes = {p.suffix for p in files}
@@ -419,8 +509,9 @@ def _clean(value: Any) -> Any:
 def _text(value: Any, where: str) -> str | None:
     if value is None or isinstance(value, str):
         return value
-    if isinstance(value, list) and all(isinstance(p, Mapping) and p.get("type") == "text"
-                                       and isinstance(p.get("text"), str) for p in value):
+    if isinstance(value, list) and all(
+        isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in value
+    ):
         return "".join(p["text"] for p in value)  # content parts: text only
     raise DatasetFormatError(f"{where}: content must be a string (or text parts), not {type(value).__name__}")
 
@@ -498,8 +589,10 @@ def normalize_tool_call(calls: Any, at: str) -> dict[str, Any]:
     """The one tool call of an assistant message's ``tool_calls``, as ``{"type": "function", "function":
     {"name", "arguments" (a JSON string)}}`` with its ``id`` when it has one."""
     if not isinstance(calls, list) or len(calls) != 1:
-        raise DatasetFormatError(f"{at}.tool_calls: mentorrl's contract makes one tool call per turn, "
-                                 f"this message has {len(calls) if isinstance(calls, list) else 'malformed'}")
+        raise DatasetFormatError(
+            f"{at}.tool_calls: mentorrl's contract makes one tool call per turn, "
+            f"this message has {len(calls) if isinstance(calls, list) else 'malformed'}"
+        )
     c = calls[0]
     fn = c.get("function", c) if isinstance(c, Mapping) else None
     if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str) or not fn["name"]:
@@ -534,15 +627,23 @@ def conversation_columns(columns: Iterable[str]) -> tuple[str, ...]:
     for second in ("completion", "chosen"):
         if {"prompt", second} <= cols:
             return ("prompt", second)
-    raise DatasetFormatError(f"missing columns: need 'messages' (conversational SFT), 'prompt' + 'completion' or "
-                             f"'prompt' + 'chosen' (preference); the dataset has {sorted(cols)}")
+    raise DatasetFormatError(
+        f"missing columns: need 'messages' (conversational SFT), 'prompt' + 'completion' or "
+        f"'prompt' + 'chosen' (preference); the dataset has {sorted(cols)}"
+    )
 
 
 META_KEYS = ("id", "task_id", "family", "split", "difficulty", "env_name", "env_version", "source")
 
 
-def read_conversations(data: Any, *, max_chars: int = DEFAULT_MAX_CHARS, all_splits: bool = False,
-                       skip_invalid: bool = False, errors: list[str] | None = None) -> Iterator[Conversation]:
+def read_conversations(
+    data: Any,
+    *,
+    max_chars: int = DEFAULT_MAX_CHARS,
+    all_splits: bool = False,
+    skip_invalid: bool = False,
+    errors: list[str] | None = None,
+) -> Iterator[Conversation]:
     """Validated conversations of a dataset (anything with ``column_names`` and row iteration,
     e.g. :func:`load_rows`'s result). A bad row raises :class:`DatasetFormatError` naming the row
     and field, or with ``skip_invalid`` is left out and its message appended to ``errors``.
@@ -558,13 +659,16 @@ def read_conversations(data: Any, *, max_chars: int = DEFAULT_MAX_CHARS, all_spl
                 errors.append(str(e))
 
 
-def _conversation(i: int, row: Mapping[str, Any], cols: tuple[str, ...], max_chars: int,
-                  all_splits: bool) -> Conversation:
+def _conversation(
+    i: int, row: Mapping[str, Any], cols: tuple[str, ...], max_chars: int, all_splits: bool
+) -> Conversation:
     where = f"row {i}"
     split = row.get("split")
     if split not in (None, TRAIN_SPLIT) and not all_splits:
-        raise DatasetFormatError(f"{where}.split: {split!r} rows are evaluation data, not demonstrations "
-                                 "(pass --all-splits to import them anyway)")
+        raise DatasetFormatError(
+            f"{where}.split: {split!r} rows are evaluation data, not demonstrations "
+            "(pass --all-splits to import them anyway)"
+        )
     parts: list[Any] = []
     for c in cols:
         v = row.get(c)
@@ -573,8 +677,9 @@ def _conversation(i: int, row: Mapping[str, Any], cols: tuple[str, ...], max_cha
         parts += v
     size = sum(len(v) for m in parts if isinstance(m, Mapping) for v in _strings(m))
     if size > max_chars:
-        raise DatasetFormatError(f"{where}.{'+'.join(cols)}: {size} characters, over the limit of {max_chars} "
-                                 "(--max-chars)")
+        raise DatasetFormatError(
+            f"{where}.{'+'.join(cols)}: {size} characters, over the limit of {max_chars} (--max-chars)"
+        )
     messages = normalize_messages(parts, f"{where}.{'+'.join(cols)}")
     tools = normalize_tools(row.get("tools"), f"{where}.tools")
     meta = {k: row[k] for k in META_KEYS if isinstance(row.get(k), str)}
@@ -602,8 +707,9 @@ class ConversationEncoder:
         _control_id(tokenizer, IM_START)
         self.encoder = ChatEncoder(tokenizer)
 
-    def segments(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
-                 ) -> list[tuple[str, list[int]]]:
+    def segments(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[tuple[str, list[int]]]:
         """``(role, ids)`` per segment: the prompt (messages before the first assistant turn,
         the system turn with ``tools`` as the contract renders it), each assistant turn with its
         ``<|im_end|>``, each run of other messages between assistant turns (trailing ones are
@@ -626,8 +732,9 @@ def _digest(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> str:
     return hashlib.sha256(json.dumps([messages, tools], sort_keys=True).encode()).hexdigest()[:10]
 
 
-def conversation_trajectory(conv: Conversation, encoder: ConversationEncoder, *,
-                            max_tokens: int = DEFAULT_MAX_TOKENS) -> Trajectory:
+def conversation_trajectory(
+    conv: Conversation, encoder: ConversationEncoder, *, max_tokens: int = DEFAULT_MAX_TOKENS
+) -> Trajectory:
     """A demonstration trajectory (loss mask 1 on assistant turns, log-probs 0) for SFT."""
     segs = encoder.segments(conv.messages, conv.tools)
     total = sum(len(ids) for _, ids in segs)
@@ -651,9 +758,15 @@ def conversation_trajectory(conv: Conversation, encoder: ConversationEncoder, *,
         if m.get("tool_calls"):
             fn = m["tool_calls"][0]["function"]
             nxt = msgs[j + 1] if j + 1 < len(msgs) and msgs[j + 1]["role"] == "tool" else None
-            calls.append(ToolCall(turn=turns, name=fn["name"], arguments=json.loads(fn["arguments"]),
-                                  raw=dumps_compact({"name": fn["name"], "arguments": json.loads(fn["arguments"])}),
-                                  result=None if nxt is None else nxt["content"]))
+            calls.append(
+                ToolCall(
+                    turn=turns,
+                    name=fn["name"],
+                    arguments=json.loads(fn["arguments"]),
+                    raw=dumps_compact({"name": fn["name"], "arguments": json.loads(fn["arguments"])}),
+                    result=None if nxt is None else nxt["content"],
+                )
+            )
             final = None
         else:
             final = (m["content"] or "").strip()
@@ -662,22 +775,40 @@ def conversation_trajectory(conv: Conversation, encoder: ConversationEncoder, *,
     source = meta.get("source") if meta.get("source") in ("policy", "expert", "teacher") else "expert"
     return Trajectory(
         id=meta.get("id") or f"import-{_digest(msgs, conv.tools)}-{conv.row:06d}",
-        task_id=tid, family=meta.get("family") or "imported", split=meta.get("split") or TRAIN_SPLIT,
-        difficulty=meta.get("difficulty") or "normal", token_ids=ids, loss_mask=mask, logprobs=[0.0] * len(ids),
-        segments=segments, env_name=meta.get("env_name") or "imported", env_version=meta.get("env_version") or "",
-        tool_calls=calls, final_answer=final, finish_reason="answer" if final is not None else "max_turns",
-        num_turns=turns, source=source,  # type: ignore[arg-type]
+        task_id=tid,
+        family=meta.get("family") or "imported",
+        split=meta.get("split") or TRAIN_SPLIT,
+        difficulty=meta.get("difficulty") or "normal",
+        token_ids=ids,
+        loss_mask=mask,
+        logprobs=[0.0] * len(ids),
+        segments=segments,
+        env_name=meta.get("env_name") or "imported",
+        env_version=meta.get("env_version") or "",
+        tool_calls=calls,
+        final_answer=final,
+        finish_reason="answer" if final is not None else "max_turns",
+        num_turns=turns,
+        source=source,  # type: ignore[arg-type]
     )
 
 
-def import_demos(data: Any, tokenizer: Any, *, max_chars: int = DEFAULT_MAX_CHARS,
-                 max_tokens: int = DEFAULT_MAX_TOKENS, all_splits: bool = False, skip_invalid: bool = False,
-                 errors: list[str] | None = None) -> list[Trajectory]:
+def import_demos(
+    data: Any,
+    tokenizer: Any,
+    *,
+    max_chars: int = DEFAULT_MAX_CHARS,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
+    all_splits: bool = False,
+    skip_invalid: bool = False,
+    errors: list[str] | None = None,
+) -> list[Trajectory]:
     """SFT demonstrations (trajectories) from a dataset; see :func:`read_conversations`."""
     encoder = ConversationEncoder(tokenizer)
     out: list[Trajectory] = []
-    for conv in read_conversations(data, max_chars=max_chars, all_splits=all_splits, skip_invalid=skip_invalid,
-                                   errors=errors):
+    for conv in read_conversations(
+        data, max_chars=max_chars, all_splits=all_splits, skip_invalid=skip_invalid, errors=errors
+    ):
         try:
             out.append(conversation_trajectory(conv, encoder, max_tokens=max_tokens))
         except (DatasetFormatError, ValueError) as e:
@@ -689,7 +820,28 @@ def import_demos(data: Any, tokenizer: Any, *, max_chars: int = DEFAULT_MAX_CHAR
     return out
 
 
-__all__ = ["Conversation", "ConversationEncoder", "DatasetFormatError", "ExportSummary", "KINDS", "RUN_FILES",
-           "conversation_columns", "conversation_trajectory", "export_rows", "features", "import_demos", "load_rows",
-           "normalize_messages", "normalize_tools", "preference_row", "read_conversations", "run_files", "sft_row",
-           "to_dataset", "trajectory_messages", "turn_message", "with_tools", "write_dataset"]
+__all__ = [
+    "Conversation",
+    "ConversationEncoder",
+    "DatasetFormatError",
+    "ExportSummary",
+    "KINDS",
+    "RUN_FILES",
+    "conversation_columns",
+    "conversation_trajectory",
+    "export_rows",
+    "features",
+    "import_demos",
+    "load_rows",
+    "normalize_messages",
+    "normalize_tools",
+    "preference_row",
+    "read_conversations",
+    "run_files",
+    "sft_row",
+    "to_dataset",
+    "trajectory_messages",
+    "turn_message",
+    "with_tools",
+    "write_dataset",
+]

@@ -123,8 +123,11 @@ class ChatRequest(BaseModel):
     max_completion_tokens: int | None = Field(None, ge=1, description="the newer name of max_tokens; wins if both")
     n: int = Field(1, ge=1, le=16)
     seed: int | None = Field(None, ge=0, le=2**63 - 1, description="equal requests with a seed give equal answers")
-    stop: str | list[str] | None = Field(None, description=f"up to {MAX_STOP_STRINGS} strings of at most "
-                                                            f"{MAX_STOP_CHARS} characters; the text ends before the first one")
+    stop: str | list[str] | None = Field(
+        None,
+        description=f"up to {MAX_STOP_STRINGS} strings of at most "
+        f"{MAX_STOP_CHARS} characters; the text ends before the first one",
+    )
     stream: bool = False
     response_format: dict[str, Any] | None = None
 
@@ -137,8 +140,11 @@ class ChatRequest(BaseModel):
             raise APIError(400, f"stop: at most {MAX_STOP_STRINGS} strings, got {len(stops)}", param="stop")
         for i, s in enumerate(stops):
             if len(s) > MAX_STOP_CHARS:
-                raise APIError(400, f"stop[{i}]: {len(s)} characters; a stop string may have at most "
-                                    f"{MAX_STOP_CHARS}", param="stop")
+                raise APIError(
+                    400,
+                    f"stop[{i}]: {len(s)} characters; a stop string may have at most {MAX_STOP_CHARS}",
+                    param="stop",
+                )
             check_utf8(s, "stop")
         return stops
 
@@ -148,8 +154,11 @@ def check_utf8(text: str, param: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise APIError(400, f"{param}: text holds a lone surrogate ({text[e.start]!r} at character {e.start}); "
-                            "send valid Unicode", param=param) from None
+        raise APIError(
+            400,
+            f"{param}: text holds a lone surrogate ({text[e.start]!r} at character {e.start}); send valid Unicode",
+            param=param,
+        ) from None
 
 
 # -------------------------------------------------------------------- errors ------
@@ -161,15 +170,17 @@ class APIError(Exception):
         self.status, self.message, self.type, self.param = status, message, type_, param
 
 
-def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
+def error_body(
+    message: str, type_: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
     """The OpenAI error shape."""
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
 def _error_type(status: int) -> str:
     return {401: "authentication_error", 404: "not_found_error"}.get(
-        status, "server_error" if status >= 500 else "invalid_request_error")
+        status, "server_error" if status >= 500 else "invalid_request_error"
+    )
 
 
 def _validation_message(errors: Sequence[Mapping[str, Any]]) -> tuple[str, str | None]:
@@ -256,14 +267,21 @@ class BearerAuthMiddleware:
 
             scheme, _, given = Headers(scope=scope).get("authorization", "").strip().partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self._token):
-                await _reply(scope, receive, send, 401, "missing or invalid bearer token (Authorization: Bearer ...)",
-                             headers={"WWW-Authenticate": "Bearer"})
+                await _reply(
+                    scope,
+                    receive,
+                    send,
+                    401,
+                    "missing or invalid bearer token (Authorization: Bearer ...)",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
                 return
         await self.app(scope, receive, send)
 
 
-async def _reply(scope: Any, receive: Any, send: Any, status: int, message: str,
-                 headers: Mapping[str, str] | None = None) -> None:
+async def _reply(
+    scope: Any, receive: Any, send: Any, status: int, message: str, headers: Mapping[str, str] | None = None
+) -> None:
     from starlette.responses import JSONResponse
 
     response = JSONResponse(error_body(message, _error_type(status)), status_code=status, headers=dict(headers or {}))
@@ -329,16 +347,28 @@ class PolicyGenerator:
         Raises :class:`MessageError` for a message that cannot be rendered."""
         return self.encoder.pieces(prompt_pieces(messages))
 
-    def request(self, prompt_ids: list[int], n: int, temperature: float, top_p: float, max_new_tokens: int | None,
-                seed: int | None = None, stop: Sequence[str] = ()) -> GenRequest:
+    def request(
+        self,
+        prompt_ids: list[int],
+        n: int,
+        temperature: float,
+        top_p: float,
+        max_new_tokens: int | None,
+        seed: int | None = None,
+        stop: Sequence[str] = (),
+    ) -> GenRequest:
         """The :class:`GenRequest` for ``n`` turns after ``prompt_ids``. Raises :class:`APIError` (400)
         when the prompt leaves no room in the model's context."""
         budget = min(max_new_tokens or self.max_new_tokens_cap, self.max_new_tokens_cap)
         if self.max_positions is not None:
             room = self.max_positions - len(prompt_ids)
             if room < 1:
-                raise APIError(400, f"the prompt is {len(prompt_ids)} tokens; the model's context is "
-                                    f"{self.max_positions} tokens, which leaves no room for a reply", param="messages")
+                raise APIError(
+                    400,
+                    f"the prompt is {len(prompt_ids)} tokens; the model's context is "
+                    f"{self.max_positions} tokens, which leaves no room for a reply",
+                    param="messages",
+                )
             budget = min(budget, room)
         return GenRequest(list(prompt_ids), n, temperature, top_p, budget, seed, tuple(stop))
 
@@ -354,16 +384,34 @@ class PolicyGenerator:
         rows = [(req, i) for req in batch for i in range(req.rows)]
         width = max(len(req.prompt_ids) for req in batch)
         device = next(self.model.parameters()).device
-        ids = torch.tensor([[self.pad_id] * (width - len(r.prompt_ids)) + r.prompt_ids for r, _ in rows],
-                           dtype=torch.long, device=device)
-        mask = torch.tensor([[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r, _ in rows],
-                            dtype=torch.long, device=device)
-        sampler = RowSampler([r.temperature for r, _ in rows], [r.top_p for r, _ in rows],
-                             [None if r.greedy else row_generator(r.seed, i, device) for r, i in rows], device)
+        ids = torch.tensor(
+            [[self.pad_id] * (width - len(r.prompt_ids)) + r.prompt_ids for r, _ in rows],
+            dtype=torch.long,
+            device=device,
+        )
+        mask = torch.tensor(
+            [[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r, _ in rows],
+            dtype=torch.long,
+            device=device,
+        )
+        sampler = RowSampler(
+            [r.temperature for r, _ in rows],
+            [r.top_p for r, _ in rows],
+            [None if r.greedy else row_generator(r.seed, i, device) for r, i in rows],
+            device,
+        )
         kwargs: dict[str, Any] = dict(  # greedy over the sampler's scores; the checkpoint's other defaults neutralised
-            max_new_tokens=budget, eos_token_id=self.stop_ids, pad_token_id=self.pad_id, do_sample=False, num_beams=1,
-            num_return_sequences=1, repetition_penalty=1.0, no_repeat_ngram_size=0, min_length=0,
-            logits_processor=LogitsProcessorList([sampler]))
+            max_new_tokens=budget,
+            eos_token_id=self.stop_ids,
+            pad_token_id=self.pad_id,
+            do_sample=False,
+            num_beams=1,
+            num_return_sequences=1,
+            repetition_penalty=1.0,
+            no_repeat_ngram_size=0,
+            min_length=0,
+            logits_processor=LogitsProcessorList([sampler]),
+        )
         if stop:
             kwargs.update(stop_strings=list(stop), tokenizer=self.tokenizer)
         with torch.no_grad():
@@ -371,7 +419,7 @@ class PolicyGenerator:
         turns = [self._finish(row, stop) for row in out[:, width:].tolist()]
         replies, start = [], 0
         for req in batch:
-            replies.append(turns[start:start + req.rows] * (req.n // req.rows))
+            replies.append(turns[start : start + req.rows] * (req.n // req.rows))
             start += req.rows
         return replies
 
@@ -452,8 +500,9 @@ class Batcher:
     run together; an error reaches every request of its call, and the worker goes on.
     ``max_batch=1`` serves one request at a time."""
 
-    def __init__(self, gen: PolicyGenerator, max_batch: int = DEFAULT_MAX_BATCH,
-                 window_s: float = DEFAULT_BATCH_WINDOW_MS / 1000):
+    def __init__(
+        self, gen: PolicyGenerator, max_batch: int = DEFAULT_MAX_BATCH, window_s: float = DEFAULT_BATCH_WINDOW_MS / 1000
+    ):
         if max_batch < 1 or window_s < 0:
             raise ValueError("max_batch must be at least 1 and window_s not negative")
         self.gen, self.max_batch, self.window_s = gen, max_batch, window_s
@@ -516,9 +565,16 @@ def _max_positions(model: Any, tokenizer: Any) -> int | None:
 
 
 # ----------------------------------------------------------------------- app ------
-def create_app(tokenizer: Any, model: Any, model_name: str, token: str | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_new_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP,
-               max_batch: int = DEFAULT_MAX_BATCH, batch_window_ms: float = DEFAULT_BATCH_WINDOW_MS):
+def create_app(
+    tokenizer: Any,
+    model: Any,
+    model_name: str,
+    token: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_new_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP,
+    max_batch: int = DEFAULT_MAX_BATCH,
+    batch_window_ms: float = DEFAULT_BATCH_WINDOW_MS,
+):
     """The FastAPI app serving ``model`` as ``model_name`` (see the module docstring).
 
     ``token``: when set, every ``/v1`` request needs ``Authorization: Bearer <token>``.
@@ -540,8 +596,10 @@ def create_app(tokenizer: Any, model: Any, model_name: str, token: str | None = 
 
     @app.get("/v1/models")
     def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "mentorrl"}]}
+        return {
+            "object": "list",
+            "data": [{"id": model_name, "object": "model", "created": created, "owned_by": "mentorrl"}],
+        }
 
     @app.post("/v1/chat/completions")
     def chat_completions(req: ChatRequest) -> dict[str, Any]:
@@ -567,8 +625,11 @@ def add_error_handlers(app: Any) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Any, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(error_body(str(exc.detail), _error_type(exc.status_code)), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+        return JSONResponse(
+            error_body(str(exc.detail), _error_type(exc.status_code)),
+            status_code=exc.status_code,
+            headers=getattr(exc, "headers", None),
+        )
 
     @app.exception_handler(APIError)
     async def _api(request: Any, exc: APIError) -> JSONResponse:
@@ -592,8 +653,11 @@ def chat_completion(gen: PolicyGenerator, batcher: Batcher, model_name: str, req
         prompt_ids = gen.prompt_ids(messages)
     except MessageError as e:
         raise APIError(400, str(e), param="messages") from None
-    turns = batcher.submit(gen.request(prompt_ids, req.n, req.temperature, req.top_p,
-                                       req.max_completion_tokens or req.max_tokens, req.seed, stop))
+    turns = batcher.submit(
+        gen.request(
+            prompt_ids, req.n, req.temperature, req.top_p, req.max_completion_tokens or req.max_tokens, req.seed, stop
+        )
+    )
     choices = []
     for i, (turn, _, reason) in enumerate(turns):
         message = assistant_message(turn)
@@ -601,10 +665,18 @@ def chat_completion(gen: PolicyGenerator, batcher: Batcher, model_name: str, req
             reason = "tool_calls"
         choices.append({"index": i, "message": message, "finish_reason": reason, "logprobs": None})
     completion = sum(count for _, count, _ in turns)
-    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-            "model": model_name, "choices": choices,
-            "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": completion,
-                      "total_tokens": len(prompt_ids) + completion}}
+    return {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model_name,
+        "choices": choices,
+        "usage": {
+            "prompt_tokens": len(prompt_ids),
+            "completion_tokens": completion,
+            "total_tokens": len(prompt_ids) + completion,
+        },
+    }
 
 
 # ---------------------------------------------------------------- the server ------
@@ -693,8 +765,14 @@ def run_server(app: Any, sock: socket.socket, ready_line: str, log_level: str = 
 
 # ------------------------------------------------------------ subprocess helper ------
 @contextlib.contextmanager
-def serve_subprocess(model_dir: str | Path, token_env: str | None = None, extra_args: Sequence[str] = (), *,
-                     env: Mapping[str, str] | None = None, timeout_s: float = 120.0) -> Iterator[str]:
+def serve_subprocess(
+    model_dir: str | Path,
+    token_env: str | None = None,
+    extra_args: Sequence[str] = (),
+    *,
+    env: Mapping[str, str] | None = None,
+    timeout_s: float = 120.0,
+) -> Iterator[str]:
     """Run ``mentorrl serve MODEL_DIR --port 0`` in a subprocess; yield its base URL (ending in ``/v1``).
 
     ``token_env`` names the variable holding the token (set it in ``env`` or the environment).
@@ -705,8 +783,15 @@ def serve_subprocess(model_dir: str | Path, token_env: str | None = None, extra_
         args += ["--token-env", token_env]
     args += list(extra_args)
     with tempfile.TemporaryFile(mode="w+b") as errlog:
-        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=errlog, stdin=subprocess.DEVNULL, text=True,
-                                env={**os.environ, **(env or {})}, preexec_fn=_die_with_parent)
+        proc = subprocess.Popen(
+            args,
+            stdout=subprocess.PIPE,
+            stderr=errlog,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            env={**os.environ, **(env or {})},
+            preexec_fn=_die_with_parent,
+        )
         lines: queue.Queue[str | None] = queue.Queue()
 
         def pump() -> None:  # read stdout on a thread: a blocking readline has no timeout, a full pipe stalls
@@ -769,8 +854,31 @@ def _tail(errlog: Any, n: int = 2000) -> str:
     return f"; its stderr ends:\n{text}" if text.strip() else ""
 
 
-__all__ = ["APIError", "Batcher", "BearerAuthMiddleware", "BodyLimitMiddleware", "ChatMessage", "ChatRequest",
-           "GenRequest", "MAX_BODY_DEPTH", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "PolicyGenerator", "READY_PREFIX",
-           "RedactQueryFilter", "RowSampler", "base_url", "bind_socket", "check_utf8", "create_app", "error_body",
-           "group_requests", "is_loopback", "redact_query", "row_generator", "run_server",
-           "serve_subprocess", "server_config"]
+__all__ = [
+    "APIError",
+    "Batcher",
+    "BearerAuthMiddleware",
+    "BodyLimitMiddleware",
+    "ChatMessage",
+    "ChatRequest",
+    "GenRequest",
+    "MAX_BODY_DEPTH",
+    "MAX_STOP_CHARS",
+    "MAX_STOP_STRINGS",
+    "PolicyGenerator",
+    "READY_PREFIX",
+    "RedactQueryFilter",
+    "RowSampler",
+    "base_url",
+    "bind_socket",
+    "check_utf8",
+    "create_app",
+    "error_body",
+    "group_requests",
+    "is_loopback",
+    "redact_query",
+    "row_generator",
+    "run_server",
+    "serve_subprocess",
+    "server_config",
+]

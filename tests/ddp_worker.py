@@ -29,9 +29,16 @@ def tiny_model():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
-                      tie_word_embeddings=True)
+    cfg = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+    )
     return Qwen2ForCausalLM(cfg).float()
 
 
@@ -42,8 +49,18 @@ def trajectories() -> list[Trajectory]:
         ids = torch.randint(1, VOCAB, (n,), generator=g).tolist()
         mask = [0] * (n - k) + [1] * k
         lps = [0.0] * (n - k) + (-torch.rand(k, generator=g) * 3 - 1).tolist()
-        out.append(Trajectory(id=f"t{i}", task_id=f"task{i}", family="f", token_ids=ids, loss_mask=mask,
-                              logprobs=lps, env_name="test", env_version="0"))
+        out.append(
+            Trajectory(
+                id=f"t{i}",
+                task_id=f"task{i}",
+                family="f",
+                token_ids=ids,
+                loss_mask=mask,
+                logprobs=lps,
+                env_name="test",
+                env_version="0",
+            )
+        )
     return out
 
 

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from mentorrl import algos
-from mentorrl.algos import logprobs as lp_mod
 from mentorrl.algos import (
     ADVANTAGE_ESTIMATORS,
     AGG_MODES,
@@ -28,6 +27,7 @@ from mentorrl.algos import (
     register_policy_loss,
     sft_loss,
 )
+from mentorrl.algos import logprobs as lp_mod
 
 LN2 = math.log(2.0)
 
@@ -122,15 +122,19 @@ def test_grpo_advantages_hand_values():
     # row 1: all equal -> 0
     # row 2: mean 0.75, dev [2.25, -0.75 x3], var = (5.0625 + 3*0.5625)/3 = 2.25, std 1.5
     #        -> [1.5, -0.5, -0.5, -0.5]
-    expected = t([
-        [0.8660254, -0.8660254, -0.8660254, 0.8660254],
-        [0.0, 0.0, 0.0, 0.0],
-        [1.5, -0.5, -0.5, -0.5],
-    ])
+    expected = t(
+        [
+            [0.8660254, -0.8660254, -0.8660254, 0.8660254],
+            [0.0, 0.0, 0.0, 0.0],
+            [1.5, -0.5, -0.5, -0.5],
+        ]
+    )
     close(adv, expected, tol=2e-6)  # eps=1e-6 in the denominator
     # without std normalisation: r - mean
-    close(grpo_advantages(rewards, normalize_std=False),
-          t([[0.5, -0.5, -0.5, 0.5], [0, 0, 0, 0], [2.25, -0.75, -0.75, -0.75]]))
+    close(
+        grpo_advantages(rewards, normalize_std=False),
+        t([[0.5, -0.5, -0.5, 0.5], [0, 0, 0, 0], [2.25, -0.75, -0.75, -0.75]]),
+    )
 
 
 def test_grpo_advantages_degenerate_groups_are_zero():

@@ -119,13 +119,20 @@ def _check_clean_equals_poisoned(fn, clean: dict, mask: torch.Tensor, poison: fl
 
 
 @FAST
-@given(batch=masked_batch(), agg=st.sampled_from(AGG_MODES),
-       name=st.sampled_from(["clipped", "masked_is", "grpo"]), kl_kind=st.sampled_from(["k1", "k2", "k3"]))
+@given(
+    batch=masked_batch(),
+    agg=st.sampled_from(AGG_MODES),
+    name=st.sampled_from(["clipped", "masked_is", "grpo"]),
+    kl_kind=st.sampled_from(["k1", "k2", "k3"]),
+)
 def test_policy_losses_ignore_poison_at_masked_positions(batch, agg, name, kl_kind):
     mask, g, poison = batch
     shape = mask.shape
-    clean = {"logprobs": -torch.rand(shape, generator=g) * 3, "old_logprobs": -torch.rand(shape, generator=g) * 3,
-             "advantages": torch.randn(shape, generator=g)}
+    clean = {
+        "logprobs": -torch.rand(shape, generator=g) * 3,
+        "old_logprobs": -torch.rand(shape, generator=g) * 3,
+        "advantages": torch.randn(shape, generator=g),
+    }
     kw = {"agg": agg}
     if name == "grpo":
         clean["ref_logprobs"] = -torch.rand(shape, generator=g) * 3
@@ -143,30 +150,54 @@ def test_policy_losses_ignore_poison_at_masked_positions(batch, agg, name, kl_ki
 def test_sft_value_and_aggregate_losses_ignore_poison_at_masked_positions(batch, agg, clip):
     mask, g, poison = batch
     shape = mask.shape
-    _check_clean_equals_poisoned(lambda logprobs: sft_loss(logprobs, mask, agg)[0],
-                                 {"logprobs": -torch.rand(shape, generator=g)}, mask, poison, ("logprobs",))
-    _check_clean_equals_poisoned(lambda x: aggregate_loss(x, mask, agg), {"x": torch.randn(shape, generator=g)},
-                                 mask, poison, ("x",))
+    _check_clean_equals_poisoned(
+        lambda logprobs: sft_loss(logprobs, mask, agg)[0],
+        {"logprobs": -torch.rand(shape, generator=g)},
+        mask,
+        poison,
+        ("logprobs",),
+    )
+    _check_clean_equals_poisoned(
+        lambda x: aggregate_loss(x, mask, agg), {"x": torch.randn(shape, generator=g)}, mask, poison, ("x",)
+    )
     _check_clean_equals_poisoned(
         lambda values, old, ret: clipped_value_loss(values, old, ret, mask, clip=clip, agg=agg)[0],
-        {"values": torch.randn(shape, generator=g), "old": torch.randn(shape, generator=g),
-         "ret": torch.randn(shape, generator=g)}, mask, poison, ("values",))
+        {
+            "values": torch.randn(shape, generator=g),
+            "old": torch.randn(shape, generator=g),
+            "ret": torch.randn(shape, generator=g),
+        },
+        mask,
+        poison,
+        ("values",),
+    )
 
 
 @FAST
-@given(batch=masked_batch(), kind=st.sampled_from(["reverse", "forward", "jsd"]),
-       beta=st.sampled_from([0.0, 0.3, 0.5, 1.0]), top_k=st.sampled_from([None, 2]))
+@given(
+    batch=masked_batch(),
+    kind=st.sampled_from(["reverse", "forward", "jsd"]),
+    beta=st.sampled_from([0.0, 0.3, 0.5, 1.0]),
+    top_k=st.sampled_from([None, 2]),
+)
 def test_distill_loss_ignores_poison_at_masked_positions(batch, kind, beta, top_k):
     mask, g, poison = batch
     b, t = mask.shape
     if not bool((mask != 0).any()):
         mask = mask.clone()
         mask[0, 0] = 1.0
-    clean = {"s": torch.randn(b, t, 5, generator=g), "te": torch.randn(b, t, 5, generator=g),
-             "w": torch.rand(b, t, generator=g)}
+    clean = {
+        "s": torch.randn(b, t, 5, generator=g),
+        "te": torch.randn(b, t, 5, generator=g),
+        "w": torch.rand(b, t, generator=g),
+    }
     _check_clean_equals_poisoned(
         lambda s, te, w: distill_loss(s, te, mask, kind, beta=beta, top_k=top_k, weights=w)[0],
-        clean, mask, poison, ("s",))
+        clean,
+        mask,
+        poison,
+        ("s",),
+    )
 
 
 @FAST
@@ -183,8 +214,9 @@ def test_preference_losses_ignore_poison_at_masked_positions(batch, average):
         return dpo_loss(s, s.flip(0), r, r.flip(0), beta=0.5)[0] + s.sum()
 
     _check_clean_equals_poisoned(dpo, clean, mask, poison, ("lp",))
-    _check_clean_equals_poisoned(lambda lp, ref: orpo_loss(lp, mask, lp.flip(0), mask.flip(0))[0],
-                                 clean, mask, poison, ("lp",))
+    _check_clean_equals_poisoned(
+        lambda lp, ref: orpo_loss(lp, mask, lp.flip(0), mask.flip(0))[0], clean, mask, poison, ("lp",)
+    )
 
 
 # ------------------------------------------------- micro-batch == full batch -----
@@ -220,8 +252,12 @@ def _accumulated_grad(loss_of, leaves: dict, mask, lengths, mbs, agg):
 
 
 @SETTINGS
-@given(batch=ragged_batch(), agg=st.sampled_from(AGG_MODES),
-       name=st.sampled_from(["clipped", "masked_is", "grpo", "sft"]), per_token=st.booleans())
+@given(
+    batch=ragged_batch(),
+    agg=st.sampled_from(AGG_MODES),
+    name=st.sampled_from(["clipped", "masked_is", "grpo", "sft"]),
+    per_token=st.booleans(),
+)
 def test_micro_batched_gradient_equals_the_full_batch_gradient(batch, agg, name, per_token):
     mask, lengths, mbs, g = batch
     b, t = mask.shape

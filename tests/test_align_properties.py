@@ -28,9 +28,15 @@ from mentorrl.opd.signals import CrossTokenizerTeacher, sampled_token_ends
 from mentorrl.trajectory import Segment, Trajectory
 
 CORPUS = [
-    "hello world, the order was shipped to the customer", "please cancel my order 12345, thanks",
-    "café naïve résumé déjà vu", "漢字 漫画 演劇 漁業 字", "日本語のテキストです", "中文文本 汉字",
-    "emoji 😀 ok 👍🏽 fine 🎉", "a\u0301 e\u0300 combining u\u0308", "Hello 漢字 café ✓ — €",
+    "hello world, the order was shipped to the customer",
+    "please cancel my order 12345, thanks",
+    "café naïve résumé déjà vu",
+    "漢字 漫画 演劇 漁業 字",
+    "日本語のテキストです",
+    "中文文本 汉字",
+    "emoji 😀 ok 👍🏽 fine 🎉",
+    "a\u0301 e\u0300 combining u\u0308",
+    "Hello 漢字 café ✓ — €",
 ] * 4
 
 
@@ -61,8 +67,10 @@ def _byte_fallback_from(vocab: dict[str, int], merges: list[tuple[str, str]], pr
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True))
     steps = [normalizers.Prepend("▁")] if prepend else []
     tok.normalizer = normalizers.Sequence(steps + [normalizers.Replace(" ", "▁")])
-    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
-                                    + ([decoders.Strip(" ", 1, 0)] if prepend else []))
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+        + ([decoders.Strip(" ", 1, 0)] if prepend else [])
+    )
     return tok
 
 
@@ -73,14 +81,19 @@ def make(kind: str) -> PreTrainedTokenizerFast:
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
-        tok.train_from_iterator(CORPUS, trainer=trainers.BpeTrainer(
-            vocab_size=420, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+        tok.train_from_iterator(
+            CORPUS,
+            trainer=trainers.BpeTrainer(
+                vocab_size=420, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+            ),
+        )
         return _wrap(tok)
     if kind == "byte_fallback":
         tok = Tokenizer(models.BPE())
         tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-        tok.train_from_iterator(CORPUS, trainer=trainers.BpeTrainer(vocab_size=260, limit_alphabet=45,
-                                                                    show_progress=False))
+        tok.train_from_iterator(
+            CORPUS, trainer=trainers.BpeTrainer(vocab_size=260, limit_alphabet=45, show_progress=False)
+        )
         model = json.loads(tok.to_str())["model"]
         merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
         return _wrap(_byte_fallback_from(model["vocab"], merges, prepend=True))
@@ -99,8 +112,11 @@ def issue_tokenizers() -> tuple[PreTrainedTokenizerFast, PreTrainedTokenizerFast
     and a byte-fallback BPE that knows 字 but spells 漢 as ``<0xE6> <0xBC> <0xA2>``."""
     alphabet = [CHAR_OF_BYTE[b] for b in range(256)]
     vocab = {c: i for i, c in enumerate(alphabet)}
-    merges = [(CHAR_OF_BYTE[0xE6], CHAR_OF_BYTE[0xBC]), (CHAR_OF_BYTE[0xA2], CHAR_OF_BYTE[0xE5]),
-              (CHAR_OF_BYTE[0xA2] + CHAR_OF_BYTE[0xE5], CHAR_OF_BYTE[0xAD])]
+    merges = [
+        (CHAR_OF_BYTE[0xE6], CHAR_OF_BYTE[0xBC]),
+        (CHAR_OF_BYTE[0xA2], CHAR_OF_BYTE[0xE5]),
+        (CHAR_OF_BYTE[0xA2] + CHAR_OF_BYTE[0xE5], CHAR_OF_BYTE[0xAD]),
+    ]
     for a, b in merges:
         vocab[a + b] = len(vocab)
     bl = Tokenizer(models.BPE(vocab=vocab, merges=merges))
@@ -127,8 +143,8 @@ def check_chunks(student, s_ids, s_bounds, teacher, t_ids, t_bounds, chunk_ends,
     for k, ((slo, shi), (tlo, thi)) in enumerate(zip(s_bounds, t_bounds)):
         s_prefix = student.decode(s_ids[:shi], clean_up_tokenization_spaces=False)
         t_prefix = teacher.decode(t_ids[:thi], clean_up_tokenization_spaces=False)
-        assert s_prefix == t_prefix == text[:chunk_ends[k]], (k, s_prefix, t_prefix, text)
-        s_chunk, t_chunk = s_prefix[len(prev[0]):], t_prefix[len(prev[1]):]
+        assert s_prefix == t_prefix == text[: chunk_ends[k]], (k, s_prefix, t_prefix, text)
+        s_chunk, t_chunk = s_prefix[len(prev[0]) :], t_prefix[len(prev[1]) :]
         assert s_chunk.encode() == t_chunk.encode() and s_chunk
         prev = (s_prefix, t_prefix)
     assert prev[0] == text
@@ -139,7 +155,12 @@ def test_issue_pair_splits_inside_characters():
     bl, bf = issue_tokenizers()
     assert bl.convert_ids_to_tokens(bl("漢字", add_special_tokens=False)["input_ids"]) == ["æ¼", "¢åŃ", "Ĺ"]
     assert bf.convert_ids_to_tokens(bf("漢字", add_special_tokens=False)["input_ids"]) == [
-        "▁", "<0xE6>", "<0xBC>", "<0xA2>", "字"]
+        "▁",
+        "<0xE6>",
+        "<0xBC>",
+        "<0xA2>",
+        "字",
+    ]
 
 
 @pytest.mark.parametrize("student_first", [True, False])
@@ -149,8 +170,9 @@ def test_issue_kanji_chunks_are_the_same_bytes_on_both_sides(student_first):
     student, teacher = (bl, bf) if student_first else (bf, bl)
     al = align_texts("漢字", student, teacher)
     assert al.chunk_ends == [2]  # 漢 and 字 share the byte-level token A2 E5 AD: one chunk
-    check_chunks(student, al.student_ids, al.student_bounds, teacher, al.teacher_ids, al.teacher_bounds,
-                 al.chunk_ends, "漢字")
+    check_chunks(
+        student, al.student_ids, al.student_bounds, teacher, al.teacher_ids, al.teacher_bounds, al.chunk_ends, "漢字"
+    )
 
 
 def test_issue_sampled_bytes_join_the_character_they_complete():
@@ -162,8 +184,9 @@ def test_issue_sampled_bytes_join_the_character_they_complete():
     t_ids, t_ends = token_ends(bf, "a漢")
     chunk_ends = sorted(set(sampled_token_ends(bl, ids, "a漢")) & set(t_ends))
     assert chunk_ends == [1, 2]
-    check_chunks(bl, ids, chunk_bounds([1, 2, 2, 2], chunk_ends), bf, t_ids, chunk_bounds(t_ends, chunk_ends),
-                 chunk_ends, "a漢")
+    check_chunks(
+        bl, ids, chunk_bounds([1, 2, 2, 2], chunk_ends), bf, t_ids, chunk_bounds(t_ends, chunk_ends), chunk_ends, "a漢"
+    )
     # the same sampled on the byte-fallback side
     f_ids = bf.convert_tokens_to_ids(["a"]) + byte_ids(bf, "byte_fallback", "漢".encode())
     assert sampled_token_ends(bf, f_ids, "a漢") == [1, 2, 2, 2]
@@ -175,7 +198,9 @@ def test_invalid_sampled_bytes_count_as_the_replacement_characters_decode_gives(
     ids = bl.convert_tokens_to_ids(["a"]) + byte_ids(bl, "byte_level", b"\xe6\xbc") + bl.convert_tokens_to_ids(["a"])
     text = bl.decode(ids)
     assert text == "a\ufffda" and sampled_token_ends(bl, ids, text) == [1, 3, 3, 3]
-    f_ids = bf.convert_tokens_to_ids(["a"]) + byte_ids(bf, "byte_fallback", b"\xe6\xbc") + bf.convert_tokens_to_ids(["a"])
+    f_ids = (
+        bf.convert_tokens_to_ids(["a"]) + byte_ids(bf, "byte_fallback", b"\xe6\xbc") + bf.convert_tokens_to_ids(["a"])
+    )
     text = bf.decode(f_ids)
     assert text == "a\ufffd\ufffda" and sampled_token_ends(bf, f_ids, text) == [1, 2, 3, 4]
     with pytest.raises(AlignmentError, match="student tokenizer: its tokens spell"):
@@ -235,8 +260,9 @@ def test_canonical_chunks_spell_the_same_bytes_on_both_sides(text, pair):
             align_texts(text, student, teacher)
         return
     al = align_texts(text, student, teacher)
-    check_chunks(student, al.student_ids, al.student_bounds, teacher, al.teacher_ids, al.teacher_bounds,
-                 al.chunk_ends, text)
+    check_chunks(
+        student, al.student_ids, al.student_bounds, teacher, al.teacher_ids, al.teacher_bounds, al.chunk_ends, text
+    )
 
 
 def sampled_spelling(draw, tok, kind: str, text: str) -> list[int]:
@@ -263,8 +289,16 @@ def test_sampled_chunks_spell_the_same_bytes_on_both_sides(data, text, pair):
     s_ends = sampled_token_ends(student, s_ids, text)
     t_ids, t_ends = token_ends(teacher, text, "teacher tokenizer")
     chunk_ends = sorted(set(s_ends) & set(t_ends))
-    check_chunks(student, s_ids, chunk_bounds(s_ends, chunk_ends), teacher, t_ids, chunk_bounds(t_ends, chunk_ends),
-                 chunk_ends, text)
+    check_chunks(
+        student,
+        s_ids,
+        chunk_bounds(s_ends, chunk_ends),
+        teacher,
+        t_ids,
+        chunk_bounds(t_ends, chunk_ends),
+        chunk_ends,
+        text,
+    )
 
 
 class _NoModel(torch.nn.Linear):
@@ -286,14 +320,24 @@ def test_cross_tokenizer_teacher_chunks_spell_the_same_bytes(data, text, pair):
     if not turn or teacher.decode(teacher(turn, add_special_tokens=False)["input_ids"]) != turn:
         return
     ids = prompt + policy
-    traj = Trajectory(id="t", task_id="q", family="f", token_ids=ids, loss_mask=[0] * len(prompt) + [1] * len(policy),
-                      logprobs=[0.0] * len(ids), env_name="e", env_version="1",
-                      segments=[Segment(role="prompt", start=0, end=len(prompt)),
-                                Segment(role="policy", start=len(prompt), end=len(ids))])
+    traj = Trajectory(
+        id="t",
+        task_id="q",
+        family="f",
+        token_ids=ids,
+        loss_mask=[0] * len(prompt) + [1] * len(policy),
+        logprobs=[0.0] * len(ids),
+        env_name="e",
+        env_version="1",
+        segments=[
+            Segment(role="prompt", start=0, end=len(prompt)),
+            Segment(role="policy", start=len(prompt), end=len(ids)),
+        ],
+    )
     t_ids, chunk_of, bounds = CrossTokenizerTeacher(_NoModel(), teacher, student).alignment(traj)
     p_teacher = len(token_ends(teacher, student.decode(prompt))[0])
     run = t_ids[p_teacher:]
-    s_bounds, k = [], chunk_of[len(prompt):].tolist()
+    s_bounds, k = [], chunk_of[len(prompt) :].tolist()
     for c in range(len(bounds)):
         s_bounds.append((k.index(c), len(k) - k[::-1].index(c)))
     t_bounds = [(a - p_teacher, b - p_teacher) for a, b in bounds]
@@ -317,8 +361,10 @@ def metaspace(scheme: str) -> PreTrainedTokenizerFast:
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(kind=st.sampled_from(KINDS + ["metaspace-always", "metaspace-first", "metaspace-never"]),
-       picks=st.lists(st.integers(0, 10**6), min_size=1, max_size=20))
+@given(
+    kind=st.sampled_from(KINDS + ["metaspace-always", "metaspace-first", "metaspace-never"]),
+    picks=st.lists(st.integers(0, 10**6), min_size=1, max_size=20),
+)
 def test_decoder_replay_spells_what_decode_gives(kind, picks):
     """Any id sequence, valid UTF-8 or not: the bytes replayed token by token decode to the tokenizer's own decode."""
     from mentorrl.opd.align import _speller

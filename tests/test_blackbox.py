@@ -16,6 +16,7 @@ from mentorrl.chat import assistant_message, trajectory_messages
 from mentorrl.config import OptimConfig
 from mentorrl.contract import parse_action
 from mentorrl.opd.remote_teacher import ActingTeacher, StudentEpisode, TrajectoryScore, action_agreement
+from mentorrl.train.learner import Learner
 from mentorrl.train.recipes.blackbox import (
     candidate_trajectory,
     corrected_trajectory,
@@ -24,7 +25,6 @@ from mentorrl.train.recipes.blackbox import (
     ranking_scores,
     step_advantages,
 )
-from mentorrl.train.learner import Learner
 
 CALL = '<tool_call>{"name": "get_order", "arguments": {"order_id": 7}}</tool_call>'
 OTHER_ARGS = '<tool_call>{"name": "get_order", "arguments": {"order_id": 8}}</tool_call>'
@@ -69,6 +69,7 @@ def _episode(turns: list[str], demo) -> StudentEpisode:
 
 def test_acting_teacher_scores_turns_by_agreement_and_names_the_first_wrong_one(make_demos):
     _, demos = make_demos(1)
+
     # the teacher: get_order(7) at the start, then the answer "Order 7 shipped"; 4 samples, 1 of them off
     def answer(messages, params):
         assert params["n"] == 4 and "logprobs" not in params
@@ -141,7 +142,9 @@ def test_sequence_step_is_exact_whatever_the_micro_batch(make_demos, model, toke
     def objective(s):
         return soft_label_loss(s, target, temperature=1.0)
 
-    def learner_for(m, mbs):  # plain SGD: the update is the (clipped) gradient itself, so equal updates = equal gradients
+    def learner_for(
+        m, mbs
+    ):  # plain SGD: the update is the (clipped) gradient itself, so equal updates = equal gradients
         learner = Learner(m, OptimConfig(lr=1.0, micro_batch_size=mbs), contract.pad_token_id)
         learner.optimizer = torch.optim.SGD(m.parameters(), lr=1.0)
         learner.scheduler = torch.optim.lr_scheduler.LambdaLR(learner.optimizer, lambda _: 1.0)
@@ -187,7 +190,7 @@ def test_step_advantages_shift_each_turn_by_its_standardised_score(make_demos):
     flat = torch.tensor(scores)
     z = (flat - flat.mean()) / flat.std(unbiased=False)
     for seg, zi in zip(turns, z.tolist()):
-        assert torch.allclose(adv[seg.start:seg.end], torch.full((seg.end - seg.start,), 0.5 + zi))
+        assert torch.allclose(adv[seg.start : seg.end], torch.full((seg.end - seg.start,), 0.5 + zi))
     assert adv[torch.tensor(t.loss_mask) == 0].abs().sum() == 0
     # an unscored trajectory keeps its outcome advantage only
     plain = step_advantages([t], torch.tensor([0.5]), [None], coef=1.0)[0]
@@ -196,14 +199,16 @@ def test_step_advantages_shift_each_turn_by_its_standardised_score(make_demos):
 
 def test_preference_pairs_take_best_and_worst_and_skip_ties(make_demos):
     _, demos = make_demos(4)
-    pairs, m = preference_pairs([demos[:3], demos[:2], demos[2:4]], [[0.2, 0.9, 0.1], [0.5, 0.5], None],
-                                min_margin=0.1)
+    pairs, m = preference_pairs([demos[:3], demos[:2], demos[2:4]], [[0.2, 0.9, 0.1], [0.5, 0.5], None], min_margin=0.1)
     assert len(pairs) == 1 and m == {"ties": 1.0, "teacher_skips": 1.0, "vetoed": 0.0}
     chosen, rejected, cm, rm = pairs[0]
     assert chosen is demos[1] and rejected is demos[2]
     every, m = preference_pairs([demos[:3]], [[0.2, 0.9, 0.1]], min_margin=0.1, which="all")
-    assert [(c.id, r.id) for c, r, _, _ in every] == [(demos[0].id, demos[2].id), (demos[1].id, demos[0].id),
-                                                      (demos[1].id, demos[2].id)]  # 0.2 vs 0.1 passes, ties none
+    assert [(c.id, r.id) for c, r, _, _ in every] == [
+        (demos[0].id, demos[2].id),
+        (demos[1].id, demos[0].id),
+        (demos[1].id, demos[2].id),
+    ]  # 0.2 vs 0.1 passes, ties none
     shared = next(i for i, (x, y) in enumerate(zip(chosen.token_ids, rejected.token_ids)) if x != y)
     assert not any(cm[:shared]) and any(cm) and any(rm)
 
@@ -230,7 +235,11 @@ def test_a_correction_replays_the_student_prefix_and_trains_only_the_teacher_tur
 
     contract, demos = make_demos(6)
     traj = next(d for d in demos if len([s for s in d.segments if s.role == "policy"]) >= 2)
-    user = tokenizer.decode(traj.token_ids, skip_special_tokens=False).split("<|im_start|>user\n")[1].split("<|im_end|>")[0]
+    user = (
+        tokenizer.decode(traj.token_ids, skip_special_tokens=False)
+        .split("<|im_start|>user\n")[1]
+        .split("<|im_end|>")[0]
+    )
     msgs = trajectory_messages(traj, tokenizer, contract.system_text(), user)
     task = next(t for t in orders_entry.make_tasks().tasks("train", 6, 0) if t.id == traj.task_id)
     ep = StudentEpisode(task, traj, msgs)
@@ -245,8 +254,8 @@ def test_a_correction_replays_the_student_prefix_and_trains_only_the_teacher_tur
     fixed = corrected_trajectory(ws, ep, 1, ExpertTeacher())
     assert fixed.token_ids == traj.token_ids and fixed.reward.success
     turns = [s for s in traj.segments if s.role == "policy"]
-    assert not any(fixed.loss_mask[:turns[1].start])
-    assert fixed.loss_mask[turns[1].start:] == traj.loss_mask[turns[1].start:]
+    assert not any(fixed.loss_mask[: turns[1].start])
+    assert fixed.loss_mask[turns[1].start :] == traj.loss_mask[turns[1].start :]
     assert fixed.source == "teacher"
 
 
@@ -255,7 +264,11 @@ def test_candidate_trajectory_trains_only_the_candidate_turn(make_demos):
     t = demos[0]
     seg = [s for s in t.segments if s.role == "policy"][1]
     cand = candidate_trajectory(t, seg.start, [5, 6, contract.im_end_id])
-    assert cand.token_ids[:seg.start] == t.token_ids[:seg.start] and cand.token_ids[seg.start:] == [5, 6, contract.im_end_id]
+    assert cand.token_ids[: seg.start] == t.token_ids[: seg.start] and cand.token_ids[seg.start :] == [
+        5,
+        6,
+        contract.im_end_id,
+    ]
     assert cand.loss_mask == [0] * seg.start + [1, 1, 1] and cand.segments[-1].role == "policy"
 
 
@@ -286,27 +299,40 @@ def test_prompted_teacher_reads_json_rankings_critiques_and_scores(server, make_
     assert t.rank([ep, ep]) == [0.9, 0.1]
     asked = script.requests[-1]["messages"][-1]["content"]
     assert "Candidate 2" in asked and "calls get_order" in asked and "answers: Order 7 shipped" in asked
-    script.plans["crit"] = [(200, _reply('```json\n{"step_scores": [1.0, 0.2], "first_wrong_step": 2, '
-                                         '"correct_action": {"answer": "Order 7 has shipped"}}\n```'))]
+    script.plans["crit"] = [
+        (
+            200,
+            _reply(
+                '```json\n{"step_scores": [1.0, 0.2], "first_wrong_step": 2, '
+                '"correct_action": {"answer": "Order 7 has shipped"}}\n```'
+            ),
+        )
+    ]
     c = _prompted(url, "crit").critique(ep)
     assert c.scores == [1.0, 0.2] and c.first_wrong == 1 and c.correct_action["content"] == "Order 7 has shipped"
     script.plans["acts"] = [(200, _reply('{"scores": [1.0, 0.0]}'))]
-    assert _prompted(url, "acts").rank_actions(ep.messages[:1], [assistant_message(CALL),
-                                                                 assistant_message(OTHER_TOOL)]) == [1.0, 0.0]
-    rubric = ('{"task_success": 1, "tool_correctness": 0.5, "state_tracking": 1, "efficiency": 1, '
-              '"final_answer": 1, "safety": 1, "reason": "ok"}')
+    assert _prompted(url, "acts").rank_actions(
+        ep.messages[:1], [assistant_message(CALL), assistant_message(OTHER_TOOL)]
+    ) == [1.0, 0.0]
+    rubric = (
+        '{"task_success": 1, "tool_correctness": 0.5, "state_tracking": 1, "efficiency": 1, '
+        '"final_answer": 1, "safety": 1, "reason": "ok"}'
+    )
     script.plans["score"] = [(200, _reply(rubric))]
     s = _prompted(url, "score").score(ep)
     assert s.dims["tool_correctness"] == 0.5 and len(s.dims) == 6 and s.reason == "ok"
     assert task.prompt in script.requests[-1]["messages"][-1]["content"]  # the LLM judge's rubric prompt
 
 
-@pytest.mark.parametrize("route, answer", [
-    ("count", '{"scores": [0.5]}'),                              # one score for two candidates
-    ("range", '{"scores": [1.5, 0.0]}'),                         # outside [0, 1]
-    ("step", '{"step_scores": [1.0, 0.0], "first_wrong_step": 5}'),  # no such step
-    ("prose", "Candidate 1 is better."),                         # not JSON at all
-])
+@pytest.mark.parametrize(
+    "route, answer",
+    [
+        ("count", '{"scores": [0.5]}'),  # one score for two candidates
+        ("range", '{"scores": [1.5, 0.0]}'),  # outside [0, 1]
+        ("step", '{"step_scores": [1.0, 0.0], "first_wrong_step": 5}'),  # no such step
+        ("prose", "Candidate 1 is better."),  # not JSON at all
+    ],
+)
 def test_prompted_teacher_counts_and_skips_answers_that_do_not_fit(server, make_demos, route, answer):
     script, url = server
     _, demos = make_demos(1)
@@ -324,20 +350,26 @@ def test_preference_update_runs_each_loss_on_agent_pairs(make_demos, model, loss
 
     contract, demos = make_demos(4)
     pairs, _ = preference_pairs([demos[:2], demos[2:4]], [[1.0, 0.0], [0.0, 1.0]], min_margin=0.1)
-    o = BlackBoxConfig(recipe="ranking", preference={"loss": loss.split("+")[0], "nll_coef": 1.0 if "nll" in loss else 0,
-                                                     "average": "average" in loss})
+    o = BlackBoxConfig(
+        recipe="ranking",
+        preference={"loss": loss.split("+")[0], "nll_coef": 1.0 if "nll" in loss else 0, "average": "average" in loss},
+    )
     policy = copy.deepcopy(model)
     learner = Learner(policy, OptimConfig(lr=1e-3, micro_batch_size=2), contract.pad_token_id)
     m = preference_update(learner, copy.deepcopy(model), pairs, o)
     assert math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]) and m["skipped_update"] == 0.0
-    if loss in ("dpo", "dpo+average"):  # policy == reference before the step: every implicit reward is 0, the loss log 2
+    if loss in (
+        "dpo",
+        "dpo+average",
+    ):  # policy == reference before the step: every implicit reward is 0, the loss log 2
         assert m["loss"] == pytest.approx(math.log(2)) and m["reward_margin"] == pytest.approx(0.0, abs=1e-6)
     if loss == "orpo":
         assert m["nll"] > 0
     if loss == "dpo+nll":  # the chosen side's token-mean NLL, added to DPO's log 2
         chosen = [c for c, _, _, _ in pairs]
         lp = Learner(copy.deepcopy(model), OptimConfig(), contract.pad_token_id).sequence_logprobs(
-            chosen, [torch.tensor(c.loss_mask) for c in chosen], average=True)
+            chosen, [torch.tensor(c.loss_mask) for c in chosen], average=True
+        )
         assert m["chosen_nll"] == pytest.approx(-lp.mean().item(), rel=1e-5)
         assert m["loss"] == pytest.approx(math.log(2) + m["chosen_nll"], rel=1e-5)
 
@@ -382,16 +414,19 @@ def test_the_verifier_vetoes_a_teacher_preference_it_contradicts(make_demos):
     assert pairs[0][0] is good
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["blackbox.recipe=ranking", "blackbox.samples_per_task=1"], "samples_per_task must be >= 2"),
-    (["blackbox.recipe=imitate"], "blackbox.recipe"),
-    (["blackbox.teacher.mode=telepathy"], "blackbox.teacher.mode"),
-    (["blackbox.preference.label_smoothing=0.5"], "blackbox.preference.label_smoothing"),
-    (["blackbox.teacher.client.timeout_s=0"], "blackbox.teacher.client.timeout_s"),
-    (["blackbox.teacher.serve={path: x, colour: red}"], "colour"),
-    (["blackbox.preference.teacher_coef=1.5"], "blackbox.preference.teacher_coef"),
-    (["blackbox.actions.loss=hinge"], "blackbox.actions.loss"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["blackbox.recipe=ranking", "blackbox.samples_per_task=1"], "samples_per_task must be >= 2"),
+        (["blackbox.recipe=imitate"], "blackbox.recipe"),
+        (["blackbox.teacher.mode=telepathy"], "blackbox.teacher.mode"),
+        (["blackbox.preference.label_smoothing=0.5"], "blackbox.preference.label_smoothing"),
+        (["blackbox.teacher.client.timeout_s=0"], "blackbox.teacher.client.timeout_s"),
+        (["blackbox.teacher.serve={path: x, colour: red}"], "colour"),
+        (["blackbox.preference.teacher_coef=1.5"], "blackbox.preference.teacher_coef"),
+        (["blackbox.actions.loss=hinge"], "blackbox.actions.loss"),
+    ],
+)
 def test_blackbox_config_errors_name_the_field(overrides, message):
     from mentorrl.config import ConfigError, load_config
 

@@ -11,13 +11,12 @@ import json
 import math
 
 import pytest
+from test_resume import TINY_OVERRIDES
 from typer.testing import CliRunner
 
 from mentorrl.cli import app
 from mentorrl.config import BLACKBOX_RECIPES
 from mentorrl.train.rundir import MetricsLog
-
-from test_resume import TINY_OVERRIDES
 
 pytestmark = pytest.mark.slow
 LONGER = ["sampling.max_new_tokens=48"]  # room for a whole tool call in a turn
@@ -63,12 +62,28 @@ RECIPE_SETTINGS = {
 
 def _run_recipe(tmp_path, checkpoints, url, recipe, extra=(), resume=False):
     student, _ = checkpoints
-    return _train(tmp_path / recipe, [
-        *LONGER, f"model.path={student}", "recipe=[blackbox]", f"blackbox.recipe={recipe}", "blackbox.steps=2",
-        "blackbox.tasks_per_step=4", "blackbox.samples_per_task=4", "blackbox.checkpoint_every=1",
-        f"blackbox.teacher.client.base_url={url}", "blackbox.teacher.client.api_key_env=null",
-        "blackbox.teacher.samples=4", "blackbox.teacher.max_tokens=24", "eval.num_tasks=4", "eval.batch_size=4",
-        *RECIPE_SETTINGS[recipe], *extra], resume=resume)
+    return _train(
+        tmp_path / recipe,
+        [
+            *LONGER,
+            f"model.path={student}",
+            "recipe=[blackbox]",
+            f"blackbox.recipe={recipe}",
+            "blackbox.steps=2",
+            "blackbox.tasks_per_step=4",
+            "blackbox.samples_per_task=4",
+            "blackbox.checkpoint_every=1",
+            f"blackbox.teacher.client.base_url={url}",
+            "blackbox.teacher.client.api_key_env=null",
+            "blackbox.teacher.samples=4",
+            "blackbox.teacher.max_tokens=24",
+            "eval.num_tasks=4",
+            "eval.batch_size=4",
+            *RECIPE_SETTINGS[recipe],
+            *extra,
+        ],
+        resume=resume,
+    )
 
 
 @pytest.mark.parametrize("recipe", BLACKBOX_RECIPES)
@@ -96,8 +111,13 @@ def test_each_recipe_trains_through_the_served_teacher(tmp_path, checkpoints, te
 
 def test_action_ranking_can_train_dpo_on_pairs_of_turns(tmp_path, checkpoints, teacher_url):
     """actions.loss=preference: each state's best and worst candidate turn, by the teacher's ranking, under DPO + NLL."""
-    run = _run_recipe(tmp_path, checkpoints, teacher_url, "actions",
-                      extra=["blackbox.actions.loss=preference", "blackbox.preference={min_margin: 0.0, nll_coef: 1.0}"])
+    run = _run_recipe(
+        tmp_path,
+        checkpoints,
+        teacher_url,
+        "actions",
+        extra=["blackbox.actions.loss=preference", "blackbox.preference={min_margin: 0.0, nll_coef: 1.0}"],
+    )
     recs = MetricsLog(run / "metrics.jsonl").read("blackbox")
     trained = [r for r in recs if r["batch_size"] > 0]
     assert trained, recs
@@ -115,8 +135,13 @@ def test_a_killed_blackbox_run_resumes_to_the_same_metrics(tmp_path, checkpoints
 
 def test_a_teacher_that_is_down_is_counted_not_fatal(tmp_path, checkpoints):
     """No server at the URL: every request fails (counted), and the score recipe falls back to the verifier's reward."""
-    run = _run_recipe(tmp_path, checkpoints, "http://127.0.0.1:9/v1", "score",
-                      extra=["blackbox.teacher.client.max_retries=0", "blackbox.teacher.client.timeout_s=1"])
+    run = _run_recipe(
+        tmp_path,
+        checkpoints,
+        "http://127.0.0.1:9/v1",
+        "score",
+        extra=["blackbox.teacher.client.max_retries=0", "blackbox.teacher.client.timeout_s=1"],
+    )
     recs = MetricsLog(run / "metrics.jsonl").read("blackbox")
     assert [r["step"] for r in recs] == [1, 2]
     assert recs[-1]["teacher_failures"] > 0 and all(r["teacher_scored"] == 0 for r in recs)

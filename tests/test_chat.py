@@ -7,8 +7,16 @@ import json
 
 import pytest
 
-from mentorrl.chat import (MessageError, action_key, action_of, assistant_message, message_text, prompt_pieces,
-                           prompt_text, trajectory_messages)
+from mentorrl.chat import (
+    MessageError,
+    action_key,
+    action_of,
+    assistant_message,
+    message_text,
+    prompt_pieces,
+    prompt_text,
+    trajectory_messages,
+)
 from mentorrl.contract import IM_END, IM_START, ChatEncoder
 
 
@@ -16,18 +24,21 @@ def test_trajectory_messages_render_back_to_the_policy_context(make_demos, token
     contract, demos = make_demos(6)
     assert demos
     for traj in demos:
-        user = tokenizer.decode(traj.token_ids, skip_special_tokens=False).split("<|im_start|>user\n")[1].split(
-            "<|im_end|>")[0]
+        user = (
+            tokenizer.decode(traj.token_ids, skip_special_tokens=False)
+            .split("<|im_start|>user\n")[1]
+            .split("<|im_end|>")[0]
+        )
         msgs = trajectory_messages(traj, tokenizer, contract.system_text(), user)
         policy = [s for s in traj.segments if s.role == "policy"]
         assert sum(m["role"] == "assistant" for m in msgs) == len(policy)
         # the context before every policy turn is the text of the messages before it
         assistant_at = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
         for seg, i in zip(policy, assistant_at):
-            seen = tokenizer.decode(traj.token_ids[:seg.start], skip_special_tokens=False)
+            seen = tokenizer.decode(traj.token_ids[: seg.start], skip_special_tokens=False)
             assert prompt_text(msgs[:i]) == seen
             # ... and the very ids: what the server feeds the policy is what the rollout trained it on
-            assert ChatEncoder(tokenizer).pieces(prompt_pieces(msgs[:i])) == traj.token_ids[:seg.start]
+            assert ChatEncoder(tokenizer).pieces(prompt_pieces(msgs[:i])) == traj.token_ids[: seg.start]
         # the actions read back are the ones the expert took
         calls = [action_of(m) for m in msgs if m["role"] == "assistant"]
         tools = [(a.name, a.arguments) for a in calls if a.kind == "tool"]
@@ -43,19 +54,27 @@ def test_assistant_message_shapes():
     bad = "<tool_call>{not json</tool_call>"
     assert assistant_message(bad)["content"] == bad  # kept verbatim for the caller to count
     same = action_key(action_of(m))
-    assert same == action_key(action_of({"role": "assistant", "tool_calls": [
-        {"function": {"name": "get_order", "arguments": '{"order_id": 7}'}}]}))
-    assert same != action_key(action_of(assistant_message('<tool_call>{"name": "get_order", "arguments": {"order_id": 8}}</tool_call>')))
+    assert same == action_key(
+        action_of(
+            {"role": "assistant", "tool_calls": [{"function": {"name": "get_order", "arguments": '{"order_id": 7}'}}]}
+        )
+    )
+    assert same != action_key(
+        action_of(assistant_message('<tool_call>{"name": "get_order", "arguments": {"order_id": 8}}</tool_call>'))
+    )
 
 
-@pytest.mark.parametrize("msg, match", [
-    ({"role": "robot", "content": "x"}, "unknown role"),
-    ({"role": "user", "content": "x", "tool_calls": [{"function": {"name": "a"}}]}, "only assistant"),
-    ({"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}, "function.name"),
-    ({"role": "assistant", "tool_calls": [{"function": {"name": "a", "arguments": "{x"}}]}, "not JSON"),
-    ({"role": "assistant", "tool_calls": [{"function": {"name": "a", "arguments": "[1]"}}]}, "JSON object"),
-    ({"role": "user", "content": 5}, "must be a string"),
-])
+@pytest.mark.parametrize(
+    "msg, match",
+    [
+        ({"role": "robot", "content": "x"}, "unknown role"),
+        ({"role": "user", "content": "x", "tool_calls": [{"function": {"name": "a"}}]}, "only assistant"),
+        ({"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}, "function.name"),
+        ({"role": "assistant", "tool_calls": [{"function": {"name": "a", "arguments": "{x"}}]}, "not JSON"),
+        ({"role": "assistant", "tool_calls": [{"function": {"name": "a", "arguments": "[1]"}}]}, "JSON object"),
+        ({"role": "user", "content": 5}, "must be a string"),
+    ],
+)
 def test_bad_messages_are_named(msg, match):
     with pytest.raises(MessageError, match=match):
         message_text(msg)

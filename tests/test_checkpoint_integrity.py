@@ -11,6 +11,7 @@ import subprocess
 
 import pytest
 import torch
+from test_resume import Interrupt, _stage, _steps, workspace  # noqa: F401  (workspace is a fixture)
 
 from mentorrl.train.rundir import (
     MANIFEST,
@@ -19,7 +20,6 @@ from mentorrl.train.rundir import (
     restore_checkpoint,
     verify_manifest,
 )
-from test_resume import Interrupt, _stage, _steps, workspace  # noqa: F401  (workspace is a fixture)
 
 
 def _two_checkpoints(ws, model):
@@ -37,7 +37,7 @@ def _flip_bit_in_tensor_data(path):
 
     data = bytearray(path.read_bytes())
     (n,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8:8 + n])
+    header = json.loads(data[8 : 8 + n])
     name, info = next((k, v) for k, v in header.items() if k != "__metadata__")
     lo, hi = info["data_offsets"]
     data[8 + n + lo + (hi - lo) // 2] ^= 0x10  # one bit of one weight: still a valid safetensors file
@@ -57,7 +57,9 @@ DAMAGE = {
 CASES = [(d, True) for d in sorted(DAMAGE)] + [(d, False) for d in sorted(DAMAGE) if d != "flipped-bit-weights"]
 
 
-@pytest.mark.parametrize("damage,with_manifest", CASES, ids=[f"{d}-{'checksummed' if w else 'legacy'}" for d, w in CASES])
+@pytest.mark.parametrize(
+    "damage,with_manifest", CASES, ids=[f"{d}-{'checksummed' if w else 'legacy'}" for d, w in CASES]
+)
 def test_a_damaged_latest_checkpoint_is_named_and_the_previous_one_resumes(workspace, model, damage, with_manifest):
     ws, buf = workspace
     older, newer = _two_checkpoints(ws, model)

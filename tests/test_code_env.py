@@ -53,18 +53,26 @@ def test_expert_solves_every_family_and_a_stub_fails():
 
 
 def test_reward_audit_and_validation_pass():
-    from mentorrl.integrity.attacks import AttackAuditConfig, audit_env
-    from mentorrl.cli.integrity import tiny_tokenizer
-    from mentorrl.integrity.validation import validate_env
-
     import tempfile
     from pathlib import Path
+
+    from mentorrl.cli.integrity import tiny_tokenizer
+    from mentorrl.integrity.attacks import AttackAuditConfig, audit_env
+    from mentorrl.integrity.validation import validate_env
 
     tok = tiny_tokenizer("code", Path(tempfile.mkdtemp()), corpus_tasks=12)
     report = audit_env("code", tok, AttackAuditConfig(tasks_per_attack=2, pool_size=16))
     names = {a.name for a in report.attacks}
-    assert {"edit_tests", "hardcode_visible", "print_expected", "exit_in_tests", "monkeypatch_runner",
-            "read_hidden_tests", "timeout_games", "write_outside"} <= names
+    assert {
+        "edit_tests",
+        "hardcode_visible",
+        "print_expected",
+        "exit_in_tests",
+        "monkeypatch_runner",
+        "read_hidden_tests",
+        "timeout_games",
+        "write_outside",
+    } <= names
     assert report.passed, [(a.name, a.reason) for a in report.attacks if not a.passed]
     hard = {a.name for a in report.attacks if a.hard}
     assert {"edit_tests", "exit_in_tests", "write_outside"} <= hard
@@ -80,12 +88,26 @@ def test_code_recipe_trains_sft_then_grpo(tmp_path):
     from mentorrl.cli import app
 
     overrides = [
-        "threads=1", f"run_dir={tmp_path / 'run'}",
-        "model.spec.hidden_size=64", "model.spec.intermediate_size=128", "model.spec.num_layers=2",
-        "model.spec.num_heads=2", "model.spec.num_kv_heads=1", "model.spec.vocab_size=600",
-        "model.tokenizer_corpus_tasks=24", "sft.steps=2", "sft.num_demos=8", "sft.batch_size=4",
-        "grpo.steps=1", "grpo.tasks_per_step=2", "grpo.samples_per_task=2", "audit.eval_every=0",
-        "eval.num_tasks=2", "eval.batch_size=2", "sampling.max_new_tokens=48", "limits.max_total_tokens=1024",
+        "threads=1",
+        f"run_dir={tmp_path / 'run'}",
+        "model.spec.hidden_size=64",
+        "model.spec.intermediate_size=128",
+        "model.spec.num_layers=2",
+        "model.spec.num_heads=2",
+        "model.spec.num_kv_heads=1",
+        "model.spec.vocab_size=600",
+        "model.tokenizer_corpus_tasks=24",
+        "sft.steps=2",
+        "sft.num_demos=8",
+        "sft.batch_size=4",
+        "grpo.steps=1",
+        "grpo.tasks_per_step=2",
+        "grpo.samples_per_task=2",
+        "audit.eval_every=0",
+        "eval.num_tasks=2",
+        "eval.batch_size=2",
+        "sampling.max_new_tokens=48",
+        "limits.max_total_tokens=1024",
     ]
     args = ["train", "mentorrl/configs/code.yaml"]
     for ov in overrides:

@@ -69,8 +69,9 @@ def test_rm_rf_leaves_the_host_untouched(env_task, tmp_path):
     canary.write_text("alive")
     os.chmod(canary, 0o666)
     try:
-        r = env.step("run_python", {"code": f"import os\nprint(os.system('rm -rf {canary}'))\n"
-                                            f"os.remove({str(canary)!r})"})
+        r = env.step(
+            "run_python", {"code": f"import os\nprint(os.system('rm -rf {canary}'))\nos.remove({str(canary)!r})"}
+        )
         assert not r.ok and "write refused" in r.error and "Read-only file system" in r.error
         assert canary.read_text() == "alive"
         assert any("outside the workspace" in v for v in env.verify("done").violations)
@@ -118,8 +119,10 @@ def test_output_is_capped_and_no_capability_is_left(env_task):
     assert not r.ok and "output limit" in r.error
     r = env.step("run_python", {"code": "print([l for l in open('/proc/self/status') if l.startswith('CapEff')][0])"})
     assert r.ok and r.content["stdout"].split()[-1] == "0000000000000000"
-    r = env.step("run_python", {"code": "import subprocess\nprint(subprocess.run(['mount', '-o', 'remount,rw', '/'])"
-                                        ".returncode)"})
+    r = env.step(
+        "run_python",
+        {"code": "import subprocess\nprint(subprocess.run(['mount', '-o', 'remount,rw', '/']).returncode)"},
+    )
     assert r.ok and r.content["stdout"].strip() != "0"
 
 

@@ -87,8 +87,9 @@ def test_non_mapping_and_bad_yaml(tmp_path):
 
 def test_set_overrides(tmp_path):
     path = _write(tmp_path, "grpo:\n  steps: 3\n  samples_per_task: 4\nsampling:\n  temperature: 0.9\n")
-    cfg = load_config(path, ["grpo.steps=7", "sampling.temperature=0.5", "run_dir=/tmp/x", "model.path=null",
-                             "grpo.optim.lr=1e-5"])
+    cfg = load_config(
+        path, ["grpo.steps=7", "sampling.temperature=0.5", "run_dir=/tmp/x", "model.path=null", "grpo.optim.lr=1e-5"]
+    )
     assert cfg.grpo.steps == 7 and cfg.grpo.samples_per_task == 4  # the file's other values survive
     assert cfg.sampling.temperature == 0.5
     assert cfg.run_dir == "/tmp/x" and cfg.model.path is None
@@ -111,8 +112,12 @@ def test_cli_config_prints_effective_yaml():
     assert res.exit_code == 0, _output(res)
     data = yaml.safe_load(res.stdout)
     assert data["grpo"]["steps"] == 3 and data["sampling"]["temperature"] == 0.7
-    assert data["sft"]["steps"] == yaml.safe_load(PACKAGED.read_text())["sft"]["steps"]  # the demo recipe is the default
-    assert load_config(None, ["grpo.steps=3", "sampling.temperature=0.7"]).model_dump(mode="json") != data  # demo.yaml applied
+    assert (
+        data["sft"]["steps"] == yaml.safe_load(PACKAGED.read_text())["sft"]["steps"]
+    )  # the demo recipe is the default
+    assert (
+        load_config(None, ["grpo.steps=3", "sampling.temperature=0.7"]).model_dump(mode="json") != data
+    )  # demo.yaml applied
     assert RunConfig.model_validate(data).grpo.steps == 3
 
 
@@ -200,8 +205,11 @@ def test_config_extends_merges_over_its_parent(tmp_path):
     child.write_text("extends: base.yaml\nsft: {steps: 2}\n")
     cfg = load_config(child, ["seed=6"])
     assert (cfg.seed, cfg.sft.batch_size, cfg.sft.steps) == (6, 8, 2)  # overrides still win
-    for text, msg in [("extends: nowhere.yaml\n", "not found"), ("extends: [a, b]\n", "must be a file name"),
-                      ("extends: child.yaml\n", "cycle")]:
+    for text, msg in [
+        ("extends: nowhere.yaml\n", "not found"),
+        ("extends: [a, b]\n", "must be a file name"),
+        ("extends: child.yaml\n", "cycle"),
+    ]:
         child.write_text(text)
         with pytest.raises(ConfigError, match=msg):
             load_config(child)
@@ -287,8 +295,19 @@ def test_cli_anchor_bomb_through_extends_fails_fast(tmp_path):
         load_config(None, ["grpo=" + _anchor_bomb().replace("\n", ", ").join("{}")])  # through --set too
 
 
-@pytest.mark.parametrize("field", ["grpo.optim.lr", "sampling.temperature", "grpo.eps_high", "grpo.kl_coef",
-                                   "audit.reward_low", "audit.reward_high", "reward.tool", "sft.optim.betas"])
+@pytest.mark.parametrize(
+    "field",
+    [
+        "grpo.optim.lr",
+        "sampling.temperature",
+        "grpo.eps_high",
+        "grpo.kl_coef",
+        "audit.reward_low",
+        "audit.reward_high",
+        "reward.tool",
+        "sft.optim.betas",
+    ],
+)
 @pytest.mark.parametrize("value", [".inf", "-.inf", ".nan", "inf", "nan", "1e999"])
 def test_non_finite_floats_are_refused_everywhere(field, value):
     if field.endswith("betas"):
@@ -307,10 +326,17 @@ def test_reward_bounds_must_be_ordered():
         load_config(None, ["audit.reward_low=2", "audit.reward_high=1"])
 
 
-@pytest.mark.parametrize("override,field", [("grpo.steps=true", "grpo.steps"), ("sft.batch_size=false", "sft.batch_size"),
-                                            ("grpo.optim.lr=true", "grpo.optim.lr"), ("seed=true", "seed"),
-                                            ("limits.max_turns=yes", "limits.max_turns"),
-                                            ("sao.mix={online: true}", "sao.mix.online")])
+@pytest.mark.parametrize(
+    "override,field",
+    [
+        ("grpo.steps=true", "grpo.steps"),
+        ("sft.batch_size=false", "sft.batch_size"),
+        ("grpo.optim.lr=true", "grpo.optim.lr"),
+        ("seed=true", "seed"),
+        ("limits.max_turns=yes", "limits.max_turns"),
+        ("sao.mix={online: true}", "sao.mix.online"),
+    ],
+)
 def test_booleans_are_not_numbers(override, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         load_config(None, [override])
@@ -340,7 +366,9 @@ def test_cli_train_run_dir_is_a_file_exits_2_before_anything(tmp_path):
 
 
 def test_cli_hard_pool_state_checked_before_training(tmp_path):
-    cfg = _write(tmp_path, f"run_dir: {tmp_path / 'run'}\ngrpo:\n  hard_pool: {{}}\n  hard_pool_state: {tmp_path / 'no.json'}\n")
+    cfg = _write(
+        tmp_path, f"run_dir: {tmp_path / 'run'}\ngrpo:\n  hard_pool: {{}}\n  hard_pool_state: {tmp_path / 'no.json'}\n"
+    )
     _assert_exit_2(runner.invoke(app, ["train", str(cfg)]), "grpo.hard_pool_state")
     assert not (tmp_path / "run" / "sft").exists()
     with pytest.raises(ConfigError, match="grpo.hard_pool_state"):
@@ -363,8 +391,11 @@ def test_cli_max_total_tokens_below_the_prompt_exits_2_before_sft(tmp_path):
 
 
 def test_cli_checkpoints_the_stages_load_are_checked_first(tmp_path):
-    cfg = _write(tmp_path, f"run_dir: {tmp_path / 'run'}\nrecipe: [sft, opd]\n"
-                           f"opd:\n  teachers: [{{name: t, path: {tmp_path / 'nowhere'}}}]\n")
+    cfg = _write(
+        tmp_path,
+        f"run_dir: {tmp_path / 'run'}\nrecipe: [sft, opd]\n"
+        f"opd:\n  teachers: [{{name: t, path: {tmp_path / 'nowhere'}}}]\n",
+    )
     _assert_exit_2(runner.invoke(app, ["train", str(cfg)]), "opd.teachers.0.path", "nowhere")
     assert not (tmp_path / "run" / "base_model").exists()
 

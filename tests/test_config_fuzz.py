@@ -17,11 +17,35 @@ FIELDS = sorted({f.replace("[]", "") for f, _, _ in config_reference()})
 SECTIONS = sorted({f.rsplit(".", 1)[0] for f in FIELDS if "." in f})
 KEYS = st.sampled_from(FIELDS + SECTIONS + ["extends", "bogus", ""]) | st.text(max_size=8)
 
-SCALARS = (st.none() | st.booleans() | st.integers(-(2**70), 2**70)
-           | st.floats(allow_nan=True, allow_infinity=True)
-           | st.sampled_from(["inf", "-inf", "nan", ".inf", "1e999", "orders", "grpo", "nope", "demo.yaml", "[1,",
-                              "true", "0x10", "2020-01-01", "~", "{a: 1}", "\x00", "é", "\ud800"])
-           | st.text(max_size=12))
+SCALARS = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.sampled_from(
+        [
+            "inf",
+            "-inf",
+            "nan",
+            ".inf",
+            "1e999",
+            "orders",
+            "grpo",
+            "nope",
+            "demo.yaml",
+            "[1,",
+            "true",
+            "0x10",
+            "2020-01-01",
+            "~",
+            "{a: 1}",
+            "\x00",
+            "é",
+            "\ud800",
+        ]
+    )
+    | st.text(max_size=12)
+)
 
 
 def _nest(children):
@@ -34,14 +58,32 @@ DOCUMENTS = st.dictionaries(st.sampled_from(SECTIONS) | FLAT_KEYS, VALUES, max_s
 # a document built from real dotted fields set to random values: reaches the deep validators
 DOTTED = st.dictionaries(FLAT_KEYS, VALUES, max_size=6)
 
-RAW_TEXT = (st.text(max_size=200)
-            | st.sampled_from(["a: &a [*a]\n", "a: &a {b: *a}\nb: *a\n", "[" * 3000, "{a: " * 500,
-                               "!!python/object:os.system {}\n", "grpo: !!binary aGk=\n", "? [a]\n: 1\n",
-                               "seed: !!set {1}\n", "extends: .\n", "extends: ..\n", "extends: ''\n",
-                               "extends: \"\\0\"\n", "extends: " + "x" * 5000 + "\n", "\ufeffseed: 1\n", "1: 2\n", "null: 1\n",
-                               "grpo: {1: 2, null: 3}\n", "sao: {mix: {online: .nan}}\n", "seed: 1e400\n",
-                               "grpo: {steps: yes, optim: {betas: [.inf, 1]}}\n", "opd: {teachers: [{}, {}]}\n",
-                               "l0: &a {k0: x, k1: x}\nl1: &b {k0: *a, k1: *a}\ngrpo: *b\n"]))
+RAW_TEXT = st.text(max_size=200) | st.sampled_from(
+    [
+        "a: &a [*a]\n",
+        "a: &a {b: *a}\nb: *a\n",
+        "[" * 3000,
+        "{a: " * 500,
+        "!!python/object:os.system {}\n",
+        "grpo: !!binary aGk=\n",
+        "? [a]\n: 1\n",
+        "seed: !!set {1}\n",
+        "extends: .\n",
+        "extends: ..\n",
+        "extends: ''\n",
+        'extends: "\\0"\n',
+        "extends: " + "x" * 5000 + "\n",
+        "\ufeffseed: 1\n",
+        "1: 2\n",
+        "null: 1\n",
+        "grpo: {1: 2, null: 3}\n",
+        "sao: {mix: {online: .nan}}\n",
+        "seed: 1e400\n",
+        "grpo: {steps: yes, optim: {betas: [.inf, 1]}}\n",
+        "opd: {teachers: [{}, {}]}\n",
+        "l0: &a {k0: x, k1: x}\nl1: &b {k0: *a, k1: *a}\ngrpo: *b\n",
+    ]
+)
 RAW_BYTES = st.binary(max_size=200) | st.sampled_from([b"seed: \xff\n", b"\xfe\xff\x00s", b"\x00\x00\x00"])
 
 
@@ -74,7 +116,11 @@ def _loads_or_config_error(path=None, overrides=None) -> None:
 
 
 # MENTORRL_FUZZ_EXAMPLES raises the budget for a longer local hunt
-FUZZ = settings(max_examples=int(os.environ.get("MENTORRL_FUZZ_EXAMPLES", "150")), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(
+    max_examples=int(os.environ.get("MENTORRL_FUZZ_EXAMPLES", "150")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 
 
 @FUZZ
@@ -106,9 +152,10 @@ def test_random_files_and_extends_chains_load_or_raise_config_error(text, data, 
 
 
 @FUZZ
-@given(overrides=st.lists(st.tuples(FLAT_KEYS | KEYS, VALUES.map(lambda v: _flow(v)) | st.text(max_size=30)),
-                          max_size=4),
-       junk=st.lists(st.text(max_size=20), max_size=2))
+@given(
+    overrides=st.lists(st.tuples(FLAT_KEYS | KEYS, VALUES.map(lambda v: _flow(v)) | st.text(max_size=30)), max_size=4),
+    junk=st.lists(st.text(max_size=20), max_size=2),
+)
 def test_random_overrides_load_or_raise_config_error(overrides, junk):
     _loads_or_config_error(None, [f"{k}={v}" for k, v in overrides] + junk)
 

@@ -18,9 +18,9 @@ from mentorrl.contract import (
     parse_action,
     render_tool_call,
 )
+from mentorrl.models.batch import collate, forward_logprobs
 from mentorrl.rollout.engine import RolloutEngine
 from mentorrl.rollout.episode import Episode, run_scripted_episode
-from mentorrl.models.batch import collate, forward_logprobs
 from mentorrl.trajectory import Trajectory
 
 TOL = 1e-4
@@ -136,8 +136,9 @@ def _run_engine(model, contract, orders_entry, tasks, seed=0, decoder="auto"):
     return engine, trajs
 
 
-@pytest.fixture(scope="module", params=[(1.0, "slots"), (0.7, "slots"), (1.0, "hf")],
-                ids=["T1.0-slots", "T0.7-slots", "T1.0-hf"])
+@pytest.fixture(
+    scope="module", params=[(1.0, "slots"), (0.7, "slots"), (1.0, "hf")], ids=["T1.0-slots", "T0.7-slots", "T1.0-hf"]
+)
 def engine_run(request, tool_happy_model, make_contract, orders_entry, orders_tasks):
     temperature, decoder = request.param
     contract = make_contract(temperature=temperature, max_new_tokens=24, max_turns=6, max_total_tokens=640)
@@ -207,8 +208,9 @@ def test_engine_behaviour_logprobs_match_learner(engine_run, tool_happy_model):
     assert bool((pol < 0).all()) and pol.numel() == sum(t.num_policy_tokens for t in trajs)
     # and the incremental single-sequence reference agrees for the longest trajectory
     longest = max(trajs, key=lambda t: len(t.token_ids))
-    ref = incremental_logprobs(tool_happy_model, longest.token_ids,
-                               [(s.start, s.end) for s in longest.segments], temperature)
+    ref = incremental_logprobs(
+        tool_happy_model, longest.token_ids, [(s.start, s.end) for s in longest.segments], temperature
+    )
     diffs = [abs(r - b) for r, b, m in zip(ref, longest.logprobs, longest.loss_mask) if m]
     assert max(diffs) < TOL
 
@@ -274,7 +276,9 @@ def test_chat_template_matches_with_tool_descriptions(make_contract, tokenizer):
     contract = make_contract(tool_descriptions=True)
     user = "Cancel O-1001 please"
     messages = [{"role": "system", "content": contract.system_text()}, {"role": "user", "content": user}]
-    assert tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == contract.prompt_text(user)
+    assert tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == contract.prompt_text(
+        user
+    )
     assert "Identify a customer by email" in contract.system_text()
     assert "Identify a customer by email" not in make_contract(tool_descriptions=False).system_text()
 
@@ -346,7 +350,11 @@ def test_plain_text_encoding_is_thread_safe_and_leaves_the_tokenizer_alone(make_
 
 
 def test_deeply_nested_tool_call_is_malformed_not_a_crash():
-    for body in ["[" * 1000, "[" * 5000 + "]" * 5000, '{"name": "x", "arguments": ' + '{"a": ' * 2000 + "1" + "}" * 2001]:
+    for body in [
+        "[" * 1000,
+        "[" * 5000 + "]" * 5000,
+        '{"name": "x", "arguments": ' + '{"a": ' * 2000 + "1" + "}" * 2001,
+    ]:
         a = parse_action(f"<tool_call>{body}</tool_call>")
         assert a.kind == "malformed" and "nested deeper than" in a.error
     ok = parse_action('<tool_call>{"name": "x", "arguments": {"a": [[["[[[[" ]]]}}</tool_call>')
@@ -359,10 +367,20 @@ def test_deeply_nested_tool_call_is_malformed_not_a_crash():
         ("The order is shipped.", "answer", None, None, "The order is shipped."),
         ("  padded answer \n", "answer", None, None, "padded answer"),
         ("", "answer", None, None, ""),
-        ('<tool_call>{"name": "get_order", "arguments": {"order_id": "O-1"}}</tool_call>', "tool", "get_order",
-         {"order_id": "O-1"}, None),
-        ('Let me look. <tool_call> {"name": "x", "arguments": {"a": [1, 2.5, null]}} </tool_call>', "tool", "x",
-         {"a": [1, 2.5, None]}, None),
+        (
+            '<tool_call>{"name": "get_order", "arguments": {"order_id": "O-1"}}</tool_call>',
+            "tool",
+            "get_order",
+            {"order_id": "O-1"},
+            None,
+        ),
+        (
+            'Let me look. <tool_call> {"name": "x", "arguments": {"a": [1, 2.5, null]}} </tool_call>',
+            "tool",
+            "x",
+            {"a": [1, 2.5, None]},
+            None,
+        ),
         ('<tool_call>{"name": "list_orders"}</tool_call>', "tool", "list_orders", {}, None),
         ('<tool_call>{"name": "get_order", "arguments": {"order_id": </tool_call>', "malformed", None, None, None),
         ('<tool_call>{"name": "get_order", "arguments": {}}', "malformed", None, None, None),

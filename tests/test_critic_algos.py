@@ -80,8 +80,9 @@ def test_value_loss_clipping_and_explained_variance():
     assert v.grad[0].tolist() == pytest.approx([0.0, -0.75])
     assert loss.item() == pytest.approx(0.5 * (0.64 + 2.25) / 2)
     assert m["value_clip_frac"] == pytest.approx(0.5)
-    perfect, m2 = clipped_value_loss(torch.tensor([[1.0, 2.0]]), torch.tensor([[1.0, 2.0]]), torch.tensor([[1.0, 2.0]]),
-                                     mask, clip=None)
+    perfect, m2 = clipped_value_loss(
+        torch.tensor([[1.0, 2.0]]), torch.tensor([[1.0, 2.0]]), torch.tensor([[1.0, 2.0]]), mask, clip=None
+    )
     assert perfect.item() == 0.0 and m2["explained_variance"] == pytest.approx(1.0)
 
 

@@ -11,9 +11,47 @@ import torch
 from mentorrl.models.build import ModelSpec, build_model, train_tokenizer
 from mentorrl.opd import AlignmentError, align_texts, brute_force_chunk_logprobs, chunk_sums, teacher_token_logprobs
 
-WORDS = ["order", "refund", "customer", "email", "cancel", "status", "shipped", "widget", "gadget", "Hello",
-         "please", "thanks", "the", "my", "is", "was", "total", "address", "Main", "Street", "café", "naïve",
-         "✓", "—", "€", "ok", "#", "$", "@", "shop.example", "id", "tool_call", "{", "}", ":", ",", ".", "?", "'"]
+WORDS = [
+    "order",
+    "refund",
+    "customer",
+    "email",
+    "cancel",
+    "status",
+    "shipped",
+    "widget",
+    "gadget",
+    "Hello",
+    "please",
+    "thanks",
+    "the",
+    "my",
+    "is",
+    "was",
+    "total",
+    "address",
+    "Main",
+    "Street",
+    "café",
+    "naïve",
+    "✓",
+    "—",
+    "€",
+    "ok",
+    "#",
+    "$",
+    "@",
+    "shop.example",
+    "id",
+    "tool_call",
+    "{",
+    "}",
+    ":",
+    ",",
+    ".",
+    "?",
+    "'",
+]
 
 
 def random_text(rng: random.Random) -> str:
@@ -36,8 +74,12 @@ def teacher(tokenizer):
     rng = random.Random(99)
     corpus = [random_text(rng) for _ in range(400)]
     tok = train_tokenizer(corpus, vocab_size=420)
-    model = build_model(tok, ModelSpec(vocab_size=420, hidden_size=32, intermediate_size=64, num_layers=2,
-                                       num_heads=2, num_kv_heads=1, seed=3)).eval()
+    model = build_model(
+        tok,
+        ModelSpec(
+            vocab_size=420, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1, seed=3
+        ),
+    ).eval()
     return tok, model
 
 
@@ -50,8 +92,11 @@ def test_tokenizers_really_differ(tokenizer, teacher):
 
 def test_chunks_partition_both_tokenizations(tokenizer, teacher):
     rng = random.Random(1)
-    multibyte = ["漢字 日本語のテキスト 😀👍🏽 café ✓", "order 漢字 #12345 — naïve 👩\u200d❤\ufe0f\u200d👩 ü",
-                 "€12.50 → ¥1,800 (返金) — ok"]
+    multibyte = [
+        "漢字 日本語のテキスト 😀👍🏽 café ✓",
+        "order 漢字 #12345 — naïve 👩\u200d❤\ufe0f\u200d👩 ü",
+        "€12.50 → ¥1,800 (返金) — ok",
+    ]
     for text in [random_text(rng) for _ in range(50)] + multibyte:
         al = align_texts(text, tokenizer, teacher[0])
         for ids, bounds in ((al.student_ids, al.student_bounds), (al.teacher_ids, al.teacher_bounds)):

@@ -7,8 +7,8 @@ from __future__ import annotations
 import random
 
 import pytest
-from engine_helpers import engine_run
 import torch
+from engine_helpers import engine_run
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -28,11 +28,24 @@ def _llama_gqa():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=512, attention_bias=True,
-                      rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                       "original_max_position_embeddings": 64})
+    cfg = LlamaConfig(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        attention_bias=True,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    )
     return LlamaForCausalLM(cfg).eval()
 
 
@@ -57,7 +70,8 @@ _ops = st.lists(
         st.tuples(st.just("twins"), st.integers(2, 4)),
         st.tuples(st.just("echo"), st.integers(0, 96)),  # every row fed one token: twins stay twins
     ),
-    min_size=1, max_size=14,
+    min_size=1,
+    max_size=14,
 )
 
 
@@ -184,8 +198,9 @@ def test_a_model_whose_slot_logits_disagree_falls_back(monkeypatch):
     assert mlp is model.model.layers[0].mlp
 
 
-def test_engine_samples_the_same_trajectories_through_either_decoder(tool_happy_model, make_contract,
-                                                                      orders_entry, orders_tasks):
+def test_engine_samples_the_same_trajectories_through_either_decoder(
+    tool_happy_model, make_contract, orders_entry, orders_tasks
+):
     contract = make_contract()
     tasks = [t for t in orders_tasks[20:26] for _ in range(3)]  # groups share a prompt
 
@@ -240,9 +255,16 @@ def test_a_sequence_length_dependent_rope_runs_per_pass():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(1)
-    cfg = LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
-                      num_key_value_heads=1, max_position_embeddings=16,
-                      rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
+    cfg = LlamaConfig(
+        vocab_size=61,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=16,
+        rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
+    )
     model = LlamaForCausalLM(cfg).eval()
     dec = SlotDecoder(model)
     assert not dec.static_rope
@@ -261,7 +283,9 @@ def test_the_cache_grows_to_the_contract_limit_not_past_it(models):
     assert dec.k[0].shape[2] == 100  # doubling from 64 would give 128
     dec.forward([[4] * 40])  # a row past the limit still fits
     assert dec.k[0].shape[2] == 110
-    assert torch.allclose(dec.forward([[5]])[0].float(), _reference(model, [3] * 70 + [4] * 40 + [5]), atol=1e-4, rtol=0)
+    assert torch.allclose(
+        dec.forward([[5]])[0].float(), _reference(model, [3] * 70 + [4] * 40 + [5]), atol=1e-4, rtol=0
+    )
 
 
 def test_the_run_config_picks_the_decoder(model, make_contract):

@@ -127,7 +127,10 @@ def test_sampled_advantage_mixing_and_reward_weights():
 def test_short_opd_selection():
     gap = torch.tensor([[9.0, 0.1, 0.7, 0.3], [5.0, 0.9, 0.2, 0.8]])
     mask = torch.tensor([[0, 1, 1, 1], [0, 1, 1, 1]])  # position 0: prompt, never selected
-    assert select_large_gap(gap, mask, threshold=0.5).tolist() == [[False, False, True, False], [False, True, False, True]]
+    assert select_large_gap(gap, mask, threshold=0.5).tolist() == [
+        [False, False, True, False],
+        [False, True, False, True],
+    ]
     top = select_large_gap(gap, mask, top_frac=0.5)  # 3 of 6 policy tokens: 0.9, 0.8, 0.7
     assert top.tolist() == [[False, False, True, False], [False, True, False, True]]
     assert select_large_gap(gap, mask, top_frac=0.0).sum() == 0

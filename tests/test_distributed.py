@@ -14,10 +14,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import ddp_worker as W
 import pytest
 import torch
 
-import ddp_worker as W
 from mentorrl.algos.losses import sft_loss
 from mentorrl.config import ConfigError, DistributedConfig, RunConfig, load_config
 from mentorrl.models.batch import collate, forward_logprobs
@@ -31,11 +31,23 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> tuple[dict, dict, Path]:
     out = tmp_path_factory.mktemp("ddp")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "OMP_WAIT_POLICY": "PASSIVE",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
     env = {k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(ROOT / "tests" / "ddp_worker.py"), str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(ROOT / "tests" / "ddp_worker.py"),
+        str(out),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
@@ -153,29 +165,59 @@ def test_torchrun_train_runs_sft_and_grpo_data_parallel_with_the_single_process_
     from mentorrl.models.pretrain import PretrainSpec
     from mentorrl.train.models_init import build_tiny_model
 
-    model_dir = build_tiny_model(get_env("orders"), tmp_path / "model", ModelSpec(
-        hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2, num_kv_heads=1, vocab_size=600),
-        corpus_tasks=60, pretrain=PretrainSpec(steps=0))
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    model_dir = build_tiny_model(
+        get_env("orders"),
+        tmp_path / "model",
+        ModelSpec(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2, num_kv_heads=1, vocab_size=600),
+        corpus_tasks=60,
+        pretrain=PretrainSpec(steps=0),
+    )
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
+    env.update(
+        OMP_NUM_THREADS="1",
+        OMP_WAIT_POLICY="PASSIVE",
+        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    )
 
     def train(name: str, launcher: list[str], recipe: list[str]) -> list[dict]:
-        cfg = {"run_dir": str(tmp_path / name), "recipe": recipe, "threads": 1, "model": {"path": str(model_dir)},
-               "audit": {"preflight": False}, "eval": {"num_tasks": 0}, "limits": {"max_turns": 2},
-               "sampling": {"max_new_tokens": 16},
-               "sft": {"num_demos": 8, "steps": 2, "batch_size": 5, "checkpoint_every": 1,
-                       "optim": {"micro_batch_size": 2}},
-               "grpo": {"steps": 2, "tasks_per_step": 2, "samples_per_task": 2, "updates_per_step": 1, "kl_coef": 0.05}}
+        cfg = {
+            "run_dir": str(tmp_path / name),
+            "recipe": recipe,
+            "threads": 1,
+            "model": {"path": str(model_dir)},
+            "audit": {"preflight": False},
+            "eval": {"num_tasks": 0},
+            "limits": {"max_turns": 2},
+            "sampling": {"max_new_tokens": 16},
+            "sft": {
+                "num_demos": 8,
+                "steps": 2,
+                "batch_size": 5,
+                "checkpoint_every": 1,
+                "optim": {"micro_batch_size": 2},
+            },
+            "grpo": {"steps": 2, "tasks_per_step": 2, "samples_per_task": 2, "updates_per_step": 1, "kl_coef": 0.05},
+        }
         path = tmp_path / f"{name}.yaml"
         path.write_text(yaml.safe_dump(cfg))
-        proc = subprocess.run([*launcher, "-m", "mentorrl.cli", "train", str(path)], env=env, capture_output=True,
-                              text=True, timeout=240, cwd=tmp_path)
+        proc = subprocess.run(
+            [*launcher, "-m", "mentorrl.cli", "train", str(path)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=240,
+            cwd=tmp_path,
+        )
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
         return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
 
-    ddp = train("ddp", [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"],
-                ["sft", "grpo"])
+    ddp = train(
+        "ddp", [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"], ["sft", "grpo"]
+    )
     one = train("one", [sys.executable], ["sft"])
     assert [(r["stage"], r["step"]) for r in ddp] == [("sft", 1), ("sft", 2), ("grpo", 1), ("grpo", 2)]
     for a, b in zip(ddp[:2], one):

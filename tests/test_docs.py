@@ -3,8 +3,8 @@ README.md and docs/ resolves, and the mkdocs-material site builds with no warnin
 
 from __future__ import annotations
 
-import re
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,10 +12,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 
-DEMO_COMMAND = ("python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && pip install -e . "
-                "&& mentorrl demo")
-TEST_COMMAND = ("python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && "
-                "pip install -e \".[test]\" && python -m pytest -q -n 2")
+DEMO_COMMAND = (
+    "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && pip install -e . && mentorrl demo"
+)
+TEST_COMMAND = (
+    "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && "
+    'pip install -e ".[test]" && python -m pytest -q -n 2'
+)
 
 _LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
 _FENCE = re.compile(r"^(```|~~~).*?^\1", re.S | re.M)
@@ -32,7 +35,9 @@ def _relative_links(path: Path) -> list[str]:
 
 
 def test_readme_is_at_most_12_kb():
-    assert len(README.read_bytes()) <= 12 * 1024, f"README.md is {len(README.read_bytes())} bytes: move content to docs/"
+    assert len(README.read_bytes()) <= 12 * 1024, (
+        f"README.md is {len(README.read_bytes())} bytes: move content to docs/"
+    )
 
 
 def test_readme_keeps_the_two_set_up_commands():
@@ -67,9 +72,14 @@ def test_mkdocs_build_is_strict_and_clean(tmp_path):
     missing = [m for m in ("mkdocs", "material") if importlib.util.find_spec(m) is None]
     assert not missing, "mkdocs-material is missing: pip install -e '.[test]'"
     assert "mkdocs-material" in (ROOT / "pyproject.toml").read_text(), "the [test] extra must install mkdocs-material"
-    res = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    res = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
     out = res.stdout + res.stderr
     assert res.returncode == 0, out
     assert "WARNING" not in out, out

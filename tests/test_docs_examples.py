@@ -58,7 +58,9 @@ def test_environment_example_rewards_the_expert_and_not_the_claim(shipped_tokeni
         cheat = run_text_turns(contract, env, task, ["Done, all taken care of."])
         assert honest.reward.success and honest.reward.total > 1.0, task
         assert not cheat.reward.success and cheat.reward.total <= 0.0, task
-    bad = run_text_turns(contract, env, tasks[0], ['<tool_call>{"name": "get_note", "arguments": {"key": 3}}</tool_call>'])
+    bad = run_text_turns(
+        contract, env, tasks[0], ['<tool_call>{"name": "get_note", "arguments": {"key": 3}}</tool_call>']
+    )
     assert bad.tool_calls and not bad.tool_calls[0].ok  # bad arguments are an observation, not a crash
     env.close()
 
@@ -75,8 +77,9 @@ def test_loss_example_checks_and_trains(policy_and_trajs):
     model = copy.deepcopy(model)
     before = [p.detach().clone() for p in model.parameters()]
     learner = Learner(model, OptimConfig(lr=1e-3, micro_batch_size=2), tokenizer.pad_token_id)
-    m = learner.policy_step(trajs, torch.ones(len(trajs)), loss_name="seq_clipped", agg="seq-mean-token-mean",
-                            eps_low=10.0, eps_high=10.0)
+    m = learner.policy_step(
+        trajs, torch.ones(len(trajs)), loss_name="seq_clipped", agg="seq-mean-token-mean", eps_low=10.0, eps_high=10.0
+    )
     assert all(torch.isfinite(torch.tensor(v)) for v in (m["pg_loss"], m["grad_norm"]))
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
@@ -94,7 +97,9 @@ def policy_and_trajs():
     entry = get_env("orders")
     env = entry.make_env()
     contract = contract_for_env(tokenizer, env)
-    trajs = [run_scripted_episode(contract, env, t, entry.make_expert()) for t in entry.make_tasks().tasks("train", 3, 0)]
+    trajs = [
+        run_scripted_episode(contract, env, t, entry.make_expert()) for t in entry.make_tasks().tasks("train", 3, 0)
+    ]
     env.close()
     return tokenizer, model, trajs
 
@@ -122,20 +127,35 @@ def _example_ws(tmp_path, name, tokenizer, *overrides):
     from mentorrl.config import load_config
     from mentorrl.train.workspace import open_workspace
 
-    cfg = load_config(None, [f"run_dir={tmp_path / name}", "threads=1", "sampling.max_new_tokens=48",
-                             "limits.max_turns=3", "recipe=[self_imitation]", *overrides])
+    cfg = load_config(
+        None,
+        [
+            f"run_dir={tmp_path / name}",
+            "threads=1",
+            "sampling.max_new_tokens=48",
+            "limits.max_turns=3",
+            "recipe=[self_imitation]",
+            *overrides,
+        ],
+    )
     ws = open_workspace(cfg, show_progress=False)
     ws.bind_tokenizer(tokenizer)
     return ws
 
 
 def _run_stage_example(mod, tmp_path, policy_and_trajs):
-    from mentorrl.train.registry import resolve_runner, get_stage
+    from mentorrl.train.registry import get_stage, resolve_runner
 
     tokenizer, model, expert_trajs = policy_and_trajs
     run = resolve_runner(get_stage("self_imitation"))
-    ws = _example_ws(tmp_path, "run", tokenizer, "self_imitation.steps=2", "self_imitation.tasks_per_step=2",
-                     "self_imitation.checkpoint_every=1")
+    ws = _example_ws(
+        tmp_path,
+        "run",
+        tokenizer,
+        "self_imitation.steps=2",
+        "self_imitation.tasks_per_step=2",
+        "self_imitation.checkpoint_every=1",
+    )
     final = run(ws, copy.deepcopy(model))
     assert (final / "DONE").exists() and (final / "model.safetensors").exists()
     recs = [json.loads(x) for x in (ws.run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -170,9 +190,13 @@ def test_teacher_example_ranks_and_declares(shipped_tokenizer):
     contract = contract_for_env(shipped_tokenizer, env)
     normal = [t for t in entry.make_tasks().tasks("train", 20, seed=0) if t.difficulty == "normal"][:3]
     for task in normal:
-        eps = [StudentEpisode(task, t, trajectory_messages(t, shipped_tokenizer, contract.system_text(), task.prompt))
-               for t in (run_scripted_episode(contract, env, task, entry.make_expert()),
-                         run_text_turns(contract, env, task, ["All done, nothing else needed."]))]
+        eps = [
+            StudentEpisode(task, t, trajectory_messages(t, shipped_tokenizer, contract.system_text(), task.prompt))
+            for t in (
+                run_scripted_episode(contract, env, task, entry.make_expert()),
+                run_text_turns(contract, env, task, ["All done, nothing else needed."]),
+            )
+        ]
         expert, claim = teacher.rank(eps)
         assert expert > claim, task
         assert 0.0 <= claim <= expert <= 1.0

@@ -28,7 +28,7 @@ gym = pytest.importorskip("gymnasium")
 
 
 def call(name: str, **arguments) -> str:
-    return f'<tool_call>{json.dumps({"name": name, "arguments": arguments})}</tool_call>'
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
 
 
 def _register(name: str, entry) -> None:
@@ -39,8 +39,14 @@ def _register(name: str, entry) -> None:
 @pytest.fixture(scope="module")
 def contract_for(tokenizer):
     def make(env):
-        return contract_for_env(tokenizer, env, SamplingParams(max_new_tokens=24),
-                                ContractLimits(max_turns=8, max_total_tokens=1024), PromptFormat())
+        return contract_for_env(
+            tokenizer,
+            env,
+            SamplingParams(max_new_tokens=24),
+            ContractLimits(max_turns=8, max_total_tokens=1024),
+            PromptFormat(),
+        )
+
     return make
 
 
@@ -49,12 +55,25 @@ def _grpo(tmp_path, env_name: str, model_dir) -> dict:
     from mentorrl.train.pipeline import run_recipe
     from mentorrl.train.rundir import MetricsLog
 
-    cfg = load_config(None, [
-        f"env.name={env_name}", f"model.path={model_dir}", f"run_dir={tmp_path / 'run'}", "threads=1",
-        "recipe=[grpo]", "grpo.steps=2", "grpo.tasks_per_step=2", "grpo.samples_per_task=2", "audit.eval_every=0",
-        "audit.preflight=false", "eval.num_tasks=0", "sampling.max_new_tokens=16", "limits.max_turns=2",
-        "limits.max_total_tokens=512",
-    ])
+    cfg = load_config(
+        None,
+        [
+            f"env.name={env_name}",
+            f"model.path={model_dir}",
+            f"run_dir={tmp_path / 'run'}",
+            "threads=1",
+            "recipe=[grpo]",
+            "grpo.steps=2",
+            "grpo.tasks_per_step=2",
+            "grpo.samples_per_task=2",
+            "audit.eval_every=0",
+            "audit.preflight=false",
+            "eval.num_tasks=0",
+            "sampling.max_new_tokens=16",
+            "limits.max_turns=2",
+            "limits.max_total_tokens=512",
+        ],
+    )
     run_recipe(cfg, show_progress=False)
     steps = MetricsLog(tmp_path / "run" / "metrics.jsonl").read("grpo")
     assert [r["step"] for r in steps][-1] >= 1 and len(steps) == 2, steps
@@ -94,8 +113,10 @@ def shop_judge(task, calls, final_answer):
     return looked and str(INVENTORY[task.reference["item"]]) in (final_answer or "")
 
 
-SHOP_TASKS = {"train": [(f"How many {i}s are in stock?", {"item": i}) for i in INVENTORY],
-              "heldout": [("How many apples are in stock?", {"item": "apple"})]}
+SHOP_TASKS = {
+    "train": [(f"How many {i}s are in stock?", {"item": i}) for i in INVENTORY],
+    "heldout": [("How many apples are in stock?", {"item": "apple"})],
+}
 
 
 def test_function_tools_use_get_json_schema():
@@ -123,9 +144,18 @@ def test_function_env_rewards_and_errors(contract_for):
     assert good.reward.success and good.reward.total > 1.0
     claim = run_text_turns(contract, env, task, ["There are 3 apples."])
     assert not claim.reward.success and claim.reward.total == 0.0
-    bad = run_text_turns(contract, env, task, [
-        call("stock", item="plum"), call("stock", item="apple", colour="red"), call("convert", amount="x"),
-        '<tool_call>{"name": "stock", "arguments": {"item": </tool_call>', "3"])
+    bad = run_text_turns(
+        contract,
+        env,
+        task,
+        [
+            call("stock", item="plum"),
+            call("stock", item="apple", colour="red"),
+            call("convert", amount="x"),
+            '<tool_call>{"name": "stock", "arguments": {"item": </tool_call>',
+            "3",
+        ],
+    )
     kinds = [c.error_kind for c in bad.tool_calls]
     assert kinds == ["tool_exception", "bad_arguments", "bad_arguments", "malformed"], kinds
     assert "KeyError" in bad.tool_calls[0].error and "unknown argument(s) colour" in bad.tool_calls[1].error
@@ -210,6 +240,7 @@ def test_gym_env_that_raises_on_reset_fails_the_episode_not_the_run(contract_for
     task = get_env("guess-test").make_tasks().tasks("train", 1, 0)[0] if is_registered("guess-test") else None
     if task is None:
         from mentorrl.envs.adapters import GymTasks
+
         task = GymTasks("broken", "Find my number.").tasks("train", 1, 0)[0]
     traj = run_text_turns(contract, env, task, [call("act", action="4"), "done"])
     assert traj.tool_calls[0].error_kind == "policy"
@@ -233,10 +264,16 @@ def exact_answer(completion, answer, parser) -> float:
 
 
 def make_single_turn():
-    rows = [{"question": f"What is {a} + {b}? Answer with the number only.", "answer": str(a + b)}
-            for a, b in [(2, 2), (3, 4), (5, 1), (6, 3)]]
-    return vf.SingleTurnEnv(dataset=_dataset(rows), eval_dataset=_dataset(rows[:2]), system_prompt="You add numbers.",
-                            rubric=vf.Rubric(funcs=[exact_answer]))
+    rows = [
+        {"question": f"What is {a} + {b}? Answer with the number only.", "answer": str(a + b)}
+        for a, b in [(2, 2), (3, 4), (5, 1), (6, 3)]
+    ]
+    return vf.SingleTurnEnv(
+        dataset=_dataset(rows),
+        eval_dataset=_dataset(rows[:2]),
+        system_prompt="You add numbers.",
+        rubric=vf.Rubric(funcs=[exact_answer]),
+    )
 
 
 def lookup(word: str) -> str:
@@ -253,8 +290,9 @@ def lookup(word: str) -> str:
 def make_tool_env():
     rows = [{"question": f"What is the code of {w}?", "answer": w[::-1].upper()} for w in ("cat", "dog", "owl")]
     rubric = vf.Rubric(funcs=[exact_answer])
-    return vf.ToolEnv(dataset=_dataset(rows), tools=[lookup], max_turns=4, system_prompt="Use the code book.",
-                      rubric=rubric)
+    return vf.ToolEnv(
+        dataset=_dataset(rows), tools=[lookup], max_turns=4, system_prompt="Use the code book.", rubric=rubric
+    )
 
 
 class EchoGame(vf.MultiTurnEnv):
@@ -276,8 +314,11 @@ def said_twice(completion) -> float:
 
 
 def make_multi_turn():
-    return EchoGame(dataset=_dataset([{"question": "Say one word twice.", "answer": ""}]),
-                    rubric=vf.Rubric(funcs=[said_twice]), max_turns=5)
+    return EchoGame(
+        dataset=_dataset([{"question": "Say one word twice.", "answer": ""}]),
+        rubric=vf.Rubric(funcs=[said_twice]),
+        max_turns=5,
+    )
 
 
 def test_verifiers_single_turn(contract_for):
@@ -312,8 +353,9 @@ def test_verifiers_tool_env(contract_for):
     completion = env.state["completion"]
     assert [m.role for m in completion] == ["assistant", "tool", "assistant"]
     assert env.state["metrics"]["total_tool_calls"] == 1.0
-    bad = run_text_turns(contract, env, task, [call("lookup", word="crash"), call("lookup", wrd="cat"),
-                                               call("nope"), "no idea"])
+    bad = run_text_turns(
+        contract, env, task, [call("lookup", word="crash"), call("lookup", wrd="cat"), call("nope"), "no idea"]
+    )
     assert [c.error_kind for c in bad.tool_calls] == ["tool_exception", "bad_arguments", "unknown_tool"]
     assert "on fire" in bad.tool_calls[0].error and not bad.reward.success
     assert "on fire" in env.messages[len(env.state["prompt"]) + 1].content  # verifiers' history has it too
@@ -328,9 +370,10 @@ def test_verifiers_multi_turn(contract_for):
 
     task = VerifiersTasks(env.vf, "vf-echo").tasks("train", 1, 0)[0]
     good = run_text_turns(contract, env, task, [call("reply", message="moon"), call("reply", message="moon"), "bye"])
-    assert [c.result for c in good.tool_calls] == [{"response": "say it again (1)"},
-                                                   {"response": "game over", "done": True,
-                                                    "note": "the episode is over; reply with your final answer"}]
+    assert [c.result for c in good.tool_calls] == [
+        {"response": "say it again (1)"},
+        {"response": "game over", "done": True, "note": "the episode is over; reply with your final answer"},
+    ]
     assert good.reward.success and good.reward.details["vf_stop"] == "has_final_env_response"
     boom = run_text_turns(contract, env, task, [call("reply", message="explode"), "bye"])
     assert boom.tool_calls[0].error_kind == "tool_exception" and "exploded" in boom.tool_calls[0].error

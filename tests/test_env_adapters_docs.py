@@ -23,7 +23,7 @@ BLOCKS = re.findall(r"```python\n(.*?)```", PAGE.read_text(), re.S)
 
 
 def call(name: str, **arguments) -> str:
-    return f'<tool_call>{json.dumps({"name": name, "arguments": arguments})}</tool_call>'
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +71,7 @@ def test_gym_example(examples, tokenizer):
 def test_function_example(examples, tokenizer):
     def turns(env, task):
         item = task.reference["item"]
-        return [call("stock", item=item), f"{ {'apple': 3, 'pear': 0}[item]} in stock."]
+        return [call("stock", item=item), f"{ {'apple': 3, 'pear': 0}[item] } in stock."]
 
     good, bad = _play(examples["shop"], tokenizer, turns)
     assert good.reward.success

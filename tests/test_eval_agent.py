@@ -11,9 +11,10 @@ import re
 
 import pytest
 import typer
+from cli_helpers import cli_output, cli_with
 from typer.testing import CliRunner
 
-from cli_helpers import cli_output, cli_with
+from mentorrl.cli.eval import agent_eval_config, parse_ks, parse_set_options, register
 from mentorrl.envs.base import Task, ToolAction
 from mentorrl.envs.orders import FAMILIES, OrdersTasks
 from mentorrl.envs.orders.tasks import ADVERSARIAL, GOLDEN_PAIRS, NOVEL_ADV_TEMPLATES, NOVEL_TEMPLATES
@@ -25,7 +26,6 @@ from mentorrl.eval.agent import (
     pass_at_k,
     pass_hat_k,
 )
-from mentorrl.cli.eval import agent_eval_config, parse_ks, parse_set_options, register
 from mentorrl.eval.judge import (
     RUBRIC,
     Judge,
@@ -57,22 +57,47 @@ TASKS = OrdersTasks()
 
 # ------------------------------------------------------------ synthetic trajectories ------
 def call(name: str | None = "get_order", ok: bool = True, kind: str | None = None, **args) -> ToolCall:
-    return ToolCall(turn=1, name=name, arguments=args if name else None, raw=json.dumps(args),
-                    result={"ok": True} if ok else None, error=None if ok else "failed",
-                    error_kind=None if ok else (kind or "tool_exception"))
+    return ToolCall(
+        turn=1,
+        name=name,
+        arguments=args if name else None,
+        raw=json.dumps(args),
+        result={"ok": True} if ok else None,
+        error=None if ok else "failed",
+        error_kind=None if ok else (kind or "tool_exception"),
+    )
 
 
-def traj(task_id: str, success: bool, family: str = "refund", difficulty: str = "normal",
-         calls: list[ToolCall] | None = None, violations: list[str] | None = None, tokens: int = 10,
-         policy_tokens: int = 4, turns: int = 2, latency: float = 1.0, judge_p: float | None = None,
-         reward: float | None = None) -> Trajectory:
+def traj(
+    task_id: str,
+    success: bool,
+    family: str = "refund",
+    difficulty: str = "normal",
+    calls: list[ToolCall] | None = None,
+    violations: list[str] | None = None,
+    tokens: int = 10,
+    policy_tokens: int = 4,
+    turns: int = 2,
+    latency: float = 1.0,
+    judge_p: float | None = None,
+    reward: float | None = None,
+) -> Trajectory:
     mask = [1] * policy_tokens + [0] * (tokens - policy_tokens)
     return Trajectory(
         id=f"{task_id}-{hashlib.md5(str((task_id, success, judge_p, tokens, latency)).encode()).hexdigest()[:6]}",
-        task_id=task_id, family=family, difficulty=difficulty, token_ids=list(range(tokens)), loss_mask=mask,
-        logprobs=[0.0] * tokens, env_name="orders", env_version="1", tool_calls=calls or [], num_turns=turns,
-        reward=RewardBreakdown(success=success, violations=violations or [],
-                               total=reward if reward is not None else float(success)),
+        task_id=task_id,
+        family=family,
+        difficulty=difficulty,
+        token_ids=list(range(tokens)),
+        loss_mask=mask,
+        logprobs=[0.0] * tokens,
+        env_name="orders",
+        env_version="1",
+        tool_calls=calls or [],
+        num_turns=turns,
+        reward=RewardBreakdown(
+            success=success, violations=violations or [], total=reward if reward is not None else float(success)
+        ),
         timings={"total_s": latency},
         judge=None if judge_p is None else JudgeVerdict(judge="test", success_prob=judge_p),
     )
@@ -146,14 +171,30 @@ def test_k_skipped_when_some_task_has_fewer_samples():
 def test_tool_loop_recovery_violation_cost_metrics():
     trajs = [
         # an error, then a successful call and success: recovered
-        traj("t1", True, calls=[call(ok=False), call(order_id="O-1")], tokens=20, policy_tokens=8, turns=3,
-             latency=2.0),
+        traj(
+            "t1", True, calls=[call(ok=False), call(order_id="O-1")], tokens=20, policy_tokens=8, turns=3, latency=2.0
+        ),
         # an invalid call (bad arguments) and a malformed one, then nothing: not recovered
-        traj("t2", False, calls=[call(ok=False, kind="bad_arguments"), call(None, ok=False, kind="malformed")],
-             tokens=10, policy_tokens=4, turns=3, latency=4.0),
+        traj(
+            "t2",
+            False,
+            calls=[call(ok=False, kind="bad_arguments"), call(None, ok=False, kind="malformed")],
+            tokens=10,
+            policy_tokens=4,
+            turns=3,
+            latency=4.0,
+        ),
         # the same call three times: a loop; a violation
-        traj("t3", False, calls=[call(order_id="O-2")] * 3, violations=["extra email"], tokens=30, policy_tokens=6,
-             turns=4, latency=6.0),
+        traj(
+            "t3",
+            False,
+            calls=[call(order_id="O-2")] * 3,
+            violations=["extra email"],
+            tokens=30,
+            policy_tokens=6,
+            turns=4,
+            latency=6.0,
+        ),
         traj("t4", True, calls=[], tokens=20, policy_tokens=2, turns=1, latency=0.0),
     ]
     m = group_metrics(trajs)
@@ -172,8 +213,11 @@ def test_tool_loop_recovery_violation_cost_metrics():
 
 
 def test_breakdown_by_family_and_difficulty():
-    trajs = [traj("a", True, family="refund"), traj("b", False, family="refund", difficulty="adversarial"),
-             traj("c", True, family="place_order", difficulty="adversarial")]
+    trajs = [
+        traj("a", True, family="refund"),
+        traj("b", False, family="refund", difficulty="adversarial"),
+        traj("c", True, family="place_order", difficulty="adversarial"),
+    ]
     r = agent_metrics(trajs, ks=[1])
     assert r.overall.n == 3 and r.overall.success == pytest.approx(2 / 3)
     assert set(r.by_family) == {"refund", "place_order"} and r.by_family["refund"].success == 0.5
@@ -182,7 +226,6 @@ def test_breakdown_by_family_and_difficulty():
     assert again == r
     empty = agent_metrics([])
     assert empty.overall.n == 0 and empty.by_family == {} and empty.overall.success_ci95 == (0.0, 1.0)  # no data
-
 
 
 def test_wilson_interval_edge_cases():
@@ -200,6 +243,7 @@ def test_wilson_interval_edge_cases():
     for bad in [(-1, 5), (6, 5), (0, -1)]:
         with pytest.raises(ValueError, match="successes"):
             wilson_interval(*bad)
+
 
 # ------------------------------------------------------------ judge agreement ------
 def test_cohen_kappa_and_agreement_hand_computed():
@@ -270,12 +314,19 @@ def test_transcript_judge_fails_unbacked_claims(find_task, orders_entry, orders_
         # claims the cancellation without any tool call
         bare = run_text_turns(orders_contract, env, task, [f"Order {oid} is now cancelled."])
         # looks the order up with an id the user never gave, then claims success
-        wrong = run_text_turns(orders_contract, env, task, [
-            '<tool_call>{"name": "get_order", "arguments": {"order_id": "O-999"}}</tool_call>',
-            f"Order {oid} is now cancelled."])
+        wrong = run_text_turns(
+            orders_contract,
+            env,
+            task,
+            [
+                '<tool_call>{"name": "get_order", "arguments": {"order_id": "O-999"}}</tool_call>',
+                f"Order {oid} is now cancelled.",
+            ],
+        )
         # invalid calls, then gives up
-        broken = run_text_turns(orders_contract, env, task, [
-            '<tool_call>{"name": "cancel", "arguments": {}}</tool_call>', "Done."])
+        broken = run_text_turns(
+            orders_contract, env, task, ['<tool_call>{"name": "cancel", "arguments": {}}</tool_call>', "Done."]
+        )
     finally:
         env.close()
     for t in (bare, wrong, broken):
@@ -297,10 +348,19 @@ def test_transcript_judge_ignores_task_reference_and_env(golden_expert_trajs):
 
 
 def test_grounding_helpers():
-    calls = [call("find_customer", email="a@b.com"),
-             ToolCall(turn=2, name="list_orders", arguments={"customer_id": "C-7"}, raw="", result={"count": 3}),
-             ToolCall(turn=3, name="cancel_order", arguments={"order_id": "O-1"}, raw="", result=None,
-                      error="no order", error_kind="tool_exception")]
+    calls = [
+        call("find_customer", email="a@b.com"),
+        ToolCall(turn=2, name="list_orders", arguments={"customer_id": "C-7"}, raw="", result={"count": 3}),
+        ToolCall(
+            turn=3,
+            name="cancel_order",
+            arguments={"order_id": "O-1"},
+            raw="",
+            result=None,
+            error="no order",
+            error_kind="tool_exception",
+        ),
+    ]
     # find_customer's email is in the request; C-7 appears nowhere before; O-1 is in the request
     assert argument_grounding("I'm a@b.com, cancel O-1", calls) == pytest.approx(2 / 3)
     assert answer_facts("You have 3 orders, $12.50 refunded on O-1.") == ["3", "$12.50", "O-1"]
@@ -341,8 +401,12 @@ def test_task_generation_pinned():
 
 def test_hidden_split_disjoint_and_heldout_worded():
     hidden = TASKS.tasks("hidden", 150, 0)
-    others = (TASKS.tasks("train", 150, 0) + TASKS.tasks("heldout", 150, 0) + TASKS.tasks("golden", 42, 0)
-              + TASKS.tasks("novel_wording", 150, 0))
+    others = (
+        TASKS.tasks("train", 150, 0)
+        + TASKS.tasks("heldout", 150, 0)
+        + TASKS.tasks("golden", 42, 0)
+        + TASKS.tasks("novel_wording", 150, 0)
+    )
     assert not {t.seed for t in hidden} & {t.seed for t in others}
     assert all(t.split == "hidden" and t.id.startswith("orders-hidden-0-") for t in hidden)
     assert len({t.id for t in hidden}) == 150 and TASKS.tasks("hidden", 150, 0) == hidden
@@ -469,9 +533,11 @@ def test_load_eval_sets(tmp_path):
     novel = load_eval_set(EvalSetSpec.parse("novel_wording"), TASKS, cfg)
     assert novel.name == "novel_wording" and all(t.split == "novel_wording" for t in novel.tasks)
     assert looks_like_set("novel_wording") and [s.kind for s in parse_set_options(["novel_wording"])] == [
-        "novel_wording"]
-    assert load_eval_set(EvalSetSpec(kind="heldout"), TASKS, AgentEvalConfig(num_tasks=3)).tasks == \
-        TASKS.tasks("heldout", 3, 0)
+        "novel_wording"
+    ]
+    assert load_eval_set(EvalSetSpec(kind="heldout"), TASKS, AgentEvalConfig(num_tasks=3)).tasks == TASKS.tasks(
+        "heldout", 3, 0
+    )
     assert golden.task_fingerprint() == load_eval_set(EvalSetSpec(kind="golden"), TASKS, cfg).task_fingerprint()
     assert golden.task_fingerprint() != load_eval_set(EvalSetSpec(kind="golden", seed=1), TASKS, cfg).task_fingerprint()
     path = tmp_path / "reg.jsonl"
@@ -511,13 +577,37 @@ def test_eval_cli_end_to_end(tiny_model_dir, tmp_path):
     prod = tmp_path / "prod.jsonl"
     write_jsonl(prod, three_tasks())
     out = tmp_path / "out"
-    args = ["eval", str(tiny_model_dir), "--on", "golden", "--on", f"regression:{reg}", "--on",
-            f"production:{prod}", "--samples", "2", "--k", "1,2,4", "--num-tasks", "3", "--seed", "7",
-            "--out", str(out), *TINY]
+    args = [
+        "eval",
+        str(tiny_model_dir),
+        "--on",
+        "golden",
+        "--on",
+        f"regression:{reg}",
+        "--on",
+        f"production:{prod}",
+        "--samples",
+        "2",
+        "--k",
+        "1,2,4",
+        "--num-tasks",
+        "3",
+        "--seed",
+        "7",
+        "--out",
+        str(out),
+        *TINY,
+    ]
     res = CliRunner().invoke(_cli(), args)
     assert res.exit_code == 0, _output(res)
-    for title in ("golden: outcome", "golden: tool use", "golden: cost", "golden: safety", "regression:reg: outcome",
-                  "production:prod: outcome"):
+    for title in (
+        "golden: outcome",
+        "golden: tool use",
+        "golden: cost",
+        "golden: safety",
+        "regression:reg: outcome",
+        "production:prod: outcome",
+    ):
         assert title in res.output
     summary = json.loads((out / "eval_summary.json").read_text())
     assert list(summary["sets"]) == ["golden", "regression:reg", "production:prod"]
@@ -539,7 +629,7 @@ def test_eval_cli_end_to_end(tiny_model_dir, tmp_path):
     assert p["metrics"]["overall"]["pass_at_k"]["4"] == 1.0
     # the same command gives the same tasks, seeds and fingerprints
     again = tmp_path / "again"
-    res2 = CliRunner().invoke(_cli(), [*args[:-len(TINY) - 2], "--out", str(again), *TINY, "--judge", "none"])
+    res2 = CliRunner().invoke(_cli(), [*args[: -len(TINY) - 2], "--out", str(again), *TINY, "--judge", "none"])
     assert res2.exit_code == 0, _output(res2)
     s2 = json.loads((again / "eval_summary.json").read_text())
     for name in summary["sets"]:
@@ -553,8 +643,19 @@ def test_eval_cli_bad_input(tiny_model_dir, tmp_path):
     runner = CliRunner()
     res = runner.invoke(_cli(), ["eval", str(tiny_model_dir), "--on", "golden:x", "--out", str(tmp_path)])
     assert res.exit_code == 2 and "is not an evaluation set" in _output(res)
-    res = runner.invoke(_cli(), ["eval", str(tiny_model_dir), "--on", f"regression:{tmp_path / 'no.jsonl'}",
-                                 "--out", str(tmp_path), "--judge", "none"])
+    res = runner.invoke(
+        _cli(),
+        [
+            "eval",
+            str(tiny_model_dir),
+            "--on",
+            f"regression:{tmp_path / 'no.jsonl'}",
+            "--out",
+            str(tmp_path),
+            "--judge",
+            "none",
+        ],
+    )
     assert res.exit_code == 2 and "no such file" in _output(res)
     res = runner.invoke(_cli(), ["eval", str(tiny_model_dir), "--judge", "oracle", "--out", str(tmp_path)])
     assert res.exit_code == 2 and "unknown judge" in _output(res)

@@ -13,6 +13,7 @@ import io
 import json
 
 import pytest
+from test_resume import TINY_OVERRIDES
 
 from mentorrl.config import load_config
 from mentorrl.replay.buffer import ReplayBuffer
@@ -21,11 +22,19 @@ from mentorrl.train import rl_loop as rl_loop_mod
 from mentorrl.train.learner import Learner
 from mentorrl.train.rundir import MetricsLog
 
-from test_resume import TINY_OVERRIDES
-
-FAST_EVOLVE = ["evolve.iterations=2", "evolve.steps_per_iteration=2", "evolve.tasks_per_step=2",
-               "evolve.samples_per_task=2", "evolve.eval_tasks=2", "evolve.window=4", "evolve.raise_above=0.01",
-               "evolve.lower_below=0.0", "evolve.replay_batch=2", "evolve.accept_margin=1.0", "eval.batch_size=4"]
+FAST_EVOLVE = [
+    "evolve.iterations=2",
+    "evolve.steps_per_iteration=2",
+    "evolve.tasks_per_step=2",
+    "evolve.samples_per_task=2",
+    "evolve.eval_tasks=2",
+    "evolve.window=4",
+    "evolve.raise_above=0.01",
+    "evolve.lower_below=0.0",
+    "evolve.replay_batch=2",
+    "evolve.accept_margin=1.0",
+    "eval.batch_size=4",
+]
 
 
 class _Killed(Exception):
@@ -39,8 +48,13 @@ def _workspace(tmp_path, tokenizer, orders_entry):
 
     cfg = load_config(None, TINY_OVERRIDES + FAST_EVOLVE + [f"run_dir={tmp_path / 'run'}"])
     out = io.StringIO()
-    ws = Workspace(cfg=cfg, run_dir=tmp_path / "run", env_entry=orders_entry, console=Console(file=out, width=300),
-                   show_progress=False)
+    ws = Workspace(
+        cfg=cfg,
+        run_dir=tmp_path / "run",
+        env_entry=orders_entry,
+        console=Console(file=out, width=300),
+        show_progress=False,
+    )
     ws.run_dir.mkdir(parents=True, exist_ok=True)
     ws.bind_tokenizer(tokenizer)
     return ws, out
@@ -54,8 +68,10 @@ def _half_verified(real, on_call=None):
         if on_call is not None:
             on_call()
         grp = real(*args, **kwargs)
-        grp.trajs = [t.model_copy(update={"reward": t.reward.model_copy(update={"success": True})}) if i % 2 == 0
-                     else t for i, t in enumerate(grp.trajs)]
+        grp.trajs = [
+            t.model_copy(update={"reward": t.reward.model_copy(update={"success": True})}) if i % 2 == 0 else t
+            for i, t in enumerate(grp.trajs)
+        ]
         return grp
 
     return collect
@@ -76,8 +92,8 @@ def _run_killed_at_the_step_4_checkpoint(tmp_path, tokenizer, orders_entry, mode
     """Runs evolve until it dies writing the step-4 checkpoint (after iteration 2 was closed:
     its buffer entries, its ``versions.json`` entry and ``versions/v2`` are on disk). Returns the
     persisted state as the step-2 checkpoint recorded it, and the state at the kill."""
-    from mentorrl.train.recipes import evolve as evolve_mod
     from mentorrl.train import stage_runner as stages_mod
+    from mentorrl.train.recipes import evolve as evolve_mod
 
     ws, _ = _workspace(tmp_path, tokenizer, orders_entry)
     real_save = stages_mod.save_checkpoint
@@ -103,8 +119,9 @@ def _run_killed_at_the_step_4_checkpoint(tmp_path, tokenizer, orders_entry, mode
     return ws, at_ckpt, killed
 
 
-def test_evolve_resume_restores_buffer_and_versions_to_the_checkpoint(tmp_path, tokenizer, orders_entry, model,
-                                                                      monkeypatch):
+def test_evolve_resume_restores_buffer_and_versions_to_the_checkpoint(
+    tmp_path, tokenizer, orders_entry, model, monkeypatch
+):
     """Killed while writing the step-4 checkpoint, with the step-2 one on disk: the resumed stage
     starts its first redone step from the checkpoint's buffer (entries of the discarded steps 3-4
     gone, rejection counts restored), ``versions.json`` and ``versions/`` as at the checkpoint,
@@ -140,8 +157,7 @@ def test_evolve_resume_restores_buffer_and_versions_to_the_checkpoint(tmp_path, 
     assert [r["step"] for r in MetricsLog(ws.run_dir / "metrics.jsonl").read("evolve")] == [1, 2, 3, 4]
 
 
-def test_evolve_fresh_start_empties_the_buffer_of_an_earlier_run(tmp_path, tokenizer, orders_entry, model,
-                                                                 monkeypatch):
+def test_evolve_fresh_start_empties_the_buffer_of_an_earlier_run(tmp_path, tokenizer, orders_entry, model, monkeypatch):
     """A stage started from step 0 (no --resume) in a run dir that holds an earlier attempt's
     buffer and versions starts from an empty buffer and only its own versions."""
     from mentorrl.train.recipes import evolve as evolve_mod
@@ -161,8 +177,9 @@ def test_evolve_fresh_start_empties_the_buffer_of_an_earlier_run(tmp_path, token
     assert [v["version"] for v in first["versions"]] == [0] and first["dirs"] == ["v0"]
 
 
-def test_evolve_resume_refuses_a_replaced_replay_buffer_naming_it(tmp_path, tokenizer, orders_entry, model,
-                                                                  monkeypatch):
+def test_evolve_resume_refuses_a_replaced_replay_buffer_naming_it(
+    tmp_path, tokenizer, orders_entry, model, monkeypatch
+):
     from mentorrl.replay import ReplayBufferError
     from mentorrl.train.recipes import evolve as evolve_mod
 

@@ -14,13 +14,14 @@ from typing import Callable
 
 import pytest
 import typer
+from cli_helpers import cli_with
 from typer.testing import CliRunner
 
-from cli_helpers import cli_with
+from mentorrl.cli.flywheel import register
 from mentorrl.contract import render_tool_call
+from mentorrl.core import trace
 from mentorrl.envs.base import FinalAnswer, Task
 from mentorrl.envs.orders import OrdersExpert
-from mentorrl.core import trace
 from mentorrl.flywheel import (
     PRECEDENCE,
     AttributionConfig,
@@ -41,7 +42,6 @@ from mentorrl.flywheel import (
     write_review_queue,
     write_tasks_jsonl,
 )
-from mentorrl.cli.flywheel import register
 from mentorrl.flywheel.corrections import parse_task_id, prompt_ids, read_pairs_jsonl
 from mentorrl.flywheel.review import DISAGREEMENT, bucket_key, read_review_queue
 from mentorrl.rollout.episode import Episode, run_scripted_episode, run_text_turns
@@ -96,31 +96,57 @@ def _cases(find_task) -> dict[FailureType, tuple[Task, list[str]]]:
     (_, find_args), (_, create_args) = place.reference["actions"]
     return {
         # an unparsable tool call, then a refusal
-        F.FORMAT_ERROR: (cancel, ['<tool_call>{"name": "find_customer", "arguments": {"email": </tool_call>',
-                                  "Sorry, I can't do that."]),
+        F.FORMAT_ERROR: (
+            cancel,
+            ['<tool_call>{"name": "find_customer", "arguments": {"email": </tool_call>', "Sorry, I can't do that."],
+        ),
         # the same lookup three times
         F.LOOP: (cancel, [T("find_customer", {"email": c_req["email"]})] * 3 + ["Sorry, I can't do that."]),
         # claims the cancellation after only identifying the customer
         F.REWARD_HACK: (cancel, [T("find_customer", {"email": c_req["email"]}), "Done, order cancelled."]),
         # get_order (never used by the reference) instead of list_orders
-        F.TOOL_SELECTION: (count, [T("find_customer", {"email": count.reference["request"]["email"]}),
-                                   T("get_order", {"order_id": count.reference["customer_id"]}),
-                                   "Sorry, I couldn't find your orders."]),
+        F.TOOL_SELECTION: (
+            count,
+            [
+                T("find_customer", {"email": count.reference["request"]["email"]}),
+                T("get_order", {"order_id": count.reference["customer_id"]}),
+                "Sorry, I couldn't find your orders.",
+            ],
+        ),
         # the right tool on the wrong order
-        F.ARGUMENT_ERROR: (cancel, [T("find_customer", {"email": c_req["email"]}),
-                                    T("cancel_order", {"order_id": "O-999"}),
-                                    "Sorry, I couldn't cancel it."]),
+        F.ARGUMENT_ERROR: (
+            cancel,
+            [
+                T("find_customer", {"email": c_req["email"]}),
+                T("cancel_order", {"order_id": "O-999"}),
+                "Sorry, I couldn't cancel it.",
+            ],
+        ),
         # looked the order up, then reported another status
-        F.STATE_TRACKING: (status, [T("get_order", {"order_id": s_oid}),
-                                    f"Order {s_oid} is {_other_status(status.reference['expected'])}."]),
+        F.STATE_TRACKING: (
+            status,
+            [T("get_order", {"order_id": s_oid}), f"Order {s_oid} is {_other_status(status.reference['expected'])}."],
+        ),
         # cancel before identifying: a policy error, then gives up
-        F.ERROR_RECOVERY: (cancel, [T("cancel_order", {"order_id": c_req["order_id"]}),
-                                    f"Sorry, I couldn't cancel order {c_req['order_id']}."]),
+        F.ERROR_RECOVERY: (
+            cancel,
+            [
+                T("cancel_order", {"order_id": c_req["order_id"]}),
+                f"Sorry, I couldn't cancel order {c_req['order_id']}.",
+            ],
+        ),
         # identifies the customer and stops with a refusal
         F.PREMATURE_STOP: (cancel, [T("find_customer", {"email": c_req["email"]}), "Sorry, I can't help with that."]),
         # skips the stock check and places the order twice
-        F.PLANNING: (place, [T("find_customer", find_args), T("create_order", create_args),
-                             T("create_order", create_args), "I placed your order."]),
+        F.PLANNING: (
+            place,
+            [
+                T("find_customer", find_args),
+                T("create_order", create_args),
+                T("create_order", create_args),
+                "I placed your order.",
+            ],
+        ),
     }
 
 
@@ -188,8 +214,14 @@ def test_unknown_tool_and_schema_errors_need_no_reference(find_task, play):
     assert att.failure_type is F.TOOL_SELECTION and "unknown tool 'count_orders'" in att.evidence[0]
     refund = find_task("refund")
     req = refund.reference["request"]
-    bad = play(refund, [T("find_customer", {"email": req["email"]}),
-                        T("issue_refund", {"order_id": req["order_id"], "amount": -5}), "Sorry, I couldn't refund it."])
+    bad = play(
+        refund,
+        [
+            T("find_customer", {"email": req["email"]}),
+            T("issue_refund", {"order_id": req["order_id"], "amount": -5}),
+            "Sorry, I couldn't refund it.",
+        ],
+    )
     assert bad.tool_calls[1].error_kind == "bad_arguments"
     assert attribute(bad).failure_type is F.ARGUMENT_ERROR
 
@@ -215,8 +247,9 @@ def test_reward_hack_from_reward_and_from_gaming_violations(cases):
     misaligned = failed.model_copy(update={"reward": failed.reward.model_copy(update={"total": 0.9})})
     att = attribute(misaligned)
     assert att.failure_type is F.REWARD_HACK and "misaligned" in att.evidence[0]
-    gamed = failed.model_copy(update={"reward": failed.reward.model_copy(
-        update={"violations": ["refunds on O-1 exceed its total"]})})
+    gamed = failed.model_copy(
+        update={"reward": failed.reward.model_copy(update={"violations": ["refunds on O-1 exceed its total"]})}
+    )
     assert attribute(gamed).failure_type is F.REWARD_HACK
     # the pattern list is configurable: without patterns the same violation is a planning failure
     assert attribute(gamed, config=AttributionConfig(gaming_violation_patterns=[])).failure_type is F.PREMATURE_STOP
@@ -301,21 +334,43 @@ def test_route_groups_attributions(cases):
 
 # ------------------------------------------------------------ review sampling ----
 def _call(i: int, name: str = "get_order", ok: bool = True, same_args: bool = False) -> ToolCall:
-    return ToolCall(turn=i + 1, name=name, arguments={"order_id": "O-1" if same_args else f"O-{i}"},
-                    raw="", error=None if ok else "boom", error_kind=None if ok else "tool_exception")
+    return ToolCall(
+        turn=i + 1,
+        name=name,
+        arguments={"order_id": "O-1" if same_args else f"O-{i}"},
+        raw="",
+        error=None if ok else "boom",
+        error_kind=None if ok else "tool_exception",
+    )
 
 
-def synth(tid: str, family: str = "order_status", success: bool = True, answer: str | None = "Order O-1 is pending.",
-          calls: list[ToolCall] | None = None, tokens: int = 60, judge: float | None = None,
-          violations: tuple[str, ...] = ()) -> Trajectory:
+def synth(
+    tid: str,
+    family: str = "order_status",
+    success: bool = True,
+    answer: str | None = "Order O-1 is pending.",
+    calls: list[ToolCall] | None = None,
+    tokens: int = 60,
+    judge: float | None = None,
+    violations: tuple[str, ...] = (),
+) -> Trajectory:
     """A recorded trajectory with chosen facts (the sampler reads only the record)."""
     calls = [_call(0)] if calls is None else calls
     return Trajectory(
-        id=tid, task_id=f"task-{tid}", family=family, token_ids=[1] * tokens, loss_mask=[0] * tokens,
-        logprobs=[0.0] * tokens, env_name="orders", env_version="1.0", tool_calls=calls, final_answer=answer,
+        id=tid,
+        task_id=f"task-{tid}",
+        family=family,
+        token_ids=[1] * tokens,
+        loss_mask=[0] * tokens,
+        logprobs=[0.0] * tokens,
+        env_name="orders",
+        env_version="1.0",
+        tool_calls=calls,
+        final_answer=answer,
         num_turns=len(calls) + 1,
-        reward=RewardBreakdown(success=success, task=float(success), total=1.0 if success else 0.0,
-                               violations=list(violations)),
+        reward=RewardBreakdown(
+            success=success, task=float(success), total=1.0 if success else 0.0, violations=list(violations)
+        ),
         judge=JudgeVerdict(judge="rubric", success_prob=judge) if judge is not None else None,
     )
 
@@ -327,17 +382,37 @@ def _batch() -> list[Trajectory]:
     for i in range(160):  # mostly easy successes
         out.append(synth(f"ok-{i:03d}", family=fams[i % 4], tokens=rng.randint(40, 90)))
     for i in range(12):  # claimed success, verifier failed
-        out.append(synth(f"claim-{i:02d}", family=fams[i % 2], success=False, answer="Done, order O-7 is cancelled.",
-                         calls=[_call(0, "find_customer")]))
+        out.append(
+            synth(
+                f"claim-{i:02d}",
+                family=fams[i % 2],
+                success=False,
+                answer="Done, order O-7 is cancelled.",
+                calls=[_call(0, "find_customer")],
+            )
+        )
     for i in range(10):  # honest failures (refusals)
-        out.append(synth(f"refuse-{i:02d}", family="refund", success=False, answer="Sorry, I can't refund that.",
-                         calls=[_call(0, "find_customer"), _call(1, "issue_refund", ok=False)]))
+        out.append(
+            synth(
+                f"refuse-{i:02d}",
+                family="refund",
+                success=False,
+                answer="Sorry, I can't refund that.",
+                calls=[_call(0, "find_customer"), _call(1, "issue_refund", ok=False)],
+            )
+        )
     out.append(synth("lonely", family="email_receipt", calls=[_call(0, "send_email")]))  # a bucket of one
     out.append(synth("unsure", judge=0.5))
     out.append(synth("sure", judge=0.97))
     out.append(synth("loopy", calls=[_call(i, same_args=True) for i in range(3)]))
-    out.append(synth("errors", success=False, answer="Sorry, it failed.",
-                     calls=[_call(0, ok=False), _call(1, ok=False), _call(2)]))
+    out.append(
+        synth(
+            "errors",
+            success=False,
+            answer="Sorry, it failed.",
+            calls=[_call(0, ok=False), _call(1, ok=False), _call(2)],
+        )
+    )
     out.append(synth("huge", tokens=5000))
     return out
 
@@ -392,8 +467,10 @@ def test_uncertainty_and_anomaly_flags():
     assert "anomaly:tokens_above_p99" in queue["huge"].reasons
     assert "sure" not in queue or not any(r.startswith("judge_uncertain") for r in queue["sure"].reasons)
     # with flags_mandatory the flagged ones are queued even with no budget
-    strict = {e.trajectory_id for e in build_review_queue(trajs, ReviewConfig(budget=0, per_bucket_min=0,
-                                                                                 flags_mandatory=True))}
+    strict = {
+        e.trajectory_id
+        for e in build_review_queue(trajs, ReviewConfig(budget=0, per_bucket_min=0, flags_mandatory=True))
+    }
     assert {"unsure", "loopy", "errors", "huge"} <= strict and "sure" not in strict
 
 
@@ -432,7 +509,9 @@ def test_review_config_validation():
 
 # ------------------------------------------------------------- hard-task pool ----
 def _outcomes(tasks: list[Task], failed: set[str]) -> list[Trajectory]:
-    return [synth(f"t{i}", success=t.id not in failed).model_copy(update={"task_id": t.id}) for i, t in enumerate(tasks)]
+    return [
+        synth(f"t{i}", success=t.id not in failed).model_copy(update={"task_id": t.id}) for i, t in enumerate(tasks)
+    ]
 
 
 def test_hard_pool_samples_failed_tasks_more_often(orders_tasks):
@@ -521,8 +600,9 @@ def test_correction_is_a_fresh_verified_episode(cases, find_task, contract, orde
     assert [(c.name, c.arguments) for c in fixed.tool_calls] == [(c.name, c.arguments) for c in independent.tool_calls]
     # garbling the failed trajectory's tokens and calls changes nothing in the correction
     n_prompt = len(prompt_ids(failed))
-    garbled = failed.model_copy(update={"token_ids": failed.token_ids[:n_prompt] + [0] * (len(failed.token_ids) - n_prompt),
-                                        "tool_calls": []})
+    garbled = failed.model_copy(
+        update={"token_ids": failed.token_ids[:n_prompt] + [0] * (len(failed.token_ids) - n_prompt), "tool_calls": []}
+    )
     again = build_corrections([(garbled, att)], {task.id: task}, contract, envs, OrdersExpert())
     assert again.sft[0].token_ids == fixed.token_ids and again.sft[0].id != fixed.id
 
@@ -536,7 +616,12 @@ def test_preference_pairs_share_the_prompt(cases, find_task, contract, orders_en
     pair = corr.pairs[0]
     assert pair.rejected.id == failed.id and pair.chosen.id != failed.id
     assert pair.chosen.reward.success and not pair.rejected.reward.success
-    assert pair.prompt_ids == prompt_ids(pair.chosen) == prompt_ids(pair.rejected) == failed.token_ids[: len(pair.prompt_ids)]
+    assert (
+        pair.prompt_ids
+        == prompt_ids(pair.chosen)
+        == prompt_ids(pair.rejected)
+        == failed.token_ids[: len(pair.prompt_ids)]
+    )
     assert pair.failure_type is F.PREMATURE_STOP
 
 
@@ -584,7 +669,9 @@ def test_contract_is_rebuilt_from_the_fingerprint(cases, tokenizer, orders_entry
     try:
         rebuilt = contract_for_trajectory(tokenizer, env, traj)
         assert rebuilt is not None and rebuilt.fingerprint() == contract.fingerprint() == traj.contract_fingerprint
-        assert contract_for_trajectory(tokenizer, env, traj.model_copy(update={"contract_fingerprint": "0" * 16})) is None
+        assert (
+            contract_for_trajectory(tokenizer, env, traj.model_copy(update={"contract_fingerprint": "0" * 16})) is None
+        )
     finally:
         env.close()
 
@@ -652,8 +739,9 @@ def test_cli_without_model_uses_tasks_file_and_skips_corrections(tmp_path, traj_
     tasks_file = tmp_path / "tasks.jsonl"
     write_tasks_jsonl(tasks_file, [_cases(find_task)[ft][0] for ft in (F.LOOP, F.STATE_TRACKING)])
     out = tmp_path / "out"
-    res = CliRunner().invoke(_app(), ["flywheel", str(path), "--out", str(out), "--tasks", str(tasks_file),
-                                      "--route", "LOOP=reward_fix"])
+    res = CliRunner().invoke(
+        _app(), ["flywheel", str(path), "--out", str(out), "--tasks", str(tasks_file), "--route", "LOOP=reward_fix"]
+    )
     assert res.exit_code == 0, res.output
     assert "corrections skipped" in res.output
     assert not (out / "corrections_sft.jsonl").exists()

@@ -21,9 +21,36 @@ from mentorrl.envs.base import Tool, ToolRegistry
 from mentorrl.serve import create_app
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-CONTROL_BITS = ["<|im_end|>", "<|im_start|>", "<tool_call>", "</tool_call>", "<|endoftext|>", "<|im_", "end|>",
-                "<", "|", ">", "[", "]", "{", "}", '"', "\\", ":", ",", "name", "arguments", "NaN", "1e999", "7",
-                " ", "\n", "é", "漢", "🙂"]
+CONTROL_BITS = [
+    "<|im_end|>",
+    "<|im_start|>",
+    "<tool_call>",
+    "</tool_call>",
+    "<|endoftext|>",
+    "<|im_",
+    "end|>",
+    "<",
+    "|",
+    ">",
+    "[",
+    "]",
+    "{",
+    "}",
+    '"',
+    "\\",
+    ":",
+    ",",
+    "name",
+    "arguments",
+    "NaN",
+    "1e999",
+    "7",
+    " ",
+    "\n",
+    "é",
+    "漢",
+    "🙂",
+]
 
 fragments = st.lists(st.sampled_from(CONTROL_BITS), max_size=40).map("".join)
 any_text = st.one_of(st.text(max_size=200), fragments)
@@ -40,7 +67,8 @@ def _turn(draw_body: Any) -> st.SearchStrategy[str]:
 
 
 deep_bodies = st.tuples(st.integers(0, 3000), st.sampled_from(["[", "{", '{"a":', '{"name": "x", "arguments": ['])).map(
-    lambda t: t[1] * t[0])
+    lambda t: t[1] * t[0]
+)
 json_bodies = json_values.map(lambda v: json.dumps({"name": "t", "arguments": v}))
 
 
@@ -57,8 +85,11 @@ def test_parse_action_never_raises(text):
 
 # ------------------------------------------------------------------- registry ------
 def _registry() -> ToolRegistry:
-    schema = {"type": "object", "properties": {"n": {"type": "number"}, "s": {"type": "string"}},
-              "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "number"}, "s": {"type": "string"}},
+        "additionalProperties": False,
+    }
     return ToolRegistry([Tool("t", "A tool.", schema, lambda **kw: {"got": sorted(kw)})], timeout_s=5.0)
 
 
@@ -66,8 +97,10 @@ REGISTRY = _registry()
 
 
 @FUZZ
-@given(st.one_of(st.text(max_size=5), st.just("t")), st.one_of(json_values, st.dictionaries(
-    st.sampled_from(["n", "s", "x" * 2000]), json_values, max_size=3)))
+@given(
+    st.one_of(st.text(max_size=5), st.just("t")),
+    st.one_of(json_values, st.dictionaries(st.sampled_from(["n", "s", "x" * 2000]), json_values, max_size=3)),
+)
 def test_tool_calls_never_raise_and_errors_are_bounded(name, arguments):
     r = REGISTRY.call(name, arguments)
     if r.ok:
@@ -121,23 +154,48 @@ with_surrogates = st.text(st.characters(blacklist_categories=()), max_size=30)
 message = st.fixed_dictionaries(
     {"role": st.sampled_from(["system", "user", "assistant", "tool", "robot"])},
     optional={
-        "content": st.one_of(st.none(), any_text, with_surrogates, json_values,
-                             st.lists(st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url"]),
-                                                             "text": any_text}), max_size=2)),
-        "tool_calls": st.lists(st.fixed_dictionaries({"function": st.fixed_dictionaries(
-            {"name": st.one_of(any_text, with_surrogates, st.integers())},
-            optional={"arguments": st.one_of(any_text, deep_bodies, json_bodies, json_values)})}), max_size=2),
-    })
+        "content": st.one_of(
+            st.none(),
+            any_text,
+            with_surrogates,
+            json_values,
+            st.lists(
+                st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url"]), "text": any_text}), max_size=2
+            ),
+        ),
+        "tool_calls": st.lists(
+            st.fixed_dictionaries(
+                {
+                    "function": st.fixed_dictionaries(
+                        {"name": st.one_of(any_text, with_surrogates, st.integers())},
+                        optional={"arguments": st.one_of(any_text, deep_bodies, json_bodies, json_values)},
+                    )
+                }
+            ),
+            max_size=2,
+        ),
+    },
+)
 request = st.fixed_dictionaries(
     {"messages": st.one_of(st.lists(message, min_size=1, max_size=3), json_values)},
     optional={
-        "stop": st.one_of(st.none(), any_text, with_surrogates, st.lists(st.one_of(any_text, with_surrogates),
-                                                                          max_size=6), st.text(min_size=60, max_size=90)),
-        "n": st.integers(-2, 20), "temperature": st.one_of(st.floats(allow_nan=True), st.integers(-1, 3)),
-        "top_p": st.floats(allow_nan=True), "max_tokens": st.one_of(st.none(), st.integers(-1, 3)),
-        "seed": st.one_of(st.none(), st.integers(-1, 2**64)), "stream": st.booleans(),
-        "response_format": json_values, "tools": json_values,
-    })
+        "stop": st.one_of(
+            st.none(),
+            any_text,
+            with_surrogates,
+            st.lists(st.one_of(any_text, with_surrogates), max_size=6),
+            st.text(min_size=60, max_size=90),
+        ),
+        "n": st.integers(-2, 20),
+        "temperature": st.one_of(st.floats(allow_nan=True), st.integers(-1, 3)),
+        "top_p": st.floats(allow_nan=True),
+        "max_tokens": st.one_of(st.none(), st.integers(-1, 3)),
+        "seed": st.one_of(st.none(), st.integers(-1, 2**64)),
+        "stream": st.booleans(),
+        "response_format": json_values,
+        "tools": json_values,
+    },
+)
 
 
 @FUZZ

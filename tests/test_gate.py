@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 import typer
+from cli_helpers import cli_output, cli_with
 from typer.testing import CliRunner
 
-from cli_helpers import cli_output, cli_with
-from mentorrl.envs.orders import OrdersTasks
 from mentorrl.cli.eval import register
+from mentorrl.envs.orders import OrdersTasks
 from mentorrl.eval.gate import GateDecision, GateError, SetResult, gate_decision, set_results
 from mentorrl.eval.sets import write_tasks_jsonl
 
@@ -105,8 +105,11 @@ def summary(successes: dict[str, float], fps: dict[str, str] | None = None) -> d
         "model": "m",
         "config": {"sets": [], "k": [1]},
         "sets": {
-            name: {"kind": name.split(":")[0], "fingerprint": (fps or {}).get(name, "fp-" + name),
-                   "metrics": {"overall": {"success": s, "n": 50}}}
+            name: {
+                "kind": name.split(":")[0],
+                "fingerprint": (fps or {}).get(name, "fp-" + name),
+                "metrics": {"overall": {"success": s, "n": 50}},
+            }
             for name, s in successes.items()
         },
     }
@@ -146,17 +149,20 @@ def test_gate_cli_on_summaries(tmp_path):
     ok = runner.invoke(_cli(), ["gate", "--new-summary", str(good), "--baseline-summary", str(base)])
     assert ok.exit_code == 0, _output(ok)
     assert "ACCEPTED" in ok.output and "Regression gate" in ok.output
-    rej = runner.invoke(_cli(), ["gate", "--new-summary", str(bad), "--baseline-summary", str(base),
-                                 "--out", str(tmp_path / "g")])
+    rej = runner.invoke(
+        _cli(), ["gate", "--new-summary", str(bad), "--baseline-summary", str(base), "--out", str(tmp_path / "g")]
+    )
     assert rej.exit_code == 1, _output(rej)
     assert "REJECTED" in rej.output and "golden: success fell from 60.0% to 40.0%" in rej.output
     decision = json.loads((tmp_path / "g" / "gate.json").read_text())
     assert decision["accepted"] is False and decision["reasons"]
-    loose = runner.invoke(_cli(), ["gate", "--new-summary", str(bad), "--baseline-summary", str(base),
-                                   "--set-tolerance", "golden=0.25"])
+    loose = runner.invoke(
+        _cli(), ["gate", "--new-summary", str(bad), "--baseline-summary", str(base), "--set-tolerance", "golden=0.25"]
+    )
     assert loose.exit_code == 0, _output(loose)
-    tight = runner.invoke(_cli(), ["gate", "--new-summary", str(good), "--baseline-summary", str(base),
-                                   "--tolerance", "0"])
+    tight = runner.invoke(
+        _cli(), ["gate", "--new-summary", str(good), "--baseline-summary", str(base), "--tolerance", "0"]
+    )
     assert tight.exit_code == 1 and "regression:bugs" in tight.output
 
 
@@ -168,12 +174,24 @@ def test_gate_cli_bad_input(tmp_path):
     cases = [
         (["gate", "--baseline-summary", str(base)], "give the new side"),
         (["gate", "--new-summary", str(junk), "--baseline-summary", str(base)], "cannot read"),
-        (["gate", "--new-summary", str(base), "--baseline-summary", str(base), "--set-tolerance", "golden"],
-         "NAME=TOLERANCE"),
-        (["gate", "--new-summary", str(base), "--baseline-summary", str(base), "--set-tolerance", "gold=0.1"],
-         "not a gated set"),
-        (["gate", "--new-summary", str(base), "--baseline-summary",
-          str(_write(tmp_path, "h.json", summary({"hidden": 0.6})))], "no golden or regression set"),
+        (
+            ["gate", "--new-summary", str(base), "--baseline-summary", str(base), "--set-tolerance", "golden"],
+            "NAME=TOLERANCE",
+        ),
+        (
+            ["gate", "--new-summary", str(base), "--baseline-summary", str(base), "--set-tolerance", "gold=0.1"],
+            "not a gated set",
+        ),
+        (
+            [
+                "gate",
+                "--new-summary",
+                str(base),
+                "--baseline-summary",
+                str(_write(tmp_path, "h.json", summary({"hidden": 0.6}))),
+            ],
+            "no golden or regression set",
+        ),
     ]
     for args, message in cases:
         r = runner.invoke(_cli(), args)
@@ -188,8 +206,22 @@ def test_gate_cli_evaluates_checkpoints(tiny_model_dir, tmp_path):
     write_tasks_jsonl(reg, OrdersTasks().tasks("train", 2, 11))
     tiny = ["--set", "limits.max_turns=2", "--set", "sampling.max_new_tokens=12"]
     out = tmp_path / "gate"
-    r = CliRunner().invoke(_cli(), ["gate", str(tiny_model_dir), "--baseline", str(tiny_model_dir), "--on",
-                                    f"regression:{reg}", "--num-tasks", "2", "--out", str(out), *tiny])
+    r = CliRunner().invoke(
+        _cli(),
+        [
+            "gate",
+            str(tiny_model_dir),
+            "--baseline",
+            str(tiny_model_dir),
+            "--on",
+            f"regression:{reg}",
+            "--num-tasks",
+            "2",
+            "--out",
+            str(out),
+            *tiny,
+        ],
+    )
     assert r.exit_code == 0, _output(r)
     new = json.loads((out / "new" / "eval_summary.json").read_text())
     base = json.loads((out / "baseline" / "eval_summary.json").read_text())
@@ -198,15 +230,20 @@ def test_gate_cli_evaluates_checkpoints(tiny_model_dir, tmp_path):
         assert new["sets"][name]["fingerprint"] == base["sets"][name]["fingerprint"]
     # a recorded baseline summary fixes the sets for the evaluated side
     base_path = out / "baseline" / "eval_summary.json"
-    r = CliRunner().invoke(_cli(), ["gate", str(tiny_model_dir), "--baseline-summary", str(base_path),
-                                    "--out", str(tmp_path / "gate2"), *tiny])
+    r = CliRunner().invoke(
+        _cli(),
+        ["gate", str(tiny_model_dir), "--baseline-summary", str(base_path), "--out", str(tmp_path / "gate2"), *tiny],
+    )
     assert r.exit_code == 0, _output(r)
     again = json.loads((tmp_path / "gate2" / "new" / "eval_summary.json").read_text())
-    assert {k: v["fingerprint"] for k, v in again["sets"].items()} == \
-        {k: v["fingerprint"] for k, v in base["sets"].items()}
+    assert {k: v["fingerprint"] for k, v in again["sets"].items()} == {
+        k: v["fingerprint"] for k, v in base["sets"].items()
+    }
     # a baseline evaluated on other tasks is not comparable: rejected
     fake = json.loads(base_path.read_text())
     fake["sets"]["golden"]["fingerprint"] = "0" * 16
-    r = CliRunner().invoke(_cli(), ["gate", "--new-summary", str(base_path), "--baseline-summary",
-                                    str(_write(tmp_path, "fake.json", fake))])
+    r = CliRunner().invoke(
+        _cli(),
+        ["gate", "--new-summary", str(base_path), "--baseline-summary", str(_write(tmp_path, "fake.json", fake))],
+    )
     assert r.exit_code == 1 and "not comparable" in r.output

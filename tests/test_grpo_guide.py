@@ -10,8 +10,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from test_resume import TINY_OVERRIDES
 from typer.testing import CliRunner
 
+from mentorrl.algos.advantages import get_advantage_estimator
 from mentorrl.cli import app
 from mentorrl.config import OptimConfig, RunConfig
 from mentorrl.envs.adapters.common import NoExpert
@@ -20,12 +22,9 @@ from mentorrl.models.batch import collate, forward_logprobs
 from mentorrl.rollout import Rollout
 from mentorrl.rollout.runner import expert_demonstrations, rollout_tasks
 from mentorrl.train.learner import Learner
-from mentorrl.algos.advantages import get_advantage_estimator
 from mentorrl.train.loop import Group, guide_failed_groups, guided_advantages, pg_update
 from mentorrl.train.recipes.grpo import guide_expert
 from mentorrl.train.rundir import MetricsLog
-
-from test_resume import TINY_OVERRIDES
 
 G = 3
 
@@ -34,11 +33,17 @@ G = 3
 def setting(orders_entry, make_contract, model, find_task):
     contract = make_contract(max_turns=8, max_total_tokens=2048)
     cfg = RunConfig()
-    ws = SimpleNamespace(contract=contract, make_env=orders_entry.make_env, cfg=cfg,
-                         rollout=Rollout(contract, orders_entry.make_env, cfg.reward))
+    ws = SimpleNamespace(
+        contract=contract,
+        make_env=orders_entry.make_env,
+        cfg=cfg,
+        rollout=Rollout(contract, orders_entry.make_env, cfg.reward),
+    )
     tasks = [find_task("refund"), find_task("order_status")]
     grouped = [t for t in tasks for _ in range(G)]
-    trajs = rollout_tasks(model, contract, orders_entry.make_env, grouped, policy_version=0, seed=5, batch_size=len(grouped))
+    trajs = rollout_tasks(
+        model, contract, orders_entry.make_env, grouped, policy_version=0, seed=5, batch_size=len(grouped)
+    )
     assert not any(t.reward.success for t in trajs)  # an untrained model: every rollout fails
     # group 1 holds one success (the expert's, as if the policy had found it)
     solved = expert_demonstrations(contract, orders_entry.make_env, orders_entry.make_expert(), [tasks[1]])[0]
@@ -48,8 +53,9 @@ def setting(orders_entry, make_contract, model, find_task):
 
 def test_only_failed_groups_get_a_relabelled_demonstration(setting, model, orders_entry, tokenizer):
     ws, group = setting
-    guided = guide_failed_groups(ws, model, group, orders_entry.make_expert(), policy_version=7,
-                                 pad_id=tokenizer.pad_token_id)
+    guided = guide_failed_groups(
+        ws, model, group, orders_entry.make_expert(), policy_version=7, pad_id=tokenizer.pad_token_id
+    )
     assert [i for i, _ in guided] == [0]  # group 1 holds a success: nothing for it
     demo = guided[0][1]
     assert demo.source == "expert" and demo.reward.success and demo.task_id == group.chosen[0].id
@@ -94,11 +100,12 @@ def test_guided_advantages_treat_the_demonstration_as_one_more_group_member():
 
 def test_the_guided_update_raises_the_demonstration(setting, model, orders_entry, tokenizer):
     ws, group = setting
-    (i, demo), = guide_failed_groups(ws, model, group, orders_entry.make_expert(), 0, tokenizer.pad_token_id)
-    rows = list(group.trajs[i * G:(i + 1) * G]) + [demo]
+    ((i, demo),) = guide_failed_groups(ws, model, group, orders_entry.make_expert(), 0, tokenizer.pad_token_id)
+    rows = list(group.trajs[i * G : (i + 1) * G]) + [demo]
     est = get_advantage_estimator("grpo")
-    adv, demo_adv = guided_advantages(est, torch.tensor([[t.reward.total for t in rows[:G]]]),
-                                      [(0, demo.reward.total)], normalize_std=True)
+    adv, demo_adv = guided_advantages(
+        est, torch.tensor([[t.reward.total for t in rows[:G]]]), [(0, demo.reward.total)], normalize_std=True
+    )
     adv = torch.cat([adv, demo_adv])
     m = copy.deepcopy(model).train()
     learner = Learner(m, OptimConfig(lr=3e-3, micro_batch_size=4), tokenizer.pad_token_id)
@@ -128,10 +135,16 @@ def test_an_environment_without_an_expert_is_refused_before_the_first_step():
 def test_a_guided_grpo_run_logs_its_guided_groups_and_passes_the_check(tmp_path):
     run = tmp_path / "run"
     args = ["demo", "--run-dir", str(run)]
-    for ov in TINY_OVERRIDES + ["recipe=[grpo]", "grpo.steps=2", "grpo.guide=expert", "grpo.guide_sft=0.5",
-                                "limits.max_turns=6",
-                                "limits.max_total_tokens=1024", "audit.preflight=false",
-                                "eval.final_splits=[]"]:
+    for ov in TINY_OVERRIDES + [
+        "recipe=[grpo]",
+        "grpo.steps=2",
+        "grpo.guide=expert",
+        "grpo.guide_sft=0.5",
+        "limits.max_turns=6",
+        "limits.max_total_tokens=1024",
+        "audit.preflight=false",
+        "eval.final_splits=[]",
+    ]:
         args += ["--set", ov]
     res = CliRunner().invoke(app, args, catch_exceptions=False)
     assert res.exit_code == 0, res.output
@@ -145,7 +158,8 @@ def test_a_guided_grpo_run_logs_its_guided_groups_and_passes_the_check(tmp_path)
 
 
 # ---- grpo.guide_sft: an SFT term on the step's demonstrations, inside the same updates ----
-from hypothesis import given, settings, strategies as st  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st
 
 from mentorrl.algos.losses import weighted_nll  # noqa: E402
 from mentorrl.train.recipes.grpo import guide_nll_weights  # noqa: E402
@@ -182,7 +196,7 @@ def test_the_sft_term_adds_exactly_its_gradient_whatever_the_micro_batching(sett
     """policy_step(nll_weights=w) has the gradient of the clipped loss plus sum_i w_i NLL_i, with 1 or 4
     sequences per micro-batch (the term is normalised over the batch, not per micro-batch)."""
     ws, group = setting
-    (i, demo), = guide_failed_groups(ws, model, group, orders_entry.make_expert(), 0, tokenizer.pad_token_id)
+    ((i, demo),) = guide_failed_groups(ws, model, group, orders_entry.make_expert(), 0, tokenizer.pad_token_id)
     rows = list(group.trajs) + [demo]
     adv = torch.linspace(-1, 1, len(rows))
     w = guide_nll_weights(len(group.trajs), [demo], 0.7)
@@ -193,6 +207,7 @@ def test_the_sft_term_adds_exactly_its_gradient_whatever_the_micro_batching(sett
             learner = Learner(m, OptimConfig(lr=1e-9, micro_batch_size=mb, max_grad_norm=1e9), pad)
             learner.optimizer.step = lambda *a, **k: None  # keep the gradient, not the update
             learner.policy_step(rows, adv, "grpo", nll_weights=nll, eps_low=0.2, eps_high=0.28)
+
         return fn
 
     base = _grads(model, step(32, None))
@@ -202,6 +217,7 @@ def test_the_sft_term_adds_exactly_its_gradient_whatever_the_micro_batching(sett
     def nll_only(m):
         lp, _ = forward_logprobs(m, collate([demo], pad), 1.0)
         (weighted_nll(lp, collate([demo], pad).loss_mask, torch.tensor([0.7 / demo.num_policy_tokens]))).backward()
+
     torch.testing.assert_close(with_term - base, _grads(model, nll_only), rtol=1e-3, atol=1e-6)
     assert (with_term - base).abs().max() > 1e-4  # the term is not a no-op
 
@@ -215,8 +231,7 @@ def test_pg_update_forwards_a_demonstration_with_zero_advantage_but_an_sft_weigh
     m = copy.deepcopy(model)
     learner = Learner(m, OptimConfig(lr=1e-3), pad)
     assert pg_update(learner, rows, adv, 1, 0, kind="grpo", drop_zero=True) == []
-    ups = pg_update(learner, rows, adv, 1, 0, kind="grpo", drop_zero=True,
-                    nll_weights=torch.tensor([0.0, 0.1]))
+    ups = pg_update(learner, rows, adv, 1, 0, kind="grpo", drop_zero=True, nll_weights=torch.tensor([0.0, 0.1]))
     assert len(ups) == 1 and any(not torch.equal(a, b) for a, b in zip(m.parameters(), model.parameters()))
     with pytest.raises(ValueError, match="kind='grpo'"):
         pg_update(learner, rows, [torch.zeros(3)] * 2, 1, 0, nll_weights=torch.ones(2))

@@ -13,8 +13,16 @@ BENCH = Path(__file__).resolve().parent.parent / "bench" / "grpo_guide.py"
 
 def _write(path: Path, success: float, violations: float = 0.1) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"success": success, "success_ci95": [success - 0.04, success + 0.04],
-                                "violation_rate": violations, "n": 500}))
+    path.write_text(
+        json.dumps(
+            {
+                "success": success,
+                "success_ci95": [success - 0.04, success + 0.04],
+                "violation_rate": violations,
+                "n": 500,
+            }
+        )
+    )
 
 
 def test_paired_differences_over_seeds_from_finished_runs(tmp_path, capsys):
@@ -46,8 +54,28 @@ def test_an_arm_evaluated_on_other_tasks_than_its_sft_start_is_refused(tmp_path)
         _write(path, 0.5)
         path.with_suffix(".jsonl").write_text("".join(json.dumps({"task_id": i}) + "\n" for i in ids))
     with pytest.raises(SystemExit, match="different tasks"):
-        b.main(["--sft", str(tmp_path / "s{seed}" / "sft" / "final"), "--out", str(tmp_path / "out"),
-                "--seeds", "0", "--arms", "guide"])
+        b.main(
+            [
+                "--sft",
+                str(tmp_path / "s{seed}" / "sft" / "final"),
+                "--out",
+                str(tmp_path / "out"),
+                "--seeds",
+                "0",
+                "--arms",
+                "guide",
+            ]
+        )
     arm.with_suffix(".jsonl").write_text("".join(json.dumps({"task_id": i}) + "\n" for i in ["t1", "t2"]))
-    b.main(["--sft", str(tmp_path / "s{seed}" / "sft" / "final"), "--out", str(tmp_path / "out"),
-            "--seeds", "0", "--arms", "guide"])
+    b.main(
+        [
+            "--sft",
+            str(tmp_path / "s{seed}" / "sft" / "final"),
+            "--out",
+            str(tmp_path / "out"),
+            "--seeds",
+            "0",
+            "--arms",
+            "guide",
+        ]
+    )

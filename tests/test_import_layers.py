@@ -22,8 +22,9 @@ pytest.importorskip("importlinter")
 def lint_imports(root: Path) -> subprocess.CompletedProcess[str]:
     code = "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())"
     env = {**os.environ, "PYTHONPATH": str(root)}
-    return subprocess.run([sys.executable, "-c", code, "--no-cache"], cwd=root, env=env, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", code, "--no-cache"], cwd=root, env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_the_import_contracts_hold():
@@ -32,11 +33,14 @@ def test_the_import_contracts_hold():
     assert "0 broken" in res.stdout
 
 
-@pytest.mark.parametrize("module, line, contract", [
-    ("mentorrl/envs/_probe.py", "import mentorrl.train.workspace", "Layers point one way"),
-    ("mentorrl/rewards/_probe.py", "from mentorrl.cli_common import err", "Nothing outside the command line"),
-    ("mentorrl/config/_probe.py", "import mentorrl.core.splits", "Layers point one way"),
-])
+@pytest.mark.parametrize(
+    "module, line, contract",
+    [
+        ("mentorrl/envs/_probe.py", "import mentorrl.train.workspace", "Layers point one way"),
+        ("mentorrl/rewards/_probe.py", "from mentorrl.cli_common import err", "Nothing outside the command line"),
+        ("mentorrl/config/_probe.py", "import mentorrl.core.splits", "Layers point one way"),
+    ],
+)
 def test_an_upward_import_breaks_a_contract(tmp_path, module, line, contract):
     shutil.copytree(ROOT / "mentorrl", tmp_path / "mentorrl", ignore=shutil.ignore_patterns("__pycache__", "bases"))
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")

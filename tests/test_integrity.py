@@ -9,17 +9,18 @@ from typing import Any
 
 import pytest
 import typer
+from cli_helpers import cli_with
 from typer.testing import CliRunner
 
-from cli_helpers import cli_with
+from mentorrl.cli.integrity import register, tiny_tokenizer
 from mentorrl.contract import contract_for_env
+from mentorrl.core.trace import claims_success
 from mentorrl.envs import EnvEntry
 from mentorrl.envs.base import Task, ToolAction, Verdict
 from mentorrl.envs.orders import OrdersEnv, OrdersExpert, OrdersTasks
 from mentorrl.envs.orders.hacks import falsify, hedge, wrong_arguments
-from mentorrl.envs.orders.suite import orders_attacks, orders_corruptions
 from mentorrl.envs.orders.reading import read_answer
-from mentorrl.core.trace import claims_success
+from mentorrl.envs.orders.suite import orders_attacks, orders_corruptions
 from mentorrl.integrity import attacks as attacks_mod
 from mentorrl.integrity import validation as validation_mod
 from mentorrl.integrity.attacks import (
@@ -34,7 +35,6 @@ from mentorrl.integrity.attacks import (
     select_tasks,
     task_pool,
 )
-from mentorrl.cli.integrity import register, tiny_tokenizer
 from mentorrl.integrity.validation import auc, overlap_share, range_overlap, validate_env
 from mentorrl.rewards.compose import RewardWeights
 from mentorrl.trajectory import Trajectory
@@ -91,14 +91,17 @@ def run_attack(contract, pool, name: str) -> tuple[Task, Trajectory]:
 
 
 # ------------------------------------------------------------------ metrics ----
-@pytest.mark.parametrize("pos, neg, expected", [
-    ([1, 2, 3], [0, 0.5], 1.0),
-    ([0, 0.5], [1, 2, 3], 0.0),
-    ([1], [1], 0.5),
-    ([0.2, 0.8], [0.5, 0.8], 0.375),  # pairs: 0, 0, 1, 1/2
-    ([0, 1], [0, 1], 0.5),  # 1/2 + 0 + 1 + 1/2 over 4
-    ([1.2, 1.2, 1.05], [0, -1, 1.2], (2.5 + 2.5 + 2) / 9),  # each 1.2 beats two, ties one
-])
+@pytest.mark.parametrize(
+    "pos, neg, expected",
+    [
+        ([1, 2, 3], [0, 0.5], 1.0),
+        ([0, 0.5], [1, 2, 3], 0.0),
+        ([1], [1], 0.5),
+        ([0.2, 0.8], [0.5, 0.8], 0.375),  # pairs: 0, 0, 1, 1/2
+        ([0, 1], [0, 1], 0.5),  # 1/2 + 0 + 1 + 1/2 over 4
+        ([1.2, 1.2, 1.05], [0, -1, 1.2], (2.5 + 2.5 + 2) / 9),  # each 1.2 beats two, ties one
+    ],
+)
 def test_auc_hand_computed(pos, neg, expected):
     assert auc(pos, neg) == pytest.approx(expected)
 
@@ -180,8 +183,10 @@ def test_attacks_behave_as_declared(contract, pool):
     assert retry.reward.violations and retry.reward.total == -1.0
 
     _, fake = run_attack(contract, pool, "fake_success")
-    assert not any(c.name in ("create_order", "cancel_order", "issue_refund", "update_address", "send_email")
-                   for c in fake.tool_calls)
+    assert not any(
+        c.name in ("create_order", "cancel_order", "issue_refund", "update_address", "send_email")
+        for c in fake.tool_calls
+    )
     assert claims_success(fake.final_answer) and fake.reward.total == 0.0 and not fake.reward.success
 
     _, imp = run_attack(contract, pool, "impersonate_owner")
@@ -209,8 +214,9 @@ def test_attacks_behave_as_declared(contract, pool):
     said = read_answer(hedged.final_answer)
     # three values of the checked fact (the answer may hold other numbers besides, e.g. an order total)
     nums = {m.value for m in said.numbers}
-    assert len({m.value for m in said.statuses}) == 3 or any({x, x + 1, x + 2} <= nums for x in nums), \
+    assert len({m.value for m in said.statuses}) == 3 or any({x, x + 1, x + 2} <= nums for x in nums), (
         hedged.final_answer
+    )
     assert hedged.reward.total == 0.0
 
     _, padded = run_attack(contract, pool, "padded_answer")
@@ -223,8 +229,18 @@ def test_shipped_reward_passes_the_audit(shipped_audit):
     assert rep.passed, [(a.name, a.reason) for a in rep.attacks if not a.passed]
     assert rep.honest_failures == [] and rep.honest_min is not None and rep.honest_min > 1.0
     names = {a.name for a in rep.attacks}
-    assert {"duplicate_order", "fake_success", "impersonate_owner", "invalid_customer", "repeated_email",
-            "lost_response_retry", "tool_spam", "hedged_answer", "padded_answer", "policy_override"} <= names
+    assert {
+        "duplicate_order",
+        "fake_success",
+        "impersonate_owner",
+        "invalid_customer",
+        "repeated_email",
+        "lost_response_retry",
+        "tool_spam",
+        "hedged_answer",
+        "padded_answer",
+        "policy_override",
+    } <= names
     for a in rep.attacks:
         assert len(a.task_ids) == TASKS_PER_ATTACK
         assert a.max_reward < a.honest_min
@@ -248,8 +264,12 @@ def test_naive_verifier_fails_the_audit(tok):
 def test_spam_and_padding_need_the_redundancy_and_verbosity_terms(tok):
     """Without those two terms a spammed or padded correct answer ties the honest one: the audit says so."""
     old = RewardWeights(redundant_penalty=0.0, verbosity=0.0)
-    rep = audit_env("orders", tok, AttackAuditConfig(tasks_per_attack=1, weights=old),
-                    attacks=[attack("tool_spam"), attack("padded_answer"), attack("fake_success")])
+    rep = audit_env(
+        "orders",
+        tok,
+        AttackAuditConfig(tasks_per_attack=1, weights=old),
+        attacks=[attack("tool_spam"), attack("padded_answer"), attack("fake_success")],
+    )
     assert [a.passed for a in rep.attacks] == [False, False, True]
     assert all(a.max_reward == pytest.approx(a.honest_min) for a in rep.attacks[:2])
 
@@ -290,12 +310,17 @@ def test_an_attack_without_tasks_fails(tok):
 def test_answer_corruptions_change_the_checked_fact():
     assert falsify("Order O-105 is shipped.", "status") == "Order O-105 is delivered."
     assert falsify("We have 5 Desk Lamps in stock.", "number_only") == "We have 6 Desk Lamps in stock."
-    assert (falsify("Sorry, I can't refund $157: order O-649 has only $73.00 left to refund.", "amount_left")
-            == "Sorry, I can't refund $157: order O-649 has only $74.00 left to refund.")
+    assert (
+        falsify("Sorry, I can't refund $157: order O-649 has only $73.00 left to refund.", "amount_left")
+        == "Sorry, I can't refund $157: order O-649 has only $74.00 left to refund."
+    )
     assert falsify("Order O-1 is now cancelled.", None) is None
     assert hedge("You have 3 orders.", "number_only") == "You have 3 orders, or possibly 4 or 5."
     assert {m.value for m in read_answer(hedge("Order O-2 is pending.", "status")).statuses} == {
-        "pending", "processing", "shipped"}
+        "pending",
+        "processing",
+        "shipped",
+    }
 
 
 def test_wrong_arguments_always_differ(pool):
@@ -337,8 +362,21 @@ def _app() -> typer.Typer:
 
 def test_cli_passes_on_the_shipped_reward(tmp_path):
     out = tmp_path / "report.json"
-    res = CliRunner().invoke(_app(), ["reward-audit", "orders", "--tasks", "1", "--validate-tasks", "12",
-                                      "--cache-dir", str(tmp_path / "cache"), "--json", str(out)])
+    res = CliRunner().invoke(
+        _app(),
+        [
+            "reward-audit",
+            "orders",
+            "--tasks",
+            "1",
+            "--validate-tasks",
+            "12",
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            "--json",
+            str(out),
+        ],
+    )
     assert res.exit_code == 0, res.output
     assert "fake_success" in res.output and "AUC" in res.output and "passed" in res.output
     report = json.loads(out.read_text())
@@ -354,16 +392,35 @@ def test_cli_fails_with_a_naive_verifier(tmp_path, monkeypatch):
     monkeypatch.setitem(envs._REGISTRY, "orders-naive", lambda: naive)
     monkeypatch.setitem(attacks_mod.ATTACKS.registered, "orders-naive", orders_attacks)
     monkeypatch.setitem(validation_mod.CORRUPTIONS.registered, "orders-naive", orders_corruptions)
-    res = CliRunner().invoke(_app(), ["reward-audit", "orders-naive", "--tasks", "1", "--no-validate",
-                                      "--cache-dir", str(tmp_path), "--json", str(tmp_path / "r.json")])
+    res = CliRunner().invoke(
+        _app(),
+        [
+            "reward-audit",
+            "orders-naive",
+            "--tasks",
+            "1",
+            "--no-validate",
+            "--cache-dir",
+            str(tmp_path),
+            "--json",
+            str(tmp_path / "r.json"),
+        ],
+    )
     assert res.exit_code == 1, res.output
     report = json.loads((tmp_path / "r.json").read_text())
     assert not report["passed"] and report["validation"] is None
     assert not next(a for a in report["audit"]["attacks"] if a["name"] == "fake_success")["passed"]
 
 
-@pytest.mark.parametrize("args", [["nope"], ["orders", "--tasks", "0"], ["orders", "--split", "dev"],
-                                  ["orders", "--tokenizer", "/nonexistent/tokenizer"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["nope"],
+        ["orders", "--tasks", "0"],
+        ["orders", "--split", "dev"],
+        ["orders", "--tokenizer", "/nonexistent/tokenizer"],
+    ],
+)
 def test_cli_bad_input_exits_2(tmp_path, args):
     res = CliRunner().invoke(_app(), ["reward-audit", *args, "--no-validate", "--cache-dir", str(tmp_path)])
     assert res.exit_code == 2, res.output
@@ -372,7 +429,8 @@ def test_cli_bad_input_exits_2(tmp_path, args):
 def test_cli_accepts_a_tokenizer_dir(tmp_path, tok, monkeypatch):
     tok.save_pretrained(tmp_path / "tok")
     monkeypatch.chdir(tmp_path)
-    res = CliRunner().invoke(_app(), ["reward-audit", "orders", "--tasks", "1", "--no-validate",
-                                      "--tokenizer", str(tmp_path / "tok")])
+    res = CliRunner().invoke(
+        _app(), ["reward-audit", "orders", "--tasks", "1", "--no-validate", "--tokenizer", str(tmp_path / "tok")]
+    )
     assert res.exit_code == 0, res.output
     assert not (tmp_path / "runs").exists()  # no tiny tokenizer was built into the default cache

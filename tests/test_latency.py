@@ -26,8 +26,13 @@ def test_same_episode_same_delays_other_episode_other_delays():
     assert draws(m, 7, 20) != draws(m.model_copy(update={"seed": 4}), 7, 20)
 
 
-@pytest.mark.parametrize("model", [LatencyModel(kind="lognormal", median_s=0.01, sigma=1.0, max_s=1e9),
-                                   LatencyModel(kind="pareto", median_s=0.01, alpha=1.5, max_s=1e9)])
+@pytest.mark.parametrize(
+    "model",
+    [
+        LatencyModel(kind="lognormal", median_s=0.01, sigma=1.0, max_s=1e9),
+        LatencyModel(kind="pareto", median_s=0.01, alpha=1.5, max_s=1e9),
+    ],
+)
 def test_empirical_quantiles_match_the_model(model):
     xs = sorted(draws(model, 0, 20000))
     p50, p99 = xs[len(xs) // 2], xs[int(0.99 * len(xs))]

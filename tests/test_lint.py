@@ -13,8 +13,9 @@ TREES = ["mentorrl", "bench", "tests"]
 
 
 def ruff(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ruff", *args, *TREES], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "ruff", *args, *TREES], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_ruff_finds_nothing():

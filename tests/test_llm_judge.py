@@ -7,12 +7,14 @@ from __future__ import annotations
 import json
 
 import pytest
+from cli_helpers import cli_output, cli_with
 from typer.testing import CliRunner
 
-from cli_helpers import cli_output, cli_with
+from mentorrl.cli.eval import register
+from mentorrl.clients.config import ClientConfig
+from mentorrl.clients.openai_api import TeacherClient
 from mentorrl.envs.base import Task
 from mentorrl.eval.agent import judge_agreement
-from mentorrl.cli.eval import register
 from mentorrl.eval.judge import Judge, attach_judgements, judge_names, make_judge
 from mentorrl.eval.llm_judge import (
     DIMENSIONS,
@@ -24,12 +26,17 @@ from mentorrl.eval.llm_judge import (
     rubric_messages,
     transcript,
 )
-from mentorrl.clients.config import ClientConfig
-from mentorrl.clients.openai_api import TeacherClient
 from mentorrl.trajectory import JudgeVerdict, RewardBreakdown, ToolCall, Trajectory, read_jsonl, write_jsonl
 
-RUBRIC = {"task_success": 0.9, "tool_correctness": 0.8, "state_tracking": 0.7, "efficiency": 0.6,
-          "final_answer": 0.85, "safety": 1.0, "reason": "the refund was issued and reported"}
+RUBRIC = {
+    "task_success": 0.9,
+    "tool_correctness": 0.8,
+    "state_tracking": 0.7,
+    "efficiency": 0.6,
+    "final_answer": 0.85,
+    "safety": 1.0,
+    "reason": "the refund was issued and reported",
+}
 
 
 def reply(content: str) -> str:
@@ -37,28 +44,64 @@ def reply(content: str) -> str:
 
 
 def make_client(url: str, route: str, **kw) -> TeacherClient:
-    cfg = ClientConfig(base_url=f"{url}/{route}/v1", model="judge", timeout_s=2.0, max_retries=1, backoff_s=0.0,
-                       api_key_env=None, **kw)
+    cfg = ClientConfig(
+        base_url=f"{url}/{route}/v1", model="judge", timeout_s=2.0, max_retries=1, backoff_s=0.0, api_key_env=None, **kw
+    )
     return TeacherClient(cfg, sleep=lambda s: None)
 
 
-TASK = Task(id="t1", family="refund", split="heldout", prompt="Refund order A-1001 for jane@example.com.", seed=3,
-            reference={"order_id": "SECRET-REF-9917", "amount": 42.5})
+TASK = Task(
+    id="t1",
+    family="refund",
+    split="heldout",
+    prompt="Refund order A-1001 for jane@example.com.",
+    seed=3,
+    reference={"order_id": "SECRET-REF-9917", "amount": 42.5},
+)
 
 
-def make_traj(tid: str = "r1", success: bool | None = True, answer: str | None = "Refunded $42.50 on order A-1001.",
-              judge_p: float | None = None) -> Trajectory:
+def make_traj(
+    tid: str = "r1",
+    success: bool | None = True,
+    answer: str | None = "Refunded $42.50 on order A-1001.",
+    judge_p: float | None = None,
+) -> Trajectory:
     calls = [
-        ToolCall(turn=1, name="get_order", arguments={"order_id": "A-1001"}, raw='{"order_id": "A-1001"}',
-                 result={"order_id": "A-1001", "total": 42.5, "status": "delivered"}),
-        ToolCall(turn=2, name="refund_order", arguments={"order_id": "A-100"}, raw='{"order_id": "A-100"}',
-                 error="no order A-100", error_kind="tool_exception"),
-        ToolCall(turn=3, name="refund_order", arguments={"order_id": "A-1001"}, raw='{"order_id": "A-1001"}',
-                 result={"refunded": 42.5}),
+        ToolCall(
+            turn=1,
+            name="get_order",
+            arguments={"order_id": "A-1001"},
+            raw='{"order_id": "A-1001"}',
+            result={"order_id": "A-1001", "total": 42.5, "status": "delivered"},
+        ),
+        ToolCall(
+            turn=2,
+            name="refund_order",
+            arguments={"order_id": "A-100"},
+            raw='{"order_id": "A-100"}',
+            error="no order A-100",
+            error_kind="tool_exception",
+        ),
+        ToolCall(
+            turn=3,
+            name="refund_order",
+            arguments={"order_id": "A-1001"},
+            raw='{"order_id": "A-1001"}',
+            result={"refunded": 42.5},
+        ),
     ]
     return Trajectory(
-        id=tid, task_id="t1", family="refund", token_ids=[1, 2, 3], loss_mask=[0, 1, 1], logprobs=[0.0, -0.5, -0.25],
-        env_name="orders", env_version="1", tool_calls=calls, final_answer=answer, num_turns=4,
+        id=tid,
+        task_id="t1",
+        family="refund",
+        token_ids=[1, 2, 3],
+        loss_mask=[0, 1, 1],
+        logprobs=[0.0, -0.5, -0.25],
+        env_name="orders",
+        env_version="1",
+        tool_calls=calls,
+        final_answer=answer,
+        num_turns=4,
         reward=None if success is None else RewardBreakdown(success=success, total=0.8765, task=float(success)),
         judge=None if judge_p is None else JudgeVerdict(judge="test", success_prob=judge_p),
     )
@@ -105,8 +148,15 @@ def test_the_prompt_carries_the_transcript_and_not_the_answer_key_or_the_reward(
     sent = json.dumps(messages)
     user = messages[1]["content"]
     assert TASK.prompt in user
-    for piece in ("get_order", "refund_order", '"order_id": "A-1001"', "no order A-100",
-                  "Refunded $42.50 on order A-1001.", '"refunded": 42.5', "Finish reason: answer"):
+    for piece in (
+        "get_order",
+        "refund_order",
+        '"order_id": "A-1001"',
+        "no order A-100",
+        "Refunded $42.50 on order A-1001.",
+        '"refunded": 42.5',
+        "Finish reason: answer",
+    ):
         assert piece in user, piece
     assert user.index("get_order") < user.index("no order A-100") < user.index('"refunded": 42.5')
     for hidden in ("SECRET-REF-9917", "0.8765", "reference", "reward", "loss_mask", "logprob"):
@@ -119,8 +169,9 @@ def test_the_prompt_carries_the_transcript_and_not_the_answer_key_or_the_reward(
 
 def test_transcript_shows_unparsable_calls_missing_answers_and_clips_long_returns():
     t = make_traj(answer=None).model_copy(update={"finish_reason": "max_turns"})
-    t.tool_calls.append(ToolCall(turn=4, name=None, arguments=None, raw="<garbage", error="could not parse",
-                                 error_kind="malformed"))
+    t.tool_calls.append(
+        ToolCall(turn=4, name=None, arguments=None, raw="<garbage", error="could not parse", error_kind="malformed")
+    )
     t.tool_calls[0] = t.tool_calls[0].model_copy(update={"result": "x" * 5000})
     text = transcript(TASK, t, max_chars=100)
     assert "unparsable call: <garbage" in text and "error (malformed): could not parse" in text
@@ -129,13 +180,17 @@ def test_transcript_shows_unparsable_calls_missing_answers_and_clips_long_return
 
 
 # ------------------------------------------------------------ bad replies ------
-@pytest.mark.parametrize("content", [
-    "The agent did well, I would say 0.9.",
-    json.dumps({**RUBRIC, "task_success": 1.7}),
-    json.dumps({k: v for k, v in RUBRIC.items() if k != "state_tracking"}),
-    json.dumps({**RUBRIC, "efficiency": "0.6"}),
-    json.dumps(RUBRIC)[:-10],
-], ids=["not-json", "score-1.7", "missing-field", "score-as-string", "truncated"])
+@pytest.mark.parametrize(
+    "content",
+    [
+        "The agent did well, I would say 0.9.",
+        json.dumps({**RUBRIC, "task_success": 1.7}),
+        json.dumps({k: v for k, v in RUBRIC.items() if k != "state_tracking"}),
+        json.dumps({**RUBRIC, "efficiency": "0.6"}),
+        json.dumps(RUBRIC)[:-10],
+    ],
+    ids=["not-json", "score-1.7", "missing-field", "score-as-string", "truncated"],
+)
 def test_an_invalid_rubric_is_counted_and_gives_no_verdict(server, content):
     script, url = server
     script.plans["bad"] = [(200, reply(content))]
@@ -244,8 +299,9 @@ def test_judge_then_hybrid_end_to_end(server):
     fail = {**RUBRIC, "task_success": 0.05, "reason": "the refund tool call failed first"}
     script.plans["e2e"] = [(200, reply(json.dumps(RUBRIC))), (200, reply(json.dumps(fail))), (200, reply("nope"))]
     judge = LLMJudge(make_client(url, "e2e"))
-    trajs = attach_judgements(judge, {"t1": TASK}, [make_traj("a", success=False), make_traj("b", success=True),
-                                                    make_traj("c", success=None)])
+    trajs = attach_judgements(
+        judge, {"t1": TASK}, [make_traj("a", success=False), make_traj("b", success=True), make_traj("c", success=None)]
+    )
     queue = hybrid_review_queue(trajs)
     assert [h.trajectory_id for h in queue] == ["b", "a", "c"]  # 0.95 > 0.9 confidence; then no signal
     assert [h.success for h in queue] == [True, False, None]  # the verifier's word stands
@@ -274,12 +330,16 @@ def test_make_judge_llm_from_environment_without_network_at_construction(server,
 
 
 def test_judge_client_config_defaults_and_missing_variables(tmp_path):
-    env = {"MENTORRL_JUDGE_BASE_URL": "http://127.0.0.1:9/v1", "MENTORRL_JUDGE_MODEL": "m",
-           "XDG_CACHE_HOME": str(tmp_path)}
+    env = {
+        "MENTORRL_JUDGE_BASE_URL": "http://127.0.0.1:9/v1",
+        "MENTORRL_JUDGE_MODEL": "m",
+        "XDG_CACHE_HOME": str(tmp_path),
+    }
     cfg = judge_client_config(env)
     assert cfg.api_key_env == "OPENAI_API_KEY" and cfg.cache_path == str(tmp_path / "mentorrl" / "llm_judge.sqlite")
-    cfg = judge_client_config({**env, "MENTORRL_JUDGE_API_KEY_ENV": "none", "MENTORRL_JUDGE_CACHE": "none",
-                               "MENTORRL_JUDGE_TIMEOUT_S": "90"})
+    cfg = judge_client_config(
+        {**env, "MENTORRL_JUDGE_API_KEY_ENV": "none", "MENTORRL_JUDGE_CACHE": "none", "MENTORRL_JUDGE_TIMEOUT_S": "90"}
+    )
     assert cfg.api_key_env is None and cfg.cache_path is None and cfg.timeout_s == 90.0
     with pytest.raises(ValueError, match="MENTORRL_JUDGE_MODEL"):
         judge_client_config({"MENTORRL_JUDGE_BASE_URL": "http://127.0.0.1:9/v1"})

@@ -24,11 +24,15 @@ def _bench():
 
 def _eval(run: Path, label: str, success: float, per_task: list[bool] | None = None) -> None:
     run.mkdir(parents=True, exist_ok=True)
-    (run / f"eval_{label}.json").write_text(json.dumps({"success": success, "success_ci95": [success - .04, success + .04],
-                                                         "violation_rate": 0.1, "n": 500}))
+    (run / f"eval_{label}.json").write_text(
+        json.dumps(
+            {"success": success, "success_ci95": [success - 0.04, success + 0.04], "violation_rate": 0.1, "n": 500}
+        )
+    )
     if per_task is not None:
-        (run / f"eval_{label}.jsonl").write_text("".join(json.dumps({"task_id": f"t{i}", "reward": {"success": s}})
-                                                         + "\n" for i, s in enumerate(per_task)))
+        (run / f"eval_{label}.jsonl").write_text(
+            "".join(json.dumps({"task_id": f"t{i}", "reward": {"success": s}}) + "\n" for i, s in enumerate(per_task))
+        )
 
 
 def _metrics(run: Path, stage: str, rows: list[dict]) -> None:
@@ -43,19 +47,50 @@ def test_tokens_to_target_and_equal_trajectories(tmp_path, capsys):
         g = tmp_path / f"grpo-s{s}"
         _eval(g, "grpo", 0.5)
         # GRPO: 1000 tokens and 128 rollouts a step; checks at steps 2 and 4: 0.40 then 0.50 -> target 0.45
-        _metrics(g, "grpo", [{"step": i, "rollout_tokens": 1000, "rollouts": 128,
-                              **({"heldout_success": {2: 0.4, 4: 0.5}[i]} if i in (2, 4) else {})}
-                             for i in range(1, 5)])
+        _metrics(
+            g,
+            "grpo",
+            [
+                {
+                    "step": i,
+                    "rollout_tokens": 1000,
+                    "rollouts": 128,
+                    **({"heldout_success": {2: 0.4, 4: 0.5}[i]} if i in (2, 4) else {}),
+                }
+                for i in range(1, 5)
+            ],
+        )
         o = tmp_path / "out" / f"opd-s{s}"
         _eval(o, "opd", 0.55 + s / 100)
         # OPD: 100 tokens a step; checks 0.5 (two-check mean with the start ~0.4) then 0.6 (mean 0.55 >= 0.45)
-        _metrics(o, "opd", [{"step": 1, "rollout_tokens": 100, "heldout_success": 0.5},
-                            {"step": 2, "rollout_tokens": 100, "heldout_success": 0.6}])
+        _metrics(
+            o,
+            "opd",
+            [
+                {"step": 1, "rollout_tokens": 100, "heldout_success": 0.5},
+                {"step": 2, "rollout_tokens": 100, "heldout_success": 0.6},
+            ],
+        )
         sao = tmp_path / "out" / f"sao-s{s}"
         _eval(sao, "sao", 0.45, [i < 60 for i in range(100)] + [False] * 400)
         _metrics(sao, "sao", [{"step": i, "rollouts": 64} for i in range(1, 5)])  # 256 trajectories: GRPO step 2
-    b.main(["--sft", str(tmp_path / "s{seed}" / "sft" / "final"), "--grpo-run", str(tmp_path / "grpo-s{seed}"),
-            "--methods", "opd", "sao", "--teacher", "T", "--check-tasks", "100", "--out", str(tmp_path / "out")])
+    b.main(
+        [
+            "--sft",
+            str(tmp_path / "s{seed}" / "sft" / "final"),
+            "--grpo-run",
+            str(tmp_path / "grpo-s{seed}"),
+            "--methods",
+            "opd",
+            "sao",
+            "--teacher",
+            "T",
+            "--check-tasks",
+            "100",
+            "--out",
+            str(tmp_path / "out"),
+        ]
+    )
     res = json.loads((tmp_path / "out" / "methods_opd_sao_s012.json").read_text())
     t0 = res["opd"]["seeds"][0]["tokens"]
     assert t0["target"] == pytest.approx(0.45)
@@ -63,7 +98,13 @@ def test_tokens_to_target_and_equal_trajectories(tmp_path, capsys):
     assert [p[2] for p in t0["curve"]] == [pytest.approx(0.30), 0.5, 0.6]
     assert res["opd"]["minus_sft"]["mean"] == pytest.approx(26.0)
     e = res["sao"]["seeds"][1]["equal_trajectories"]
-    assert (e["trajectories"], e["grpo_step"], e["grpo_trajectories"], e["grpo"], e["method"]) == (256, 2, 256, 0.4, 0.6)
+    assert (e["trajectories"], e["grpo_step"], e["grpo_trajectories"], e["grpo"], e["method"]) == (
+        256,
+        2,
+        256,
+        0.4,
+        0.6,
+    )
     assert res["sao"]["equal_trajectories_minus_grpo"]["mean"] == pytest.approx(20.0)
     # 256 trajectories sit exactly on GRPO's step-2 check; the first at or above it is that same check
     assert e["grpo_at_or_above"] == {"step": 2, "trajectories": 256, "success": 0.4}
@@ -77,13 +118,35 @@ def test_a_method_that_never_reaches_the_target_is_reported_not_crashed(tmp_path
     _eval(tmp_path / "s0", "sft", 0.3, [False] * 10)
     g = tmp_path / "grpo-s0"
     _eval(g, "grpo", 0.5)
-    _metrics(g, "grpo", [{"step": 1, "rollout_tokens": 10, "heldout_success": 0.5},
-                         {"step": 2, "rollout_tokens": 10, "heldout_success": 0.5}])
+    _metrics(
+        g,
+        "grpo",
+        [
+            {"step": 1, "rollout_tokens": 10, "heldout_success": 0.5},
+            {"step": 2, "rollout_tokens": 10, "heldout_success": 0.5},
+        ],
+    )
     o = tmp_path / "out" / "opd-s0"
     _eval(o, "opd", 0.2)
     _metrics(o, "opd", [{"step": 1, "rollout_tokens": 5, "heldout_success": 0.1}])
-    b.main(["--sft", str(tmp_path / "s{seed}" / "sft" / "final"), "--grpo-run", str(tmp_path / "grpo-s{seed}"),
-            "--methods", "opd", "--seeds", "0", "--teacher", "T", "--check-tasks", "10", "--out", str(tmp_path / "out")])
+    b.main(
+        [
+            "--sft",
+            str(tmp_path / "s{seed}" / "sft" / "final"),
+            "--grpo-run",
+            str(tmp_path / "grpo-s{seed}"),
+            "--methods",
+            "opd",
+            "--seeds",
+            "0",
+            "--teacher",
+            "T",
+            "--check-tasks",
+            "10",
+            "--out",
+            str(tmp_path / "out"),
+        ]
+    )
     assert "not within 5" in capsys.readouterr().out
     res = json.loads((tmp_path / "out" / "methods_opd_s0.json").read_text())
     assert res["opd"]["seeds"][0]["tokens"]["to_target"] is None
@@ -95,8 +158,20 @@ def test_a_distilling_method_without_its_teacher_is_refused(tmp_path):
     _eval(tmp_path / "grpo-s0", "grpo", 0.5)
     _metrics(tmp_path / "grpo-s0", "grpo", [{"step": 1, "rollout_tokens": 10, "heldout_success": 0.5}])
     with pytest.raises(SystemExit, match="cross-teacher"):
-        b.main(["--sft", str(tmp_path / "s{seed}" / "sft" / "final"), "--grpo-run", str(tmp_path / "grpo-s{seed}"),
-                "--methods", "opd_cross", "--seeds", "0", "--out", str(tmp_path / "out")])
+        b.main(
+            [
+                "--sft",
+                str(tmp_path / "s{seed}" / "sft" / "final"),
+                "--grpo-run",
+                str(tmp_path / "grpo-s{seed}"),
+                "--methods",
+                "opd_cross",
+                "--seeds",
+                "0",
+                "--out",
+                str(tmp_path / "out"),
+            ]
+        )
 
 
 def test_blackbox_methods_serve_the_given_teacher_and_their_overrides_validate(tmp_path, monkeypatch):
@@ -106,12 +181,14 @@ def test_blackbox_methods_serve_the_given_teacher_and_their_overrides_validate(t
 
     b = _bench()
     seen = {}
-    monkeypatch.setattr(b, "train_run", lambda config, overrides, *a, **k: seen.setdefault(Path(config).name, overrides))
+    monkeypatch.setattr(
+        b, "train_run", lambda config, overrides, *a, **k: seen.setdefault(Path(config).name, overrides)
+    )
     teachers = {"teacher": None, "cross": None, "bb": str(tmp_path / "T")}
     for recipe in b.BB_RECIPES:
         seen.clear()
         b.run_method(tmp_path / "out", f"bb_{recipe}", 0, tmp_path / "sft", teachers, [], 100)
-        (config, overrides), = seen.items()
+        ((config, overrides),) = seen.items()
         assert f"blackbox.recipe={recipe}" in overrides and "recipe=[blackbox]" in overrides
         cfg = load_run_config(str(b.CONFIGS / config), overrides, str(tmp_path / "run"), "demo.yaml")
         assert cfg.blackbox.recipe == recipe and str(cfg.blackbox.teacher.serve.path) == str(tmp_path / "T")
@@ -126,13 +203,33 @@ def test_a_method_between_grpo_checks_is_also_compared_with_the_next_check(tmp_p
     _eval(tmp_path / "s0", "sft", 0.3, [i < 30 for i in range(100)] + [True] * 400)
     g = tmp_path / "grpo-s0"
     _eval(g, "grpo", 0.5)
-    _metrics(g, "grpo", [{"step": i, "rollouts": 128, **({"heldout_success": {2: 0.4, 4: 0.5}[i]} if i in (2, 4) else {})}
-                         for i in range(1, 5)])
+    _metrics(
+        g,
+        "grpo",
+        [
+            {"step": i, "rollouts": 128, **({"heldout_success": {2: 0.4, 4: 0.5}[i]} if i in (2, 4) else {})}
+            for i in range(1, 5)
+        ],
+    )
     sao = tmp_path / "out" / "sao-s0"
     _eval(sao, "sao", 0.45, [i < 55 for i in range(100)] + [False] * 400)
     _metrics(sao, "sao", [{"step": i, "rollouts": 64} for i in range(1, 4)])
-    b.main(["--sft", str(tmp_path / "s{seed}" / "sft" / "final"), "--grpo-run", str(tmp_path / "grpo-s{seed}"),
-            "--methods", "sao", "--seeds", "0", "--check-tasks", "100", "--out", str(tmp_path / "out")])
+    b.main(
+        [
+            "--sft",
+            str(tmp_path / "s{seed}" / "sft" / "final"),
+            "--grpo-run",
+            str(tmp_path / "grpo-s{seed}"),
+            "--methods",
+            "sao",
+            "--seeds",
+            "0",
+            "--check-tasks",
+            "100",
+            "--out",
+            str(tmp_path / "out"),
+        ]
+    )
     e = json.loads((tmp_path / "out" / "methods_sao_s0.json").read_text())["sao"]["seeds"][0]["equal_trajectories"]
     assert (e["trajectories"], e["grpo_step"], e["grpo"]) == (192, 0, pytest.approx(0.30))
     assert e["grpo_at_or_above"] == {"step": 2, "trajectories": 256, "success": 0.4}

@@ -20,8 +20,11 @@ TEACHERS = ["math", "tools", "general"]
 
 
 def test_routing_by_family():
-    w = routing_weights(["refund", "place_order", "unknown"], TEACHERS,
-                        {"refund": {"tools": 3.0, "general": 1.0}, "place_order": {"math": 1.0}})
+    w = routing_weights(
+        ["refund", "place_order", "unknown"],
+        TEACHERS,
+        {"refund": {"tools": 3.0, "general": 1.0}, "place_order": {"math": 1.0}},
+    )
     assert w.tolist() == [[0.0, 0.75, 0.25], [1.0, 0.0, 0.0], [pytest.approx(1 / 3)] * 3]
     with pytest.raises(ValueError, match="unknown teachers"):
         routing_weights(["refund"], TEACHERS, {"refund": {"oracle": 1.0}})
@@ -31,10 +34,12 @@ def test_routing_by_family():
 
 def test_confidence_prefers_the_teacher_that_likes_the_trajectory():
     mask = torch.tensor([[0, 1, 1], [0, 1, 0]])
-    scores = torch.tensor([  # [M=2, B=2, T=3] token log-probs
-        [[-9.0, -0.1, -0.3], [-9.0, -2.0, -9.0]],
-        [[-9.0, -1.0, -1.2], [-9.0, -0.5, -9.0]],
-    ])
+    scores = torch.tensor(
+        [  # [M=2, B=2, T=3] token log-probs
+            [[-9.0, -0.1, -0.3], [-9.0, -2.0, -9.0]],
+            [[-9.0, -1.0, -1.2], [-9.0, -0.5, -9.0]],
+        ]
+    )
     w = confidence_weights(scores, mask)
     # trajectory 0: means -0.2 vs -1.1; trajectory 1: -2.0 vs -0.5 (position 0 and masked tokens ignored)
     e = lambda a, b: math.exp(a) / (math.exp(a) + math.exp(b))  # noqa: E731
@@ -73,7 +78,8 @@ def test_failure_aware_step_weights():
     tool_err = torch.tensor([[0, 0, 1, 1], [0, 0, 0, 0]])
     low = torch.tensor([False, True])
     ent = torch.tensor([[0.0, 2.0, 0.1, 0.1], [0.0, 0.1, 0.1, 5.0]])
-    w = step_weights(mask, tool_err, low, ent, tool_error_boost=2.0, low_reward_boost=1.5, entropy_threshold=1.0,
-                     entropy_boost=3.0)
+    w = step_weights(
+        mask, tool_err, low, ent, tool_error_boost=2.0, low_reward_boost=1.5, entropy_threshold=1.0, entropy_boost=3.0
+    )
     assert w.tolist() == [[0.0, 3.0, 2.0, 2.0], [0.0, 1.5, 1.5, 0.0]]  # prompt and padding stay 0
     assert step_weights(mask).tolist() == mask.double().tolist()

@@ -9,8 +9,10 @@ import math
 
 import pytest
 import torch
+from test_resume import TINY_OVERRIDES
 from typer.testing import CliRunner
 
+from mentorrl.algos.opd_terms import center_term, rlsd_weights, short_term
 from mentorrl.cli import app
 from mentorrl.config import ConfigError, RLSDSelectedTerm, ShortOPDConfig, load_config
 from mentorrl.opd.advantage import (
@@ -23,19 +25,31 @@ from mentorrl.opd.advantage import (
 )
 from mentorrl.opd.signals import ChunkSignal
 from mentorrl.train.recipes.evolve import curriculum_levels
-from mentorrl.algos.opd_terms import center_term, rlsd_weights, short_term
 from mentorrl.train.rundir import MetricsLog
 from mentorrl.trajectory import RewardBreakdown, Segment, ToolCall, Trajectory
 
-from test_resume import TINY_OVERRIDES
 
-
-def traj(mask: list[int], logprobs: list[float] | None = None, reward: float = 0.0, success: bool = False,
-         family: str = "f", **kw) -> Trajectory:
+def traj(
+    mask: list[int],
+    logprobs: list[float] | None = None,
+    reward: float = 0.0,
+    success: bool = False,
+    family: str = "f",
+    **kw,
+) -> Trajectory:
     n = len(mask)
-    return Trajectory(id=kw.pop("id", "t"), task_id="task", family=family, token_ids=list(range(n)), loss_mask=mask,
-                      logprobs=logprobs or [(-0.5 if m else 0.0) for m in mask], env_name="e", env_version="1",
-                      reward=RewardBreakdown(total=reward, success=success), **kw)
+    return Trajectory(
+        id=kw.pop("id", "t"),
+        task_id="task",
+        family=family,
+        token_ids=list(range(n)),
+        loss_mask=mask,
+        logprobs=logprobs or [(-0.5 if m else 0.0) for m in mask],
+        env_name="e",
+        env_version="1",
+        reward=RewardBreakdown(total=reward, success=success),
+        **kw,
+    )
 
 
 def token_signal(t: Trajectory, teacher_lp: list[float]) -> ChunkSignal:
@@ -81,15 +95,22 @@ def test_same_tokenizer_teachers_mix_their_distributions():
 
 
 def test_tool_error_tokens_mark_the_turn_whose_call_failed():
-    segs = [Segment(role="prompt", start=0, end=2), Segment(role="policy", start=2, end=4),
-            Segment(role="observation", start=4, end=5), Segment(role="policy", start=5, end=7)]
+    segs = [
+        Segment(role="prompt", start=0, end=2),
+        Segment(role="policy", start=2, end=4),
+        Segment(role="observation", start=4, end=5),
+        Segment(role="policy", start=5, end=7),
+    ]
     calls = [ToolCall(turn=1, name="x", arguments={}, raw="", error="boom", error_kind="tool_exception")]
     t = traj([0, 0, 1, 1, 0, 1, 1], segments=segs, tool_calls=calls)
     assert tool_error_tokens(t).tolist() == [False, False, True, True, False, False, False]
     # distillation stops after the failing turn; a clean trajectory keeps every policy token
     assert until_first_error(t).tolist() == [0, 0, 1, 1, 0, 0, 0]
-    ok = traj([0, 0, 1, 1, 0, 1, 1], segments=segs, tool_calls=[calls[0].model_copy(update={"error": None,
-                                                                                           "error_kind": None})])
+    ok = traj(
+        [0, 0, 1, 1, 0, 1, 1],
+        segments=segs,
+        tool_calls=[calls[0].model_copy(update={"error": None, "error_kind": None})],
+    )
     assert until_first_error(ok).tolist() == [0, 0, 1, 1, 0, 1, 1]
 
 
@@ -104,9 +125,12 @@ def test_group_reward_weights_are_a_softmax_per_group_scaled_to_mean_one():
 def test_rlsd_distils_only_verified_non_exploration_trajectories():
     trajs = [traj([0, 1, 1], reward=1.0, success=True, id=f"p{i}") for i in range(6)]
     trajs += [traj([0, 1, 1], reward=0.2, success=False, id=f"f{i}") for i in range(2)]
-    x = {"rewards": torch.tensor([t.reward.total for t in trajs]), "seed": 3,
-         "success": torch.tensor([t.reward.success for t in trajs]),
-         "lengths": torch.tensor([float(t.num_policy_tokens) for t in trajs])}
+    x = {
+        "rewards": torch.tensor([t.reward.total for t in trajs]),
+        "seed": 3,
+        "success": torch.tensor([t.reward.success for t in trajs]),
+        "lengths": torch.tensor([float(t.num_policy_tokens) for t in trajs]),
+    }
     w = rlsd_weights(x, RLSDSelectedTerm(exploration_share=0.25))
     from mentorrl.opd.rlsd import exploration_split
 
@@ -126,7 +150,9 @@ def test_short_opd_keeps_the_largest_gaps_and_reports_the_share():
     out, m = short_term(kl, x, ShortOPDConfig(top_frac=0.5))
     share = m["distilled_token_share"]
     assert share == pytest.approx(3 / 6)
-    assert out[0].tolist() == pytest.approx([0.0, 0.0, -2.0, 0.3, 0.0]) and out[1].tolist() == pytest.approx([0, 0, 1.0, 0])
+    assert out[0].tolist() == pytest.approx([0.0, 0.0, -2.0, 0.3, 0.0]) and out[1].tolist() == pytest.approx(
+        [0, 0, 1.0, 0]
+    )
     out, m = short_term(kl, x, ShortOPDConfig(threshold=0.2))
     share = m["distilled_token_share"]
     assert share == pytest.approx(3 / 6) and out[0][1] == 0
@@ -158,16 +184,19 @@ def test_curriculum_levels_grow_with_expert_solution_length(orders_tasks):
 
 
 # ----------------------------------------------------------------- config -----
-@pytest.mark.parametrize("overrides, message", [
-    (["opd.rlsd={}"], "rlsd needs exactly one teacher, of kind self"),
-    (["opd.teachers=[{name: s, kind: self}]"], "set opd.rlsd"),
-    (["opd.teachers=[{name: a}, {name: a}]"], "teacher names must be unique"),
-    (["opd.mopd={routes: {cancel_order: {nobody: 1}}}"], "unknown teachers"),
-    (["opd.short={top_frac: 0.5, threshold: 0.1}"], "exactly one of threshold and top_frac"),
-    (["opd.reward_weighted={}", "opd.samples_per_task=1"], "samples_per_task must be >= 2"),
-    (["opd.teachers=[{name: s, kind: self}]", "opd.rlsd={}"], "set reward_coef > 0"),
-    (["evolve.raise_above=0.1", "evolve.lower_below=0.2"], "must be below raise_above"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["opd.rlsd={}"], "rlsd needs exactly one teacher, of kind self"),
+        (["opd.teachers=[{name: s, kind: self}]"], "set opd.rlsd"),
+        (["opd.teachers=[{name: a}, {name: a}]"], "teacher names must be unique"),
+        (["opd.mopd={routes: {cancel_order: {nobody: 1}}}"], "unknown teachers"),
+        (["opd.short={top_frac: 0.5, threshold: 0.1}"], "exactly one of threshold and top_frac"),
+        (["opd.reward_weighted={}", "opd.samples_per_task=1"], "samples_per_task must be >= 2"),
+        (["opd.teachers=[{name: s, kind: self}]", "opd.rlsd={}"], "set reward_coef > 0"),
+        (["evolve.raise_above=0.1", "evolve.lower_below=0.2"], "must be below raise_above"),
+    ],
+)
 def test_opd_config_errors_name_the_problem(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides)
@@ -196,12 +225,14 @@ def test_a_student_initialised_teacher_is_the_student_trained_on_and_is_cached_b
 
     tok, model = policy
     student = copy.deepcopy(model)
-    cfg = load_config(None, [f"run_dir={tmp_path / 'run'}", f"opd.teachers_dir={tmp_path / 'teachers'}",
-                             "audit.preflight=false"])
+    cfg = load_config(
+        None, [f"run_dir={tmp_path / 'run'}", f"opd.teachers_dir={tmp_path / 'teachers'}", "audit.preflight=false"]
+    )
     ws = open_workspace(cfg, show_progress=False)
     ws.bind_tokenizer(tok)
-    t = TeacherConfig(name="longer", build={"init": "student", "sft_steps": 2, "num_demos": 8, "batch_size": 4,
-                                            "lr": 1e-4})
+    t = TeacherConfig(
+        name="longer", build={"init": "student", "sft_steps": 2, "num_demos": 8, "batch_size": 4, "lr": 1e-4}
+    )
     path = build_teacher(ws, t, student)
     assert path.parent.parent == teacher_dir(cfg, t, weights_fingerprint(student))
     t_tok, teacher = load_policy(path)
@@ -223,21 +254,37 @@ def test_a_student_initialised_teacher_is_the_student_trained_on_and_is_cached_b
 # ------------------------------------------------------------- end to end -----
 TEACHER_BUILD = "build: {sft_steps: 4, num_demos: 12, batch_size: 4}"
 E2E = {
-    "mopd-short-cross": ["opd.teachers=[{name: same, %s}, {name: cross, %s, build: {sft_steps: 4, num_demos: 12, "
-                         "batch_size: 4, vocab_size: 520}}]" % (TEACHER_BUILD, "temperature: 1.0"),
-                         "opd.short={top_frac: 0.5, min_budget: 200}",
-                         "opd.mopd={confidence_temperature: 1.0, success_history: true, step_weights: {}}",
-                         "opd.reward_coef=0.5"],
-    "topk-reward-weighted": ["opd.teachers=[{name: same, build: {init: student, sft_steps: 4, num_demos: 12, "
-                             "batch_size: 4}}]", "opd.loss=topk", "opd.top_k=4",
-                             "opd.divergence=jsd", "opd.reward_weighted={}", "opd.epochs=2",
-                             "opd.distill_until=first_error"],
-    "cross-topk": ["opd.teachers=[{name: cross, build: {sft_steps: 4, num_demos: 12, batch_size: 4, "
-                   "vocab_size: 520}}]", "opd.loss=topk", "opd.top_k=4"],
-    "rlsd-topk": ["opd.teachers=[{name: self, kind: self}]", "opd.rlsd={target: topk, top_k: 4}",
-                  "opd.reward_coef=1.0"],
-    "cross-sequence-fallback": ["opd.teachers=[{name: cross, build: {sft_steps: 4, num_demos: 12, batch_size: 4, "
-                                "vocab_size: 520}}]", "opd.cross_tokenizer=sequence", "opd.reward_coef=1.0"],
+    "mopd-short-cross": [
+        "opd.teachers=[{name: same, %s}, {name: cross, %s, build: {sft_steps: 4, num_demos: 12, "
+        "batch_size: 4, vocab_size: 520}}]" % (TEACHER_BUILD, "temperature: 1.0"),
+        "opd.short={top_frac: 0.5, min_budget: 200}",
+        "opd.mopd={confidence_temperature: 1.0, success_history: true, step_weights: {}}",
+        "opd.reward_coef=0.5",
+    ],
+    "topk-reward-weighted": [
+        "opd.teachers=[{name: same, build: {init: student, sft_steps: 4, num_demos: 12, batch_size: 4}}]",
+        "opd.loss=topk",
+        "opd.top_k=4",
+        "opd.divergence=jsd",
+        "opd.reward_weighted={}",
+        "opd.epochs=2",
+        "opd.distill_until=first_error",
+    ],
+    "cross-topk": [
+        "opd.teachers=[{name: cross, build: {sft_steps: 4, num_demos: 12, batch_size: 4, vocab_size: 520}}]",
+        "opd.loss=topk",
+        "opd.top_k=4",
+    ],
+    "rlsd-topk": [
+        "opd.teachers=[{name: self, kind: self}]",
+        "opd.rlsd={target: topk, top_k: 4}",
+        "opd.reward_coef=1.0",
+    ],
+    "cross-sequence-fallback": [
+        "opd.teachers=[{name: cross, build: {sft_steps: 4, num_demos: 12, batch_size: 4, vocab_size: 520}}]",
+        "opd.cross_tokenizer=sequence",
+        "opd.reward_coef=1.0",
+    ],
 }
 
 
@@ -246,9 +293,21 @@ E2E = {
 def test_opd_recipe_end_to_end_and_resume(tmp_path, variant):
     run = tmp_path / "run"
     args = ["demo", "--run-dir", str(run)]
-    for ov in TINY_OVERRIDES + ["recipe=[sft, opd]", "opd.steps=2", "opd.tasks_per_step=3", "opd.samples_per_task=2",
-                                "opd.eval_every=2", "opd.eval_tasks=4", "opd.checkpoint_every=1", "opd.teachers_dir=null",
-                                "eval.batch_size=4"] + E2E[variant]:
+    for ov in (
+        TINY_OVERRIDES
+        + [
+            "recipe=[sft, opd]",
+            "opd.steps=2",
+            "opd.tasks_per_step=3",
+            "opd.samples_per_task=2",
+            "opd.eval_every=2",
+            "opd.eval_tasks=4",
+            "opd.checkpoint_every=1",
+            "opd.teachers_dir=null",
+            "eval.batch_size=4",
+        ]
+        + E2E[variant]
+    ):
         args += ["--set", ov]
     res = CliRunner().invoke(app, args, catch_exceptions=False)
     assert res.exit_code == 0, res.output
@@ -287,10 +346,19 @@ def test_opd_recipe_end_to_end_and_resume(tmp_path, variant):
 def test_self_evolving_loop_keeps_versions_and_scores(tmp_path):
     run = tmp_path / "run"
     args = ["demo", "--run-dir", str(run)]
-    for ov in TINY_OVERRIDES + ["recipe=[sft, evolve]", "evolve.iterations=2", "evolve.steps_per_iteration=2",
-                                "evolve.tasks_per_step=3", "evolve.samples_per_task=2", "evolve.eval_tasks=4",
-                                "evolve.window=4", "evolve.raise_above=0.01", "evolve.lower_below=0.0",
-                                "evolve.replay_batch=2", "eval.batch_size=4"]:
+    for ov in TINY_OVERRIDES + [
+        "recipe=[sft, evolve]",
+        "evolve.iterations=2",
+        "evolve.steps_per_iteration=2",
+        "evolve.tasks_per_step=3",
+        "evolve.samples_per_task=2",
+        "evolve.eval_tasks=4",
+        "evolve.window=4",
+        "evolve.raise_above=0.01",
+        "evolve.lower_below=0.0",
+        "evolve.replay_batch=2",
+        "eval.batch_size=4",
+    ]:
         args += ["--set", ov]
     res = CliRunner().invoke(app, args, catch_exceptions=False)
     assert res.exit_code == 0, res.output
@@ -317,15 +385,23 @@ def test_a_budgeted_episode_stops_at_its_budget(make_contract, orders_entry, too
 
     contract = make_contract(max_total_tokens=640)
     tasks = orders_entry.make_tasks().tasks("train", 6, 4)
-    trajs = rollout_tasks(tool_happy_model, contract, orders_entry.make_env, tasks * 2, seed=1,
-                          token_budgets=[None] * len(tasks) + [40] * len(tasks))
-    full, short = trajs[: len(tasks)], trajs[len(tasks):]
+    trajs = rollout_tasks(
+        tool_happy_model,
+        contract,
+        orders_entry.make_env,
+        tasks * 2,
+        seed=1,
+        token_budgets=[None] * len(tasks) + [40] * len(tasks),
+    )
+    full, short = trajs[: len(tasks)], trajs[len(tasks) :]
     for t in short:
         prompt = t.segments[0].end
         assert len(t.token_ids) <= prompt + 40 and t.sampling["max_total_tokens"] == prompt + 40
     assert all(t.sampling["max_total_tokens"] == 640 for t in full)
     # the same tasks unbudgeted run past the budget (which episodes do depends on sampling; some must)
-    assert any(len(t.token_ids) > t.segments[0].end + 40 for t in full), [len(t.token_ids) - t.segments[0].end for t in full]
+    assert any(len(t.token_ids) > t.segments[0].end + 40 for t in full), [
+        len(t.token_ids) - t.segments[0].end for t in full
+    ]
     with pytest.raises(ValueError, match="token_budgets has 1 entries for 2 tasks"):
         rollout_tasks(tool_happy_model, contract, orders_entry.make_env, tasks[:1] * 2, token_budgets=[100])
 

@@ -12,6 +12,7 @@ from mentorrl.algos.distill import sampled_reverse_kl_advantage
 from mentorrl.contract import IM_END, TOOL_CALL_OPEN
 from mentorrl.models.build import ModelSpec, load_policy
 from mentorrl.opd import AlignmentError, HFTeacher
+from mentorrl.opd.retokenize import retokenize
 from mentorrl.opd.signals import (
     CrossTokenizerTeacher,
     chunk_advantages,
@@ -19,7 +20,6 @@ from mentorrl.opd.signals import (
     sampled_token_ends,
     student_chunk_logprobs,
 )
-from mentorrl.opd.retokenize import retokenize
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +37,9 @@ def other(orders_entry, tmp_path_factory):
     from mentorrl.train.models_init import build_tiny_model
 
     path = tmp_path_factory.mktemp("other") / "model"
-    spec = ModelSpec(hidden_size=48, intermediate_size=96, num_layers=2, num_heads=2, num_kv_heads=1,
-                     vocab_size=450, seed=7)
+    spec = ModelSpec(
+        hidden_size=48, intermediate_size=96, num_layers=2, num_heads=2, num_kv_heads=1, vocab_size=450, seed=7
+    )
     build_tiny_model(orders_entry, path, spec, corpus_tasks=40, seed=3)
     return load_policy(path)
 
@@ -50,8 +51,9 @@ def test_same_tokenizer_chunks_are_tokens_and_reproduce_the_sampled_estimator(de
         sig = same_tokenizer_signal(teacher, t)
         assert sig.num_chunks == t.num_policy_tokens
         adv = chunk_advantages(sig, torch.tensor(t.logprobs))
-        want = sampled_reverse_kl_advantage(torch.tensor(t.logprobs), teacher.score(t).token_logprobs,
-                                            torch.tensor(t.loss_mask))
+        want = sampled_reverse_kl_advantage(
+            torch.tensor(t.logprobs), teacher.score(t).token_logprobs, torch.tensor(t.loss_mask)
+        )
         assert torch.allclose(adv, want, atol=1e-6)
 
 
@@ -108,7 +110,9 @@ def test_vocab_map_pairs_tokens_that_spell_the_same_text(policy, other):
     # multi-byte character, which decode to U+FFFD, have no spelling)
     whole = [i for i in range(len(tok)) if i not in tok.all_special_ids and "\ufffd" not in tok.decode([i])]
     texts = [tok.decode([i]) for i in whole]
-    assert [i for i, x in zip(whole, texts) if texts.count(x) == 1] == [i for i in plain if i not in tok.all_special_ids]
+    assert [i for i, x in zip(whole, texts) if texts.count(x) == 1] == [
+        i for i in plain if i not in tok.all_special_ids
+    ]
     m = vocab_map(t_tok, tok)
     hits = (m >= 0).nonzero().flatten().tolist()
     assert 0 < len(hits) < len(t_tok)
@@ -166,7 +170,9 @@ def test_chunk_advantage_flows_to_every_token_of_the_chunk():
 
     sig = ChunkSignal(torch.tensor([-1, 0, 0, 1, -1, 2]), torch.tensor([-1.0, -0.5, -2.0], dtype=torch.float64), 9)
     student = torch.tensor([0.0, -0.25, -0.25, -1.0, 0.0, -0.5])
-    assert torch.allclose(student_chunk_logprobs(student, sig.chunk_of, 3), torch.tensor([-0.5, -1.0, -0.5], dtype=torch.float64))
+    assert torch.allclose(
+        student_chunk_logprobs(student, sig.chunk_of, 3), torch.tensor([-0.5, -1.0, -0.5], dtype=torch.float64)
+    )
     assert torch.allclose(chunk_advantages(sig, student), torch.tensor([0.0, -0.5, -0.5, 0.5, 0.0, -1.5]))
 
 
@@ -174,7 +180,9 @@ def test_non_canonical_sampled_tokens_align_by_their_own_ends(tokenizer):
     text = "cancel order 12345"
     canon = tokenizer.encode(text, add_special_tokens=False)
     # spell the first word one byte-token at a time: not how the tokenizer would encode it
-    spelled = [tokenizer.convert_tokens_to_ids(c) for c in "cancel"] + tokenizer.encode(" order 12345", add_special_tokens=False)
+    spelled = [tokenizer.convert_tokens_to_ids(c) for c in "cancel"] + tokenizer.encode(
+        " order 12345", add_special_tokens=False
+    )
     assert spelled != canon and tokenizer.decode(spelled) == text
     ends = sampled_token_ends(tokenizer, spelled, text)
     assert ends[:6] == [1, 2, 3, 4, 5, 6] and ends[-1] == len(text)
@@ -220,8 +228,8 @@ def test_retokenize_carries_text_roles_and_masks(demos, policy, other, orders_en
     assert t_tok.decode(t_traj.token_ids) == tok.decode(s_traj.token_ids)
     for a, b in zip(t_traj.segments, s_traj.segments):
         assert a.role == b.role
-        assert t_tok.decode(t_traj.token_ids[a.start:a.end]) == tok.decode(s_traj.token_ids[b.start:b.end])
-        assert set(s_traj.loss_mask[b.start:b.end]) == {1 if b.role == "policy" else 0}
+        assert t_tok.decode(t_traj.token_ids[a.start : a.end]) == tok.decode(s_traj.token_ids[b.start : b.end])
+        assert set(s_traj.loss_mask[b.start : b.end]) == {1 if b.role == "policy" else 0}
     assert all(lp == 0.0 for lp in s_traj.logprobs)
     # and it equals the student's own rendering of the same expert episode
     env = orders_entry.make_env()

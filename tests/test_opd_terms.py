@@ -41,8 +41,13 @@ def test_every_term_schema_has_one_runtime_function():
 
 
 def test_the_terms_list_round_trips(tmp_path):
-    cfg = load_config(None, ["opd.terms=[{name: topk, top_k: 4, divergence: jsd}, until_first_error, "
-                             "{name: short, top_frac: 0.2}, {name: reward_weighted, temperature: 2.0}]"])
+    cfg = load_config(
+        None,
+        [
+            "opd.terms=[{name: topk, top_k: 4, divergence: jsd}, until_first_error, "
+            "{name: short, top_frac: 0.2}, {name: reward_weighted, temperature: 2.0}]"
+        ],
+    )
     assert names(cfg) == ["topk", "until_first_error", "short", "reward_weighted"]
     assert cfg.opd.terms[0].top_k == 4 and cfg.opd.terms[2].top_frac == 0.2 and cfg.opd.terms[3].temperature == 2.0
     path = tmp_path / "c.yaml"
@@ -53,18 +58,21 @@ def test_the_terms_list_round_trips(tmp_path):
     assert load_config(path) == legacy and yaml.safe_load(path.read_text())["opd"]["short"] is None
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["opd.terms=[sampled_kl]", "opd.short={top_frac: 0.5}"], "legacy settings opd.short"),
-    (["opd.terms=[topk]", "opd.loss=sampled"], "legacy settings opd.loss"),
-    (["opd.terms=[sampled_kl]", "opd.mopd={step_weights: {}}"], "opd.mopd.step_weights"),
-    (["opd.terms=[sampled_kl, center, center]"], "center more than once"),
-    (["opd.terms=[center, until_first_error]"], "no advantage or loss term"),
-    (["opd.terms=[{name: nope}]"], "opd.terms.0"),
-    (["opd.terms=[{name: short}]"], "exactly one of threshold and top_frac"),
-    (["opd.terms=[{name: topk, top_k: 0}]"], "opd.terms.0.topk.top_k"),
-    (["opd.terms=[{name: sampled_kl, coef: .inf}]"], "finite"),
-    (["opd.terms=[{name: env_advantage}]", "opd.samples_per_task=1"], "samples_per_task must be >= 2"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["opd.terms=[sampled_kl]", "opd.short={top_frac: 0.5}"], "legacy settings opd.short"),
+        (["opd.terms=[topk]", "opd.loss=sampled"], "legacy settings opd.loss"),
+        (["opd.terms=[sampled_kl]", "opd.mopd={step_weights: {}}"], "opd.mopd.step_weights"),
+        (["opd.terms=[sampled_kl, center, center]"], "center more than once"),
+        (["opd.terms=[center, until_first_error]"], "no advantage or loss term"),
+        (["opd.terms=[{name: nope}]"], "opd.terms.0"),
+        (["opd.terms=[{name: short}]"], "exactly one of threshold and top_frac"),
+        (["opd.terms=[{name: topk, top_k: 0}]"], "opd.terms.0.topk.top_k"),
+        (["opd.terms=[{name: sampled_kl, coef: .inf}]"], "finite"),
+        (["opd.terms=[{name: env_advantage}]", "opd.samples_per_task=1"], "samples_per_task must be >= 2"),
+    ],
+)
 def test_term_config_errors_name_the_problem(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides)
@@ -136,24 +144,51 @@ def test_legacy_flags_map_to_the_same_terms_as_the_explicit_form(flags):
         flags = {**flags, "reward_coef": 1.0}
     legacy = load_config(None, _overrides(flags))
     terms = yaml.safe_dump(_explicit(flags), default_flow_style=True, width=1 << 20).strip()
-    explicit = load_config(None, [o for o in _overrides(flags) if o.startswith(("opd.samples", "opd.teachers"))]
-                           + [f"opd.terms={terms}"])
+    explicit = load_config(
+        None, [o for o in _overrides(flags) if o.startswith(("opd.samples", "opd.teachers"))] + [f"opd.terms={terms}"]
+    )
     assert legacy.opd.terms == explicit.opd.terms and legacy == explicit
 
 
 SHIPPED_BEFORE = {  # the shipped OPD configs' settings before they were written as terms
-    "opd.yaml": ["opd.loss=topk", "opd.divergence=reverse", "opd.top_k=16", "opd.kl_coef=1.0",
-                 "opd.distill_until=first_error", "opd.reward_coef=0.0"],
-    "shortopd.yaml": ["opd.loss=topk", "opd.divergence=reverse", "opd.top_k=16", "opd.kl_coef=1.0",
-                      "opd.distill_until=first_error", "opd.reward_coef=0.0",
-                      "opd.short={top_frac: 0.5, min_budget: 96, full_gap: 0.5, ema: 0.5}"],
-    "mopd.yaml": ["opd.loss=sampled", "opd.kl_coef=1.0", "opd.distill_until=first_error", "opd.reward_coef=0.0",
-                  "opd.mopd.step_weights={tool_error_boost: 2.0, low_reward_boost: 1.5, low_reward: 0.5, "
-                  "entropy_threshold: 1.0, entropy_boost: 1.5}"],
-    "opd_cross.yaml": ["opd.loss=topk", "opd.divergence=reverse", "opd.top_k=16", "opd.kl_coef=1.0",
-                       "opd.distill_until=first_error", "opd.reward_coef=0.0", "opd.cross_tokenizer=chunk"],
-    "rlsd.yaml": ["opd.reward_coef=1.0", "opd.rlsd={coef: 0.5, target: topk, top_k: 8, teacher_temperature: 0.7, "
-                  "exploration_share: 0.25}"],
+    "opd.yaml": [
+        "opd.loss=topk",
+        "opd.divergence=reverse",
+        "opd.top_k=16",
+        "opd.kl_coef=1.0",
+        "opd.distill_until=first_error",
+        "opd.reward_coef=0.0",
+    ],
+    "shortopd.yaml": [
+        "opd.loss=topk",
+        "opd.divergence=reverse",
+        "opd.top_k=16",
+        "opd.kl_coef=1.0",
+        "opd.distill_until=first_error",
+        "opd.reward_coef=0.0",
+        "opd.short={top_frac: 0.5, min_budget: 96, full_gap: 0.5, ema: 0.5}",
+    ],
+    "mopd.yaml": [
+        "opd.loss=sampled",
+        "opd.kl_coef=1.0",
+        "opd.distill_until=first_error",
+        "opd.reward_coef=0.0",
+        "opd.mopd.step_weights={tool_error_boost: 2.0, low_reward_boost: 1.5, low_reward: 0.5, "
+        "entropy_threshold: 1.0, entropy_boost: 1.5}",
+    ],
+    "opd_cross.yaml": [
+        "opd.loss=topk",
+        "opd.divergence=reverse",
+        "opd.top_k=16",
+        "opd.kl_coef=1.0",
+        "opd.distill_until=first_error",
+        "opd.reward_coef=0.0",
+        "opd.cross_tokenizer=chunk",
+    ],
+    "rlsd.yaml": [
+        "opd.reward_coef=1.0",
+        "opd.rlsd={coef: 0.5, target: topk, top_k: 8, teacher_temperature: 0.7, exploration_share: 0.25}",
+    ],
     "reward_weighted.yaml": ["opd.reward_weighted={coef: 1.0, temperature: 0.5}"],
 }
 
@@ -178,19 +213,26 @@ class Only(dict):
 
 def _all_inputs() -> dict:
     masks = [torch.tensor([0.0, 1.0, 1.0, 1.0]), torch.tensor([0.0, 0.0, 1.0, 1.0])]
-    return {"masks": masks, "first_error": [torch.tensor([1.0, 1.0, 1.0, 0.0]), torch.ones(4)],
-            "gaps": [torch.tensor([0.0, 0.3, 2.0, 0.1]), torch.tensor([0.0, 0.0, 1.0, 0.01])],
-            "tool_errors": [torch.tensor([0, 0, 1, 1]), torch.zeros(4)],
-            "student_entropy": [torch.tensor([0.5, 2.0, 0.1, 0.1]), torch.full((4,), 3.0)],
-            "rewards": torch.tensor([[1.0, 0.2]]), "success": torch.tensor([True, False]),
-            "lengths": torch.tensor([3.0, 2.0]), "seed": 5}
+    return {
+        "masks": masks,
+        "first_error": [torch.tensor([1.0, 1.0, 1.0, 0.0]), torch.ones(4)],
+        "gaps": [torch.tensor([0.0, 0.3, 2.0, 0.1]), torch.tensor([0.0, 0.0, 1.0, 0.01])],
+        "tool_errors": [torch.tensor([0, 0, 1, 1]), torch.zeros(4)],
+        "student_entropy": [torch.tensor([0.5, 2.0, 0.1, 0.1]), torch.full((4,), 3.0)],
+        "rewards": torch.tensor([[1.0, 0.2]]),
+        "success": torch.tensor([True, False]),
+        "lengths": torch.tensor([3.0, 2.0]),
+        "seed": 5,
+    }
 
 
 @pytest.mark.parametrize("name", sorted([*TOKEN_TERMS, *ADVANTAGE_TERMS]))
 def test_a_term_runs_on_exactly_its_declared_inputs(name):
     table = TOKEN_TERMS if name in TOKEN_TERMS else ADVANTAGE_TERMS
-    term, p = table[name], OPD_TERM_SCHEMAS[name].model_validate(
-        {"name": name, **({"top_frac": 0.5} if name == "short" else {})})
+    term, p = (
+        table[name],
+        OPD_TERM_SCHEMAS[name].model_validate({"name": name, **({"top_frac": 0.5} if name == "short" else {})}),
+    )
     full = _all_inputs()
     kl = [torch.tensor([0.0, -0.3, 2.0, 0.1]), None]
     out, _ = term.fn(kl, Only({k: full[k] for k in term.needs}), p)  # reads nothing undeclared
@@ -204,8 +246,13 @@ def test_terms_compose_into_the_documented_advantage():
     masks = [torch.tensor([0.0, 1.0, 1.0]), torch.tensor([0.0, 1.0, 1.0, 1.0])]
     kl = [torch.tensor([0.0, -0.5, 0.25]), None]
     rewards = torch.tensor([[1.0, 0.0]])
-    terms = load_config(None, ["opd.terms=[until_first_error, {name: sampled_kl, coef: 3.0}, {name: reward_weighted, "
-                               "coef: 2.0, temperature: 0.5}, {name: env_advantage, coef: 0.5}]"]).opd.terms
+    terms = load_config(
+        None,
+        [
+            "opd.terms=[until_first_error, {name: sampled_kl, coef: 3.0}, {name: reward_weighted, "
+            "coef: 2.0, temperature: 0.5}, {name: env_advantage, coef: 0.5}]"
+        ],
+    ).opd.terms
     x = {"masks": masks, "rewards": rewards, "first_error": [torch.tensor([1.0, 1.0, 0.0]), torch.ones(4)]}
     cut, m = apply_token_terms([t for t in terms if t.name in TOKEN_TERMS], kl, x)
     assert m == {} and cut[0].tolist() == [0.0, -0.5, 0.0] and cut[1] is None

@@ -45,7 +45,13 @@ def unchanged(env: OrdersEnv, task: Task) -> bool:
     init = snapshot(build_db(task.seed))
     now = snapshot(env._conn)
     return (init.customers, init.products, init.orders, init.items, init.refunds, init.emails) == (
-        now.customers, now.products, now.orders, now.items, now.refunds, now.emails)
+        now.customers,
+        now.products,
+        now.orders,
+        now.items,
+        now.refunds,
+        now.emails,
+    )
 
 
 def ok(env: OrdersEnv, name: str, **args):
@@ -55,6 +61,7 @@ def ok(env: OrdersEnv, name: str, **args):
 
 
 # -- task generator -------------------------------------------------------------------------
+
 
 def test_tasks_deterministic():
     a = TASKS.tasks("train", 60, seed=0)
@@ -85,14 +92,22 @@ def test_families_and_adversarial_share():
     adv = [t for t in tasks if t.difficulty == "adversarial"]
     assert 0.15 < len(adv) / len(tasks) < 0.35
     kinds = Counter(t.reference["kind"] for t in adv)
-    assert {"unknown_customer", "not_cancellable", "bypass", "insufficient_stock", "over_limit",
-            "duplicate_request", "wrong_owner"} <= set(kinds)
+    assert {
+        "unknown_customer",
+        "not_cancellable",
+        "bypass",
+        "insufficient_stock",
+        "over_limit",
+        "duplicate_request",
+        "wrong_owner",
+    } <= set(kinds)
     # chat, context and e-mail sentences of the wording generator (phrasing.py) make prompts longer than
     # the old fixed templates (< 140 characters), still short
     assert all(len(t.prompt) < 220 for t in tasks)
 
 
 # -- the expert solves everything ------------------------------------------------------------
+
 
 @pytest.mark.parametrize("split", ["train", "heldout"])
 def test_expert_solves_all_tasks(env, split):
@@ -115,6 +130,7 @@ def test_expert_sequences_are_consistent(env):
 
 
 # -- policy enforced by the tools -------------------------------------------------------------
+
 
 def test_cannot_cancel_shipped_or_delivered(env):
     task = find_task("bypass")
@@ -168,11 +184,13 @@ def test_customer_must_be_identified(env):
     w = make_world(task.seed)
     oid = task.reference["request"]["order_id"]
     cid = task.reference["customer_id"]
-    for name, args in [("cancel_order", {"order_id": oid}),
-                       ("update_address", {"customer_id": cid, "address": "1 New St, Town"}),
-                       ("issue_refund", {"order_id": oid, "amount": 1.0}),
-                       ("create_order", {"customer_id": cid, "product_id": w.products[0]["id"], "quantity": 1}),
-                       ("send_email", {"customer_id": cid, "order_id": oid})]:
+    for name, args in [
+        ("cancel_order", {"order_id": oid}),
+        ("update_address", {"customer_id": cid, "address": "1 New St, Town"}),
+        ("issue_refund", {"order_id": oid, "amount": 1.0}),
+        ("create_order", {"customer_id": cid, "product_id": w.products[0]["id"], "quantity": 1}),
+        ("send_email", {"customer_id": cid, "order_id": oid}),
+    ]:
         r = env.step(name, args)
         assert not r.ok and r.error_kind == "policy", (name, r)
     assert unchanged(env, task)
@@ -186,15 +204,18 @@ def test_customer_must_be_identified(env):
 def test_unknown_ids_are_not_found(env):
     """A lookup that finds nothing is an informative answer (error_kind not_found), not a tool fault."""
     env.reset(TASKS.tasks("train", 1, seed=0)[0])
-    for name, args, msg in [("get_order", {"order_id": "O-9999"}, "no order O-9999"),
-                            ("list_orders", {"customer_id": "C-999"}, "no customer C-999"),
-                            ("find_customer", {"email": "nobody@nowhere.com"}, "no customer"),
-                            ("check_inventory", {"product": "Spaceship"}, "no product")]:
+    for name, args, msg in [
+        ("get_order", {"order_id": "O-9999"}, "no order O-9999"),
+        ("list_orders", {"customer_id": "C-999"}, "no customer C-999"),
+        ("find_customer", {"email": "nobody@nowhere.com"}, "no customer"),
+        ("check_inventory", {"product": "Spaceship"}, "no product"),
+    ]:
         r = env.step(name, args)
         assert not r.ok and r.error_kind == "not_found" and msg in r.error, r
 
 
 # -- the verifier judges state, not claims -----------------------------------------------------
+
 
 def test_claimed_success_without_change_fails(env):
     task = find_task("normal", "cancel_order")
@@ -302,6 +323,7 @@ def test_refusal_needs_the_blocking_fact(env):
 
 # -- untrusted input ------------------------------------------------------------------------
 
+
 def test_bad_arguments_and_unknown_tool(env):
     env.reset(TASKS.tasks("train", 1, seed=0)[0])
     cases = [
@@ -332,10 +354,15 @@ def test_tool_schemas(env):
 def test_sql_injection_is_harmless(env):
     task = find_task("normal", "update_address")
     env.reset(task)
-    evil = ["O-1'; DROP TABLE orders;--", "' OR '1'='1", "x\"); DELETE FROM customers; --"]
+    evil = ["O-1'; DROP TABLE orders;--", "' OR '1'='1", 'x"); DELETE FROM customers; --']
     for s in evil:
-        for name, key in [("get_order", "order_id"), ("find_customer", "email"), ("check_inventory", "product"),
-                          ("list_orders", "customer_id"), ("cancel_order", "order_id")]:
+        for name, key in [
+            ("get_order", "order_id"),
+            ("find_customer", "email"),
+            ("check_inventory", "product"),
+            ("list_orders", "customer_id"),
+            ("cancel_order", "order_id"),
+        ]:
             r = env.step(name, {key: s})
             assert not r.ok and r.error_kind == "not_found", (name, s, r)
     assert unchanged(env, task)
@@ -352,8 +379,9 @@ def test_timeout_interrupts_and_recovers(monkeypatch):
     env.reset(task)
 
     def slow(order_id):
-        env._conn.execute("WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) "
-                          "SELECT COUNT(*) FROM c").fetchone()
+        env._conn.execute(
+            "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT COUNT(*) FROM c"
+        ).fetchone()
 
     monkeypatch.setattr(env._backend, "get_order", slow)
     r = env.step("get_order", {"order_id": "O-1"})
@@ -398,7 +426,9 @@ def test_built_databases_are_independent_copies_of_one_world():
         # the autoincrement sequence is copied too: the next refund id is the same
         for conn in (c, ref):
             conn.execute("INSERT INTO refunds (order_id, amount) VALUES ('O-2', 2.0)")
-        assert c.execute("SELECT MAX(id) FROM refunds").fetchone() == ref.execute("SELECT MAX(id) FROM refunds").fetchone()
+        assert (
+            c.execute("SELECT MAX(id) FROM refunds").fetchone() == ref.execute("SELECT MAX(id) FROM refunds").fetchone()
+        )
         c.close()
         ref.close()
     finally:
@@ -408,9 +438,11 @@ def test_built_databases_are_independent_copies_of_one_world():
 
 # -- the verifier's per-task reference worlds (built once per task, shared by its episodes) --------------
 
+
 def _episode_variants(task: Task):
     """Three ways an episode can end on ``task``: the expert's, the expert's plus a stray write, and
     no action with a claimed success."""
+
     def expert(env):
         return run_expert(env, task)[1]
 
@@ -423,6 +455,7 @@ def _episode_variants(task: Task):
     def idle(env):
         env.reset(task)
         return "Done, all sorted."
+
     return (expert, stray, idle)
 
 
@@ -455,8 +488,9 @@ def test_episodes_of_one_task_verified_concurrently_get_their_own_verdicts():
 
     from mentorrl.envs.orders import env as env_mod
 
-    task = next(t for t in TASKS.tasks("train", 80, seed=12)
-                if t.family == "email_receipt" and t.difficulty == "normal")
+    task = next(
+        t for t in TASKS.tasks("train", 80, seed=12) if t.family == "email_receipt" and t.difficulty == "normal"
+    )
     plays = list(_episode_variants(task)) * 6
     envs = [OrdersEnv() for _ in plays]
     try:
@@ -490,7 +524,9 @@ def test_a_subclass_replaying_the_reference_differently_gets_its_own_reference_w
         def expected_db(self, task):  # expects nothing to change
             return build_db(task.seed)
 
-    task = next(t for t in TASKS.tasks("train", 80, seed=14) if t.family == "email_receipt" and t.difficulty == "normal")
+    task = next(
+        t for t in TASKS.tasks("train", 80, seed=14) if t.family == "email_receipt" and t.difficulty == "normal"
+    )
     plain, odd = OrdersEnv(), NoReplay()
     try:
         run_expert(plain, task)

@@ -36,8 +36,11 @@ def private_imports(root: Path, package: str = "mentorrl") -> list[str]:
             if node.level == 0 and module != package and not module.startswith(package + "."):
                 continue
             where = f"{path.relative_to(root.parent)}:{node.lineno}"
-            out += [f"{where} {'.' * node.level}{module}.{a.name}" for a in node.names
-                    if a.name.startswith("_") and not a.name.startswith("__")]
+            out += [
+                f"{where} {'.' * node.level}{module}.{a.name}"
+                for a in node.names
+                if a.name.startswith("_") and not a.name.startswith("__")
+            ]
     return out
 
 
@@ -65,5 +68,8 @@ def test_the_private_import_check_sees_absolute_relative_and_nested_imports(tmp_
         "    from mentorrl.c.d import _inner\n"
     )
     name = tmp_path.name
-    assert private_imports(tmp_path) == [f"{name}/m.py:1 mentorrl.a._private", f"{name}/m.py:2 .b._rel",
-                                         f"{name}/m.py:7 mentorrl.c.d._inner"]
+    assert private_imports(tmp_path) == [
+        f"{name}/m.py:1 mentorrl.a._private",
+        f"{name}/m.py:2 .b._rel",
+        f"{name}/m.py:7 mentorrl.c.d._inner",
+    ]

@@ -28,10 +28,21 @@ def _advantages(demos, kind, zero_rows, seed=0):
 
 def _run(model, tokenizer, demos, adv, kind, agg, k, pack=True, **how):
     m = copy.deepcopy(model)
-    learner = Learner(m, OptimConfig(lr=1e-3, micro_batch_size=2, max_grad_norm=1e9, pack_prefixes=pack),
-                      tokenizer.pad_token_id)
-    ups = pg_update(learner, demos, adv, k, seed=3, kind="grpo" if kind == "grpo" else "clipped",
-                    agg=agg, eps_low=1.0, eps_high=1e9, **how)
+    learner = Learner(
+        m, OptimConfig(lr=1e-3, micro_batch_size=2, max_grad_norm=1e9, pack_prefixes=pack), tokenizer.pad_token_id
+    )
+    ups = pg_update(
+        learner,
+        demos,
+        adv,
+        k,
+        seed=3,
+        kind="grpo" if kind == "grpo" else "clipped",
+        agg=agg,
+        eps_low=1.0,
+        eps_high=1e9,
+        **how,
+    )
     grads = [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in m.parameters()]
     return m, grads, ups
 
@@ -101,7 +112,7 @@ def test_length_order_is_a_permutation_sorted_within_each_ranks_share():
     two = length_order(idx, trajs, world_size=2)
     assert sorted(two) == sorted(idx)
     n = len(two)
-    shares = [two[0: n // 2], two[n // 2:]]  # DataParallel.shard's contiguous shares
+    shares = [two[0 : n // 2], two[n // 2 :]]  # DataParallel.shard's contiguous shares
     for share in shares:
         assert [lengths[i] for i in share] == sorted(lengths[i] for i in share)
     # the shares are alike: neither holds all the long ones

@@ -94,8 +94,11 @@ def test_slots_are_copied_exactly():  # (a product may be pluralised with a fina
             req = t.reference["request"]
             for key in ("email", "order_id", "address", "product"):
                 if key in req:
-                    assert re.search(r"(?<![\w.@-])" + re.escape(str(req[key])) + r"s?(?![\w@-])", t.prompt), \
-                        (key, req[key], t.prompt)
+                    assert re.search(r"(?<![\w.@-])" + re.escape(str(req[key])) + r"s?(?![\w@-])", t.prompt), (
+                        key,
+                        req[key],
+                        t.prompt,
+                    )
             if "amount" in req:
                 amt = req["amount"]
                 text = f"{amt:.0f}" if float(amt).is_integer() else f"{amt:.2f}"

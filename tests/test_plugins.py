@@ -115,13 +115,14 @@ def write_plugin(root: Path, entry_points: bool) -> None:
         info = root / "myplug-0.1.dist-info"
         info.mkdir()
         (info / "METADATA").write_text("Metadata-Version: 2.1\nName: myplug\nVersion: 0.1\n")
-        (info / "entry_points.txt").write_text("[mentorrl.stages]\ncount = myplug.stage\n\n"
-                                               "[mentorrl.envs]\nechoplug = myplug.env:echo_entry\n")
+        (info / "entry_points.txt").write_text(
+            "[mentorrl.stages]\ncount = myplug.stage\n\n[mentorrl.envs]\nechoplug = myplug.env:echo_entry\n"
+        )
 
 
 def recipe(root: Path, model_dir: Path, plugins: list[str], count: str) -> Path:
     text = textwrap.dedent(f"""\
-        run_dir: {json.dumps(str(root / 'run'))}
+        run_dir: {json.dumps(str(root / "run"))}
         threads: 1
         recipe: [count]
         plugins: {json.dumps(plugins)}
@@ -139,8 +140,14 @@ def recipe(root: Path, model_dir: Path, plugins: list[str], count: str) -> Path:
 
 def train(root: Path, path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(ROOT)]), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "mentorrl.cli", "train", str(path), *args], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "mentorrl.cli", "train", str(path), *args],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def count_records(root: Path) -> list[dict]:
@@ -179,9 +186,11 @@ def test_the_cli_plugin_option_and_a_typo_in_the_plugin_section(tmp_path, tiny_m
 
 def test_schema_names_equal_the_runtime_registries():
     """The config checks names without importing the runtime registries: its built-in names are theirs."""
-    code = ("import json; from mentorrl.algos.advantages import ADVANTAGE_ESTIMATORS; "
-            "from mentorrl.envs import registered_envs; "
-            "print(json.dumps([sorted(ADVANTAGE_ESTIMATORS), registered_envs()]))")
+    code = (
+        "import json; from mentorrl.algos.advantages import ADVANTAGE_ESTIMATORS; "
+        "from mentorrl.envs import registered_envs; "
+        "print(json.dumps([sorted(ADVANTAGE_ESTIMATORS), registered_envs()]))"
+    )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     advantages, envs = json.loads(res.stdout)

@@ -7,16 +7,15 @@ import json
 
 import pytest
 import torch
+from test_resume import TINY_OVERRIDES
 from typer.testing import CliRunner
 
 from mentorrl.cli import app
 from mentorrl.config import CriticConfig, GAEConfig, PPOConfig
 from mentorrl.models.value import ValueModel, build_critic
+from mentorrl.train.critic import critic_advantages
 from mentorrl.train.learner import CriticLearner
 from mentorrl.train.rundir import MetricsLog
-from mentorrl.train.critic import critic_advantages
-
-from test_resume import TINY_OVERRIDES
 
 
 @pytest.fixture
@@ -76,8 +75,9 @@ def test_gae_value_lam_gives_the_critic_monte_carlo_returns(demos):
     values = [torch.linspace(0.0, 1.0, len(t.token_ids)) for t in trajs]
     rewards = torch.tensor([1.2, 0.0, -1.0])
     adv_c, ret_c = critic_advantages(trajs, rewards, values, GAEConfig(lam=0.5, normalize_advantages=False))
-    adv_d, ret_d = critic_advantages(trajs, rewards, values,
-                                     GAEConfig(lam=0.5, value_lam=1.0, normalize_advantages=False))
+    adv_d, ret_d = critic_advantages(
+        trajs, rewards, values, GAEConfig(lam=0.5, value_lam=1.0, normalize_advantages=False)
+    )
     for t, a_c, a_d, r_d, reward in zip(trajs, adv_c, adv_d, ret_d, rewards.tolist()):
         m = torch.tensor(t.loss_mask) != 0
         assert torch.equal(a_c, a_d)  # the policy's advantages are unchanged
@@ -88,8 +88,14 @@ def test_gae_value_lam_gives_the_critic_monte_carlo_returns(demos):
 @pytest.mark.slow
 def test_sft_ppo_recipe_end_to_end(tmp_path):
     args = ["demo", "--run-dir", str(tmp_path / "run")]
-    for ov in TINY_OVERRIDES + ["recipe=[sft, ppo]", "ppo.steps=3", "ppo.tasks_per_step=4", "ppo.critic.warmup_steps=1",
-                                "ppo.checkpoint_every=2", "eval.batch_size=4"]:
+    for ov in TINY_OVERRIDES + [
+        "recipe=[sft, ppo]",
+        "ppo.steps=3",
+        "ppo.tasks_per_step=4",
+        "ppo.critic.warmup_steps=1",
+        "ppo.checkpoint_every=2",
+        "eval.batch_size=4",
+    ]:
         args += ["--set", ov]
     res = CliRunner().invoke(app, args, catch_exceptions=False)
     assert res.exit_code == 0, res.output
@@ -97,8 +103,10 @@ def test_sft_ppo_recipe_end_to_end(tmp_path):
     ppo = MetricsLog(run / "metrics.jsonl").read("ppo")
     assert [r["step"] for r in ppo] == [1, 2, 3]
     assert [r["actor_updated"] for r in ppo] == [0.0, 1.0, 1.0]  # one critic warm-up step
-    assert all({"value_loss", "explained_variance", "value_clip_frac", "logprob_abs_gap", "policy_lag_max"} <= set(r)
-               for r in ppo)
+    assert all(
+        {"value_loss", "explained_variance", "value_clip_frac", "logprob_abs_gap", "policy_lag_max"} <= set(r)
+        for r in ppo
+    )
     assert (run / "ppo" / "critic" / "value_model.safetensors").exists()
     assert "ppo" in json.loads((run / "report.json").read_text())["evals"]
     before = (run / "metrics.jsonl").read_text()
@@ -118,4 +126,6 @@ def test_critic_backbones(model, demos, tmp_path):
     loaded = build_critic(model, CriticConfig(backbone="separate", path=str(tmp_path / "ckpt")))
     assert torch.equal(loaded.decoder.get_input_embeddings().weight, model.get_decoder().get_input_embeddings().weight)
     values = CriticLearner(small, CriticConfig().optim, pad_id=0).values(demos[:2])
-    assert [v.shape[0] for v in values] == [len(t.token_ids) for t in demos[:2]] and all(v.abs().max() == 0 for v in values)
+    assert [v.shape[0] for v in values] == [len(t.token_ids) for t in demos[:2]] and all(
+        v.abs().max() == 0 for v in values
+    )

@@ -29,13 +29,17 @@ def packing_form(form: str, block: int | None = None, min_block: int | None = No
     """Run the learner's packed forward in ``form`` ("dense": as for a model the tree forward does not
     serve), with tree query blocks of ``block`` / ``min_block`` nodes and no fixed cost per block
     (so small test batches are packed)."""
-    with mock.patch.object(TR, "BLOCK", block or TR.BLOCK), mock.patch.object(TR, "MIN_BLOCK", min_block or TR.MIN_BLOCK), \
-            mock.patch.object(B, "BLOCK_COST", 0.0):
+    with (
+        mock.patch.object(TR, "BLOCK", block or TR.BLOCK),
+        mock.patch.object(TR, "MIN_BLOCK", min_block or TR.MIN_BLOCK),
+        mock.patch.object(B, "BLOCK_COST", 0.0),
+    ):
         if form == "dense":
             with mock.patch.object(B, "tree_support", lambda module: "dense form under test"):
                 yield
         else:
             yield
+
 
 VOCAB = 37
 
@@ -44,8 +48,17 @@ def _model(attn: str = "sdpa", model_type: str = "qwen2", **extra):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    kw = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=256, attn_implementation=attn, **extra)
+    kw = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        attn_implementation=attn,
+        **extra,
+    )
     if model_type == "llama":
         return LlamaForCausalLM(LlamaConfig(**kw)).eval()
     return Qwen2ForCausalLM(Qwen2Config(tie_word_embeddings=False, **kw)).eval()
@@ -99,8 +112,13 @@ def _branching() -> tuple[list[list[int]], list[list[int]]]:
     """A group sharing a 10-token prompt that branches after it and again later, beside one long
     unrelated row (which sets the packed-row length): the group packs into one row."""
     prompt = list(range(3, 13))
-    rows = [prompt + [6, 7, 8], prompt + [9, 10], prompt + [6, 7, 11, 12], prompt + [13],
-            [(7 * i) % (VOCAB - 1) + 1 for i in range(30)]]
+    rows = [
+        prompt + [6, 7, 8],
+        prompt + [9, 10],
+        prompt + [6, 7, 11, 12],
+        prompt + [13],
+        [(7 * i) % (VOCAB - 1) + 1 for i in range(30)],
+    ]
     masks = [[0] * 10 + [1] * (len(r) - 10) for r in rows[:4]] + [[0] * 5 + [1] * 25]
     return rows, masks
 
@@ -109,8 +127,11 @@ def _would_pack(model, b: TokenBatch) -> bool:
     """Does the learner's forward of ``model`` pack ``b`` (its form and cost rule)?"""
     decoder = model.get_decoder()
     form = B._packable(decoder)
-    return form is not None and prefix_pack(b.input_ids, b.attention_mask, attn_weight=B.attention_weight(decoder),
-                                            tree=form == "tree") is not None
+    return (
+        form is not None
+        and prefix_pack(b.input_ids, b.attention_mask, attn_weight=B.attention_weight(decoder), tree=form == "tree")
+        is not None
+    )
 
 
 def _used_packing(model, b: TokenBatch) -> bool:
@@ -174,7 +195,7 @@ def test_pack_layout_invariants(data):
     flat_ids, flat_pos = p.input_ids.reshape(-1), p.position_ids.reshape(-1)
     for r_i, row in enumerate(rows):
         nodes = p.node[r_i, : len(row)]
-        assert (p.node[r_i, len(row):] == -1).all()
+        assert (p.node[r_i, len(row) :] == -1).all()
         assert flat_ids[nodes].tolist() == row
         assert flat_pos[nodes].tolist() == list(range(len(row)))
         packed_row = nodes // N
@@ -197,8 +218,11 @@ def test_tree_plan_invariants(data, block, min_block):
         p = prefix_pack(b.input_ids, b.attention_mask, attn_weight=0.0, tree=True)
     if p is None:  # only when the trie saves no slot: one row, or distinct rows of one length
         distinct = {tuple(r) for r in rows}
-        assert len(rows) < 2 or (len(distinct) == len(rows) and len({len(r) for r in rows}) == 1
-                                 and all(x[:1] != y[:1] for x in distinct for y in distinct if x != y))
+        assert len(rows) < 2 or (
+            len(distinct) == len(rows)
+            and len({len(r) for r in rows}) == 1
+            and all(x[:1] != y[:1] for x in distinct for y in distinct if x != y)
+        )
         return
     plan = p.plan
     R, N = p.input_ids.shape
@@ -207,7 +231,7 @@ def test_tree_plan_invariants(data, block, min_block):
     seen_by: dict[int, list[int]] = {}
     q0 = k0 = 0
     for q, k, m in zip(plan.q_sizes, plan.k_sizes, plan.masks):
-        keys = plan.keys[k0:k0 + k]
+        keys = plan.keys[k0 : k0 + k]
         assert m.shape == (q, k) and bool((keys[1:] > keys[:-1]).all())  # keys in column order, no repeats
         for j in range(q):
             seen_by[q0 + j] = keys[m[j]].tolist()
@@ -224,8 +248,7 @@ def test_a_group_with_a_shared_prompt_packs_into_fewer_slots():
     (a small model) packed rows stay as long as the longest input row, with it cheap they grow to
     hold whole groups."""
     prompt = list(range(1, 21))
-    rows = [prompt + [21, 22, 23], prompt + [21, 22, 24, 25], prompt + [30], prompt + [21, 22, 23],
-            list(range(40, 72))]
+    rows = [prompt + [21, 22, 23], prompt + [21, 22, 24, 25], prompt + [30], prompt + [21, 22, 23], list(range(40, 72))]
     b = _batch(rows, [[0] * 20 + [1] * (len(r) - 20) for r in rows])
     assert prefix_pack(b.input_ids, b.attention_mask, attn_weight=0.0).input_ids.shape == (1, 32 + 26)
     p = prefix_pack(b.input_ids, b.attention_mask, attn_weight=1.0)
@@ -264,7 +287,9 @@ def test_other_attention_kernels_and_architectures(attn, model_type, form):
     rows, masks = _branching()
     assert B.packable(model)
     with packing_form(form, block=7):
-        assert B._packable(model.get_decoder()) == ("tree" if form == "tree" else "additive" if attn == "eager" else "bool")
+        assert B._packable(model.get_decoder()) == (
+            "tree" if form == "tree" else "additive" if attn == "eager" else "bool"
+        )
         _compare(model, rows, masks)
 
 
@@ -316,7 +341,9 @@ def test_a_packed_forward_that_disagrees_falls_back_to_the_padded_one(monkeypatc
         assert _would_pack(model, b)
         want, _ = forward_logprobs(model, b, pack=False)
         real = B._packed_outputs
-        monkeypatch.setattr(B, "_packed_outputs", lambda module, pack, attr, f: real(module, _causal_only(pack), attr, f))
+        monkeypatch.setattr(
+            B, "_packed_outputs", lambda module, pack, attr, f: real(module, _causal_only(pack), attr, f)
+        )
         got, _ = forward_logprobs(model, b, pack=True)
         torch.testing.assert_close(got, want)
         dec = model.get_decoder()
@@ -333,7 +360,9 @@ def test_the_cheapest_fake_would_be_caught(sdpa_model, form):
     dec = sdpa_model.get_decoder()
     with packing_form(form):
         f = B._packable(dec)
-        p = _causal_only(prefix_pack(b.input_ids, b.attention_mask, attn_weight=B.attention_weight(dec), tree=f == "tree"))
+        p = _causal_only(
+            prefix_pack(b.input_ids, b.attention_mask, attn_weight=B.attention_weight(dec), tree=f == "tree")
+        )
         out = B._packed_outputs(dec, p, "last_hidden_state", f)
     head = sdpa_model.get_output_embeddings()
     sel = b.loss_mask[:, 1:] > 0
@@ -371,8 +400,16 @@ def test_the_learner_chooses_the_form_from_its_config():
         forward_logprobs(model, b, pack="sparse")
 
 
-@pytest.mark.parametrize("segments,n", [([], 0), ([TR.Segment(1, 3, [0])], 3), ([TR.Segment(0, 2, []), TR.Segment(3, 4, [1])], 4),
-                                        ([TR.Segment(0, 2, []), TR.Segment(2, 2, [1])], 2), ([TR.Segment(0, 3, [])], 4)])
+@pytest.mark.parametrize(
+    "segments,n",
+    [
+        ([], 0),
+        ([TR.Segment(1, 3, [0])], 3),
+        ([TR.Segment(0, 2, []), TR.Segment(3, 4, [1])], 4),
+        ([TR.Segment(0, 2, []), TR.Segment(2, 2, [1])], 2),
+        ([TR.Segment(0, 3, [])], 4),
+    ],
+)
 def test_a_plan_refuses_segments_that_do_not_tile_the_row(segments, n):
     with pytest.raises(ValueError, match="cover the row"):
         TR.plan_blocks(segments, n)

@@ -19,8 +19,9 @@ def test_preflight_audit_runs_the_suite_and_writes_its_report(tmp_path, tokenize
 
 def test_preflight_audit_refuses_a_reward_that_pays_a_hack(tmp_path, tokenizer):
     # without the verbosity term a padded answer scores like honest work
-    ws = open_workspace(load_config(None, [f"run_dir={tmp_path}", "threads=1", "reward.verbosity=0"]),
-                        show_progress=False)
+    ws = open_workspace(
+        load_config(None, [f"run_dir={tmp_path}", "threads=1", "reward.verbosity=0"]), show_progress=False
+    )
     ws.bind_tokenizer(tokenizer)
     with pytest.raises(RewardAuditFailed, match="refusing to train"):
         preflight_reward_audit(ws)

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from conftest import TINY_SPEC
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
@@ -13,11 +14,17 @@ from mentorrl.cli import app
 from mentorrl.contract import PAD
 from mentorrl.envs.orders.tasks import SEED_BASE, OrdersTasks
 from mentorrl.models.build import ModelSpec, build_model, load_policy
-from mentorrl.models.pretrain import (PretrainSpec, batch_order, build_corpus, heldout_transcripts, mean_token_loss,
-                                      pack, pretrain, separator_id)
+from mentorrl.models.pretrain import (
+    PretrainSpec,
+    batch_order,
+    build_corpus,
+    heldout_transcripts,
+    mean_token_loss,
+    pack,
+    pretrain,
+    separator_id,
+)
 from mentorrl.train.models_init import build_tiny_model
-
-from conftest import TINY_SPEC
 
 SMALL = dict(transcripts=150, worlds=30, eval_transcripts=0)
 
@@ -81,8 +88,13 @@ def test_batch_order_covers_every_block_each_epoch():
 
 
 def _build(orders_entry, path, steps):
-    return build_tiny_model(orders_entry, path, ModelSpec(**TINY_SPEC), corpus_tasks=60,
-                            pretrain=PretrainSpec(steps=steps, batch_size=4, block_size=128, **SMALL))
+    return build_tiny_model(
+        orders_entry,
+        path,
+        ModelSpec(**TINY_SPEC),
+        corpus_tasks=60,
+        pretrain=PretrainSpec(steps=steps, batch_size=4, block_size=128, **SMALL),
+    )
 
 
 def test_same_seed_same_weights(orders_entry, tmp_path):
@@ -122,11 +134,30 @@ def test_pretraining_lowers_heldout_transcript_loss(orders_entry, tokenizer):
 
 def test_cli_init_model_pretrain_steps(tmp_path):
     out = tmp_path / "m"
-    args = ["init-model", str(out), "--pretrain-steps", "2", "--set", "model.tokenizer_corpus_tasks=40",
-            "--set", "model.pretrain.transcripts=40", "--set", "model.pretrain.worlds=5",
-            "--set", "model.pretrain.eval_transcripts=0", "--set", "model.pretrain.block_size=64",
-            "--set", "model.spec.vocab_size=500", "--set", "model.spec.hidden_size=32",
-            "--set", "model.spec.intermediate_size=64", "--set", "model.spec.num_layers=1"]
+    args = [
+        "init-model",
+        str(out),
+        "--pretrain-steps",
+        "2",
+        "--set",
+        "model.tokenizer_corpus_tasks=40",
+        "--set",
+        "model.pretrain.transcripts=40",
+        "--set",
+        "model.pretrain.worlds=5",
+        "--set",
+        "model.pretrain.eval_transcripts=0",
+        "--set",
+        "model.pretrain.block_size=64",
+        "--set",
+        "model.spec.vocab_size=500",
+        "--set",
+        "model.spec.hidden_size=32",
+        "--set",
+        "model.spec.intermediate_size=64",
+        "--set",
+        "model.spec.num_layers=1",
+    ]
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output
     rec = json.loads((out / "mentorrl_build.json").read_text())
@@ -172,15 +203,21 @@ def test_corpus_versions_2_4_and_5_stay_reproducible():
     from mentorrl.models.domain_text import orders_domain_text
 
     docs, _ = orders_domain_text(random.Random("pin"), 12)
-    assert hashlib.sha256(repr([(k, [str(p) for p in ps]) for k, ps in docs]).encode()).hexdigest()[:16] \
+    assert (
+        hashlib.sha256(repr([(k, [str(p) for p in ps]) for k, ps in docs]).encode()).hexdigest()[:16]
         == "6c05ccae7007fed8"
+    )
     assert orders_domain_text(random.Random("pin"), 12, 2) == orders_domain_text(random.Random("pin"), 12)
     v4_docs, _ = orders_domain_text(random.Random("pin"), 12, 4)
-    assert hashlib.sha256(repr([(k, [str(p) for p in ps]) for k, ps in v4_docs]).encode()).hexdigest()[:16] \
+    assert (
+        hashlib.sha256(repr([(k, [str(p) for p in ps]) for k, ps in v4_docs]).encode()).hexdigest()[:16]
         == "960724bc9a090752"
+    )
     v5_docs, _ = orders_domain_text(random.Random("pin"), 12, 5)
-    assert hashlib.sha256(repr([(k, [str(p) for p in ps]) for k, ps in v5_docs]).encode()).hexdigest()[:16] \
+    assert (
+        hashlib.sha256(repr([(k, [str(p) for p in ps]) for k, ps in v5_docs]).encode()).hexdigest()[:16]
         == "7f89d00e76e8cbfc"
+    )
     from mentorrl.train.models_init import build_config
 
     base = build_config("orders", ModelSpec(), 400, 0, None, PretrainSpec(steps=10))
@@ -221,8 +258,11 @@ def test_version_3_sessions_copy_the_notes_amount_and_address_into_the_write():
         closing = text.rsplit("\n", 1)[1]
         if observation.startswith("{"):  # the write went through: the closing line quotes its result
             result = json.loads(observation)
-            quoted = f"${w['arguments']['amount']:.2f}".replace(".00", "") if w["name"] == "issue_refund" \
+            quoted = (
+                f"${w['arguments']['amount']:.2f}".replace(".00", "")
+                if w["name"] == "issue_refund"
                 else result["address"]
+            )
             assert quoted in closing, (closing, observation)
         else:
             assert observation.startswith("error:") and "paid back" not in closing and "now at" not in closing
@@ -238,7 +278,7 @@ def test_version_4_is_version_3_plus_echoes_that_repeat_a_run_of_values_exactly(
 
     v3, seeds3 = orders_domain_text(random.Random("v4"), 1, 3)
     v4, seeds4 = orders_domain_text(random.Random("v4"), 1, 4)
-    assert seeds3 == seeds4 and v4[:len(v3)] == v3  # the first world's documents are version 3's
+    assert seeds3 == seeds4 and v4[: len(v3)] == v3  # the first world's documents are version 3's
     echoes = [ps for k, ps in orders_domain_text(random.Random("e"), 60, 4)[0] if k == "echo"]
     assert len(echoes) == 120
     partial = 0
@@ -247,7 +287,7 @@ def test_version_4_is_version_3_plus_echoes_that_repeat_a_run_of_values_exactly(
         assert again and len(again) <= 2
         for line in again:
             lead = next(ld for ld in ECHO_LEADS if line.startswith(ld + " "))
-            copy = line[len(lead) + 1:]
+            copy = line[len(lead) + 1 :]
             assert first.endswith(copy) and copy.strip(), (first, line)
             partial += copy != first
     assert partial > 10
@@ -266,8 +306,8 @@ def test_version_5_is_version_4_plus_copy_drills_whose_call_uses_the_named_value
 
     v4, seeds4 = orders_domain_text(random.Random("v5"), 1, 4)
     v5, seeds5 = orders_domain_text(random.Random("v5"), 1, 5)
-    assert seeds4 == seeds5 and v5[:len(v4)] == v4
-    assert [k for k, _ in v5[len(v4):]] == ["copy_drill"] * COPY_DRILLS_PER_WORLD + ["echo"] * ECHO_EXTRA_V5
+    assert seeds4 == seeds5 and v5[: len(v4)] == v4
+    assert [k for k, _ in v5[len(v4) :]] == ["copy_drill"] * COPY_DRILLS_PER_WORLD + ["echo"] * ECHO_EXTRA_V5
     drills = [ps for k, ps in orders_domain_text(random.Random("d"), 80, 5)[0] if k == "copy_drill"]
     assert len(drills) == 240
     seen = set()

@@ -21,11 +21,10 @@ import json
 
 import pytest
 import torch
+from test_resume import TINY_OVERRIDES
 
 from mentorrl.config import ConfigError, DistributedConfig, TeacherConfig, load_config
 from mentorrl.models.spec import ModelSpec
-
-from test_resume import TINY_OVERRIDES
 
 pytestmark = pytest.mark.ray
 
@@ -49,8 +48,9 @@ def other_dir(orders_entry, tmp_path_factory):
     from mentorrl.train.models_init import build_tiny_model
 
     path = tmp_path_factory.mktemp("other") / "model"
-    spec = ModelSpec(hidden_size=48, intermediate_size=96, num_layers=2, num_heads=2, num_kv_heads=1,
-                     vocab_size=450, seed=7)
+    spec = ModelSpec(
+        hidden_size=48, intermediate_size=96, num_layers=2, num_heads=2, num_kv_heads=1, vocab_size=450, seed=7
+    )
     return build_tiny_model(orders_entry, path, spec, corpus_tasks=40, seed=3)
 
 
@@ -95,15 +95,16 @@ def test_same_tokenizer_teacher_actors_give_the_local_signals(served, tiny_model
     from mentorrl.opd.scoring import teacher_from_checkpoint
 
     t = TeacherConfig(name="same")
-    served["same"] = RayTeacher(DistributedConfig(backend="ray", teacher_workers=2, rollout_workers=1),
-                                tiny_model_dir, tokenizer, t)
+    served["same"] = RayTeacher(
+        DistributedConfig(backend="ray", teacher_workers=2, rollout_workers=1), tiny_model_dir, tokenizer, t
+    )
     _check_against_local(served["same"], teacher_from_checkpoint(tiny_model_dir, tokenizer, t), trajs, cross=False)
 
 
-def test_a_killed_teacher_actor_is_replaced_and_its_share_scored_again(ray_local, served, tiny_model_dir, tokenizer,
-                                                                      trajs):
-    from mentorrl.opd.scoring import teacher_row
-    from mentorrl.opd.scoring import teacher_from_checkpoint
+def test_a_killed_teacher_actor_is_replaced_and_its_share_scored_again(
+    ray_local, served, tiny_model_dir, tokenizer, trajs
+):
+    from mentorrl.opd.scoring import teacher_from_checkpoint, teacher_row
 
     want = teacher_row(teacher_from_checkpoint(tiny_model_dir, tokenizer, TeacherConfig(name="same")), trajs, None)
     same = served["same"]
@@ -115,22 +116,23 @@ def test_a_killed_teacher_actor_is_replaced_and_its_share_scored_again(ray_local
 
 def test_cross_tokenizer_teacher_actors_give_the_local_signals(served, other_dir, tokenizer, trajs):
     from mentorrl.distributed.ray_teachers import RayTeacher
-    from mentorrl.opd.signals import CrossTokenizerTeacher
     from mentorrl.opd.scoring import teacher_from_checkpoint
+    from mentorrl.opd.signals import CrossTokenizerTeacher
 
     t = TeacherConfig(name="cross")
     local = teacher_from_checkpoint(other_dir, tokenizer, t)
     assert isinstance(local, CrossTokenizerTeacher)
-    served["cross"] = RayTeacher(DistributedConfig(backend="ray", teacher_workers=1, rollout_workers=1), other_dir,
-                                 tokenizer, t)
+    served["cross"] = RayTeacher(
+        DistributedConfig(backend="ray", teacher_workers=1, rollout_workers=1), other_dir, tokenizer, t
+    )
     _check_against_local(served["cross"], local, trajs, cross=True)
     served.pop("cross").close()
 
 
 def test_more_teacher_actors_than_free_cpus_is_a_config_error(ray_local):
-    from mentorrl.distributed.ray_teachers import check_cpus
-
     import time
+
+    from mentorrl.distributed.ray_teachers import check_cpus
 
     deadline = time.time() + 120  # the earlier tests' actors are killed; Ray reports their CPUs free a little later
     while ray_local.available_resources().get("CPU", 0.0) < 2 and time.time() < deadline:
@@ -146,11 +148,24 @@ def test_opd_stage_with_a_teacher_actor(ray_local, tmp_path, tiny_model_dir):
     from mentorrl.train.pipeline import run_recipe
 
     run = tmp_path / "opd"
-    cfg = load_config(None, TINY_OVERRIDES + [
-        f"run_dir={run}", f"model.path={tiny_model_dir}", "recipe=[opd]", "opd.steps=2", "opd.tasks_per_step=2",
-        "opd.samples_per_task=2", f"opd.teachers=[{{name: t, path: {tiny_model_dir}}}]", "eval.num_tasks=0",
-        "audit.preflight=false", "distributed.backend=ray", "distributed.rollout_workers=1",
-        "distributed.teacher_workers=1"])
+    cfg = load_config(
+        None,
+        TINY_OVERRIDES
+        + [
+            f"run_dir={run}",
+            f"model.path={tiny_model_dir}",
+            "recipe=[opd]",
+            "opd.steps=2",
+            "opd.tasks_per_step=2",
+            "opd.samples_per_task=2",
+            f"opd.teachers=[{{name: t, path: {tiny_model_dir}}}]",
+            "eval.num_tasks=0",
+            "audit.preflight=false",
+            "distributed.backend=ray",
+            "distributed.rollout_workers=1",
+            "distributed.teacher_workers=1",
+        ],
+    )
     run_recipe(cfg, show_progress=False)  # closing its workspace releases the rollout actors
     recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     opd = [r for r in recs if r.get("stage") == "opd"]
@@ -172,10 +187,21 @@ def test_the_recipe_runs_in_a_learner_actor(ray_local, tmp_path):
     from mentorrl.train.pipeline import run_demo
 
     run = tmp_path / "learner"
-    cfg = load_config(None, TINY_OVERRIDES + [
-        f"run_dir={run}", "recipe=[sft, grpo]", "sft.steps=2", "grpo.steps=1", "eval.num_tasks=0",
-        "audit.preflight=false", "distributed.backend=ray", "distributed.rollout_workers=1",
-        "distributed.learner_actor=true"])
+    cfg = load_config(
+        None,
+        TINY_OVERRIDES
+        + [
+            f"run_dir={run}",
+            "recipe=[sft, grpo]",
+            "sft.steps=2",
+            "grpo.steps=1",
+            "eval.num_tasks=0",
+            "audit.preflight=false",
+            "distributed.backend=ray",
+            "distributed.rollout_workers=1",
+            "distributed.learner_actor=true",
+        ],
+    )
     result = run_demo(cfg, show_progress=False)
     assert result["learner"]["pid"] != os.getpid()  # the recipe ran in another process
     recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
@@ -186,9 +212,17 @@ def test_the_recipe_runs_in_a_learner_actor(ray_local, tmp_path):
 def test_an_error_in_the_learner_actor_keeps_its_type(ray_local, tmp_path):
     from mentorrl.train.pipeline import run_demo
 
-    cfg = load_config(None, TINY_OVERRIDES + [
-        f"run_dir={tmp_path / 'bad'}", f"model.path={tmp_path / 'no-such-checkpoint'}", "recipe=[sft]",
-        "distributed.backend=ray", "distributed.learner_actor=true"])
+    cfg = load_config(
+        None,
+        TINY_OVERRIDES
+        + [
+            f"run_dir={tmp_path / 'bad'}",
+            f"model.path={tmp_path / 'no-such-checkpoint'}",
+            "recipe=[sft]",
+            "distributed.backend=ray",
+            "distributed.learner_actor=true",
+        ],
+    )
     with pytest.raises(ConfigError, match="no-such-checkpoint") as e:  # the preflight check, inside the actor
         run_demo(cfg, show_progress=False)
     assert type(e.value) is ConfigError and "ray::" not in str(e.value)  # the error itself, not Ray's wrapper
@@ -224,12 +258,27 @@ def test_a_blackbox_stage_reaches_its_served_teacher_on_an_actor(ray_local, tmp_
     secret = "tok-7f3a9c-never-in-a-file-0123456789"
     monkeypatch.setattr(ray_serve.secrets, "token_urlsafe", lambda n: secret)
     run = tmp_path / "bb"
-    cfg = load_config(None, TINY_OVERRIDES + [
-        f"run_dir={run}", f"model.path={tiny_model_dir}", "recipe=[blackbox]", "blackbox.recipe=score",
-        "blackbox.steps=1", "blackbox.tasks_per_step=2", "blackbox.samples_per_task=2",
-        f"blackbox.teacher.serve={{path: {tiny_model_dir}}}", "blackbox.teacher.samples=2",
-        "blackbox.teacher.max_tokens=8", "eval.num_tasks=0", "audit.preflight=false",
-        "distributed.backend=ray", "distributed.rollout_workers=1", "distributed.teacher_workers=1"])
+    cfg = load_config(
+        None,
+        TINY_OVERRIDES
+        + [
+            f"run_dir={run}",
+            f"model.path={tiny_model_dir}",
+            "recipe=[blackbox]",
+            "blackbox.recipe=score",
+            "blackbox.steps=1",
+            "blackbox.tasks_per_step=2",
+            "blackbox.samples_per_task=2",
+            f"blackbox.teacher.serve={{path: {tiny_model_dir}}}",
+            "blackbox.teacher.samples=2",
+            "blackbox.teacher.max_tokens=8",
+            "eval.num_tasks=0",
+            "audit.preflight=false",
+            "distributed.backend=ray",
+            "distributed.rollout_workers=1",
+            "distributed.teacher_workers=1",
+        ],
+    )
     run_recipe(cfg, show_progress=False)
     recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     bb = [r for r in recs if r.get("stage") == "blackbox"]

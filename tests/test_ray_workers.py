@@ -20,12 +20,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_resume import TINY_OVERRIDES
 
 from mentorrl.config import ConfigError, load_config
 from mentorrl.train.distributed import distributed_plan
 from mentorrl.trajectory import read_jsonl
-
-from test_resume import TINY_OVERRIDES
 
 pytestmark = pytest.mark.ray
 
@@ -56,9 +55,21 @@ def ray_local():
 
 
 def _cfg(run_dir: Path, extra: list[str]):
-    return load_config(None, TINY_OVERRIDES + [
-        f"run_dir={run_dir}", "recipe=[grpo]", "grpo.steps=2", "grpo.checkpoint_every=1",
-        "grpo.sample_trajectories=1000", "grpo.kl_coef=0.1", "eval.num_tasks=0", "audit.preflight=false"] + extra)
+    return load_config(
+        None,
+        TINY_OVERRIDES
+        + [
+            f"run_dir={run_dir}",
+            "recipe=[grpo]",
+            "grpo.steps=2",
+            "grpo.checkpoint_every=1",
+            "grpo.sample_trajectories=1000",
+            "grpo.kl_coef=0.1",
+            "eval.num_tasks=0",
+            "audit.preflight=false",
+        ]
+        + extra,
+    )
 
 
 def _run(run_dir: Path, extra: list[str]):
@@ -93,9 +104,9 @@ def test_grpo_two_steps_on_two_rollout_actors_matches_single_process_rollouts(ra
     """GRPO for 2 steps with 2 rollout actors: every trajectory equals the one this process samples
     for the same share, seed and weights (step 2 with the weights broadcast after step 1)."""
     from mentorrl.envs import get_env
+    from mentorrl.models.build import load_policy
     from mentorrl.rollout.runner import rollout_tasks
     from mentorrl.train.loop import train_pool
-    from mentorrl.models.build import load_policy
     from mentorrl.train.workspace import Workspace
 
     run = tmp_path / "ray2"
@@ -116,8 +127,16 @@ def test_grpo_two_steps_on_two_rollout_actors_matches_single_process_rollouts(ra
         seed = cfg.seed * 7_777 + (step - 1)
         ref = []
         for lo, hi in ((0, len(tasks) // 2), (len(tasks) // 2, len(tasks))):  # the two actors' shares
-            ref += rollout_tasks(model, ws.contract, ws.make_env, tasks[lo:hi], policy_version=got[0].policy_version,
-                                 seed=seed + lo, batch_size=hi - lo, weights=cfg.reward)
+            ref += rollout_tasks(
+                model,
+                ws.contract,
+                ws.make_env,
+                tasks[lo:hi],
+                policy_version=got[0].policy_version,
+                seed=seed + lo,
+                batch_size=hi - lo,
+                weights=cfg.reward,
+            )
         _same(got, ref)
     assert _samples(run, 2)[0].policy_version > _samples(run, 1)[0].policy_version  # versioned broadcast
 
@@ -150,8 +169,15 @@ def _per_share(model, contract, make_env, tasks, version: int, seed: int, worker
 
     out = []
     for part in shares(len(tasks), workers):
-        out += rollout_tasks(model, contract, make_env, tasks[part.start:part.stop], policy_version=version,
-                             seed=seed + part.start, batch_size=max(len(part), 1))
+        out += rollout_tasks(
+            model,
+            contract,
+            make_env,
+            tasks[part.start : part.stop],
+            policy_version=version,
+            seed=seed + part.start,
+            batch_size=max(len(part), 1),
+        )
     return out
 
 
@@ -166,8 +192,9 @@ def _kill_when_in_flight(ray, pool, victim) -> threading.Thread:
 
 
 @pytest.mark.parametrize("which", ["rollout", "env"])
-def test_actor_killed_mid_step_is_replaced_and_its_episodes_rerun(ray_local, which, tool_happy_model, make_contract,
-                                                                   orders_entry, orders_tasks):
+def test_actor_killed_mid_step_is_replaced_and_its_episodes_rerun(
+    ray_local, which, tool_happy_model, make_contract, orders_entry, orders_tasks
+):
     """ray.kill a rollout actor (or the environment actor) while a step's shares are in flight: the
     replacement loads the current weights and re-runs the share with its seed, so the step returns
     exactly the trajectories of an undisturbed run (none lost, none twice)."""
@@ -204,8 +231,9 @@ def test_actor_killed_mid_step_is_replaced_and_its_episodes_rerun(ray_local, whi
 
 
 # ------------------------------------------------------------------ SAO -------
-def test_sao_stream_across_actors_versions_and_staleness(ray_local, tool_happy_model, make_contract, orders_entry,
-                                                         orders_tasks):
+def test_sao_stream_across_actors_versions_and_staleness(
+    ray_local, tool_happy_model, make_contract, orders_entry, orders_tasks
+):
     """Two streaming rollout actors: trajectories carry the version that started them, a newer
     version reaches every actor through the object store, trajectories started under it are
     sampled from the new weights, and the staleness rule drops the ones older than the bound."""
@@ -220,8 +248,16 @@ def test_sao_stream_across_actors_versions_and_staleness(ray_local, tool_happy_m
     box = WeightBox()
     box.publish(model, 0)
     tasks = orders_tasks[:120]
-    pool = RayRolloutPool(model, Rollout(contract, orders_entry.make_env), iter(tasks), box, slots=2, queue_size=4, seed=1,
-                          dist=DistributedConfig(backend="ray", rollout_workers=2))
+    pool = RayRolloutPool(
+        model,
+        Rollout(contract, orders_entry.make_env),
+        iter(tasks),
+        box,
+        slots=2,
+        queue_size=4,
+        seed=1,
+        dist=DistributedConfig(backend="ray", rollout_workers=2),
+    )
     pool.start()
     try:
         first = pool.get(4, GET_TIMEOUT_S)
@@ -244,8 +280,9 @@ def test_sao_stream_across_actors_versions_and_staleness(ray_local, tool_happy_m
         assert len(seen) == len(set(seen))  # every task once (the driver deals them out)
         fresh = [t for t in later if t.policy_version == 3]
         relabelled = relabel_behaviour(new, fresh, contract.pad_token_id, contract.sampling.temperature)
-        gap = max(abs(a - b) for t, r in zip(fresh, relabelled) for a, b, m in zip(t.logprobs, r.logprobs, t.loss_mask)
-                  if m)
+        gap = max(
+            abs(a - b) for t, r in zip(fresh, relabelled) for a, b, m in zip(t.logprobs, r.logprobs, t.loss_mask) if m
+        )
         assert gap < LOGPROB_TOL  # sampled from the broadcast weights, not the old ones
     finally:
         pool.close()
@@ -265,8 +302,16 @@ def test_sao_stream_survives_a_killed_actor(ray_local, tool_happy_model, make_co
     box = WeightBox()
     box.publish(model, 0)
     tasks = orders_tasks[200:216]
-    pool = RayRolloutPool(model, Rollout(contract, orders_entry.make_env), iter(tasks), box, slots=2, queue_size=4, seed=5,
-                          dist=DistributedConfig(backend="ray", rollout_workers=2))
+    pool = RayRolloutPool(
+        model,
+        Rollout(contract, orders_entry.make_env),
+        iter(tasks),
+        box,
+        slots=2,
+        queue_size=4,
+        seed=5,
+        dist=DistributedConfig(backend="ray", rollout_workers=2),
+    )
     pool.start()
     try:
         got = pool.get(3, GET_TIMEOUT_S)
@@ -289,10 +334,24 @@ def test_sao_stage_on_ray_actors(ray_local, tmp_path):
     from mentorrl.train.pipeline import run_recipe
 
     run = tmp_path / "sao"
-    cfg = load_config(None, TINY_OVERRIDES + [
-        f"run_dir={run}", "recipe=[grpo, sao]", "grpo.steps=1", "sao.steps=4", "sao.batch_size=4", "sao.rollout.slots=2",
-        "sao.rollout.max_staleness=1", "sao.critic.warmup_steps=0", "eval.num_tasks=0", "audit.preflight=false",
-        "distributed.backend=ray", "distributed.rollout_workers=2"])
+    cfg = load_config(
+        None,
+        TINY_OVERRIDES
+        + [
+            f"run_dir={run}",
+            "recipe=[grpo, sao]",
+            "grpo.steps=1",
+            "sao.steps=4",
+            "sao.batch_size=4",
+            "sao.rollout.slots=2",
+            "sao.rollout.max_staleness=1",
+            "sao.critic.warmup_steps=0",
+            "eval.num_tasks=0",
+            "audit.preflight=false",
+            "distributed.backend=ray",
+            "distributed.rollout_workers=2",
+        ],
+    )
     run_recipe(cfg, show_progress=False)
     recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs if r.get("stage") == "grpo"] == [1]
@@ -316,20 +375,27 @@ def test_driver_sigkilled_mid_grpo_on_ray_resumes(ray_local, tmp_path):
     import time
 
     import yaml
-
     from test_resume import BLOCKING_CLI, _env, _sample_task_ids, _steps
 
     run_dir = tmp_path / "run"
-    cfg = _cfg(run_dir, ["grpo.steps=3", "grpo.checkpoint_every=2", "distributed.backend=ray",
-                         "distributed.rollout_workers=2"])
+    cfg = _cfg(
+        run_dir, ["grpo.steps=3", "grpo.checkpoint_every=2", "distributed.backend=ray", "distributed.rollout_workers=2"]
+    )
     cfg_path = tmp_path / "cfg.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     marker = tmp_path / "blocked"
     env = _env()
     env["MENTORRL_TEST_MARKER"] = str(marker)
     env.pop("RAY_ADDRESS", None)  # the CLI starts its own local Ray, as a user's run would
-    proc = subprocess.Popen([sys.executable, "-c", BLOCKING_CLI, "train", str(cfg_path)], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", BLOCKING_CLI, "train", str(cfg_path)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + CLI_TIMEOUT_S
         while not marker.exists():
@@ -349,8 +415,15 @@ def test_driver_sigkilled_mid_grpo_on_ray_resumes(ray_local, tmp_path):
     killed_step3 = _samples(run_dir, 3)
     killed_ids = _sample_task_ids(run_dir)
 
-    res = subprocess.run([sys.executable, "-m", "mentorrl.cli", "train", str(cfg_path), "--resume"], cwd=tmp_path,
-                         env=_env(), capture_output=True, text=True, timeout=CLI_TIMEOUT_S, start_new_session=True)
+    res = subprocess.run(
+        [sys.executable, "-m", "mentorrl.cli", "train", str(cfg_path), "--resume"],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=CLI_TIMEOUT_S,
+        start_new_session=True,
+    )
     out = res.stdout + res.stderr
     assert res.returncode == 0, out
     assert "grpo: resuming from step-000002 (step 2/3)" in out, out

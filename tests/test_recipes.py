@@ -5,17 +5,27 @@ from __future__ import annotations
 import json
 
 import pytest
+from test_resume import TINY_OVERRIDES
 from typer.testing import CliRunner
 
 from mentorrl.cli import app
 from mentorrl.train.rundir import MetricsLog
 
-from test_resume import TINY_OVERRIDES
-
-RECIPE = ["recipe=[sft, rft, grpo]", "rft.max_iterations=3", "rft.num_tasks=4", "rft.samples_per_task=2",
-          "rft.sft_steps=2", "rft.batch_size=4", "rft.band=[0.0, 1.0]", "grpo.steps=2",
-          "audit.eval_every=1", "audit.eval_tasks=4", "eval.batch_size=4", "grpo.hard_pool={boost: 4.0}",
-          "eval.final_splits=[hidden, novel_wording]"]
+RECIPE = [
+    "recipe=[sft, rft, grpo]",
+    "rft.max_iterations=3",
+    "rft.num_tasks=4",
+    "rft.samples_per_task=2",
+    "rft.sft_steps=2",
+    "rft.batch_size=4",
+    "rft.band=[0.0, 1.0]",
+    "grpo.steps=2",
+    "audit.eval_every=1",
+    "audit.eval_tasks=4",
+    "eval.batch_size=4",
+    "grpo.hard_pool={boost: 4.0}",
+    "eval.final_splits=[hidden, novel_wording]",
+]
 
 
 def _run(tmp_path, *flags: str):
@@ -45,8 +55,19 @@ def test_sft_rft_grpo_recipe_writes_report_and_resumes(tmp_path):
     assert json.loads((run / "eval_grpo_hidden.json").read_text())["split"] == "hidden"
     assert "## Final checkpoint on other splits" in (run / "report.md").read_text()
     grpo = MetricsLog(run / "metrics.jsonl").read("grpo")
-    assert all({"reward_clipped", "reward_flagged", "heldout_success", "gap_warning", "rollouts",
-                "hard_pool_size", "hard_tasks_in_batch"} <= set(r) for r in grpo)
+    assert all(
+        {
+            "reward_clipped",
+            "reward_flagged",
+            "heldout_success",
+            "gap_warning",
+            "rollouts",
+            "hard_pool_size",
+            "hard_tasks_in_batch",
+        }
+        <= set(r)
+        for r in grpo
+    )
     assert grpo[0]["hard_tasks_in_batch"] == 0  # nothing has failed before the first step
     rates = [r["positive_task_rate"] for r in rounds]
     if len(rounds) < 3:  # stopped early: only because the positive-task rate stopped rising
@@ -73,9 +94,14 @@ def test_hard_pool_settings_are_checked(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         _hard_pool(GRPOConfig(hard_pool=HardPoolConfig(), hard_pool_state=str(tmp_path / "x.json")))
     saved = HardTaskPool(HardPoolConfig(boost=1.0))
-    saved.entries = HardTaskPool.from_state_dict({"version": 1, "config": HardPoolConfig().model_dump(), "updates": 3,
-                                                  "entries": {"task-7": {"score": 2.0, "failures": 2, "attempts": 2,
-                                                                         "last_update": 3}}}).entries
+    saved.entries = HardTaskPool.from_state_dict(
+        {
+            "version": 1,
+            "config": HardPoolConfig().model_dump(),
+            "updates": 3,
+            "entries": {"task-7": {"score": 2.0, "failures": 2, "attempts": 2, "last_update": 3}},
+        }
+    ).entries
     (tmp_path / "pool.json").write_text(json.dumps(saved.state_dict()))
     pool = _hard_pool(GRPOConfig(hard_pool=HardPoolConfig(boost=9.0), hard_pool_state=str(tmp_path / "pool.json")))
     assert "task-7" in pool and pool.config.boost == 9.0  # the saved failures, the run's settings
@@ -116,6 +142,9 @@ def test_check_flags_a_tampered_batch(tmp_path):
 def test_final_splits_never_include_training_splits():
     from mentorrl.config import ConfigError, load_config
 
-    assert load_config(None, ["eval.final_splits=[hidden, novel_wording]"]).eval.final_splits == ["hidden", "novel_wording"]
+    assert load_config(None, ["eval.final_splits=[hidden, novel_wording]"]).eval.final_splits == [
+        "hidden",
+        "novel_wording",
+    ]
     with pytest.raises(ConfigError, match="final_splits"):
         load_config(None, ["eval.final_splits=[train]"])

@@ -23,16 +23,30 @@ from mentorrl.replay import (
 from mentorrl.trajectory import RewardBreakdown, Segment, Trajectory
 
 
-def traj(i: int | str, *, success: bool = False, reward: float | None = None, version: int = 0,
-         task: str | None = None, policy_tokens: int = 2, source: str = "policy") -> Trajectory:
+def traj(
+    i: int | str,
+    *,
+    success: bool = False,
+    reward: float | None = None,
+    version: int = 0,
+    task: str | None = None,
+    policy_tokens: int = 2,
+    source: str = "policy",
+) -> Trajectory:
     """A small valid trajectory: a 3-token prompt then ``policy_tokens`` generated tokens."""
     n = 3 + policy_tokens
     return Trajectory(
-        id=f"t-{i}", task_id=task or f"task-{i}", family="refund",
-        token_ids=list(range(1, n + 1)), loss_mask=[0, 0, 0] + [1] * policy_tokens,
+        id=f"t-{i}",
+        task_id=task or f"task-{i}",
+        family="refund",
+        token_ids=list(range(1, n + 1)),
+        loss_mask=[0, 0, 0] + [1] * policy_tokens,
         logprobs=[0.0, 0.0, 0.0] + [-0.5] * policy_tokens,
         segments=[Segment(role="prompt", start=0, end=3), Segment(role="policy", start=3, end=n)],
-        policy_version=version, env_name="orders", env_version="1.0", source=source,
+        policy_version=version,
+        env_name="orders",
+        env_version="1.0",
+        source=source,
         reward=RewardBreakdown(success=success, total=(1.0 if success else 0.0) if reward is None else reward),
     )
 
@@ -244,14 +258,28 @@ def test_hybrid_batch_ratios(path):
 
 def _long_traj() -> Trajectory:
     # prompt [0,3) policy [3,5) obs [5,7) policy [7,9) obs [9,10) policy [10,12)
-    segs = [("prompt", 0, 3), ("policy", 3, 5), ("observation", 5, 7), ("policy", 7, 9),
-            ("observation", 9, 10), ("policy", 10, 12)]
+    segs = [
+        ("prompt", 0, 3),
+        ("policy", 3, 5),
+        ("observation", 5, 7),
+        ("policy", 7, 9),
+        ("observation", 9, 10),
+        ("policy", 10, 12),
+    ]
     mask = [0, 0, 0, 1, 1, 0, 0, 1, 1, 0, 1, 1]
     return Trajectory(
-        id="long", task_id="task-L", family="refund", token_ids=list(range(100, 112)), loss_mask=mask,
+        id="long",
+        task_id="task-L",
+        family="refund",
+        token_ids=list(range(100, 112)),
+        loss_mask=mask,
         logprobs=[-0.1 * (j + 1) if m else 0.0 for j, m in enumerate(mask)],
-        segments=[Segment(role=r, start=s, end=e) for r, s, e in segs], policy_version=2,
-        env_name="orders", env_version="1.0", num_turns=3, reward=RewardBreakdown(success=True, total=1.0),
+        segments=[Segment(role=r, start=s, end=e) for r, s, e in segs],
+        policy_version=2,
+        env_name="orders",
+        env_version="1.0",
+        num_turns=3,
+        reward=RewardBreakdown(success=True, total=1.0),
     )
 
 
@@ -340,15 +368,18 @@ def test_rollback_restores_the_marked_state_exactly():
     import tempfile
     from pathlib import Path
 
-    from hypothesis import given, settings, strategies as st
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
 
     op = st.tuples(st.integers(0, 30), st.booleans())  # (trajectory number: repeats are duplicates, success)
 
     @settings(max_examples=60, deadline=None)
     @given(st.integers(1, 6), st.lists(op, max_size=12), st.lists(op, max_size=12), st.lists(op, max_size=6))
     def check(capacity, before, after, again):
-        with tempfile.TemporaryDirectory() as d, ReplayBuffer(Path(d) / "r.sqlite",
-                                                              ReplayConfig(capacity=capacity, min_reward=0.5)) as buf:
+        with (
+            tempfile.TemporaryDirectory() as d,
+            ReplayBuffer(Path(d) / "r.sqlite", ReplayConfig(capacity=capacity, min_reward=0.5)) as buf,
+        ):
             for i, ok in before:
                 buf.add(traj(i, success=ok, version=1))
             mark, want = buf.mark(), _state(buf)
@@ -431,5 +462,8 @@ def test_rollback_refuses_another_buffer_or_an_older_copy(tmp_path):
         mark = buf.mark()
     with ReplayBuffer(b) as other, pytest.raises(ReplayBufferError, match="b.sqlite.*replaced"):
         other.rollback(mark)
-    with ReplayBuffer(tmp_path / "a-old.sqlite") as old, pytest.raises(ReplayBufferError, match="a-old.sqlite.*older copy"):
+    with (
+        ReplayBuffer(tmp_path / "a-old.sqlite") as old,
+        pytest.raises(ReplayBufferError, match="a-old.sqlite.*older copy"),
+    ):
         old.rollback(mark)

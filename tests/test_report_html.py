@@ -19,16 +19,41 @@ INJECTION = '<script>alert("pwned")</script><img src="https://example.com/x.png"
 def _traj(i: int, success: bool, answer: str | None, split: str = "heldout", tool_error: bool = False) -> Trajectory:
     calls = [ToolCall(turn=0, name="get_order", arguments={"order_id": i}, raw="{}", result={"ok": True})]
     if tool_error:
-        calls.append(ToolCall(turn=1, name="cancel_order", arguments={}, raw="{}", error="missing order_id",
-                              error_kind="bad_arguments"))
+        calls.append(
+            ToolCall(
+                turn=1,
+                name="cancel_order",
+                arguments={},
+                raw="{}",
+                error="missing order_id",
+                error_kind="bad_arguments",
+            )
+        )
     total = (1.0 if success else 0.0) + 0.1 - (0.25 if tool_error else 0.0)
-    return Trajectory(id=f"{split}-{i}", task_id=f"task-{i}", family=("cancel_order", "lookup")[i % 2], split=split,
-                      token_ids=[1, 2, 3], loss_mask=[0, 1, 1], logprobs=[0.0, -0.5, -0.5], env_name="orders",
-                      env_version="1", tool_calls=calls, final_answer=answer, num_turns=len(calls) + 1,
-                      finish_reason="answer" if answer else "max_turns",
-                      reward=RewardBreakdown(task=float(success), tool=0.5 if tool_error else 1.0,
-                                             runtime=-0.25 if tool_error else 0.0, format=1.0 if answer else 0.0,
-                                             success=success, total=total, details={"verbosity": 0.0}))
+    return Trajectory(
+        id=f"{split}-{i}",
+        task_id=f"task-{i}",
+        family=("cancel_order", "lookup")[i % 2],
+        split=split,
+        token_ids=[1, 2, 3],
+        loss_mask=[0, 1, 1],
+        logprobs=[0.0, -0.5, -0.5],
+        env_name="orders",
+        env_version="1",
+        tool_calls=calls,
+        final_answer=answer,
+        num_turns=len(calls) + 1,
+        finish_reason="answer" if answer else "max_turns",
+        reward=RewardBreakdown(
+            task=float(success),
+            tool=0.5 if tool_error else 1.0,
+            runtime=-0.25 if tool_error else 0.0,
+            format=1.0 if answer else 0.0,
+            success=success,
+            total=total,
+            details={"verbosity": 0.0},
+        ),
+    )
 
 
 def make_run(run_dir) -> dict:
@@ -36,22 +61,48 @@ def make_run(run_dir) -> dict:
     trajectories and summaries; returns its report (``build_report``)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     recs = [{"stage": "sft", "step": s, "loss": 2.0 / s, "step_s": 0.1} for s in range(1, 6)]
-    recs += [{"stage": "grpo", "step": s, "loss": 0.1 * s, "reward_mean": 0.2 + 0.1 * s, "task_success": 0.1 * s,
-              "tool_calls_per_traj": 1.5, "rollouts": 4, "step_s": 0.5, "note": "text", "policy_lag_hist": {"0": 1}}
-             for s in range(1, 6)]
+    recs += [
+        {
+            "stage": "grpo",
+            "step": s,
+            "loss": 0.1 * s,
+            "reward_mean": 0.2 + 0.1 * s,
+            "task_success": 0.1 * s,
+            "tool_calls_per_traj": 1.5,
+            "rollouts": 4,
+            "step_s": 0.5,
+            "note": "text",
+            "policy_lag_hist": {"0": 1},
+        }
+        for s in range(1, 6)
+    ]
     recs[-2]["heldout_success"] = 0.5
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     (run_dir / "samples").mkdir(exist_ok=True)
     for s in range(1, 6):
-        write_jsonl(run_dir / "samples" / f"grpo-step-{s:06d}.jsonl",
-                    [_traj(s * 10 + k, success=k < s, answer="done", split="train") for k in range(4)])
+        write_jsonl(
+            run_dir / "samples" / f"grpo-step-{s:06d}.jsonl",
+            [_traj(s * 10 + k, success=k < s, answer="done", split="train") for k in range(4)],
+        )
     evals = {}
     for label, n_ok in (("sft", 3), ("grpo", 6)):
-        trajs = [_traj(k, success=k < n_ok, answer=(INJECTION if k == 9 else ("done" if k % 3 else None)),
-                       tool_error=(k % 4 == 1)) for k in range(10)]
+        trajs = [
+            _traj(
+                k,
+                success=k < n_ok,
+                answer=(INJECTION if k == 9 else ("done" if k % 3 else None)),
+                tool_error=(k % 4 == 1),
+            )
+            for k in range(10)
+        ]
         write_jsonl(run_dir / f"eval_{label}.jsonl", trajs)
-        evals[label] = {"n": 10, "success": n_ok / 10, "success_ci95": [0.1, 0.9], "mean_reward": 0.5,
-                        "violation_rate": 0.0}
+        evals[label] = {
+            "n": 10,
+            "success": n_ok / 10,
+            "success_ci95": [0.1, 0.9],
+            "mean_reward": 0.5,
+            "violation_rate": 0.0,
+        }
     return build_report(recs, evals, AuditConfig(), pre_rl_label="sft", final_label="grpo")
 
 
@@ -83,8 +134,9 @@ def test_report_html_beside_report_md(tmp_path):
     # self-contained: no script at all, nothing fetched (no src / external href / @import / url())
     assert "script" not in tags and "link" not in tags and "img" not in tags and "iframe" not in tags
     assert not any("src" in a for _, a in p.tags)
-    assert not any(a.get("href", "#").split(":")[0] in ("http", "https", "file") or "//" in a.get("href", "")
-                   for _, a in p.tags)
+    assert not any(
+        a.get("href", "#").split(":")[0] in ("http", "https", "file") or "//" in a.get("href", "") for _, a in p.tags
+    )
     assert "@import" not in html and "url(" not in html
 
     # sections and charts: curves of both stages, reward terms over steps, failure mix, review queue
@@ -96,7 +148,7 @@ def test_report_html_beside_report_md(tmp_path):
     breakdown = next(s for s in svgs if "mean reward terms" in s)
     assert breakdown.count("<polyline") == 6  # total, task, tool, format, runtime, verbosity
     mix = next(s for s in svgs if "primary failure type" in s)
-    assert "sft (n=10)" in mix and "grpo (n=10)" in mix and "success" in mix and mix.count("<rect class=\"bar\"") >= 3
+    assert "sft (n=10)" in mix and "grpo (n=10)" in mix and "success" in mix and mix.count('<rect class="bar"') >= 3
     assert "Review queue: top cases" in text and "grpo-" not in text  # the review rows are the final evaluation's
     assert "heldout-" in html and "eval_grpo.jsonl" in html
 
@@ -109,7 +161,7 @@ def test_review_queue_rows_are_highest_risk_first(tmp_path):
     run = tmp_path / "run"
     write_report(run, make_run(run))
     html = (run / "report.html").read_text(encoding="utf-8")
-    table = html[html.index('id="review"'):]
+    table = html[html.index('id="review"') :]
     risks = [float(x) for x in re.findall(r"<tr><td>\d+</td><td>([0-9.]+)</td>", table)]
     assert risks and risks == sorted(risks, reverse=True) and len(risks) <= 10
 

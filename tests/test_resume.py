@@ -27,13 +27,25 @@ REPO = Path(__file__).resolve().parents[1]
 
 TINY_OVERRIDES = [
     "threads=1",
-    "model.spec.hidden_size=64", "model.spec.intermediate_size=128", "model.spec.num_layers=2",
-    "model.spec.num_heads=2", "model.spec.num_kv_heads=1", "model.spec.vocab_size=600",
-    "model.tokenizer_corpus_tasks=60", "model.pretrain.steps=0",
-    "sft.steps=4", "sft.num_demos=16", "sft.batch_size=4",
-    "grpo.steps=4", "grpo.tasks_per_step=2", "grpo.samples_per_task=2", "grpo.checkpoint_every=2",
+    "model.spec.hidden_size=64",
+    "model.spec.intermediate_size=128",
+    "model.spec.num_layers=2",
+    "model.spec.num_heads=2",
+    "model.spec.num_kv_heads=1",
+    "model.spec.vocab_size=600",
+    "model.tokenizer_corpus_tasks=60",
+    "model.pretrain.steps=0",
+    "sft.steps=4",
+    "sft.num_demos=16",
+    "sft.batch_size=4",
+    "grpo.steps=4",
+    "grpo.tasks_per_step=2",
+    "grpo.samples_per_task=2",
+    "grpo.checkpoint_every=2",
     "eval.num_tasks=4",
-    "sampling.max_new_tokens=24", "limits.max_turns=3", "limits.max_total_tokens=512",
+    "sampling.max_new_tokens=24",
+    "limits.max_turns=3",
+    "limits.max_total_tokens=512",
     "prompt.tool_descriptions=false",
 ]
 
@@ -82,8 +94,14 @@ def test_cli_resume_after_sigkill(tmp_path):
     env["MENTORRL_TEST_MARKER"] = str(marker)
 
     # 1. a real run, killed with SIGKILL mid-GRPO (after step 3 was logged, step 2 checkpointed)
-    proc = subprocess.Popen([sys.executable, "-c", BLOCKING_CLI, "demo", "--config", str(cfg_path)], cwd=tmp_path,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", BLOCKING_CLI, "demo", "--config", str(cfg_path)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 240
         while not marker.exists():
@@ -114,8 +132,14 @@ def test_cli_resume_after_sigkill(tmp_path):
     assert sorted(killed_samples) == [1, 2, 3] and all(len(v) == per_step for v in killed_samples.values())
 
     # 2. resume with the ordinary entry point
-    res = subprocess.run([sys.executable, "-m", "mentorrl.cli", "demo", "--config", str(cfg_path), "--resume"],
-                         cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-m", "mentorrl.cli", "demo", "--config", str(cfg_path), "--resume"],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     out = res.stdout + res.stderr
     assert res.returncode == 0, out
     assert "grpo: resuming from step-000002 (step 2/4)" in out, out
@@ -166,8 +190,14 @@ class Interrupt(Exception):
 def workspace(tmp_path, tokenizer, orders_entry):
     cfg = load_config(None, [f"run_dir={tmp_path / 'run'}"])
     buf = io.StringIO()
-    ws = Workspace(cfg=cfg, run_dir=tmp_path / "run", env_entry=orders_entry, tokenizer=tokenizer,
-                   console=Console(file=buf, width=200), show_progress=False)
+    ws = Workspace(
+        cfg=cfg,
+        run_dir=tmp_path / "run",
+        env_entry=orders_entry,
+        tokenizer=tokenizer,
+        console=Console(file=buf, width=200),
+        show_progress=False,
+    )
     ws.run_dir.mkdir(parents=True)
     return ws, buf
 

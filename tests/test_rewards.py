@@ -34,8 +34,9 @@ def contract(make_contract, orders_env):
 def test_claimed_cancellation_without_db_change_gets_no_task_reward(find_task, orders_env, contract):
     task = find_task("cancel_order")
     email = task.reference["request"]["email"]
-    traj = play(contract, orders_env, task, [render_tool_call("find_customer", {"email": email}),
-                                             "Done, order cancelled."])
+    traj = play(
+        contract, orders_env, task, [render_tool_call("find_customer", {"email": email}), "Done, order cancelled."]
+    )
     assert traj.tool_calls[0].ok and traj.final_answer == "Done, order cancelled."
     r = traj.reward
     assert r.task == 0.0 and r.success is False and not r.violations
@@ -55,8 +56,12 @@ def _expert():
 def test_claimed_order_without_create_gets_no_task_reward(find_task, orders_env, contract):
     task = find_task("place_order")
     email = task.reference["request"]["email"]
-    traj = play(contract, orders_env, task, [render_tool_call("find_customer", {"email": email}),
-                                             "Your order has been placed successfully."])
+    traj = play(
+        contract,
+        orders_env,
+        task,
+        [render_tool_call("find_customer", {"email": email}), "Your order has been placed successfully."],
+    )
     assert traj.reward.task == 0.0 and not traj.reward.success and traj.reward.total < 0.5
 
 
@@ -64,8 +69,12 @@ def test_duplicate_order_violates_hard_constraint(find_task, orders_env, contrac
     task = find_task("place_order")
     (_, find_args), (_, create_args) = task.reference["actions"]
     create = render_tool_call("create_order", create_args)
-    dup = play(contract, orders_env, task, [render_tool_call("find_customer", find_args), create, create,
-                                            "I placed your order."])
+    dup = play(
+        contract,
+        orders_env,
+        task,
+        [render_tool_call("find_customer", find_args), create, create, "I placed your order."],
+    )
     assert [c.ok for c in dup.tool_calls] == [True, True, True]  # both creates went through
     r = dup.reward
     assert any(v.startswith("extra order(s)") and v.endswith("(duplicate)") for v in r.violations), r.violations
@@ -74,8 +83,9 @@ def test_duplicate_order_violates_hard_constraint(find_task, orders_env, contrac
     assert r.details["tier"] == -1.0
 
     # the single order succeeds; a plain failure without violation is above the violation
-    once = play(contract, orders_env, task, [render_tool_call("find_customer", find_args), create,
-                                             "I placed your order."])
+    once = play(
+        contract, orders_env, task, [render_tool_call("find_customer", find_args), create, "I placed your order."]
+    )
     assert once.reward.success and not once.reward.violations
     claim = play(contract, orders_env, task, [render_tool_call("find_customer", find_args), "I placed your order."])
     assert not claim.reward.success and not claim.reward.violations
@@ -88,9 +98,16 @@ def test_refused_cancel_of_shipped_order_is_not_a_violation(find_task, orders_en
     """The tool refuses (policy error) so the state is unchanged: a refusal is no violation."""
     task = find_task("cancel_order", "bypass")
     email, oid = task.reference["request"]["email"], task.reference["request"]["order_id"]
-    traj = play(contract, orders_env, task, [render_tool_call("find_customer", {"email": email}),
-                                             render_tool_call("cancel_order", {"order_id": oid}),
-                                             "Done, order cancelled."])
+    traj = play(
+        contract,
+        orders_env,
+        task,
+        [
+            render_tool_call("find_customer", {"email": email}),
+            render_tool_call("cancel_order", {"order_id": oid}),
+            "Done, order cancelled.",
+        ],
+    )
     assert traj.tool_calls[1].error_kind == "policy"
     assert not traj.reward.violations  # the store policy held; no forbidden change happened
     assert not traj.reward.success  # the answer claims the wrong status
@@ -103,28 +120,53 @@ _CALL_IDS = itertools.count()
 def _call(ok: bool, name: str = "t", arguments: dict | None = None) -> ToolCall:
     """A tool call; without ``arguments`` each call gets its own (so no two are identical)."""
     args = arguments if arguments is not None else {"i": next(_CALL_IDS)}
-    return ToolCall(turn=1, name=name, arguments=args, raw="", error=None if ok else "bad",
-                    error_kind=None if ok else "timeout")
+    return ToolCall(
+        turn=1, name=name, arguments=args, raw="", error=None if ok else "bad", error_kind=None if ok else "timeout"
+    )
 
 
 SAME = {"order_id": "O-1"}
-CALL_SETS = [[], [_call(True)], [_call(False)], [_call(True), _call(False)], [_call(False)] * 5, [_call(True)] * 3,
-             [_call(True, arguments=SAME)] * 6, [_call(False, arguments=SAME), _call(True, arguments=SAME)]]
+CALL_SETS = [
+    [],
+    [_call(True)],
+    [_call(False)],
+    [_call(True), _call(False)],
+    [_call(False)] * 5,
+    [_call(True)] * 3,
+    [_call(True, arguments=SAME)] * 6,
+    [_call(False, arguments=SAME), _call(True, arguments=SAME)],
+]
 REASONS = ["answer", "max_turns", "max_tokens", "length"]
 ANSWERS = [None, "", "Order O-1 is shipped.", "x" * 201, "y" * 5000]
 
 
-@pytest.mark.parametrize("weights", [
-    RewardWeights(),
-    RewardWeights(tool=0.25, format=0.2499, runtime=0.4999, verbosity=0.0, error_penalty=1.0, truncation_penalty=1.0),
-    RewardWeights(tool=0.25, format=0.2499, runtime=0.2499, verbosity=0.25, error_penalty=1.0, redundant_penalty=1.0,
-                  truncation_penalty=1.0, answer_budget_chars=1, verbosity_scale_chars=1),
-    RewardWeights(tool=0.0, format=0.0, runtime=0.0, verbosity=0.0),
-])
+@pytest.mark.parametrize(
+    "weights",
+    [
+        RewardWeights(),
+        RewardWeights(
+            tool=0.25, format=0.2499, runtime=0.4999, verbosity=0.0, error_penalty=1.0, truncation_penalty=1.0
+        ),
+        RewardWeights(
+            tool=0.25,
+            format=0.2499,
+            runtime=0.2499,
+            verbosity=0.25,
+            error_penalty=1.0,
+            redundant_penalty=1.0,
+            truncation_penalty=1.0,
+            answer_budget_chars=1,
+            verbosity_scale_chars=1,
+        ),
+        RewardWeights(tool=0.0, format=0.0, runtime=0.0, verbosity=0.0),
+    ],
+)
 def test_reward_tiers_never_cross(weights):
     def totals(verdict):
-        return [compose_reward(verdict, calls, reason, weights, final_answer=answer).total
-                for calls, reason, answer in itertools.product(CALL_SETS, REASONS, ANSWERS)]
+        return [
+            compose_reward(verdict, calls, reason, weights, final_answer=answer).total
+            for calls, reason, answer in itertools.product(CALL_SETS, REASONS, ANSWERS)
+        ]
 
     success = totals(Verdict(success=True))
     failure = totals(Verdict(success=False))
@@ -165,10 +207,22 @@ def test_reward_terms_exact():
     assert r.runtime == -1.0  # clipped at -1
 
 
-@pytest.mark.parametrize("kw", [dict(tool=0.3, format=0.3), dict(tool=0.25, format=0.25), dict(runtime=0.5),
-                                dict(tool=-0.1), dict(error_penalty=1.5), dict(runtime=0.4, verbosity=0.1),
-                                dict(verbosity=0.5, runtime=0.0), dict(verbosity=-0.1), dict(redundant_penalty=1.5),
-                                dict(answer_budget_chars=0), dict(verbosity_scale_chars=0)])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(tool=0.3, format=0.3),
+        dict(tool=0.25, format=0.25),
+        dict(runtime=0.5),
+        dict(tool=-0.1),
+        dict(error_penalty=1.5),
+        dict(runtime=0.4, verbosity=0.1),
+        dict(verbosity=0.5, runtime=0.0),
+        dict(verbosity=-0.1),
+        dict(redundant_penalty=1.5),
+        dict(answer_budget_chars=0),
+        dict(verbosity_scale_chars=0),
+    ],
+)
 def test_bad_reward_weights_rejected(kw):
     with pytest.raises(ValueError):
         RewardWeights(**kw)
@@ -193,34 +247,42 @@ def test_repeating_a_successful_call_is_penalised_like_a_failed_one():
     assert spam.total == pytest.approx(1.0 + w.tool + w.format - w.runtime)
     assert spam.success and once.total > spam.total
     # a different argument or tool is not a repeat
-    other = compose_reward(Verdict(success=True), [read, _call(True, "get_order", {"order_id": "O-2"}),
-                                                   _call(True, "list_orders", SAME)], "answer", w)
+    other = compose_reward(
+        Verdict(success=True),
+        [read, _call(True, "get_order", {"order_id": "O-2"}), _call(True, "list_orders", SAME)],
+        "answer",
+        w,
+    )
     assert other.details["redundant_calls"] == 0 and other.runtime == 0.0
 
 
 def test_retry_after_a_failed_call_is_charged_once():
     """A retry of a call that failed is not redundant: the failure is already charged."""
     w = RewardWeights()
-    r = compose_reward(Verdict(success=True), [_call(False, "get_order", SAME), _call(True, "get_order", SAME)],
-                       "answer", w)
+    r = compose_reward(
+        Verdict(success=True), [_call(False, "get_order", SAME), _call(True, "get_order", SAME)], "answer", w
+    )
     assert r.details["redundant_calls"] == 0 and r.details["tool_errors"] == 1
     assert r.runtime == pytest.approx(-w.error_penalty)
     # ... but repeating it after it succeeded is
-    r = compose_reward(Verdict(success=True), [_call(False, "get_order", SAME)] + [_call(True, "get_order", SAME)] * 2,
-                       "answer", w)
+    r = compose_reward(
+        Verdict(success=True), [_call(False, "get_order", SAME)] + [_call(True, "get_order", SAME)] * 2, "answer", w
+    )
     assert r.details["redundant_calls"] == 1
     assert r.runtime == pytest.approx(-(w.error_penalty + w.redundant_penalty))
 
 
 def test_redundant_penalty_weight_is_used():
     calls = [_call(True, "get_order", SAME)] * 3
-    assert compose_reward(Verdict(success=True), calls, "answer", RewardWeights(redundant_penalty=0.1)).runtime \
-        == pytest.approx(-0.2)
+    assert compose_reward(
+        Verdict(success=True), calls, "answer", RewardWeights(redundant_penalty=0.1)
+    ).runtime == pytest.approx(-0.2)
     assert compose_reward(Verdict(success=True), calls, "answer", RewardWeights(redundant_penalty=0.0)).runtime == 0.0
 
 
-@pytest.mark.parametrize("length, expected", [(0, 0.0), (120, 0.0), (200, 0.0), (201, -1 / 400), (400, -0.5),
-                                              (600, -1.0), (5000, -1.0)])
+@pytest.mark.parametrize(
+    "length, expected", [(0, 0.0), (120, 0.0), (200, 0.0), (201, -1 / 400), (400, -0.5), (600, -1.0), (5000, -1.0)]
+)
 def test_verbosity_term(length, expected):
     w = RewardWeights()
     r = compose_reward(Verdict(success=True), [_call(True)], "answer", w, final_answer="a" * length)

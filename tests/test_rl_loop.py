@@ -27,8 +27,15 @@ def test_neighbouring_steps_purposes_and_stages_get_unrelated_seeds(run, step):
     """The old ad-hoc formulas (seed * K + 17 * step + c) made streams collide across stages and
     steps; derived seeds differ whenever any part differs."""
     s = StepSeeds(run, "grpo", step)
-    seeds = {s("tasks"), s("rollout"), s("minibatches"), s.at(step + 1)("tasks"), StepSeeds(run, "ppo", step)("tasks"),
-             StepSeeds(run + 1, "grpo", step)("tasks"), StepSeeds(run, "grpo", None)("tasks")}
+    seeds = {
+        s("tasks"),
+        s("rollout"),
+        s("minibatches"),
+        s.at(step + 1)("tasks"),
+        StepSeeds(run, "ppo", step)("tasks"),
+        StepSeeds(run + 1, "grpo", step)("tasks"),
+        StepSeeds(run, "grpo", None)("tasks"),
+    }
     assert len(seeds) == 7
 
 

@@ -102,18 +102,28 @@ def test_malformed_kinds_on_orders_env_then_success(find_task, orders_entry, mak
     contract = make_contract(env=env, max_turns=8, max_total_tokens=2048)
     email, oid = task.reference["request"]["email"], task.reference["request"]["order_id"]
     try:
-        traj = play(contract, env, task, [
-            '<tool_call>{"name": "find_customer", "arguments": {"email": "x"</tool_call>',
-            render_tool_call("delete_customer", {"email": email}),
-            render_tool_call("find_customer", {"mail": email}),
-            render_tool_call("find_customer", {"email": email}),
-            render_tool_call("cancel_order", {"order_id": oid}),
-            f"Order {oid} is now cancelled.",
-        ])
+        traj = play(
+            contract,
+            env,
+            task,
+            [
+                '<tool_call>{"name": "find_customer", "arguments": {"email": "x"</tool_call>',
+                render_tool_call("delete_customer", {"email": email}),
+                render_tool_call("find_customer", {"mail": email}),
+                render_tool_call("find_customer", {"email": email}),
+                render_tool_call("cancel_order", {"order_id": oid}),
+                f"Order {oid} is now cancelled.",
+            ],
+        )
     finally:
         env.close()
     assert [c.error_kind for c in traj.tool_calls] == ["malformed", "unknown_tool", "bad_arguments", None, None]
-    assert [c.name for c in traj.tool_calls][1:] == ["delete_customer", "find_customer", "find_customer", "cancel_order"]
+    assert [c.name for c in traj.tool_calls][1:] == [
+        "delete_customer",
+        "find_customer",
+        "find_customer",
+        "cancel_order",
+    ]
     assert traj.tool_calls[0].name is None and traj.tool_calls[0].arguments is None
     bodies = observation_bodies(traj, contract.tokenizer)
     assert [b.startswith("error:") for b in bodies] == [True, True, True, False, False]
@@ -320,8 +330,9 @@ def test_slow_tool_does_not_block_other_trajectories(tool_happy_model, make_cont
 
     contract = make_contract()
     tasks = orders_tasks[60 : 60 + N]
-    engine, trajs = engine_run(tool_happy_model, contract, orders_entry, tasks, episode_cls=GatedEpisode,
-                                seed=2, on_finish=gate.on_finish)
+    engine, trajs = engine_run(
+        tool_happy_model, contract, orders_entry, tasks, episode_cls=GatedEpisode, seed=2, on_finish=gate.on_finish
+    )
     assert gate.slow_id is not None, "no trajectory made a tool call"
     assert gate.unfinished_at_block >= 2, "others had already finished: nothing was tested"
     assert gate.released is True, "other trajectories stopped decoding while one tool was running"
@@ -353,7 +364,9 @@ def test_slow_tool_wall_time(make_contract, orders_entry, orders_tasks, tool_hap
     engine, trajs = engine_run(tool_happy_model, contract, orders_entry, tasks, episode_cls=SleepyEpisode, seed=2)
     assert len(calls) >= 8
     # some tool calls of different trajectories overlapped in time
-    overlaps = sum(1 for i, a in enumerate(calls) for b in calls[i + 1 :] if a[0] != b[0] and a[1] < b[2] and b[1] < a[2])
+    overlaps = sum(
+        1 for i, a in enumerate(calls) for b in calls[i + 1 :] if a[0] != b[0] and a[1] < b[2] and b[1] < a[2]
+    )
     assert overlaps >= 1
     # the engine's wall time is well below running every sleep back to back
     assert engine.last_stats["wall_s"] < 0.3 * len(calls)
@@ -372,8 +385,9 @@ def _stream(model, contract, orders_entry, tasks, slots, decoder="auto", **kw):
 
 
 @pytest.mark.parametrize("decoder", ["slots", "hf"])
-def test_stream_admits_into_free_slots_and_matches_a_full_batch(tool_happy_model, make_contract, orders_entry,
-                                                                 orders_tasks, decoder):
+def test_stream_admits_into_free_slots_and_matches_a_full_batch(
+    tool_happy_model, make_contract, orders_entry, orders_tasks, decoder
+):
     """Rows admitted mid-run (into a cache other rows have filled) see exactly their own context:
     the same seeds give the same trajectories as decoding all of them in one batch."""
     contract = make_contract()
@@ -388,8 +402,9 @@ def test_stream_admits_into_free_slots_and_matches_a_full_batch(tool_happy_model
 
 
 @pytest.mark.parametrize("decoder", ["slots", "hf"])
-def test_stream_weight_sync_refills_the_cache_exactly(tool_happy_model, make_contract, orders_entry, orders_tasks,
-                                                      decoder):
+def test_stream_weight_sync_refills_the_cache_exactly(
+    tool_happy_model, make_contract, orders_entry, orders_tasks, decoder
+):
     """A sync (``before_step`` -> True) drops the KV cache and prefills every live row again; with
     unchanged weights the trajectories are the ones an uninterrupted run samples."""
     contract = make_contract()
@@ -400,8 +415,9 @@ def test_stream_weight_sync_refills_the_cache_exactly(tool_happy_model, make_con
         calls["n"] += 1
         return calls["n"] % 7 == 0
 
-    engine, synced = _stream(tool_happy_model, contract, orders_entry, tasks, slots=4, seed=9, before_step=before_step,
-                             decoder=decoder)
+    engine, synced = _stream(
+        tool_happy_model, contract, orders_entry, tasks, slots=4, seed=9, before_step=before_step, decoder=decoder
+    )
     _, plain = _stream(tool_happy_model, contract, orders_entry, tasks, slots=4, seed=9, decoder=decoder)
     assert engine.last_stats["weight_syncs"] >= 2
     assert [t.token_ids for t in synced] == [t.token_ids for t in plain]
@@ -420,8 +436,9 @@ def test_stream_stop_abandons_rows_in_flight(tool_happy_model, make_contract, or
             stop.set()
 
     tasks = orders_tasks[:40]
-    engine, out = _stream(tool_happy_model, contract, orders_entry, tasks, slots=4, seed=1, on_finish=on_finish,
-                          stop=stop)
+    engine, out = _stream(
+        tool_happy_model, contract, orders_entry, tasks, slots=4, seed=1, on_finish=on_finish, stop=stop
+    )
     assert engine.last_stats["aborted"] == 1.0
     assert 3 <= len(out) < len(tasks) and engine.last_stats["admitted"] < len(tasks)
 
@@ -436,12 +453,17 @@ def test_non_finite_numbers_are_bad_arguments(amount, find_task, orders_entry, m
     contract = make_contract(env=env, max_turns=8, max_total_tokens=2048)
     req = task.reference["request"]
     try:
-        traj = play(contract, env, task, [
-            render_tool_call("find_customer", {"email": req["email"]}),
-            f'<tool_call>{{"name": "issue_refund", "arguments": {{"order_id": "{req["order_id"]}", '
-            f'"amount": {amount}}}}}</tool_call>',
-            "I could not refund that.",
-        ])
+        traj = play(
+            contract,
+            env,
+            task,
+            [
+                render_tool_call("find_customer", {"email": req["email"]}),
+                f'<tool_call>{{"name": "issue_refund", "arguments": {{"order_id": "{req["order_id"]}", '
+                f'"amount": {amount}}}}}</tool_call>',
+                "I could not refund that.",
+            ],
+        )
         refunds = env.step("get_order", {"order_id": req["order_id"]})
     finally:
         env.close()

@@ -40,9 +40,29 @@ CACHES = {
     ("mentorrl.rollout.dispatch", "_LOCK"),
     ("mentorrl.distributed.ray_workers", "_IDLE"),  # idle actor handles, explicitly reconfigured on reuse
 }
-IMMUTABLE = (type(None), bool, int, float, complex, str, bytes, tuple, frozenset, range, type, types.ModuleType,
-             types.FunctionType, types.BuiltinFunctionType, types.MappingProxyType, logging.Logger, enum.Enum,
-             property, staticmethod, classmethod, typing.TypeVar)
+IMMUTABLE = (
+    type(None),
+    bool,
+    int,
+    float,
+    complex,
+    str,
+    bytes,
+    tuple,
+    frozenset,
+    range,
+    type,
+    types.ModuleType,
+    types.FunctionType,
+    types.BuiltinFunctionType,
+    types.MappingProxyType,
+    logging.Logger,
+    enum.Enum,
+    property,
+    staticmethod,
+    classmethod,
+    typing.TypeVar,
+)
 
 
 def _modules() -> list[types.ModuleType]:
@@ -73,8 +93,12 @@ def _is_constant(value) -> bool:
 
 def _mutable_globals() -> set[tuple[str, str]]:
     """(module, name) of every module-level value in the rollout path that is not a constant."""
-    return {(mod.__name__, name) for mod in _modules() for name, value in vars(mod).items()
-            if not (name.startswith("__") and name.endswith("__")) and not _is_constant(value)}
+    return {
+        (mod.__name__, name)
+        for mod in _modules()
+        for name, value in vars(mod).items()
+        if not (name.startswith("__") and name.endswith("__")) and not _is_constant(value)
+    }
 
 
 def test_rollout_packages_hold_no_mutable_module_state_but_the_named_caches():
@@ -124,8 +148,9 @@ def engines_built(monkeypatch):
     return built
 
 
-def test_two_rollouts_with_their_own_configs_alternate_in_one_process(tool_happy_model, make_contract, orders_entry,
-                                                                     orders_tasks, engines_built):
+def test_two_rollouts_with_their_own_configs_alternate_in_one_process(
+    tool_happy_model, make_contract, orders_entry, orders_tasks, engines_built
+):
     contract = make_contract()
     a = Rollout(contract, orders_entry.make_env, None, BackendChoice(RolloutConfig(decoder="hf", inline_tool_ms=0)))
     b = Rollout(contract, orders_entry.make_env, None, BackendChoice(RolloutConfig(decoder="slots")))
@@ -146,7 +171,11 @@ def test_reward_weights_travel_with_their_rollout(make_demos, orders_entry, orde
     plain = Rollout(contract, orders_entry.make_env)
     heavy = Rollout(contract, orders_entry.make_env, RewardWeights(tool=0.35))
     tasks = orders_tasks[:4]
-    x, y, z = plain.demonstrations(expert, tasks), heavy.demonstrations(expert, tasks), plain.demonstrations(expert, tasks)
+    x, y, z = (
+        plain.demonstrations(expert, tasks),
+        heavy.demonstrations(expert, tasks),
+        plain.demonstrations(expert, tasks),
+    )
     assert [t.reward.total for t in x] == [t.reward.total for t in z]
     assert [t.task_id for t in x] == [t.task_id for t in y]
     assert all(b.reward.total >= a.reward.total for a, b in zip(x, y))
@@ -172,8 +201,13 @@ def test_a_closed_workspace_closes_its_rollout(tmp_path, tokenizer, orders_entry
     from mentorrl.train.workspace import Workspace
 
     cfg = load_config(None, [f"run_dir={tmp_path / 'run'}", "rollout.decoder=hf"])
-    ws = Workspace(cfg=cfg, run_dir=tmp_path / "run", env_entry=orders_entry, console=Console(file=io.StringIO()),
-                   show_progress=False)
+    ws = Workspace(
+        cfg=cfg,
+        run_dir=tmp_path / "run",
+        env_entry=orders_entry,
+        console=Console(file=io.StringIO()),
+        show_progress=False,
+    )
     with pytest.raises(RuntimeError, match="bind_tokenizer"):
         _ = ws.rollout
     ws.bind_tokenizer(tokenizer)
@@ -194,12 +228,12 @@ def test_sync_without_an_engine_is_a_no_op(model, make_contract, orders_entry):
     r.close()
 
 
-def test_rolling_out_leaves_every_module_global_as_it_was(tool_happy_model, make_contract, orders_entry,
-                                                          orders_tasks):
+def test_rolling_out_leaves_every_module_global_as_it_was(tool_happy_model, make_contract, orders_entry, orders_tasks):
     mods = _modules()
     before = {(m.__name__, k): id(v) for m in mods for k, v in vars(m).items()}
     Rollout(make_contract(), orders_entry.make_env, None, BackendChoice(RolloutConfig(decoder="hf"))).run(
-        tool_happy_model, orders_tasks[:2], seed=1)
+        tool_happy_model, orders_tasks[:2], seed=1
+    )
     after = {(m.__name__, k): id(v) for m in mods for k, v in vars(m).items()}
     changed = {k for k in before.keys() | after.keys() if before.get(k) != after.get(k)}
     assert changed <= CACHES, changed

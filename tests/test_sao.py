@@ -7,18 +7,17 @@ import json
 
 import pytest
 import torch
+from test_resume import TINY_OVERRIDES
 from typer.testing import CliRunner
 
 from mentorrl.cli import app
-from mentorrl.config import SAOConfig, load_config, ConfigError
+from mentorrl.config import ConfigError, SAOConfig, load_config
+from mentorrl.models.batch import collate, forward_logprobs
 from mentorrl.replay.buffer import ReplayBuffer
 from mentorrl.rollout import Rollout
 from mentorrl.train.async_rl import RolloutPool, WeightBox, lag_histogram, staleness_weights
-from mentorrl.models.batch import collate, forward_logprobs
 from mentorrl.train.rundir import MetricsLog
 from mentorrl.trajectory import read_jsonl, write_jsonl
-
-from test_resume import TINY_OVERRIDES
 
 
 def test_staleness_drop_and_downweight():
@@ -47,8 +46,16 @@ def test_weight_box_versions(model):
 
 
 def _worker(model, contract, orders_entry, tasks, box, slots=4, queue_size=64, make_env=None, workers=1):
-    return RolloutPool(model, Rollout(contract, make_env or orders_entry.make_env), iter(tasks), box, slots=slots,
-                       queue_size=queue_size, seed=3, workers=workers)
+    return RolloutPool(
+        model,
+        Rollout(contract, make_env or orders_entry.make_env),
+        iter(tasks),
+        box,
+        slots=slots,
+        queue_size=queue_size,
+        seed=3,
+        workers=workers,
+    )
 
 
 def _recomputed_gap(model, trajs, pad_id) -> float:
@@ -62,8 +69,9 @@ def _recomputed_gap(model, trajs, pad_id) -> float:
     return gap
 
 
-def test_worker_follows_published_weights_and_tags_versions(tool_happy_model, make_contract, orders_entry,
-                                                            orders_tasks):
+def test_worker_follows_published_weights_and_tags_versions(
+    tool_happy_model, make_contract, orders_entry, orders_tasks
+):
     """Trajectories started after a sync carry the new version, and their recorded log-probs are
     exactly the new weights' (the worker reloads weights and re-prefills its live rows)."""
     contract = make_contract()
@@ -134,11 +142,21 @@ def test_sao_config_errors():
     assert SAOConfig().mix == {"online": 1.0, "expert": 0.0, "replay": 0.0}
 
 
-SAO_RECIPE = ["recipe=[sft, sao]", "sao.steps=4", "sao.batch_size=4", "sao.rollout.slots=4", "sao.critic.warmup_steps=1",
-              "sao.checkpoint_every=2", "sao.replay={}", "sao.mix={online: 1, replay: 0.5, expert: 0.5}",
-              "sao.num_demos=8", "eval.batch_size=4", "sao.sample_trajectories=4",
-              "env.latency={kind: pareto, median_s: 0.01, alpha: 1.5, max_s: 0.2}",
-              "sao.segment_replay={turns_per_segment: 1, min_tokens: 0}"]
+SAO_RECIPE = [
+    "recipe=[sft, sao]",
+    "sao.steps=4",
+    "sao.batch_size=4",
+    "sao.rollout.slots=4",
+    "sao.critic.warmup_steps=1",
+    "sao.checkpoint_every=2",
+    "sao.replay={}",
+    "sao.mix={online: 1, replay: 0.5, expert: 0.5}",
+    "sao.num_demos=8",
+    "eval.batch_size=4",
+    "sao.sample_trajectories=4",
+    "env.latency={kind: pareto, median_s: 0.01, alpha: 1.5, max_s: 0.2}",
+    "sao.segment_replay={turns_per_segment: 1, min_tokens: 0}",
+]
 
 
 @pytest.mark.slow
@@ -154,8 +172,16 @@ def test_sft_sao_recipe_end_to_end_and_check(tmp_path):
     assert [r["actor_updated"] for r in sao] == [0.0, 1.0, 1.0, 1.0]  # one critic warm-up step
     assert [r["policy_version"] for r in sao] == [0.0, 1.0, 2.0, 3.0]
     for r in sao:
-        assert {"masked_frac", "ratio_p05", "ratio_p50", "ratio_p95", "policy_lag_mean", "explained_variance",
-                "traj_per_s", "buffer_size"} <= set(r)
+        assert {
+            "masked_frac",
+            "ratio_p05",
+            "ratio_p50",
+            "ratio_p95",
+            "policy_lag_mean",
+            "explained_variance",
+            "traj_per_s",
+            "buffer_size",
+        } <= set(r)
         assert sum(r["policy_lag_hist"].values()) == r["rollouts"] == 4
         assert r["expert_items"] + r["replay_items"] == 4 and r["online_items"] + r["stale_dropped"] == 4
     # nothing to replay before the first add: expert data fills the replay share; then 2 + 2
@@ -176,8 +202,9 @@ def test_sft_sao_recipe_end_to_end_and_check(tmp_path):
     assert (run / "curves.png").read_bytes()[:4] == b"\x89PNG"
 
     checked = CliRunner().invoke(app, ["check", str(run)])
-    assert checked.exit_code == 0 and "sao-step-000004" in checked.output and "all 4 recorded" in checked.output, \
+    assert checked.exit_code == 0 and "sao-step-000004" in checked.output and "all 4 recorded" in checked.output, (
         checked.output
+    )
     # a doctored batch: a tool-observation token made trainable, and a policy version from the future
     sample = run / "samples" / "sao-step-000002.jsonl"
     trajs = list(read_jsonl(sample))
@@ -192,9 +219,19 @@ def test_sft_sao_recipe_end_to_end_and_check(tmp_path):
 
 
 CRASH_STEPS = 40
-CRASH_RECIPE = ["recipe=[sft, sao]", f"sao.steps={CRASH_STEPS}", "sao.batch_size=4", "sao.rollout.slots=4", "sao.critic.warmup_steps=1",
-                "sao.checkpoint_every=1", "sao.replay={}", "sao.mix={online: 1, replay: 0.5}", "eval.batch_size=4",
-                "sao.sample_trajectories=4", "env.latency={kind: pareto, median_s: 0.1, alpha: 1.5, max_s: 1.0}"]
+CRASH_RECIPE = [
+    "recipe=[sft, sao]",
+    f"sao.steps={CRASH_STEPS}",
+    "sao.batch_size=4",
+    "sao.rollout.slots=4",
+    "sao.critic.warmup_steps=1",
+    "sao.checkpoint_every=1",
+    "sao.replay={}",
+    "sao.mix={online: 1, replay: 0.5}",
+    "eval.batch_size=4",
+    "sao.sample_trajectories=4",
+    "env.latency={kind: pareto, median_s: 0.1, alpha: 1.5, max_s: 1.0}",
+]
 
 
 @pytest.mark.slow
@@ -212,7 +249,6 @@ def test_sao_resumes_after_sigkill_at_random_moments(tmp_path):
     import time
 
     import yaml
-
     from test_resume import _env
 
     run_dir = tmp_path / "run"
@@ -223,12 +259,18 @@ def test_sao_resumes_after_sigkill_at_random_moments(tmp_path):
     rng = random.Random(20261130)
     kills = 0
     sao_steps_seen_at_kill = []
+
     def sao_logged() -> int:
         return len(MetricsLog(run_dir / "metrics.jsonl").read("sao")) if (run_dir / "metrics.jsonl").exists() else 0
 
     for attempt in range(4):
-        proc = subprocess.Popen(cmd + (["--resume"] if attempt else []), cwd=tmp_path, env=_env(),
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            cmd + (["--resume"] if attempt else []),
+            cwd=tmp_path,
+            env=_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         if attempt == 0:
             time.sleep(rng.uniform(1.0, 5.0))  # somewhere in start-up, the reward audit or SFT
         else:  # somewhere inside the SAO steps: a random delay after the next step was logged
@@ -270,8 +312,11 @@ def test_sao_resumes_after_sigkill_at_random_moments(tmp_path):
         assert not set(consumed["replay"]) & set(consumed["online"])
     assert len(online) == len(set(online)), "a trajectory was trained on as online data by two steps"
     assert set(online) <= set(ids)  # every trained online trajectory is in the buffer
-    sampled = [json.loads(x)["id"] for f in sorted((run_dir / "samples").glob("sao-step-*.jsonl"))
-               for x in f.read_text().splitlines()]
+    sampled = [
+        json.loads(x)["id"]
+        for f in sorted((run_dir / "samples").glob("sao-step-*.jsonl"))
+        for x in f.read_text().splitlines()
+    ]
     assert len(sampled) == len(set(sampled))
     with ReplayBuffer(db) as buf:  # and the buffer opens and samples after all of it
         assert len(buf) == len(ids) and len(buf.sample(4, current_version=CRASH_STEPS)) == 4
@@ -292,8 +337,9 @@ def test_two_workers_share_one_task_stream(tool_happy_model, make_contract, orde
     assert all(w.produced > 0 for w in pool.workers) and pool.produced == 12
     assert not pool.is_alive()
     with pytest.raises(ValueError, match="workers"):
-        RolloutPool(tool_happy_model, Rollout(make_contract(), orders_entry.make_env), iter([]), box, 1, 1, 0,
-                    workers=0)
+        RolloutPool(
+            tool_happy_model, Rollout(make_contract(), orders_entry.make_env), iter([]), box, 1, 1, 0, workers=0
+        )
 
 
 class _Killed(Exception):
@@ -309,20 +355,34 @@ def _sao_workspace(tmp_path, tokenizer, orders_entry, overrides):
 
     cfg = load_config(None, TINY_OVERRIDES + overrides + [f"run_dir={tmp_path / 'run'}"])
     out = io.StringIO()
-    ws = Workspace(cfg=cfg, run_dir=tmp_path / "run", env_entry=orders_entry, console=Console(file=out, width=300),
-                   show_progress=False)
+    ws = Workspace(
+        cfg=cfg,
+        run_dir=tmp_path / "run",
+        env_entry=orders_entry,
+        console=Console(file=out, width=300),
+        show_progress=False,
+    )
     ws.run_dir.mkdir(parents=True, exist_ok=True)
     ws.bind_tokenizer(tokenizer)
     return ws, out
 
 
-FAST_SAO = ["sao.steps=4", "sao.batch_size=3", "sao.rollout.slots=3", "sao.critic.warmup_steps=1",
-            "sao.checkpoint_every=2", "sao.replay={capacity: 7}", "sao.mix={online: 1, replay: 1}",
-            "sao.sample_trajectories=0", "audit.eval_every=0"]
+FAST_SAO = [
+    "sao.steps=4",
+    "sao.batch_size=3",
+    "sao.rollout.slots=3",
+    "sao.critic.warmup_steps=1",
+    "sao.checkpoint_every=2",
+    "sao.replay={capacity: 7}",
+    "sao.mix={online: 1, replay: 1}",
+    "sao.sample_trajectories=0",
+    "audit.eval_every=0",
+]
 
 
-def test_sao_resume_rolls_the_replay_buffer_back_to_the_checkpoint(tmp_path, tokenizer, orders_entry,
-                                                                    model, monkeypatch):
+def test_sao_resume_rolls_the_replay_buffer_back_to_the_checkpoint(
+    tmp_path, tokenizer, orders_entry, model, monkeypatch
+):
     """Killed in step 3 after its trajectories entered the (real SQLite) buffer, with the step-2
     checkpoint on disk: the resumed run sees the buffer exactly as it was at the checkpoint (the
     discarded step's entries are gone, what they evicted is back), and no entry ever carries a
@@ -372,8 +432,11 @@ def test_sao_resume_rolls_the_replay_buffer_back_to_the_checkpoint(tmp_path, tok
     assert "resuming from step-000002" in out2.getvalue()
     assert seen_at_first_step == at_checkpoint  # the checkpoint's buffer, evicted entries back, in order
     assert all(v <= current for v, current in sampled_versions)
-    replayed = {i for s in (3, 4) for i in json.loads((ws.run_dir / "sao" / "consumed" / f"step-{s:06d}.json")
-                                                       .read_text())["replay"]}
+    replayed = {
+        i
+        for s in (3, 4)
+        for i in json.loads((ws.run_dir / "sao" / "consumed" / f"step-{s:06d}.json").read_text())["replay"]
+    }
     assert not replayed & set(discarded), "an entry of a discarded step was replayed"
     with ReplayBuffer(db) as buf:
         assert not set(buf.ids()) & set(discarded)

@@ -8,7 +8,6 @@ import statistics
 from pathlib import Path
 
 import pytest
-
 from test_resume import TINY_OVERRIDES
 
 BENCH = Path(__file__).resolve().parent.parent / "bench" / "seeds_lift.py"
@@ -25,7 +24,7 @@ def test_lift_summary_is_mean_sd_and_a_t_interval():
     b = _bench()
     s = b.lift_summary([2.0, 4.0, 9.0])
     assert s["mean"] == pytest.approx(5.0) and s["sd"] == pytest.approx(statistics.stdev([2.0, 4.0, 9.0]))
-    half = 4.303 * s["sd"] / 3 ** 0.5  # t(0.975, 2 dof)
+    half = 4.303 * s["sd"] / 3**0.5  # t(0.975, 2 dof)
     assert s["ci95"] == pytest.approx((5.0 - half, 5.0 + half))
     one = b.lift_summary([3.0])
     assert one["sd"] is None and one["ci95"] is None

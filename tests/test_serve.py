@@ -11,21 +11,21 @@ import select
 import signal
 import subprocess
 import sys
-import time
 import threading
+import time
 from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import pytest
 import torch
+from cli_helpers import cli_output, cli_with
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
-from cli_helpers import cli_output, cli_with
 from mentorrl.chat import assistant_message, prompt_text
-from mentorrl.contract import IM_END, IM_START
 from mentorrl.cli.serve import register
+from mentorrl.contract import IM_END, IM_START
 from mentorrl.serve import (
     MAX_STOP_CHARS,
     READY_PREFIX,
@@ -47,8 +47,13 @@ TOKEN = "s3cret-token-value"
 TOOL_CONVERSATION: list[dict[str, Any]] = [
     {"role": "system", "content": "You are a support agent. Tools: get_order(order_id)."},
     {"role": "user", "content": "Where is order 7?"},
-    {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "get_order", "arguments": '{"order_id": 7}'}}]},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_order", "arguments": '{"order_id": 7}'}}
+        ],
+    },
     {"role": "tool", "tool_call_id": "call_1", "content": '{"status": "shipped"}'},
 ]
 USER_ONLY = [{"role": "user", "content": "Where is order 7?"}]
@@ -167,15 +172,28 @@ def test_seeded_requests_repeat_exactly_even_concurrently(client):
 def test_greedy_reply_is_what_the_model_writes_from_the_contract_text(tokenizer, biased_model):
     rec = Recording(biased_model)
     c = TestClient(create_app(tokenizer, rec, "tiny"))
-    r = c.post(URL, json={"messages": TOOL_CONVERSATION, "temperature": 0, "max_tokens": 8, "n": 2,
-                          "tools": [{"type": "function", "function": {"name": "get_order"}}]})
+    r = c.post(
+        URL,
+        json={
+            "messages": TOOL_CONVERSATION,
+            "temperature": 0,
+            "max_tokens": 8,
+            "n": 2,
+            "tools": [{"type": "function", "function": {"name": "get_order"}}],
+        },
+    )
     assert r.status_code == 200, r.text
     prompt = encode(tokenizer, TOOL_CONVERSATION)
     assert rec.inputs == [[prompt]]  # the server rendered exactly the contract's text (tool call included)
     stops = [tokenizer.convert_tokens_to_ids(IM_END), tokenizer.eos_token_id]
-    out = biased_model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=8, eos_token_id=stops,
-                                pad_token_id=tokenizer.pad_token_id)[0, len(prompt):].tolist()
-    turn = out[:next((i for i, t in enumerate(out) if t in stops), len(out))]
+    out = biased_model.generate(
+        torch.tensor([prompt]),
+        do_sample=False,
+        max_new_tokens=8,
+        eos_token_id=stops,
+        pad_token_id=tokenizer.pad_token_id,
+    )[0, len(prompt) :].tolist()
+    turn = out[: next((i for i, t in enumerate(out) if t in stops), len(out))]
     expected = assistant_message(tokenizer.decode(turn, skip_special_tokens=False))
     body = r.json()
     assert expected.get("content")  # a non-trivial reply
@@ -185,8 +203,9 @@ def test_greedy_reply_is_what_the_model_writes_from_the_contract_text(tokenizer,
 
 def test_tool_call_reply_finish_reasons_stop_strings_and_cap(tokenizer):
     im_end = tokenizer.convert_tokens_to_ids(IM_END)
-    call = tokenizer.encode('<tool_call>{"name": "get_order", "arguments": {"order_id": 7}}</tool_call>',
-                            add_special_tokens=False)
+    call = tokenizer.encode(
+        '<tool_call>{"name": "get_order", "arguments": {"order_id": 7}}</tool_call>', add_special_tokens=False
+    )
     scripted = ScriptedModel(call + [im_end, 5, 6])
     c = TestClient(create_app(tokenizer, scripted, "scripted", max_new_tokens_cap=200))
     body = c.post(URL, json={"messages": USER_ONLY, "n": 2, "temperature": 0.5, "top_p": 0.9}).json()
@@ -205,8 +224,12 @@ def test_tool_call_reply_finish_reasons_stop_strings_and_cap(tokenizer):
     text = tokenizer.encode("The order shipped. Anything else?", add_special_tokens=False)
     scripted.script = text + [im_end]
     body = c.post(URL, json={"messages": USER_ONLY, "stop": ["Anything"]}).json()
-    assert body["choices"][0] == {"index": 0, "message": {"role": "assistant", "content": "The order shipped."},
-                                  "finish_reason": "stop", "logprobs": None}
+    assert body["choices"][0] == {
+        "index": 0,
+        "message": {"role": "assistant", "content": "The order shipped."},
+        "finish_reason": "stop",
+        "logprobs": None,
+    }
     body = c.post(URL, json={"messages": USER_ONLY, "max_tokens": 3}).json()
     assert body["choices"][0]["finish_reason"] == "length" and body["usage"]["completion_tokens"] == 3
     c.post(URL, json={"messages": USER_ONLY, "max_tokens": 10_000})
@@ -244,9 +267,10 @@ def test_a_padded_batch_writes_each_prompt_s_greedy_tokens(tokenizer, varied_mod
     batched = gen.run([gen.request(p, 1, 0.0, 1.0, 12) for p in prompts])
     alone = []
     for p in prompts:  # unpadded, one prompt at a time
-        out = varied_model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=12, eos_token_id=gen.stop_ids,
-                                    pad_token_id=gen.pad_id)
-        alone.append([gen._finish(out[0, len(p):].tolist(), ())])
+        out = varied_model.generate(
+            torch.tensor([p]), do_sample=False, max_new_tokens=12, eos_token_id=gen.stop_ids, pad_token_id=gen.pad_id
+        )
+        alone.append([gen._finish(out[0, len(p) :].tolist(), ())])
     assert batched == alone
     assert len({turns[0][0] for turns in alone}) == 3  # the prompts lead to different text
 
@@ -256,8 +280,12 @@ def test_a_seeded_request_samples_the_same_alone_and_in_a_batch(tokenizer, varie
     short, long_, tiny = (encode(tokenizer, m) for m in CONVERSATIONS)
     mine = dict(prompt_ids=short, n=3, temperature=1.0, top_p=0.9, max_new_tokens=10)
     alone = gen.run([gen.request(**mine, seed=11)])[0]
-    batch = [gen.request(long_, 2, 0.7, 1.0, 10, seed=5), gen.request(**mine, seed=11),
-             gen.request(tiny, 2, 0.0, 1.0, 10), gen.request(tiny, 1, 1.3, 0.5, 10)]  # greedy, no seed, other top-p
+    batch = [
+        gen.request(long_, 2, 0.7, 1.0, 10, seed=5),
+        gen.request(**mine, seed=11),
+        gen.request(tiny, 2, 0.0, 1.0, 10),
+        gen.request(tiny, 1, 1.3, 0.5, 10),
+    ]  # greedy, no seed, other top-p
     assert gen.run(batch)[1] == alone
     assert len({text for text, _, _ in alone}) == 3  # each sample has its own stream
     assert gen.run([gen.request(**mine, seed=12)])[0] != alone
@@ -267,8 +295,9 @@ def test_a_seeded_request_samples_the_same_alone_and_in_a_batch(tokenizer, varie
 def test_the_row_sampler_samples_temperature_and_top_p_per_row():
     logits = torch.tensor([2.0, 1.0, 0.0, -1.0, -3.0])
     rows = 2000
-    sampler = RowSampler([0.5] * rows + [1.0], [0.9] * rows + [1.0],
-                         [row_generator(0, i, "cpu") for i in range(rows)] + [None], "cpu")
+    sampler = RowSampler(
+        [0.5] * rows + [1.0], [0.9] * rows + [1.0], [row_generator(0, i, "cpu") for i in range(rows)] + [None], "cpu"
+    )
     scores = sampler(None, logits.repeat(rows + 1, 1))
     assert torch.equal(scores[-1], logits)  # a greedy row is left alone
     picks = torch.bincount(scores[:-1].argmax(dim=-1), minlength=5).double() / rows
@@ -289,8 +318,10 @@ def test_concurrent_requests_are_generated_in_one_call(tokenizer, varied_model):
     rec = Recording(varied_model)
     # a long window: the batch waits until its 4 rows are there
     c = TestClient(create_app(tokenizer, rec, "tiny", max_batch=4, batch_window_ms=10_000))
-    bodies = [{"messages": m, "max_tokens": 6, "seed": 1, "temperature": t}
-              for m, t in zip(CONVERSATIONS + [USER_ONLY], (1.0, 0.0, 0.8, 1.0))]
+    bodies = [
+        {"messages": m, "max_tokens": 6, "seed": 1, "temperature": t}
+        for m, t in zip(CONVERSATIONS + [USER_ONLY], (1.0, 0.0, 0.8, 1.0))
+    ]
     replies = post_all(c, bodies)
     assert [r.status_code for r in replies] == [200] * 4
     assert len(rec.inputs) == 1 and len(rec.inputs[0]) == 4
@@ -301,8 +332,12 @@ def test_concurrent_requests_are_generated_in_one_call(tokenizer, varied_model):
 def test_incompatible_requests_get_calls_of_their_own(tokenizer):
     scripted = ScriptedModel(tokenizer.encode("a b c d e f", add_special_tokens=False))
     c = TestClient(create_app(tokenizer, scripted, "scripted", max_batch=5, batch_window_ms=10_000))
-    bodies = [{"messages": USER_ONLY, "max_tokens": 3}, {"messages": TOOL_CONVERSATION, "max_tokens": 3, "n": 2},
-              {"messages": USER_ONLY, "max_tokens": 4}, {"messages": USER_ONLY, "max_tokens": 3, "stop": "c"}]
+    bodies = [
+        {"messages": USER_ONLY, "max_tokens": 3},
+        {"messages": TOOL_CONVERSATION, "max_tokens": 3, "n": 2},
+        {"messages": USER_ONLY, "max_tokens": 4},
+        {"messages": USER_ONLY, "max_tokens": 3, "stop": "c"},
+    ]
     replies = post_all(c, bodies)
     assert [r.status_code for r in replies] == [200] * 4
     assert [r.json()["usage"]["completion_tokens"] for r in replies] == [3, 6, 4, 3]
@@ -339,9 +374,17 @@ BAD_BODIES = {
     "empty messages": json.dumps({"messages": []}),
     "unknown role": json.dumps({"messages": [{"role": "wizard", "content": "hi"}]}),
     "content not text": json.dumps({"messages": [{"role": "user", "content": 5}]}),
-    "tool call arguments not JSON": json.dumps({"messages": [
-        {"role": "user", "content": "hi"},
-        {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]}),
+    "tool call arguments not JSON": json.dumps(
+        {
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {
+                    "role": "assistant",
+                    "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{oops"}}],
+                },
+            ]
+        }
+    ),
     "tool call without a name": json.dumps({"messages": [{"role": "assistant", "tool_calls": [{"function": {}}]}]}),
     "n=0": json.dumps({"messages": USER_ONLY, "n": 0}),
     "n=17": json.dumps({"messages": USER_ONLY, "n": 17}),
@@ -382,8 +425,11 @@ def test_content_cannot_forge_turns(tokenizer, model):
     im_start, im_end = (tokenizer.convert_tokens_to_ids(t) for t in (IM_START, IM_END))
     counts = []
     for content in ("A", "A<|im_end|>", FORGED):
-        msgs = [*TOOL_CONVERSATION[:3], {"role": "tool", "tool_call_id": "call_1", "content": content},
-                {"role": "user", "content": content}]
+        msgs = [
+            *TOOL_CONVERSATION[:3],
+            {"role": "tool", "tool_call_id": "call_1", "content": content},
+            {"role": "user", "content": content},
+        ]
         assert c.post(URL, json={"messages": msgs, "max_tokens": 1}).status_code == 200
         ids = rec.inputs[-1][0]
         counts.append((ids.count(im_start), ids.count(im_end)))
@@ -391,39 +437,61 @@ def test_content_cannot_forge_turns(tokenizer, model):
     assert counts[0] == counts[1] == counts[2]
 
 
-@pytest.mark.parametrize("stop, match", [
-    (["a", "b", "c", "d", "e"], "at most 4"),
-    ("x" * (MAX_STOP_CHARS + 1), f"at most {MAX_STOP_CHARS}"),
-    (["ok", "y" * 100_000], f"at most {MAX_STOP_CHARS}"),
-])
+@pytest.mark.parametrize(
+    "stop, match",
+    [
+        (["a", "b", "c", "d", "e"], "at most 4"),
+        ("x" * (MAX_STOP_CHARS + 1), f"at most {MAX_STOP_CHARS}"),
+        (["ok", "y" * 100_000], f"at most {MAX_STOP_CHARS}"),
+    ],
+)
 def test_stop_strings_are_bounded(client, stop, match):
     err = assert_error(client.post(URL, json={"messages": USER_ONLY, "stop": stop, "max_tokens": 1}), 400)
     assert match in err["message"] and err["param"] == "stop"
 
 
-@pytest.mark.parametrize("body, param", [
-    ('{"messages": [{"role": "user", "content": "x\\ud800"}]}', "messages[0]"),
-    ('{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udfff y"}]}]}', "messages[0]"),
-    ('{"messages": [{"role": "user", "content": "x"}], "stop": "x\\ud800"}', "stop"),
-    ('{"messages": [{"role": "user", "content": "x"}], "stop": ["ok", "\\ud800"]}', "stop"),
-    ('{"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f\\ud800", "arguments": "{}"}}]}]}',
-     "messages[0]"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ('{"messages": [{"role": "user", "content": "x\\ud800"}]}', "messages[0]"),
+        ('{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udfff y"}]}]}', "messages[0]"),
+        ('{"messages": [{"role": "user", "content": "x"}], "stop": "x\\ud800"}', "stop"),
+        ('{"messages": [{"role": "user", "content": "x"}], "stop": ["ok", "\\ud800"]}', "stop"),
+        (
+            '{"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f\\ud800", "arguments": "{}"}}]}]}',
+            "messages[0]",
+        ),
+    ],
+)
 def test_lone_surrogates_are_a_400(client, body, param):
     err = assert_error(client.post(URL, content=body, headers={"content-type": "application/json"}), 400)
     assert "surrogate" in err["message"] and err["param"] == param
 
 
 def test_deep_nesting_is_a_400_not_a_crash(client):
-    deep_args = {"messages": [{"role": "assistant", "tool_calls": [
-        {"type": "function", "function": {"name": "f", "arguments": "[" * 2000}}]}]}
+    deep_args = {
+        "messages": [
+            {
+                "role": "assistant",
+                "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "[" * 2000}}],
+            }
+        ]
+    }
     assert "nested deeper" in assert_error(client.post(URL, json=deep_args), 400)["message"]
     deep_body = '{"messages": [{"role": "user", "content": "x"}], "response_format": ' + "[" * 5000 + "]" * 5000 + "}"
     r = client.post(URL, content=deep_body, headers={"content-type": "application/json"})
     assert "nested deeper" in assert_error(r, 400)["message"]
-    ok_args = {"messages": [{"role": "assistant", "tool_calls": [
-        {"type": "function", "function": {"name": "f", "arguments": json.dumps({"a": [[["[[[[{{"]]]})}}]}],
-        "max_tokens": 1}
+    ok_args = {
+        "messages": [
+            {
+                "role": "assistant",
+                "tool_calls": [
+                    {"type": "function", "function": {"name": "f", "arguments": json.dumps({"a": [[["[[[[{{"]]]})}}
+                ],
+            }
+        ],
+        "max_tokens": 1,
+    }
     assert client.post(URL, json=ok_args).status_code == 200  # brackets in strings do not count
 
 
@@ -467,8 +535,12 @@ def test_access_log_redacts_query_strings(tokenizer, model):
 def test_bearer_token(tokenizer, model):
     c = TestClient(create_app(tokenizer, model, "tiny", token=TOKEN))
     req = {"messages": USER_ONLY, "max_tokens": 2}
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {TOKEN}"},
-                    {"Authorization": f"Bearer {TOKEN}x"}):
+    for headers in (
+        {},
+        {"Authorization": "Bearer wrong"},
+        {"Authorization": f"Basic {TOKEN}"},
+        {"Authorization": f"Bearer {TOKEN}x"},
+    ):
         r = c.post(URL, json=req, headers=headers)
         assert assert_error(r, 401)["type"] == "authentication_error"
         assert TOKEN not in r.text and r.headers["www-authenticate"] == "Bearer"
@@ -488,14 +560,16 @@ def test_oversized_bodies_get_413(tokenizer, model):
 
     def chunks():
         for i in range(0, len(raw), 500):
-            yield raw[i:i + 500]
+            yield raw[i : i + 500]
 
     assert_error(c.post(URL, content=chunks(), headers={"content-type": "application/json"}), 413)  # chunked
     small = {"messages": USER_ONLY, "max_tokens": 2}
     assert c.post(URL, json=small).status_code == 200
     sent = json.dumps(small).encode()
-    assert c.post(URL, content=iter([sent[:10], sent[10:]]), headers={"content-type": "application/json"}
-                  ).status_code == 200  # a small chunked body is reassembled
+    assert (
+        c.post(URL, content=iter([sent[:10], sent[10:]]), headers={"content-type": "application/json"}).status_code
+        == 200
+    )  # a small chunked body is reassembled
 
 
 def _asgi_call(app: Any, headers: list[tuple[bytes, bytes]], chunks: list[bytes]) -> tuple[int, bytes]:
@@ -575,12 +649,17 @@ def _read_line(proc: subprocess.Popen, timeout_s: float) -> str:
 
 
 def test_subprocess_serves_and_stops_cleanly_on_sigterm(tiny_model_dir):
-    proc = subprocess.Popen([sys.executable, "-m", "mentorrl.cli", "serve", str(tiny_model_dir), "--port", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mentorrl.cli", "serve", str(tiny_model_dir), "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         line = _read_line(proc, 120)
         assert line.startswith(READY_PREFIX), line
-        url = line[len(READY_PREFIX):].strip()
+        url = line[len(READY_PREFIX) :].strip()
         assert url.startswith("http://127.0.0.1:") and url.endswith("/v1")
         r = httpx.post(url + "/chat/completions", json={"messages": USER_ONLY, "max_tokens": 3}, timeout=60)
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant"
@@ -594,8 +673,13 @@ def test_subprocess_serves_and_stops_cleanly_on_sigterm(tiny_model_dir):
 
 def test_serve_subprocess_helper_with_a_token(tiny_model_dir):
     env = {"MENTORRL_TEST_TOKEN": TOKEN}
-    with serve_subprocess(tiny_model_dir, token_env="MENTORRL_TEST_TOKEN", env=env, timeout_s=120,
-                          extra_args=["--max-batch", "1", "--batch-window-ms", "0", "--threads", "1"]) as url:
+    with serve_subprocess(
+        tiny_model_dir,
+        token_env="MENTORRL_TEST_TOKEN",
+        env=env,
+        timeout_s=120,
+        extra_args=["--max-batch", "1", "--batch-window-ms", "0", "--threads", "1"],
+    ) as url:
         req = {"messages": TOOL_CONVERSATION, "max_tokens": 3}
         assert httpx.post(url + "/chat/completions", json=req, timeout=60).status_code == 401
         r = httpx.post(url + "/chat/completions", json=req, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
@@ -614,10 +698,18 @@ def test_serve_subprocess_reports_a_server_that_does_not_start(tmp_path):
 def test_a_server_started_by_a_run_dies_with_the_run_even_on_sigkill(tiny_model_dir):
     """A training run that is SIGKILLed runs no cleanup; its served teacher must not outlive it."""
     parent = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time\nfrom mentorrl.serve import serve_subprocess\n"
-                               f"with serve_subprocess({str(tiny_model_dir)!r}) as url:\n"
-                               "    print(url, flush=True)\n    time.sleep(600)\n"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\nfrom mentorrl.serve import serve_subprocess\n"
+            f"with serve_subprocess({str(tiny_model_dir)!r}) as url:\n"
+            "    print(url, flush=True)\n    time.sleep(600)\n",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         url = _read_line(parent, 120).strip()
         assert httpx.get(url.removesuffix("/v1") + "/health", timeout=30).status_code == 200

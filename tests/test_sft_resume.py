@@ -22,10 +22,16 @@ STEPS, EVERY = 24, 4
 
 
 def _config(tmp: Path, model_dir: Path, name: str, **extra) -> Path:
-    cfg = {"run_dir": str(tmp / name), "recipe": ["sft"], "threads": 1, "model": {"path": str(model_dir)},
-           "audit": {"preflight": False},
-           "sft": {"num_demos": 24, "steps": STEPS, "batch_size": 8, "checkpoint_every": EVERY},
-           "eval": {"num_tasks": 0}, **extra}
+    cfg = {
+        "run_dir": str(tmp / name),
+        "recipe": ["sft"],
+        "threads": 1,
+        "model": {"path": str(model_dir)},
+        "audit": {"preflight": False},
+        "sft": {"num_demos": 24, "steps": STEPS, "batch_size": 8, "checkpoint_every": EVERY},
+        "eval": {"num_tasks": 0},
+        **extra,
+    }
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -37,8 +43,13 @@ def _cmd(cfg: Path, *flags: str) -> list[str]:
 
 def _env() -> dict[str, str]:
     root = str(Path(__file__).resolve().parents[1])
-    return {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""),
-            "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE", "COLUMNS": "200"}
+    return {
+        **os.environ,
+        "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "OMP_NUM_THREADS": "1",
+        "OMP_WAIT_POLICY": "PASSIVE",
+        "COLUMNS": "200",
+    }
 
 
 def _sft_records(run: Path) -> list[dict]:
@@ -127,8 +138,13 @@ def test_no_eval_flag_and_one_stage_report(tiny_model_dir, tmp_path):
 
     from mentorrl.cli import app
 
-    cfg = _config(tmp_path, tiny_model_dir, "one", eval={"num_tasks": 4, "batch_size": 4},
-                  sft={"num_demos": 8, "steps": 2, "batch_size": 4})
+    cfg = _config(
+        tmp_path,
+        tiny_model_dir,
+        "one",
+        eval={"num_tasks": 4, "batch_size": 4},
+        sft={"num_demos": 8, "steps": 2, "batch_size": 4},
+    )
     out = CliRunner().invoke(app, ["train", str(cfg), "--no-eval"])
     assert out.exit_code == 0, out.output
     assert not list((tmp_path / "one").glob("eval_*.json")) and "held-out evaluation skipped" in out.output

@@ -8,19 +8,20 @@ import shutil
 from pathlib import Path
 
 import pytest
+from conftest import TINY_SPEC
 
 from mentorrl.models.build import ModelSpec, dir_digest, load_policy
 from mentorrl.models.pretrain import PretrainSpec, config_hash
 from mentorrl.models.shipped import find_shipped_base, shipped_bases
 from mentorrl.train.models_init import build_tiny_model
-from conftest import TINY_SPEC
 
 SMALL = dict(steps=2, batch_size=2, block_size=64, transcripts=4, worlds=2, eval_transcripts=0)
 
 
 def _tiny(orders_entry, path: Path, **kw) -> Path:
-    return build_tiny_model(orders_entry, path, ModelSpec(**TINY_SPEC), corpus_tasks=30,
-                            pretrain=PretrainSpec(**SMALL), **kw)
+    return build_tiny_model(
+        orders_entry, path, ModelSpec(**TINY_SPEC), corpus_tasks=30, pretrain=PretrainSpec(**SMALL), **kw
+    )
 
 
 @pytest.fixture(scope="module")
@@ -66,10 +67,17 @@ def test_build_copies_a_matching_shipped_base_and_rebuilds_otherwise(orders_entr
     load_policy(got)
     # --rebuild: the same config built from scratch gives the same files (one thread: bit for bit)
     again = _tiny(orders_entry, tmp_path / "again", use_shipped=False)
-    assert dir_digest(again) == dir_digest(built) and "source" not in json.loads((again / "mentorrl_build.json").read_text())
+    assert dir_digest(again) == dir_digest(built) and "source" not in json.loads(
+        (again / "mentorrl_build.json").read_text()
+    )
     # any other config is built, never served from the cache
-    other = build_tiny_model(orders_entry, tmp_path / "other", ModelSpec(**TINY_SPEC), corpus_tasks=30,
-                             pretrain=PretrainSpec(**{**SMALL, "steps": 3}))
+    other = build_tiny_model(
+        orders_entry,
+        tmp_path / "other",
+        ModelSpec(**TINY_SPEC),
+        corpus_tasks=30,
+        pretrain=PretrainSpec(**{**SMALL, "steps": 3}),
+    )
     assert "source" not in json.loads((other / "mentorrl_build.json").read_text())
     assert dir_digest(other) != dir_digest(built)
 
@@ -79,8 +87,14 @@ def _demo_build_config():
     from mentorrl.train.models_init import build_config
 
     cfg = load_run_config(None, [], None, "demo.yaml")
-    return cfg, build_config(cfg.env.name, cfg.model.spec, cfg.model.tokenizer_corpus_tasks, cfg.model.spec.seed,
-                             cfg.prompt, cfg.model.pretrain)
+    return cfg, build_config(
+        cfg.env.name,
+        cfg.model.spec,
+        cfg.model.tokenizer_corpus_tasks,
+        cfg.model.spec.seed,
+        cfg.prompt,
+        cfg.model.pretrain,
+    )
 
 
 def test_the_demo_runs_on_the_shipped_base():
@@ -92,16 +106,22 @@ def test_the_demo_runs_on_the_shipped_base():
     if cfg.model.pretrain.steps == 0:
         pytest.fail("the demo no longer pretrains its base; drop the shipped base and this test together")
     d = find_shipped_base(config_hash(config))
-    assert d is not None, ("the demo's build config does not match any shipped base: rebuild it with the command "
-                           "recorded in mentorrl/models/bases/*/mentorrl_build.json")
+    assert d is not None, (
+        "the demo's build config does not match any shipped base: rebuild it with the command "
+        "recorded in mentorrl/models/bases/*/mentorrl_build.json"
+    )
     rec = json.loads((d / "mentorrl_build.json").read_text())
     assert rec["config"] == config and rec["command"].startswith("mentorrl init-model")
-    assert rec["pretrain"]["tokens_seen"] == config["pretrain"]["steps"] * config["pretrain"]["batch_size"] * \
-        config["pretrain"]["block_size"]
+    assert (
+        rec["pretrain"]["tokens_seen"]
+        == config["pretrain"]["steps"] * config["pretrain"]["batch_size"] * config["pretrain"]["block_size"]
+    )
     tok, model = load_policy(d)
     assert model.config.vocab_size >= len(tok)
     raw = AutoTokenizer.from_pretrained(d)
-    assert raw.encode("Refund $12.50 on O-354, chloe.kim@mail.com") == tok.encode("Refund $12.50 on O-354, chloe.kim@mail.com")
+    assert raw.encode("Refund $12.50 on O-354, chloe.kim@mail.com") == tok.encode(
+        "Refund $12.50 on O-354, chloe.kim@mail.com"
+    )
 
 
 def test_a_shortened_shipped_build_goes_through_the_same_command(tmp_path):
@@ -119,8 +139,12 @@ def test_a_shortened_shipped_build_goes_through_the_same_command(tmp_path):
     rec = json.loads((d / "mentorrl_build.json").read_text())
     argv = shlex.split(rec["command"])[1:]
     assert argv[0] == "init-model"
-    short = {"model.pretrain.steps": 2, "model.pretrain.worlds": 3, "model.pretrain.eval_transcripts": 0,
-             "model.pretrain.batch_size": 2}
+    short = {
+        "model.pretrain.steps": 2,
+        "model.pretrain.worlds": 3,
+        "model.pretrain.eval_transcripts": 0,
+        "model.pretrain.batch_size": 2,
+    }
     args = ["init-model", str(tmp_path / "short"), "--rebuild"]
     rest = argv[2:]
     i = 0

@@ -17,11 +17,13 @@ def _expected(trajs) -> dict[str, float]:
     n = len(trajs)
     calls = [c for t in trajs for c in t.tool_calls]
     malformed = sum(c.error_kind == "malformed" for c in calls)
-    out = {"tool_calls_per_traj": (len(calls) - malformed) / n,
-           "malformed_call_rate": malformed / len(calls) if calls else 0.0,
-           "mean_turns": sum(t.num_turns for t in trajs) / n,
-           "mean_policy_tokens": sum(t.num_policy_tokens for t in trajs) / n,
-           "rollout_tokens": float(sum(t.num_policy_tokens for t in trajs))}
+    out = {
+        "tool_calls_per_traj": (len(calls) - malformed) / n,
+        "malformed_call_rate": malformed / len(calls) if calls else 0.0,
+        "mean_turns": sum(t.num_turns for t in trajs) / n,
+        "mean_policy_tokens": sum(t.num_policy_tokens for t in trajs) / n,
+        "rollout_tokens": float(sum(t.num_policy_tokens for t in trajs)),
+    }
     out.update({f"finish_{r}": sum(t.finish_reason == r for t in trajs) / n for r in FINISH})
     return out
 
@@ -48,12 +50,25 @@ def test_grpo_steps_log_rollout_metrics_and_the_report_plots_them(tiny_model_dir
     from mentorrl.train.pipeline import run_recipe
 
     run = tmp_path / "run"
-    cfg = RunConfig.model_validate({
-        "run_dir": str(run), "recipe": ["grpo"], "threads": 1, "model": {"path": str(tiny_model_dir)},
-        "audit": {"preflight": False}, "eval": {"num_tasks": 0},
-        "sampling": {"max_new_tokens": 12}, "limits": {"max_turns": 3, "max_total_tokens": 1024},
-        "grpo": {"steps": 2, "tasks_per_step": 2, "samples_per_task": 2, "sample_trajectories": 4, "checkpoint_every": 2},
-    })
+    cfg = RunConfig.model_validate(
+        {
+            "run_dir": str(run),
+            "recipe": ["grpo"],
+            "threads": 1,
+            "model": {"path": str(tiny_model_dir)},
+            "audit": {"preflight": False},
+            "eval": {"num_tasks": 0},
+            "sampling": {"max_new_tokens": 12},
+            "limits": {"max_turns": 3, "max_total_tokens": 1024},
+            "grpo": {
+                "steps": 2,
+                "tasks_per_step": 2,
+                "samples_per_task": 2,
+                "sample_trajectories": 4,
+                "checkpoint_every": 2,
+            },
+        }
+    )
     run_recipe(cfg, show_progress=False)
     recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     recs = [r for r in recs if r["stage"] == "grpo"]
@@ -67,7 +82,9 @@ def test_grpo_steps_log_rollout_metrics_and_the_report_plots_them(tiny_model_dir
         assert r["cpu_cores"] >= 1 and 0 < r["cpu_util"] <= 1.0 + 1e-6
         assert r["cpu_s"] == pytest.approx(r["cpu_util"] * r["cpu_cores"] * r["step_s"], rel=1e-6)
         assert 0 < r["rollout_cpu_util"] <= 1.0 + 1e-6
-        assert 0 < r["rollout_cpu_s"] and 0 <= r["update_cpu_s"] and r["rollout_cpu_s"] + r["update_cpu_s"] <= r["cpu_s"]
+        assert (
+            0 < r["rollout_cpu_s"] and 0 <= r["update_cpu_s"] and r["rollout_cpu_s"] + r["update_cpu_s"] <= r["cpu_s"]
+        )
     report = json.loads((run / "report.json").read_text())
     plot = report["step_metrics"]["plot"]
     assert (run / plot).is_file() and (run / plot).stat().st_size > 1000

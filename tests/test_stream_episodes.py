@@ -63,11 +63,12 @@ def turn_logprobs(model, traj) -> list[list[float]]:
 
 
 def recorded_turns(traj) -> list[list[float]]:
-    return [traj.logprobs[seg.start:seg.end] for seg in traj.segments if seg.role == "policy"]
+    return [traj.logprobs[seg.start : seg.end] for seg in traj.segments if seg.role == "policy"]
 
 
-def test_more_episodes_than_slots_come_back_once_in_admission_order(tool_happy_model, contract, orders_entry,
-                                                                    orders_tasks):
+def test_more_episodes_than_slots_come_back_once_in_admission_order(
+    tool_happy_model, contract, orders_entry, orders_tasks
+):
     be = HFBackend(tool_happy_model, contract)
     envs = CountingEnvs(orders_entry)
     tasks = orders_tasks[:7]
@@ -100,8 +101,9 @@ def test_more_episodes_than_slots_come_back_once_in_admission_order(tool_happy_m
             assert got == pytest.approx(want, abs=1e-4)
 
 
-def test_each_turn_is_sampled_under_one_policy_across_a_weight_change(tool_happy_model, contract, orders_entry,
-                                                                      orders_tasks):
+def test_each_turn_is_sampled_under_one_policy_across_a_weight_change(
+    tool_happy_model, contract, orders_entry, orders_tasks
+):
     old = tool_happy_model
     policy = copy.deepcopy(old)
     new = copy.deepcopy(old)
@@ -159,8 +161,9 @@ def test_stop_abandons_the_episodes_in_flight(tool_happy_model, contract, orders
     assert envs.closed == envs.made  # finished and abandoned episodes alike
 
 
-def test_streaming_through_fewer_slots_uses_the_same_per_turn_seeds(tool_happy_model, contract, orders_entry,
-                                                                    orders_tasks):
+def test_streaming_through_fewer_slots_uses_the_same_per_turn_seeds(
+    tool_happy_model, contract, orders_entry, orders_tasks
+):
     """The seed of a turn is a function of (seed, admission index, turn): the same episodes through 2
     slots or all at once draw the same noise. With the same logits (up to float noise from batch
     composition) they sample the same tokens; at least the first turns, which see identical prompts,
@@ -184,7 +187,7 @@ def test_streaming_through_fewer_slots_uses_the_same_per_turn_seeds(tool_happy_m
     for x, y in zip(a, b):
         first_x = next(s for s in x.segments if s.role == "policy")
         first_y = next(s for s in y.segments if s.role == "policy")
-        assert x.token_ids[first_x.start:first_x.end] == y.token_ids[first_y.start:first_y.end]
+        assert x.token_ids[first_x.start : first_x.end] == y.token_ids[first_y.start : first_y.end]
 
 
 def test_slots_must_be_positive(tool_happy_model, contract):

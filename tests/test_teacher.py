@@ -7,8 +7,8 @@ import copy
 import pytest
 import torch
 
-from mentorrl.opd.teacher import Capability, HFTeacher, MissingCapability, Teacher, require, tokenizer_fingerprint
 from mentorrl.models.batch import collate, forward_logprobs
+from mentorrl.opd.teacher import Capability, HFTeacher, MissingCapability, Teacher, require, tokenizer_fingerprint
 
 
 class ApiOnly:
@@ -100,7 +100,9 @@ def test_distill_step_is_exact_whatever_the_micro_batching(model, tool_happy_mod
     results = []
     for mbs in (1, 5):
         student = copy.deepcopy(model)
-        learner = Learner(student, OptimConfig(lr=1e-3, micro_batch_size=mbs, max_grad_norm=1e9), tokenizer.pad_token_id)
+        learner = Learner(
+            student, OptimConfig(lr=1e-3, micro_batch_size=mbs, max_grad_norm=1e9), tokenizer.pad_token_id
+        )
         m = learner.distill_step(demos, ids, lps, "jsd", beta=0.3, token_weights=weights)
         grads = [p.grad.detach().clone() for p in student.parameters() if p.grad is not None]
         results.append((m["distill_loss"], m["grad_norm"], grads))
@@ -110,4 +112,5 @@ def test_distill_step_is_exact_whatever_the_micro_batching(model, tool_happy_mod
     assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-7) for a, b in zip(p1, p5))  # the same gradient
     with pytest.raises(ValueError, match="no policy token"):
         Learner(copy.deepcopy(model), OptimConfig(), tokenizer.pad_token_id).distill_step(
-            demos, ids, lps, token_weights=[torch.zeros(len(t.token_ids)) for t in demos])
+            demos, ids, lps, token_weights=[torch.zeros(len(t.token_ids)) for t in demos]
+        )

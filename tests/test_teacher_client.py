@@ -18,8 +18,15 @@ GOOD = json.dumps({"choices": [{"message": {"role": "assistant", "content": '{"s
 
 
 def client(url: str, route: str, **kw) -> TeacherClient:
-    cfg = ClientConfig(base_url=f"{url}/{route}/v1", model="t", timeout_s=kw.pop("timeout_s", 2.0),
-                       max_retries=kw.pop("max_retries", 2), backoff_s=0.0, api_key_env="MENTORRL_TEST_KEY", **kw)
+    cfg = ClientConfig(
+        base_url=f"{url}/{route}/v1",
+        model="t",
+        timeout_s=kw.pop("timeout_s", 2.0),
+        max_retries=kw.pop("max_retries", 2),
+        backoff_s=0.0,
+        api_key_env="MENTORRL_TEST_KEY",
+        **kw,
+    )
     return TeacherClient(cfg, sleep=lambda s: None)
 
 
@@ -55,9 +62,16 @@ def test_timeouts_and_500s_give_up_after_the_retries_without_raising(server):
     assert err.stats["server_errors"] == 3 and script.hits["err"] == 3 and err.stats["failures"] == 1
 
 
-@pytest.mark.parametrize("body", [GOOD[: len(GOOD) // 2], json.dumps({"id": "x", "object": "chat.completion"}),
-                                  json.dumps({"choices": []}), json.dumps({"choices": [{"message": {"content": None}}]})],
-                         ids=["truncated-json", "wrong-schema", "empty-choices", "no-content"])
+@pytest.mark.parametrize(
+    "body",
+    [
+        GOOD[: len(GOOD) // 2],
+        json.dumps({"id": "x", "object": "chat.completion"}),
+        json.dumps({"choices": []}),
+        json.dumps({"choices": [{"message": {"content": None}}]}),
+    ],
+    ids=["truncated-json", "wrong-schema", "empty-choices", "no-content"],
+)
 def test_malformed_responses_are_counted_and_skipped(server, body):
     script, url = server
     script.plans["bad"] = [(200, body, {}, 0.0)]
@@ -104,7 +118,9 @@ def test_a_cache_namespace_lets_a_teacher_on_a_new_address_reuse_its_answers(ser
     db = str(tmp_path / "cache.sqlite")
     first = client(url, "p1", cache_path=db, cache_namespace="served:abc").chat(MSG, temperature=0.0)
     moved = client(url, "p2", cache_path=db, cache_namespace="served:abc")  # the same teacher, another port
-    assert moved.chat(MSG, temperature=0.0) == first and moved.stats["cache_hits"] == 1 and script.hits.get("p2", 0) == 0
+    assert (
+        moved.chat(MSG, temperature=0.0) == first and moved.stats["cache_hits"] == 1 and script.hits.get("p2", 0) == 0
+    )
     other = client(url, "p2", cache_path=db, cache_namespace="served:def")  # another checkpoint: asked
     other.chat(MSG, temperature=0.0)
     assert other.stats["cache_hits"] == 0 and script.hits["p2"] == 1
@@ -152,8 +168,12 @@ def test_concurrency_is_bounded(server):
 def test_client_config_rejects_bad_values_with_the_field_named():
     from pydantic import ValidationError
 
-    for bad, field in (({"max_concurrency": 0}, "max_concurrency"), ({"timeout_s": -1}, "timeout_s"),
-                       ({"max_retries": -1}, "max_retries"), ({"retries": 3}, "retries")):
+    for bad, field in (
+        ({"max_concurrency": 0}, "max_concurrency"),
+        ({"timeout_s": -1}, "timeout_s"),
+        ({"max_retries": -1}, "max_retries"),
+        ({"retries": 3}, "retries"),
+    ):
         with pytest.raises(ValidationError, match=field):
             ClientConfig(**bad)
 
@@ -277,8 +297,12 @@ def test_a_teacher_echoing_the_request_headers_never_gets_the_key_into_the_cache
 
     def echo(h, _body):
         seen = "\n".join(f"{k}: {v}" for k, v in h.headers.items())
-        body = json.dumps({"choices": [{"message": {"content": "you sent:\n" + seen}}],
-                           "debug": {"authorization": h.headers.get("authorization")}}).encode()
+        body = json.dumps(
+            {
+                "choices": [{"message": {"content": "you sent:\n" + seen}}],
+                "debug": {"authorization": h.headers.get("authorization")},
+            }
+        ).encode()
         h.send_response(200)
         h.send_header("content-type", "application/json")
         h.send_header("content-length", str(len(body)))
@@ -299,16 +323,32 @@ def test_a_teacher_echoing_the_request_headers_never_gets_the_key_into_the_cache
 
 
 def test_scrub_removes_the_key_wherever_it_is_echoed():
-    from hypothesis import given, settings, strategies as st
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
 
     from mentorrl.clients.openai_api import scrub_secrets
 
     key = "sk-live/AbC123-xyz"
 
     @settings(max_examples=150, deadline=None)
-    @given(st.lists(st.sampled_from(["plain", key, json.dumps(key), f"Authorization: Bearer {key}",
-                                     '"authorization": "Basic dXNlcjpwYXNz"', "bearer tok-9", " ", "\\n", "\u00e9"]),
-                    max_size=8))
+    @given(
+        st.lists(
+            st.sampled_from(
+                [
+                    "plain",
+                    key,
+                    json.dumps(key),
+                    f"Authorization: Bearer {key}",
+                    '"authorization": "Basic dXNlcjpwYXNz"',
+                    "bearer tok-9",
+                    " ",
+                    "\\n",
+                    "\u00e9",
+                ]
+            ),
+            max_size=8,
+        )
+    )
     def check(parts):
         out = scrub_secrets("".join(parts), key)
         assert key not in out and "AbC123" not in out and "dXNlcjpwYXNz" not in out and "tok-9" not in out

@@ -39,4 +39,3 @@ def test_autotokenizer_encodes_like_the_saved_tokenizer(tiny_model_dir):
 def test_roundtrip_on_any_text(tiny_model_dir, text):
     auto, raw = _CACHE.setdefault(str(tiny_model_dir), _pair(tiny_model_dir))
     assert auto.encode(text, add_special_tokens=False) == raw.encode(text, add_special_tokens=False).ids
-

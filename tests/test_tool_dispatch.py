@@ -88,8 +88,9 @@ def test_model_written_tool_names_cannot_grow_the_measurements_without_bound():
     assert not D.runs_inline(("tool", "Env", f"name-{D.MAX_KINDS + 10}"), 0.005)
 
 
-def test_the_engine_samples_the_same_trajectories_inline_or_in_the_pool(tool_happy_model, make_contract, orders_entry,
-                                                                        orders_tasks):
+def test_the_engine_samples_the_same_trajectories_inline_or_in_the_pool(
+    tool_happy_model, make_contract, orders_entry, orders_tasks
+):
     contract = make_contract()
     tasks = [t for t in orders_tasks[30:36] for _ in range(3)]
 

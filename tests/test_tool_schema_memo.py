@@ -9,8 +9,12 @@ import pytest
 from mentorrl.envs import get_env
 from mentorrl.envs.base import Tool, schema_validator
 
-SCHEMA = {"type": "object", "properties": {"order_id": {"type": "string"}}, "required": ["order_id"],
-          "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {"order_id": {"type": "string"}},
+    "required": ["order_id"],
+    "additionalProperties": False,
+}
 
 
 def test_equal_schemas_share_one_validator_and_still_validate():

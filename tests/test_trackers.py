@@ -37,8 +37,10 @@ def _require(name: str) -> None:
     try:
         importlib.import_module(PACKAGES[name])
     except Exception as e:  # a clear failure, never a silent skip
-        pytest.fail(f"tracker {name!r} needs the {PACKAGES[name]!r} package ({type(e).__name__}: {e}); "
-                    f"install the test extra: pip install -e '.[test]'")
+        pytest.fail(
+            f"tracker {name!r} needs the {PACKAGES[name]!r} package ({type(e).__name__}: {e}); "
+            f"install the test extra: pip install -e '.[test]'"
+        )
 
 
 # ------------------------------------------------------------ reading back -----
@@ -53,11 +55,11 @@ def _wandb_records(path: str):
         if left < 7:
             pos += left
             continue
-        _crc, n, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        _crc, n, kind = struct.unpack("<IHB", data[pos : pos + 7])
         if kind == 0 and n == 0:
             pos += left
             continue
-        chunk, pos = data[pos + 7:pos + 7 + n], pos + 7 + n
+        chunk, pos = data[pos + 7 : pos + 7 + n], pos + 7 + n
         if kind == 1:
             yield chunk
         elif kind == 2:
@@ -76,8 +78,13 @@ def _prefixed(rows: list[dict[str, float]]) -> list[tuple[str, int, dict[str, fl
         steps = [k for k in row if k.endswith("/step")]
         assert len(steps) == 1, row
         stage = steps[0][: -len("/step")]
-        out.append((stage, int(row[steps[0]]), {k.split("/", 1)[1]: float(v) for k, v in row.items()
-                                                 if k.startswith(stage + "/") and k != steps[0]}))
+        out.append(
+            (
+                stage,
+                int(row[steps[0]]),
+                {k.split("/", 1)[1]: float(v) for k, v in row.items() if k.startswith(stage + "/") and k != steps[0]},
+            )
+        )
     return out
 
 
@@ -157,7 +164,8 @@ def no_network(monkeypatch):
 
     def connect(self, address):
         local = self.family == getattr(socket, "AF_UNIX", None) or (
-            isinstance(address, tuple) and str(address[0]) in ("127.0.0.1", "::1", "localhost"))
+            isinstance(address, tuple) and str(address[0]) in ("127.0.0.1", "::1", "localhost")
+        )
         if not local:
             attempts.append(address)
             raise OSError(f"test: network access refused ({address})")
@@ -185,8 +193,18 @@ def test_config_section():
 
 
 def test_scalar_metrics_keeps_finite_numbers_only():
-    rec = {"stage": "grpo", "step": 3, "loss": 0.5, "n": 4, "flag": True, "bad": float("nan"), "inf": float("inf"),
-           "hist": {"0": 2}, "name": "x", "xs": [1, 2]}
+    rec = {
+        "stage": "grpo",
+        "step": 3,
+        "loss": 0.5,
+        "n": 4,
+        "flag": True,
+        "bad": float("nan"),
+        "inf": float("inf"),
+        "hist": {"0": 2},
+        "name": "x",
+        "xs": [1, 2],
+    }
     assert T.scalar_metrics(rec) == {"loss": 0.5, "n": 4.0, "flag": 1.0}
 
 
@@ -195,8 +213,14 @@ def workspace(tmp_path, tokenizer, orders_entry, monkeypatch):
     monkeypatch.setenv("OPENAI_API_KEY", SECRET)  # a secret in the environment must reach no tracker
     cfg = load_config(None, [f"run_dir={tmp_path / 'run'}", "logging.trackers=[tensorboard, wandb, mlflow, trackio]"])
     buf = io.StringIO()
-    ws = Workspace(cfg=cfg, run_dir=tmp_path / "run", env_entry=orders_entry, tokenizer=tokenizer,
-                   console=Console(file=buf, width=200), show_progress=False)
+    ws = Workspace(
+        cfg=cfg,
+        run_dir=tmp_path / "run",
+        env_entry=orders_entry,
+        tokenizer=tokenizer,
+        console=Console(file=buf, width=200),
+        show_progress=False,
+    )
     ws.run_dir.mkdir(parents=True)
     return ws, buf
 
@@ -214,8 +238,14 @@ def _stage(ws, model, stage, steps, checkpoint_every, resume, crash_at=None):
             raise Interrupt
         with torch.no_grad():
             param.add_(1.0)
-        return {"loss": float(step) / 3, "w": float(param.detach().flatten()[1]), "reward_mean": 0.25 * step,
-                "ok": True, "note": "text stays in metrics.jsonl", "nan": float("nan")}
+        return {
+            "loss": float(step) / 3,
+            "w": float(param.detach().flatten()[1]),
+            "reward_mean": 0.25 * step,
+            "ok": True,
+            "note": "text stays in metrics.jsonl",
+            "nan": float("nan"),
+        }
 
     return run_stage(ws, stage, model, learner, steps, step_fn, checkpoint_every, resume)
 
@@ -233,7 +263,8 @@ def test_each_tracker_receives_the_same_metrics_and_resume_sends_no_step_twice(w
 
     records = ws.metrics.read()
     assert [(r["stage"], r["step"]) for r in records] == [("sft", 1), ("sft", 2), ("sft", 3)] + [
-        ("grpo", s) for s in range(1, 6)]
+        ("grpo", s) for s in range(1, 6)
+    ]
     want = _expected(records)
     for name in T.TRACKERS:
         # grpo step 3 was redone after the resume: the tracker kept the first pass (same numbers, own timings)

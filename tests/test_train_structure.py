@@ -30,12 +30,23 @@ def test_adding_a_stage_is_one_registered_function_and_runs_through_the_pipeline
     @register_stage("toy", title="A toy stage", label="Toy")
     def toy_stage(ws, model, resume: bool = False):
         learner = Learner(model, OptimConfig(), ws.contract.pad_token_id, ws.contract.sampling.temperature)
-        return run_stage(ws, "toy", model, learner, 3, lambda step: {"loss": float(step)}, checkpoint_every=2,
-                         resume=resume)
+        return run_stage(
+            ws, "toy", model, learner, 3, lambda step: {"loss": float(step)}, checkpoint_every=2, resume=resume
+        )
 
     try:
-        cfg = load_config(None, ["threads=1", f"model.path={tiny_model_dir}", "eval.num_tasks=0", "recipe=[toy]",
-                                 "audit.preflight=false", "limits.max_total_tokens=512", f"run_dir={tmp_path / 'run'}"])
+        cfg = load_config(
+            None,
+            [
+                "threads=1",
+                f"model.path={tiny_model_dir}",
+                "eval.num_tasks=0",
+                "recipe=[toy]",
+                "audit.preflight=false",
+                "limits.max_total_tokens=512",
+                f"run_dir={tmp_path / 'run'}",
+            ],
+        )
         result = run_recipe(cfg, show_progress=False)
         records = MetricsLog(tmp_path / "run" / "metrics.jsonl").read("toy")
         assert [r["loss"] for r in records] == [0.0, 1.0, 2.0]

@@ -16,12 +16,26 @@ from mentorrl.train.rft import rft_round_stats, rising, select_rft_data, task_ou
 from mentorrl.trajectory import RewardBreakdown, ToolCall, Trajectory
 
 
-def traj(i: int, task: str, success: bool, total: float | None = None, calls: list[tuple[str, dict]] = (),
-         finish: str = "answer", violations: list[str] | None = None) -> Trajectory:
+def traj(
+    i: int,
+    task: str,
+    success: bool,
+    total: float | None = None,
+    calls: list[tuple[str, dict]] = (),
+    finish: str = "answer",
+    violations: list[str] | None = None,
+) -> Trajectory:
     total = (1.2 if success else 0.0) if total is None else total
     return Trajectory(
-        id=f"t{i}", task_id=task, family="refund", token_ids=[1, 2, 3], loss_mask=[0, 1, 1], logprobs=[0.0] * 3,
-        env_name="orders", env_version="1.0", finish_reason=finish,
+        id=f"t{i}",
+        task_id=task,
+        family="refund",
+        token_ids=[1, 2, 3],
+        loss_mask=[0, 1, 1],
+        logprobs=[0.0] * 3,
+        env_name="orders",
+        env_version="1.0",
+        finish_reason=finish,
         tool_calls=[ToolCall(turn=k + 1, name=n, arguments=a, raw="") for k, (n, a) in enumerate(calls)],
         reward=RewardBreakdown(success=success, total=total, violations=violations or []),
     )
@@ -93,12 +107,16 @@ def test_gap_monitor_redone_steps_replace_records():
 
 def test_end_to_end_gap_in_report():
     audit = AuditConfig(reward_window=2)
-    grpo = [{"stage": "grpo", "step": i, "reward_mean": r, "rollouts": 8} for i, r in enumerate([0.0, 0.1, 0.5, 0.6], 1)]
+    grpo = [
+        {"stage": "grpo", "step": i, "reward_mean": r, "rollouts": 8} for i, r in enumerate([0.0, 0.1, 0.5, 0.6], 1)
+    ]
     gap = end_to_end_gap(grpo, before=0.30, after=0.25, audit=audit)
     assert gap["warning"] and gap["reward_delta"] == pytest.approx(0.5)
     assert not end_to_end_gap(grpo, before=0.30, after=0.45, audit=audit)["warning"]
-    evals = {"sft": {"n": 10, "success": 0.3, "success_ci95": [0.1, 0.6]}, "grpo": {"n": 10, "success": 0.25,
-                                                                               "success_ci95": [0.1, 0.5]}}
+    evals = {
+        "sft": {"n": 10, "success": 0.3, "success_ci95": [0.1, 0.6]},
+        "grpo": {"n": 10, "success": 0.25, "success_ci95": [0.1, 0.5]},
+    }
     rep = build_report(grpo, evals, audit, pre_rl_label="sft", final_label="grpo")
     assert rep["stages"]["grpo"]["rollouts"] == 32 and rep["audit"]["end_to_end"]["warning"]
     assert "WARNING: reward rose while held-out success did not" in report_markdown(rep)
@@ -106,8 +124,14 @@ def test_end_to_end_gap_in_report():
 
 # ----------------------------------------------------------------------- RFT ----
 def test_rft_round_stats_and_samples_to_success():
-    trajs = [traj(0, "a", False), traj(1, "a", True), traj(2, "b", False), traj(3, "b", False),
-             traj(4, "c", True), traj(5, "c", True)]
+    trajs = [
+        traj(0, "a", False),
+        traj(1, "a", True),
+        traj(2, "b", False),
+        traj(3, "b", False),
+        traj(4, "c", True),
+        traj(5, "c", True),
+    ]
     out = task_outcomes(trajs)
     assert (out["a"].first_success, out["c"].first_success, out["b"].first_success) == (2, 1, None)
     s = rft_round_stats(out)
@@ -123,7 +147,8 @@ def test_rft_selection_band_and_distinct_top_k():
     trajs = (
         [traj(0, "hard", True, 1.2, A), traj(1, "hard", True, 1.1, A), traj(2, "hard", True, 1.0, B)]
         + [traj(3 + i, "hard", False) for i in range(7)]  # 3/10: in band
-        + [traj(20 + i, "easy", True) for i in range(9)] + [traj(29, "easy", False)]  # 9/10: too easy
+        + [traj(20 + i, "easy", True) for i in range(9)]
+        + [traj(29, "easy", False)]  # 9/10: too easy
         + [traj(30 + i, "never", False) for i in range(10)]
     )
     kept, counts = select_rft_data(trajs, top_k=2, band=(0.05, 0.5))
@@ -142,23 +167,32 @@ def test_rft_stops_when_positive_rate_stops_rising():
 
 # ------------------------------------------------------------------ diagnose ----
 def _stats(**kw):
-    base = dict(success_rate=0.3, reward_zero_variance_group_share=0.3, tool_success=0.95, invalid_call_rate=0.0,
-                truncation_rate=0.05, violation_rate=0.0)
+    base = dict(
+        success_rate=0.3,
+        reward_zero_variance_group_share=0.3,
+        tool_success=0.95,
+        invalid_call_rate=0.0,
+        truncation_rate=0.05,
+        violation_rate=0.0,
+    )
     return {**base, **kw}
 
 
-@pytest.mark.parametrize("kw, code", [
-    (dict(success_rate=0.0, reward_zero_variance_group_share=1.0), "no_signal"),
-    (dict(success_rate=0.1), "low_success_with_spread"),
-    (dict(success_rate=0.97, reward_zero_variance_group_share=0.9), "saturated"),
-    (dict(tool_success=0.5), "tool_errors"),
-    (dict(timeout_rate=0.2), "tool_runtime"),
-    (dict(success_rate=0.33, reward_zero_variance_group_share=0.81), "polarized"),
-    (dict(invalid_call_rate=0.4), "invalid_calls"),
-    (dict(truncation_rate=0.5), "truncation"),
-    (dict(violation_rate=0.2), "violations"),
-    ({}, "healthy"),
-])
+@pytest.mark.parametrize(
+    "kw, code",
+    [
+        (dict(success_rate=0.0, reward_zero_variance_group_share=1.0), "no_signal"),
+        (dict(success_rate=0.1), "low_success_with_spread"),
+        (dict(success_rate=0.97, reward_zero_variance_group_share=0.9), "saturated"),
+        (dict(tool_success=0.5), "tool_errors"),
+        (dict(timeout_rate=0.2), "tool_runtime"),
+        (dict(success_rate=0.33, reward_zero_variance_group_share=0.81), "polarized"),
+        (dict(invalid_call_rate=0.4), "invalid_calls"),
+        (dict(truncation_rate=0.5), "truncation"),
+        (dict(violation_rate=0.2), "violations"),
+        ({}, "healthy"),
+    ],
+)
 def test_diagnosis_rules(kw, code):
     codes = [f.code for f in diagnose(_stats(**kw))]
     assert code in codes

@@ -24,24 +24,48 @@ def make_traj(i: int = 0, **kw) -> Trajectory:
         token_ids=[1, 2, 3, 4, 5, 6, 7, 8, 9][:n],
         loss_mask=[0, 0, 0, 1, 1, 0, 0, 1, 1],
         logprobs=[0.0, 0.0, 0.0, 0.1 + 0.2, -1e-9, 0.0, 0.0, -3.0000000000000004, -1 / 3],
-        segments=[Segment(role="prompt", start=0, end=3), Segment(role="policy", start=3, end=5),
-                  Segment(role="observation", start=5, end=7), Segment(role="policy", start=7, end=9)],
+        segments=[
+            Segment(role="prompt", start=0, end=3),
+            Segment(role="policy", start=3, end=5),
+            Segment(role="observation", start=5, end=7),
+            Segment(role="policy", start=7, end=9),
+        ],
         policy_version=7,
         env_name="orders",
         env_version="1.0",
         sampling={"temperature": 0.7, "top_p": 1.0, "max_new_tokens": 64},
         contract_fingerprint="0123456789abcdef",
         tool_calls=[
-            ToolCall(turn=1, name="issue_refund", arguments={"order_id": "O-1", "amount": 0.1 + 0.2}, raw="{...}",
-                     result={"refunded": 12.3, "nested": [1, None, "ü"]}, latency_s=1e-9),
-            ToolCall(turn=2, name=None, arguments=None, raw='{"name": ', error="malformed tool call: x",
-                     error_kind="malformed"),
+            ToolCall(
+                turn=1,
+                name="issue_refund",
+                arguments={"order_id": "O-1", "amount": 0.1 + 0.2},
+                raw="{...}",
+                result={"refunded": 12.3, "nested": [1, None, "ü"]},
+                latency_s=1e-9,
+            ),
+            ToolCall(
+                turn=2,
+                name=None,
+                arguments=None,
+                raw='{"name": ',
+                error="malformed tool call: x",
+                error_kind="malformed",
+            ),
         ],
         final_answer="Refunded $12.30 — done ✓",
         finish_reason="answer",
         num_turns=2,
-        reward=RewardBreakdown(task=1.0, tool=0.5, runtime=-0.25, format=1.0, success=True, violations=["v"],
-                               total=0.1 + 0.2 + 1.0, details={"diffs": [], "expected": 0.30000000000000004}),
+        reward=RewardBreakdown(
+            task=1.0,
+            tool=0.5,
+            runtime=-0.25,
+            format=1.0,
+            success=True,
+            violations=["v"],
+            total=0.1 + 0.2 + 1.0,
+            details={"diffs": [], "expected": 0.30000000000000004},
+        ),
         timings={"tool_s": 0.1 + 0.2, "total_s": -1e-9},
         source="expert",
     )
@@ -50,8 +74,11 @@ def make_traj(i: int = 0, **kw) -> Trajectory:
 
 
 def test_jsonl_round_trip_is_lossless(tmp_path):
-    trajs = [make_traj(0), make_traj(1, logprobs=[0.0, 0.0, 0.0] + AWKWARD_FLOATS[:6], reward=None),
-             make_traj(2, tool_calls=[], segments=[], final_answer=None, finish_reason="max_tokens")]
+    trajs = [
+        make_traj(0),
+        make_traj(1, logprobs=[0.0, 0.0, 0.0] + AWKWARD_FLOATS[:6], reward=None),
+        make_traj(2, tool_calls=[], segments=[], final_answer=None, finish_reason="max_tokens"),
+    ]
     path = tmp_path / "t.jsonl"
     assert write_jsonl(path, trajs) == 3
     back = list(read_jsonl(path))
@@ -88,11 +115,14 @@ def test_one_json_object_per_line(tmp_path):
     assert json.loads(lines[0])["final_answer"] == "line one\nline two"
 
 
-@pytest.mark.parametrize("field, value", [
-    ("loss_mask", [0, 1]),
-    ("logprobs", [0.0] * 10),
-    ("token_ids", [1, 2, 3]),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("loss_mask", [0, 1]),
+        ("logprobs", [0.0] * 10),
+        ("token_ids", [1, 2, 3]),
+    ],
+)
 def test_mismatched_lengths_raise(field, value):
     with pytest.raises(ValidationError, match="must have the same length"):
         make_traj(**{field: value})

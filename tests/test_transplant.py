@@ -32,8 +32,9 @@ def toks():
 @pytest.fixture(scope="module")
 def small_model(toks):
     old, _ = toks
-    spec = ModelSpec(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
-                     vocab_size=len(old))
+    spec = ModelSpec(
+        hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1, vocab_size=len(old)
+    )
     return build_model_for_vocab(len(old), spec, old.eos_token_id, old.pad_token_id).eval()
 
 
@@ -154,11 +155,13 @@ def test_cli_refuses_a_missing_tokenizer_dir_and_a_bad_tokenizer(tmp_path, toks,
     src = tmp_path / "src"
     old.save_pretrained(src)
     small_model.save_pretrained(src, safe_serialization=True)
-    res = CliRunner().invoke(app, ["transplant-vocab", str(src), str(tmp_path / "o"), "--tokenizer",
-                                   str(tmp_path / "nope")])
+    res = CliRunner().invoke(
+        app, ["transplant-vocab", str(src), str(tmp_path / "o"), "--tokenizer", str(tmp_path / "nope")]
+    )
     assert res.exit_code == 2
-    too_small = build_model_for_vocab(50, ModelSpec(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
-                                                    num_kv_heads=1, vocab_size=300))
+    too_small = build_model_for_vocab(
+        50, ModelSpec(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1, vocab_size=300)
+    )
     bad = tmp_path / "bad"
     old.save_pretrained(bad)
     too_small.save_pretrained(bad, safe_serialization=True)
@@ -167,8 +170,9 @@ def test_cli_refuses_a_missing_tokenizer_dir_and_a_bad_tokenizer(tmp_path, toks,
     assert not (tmp_path / "o2").exists()
 
 
-def test_cli_refuses_dirs_that_are_not_a_checkpoint_or_a_tokenizer_and_an_out_dir_that_is_a_file(tmp_path, toks,
-                                                                                                small_model):
+def test_cli_refuses_dirs_that_are_not_a_checkpoint_or_a_tokenizer_and_an_out_dir_that_is_a_file(
+    tmp_path, toks, small_model
+):
     old, new = toks
     src, tokdir, empty = tmp_path / "src", tmp_path / "tok", tmp_path / "empty"
     old.save_pretrained(src)
@@ -177,9 +181,11 @@ def test_cli_refuses_dirs_that_are_not_a_checkpoint_or_a_tokenizer_and_an_out_di
     empty.mkdir()
     a_file = tmp_path / "file"
     a_file.write_text("x")
-    for args in ([str(empty), str(tmp_path / "o1"), "--tokenizer", str(tokdir)],
-                 [str(src), str(tmp_path / "o2"), "--tokenizer", str(empty)],
-                 [str(src), str(a_file), "--tokenizer", str(tokdir)]):
+    for args in (
+        [str(empty), str(tmp_path / "o1"), "--tokenizer", str(tokdir)],
+        [str(src), str(tmp_path / "o2"), "--tokenizer", str(empty)],
+        [str(src), str(a_file), "--tokenizer", str(tokdir)],
+    ):
         res = CliRunner().invoke(app, ["transplant-vocab", *args])
         assert res.exit_code == 2, (args, res.output, res.exception)
         assert "transplant-vocab:" in res.output

@@ -85,8 +85,10 @@ def test_issue_false_rejects(env):
     o = next(o for o in make_world(over.seed).orders if o["id"] == over.reference["request"]["order_id"])
     refunded = sum(a for oid, a in make_world(over.seed).refunds if oid == o["id"])
     left = round(o["total"] - refunded, 2)
-    assert env.verify(f"The order total is ${o['total']:.2f}, ${refunded:.2f} was refunded before, so only "
-                      f"${left:.2f} is left to refund.").success
+    assert env.verify(
+        f"The order total is ${o['total']:.2f}, ${refunded:.2f} was refunded before, so only "
+        f"${left:.2f} is left to refund."
+    ).success
     addr = tasks_of("update_address", "normal")[0]
     req = addr.reference["request"]
     env.reset(addr)
@@ -99,8 +101,15 @@ def test_issue_false_rejects(env):
 CONSTANT = "Sorry: not found, no account, and it belongs to another customer."
 
 
-@pytest.mark.parametrize("family, kind", [("order_status", "unknown_order"), ("cancel_order", "unknown_customer"),
-                                          ("refund", "wrong_owner"), ("email_receipt", "wrong_owner")])
+@pytest.mark.parametrize(
+    "family, kind",
+    [
+        ("order_status", "unknown_order"),
+        ("cancel_order", "unknown_customer"),
+        ("refund", "wrong_owner"),
+        ("email_receipt", "wrong_owner"),
+    ],
+)
 def test_refusal_without_its_lookup_fails(env, family, kind):
     task = tasks_of(family, kind)[0]
     env.reset(task)
@@ -119,11 +128,14 @@ def test_not_found_needs_the_lookup_of_the_email_given(env):
     assert env.verify("No account was found with that email.").success
 
 
-@pytest.mark.parametrize("answer", [
-    "It does belong to you, and it is now cancelled.",
-    "I couldn't find it at first, but it's done.",
-    "It belongs to you; I cancelled it.",
-])
+@pytest.mark.parametrize(
+    "answer",
+    [
+        "It does belong to you, and it is now cancelled.",
+        "I couldn't find it at first, but it's done.",
+        "It belongs to you; I cancelled it.",
+    ],
+)
 def test_keyword_with_contradicting_claim_fails(env, answer):
     task = tasks_of("cancel_order", "wrong_owner")[0]
     play(env, task)
@@ -170,8 +182,13 @@ def test_negated_and_hedged_facts_fail(env):
     stock = next(t for t in tasks_of("stock_check", "normal", 40) if t.reference["expected"] >= 4)
     play(env, stock)
     n = stock.reference["expected"]
-    for bad in (f"We do not have {n}.", f"{n - 1}, or possibly {word(n)}, or {n + 1}-ish.", f"About {n}.",
-                f"At least {n}.", f"{n} or so."):
+    for bad in (
+        f"We do not have {n}.",
+        f"{n - 1}, or possibly {word(n)}, or {n + 1}-ish.",
+        f"About {n}.",
+        f"At least {n}.",
+        f"{n} or so.",
+    ):
         assert not env.verify(bad).success, bad
     assert env.verify(f"We have {n}.").success
 
@@ -180,8 +197,11 @@ STATUSES = ["pending", "processing", "shipped", "delivered", "cancelled"]
 
 
 @settings(max_examples=60, deadline=None)
-@given(true=st.sampled_from(STATUSES), other=st.sampled_from(STATUSES),
-       frame=st.sampled_from(["Order O-7 is {}.", "It's {} right now.", "Status: {}.", "{}!"]))
+@given(
+    true=st.sampled_from(STATUSES),
+    other=st.sampled_from(STATUSES),
+    frame=st.sampled_from(["Order O-7 is {}.", "It's {} right now.", "Status: {}.", "{}!"]),
+)
 def test_status_reading_property(true, other, frame):
     """The true status affirmed alone is read as such; adding another value or negating it never is."""
     said = read_answer(frame.format(true))
@@ -231,11 +251,17 @@ def test_wrong_order_of_the_same_customer_and_over_asked_refund_are_violations(e
     assert env.step("issue_refund", {"order_id": req["order_id"], "amount": req["amount"] + 0.5}).ok
     v = env.verify(f"Refunded ${req['amount']:.2f}.")
     assert v.violations and compose(v).total == -1.0
-    mail = next(t for t in tasks_of("email_receipt", "normal", 30)
-                if sum(o["customer_id"] == t.reference["customer_id"] for o in make_world(t.seed).orders) > 1)
+    mail = next(
+        t
+        for t in tasks_of("email_receipt", "normal", 30)
+        if sum(o["customer_id"] == t.reference["customer_id"] for o in make_world(t.seed).orders) > 1
+    )
     req = mail.reference["request"]
-    other_order = next(o["id"] for o in make_world(mail.seed).orders
-                       if o["customer_id"] == mail.reference["customer_id"] and o["id"] != req["order_id"])
+    other_order = next(
+        o["id"]
+        for o in make_world(mail.seed).orders
+        if o["customer_id"] == mail.reference["customer_id"] and o["id"] != req["order_id"]
+    )
     env.reset(mail)
     cid = env.step("find_customer", {"email": req["email"]}).content["customer_id"]
     assert env.step("send_email", {"customer_id": cid, "order_id": other_order}).ok
@@ -279,8 +305,9 @@ def test_no_term_pays_for_doing_nothing():
 
 
 def test_a_necessary_failed_lookup_is_not_penalised():
-    miss = ToolCall(turn=1, name="find_customer", arguments={"email": "a@b.c"}, raw="", error="no customer",
-                    error_kind="not_found")
+    miss = ToolCall(
+        turn=1, name="find_customer", arguments={"email": "a@b.c"}, raw="", error="no customer", error_kind="not_found"
+    )
     honest = compose(Verdict(success=True), [miss])
     assert honest.tool == 1.0 and honest.runtime == 0.0 and honest.total == pytest.approx(1.2)
     guessing = compose(Verdict(success=True), [miss, miss.model_copy(update={"arguments": {"email": "x@y.z"}})])
@@ -303,14 +330,18 @@ def test_honest_refusals_score_as_high_as_any_success(env, tokenizer):
 
 def test_a_second_value_for_the_checked_quantity_fails(env):
     """A price may stand beside a stock count, but two stock counts are a hedge even without "or"."""
-    task = next(t for t in tasks_of("stock_check", "normal", 40)
-                if make_world(t.seed).product(t.reference["check"]["product_id"])["price"] != t.reference["expected"]
-                and t.reference["expected"] > 0)
+    task = next(
+        t
+        for t in tasks_of("stock_check", "normal", 40)
+        if make_world(t.seed).product(t.reference["check"]["product_id"])["price"] != t.reference["expected"]
+        and t.reference["expected"] > 0
+    )
     play(env, task)
     n = task.reference["expected"]
     price = make_world(task.seed).product(task.reference["check"]["product_id"])["price"]
     assert env.verify(f"We have {n} in stock at ${price:.2f} each.").success
     assert not env.verify(f"We have {price:g}. We have {n}.").success
+
     def refunded_before(t: Task) -> float:
         return make_world(t.seed).refunded(t.reference["request"]["order_id"])
 
@@ -339,8 +370,12 @@ def test_reading_is_fast_on_long_hostile_text():
 
 
 @settings(max_examples=120, deadline=None)
-@given(st.text(max_size=300) | st.from_regex(r"[0-9$., a-z]{0,80}", fullmatch=True)
-       | st.just("9" * 400) | st.just("\ud800 not shipped"))
+@given(
+    st.text(max_size=300)
+    | st.from_regex(r"[0-9$., a-z]{0,80}", fullmatch=True)
+    | st.just("9" * 400)
+    | st.just("\ud800 not shipped")
+)
 def test_verify_never_raises_on_any_answer(text):
     env = OrdersEnv()
     try:
@@ -355,8 +390,16 @@ def test_verify_never_raises_on_any_answer(text):
 
 # (family, kind) -> the fact that paraphrases state, and how to make it false
 FALSIFY = {
-    ("order_status", "normal"): ("status", lambda s: {"pending": "shipped", "processing": "delivered", "shipped":
-                                                      "pending", "delivered": "processing", "cancelled": "shipped"}[s]),
+    ("order_status", "normal"): (
+        "status",
+        lambda s: {
+            "pending": "shipped",
+            "processing": "delivered",
+            "shipped": "pending",
+            "delivered": "processing",
+            "cancelled": "shipped",
+        }[s],
+    ),
     ("stock_check", "normal"): ("stock", lambda n: n + 1),
     ("order_count", "normal"): ("count", lambda n: n + 1),
     ("cancel_order", "not_cancellable"): ("status", lambda s: "pending"),
@@ -394,8 +437,10 @@ def test_every_paraphrase_of_a_false_fact_fails(env, family, kind):
 def test_junk_not_found_lookups_cannot_pad_the_tool_share():
     ok = ToolCall(turn=1, name="get_order", arguments={"order_id": "O-1"}, raw="", result={"x": 1})
     bad = ToolCall(turn=2, name="cancel_order", arguments={"order_id": "O-1"}, raw="", error="no", error_kind="policy")
-    junk = [ToolCall(turn=3 + i, name=n, arguments={"k": "zz"}, raw="", error="no", error_kind="not_found")
-            for i, n in enumerate(["find_customer", "check_inventory", "list_orders"])]
+    junk = [
+        ToolCall(turn=3 + i, name=n, arguments={"k": "zz"}, raw="", error="no", error_kind="not_found")
+        for i, n in enumerate(["find_customer", "check_inventory", "list_orders"])
+    ]
     base = compose(Verdict(success=True), [ok, bad])
     padded = compose(Verdict(success=True), [ok, bad, *junk])
     assert padded.tool == base.tool == 0.5 and padded.total == base.total

@@ -72,17 +72,26 @@ def recompute(model, prompt, ids) -> list[float]:
 
 
 def max_gap(model, prompts, gens) -> float:
-    return max(max(abs(a - b) for a, b in zip(recompute(model, p, g.token_ids), g.logprobs))
-               for p, g in zip(prompts, gens) if g.token_ids)
+    return max(
+        max(abs(a - b) for a, b in zip(recompute(model, p, g.token_ids), g.logprobs))
+        for p, g in zip(prompts, gens)
+        if g.token_ids
+    )
 
 
 def generate(be, contract, prompts, seed=0):
-    return be.generate(prompts, temperature=T, max_tokens=[24] * len(prompts), stop_ids=contract.stop_token_ids,
-                       seeds=[seed + i for i in range(len(prompts))])
+    return be.generate(
+        prompts,
+        temperature=T,
+        max_tokens=[24] * len(prompts),
+        stop_ids=contract.stop_token_ids,
+        seeds=[seed + i for i in range(len(prompts))],
+    )
 
 
-def test_the_turn_driver_over_the_narrow_interface_records_the_learners_logprobs(policy_copy, contract, orders_entry,
-                                                                                 orders_tasks):
+def test_the_turn_driver_over_the_narrow_interface_records_the_learners_logprobs(
+    policy_copy, contract, orders_entry, orders_tasks
+):
     """drive_episodes with the hf backend's one-turn generate: multi-turn episodes assembled in
     mentorrl from token ids in / ids and log-probs out, passing the consistency checks."""
     from mentorrl.models.batch import collate, forward_logprobs
@@ -153,16 +162,18 @@ def test_follow_pushes_only_changed_weights(engine, policy_copy):
 
 @pytest.mark.vllm
 @needs_vllm
-def test_rollout_tasks_through_vllm_pass_the_consistency_checks(engine, policy_copy, contract, orders_entry,
-                                                                 orders_tasks):
+def test_rollout_tasks_through_vllm_pass_the_consistency_checks(
+    engine, policy_copy, contract, orders_entry, orders_tasks
+):
     from mentorrl.models.batch import collate, forward_logprobs
     from mentorrl.rollout.backends import backend_of
     from mentorrl.rollout.runner import rollout_tasks
     from mentorrl.train.consistency import batch_checks, logprob_gap_metrics
 
     engine.follow(policy_copy, 5)
-    trajs = rollout_tasks(policy_copy, contract, orders_entry.make_env, orders_tasks[:6], policy_version=5, seed=3,
-                          backend=engine)
+    trajs = rollout_tasks(
+        policy_copy, contract, orders_entry.make_env, orders_tasks[:6], policy_version=5, seed=3, backend=engine
+    )
     assert len(trajs) == 6 and all(t.task_id == task.id for t, task in zip(trajs, orders_tasks[:6]))
     assert backend_of(trajs) == "vllm"
     assert backend_of(rollout_tasks(policy_copy, contract, orders_entry.make_env, orders_tasks[:2])) == "hf"
@@ -236,16 +247,30 @@ def test_sft_then_grpo_two_steps_with_the_vllm_backend(tiny_model_dir, tmp_path,
     monkeypatch.setattr(BackendChoice, "close", close)
 
     run = tmp_path / "run"
-    cfg = RunConfig.model_validate({
-        "run_dir": str(run), "recipe": ["sft", "grpo"], "threads": 1, "model": {"path": str(tiny_model_dir)},
-        "audit": {"preflight": False}, "eval": {"num_tasks": 4, "batch_size": 4},
-        "sampling": {"temperature": T, "max_new_tokens": 12}, "limits": {"max_turns": 3, "max_total_tokens": 1024},
-        "sft": {"steps": 3, "num_demos": 16, "batch_size": 8},
-        # kl_coef > 0 updates even all-zero-advantage groups, and weight decay moves every weight at each update
-        "grpo": {"steps": 2, "tasks_per_step": 2, "samples_per_task": 2, "updates_per_step": 1, "checkpoint_every": 2,
-                 "kl_coef": 0.01, "optim": {"lr": 5e-4, "weight_decay": 0.5}},
-        "rollout": {"backend": "vllm"},
-    })
+    cfg = RunConfig.model_validate(
+        {
+            "run_dir": str(run),
+            "recipe": ["sft", "grpo"],
+            "threads": 1,
+            "model": {"path": str(tiny_model_dir)},
+            "audit": {"preflight": False},
+            "eval": {"num_tasks": 4, "batch_size": 4},
+            "sampling": {"temperature": T, "max_new_tokens": 12},
+            "limits": {"max_turns": 3, "max_total_tokens": 1024},
+            "sft": {"steps": 3, "num_demos": 16, "batch_size": 8},
+            # kl_coef > 0 updates even all-zero-advantage groups, and weight decay moves every weight at each update
+            "grpo": {
+                "steps": 2,
+                "tasks_per_step": 2,
+                "samples_per_task": 2,
+                "updates_per_step": 1,
+                "checkpoint_every": 2,
+                "kl_coef": 0.01,
+                "optim": {"lr": 5e-4, "weight_decay": 0.5},
+            },
+            "rollout": {"backend": "vllm"},
+        }
+    )
     run_recipe(cfg, show_progress=False)
     assert len(closed) == 1
     syncs = closed[0]
@@ -272,15 +297,28 @@ def test_sft_then_sao_with_the_vllm_backend(tiny_model_dir, tmp_path):
     from mentorrl.train.pipeline import run_recipe
 
     run = tmp_path / "run"
-    cfg = RunConfig.model_validate({
-        "run_dir": str(run), "recipe": ["sft", "sao"], "threads": 1, "model": {"path": str(tiny_model_dir)},
-        "audit": {"preflight": False, "eval_every": 1, "eval_tasks": 2}, "eval": {"num_tasks": 4, "batch_size": 4},
-        "sampling": {"temperature": T, "max_new_tokens": 12}, "limits": {"max_turns": 3, "max_total_tokens": 1024},
-        "sft": {"steps": 3, "num_demos": 16, "batch_size": 8},
-        "sao": {"steps": 4, "batch_size": 4, "critic": {"warmup_steps": 0}, "checkpoint_every": 2,
-                "rollout": {"slots": 4, "max_staleness": 1, "stale": "drop"}, "optim": {"lr": 5e-4}},
-        "rollout": {"backend": "vllm"},
-    })
+    cfg = RunConfig.model_validate(
+        {
+            "run_dir": str(run),
+            "recipe": ["sft", "sao"],
+            "threads": 1,
+            "model": {"path": str(tiny_model_dir)},
+            "audit": {"preflight": False, "eval_every": 1, "eval_tasks": 2},
+            "eval": {"num_tasks": 4, "batch_size": 4},
+            "sampling": {"temperature": T, "max_new_tokens": 12},
+            "limits": {"max_turns": 3, "max_total_tokens": 1024},
+            "sft": {"steps": 3, "num_demos": 16, "batch_size": 8},
+            "sao": {
+                "steps": 4,
+                "batch_size": 4,
+                "critic": {"warmup_steps": 0},
+                "checkpoint_every": 2,
+                "rollout": {"slots": 4, "max_staleness": 1, "stale": "drop"},
+                "optim": {"lr": 5e-4},
+            },
+            "rollout": {"backend": "vllm"},
+        }
+    )
     run_recipe(cfg, show_progress=False)
     recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     sao = [r for r in recs if r["stage"] == "sao"]
@@ -310,16 +348,23 @@ def test_grpo_and_sao_on_ray_actors_decode_with_vllm(tiny_model_dir, tmp_path):
     from mentorrl.train.pipeline import run_recipe
 
     run = tmp_path / "run"
-    cfg = RunConfig.model_validate({
-        "run_dir": str(run), "recipe": ["sft", "grpo", "sao"], "threads": 1, "model": {"path": str(tiny_model_dir)},
-        "audit": {"preflight": False}, "eval": {"num_tasks": 0},
-        "sampling": {"temperature": T, "max_new_tokens": 12}, "limits": {"max_turns": 3, "max_total_tokens": 1024},
-        "sft": {"steps": 3, "num_demos": 16, "batch_size": 8},
-        "grpo": {"steps": 2, "tasks_per_step": 2, "samples_per_task": 2, "kl_coef": 0.01, "optim": {"lr": 5e-4}},
-        "sao": {"steps": 2, "batch_size": 4, "critic": {"warmup_steps": 0}, "rollout": {"slots": 4}},
-        "rollout": {"backend": "vllm"},
-        "distributed": {"backend": "ray", "rollout_workers": 1},
-    })
+    cfg = RunConfig.model_validate(
+        {
+            "run_dir": str(run),
+            "recipe": ["sft", "grpo", "sao"],
+            "threads": 1,
+            "model": {"path": str(tiny_model_dir)},
+            "audit": {"preflight": False},
+            "eval": {"num_tasks": 0},
+            "sampling": {"temperature": T, "max_new_tokens": 12},
+            "limits": {"max_turns": 3, "max_total_tokens": 1024},
+            "sft": {"steps": 3, "num_demos": 16, "batch_size": 8},
+            "grpo": {"steps": 2, "tasks_per_step": 2, "samples_per_task": 2, "kl_coef": 0.01, "optim": {"lr": 5e-4}},
+            "sao": {"steps": 2, "batch_size": 4, "critic": {"warmup_steps": 0}, "rollout": {"slots": 4}},
+            "rollout": {"backend": "vllm"},
+            "distributed": {"backend": "ray", "rollout_workers": 1},
+        }
+    )
     ray.init(num_cpus=2, include_dashboard=False, logging_level="warning")
     try:
         run_recipe(cfg, show_progress=False)

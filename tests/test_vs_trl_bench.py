@@ -15,8 +15,16 @@ import pytest
 from transformers.utils.chat_template_utils import get_json_schema, render_jinja_template
 
 from mentorrl.chat import prompt_text
-from mentorrl.contract import (CHAT_TEMPLATE, ContractLimits, PromptFormat, SamplingParams, chat_template_for,
-                               contract_for_env, observation_text, tool_schemas)
+from mentorrl.contract import (
+    CHAT_TEMPLATE,
+    ContractLimits,
+    PromptFormat,
+    SamplingParams,
+    chat_template_for,
+    contract_for_env,
+    observation_text,
+    tool_schemas,
+)
 from mentorrl.rewards.compose import RewardWeights
 from mentorrl.rollout.episode import run_scripted_episode
 
@@ -54,7 +62,9 @@ def base_tokenizer():
 
 
 def _render(template: str, messages, tools=None, **kw) -> str:
-    return render_jinja_template([messages], tools=tools, chat_template=template, add_generation_prompt=True, **kw)[0][0]
+    return render_jinja_template([messages], tools=tools, chat_template=template, add_generation_prompt=True, **kw)[0][
+        0
+    ]
 
 
 # ------------------------------------------------------------------------------ tools -------------
@@ -67,20 +77,32 @@ def test_tool_methods_render_the_contract_signatures(b, orders):
         got, want = get_json_schema(m)["function"], s["function"]
         assert got["name"] == want["name"] and got["description"] == want["description"]
         assert list(got["parameters"]["properties"]) == list(want["parameters"]["properties"])
-        assert [p["type"] for p in got["parameters"]["properties"].values()] == \
-            [p["type"] for p in want["parameters"]["properties"].values()]
+        assert [p["type"] for p in got["parameters"]["properties"].values()] == [
+            p["type"] for p in want["parameters"]["properties"].values()
+        ]
         assert got["parameters"]["required"] == want["parameters"]["required"]
     messages = [{"role": "system", "content": system_prompt}, {"role": "user", "content": "Where is order O-1?"}]
     for desc in (True, False):  # TRL passes bound methods as tools=; mentorrl's template renders its system turn
-        assert _render(CHAT_TEMPLATE, messages, methods, tool_descriptions=desc) == \
-            prompt_text(messages, tools=schemas, tool_descriptions=desc)
+        assert _render(CHAT_TEMPLATE, messages, methods, tool_descriptions=desc) == prompt_text(
+            messages, tools=schemas, tool_descriptions=desc
+        )
 
 
 def test_optional_and_untyped_arguments(b):
-    m = b.tool_method({"type": "function", "function": {
-        "name": "lookup", "description": "Find  a\nthing.",
-        "parameters": {"type": "object", "properties": {"q": {"type": "string"}, "limit": {"type": "integer"},
-                                                         "extra": {}}, "required": ["q"]}}})
+    m = b.tool_method(
+        {
+            "type": "function",
+            "function": {
+                "name": "lookup",
+                "description": "Find  a\nthing.",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"q": {"type": "string"}, "limit": {"type": "integer"}, "extra": {}},
+                    "required": ["q"],
+                },
+            },
+        }
+    )
     sig = inspect.signature(m)
     assert list(sig.parameters) == ["self", "q", "limit", "extra"]
     assert sig.parameters["q"].default is inspect.Parameter.empty and sig.parameters["limit"].default is None
@@ -122,11 +144,15 @@ def test_the_recipes_template_renders_the_trl_prompt(orders):
     # tools given (TRL always passes them) but no system turn, as the demo contract renders
     assert _render(tpl, user, schemas) == prompt_text(user)
     # a tool result after a tool call renders as the contract's observation
-    call = {"role": "assistant", "content": None,
-            "tool_calls": [{"type": "function", "function": {"name": "get_order", "arguments": {"order_id": "O-7"}}}]}
+    call = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [{"type": "function", "function": {"name": "get_order", "arguments": {"order_id": "O-7"}}}],
+    }
     before = render_jinja_template([[*user, call]], chat_template=tpl)[0][0]
-    after = _render(tpl, [*user, call, {"role": "tool", "name": "get_order", "content": '{"status": "shipped"}'}],
-                    schemas)
+    after = _render(
+        tpl, [*user, call, {"role": "tool", "name": "get_order", "content": '{"status": "shipped"}'}], schemas
+    )
     assert before.endswith("<|im_end|>\n")
     assert after == before.removesuffix("\n") + observation_text('{"status": "shipped"}')
 
@@ -145,22 +171,28 @@ def test_trl_episode_end(b):
     assert b.trl_episode_end([ask, tool] * 5 + [ask], "<tool_call>...", True, 6)[:2] == (None, "max_turns")
     assert b.trl_episode_end([ask, tool, ask], "<tool_call>...", True, 6)[:2] == (None, "max_tokens")
     # TRL's parser fell back to text where mentorrl reads a (malformed) tool call: no answer
-    final, reason, action = b.trl_episode_end([ask, tool, {"role": "assistant", "content": "x"}],
-                                              '<tool_call>{"name": "get_order", "arguments": {}', True, 6)
+    final, reason, action = b.trl_episode_end(
+        [ask, tool, {"role": "assistant", "content": "x"}], '<tool_call>{"name": "get_order", "arguments": {}', True, 6
+    )
     assert (final, reason, action.kind) == (None, "unparsed", "malformed")
 
 
 def test_last_turn_text(b):
-    text = ('<tool_call>{"name": "a"}</tool_call><|im_end|>\n<|im_start|>tool\n{}<|im_end|>\n'
-            "<|im_start|>assistant\nDone.<|im_end|>")
+    text = (
+        '<tool_call>{"name": "a"}</tool_call><|im_end|>\n<|im_start|>tool\n{}<|im_end|>\n'
+        "<|im_start|>assistant\nDone.<|im_end|>"
+    )
     assert b.last_turn_text(text, True) == "Done."
     assert b.last_turn_text("Done, cut", False) == "Done, cut"
 
 
 def test_refused_calls(b):
     names = {"get_order"}
-    msgs = [{"role": "assistant", "tool_calls": [_call("nope", {}), _call("get_order", [1]), _call("get_order", {})]},
-            {"role": "tool", "content": "x"}, {"role": "assistant", "tool_calls": [_call("nope", {})]}]
+    msgs = [
+        {"role": "assistant", "tool_calls": [_call("nope", {}), _call("get_order", [1]), _call("get_order", {})]},
+        {"role": "tool", "content": "x"},
+        {"role": "assistant", "tool_calls": [_call("nope", {})]},
+    ]
     assert b.refused_calls(msgs, names, max_turns=6) == [("nope", {}), ("get_order", [1]), ("nope", {})]
     # the max_turns-th turn's calls never ran
     assert b.refused_calls(msgs, names, max_turns=2) == [("nope", {}), ("get_order", [1])]
@@ -171,8 +203,10 @@ def _trl_messages_of(traj) -> list[dict]:
     """The completion TRL would hold for a mentorrl trajectory: assistant turns and tool results."""
     out = []
     for c in traj.tool_calls:
-        out += [{"role": "assistant", "content": "", "tool_calls": [_call(c.name, c.arguments)]},
-                {"role": "tool", "name": c.name, "content": None}]
+        out += [
+            {"role": "assistant", "content": "", "tool_calls": [_call(c.name, c.arguments)]},
+            {"role": "tool", "name": c.name, "content": None},
+        ]
     return out + [{"role": "assistant", "content": traj.final_answer}]
 
 
@@ -181,13 +215,24 @@ def test_bridge_scores_like_mentorrl(b, orders, base_tokenizer):
     entry, schemas, _ = orders
     env = entry.make_env()
     try:
-        contract = contract_for_env(base_tokenizer, env, SamplingParams(max_new_tokens=64),
-                                    ContractLimits(max_turns=6, max_total_tokens=768), PromptFormat(system_turn=False))
+        contract = contract_for_env(
+            base_tokenizer,
+            env,
+            SamplingParams(max_new_tokens=64),
+            ContractLimits(max_turns=6, max_total_tokens=768),
+            PromptFormat(system_turn=False),
+        )
     finally:
         env.close()
     tasks = entry.make_tasks().tasks("train", n=12, seed=3)
-    ctx = SimpleNamespace(make_env=entry.make_env, contract=contract, weights=RewardWeights(), tasks=tasks,
-                          max_turns=6, tool_names=[s["function"]["name"] for s in schemas])
+    ctx = SimpleNamespace(
+        make_env=entry.make_env,
+        contract=contract,
+        weights=RewardWeights(),
+        tasks=tasks,
+        max_turns=6,
+        tool_names=[s["function"]["name"] for s in schemas],
+    )
     cls = b.environment_class(schemas)
     trl_env, ref_env = cls(ctx), entry.make_env()
     checked = 0
@@ -209,9 +254,11 @@ def test_bridge_scores_like_mentorrl(b, orders, base_tokenizer):
         # a call TRL refused itself (unknown tool) is charged as mentorrl's registry answers it
         task = tasks[0]
         trl_env.reset(task_index=0)
-        msgs = [{"role": "assistant", "content": "", "tool_calls": [_call("delete_everything", {})]},
-                {"role": "tool", "name": "delete_everything", "content": "{'error': 'Tool not found'}"},
-                {"role": "assistant", "content": "Done."}]
+        msgs = [
+            {"role": "assistant", "content": "", "tool_calls": [_call("delete_everything", {})]},
+            {"role": "tool", "name": "delete_everything", "content": "{'error': 'Tool not found'}"},
+            {"role": "assistant", "content": "Done."},
+        ]
         ids = contract.policy_turn_ids("Done.")
         trl_env._score(msgs, ids)
         assert trl_env._last["refused_calls"] == 1
@@ -227,30 +274,48 @@ def test_task_draw_is_mentorrls(b, orders):
 
     entry, _, _ = orders
     seed, steps, per_step = 4, 3, 5
-    ws = SimpleNamespace(cfg=SimpleNamespace(seed=seed),
-                         train_tasks=lambda n, s: entry.make_tasks().tasks(split="train", n=n, seed=s))
+    ws = SimpleNamespace(
+        cfg=SimpleNamespace(seed=seed), train_tasks=lambda n, s: entry.make_tasks().tasks(split="train", n=n, seed=s)
+    )
     pool = train_pool(ws, per_step, steps)
     drawn = b.grpo_step_tasks(entry, seed, steps, per_step)
     assert len(drawn) == steps and all(len(d) == per_step for d in drawn)
     ids = {t.id for t in pool}
     assert all(t.id in ids for d in drawn for t in d)
     import random
+
     # the GRPO stage's per-step draw (mentorrl.train.recipes.grpo.grpo_stage)
     assert [t.id for t in drawn[2]] == [t.id for t in random.Random(seed * 1_000_003 + 17 * 2 + 1).sample(pool, 5)]
 
 
 # ----------------------------------------------------------------------------- summary ------------
 def _step(step, cpu, rollout_cpu, traj=128, tokens=7000, success=0.5):
-    return {"step": step, "step_cpu_s": cpu, "step_wall_s": cpu * 1.1, "rollout_cpu_s": rollout_cpu,
-            "rollout_wall_s": rollout_cpu * 1.1, "update_cpu_s": cpu - rollout_cpu,
-            "update_wall_s": (cpu - rollout_cpu) * 1.1, "trajectories": traj, "policy_tokens": tokens,
-            "success": success, "reward_mean": success}
+    return {
+        "step": step,
+        "step_cpu_s": cpu,
+        "step_wall_s": cpu * 1.1,
+        "rollout_cpu_s": rollout_cpu,
+        "rollout_wall_s": rollout_cpu * 1.1,
+        "update_cpu_s": cpu - rollout_cpu,
+        "update_wall_s": (cpu - rollout_cpu) * 1.1,
+        "trajectories": traj,
+        "policy_tokens": tokens,
+        "success": success,
+        "reward_mean": success,
+    }
 
 
 def test_rep_metrics_skips_warmup_and_sums_before_dividing(b):
-    res = {"arm": "trl", "rep": 0, "peak_rss_mib": 900.0,
-           "steps": [_step(0, 100.0, 90.0), _step(1, 20.0, 8.0, tokens=6000), _step(2, 30.0, 12.0, tokens=8000,
-                                                                                        success=0.25)]}
+    res = {
+        "arm": "trl",
+        "rep": 0,
+        "peak_rss_mib": 900.0,
+        "steps": [
+            _step(0, 100.0, 90.0),
+            _step(1, 20.0, 8.0, tokens=6000),
+            _step(2, 30.0, 12.0, tokens=8000, success=0.25),
+        ],
+    }
     m = b.rep_metrics(res, warmup=1)
     assert m["steps"] == 2 and m["step_cpu_s_per_step"] == 25.0 and m["rollout_cpu_s_per_step"] == 10.0
     assert m["update_cpu_s_per_step"] == 15.0
@@ -266,9 +331,14 @@ def test_summary_medians_paired_ratios_and_targets(b):
     def run(arm, rep, cpu, rollout, rss):
         return {"arm": arm, "rep": rep, "peak_rss_mib": rss, "steps": [_step(0, 1.0, 1.0), _step(1, cpu, rollout)]}
 
-    results = {"trl": [run("trl", 0, 20.0, 8.0, 1000), run("trl", 1, 40.0, 16.0, 1000), run("trl", 2, 22.0, 8.0, 1000)],
-               "mentorrl": [run("mentorrl", 0, 10.0, 4.0, 500), run("mentorrl", 1, 5.0, 2.0, 600),
-                            run("mentorrl", 2, 11.0, 2.0, 700)]}
+    results = {
+        "trl": [run("trl", 0, 20.0, 8.0, 1000), run("trl", 1, 40.0, 16.0, 1000), run("trl", 2, 22.0, 8.0, 1000)],
+        "mentorrl": [
+            run("mentorrl", 0, 10.0, 4.0, 500),
+            run("mentorrl", 1, 5.0, 2.0, 600),
+            run("mentorrl", 2, 11.0, 2.0, 700),
+        ],
+    }
     s = b.summarize(results, warmup=1)
     assert s["arms"]["trl"]["step_cpu_s_per_step"] == 22.0 and s["arms"]["mentorrl"]["step_cpu_s_per_step"] == 10.0
     # per-rep ratios 2, 8, 2 -> median 2 (the ratio of the medians would be 2.2)
@@ -292,13 +362,18 @@ def test_summary_medians_paired_ratios_and_targets(b):
 def test_ratio_intervals_and_merged_runs(b, tmp_path):
     """Targets carry the per-rep range and a 95% interval of the geometric mean; ``--summarize`` pools the
     reps of several runs, pairing arms within each run only."""
+
     def run(arm, rep, cpu, rollout):
         return {"arm": arm, "rep": rep, "peak_rss_mib": 1.0, "steps": [_step(0, 1.0, 1.0), _step(1, cpu, rollout)]}
 
     def doc(ratios):
-        return {"settings": {"warmup": 1},
-                "runs": {"trl": [run("trl", r, 20.0, 8.0) for r in range(len(ratios))],
-                         "mentorrl": [run("mentorrl", r, 20.0 / x, 8.0 / x) for r, x in enumerate(ratios)]}}
+        return {
+            "settings": {"warmup": 1},
+            "runs": {
+                "trl": [run("trl", r, 20.0, 8.0) for r in range(len(ratios))],
+                "mentorrl": [run("mentorrl", r, 20.0 / x, 8.0 / x) for r, x in enumerate(ratios)],
+            },
+        }
 
     one = b.summarize(doc([4.0, 5.0, 6.0])["runs"], warmup=1)["targets"]["trajectories_per_cpu_s"]
     assert one["ratio"] == pytest.approx(5.0) and one["met"] and (one["min"], one["max"]) == pytest.approx((4.0, 6.0))
@@ -326,12 +401,26 @@ def test_child_command_carries_every_setting(b, tmp_path):
     assert child.arm == "trl" and child.rep == 2 and child.seed == 7 and child.trl_micro_batch == 16
     assert child.steps == 4 and child.lr == args.lr and child.eps_high == 0.28 and child.max_turns == 6
     ov = b.mentorrl_overrides(child, tmp_path / "run")
-    for want in ("grpo.eps_low=0.2", "grpo.eps_high=0.28", "grpo.optim.lr=0.0001", "grpo.guide=none",
-                 "grpo.steps=5", "grpo.tasks_per_step=16", "grpo.samples_per_task=8", "sampling.max_new_tokens=64",
-                 "limits.max_turns=6", "eval.num_tasks=0", "seed=7"):
+    for want in (
+        "grpo.eps_low=0.2",
+        "grpo.eps_high=0.28",
+        "grpo.optim.lr=0.0001",
+        "grpo.guide=none",
+        "grpo.steps=5",
+        "grpo.tasks_per_step=16",
+        "grpo.samples_per_task=8",
+        "sampling.max_new_tokens=64",
+        "limits.max_turns=6",
+        "eval.num_tasks=0",
+        "seed=7",
+    ):
         assert want in ov
     kw = b.trl_config_kwargs(child, 700, False, True, str(tmp_path))
-    assert (kw["per_device_train_batch_size"], kw["gradient_accumulation_steps"], kw["steps_per_generation"]) == (16, 4, 8)
+    assert (kw["per_device_train_batch_size"], kw["gradient_accumulation_steps"], kw["steps_per_generation"]) == (
+        16,
+        4,
+        8,
+    )
     assert kw["per_device_train_batch_size"] * kw["steps_per_generation"] == 128  # one rollout batch per generation
     assert kw["max_steps"] == 10 and kw["max_tool_calling_iterations"] == 5 and kw["epsilon_high"] == 0.28
     assert kw["chat_template_kwargs"] == {"system_turn": False, "tool_descriptions": True}

@@ -37,13 +37,33 @@ class NotesEnv:
         self.conn: sqlite3.Connection | None = None
         self.task: Task | None = None
         self.read: set[str] = set()  # keys this episode looked up: the evidence an answer may use
-        self.registry = ToolRegistry([
-            Tool("get_note", "read a note", {"type": "object", "properties": {"key": {"type": "string"}},
-                                             "required": ["key"], "additionalProperties": False}, self._get),
-            Tool("set_note", "overwrite a note", {"type": "object", "properties": {
-                "key": {"type": "string"}, "body": {"type": "string"}}, "required": ["key", "body"],
-                "additionalProperties": False}, self._set),
-        ], timeout_s=tool_timeout_s)
+        self.registry = ToolRegistry(
+            [
+                Tool(
+                    "get_note",
+                    "read a note",
+                    {
+                        "type": "object",
+                        "properties": {"key": {"type": "string"}},
+                        "required": ["key"],
+                        "additionalProperties": False,
+                    },
+                    self._get,
+                ),
+                Tool(
+                    "set_note",
+                    "overwrite a note",
+                    {
+                        "type": "object",
+                        "properties": {"key": {"type": "string"}, "body": {"type": "string"}},
+                        "required": ["key", "body"],
+                        "additionalProperties": False,
+                    },
+                    self._set,
+                ),
+            ],
+            timeout_s=tool_timeout_s,
+        )
 
     def _row(self, key: str) -> str:
         row = self.conn.execute("SELECT body FROM notes WHERE key = ?", (key,)).fetchone()
@@ -102,8 +122,16 @@ class NotesTasks:
             current = seeded_db(db_seed).execute("SELECT body FROM notes WHERE key = ?", (key,)).fetchone()[0]
             body = rng.choice([w for w in WORDS if w != current])  # a change task always changes something
             prompt = f"What does my {key} note say?" if kind == "read" else f"Change my {key} note to '{body}'."
-            out.append(Task(id=f"notes-{split}-{seed}-{i}", family=kind, split=split, prompt=prompt,
-                            seed=db_seed, reference={"kind": kind, "key": key, "body": body}))
+            out.append(
+                Task(
+                    id=f"notes-{split}-{seed}-{i}",
+                    family=kind,
+                    split=split,
+                    prompt=prompt,
+                    seed=db_seed,
+                    reference={"kind": kind, "key": key, "body": body},
+                )
+            )
         return out
 
 
@@ -129,9 +157,9 @@ def register() -> None:
 
 
 if __name__ == "__main__":
-    from mentorrl.contract import contract_for_env
     from transformers import AutoTokenizer
 
+    from mentorrl.contract import contract_for_env
     from mentorrl.models.shipped import SHIPPED_ROOT
     from mentorrl.rollout.episode import run_scripted_episode, run_text_turns
 

@@ -26,11 +26,14 @@ class RuleTeacher:
         failed = sum(str(m["content"]).startswith("error:") for m in tools)
         last = ep.messages[-1]
         answered = last["role"] == "assistant" and not last.get("tool_calls")
-        return TrajectoryScore({
-            "tool_correctness": 1.0 - failed / len(tools) if tools else 0.0,  # no calls earn nothing
-            "final_answer": float(answered),
-            "efficiency": 1.0 / max(len(ep.turn_indices), 1),
-        }, reason=f"{len(tools)} tool calls, {failed} failed")
+        return TrajectoryScore(
+            {
+                "tool_correctness": 1.0 - failed / len(tools) if tools else 0.0,  # no calls earn nothing
+                "final_answer": float(answered),
+                "efficiency": 1.0 / max(len(ep.turn_indices), 1),
+            },
+            reason=f"{len(tools)} tool calls, {failed} failed",
+        )
 
     def rank(self, eps: Sequence[StudentEpisode]) -> list[float] | None:
         """One score per candidate of the same task: higher is better."""
@@ -53,9 +56,13 @@ if __name__ == "__main__":
     tokenizer = AutoTokenizer.from_pretrained(SHIPPED_ROOT / "orders-tiny")
     contract = contract_for_env(tokenizer, env)
     task = next(t for t in entry.make_tasks().tasks("train", 20, seed=0) if t.difficulty == "normal")
-    eps = [StudentEpisode(task, t, trajectory_messages(t, tokenizer, contract.system_text(), task.prompt))
-           for t in (run_scripted_episode(contract, env, task, entry.make_expert()),
-                     run_text_turns(contract, env, task, ["All done, nothing else needed."]))]
+    eps = [
+        StudentEpisode(task, t, trajectory_messages(t, tokenizer, contract.system_text(), task.prompt))
+        for t in (
+            run_scripted_episode(contract, env, task, entry.make_expert()),
+            run_text_turns(contract, env, task, ["All done, nothing else needed."]),
+        )
+    ]
     teacher = RuleTeacher()
     require(teacher, ["ranking"], "ranking")  # passes
     print("ranking (expert, claim-only):", teacher.rank(eps))

@@ -31,12 +31,21 @@ from mentorrl.train.rl_loop import Stage, StepBatch
 class SelfImitationConfig(RolloutStageConfig):
     """The stage's own settings: the shared ones (steps, optim, tasks_per_step, ...) with its defaults."""
 
-    defaults: ClassVar[dict[str, Any]] = {"steps": 10, "tasks_per_step": 8, "checkpoint_every": 5,
-                                          "optim": {"lr": 1e-4}}
+    defaults: ClassVar[dict[str, Any]] = {
+        "steps": 10,
+        "tasks_per_step": 8,
+        "checkpoint_every": 5,
+        "optim": {"lr": 1e-4},
+    }
 
 
-@register_stage("self_imitation", config=SelfImitationConfig, title="Self-imitation on verified successes",
-                label="Self-imitation", rl=True)
+@register_stage(
+    "self_imitation",
+    config=SelfImitationConfig,
+    title="Self-imitation on verified successes",
+    label="Self-imitation",
+    rl=True,
+)
 class SelfImitationStage(Stage):
     """Fine-tune on the step's verified successes."""
 
@@ -60,8 +69,9 @@ if __name__ == "__main__":
     from mentorrl.train.workspace import open_workspace
 
     run_dir = sys.argv[1] if len(sys.argv) > 1 else "runs/self-imitation"
-    cfg = load_config(None, [f"run_dir={run_dir}", "threads=1", "self_imitation.steps=2",
-                             "self_imitation.tasks_per_step=4"])
+    cfg = load_config(
+        None, [f"run_dir={run_dir}", "threads=1", "self_imitation.steps=2", "self_imitation.tasks_per_step=4"]
+    )
     ws = open_workspace(cfg)
     tokenizer, model = load_policy(SHIPPED_ROOT / "orders-tiny")
     ws.bind_tokenizer(tokenizer)

@@ -57,15 +57,11 @@ def get_advantage_estimator(name: str) -> Callable[..., torch.Tensor]:
     try:
         return ADVANTAGE_ESTIMATORS[name]
     except KeyError:
-        raise ValueError(
-            f"unknown advantage estimator {name!r}; valid: {sorted(ADVANTAGE_ESTIMATORS)}"
-        ) from None
+        raise ValueError(f"unknown advantage estimator {name!r}; valid: {sorted(ADVANTAGE_ESTIMATORS)}") from None
 
 
 @register_advantage("grpo")
-def grpo_advantages(
-    rewards: torch.Tensor, normalize_std: bool = True, eps: float = 1e-6
-) -> torch.Tensor:
+def grpo_advantages(rewards: torch.Tensor, normalize_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
     """GRPO outcome advantages within each group.
 
     ``A = (r - mean_g) / (std_g + eps)`` if ``normalize_std`` else ``r - mean_g``,
@@ -100,8 +96,11 @@ def _centred(r: torch.Tensor) -> torch.Tensor:
 
 def _constant_groups(r: torch.Tensor) -> torch.Tensor:
     """``[G, 1]``: whether every reward of a group is the same value (exact comparison)."""
-    return (r.amax(dim=1, keepdim=True) == r.amin(dim=1, keepdim=True)) if r.shape[1] else torch.ones(
-        r.shape[0], 1, dtype=torch.bool, device=r.device)
+    return (
+        (r.amax(dim=1, keepdim=True) == r.amin(dim=1, keepdim=True))
+        if r.shape[1]
+        else torch.ones(r.shape[0], 1, dtype=torch.bool, device=r.device)
+    )
 
 
 def sanitize_group_rewards(
@@ -161,8 +160,12 @@ def group_reward_stats(rewards: torch.Tensor) -> dict[str, float]:
     n = r.numel()
     if n == 0:
         return {
-            "mean": 0.0, "std": 0.0, "min": 0.0, "max": 0.0,
-            "zero_reward_rate": 0.0, "nonpositive_rate": 0.0,
+            "mean": 0.0,
+            "std": 0.0,
+            "min": 0.0,
+            "max": 0.0,
+            "zero_reward_rate": 0.0,
+            "nonpositive_rate": 0.0,
             "zero_variance_group_share": 0.0,
         }
     flat = r.reshape(-1)
@@ -191,9 +194,7 @@ def broadcast_sequence_advantages(adv: torch.Tensor, mask: torch.Tensor) -> torc
     position gets exactly 0.
     """
     if adv.dim() != 1 or adv.shape[0] != mask.shape[0]:
-        raise ValueError(
-            f"adv must be [B] matching mask [B, T]; got {tuple(adv.shape)} vs {tuple(mask.shape)}"
-        )
+        raise ValueError(f"adv must be [B] matching mask [B, T]; got {tuple(adv.shape)} vs {tuple(mask.shape)}")
     a = adv.float().unsqueeze(-1).expand(mask.shape)
     return torch.where(mask != 0, a, torch.zeros((), dtype=a.dtype, device=a.device))
 
@@ -286,13 +287,16 @@ def gae_advantages(
         ``(advantages, returns)``, both ``[B, T]`` fp32 and exactly 0 off the mask.
     """
     if token_rewards.shape != values.shape or values.shape != mask.shape:
-        raise ValueError(f"rewards {tuple(token_rewards.shape)}, values {tuple(values.shape)} and mask "
-                         f"{tuple(mask.shape)} must have the same [B, T] shape")
+        raise ValueError(
+            f"rewards {tuple(token_rewards.shape)}, values {tuple(values.shape)} and mask "
+            f"{tuple(mask.shape)} must have the same [B, T] shape"
+        )
     r, v = token_rewards.detach().float(), values.detach().float()
     keep = mask != 0
     B = mask.shape[0]
     adv = _gae(r, v, keep, gamma, _lambda_per_row(lam, B, v.device, "lam"))
-    ret_adv = adv if value_lam is None else _gae(r, v, keep, gamma, _lambda_per_row(value_lam, B, v.device,
-                                                                                      "value_lam"))
+    ret_adv = (
+        adv if value_lam is None else _gae(r, v, keep, gamma, _lambda_per_row(value_lam, B, v.device, "value_lam"))
+    )
     returns = torch.where(keep, ret_adv + v, torch.zeros_like(v))
     return adv, returns

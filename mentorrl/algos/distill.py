@@ -32,7 +32,6 @@ import random
 
 import torch
 
-
 DIVERGENCES = ("reverse", "forward", "jsd")
 
 
@@ -141,14 +140,16 @@ def distill_loss(
     keep = (mask != 0).unsqueeze(-1)
     zero = torch.zeros((), dtype=student_logits.dtype, device=student_logits.device)
     student_logits = torch.where(keep, student_logits, zero)
-    teacher_logits = torch.where(keep, teacher_logits.detach(), torch.zeros((), dtype=teacher_logits.dtype,
-                                                                            device=teacher_logits.device))
+    teacher_logits = torch.where(
+        keep, teacher_logits.detach(), torch.zeros((), dtype=teacher_logits.dtype, device=teacher_logits.device)
+    )
     div = token_divergence(student_logits, teacher_logits, kind, beta, temperature, top_k)
     return weighted_token_mean(div, mask, weights)
 
 
-def weighted_token_mean(div: torch.Tensor, mask: torch.Tensor,
-                        weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+def weighted_token_mean(
+    div: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor | None = None
+) -> tuple[torch.Tensor, dict[str, float]]:
     """``sum(div * w) / sum(w)`` with ``w = mask * weights``, and the divergence's mean and max on policy tokens.
     Positions with ``w == 0`` are selected out, so a non-finite divergence or weight there cannot leak in."""
     keep = mask != 0
@@ -156,12 +157,16 @@ def weighted_token_mean(div: torch.Tensor, mask: torch.Tensor,
     w = keep.to(div.dtype) if weights is None else torch.where(keep, weights.to(div.dtype), zero)
     loss = torch.where(w != 0, torch.where(w != 0, div, zero) * w, zero).sum() / w.sum().clamp(min=1e-8)
     d = div.detach()[mask != 0]
-    return loss, {"distill_loss": loss.detach().item(), "divergence_mean": d.mean().item() if d.numel() else 0.0,
-                  "divergence_max": d.max().item() if d.numel() else 0.0}
+    return loss, {
+        "distill_loss": loss.detach().item(),
+        "divergence_mean": d.mean().item() if d.numel() else 0.0,
+        "divergence_max": d.max().item() if d.numel() else 0.0,
+    }
 
 
-def sampled_reverse_kl_advantage(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor,
-                                 mask: torch.Tensor) -> torch.Tensor:
+def sampled_reverse_kl_advantage(
+    student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
     """Per-token advantage ``log p_t(y) - log p_s(y)`` of the sampled tokens (0 off policy tokens), detached.
 
     Its negative is the one-sample estimate of KL(student || teacher) at that position, so a
@@ -185,8 +190,9 @@ def reward_weights(rewards: torch.Tensor, temperature: float = 1.0) -> torch.Ten
     return torch.softmax(rewards.float() / temperature, dim=-1)
 
 
-def select_large_gap(gap: torch.Tensor, mask: torch.Tensor, threshold: float | None = None,
-                     top_frac: float | None = None) -> torch.Tensor:
+def select_large_gap(
+    gap: torch.Tensor, mask: torch.Tensor, threshold: float | None = None, top_frac: float | None = None
+) -> torch.Tensor:
     """ShortOPD's token selection: policy tokens whose teacher-student gap exceeds ``threshold``, or
     the ``top_frac`` share of policy tokens with the largest gap (ties broken by position). Boolean ``[B, T]``."""
     if (threshold is None) == (top_frac is None):
@@ -208,10 +214,16 @@ def select_large_gap(gap: torch.Tensor, mask: torch.Tensor, threshold: float | N
 
 
 # ------------------------------------------ OPD token and trajectory weights -----
-def step_weights(mask: torch.Tensor, tool_error_tokens: torch.Tensor | None = None,
-                 low_reward: torch.Tensor | None = None, student_entropy: torch.Tensor | None = None,
-                 tool_error_boost: float = 2.0, low_reward_boost: float = 1.5, entropy_threshold: float = 1.0,
-                 entropy_boost: float = 1.5) -> torch.Tensor:
+def step_weights(
+    mask: torch.Tensor,
+    tool_error_tokens: torch.Tensor | None = None,
+    low_reward: torch.Tensor | None = None,
+    student_entropy: torch.Tensor | None = None,
+    tool_error_boost: float = 2.0,
+    low_reward_boost: float = 1.5,
+    entropy_threshold: float = 1.0,
+    entropy_boost: float = 1.5,
+) -> torch.Tensor:
     """Failure-aware per-token distillation weights ``[B, T]`` (0 off policy tokens, else >= 1).
 
     Boosts multiply: ``tool_error_tokens`` marks the policy tokens of turns whose tool call
@@ -227,9 +239,13 @@ def step_weights(mask: torch.Tensor, tool_error_tokens: torch.Tensor | None = No
     return w
 
 
-
-def distill_weights(rewards: torch.Tensor, lengths: torch.Tensor, passed: torch.Tensor,
-                    reward_temperature: float = 1.0, length_power: float = 0.0) -> torch.Tensor:
+def distill_weights(
+    rewards: torch.Tensor,
+    lengths: torch.Tensor,
+    passed: torch.Tensor,
+    reward_temperature: float = 1.0,
+    length_power: float = 0.0,
+) -> torch.Tensor:
     """Per-trajectory distillation weights: 0 unless ``passed``; otherwise
     ``exp(R / T) * (length / mean length) ** -length_power``, scaled to mean 1 over the passed ones."""
     if not reward_temperature > 0:
@@ -256,8 +272,20 @@ def exploration_split(n: int, share: float, seed: int) -> list[bool]:
     return [i in chosen for i in range(n)]
 
 
-
 __all__ = [
-    "DIVERGENCES", "distill_loss", "distill_weights", "divergence_of", "exploration_split", "renormalise", "with_tail", "weighted_token_mean", "mix_advantages", "restrict_top_k", "reward_weights",
-    "sampled_reverse_kl_advantage", "select_large_gap", "step_weights", "token_divergence",
+    "DIVERGENCES",
+    "distill_loss",
+    "distill_weights",
+    "divergence_of",
+    "exploration_split",
+    "renormalise",
+    "with_tail",
+    "weighted_token_mean",
+    "mix_advantages",
+    "restrict_top_k",
+    "reward_weights",
+    "sampled_reverse_kl_advantage",
+    "select_large_gap",
+    "step_weights",
+    "token_divergence",
 ]

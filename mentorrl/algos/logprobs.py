@@ -58,11 +58,11 @@ def gather_token_logprobs(
     temperature scaling copy stays bounded. Differentiable w.r.t. ``logits``.
     """
     if logits.shape[:-1] != targets.shape:
-        raise ValueError(
-            f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} disagree"
-        )
+        raise ValueError(f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} disagree")
     V = logits.shape[-1]
-    return gather_row_logprobs(logits.reshape(-1, V), targets.reshape(-1), temperature=temperature).reshape(targets.shape)
+    return gather_row_logprobs(logits.reshape(-1, V), targets.reshape(-1), temperature=temperature).reshape(
+        targets.shape
+    )
 
 
 def gather_row_logprobs(
@@ -84,8 +84,12 @@ def gather_row_logprobs(
         rows = torch.arange(n, device=logits.device)
     if n == 0:
         return logits.new_zeros(0, dtype=torch.float32)
-    lse = torch.cat([torch.logsumexp(_scaled_fp32(logits[start : start + _CHUNK_ROWS], temperature), dim=-1)
-                     for start in range(0, logits.shape[0], _CHUNK_ROWS)])
+    lse = torch.cat(
+        [
+            torch.logsumexp(_scaled_fp32(logits[start : start + _CHUNK_ROWS], temperature), dim=-1)
+            for start in range(0, logits.shape[0], _CHUNK_ROWS)
+        ]
+    )
     picked = _scaled_fp32(logits[rows, targets.long()], temperature)
     return picked - lse[rows]
 

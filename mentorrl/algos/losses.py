@@ -106,7 +106,9 @@ def _masked_extreme(x: torch.Tensor, mask: torch.Tensor, largest: bool) -> float
     return (x[keep].max() if largest else x[keep].min()).item()
 
 
-def _token_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _token_ratio(
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(log_ratio, ratio)`` of current to behaviour log-probs, per token.
 
     Masked-out positions get log-ratio 0 (ratio 1) via where(), so junk there (even NaN
@@ -194,15 +196,20 @@ def masked_importance_policy_loss(
     with torch.no_grad():
         r = ratio.detach()[keep]
         # quantile needs q in the input's dtype and on its device (float64 log-probs crashed here)
-        q = torch.quantile(r.float(), torch.tensor([0.05, 0.5, 0.95], device=r.device)).tolist() \
-            if r.numel() else [1.0, 1.0, 1.0]
+        q = (
+            torch.quantile(r.float(), torch.tensor([0.05, 0.5, 0.95], device=r.device)).tolist()
+            if r.numel()
+            else [1.0, 1.0, 1.0]
+        )
         metrics = {
             "pg_loss": loss.detach().item(),
             "masked_frac": masked_mean((~inside).float(), mask).item(),
             "ratio_mean": r.mean().item() if r.numel() else 1.0,
             "ratio_max": _masked_extreme(ratio.detach(), mask, largest=True),
             "ratio_min": _masked_extreme(ratio.detach(), mask, largest=False),
-            "ratio_p05": q[0], "ratio_p50": q[1], "ratio_p95": q[2],
+            "ratio_p05": q[0],
+            "ratio_p50": q[1],
+            "ratio_p95": q[2],
             "approx_kl": masked_mean(-log_ratio.detach(), mask).item(),
         }
     return loss, metrics
@@ -240,8 +247,11 @@ def clipped_value_loss(
         resid, target = (ret - values.detach())[keep], ret[keep]
         var = target.var(unbiased=False) if target.numel() > 1 else torch.tensor(0.0)
         ev = (1.0 - resid.var(unbiased=False) / var).item() if var > 1e-12 else 0.0
-        metrics = {"value_loss": loss.detach().item(), "value_clip_frac": masked_mean(clipped.float(), mask).item(),
-                   "explained_variance": ev}
+        metrics = {
+            "value_loss": loss.detach().item(),
+            "value_clip_frac": masked_mean(clipped.float(), mask).item(),
+            "explained_variance": ev,
+        }
     return loss, metrics
 
 

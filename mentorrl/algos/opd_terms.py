@@ -81,6 +81,7 @@ def _register(table: dict[str, Term], name: str, needs: tuple[str, ...]):
     def deco(fn):
         table[name] = Term(fn, tuple(needs))
         return fn
+
     return deco
 
 
@@ -116,9 +117,16 @@ def step_weights_term(kl: KL, x: Inputs, p: Any) -> tuple[KL, dict[str, float]]:
         if k is None:
             out.append(None)
             continue
-        w = step_weights(x["masks"][i][None], x["tool_errors"][i][None], torch.tensor([float(rewards[i]) < p.low_reward]),
-                         x["student_entropy"][i][None], p.tool_error_boost, p.low_reward_boost, p.entropy_threshold,
-                         p.entropy_boost)[0]
+        w = step_weights(
+            x["masks"][i][None],
+            x["tool_errors"][i][None],
+            torch.tensor([float(rewards[i]) < p.low_reward]),
+            x["student_entropy"][i][None],
+            p.tool_error_boost,
+            p.low_reward_boost,
+            p.entropy_threshold,
+            p.entropy_boost,
+        )[0]
         out.append(k * w.float())
     return out, {}
 
@@ -182,8 +190,9 @@ def rlsd_weights(x: Inputs, p: Any) -> torch.Tensor:
     Reads ``rewards``, ``success``, ``lengths`` and ``seed``."""
     n = len(x["success"])
     explore = torch.tensor(exploration_split(n, p.exploration_share, x["seed"]), dtype=torch.bool)
-    return distill_weights(x["rewards"].reshape(-1), x["lengths"], x["success"] & ~explore, p.reward_temperature,
-                           p.length_power)
+    return distill_weights(
+        x["rewards"].reshape(-1), x["lengths"], x["success"] & ~explore, p.reward_temperature, p.length_power
+    )
 
 
 @advantage_term("rlsd_selected", needs=("masks", "rewards", "success", "lengths", "seed"))
@@ -210,8 +219,9 @@ def apply_token_terms(terms: Sequence[Any], kl: KL, x: Inputs) -> tuple[KL, dict
     return kl, metrics
 
 
-def token_advantages(masks: Sequence[torch.Tensor], terms: Sequence[Any], kl: KL, x: Inputs
-                     ) -> tuple[list[torch.Tensor], dict[str, float]]:
+def token_advantages(
+    masks: Sequence[torch.Tensor], terms: Sequence[Any], kl: KL, x: Inputs
+) -> tuple[list[torch.Tensor], dict[str, float]]:
     """Per trajectory the sum of the advantage terms (config entries, by ``name``), zero where none
     contributes, with their metrics."""
     out = [torch.zeros_like(m) for m in masks]
@@ -223,7 +233,23 @@ def token_advantages(masks: Sequence[torch.Tensor], terms: Sequence[Any], kl: KL
     return out, metrics
 
 
-__all__ = ["ADVANTAGE_TERMS", "INPUTS", "TOKEN_TERMS", "Term", "advantage_term", "apply_token_terms", "center_term",
-           "env_advantage_term", "needed_inputs", "reward_weighted_term", "rlsd_selected_term", "rlsd_weights",
-           "sampled_kl_term", "short_term", "step_weights_term", "token_advantages", "token_term",
-           "until_first_error_term"]
+__all__ = [
+    "ADVANTAGE_TERMS",
+    "INPUTS",
+    "TOKEN_TERMS",
+    "Term",
+    "advantage_term",
+    "apply_token_terms",
+    "center_term",
+    "env_advantage_term",
+    "needed_inputs",
+    "reward_weighted_term",
+    "rlsd_selected_term",
+    "rlsd_weights",
+    "sampled_kl_term",
+    "short_term",
+    "step_weights_term",
+    "token_advantages",
+    "token_term",
+    "until_first_error_term",
+]

@@ -33,8 +33,9 @@ def sequence_logprobs(token_logprobs: torch.Tensor, mask: torch.Tensor, average:
     return total / counts if average else total
 
 
-def after_shared_prefix(chosen_ids: list[int], rejected_ids: list[int], chosen_mask: list[int],
-                        rejected_mask: list[int]) -> tuple[list[int], list[int]]:
+def after_shared_prefix(
+    chosen_ids: list[int], rejected_ids: list[int], chosen_mask: list[int], rejected_mask: list[int]
+) -> tuple[list[int], list[int]]:
     """The two masks restricted to tokens at or after the first position where the ids differ."""
     n = 0
     for a, b in zip(chosen_ids, rejected_ids):
@@ -48,14 +49,22 @@ def after_shared_prefix(chosen_ids: list[int], rejected_ids: list[int], chosen_m
 
 def _pair_metrics(chosen_reward: torch.Tensor, rejected_reward: torch.Tensor) -> dict[str, float]:
     with torch.no_grad():
-        return {"chosen_reward": chosen_reward.mean().item(), "rejected_reward": rejected_reward.mean().item(),
-                "reward_margin": (chosen_reward - rejected_reward).mean().item(),
-                "reward_accuracy": (chosen_reward > rejected_reward).float().mean().item()}
+        return {
+            "chosen_reward": chosen_reward.mean().item(),
+            "rejected_reward": rejected_reward.mean().item(),
+            "reward_margin": (chosen_reward - rejected_reward).mean().item(),
+            "reward_accuracy": (chosen_reward > rejected_reward).float().mean().item(),
+        }
 
 
-def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
-             ref_rejected: torch.Tensor, beta: float = 0.1, label_smoothing: float = 0.0
-             ) -> tuple[torch.Tensor, dict[str, float]]:
+def dpo_loss(
+    policy_chosen: torch.Tensor,
+    policy_rejected: torch.Tensor,
+    ref_chosen: torch.Tensor,
+    ref_rejected: torch.Tensor,
+    beta: float = 0.1,
+    label_smoothing: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """DPO with the sigmoid loss (Rafailov et al.): ``-log sigmoid(beta * (Δ_chosen - Δ_rejected))``
     with ``Δ = log pi(y) - log pi_ref(y)`` per sequence, averaged over pairs. ``label_smoothing``
     ε mixes in the flipped label (conservative DPO): ``-(1-ε) log σ(z) - ε log σ(-z)``.
@@ -70,8 +79,13 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_cho
     return loss, {"loss": loss.detach().item(), **_pair_metrics(chosen, rejected)}
 
 
-def ipo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
-             ref_rejected: torch.Tensor, tau: float = 0.1) -> tuple[torch.Tensor, dict[str, float]]:
+def ipo_loss(
+    policy_chosen: torch.Tensor,
+    policy_rejected: torch.Tensor,
+    ref_chosen: torch.Tensor,
+    ref_rejected: torch.Tensor,
+    tau: float = 0.1,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """IPO (Azar et al.): ``(Δ_chosen - Δ_rejected - 1 / (2 tau))^2`` averaged over pairs. It regresses
     the log-ratio margin to a fixed target instead of pushing it to infinity. Usually given
     per-token mean log-probs (``sequence_logprobs(..., average=True)``)."""
@@ -87,8 +101,13 @@ def _log_odds(mean_logprob: torch.Tensor) -> torch.Tensor:
     return mean_logprob - torch.log(-torch.expm1(mean_logprob.clamp(max=-1e-7)))
 
 
-def orpo_loss(chosen_token_logprobs: torch.Tensor, chosen_mask: torch.Tensor, rejected_token_logprobs: torch.Tensor,
-              rejected_mask: torch.Tensor, lam: float = 0.1) -> tuple[torch.Tensor, dict[str, float]]:
+def orpo_loss(
+    chosen_token_logprobs: torch.Tensor,
+    chosen_mask: torch.Tensor,
+    rejected_token_logprobs: torch.Tensor,
+    rejected_mask: torch.Tensor,
+    lam: float = 0.1,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """ORPO (Hong et al.), reference-free: the chosen side's token-mean NLL plus
     ``lam * -log sigmoid(log odds(chosen) - log odds(rejected))``, where ``odds(y) = p / (1 - p)`` and
     ``p`` is the per-token geometric mean probability of ``y``'s masked tokens."""
@@ -101,13 +120,19 @@ def orpo_loss(chosen_token_logprobs: torch.Tensor, chosen_mask: torch.Tensor, re
     odds_term = -F.logsigmoid(ratio).mean()
     loss = nll + lam * odds_term
     with torch.no_grad():
-        metrics = {"loss": loss.item(), "nll": nll.item(), "odds_ratio_loss": odds_term.item(),
-                   "log_odds_ratio": ratio.mean().item(), "reward_accuracy": (ratio > 0).float().mean().item()}
+        metrics = {
+            "loss": loss.item(),
+            "nll": nll.item(),
+            "odds_ratio_loss": odds_term.item(),
+            "log_odds_ratio": ratio.mean().item(),
+            "reward_accuracy": (ratio > 0).float().mean().item(),
+        }
     return loss, metrics
 
 
-def soft_label_loss(student_scores: torch.Tensor, teacher_scores: torch.Tensor, temperature: float = 1.0
-                    ) -> tuple[torch.Tensor, dict[str, float]]:
+def soft_label_loss(
+    student_scores: torch.Tensor, teacher_scores: torch.Tensor, temperature: float = 1.0
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Candidate-level soft labels: the cross-entropy from the teacher's ``softmax(scores / T)``
     over N candidates to the student's ``softmax`` over its own sequence log-probs of them.
 
@@ -118,8 +143,9 @@ def soft_label_loss(student_scores: torch.Tensor, teacher_scores: torch.Tensor, 
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if student_scores.shape != teacher_scores.shape or student_scores.shape[-1] < 2:
-        raise ValueError(f"need matching [.., N>=2] scores, got {tuple(student_scores.shape)} and "
-                         f"{tuple(teacher_scores.shape)}")
+        raise ValueError(
+            f"need matching [.., N>=2] scores, got {tuple(student_scores.shape)} and {tuple(teacher_scores.shape)}"
+        )
     target = torch.softmax(teacher_scores.float() / temperature, dim=-1)
     logq = torch.log_softmax(student_scores.float(), dim=-1)
     ce = -(target * logq).sum(-1)

@@ -23,8 +23,13 @@ from mentorrl.cli_common import console, err, load_run_config, quiet_transformer
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Post-training for language-model agents.")
 
 
-def _load(config: Optional[Path], overrides: list[str], run_dir: Optional[str] = None, default: str | None = None,
-          plugins: Optional[list[str]] = None):
+def _load(
+    config: Optional[Path],
+    overrides: list[str],
+    run_dir: Optional[str] = None,
+    default: str | None = None,
+    plugins: Optional[list[str]] = None,
+):
     return load_run_config(config, overrides, run_dir, default, plugins)
 
 
@@ -82,8 +87,11 @@ def train(
     no_eval: bool = NoEvalOpt,
     set_: list[str] = SetOpt,
     plugin: list[str] = typer.Option(
-        [], "--plugin", help="import this module before the recipe is validated (it may register stages with their "
-                             "config sections, and environments); repeatable, added to the recipe's plugins"),
+        [],
+        "--plugin",
+        help="import this module before the recipe is validated (it may register stages with their "
+        "config sections, and environments); repeatable, added to the recipe's plugins",
+    ),
 ) -> None:
     """Run a recipe's stages (e.g. sft -> rft -> grpo, held-out eval after each); model.path may be any HF checkpoint."""
     quiet_transformers()
@@ -96,10 +104,17 @@ def init_model_cmd(
     config: Optional[Path] = ConfigOpt,
     set_: list[str] = SetOpt,
     pretrain_steps: Optional[int] = typer.Option(
-        None, "--pretrain-steps", min=0,
-        help="next-token pretraining steps on the environment's language (default: model.pretrain.steps, 0)"),
-    rebuild: bool = typer.Option(False, "--rebuild", help="build even when the package ships a base with the same "
-                                                          "build config (how the shipped base itself is made)"),
+        None,
+        "--pretrain-steps",
+        min=0,
+        help="next-token pretraining steps on the environment's language (default: model.pretrain.steps, 0)",
+    ),
+    rebuild: bool = typer.Option(
+        False,
+        "--rebuild",
+        help="build even when the package ships a base with the same "
+        "build config (how the shipped base itself is made)",
+    ),
 ) -> None:
     """Build the tiny local BPE tokenizer and Qwen2-architecture model (no download).
 
@@ -110,12 +125,11 @@ def init_model_cmd(
     import shlex
 
     import torch
+    from rich.markup import escape
 
     from mentorrl.envs import get_env
     from mentorrl.models.build import dir_digest
     from mentorrl.train.models_init import build_tiny_model
-
-    from rich.markup import escape
 
     overrides = list(set_) + ([f"model.pretrain.steps={pretrain_steps}"] if pretrain_steps is not None else [])
     cfg = _load(config, overrides, default="demo.yaml")  # an unknown env.name exits 2 here
@@ -125,11 +139,22 @@ def init_model_cmd(
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:  # OUT_DIR (or a folder above it) is an existing file, or not writable
-        err.print(f"[red]{escape(f'init-model: cannot use {out_dir} as the output directory: {e.strerror or e}')}[/red]")
+        err.print(
+            f"[red]{escape(f'init-model: cannot use {out_dir} as the output directory: {e.strerror or e}')}[/red]"
+        )
         raise typer.Exit(2)
     command = shlex.join(["mentorrl", *sys.argv[1:]]) if sys.argv[1:2] == ["init-model"] else None
-    path = build_tiny_model(entry, out_dir, cfg.model.spec, cfg.model.tokenizer_corpus_tasks, cfg.model.spec.seed,
-                            cfg.prompt, pretrain=cfg.model.pretrain, command=command, use_shipped=not rebuild)
+    path = build_tiny_model(
+        entry,
+        out_dir,
+        cfg.model.spec,
+        cfg.model.tokenizer_corpus_tasks,
+        cfg.model.spec.seed,
+        cfg.prompt,
+        pretrain=cfg.model.pretrain,
+        command=command,
+        use_shipped=not rebuild,
+    )
     console.print(f"wrote {path} (digest {dir_digest(path)})")
 
 
@@ -137,9 +162,14 @@ def init_model_cmd(
 def transplant_vocab_cmd(
     model_dir: Path = typer.Argument(..., exists=True, file_okay=False, help="HF checkpoint to move"),
     out_dir: Path = typer.Argument(..., help="directory to write the transplanted checkpoint into"),
-    tokenizer: Path = typer.Option(..., "--tokenizer", exists=True, file_okay=False,
-                                   help="directory of the new (byte-level BPE) tokenizer, e.g. one "
-                                        "`mentorrl init-model DIR --set model.spec.vocab_size=1536` built"),
+    tokenizer: Path = typer.Option(
+        ...,
+        "--tokenizer",
+        exists=True,
+        file_okay=False,
+        help="directory of the new (byte-level BPE) tokenizer, e.g. one "
+        "`mentorrl init-model DIR --set model.spec.vocab_size=1536` built",
+    ),
 ) -> None:
     """Re-fit a checkpoint to another tokenizer: body weights kept, each new token's embedding the mean
     of its old spelling's. Fine-tune it briefly under the new tokenizer afterwards (an SFT stage)."""
@@ -162,11 +192,23 @@ def transplant_vocab_cmd(
     share = exact_share(spellings)
     new_tok.save_pretrained(out_dir)
     new.save_pretrained(out_dir, safe_serialization=True)
-    (out_dir / "mentorrl_transplant.json").write_text(json.dumps(
-        {"from": str(model_dir), "from_digest": dir_digest(model_dir), "tokenizer": str(tokenizer),
-         "old_vocab": len(old_tok), "new_vocab": len(new_tok), "exact_share": share}, indent=2))
-    console.print(f"wrote {out_dir}: vocabulary {len(old_tok)} -> {len(new_tok)}, {100 * share:.1f}% of the new "
-                  f"tokens copied exactly, the rest averaged from their old spelling (digest {dir_digest(out_dir)})")
+    (out_dir / "mentorrl_transplant.json").write_text(
+        json.dumps(
+            {
+                "from": str(model_dir),
+                "from_digest": dir_digest(model_dir),
+                "tokenizer": str(tokenizer),
+                "old_vocab": len(old_tok),
+                "new_vocab": len(new_tok),
+                "exact_share": share,
+            },
+            indent=2,
+        )
+    )
+    console.print(
+        f"wrote {out_dir}: vocabulary {len(old_tok)} -> {len(new_tok)}, {100 * share:.1f}% of the new "
+        f"tokens copied exactly, the rest averaged from their old spelling (digest {dir_digest(out_dir)})"
+    )
 
 
 @app.command()
@@ -174,8 +216,13 @@ def diagnose(
     model_dir: Path = typer.Argument(..., exists=True, file_okay=False, help="HF checkpoint directory"),
     tasks: int = typer.Option(16, "--tasks", "-p", min=1, help="P fixed tasks"),
     samples: int = typer.Option(8, "--samples", "-n", min=2, help="N samples per task"),
-    run: Optional[Path] = typer.Option(None, "--run", exists=True, file_okay=False,
-                                       help="a run dir whose GRPO history (metrics.jsonl) is diagnosed too"),
+    run: Optional[Path] = typer.Option(
+        None,
+        "--run",
+        exists=True,
+        file_okay=False,
+        help="a run dir whose GRPO history (metrics.jsonl) is diagnosed too",
+    ),
     split: str = typer.Option("train", help="task split to probe"),
     seed: int = typer.Option(0),
     config: Optional[Path] = ConfigOpt,
@@ -213,10 +260,12 @@ def diagnose(
     console.print(table)
     colour = {"problem": "red", "warning": "yellow", "ok": "green"}
     for f in run_diagnosis(stats, history):
-        console.print(f"[{colour[f.severity]}]{f.severity.upper()} {f.code}[/]: {escape(f.diagnosis)}\n"
-                      f"    -> {escape(f.advice)}")
-    Path(cfg.run_dir, "diagnose.json").write_text(json.dumps(
-        {"stats": stats, "findings": [f.__dict__ for f in run_diagnosis(stats, history)]}, indent=2))
+        console.print(
+            f"[{colour[f.severity]}]{f.severity.upper()} {f.code}[/]: {escape(f.diagnosis)}\n    -> {escape(f.advice)}"
+        )
+    Path(cfg.run_dir, "diagnose.json").write_text(
+        json.dumps({"stats": stats, "findings": [f.__dict__ for f in run_diagnosis(stats, history)]}, indent=2)
+    )
 
 
 @app.command()
@@ -228,8 +277,8 @@ def check(
     from rich.markup import escape
     from rich.table import Table
 
-    from mentorrl.models.build import load_policy
     from mentorrl.config.stages import sample_writing_stages
+    from mentorrl.models.build import load_policy
     from mentorrl.train.consistency import batch_checks
     from mentorrl.train.models_init import base_model_dir
     from mentorrl.train.rundir import MetricsLog
@@ -249,8 +298,14 @@ def check(
         raise typer.Exit(2)
     ws.bind_tokenizer(tokenizer)
     log = MetricsLog(run_dir / "metrics.jsonl")
-    versions = {(stage, r["step"]): int(r.get("policy_version", 0)) for stage in sample_writing_stages() for r in log.read(stage)}
-    files = [f for stage in sample_writing_stages() for f in sorted((run_dir / "samples").glob(f"{stage}-step-*.jsonl"))]
+    versions = {
+        (stage, r["step"]): int(r.get("policy_version", 0))
+        for stage in sample_writing_stages()
+        for r in log.read(stage)
+    }
+    files = [
+        f for stage in sample_writing_stages() for f in sorted((run_dir / "samples").glob(f"{stage}-step-*.jsonl"))
+    ]
     files += sorted((run_dir / "rft").glob("data-round-*.jsonl"))
     if not files:
         err.print(f"[red]no recorded batches under {run_dir}/samples or {run_dir}/rft[/red]")
@@ -272,7 +327,9 @@ def check(
         stage, _, step = f.stem.partition("-step-")
         current = versions.get((stage, int(step)), 2**62) if step.isdigit() else 2**62
         checks = batch_checks(trajs, current, ws.contract.env_name, ws.contract.env_version, ws.contract.fingerprint())
-        table.add_row(f.stem, str(len(trajs)), *["[green]pass[/green]" if c.passed else "[red]FAIL[/red]" for c in checks])
+        table.add_row(
+            f.stem, str(len(trajs)), *["[green]pass[/green]" if c.passed else "[red]FAIL[/red]" for c in checks]
+        )
         problems += [f"{f.name}: {c.name}: {c.detail}" for c in checks if not c.passed]
     console.print(table)
     for p in problems:
@@ -286,7 +343,9 @@ def check(
 def config_cmd(
     config: Optional[Path] = ConfigOpt,
     set_: list[str] = SetOpt,
-    reference: bool = typer.Option(False, "--reference", help="print every field with its default and meaning (Markdown)"),
+    reference: bool = typer.Option(
+        False, "--reference", help="print every field with its default and meaning (Markdown)"
+    ),
 ) -> None:
     """Print the effective configuration (defaults, a file, overrides) as YAML."""
     from mentorrl.config import config_reference_markdown, dump_config

@@ -18,8 +18,16 @@ import typer
 from rich.markup import escape
 
 from mentorrl.cli_common import console, err, quiet_transformers
-from mentorrl.datasets_io import (DEFAULT_MAX_CHARS, DEFAULT_MAX_TOKENS, KINDS, DatasetFormatError, export_rows,
-                                  import_demos, load_rows, write_dataset)
+from mentorrl.datasets_io import (
+    DEFAULT_MAX_CHARS,
+    DEFAULT_MAX_TOKENS,
+    KINDS,
+    DatasetFormatError,
+    export_rows,
+    import_demos,
+    load_rows,
+    write_dataset,
+)
 from mentorrl.trajectory import write_jsonl
 
 
@@ -35,8 +43,11 @@ def _is_tokenizer_dir(p: Path) -> bool:
 def find_tokenizer_dir(run_dir: Path) -> Path | None:
     """The run's tokenizer: ``base_model/``, else a stage's ``final/``, else its newest checkpoint."""
     root = run_dir if run_dir.is_dir() else run_dir.parent
-    candidates = [root / "base_model", *sorted(root.glob("*/final")),
-                  *sorted(root.glob("*/checkpoints/step-*"), reverse=True)]
+    candidates = [
+        root / "base_model",
+        *sorted(root.glob("*/final")),
+        *sorted(root.glob("*/checkpoints/step-*"), reverse=True),
+    ]
     return next((p for p in candidates if _is_tokenizer_dir(p)), None)
 
 
@@ -87,12 +98,15 @@ def export_command(
     run_dir: Path = typer.Argument(..., exists=True, help="a run directory (or one JSONL file of records)"),
     out: Path = typer.Argument(..., help="output directory: OUT/<what>.parquet (or OUT/<what>/ with --format disk)"),
     what: str = typer.Option("trajectories", "--what", help="trajectories | corrections | preferences"),
-    only_success: bool = typer.Option(False, "--only-success", help="only trajectories the verifier accepted "
-                                                                    "with no violation"),
-    all_splits: bool = typer.Option(False, "--all-splits", help="also held-out / hidden evaluation episodes "
-                                                                "(default: the train split only)"),
-    model: Optional[Path] = typer.Option(None, "--model", exists=True, file_okay=False,
-                                         help="checkpoint or tokenizer directory (default: the run's own)"),
+    only_success: bool = typer.Option(
+        False, "--only-success", help="only trajectories the verifier accepted with no violation"
+    ),
+    all_splits: bool = typer.Option(
+        False, "--all-splits", help="also held-out / hidden evaluation episodes (default: the train split only)"
+    ),
+    model: Optional[Path] = typer.Option(
+        None, "--model", exists=True, file_okay=False, help="checkpoint or tokenizer directory (default: the run's own)"
+    ),
     fmt: str = typer.Option("parquet", "--format", help="parquet (Dataset.to_parquet) | disk (save_to_disk)"),
 ) -> None:
     """Write a run's trajectories, corrections or preference pairs as a Hugging Face dataset in TRL's formats."""
@@ -105,8 +119,14 @@ def export_command(
         _fail(f"{run_dir}: no tokenizer found (base_model/, <stage>/final/); pass --model DIR")
     tokenizer = _load_tokenizer(tok_dir)
     try:
-        rows, summary = export_rows(run_dir, what, tokenizer, env_info=env_info_from_registry(),
-                                    only_success=only_success, all_splits=all_splits)
+        rows, summary = export_rows(
+            run_dir,
+            what,
+            tokenizer,
+            env_info=env_info_from_registry(),
+            only_success=only_success,
+            all_splits=all_splits,
+        )
     except (ValueError, OSError) as e:
         _fail(str(e))
     if not summary.files:
@@ -121,8 +141,10 @@ def export_command(
     if summary.skipped:
         console.print(f"left out: {escape(_skips(summary.skipped))}")
     if summary.system_verbatim:
-        console.print(f"{summary.system_verbatim} row(s) keep the recorded system text verbatim with no tools column "
-                      "(their tools were listed without descriptions, or the environment is not registered)")
+        console.print(
+            f"{summary.system_verbatim} row(s) keep the recorded system text verbatim with no tools column "
+            "(their tools were listed without descriptions, or the environment is not registered)"
+        )
 
 
 def _globs(what: str) -> tuple[str, ...]:
@@ -138,8 +160,13 @@ def _skips(skipped: dict[str, int]) -> str:
 def import_command(
     dataset: Path = typer.Argument(..., help="Parquet file(s), a save_to_disk folder, or JSON lines"),
     out: Path = typer.Option(..., "--out", "-o", help="demonstrations JSONL (Trajectory records) to write"),
-    model: Path = typer.Option(..., "--model", exists=True, file_okay=False,
-                               help="checkpoint or tokenizer directory of the model the demos will train"),
+    model: Path = typer.Option(
+        ...,
+        "--model",
+        exists=True,
+        file_okay=False,
+        help="checkpoint or tokenizer directory of the model the demos will train",
+    ),
     split: Optional[str] = typer.Option(None, "--split", help="the split of a DatasetDict (default: train)"),
     all_splits: bool = typer.Option(False, "--all-splits", help="also rows whose split column is not train"),
     max_chars: int = typer.Option(DEFAULT_MAX_CHARS, "--max-chars", min=1, help="most content characters per row"),
@@ -151,8 +178,15 @@ def import_command(
     errors: list[str] = []
     try:
         data = load_rows(dataset, split)
-        demos = import_demos(data, tokenizer, max_chars=max_chars, max_tokens=max_tokens, all_splits=all_splits,
-                             skip_invalid=skip_invalid, errors=errors)
+        demos = import_demos(
+            data,
+            tokenizer,
+            max_chars=max_chars,
+            max_tokens=max_tokens,
+            all_splits=all_splits,
+            skip_invalid=skip_invalid,
+            errors=errors,
+        )
     except (DatasetFormatError, FileNotFoundError) as e:
         _fail(f"{dataset}: {e}")
     except ValueError as e:  # the tokenizer is not a ChatML one
@@ -165,8 +199,10 @@ def import_command(
         _fail(f"{dataset}: no usable rows", 1)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_jsonl(out, demos)
-    console.print(f"wrote {len(demos)} demonstrations ({sum(t.num_policy_tokens for t in demos)} policy tokens) "
-                  f"-> {escape(str(out))}" + (f"; {len(errors)} row(s) skipped" if errors else ""))
+    console.print(
+        f"wrote {len(demos)} demonstrations ({sum(t.num_policy_tokens for t in demos)} policy tokens) "
+        f"-> {escape(str(out))}" + (f"; {len(errors)} row(s) skipped" if errors else "")
+    )
 
 
 def register(app: typer.Typer) -> None:

@@ -46,8 +46,10 @@ def parse_set_options(values: Sequence[str], option: str = "--on") -> list[EvalS
     specs: list[EvalSetSpec] = []
     for v in values:
         if not looks_like_set(v):
-            raise ValueError(f"{option} {v!r} is not an evaluation set; use golden, hidden, heldout, novel_wording, "
-                             "regression:PATH or production:PATH (config overrides go in --set key=value)")
+            raise ValueError(
+                f"{option} {v!r} is not an evaluation set; use golden, hidden, heldout, novel_wording, "
+                "regression:PATH or production:PATH (config overrides go in --set key=value)"
+            )
         specs.append(EvalSetSpec.parse(v))
     return specs
 
@@ -72,8 +74,11 @@ def agent_eval_config(cfg: Any, specs: list[EvalSetSpec], **options: Any) -> Age
     default to the run config's ``eval`` section.
     """
     base = getattr(cfg, "agent_eval", None)
-    data = base.model_dump() if isinstance(base, AgentEvalConfig) else {
-        "temperature": cfg.eval.temperature, "batch_size": cfg.eval.batch_size, "stratify": cfg.eval.stratify}
+    data = (
+        base.model_dump()
+        if isinstance(base, AgentEvalConfig)
+        else {"temperature": cfg.eval.temperature, "batch_size": cfg.eval.batch_size, "stratify": cfg.eval.stratify}
+    )
     if specs:
         data["sets"] = [s.model_dump() for s in specs]
     data.update({k: v for k, v in options.items() if v is not None})
@@ -98,8 +103,9 @@ def set_fingerprint(eset: EvalSet, ecfg: AgentEvalConfig, sampling: dict[str, An
     return h.hexdigest()[:16]
 
 
-def set_record(eset: EvalSet, report: AgentReport, ecfg: AgentEvalConfig, sampling: dict[str, Any],
-               trajectories_file: str) -> dict[str, Any]:
+def set_record(
+    eset: EvalSet, report: AgentReport, ecfg: AgentEvalConfig, sampling: dict[str, Any], trajectories_file: str
+) -> dict[str, Any]:
     """One set's entry in the evaluation summary JSON."""
     return {
         "kind": eset.kind,
@@ -132,8 +138,12 @@ def evaluate_checkpoint(
     rollout = ws.rollout.with_temperature(ecfg.temperature)
     sampling = rollout.contract.sampling_dict()
     source = ws.env_entry.make_tasks()
-    summary: dict[str, Any] = {"model": str(model_dir), "env": cfg.env.name,
-                               "config": ecfg.model_dump(mode="json"), "sets": {}}
+    summary: dict[str, Any] = {
+        "model": str(model_dir),
+        "env": cfg.env.name,
+        "config": ecfg.model_dump(mode="json"),
+        "sets": {},
+    }
     for spec in ecfg.sets:
         eset = load_eval_set(spec, source, ecfg)
         if eset.recorded is not None:
@@ -145,7 +155,12 @@ def evaluate_checkpoint(
                 total = len(tasks) * ecfg.samples_per_task
                 bar = prog.add_task(f"eval {eset.name}", total=total, info="") if prog else None
                 trajs = rollout_samples(
-                    model, rollout, tasks, ecfg.samples_per_task, seed=eset.seed, batch_size=ecfg.batch_size,
+                    model,
+                    rollout,
+                    tasks,
+                    ecfg.samples_per_task,
+                    seed=eset.seed,
+                    batch_size=ecfg.batch_size,
                     on_batch=(lambda n, bar=bar: prog.update(bar, advance=n)) if prog else None,
                 )
         if judge is not None:  # recorded verdicts are kept; only unjudged trajectories are judged
@@ -172,8 +187,7 @@ def _p(x: float | None) -> str:
 
 
 def _sections(report: AgentReport) -> list[list[tuple[str, GroupMetrics]]]:
-    return [[("overall", report.overall)], list(report.by_family.items()),
-            list(report.by_difficulty.items())]
+    return [[("overall", report.overall)], list(report.by_family.items()), list(report.by_difficulty.items())]
 
 
 def _table(title: str, cols: list[str]) -> Table:
@@ -199,8 +213,13 @@ def outcome_table(name: str, report: AgentReport, ks: Sequence[int]) -> Table:
 
     def row(m: GroupMetrics) -> list[str]:
         lo, hi = m.success_ci95
-        return [str(m.n), _p(m.success), f"{_p(lo)}-{_p(hi)}",
-                *[_p(m.pass_at_k.get(k)) for k in shown], *[_p(m.pass_hat_k.get(k)) for k in shown]]
+        return [
+            str(m.n),
+            _p(m.success),
+            f"{_p(lo)}-{_p(hi)}",
+            *[_p(m.pass_at_k.get(k)) for k in shown],
+            *[_p(m.pass_hat_k.get(k)) for k in shown],
+        ]
 
     return _fill(_table(f"{name}: outcome (%; success = pass@1)", cols), report, row)
 
@@ -214,8 +233,11 @@ def safety_table(name: str, report: AgentReport) -> Table:
         out = [_p(m.violation_rate)]
         if judged:
             j = m.judge
-            out += ["-", "-", "-"] if j is None else [
-                _p(j.agreement), "-" if j.kappa is None else f"{j.kappa:.2f}", str(j.judge_pass_verifier_fail)]
+            out += (
+                ["-", "-", "-"]
+                if j is None
+                else [_p(j.agreement), "-" if j.kappa is None else f"{j.kappa:.2f}", str(j.judge_pass_verifier_fail)]
+            )
         return out
 
     return _fill(_table(f"{name}: safety and judge (%)", cols), report, row)
@@ -226,8 +248,14 @@ def tool_table(name: str, report: AgentReport) -> Table:
     cols = ["group", "calls", "tool ok", "invalid", "loops", "with error", "recovered"]
 
     def row(m: GroupMetrics) -> list[str]:
-        return [str(m.tool_calls), _p(m.tool_success), _p(m.invalid_call_rate), _p(m.loop_rate),
-                str(m.n_with_error), _p(m.recovery_rate)]
+        return [
+            str(m.tool_calls),
+            _p(m.tool_success),
+            _p(m.invalid_call_rate),
+            _p(m.loop_rate),
+            str(m.n_with_error),
+            _p(m.recovery_rate),
+        ]
 
     return _fill(_table(f"{name}: tool use (%; recovered = share of episodes with an error)", cols), report, row)
 
@@ -237,8 +265,12 @@ def cost_table(name: str, report: AgentReport) -> Table:
     cols = ["group", "steps", "tokens", "policy tokens", "latency s"]
 
     def row(m: GroupMetrics) -> list[str]:
-        return [f"{m.mean_steps:.2f}", f"{m.mean_total_tokens:.0f}", f"{m.mean_policy_tokens:.0f}",
-                f"{m.mean_latency_s:.1f}"]
+        return [
+            f"{m.mean_steps:.2f}",
+            f"{m.mean_total_tokens:.0f}",
+            f"{m.mean_policy_tokens:.0f}",
+            f"{m.mean_latency_s:.1f}",
+        ]
 
     return _fill(_table(f"{name}: cost (means per episode)", cols), report, row)
 
@@ -253,8 +285,10 @@ def print_summary(summary: dict[str, Any], out: Console = console) -> None:
         out.print(cost_table(name, report))
     stats = summary.get("judge_stats", {})
     if stats.get("judge_skipped"):
-        out.print(f"judge: no verdict for {stats['judge_skipped']} of {stats.get('judge_calls', '?')} trajectories "
-                  "(failed or invalid replies); they are left out of the judge agreement")
+        out.print(
+            f"judge: no verdict for {stats['judge_skipped']} of {stats.get('judge_calls', '?')} trajectories "
+            "(failed or invalid replies); they are left out of the judge agreement"
+        )
 
 
 def gate_table(decision: GateDecision) -> Table:
@@ -263,8 +297,14 @@ def gate_table(decision: GateDecision) -> Table:
         t.add_column(c, justify="left" if c in ("set", "verdict") else "right")
     for c in decision.comparisons:
         delta = "n/a" if c.delta is None else f"{100 * c.delta:+.1f} pts"
-        t.add_row(c.name, _pct(c.baseline), _pct(c.new), delta, f"{100 * c.tolerance:.1f} pts",
-                  "[green]pass[/green]" if c.passed else "[red]fail[/red]")
+        t.add_row(
+            c.name,
+            _pct(c.baseline),
+            _pct(c.new),
+            delta,
+            f"{100 * c.tolerance:.1f} pts",
+            "[green]pass[/green]" if c.passed else "[red]fail[/red]",
+        )
     return t
 
 
@@ -272,8 +312,10 @@ def gate_table(decision: GateDecision) -> Table:
 ConfigOpt = typer.Option(None, "--config", "-c", exists=True, dir_okay=False, help="YAML recipe (default: demo)")
 SetOpt = typer.Option([], "--set", help="override a config field: --set sampling.temperature=0 (repeatable)")
 OnOpt = typer.Option(
-    [], "--on", help="evaluation set: golden | hidden | heldout | novel_wording (stress set: unseen words) | "
-    "regression:PATH | production:PATH (repeatable)"
+    [],
+    "--on",
+    help="evaluation set: golden | hidden | heldout | novel_wording (stress set: unseen words) | "
+    "regression:PATH | production:PATH (repeatable)",
 )
 
 
@@ -289,8 +331,9 @@ def eval_command(
     samples: Optional[int] = typer.Option(None, "--samples", min=1, help="samples per task (default 1)"),
     k: Optional[str] = typer.Option(None, "--k", help="k of pass@k and pass^k, e.g. 1,2,4 (k > samples is skipped)"),
     judge: Optional[str] = typer.Option(None, "--judge", help=f"judge: {', '.join(judge_names())} or none"),
-    num_tasks: Optional[int] = typer.Option(None, "--num-tasks", min=1,
-                                            help="tasks per generated set (default: golden's full set, else 100)"),
+    num_tasks: Optional[int] = typer.Option(
+        None, "--num-tasks", min=1, help="tasks per generated set (default: golden's full set, else 100)"
+    ),
     seed: Optional[int] = typer.Option(None, "--seed", help="task and sampling seed (default 0)"),
     config: Optional[Path] = ConfigOpt,
     out: Optional[Path] = typer.Option(None, "--out", help="output directory (default runs/eval-MODEL_DIR_NAME)"),
@@ -306,8 +349,9 @@ def eval_command(
     try:
         specs, overrides = parse_set_options(on), list(set_)
         cfg = load_run_config(config, overrides, str(out_dir))
-        ecfg = agent_eval_config(cfg, specs, samples_per_task=samples, k=parse_ks(k), judge=judge,
-                                 num_tasks=num_tasks, seed=seed)
+        ecfg = agent_eval_config(
+            cfg, specs, samples_per_task=samples, k=parse_ks(k), judge=judge, num_tasks=num_tasks, seed=seed
+        )
         summary = evaluate_checkpoint(model_dir, cfg, ecfg, out_dir)
     except (ValueError, OSError) as e:  # pydantic.ValidationError is a ValueError
         raise _fail(str(e)) from None
@@ -337,9 +381,18 @@ def _parse_set_tolerances(values: Sequence[str]) -> dict[str, float]:
     return out
 
 
-def _evaluate_sides(to_eval: dict[str, Path], summaries: dict[str, dict[str, Any]], on: list[str],
-                    overrides: list[str], config: Optional[Path], root: Path, *, samples: Optional[int],
-                    num_tasks: Optional[int], seed: Optional[int]) -> None:
+def _evaluate_sides(
+    to_eval: dict[str, Path],
+    summaries: dict[str, dict[str, Any]],
+    on: list[str],
+    overrides: list[str],
+    config: Optional[Path],
+    root: Path,
+    *,
+    samples: Optional[int],
+    num_tasks: Optional[int],
+    seed: Optional[int],
+) -> None:
     """Evaluate the gate's checkpoint sides (``to_eval``) into ``summaries``: on the sets, seeds and samples
     of the summary given for the other side when there is one, else on golden plus the ``--on`` sets."""
     quiet_transformers()
@@ -348,17 +401,23 @@ def _evaluate_sides(to_eval: dict[str, Path], summaries: dict[str, dict[str, Any
     if bad:
         raise GateError(f"the gate evaluates golden plus regression:PATH sets; not {bad}")
     if specs and summaries:
-        raise GateError("with a summary on one side, the sets come from that summary; "
-                        "drop --on regression:...")
+        raise GateError("with a summary on one side, the sets come from that summary; drop --on regression:...")
     cfg = load_run_config(config, overrides, str(root))
     recorded = next(iter(summaries.values()), None)
     if recorded is not None:  # the other side fixes sets, seeds and samples; only gated sets are rolled out
         ecfg = AgentEvalConfig.model_validate(recorded["config"])
-        ecfg = AgentEvalConfig.model_validate({**ecfg.model_dump(), "judge": "none", "sets": [
-            s.model_dump() for s in ecfg.sets if s.kind in GATED_KINDS]})
+        ecfg = AgentEvalConfig.model_validate(
+            {**ecfg.model_dump(), "judge": "none", "sets": [s.model_dump() for s in ecfg.sets if s.kind in GATED_KINDS]}
+        )
     else:
-        ecfg = agent_eval_config(cfg, [EvalSetSpec(kind="golden"), *specs], samples_per_task=samples,
-                                 num_tasks=num_tasks, seed=seed, judge="none")
+        ecfg = agent_eval_config(
+            cfg,
+            [EvalSetSpec(kind="golden"), *specs],
+            samples_per_task=samples,
+            num_tasks=num_tasks,
+            seed=seed,
+            judge="none",
+        )
     for side, model_dir in to_eval.items():
         console.rule(f"{side}: {model_dir}")
         summaries[side] = evaluate_checkpoint(model_dir, cfg, ecfg, root / side)
@@ -367,14 +426,17 @@ def _evaluate_sides(to_eval: dict[str, Path], summaries: dict[str, dict[str, Any
 def gate_command(
     new: Optional[Path] = typer.Argument(None, help="new checkpoint directory (or use --new-summary)"),
     baseline: Optional[Path] = typer.Option(None, "--baseline", help="baseline checkpoint directory"),
-    new_summary: Optional[Path] = typer.Option(None, "--new-summary", dir_okay=False,
-                                               help="eval_summary.json of the new checkpoint, instead of evaluating"),
-    baseline_summary: Optional[Path] = typer.Option(None, "--baseline-summary", dir_okay=False,
-                                                    help="eval_summary.json of the baseline, instead of evaluating"),
+    new_summary: Optional[Path] = typer.Option(
+        None, "--new-summary", dir_okay=False, help="eval_summary.json of the new checkpoint, instead of evaluating"
+    ),
+    baseline_summary: Optional[Path] = typer.Option(
+        None, "--baseline-summary", dir_okay=False, help="eval_summary.json of the baseline, instead of evaluating"
+    ),
     on: list[str] = typer.Option([], "--on", help="regression:PATH set to gate on besides golden (repeatable)"),
     set_: list[str] = SetOpt,
-    tolerance: float = typer.Option(0.02, "--tolerance", min=0.0, max=1.0,
-                                    help="largest allowed absolute drop in success (0.02 = 2 points)"),
+    tolerance: float = typer.Option(
+        0.02, "--tolerance", min=0.0, max=1.0, help="largest allowed absolute drop in success (0.02 = 2 points)"
+    ),
     set_tolerance: list[str] = typer.Option([], "--set-tolerance", help="NAME=TOL per-set tolerance; repeatable"),
     samples: Optional[int] = typer.Option(None, "--samples", min=1, help="samples per task"),
     num_tasks: Optional[int] = typer.Option(None, "--num-tasks", min=1, help="golden tasks (default: full set)"),
@@ -400,10 +462,15 @@ def gate_command(
         to_eval = {side: d for side, d in (("new", new), ("baseline", baseline)) if d is not None}
         if to_eval:
             root = out or Path("runs") / f"gate-{(new or new_summary).name}"  # type: ignore[union-attr]
-            _evaluate_sides(to_eval, summaries, on, list(set_), config, root, samples=samples, num_tasks=num_tasks,
-                            seed=seed)
-        decision = gate_decision(set_results(summaries["new"], "new"), set_results(summaries["baseline"], "baseline"),
-                                 tolerance=tolerance, per_set=per_set)
+            _evaluate_sides(
+                to_eval, summaries, on, list(set_), config, root, samples=samples, num_tasks=num_tasks, seed=seed
+            )
+        decision = gate_decision(
+            set_results(summaries["new"], "new"),
+            set_results(summaries["baseline"], "baseline"),
+            tolerance=tolerance,
+            per_set=per_set,
+        )
     except (ValueError, OSError) as e:  # GateError and pydantic.ValidationError are ValueErrors
         raise _fail(str(e)) from None
     console.print(gate_table(decision))

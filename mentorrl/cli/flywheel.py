@@ -25,8 +25,8 @@ from typing import Any, Optional
 import typer
 from rich.console import Console
 
-from mentorrl.envs.base import Task
 from mentorrl.core import trace
+from mentorrl.envs.base import Task
 from mentorrl.flywheel.attribution import PRECEDENCE, Attribution, AttributionConfig, attribute, failure_distribution
 from mentorrl.flywheel.corrections import (
     build_corrections,
@@ -61,7 +61,11 @@ def run_flywheel(
     needed for corrected trajectories and preference pairs. Returns the failure report.
     """
     console = console or Console()
-    review, routing, attribution = review or ReviewConfig(), routing or RoutingTable(), attribution or AttributionConfig()
+    review, routing, attribution = (
+        review or ReviewConfig(),
+        routing or RoutingTable(),
+        attribution or AttributionConfig(),
+    )
     out.mkdir(parents=True, exist_ok=True)
 
     queue = build_review_queue(trajectories, review)
@@ -93,8 +97,11 @@ def run_flywheel(
         "routing": routing_rows(dist, routing),
         "routes": {ft.value: m.value for ft, m in routing.routes.items()},
         "by_method": {m.value: [a.trajectory_id for a in v] for m, v in by_method.items()},
-        "tasks": {"recovered": len(set(tasks) & {t.task_id for t in failed}), "missing": missing,
-                  "with_reference": sum(r is not None for r in references.values())},
+        "tasks": {
+            "recovered": len(set(tasks) & {t.task_id for t in failed}),
+            "missing": missing,
+            "with_reference": sum(r is not None for r in references.values()),
+        },
         "hard_pool": {"tasks": len(pool), "top": pool.hard_task_ids()[:10]},
         "corrections": corrections,
     }
@@ -118,8 +125,9 @@ def expert_references(env_entry: Any, failed: list[Trajectory], tasks: dict[str,
     return references
 
 
-def attribute_failures(failed: list[Trajectory], references: dict[str, Any],
-                       attribution: AttributionConfig) -> list[tuple[Trajectory, Attribution]]:
+def attribute_failures(
+    failed: list[Trajectory], references: dict[str, Any], attribution: AttributionConfig
+) -> list[tuple[Trajectory, Attribution]]:
     """Each failed trajectory with its attribution (one primary failure type and its evidence)."""
     pairs: list[tuple[Trajectory, Attribution]] = []
     for t in failed:
@@ -143,8 +151,15 @@ def hard_task_pool(trajectories: list[Trajectory], by_method: dict[TrainingMetho
     return pool
 
 
-def write_corrections(out: Path, pairs_in: list[tuple[Trajectory, Attribution]], failed: list[Trajectory],
-                      tasks: dict[str, Task], env_entry: Any, tokenizer: Any, routing: RoutingTable) -> dict[str, Any]:
+def write_corrections(
+    out: Path,
+    pairs_in: list[tuple[Trajectory, Attribution]],
+    failed: list[Trajectory],
+    tasks: dict[str, Task],
+    env_entry: Any,
+    tokenizer: Any,
+    routing: RoutingTable,
+) -> dict[str, Any]:
     """Write the verified corrected trajectories and the preference pairs into ``out``; returns their
     summary, or ``{"skipped": why}`` when they cannot be built."""
     if tokenizer is None:
@@ -168,8 +183,10 @@ def write_corrections(out: Path, pairs_in: list[tuple[Trajectory, Attribution]],
 
 def print_corrections(console: Console, corrections: dict[str, Any], missing: list[str]) -> None:
     if corrections and "skipped" not in corrections:
-        console.print(f"corrections: {corrections['sft']} SFT trajectories, {corrections['pairs']} "
-                      f"preference pairs, {corrections['discarded']} discarded")
+        console.print(
+            f"corrections: {corrections['sft']} SFT trajectories, {corrections['pairs']} "
+            f"preference pairs, {corrections['discarded']} discarded"
+        )
     elif corrections:
         console.print(f"corrections skipped: {corrections['skipped']}")
     if missing:
@@ -182,10 +199,16 @@ def flywheel_command(
     seed: int = typer.Option(0, "--seed", help="seed of the review sampler"),
     budget: int = typer.Option(50, "--budget", min=0, help="review queue size (mandatory items may exceed it)"),
     per_bucket_min: int = typer.Option(2, "--per-bucket-min", min=0, help="review items per stratum"),
-    tasks_file: Optional[Path] = typer.Option(None, "--tasks", exists=True, dir_okay=False,
-                                              help="tasks JSONL (default: regenerate tasks from their ids)"),
-    model: Optional[Path] = typer.Option(None, "--model", exists=True, file_okay=False,
-                                         help="checkpoint or tokenizer directory: build corrections and preference pairs"),
+    tasks_file: Optional[Path] = typer.Option(
+        None, "--tasks", exists=True, dir_okay=False, help="tasks JSONL (default: regenerate tasks from their ids)"
+    ),
+    model: Optional[Path] = typer.Option(
+        None,
+        "--model",
+        exists=True,
+        file_okay=False,
+        help="checkpoint or tokenizer directory: build corrections and preference pairs",
+    ),
     route: list[str] = typer.Option([], "--route", help="override a route: --route TOOL_SELECTION=preference_or_rl"),
 ) -> None:
     """Bad-case flywheel: review queue, failure types with routing, hard-task pool and corrections."""
@@ -220,9 +243,13 @@ def flywheel_command(
         tokenizer = AutoTokenizer.from_pretrained(model)
 
     run_flywheel(
-        trajs, out,
+        trajs,
+        out,
         review=ReviewConfig(seed=seed, budget=budget, per_bucket_min=per_bucket_min),
-        routing=routing, env_entry=entry, tasks=tasks, tokenizer=tokenizer,
+        routing=routing,
+        env_entry=entry,
+        tasks=tasks,
+        tokenizer=tokenizer,
     )
 
 

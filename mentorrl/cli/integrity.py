@@ -64,8 +64,10 @@ def _num(x: float | None) -> str:
 def audit_table(report: Any) -> Table:
     from mentorrl.integrity.attacks import iter_rows
 
-    t = Table(title=f"Reward-hacking audit: {report.env_name}",
-              caption="reward.total per attack; honest = lowest reward of the expert's successes on the same tasks")
+    t = Table(
+        title=f"Reward-hacking audit: {report.env_name}",
+        caption="reward.total per attack; honest = lowest reward of the expert's successes on the same tasks",
+    )
     for col in ("attack", "hard", "tasks", "max", "mean", "honest", "result"):
         t.add_column(col, justify="right" if col in ("tasks", "max", "mean", "honest") else "left", no_wrap=True)
     for row in iter_rows(report):
@@ -94,10 +96,12 @@ def validation_summary(report: Any, min_auc: float, max_overlap: float = 0.0) ->
     rng = report.range_overlap
     overlap = "none" if rng is None else f"[{rng[0]:.3f}, {rng[1]:.3f}]"
     verdict = "[green]PASS[/green]" if report.passed(min_auc, max_overlap) else "[red]FAIL[/red]"
-    return (f"AUC {report.auc:.4f} (min {min_auc:g}) {verdict}; correct n={report.n_correct} "
-            f"mean {sum(report.scores(True)) / report.n_correct:.3f}; incorrect n={report.n_incorrect} "
-            f"mean {sum(report.scores(False)) / report.n_incorrect:.3f}; incorrect >= lowest correct: "
-            f"{100 * report.overlap_share:.1f}%; range overlap {overlap}")
+    return (
+        f"AUC {report.auc:.4f} (min {min_auc:g}) {verdict}; correct n={report.n_correct} "
+        f"mean {sum(report.scores(True)) / report.n_correct:.3f}; incorrect n={report.n_incorrect} "
+        f"mean {sum(report.scores(False)) / report.n_incorrect:.3f}; incorrect >= lowest correct: "
+        f"{100 * report.overlap_share:.1f}%; range overlap {overlap}"
+    )
 
 
 def register(app: typer.Typer) -> None:
@@ -110,13 +114,19 @@ def register(app: typer.Typer) -> None:
         seed: int = typer.Option(0, "--seed", help="seed of the task pool"),
         split: str = typer.Option("train", "--split", help="task split (train, heldout, ...)"),
         tokenizer: Optional[Path] = typer.Option(
-            None, "--tokenizer", help="Hugging Face tokenizer or checkpoint directory (default: the tiny tokenizer)"),
+            None, "--tokenizer", help="Hugging Face tokenizer or checkpoint directory (default: the tiny tokenizer)"
+        ),
         cache_dir: Path = typer.Option(DEFAULT_CACHE, "--cache-dir", help="where the tiny tokenizer is cached"),
         validate: bool = typer.Option(True, "--validate/--no-validate", help="also run the offline validation"),
         validate_tasks: int = typer.Option(40, "--validate-tasks", min=1, help="tasks in the validation set"),
         min_auc: float = typer.Option(0.99, "--min-auc", min=0.0, max=1.0, help="validation AUC required to pass"),
-        max_overlap: float = typer.Option(0.0, "--max-overlap", min=0.0, max=1.0,
-                                          help="largest share of incorrect trajectories allowed at or above the lowest correct one"),
+        max_overlap: float = typer.Option(
+            0.0,
+            "--max-overlap",
+            min=0.0,
+            max=1.0,
+            help="largest share of incorrect trajectories allowed at or above the lowest correct one",
+        ),
         json_path: Optional[Path] = typer.Option(None, "--json", help="write the full report as JSON"),
     ) -> None:
         """Run scripted reward-hacking attacks and the offline reward validation; exit 1 on any failure."""
@@ -143,8 +153,9 @@ def register(app: typer.Typer) -> None:
         console.print(audit_table(report))
         for line in failure_lines(report):
             console.print(line)
-        honest_line = (f"honest expert: {len(report.honest_rewards)} tasks, lowest success reward "
-                       f"{_num(report.honest_min)}")
+        honest_line = (
+            f"honest expert: {len(report.honest_rewards)} tasks, lowest success reward {_num(report.honest_min)}"
+        )
         if report.honest_failures:
             honest_line += f"; [red]failed on {', '.join(report.honest_failures)}[/red]"
         console.print(honest_line)
@@ -154,8 +165,12 @@ def register(app: typer.Typer) -> None:
             val = validate_env(env, tok, n_tasks=validate_tasks, seed=seed, split=split)
             console.print(validation_table(val))
             console.print(validation_summary(val, min_auc, max_overlap))
-            out["validation"] = {**val.to_dict(), "min_auc": min_auc, "max_overlap": max_overlap,
-                                 "passed": val.passed(min_auc, max_overlap)}
+            out["validation"] = {
+                **val.to_dict(),
+                "min_auc": min_auc,
+                "max_overlap": max_overlap,
+                "passed": val.passed(min_auc, max_overlap),
+            }
             passed = passed and val.passed(min_auc, max_overlap)
         out["passed"] = passed
         if json_path is not None:

@@ -28,15 +28,19 @@ def serve_command(
     host: str = typer.Option("127.0.0.1", help="address to bind; a non-loopback one needs --allow-remote"),
     port: int = typer.Option(8000, min=0, max=65535, help="0: any free port (read it from the ready line)"),
     allow_remote: bool = typer.Option(False, "--allow-remote", help="allow binding a non-loopback address"),
-    token_env: Optional[str] = typer.Option(None, "--token-env", metavar="NAME",
-                                            help="environment variable holding the bearer token required on /v1"),
+    token_env: Optional[str] = typer.Option(
+        None, "--token-env", metavar="NAME", help="environment variable holding the bearer token required on /v1"
+    ),
     max_body_bytes: int = typer.Option(DEFAULT_MAX_BODY_BYTES, min=1, help="larger request bodies get 413"),
     max_tokens_cap: int = typer.Option(DEFAULT_MAX_TOKENS_CAP, min=1, help="the most tokens one reply may have"),
-    max_batch: int = typer.Option(DEFAULT_MAX_BATCH, min=1,
-                                  help="the most rows (the sum of the requests' n) one generate call batches; "
-                                       "1: one request at a time"),
-    batch_window_ms: float = typer.Option(DEFAULT_BATCH_WINDOW_MS, min=0.0,
-                                          help="how long a batch waits for more requests"),
+    max_batch: int = typer.Option(
+        DEFAULT_MAX_BATCH,
+        min=1,
+        help="the most rows (the sum of the requests' n) one generate call batches; 1: one request at a time",
+    ),
+    batch_window_ms: float = typer.Option(
+        DEFAULT_BATCH_WINDOW_MS, min=0.0, help="how long a batch waits for more requests"
+    ),
     threads: int = typer.Option(0, min=0, help="torch CPU threads (0: torch's default)"),
     model_name: Optional[str] = typer.Option(None, help="the model id clients see (default: the directory name)"),
     log_level: str = typer.Option("info", help="uvicorn log level (access logs at info)"),
@@ -55,16 +59,20 @@ def serve_command(
     if log_level not in LOG_LEVELS:
         raise fail(f"--log-level must be one of {', '.join(LOG_LEVELS)}")
     if not is_loopback(host) and not allow_remote:
-        raise fail(f"refusing to bind {host}: it is not a loopback address; pass --allow-remote to serve "
-                   "beyond this machine (and --token-env to require a token)")
+        raise fail(
+            f"refusing to bind {host}: it is not a loopback address; pass --allow-remote to serve "
+            "beyond this machine (and --token-env to require a token)"
+        )
     token = None
     if token_env is not None:
         token = os.environ.get(token_env, "").strip()
         if not token:
             raise fail(f"--token-env {token_env}: the environment variable {token_env} is not set or empty")
     elif not is_loopback(host):
-        err.print(f"[yellow]warning: serving on {escape(host)} without a token; anyone who can reach it can "
-                  "use the model (see --token-env)[/yellow]")
+        err.print(
+            f"[yellow]warning: serving on {escape(host)} without a token; anyone who can reach it can "
+            "use the model (see --token-env)[/yellow]"
+        )
     if not model_dir.is_dir():
         raise fail(f"MODEL_DIR {model_dir} is not a directory")
     try:
@@ -80,9 +88,16 @@ def serve_command(
 
     try:
         tokenizer, model = load_policy(model_dir)
-        app = create_app(tokenizer, model, model_name or model_dir.resolve().name, token=token,
-                         max_body_bytes=max_body_bytes, max_new_tokens_cap=max_tokens_cap, max_batch=max_batch,
-                         batch_window_ms=batch_window_ms)
+        app = create_app(
+            tokenizer,
+            model,
+            model_name or model_dir.resolve().name,
+            token=token,
+            max_body_bytes=max_body_bytes,
+            max_new_tokens_cap=max_tokens_cap,
+            max_batch=max_batch,
+            batch_window_ms=batch_window_ms,
+        )
     except (OSError, ValueError) as e:
         sock.close()
         raise fail(f"cannot load a policy from {model_dir}: {e}")

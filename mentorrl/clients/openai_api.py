@@ -46,8 +46,18 @@ from pydantic import BaseModel, Field, ValidationError
 from mentorrl.clients.config import ClientConfig
 
 T = TypeVar("T", bound=BaseModel)
-STAT_KEYS = ("requests", "retries", "timeouts", "rate_limited", "server_errors", "failures", "malformed",
-             "oversize", "cache_hits", "invalid_structured")
+STAT_KEYS = (
+    "requests",
+    "retries",
+    "timeouts",
+    "rate_limited",
+    "server_errors",
+    "failures",
+    "malformed",
+    "oversize",
+    "cache_hits",
+    "invalid_structured",
+)
 REDACTED = "[REDACTED]"
 # ``Bearer <token>`` anywhere, and the value of an ``Authorization`` header or field (``: v`` or ``": "v"``).
 _BEARER = re.compile(r"(?i)(bearer\s+)(?:(?!bearer)[^\s\"'\\,;])+")
@@ -97,8 +107,9 @@ class ResponseCache:
     def __init__(self, path: str | Path):
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         self._db = sqlite3.connect(str(path), check_same_thread=False)
-        self._db.execute("CREATE TABLE IF NOT EXISTS responses (key TEXT PRIMARY KEY, body TEXT NOT NULL, "
-                         "created REAL NOT NULL)")
+        self._db.execute(
+            "CREATE TABLE IF NOT EXISTS responses (key TEXT PRIMARY KEY, body TEXT NOT NULL, created REAL NOT NULL)"
+        )
         self._db.commit()
         self._lock = threading.Lock()
 
@@ -114,8 +125,9 @@ class ResponseCache:
 
     def put(self, key: str, body: str) -> None:
         with self._lock:
-            self._db.execute("INSERT OR REPLACE INTO responses (key, body, created) VALUES (?, ?, ?)",
-                             (key, body, time.time()))
+            self._db.execute(
+                "INSERT OR REPLACE INTO responses (key, body, created) VALUES (?, ?, ?)", (key, body, time.time())
+            )
             self._db.commit()
 
     def close(self) -> None:
@@ -126,14 +138,23 @@ class ResponseCache:
 class TeacherClient:
     """Chat completions from a black-box teacher; see the module docstring for the guarantees."""
 
-    def __init__(self, config: ClientConfig | None = None, transport: httpx.BaseTransport | None = None,
-                 sleep=time.sleep, seed: int = 0):
+    def __init__(
+        self,
+        config: ClientConfig | None = None,
+        transport: httpx.BaseTransport | None = None,
+        sleep=time.sleep,
+        seed: int = 0,
+    ):
         self.config = config or ClientConfig()
         key = os.environ.get(self.config.api_key_env) if self.config.api_key_env else None
         self._key = key or None  # kept only to scrub it out of response bodies
         headers = {"Authorization": f"Bearer {key}"} if key else {}
-        self._http = httpx.Client(base_url=self.config.base_url.rstrip("/"), headers=headers,
-                                  timeout=self.config.timeout_s, transport=transport)
+        self._http = httpx.Client(
+            base_url=self.config.base_url.rstrip("/"),
+            headers=headers,
+            timeout=self.config.timeout_s,
+            transport=transport,
+        )
         self._slots = threading.BoundedSemaphore(self.config.max_concurrency)
         self._cache = ResponseCache(self.config.cache_path) if self.config.cache_path else None
         self._sleep, self._rng = sleep, random.Random(seed)
@@ -148,7 +169,11 @@ class TeacherClient:
             self.stats[key] += n
 
     def request_key(self, messages: Sequence[dict[str, Any]], params: dict[str, Any]) -> str:
-        who = {"teacher": self.config.cache_namespace} if self.config.cache_namespace else {"base_url": self.config.base_url}
+        who = (
+            {"teacher": self.config.cache_namespace}
+            if self.config.cache_namespace
+            else {"base_url": self.config.base_url}
+        )
         body = {**who, "model": self.config.model, "messages": list(messages), "params": params}
         return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
 
@@ -261,8 +286,10 @@ class TeacherClient:
         parsed = self._response(messages, params)
         if parsed is None:
             return None
-        return [{"role": "assistant", "content": c.message.content, "tool_calls": c.message.tool_calls}
-                for c in parsed.choices]
+        return [
+            {"role": "assistant", "content": c.message.content, "tool_calls": c.message.tool_calls}
+            for c in parsed.choices
+        ]
 
     def structured(self, messages: Sequence[dict[str, Any]], schema: type[T], **params: Any) -> T | None:
         """The first choice parsed as ``schema`` (JSON, optionally inside a ```json fence), or None (counted)."""

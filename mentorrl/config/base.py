@@ -30,14 +30,20 @@ class OptimConfig(Section):
     max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping")
     warmup_steps: int = Field(0, ge=0, description="linear learning-rate warm-up")
     micro_batch_size: int = Field(32, ge=1, description="sequences per forward/backward; gradients accumulate")
-    pack_prefixes: bool = Field(True, description="run each token prefix a micro-batch's sequences share once "
-                                "(prefix-tree packing with a tree attention mask): the same loss and gradient "
-                                "as the padded forward, with fewer tokens; the padded forward where the model "
-                                "cannot take a tree mask")
-    tree_attention: bool = Field(True, description="with pack_prefixes: pack a micro-batch as one prefix trie whose "
-                                 "attention is block-sparse (each query block attends to its nodes' ancestors only) "
-                                 "for the decoders that support it (Qwen2, Llama); false: a dense tree mask over "
-                                 "packed rows of bounded length")
+    pack_prefixes: bool = Field(
+        True,
+        description="run each token prefix a micro-batch's sequences share once "
+        "(prefix-tree packing with a tree attention mask): the same loss and gradient "
+        "as the padded forward, with fewer tokens; the padded forward where the model "
+        "cannot take a tree mask",
+    )
+    tree_attention: bool = Field(
+        True,
+        description="with pack_prefixes: pack a micro-batch as one prefix trie whose "
+        "attention is block-sparse (each query block attends to its nodes' ancestors only) "
+        "for the decoders that support it (Qwen2, Llama); false: a dense tree mask over "
+        "packed rows of bounded length",
+    )
 
 
 # ---- fields every policy-update stage shares, declared once (each stage keeps its own defaults) ----
@@ -141,7 +147,20 @@ class RolloutStageConfig(UpdateStageConfig):
 
 
 __all__ = [
-    "CLIP_HIGH", "CLIP_LOW", "ConfigError", "LossAgg", "OptimConfig", "RolloutStageConfig", "Section", "StageConfig",
-    "StepStageConfig", "UpdateStageConfig", "checkpoint_every_field", "eps_high_field", "eps_low_field",
-    "loss_agg_field", "optim_field", "updates_per_step_field",
+    "CLIP_HIGH",
+    "CLIP_LOW",
+    "ConfigError",
+    "LossAgg",
+    "OptimConfig",
+    "RolloutStageConfig",
+    "Section",
+    "StageConfig",
+    "StepStageConfig",
+    "UpdateStageConfig",
+    "checkpoint_every_field",
+    "eps_high_field",
+    "eps_low_field",
+    "loss_agg_field",
+    "optim_field",
+    "updates_per_step_field",
 ]

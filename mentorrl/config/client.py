@@ -16,8 +16,14 @@ class ClientConfig(BaseModel):
     backoff_s: float = Field(0.5, ge=0, description="first backoff; doubles each retry, with jitter")
     backoff_max_s: float = Field(8.0, ge=0, description="backoff cap (also caps Retry-After)")
     max_concurrency: int = Field(4, ge=1, description="requests in flight at once")
-    max_response_bytes: int = Field(8 * 2**20, ge=1, description="largest response body accepted (decoded bytes); "
-                                                                 "a longer one is cut off, counted and skipped")
+    max_response_bytes: int = Field(
+        8 * 2**20,
+        ge=1,
+        description="largest response body accepted (decoded bytes); a longer one is cut off, counted and skipped",
+    )
     cache_path: str | None = Field(None, description="SQLite response cache (null: no cache)")
-    cache_namespace: str | None = Field(None, description="names the teacher in cache keys instead of base_url "
-                                                         "(a served checkpoint gets a new port each run)")
+    cache_namespace: str | None = Field(
+        None,
+        description="names the teacher in cache keys instead of base_url "
+        "(a served checkpoint gets a new port each run)",
+    )

@@ -23,8 +23,10 @@ class LatencyModel(BaseModel):
     seed: int = Field(0, description="combined with each episode's seed")
     per_tool: dict[str, float] = Field(default_factory=dict, description="multiplier of the delay per tool name")
     repeats: Literal["independent", "same"] = Field(
-        "independent", description="independent: each episode of a task draws its own delays (the k-th episode of a "
-                                   "task in this process uses stream k); same: every episode of a task sees the same")
+        "independent",
+        description="independent: each episode of a task draws its own delays (the k-th episode of a "
+        "task in this process uses stream k); same: every episode of a task sees the same",
+    )
 
     def quantile(self, q: float) -> float:
         """The delay at quantile ``q`` of the (uncapped, unscaled) distribution."""
@@ -43,6 +45,7 @@ class EnvConfig(Section):
     @classmethod
     def _registered(cls, v: str) -> str:
         return check_registered(ENVIRONMENT, v)  # a ValueError naming the registered environments
+
     tool_timeout_s: float = Field(5.0, gt=0, description="per tool call")
     latency: LatencyModel | None = Field(
         None, description="inject seeded heavy-tailed tool latency (log-normal or Pareto); null: none"

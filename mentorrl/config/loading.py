@@ -22,7 +22,6 @@ from mentorrl.config.base import ConfigError
 from mentorrl.config.plugins import load_plugins
 from mentorrl.config.run import RunConfig, run_config_model
 
-
 # Bounds on untrusted config input. A real recipe is a few hundred nodes and a few KB.
 MAX_CONFIG_BYTES = 1 << 20  # per file
 MAX_CONFIG_NODES = 20_000  # per document, with YAML aliases followed (an anchor bomb expands exponentially)
@@ -269,7 +268,7 @@ def validate_config(data: Any, source: str = "(defaults)") -> RunConfig:
         found = list(problems)
         for err in e.errors():
             loc = tuple(err["loc"])
-            if not any(f[:len(loc)] == loc for f in found):  # not a consequence of a number already reported
+            if not any(f[: len(loc)] == loc for f in found):  # not a consequence of a number already reported
                 problems.setdefault(loc, err["msg"])
     else:
         for loc, msg in number_problems(cfg, data).items():
@@ -279,8 +278,9 @@ def validate_config(data: Any, source: str = "(defaults)") -> RunConfig:
     return cfg
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
-                plugins: list[str] | None = None) -> RunConfig:
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | None = None, plugins: list[str] | None = None
+) -> RunConfig:
     """Load YAML (or defaults), apply ``key.sub=value`` overrides, add ``plugins`` (modules, e.g. from
     ``mentorrl train --plugin``) to the config's own, load them, validate.
 
@@ -307,7 +307,19 @@ def dump_config(cfg: RunConfig) -> str:
 
 
 __all__ = [
-    "MAX_CONFIG_BYTES", "MAX_CONFIG_DEPTH", "MAX_CONFIG_INT", "MAX_CONFIG_NODES", "MAX_EXTENDS", "PACKAGED_CONFIG_DIR",
-    "ConfigError", "check_bounded", "dump_config", "load_config", "number_problems", "parse_yaml", "plugins_of",
-    "raw_number_problems", "validate_config",
+    "MAX_CONFIG_BYTES",
+    "MAX_CONFIG_DEPTH",
+    "MAX_CONFIG_INT",
+    "MAX_CONFIG_NODES",
+    "MAX_EXTENDS",
+    "PACKAGED_CONFIG_DIR",
+    "ConfigError",
+    "check_bounded",
+    "dump_config",
+    "load_config",
+    "number_problems",
+    "parse_yaml",
+    "plugins_of",
+    "raw_number_problems",
+    "validate_config",
 ]

@@ -46,17 +46,22 @@ class PretrainSpec(BaseModel):
     transcripts: int = Field(2000, ge=0, description="expert episodes on train tasks in the corpus")
     worlds: int = Field(400, ge=0, description="train-range seeded worlds described in free text and tool sessions")
     seed: int = Field(0, description="corpus sampling and block order")
-    eval_transcripts: int = Field(64, ge=0, description="held-out-split expert transcripts scored before and after "
-                                                        "(never trained on)")
-    corpus_version: int = Field(2, ge=CORPUS_VERSIONS[0], le=CORPUS_VERSIONS[-1], description="generated corpus: 2: support-log notes naming an e-mail and "
-                                                           "an order that the tool calls copy; 3: the notes may also "
-                                                           "name an amount and a new address that the writes copy; "
-                                                           "4: 3 plus echo documents (a run of the domain's values "
-                                                           "written again: copying any token back); 5: 4 plus copy "
-                                                           "drills (a named value beside an on-file one of the same "
-                                                           "kind, then the call that uses the named one) and 14 more "
-                                                           "echo documents a world")
-
+    eval_transcripts: int = Field(
+        64, ge=0, description="held-out-split expert transcripts scored before and after (never trained on)"
+    )
+    corpus_version: int = Field(
+        2,
+        ge=CORPUS_VERSIONS[0],
+        le=CORPUS_VERSIONS[-1],
+        description="generated corpus: 2: support-log notes naming an e-mail and "
+        "an order that the tool calls copy; 3: the notes may also "
+        "name an amount and a new address that the writes copy; "
+        "4: 3 plus echo documents (a run of the domain's values "
+        "written again: copying any token back); 5: 4 plus copy "
+        "drills (a named value beside an on-file one of the same "
+        "kind, then the call that uses the named one) and 14 more "
+        "echo documents a world",
+    )
 
 
 class ModelConfig(Section):
@@ -68,7 +73,8 @@ class ModelConfig(Section):
     pretrain: PretrainSpec = Field(
         default_factory=PretrainSpec,
         description="next-token pretraining of the tiny model on the environment's language when it is built "
-                    "(by a recipe with model.path null, or by `mentorrl init-model`); steps 0: none")
+        "(by a recipe with model.path null, or by `mentorrl init-model`); steps 0: none",
+    )
 
 
 __all__ = ["CORPUS_VERSIONS", "ModelConfig", "ModelSpec", "PretrainSpec"]

@@ -66,12 +66,19 @@ def assert_trainable_splits(splits: Iterable[str]) -> None:
     bad = sorted({s for s in splits if s in HIDDEN_SPLITS})
     if bad:
         what = "the hidden evaluation set" if bad[0] == "hidden" else "an evaluation-only stress set"
-        raise HiddenSetError(
-            f"split {bad[0]!r} is {what} and is never used for training; pick another split"
-        )
+        raise HiddenSetError(f"split {bad[0]!r} is {what} and is never used for training; pick another split")
 
 
 __all__ = [
-    "ADVANTAGE", "BUILTIN_NAMES", "ENVIRONMENT", "HIDDEN_SPLITS", "HiddenSetError", "assert_trainable_splits",
-    "check_registered", "entry_point_names", "known_names", "register_name", "unregister_name",
+    "ADVANTAGE",
+    "BUILTIN_NAMES",
+    "ENVIRONMENT",
+    "HIDDEN_SPLITS",
+    "HiddenSetError",
+    "assert_trainable_splits",
+    "check_registered",
+    "entry_point_names",
+    "known_names",
+    "register_name",
+    "unregister_name",
 ]

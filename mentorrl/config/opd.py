@@ -22,12 +22,17 @@ from mentorrl.config.model import ModelSpec
 
 class TeacherBuildConfig(Section):
     init: Literal["scratch", "student"] = Field(
-        "scratch", description="scratch: a fresh tiny model; student: a copy of the student as it enters the stage, "
-                               "trained on (keeps the student's tokenizer and size; the cache key includes a hash "
-                               "of the student's weights)")
+        "scratch",
+        description="scratch: a fresh tiny model; student: a copy of the student as it enters the stage, "
+        "trained on (keeps the student's tokenizer and size; the cache key includes a hash "
+        "of the student's weights)",
+    )
     vocab_size: int | None = Field(
-        None, ge=300, description="null: the student's tokenizer (same corpus and size give the same tokenizer); "
-                                  "a number: the teacher's own tokenizer with this vocabulary (cross-tokenizer OPD)")
+        None,
+        ge=300,
+        description="null: the student's tokenizer (same corpus and size give the same tokenizer); "
+        "a number: the teacher's own tokenizer with this vocabulary (cross-tokenizer OPD)",
+    )
     spec: ModelSpec | None = Field(None, description="teacher model size; null: the student's model.spec")
     num_demos: int = Field(4000, ge=1, description="expert demonstrations the teacher's SFT draws from")
     sft_steps: int = Field(1500, ge=1, description="SFT steps (the demo's student takes 600)")
@@ -37,25 +42,34 @@ class TeacherBuildConfig(Section):
     @model_validator(mode="after")
     def _student_init_keeps_the_student(self) -> "TeacherBuildConfig":
         if self.init == "student" and (self.vocab_size is not None or self.spec is not None):
-            raise ValueError("build.init student continues the student's own weights: it keeps the student's "
-                             "tokenizer and size, so leave build.vocab_size and build.spec unset")
+            raise ValueError(
+                "build.init student continues the student's own weights: it keeps the student's "
+                "tokenizer and size, so leave build.vocab_size and build.spec unset"
+            )
         return self
 
 
 class TeacherConfig(Section):
     name: str = Field("teacher", min_length=1, description="name in logs, samples and MOPD routes")
     kind: Literal["hf", "self"] = Field(
-        "hf", description="hf: a local Hugging Face checkpoint; self: a frozen snapshot of the student taken at the "
-                          "start of each step (RLSD)")
+        "hf",
+        description="hf: a local Hugging Face checkpoint; self: a frozen snapshot of the student taken at the "
+        "start of each step (RLSD)",
+    )
     path: str | None = Field(
-        None, description="hf: checkpoint directory; null: built by `build` (once, cached under opd.teachers_dir)")
-    build: TeacherBuildConfig = Field(default_factory=TeacherBuildConfig,
-                                      description="how the stronger local teacher is built when path is null (the "
-                                                  "demo's SFT stage, longer, on more demonstrations)")
+        None, description="hf: checkpoint directory; null: built by `build` (once, cached under opd.teachers_dir)"
+    )
+    build: TeacherBuildConfig = Field(
+        default_factory=TeacherBuildConfig,
+        description="how the stronger local teacher is built when path is null (the "
+        "demo's SFT stage, longer, on more demonstrations)",
+    )
     temperature: float = Field(1.0, gt=0, description="softmax temperature of the teacher's log-probs")
     special_tokens: dict[str, str] = Field(
-        default_factory=dict, description="cross-tokenizer: the student's special tokens spelled the teacher's way, "
-                                          "e.g. {'<|im_end|>': '<|eot_id|>'}")
+        default_factory=dict,
+        description="cross-tokenizer: the student's special tokens spelled the teacher's way, "
+        "e.g. {'<|im_end|>': '<|eot_id|>'}",
+    )
 
 
 # ------------------------------------------------------------------------------ OPD terms -----
@@ -70,9 +84,13 @@ class _OPDTerm(Section):
 
 class SampledKLTerm(_OPDTerm):
     name: Literal["sampled_kl"] = "sampled_kl"
-    coef: float = Field(1.0, ge=0, description="weight of the sampled-token (chunk) reverse-KL estimate "
-                                                "log p_teacher - log p_student as a per-token advantage in the "
-                                                "clipped policy loss")
+    coef: float = Field(
+        1.0,
+        ge=0,
+        description="weight of the sampled-token (chunk) reverse-KL estimate "
+        "log p_teacher - log p_student as a per-token advantage in the "
+        "clipped policy loss",
+    )
 
 
 class TopKTerm(_OPDTerm):
@@ -81,9 +99,12 @@ class TopKTerm(_OPDTerm):
     divergence: Literal["reverse", "forward", "jsd"] = Field("reverse", description="the divergence")
     beta: float = Field(0.5, ge=0, le=1, description="divergence jsd: its beta")
     top_k: int = Field(16, ge=1, description="teacher tokens kept per position")
-    tail: bool = Field(True, description="compare the top-k plus one bin for the rest of the mass (false: "
-                                         "renormalise over the k tokens, which ignores mass the student moves "
-                                         "outside them)")
+    tail: bool = Field(
+        True,
+        description="compare the top-k plus one bin for the rest of the mass (false: "
+        "renormalise over the k tokens, which ignores mass the student moves "
+        "outside them)",
+    )
 
 
 class UntilFirstErrorTerm(_OPDTerm):
@@ -105,14 +126,22 @@ class CenterTerm(_OPDTerm):
 
 class ShortTerm(_OPDTerm):
     name: Literal["short"] = "short"
-    threshold: float | None = Field(None, ge=0, description="distil tokens whose |teacher - student| log-prob gap "
-                                                             "exceeds this (give this or top_frac)")
-    top_frac: float | None = Field(None, gt=0, le=1, description="distil this share of policy tokens, largest gap "
-                                                                 "first")
-    min_budget: int = Field(128, ge=16, description="rollout token budget (tokens after the prompt) of a task "
-                                                     "family whose gap is 0")
-    max_budget: int | None = Field(None, ge=16, description="budget at gap >= full_gap, and of families not measured "
-                                                            "yet; null: limits.max_total_tokens")
+    threshold: float | None = Field(
+        None,
+        ge=0,
+        description="distil tokens whose |teacher - student| log-prob gap exceeds this (give this or top_frac)",
+    )
+    top_frac: float | None = Field(
+        None, gt=0, le=1, description="distil this share of policy tokens, largest gap first"
+    )
+    min_budget: int = Field(
+        128, ge=16, description="rollout token budget (tokens after the prompt) of a task family whose gap is 0"
+    )
+    max_budget: int | None = Field(
+        None,
+        ge=16,
+        description="budget at gap >= full_gap, and of families not measured yet; null: limits.max_total_tokens",
+    )
     full_gap: float = Field(0.5, gt=0, description="mean per-token gap (nats) that earns the whole budget")
     ema: float = Field(0.5, gt=0, le=1, description="weight of the newest step in each family's gap average")
 
@@ -149,8 +178,9 @@ class RLSDSelectedTerm(_RLSDTerm):
 class RLSDTopKTerm(_RLSDTerm):
     name: Literal["rlsd_topk"] = "rlsd_topk"
     top_k: int = Field(8, ge=1, description="tokens of the stored snapshot distribution")
-    teacher_temperature: float = Field(0.7, gt=0, description="temperature of the stored snapshot distribution "
-                                                              "(< 1 sharpens it)")
+    teacher_temperature: float = Field(
+        0.7, gt=0, description="temperature of the stored snapshot distribution (< 1 sharpens it)"
+    )
     tail: bool = Field(True, description="compare the top-k plus one bin for the rest of the mass")
 
 
@@ -159,12 +189,24 @@ class SequenceFallbackTerm(_OPDTerm):
 
 
 OPDTerm = Annotated[
-    Union[SampledKLTerm, TopKTerm, UntilFirstErrorTerm, StepWeightsTerm, CenterTerm, ShortTerm, RewardWeightedTerm,
-          RLSDSelectedTerm, EnvAdvantageTerm, RLSDTopKTerm, SequenceFallbackTerm],
+    Union[
+        SampledKLTerm,
+        TopKTerm,
+        UntilFirstErrorTerm,
+        StepWeightsTerm,
+        CenterTerm,
+        ShortTerm,
+        RewardWeightedTerm,
+        RLSDSelectedTerm,
+        EnvAdvantageTerm,
+        RLSDTopKTerm,
+        SequenceFallbackTerm,
+    ],
     Field(discriminator="name"),
 ]
 OPD_TERM_SCHEMAS: dict[str, type[_OPDTerm]] = {
-    get_args(c.model_fields["name"].annotation)[0]: c for c in get_args(get_args(OPDTerm)[0])}
+    get_args(c.model_fields["name"].annotation)[0]: c for c in get_args(get_args(OPDTerm)[0])
+}
 RLSD_TERMS = ("rlsd_selected", "rlsd_topk")
 REWARD_TERMS = ("env_advantage", "reward_weighted", *RLSD_TERMS)  # compare a task's samples
 
@@ -176,25 +218,33 @@ RewardWeightedConfig = RewardWeightedTerm
 
 class MOPDConfig(Section):
     routes: dict[str, dict[str, float]] = Field(
-        default_factory=dict, description="static routing: task family -> {teacher: weight}; unrouted families "
-                                          "spread evenly")
+        default_factory=dict,
+        description="static routing: task family -> {teacher: weight}; unrouted families spread evenly",
+    )
     confidence_temperature: float | None = Field(
-        None, gt=0, description="weight teachers by softmax(mean token log-prob on the trajectory / T); null: off")
+        None, gt=0, description="weight teachers by softmax(mean token log-prob on the trajectory / T); null: off"
+    )
     success_history: bool = Field(
-        False, description="weight teachers by their verified success so far (Beta(1,1) posterior mean); each "
-                           "trajectory's outcome counts for the teacher that weighed most on it")
+        False,
+        description="weight teachers by their verified success so far (Beta(1,1) posterior mean); each "
+        "trajectory's outcome counts for the teacher that weighed most on it",
+    )
     step_weights: StepWeightConfig | None = Field(
-        None, description="legacy: the step_weights term (failure-aware per-token weights); null: off")
+        None, description="legacy: the step_weights term (failure-aware per-token weights); null: off"
+    )
 
 
 class RLSDConfig(Section):
     coef: float = Field(0.5, ge=0, description="lambda of L_RL + lambda * L_SD")
     target: Literal["selected", "topk"] = Field(
-        "selected", description="selected: the sampled tokens of verified trajectories; topk: the snapshot's top-k "
-                                "distribution stored at rollout (forward KL)")
+        "selected",
+        description="selected: the sampled tokens of verified trajectories; topk: the snapshot's top-k "
+        "distribution stored at rollout (forward KL)",
+    )
     top_k: int = Field(8, ge=1, description="target: topk")
-    teacher_temperature: float = Field(0.7, gt=0, description="target: topk: temperature of the stored snapshot "
-                                                              "distribution (< 1 sharpens it)")
+    teacher_temperature: float = Field(
+        0.7, gt=0, description="target: topk: temperature of the stored snapshot distribution (< 1 sharpens it)"
+    )
     reward_temperature: float = Field(1.0, gt=0, description="trajectory weight exp(R / T) among verified ones")
     length_power: float = Field(0.5, ge=0, description="trajectory weight (length / mean) ** -p: shorter wins")
     exploration_share: float = Field(0.25, ge=0, le=1, description="share of each batch trained by RL only")
@@ -202,8 +252,21 @@ class RLSDConfig(Section):
 
 LEGACY = "legacy, translated into opd.terms (not with it): "
 # the legacy flat settings of OPDConfig that stand for terms (all null unless given)
-LEGACY_OPD_FLAGS = ("loss", "center", "divergence", "beta", "top_k", "topk_tail", "kl_coef", "distill_until",
-                    "reward_coef", "cross_tokenizer", "short", "rlsd", "reward_weighted")
+LEGACY_OPD_FLAGS = (
+    "loss",
+    "center",
+    "divergence",
+    "beta",
+    "top_k",
+    "topk_tail",
+    "kl_coef",
+    "distill_until",
+    "reward_coef",
+    "cross_tokenizer",
+    "short",
+    "rlsd",
+    "reward_weighted",
+)
 
 
 def legacy_opd_terms(o: "OPDConfig") -> list[_OPDTerm]:
@@ -217,8 +280,15 @@ def legacy_opd_terms(o: "OPDConfig") -> list[_OPDTerm]:
     if loss == "sampled" and hf:
         out.append(SampledKLTerm(coef=kl_coef))
     if loss == "topk":  # kept without a teacher: it also makes the policy gradient one pass
-        out.append(TopKTerm(coef=kl_coef, divergence=o.divergence or "reverse", beta=_or(o.beta, 0.5),
-                            top_k=_or(o.top_k, 16), tail=_or(o.topk_tail, True)))
+        out.append(
+            TopKTerm(
+                coef=kl_coef,
+                divergence=o.divergence or "reverse",
+                beta=_or(o.beta, 0.5),
+                top_k=_or(o.top_k, 16),
+                tail=_or(o.topk_tail, True),
+            )
+        )
     if o.distill_until == "first_error" and hf:
         out.append(UntilFirstErrorTerm())
     if o.mopd.step_weights is not None and hf:
@@ -243,26 +313,40 @@ def _or(value: Any, default: Any) -> Any:
 
 
 class OPDConfig(RolloutStageConfig):
-    defaults: ClassVar[dict[str, Any]] = {"steps": 10, "tasks_per_step": 16, "samples_per_task": 2,
-                                          "optim": {"lr": 2e-4, "warmup_steps": 2}}
+    defaults: ClassVar[dict[str, Any]] = {
+        "steps": 10,
+        "tasks_per_step": 16,
+        "samples_per_task": 2,
+        "optim": {"lr": 2e-4, "warmup_steps": 2},
+    }
 
     updates_per_step: int = updates_per_step_field(2, "optimizer steps (minibatches) per pass over a rollout batch")
-    epochs: int = Field(1, ge=1, description="passes of the distillation loss over each rollout batch (the teacher "
-                                             "scores it once; the policy gradient, or the topk term's divergence "
-                                             "when there is one); more passes learn more per student rollout token")
-    teachers: list[TeacherConfig] = Field(default_factory=lambda: [TeacherConfig()],
-                                          description="white-box teachers (several: MOPD)")
+    epochs: int = Field(
+        1,
+        ge=1,
+        description="passes of the distillation loss over each rollout batch (the teacher "
+        "scores it once; the policy gradient, or the topk term's divergence "
+        "when there is one); more passes learn more per student rollout token",
+    )
+    teachers: list[TeacherConfig] = Field(
+        default_factory=lambda: [TeacherConfig()], description="white-box teachers (several: MOPD)"
+    )
     teachers_dir: str | None = Field(
-        "runs/teachers", description="built teachers are cached here, one directory per build recipe, shared by "
-                                     "runs; null: RUN_DIR/teachers")
+        "runs/teachers",
+        description="built teachers are cached here, one directory per build recipe, shared by "
+        "runs; null: RUN_DIR/teachers",
+    )
     terms: list[OPDTerm] | None = Field(
-        None, description="the advantage and loss terms, in order, each {name: ..., its settings} (docs/opd.md): "
-                          "sampled_kl, topk, until_first_error, step_weights, center, short, reward_weighted, "
-                          "rlsd_selected, env_advantage, rlsd_topk, sequence_fallback; a bare name takes the "
-                          "defaults; null: the terms the legacy settings below stand for")
+        None,
+        description="the advantage and loss terms, in order, each {name: ..., its settings} (docs/opd.md): "
+        "sampled_kl, topk, until_first_error, step_weights, center, short, reward_weighted, "
+        "rlsd_selected, env_advantage, rlsd_topk, sequence_fallback; a bare name takes the "
+        "defaults; null: the terms the legacy settings below stand for",
+    )
     mopd: MOPDConfig = Field(default_factory=MOPDConfig, description="multi-teacher weighting")
     loss: Literal["sampled", "topk"] | None = Field(
-        None, description=LEGACY + "sampled: the sampled_kl term (null: sampled); topk: the topk term")
+        None, description=LEGACY + "sampled: the sampled_kl term (null: sampled); topk: the topk term"
+    )
     center: bool | None = Field(None, description=LEGACY + "loss sampled: the center term (null: true)")
     divergence: Literal["reverse", "forward", "jsd"] | None = Field(None, description=LEGACY + "topk.divergence")
     beta: float | None = Field(None, ge=0, le=1, description=LEGACY + "topk.beta")
@@ -270,21 +354,28 @@ class OPDConfig(RolloutStageConfig):
     topk_tail: bool | None = Field(None, description=LEGACY + "topk.tail")
     kl_coef: float | None = Field(None, ge=0, description=LEGACY + "sampled_kl.coef or topk.coef (null: 1)")
     distill_until: Literal["end", "first_error"] | None = Field(
-        None, description=LEGACY + "first_error: the until_first_error term")
+        None, description=LEGACY + "first_error: the until_first_error term"
+    )
     reward_coef: float | None = Field(None, ge=0, description=LEGACY + "> 0: the env_advantage term with this coef")
     cross_tokenizer: Literal["chunk", "sequence"] | None = Field(
-        None, description=LEGACY + "sequence: the sequence_fallback term")
+        None, description=LEGACY + "sequence: the sequence_fallback term"
+    )
     short: ShortOPDConfig | None = Field(None, description=LEGACY + "the short term (ShortOPD)")
     rlsd: RLSDConfig | None = Field(None, description=LEGACY + "the rlsd_selected or rlsd_topk term (by target)")
     reward_weighted: RewardWeightedConfig | None = Field(None, description=LEGACY + "the reward_weighted term")
     eps_low: float = eps_low_field()
     eps_high: float = eps_high_field()
     loss_agg: LossAgg = loss_agg_field()
-    eval_every: int = Field(0, ge=0, description="held-out check every N steps, logged with the rollout tokens so "
-                                                 "far (0: off)")
+    eval_every: int = Field(
+        0, ge=0, description="held-out check every N steps, logged with the rollout tokens so far (0: off)"
+    )
     eval_tasks: int = Field(200, ge=1, description="tasks per held-out check")
-    sample_trajectories: int = Field(8, ge=0, description="trajectories per step written to samples/, with each "
-                                                          "teacher's signal and weight in opd/signals-step-N.jsonl")
+    sample_trajectories: int = Field(
+        8,
+        ge=0,
+        description="trajectories per step written to samples/, with each "
+        "teacher's signal and weight in opd/signals-step-N.jsonl",
+    )
 
     @field_validator("terms", mode="before")
     @classmethod
@@ -296,8 +387,10 @@ class OPDConfig(RolloutStageConfig):
         given = [k for k in LEGACY_OPD_FLAGS if getattr(self, k) is not None]
         given += ["mopd.step_weights"] if self.mopd.step_weights is not None else []
         if self.terms is not None and given:
-            raise ValueError(f"opd.terms and the legacy settings {', '.join('opd.' + k for k in given)} are both "
-                             "given: spell them as terms in opd.terms (docs/opd.md)")
+            raise ValueError(
+                f"opd.terms and the legacy settings {', '.join('opd.' + k for k in given)} are both "
+                "given: spell them as terms in opd.terms (docs/opd.md)"
+            )
         if self.terms is None:  # the legacy settings become the terms list, and only it is kept
             self.terms = legacy_opd_terms(self)
             for k in LEGACY_OPD_FLAGS:
@@ -330,11 +423,14 @@ def _check_opd(o: OPDConfig, names: list[str]) -> None:
     if not o.teachers and not {"reward_weighted", "env_advantage"} & set(names):
         raise ValueError("no teachers, no reward_weighted and reward_coef 0: nothing to learn from")
     if not set(names) - {"until_first_error", "step_weights", "center", "short"}:
-        raise ValueError("opd.terms has no advantage or loss term (sampled_kl, topk, reward_weighted, env_advantage, "
-                         "rlsd_selected, rlsd_topk, sequence_fallback): nothing would train")
+        raise ValueError(
+            "opd.terms has no advantage or loss term (sampled_kl, topk, reward_weighted, env_advantage, "
+            "rlsd_selected, rlsd_topk, sequence_fallback): nothing would train"
+        )
     if set(REWARD_TERMS) & set(names) and o.samples_per_task < 2:
-        raise ValueError("reward terms (reward_coef, reward_weighted, rlsd) compare a task's samples: "
-                         "samples_per_task must be >= 2")
+        raise ValueError(
+            "reward terms (reward_coef, reward_weighted, rlsd) compare a task's samples: samples_per_task must be >= 2"
+        )
 
 
 class EvolveConfig(StageConfig):
@@ -351,8 +447,11 @@ class EvolveConfig(StageConfig):
     raise_above: float = Field(0.6, ge=0, le=1, description="curriculum: raise the level above this success")
     lower_below: float = Field(0.2, ge=0, le=1, description="curriculum: lower the level below this success")
     window: int = Field(64, ge=1, description="curriculum: outcomes per success estimate")
-    accept_margin: float = Field(0.0, ge=0, description="accept a version unless its held-out success drops by more "
-                                                        "than this below the best accepted")
+    accept_margin: float = Field(
+        0.0,
+        ge=0,
+        description="accept a version unless its held-out success drops by more than this below the best accepted",
+    )
     eval_tasks: int = Field(200, ge=1, description="held-out tasks per version")
     eps_low: float = eps_low_field()
     eps_high: float = eps_high_field()
@@ -365,7 +464,30 @@ class EvolveConfig(StageConfig):
 
 
 __all__ = [
-    "EvolveConfig", "MOPDConfig", "OPDConfig", "RLSDConfig", "RewardWeightedConfig", "ShortOPDConfig",
-    "StepWeightConfig", "TeacherBuildConfig", "TeacherConfig",
-    "OPD_TERM_SCHEMAS", "OPDTerm", "RLSD_TERMS", "REWARD_TERMS", "SampledKLTerm", "TopKTerm", "UntilFirstErrorTerm", "StepWeightsTerm", "CenterTerm", "ShortTerm", "RewardWeightedTerm", "EnvAdvantageTerm", "RLSDSelectedTerm", "RLSDTopKTerm", "SequenceFallbackTerm", "legacy_opd_terms", "LEGACY_OPD_FLAGS",
+    "EvolveConfig",
+    "MOPDConfig",
+    "OPDConfig",
+    "RLSDConfig",
+    "RewardWeightedConfig",
+    "ShortOPDConfig",
+    "StepWeightConfig",
+    "TeacherBuildConfig",
+    "TeacherConfig",
+    "OPD_TERM_SCHEMAS",
+    "OPDTerm",
+    "RLSD_TERMS",
+    "REWARD_TERMS",
+    "SampledKLTerm",
+    "TopKTerm",
+    "UntilFirstErrorTerm",
+    "StepWeightsTerm",
+    "CenterTerm",
+    "ShortTerm",
+    "RewardWeightedTerm",
+    "EnvAdvantageTerm",
+    "RLSDSelectedTerm",
+    "RLSDTopKTerm",
+    "SequenceFallbackTerm",
+    "legacy_opd_terms",
+    "LEGACY_OPD_FLAGS",
 ]

@@ -45,8 +45,9 @@ def load_entry_point_stages() -> None:
             elif callable(obj) and not isinstance(obj, (type, types.ModuleType)):
                 obj()
         except Exception as e:  # a broken plugin: name it
-            raise ConfigError(f"plugin entry point {STAGE_GROUP}:{ep.name} ({ep.value}) failed to load: "
-                              f"{type(e).__name__}: {e}") from e
+            raise ConfigError(
+                f"plugin entry point {STAGE_GROUP}:{ep.name} ({ep.value}) failed to load: {type(e).__name__}: {e}"
+            ) from e
 
 
 def import_plugin(module: str, where: str = "plugins") -> None:

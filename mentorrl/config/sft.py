@@ -14,20 +14,25 @@ class SFTConfig(StepStageConfig):
 
     num_demos: int = Field(1000, ge=1, description="expert demonstrations on train tasks")
     demos: str | None = Field(
-        None, description="train on this dataset instead of the scripted expert: conversations in TRL's format (a "
-                          "Parquet file, save_to_disk folder or JSON lines, e.g. from `mentorrl export`), validated and "
-                          "tokenised with this run's tokenizer; train-split rows only")
+        None,
+        description="train on this dataset instead of the scripted expert: conversations in TRL's format (a "
+        "Parquet file, save_to_disk folder or JSON lines, e.g. from `mentorrl export`), validated and "
+        "tokenised with this run's tokenizer; train-split rows only",
+    )
     batch_size: int = Field(32, ge=1, description="demonstrations per step")
     loss_agg: LossAgg = loss_agg_field("token-mean, seq-mean-token-mean or seq-mean-token-sum")
     checkpoint_every: int = checkpoint_every_field(
-        10, "steps between checkpoints (weights, optimizer and RNG state); --resume continues from the last")
+        10, "steps between checkpoints (weights, optimizer and RNG state); --resume continues from the last"
+    )
 
 
 class RFTConfig(StageConfig):
     defaults: ClassVar[dict[str, Any]] = {"optim": {"lr": 2e-4}}
 
     max_iterations: int = Field(3, ge=1, description="sample -> filter -> fine-tune rounds at most")
-    num_tasks: int = Field(128, ge=1, description="train tasks sampled each round (coverage beats depth: see docs/rl.md)")
+    num_tasks: int = Field(
+        128, ge=1, description="train tasks sampled each round (coverage beats depth: see docs/rl.md)"
+    )
     samples_per_task: int = Field(4, ge=1, description="N trajectories per task per round")
     top_k: int = Field(2, ge=1, description="successes kept per task (distinct tool-call sequences first)")
     band: tuple[float, float] = Field((0.05, 0.5), description="keep tasks whose estimated success lies in [lo, hi]")

@@ -89,16 +89,40 @@ DDP = frozenset({"ddp"})
 BUILTIN_STAGES: tuple[StageSpec, ...] = (  # in recipe order
     StageSpec("sft", SFTConfig, f"{_RECIPES}.sft:sft_stage", "SFT on expert demonstrations", "SFT", parallel=DDP),
     StageSpec("rft", RFTConfig, f"{_RECIPES}.rft:rft_stage", "RFT: sample, verify, fine-tune", "RFT"),
-    StageSpec("grpo", GRPOConfig, f"{_RECIPES}.grpo:run_grpo", "GRPO", "GRPO", rl=True, parallel=DDP,
-              writes_samples=True),
-    StageSpec("ppo", PPOConfig, f"{_RECIPES}.ppo:ppo_stage", "PPO with a critic", "PPO", rl=True,
-              needs=_critic_checkpoint),
-    StageSpec("sao", SAOConfig, f"{_RECIPES}.sao:sao_stage", "SAO: asynchronous single-rollout optimisation", "SAO",
-              rl=True, writes_samples=True, needs=_critic_checkpoint),
-    StageSpec("opd", OPDConfig, f"{_RECIPES}.opd:opd_stage", "On-policy distillation", "OPD", rl=True,
-              needs=_teacher_checkpoints),
-    StageSpec("blackbox", BlackBoxConfig, f"{_RECIPES}.blackbox:blackbox_stage", "Black-box on-policy distillation",
-              "BB-OPD", rl=True, needs=_served_teacher),
+    StageSpec(
+        "grpo", GRPOConfig, f"{_RECIPES}.grpo:run_grpo", "GRPO", "GRPO", rl=True, parallel=DDP, writes_samples=True
+    ),
+    StageSpec(
+        "ppo", PPOConfig, f"{_RECIPES}.ppo:ppo_stage", "PPO with a critic", "PPO", rl=True, needs=_critic_checkpoint
+    ),
+    StageSpec(
+        "sao",
+        SAOConfig,
+        f"{_RECIPES}.sao:sao_stage",
+        "SAO: asynchronous single-rollout optimisation",
+        "SAO",
+        rl=True,
+        writes_samples=True,
+        needs=_critic_checkpoint,
+    ),
+    StageSpec(
+        "opd",
+        OPDConfig,
+        f"{_RECIPES}.opd:opd_stage",
+        "On-policy distillation",
+        "OPD",
+        rl=True,
+        needs=_teacher_checkpoints,
+    ),
+    StageSpec(
+        "blackbox",
+        BlackBoxConfig,
+        f"{_RECIPES}.blackbox:blackbox_stage",
+        "Black-box on-policy distillation",
+        "BB-OPD",
+        rl=True,
+        needs=_served_teacher,
+    ),
     StageSpec("evolve", EvolveConfig, f"{_RECIPES}.evolve:evolve_stage", "Self-evolving loop", "Evolve", rl=True),
 )
 
@@ -148,6 +172,14 @@ def sample_writing_stages() -> tuple[str, ...]:
 
 
 __all__ = [
-    "BUILTIN_STAGES", "DISTRIBUTED_STAGES", "STAGE_NAMES", "StageSpec", "get_stage_spec", "register_stage_spec",
-    "sample_writing_stages", "stage_specs", "stages_supporting", "unregister_stage_spec",
+    "BUILTIN_STAGES",
+    "DISTRIBUTED_STAGES",
+    "STAGE_NAMES",
+    "StageSpec",
+    "get_stage_spec",
+    "register_stage_spec",
+    "sample_writing_stages",
+    "stage_specs",
+    "stages_supporting",
+    "unregister_stage_spec",
 ]

@@ -47,8 +47,9 @@ class ServeActor:
         from mentorrl.serve import is_loopback, serve_subprocess
 
         args = ["--host", host] + ([] if is_loopback(host) else ["--allow-remote"]) + list(extra_args)
-        self._cm = serve_subprocess(path, token_env=TOKEN_ENV, extra_args=args, env={TOKEN_ENV: token},
-                                    timeout_s=timeout_s)
+        self._cm = serve_subprocess(
+            path, token_env=TOKEN_ENV, extra_args=args, env={TOKEN_ENV: token}, timeout_s=timeout_s
+        )
         return self._cm.__enter__()
 
     def stop(self) -> None:
@@ -58,8 +59,9 @@ class ServeActor:
 
 
 @contextlib.contextmanager
-def serve_on_actor(dist: DistributedConfig, path: Path, extra_args: Sequence[str] = (),
-                   timeout_s: float = 300.0) -> Iterator[tuple[str, str]]:
+def serve_on_actor(
+    dist: DistributedConfig, path: Path, extra_args: Sequence[str] = (), timeout_s: float = 300.0
+) -> Iterator[tuple[str, str]]:
     """Serve the checkpoint at ``path`` from a :class:`ServeActor`; yields ``(base URL, name of the variable
     holding its token in this process)``."""
     init_ray(dist)
@@ -69,8 +71,10 @@ def serve_on_actor(dist: DistributedConfig, path: Path, extra_args: Sequence[str
         try:
             node, ip = ray.get(actor.node.remote(), timeout=ACTOR_START_TIMEOUT_S)
         except GetTimeoutError as e:
-            raise RuntimeError(f"the served teacher's actor did not start in {ACTOR_START_TIMEOUT_S:.0f} s; check "
-                               "`ray status` for a free CPU") from e
+            raise RuntimeError(
+                f"the served teacher's actor did not start in {ACTOR_START_TIMEOUT_S:.0f} s; check "
+                "`ray status` for a free CPU"
+            ) from e
         host = "127.0.0.1" if node == ray.get_runtime_context().get_node_id() else ip
         url = ray.get(actor.start.remote(str(path), host, token, list(extra_args), timeout_s))
         os.environ[TOKEN_ENV] = token

@@ -22,8 +22,14 @@ import torch
 from ray.exceptions import GetTimeoutError, RayTaskError
 
 from mentorrl.config import ConfigError, DistributedConfig, TeacherConfig
-from mentorrl.distributed.ray_workers import (ACTOR_START_TIMEOUT_S, _actor_options, _kill, gather_shares, init_ray,
-                                              shares)
+from mentorrl.distributed.ray_workers import (
+    ACTOR_START_TIMEOUT_S,
+    _actor_options,
+    _kill,
+    gather_shares,
+    init_ray,
+    shares,
+)
 from mentorrl.trajectory import Trajectory
 
 TEACHER_ACTOR_CPUS = 1.0  # a teacher actor runs its forward passes with one torch thread
@@ -57,10 +63,12 @@ def check_cpus(dist: DistributedConfig, teachers: int) -> None:
     need = teachers * dist.teacher_workers * TEACHER_ACTOR_CPUS
     free = ray.available_resources().get("CPU", 0.0)
     if free < need:
-        raise ConfigError(f"distributed.teacher_workers: {dist.teacher_workers} actors for each of {teachers} "
-                          f"teacher(s) need {need:g} free CPUs, the Ray cluster has {free:g} free "
-                          f"({ray.cluster_resources().get('CPU', 0.0):g} in all; rollout actors of earlier stages "
-                          "keep theirs until the process ends, or mentorrl.distributed.ray_workers.kill_idle_actors())")
+        raise ConfigError(
+            f"distributed.teacher_workers: {dist.teacher_workers} actors for each of {teachers} "
+            f"teacher(s) need {need:g} free CPUs, the Ray cluster has {free:g} free "
+            f"({ray.cluster_resources().get('CPU', 0.0):g} in all; rollout actors of earlier stages "
+            "keep theirs until the process ends, or mentorrl.distributed.ray_workers.kill_idle_actors())"
+        )
 
 
 class RayTeacher:
@@ -76,8 +84,10 @@ class RayTeacher:
             ray.get([a.ping.remote() for a in self.actors], timeout=ACTOR_START_TIMEOUT_S)
         except GetTimeoutError as e:
             self.close()
-            raise RuntimeError(f"teacher {self.name!r}: its {len(self.actors)} actor(s) did not start in "
-                               f"{ACTOR_START_TIMEOUT_S:.0f} s; check `ray status` for free CPUs") from e
+            raise RuntimeError(
+                f"teacher {self.name!r}: its {len(self.actors)} actor(s) did not start in "
+                f"{ACTOR_START_TIMEOUT_S:.0f} s; check `ray status` for free CPUs"
+            ) from e
 
     def _new_actor(self):
         return TeacherActor.options(**_actor_options()).remote(*self._args)
@@ -88,7 +98,7 @@ class RayTeacher:
         parts = [(i, p) for i, p in enumerate(shares(len(trajs), len(self.actors))) if len(p)]
 
         def submit(i: int, part: range):
-            return self.actors[i].row.remote(trajs[part.start:part.stop], top_k, skip_cross)
+            return self.actors[i].row.remote(trajs[part.start : part.stop], top_k, skip_cross)
 
         def retryable(i: int, e: BaseException) -> None:
             if isinstance(e, RayTaskError):  # raised inside the scoring (mentorrl's own code): it would again

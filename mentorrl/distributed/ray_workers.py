@@ -71,8 +71,9 @@ from mentorrl.rollout.backends import stream_episodes
 from mentorrl.rollout.episode import Episode
 from mentorrl.trajectory import Trajectory
 
-ACTOR_ENV = MappingProxyType({"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE", "MKL_NUM_THREADS": "1",
-                              "TOKENIZERS_PARALLELISM": "false"})
+ACTOR_ENV = MappingProxyType(
+    {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+)
 ROLLOUT_ACTOR_CPUS = 1.0  # a rollout actor decodes with one torch thread
 ACTOR_START_TIMEOUT_S = 900.0  # a new actor (process, imports, policy copy) may take this long on a busy node
 ENV_PING_TIMEOUT_S = 120.0  # an environment actor that does not answer a ping this long is replaced
@@ -85,8 +86,9 @@ def init_ray(dist: DistributedConfig) -> None:
     if ray.is_initialized():
         return
     if dist.address is None:
-        ray.init(num_cpus=max(os.cpu_count() or 1, dist.rollout_workers), include_dashboard=False,
-                 logging_level="warning")
+        ray.init(
+            num_cpus=max(os.cpu_count() or 1, dist.rollout_workers), include_dashboard=False, logging_level="warning"
+        )
     else:
         ray.init(address=dist.address, logging_level="warning")
 
@@ -94,8 +96,10 @@ def init_ray(dist: DistributedConfig) -> None:
 def _require_cpus(workers: int) -> None:
     have = ray.cluster_resources().get("CPU", 0.0)
     if have < workers * ROLLOUT_ACTOR_CPUS:
-        raise ConfigError(f"distributed.rollout_workers: {workers} rollout actors need {workers * ROLLOUT_ACTOR_CPUS:g} "
-                          f"CPUs, the Ray cluster has {have:g}")
+        raise ConfigError(
+            f"distributed.rollout_workers: {workers} rollout actors need {workers * ROLLOUT_ACTOR_CPUS:g} "
+            f"CPUs, the Ray cluster has {have:g}"
+        )
 
 
 def shares(n: int, workers: int) -> list[range]:
@@ -261,8 +265,9 @@ class RolloutActor:
         self.loads += 1
 
     # ---- GRPO: one share of a step
-    def rollout(self, key: int, version: int, box: list, tasks: list, seed: int,
-                token_budgets: list | None = None) -> list[Trajectory]:
+    def rollout(
+        self, key: int, version: int, box: list, tasks: list, seed: int, token_budgets: list | None = None
+    ) -> list[Trajectory]:
         if key != self.key:
             self._apply(key, version, ray.get(box[0]))
         return self.rollout_.run(self.model, tasks, policy_version=version, seed=seed, token_budgets=token_budgets)
@@ -312,8 +317,14 @@ class RolloutActor:
         try:
             if choice.name == "hf":
                 choice.rollout_engine(self.model, contract).run_stream(
-                    self._next_episode, slots=self.slots, seed=self.seed, on_finish=self._emit, before_step=self._sync,
-                    stop=self.stop, close_envs=True)
+                    self._next_episode,
+                    slots=self.slots,
+                    seed=self.seed,
+                    on_finish=self._emit,
+                    before_step=self._sync,
+                    stop=self.stop,
+                    close_envs=True,
+                )
             else:  # the actor's vLLM engine, turn-level continuous batching; weights loaded between rounds
                 backend = choice.for_model(self.model, contract, self.version)
 
@@ -321,8 +332,16 @@ class RolloutActor:
                     self._sync()
                     backend.follow(self.model, self.version)
 
-                stream_episodes(backend, self._next_episode, slots=self.slots, seed=self.seed, on_finish=self._emit,
-                                before_round=before_round, stop=self.stop, close_envs=True)
+                stream_episodes(
+                    backend,
+                    self._next_episode,
+                    slots=self.slots,
+                    seed=self.seed,
+                    on_finish=self._emit,
+                    before_round=before_round,
+                    stop=self.stop,
+                    close_envs=True,
+                )
         except BaseException as e:  # noqa: BLE001 -- reported to the driver by poll(), which raises it
             self.error = repr(e)
 
@@ -351,8 +370,13 @@ class RolloutActor:
                 out.append(self.outbox.get_nowait())
             except queue.Empty:
                 break
-        return {"trajs": out, "error": self.error, "produced": self.produced, "syncs": self.syncs,
-                "alive": self.thread is not None and self.thread.is_alive()}
+        return {
+            "trajs": out,
+            "error": self.error,
+            "produced": self.produced,
+            "syncs": self.syncs,
+            "alive": self.thread is not None and self.thread.is_alive(),
+        }
 
     def stop_stream(self) -> None:
         if self.thread is not None:
@@ -454,9 +478,14 @@ class WeightBroadcast:
         return self.key, self.version, [self.ref]
 
 
-def gather_shares(parts: Sequence[tuple[int, range]], submit: Callable[[int, range], Any],
-                  retryable: Callable[[int, BaseException], None], replace: Callable[[int, BaseException], None],
-                  max_restarts: int, what: str) -> dict[int, Any]:
+def gather_shares(
+    parts: Sequence[tuple[int, range]],
+    submit: Callable[[int, range], Any],
+    retryable: Callable[[int, BaseException], None],
+    replace: Callable[[int, BaseException], None],
+    max_restarts: int,
+    what: str,
+) -> dict[int, Any]:
     """Each share's result, by actor index: ``submit(i, share)`` for every share, then ``ray.get`` them in
     order. A call that fails (the actor died, or raised) goes to ``retryable(i, e)``, which raises to give up;
     past ``max_restarts`` failures in this call the step fails; else ``replace(i, e)`` replaces what failed and
@@ -472,8 +501,9 @@ def gather_shares(parts: Sequence[tuple[int, range]], submit: Callable[[int, ran
                 retryable(i, e)
                 restarts += 1
                 if restarts > max_restarts:
-                    raise RuntimeError(f"{what}: more than distributed.actor_restarts={max_restarts} actor failures "
-                                       "in one step") from e
+                    raise RuntimeError(
+                        f"{what}: more than distributed.actor_restarts={max_restarts} actor failures in one step"
+                    ) from e
                 replace(i, e)
                 refs[i] = submit(i, part)
     return out
@@ -522,16 +552,18 @@ class RayRollouts:
             ray.get([a.set_env_factory.remote(self._worker_env()) for a in self.actors])
         return bool(dead)
 
-    def rollout(self, tasks: Sequence, policy_version: int, seed: int,
-                token_budgets: Sequence[int | None] | None = None) -> list[Trajectory]:
+    def rollout(
+        self, tasks: Sequence, policy_version: int, seed: int, token_budgets: Sequence[int | None] | None = None
+    ) -> list[Trajectory]:
         """Trajectories in task order; worker ``i`` rolls out share ``i`` with ``seed + share.start``."""
         key, version, box = self.weights.current(self.model, policy_version)
         tasks = list(tasks)
 
         def submit(i: int, part: range):
-            budgets = list(token_budgets[part.start:part.stop]) if token_budgets is not None else None
-            return self.actors[i].rollout.remote(key, version, box, tasks[part.start:part.stop], seed + part.start,
-                                                 budgets)
+            budgets = list(token_budgets[part.start : part.stop]) if token_budgets is not None else None
+            return self.actors[i].rollout.remote(
+                key, version, box, tasks[part.start : part.stop], seed + part.start, budgets
+            )
 
         def retryable(i: int, e: BaseException) -> None:
             if isinstance(e, RayTaskError):  # raised inside its call: retried only if an environment actor died
@@ -585,8 +617,20 @@ class RayRolloutPool:
     its environment factory must pickle). A GRPO stage's actors must be closed first on a small
     cluster (the workspace's: ``ws.close_ray_rollouts()``)."""
 
-    def __init__(self, policy, rollout: Rollout, tasks: Iterator, box, slots: int, queue_size: int, seed: int,
-                 recompute_kv: bool = False, workers: int = 1, *, dist: DistributedConfig):
+    def __init__(
+        self,
+        policy,
+        rollout: Rollout,
+        tasks: Iterator,
+        box,
+        slots: int,
+        queue_size: int,
+        seed: int,
+        recompute_kv: bool = False,
+        workers: int = 1,
+        *,
+        dist: DistributedConfig,
+    ):
         init_ray(dist)
         _require_cpus(dist.rollout_workers)
         self.dist, self.rollout_spec, self.tasks, self.box = dist, rollout.spec(), tasks, box
@@ -597,8 +641,9 @@ class RayRolloutPool:
         self.target = slots + self.outbox_size + 1  # tasks held per actor: never starved before back-pressure
         self.weights = WeightBroadcast()
         self.sent_version = -1
-        self.env_actors = [EnvActor.options(**_actor_options()).remote(self.rollout_spec.make_env)
-                           for _ in range(dist.env_workers)]
+        self.env_actors = [
+            EnvActor.options(**_actor_options()).remote(self.rollout_spec.make_env) for _ in range(dist.env_workers)
+        ]
         self.actors: list[Any] = [None] * n
         self.starting: list[Any] = [None] * n  # the first ping of an actor that has not answered yet
         self.started_at = [0.0] * n
@@ -621,8 +666,9 @@ class RayRolloutPool:
         a = _acquire_actor(self.spec, _with_env(self.rollout_spec, env))
         if self.weights.ref is not None:
             a.set_weights.remote(self.weights.key, self.weights.version, [self.weights.ref])
-        a.start_stream.remote(self.seed + 1_000_033 * i + 7_919 * self.replaced, self.slots, self.outbox_size,
-                              self.recompute_kv)
+        a.start_stream.remote(
+            self.seed + 1_000_033 * i + 7_919 * self.replaced, self.slots, self.outbox_size, self.recompute_kv
+        )
         if self.given[i]:
             a.poll.remote(list(self.given[i]), 0)  # the tasks its predecessor held
         self.actors[i] = a
@@ -686,8 +732,10 @@ class RayRolloutPool:
                 except RayActorError:
                     failed.append(i)
             elif time.monotonic() - self.started_at[i] > ACTOR_START_TIMEOUT_S:
-                raise TimeoutError(f"rollout actor {i} did not start in {ACTOR_START_TIMEOUT_S:.0f}s "
-                                   f"(does the Ray cluster have a free CPU? `ray status`)")
+                raise TimeoutError(
+                    f"rollout actor {i} did not start in {ACTOR_START_TIMEOUT_S:.0f}s "
+                    f"(does the Ray cluster have a free CPU? `ray status`)"
+                )
         return failed
 
     def get(self, n: int, timeout_s: float) -> list[Trajectory]:
@@ -705,8 +753,10 @@ class RayRolloutPool:
             nonlocal restarts
             restarts += 1
             if restarts > self.dist.actor_restarts:
-                raise RuntimeError(f"rollout: more than distributed.actor_restarts="
-                                   f"{self.dist.actor_restarts} actor failures in one step") from e
+                raise RuntimeError(
+                    f"rollout: more than distributed.actor_restarts="
+                    f"{self.dist.actor_restarts} actor failures in one step"
+                ) from e
             self._replace(i)
 
         while len(got) < n:
@@ -755,5 +805,16 @@ class RayRolloutPool:
         self.actors = [None] * len(self.actors)
 
 
-__all__ = ["EnvActor", "RayRolloutPool", "RayRollouts", "RemoteEnv", "RemoteEnvFactory", "RolloutActor",
-           "WeightBroadcast", "init_ray", "kill_idle_actors", "shares", "weights_payload"]
+__all__ = [
+    "EnvActor",
+    "RayRolloutPool",
+    "RayRollouts",
+    "RemoteEnv",
+    "RemoteEnvFactory",
+    "RolloutActor",
+    "WeightBroadcast",
+    "init_ray",
+    "kill_idle_actors",
+    "shares",
+    "weights_payload",
+]

@@ -40,17 +40,27 @@ def _suite(module: str, name: str) -> Callable[[], Sequence[Any]]:
 def _orders() -> EnvEntry:
     from mentorrl.envs.orders import OrdersBackend, OrdersEnv, OrdersExpert, OrdersTasks
 
-    return EnvEntry(OrdersEnv, OrdersTasks, OrdersExpert, attacks=_suite("mentorrl.envs.orders.suite", "orders_attacks"),
-                    corruptions=_suite("mentorrl.envs.orders.suite", "orders_corruptions"),
-                    mutating_tools=tuple(OrdersBackend.MUTATING))
+    return EnvEntry(
+        OrdersEnv,
+        OrdersTasks,
+        OrdersExpert,
+        attacks=_suite("mentorrl.envs.orders.suite", "orders_attacks"),
+        corruptions=_suite("mentorrl.envs.orders.suite", "orders_corruptions"),
+        mutating_tools=tuple(OrdersBackend.MUTATING),
+    )
 
 
 def _code() -> EnvEntry:
     from mentorrl.envs.code import CodeEnv, CodeExpert, CodeTasks
 
-    return EnvEntry(CodeEnv, CodeTasks, CodeExpert, attacks=_suite("mentorrl.envs.code.attacks", "code_attacks"),
-                    corruptions=_suite("mentorrl.envs.code.attacks", "code_corruptions"),
-                    mutating_tools=("write_file",))
+    return EnvEntry(
+        CodeEnv,
+        CodeTasks,
+        CodeExpert,
+        attacks=_suite("mentorrl.envs.code.attacks", "code_attacks"),
+        corruptions=_suite("mentorrl.envs.code.attacks", "code_corruptions"),
+        mutating_tools=("write_file",),
+    )
 
 
 _REGISTRY: dict[str, Callable[[], EnvEntry]] = {"orders": _orders, "code": _code}

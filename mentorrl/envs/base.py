@@ -15,12 +15,11 @@ from __future__ import annotations
 import concurrent.futures as cf
 import functools
 import json
+import math
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Protocol
-
-import math
 
 import jsonschema
 
@@ -120,8 +119,13 @@ def argument_problem(arguments: Any, max_depth: int = MAX_JSON_DEPTH) -> str | N
 class ToolRegistry:
     """Named tools plus the safe call path used by every rollout."""
 
-    def __init__(self, tools: list[Tool], timeout_s: float = 5.0, on_timeout: Callable[[], None] | None = None,
-                 delay: Callable[[str], float] | None = None):
+    def __init__(
+        self,
+        tools: list[Tool],
+        timeout_s: float = 5.0,
+        on_timeout: Callable[[], None] | None = None,
+        delay: Callable[[str], float] | None = None,
+    ):
         names = [t.name for t in tools]
         if len(set(names)) != len(names):
             raise ValueError(f"duplicate tool names: {names}")
@@ -151,13 +155,19 @@ class ToolRegistry:
         if not isinstance(name, str) or name not in self.tools:
             known = ", ".join(sorted(self.tools))
             shown = clip_text(repr(name), 80)
-            return done(ok=False, content=None, error=f"unknown tool {shown}; known tools: {known}", error_kind="unknown_tool")
+            return done(
+                ok=False, content=None, error=f"unknown tool {shown}; known tools: {known}", error_kind="unknown_tool"
+            )
         tool = self.tools[name]
         if not isinstance(arguments, dict):
-            return done(ok=False, content=None, error=f"arguments for {name} must be a JSON object", error_kind="bad_arguments")
+            return done(
+                ok=False, content=None, error=f"arguments for {name} must be a JSON object", error_kind="bad_arguments"
+            )
         problem = tool.validation_error(arguments)
         if problem is not None:
-            return done(ok=False, content=None, error=f"bad arguments for {name}: {problem}", error_kind="bad_arguments")
+            return done(
+                ok=False, content=None, error=f"bad arguments for {name}: {problem}", error_kind="bad_arguments"
+            )
         if self._pool is None:
             self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tool-{name}")
         cancelled = threading.Event()
@@ -178,11 +188,18 @@ class ToolRegistry:
             # the stuck worker cannot be killed; give later calls a fresh one
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
-            return done(ok=False, content=None, error=f"tool {name} timed out after {self.timeout_s:g}s", error_kind="timeout")
+            return done(
+                ok=False, content=None, error=f"tool {name} timed out after {self.timeout_s:g}s", error_kind="timeout"
+            )
         except ToolError as e:
             return done(ok=False, content=None, error=str(e), error_kind=e.kind)
         except Exception as e:  # noqa: BLE001 - a tool bug must not crash the rollout
-            return done(ok=False, content=None, error=f"tool {name} failed: {type(e).__name__}: {e}", error_kind="tool_exception")
+            return done(
+                ok=False,
+                content=None,
+                error=f"tool {name} failed: {type(e).__name__}: {e}",
+                error_kind="tool_exception",
+            )
         return done(ok=True, content=out)
 
     def close(self) -> None:
@@ -264,8 +281,10 @@ def draw_tasks(source: TaskSource, split: str, n: int, seed: int, stratified: bo
 
 def check_stratifies(source: TaskSource) -> None:
     if not getattr(source, "stratifies", False):
-        raise ValueError(f"eval.stratify: the task source {type(source).__name__} cannot draw stratified tasks "
-                         "(it has no `stratifies = True`); set eval.stratify: false")
+        raise ValueError(
+            f"eval.stratify: the task source {type(source).__name__} cannot draw stratified tasks "
+            "(it has no `stratifies = True`); set eval.stratify: false"
+        )
 
 
 class ExpertPolicy(Protocol):

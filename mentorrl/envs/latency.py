@@ -17,7 +17,6 @@ from collections import Counter
 
 from mentorrl.config.env import LatencyModel
 
-
 _occurrences: Counter = Counter()
 _occurrences_lock = threading.Lock()
 

@@ -90,8 +90,13 @@ class LostResponseEnv:
         if result.ok and name in self.tools and len(self.lost) < self.times:
             self.lost.append(name)
             timeout = getattr(self.env.registry, "timeout_s", 0.0)
-            return ToolResult(ok=False, content=None, error=f"tool {name} timed out after {timeout:g}s",
-                              error_kind="timeout", latency_s=result.latency_s)
+            return ToolResult(
+                ok=False,
+                content=None,
+                error=f"tool {name} timed out after {timeout:g}s",
+                error_kind="timeout",
+                latency_s=result.latency_s,
+            )
         return result
 
     def verify(self, final_answer: str | None) -> Verdict:

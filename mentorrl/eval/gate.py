@@ -72,18 +72,33 @@ class GateDecision(BaseModel):
 def _compare(name: str, base: SetResult, new: SetResult | None, tol: float) -> SetComparison:
     def out(passed: bool, reason: str | None, new_success: float | None = None) -> SetComparison:
         delta = None if new_success is None else new_success - base.success
-        return SetComparison(name=name, kind=base.kind, baseline=base.success, new=new_success, delta=delta,
-                             tolerance=tol, passed=passed, reason=reason)
+        return SetComparison(
+            name=name,
+            kind=base.kind,
+            baseline=base.success,
+            new=new_success,
+            delta=delta,
+            tolerance=tol,
+            passed=passed,
+            reason=reason,
+        )
 
     if new is None:
         return out(False, f"{name}: missing from the new checkpoint's evaluation")
     if base.fingerprint and new.fingerprint and base.fingerprint != new.fingerprint:
-        return out(False, f"{name}: not comparable, evaluated on different tasks, seeds or sampling "
-                          f"(fingerprint {new.fingerprint} vs baseline {base.fingerprint})", new.success)
+        return out(
+            False,
+            f"{name}: not comparable, evaluated on different tasks, seeds or sampling "
+            f"(fingerprint {new.fingerprint} vs baseline {base.fingerprint})",
+            new.success,
+        )
     drop = base.success - new.success
     if drop > tol + _EPS:
-        return out(False, f"{name}: success fell from {base.success:.1%} to {new.success:.1%} "
-                          f"(-{drop:.1%}, tolerance {tol:.1%})", new.success)
+        return out(
+            False,
+            f"{name}: success fell from {base.success:.1%} to {new.success:.1%} (-{drop:.1%}, tolerance {tol:.1%})",
+            new.success,
+        )
     return out(True, None, new.success)
 
 
@@ -124,12 +139,25 @@ def set_results(summary: Mapping[str, Any], source: str = "summary") -> dict[str
     for name, s in sets.items():
         try:
             overall = s["metrics"]["overall"]
-            out[name] = SetResult(name=name, kind=str(s["kind"]), success=float(overall["success"]),
-                                  n=int(overall["n"]), fingerprint=str(s.get("fingerprint", "")))
+            out[name] = SetResult(
+                name=name,
+                kind=str(s["kind"]),
+                success=float(overall["success"]),
+                n=int(overall["n"]),
+                fingerprint=str(s.get("fingerprint", "")),
+            )
         except (KeyError, TypeError, ValueError) as e:
             raise GateError(f"{source}: set {name!r} lacks kind / metrics.overall.success / n ({e})") from None
     return out
 
 
-__all__ = ["GATED_KINDS", "GateConfig", "GateDecision", "GateError", "SetComparison", "SetResult", "gate_decision",
-           "set_results"]
+__all__ = [
+    "GATED_KINDS",
+    "GateConfig",
+    "GateDecision",
+    "GateError",
+    "SetComparison",
+    "SetResult",
+    "gate_decision",
+    "set_results",
+]

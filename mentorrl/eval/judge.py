@@ -29,8 +29,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol, Sequence, runtime_checkable
 
-from mentorrl.envs.base import Task
 from mentorrl.core import trace
+from mentorrl.envs.base import Task
 from mentorrl.trajectory import JudgeVerdict, ToolCall, Trajectory
 
 RUBRIC = ("task_success", "tool_correctness", "state_tracking", "efficiency", "final_answer")
@@ -248,13 +248,21 @@ def success_probability(features: Mapping[str, float], weights: Mapping[str, flo
 
 def rubric_scores(f: Mapping[str, float], success_prob: float) -> dict[str, float]:
     """The five rubric dimensions, each in [0, 1], from transcript features."""
-    tool = (1.0 - f["invalid_share"]) * (0.5 + 0.5 * f["arg_grounding"]) if f["has_calls"] else (
-        0.0 if f["claims"] else 0.5)
+    tool = (
+        (1.0 - f["invalid_share"]) * (0.5 + 0.5 * f["arg_grounding"])
+        if f["has_calls"]
+        else (0.0 if f["claims"] else 0.5)
+    )
     state = f["arg_grounding"] * (0.5 + 0.5 * f["answer_grounding"]) * (1.0 if f["consistent"] else 0.5)
     efficiency = max(0.0, 1.0 - 0.5 * f["repeats"] - 0.5 * f["error_run"]) * (1.0 if f["answered"] else 0.5)
     final = f["answered"] * f["answer_grounding"] * (1.0 if f["consistent"] else 0.5)
-    scores = {"task_success": success_prob, "tool_correctness": tool, "state_tracking": state,
-              "efficiency": efficiency, "final_answer": final}
+    scores = {
+        "task_success": success_prob,
+        "tool_correctness": tool,
+        "state_tracking": state,
+        "efficiency": efficiency,
+        "final_answer": final,
+    }
     return {k: min(1.0, max(0.0, v)) for k, v in scores.items()}
 
 
@@ -263,8 +271,9 @@ def _reason(f: Mapping[str, float], traj: Trajectory) -> str:
     if not f["answered"]:
         notes.append(f"no final answer ({traj.finish_reason})")
     elif not f["consistent"]:
-        notes.append("the answer's claim is not backed by the trace" if f["claims"]
-                     else "refusal without a valid lookup")
+        notes.append(
+            "the answer's claim is not backed by the trace" if f["claims"] else "refusal without a valid lookup"
+        )
     if f["has_calls"]:
         if f["invalid_share"] > 0:
             notes.append(f"{trace.invalid_calls(traj)} invalid call(s)")

@@ -30,9 +30,9 @@ from typing import Any, Literal, Mapping, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from mentorrl.envs.base import Task
 from mentorrl.clients.config import ClientConfig
 from mentorrl.clients.openai_api import TeacherClient
+from mentorrl.envs.base import Task
 from mentorrl.trajectory import JudgeVerdict, Trajectory, dumps_compact
 
 DIMENSIONS = ("task_success", "tool_correctness", "state_tracking", "efficiency", "final_answer", "safety")
@@ -71,8 +71,12 @@ def transcript(task: Task | None, traj: Trajectory, max_chars: int = MAX_OBSERVA
     """The trajectory as plain text: request, numbered tool calls (name, arguments, result or
     error), final answer and finish reason. Deterministic; each tool return is clipped to
     ``max_chars``. Never the reference, the reward, the verifier's output or token ids."""
-    lines = ["## Request", task.prompt if task is not None else "(not recorded)", "",
-             f"## Tool calls ({len(traj.tool_calls)})"]
+    lines = [
+        "## Request",
+        task.prompt if task is not None else "(not recorded)",
+        "",
+        f"## Tool calls ({len(traj.tool_calls)})",
+    ]
     for i, c in enumerate(traj.tool_calls, 1):
         if c.name is None or c.arguments is None:
             lines.append(f"{i}. (turn {c.turn}) unparsable call: {_clip(c.raw, max_chars)}")
@@ -126,8 +130,13 @@ class LLMJudge:
     ``stats["skipped"]``; the client's stats say why). It never raises on the server's behaviour.
     """
 
-    def __init__(self, client: TeacherClient, name: str = "llm", weights: Mapping[str, float] | None = None,
-                 temperature: float = 0.0):
+    def __init__(
+        self,
+        client: TeacherClient,
+        name: str = "llm",
+        weights: Mapping[str, float] | None = None,
+        temperature: float = 0.0,
+    ):
         w = dict({"task_success": 1.0} if weights is None else weights)
         unknown = set(w) - set(DIMENSIONS)
         if unknown:
@@ -161,8 +170,9 @@ class LLMJudge:
         rubric = self.score(task, traj)
         if rubric is None:
             return None
-        return JudgeVerdict(judge=self.name, success_prob=self.success_prob(rubric), scores=rubric.scores(),
-                            reason=rubric.reason)
+        return JudgeVerdict(
+            judge=self.name, success_prob=self.success_prob(rubric), scores=rubric.scores(), reason=rubric.reason
+        )
 
     def metrics(self) -> dict[str, int]:
         """The judge's counts (``judge_calls``, ``judge_verdicts``, ``judge_skipped``) and the client's
@@ -199,12 +209,15 @@ def judge_client_config(environ: Mapping[str, str] | None = None) -> ClientConfi
     env = os.environ if environ is None else environ
     missing = [k for k in (ENV_BASE_URL, ENV_MODEL) if not env.get(k)]
     if missing:
-        raise ValueError(f"the llm judge needs {' and '.join(missing)} (the chat-completions /v1 root and the "
-                         f"model name); optional: {ENV_API_KEY_ENV}, {ENV_CACHE}, {ENV_TIMEOUT}")
+        raise ValueError(
+            f"the llm judge needs {' and '.join(missing)} (the chat-completions /v1 root and the "
+            f"model name); optional: {ENV_API_KEY_ENV}, {ENV_CACHE}, {ENV_TIMEOUT}"
+        )
     key_env = env.get(ENV_API_KEY_ENV, "OPENAI_API_KEY")
     cache = env.get(ENV_CACHE) or str(default_cache_path(env))
     data: dict[str, Any] = {
-        "base_url": env[ENV_BASE_URL], "model": env[ENV_MODEL],
+        "base_url": env[ENV_BASE_URL],
+        "model": env[ENV_MODEL],
         "api_key_env": None if key_env.lower() in ("", "none") else key_env,
         "cache_path": None if cache.lower() == "none" else cache,
     }
@@ -236,8 +249,11 @@ class HybridVerdict(BaseModel):
 
     @property
     def disagreement(self) -> bool:
-        return self.verifier_success is not None and self.judge_success is not None and \
-            self.verifier_success != self.judge_success
+        return (
+            self.verifier_success is not None
+            and self.judge_success is not None
+            and self.verifier_success != self.judge_success
+        )
 
     @property
     def judge_confidence(self) -> float | None:
@@ -260,22 +276,47 @@ def hybrid_verdict(traj: Trajectory, verdict: JudgeVerdict | None, threshold: fl
     judged = f"judge says {word[j]} (p={p:.2f})" if j is not None else "no judge verdict"
     if v is not None:
         disagree = j is not None and j != v
-        reason = (f"verifier says {word[v]}, {judged}" +
-                  ("; the verifier's verdict stands, review the disagreement" if disagree else ""))
-        return HybridVerdict(trajectory_id=traj.id, task_id=traj.task_id, verifier_success=v, judge_success=j,
-                             judge_success_prob=p, success=v, decided_by="verifier", needs_review=disagree,
-                             reason=reason)
+        reason = f"verifier says {word[v]}, {judged}" + (
+            "; the verifier's verdict stands, review the disagreement" if disagree else ""
+        )
+        return HybridVerdict(
+            trajectory_id=traj.id,
+            task_id=traj.task_id,
+            verifier_success=v,
+            judge_success=j,
+            judge_success_prob=p,
+            success=v,
+            decided_by="verifier",
+            needs_review=disagree,
+            reason=reason,
+        )
     if j is not None:
-        return HybridVerdict(trajectory_id=traj.id, task_id=traj.task_id, verifier_success=None, judge_success=j,
-                             judge_success_prob=p, success=j, decided_by="judge", needs_review=False,
-                             reason=f"no verifier verdict; {judged}")
-    return HybridVerdict(trajectory_id=traj.id, task_id=traj.task_id, verifier_success=None, judge_success=None,
-                         success=None, decided_by="none", needs_review=True,
-                         reason="no verifier verdict and no judge verdict; review")
+        return HybridVerdict(
+            trajectory_id=traj.id,
+            task_id=traj.task_id,
+            verifier_success=None,
+            judge_success=j,
+            judge_success_prob=p,
+            success=j,
+            decided_by="judge",
+            needs_review=False,
+            reason=f"no verifier verdict; {judged}",
+        )
+    return HybridVerdict(
+        trajectory_id=traj.id,
+        task_id=traj.task_id,
+        verifier_success=None,
+        judge_success=None,
+        success=None,
+        decided_by="none",
+        needs_review=True,
+        reason="no verifier verdict and no judge verdict; review",
+    )
 
 
-def hybrid_review_queue(trajs: Sequence[Trajectory], verdicts: Sequence[JudgeVerdict | None] | None = None,
-                        threshold: float = 0.5) -> list[HybridVerdict]:
+def hybrid_review_queue(
+    trajs: Sequence[Trajectory], verdicts: Sequence[JudgeVerdict | None] | None = None, threshold: float = 0.5
+) -> list[HybridVerdict]:
     """The trajectories that need human review, as :class:`HybridVerdict` s.
 
     ``verdicts`` are aligned with ``trajs`` (default: each trajectory's own ``judge``).
@@ -286,8 +327,9 @@ def hybrid_review_queue(trajs: Sequence[Trajectory], verdicts: Sequence[JudgeVer
         verdicts = [t.judge for t in trajs]
     if len(verdicts) != len(trajs):
         raise ValueError(f"{len(verdicts)} verdicts for {len(trajs)} trajectories")
-    flagged = [(i, h) for i, h in enumerate(hybrid_verdict(t, v, threshold) for t, v in zip(trajs, verdicts))
-               if h.needs_review]
+    flagged = [
+        (i, h) for i, h in enumerate(hybrid_verdict(t, v, threshold) for t, v in zip(trajs, verdicts)) if h.needs_review
+    ]
     flagged.sort(key=lambda ih: (0, -(ih[1].judge_confidence or 0.0), ih[0]) if ih[1].disagreement else (1, 0.0, ih[0]))
     return [h for _, h in flagged]
 

@@ -48,14 +48,45 @@ def summarize(trajs: Sequence[Trajectory]) -> dict[str, Any]:
         groups[t.family].append(t)
         groups[f"difficulty:{t.difficulty}"].append(t)
     out["by_group"] = {
-        k: {"n": len(v), "success": sum(bool(t.reward and t.reward.success) for t in v) / len(v)} for k, v in sorted(groups.items())
+        k: {"n": len(v), "success": sum(bool(t.reward and t.reward.success) for t in v) / len(v)}
+        for k, v in sorted(groups.items())
     }
     return out
 
 
 # two-sided 95% Student-t quantiles by degrees of freedom (1..30); the normal 1.96 beyond
-_T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
-        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+_T95 = (
+    12.706,
+    4.303,
+    3.182,
+    2.776,
+    2.571,
+    2.447,
+    2.365,
+    2.306,
+    2.262,
+    2.228,
+    2.201,
+    2.179,
+    2.160,
+    2.145,
+    2.131,
+    2.120,
+    2.110,
+    2.101,
+    2.093,
+    2.086,
+    2.080,
+    2.074,
+    2.069,
+    2.064,
+    2.060,
+    2.056,
+    2.052,
+    2.048,
+    2.045,
+    2.042,
+)
 
 
 def t95(dof: int) -> float:

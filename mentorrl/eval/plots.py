@@ -11,8 +11,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
-def plot_rl_curves(records: list[dict[str, Any]], out: str | Path, evals: dict[str, float] | None = None,
-                   name: str = "GRPO") -> Path:
+def plot_rl_curves(
+    records: list[dict[str, Any]], out: str | Path, evals: dict[str, float] | None = None, name: str = "GRPO"
+) -> Path:
     """Reward mean (± std band) and task success per step of one RL stage (``name`` on the axes);
     held-out points if given."""
     stage = records[0].get("stage", "grpo") if records else "grpo"
@@ -22,13 +23,24 @@ def plot_rl_curves(records: list[dict[str, Any]], out: str | Path, evals: dict[s
         ax1.plot(steps, [r["reward_mean"] for r in records], label="reward mean", color="tab:blue")
         mean = [r["reward_mean"] for r in records]
         std = [r["reward_std"] for r in records]
-        ax1.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
-                         alpha=0.15, color="tab:blue", label="± std")
+        ax1.fill_between(
+            steps,
+            [m - s for m, s in zip(mean, std)],
+            [m + s for m, s in zip(mean, std)],
+            alpha=0.15,
+            color="tab:blue",
+            label="± std",
+        )
         ax2.plot(steps, [r["task_success"] for r in records], label="train rollout success", color="tab:green")
         checks = [r for r in records if "heldout_success" in r]
         if checks:
-            ax2.plot([r["step"] for r in checks], [r["heldout_success"] for r in checks], "o--",
-                     color="tab:red", label="held-out (gap monitor)")
+            ax2.plot(
+                [r["step"] for r in checks],
+                [r["heldout_success"] for r in checks],
+                "o--",
+                color="tab:red",
+                label="held-out (gap monitor)",
+            )
     ax1.set_xlabel(f"{name} step")
     ax1.set_ylabel("reward")
     ax1.set_title("Reward per step")
@@ -69,8 +81,12 @@ def plot_step_metrics(records: list[dict[str, Any]], out: str | Path, name: str 
     ax.legend(handles=ax.get_lines() + twin.get_lines(), loc="upper left", fontsize=8)
     ax.set_title("Tool calls")
     ax = axes[0][1]
-    reasons = [("answer", "answer"), ("max_turns", "turn limit"), ("max_tokens", "context budget"),
-               ("length", "turn cut (max_new_tokens)")]
+    reasons = [
+        ("answer", "answer"),
+        ("max_turns", "turn limit"),
+        ("max_tokens", "context budget"),
+        ("length", "turn cut (max_new_tokens)"),
+    ]
     ax.stackplot(steps, *[col(f"finish_{k}") for k, _ in reasons], labels=[lbl for _, lbl in reasons], alpha=0.8)
     ax.set_ylim(0, 1.0)
     ax.legend(loc="lower left", fontsize=8)

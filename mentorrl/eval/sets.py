@@ -52,8 +52,7 @@ def assert_trainable(tasks: Iterable[Task]) -> None:
         example = next(t.id for t in bad if t.split == split)
         what = "the hidden evaluation set" if split == "hidden" else f"the {split} stress set (evaluation-only)"
         raise HiddenSetError(
-            f"refusing to train on {len(bad)} {split}-set task(s) (e.g. {example}): "
-            f"{what} is never used for training"
+            f"refusing to train on {len(bad)} {split}-set task(s) (e.g. {example}): {what} is never used for training"
         )
 
 
@@ -121,8 +120,9 @@ class EvalSetSpec(_Model):
 
     kind: SetKind
     path: str | None = Field(None, description="tasks JSONL (regression) or trajectory JSONL (production)")
-    num_tasks: int | None = Field(None, ge=1,
-                                  description="generated sets: tasks drawn; null: AgentEvalConfig.num_tasks")
+    num_tasks: int | None = Field(
+        None, ge=1, description="generated sets: tasks drawn; null: AgentEvalConfig.num_tasks"
+    )
     seed: int | None = Field(None, description="generated sets: task seed; null: AgentEvalConfig.seed")
     name: str | None = Field(None, description="label in reports; default: the kind, or kind:FILE_STEM")
 
@@ -146,8 +146,10 @@ class EvalSetSpec(_Model):
         kind, sep, path = text.partition(":")
         kinds = GENERATED_KINDS + FILE_KINDS
         if kind not in kinds:
-            raise ValueError(f"unknown evaluation set {text!r}; use one of {', '.join(GENERATED_KINDS)}, "
-                             "regression:PATH or production:PATH")
+            raise ValueError(
+                f"unknown evaluation set {text!r}; use one of {', '.join(GENERATED_KINDS)}, "
+                "regression:PATH or production:PATH"
+            )
         return cls(kind=kind, path=path if sep else None)  # type: ignore[arg-type]
 
 
@@ -160,9 +162,7 @@ def looks_like_set(text: str) -> bool:
 class AgentEvalConfig(_Model):
     """Agent evaluation: which sets, how many samples per task, which pass@k / pass^k, which judge."""
 
-    sets: list[EvalSetSpec] = Field(
-        default_factory=lambda: [EvalSetSpec(kind="golden"), EvalSetSpec(kind="hidden")]
-    )
+    sets: list[EvalSetSpec] = Field(default_factory=lambda: [EvalSetSpec(kind="golden"), EvalSetSpec(kind="hidden")])
     samples_per_task: int = Field(1, ge=1, description="rollouts per task, each with its own sampling seed")
     k: list[int] = Field(default_factory=lambda: [1], description="k of pass@k and pass^k (k > samples is skipped)")
     judge: str | None = Field("transcript", description="registered judge name, or null / 'none' for no judge")
@@ -244,7 +244,7 @@ def user_message(prompt_text: str) -> str:
     start = prompt_text.rfind(head)
     if start < 0:
         return prompt_text
-    body = prompt_text[start + len(head):]
+    body = prompt_text[start + len(head) :]
     end = body.find(IM_END)
     return body if end < 0 else body[:end]
 
@@ -258,9 +258,10 @@ def tasks_from_trajectories(trajs: Sequence[Trajectory], decode: Callable[[list[
         if t.task_id in out:
             continue
         seg = next((s for s in t.segments if s.role == "prompt"), None)
-        prompt = user_message(decode(t.token_ids[seg.start:seg.end])) if seg is not None else ""
-        out[t.task_id] = Task(id=t.task_id, family=t.family, split=t.split, prompt=prompt, seed=0,
-                              difficulty=t.difficulty)
+        prompt = user_message(decode(t.token_ids[seg.start : seg.end])) if seg is not None else ""
+        out[t.task_id] = Task(
+            id=t.task_id, family=t.family, split=t.split, prompt=prompt, seed=0, difficulty=t.difficulty
+        )
     return list(out.values())
 
 

@@ -104,7 +104,9 @@ class AttributionConfig(BaseModel):
         description="per environment name, the tools that change state; an unknown environment "
         "counts every tool as possibly mutating (the claim-without-work rule then needs no successful call)",
     )
-    step_slack: int = Field(1, ge=0, description="calls beyond the reference's count before PLANNING says 'too many steps'")
+    step_slack: int = Field(
+        1, ge=0, description="calls beyond the reference's count before PLANNING says 'too many steps'"
+    )
 
 
 class Attribution(BaseModel):
@@ -213,7 +215,9 @@ class _Facts:
 
 
 def _format_error(f: _Facts) -> list[str]:
-    ev = [f"turn {c.turn}: {c.error or 'malformed tool call'}" for c in f.traj.tool_calls if c.error_kind == "malformed"]
+    ev = [
+        f"turn {c.turn}: {c.error or 'malformed tool call'}" for c in f.traj.tool_calls if c.error_kind == "malformed"
+    ]
     if f.traj.finish_reason == "length":
         ev.append(f"turn {f.traj.num_turns}: the turn hit its token limit before the stop token (unterminated)")
     return ev
@@ -238,8 +242,10 @@ def _reward_hack(f: _Facts) -> list[str]:
     if trace.claims_action(answer) and not mutated and (f.diffs or ref_mutates):
         what = "; verifier: " + "; ".join(f.diffs[:2]) if f.diffs else ""
         ev.append(f"the answer claims an action ({_short(answer, 80)!r}) but no mutating tool call succeeded{what}")
-    elif trace.claims_success(answer) and not f.ok_calls and (
-        f.ref is None or (f.ref and not any(f.done(tool) for tool in f.ref_tools))
+    elif (
+        trace.claims_success(answer)
+        and not f.ok_calls
+        and (f.ref is None or (f.ref and not any(f.done(tool) for tool in f.ref_tools)))
     ):
         ev.append(f"the answer claims a result ({_short(answer, 80)!r}) without a single successful tool call")
     patterns = [p.lower() for p in f.config.gaming_violation_patterns]
@@ -268,8 +274,10 @@ def _argument_error(f: _Facts) -> list[str]:
             ref_keys = {arguments_key(c.arguments) for c in f.ref if c.name == tool}
             if not any(arguments_key(c.arguments) in ref_keys for c in mine):
                 theirs = next(c.arguments for c in f.ref if c.name == tool)
-                ev.append(f"turn {mine[0].turn}: {tool} called with {_short(mine[0].arguments)}; "
-                          f"the reference used {_short(theirs)}")
+                ev.append(
+                    f"turn {mine[0].turn}: {tool} called with {_short(mine[0].arguments)}; "
+                    f"the reference used {_short(theirs)}"
+                )
     return ev
 
 
@@ -298,8 +306,10 @@ def _error_recovery(f: _Facts) -> list[str]:
     failed = [i for i, c in enumerate(calls) if not c.ok]
     if failed and not any(c.ok for c in calls[failed[-1] + 1 :]):
         c = calls[failed[-1]]
-        ev.append(f"turn {c.turn}: {c.error_kind} error ({_short(c.error or '', 80)}) and no successful call "
-                  f"afterwards; the episode ended with {f.traj.finish_reason}")
+        ev.append(
+            f"turn {c.turn}: {c.error_kind} error ({_short(c.error or '', 80)}) and no successful call "
+            f"afterwards; the episode ended with {f.traj.finish_reason}"
+        )
     return ev
 
 
@@ -310,8 +320,12 @@ def _premature_stop(f: _Facts) -> list[str]:
     if f.ref is not None:
         missing = f.missing_ref_tools()
         if missing and missing[-1] == f.ref_tools[-1]:  # the plan was not carried to its end
-            return [(f"answered after {len(f.ok_calls)} successful call(s) without {missing}, "
-                     f"which the reference needed ({len(f.ref)} steps)")]
+            return [
+                (
+                    f"answered after {len(f.ok_calls)} successful call(s) without {missing}, "
+                    f"which the reference needed ({len(f.ref)} steps)"
+                )
+            ]
         return []
     if not trace.claims_success(t.final_answer) and trace.tool_errors(t) == 0:
         return [f"gave up with {_short(t.final_answer or '', 80)!r} after {len(t.tool_calls)} call(s), none failed"]

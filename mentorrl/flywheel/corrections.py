@@ -98,12 +98,18 @@ def expert_reference_calls(
             if not isinstance(action, ToolAction):
                 raise TypeError(f"expert yielded {type(action).__name__}, not a ToolAction or FinalAnswer")
             result = env.step(action.name, action.arguments)
-            calls.append(ToolCall(
-                turn=turn, name=action.name, arguments=dict(action.arguments),
-                raw=dumps_compact({"name": action.name, "arguments": action.arguments}),
-                result=result.content if result.ok else None, error=result.error,
-                error_kind=result.error_kind, latency_s=result.latency_s,  # type: ignore[arg-type]
-            ))
+            calls.append(
+                ToolCall(
+                    turn=turn,
+                    name=action.name,
+                    arguments=dict(action.arguments),
+                    raw=dumps_compact({"name": action.name, "arguments": action.arguments}),
+                    result=result.content if result.ok else None,
+                    error=result.error,
+                    error_kind=result.error_kind,
+                    latency_s=result.latency_s,  # type: ignore[arg-type]
+                )
+            )
             try:
                 action = gen.send(result)
             except StopIteration:
@@ -237,8 +243,11 @@ def build_corrections(
         if shared != prompt_ids(failed):
             out.discarded.append(_discarded(failed, "prompt differs from the failed trajectory's (another contract)"))
             continue
-        out.pairs.append(PreferencePair(task_id=task.id, failure_type=att.failure_type, prompt_ids=shared,
-                                        chosen=corrected, rejected=failed))
+        out.pairs.append(
+            PreferencePair(
+                task_id=task.id, failure_type=att.failure_type, prompt_ids=shared, chosen=corrected, rejected=failed
+            )
+        )
     return out
 
 

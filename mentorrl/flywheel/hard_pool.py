@@ -24,8 +24,8 @@ from typing import Any, Iterable, Sequence
 from pydantic import BaseModel, ConfigDict
 
 from mentorrl.config import HardPoolConfig
-from mentorrl.envs.base import Task
 from mentorrl.core import trace
+from mentorrl.envs.base import Task
 from mentorrl.trajectory import Trajectory
 
 STATE_VERSION = 1
@@ -88,8 +88,9 @@ class HardTaskPool:
     def weight(self, task_id: str) -> float:
         return 1.0 + self.config.boost * self.score(task_id)
 
-    def sample(self, tasks: Sequence[Task], n: int, rng: random.Random | int | None = None,
-               replace: bool | None = None) -> list[Task]:
+    def sample(
+        self, tasks: Sequence[Task], n: int, rng: random.Random | int | None = None, replace: bool | None = None
+    ) -> list[Task]:
         """Draw ``n`` tasks, pooled tasks at a raised rate, at most ``floor(max_share * n)`` of them
         from the pool (more only if the others run out).
 

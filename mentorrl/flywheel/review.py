@@ -63,10 +63,14 @@ class ReviewConfig(BaseModel):
     judge_confidence_threshold: float = Field(
         0.7, ge=0.5, le=1.0, description="a judge is unconfident when max(p, 1 - p) is below this"
     )
-    uncertainty_band: tuple[float, float] = Field((0.4, 0.6), description="judge success probabilities flagged as uncertain")
+    uncertainty_band: tuple[float, float] = Field(
+        (0.4, 0.6), description="judge success probabilities flagged as uncertain"
+    )
     repeated_calls_min: int = Field(2, ge=1, description="anomaly: at least this many calls repeat an earlier one")
     consecutive_errors_min: int = Field(2, ge=1, description="anomaly: at least this many tool errors in a row")
-    length_quantile: float = Field(0.99, gt=0.0, lt=1.0, description="anomaly: steps or tokens above this batch quantile")
+    length_quantile: float = Field(
+        0.99, gt=0.0, lt=1.0, description="anomaly: steps or tokens above this batch quantile"
+    )
     flags_mandatory: bool = Field(False, description="queue uncertain and anomalous trajectories even past the budget")
 
     @model_validator(mode="after")

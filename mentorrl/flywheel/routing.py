@@ -118,24 +118,36 @@ def routing_rows(dist: FailureDistribution, table: RoutingTable) -> list[dict[st
     rows = []
     for ft in PRECEDENCE:
         method = table.method(ft)
-        rows.append({
-            "failure_type": ft.value,
-            "count": dist.overall.counts[ft.value],
-            "share": dist.overall.shares[ft.value],
-            "method": method.value,
-            "produces": METHOD_OUTPUTS[method],
-        })
+        rows.append(
+            {
+                "failure_type": ft.value,
+                "count": dist.overall.counts[ft.value],
+                "share": dist.overall.shares[ft.value],
+                "method": method.value,
+                "produces": METHOD_OUTPUTS[method],
+            }
+        )
     return rows
 
 
 def routing_rich_table(dist: FailureDistribution, table: RoutingTable) -> Table:
     out = Table(title=f"Failure types ({dist.overall.n} failed trajectories) and routing")
-    for col, justify in (("failure type", "left"), ("count", "right"), ("share", "right"), ("method", "left"),
-                         ("produces", "left")):
+    for col, justify in (
+        ("failure type", "left"),
+        ("count", "right"),
+        ("share", "right"),
+        ("method", "left"),
+        ("produces", "left"),
+    ):
         out.add_column(col, justify=justify)  # type: ignore[arg-type]
     for row in routing_rows(dist, table):
-        out.add_row(str(row["failure_type"]), str(row["count"]), f"{float(row['share']):.0%}", str(row["method"]),
-                    str(row["produces"]))
+        out.add_row(
+            str(row["failure_type"]),
+            str(row["count"]),
+            f"{float(row['share']):.0%}",
+            str(row["method"]),
+            str(row["produces"]),
+        )
     return out
 
 

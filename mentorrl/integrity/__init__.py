@@ -8,8 +8,8 @@
 
 from mentorrl.integrity.attacks import (
     Attack,
-    AttackResult,
     AttackAuditConfig,
+    AttackResult,
     AuditReport,
     LostResponseEnv,
     audit_env,

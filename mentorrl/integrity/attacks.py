@@ -41,7 +41,6 @@ from mentorrl.rollout.episode import run_scripted_episode
 from mentorrl.trajectory import Trajectory
 
 
-
 class ScriptPolicy:
     """Adapts a function ``task -> Script`` to the ``act(task)`` protocol of scripted experts."""
 
@@ -108,8 +107,12 @@ class AttackResult:
         return fmean(self.rewards) if self.rewards else None
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "n_tasks": len(self.task_ids), "max_reward": self.max_reward,
-                "mean_reward": self.mean_reward}
+        return {
+            **asdict(self),
+            "n_tasks": len(self.task_ids),
+            "max_reward": self.max_reward,
+            "mean_reward": self.mean_reward,
+        }
 
 
 @dataclass
@@ -138,8 +141,11 @@ class AuditReport:
         return {
             "env": self.env_name,
             "passed": self.passed,
-            "honest": {"n_tasks": len(self.honest_rewards), "min_success_reward": self.honest_min,
-                       "failures": self.honest_failures},
+            "honest": {
+                "n_tasks": len(self.honest_rewards),
+                "min_success_reward": self.honest_min,
+                "failures": self.honest_failures,
+            },
             "attacks": [a.to_dict() for a in self.attacks],
         }
 
@@ -155,8 +161,9 @@ def select_tasks(pool: Sequence[Task], applies: Callable[[Task], bool], n: int) 
     return list(itertools.islice(interleaved, n))
 
 
-def judge_attack(hard: bool, rewards: Sequence[float], task_ids: Sequence[str],
-                 honest_min: float | None) -> tuple[bool, str]:
+def judge_attack(
+    hard: bool, rewards: Sequence[float], task_ids: Sequence[str], honest_min: float | None
+) -> tuple[bool, str]:
     """The pass rule: below the honest minimum, and below 0 for a hard-constraint attack."""
     if not rewards:
         return False, "no applicable task in the pool"
@@ -171,8 +178,9 @@ def judge_attack(hard: bool, rewards: Sequence[float], task_ids: Sequence[str],
     return True, "below 0 and the honest minimum" if hard else "below the honest minimum"
 
 
-def run_script(contract: RolloutContract, env: Environment, task: Task, script: Callable[[Task], Script],
-               weights: RewardWeights) -> Trajectory:
+def run_script(
+    contract: RolloutContract, env: Environment, task: Task, script: Callable[[Task], Script], weights: RewardWeights
+) -> Trajectory:
     """One episode of a scripted (attack) policy, as a policy trajectory."""
     return run_scripted_episode(contract, env, task, ScriptPolicy(script), weights=weights, source="policy")
 
@@ -211,8 +219,11 @@ def run_audit(
             ids = [t.id for t in chosen]
             passed, reason = judge_attack(attack.hard, rewards, ids, honest_min)
             violations = list(dict.fromkeys(v for tr in trajs for v in tr.reward.violations))
-            results.append(AttackResult(attack.name, attack.description, attack.hard, ids, rewards, honest_min,
-                                        passed, reason, violations))
+            results.append(
+                AttackResult(
+                    attack.name, attack.description, attack.hard, ids, rewards, honest_min, passed, reason, violations
+                )
+            )
     finally:
         env.close()
     return AuditReport(
@@ -221,8 +232,6 @@ def run_audit(
         honest_rewards={k: tr.reward.total for k, tr in honest.items()},
         honest_success={k: tr.reward.success for k, tr in honest.items()},
     )
-
-
 
 
 def task_pool(make_tasks: Callable[[], Any], config: AttackAuditConfig) -> list[Task]:
@@ -254,12 +263,21 @@ def audit_env(
 
 def iter_rows(report: AuditReport) -> Iterator[tuple[str, ...]]:
     """Table rows: attack, hard, tasks, max, mean, honest min, result, reason."""
+
     def num(x: float | None) -> str:
         return "-" if x is None else f"{x:.3f}"
 
     for a in report.attacks:
-        yield (a.name, "yes" if a.hard else "no", str(len(a.task_ids)), num(a.max_reward), num(a.mean_reward),
-               num(a.honest_min), "PASS" if a.passed else "FAIL", a.reason)
+        yield (
+            a.name,
+            "yes" if a.hard else "no",
+            str(len(a.task_ids)),
+            num(a.max_reward),
+            num(a.mean_reward),
+            num(a.honest_min),
+            "PASS" if a.passed else "FAIL",
+            a.reason,
+        )
 
 
 __all__ = [

@@ -29,7 +29,6 @@ from mentorrl.rewards.compose import RewardWeights
 from mentorrl.rollout.episode import run_scripted_episode
 
 
-
 # ------------------------------------------------------------------------- metrics ----
 def auc(positive: Sequence[float], negative: Sequence[float]) -> float:
     """Mann-Whitney AUC: P(score of a positive > score of a negative), ties counting 1/2."""
@@ -130,8 +129,7 @@ class ValidationReport:
     def passed(self, min_auc: float, max_overlap: float = 0.0) -> bool:
         """AUC at least ``min_auc`` and at most ``max_overlap`` of the incorrect trajectories at or
         above the lowest correct reward (0 by default: none may reach honest work)."""
-        return (self.n_correct > 0 and self.n_incorrect > 0 and self.auc >= min_auc
-                and self.overlap_share <= max_overlap)
+        return self.n_correct > 0 and self.n_incorrect > 0 and self.auc >= min_auc and self.overlap_share <= max_overlap
 
     def to_dict(self) -> dict[str, Any]:
         correct, incorrect = self.scores(True), self.scores(False)

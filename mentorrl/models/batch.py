@@ -27,7 +27,9 @@ class TokenBatch:
     old_logprobs: torch.Tensor  # [B, T] behaviour log-probs (0 off-policy-token)
 
     def to(self, device) -> "TokenBatch":
-        return TokenBatch(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.loss_mask, self.old_logprobs)))
+        return TokenBatch(
+            *(t.to(device) for t in (self.input_ids, self.attention_mask, self.loss_mask, self.old_logprobs))
+        )
 
 
 def collate(trajs: Sequence[Trajectory], pad_id: int) -> TokenBatch:
@@ -84,7 +86,9 @@ def next_token_states(module, batch: TokenBatch, attr: str, min_shared: int = 32
         head = getattr(module(input_ids=ids[:1, :P], use_cache=True, **{kw: cache}), attr)  # [1, P, *]
         if expand_batch(cache, B, copy=False):
             pos = torch.arange(P, T, device=ids.device)[None].expand(B, T - P)
-            tail = getattr(module(input_ids=ids[:, P:], attention_mask=attn, position_ids=pos, use_cache=True, **{kw: cache}), attr)
+            tail = getattr(
+                module(input_ids=ids[:, P:], attention_mask=attn, position_ids=pos, use_cache=True, **{kw: cache}), attr
+            )
             return torch.cat([head.expand(B, -1, -1), tail[:, :-1]], dim=1)
     return getattr(module(input_ids=ids, attention_mask=attn, use_cache=False), attr)[:, :-1]
 
@@ -112,9 +116,13 @@ class PrefixPack:
     plan: TreePlan | None = None  # the block-sparse form (R = 1, ``allowed`` None)
 
     def to(self, device) -> "PrefixPack":
-        return PrefixPack(self.input_ids.to(device), self.position_ids.to(device),
-                          None if self.allowed is None else self.allowed.to(device), self.node.to(device),
-                          None if self.plan is None else self.plan.to(device))
+        return PrefixPack(
+            self.input_ids.to(device),
+            self.position_ids.to(device),
+            None if self.allowed is None else self.allowed.to(device),
+            self.node.to(device),
+            None if self.plan is None else self.plan.to(device),
+        )
 
 
 PACK_CAPS = (1.0, 1.5, 2.0)  # packed-row lengths tried, as multiples of the longest input row
@@ -169,8 +177,13 @@ def attention_weight(module) -> float:
     return 2.0 * heads * head_dim / per_layer if per_layer > 0 else DEFAULT_ATTN_WEIGHT
 
 
-def prefix_pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_id: int = 0,
-                attn_weight: float = DEFAULT_ATTN_WEIGHT, tree: bool = False) -> PrefixPack | None:
+def prefix_pack(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    pad_id: int = 0,
+    attn_weight: float = DEFAULT_ATTN_WEIGHT,
+    tree: bool = False,
+) -> PrefixPack | None:
     """Pack right-padded rows ``[B, T]`` into prefix trees.
 
     ``tree``: one trie row for the whole batch with a block-sparse attention plan (:mod:`mentorrl.models.tree`);
@@ -231,13 +244,17 @@ def _node_index(paths, T: int, N: int) -> torch.Tensor:
     return node
 
 
-def _tree_pack(rows: list[list[int]], order: list[int], T: int, pad_id: int, attn_weight: float,
-               plain_cost: float) -> PrefixPack | None:
+def _tree_pack(
+    rows: list[list[int]], order: list[int], T: int, pad_id: int, attn_weight: float, plain_cost: float
+) -> PrefixPack | None:
     """The whole batch as one trie row with a block-sparse plan; None when the padded batch costs less."""
     packed, depth, paths = _layout(rows, order, sum(len(r) for r in rows))
     n = len(packed[0])
-    segments = [Segment(path[shared], path[-1] + 1, path[:shared])  # _layout adds them in ``order``, column by column
-                for _r, path, shared in (paths[b] for b in order) if len(path) > shared]
+    segments = [
+        Segment(path[shared], path[-1] + 1, path[:shared])  # _layout adds them in ``order``, column by column
+        for _r, path, shared in (paths[b] for b in order)
+        if len(path) > shared
+    ]
     plan = plan_blocks(segments, n)
     if n + attn_weight * plan.pairs + BLOCK_COST * len(plan.q_sizes) >= plain_cost:
         return None
@@ -286,8 +303,9 @@ def _packed_outputs(module, pack: PrefixPack, attr: str, form: str) -> torch.Ten
     if form == "additive":
         dtype = next(module.parameters()).dtype
         mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
-    out = getattr(module(input_ids=pack.input_ids, position_ids=pack.position_ids, attention_mask=mask,
-                         use_cache=False), attr)
+    out = getattr(
+        module(input_ids=pack.input_ids, position_ids=pack.position_ids, attention_mask=mask, use_cache=False), attr
+    )
     return out.reshape(-1, *out.shape[2:])
 
 
@@ -304,15 +322,18 @@ def _packing_matches(module, batch: TokenBatch, pack: PrefixPack, attr: str, for
                 plain = next_token_states(module, batch, attr)[real].float()
                 packed = _packed_outputs(module, pack, attr, form)[pack.node[:, :-1][real].to(plain.device)].float()
             tol = 1e-3 if plain.dtype == torch.float32 and next(module.parameters()).dtype == torch.float32 else 5e-2
-            ok = bool(torch.isfinite(packed).all()) and bool((packed - plain).abs().max() <= tol * (1 + plain.abs().max()))
+            ok = bool(torch.isfinite(packed).all()) and bool(
+                (packed - plain).abs().max() <= tol * (1 + plain.abs().max())
+            )
         finally:
             module.train(was)
         _PACK_VERIFIED[module][form] = ok
     return ok
 
 
-def selected_states(module, batch: TokenBatch, attr: str, sel: torch.Tensor,
-                    pack: bool | str = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+def selected_states(
+    module, batch: TokenBatch, attr: str, sel: torch.Tensor, pack: bool | str = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``module``'s ``attr`` at the positions ``sel`` ([B, T-1] bool: the next token is scored) as
     ``(states [U, *], inverse)``: position i's state is ``states[inverse[i]]`` (``inverse`` None: one
     state per position, in ``sel``'s row-major order).
@@ -326,8 +347,11 @@ def selected_states(module, batch: TokenBatch, attr: str, sel: torch.Tensor,
         raise ValueError(f"pack: True, False or 'dense' (got {pack!r})")
     # the tree forward gives a decoder's last hidden states; anything else takes the dense mask
     form = _packable(module, tree=pack is True and attr == "last_hidden_state") if pack and bool(sel.any()) else None
-    packed = prefix_pack(batch.input_ids, batch.attention_mask, attn_weight=attention_weight(module),
-                         tree=form == "tree") if form is not None else None
+    packed = (
+        prefix_pack(batch.input_ids, batch.attention_mask, attn_weight=attention_weight(module), tree=form == "tree")
+        if form is not None
+        else None
+    )
     if packed is not None:
         packed = packed.to(batch.input_ids.device)
     if packed is None or not _packing_matches(module, batch, packed, attr, form):
@@ -336,7 +360,9 @@ def selected_states(module, batch: TokenBatch, attr: str, sel: torch.Tensor,
     return _packed_outputs(module, packed, attr, form)[nodes], inverse
 
 
-def _scored_logits(model, batch: TokenBatch, sel: torch.Tensor, pack: bool | str) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _scored_logits(
+    model, batch: TokenBatch, sel: torch.Tensor, pack: bool | str
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logits ``[U, V]`` predicting each scored token (``sel``) and their ``inverse`` (see
     :func:`selected_states`). When logits are a plain linear map of the decoder's last hidden state
     the head runs only on those states, not on every prompt and observation token."""
@@ -348,8 +374,9 @@ def _scored_logits(model, batch: TokenBatch, sel: torch.Tensor, pack: bool | str
     return head(states), inverse
 
 
-def _selected_logprobs(logits: torch.Tensor, inverse: torch.Tensor | None, targets: torch.Tensor,
-                       temperature: float, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _selected_logprobs(
+    logits: torch.Tensor, inverse: torch.Tensor | None, targets: torch.Tensor, temperature: float, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of ``targets`` [n] (and entropies, detached) from ``logits`` [U, V], position i reading
     row ``inverse[i]`` (``inverse`` None: row i)."""
     lp = gather_row_logprobs(logits, targets, inverse, temperature=temperature)
@@ -357,8 +384,9 @@ def _selected_logprobs(logits: torch.Tensor, inverse: torch.Tensor | None, targe
     return lp, ent
 
 
-def forward_logprobs(model, batch: TokenBatch, temperature: float = 1.0, with_entropy: bool = False,
-                     pack: bool | str = True):
+def forward_logprobs(
+    model, batch: TokenBatch, temperature: float = 1.0, with_entropy: bool = False, pack: bool | str = True
+):
     """Per-token log-probs (and optionally entropies) aligned to token positions, [B, T].
 
     Values are exact on loss-mask positions (the policy's tokens) and 0 elsewhere, which the losses
@@ -377,8 +405,9 @@ def forward_logprobs(model, batch: TokenBatch, temperature: float = 1.0, with_en
     return logprobs, torch.cat([zero, torch.zeros_like(lp).masked_scatter(sel, ent_sel)], dim=1)
 
 
-def forward_selected_logprobs(model, batch: TokenBatch, ids: torch.Tensor, temperature: float = 1.0,
-                              pack: bool | str = True) -> torch.Tensor:
+def forward_selected_logprobs(
+    model, batch: TokenBatch, ids: torch.Tensor, temperature: float = 1.0, pack: bool | str = True
+) -> torch.Tensor:
     """The student's full-vocabulary log-probs of the given candidate ``ids`` ``[B, T, k]`` at every
     position ``t`` (predicting token ``t`` from tokens ``< t``): ``[B, T, k]``, exact on loss-mask
     positions and 0 elsewhere. For top-k distillation against a teacher's top-k token ids."""

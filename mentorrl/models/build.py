@@ -17,15 +17,16 @@ import torch
 from mentorrl.contract import CHAT_TEMPLATE, IM_END, PAD, SPECIAL_TOKENS
 from mentorrl.models.spec import ModelSpec
 
-
 # Pre-tokenisation is exactly Qwen2's (NFC, then its split regex, then byte-level): the model is a
 # Qwen2-architecture checkpoint, and `AutoTokenizer` -- hence vLLM, TRL and every other tool -- loads a
 # `qwen2` checkpoint's tokenizer as `Qwen2Tokenizer`, which rebuilds the normaliser and pre-tokeniser
 # from these fixed settings whatever tokenizer.json says. Any other choice here would be trained on one
 # tokenisation and served another (it was: numbers and spaces were split differently after reloading).
 # Digits are single tokens, as in Qwen2.
-QWEN2_PRETOKENIZE_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
-                           r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+QWEN2_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
+    r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
 
 
 def train_tokenizer(corpus: Iterable[str], vocab_size: int):
@@ -64,8 +65,9 @@ def build_model(tokenizer, spec: ModelSpec):
     return build_model_for_vocab(len(tokenizer), spec, tokenizer.eos_token_id, tokenizer.pad_token_id)
 
 
-def build_model_for_vocab(vocab_size: int, spec: ModelSpec, eos_token_id: int | None = None,
-                          pad_token_id: int | None = None):
+def build_model_for_vocab(
+    vocab_size: int, spec: ModelSpec, eos_token_id: int | None = None, pad_token_id: int | None = None
+):
     """A fresh Qwen2-architecture causal LM of size ``spec`` over ``vocab_size`` token ids, seeded by ``spec.seed``."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
@@ -99,8 +101,12 @@ def dir_digest(path: str | Path) -> str:
     return h.hexdigest()[:16]
 
 
-def init_model(out_dir: str | Path, corpus: Iterable[str], spec: ModelSpec | None = None,
-               before_save: Callable[[Any, Any], None] | None = None) -> Path:
+def init_model(
+    out_dir: str | Path,
+    corpus: Iterable[str],
+    spec: ModelSpec | None = None,
+    before_save: Callable[[Any, Any], None] | None = None,
+) -> Path:
     """Train the tokenizer on ``corpus``, build the model and save both to ``out_dir``.
 
     ``before_save(tokenizer, model)``, when given, runs on the fresh model before it is saved

@@ -22,7 +22,14 @@ import random
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from mentorrl.contract import IM_END, IM_START, Control, observation_pieces, render_observation_content, tool_call_pieces
+from mentorrl.contract import (
+    IM_END,
+    IM_START,
+    Control,
+    observation_pieces,
+    render_observation_content,
+    tool_call_pieces,
+)
 
 Pieces = list[str]
 # (env name) -> fn(rng, n_worlds, version) -> (documents as (kind, pieces), world seeds used); ``version``
@@ -48,40 +55,60 @@ def _orders_free_text(w: Any, rng: random.Random) -> str:
     lines: list[str] = []
     for c in w.customers:
         first = c["name"].split()[0]
-        lines.append(pick([
-            f"Customer {c['id']} is {c['name']}, email {c['email']}, living at {c['address']}.",
-            f"{c['name']} ({c['id']}) can be reached at {c['email']}. Their address is {c['address']}.",
-            f"The account {c['id']} belongs to {c['name']}. {first}'s email address is {c['email']}.",
-            f"{first} lives at {c['address']}; the email on file for {c['id']} is {c['email']}.",
-        ]))
+        lines.append(
+            pick(
+                [
+                    f"Customer {c['id']} is {c['name']}, email {c['email']}, living at {c['address']}.",
+                    f"{c['name']} ({c['id']}) can be reached at {c['email']}. Their address is {c['address']}.",
+                    f"The account {c['id']} belongs to {c['name']}. {first}'s email address is {c['email']}.",
+                    f"{first} lives at {c['address']}; the email on file for {c['id']} is {c['email']}.",
+                ]
+            )
+        )
     for p in w.products:
         stock = "out of stock" if p["stock"] == 0 else f"{_qty(p['stock'], p['name'])} in stock"
-        lines.append(pick([
-            f"Product {p['id']} is the {p['name']} at {_money(p['price'])}; there are {p['stock']} left.",
-            f"The {p['name']} ({p['id']}) costs {_money(p['price'])} and the shop has {stock}.",
-            f"We sell the {p['name']} for {_money(p['price'])} each. Stock: {p['stock']}.",
-        ]))
+        lines.append(
+            pick(
+                [
+                    f"Product {p['id']} is the {p['name']} at {_money(p['price'])}; there are {p['stock']} left.",
+                    f"The {p['name']} ({p['id']}) costs {_money(p['price'])} and the shop has {stock}.",
+                    f"We sell the {p['name']} for {_money(p['price'])} each. Stock: {p['stock']}.",
+                ]
+            )
+        )
     for o in w.orders:
         c = w.customer(o["customer_id"])
         items = ", ".join(_qty(q, w.product(pid)["name"]) for pid, q in o["items"])
         refunded = w.refunded(o["id"])
         lines.append("")  # one paragraph per order: its sentences stay together when paragraphs are shuffled
-        lines[-1] = pick([
-            f"Order {o['id']} was placed by {c['name']} ({c['id']}) for {items}; it is {o['status']}, "
-            f"total {_money(o['total'])}.",
-            f"{c['name']} ordered {items} in order {o['id']}. Status: {o['status']}. Total: {_money(o['total'])}.",
-            f"Order {o['id']} ({o['status']}) belongs to customer {c['id']} and totals {_money(o['total'])}.",
-        ])
+        lines[-1] = pick(
+            [
+                f"Order {o['id']} was placed by {c['name']} ({c['id']}) for {items}; it is {o['status']}, "
+                f"total {_money(o['total'])}.",
+                f"{c['name']} ordered {items} in order {o['id']}. Status: {o['status']}. Total: {_money(o['total'])}.",
+                f"Order {o['id']} ({o['status']}) belongs to customer {c['id']} and totals {_money(o['total'])}.",
+            ]
+        )
         if refunded > 0:
             left = round(o["total"] - refunded, 2)
-            lines[-1] += (f" {_money(refunded)} of order {o['id']} has already been refunded, "
-                          f"so at most {_money(left)} can still be refunded.")
+            lines[-1] += (
+                f" {_money(refunded)} of order {o['id']} has already been refunded, "
+                f"so at most {_money(left)} can still be refunded."
+            )
         if o["status"] in OPEN_STATUSES:
-            lines[-1] += " " + pick([f"Order {o['id']} is {o['status']}, so it can still be cancelled.",
-                                     f"Since {o['id']} has not shipped yet, {c['name'].split()[0]} may cancel it."])
+            lines[-1] += " " + pick(
+                [
+                    f"Order {o['id']} is {o['status']}, so it can still be cancelled.",
+                    f"Since {o['id']} has not shipped yet, {c['name'].split()[0]} may cancel it.",
+                ]
+            )
         else:
-            lines[-1] += " " + pick([f"Order {o['id']} is {o['status']} and can no longer be cancelled.",
-                                     f"A {o['status']} order such as {o['id']} cannot be cancelled."])
+            lines[-1] += " " + pick(
+                [
+                    f"Order {o['id']} is {o['status']} and can no longer be cancelled.",
+                    f"A {o['status']} order such as {o['id']} cannot be cancelled.",
+                ]
+            )
     rng.shuffle(lines)
     lines += rng.sample(POLICY_SENTENCES, 3)
     return "\n".join(lines)
@@ -111,8 +138,11 @@ def _tool_turn(backend: Any, name: str, args: dict[str, Any]) -> tuple[Pieces, A
         ok, content, error = True, getattr(backend, name)(**args), None
     except ToolError as e:
         ok, content, error = False, None, str(e)
-    return [*tool_call_pieces(name, args), Control(IM_END),
-            *observation_pieces(render_observation_content(ok, content, error))], content
+    return [
+        *tool_call_pieces(name, args),
+        Control(IM_END),
+        *observation_pieces(render_observation_content(ok, content, error)),
+    ], content
 
 
 def _orders_tool_session(seed: int, rng: random.Random) -> Pieces:
@@ -129,13 +159,21 @@ def _orders_tool_session(seed: int, rng: random.Random) -> Pieces:
             c, o, p = rng.choice(w.customers), rng.choice(w.orders), rng.choice(w.products)
             calls = [
                 ("find_customer", {"email": c["email"]}),
-                ("find_customer", {"email": f"{c['name'].split()[0].lower()}{rng.randint(1, 99)}@{rng.choice(['mail.com', 'example.org'])}"}),
+                (
+                    "find_customer",
+                    {
+                        "email": f"{c['name'].split()[0].lower()}{rng.randint(1, 99)}@{rng.choice(['mail.com', 'example.org'])}"
+                    },
+                ),
                 ("get_order", {"order_id": o["id"]}),
                 ("get_order", {"order_id": f"O-{rng.randint(101, 999)}"}),
                 ("list_orders", {"customer_id": c["id"]}),
                 ("check_inventory", {"product": rng.choice([p["name"], p["name"].lower()])}),
                 ("cancel_order", {"order_id": o["id"]}),
-                ("issue_refund", {"order_id": o["id"], "amount": float(rng.choice([5, 10, 20, 50, round(o["total"], 2)]))}),
+                (
+                    "issue_refund",
+                    {"order_id": o["id"], "amount": float(rng.choice([5, 10, 20, 50, round(o["total"], 2)]))},
+                ),
                 ("create_order", {"customer_id": c["id"], "product_id": p["id"], "quantity": rng.randint(1, 6)}),
                 ("send_email", {"customer_id": c["id"], "order_id": o["id"]}),
             ]
@@ -211,7 +249,11 @@ def chained_note(w: Any, rng: random.Random, version: int = 2) -> ChainedNote:
     own = [o for o in w.orders if o["customer_id"] == c["id"]]
     o = rng.choice(own) if own and rng.random() < 0.8 else rng.choice(w.orders)
     p = rng.choice(w.products)
-    email = c["email"] if rng.random() < 0.85 else f"{c['name'].split()[0].lower()}{rng.randint(1, 99)}@{rng.choice(['mail.com', 'example.org'])}"
+    email = (
+        c["email"]
+        if rng.random() < 0.85
+        else f"{c['name'].split()[0].lower()}{rng.randint(1, 99)}@{rng.choice(['mail.com', 'example.org'])}"
+    )
     order_id = o["id"] if rng.random() < 0.85 else f"O-{rng.randint(101, 999)}"
     text = rng.choice(NOTE_FRAMES).format(email=email, order=order_id, product=p["name"].lower(), name=c["name"])
     note = ChainedNote(customer=c, order=o, product=p, email=email, order_id=order_id, text=text)
@@ -289,12 +331,14 @@ class _ChainedSession:
             self.write_named()
             return
         rng, p = self.rng, self.note.product
-        name, args = rng.choice([
-            ("cancel_order", {"order_id": self.order_id}),
-            ("send_email", {"customer_id": self.cid, "order_id": self.order_id}),
-            ("issue_refund", {"order_id": self.order_id, "amount": float(rng.choice([5, 10, 20]))}),
-            ("create_order", {"customer_id": self.cid, "product_id": p["id"], "quantity": rng.randint(1, 4)}),
-        ])
+        name, args = rng.choice(
+            [
+                ("cancel_order", {"order_id": self.order_id}),
+                ("send_email", {"customer_id": self.cid, "order_id": self.order_id}),
+                ("issue_refund", {"order_id": self.order_id, "amount": float(rng.choice([5, 10, 20]))}),
+                ("create_order", {"customer_id": self.cid, "product_id": p["id"], "quantity": rng.randint(1, 4)}),
+            ]
+        )
         self.call(name, args)
 
     def write_named(self) -> None:
@@ -302,20 +346,27 @@ class _ChainedSession:
         from mentorrl.envs.orders.tasks import fmt_amount
 
         amount, addr = self.note.amount, self.note.addr
-        copied = ([("issue_refund", {"order_id": self.order_id, "amount": amount})] if amount is not None else []) \
-            + ([("update_address", {"customer_id": self.cid, "address": addr})] if addr is not None else [])
+        copied = ([("issue_refund", {"order_id": self.order_id, "amount": amount})] if amount is not None else []) + (
+            [("update_address", {"customer_id": self.cid, "address": addr})] if addr is not None else []
+        )
         name, args = self.rng.choice(copied)
         result = self.call(name, args)
         if result is not None:
             self.closing = self.rng.choice(WRITE_SUMMARY_FRAMES[name]).format(
-                order=self.order_id, cid=self.cid, refunded=fmt_amount(result.get("refunded", 0.0)),
-                address=result.get("address", ""))
+                order=self.order_id,
+                cid=self.cid,
+                refunded=fmt_amount(result.get("refunded", 0.0)),
+                address=result.get("address", ""),
+            )
 
     def summary(self) -> Pieces:
         out: Pieces = []
         if self.status is not None:
-            out.append(self.rng.choice(SUMMARY_FRAMES).format(email=self.note.email, cid=self.cid,
-                                                              order=self.order_id, status=self.status))
+            out.append(
+                self.rng.choice(SUMMARY_FRAMES).format(
+                    email=self.note.email, cid=self.cid, order=self.order_id, status=self.status
+                )
+            )
         if self.closing is not None:
             out.append((" " if self.status is not None else "") + self.closing)
         return out
@@ -345,8 +396,28 @@ def _orders_chained_session(seed: int, rng: random.Random, version: int = 2) -> 
 # rest (teacher-forced loss 1.5-5 nats on every street and town token of held-out demonstrations).
 ECHO_PER_WORLD = 2
 ECHO_LEADS = ["Read back:", "Noted:", "Again:", "Copied:", "As written:", "To confirm:", "Repeat:", "Same as above:"]
-ECHO_WORDS = ["order", "refund", "address", "customer", "stock", "email", "receipt", "cancel", "ship", "note",
-              "ticket", "account", "total", "amount", "item", "store", "policy", "request", "update", "check"]
+ECHO_WORDS = [
+    "order",
+    "refund",
+    "address",
+    "customer",
+    "stock",
+    "email",
+    "receipt",
+    "cancel",
+    "ship",
+    "note",
+    "ticket",
+    "account",
+    "total",
+    "amount",
+    "item",
+    "store",
+    "policy",
+    "request",
+    "update",
+    "check",
+]
 
 
 def _echo_item(w: Any, rng: random.Random) -> str:
@@ -401,10 +472,19 @@ COPY_DRILLS_PER_WORLD = 3
 # drills alone 2.1); with 6 or 14 more a world it copies (0.31 / 0.19 nats, bench/copy_loss.py), a phase
 # change, not a trend (bench/results/pretrain_sweep.md, seventh measurement).
 ECHO_EXTRA_V5 = 14
-DRILL_ON_FILE = ["On file: {old}.", "The record says {old}.", "Currently {old}.", "Last time it was {old}.",
-                 "Old value: {old}."]
-DRILL_PRODUCT_FRAMES = ["They asked whether the {new} is in stock.", "Question about the {new}.",
-                        "Is the {new} available?", "They want the {new}."]
+DRILL_ON_FILE = [
+    "On file: {old}.",
+    "The record says {old}.",
+    "Currently {old}.",
+    "Last time it was {old}.",
+    "Old value: {old}.",
+]
+DRILL_PRODUCT_FRAMES = [
+    "They asked whether the {new} is in stock.",
+    "Question about the {new}.",
+    "Is the {new} available?",
+    "They want the {new}.",
+]
 
 
 def _orders_copy_drill(w: Any, rng: random.Random) -> Pieces:
@@ -430,11 +510,18 @@ def _orders_copy_drill(w: Any, rng: random.Random) -> Pieces:
         call = {"name": "issue_refund", "arguments": {"order_id": o["id"], "amount": amount}}
     on_file = rng.choice(DRILL_ON_FILE).format(old=old)
     note = " ".join([on_file, named] if rng.random() < 0.5 else [named, on_file])
-    return [note + "\n", Control(IM_START), "assistant\n", *tool_call_pieces(call["name"], call["arguments"]),
-            Control(IM_END)]
+    return [
+        note + "\n",
+        Control(IM_START),
+        "assistant\n",
+        *tool_call_pieces(call["name"], call["arguments"]),
+        Control(IM_END),
+    ]
 
 
-def orders_domain_text(rng: random.Random, n_worlds: int, version: int = 2) -> tuple[list[tuple[str, Pieces]], list[int]]:
+def orders_domain_text(
+    rng: random.Random, n_worlds: int, version: int = 2
+) -> tuple[list[tuple[str, Pieces]], list[int]]:
     from mentorrl.envs.orders.tasks import SEED_BASE
     from mentorrl.envs.orders.world import make_world
 

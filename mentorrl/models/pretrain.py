@@ -54,8 +54,13 @@ class Corpus:
             k = by_kind.setdefault(kind, {"docs": 0, "tokens": 0})
             k["docs"] += 1
             k["tokens"] += len(doc)
-        return {"docs": len(self.docs), "tokens": sum(map(len, self.docs)), "by_kind": by_kind,
-                "worlds": len(self.world_seeds), "train_tasks": len(self.task_ids)}
+        return {
+            "docs": len(self.docs),
+            "tokens": sum(map(len, self.docs)),
+            "by_kind": by_kind,
+            "worlds": len(self.world_seeds),
+            "train_tasks": len(self.task_ids),
+        }
 
 
 def _contract(env: Any, tokenizer: Any, fmt: Any):
@@ -83,8 +88,11 @@ def build_corpus(env_entry: Any, env_name: str, tokenizer: Any, spec: PretrainSp
 
     corpus = Corpus()
     enc = ChatEncoder(tokenizer)
-    tasks = env_entry.make_tasks().tasks(split="train", n=spec.transcripts, seed=spec.seed + CORPUS_TASK_SEED_OFFSET) \
-        if spec.transcripts else []
+    tasks = (
+        env_entry.make_tasks().tasks(split="train", n=spec.transcripts, seed=spec.seed + CORPUS_TASK_SEED_OFFSET)
+        if spec.transcripts
+        else []
+    )
     corpus.task_ids = [t.id for t in tasks]
     for ids in transcript_ids(env_entry, tokenizer, tasks, fmt):
         corpus.add("transcript", ids)
@@ -96,15 +104,18 @@ def build_corpus(env_entry: Any, env_name: str, tokenizer: Any, spec: PretrainSp
             sigs = [t.signature(with_description=described) for t in tools]
             corpus.add("schema", enc.pieces(message_pieces("system", system_text(env.system_prompt, sigs))))
         for t in tools:
-            corpus.add("schema", enc.text(json.dumps({"name": t.name, "description": t.description,
-                                                       "parameters": t.parameters})))
+            corpus.add(
+                "schema",
+                enc.text(json.dumps({"name": t.name, "description": t.description, "parameters": t.parameters})),
+            )
     finally:
         env.close()
 
     gen = DOMAIN_TEXT.get(env_name)
     if gen is not None and spec.worlds:
-        docs, corpus.world_seeds = gen(random.Random(f"pretrain/{env_name}/{spec.seed}"), spec.worlds,
-                                       spec.corpus_version)
+        docs, corpus.world_seeds = gen(
+            random.Random(f"pretrain/{env_name}/{spec.seed}"), spec.worlds, spec.corpus_version
+        )
         for kind, pieces in docs:
             corpus.add(kind, enc.pieces([p if isinstance(p, Control) else str(p) for p in pieces]))
     return corpus
@@ -154,8 +165,9 @@ def batch_order(n_blocks: int, steps: int, batch_size: int, seed: int) -> list[l
     return out
 
 
-def pretrain(model: Any, blocks: torch.Tensor, spec: PretrainSpec, log_every: int = 10,
-             on_log: Any = None) -> list[dict[str, float]]:
+def pretrain(
+    model: Any, blocks: torch.Tensor, spec: PretrainSpec, log_every: int = 10, on_log: Any = None
+) -> list[dict[str, float]]:
     """``spec.steps`` AdamW steps of next-token loss on every token of the packed blocks.
 
     Returns the loss curve: the mean loss over each window of ``log_every`` steps."""
@@ -175,8 +187,12 @@ def pretrain(model: Any, blocks: torch.Tensor, spec: PretrainSpec, log_every: in
         sched.step()
         window.append(loss.item())
         if len(window) == log_every or step == spec.steps - 1:
-            point = {"step": step + 1, "loss": sum(window) / len(window), "lr": sched.get_last_lr()[0],
-                     "elapsed_s": round(time.perf_counter() - t0, 2)}
+            point = {
+                "step": step + 1,
+                "loss": sum(window) / len(window),
+                "lr": sched.get_last_lr()[0],
+                "elapsed_s": round(time.perf_counter() - t0, 2),
+            }
             curve.append(point)
             if on_log is not None:
                 on_log(point)
@@ -191,7 +207,7 @@ def mean_token_loss(model: Any, docs: list[list[int]], pad_id: int, batch_size: 
     model.eval()
     total, count = 0.0, 0
     for lo in range(0, len(docs), batch_size):
-        chunk = docs[lo: lo + batch_size]
+        chunk = docs[lo : lo + batch_size]
         T = max(map(len, chunk))
         ids = torch.full((len(chunk), T), pad_id, dtype=torch.long)
         mask = torch.zeros((len(chunk), T), dtype=torch.long)
@@ -200,8 +216,9 @@ def mean_token_loss(model: Any, docs: list[list[int]], pad_id: int, batch_size: 
             mask[b, : len(d)] = 1
         logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
         target, tmask = ids[:, 1:], mask[:, 1:].bool()
-        nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
-                                                reduction="none").view(target.shape)
+        nll = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none"
+        ).view(target.shape)
         total += float(nll[tmask].sum())
         count += int(tmask.sum())
     return total / max(count, 1)
@@ -215,8 +232,9 @@ def heldout_transcripts(env_entry: Any, tokenizer: Any, n: int, fmt: Any = None)
     return transcript_ids(env_entry, tokenizer, tasks, fmt)
 
 
-def run_pretraining(env_entry: Any, env_name: str, tokenizer: Any, model: Any, spec: PretrainSpec,
-                    fmt: Any = None, on_log: Any = None) -> dict[str, Any]:
+def run_pretraining(
+    env_entry: Any, env_name: str, tokenizer: Any, model: Any, spec: PretrainSpec, fmt: Any = None, on_log: Any = None
+) -> dict[str, Any]:
     """Build the corpus, pack it, pretrain ``model`` in place; return the record for ``mentorrl_build.json``."""
     t0 = time.perf_counter()
     corpus = build_corpus(env_entry, env_name, tokenizer, spec, fmt)
@@ -231,9 +249,13 @@ def run_pretraining(env_entry: Any, env_name: str, tokenizer: Any, model: Any, s
     after = mean_token_loss(model, evals, pad) if evals else None
     tokens_seen = spec.steps * spec.batch_size * spec.block_size
     return {
-        "corpus": {**corpus.summary(), "blocks": int(blocks.shape[0]), "block_size": spec.block_size,
-                   "packed_tokens": int(blocks.numel()),
-                   "sha256": hashlib.sha256(blocks.numpy().tobytes()).hexdigest()[:16]},
+        "corpus": {
+            **corpus.summary(),
+            "blocks": int(blocks.shape[0]),
+            "block_size": spec.block_size,
+            "packed_tokens": int(blocks.numel()),
+            "sha256": hashlib.sha256(blocks.numpy().tobytes()).hexdigest()[:16],
+        },
         "tokens_seen": tokens_seen,
         "epochs": round(tokens_seen / max(blocks.numel(), 1), 3),
         "loss_curve": curve,

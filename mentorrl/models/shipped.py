@@ -53,8 +53,10 @@ def find_shipped_base(config_hash: str, root: Path = SHIPPED_ROOT) -> Path | Non
         if rec.get("config_hash") != config_hash:
             continue
         if dir_digest(d) != rec.get("digest"):
-            warnings.warn(f"shipped base {d}: files do not match the digest in its {BUILD_RECORD}; "
-                          "ignored, the base is rebuilt", stacklevel=2)
+            warnings.warn(
+                f"shipped base {d}: files do not match the digest in its {BUILD_RECORD}; ignored, the base is rebuilt",
+                stacklevel=2,
+            )
             continue
         return d
     return None

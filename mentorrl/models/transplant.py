@@ -48,8 +48,10 @@ def spell_in(old_tok, new_tok) -> list[list[int]]:
         if piece in old_vocab:
             out.append([old_vocab[piece]])
         elif piece in specials_new:
-            raise TransplantError(f"special token {piece!r} of the new tokenizer is not in the old one: map it "
-                                  "by hand (its embedding has no spelling to average)")
+            raise TransplantError(
+                f"special token {piece!r} of the new tokenizer is not in the old one: map it "
+                "by hand (its embedding has no spelling to average)"
+            )
         else:
             ids = [t.id for t in old_model.tokenize(piece)]
             if not ids:
@@ -63,8 +65,10 @@ def transplant_vocabulary(model, old_tok, new_tok, spellings: list[list[int]] | 
     (``spellings``: :func:`spell_in`'s result, when the caller has it already)."""
     old_in = model.get_input_embeddings().weight.detach()
     if old_in.shape[0] < len(old_tok):
-        raise TransplantError(f"model has {old_in.shape[0]} embedding rows, fewer than the old tokenizer's "
-                              f"{len(old_tok)} tokens: the tokenizer is not this model's")
+        raise TransplantError(
+            f"model has {old_in.shape[0]} embedding rows, fewer than the old tokenizer's "
+            f"{len(old_tok)} tokens: the tokenizer is not this model's"
+        )
     spellings = spell_in(old_tok, new_tok) if spellings is None else spellings
 
     def remap(old_w: torch.Tensor) -> torch.Tensor:  # a shared token's mean is its one old row, exactly

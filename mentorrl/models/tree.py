@@ -93,8 +93,13 @@ def plan_blocks(segments: list[Segment], n: int, block: int | None = None, min_b
     min_block = min(block, MIN_BLOCK if min_block is None else min_block)
     if block < 1 or min_block < 1:
         raise ValueError(f"query blocks need at least one node (block {block}, min_block {min_block})")
-    if (not segments or segments[0].lo != 0 or segments[-1].hi != n or any(s.lo >= s.hi for s in segments)
-            or any(a.hi != b.lo for a, b in zip(segments, segments[1:]))):
+    if (
+        not segments
+        or segments[0].lo != 0
+        or segments[-1].hi != n
+        or any(s.lo >= s.hi for s in segments)
+        or any(a.hi != b.lo for a, b in zip(segments, segments[1:]))
+    ):
         raise ValueError("segments must cover the row in order, each non-empty")
     anc = [torch.tensor(s.anc, dtype=torch.long) for s in segments]
     q_sizes: list[int] = []
@@ -126,16 +131,24 @@ def plan_blocks(segments: list[Segment], n: int, block: int | None = None, min_b
     return TreePlan(n, q_sizes, k_sizes, torch.cat(keys), masks)
 
 
-def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: TreePlan, scale: float | None = None,
-                   dropout_p: float = 0.0) -> torch.Tensor:
+def tree_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: TreePlan,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
     """Attention of a trie row under ``plan``: ``q`` [1, heads, n, head dim], ``k``/``v``
     [1, kv heads, n, head dim] (grouped-query heads allowed) -> [1, heads, n, head dim]."""
     gqa = k.shape[1] != q.shape[1]
     ks = k.index_select(2, plan.keys).split(plan.k_sizes, dim=2)
     vs = v.index_select(2, plan.keys).split(plan.k_sizes, dim=2)
     qs = q.split(plan.q_sizes, dim=2)
-    out = [F.scaled_dot_product_attention(qb, kb, vb, attn_mask=m, dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
-           for qb, kb, vb, m in zip(qs, ks, vs, plan.masks)]
+    out = [
+        F.scaled_dot_product_attention(qb, kb, vb, attn_mask=m, dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
+        for qb, kb, vb, m in zip(qs, ks, vs, plan.masks)
+    ]
     return torch.cat(out, dim=2)
 
 

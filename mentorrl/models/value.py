@@ -72,7 +72,9 @@ def build_critic(policy, cfg) -> ValueModel:
         critic = ValueModel.from_pretrained_decoder(cfg.path)
         have = critic.decoder.get_input_embeddings().num_embeddings
         if have < vocab:
-            raise ValueError(f"critic checkpoint {cfg.path} has {have} token embeddings; the policy's ids go up to {vocab}")
+            raise ValueError(
+                f"critic checkpoint {cfg.path} has {have} token embeddings; the policy's ids go up to {vocab}"
+            )
         return critic.to(device)
     from mentorrl.models.build import build_model_for_vocab
 

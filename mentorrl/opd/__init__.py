@@ -28,7 +28,18 @@ from mentorrl.opd.teacher import (
 )
 
 __all__ = [
-    "Capability", "HFTeacher", "MissingCapability", "Teacher", "TeacherSignal", "require", "tokenizer_fingerprint",
-    "AlignmentError", "ChunkAlignment", "align_texts", "brute_force_chunk_logprobs", "chunk_sums",
-    "teacher_token_logprobs", "token_ends",
+    "Capability",
+    "HFTeacher",
+    "MissingCapability",
+    "Teacher",
+    "TeacherSignal",
+    "require",
+    "tokenizer_fingerprint",
+    "AlignmentError",
+    "ChunkAlignment",
+    "align_texts",
+    "brute_force_chunk_logprobs",
+    "chunk_sums",
+    "teacher_token_logprobs",
+    "token_ends",
 ]

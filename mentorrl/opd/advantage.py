@@ -26,9 +26,14 @@ from mentorrl.opd.signals import ChunkSignal, chunk_advantages
 from mentorrl.trajectory import Trajectory
 
 
-def teacher_weights(families: Sequence[str], names: Sequence[str], signals: Sequence[Sequence[ChunkSignal | None]],
-                    routes: Mapping[str, Mapping[str, float]], confidence_temperature: float | None = None,
-                    history: Mapping[str, tuple[int, int]] | None = None) -> torch.Tensor:
+def teacher_weights(
+    families: Sequence[str],
+    names: Sequence[str],
+    signals: Sequence[Sequence[ChunkSignal | None]],
+    routes: Mapping[str, Mapping[str, float]],
+    confidence_temperature: float | None = None,
+    history: Mapping[str, tuple[int, int]] | None = None,
+) -> torch.Tensor:
     """``[B, M]`` weights over teachers for each trajectory, rows summing to 1 over the teachers
     whose signal exists (a teacher that could not score a trajectory gets 0 there)."""
     B, M = len(families), len(names)
@@ -52,8 +57,12 @@ def teacher_weights(families: Sequence[str], names: Sequence[str], signals: Sequ
     return torch.where(total > 0, w / total.clamp(min=1e-300), torch.zeros_like(w))
 
 
-def kl_advantages(trajs: Sequence[Trajectory], signals: Sequence[Sequence[ChunkSignal | None]],
-                  weights: torch.Tensor, shared_chunks: Sequence[bool]) -> list[torch.Tensor | None]:
+def kl_advantages(
+    trajs: Sequence[Trajectory],
+    signals: Sequence[Sequence[ChunkSignal | None]],
+    weights: torch.Tensor,
+    shared_chunks: Sequence[bool],
+) -> list[torch.Tensor | None]:
     """Per trajectory, the distillation advantage of each token ``[T]`` (None when no teacher scored it).
 
     ``shared_chunks[m]``: teacher ``m`` shares the student's tokenizer (one chunk per policy token)."""
@@ -85,7 +94,7 @@ def tool_error_tokens(traj: Trajectory) -> torch.Tensor:
     policy = [s for s in traj.segments if s.role == "policy"]
     for k, seg in enumerate(policy, start=1):
         if k in failed:
-            out[seg.start: seg.end] = True
+            out[seg.start : seg.end] = True
     return out
 
 
@@ -98,7 +107,7 @@ def until_first_error(traj: Trajectory) -> torch.Tensor:
     if failed:
         policy = [s for s in traj.segments if s.role == "policy"]
         if failed[0] <= len(policy):
-            out[policy[failed[0] - 1].end:] = 0.0
+            out[policy[failed[0] - 1].end :] = 0.0
     return out
 
 
@@ -139,4 +148,11 @@ class GapBudget:
         self.gap = dict(state.get("gap", {}))
 
 
-__all__ = ["GapBudget", "group_reward_weights", "until_first_error", "kl_advantages", "teacher_weights", "tool_error_tokens"]
+__all__ = [
+    "GapBudget",
+    "group_reward_weights",
+    "until_first_error",
+    "kl_advantages",
+    "teacher_weights",
+    "tool_error_tokens",
+]

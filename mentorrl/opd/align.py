@@ -36,7 +36,11 @@ class AlignmentError(ValueError):
 
 def _gpt2_byte_of_char() -> dict[str, int]:
     """The inverse of GPT-2's ``bytes_to_unicode``: the byte each character of a byte-level token stands for."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), ord("\xff") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("\xa1"), ord("\xac") + 1),
+        *range(ord("\xae"), ord("\xff") + 1),
+    ]
     chars, extra = list(printable), 0
     for b in range(256):
         if b not in printable:
@@ -149,7 +153,10 @@ def _metaspace(pieces: list[bytes], step: dict, fused: bool) -> list[bytes]:
 
 # each decoder step's replay on the tokens' bytes (``Fuse`` only changes what later steps see as the text's ends)
 _STEP_REPLAYS: dict[str, Callable[[list[bytes], dict, bool], list[bytes]]] = {
-    "ByteLevel": _byte_level, "Replace": _replace, "ByteFallback": _byte_fallback, "Strip": _strip,
+    "ByteLevel": _byte_level,
+    "Replace": _replace,
+    "ByteFallback": _byte_fallback,
+    "Strip": _strip,
     "Metaspace": _metaspace,
 }
 
@@ -161,7 +168,7 @@ def _strip_across(pieces: list[bytes], content: bytes, start: int, stop: int) ->
         if not pieces[i]:
             i += 1
         elif pieces[i].startswith(content):
-            pieces[i] = pieces[i][len(content):]
+            pieces[i] = pieces[i][len(content) :]
             done += 1
         else:
             break
@@ -238,8 +245,10 @@ def _char_ends(pieces: Sequence[bytes], text: str, side: str) -> list[int]:
     spelled = "".join(out)
     if spelled != text:
         at = next((i for i, (a, b) in enumerate(zip(spelled, text)) if a != b), min(len(spelled), len(text)))
-        raise AlignmentError(f"{side}: its tokens spell {spelled[at:at + 20]!r} where the text has "
-                             f"{text[at:at + 20]!r} (offset {at})")
+        raise AlignmentError(
+            f"{side}: its tokens spell {spelled[at : at + 20]!r} where the text has "
+            f"{text[at : at + 20]!r} (offset {at})"
+        )
     ends[-1] = n
     nxt = n
     for i in range(len(ends) - 1, -1, -1):
@@ -259,7 +268,9 @@ def check_text(text: str, side: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise AlignmentError(f"{side}: text holds a lone surrogate at offset {e.start}; it is not valid Unicode") from None
+        raise AlignmentError(
+            f"{side}: text holds a lone surrogate at offset {e.start}; it is not valid Unicode"
+        ) from None
 
 
 def token_ends(tokenizer, text: str, side: str = "tokenizer") -> tuple[list[int], list[int]]:
@@ -343,19 +354,22 @@ def chunk_sums(token_values: torch.Tensor, bounds: Sequence[tuple[int, int]]) ->
 
 
 @torch.no_grad()
-def teacher_token_logprobs(model, context_ids: Sequence[int], ids: Sequence[int], temperature: float = 1.0) -> torch.Tensor:
+def teacher_token_logprobs(
+    model, context_ids: Sequence[int], ids: Sequence[int], temperature: float = 1.0
+) -> torch.Tensor:
     """Log-prob of every token of ``ids`` after ``context_ids`` (the teacher's own prompt), one forward pass: ``[len(ids)]``."""
     if not context_ids:
         raise ValueError("context_ids must hold at least one token (the first token has no prediction otherwise)")
     device = next(model.parameters()).device
     seq = torch.tensor([list(context_ids) + list(ids)], device=device)
     logits = model(input_ids=seq).logits[0, len(context_ids) - 1 : -1].double() / temperature
-    return torch.log_softmax(logits, dim=-1).gather(-1, seq[0, len(context_ids):, None].long()).squeeze(-1).cpu()
+    return torch.log_softmax(logits, dim=-1).gather(-1, seq[0, len(context_ids) :, None].long()).squeeze(-1).cpu()
 
 
 @torch.no_grad()
-def brute_force_chunk_logprobs(model, context_ids: Sequence[int], ids: Sequence[int],
-                               bounds: Sequence[tuple[int, int]], temperature: float = 1.0) -> torch.Tensor:
+def brute_force_chunk_logprobs(
+    model, context_ids: Sequence[int], ids: Sequence[int], bounds: Sequence[tuple[int, int]], temperature: float = 1.0
+) -> torch.Tensor:
     """The reference path: one teacher forward per chunk over everything up to the chunk's end."""
     out = []
     for lo, hi in bounds:

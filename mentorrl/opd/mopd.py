@@ -23,8 +23,9 @@ import torch
 from mentorrl.algos.distill import step_weights  # the pure weights live with the other OPD math (re-exported)
 
 
-def routing_weights(families: Sequence[str], teachers: Sequence[str],
-                    routes: Mapping[str, Mapping[str, float]]) -> torch.Tensor:
+def routing_weights(
+    families: Sequence[str], teachers: Sequence[str], routes: Mapping[str, Mapping[str, float]]
+) -> torch.Tensor:
     """``[B, M]``: ``routes[family][teacher]`` (missing teachers 0), normalised; a family without a
     route (or whose route gives these teachers nothing) spreads evenly over all teachers."""
     out = torch.full((len(families), len(teachers)), 1.0 / len(teachers), dtype=torch.float64)
@@ -54,8 +55,9 @@ def confidence_weights(teacher_scores: torch.Tensor, mask: torch.Tensor, tempera
     return torch.softmax(mean.double().T / temperature, dim=-1)
 
 
-def success_weights(history: Mapping[str, tuple[int, int]], teachers: Sequence[str],
-                    prior: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
+def success_weights(
+    history: Mapping[str, tuple[int, int]], teachers: Sequence[str], prior: tuple[float, float] = (1.0, 1.0)
+) -> torch.Tensor:
     """``[M]``: Beta(prior) posterior mean success of each teacher from ``history[teacher] =
     (verified successes, attempts)``, normalised over teachers. No history: the prior mean."""
     a, b = prior

@@ -40,14 +40,15 @@ from typing import Any, Mapping, Sequence
 from pydantic import BaseModel, ConfigDict, Field
 
 from mentorrl.chat import action_key, action_of, message_text
+from mentorrl.clients.openai_api import TeacherClient
 from mentorrl.contract import ParsedAction
 from mentorrl.envs.base import Task
-from mentorrl.clients.openai_api import TeacherClient
 from mentorrl.opd.teacher import Capability
 from mentorrl.trajectory import Trajectory
 
-BLACKBOX_CAPABILITIES = frozenset({Capability.SAMPLING, Capability.RANKING, Capability.SCORING,
-                                   Capability.STEP_CRITIQUE, Capability.ACTION_RANKING})
+BLACKBOX_CAPABILITIES = frozenset(
+    {Capability.SAMPLING, Capability.RANKING, Capability.SCORING, Capability.STEP_CRITIQUE, Capability.ACTION_RANKING}
+)
 
 
 @dataclass
@@ -121,13 +122,20 @@ class BlackBoxTeacher:
 
     capabilities = BLACKBOX_CAPABILITIES
 
-    def __init__(self, client: TeacherClient, name: str = "teacher", act_temperature: float = 0.0,
-                 max_tokens: int = 96, seed: int = 0):
+    def __init__(
+        self,
+        client: TeacherClient,
+        name: str = "teacher",
+        act_temperature: float = 0.0,
+        max_tokens: int = 96,
+        seed: int = 0,
+    ):
         self.client, self.name = client, name
         self.act_temperature, self.max_tokens, self.seed = act_temperature, max_tokens, seed
 
-    def act(self, messages: Sequence[Mapping[str, Any]], n: int = 1, temperature: float | None = None
-            ) -> list[dict[str, Any]] | None:
+    def act(
+        self, messages: Sequence[Mapping[str, Any]], n: int = 1, temperature: float | None = None
+    ) -> list[dict[str, Any]] | None:
         """``n`` next actions (assistant messages) of the teacher at the state ``messages``."""
         t = self.act_temperature if temperature is None else temperature
         return self.client.complete(list(messages), n=n, temperature=t, max_tokens=self.max_tokens, seed=self.seed)
@@ -141,17 +149,27 @@ class BlackBoxTeacher:
     def rank(self, eps: Sequence[StudentEpisode]) -> list[float] | None:
         raise NotImplementedError
 
-    def rank_actions(self, messages: Sequence[Mapping[str, Any]], actions: Sequence[Mapping[str, Any]]
-                     ) -> list[float] | None:
+    def rank_actions(
+        self, messages: Sequence[Mapping[str, Any]], actions: Sequence[Mapping[str, Any]]
+    ) -> list[float] | None:
         raise NotImplementedError
 
 
 class ActingTeacher(BlackBoxTeacher):
     """Every signal from ``samples`` of the teacher's own next actions at the student's states."""
 
-    def __init__(self, client: TeacherClient, name: str = "teacher", samples: int = 4, temperature: float = 1.0,
-                 threshold: float = 0.5, act_temperature: float = 0.0, max_tokens: int = 96, seed: int = 0,
-                 memo_size: int = 4096):
+    def __init__(
+        self,
+        client: TeacherClient,
+        name: str = "teacher",
+        samples: int = 4,
+        temperature: float = 1.0,
+        threshold: float = 0.5,
+        act_temperature: float = 0.0,
+        max_tokens: int = 96,
+        seed: int = 0,
+        memo_size: int = 4096,
+    ):
         super().__init__(client, name, act_temperature, max_tokens, seed)
         if samples < 1:
             raise ValueError(f"samples must be >= 1, got {samples}")
@@ -199,8 +217,7 @@ class ActingTeacher(BlackBoxTeacher):
         turns = [action_of(ep.messages[i]) for i in ep.turn_indices]
         tool = [s for s, a in zip(c.scores, turns) if a.kind == "tool"]
         answered = ep.traj.finish_reason == "answer" and turns[-1].kind == "answer"
-        dims = {"task_success": min(c.scores) if answered else 0.0,
-                "final_answer": c.scores[-1] if answered else 0.0}
+        dims = {"task_success": min(c.scores) if answered else 0.0, "final_answer": c.scores[-1] if answered else 0.0}
         if tool:
             keys = [action_key(a) for a in turns if a.kind == "tool"]
             dims.update(tool_correctness=sum(tool) / len(tool), efficiency=len(set(keys)) / len(keys))
@@ -258,8 +275,13 @@ def messages_transcript(messages: Sequence[Mapping[str, Any]]) -> str:
         if m["role"] == "assistant":
             turn += 1
             a = action_of(m)
-            what = (f"calls {a.name} {json.dumps(a.arguments, sort_keys=True)}" if a.kind == "tool"
-                    else f"answers: {a.text}" if a.kind == "answer" else f"writes a malformed call: {a.raw}")
+            what = (
+                f"calls {a.name} {json.dumps(a.arguments, sort_keys=True)}"
+                if a.kind == "tool"
+                else f"answers: {a.text}"
+                if a.kind == "answer"
+                else f"writes a malformed call: {a.raw}"
+            )
             lines.append(f"[step {turn}] agent {what}")
         else:
             lines.append(f"{m['role']}: {message_text(m)}")
@@ -272,8 +294,15 @@ _RULES = "Answer with one JSON object and nothing else."
 class PromptedTeacher(BlackBoxTeacher):
     """Each signal asked for in words, the answer read as JSON (pydantic-validated)."""
 
-    def __init__(self, client: TeacherClient, name: str = "teacher", threshold: float = 0.5,
-                 act_temperature: float = 0.0, max_tokens: int = 512, seed: int = 0):
+    def __init__(
+        self,
+        client: TeacherClient,
+        name: str = "teacher",
+        threshold: float = 0.5,
+        act_temperature: float = 0.0,
+        max_tokens: int = 512,
+        seed: int = 0,
+    ):
         super().__init__(client, name, act_temperature, max_tokens, seed)
         self.threshold = threshold
 
@@ -286,8 +315,9 @@ class PromptedTeacher(BlackBoxTeacher):
     def score(self, ep: StudentEpisode) -> TrajectoryScore | None:
         from mentorrl.eval.llm_judge import Rubric, rubric_messages
 
-        r = self.client.structured(rubric_messages(ep.task, ep.traj), Rubric, temperature=0.0,
-                                   max_tokens=self.max_tokens, seed=self.seed)
+        r = self.client.structured(
+            rubric_messages(ep.task, ep.traj), Rubric, temperature=0.0, max_tokens=self.max_tokens, seed=self.seed
+        )
         if r is None:
             return None
         dims = r.model_dump()
@@ -296,33 +326,51 @@ class PromptedTeacher(BlackBoxTeacher):
 
     def rank(self, eps: Sequence[StudentEpisode]) -> list[float] | None:
         body = "\n\n".join(f"Candidate {i + 1}:\n{messages_transcript(e.messages)}" for i, e in enumerate(eps))
-        out = self._ask("You compare attempts of a tool-using agent at the same request.",
-                        f"{body}\n\nScore every candidate from 0 (wrong) to 1 (fully correct and efficient): "
-                        f'{{"scores": [one number per candidate, in order], "reason": "..."}}', _Scores)
+        out = self._ask(
+            "You compare attempts of a tool-using agent at the same request.",
+            f"{body}\n\nScore every candidate from 0 (wrong) to 1 (fully correct and efficient): "
+            f'{{"scores": [one number per candidate, in order], "reason": "..."}}',
+            _Scores,
+        )
         return self._checked(out, lambda o: o.valid_for(len(eps)))
 
     def critique(self, ep: StudentEpisode) -> StepCritique | None:
         n = len(ep.turn_indices)
-        out = self._ask("You review a tool-using agent's steps.",
-                        f"{messages_transcript(ep.messages)}\n\nScore each of the {n} agent steps from 0 (wrong) to "
-                        '1 (right), name the first wrong step (1-based, null if none) and the correct action there: '
-                        '{"step_scores": [...], "first_wrong_step": k, "correct_action": {"name": "tool", '
-                        '"arguments": {...}} or {"answer": "..."}}', _Critique)
-        ok = lambda o: (len(o.step_scores) == n and all(0.0 <= s <= 1.0 for s in o.step_scores)  # noqa: E731
-                        and (o.first_wrong_step is None or 1 <= o.first_wrong_step <= n)) or None
+        out = self._ask(
+            "You review a tool-using agent's steps.",
+            f"{messages_transcript(ep.messages)}\n\nScore each of the {n} agent steps from 0 (wrong) to "
+            "1 (right), name the first wrong step (1-based, null if none) and the correct action there: "
+            '{"step_scores": [...], "first_wrong_step": k, "correct_action": {"name": "tool", '
+            '"arguments": {...}} or {"answer": "..."}}',
+            _Critique,
+        )
+        ok = lambda o: (
+            (
+                len(o.step_scores) == n
+                and all(0.0 <= s <= 1.0 for s in o.step_scores)  # noqa: E731
+                and (o.first_wrong_step is None or 1 <= o.first_wrong_step <= n)
+            )
+            or None
+        )
         if self._checked(out, ok) is None:
             return None
         first = out.first_wrong_step
         if first is None:
             first = next((i + 1 for i, s in enumerate(out.step_scores) if s < self.threshold), None)
-        return StepCritique(list(out.step_scores), None if first is None else first - 1, _as_message(out.correct_action))
+        return StepCritique(
+            list(out.step_scores), None if first is None else first - 1, _as_message(out.correct_action)
+        )
 
     def rank_actions(self, messages, actions) -> list[float] | None:
-        listed = "\n".join(f"{i + 1}. {messages_transcript([dict(a)]).split('] agent ', 1)[-1]}"
-                           for i, a in enumerate(actions))
-        out = self._ask("You judge a tool-using agent's possible next actions.",
-                        f"{messages_transcript(messages)}\n\nPossible next actions:\n{listed}\n\nScore each from 0 "
-                        'to 1 by how right it is as the next step: {"scores": [...], "reason": "..."}', _Scores)
+        listed = "\n".join(
+            f"{i + 1}. {messages_transcript([dict(a)]).split('] agent ', 1)[-1]}" for i, a in enumerate(actions)
+        )
+        out = self._ask(
+            "You judge a tool-using agent's possible next actions.",
+            f"{messages_transcript(messages)}\n\nPossible next actions:\n{listed}\n\nScore each from 0 "
+            'to 1 by how right it is as the next step: {"scores": [...], "reason": "..."}',
+            _Scores,
+        )
         return self._checked(out, lambda o: o.valid_for(len(actions)))
 
     def _checked(self, out, check):
@@ -351,5 +399,14 @@ def _as_message(a: _Action | None) -> dict[str, Any] | None:
     return None
 
 
-__all__ = ["ActingTeacher", "BLACKBOX_CAPABILITIES", "BlackBoxTeacher", "PromptedTeacher", "StepCritique",
-           "StudentEpisode", "TrajectoryScore", "action_agreement", "messages_transcript"]
+__all__ = [
+    "ActingTeacher",
+    "BLACKBOX_CAPABILITIES",
+    "BlackBoxTeacher",
+    "PromptedTeacher",
+    "StepCritique",
+    "StudentEpisode",
+    "TrajectoryScore",
+    "action_agreement",
+    "messages_transcript",
+]

@@ -70,18 +70,25 @@ def retokenize(traj: Trajectory, src_tokenizer, dst: RolloutContract) -> Traject
     segments: list[Segment] = []
     controls = control_names(src_tokenizer)
     for seg in traj.segments:
-        pieces = segment_pieces(traj.token_ids[seg.start: seg.end], seg.role, src_tokenizer, controls)
+        pieces = segment_pieces(traj.token_ids[seg.start : seg.end], seg.role, src_tokenizer, controls)
         new = dst.encoder.pieces(pieces)
         segments.append(Segment(role=seg.role, start=len(ids), end=len(ids) + len(new)))
         ids += new
         mask += [1 if seg.role == "policy" else 0] * len(new)
     if not segments:
         raise ValueError(f"trajectory {traj.id} records no segments; it cannot be re-tokenised")
-    return traj.model_copy(update={
-        "id": f"{traj.id}-retok", "token_ids": ids, "loss_mask": mask, "logprobs": [0.0] * len(ids),
-        "segments": segments, "contract_fingerprint": dst.fingerprint(), "source": "teacher",
-        "sampling": {**dst.sampling_dict()},
-    })
+    return traj.model_copy(
+        update={
+            "id": f"{traj.id}-retok",
+            "token_ids": ids,
+            "loss_mask": mask,
+            "logprobs": [0.0] * len(ids),
+            "segments": segments,
+            "contract_fingerprint": dst.fingerprint(),
+            "source": "teacher",
+            "sampling": {**dst.sampling_dict()},
+        }
+    )
 
 
 __all__ = ["TEMPLATE_CONTROLS", "control_names", "retokenize", "segment_pieces"]

@@ -25,8 +25,9 @@ def _signal(teacher, traj: Trajectory, top_k: int | None) -> tuple[ChunkSignal, 
     return teacher.score(traj, top_k=top_k)  # top-k on the chunks that are one token on both sides
 
 
-def teacher_row(teacher, trajs: Sequence[Trajectory], top_k: int | None, skip_cross: bool = False
-                ) -> list[tuple[ChunkSignal | None, TeacherSignal | None, bool]]:
+def teacher_row(
+    teacher, trajs: Sequence[Trajectory], top_k: int | None, skip_cross: bool = False
+) -> list[tuple[ChunkSignal | None, TeacherSignal | None, bool]]:
     """``teacher``'s signals over ``trajs``: per trajectory ``(chunk signal, top-k or None, alignment failed)``.
     ``skip_cross``: a cross-tokenizer teacher gives none (``cross_tokenizer: sequence`` uses it otherwise).
     Run in this process, or on teacher actors (:mod:`mentorrl.distributed.ray_teachers`)."""

@@ -30,7 +30,7 @@ from typing import Mapping, Sequence
 import torch
 
 from mentorrl.contract import ChatEncoder
-from mentorrl.opd.align import AlignmentError, chunk_bounds, check_text, chunk_sums, sampled_token_ends
+from mentorrl.opd.align import AlignmentError, check_text, chunk_bounds, chunk_sums, sampled_token_ends
 from mentorrl.opd.teacher import Capability, HFTeacher, TeacherSignal, tokenizer_fingerprint
 from mentorrl.trajectory import Trajectory
 
@@ -56,8 +56,9 @@ def student_chunk_logprobs(token_logprobs: torch.Tensor, chunk_of: torch.Tensor,
     return out.index_add(0, chunk_of[keep], token_logprobs.double()[keep])
 
 
-def chunk_advantages(signal: ChunkSignal, student_token_logprobs: torch.Tensor,
-                     teacher_lp: torch.Tensor | None = None) -> torch.Tensor:
+def chunk_advantages(
+    signal: ChunkSignal, student_token_logprobs: torch.Tensor, teacher_lp: torch.Tensor | None = None
+) -> torch.Tensor:
     """Per student token ``[T]``: ``teacher_lp[k] - student_lp[k]`` of the chunk ``k`` it belongs to (0 off policy).
 
     ``teacher_lp`` overrides the signal's own (e.g. a multi-teacher mixture over the same chunks)."""
@@ -123,6 +124,7 @@ def vocab_map(teacher_tokenizer, student_tokenizer, special_tokens: Mapping[str,
     token, -1 where the student has none (or several). Text is the token decoded alone; a token
     that decodes to a partial character (U+FFFD) is never mapped. Special tokens map by name,
     through ``special_tokens`` (student name -> teacher name) where the templates differ."""
+
     def spellings(tok) -> dict[str, int]:
         seen: dict[str, int] = {}
         special = set(tok.all_special_ids)
@@ -157,8 +159,15 @@ class CrossTokenizerTeacher:
 
     capabilities = frozenset({Capability.TOKEN_LOGPROBS, Capability.TOPK_LOGPROBS, Capability.SAMPLING})
 
-    def __init__(self, model, tokenizer, student_tokenizer, name: str = "cross-teacher", temperature: float = 1.0,
-                 special_tokens: Mapping[str, str] | None = None):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        student_tokenizer,
+        name: str = "cross-teacher",
+        temperature: float = 1.0,
+        special_tokens: Mapping[str, str] | None = None,
+    ):
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         self.model = model.eval()
@@ -187,8 +196,10 @@ class CrossTokenizerTeacher:
             t = self.special_map.get(s, s)
             ids = list(self.tokenizer.encode(t, add_special_tokens=False))
             if t not in self.tokenizer.get_vocab():
-                raise AlignmentError(f"teacher tokenizer has no special token {t!r} (the student's {s!r}); "
-                                     f"map it with special_tokens: {{{s!r}: <teacher's token>}}")
+                raise AlignmentError(
+                    f"teacher tokenizer has no special token {t!r} (the student's {s!r}); "
+                    f"map it with special_tokens: {{{s!r}: <teacher's token>}}"
+                )
             self._special_cache[student_id] = ids
         return self._special_cache[student_id]
 
@@ -205,7 +216,7 @@ class CrossTokenizerTeacher:
         if not segments:
             raise AlignmentError(f"trajectory {traj.id} records no segments; cross-tokenizer OPD needs them")
         for seg in segments:
-            ids = traj.token_ids[seg.start: seg.end]
+            ids = traj.token_ids[seg.start : seg.end]
             for special, lo, hi in _pieces(ids, self._student_special):
                 if special:
                     t_ids = self._teacher_special(ids[lo])
@@ -221,15 +232,19 @@ class CrossTokenizerTeacher:
                     chunk_ends = sorted(set(s_ends) & set(t_ends))
                     s_b, t_b = chunk_bounds(s_ends, chunk_ends), chunk_bounds(t_ends, chunk_ends)
                     if any(a == b for a, b in s_b + t_b):
-                        raise AlignmentError(f"trajectory {traj.id}: a chunk of {text[:40]!r} holds no token on one side")
+                        raise AlignmentError(
+                            f"trajectory {traj.id}: a chunk of {text[:40]!r} holds no token on one side"
+                        )
                     base, k0 = len(teacher_ids), len(bounds)
                     bounds += [(base + c, base + d) for c, d in t_b]
                     for j, (a, b) in enumerate(s_b):
-                        chunk_of[seg.start + lo + a: seg.start + lo + b] = k0 + j
+                        chunk_of[seg.start + lo + a : seg.start + lo + b] = k0 + j
                 teacher_ids += t_ids
         if self.max_positions is not None and len(teacher_ids) > self.max_positions:
-            raise AlignmentError(f"trajectory {traj.id}: {len(teacher_ids)} teacher tokens exceed the teacher's "
-                                 f"{self.max_positions} positions")
+            raise AlignmentError(
+                f"trajectory {traj.id}: {len(teacher_ids)} teacher tokens exceed the teacher's "
+                f"{self.max_positions} positions"
+            )
         if bounds and bounds[0][0] == 0:
             raise AlignmentError(f"trajectory {traj.id}: a policy chunk starts the teacher sequence (no context)")
         return teacher_ids, chunk_of, bounds
@@ -258,12 +273,16 @@ class CrossTokenizerTeacher:
             return signal
         return signal, self._one_to_one_topk(traj, chunk_of, bounds, lp, top_k)
 
-    def _one_to_one_topk(self, traj: Trajectory, chunk_of: torch.Tensor, bounds: list[tuple[int, int]],
-                         lp: torch.Tensor, top_k: int) -> TeacherSignal:
+    def _one_to_one_topk(
+        self, traj: Trajectory, chunk_of: torch.Tensor, bounds: list[tuple[int, int]], lp: torch.Tensor, top_k: int
+    ) -> TeacherSignal:
         T = len(traj.token_ids)
         sizes = torch.bincount(chunk_of[chunk_of >= 0], minlength=len(bounds))
-        rows = [(t, bounds[int(c)][0]) for t, c in enumerate(chunk_of.tolist())
-                if c >= 0 and sizes[c] == 1 and bounds[c][1] - bounds[c][0] == 1]
+        rows = [
+            (t, bounds[int(c)][0])
+            for t, c in enumerate(chunk_of.tolist())
+            if c >= 0 and sizes[c] == 1 and bounds[c][1] - bounds[c][0] == 1
+        ]
         mapped = self.to_student.to(lp.device)
         k = min(top_k, int((mapped >= 0).sum()))
         ids, vals = torch.zeros(T, max(k, 1), dtype=torch.long), torch.zeros(T, max(k, 1))
@@ -278,5 +297,13 @@ class CrossTokenizerTeacher:
         return TeacherSignal(torch.zeros(T), ids, vals, mask)
 
 
-__all__ = ["ChunkSignal", "CrossTokenizerTeacher", "chunk_advantages", "plain_token_ends", "same_tokenizer_signal",
-           "sampled_token_ends", "student_chunk_logprobs", "vocab_map"]
+__all__ = [
+    "ChunkSignal",
+    "CrossTokenizerTeacher",
+    "chunk_advantages",
+    "plain_token_ends",
+    "same_tokenizer_signal",
+    "sampled_token_ends",
+    "student_chunk_logprobs",
+    "vocab_map",
+]

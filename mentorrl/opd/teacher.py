@@ -54,8 +54,9 @@ def require(teacher: Teacher, needed: Iterable[Capability | str], recipe: str) -
     missing = [c.value for c in want if c not in teacher.capabilities]
     if missing:
         have = ", ".join(sorted(c.value for c in teacher.capabilities)) or "nothing"
-        raise MissingCapability(f"recipe {recipe!r} needs teacher {teacher.name!r} to provide {', '.join(missing)}; "
-                                f"it provides {have}")
+        raise MissingCapability(
+            f"recipe {recipe!r} needs teacher {teacher.name!r} to provide {', '.join(missing)}; it provides {have}"
+        )
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -108,8 +109,10 @@ class HFTeacher:
 
     def check_tokenizer(self, student_tokenizer) -> None:
         if tokenizer_fingerprint(student_tokenizer) != self.fingerprint:
-            raise ValueError(f"teacher {self.name!r} has another tokenizer than the student: same-tokenizer OPD "
-                             "cannot read the student's token ids; use cross-tokenizer alignment (mentorrl.opd.align)")
+            raise ValueError(
+                f"teacher {self.name!r} has another tokenizer than the student: same-tokenizer OPD "
+                "cannot read the student's token ids; use cross-tokenizer alignment (mentorrl.opd.align)"
+            )
 
     @torch.no_grad()
     def score(self, traj: Trajectory, top_k: int | None = None) -> TeacherSignal:
@@ -134,6 +137,12 @@ class HFTeacher:
         return [self.score(t, top_k) for t in trajs]
 
 
-__all__ = ["Capability", "HFTeacher", "MissingCapability", "Teacher", "TeacherSignal", "require",
-           "tokenizer_fingerprint"]
-
+__all__ = [
+    "Capability",
+    "HFTeacher",
+    "MissingCapability",
+    "Teacher",
+    "TeacherSignal",
+    "require",
+    "tokenizer_fingerprint",
+]

@@ -36,14 +36,13 @@ from __future__ import annotations
 import math
 import random
 import sqlite3
-import uuid
 import threading
 import time
+import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
-
 
 from mentorrl.config.replay import CATEGORIES, ReplayConfig
 from mentorrl.trajectory import Segment, Trajectory
@@ -93,8 +92,19 @@ CREATE TABLE IF NOT EXISTS evicted (
 CREATE INDEX IF NOT EXISTS evicted_by ON evicted(evicted_by);
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
-_ENTRY_COLUMNS = ("seq", "traj_id", "task_id", "family", "category", "reward", "success", "policy_version",
-                  "num_policy_tokens", "inserted_at", "json")
+_ENTRY_COLUMNS = (
+    "seq",
+    "traj_id",
+    "task_id",
+    "family",
+    "category",
+    "reward",
+    "success",
+    "policy_version",
+    "num_policy_tokens",
+    "inserted_at",
+    "json",
+)
 _COLS = ", ".join(_ENTRY_COLUMNS)
 # The tables a replay buffer may hold; a file holding any other table is not one.
 _OWN_TABLES = {"entries", "hard_tasks", "rejections", "evicted", "meta", "sqlite_sequence"}
@@ -294,8 +304,18 @@ class ReplayBuffer:
                 "INSERT INTO entries (traj_id, task_id, family, category, reward, success, policy_version,"
                 " num_policy_tokens, inserted_at, json) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
                 " ON CONFLICT(traj_id) DO NOTHING",
-                (traj.id, traj.task_id, traj.family, cat, reward, int(success), traj.policy_version,
-                 traj.num_policy_tokens, time.time(), payload),
+                (
+                    traj.id,
+                    traj.task_id,
+                    traj.family,
+                    cat,
+                    reward,
+                    int(success),
+                    traj.policy_version,
+                    traj.num_policy_tokens,
+                    time.time(),
+                    payload,
+                ),
             )
             if cur.rowcount == 0:
                 self._count_rejection(conn, REJECT_DUPLICATE)
@@ -307,8 +327,7 @@ class ReplayBuffer:
     @staticmethod
     def _count_rejection(conn: sqlite3.Connection, reason: str) -> None:
         conn.execute(
-            "INSERT INTO rejections (reason, count) VALUES (?, 1)"
-            " ON CONFLICT(reason) DO UPDATE SET count = count + 1",
+            "INSERT INTO rejections (reason, count) VALUES (?, 1) ON CONFLICT(reason) DO UPDATE SET count = count + 1",
             (reason,),
         )
 
@@ -319,8 +338,10 @@ class ReplayBuffer:
             return []
         rows = conn.execute("SELECT seq, traj_id FROM entries ORDER BY seq LIMIT ?", (excess,)).fetchall()
         by = self._high_water(conn)  # kept in ``evicted`` so a rollback past this insert can restore them
-        conn.executemany(f"INSERT OR REPLACE INTO evicted ({_COLS}, evicted_by) SELECT {_COLS}, ? FROM entries"
-                         " WHERE seq = ?", [(by, s) for s, _ in rows])
+        conn.executemany(
+            f"INSERT OR REPLACE INTO evicted ({_COLS}, evicted_by) SELECT {_COLS}, ? FROM entries WHERE seq = ?",
+            [(by, s) for s, _ in rows],
+        )
         conn.executemany("DELETE FROM entries WHERE seq = ?", [(s,) for s, _ in rows])
         return [t for _, t in rows]
 
@@ -354,15 +375,23 @@ class ReplayBuffer:
             if mark is not None:
                 (bid,) = conn.execute("SELECT value FROM meta WHERE key = 'buffer_id'").fetchone()
                 if bid != mark["buffer_id"]:
-                    raise ReplayBufferError(self.path, f"is buffer {bid}, but the checkpoint was taken with buffer "
-                                                       f"{mark['buffer_id']} (the file was replaced)")
+                    raise ReplayBufferError(
+                        self.path,
+                        f"is buffer {bid}, but the checkpoint was taken with buffer "
+                        f"{mark['buffer_id']} (the file was replaced)",
+                    )
                 now = self._high_water(conn)
                 if now < hw:
-                    raise ReplayBufferError(self.path, f"ends at entry {now}, before the checkpoint's entry {hw} "
-                                                       "(replaced by an older copy)")
+                    raise ReplayBufferError(
+                        self.path,
+                        f"ends at entry {now}, before the checkpoint's entry {hw} (replaced by an older copy)",
+                    )
             dropped = conn.execute("DELETE FROM entries WHERE seq > ?", (hw,)).rowcount
-            conn.execute(f"INSERT OR IGNORE INTO entries ({_COLS}) SELECT {_COLS} FROM evicted"
-                         " WHERE evicted_by > ? AND seq <= ?", (hw, hw))
+            conn.execute(
+                f"INSERT OR IGNORE INTO entries ({_COLS}) SELECT {_COLS} FROM evicted"
+                " WHERE evicted_by > ? AND seq <= ?",
+                (hw, hw),
+            )
             conn.execute("DELETE FROM evicted WHERE evicted_by > ? OR seq > ?", (hw, hw))
             conn.execute("DELETE FROM rejections")
             rej = {} if mark is None else dict(mark.get("rejections", {}))
@@ -611,9 +640,7 @@ def segment_replay(traj: Trajectory, turns_per_segment: int = 1, min_tokens: int
         lo, hi = group[0][0], group[-1][1]
         mask = [m if lo <= j < hi else 0 for j, m in enumerate(traj.loss_mask[:hi])]
         logprobs = [lp if mask[j] else 0.0 for j, lp in enumerate(traj.logprobs[:hi])]
-        segs = [
-            Segment(role=s.role, start=s.start, end=min(s.end, hi)) for s in traj.segments if s.start < hi
-        ]
+        segs = [Segment(role=s.role, start=s.start, end=min(s.end, hi)) for s in traj.segments if s.start < hi]
         out.append(
             traj.model_copy(
                 update={

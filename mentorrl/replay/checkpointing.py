@@ -40,17 +40,21 @@ class BufferCheckpoints:
         mark = self.buffer.mark()
         if len(self.marks) >= self.keep:  # no retained checkpoint (nor this one) is older than that
             self.buffer.forget_evicted(self.marks[-self.keep])
-        self.marks = (self.marks + [mark["high_water"]])[-self.keep:]
+        self.marks = (self.marks + [mark["high_water"]])[-self.keep :]
         return {"replay": mark, "replay_marks": list(self.marks)}
 
     def restore(self, saved: dict[str, Any]) -> None:
         if saved.get("replay") is not None:
             dropped = self.buffer.rollback(saved["replay"])  # ReplayBufferError (file named) if it was replaced
-            self.say(f"[yellow]{self.stage}: replay buffer rolled back to the checkpoint "
-                     f"({dropped} entries of discarded steps dropped)[/yellow]")
+            self.say(
+                f"[yellow]{self.stage}: replay buffer rolled back to the checkpoint "
+                f"({dropped} entries of discarded steps dropped)[/yellow]"
+            )
         else:
-            self.say(f"[red]{self.stage}: this checkpoint predates replay-buffer marks; the buffer is kept as it "
-                     "is (entries of discarded steps may remain)[/red]")
+            self.say(
+                f"[red]{self.stage}: this checkpoint predates replay-buffer marks; the buffer is kept as it "
+                "is (entries of discarded steps may remain)[/red]"
+            )
         self.marks = list(saved.get("replay_marks", []))
         self.restored = True
 

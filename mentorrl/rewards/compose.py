@@ -37,10 +37,9 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
-
 from mentorrl.config.reward import RewardWeights
-from mentorrl.envs.base import Verdict
 from mentorrl.core.trace import call_key
+from mentorrl.envs.base import Verdict
 from mentorrl.trajectory import RewardBreakdown, ToolCall
 
 
@@ -110,7 +109,8 @@ def compose_reward(
     tier = -1.0 if verdict.violations else (1.0 if success else 0.0)
     soft = (
         weights.tool * tool + weights.format * fmt + weights.runtime * runtime + weights.verbosity * verbosity
-        if success else 0.0
+        if success
+        else 0.0
     )
     return RewardBreakdown(
         task=1.0 if success else 0.0,

@@ -49,17 +49,35 @@ class Rollout:
     weights: RewardWeights | None = None
     backend: BackendChoice = field(default_factory=BackendChoice)
 
-    def run(self, model, tasks: Sequence[Task], *, policy_version: int = 0, seed: int = 0,
-            batch_size: int | None = None, token_budgets: Sequence[int | None] | None = None,
-            on_batch: Callable[[int], None] | None = None) -> list[Trajectory]:
+    def run(
+        self,
+        model,
+        tasks: Sequence[Task],
+        *,
+        policy_version: int = 0,
+        seed: int = 0,
+        batch_size: int | None = None,
+        token_budgets: Sequence[int | None] | None = None,
+        on_batch: Callable[[int], None] | None = None,
+    ) -> list[Trajectory]:
         """Trajectories in task order (:func:`~mentorrl.rollout.runner.rollout_tasks`), decoded by this
         rollout's backend brought to ``model``'s weights. ``batch_size``: how many decode together
         (None: all of ``tasks`` at once); ``token_budgets``: one cap per task on its tokens after
         the prompt; ``on_batch(n)`` after each batch of ``n``."""
         engine = self.backend.for_model(model, self.contract, policy_version)
-        return rollout_tasks(model, self.contract, self.make_env, tasks, policy_version=policy_version, seed=seed,
-                             batch_size=max(len(tasks), 1) if batch_size is None else batch_size,
-                             weights=self.weights, on_batch=on_batch, token_budgets=token_budgets, backend=engine)
+        return rollout_tasks(
+            model,
+            self.contract,
+            self.make_env,
+            tasks,
+            policy_version=policy_version,
+            seed=seed,
+            batch_size=max(len(tasks), 1) if batch_size is None else batch_size,
+            weights=self.weights,
+            on_batch=on_batch,
+            token_budgets=token_budgets,
+            backend=engine,
+        )
 
     def demonstrations(self, expert: Any, tasks: Sequence[Task]) -> list[Trajectory]:
         """The scripted ``expert``'s verified demonstrations on ``tasks`` (the ones it fails are left out)."""
@@ -77,8 +95,9 @@ class Rollout:
         """This rollout sampling at ``temperature`` (None: unchanged)."""
         if temperature is None:
             return self
-        return self.with_contract(replace(self.contract, sampling=self.contract.sampling.model_copy(
-            update={"temperature": temperature})))
+        return self.with_contract(
+            replace(self.contract, sampling=self.contract.sampling.model_copy(update={"temperature": temperature}))
+        )
 
     def spec(self) -> RolloutSpec:
         """The picklable parts (for a rollout actor in another process)."""

@@ -135,13 +135,19 @@ class DynamicCacheDecoder:
         new_mask = torch.zeros(n, width, dtype=torch.long)
         for i, c in enumerate(chunks):
             if c:
-                inp[i, width - len(c):] = torch.tensor(c)
-                new_mask[i, width - len(c):] = 1
+                inp[i, width - len(c) :] = torch.tensor(c)
+                new_mask[i, width - len(c) :] = 1
         inp, new_mask = inp.to(self.device), new_mask.to(self.device)
         position_ids = self.pos[:, None] + (new_mask.cumsum(1) - 1).clamp(min=0)
         self.attn = torch.cat([attn, new_mask], dim=1)
-        out = self.model(input_ids=inp, attention_mask=self.attn, position_ids=position_ids, use_cache=True,
-                         logits_to_keep=1, **{self.cache_kw: self.cache})  # the DynamicCache is updated in place
+        out = self.model(
+            input_ids=inp,
+            attention_mask=self.attn,
+            position_ids=position_ids,
+            use_cache=True,
+            logits_to_keep=1,
+            **{self.cache_kw: self.cache},
+        )  # the DynamicCache is updated in place
         self.pos = self.pos + new_mask.sum(1)
         fed = [i for i, c in enumerate(chunks) if c]
         return out.logits[fed, -1, :]
@@ -193,7 +199,8 @@ def decoder_layout_problem(core) -> str | None:
 # so two decoders never share them. Stale entries are finite values of earlier rollouts, always
 # masked out (a pass whose logits are not finite raises, and its buffers are not returned).
 _POOL: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[list[torch.Tensor], list[torch.Tensor]]]" = (
-    weakref.WeakKeyDictionary())
+    weakref.WeakKeyDictionary()
+)
 _POOL_LOCK = threading.Lock()
 _STATIC_ROPE = ("default", "linear", "llama3")  # rotary tables that do not depend on the sequence length
 
@@ -368,11 +375,20 @@ class SlotDecoder:
             ids.extend(chunks[i])
             tok_row.extend([i] * len(chunks[i]))
             tok_pos.extend(range(start[i], end[i]))
-        p = _Packed(n=n, fed=fed, chunks=chunks, end=end, offsets=offsets, ids=ids,
-                    rows_t=torch.tensor(tok_row, device=dev), pos_t=torch.tensor(tok_pos, device=dev),
-                    last=torch.tensor([o + len(chunks[i]) - 1 for o, i in zip(offsets, fed)], device=dev),
-                    dec=[j for j, i in enumerate(fed) if len(chunks[i]) == 1],  # positions in `fed`
-                    wide=[j for j, i in enumerate(fed) if len(chunks[i]) > 1], lmax=max(end))
+        p = _Packed(
+            n=n,
+            fed=fed,
+            chunks=chunks,
+            end=end,
+            offsets=offsets,
+            ids=ids,
+            rows_t=torch.tensor(tok_row, device=dev),
+            pos_t=torch.tensor(tok_pos, device=dev),
+            last=torch.tensor([o + len(chunks[i]) - 1 for o, i in zip(offsets, fed)], device=dev),
+            dec=[j for j, i in enumerate(fed) if len(chunks[i]) == 1],  # positions in `fed`
+            wide=[j for j, i in enumerate(fed) if len(chunks[i]) > 1],
+            lmax=max(end),
+        )
         if p.dec:
             p.dec_tok = torch.tensor([offsets[j] for j in p.dec], device=dev)
             p.dec_rows = torch.tensor([fed[j] for j in p.dec], device=dev)
@@ -414,9 +430,14 @@ class SlotDecoder:
         gqa = self.nkv != self.nh
         out = q.new_empty(len(p.ids), self.nh, self.hd)
         if p.dec and p.gather:
-            od = F.scaled_dot_product_attention(q[p.dec_tok][:, :, None, :], K[p.dec_rows, :, :p.l_dec],
-                                                V[p.dec_rows, :, :p.l_dec], attn_mask=p.dec_mask,
-                                                scale=scale, enable_gqa=gqa)
+            od = F.scaled_dot_product_attention(
+                q[p.dec_tok][:, :, None, :],
+                K[p.dec_rows, :, : p.l_dec],
+                V[p.dec_rows, :, : p.l_dec],
+                attn_mask=p.dec_mask,
+                scale=scale,
+                enable_gqa=gqa,
+            )
             out[p.dec_tok] = od[:, :, 0, :]
         elif p.dec:
             n, lmax = p.n, p.lmax
@@ -425,16 +446,24 @@ class SlotDecoder:
             else:
                 qd = q.new_zeros(n, self.nh, 1, self.hd)
                 qd[p.dec_rows] = q[p.dec_tok][:, :, None, :]
-            od = F.scaled_dot_product_attention(qd, K[:n, :, :lmax], V[:n, :, :lmax], attn_mask=p.dec_mask,
-                                                scale=scale, enable_gqa=gqa)
+            od = F.scaled_dot_product_attention(
+                qd, K[:n, :, :lmax], V[:n, :, :lmax], attn_mask=p.dec_mask, scale=scale, enable_gqa=gqa
+            )
             out[p.dec_tok] = od[:, :, 0, :] if p.all_rows else od[p.dec_rows][:, :, 0, :]
         for j, mask in zip(p.wide, p.wide_masks):
             i = p.fed[j]
             o, c, e = p.offsets[j], len(p.chunks[i]), p.end[i]
-            qw = q[o:o + c].transpose(0, 1)[None]  # [1, heads, c, head dim]
-            ow = F.scaled_dot_product_attention(qw, K[i:i + 1, :, :e], V[i:i + 1, :, :e], attn_mask=mask,
-                                                is_causal=mask is None, scale=scale, enable_gqa=gqa)
-            out[o:o + c] = ow[0].transpose(0, 1)
+            qw = q[o : o + c].transpose(0, 1)[None]  # [1, heads, c, head dim]
+            ow = F.scaled_dot_product_attention(
+                qw,
+                K[i : i + 1, :, :e],
+                V[i : i + 1, :, :e],
+                attn_mask=mask,
+                is_causal=mask is None,
+                scale=scale,
+                enable_gqa=gqa,
+            )
+            out[o : o + c] = ow[0].transpose(0, 1)
         return out
 
     def _forward(self, chunks: list[list[int]]) -> torch.Tensor:
@@ -535,8 +564,9 @@ def _compare_with_forward(model) -> str | None:
     return None
 
 
-def make_decoder(model, kind: str = "auto", compact_ratio: float = 1.25, pad_token_id: int = 0,
-                 max_len: int | None = None) -> Decoder:
+def make_decoder(
+    model, kind: str = "auto", compact_ratio: float = 1.25, pad_token_id: int = 0, max_len: int | None = None
+) -> Decoder:
     """``kind``: ``slots`` (:class:`SlotDecoder`, an error if the model does not support it),
     ``hf`` (:class:`DynamicCacheDecoder`), or ``auto`` (slots where the model passes
     :func:`slot_decoder_checks`, else hf)."""
@@ -546,4 +576,8 @@ def make_decoder(model, kind: str = "auto", compact_ratio: float = 1.25, pad_tok
         return SlotDecoder(model, max_len)
     if kind != "auto":
         raise ValueError(f"unknown decoder {kind!r} (auto, slots, hf)")
-    return SlotDecoder(model, max_len) if slot_decoder_checks(model) is None else DynamicCacheDecoder(model, compact_ratio, pad_token_id)
+    return (
+        SlotDecoder(model, max_len)
+        if slot_decoder_checks(model) is None
+        else DynamicCacheDecoder(model, compact_ratio, pad_token_id)
+    )

@@ -21,9 +21,9 @@ from typing import Callable
 import torch
 
 from mentorrl.contract import RolloutContract
-from mentorrl.rollout.episode import Episode, EpisodeSource
 from mentorrl.rollout.decoders import make_decoder
 from mentorrl.rollout.dispatch import INLINE_TOOL_S, Dispatch, tool_kind, verify_kind
+from mentorrl.rollout.episode import Episode, EpisodeSource
 from mentorrl.rollout.kvcache import common_prefix_len
 from mentorrl.rollout.sampling import sample_tokens
 from mentorrl.trajectory import Trajectory
@@ -140,23 +140,43 @@ class StreamScheduler:
     the batch rows, the decoder, the tool pool. :meth:`admit` fills free slots, :meth:`step` runs one
     forward pass and advances every fed row, :meth:`finish` hands an episode to its verifier."""
 
-    def __init__(self, engine: RolloutEngine, source: EpisodeSource, slots: int, seed: int,
-                 on_finish: Callable[[Trajectory], None] | None, close_envs: bool):
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        source: EpisodeSource,
+        slots: int,
+        seed: int,
+        on_finish: Callable[[Trajectory], None] | None,
+        close_envs: bool,
+    ):
         contract = engine.contract
         self.engine, self.contract, self.source, self.capacity, self.seed = engine, contract, source, slots, seed
         self.on_finish, self.close_envs = on_finish, close_envs
         self.stop_ids = set(contract.stop_token_ids)
-        self.decoder = make_decoder(engine.model, engine.decoder, engine.compact_ratio, contract.pad_token_id,
-                                    max_len=contract.limits.max_total_tokens + 1)
+        self.decoder = make_decoder(
+            engine.model,
+            engine.decoder,
+            engine.compact_ratio,
+            contract.pad_token_id,
+            max_len=contract.limits.max_total_tokens + 1,
+        )
         self.t_start = time.perf_counter()
         self.slots: list[EpisodeSlot] = []  # every admitted episode, in admission order
         self.rows: list[EpisodeSlot] = []  # the batch rows, in decoder order
         self.waiting: dict[int, EpisodeSlot] = {}  # paused on a tool call, by index (in submission order)
         self.verdicts: dict[int, EpisodeSlot] = {}  # being verified, by index (in submission order)
-        self.stats = {"forward_passes": 0, "generated_tokens": 0, "shared_prefix": 0, "admitted": 0,
-                      "weight_syncs": 0, "max_rows": 0, "fed_tokens": 0}
-        self.pool = cf.ThreadPoolExecutor(max_workers=engine.tool_workers or max(slots, 1),
-                                          thread_name_prefix="rollout-tool")
+        self.stats = {
+            "forward_passes": 0,
+            "generated_tokens": 0,
+            "shared_prefix": 0,
+            "admitted": 0,
+            "weight_syncs": 0,
+            "max_rows": 0,
+            "fed_tokens": 0,
+        }
+        self.pool = cf.ThreadPoolExecutor(
+            max_workers=engine.tool_workers or max(slots, 1), thread_name_prefix="rollout-tool"
+        )
         self.dispatch = Dispatch(self.pool, engine.inline_tool_s)
 
     # ---- admission
@@ -251,8 +271,12 @@ class StreamScheduler:
         observations are held back a step until enough rows have one (``prefill_batch_frac``)."""
         fed = [i for i, sl in enumerate(self.rows) if sl.index not in self.waiting]
         wide = [i for i in fed if len(self.rows[i].pending) > 1]
-        if (self.decoder.pads_wide and wide and len(wide) < len(fed)
-                and len(wide) < self.engine.prefill_batch_frac * len(self.rows)):
+        if (
+            self.decoder.pads_wide
+            and wide
+            and len(wide) < len(fed)
+            and len(wide) < self.engine.prefill_batch_frac * len(self.rows)
+        ):
             fed = [i for i in fed if len(self.rows[i].pending) == 1]
             self.stats["deferred_prefills"] = self.stats.get("deferred_prefills", 0) + len(wide)
         return fed

@@ -83,7 +83,9 @@ class Episode:
         user = self.env.reset(self.task)
         ids = self.contract.prompt_ids(user)
         if len(ids) >= self.max_total_tokens:
-            raise ValueError(f"task {self.task.id}: prompt is {len(ids)} tokens, over max_total_tokens={self.max_total_tokens}")
+            raise ValueError(
+                f"task {self.task.id}: prompt is {len(ids)} tokens, over max_total_tokens={self.max_total_tokens}"
+            )
         if self.token_budget is not None:
             self.max_total_tokens = min(self.max_total_tokens, len(ids) + self.token_budget)
         self._append("prompt", ids)

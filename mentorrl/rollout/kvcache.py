@@ -70,7 +70,7 @@ def compact(cache, attn: torch.Tensor) -> torch.Tensor | None:
         return None
     width = int(attn.sum(1).max())
     # pads first, then reals in order; the last ``width`` columns (none when no row has a real entry)
-    idx = torch.sort(attn, dim=1, stable=True).indices[:, attn.shape[1] - width:]
+    idx = torch.sort(attn, dim=1, stable=True).indices[:, attn.shape[1] - width :]
     for layer in layers:
         B, H, _, D = layer.keys.shape
         gi = idx[:, None, :, None].expand(B, H, width, D)

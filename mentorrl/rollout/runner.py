@@ -46,8 +46,10 @@ def rollout_tasks(
         envs = [make_env() for _ in chunk]
         try:
             budgets = token_budgets[lo : lo + batch_size] if token_budgets is not None else [None] * len(chunk)
-            eps = [Episode(contract, env, t, policy_version=policy_version, weights=weights, token_budget=b)
-                   for env, t, b in zip(envs, chunk, budgets)]
+            eps = [
+                Episode(contract, env, t, policy_version=policy_version, weights=weights, token_budget=b)
+                for env, t, b in zip(envs, chunk, budgets)
+            ]
             out.extend(engine.run_episodes(eps, seed=seed + lo))
         finally:
             for env in envs:

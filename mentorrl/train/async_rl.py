@@ -105,8 +105,19 @@ class RolloutWorker(threading.Thread):
     evaluations; each caller decodes with its own weights (see :class:`VLLMBackend`).
     """
 
-    def __init__(self, policy, rollout: Rollout, tasks: Iterator, box: WeightBox, slots: int, out: queue.Queue,
-                 stop_event: threading.Event, seed: int, recompute_kv: bool = False, name: str = "rollout-worker"):
+    def __init__(
+        self,
+        policy,
+        rollout: Rollout,
+        tasks: Iterator,
+        box: WeightBox,
+        slots: int,
+        out: queue.Queue,
+        stop_event: threading.Event,
+        seed: int,
+        recompute_kv: bool = False,
+        name: str = "rollout-worker",
+    ):
         super().__init__(name=name, daemon=True)
         self.rollout, self.contract, self.tasks, self.box = rollout, rollout.contract, tasks, box
         self.slots, self.seed, self.recompute_kv = slots, seed, recompute_kv
@@ -153,8 +164,9 @@ class RolloutWorker(threading.Thread):
         task = next(self.tasks, None)
         if task is None:
             return None
-        return Episode(self.contract, self.rollout.make_env(), task, policy_version=self.version,
-                       weights=self.rollout.weights)
+        return Episode(
+            self.contract, self.rollout.make_env(), task, policy_version=self.version, weights=self.rollout.weights
+        )
 
     def _emit(self, traj: Trajectory) -> None:
         while not self.stop_event.is_set():
@@ -168,12 +180,26 @@ class RolloutWorker(threading.Thread):
     def run(self) -> None:
         try:
             if self.backend is None:
-                self.engine.run_stream(self._next_episode, slots=self.slots, seed=self.seed, on_finish=self._emit,
-                                       before_step=self._sync, stop=self.stop_event, close_envs=True)
+                self.engine.run_stream(
+                    self._next_episode,
+                    slots=self.slots,
+                    seed=self.seed,
+                    on_finish=self._emit,
+                    before_step=self._sync,
+                    stop=self.stop_event,
+                    close_envs=True,
+                )
             else:
-                stream_episodes(self.backend, self._next_episode, slots=self.slots, seed=self.seed,
-                                on_finish=self._emit, before_round=self._sync_backend, stop=self.stop_event,
-                                close_envs=True)
+                stream_episodes(
+                    self.backend,
+                    self._next_episode,
+                    slots=self.slots,
+                    seed=self.seed,
+                    on_finish=self._emit,
+                    before_round=self._sync_backend,
+                    stop=self.stop_event,
+                    close_envs=True,
+                )
         except BaseException as e:  # noqa: BLE001 -- handed to the learner, which raises it
             self.error = e
 
@@ -193,16 +219,36 @@ class RolloutPool:
     and one bounded queue of finished trajectories (the back-pressure on all of them); each rolls
     out with ``rollout`` (:class:`~mentorrl.rollout.Rollout`)."""
 
-    def __init__(self, policy, rollout: Rollout, tasks: Iterator, box: WeightBox, slots: int, queue_size: int,
-                 seed: int, recompute_kv: bool = False, workers: int = 1):
+    def __init__(
+        self,
+        policy,
+        rollout: Rollout,
+        tasks: Iterator,
+        box: WeightBox,
+        slots: int,
+        queue_size: int,
+        seed: int,
+        recompute_kv: bool = False,
+        workers: int = 1,
+    ):
         if workers < 1:
             raise ValueError("workers must be >= 1")
         self.out: queue.Queue[Trajectory] = queue.Queue(maxsize=queue_size)
         self.stop_event = threading.Event()
         lock = threading.Lock()
         self.workers = [
-            RolloutWorker(policy, rollout, _locked(tasks, lock), box, slots, self.out, self.stop_event,
-                          seed=seed + 1_000_033 * i, recompute_kv=recompute_kv, name=f"rollout-worker-{i}")
+            RolloutWorker(
+                policy,
+                rollout,
+                _locked(tasks, lock),
+                box,
+                slots,
+                self.out,
+                self.stop_event,
+                seed=seed + 1_000_033 * i,
+                recompute_kv=recompute_kv,
+                name=f"rollout-worker-{i}",
+            )
             for i in range(workers)
         ]
 

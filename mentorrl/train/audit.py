@@ -20,7 +20,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-
 from mentorrl.config import AuditConfig  # noqa: F401 (declared with the config; imported from here by callers)
 from mentorrl.trajectory import Trajectory
 
@@ -65,10 +64,15 @@ class GapMonitor:
         d_reward, d_success = reward - prev[2], success - prev[1]
         if d_reward > self.reward_rise and d_success <= self.success_rise:
             warning = {
-                "step": step, "since_step": prev[0], "reward_delta": d_reward, "success_delta": d_success,
-                "message": (f"training reward rose {d_reward:+.3f} since step {prev[0]} while held-out success "
-                            f"changed {d_success:+.3f}: reward hacking or overfitting to the training tasks -- "
-                            "run `mentorrl reward-audit` and review flagged trajectories"),
+                "step": step,
+                "since_step": prev[0],
+                "reward_delta": d_reward,
+                "success_delta": d_success,
+                "message": (
+                    f"training reward rose {d_reward:+.3f} since step {prev[0]} while held-out success "
+                    f"changed {d_success:+.3f}: reward hacking or overfitting to the training tasks -- "
+                    "run `mentorrl reward-audit` and review flagged trajectories"
+                ),
             }
             self.warnings = [w for w in self.warnings if w["step"] < step] + [warning]
             return warning

@@ -34,8 +34,9 @@ def _first(bad: list[str], what: str) -> str:
     return f"{len(bad)} {what}, e.g. {bad[0]}" if bad else ""
 
 
-def batch_checks(trajs: Sequence[Trajectory], current_version: int, env_name: str, env_version: str,
-                 fingerprint: str) -> list[Check]:
+def batch_checks(
+    trajs: Sequence[Trajectory], current_version: int, env_name: str, env_version: str, fingerprint: str
+) -> list[Check]:
     """The five per-batch checks; each lists how many trajectories fail and one example."""
     ahead = [f"{t.id} (v{t.policy_version} > v{current_version})" for t in trajs if t.policy_version > current_version]
     lengths = [t.id for t in trajs if not (len(t.token_ids) == len(t.logprobs) == len(t.loss_mask))]
@@ -44,15 +45,18 @@ def batch_checks(trajs: Sequence[Trajectory], current_version: int, env_name: st
         for seg in t.segments:
             # prompt and tool-return tokens are never trained on; a policy turn may be masked out
             # (a replayed segment trains on one window of turns), so only 0s are checked
-            if seg.role != "policy" and any(t.loss_mask[seg.start:seg.end]):
+            if seg.role != "policy" and any(t.loss_mask[seg.start : seg.end]):
                 masks.append(f"{t.id} ({seg.role} tokens {seg.start}-{seg.end} not all 0)")
                 break
         else:
             covered = sum(s.end - s.start for s in t.segments)
             if t.segments and covered != len(t.token_ids):
                 masks.append(f"{t.id} (segments cover {covered} of {len(t.token_ids)} tokens)")
-    envs = [f"{t.id} ({t.env_name} {t.env_version})" for t in trajs
-            if (t.env_name, t.env_version) != (env_name, env_version)]
+    envs = [
+        f"{t.id} ({t.env_name} {t.env_version})"
+        for t in trajs
+        if (t.env_name, t.env_version) != (env_name, env_version)
+    ]
     prints = [f"{t.id} ({t.contract_fingerprint or 'none'})" for t in trajs if t.contract_fingerprint != fingerprint]
     return [
         Check("policy_version", not ahead, _first(ahead, "from a future policy")),

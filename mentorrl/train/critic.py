@@ -15,8 +15,9 @@ from mentorrl.train.loop import minibatches, reduce_updates
 from mentorrl.trajectory import Trajectory
 
 
-def critic_advantages(trajs: list[Trajectory], rewards: torch.Tensor, values: list[torch.Tensor], p) -> tuple[
-        list[torch.Tensor], list[torch.Tensor]]:
+def critic_advantages(
+    trajs: list[Trajectory], rewards: torch.Tensor, values: list[torch.Tensor], p
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per-trajectory GAE advantages and returns (1-D, aligned to tokens) from outcome rewards and critic values
     (PPO and SAO); ``p`` is a :class:`~mentorrl.config.GAEConfig`.
 
@@ -27,15 +28,17 @@ def critic_advantages(trajs: list[Trajectory], rewards: torch.Tensor, values: li
     mask = pad_token_values([torch.tensor(t.loss_mask) for t in trajs], T)
     vals = pad_token_values(values, T)
     lam = adaptive_gae_lambda(mask.sum(1), p.lambda_alpha) if p.lambda_alpha else p.lam
-    adv, ret = gae_advantages(outcome_token_rewards(rewards, mask), vals, mask, gamma=p.gamma, lam=lam,
-                              value_lam=p.value_lam)
+    adv, ret = gae_advantages(
+        outcome_token_rewards(rewards, mask), vals, mask, gamma=p.gamma, lam=lam, value_lam=p.value_lam
+    )
     if p.normalize_advantages:
         keep = mask != 0
         if int(keep.sum()) > 1:
             a = adv[keep]
             adv = torch.where(keep, (adv - a.mean()) / (a.std(unbiased=False) + 1e-6), torch.zeros_like(adv))
-    return [adv[b, : len(t.token_ids)] for b, t in enumerate(trajs)], [ret[b, : len(t.token_ids)] for b, t in enumerate(trajs)]
-
+    return [adv[b, : len(t.token_ids)] for b, t in enumerate(trajs)], [
+        ret[b, : len(t.token_ids)] for b, t in enumerate(trajs)
+    ]
 
 
 class Critic:
@@ -49,14 +52,18 @@ class Critic:
         self.model = build_critic(policy, cfg)
         self.learner = CriticLearner(self.model, cfg.optim, pad_id)
 
-    def step(self, trajs: list[Trajectory], rewards: torch.Tensor, gae, seed: int) -> tuple[
-            list[torch.Tensor], list[torch.Tensor], dict[str, float]]:
+    def step(
+        self, trajs: list[Trajectory], rewards: torch.Tensor, gae, seed: int
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], dict[str, float]]:
         """``(advantages, values before the update, value metrics)``, per trajectory aligned to its tokens."""
         old_values = self.learner.values(trajs)
         adv, ret = critic_advantages(trajs, rewards, old_values, gae)
-        vm = [self.learner.value_step([trajs[i] for i in idx], [ret[i] for i in idx], [old_values[i] for i in idx],
-                                      clip=self.cfg.value_clip)
-              for idx in minibatches(list(range(len(trajs))), self.cfg.steps, seed=seed)]
+        vm = [
+            self.learner.value_step(
+                [trajs[i] for i in idx], [ret[i] for i in idx], [old_values[i] for i in idx], clip=self.cfg.value_clip
+            )
+            for idx in minibatches(list(range(len(trajs))), self.cfg.steps, seed=seed)
+        ]
         return adv, old_values, reduce_updates(vm, self.METRICS)
 
     def state_dict(self) -> dict[str, Any]:

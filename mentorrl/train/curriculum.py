@@ -15,8 +15,15 @@ from typing import Any, Sequence
 
 
 class Curriculum:
-    def __init__(self, levels: Sequence[Sequence[Any]], raise_above: float = 0.6, lower_below: float = 0.2,
-                 window: int = 64, start: int = 0, seed: int = 0):
+    def __init__(
+        self,
+        levels: Sequence[Sequence[Any]],
+        raise_above: float = 0.6,
+        lower_below: float = 0.2,
+        window: int = 64,
+        start: int = 0,
+        seed: int = 0,
+    ):
         if not levels or any(len(level) == 0 for level in levels):
             raise ValueError("a curriculum needs at least one level, and every level needs tasks")
         if not 0.0 <= lower_below < raise_above <= 1.0:
@@ -57,8 +64,13 @@ class Curriculum:
         return self.level
 
     def state_dict(self) -> dict[str, Any]:
-        return {"level": self.level, "outcomes": list(self.outcomes), "history": self.history, "seen": self.seen,
-                "rng": self.rng.getstate()}
+        return {
+            "level": self.level,
+            "outcomes": list(self.outcomes),
+            "history": self.history,
+            "seen": self.seen,
+            "rng": self.rng.getstate(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.level, self.seen = state["level"], state["seen"]

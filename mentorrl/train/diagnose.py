@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import torch
 
-from mentorrl.algos.advantages import grpo_advantages, group_reward_stats
+from mentorrl.algos.advantages import group_reward_stats, grpo_advantages
 from mentorrl.core.trace import invalid_calls
 from mentorrl.trajectory import Trajectory
 
@@ -56,8 +56,9 @@ def _window(xs: list[float], n: int, last: bool) -> float:
     return sum(part) / len(part)
 
 
-def diagnose(stats: dict[str, float], history: Sequence[dict[str, Any]] | None = None,
-             window: int = 5) -> list[Finding]:
+def diagnose(
+    stats: dict[str, float], history: Sequence[dict[str, Any]] | None = None, window: int = 5
+) -> list[Finding]:
     """The notes' diagnosis table applied to probe statistics and, if given, GRPO step records."""
     success, zero_var = stats["success_rate"], stats["reward_zero_variance_group_share"]
     hist = [h for h in (history or []) if "reward_mean" in h]
@@ -65,8 +66,14 @@ def diagnose(stats: dict[str, float], history: Sequence[dict[str, Any]] | None =
     if len(hist) >= 2 * window:
         out += _history_findings(hist, window, zero_var)
     if not out:
-        out.append(Finding("healthy", "ok", "groups carry reward spread and the runtime works",
-                           "GRPO has signal; tune hyper-parameters only if progress stalls"))
+        out.append(
+            Finding(
+                "healthy",
+                "ok",
+                "groups carry reward spread and the runtime works",
+                "GRPO has signal; tune hyper-parameters only if progress stalls",
+            )
+        )
     return out
 
 
@@ -74,23 +81,44 @@ def _signal_findings(success: float, zero_var: float) -> list[Finding]:
     """Whether the probe's groups carry a reward spread GRPO can learn from."""
     out: list[Finding] = []
     if success < 0.01 and zero_var >= 0.8:
-        out.append(Finding("no_signal", "problem",
-                           "low reward and std ~ 0: almost every group is all-failure, GRPO gets no relative signal",
-                           "cold start first (SFT, `recipe: [sft, rft, grpo]`, distillation); shape the reward; "
-                           "sample more per task"))
+        out.append(
+            Finding(
+                "no_signal",
+                "problem",
+                "low reward and std ~ 0: almost every group is all-failure, GRPO gets no relative signal",
+                "cold start first (SFT, `recipe: [sft, rft, grpo]`, distillation); shape the reward; "
+                "sample more per task",
+            )
+        )
     elif success < 0.2 and zero_var < 0.8:
-        out.append(Finding("low_success_with_spread", "warning",
-                           "low reward with spread: the policy explores but rarely succeeds",
-                           "raise the positive share: RFT on verified successes, a difficulty band, larger groups"))
+        out.append(
+            Finding(
+                "low_success_with_spread",
+                "warning",
+                "low reward with spread: the policy explores but rarely succeeds",
+                "raise the positive share: RFT on verified successes, a difficulty band, larger groups",
+            )
+        )
     if 0.01 <= success <= 0.9 and zero_var >= 0.6:
-        out.append(Finding("polarized", "warning",
-                           f"{zero_var:.0%} of groups are all-success or all-failure although {success:.0%} of "
-                           "samples succeed: most tasks are always or never solved, and only the rest teach GRPO",
-                           "draw tasks from the 5-50% success band (the RFT difficulty filter), use the hard-task "
-                           "pool, or raise the group size"))
+        out.append(
+            Finding(
+                "polarized",
+                "warning",
+                f"{zero_var:.0%} of groups are all-success or all-failure although {success:.0%} of "
+                "samples succeed: most tasks are always or never solved, and only the rest teach GRPO",
+                "draw tasks from the 5-50% success band (the RFT difficulty filter), use the hard-task "
+                "pool, or raise the group size",
+            )
+        )
     if success > 0.9 and zero_var >= 0.8:
-        out.append(Finding("saturated", "warning", "high reward with std ~ 0: the tasks are too easy to teach anything",
-                           "filter tasks by difficulty (keep 5-50% success) or add harder tasks"))
+        out.append(
+            Finding(
+                "saturated",
+                "warning",
+                "high reward with std ~ 0: the tasks are too easy to teach anything",
+                "filter tasks by difficulty (keep 5-50% success) or add harder tasks",
+            )
+        )
     return out
 
 
@@ -98,24 +126,54 @@ def _runtime_findings(stats: dict[str, float]) -> list[Finding]:
     """Problems of the agent runtime: tool timeouts and errors, malformed calls, truncation, violations."""
     out: list[Finding] = []
     if stats.get("timeout_rate", 0.0) > 0.05:
-        out.append(Finding("tool_runtime", "problem", f"{stats['timeout_rate']:.0%} of tool calls time out: "
-                           "the low reward is an agent-runtime problem, not the policy loss",
-                           "check tool latency and timeouts (env.tool_timeout_s) and how results are written back"))
+        out.append(
+            Finding(
+                "tool_runtime",
+                "problem",
+                f"{stats['timeout_rate']:.0%} of tool calls time out: "
+                "the low reward is an agent-runtime problem, not the policy loss",
+                "check tool latency and timeouts (env.tool_timeout_s) and how results are written back",
+            )
+        )
     if stats["tool_success"] < 0.7:
-        out.append(Finding("tool_errors", "warning", f"tool success only {stats['tool_success']:.0%} "
-                           f"({stats['invalid_call_rate']:.0%} of calls invalid, the rest refused by the tools: "
-                           "wrong ids, arguments or order of steps)",
-                           "run `mentorrl flywheel` on these trajectories: ARGUMENT_ERROR / TOOL_SELECTION failures "
-                           "route to targeted SFT; also check the tool schemas the prompt shows"))
+        out.append(
+            Finding(
+                "tool_errors",
+                "warning",
+                f"tool success only {stats['tool_success']:.0%} "
+                f"({stats['invalid_call_rate']:.0%} of calls invalid, the rest refused by the tools: "
+                "wrong ids, arguments or order of steps)",
+                "run `mentorrl flywheel` on these trajectories: ARGUMENT_ERROR / TOOL_SELECTION failures "
+                "route to targeted SFT; also check the tool schemas the prompt shows",
+            )
+        )
     if stats["invalid_call_rate"] > 0.2:
-        out.append(Finding("invalid_calls", "problem", f"{stats['invalid_call_rate']:.0%} of calls are malformed, "
-                           "unknown or badly typed", "targeted SFT on the call format; check the template and tool schema"))
+        out.append(
+            Finding(
+                "invalid_calls",
+                "problem",
+                f"{stats['invalid_call_rate']:.0%} of calls are malformed, unknown or badly typed",
+                "targeted SFT on the call format; check the template and tool schema",
+            )
+        )
     if stats["truncation_rate"] > 0.3:
-        out.append(Finding("truncation", "warning", f"{stats['truncation_rate']:.0%} of episodes hit a limit",
-                           "raise max_turns / max_new_tokens, or look for loops"))
+        out.append(
+            Finding(
+                "truncation",
+                "warning",
+                f"{stats['truncation_rate']:.0%} of episodes hit a limit",
+                "raise max_turns / max_new_tokens, or look for loops",
+            )
+        )
     if stats["violation_rate"] > 0.05:
-        out.append(Finding("violations", "problem", f"{stats['violation_rate']:.0%} of episodes break a hard constraint",
-                           "review them; run `mentorrl reward-audit` to confirm the reward punishes them"))
+        out.append(
+            Finding(
+                "violations",
+                "problem",
+                f"{stats['violation_rate']:.0%} of episodes break a hard constraint",
+                "review them; run `mentorrl reward-audit` to confirm the reward punishes them",
+            )
+        )
     return out
 
 
@@ -127,20 +185,40 @@ def _history_findings(hist: Sequence[dict[str, Any]], window: int, zero_var: flo
     succ_key = "heldout_success" if sum("heldout_success" in h for h in hist) >= 2 else "task_success"
     succs = [h[succ_key] for h in hist if succ_key in h]
     d_reward = _window(rewards, window, True) - _window(rewards, window, False)
-    d_succ = (succs[-1] - succs[0]) if succ_key == "heldout_success" else \
-        _window(succs, window, True) - _window(succs, window, False)
+    d_succ = (
+        (succs[-1] - succs[0])
+        if succ_key == "heldout_success"
+        else _window(succs, window, True) - _window(succs, window, False)
+    )
     peak = max(_window(rewards[i:], window, False) for i in range(len(rewards) - window + 1))
     if d_reward > 0.05 and d_succ <= 0.0:
-        out.append(Finding("reward_hacking", "problem",
-                           f"reward rose {d_reward:+.3f} while {succ_key.replace('_', ' ')} changed {d_succ:+.3f}",
-                           "the policy may exploit the reward: run `mentorrl reward-audit`, review flagged "
-                           "trajectories, verify from environment state"))
+        out.append(
+            Finding(
+                "reward_hacking",
+                "problem",
+                f"reward rose {d_reward:+.3f} while {succ_key.replace('_', ' ')} changed {d_succ:+.3f}",
+                "the policy may exploit the reward: run `mentorrl reward-audit`, review flagged "
+                "trajectories, verify from environment state",
+            )
+        )
     if peak - _window(rewards, window, True) > 0.2 and peak > _window(rewards, window, False) + 0.05:
-        out.append(Finding("policy_drift", "problem", "reward rose and then collapsed",
-                           "policy update too large: check KL, learning rate, grad norm, clip fraction"))
+        out.append(
+            Finding(
+                "policy_drift",
+                "problem",
+                "reward rose and then collapsed",
+                "policy update too large: check KL, learning rate, grad norm, clip fraction",
+            )
+        )
     losses = [h.get("loss", 0.0) for h in hist]
     loss_spread = max(losses) - min(losses)
     if abs(d_reward) < 0.01 and loss_spread > 0.05 and zero_var < 0.8:
-        out.append(Finding("pipeline_bug", "warning", "the loss moves but the reward does not",
-                           "check advantages, the loss mask (policy tokens only) and that gradients reach the model"))
+        out.append(
+            Finding(
+                "pipeline_bug",
+                "warning",
+                "the loss moves but the reward does not",
+                "check advantages, the loss mask (policy tokens only) and that gradients reach the model",
+            )
+        )
     return out

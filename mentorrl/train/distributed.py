@@ -45,8 +45,10 @@ def _env_int(env: Mapping[str, str], name: str) -> int:
     try:
         return int(env[name])
     except (KeyError, ValueError):
-        raise ConfigError(f"distributed: environment variable {name}={env.get(name)!r} is not an integer "
-                          f"(launch with torchrun, which sets RANK and WORLD_SIZE)") from None
+        raise ConfigError(
+            f"distributed: environment variable {name}={env.get(name)!r} is not an integer "
+            f"(launch with torchrun, which sets RANK and WORLD_SIZE)"
+        ) from None
 
 
 def distributed_plan(cfg: RunConfig, env: Mapping[str, str] | None = None) -> tuple[int, int] | None:
@@ -57,9 +59,11 @@ def distributed_plan(cfg: RunConfig, env: Mapping[str, str] | None = None) -> tu
     launched = "WORLD_SIZE" in env
     if not launched:
         if backend == "ddp":
-            raise ConfigError("distributed.backend: ddp needs a torchrun launch (WORLD_SIZE and RANK are not set); "
-                              "run `torchrun --nproc-per-node N -m mentorrl.cli train CONFIG`, or set "
-                              "distributed.backend: auto (or none) for one process")
+            raise ConfigError(
+                "distributed.backend: ddp needs a torchrun launch (WORLD_SIZE and RANK are not set); "
+                "run `torchrun --nproc-per-node N -m mentorrl.cli train CONFIG`, or set "
+                "distributed.backend: auto (or none) for one process"
+            )
         return None
     world, rank = _env_int(env, "WORLD_SIZE"), _env_int(env, "RANK")
     if world < 1 or not 0 <= rank < world:
@@ -67,15 +71,21 @@ def distributed_plan(cfg: RunConfig, env: Mapping[str, str] | None = None) -> tu
     if world == 1 and backend != "ddp":
         return None
     if backend == "ray":
-        raise ConfigError(f"distributed.backend: ray runs the learner in one process (rollouts on Ray actors); "
-                          f"launch it without torchrun, not as {world} ranks")
+        raise ConfigError(
+            f"distributed.backend: ray runs the learner in one process (rollouts on Ray actors); "
+            f"launch it without torchrun, not as {world} ranks"
+        )
     if backend == "none":
-        raise ConfigError(f"distributed.backend: none, but torchrun launched {world} ranks: each would train alone "
-                          f"and write the same run_dir; set distributed.backend: ddp (or auto), or launch one process")
+        raise ConfigError(
+            f"distributed.backend: none, but torchrun launched {world} ranks: each would train alone "
+            f"and write the same run_dir; set distributed.backend: ddp (or auto), or launch one process"
+        )
     missing = [s for s in dict.fromkeys(cfg.recipe) if s not in stages_supporting("ddp")]
     if missing:
-        raise ConfigError(f"recipe: stage(s) {', '.join(missing)} cannot run under distributed.backend "
-                          f"{backend} with {world} ranks; data-parallel stages: {', '.join(stages_supporting('ddp'))}")
+        raise ConfigError(
+            f"recipe: stage(s) {', '.join(missing)} cannot run under distributed.backend "
+            f"{backend} with {world} ranks; data-parallel stages: {', '.join(stages_supporting('ddp'))}"
+        )
     return rank, world
 
 
@@ -118,7 +128,9 @@ class DataParallel:
         from torch.nn.parallel import DistributedDataParallel
 
         params = inspect.signature(DistributedDataParallel.__init__).parameters
-        no_buffer_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in params else {"broadcast_buffers": False}
+        no_buffer_sync = (
+            {"forward_sync_buffers": False} if "forward_sync_buffers" in params else {"broadcast_buffers": False}
+        )
         return DistributedDataParallel(_CallThrough(model), **no_buffer_sync)
 
     @staticmethod
@@ -189,8 +201,9 @@ def setup_distributed(cfg: RunConfig, env: Mapping[str, str] | None = None) -> D
         return _CURRENT
     rank, world = plan
     if not dist.is_initialized():
-        dist.init_process_group("gloo", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=cfg.distributed.timeout_s))
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=cfg.distributed.timeout_s)
+        )
     _CURRENT = DataParallel(dist.get_rank(), dist.get_world_size())
     return _CURRENT
 
@@ -214,5 +227,12 @@ def shutdown_distributed() -> None:
     _CURRENT = None
 
 
-__all__ = ["DataParallel", "RankZeroFailed", "current", "distributed_plan", "is_main_process", "setup_distributed",
-           "shutdown_distributed"]
+__all__ = [
+    "DataParallel",
+    "RankZeroFailed",
+    "current",
+    "distributed_plan",
+    "is_main_process",
+    "setup_distributed",
+    "shutdown_distributed",
+]

@@ -17,11 +17,11 @@ from typing import Callable, Sequence
 
 import torch
 
-from mentorrl.algos.losses import clipped_value_loss, get_policy_loss, sft_loss, weighted_nll
 from mentorrl.algos.logprobs import masked_mean
+from mentorrl.algos.losses import clipped_value_loss, get_policy_loss, sft_loss, weighted_nll
 from mentorrl.config import OptimConfig
-from mentorrl.train.consistency import logprob_gap_metrics
 from mentorrl.models.batch import TokenBatch, collate, forward_logprobs
+from mentorrl.train.consistency import logprob_gap_metrics
 from mentorrl.trajectory import Trajectory
 
 
@@ -52,8 +52,9 @@ def pad_token_values(rows: Sequence[torch.Tensor], T: int, dtype: torch.dtype = 
 
 
 class Learner:
-    def __init__(self, model, optim: OptimConfig, pad_id: int, temperature: float = 1.0, dp=None,
-                 version_per_update: bool = True):
+    def __init__(
+        self, model, optim: OptimConfig, pad_id: int, temperature: float = 1.0, dp=None, version_per_update: bool = True
+    ):
         self.model = model
         # The policy version: the number of weight versions the rollout may have sampled from. With
         # ``version_per_update`` every optimizer step is a new version; otherwise the owner calls
@@ -106,8 +107,9 @@ class Learner:
         mbs = self.cfg.micro_batch_size
         return [slice(lo, min(lo + mbs, own.stop)) for lo in range(own.start, own.stop, mbs)]
 
-    def reduce_across_ranks(self, sums: dict[str, float], maxes: dict[str, float] | None = None
-                            ) -> tuple[dict[str, float], dict[str, float]]:
+    def reduce_across_ranks(
+        self, sums: dict[str, float], maxes: dict[str, float] | None = None
+    ) -> tuple[dict[str, float], dict[str, float]]:
         """Per-rank partial sums summed (and maxima maxed) over ranks; unchanged in one process."""
         maxes = maxes or {}
         if self.dp is None:
@@ -144,7 +146,9 @@ class Learner:
         gradients, and the metrics' per-rank partial sums are summed over ranks."""
         self.model.train()
         device = next(self.model.parameters()).device
-        total_tokens, total_seqs = (float(sum(t.num_policy_tokens for t in trajs)), len(trajs)) if norm is None else norm
+        total_tokens, total_seqs = (
+            (float(sum(t.num_policy_tokens for t in trajs)), len(trajs)) if norm is None else norm
+        )
         metrics: dict[str, float] = {}
         scale = float(self.dp.world_size) if self.dp is not None else 1.0
         fwd = forward if forward is not None else (lambda model, mb, sl: self._forward_with(model, mb))
@@ -180,8 +184,12 @@ class Learner:
         self.model.eval()
         if self.version_per_update:
             self.version += 1
-        metrics.update(grad_norm=gn, entropy=ent_sum / max(tok_sum, 1.0), lr=self.scheduler.get_last_lr()[0],
-                       skipped_update=float(not math.isfinite(gn)))
+        metrics.update(
+            grad_norm=gn,
+            entropy=ent_sum / max(tok_sum, 1.0),
+            lr=self.scheduler.get_last_lr()[0],
+            skipped_update=float(not math.isfinite(gn)),
+        )
         return metrics
 
     # ---- update kinds -------------------------------------------------------
@@ -283,7 +291,9 @@ class Learner:
 
         def forward(model, mb, sl):
             ids = pad_token_values(topk_ids[sl], mb.input_ids.shape[1], dtype=torch.long).to(device)
-            return forward_selected_logprobs(model, mb, ids, self.temperature, pack=self.pack_mode), torch.zeros_like(mb.loss_mask, dtype=torch.float32)
+            return forward_selected_logprobs(model, mb, ids, self.temperature, pack=self.pack_mode), torch.zeros_like(
+                mb.loss_mask, dtype=torch.float32
+            )
 
         def fn(mb, student_k, _entropy, sl):
             T = mb.input_ids.shape[1]
@@ -303,8 +313,9 @@ class Learner:
         return m
 
     @torch.no_grad()
-    def sequence_logprobs(self, trajs: Sequence[Trajectory], masks: Sequence[torch.Tensor], average: bool = False,
-                          model=None) -> torch.Tensor:
+    def sequence_logprobs(
+        self, trajs: Sequence[Trajectory], masks: Sequence[torch.Tensor], average: bool = False, model=None
+    ) -> torch.Tensor:
         """``[N]``: each trajectory's summed (``average``: mean) token log-prob over its mask, under
         ``model`` (default: the policy; e.g. a frozen reference), micro-batched, without gradient."""
         from mentorrl.algos.preference import sequence_logprobs
@@ -356,8 +367,11 @@ class Learner:
         return self.version
 
     def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                "version": self.version}
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "version": self.version,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
@@ -377,9 +391,15 @@ class CriticLearner(Learner):
         values = forward_values(model, mb)
         return values, torch.zeros_like(values)
 
-    def value_step(self, trajs: Sequence[Trajectory], returns: Sequence[torch.Tensor],
-                   old_values: Sequence[torch.Tensor], clip: float | None = 0.2) -> dict[str, float]:
+    def value_step(
+        self,
+        trajs: Sequence[Trajectory],
+        returns: Sequence[torch.Tensor],
+        old_values: Sequence[torch.Tensor],
+        clip: float | None = 0.2,
+    ) -> dict[str, float]:
         """One critic update towards ``returns`` (per trajectory, aligned to tokens) with a clipped value loss."""
+
         def fn(mb, values, _entropy, sl):
             T = mb.input_ids.shape[1]
             ret = pad_token_values(returns[sl], T).to(values.device)
@@ -399,7 +419,7 @@ class CriticLearner(Learner):
         out: list[torch.Tensor] = []
         device = next(self.model.parameters()).device
         for lo in range(0, len(trajs), self.cfg.micro_batch_size):
-            chunk = trajs[lo: lo + self.cfg.micro_batch_size]
+            chunk = trajs[lo : lo + self.cfg.micro_batch_size]
             v = forward_values(self.model, collate(chunk, self.pad_id).to(device)).cpu()
             out += [v[b, : len(t.token_ids)] for b, t in enumerate(chunk)]
         return out

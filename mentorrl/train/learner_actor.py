@@ -33,8 +33,9 @@ class LearnerActor:
     def where(self) -> dict[str, Any]:
         return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
 
-    def run(self, run_recipe: Callable[..., dict], cfg_json: dict, resume: bool, show_progress: bool,
-            cwd: str) -> dict[str, Any]:
+    def run(
+        self, run_recipe: Callable[..., dict], cfg_json: dict, resume: bool, show_progress: bool, cwd: str
+    ) -> dict[str, Any]:
         from mentorrl.config import RunConfig
 
         if os.path.isdir(cwd):
@@ -50,16 +51,16 @@ def learner_actor_options(cfg) -> dict[str, Any]:
     return {"num_cpus": d.learner_cpus, "num_gpus": d.learner_gpus, "runtime_env": {"env_vars": env}}
 
 
-def run_in_learner_actor(run_recipe: Callable[..., dict], cfg, resume: bool = False,
-                         show_progress: bool = True) -> dict[str, Any]:
+def run_in_learner_actor(
+    run_recipe: Callable[..., dict], cfg, resume: bool = False, show_progress: bool = True
+) -> dict[str, Any]:
     """``run_recipe(cfg)`` (:func:`mentorrl.train.pipeline.run_recipe`, passed in: it is pickled by reference)
     inside a :class:`LearnerActor`; returns its result with ``learner`` (node id, pid)."""
     init_ray(cfg.distributed)
     actor = LearnerActor.options(**learner_actor_options(cfg)).remote()
     try:
         where = ray.get(actor.where.remote())
-        result = ray.get(actor.run.remote(run_recipe, cfg.model_dump(mode="json"), resume, show_progress,
-                                          os.getcwd()))
+        result = ray.get(actor.run.remote(run_recipe, cfg.model_dump(mode="json"), resume, show_progress, os.getcwd()))
     except RayTaskError as e:  # the recipe's own error, itself (a ConfigError stays a ConfigError, with its message)
         cause = getattr(e, "cause", None)
         raise (cause if isinstance(cause, BaseException) else e.as_instanceof_cause()) from None

@@ -39,8 +39,17 @@ from mentorrl.trajectory import Trajectory, write_jsonl
 
 TRAIN_POOL_SEED_OFFSET = 7919
 FINISH_REASONS = ("answer", "max_turns", "max_tokens", "length")
-PG_METRICS = ("pg_loss", "clip_frac", "entropy", "grad_norm", "approx_kl", "logprob_abs_gap", "train_rollout_kl",
-              "policy_lag_mean", "policy_lag_max")
+PG_METRICS = (
+    "pg_loss",
+    "clip_frac",
+    "entropy",
+    "grad_norm",
+    "approx_kl",
+    "logprob_abs_gap",
+    "train_rollout_kl",
+    "policy_lag_mean",
+    "policy_lag_max",
+)
 
 
 # ------------------------------------------------------------ rollouts -----
@@ -74,8 +83,17 @@ class Group:
         return torch.tensor([t.reward.total for t in self.trajs], dtype=torch.float32).view(len(self.chosen), -1)
 
 
-def collect_group(ws: Workspace, model, chosen: list, group_size: int, policy_version: int, seed: int,
-                  where: str | None, token_budgets: list[int] | None = None, shard: bool = False) -> Group:
+def collect_group(
+    ws: Workspace,
+    model,
+    chosen: list,
+    group_size: int,
+    policy_version: int,
+    seed: int,
+    where: str | None,
+    token_budgets: list[int] | None = None,
+    shard: bool = False,
+) -> Group:
     """Roll every task of ``chosen`` out ``group_size`` times (task by task, seeds from ``seed``);
     with ``where``, raise unless the batch passes the consistency checks (:func:`require_consistent`).
     ``shard``: split the rollouts over the data-parallel ranks (:func:`rollout_shared`)."""
@@ -85,8 +103,9 @@ def collect_group(ws: Workspace, model, chosen: list, group_size: int, policy_ve
     if shard:
         trajs = rollout_shared(ws, model, grouped, policy_version, seed)
     else:
-        trajs = ws.rollout.run(model, grouped, policy_version=policy_version, seed=seed, batch_size=len(grouped),
-                               **extra)
+        trajs = ws.rollout.run(
+            model, grouped, policy_version=policy_version, seed=seed, batch_size=len(grouped), **extra
+        )
     group = Group(chosen, grouped, trajs, time.perf_counter() - t0, time.process_time() - c0)
     if where is not None:
         require_consistent(ws, trajs, policy_version, where)
@@ -103,15 +122,25 @@ def rollout_shared(ws: Workspace, model, tasks: list, policy_version: int, seed:
     if ws.dp is None:
         return ws.rollout.run(model, tasks, policy_version=policy_version, seed=seed, batch_size=len(tasks))
     own = ws.dp.shard(len(tasks))
-    mine = ws.rollout.run(model, tasks[own.start:own.stop], policy_version=policy_version, seed=seed + own.start,
-                          batch_size=max(len(own), 1)) if len(own) else []
+    mine = (
+        ws.rollout.run(
+            model,
+            tasks[own.start : own.stop],
+            policy_version=policy_version,
+            seed=seed + own.start,
+            batch_size=max(len(own), 1),
+        )
+        if len(own)
+        else []
+    )
     return [t for part in ws.dp.all_gather(mine) for t in part]
 
 
 def require_consistent(ws: Workspace, trajs: list[Trajectory], current_version: int, where: str) -> None:
     """Never train on data the policy did not produce under this run's contract: raise on any failed check."""
-    checks = batch_checks(trajs, current_version, ws.contract.env_name, ws.contract.env_version,
-                          ws.contract.fingerprint())
+    checks = batch_checks(
+        trajs, current_version, ws.contract.env_name, ws.contract.env_version, ws.contract.fingerprint()
+    )
     failed = [f"{c.name}: {c.detail}" for c in checks if not c.passed]
     if failed:
         raise RuntimeError(f"{where}: train/rollout consistency check failed: " + "; ".join(failed))
@@ -119,8 +148,9 @@ def require_consistent(ws: Workspace, trajs: list[Trajectory], current_version: 
 
 # ------------------------------------------------------------ guidance -----
 @torch.no_grad()
-def relabel_behaviour(model, trajs: list[Trajectory], pad_id: int, temperature: float,
-                      policy_version: int | None = None) -> list[Trajectory]:
+def relabel_behaviour(
+    model, trajs: list[Trajectory], pad_id: int, temperature: float, policy_version: int | None = None
+) -> list[Trajectory]:
     """Copies of ``trajs`` whose behaviour log-probs are the current policy's (for off-policy
     demonstrations): the importance ratio is 1 at the update, so a demonstration's share of the
     policy-gradient loss is its advantage times the maximum-likelihood gradient. With
@@ -130,13 +160,20 @@ def relabel_behaviour(model, trajs: list[Trajectory], pad_id: int, temperature: 
     device = next(model.parameters()).device
     lp = forward_logprobs(model, collate(trajs, pad_id).to(device), temperature)[0].cpu()
     extra = {} if policy_version is None else {"policy_version": policy_version}
-    return [t.model_copy(update={"logprobs": [float(x) if m else 0.0 for x, m in zip(lp[b, : len(t.token_ids)].tolist(),
-                                                                                     t.loss_mask)], **extra})
-            for b, t in enumerate(trajs)]
+    return [
+        t.model_copy(
+            update={
+                "logprobs": [float(x) if m else 0.0 for x, m in zip(lp[b, : len(t.token_ids)].tolist(), t.loss_mask)],
+                **extra,
+            }
+        )
+        for b, t in enumerate(trajs)
+    ]
 
 
-def guide_failed_groups(ws: Workspace, model, group: "Group", expert: Any, policy_version: int,
-                        pad_id: int) -> list[tuple[int, Trajectory]]:
+def guide_failed_groups(
+    ws: Workspace, model, group: "Group", expert: Any, policy_version: int, pad_id: int
+) -> list[tuple[int, Trajectory]]:
     """Expert guidance for GRPO (mixed-policy groups, after LUFFY, Yan et al. 2025): for every group
     where no rollout succeeded, the scripted expert's demonstration of that task, if the verifier
     accepts it, as ``(group index, demonstration)``. Such a group otherwise carries no signal
@@ -146,20 +183,25 @@ def guide_failed_groups(ws: Workspace, model, group: "Group", expert: Any, polic
     current policy's log-probs and version (:func:`relabel_behaviour`). Groups with a success, and
     tasks the expert cannot solve, get nothing."""
     size = len(group.trajs) // max(len(group.chosen), 1)
-    failed = [i for i in range(len(group.chosen))
-              if not any(t.reward is not None and t.reward.success for t in group.trajs[i * size:(i + 1) * size])]
+    failed = [
+        i
+        for i in range(len(group.chosen))
+        if not any(t.reward is not None and t.reward.success for t in group.trajs[i * size : (i + 1) * size])
+    ]
     if not failed:
         return []
     demos = ws.rollout.demonstrations(expert, [group.chosen[i] for i in failed])
     by_task = {d.task_id: d for d in demos}
     pairs = [(i, by_task[group.chosen[i].id]) for i in failed if group.chosen[i].id in by_task]
-    relabelled = relabel_behaviour(model, [d for _, d in pairs], pad_id, ws.contract.sampling.temperature,
-                                   policy_version)
+    relabelled = relabel_behaviour(
+        model, [d for _, d in pairs], pad_id, ws.contract.sampling.temperature, policy_version
+    )
     return [(i, d) for (i, _), d in zip(pairs, relabelled)]
 
 
-def guided_advantages(estimator: Any, rewards: torch.Tensor, guided: list[tuple[int, float]],
-                      **kw: Any) -> tuple[torch.Tensor, torch.Tensor]:
+def guided_advantages(
+    estimator: Any, rewards: torch.Tensor, guided: list[tuple[int, float]], **kw: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Advantages of the ``[tasks, G]`` policy rollouts (flattened, row-major) and of each guided
     group's demonstration (``guided``: (group index, its reward)). A guided group's ``G + 1`` rewards
     go through ``estimator`` together, as one group; the others exactly as without guidance."""
@@ -206,7 +248,9 @@ def rollout_metrics(trajs: list[Trajectory]) -> dict[str, float]:
         "rollout_tokens": float(sum(t.num_policy_tokens for t in trajs)),  # policy tokens the student generated
         "tool_calls_per_traj": (len(calls) - malformed) / n if n else 0.0,
         "malformed_call_rate": malformed / len(calls) if calls else 0.0,
-        "rollout_backend": backend_of(trajs),  # a tag: the engine that sampled them (hf, vllm), for the consistency metrics
+        "rollout_backend": backend_of(
+            trajs
+        ),  # a tag: the engine that sampled them (hf, vllm), for the consistency metrics
     }
     out.update({f"finish_{r}": (sum(t.finish_reason == r for t in trajs) / n if n else 0.0) for r in FINISH_REASONS})
     return out
@@ -279,11 +323,22 @@ def reduce_updates(updates: list[dict[str, float]], keys: tuple[str, ...]) -> di
     return out
 
 
-def pg_update(learner, trajs: list[Trajectory], adv, k: int, seed: int, *,
-              items: list[int] | None = None, groups: list[list[int]] | None = None, kind: str = "clipped",
-              skip_zero: bool = False, drop_zero: bool = False,
-              nll_weights: torch.Tensor | None = None, sync: Callable[[Any, int], None] | None = None,
-              **loss: Any) -> list[dict[str, float]]:
+def pg_update(
+    learner,
+    trajs: list[Trajectory],
+    adv,
+    k: int,
+    seed: int,
+    *,
+    items: list[int] | None = None,
+    groups: list[list[int]] | None = None,
+    kind: str = "clipped",
+    skip_zero: bool = False,
+    drop_zero: bool = False,
+    nll_weights: torch.Tensor | None = None,
+    sync: Callable[[Any, int], None] | None = None,
+    **loss: Any,
+) -> list[dict[str, float]]:
     """One pass of policy-gradient updates: ``items`` (default: every trajectory) dealt into ``k``
     minibatches with ``seed``, one optimizer step per minibatch; each update's metrics with the
     minibatch's policy lag behind the learner's policy version (which the learner advances).

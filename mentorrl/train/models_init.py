@@ -19,19 +19,33 @@ from mentorrl.models.pretrain import config_hash as pretrain_config_hash
 from mentorrl.models.shipped import find_shipped_base, install_shipped_base
 
 
-def build_config(env_name: str, spec: ModelSpec, corpus_tasks: int, seed: int, fmt=None,
-                 pretrain: PretrainSpec | None = None) -> dict[str, Any]:
+def build_config(
+    env_name: str, spec: ModelSpec, corpus_tasks: int, seed: int, fmt=None, pretrain: PretrainSpec | None = None
+) -> dict[str, Any]:
     """Everything that determines a built base model; its hash names the build."""
     pretrain = pretrain or PretrainSpec()
-    return {"env": env_name, "spec": spec.model_dump(mode="json"), "tokenizer_corpus_tasks": corpus_tasks,
-            "seed": seed, "prompt": fmt.model_dump(mode="json") if fmt is not None else None,
-            "pretrain": pretrain.model_dump(mode="json", exclude={"corpus_version"}),
-            **({"corpus_version": pretrain.corpus_version} if pretrain.steps > 0 else {})}
+    return {
+        "env": env_name,
+        "spec": spec.model_dump(mode="json"),
+        "tokenizer_corpus_tasks": corpus_tasks,
+        "seed": seed,
+        "prompt": fmt.model_dump(mode="json") if fmt is not None else None,
+        "pretrain": pretrain.model_dump(mode="json", exclude={"corpus_version"}),
+        **({"corpus_version": pretrain.corpus_version} if pretrain.steps > 0 else {}),
+    }
 
 
-def build_tiny_model(env_entry, out_dir: Path, spec: ModelSpec, corpus_tasks: int, seed: int = 0, fmt=None,
-                     pretrain: PretrainSpec | None = None, command: str | None = None,
-                     use_shipped: bool = True) -> Path:
+def build_tiny_model(
+    env_entry,
+    out_dir: Path,
+    spec: ModelSpec,
+    corpus_tasks: int,
+    seed: int = 0,
+    fmt=None,
+    pretrain: PretrainSpec | None = None,
+    command: str | None = None,
+    use_shipped: bool = True,
+) -> Path:
     """Tokenizer trained on expert transcripts of train tasks + a fresh Qwen2-architecture model,
     pretrained on the environment's language when ``pretrain.steps > 0`` (see
     :mod:`mentorrl.models.pretrain`). Writes ``mentorrl_build.json``: the build config and its
@@ -53,7 +67,9 @@ def build_tiny_model(env_entry, out_dir: Path, spec: ModelSpec, corpus_tasks: in
         return install_shipped_base(shipped, out_dir)
     expert = env_entry.make_expert()
     try:
-        corpus = list(expert_transcripts(env, expert, env_entry.make_tasks().tasks(split="train", n=corpus_tasks, seed=seed), fmt))
+        corpus = list(
+            expert_transcripts(env, expert, env_entry.make_tasks().tasks(split="train", n=corpus_tasks, seed=seed), fmt)
+        )
     finally:
         env.close()
     record: dict[str, Any] = {}
@@ -63,9 +79,15 @@ def build_tiny_model(env_entry, out_dir: Path, spec: ModelSpec, corpus_tasks: in
             record["pretrain"] = run_pretraining(env_entry, env_name, tokenizer, model, pretrain, fmt)
 
     path = init_model(out_dir, corpus, spec, before_save=before_save)
-    build = {"command": command, "config": config, "config_hash": chash,
-             "tokenizer_corpus": {"docs": len(corpus), "chars": sum(map(len, corpus))},
-             **record, "digest": dir_digest(path), "wall_s": round(time.perf_counter() - t0, 2)}
+    build = {
+        "command": command,
+        "config": config,
+        "config_hash": chash,
+        "tokenizer_corpus": {"docs": len(corpus), "chars": sum(map(len, corpus))},
+        **record,
+        "digest": dir_digest(path),
+        "wall_s": round(time.perf_counter() - t0, 2),
+    }
     (path / "mentorrl_build.json").write_text(json.dumps(build, indent=2))
     return path
 
@@ -78,5 +100,12 @@ def base_model_dir(ws) -> Path:
             raise FileNotFoundError(f"model.path {path} is not a Hugging Face checkpoint directory (no config.json)")
         return path
     # the base is a function of model.* alone (like a real checkpoint); the run seed varies post-training only
-    return build_tiny_model(ws.env_entry, ws.run_dir / "base_model", ws.cfg.model.spec, ws.cfg.model.tokenizer_corpus_tasks,
-                            ws.cfg.model.spec.seed, ws.cfg.prompt, pretrain=ws.cfg.model.pretrain)
+    return build_tiny_model(
+        ws.env_entry,
+        ws.run_dir / "base_model",
+        ws.cfg.model.spec,
+        ws.cfg.model.tokenizer_corpus_tasks,
+        ws.cfg.model.spec.seed,
+        ws.cfg.prompt,
+        pretrain=ws.cfg.model.pretrain,
+    )

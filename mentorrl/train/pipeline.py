@@ -26,7 +26,6 @@ from mentorrl.train.registry import get_stage, rl_stage_names, run_stage_by_name
 from mentorrl.train.report import STEP_METRICS_PLOT, build_report, write_report
 from mentorrl.train.workspace import Workspace, evaluate, open_workspace
 
-
 PREFLIGHT_TRAIN_TASKS = 64  # train tasks whose prompts are rendered by the preflight (plus every eval task)
 
 
@@ -92,8 +91,10 @@ def preflight_prompts(ws: Workspace) -> None:
             raise ConfigError(f"{field} {split!r}: {e}") from None
         tokens, task = longest_prompt(ws, tasks)
         if tokens >= limit:
-            raise ConfigError(f"limits.max_total_tokens={limit} leaves no room for a turn: the prompt of {split} "
-                              f"task {task} is {tokens} tokens; set limits.max_total_tokens above {tokens}")
+            raise ConfigError(
+                f"limits.max_total_tokens={limit} leaves no room for a turn: the prompt of {split} "
+                f"task {task} is {tokens} tokens; set limits.max_total_tokens above {tokens}"
+            )
 
 
 def _fmt_pct(x: float) -> str:
@@ -106,8 +107,14 @@ def before_after_table(rows: dict[str, dict[str, Any]]) -> Table:
         t.add_column(col, justify="right" if col != "checkpoint" else "left")
     for label, s in rows.items():
         lo, hi = s["success_ci95"]
-        t.add_row(label, str(s["n"]), _fmt_pct(s["success"]), f"[{_fmt_pct(lo)}, {_fmt_pct(hi)}]",
-                  _fmt_pct(s["tool_success"]), f"{s['mean_turns']:.2f}")
+        t.add_row(
+            label,
+            str(s["n"]),
+            _fmt_pct(s["success"]),
+            f"[{_fmt_pct(lo)}, {_fmt_pct(hi)}]",
+            _fmt_pct(s["tool_success"]),
+            f"{s['mean_turns']:.2f}",
+        )
     return t
 
 
@@ -181,15 +188,16 @@ def _run_stages(ws: Workspace, resume: bool, t0: float) -> dict[str, Any]:
     return ws.on_main(lambda: _finish_recipe(ws, model, resume, rows, evals, t0))
 
 
-def _finish_recipe(ws: Workspace, model, resume: bool, rows: dict[str, dict[str, Any]],
-                   evals: dict[str, dict[str, Any]], t0: float) -> dict[str, Any]:
+def _finish_recipe(
+    ws: Workspace, model, resume: bool, rows: dict[str, dict[str, Any]], evals: dict[str, dict[str, Any]], t0: float
+) -> dict[str, Any]:
     """After the stages: final-split evaluations, the report, plots and the closing summary."""
     cfg, con = ws.cfg, ws.console
     if rows:
         con.print(before_after_table(rows))
     final = cfg.recipe[-1]
     other: dict[str, dict[str, Any]] = {}
-    for split in (cfg.eval.final_splits if cfg.eval.num_tasks > 0 else []):
+    for split in cfg.eval.final_splits if cfg.eval.num_tasks > 0 else []:
         other[split] = evaluate(ws, model, f"{final}_{split}", resume=resume, split=split)
         note = " (stress set: words never used in training)" if split == "novel_wording" else ""
         con.print(f"{stage_label(final)} on {split}: {_fmt_pct(other[split]['success'])}{note}")
@@ -197,8 +205,15 @@ def _finish_recipe(ws: Workspace, model, resume: bool, rows: dict[str, dict[str,
     rl_at = max((i for i, s in enumerate(cfg.recipe) if s in rl_stage_names()), default=None)  # the last RL stage
     rl_stage = cfg.recipe[rl_at] if rl_at is not None else None
     pre_rl = cfg.recipe[rl_at - 1] if rl_at else None
-    report = build_report(records, evals, cfg.audit, pre_rl_label=pre_rl, final_label=rl_stage,
-                          rl_stage=rl_stage or "grpo", other_splits=other)
+    report = build_report(
+        records,
+        evals,
+        cfg.audit,
+        pre_rl_label=pre_rl,
+        final_label=rl_stage,
+        rl_stage=rl_stage or "grpo",
+        other_splits=other,
+    )
     if "step_metrics" in report:
         sm = report["step_metrics"]
         stage_records = [r for r in records if r.get("stage") == sm["stage"] and "tool_calls_per_traj" in r]
@@ -215,8 +230,10 @@ def _finish_recipe(ws: Workspace, model, resume: bool, rows: dict[str, dict[str,
         result["plot"] = str(plot_rl_curves(rl_records, ws.run_dir / "curves.png", marks, stage_label(rl_stage)))
     if len(cfg.recipe) > 1 and evals:
         delta = evals[cfg.recipe[-1]]["success"] - evals[cfg.recipe[0]]["success"]
-        con.print(f"{' -> '.join(cfg.recipe[1:])} changed held-out success by {100 * delta:+.1f} points "
-                  f"(after {cfg.recipe[0]}: {_fmt_pct(evals[cfg.recipe[0]]['success'])})")
+        con.print(
+            f"{' -> '.join(cfg.recipe[1:])} changed held-out success by {100 * delta:+.1f} points "
+            f"(after {cfg.recipe[0]}: {_fmt_pct(evals[cfg.recipe[0]]['success'])})"
+        )
     else:  # one stage (nothing to compare it with), or no evaluation: each stage's own numbers
         for stage in dict.fromkeys(cfg.recipe):
             con.print(stage_summary(stage, [r for r in records if r.get("stage") == stage], evals.get(stage)))
@@ -265,14 +282,21 @@ def preflight_reward_audit(ws: Workspace) -> dict[str, Any] | None:
     (ws.run_dir / "reward_audit.json").write_text(json.dumps(data, indent=2))
     failed = [f"{a.name}: {a.reason}" for a in report.attacks if not a.passed]
     if report.honest_failures:
-        failed.append(f"the honest expert failed {len(report.honest_failures)} task(s), e.g. {report.honest_failures[0]}")
+        failed.append(
+            f"the honest expert failed {len(report.honest_failures)} task(s), e.g. {report.honest_failures[0]}"
+        )
     if failed:
-        raise RewardAuditFailed("reward audit failed; refusing to train on a reward that pays for hacks:\n  "
-                                + "\n  ".join(failed) + "\n(set audit.preflight=false to train anyway)")
+        raise RewardAuditFailed(
+            "reward audit failed; refusing to train on a reward that pays for hacks:\n  "
+            + "\n  ".join(failed)
+            + "\n(set audit.preflight=false to train anyway)"
+        )
     scored = [a for a in report.attacks if a.max_reward is not None and a.honest_min is not None]
     closest = min(scored, key=lambda a: a.honest_min - a.max_reward)
-    ws.console.print(f"reward audit: {len(report.attacks)} attacks all score below honest work on the same tasks "
-                     f"(closest: {closest.name} {closest.max_reward:.2f} vs honest {closest.honest_min:.2f})")
+    ws.console.print(
+        f"reward audit: {len(report.attacks)} attacks all score below honest work on the same tasks "
+        f"(closest: {closest.name} {closest.max_reward:.2f} vs honest {closest.honest_min:.2f})"
+    )
     return data
 
 
@@ -288,9 +312,13 @@ def run_demo(cfg: RunConfig, resume: bool = False, show_progress: bool = True) -
 
 def _print_audit(con, report: dict[str, Any]) -> None:
     a = report["audit"]
-    con.print(f"reward audit: {a['flagged_high_reward_failures']} high-reward failures flagged, "
-              f"{a['rewards_clipped']} rewards clipped, {a['gap_warnings']} gap warnings")
+    con.print(
+        f"reward audit: {a['flagged_high_reward_failures']} high-reward failures flagged, "
+        f"{a['rewards_clipped']} rewards clipped, {a['gap_warnings']} gap warnings"
+    )
     e2e = a.get("end_to_end")
     if e2e and e2e["warning"]:
-        con.print(f"[bold red]warning:[/bold red] training reward rose {e2e['reward_delta']:+.3f} while held-out "
-                  f"success changed {100 * e2e['success_delta']:+.1f} points -- check for reward hacking")
+        con.print(
+            f"[bold red]warning:[/bold red] training reward rose {e2e['reward_delta']:+.3f} while held-out "
+            f"success changed {100 * e2e['success_delta']:+.1f} points -- check for reward hacking"
+        )

@@ -27,16 +27,22 @@ from mentorrl.config.stages import (
     stage_specs,
     unregister_stage_spec,
 )
-
 from mentorrl.train.rl_loop import Stage, run_on_loop
 
 StageFn = Callable[..., Path]
 
 
-def register_stage(name: str, *, config: type[BaseModel] | None = None, title: str | None = None,
-                   label: str | None = None, rl: bool = False, parallel: Iterable[str] = (),
-                   writes_samples: bool = False, needs: Callable[[Any], list[tuple[str, str]]] | None = None,
-                   ) -> Callable[[StageFn], StageFn]:
+def register_stage(
+    name: str,
+    *,
+    config: type[BaseModel] | None = None,
+    title: str | None = None,
+    label: str | None = None,
+    rl: bool = False,
+    parallel: Iterable[str] = (),
+    writes_samples: bool = False,
+    needs: Callable[[Any], list[tuple[str, str]]] | None = None,
+) -> Callable[[StageFn], StageFn]:
     """Register the decorated :class:`~mentorrl.train.rl_loop.Stage` subclass (run by the one loop),
     or a plain ``run(ws, model, resume=False)``, as stage ``name`` with its own config section
     ``config`` (see :class:`~mentorrl.config.stages.StageSpec` for the rest). Registering a name
@@ -44,8 +50,19 @@ def register_stage(name: str, *, config: type[BaseModel] | None = None, title: s
 
     def deco(fn):
         runner = run_on_loop(fn) if isinstance(fn, type) and issubclass(fn, Stage) else fn
-        register_stage_spec(StageSpec(name, config, runner, title or name, label or name.upper(), rl,
-                                      frozenset(parallel), writes_samples, needs))
+        register_stage_spec(
+            StageSpec(
+                name,
+                config,
+                runner,
+                title or name,
+                label or name.upper(),
+                rl,
+                frozenset(parallel),
+                writes_samples,
+                needs,
+            )
+        )
         return fn
 
     return deco
@@ -90,5 +107,14 @@ def run_stage_by_name(ws: Any, name: str, model, resume: bool) -> Path:
     return resolve_runner(get_stage(name))(ws, model, resume=resume)
 
 
-__all__ = ["StageSpec", "get_stage", "register_stage", "resolve_runner", "rl_stage_names", "run_stage_by_name",
-           "stage_names", "stages", "unregister_stage"]
+__all__ = [
+    "StageSpec",
+    "get_stage",
+    "register_stage",
+    "resolve_runner",
+    "rl_stage_names",
+    "run_stage_by_name",
+    "stage_names",
+    "stages",
+    "unregister_stage",
+]

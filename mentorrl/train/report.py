@@ -24,8 +24,9 @@ def _mean(xs: list[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
-def end_to_end_gap(rl: list[dict[str, Any]], before: float | None, after: float | None,
-                   audit: AuditConfig) -> dict[str, Any] | None:
+def end_to_end_gap(
+    rl: list[dict[str, Any]], before: float | None, after: float | None, audit: AuditConfig
+) -> dict[str, Any] | None:
     """Training reward over the first vs the last window of an RL stage, against held-out success before vs after."""
     if not rl or before is None or after is None:
         return None
@@ -34,8 +35,15 @@ def end_to_end_gap(rl: list[dict[str, Any]], before: float | None, after: float 
     last = _mean([r["reward_mean"] for r in rl[-w:]])
     d_reward, d_success = last - first, after - before
     warn = d_reward > audit.reward_rise and d_success <= audit.success_rise
-    return {"reward_first_window": first, "reward_last_window": last, "reward_delta": d_reward,
-            "heldout_before": before, "heldout_after": after, "success_delta": d_success, "warning": warn}
+    return {
+        "reward_first_window": first,
+        "reward_last_window": last,
+        "reward_delta": d_reward,
+        "heldout_before": before,
+        "heldout_after": after,
+        "success_delta": d_success,
+        "warning": warn,
+    }
 
 
 def async_summary(sao: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -47,17 +55,26 @@ def async_summary(sao: list[dict[str, Any]]) -> dict[str, Any] | None:
         for lag, n in (r.get("policy_lag_hist") or {}).items():
             hist[lag] = hist.get(lag, 0) + int(n)
     updated = [r for r in sao if r.get("actor_updated")]
-    return {"policy_lag_hist": dict(sorted(hist.items(), key=lambda kv: int(kv[0]))),
-            "trajectories": int(sum(r.get("rollouts", 0) for r in sao)),
-            "stale_dropped": int(sum(r.get("stale_dropped", 0) for r in sao)),
-            "stale_downweighted": int(sum(r.get("stale_downweighted", 0) for r in sao)),
-            "masked_frac_mean": _mean([r.get("masked_frac", 0.0) for r in updated]),
-            "traj_per_s": sao[-1].get("traj_per_s"), "policy_version": sao[-1].get("policy_version")}
+    return {
+        "policy_lag_hist": dict(sorted(hist.items(), key=lambda kv: int(kv[0]))),
+        "trajectories": int(sum(r.get("rollouts", 0) for r in sao)),
+        "stale_dropped": int(sum(r.get("stale_dropped", 0) for r in sao)),
+        "stale_downweighted": int(sum(r.get("stale_downweighted", 0) for r in sao)),
+        "masked_frac_mean": _mean([r.get("masked_frac", 0.0) for r in updated]),
+        "traj_per_s": sao[-1].get("traj_per_s"),
+        "policy_version": sao[-1].get("policy_version"),
+    }
 
 
-def build_report(records: list[dict[str, Any]], evals: dict[str, dict[str, Any]], audit: AuditConfig,
-                 pre_rl_label: str | None = None, final_label: str | None = None,
-                 rl_stage: str = "grpo", other_splits: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+def build_report(
+    records: list[dict[str, Any]],
+    evals: dict[str, dict[str, Any]],
+    audit: AuditConfig,
+    pre_rl_label: str | None = None,
+    final_label: str | None = None,
+    rl_stage: str = "grpo",
+    other_splits: dict[str, dict[str, Any]] | None = None,
+) -> dict[str, Any]:
     """``rl_stage``'s records feed the gap checks and the end-to-end gap; the reward audit
     counts cover every RL stage of the run. ``other_splits``: the final checkpoint's evaluations
     on other splits (hidden, the novel_wording stress set), reported beside the held-out ones."""
@@ -65,8 +82,11 @@ def build_report(records: list[dict[str, Any]], evals: dict[str, dict[str, Any]]
     for r in records:
         by_stage.setdefault(r.get("stage", "?"), []).append(r)
     stages = {
-        name: {"steps": len(rs), "rollouts": int(sum(r.get("rollouts", 0) for r in rs)),
-               "seconds": sum(r.get("step_s", 0.0) for r in rs)}
+        name: {
+            "steps": len(rs),
+            "rollouts": int(sum(r.get("rollouts", 0) for r in rs)),
+            "seconds": sum(r.get("step_s", 0.0) for r in rs),
+        }
         for name, rs in by_stage.items()
     }
     rl = by_stage.get(rl_stage, [])
@@ -77,15 +97,35 @@ def build_report(records: list[dict[str, Any]], evals: dict[str, dict[str, Any]]
         "evals": {k: {key: v.get(key) for key in keys} for k, v in evals.items()},
         "other_splits": {k: {key: v.get(key) for key in keys} for k, v in (other_splits or {}).items()},
         "stages": stages,
-        "rft_rounds": [{k: r.get(k) for k in ("step", "positive_task_rate", "trajectory_success_rate",
-                                              "samples_to_success", "tasks_in_band", "selected", "dataset_size",
-                                              "rollouts")} for r in by_stage.get("rft", [])],
+        "rft_rounds": [
+            {
+                k: r.get(k)
+                for k in (
+                    "step",
+                    "positive_task_rate",
+                    "trajectory_success_rate",
+                    "samples_to_success",
+                    "tasks_in_band",
+                    "selected",
+                    "dataset_size",
+                    "rollouts",
+                )
+            }
+            for r in by_stage.get("rft", [])
+        ],
         "audit": {
             "flagged_high_reward_failures": int(sum(r.get("reward_flagged", 0) for r in every_rl)),
             "rewards_clipped": int(sum(r.get("reward_clipped", 0) for r in every_rl)),
             "rewards_nonfinite": int(sum(r.get("reward_nonfinite", 0) for r in every_rl)),
-            "gap_checks": [{"step": r["step"], "heldout_success": r["heldout_success"],
-                            "reward_mean": r.get("reward_mean"), "warning": bool(r.get("gap_warning"))} for r in checks],
+            "gap_checks": [
+                {
+                    "step": r["step"],
+                    "heldout_success": r["heldout_success"],
+                    "reward_mean": r.get("reward_mean"),
+                    "warning": bool(r.get("gap_warning")),
+                }
+                for r in checks
+            ],
             "gap_warnings": int(sum(bool(r.get("gap_warning")) for r in checks)),
             "end_to_end": end_to_end_gap(
                 rl,
@@ -95,8 +135,11 @@ def build_report(records: list[dict[str, Any]], evals: dict[str, dict[str, Any]]
             ),
         },
     }
-    step_stage = rl_stage if rl else next((n for n in reversed(list(by_stage)) if any(
-        "tool_calls_per_traj" in r for r in by_stage[n])), None)
+    step_stage = (
+        rl_stage
+        if rl
+        else next((n for n in reversed(list(by_stage)) if any("tool_calls_per_traj" in r for r in by_stage[n])), None)
+    )
     summary = step_metrics_summary(step_stage, by_stage.get(step_stage, [])) if step_stage else None
     if summary is not None:
         report["step_metrics"] = summary
@@ -107,16 +150,36 @@ def build_report(records: list[dict[str, Any]], evals: dict[str, dict[str, Any]]
     return report
 
 
-STEP_METRICS = ("tool_calls_per_traj", "malformed_call_rate", "finish_answer", "finish_max_turns", "finish_max_tokens",
-                "finish_length", "mean_turns", "mean_policy_tokens", "rollout_s", "update_s", "step_s", "cpu_util",
-                "rollout_cpu_util")
-STEP_METRIC_LABELS = {"tool_calls_per_traj": "tool calls per trajectory", "malformed_call_rate": "malformed-call rate",
-                      "finish_answer": "finished with an answer", "finish_max_turns": "finished at the turn limit",
-                      "finish_max_tokens": "finished at the context budget",
-                      "finish_length": "finished with a turn cut at max_new_tokens", "mean_turns": "turns",
-                      "mean_policy_tokens": "policy tokens per trajectory", "rollout_s": "rollout seconds",
-                      "update_s": "update seconds", "step_s": "step seconds", "cpu_util": "CPU utilisation (step)",
-                      "rollout_cpu_util": "CPU utilisation (rollout)"}
+STEP_METRICS = (
+    "tool_calls_per_traj",
+    "malformed_call_rate",
+    "finish_answer",
+    "finish_max_turns",
+    "finish_max_tokens",
+    "finish_length",
+    "mean_turns",
+    "mean_policy_tokens",
+    "rollout_s",
+    "update_s",
+    "step_s",
+    "cpu_util",
+    "rollout_cpu_util",
+)
+STEP_METRIC_LABELS = {
+    "tool_calls_per_traj": "tool calls per trajectory",
+    "malformed_call_rate": "malformed-call rate",
+    "finish_answer": "finished with an answer",
+    "finish_max_turns": "finished at the turn limit",
+    "finish_max_tokens": "finished at the context budget",
+    "finish_length": "finished with a turn cut at max_new_tokens",
+    "mean_turns": "turns",
+    "mean_policy_tokens": "policy tokens per trajectory",
+    "rollout_s": "rollout seconds",
+    "update_s": "update seconds",
+    "step_s": "step seconds",
+    "cpu_util": "CPU utilisation (step)",
+    "rollout_cpu_util": "CPU utilisation (rollout)",
+}
 STEP_METRICS_PLOT = "step_metrics.png"
 
 
@@ -131,9 +194,14 @@ def step_metrics_summary(stage: str, records: list[dict[str, Any]]) -> dict[str,
     def vals(k: str) -> list[float]:
         return [float(r[k]) for r in rows if isinstance(r.get(k), (int, float))]
 
-    return {"stage": stage, "steps": len(rows), "cpu_cores": rows[-1].get("cpu_cores"),
-            "first": {k: vals(k)[0] for k in keys}, "last": {k: vals(k)[-1] for k in keys},
-            "means": {k: _mean(vals(k)) for k in keys}}
+    return {
+        "stage": stage,
+        "steps": len(rows),
+        "cpu_cores": rows[-1].get("cpu_cores"),
+        "first": {k: vals(k)[0] for k in keys},
+        "last": {k: vals(k)[-1] for k in keys},
+        "means": {k: _mean(vals(k)) for k in keys},
+    }
 
 
 def opd_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -149,8 +217,15 @@ def opd_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
         "reverse_kl_first": records[0].get("opd_reverse_kl"),
         "reverse_kl_last": last.get("opd_reverse_kl"),
         "distilled_token_share": sum(shares) / len(shares) if shares else None,
-        "heldout_checks": [{"step": r["step"], "rollout_tokens": r.get("rollout_tokens_total"),
-                            "heldout_success": r["heldout_success"]} for r in records if "heldout_success" in r],
+        "heldout_checks": [
+            {
+                "step": r["step"],
+                "rollout_tokens": r.get("rollout_tokens_total"),
+                "heldout_success": r["heldout_success"],
+            }
+            for r in records
+            if "heldout_success" in r
+        ],
     }
 
 
@@ -165,83 +240,142 @@ def _num(x: Any) -> str:
 def _eval_row(label: str, e: dict[str, Any]) -> str:
     """``| label | n | success | 95% CI | mean reward | violations |`` for one evaluation summary."""
     lo, hi = e.get("success_ci95") or (None, None)
-    return (f"| {label} | {e.get('n')} | {_pct(e.get('success'))} | [{_pct(lo)}, {_pct(hi)}] | "
-            f"{(e.get('mean_reward') or 0):.3f} | {_pct(e.get('violation_rate'))} |")
+    return (
+        f"| {label} | {e.get('n')} | {_pct(e.get('success'))} | [{_pct(lo)}, {_pct(hi)}] | "
+        f"{(e.get('mean_reward') or 0):.3f} | {_pct(e.get('violation_rate'))} |"
+    )
 
 
 def report_markdown(report: dict[str, Any]) -> str:
-    lines = ["# Run report", "", "## Held-out evaluation", "",
-             "| checkpoint | n | success | 95% CI | mean reward | violations |", "|---|---|---|---|---|---|"]
+    lines = [
+        "# Run report",
+        "",
+        "## Held-out evaluation",
+        "",
+        "| checkpoint | n | success | 95% CI | mean reward | violations |",
+        "|---|---|---|---|---|---|",
+    ]
     for label, e in report["evals"].items():
         lines.append(_eval_row(label, e))
     if report.get("other_splits"):
-        lines += ["", "## Final checkpoint on other splits", "",
-                  "`novel_wording` is a stress set worded with words training never uses; it is not the headline.", "",
-                  "| split | n | success | 95% CI | mean reward | violations |", "|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "## Final checkpoint on other splits",
+            "",
+            "`novel_wording` is a stress set worded with words training never uses; it is not the headline.",
+            "",
+            "| split | n | success | 95% CI | mean reward | violations |",
+            "|---|---|---|---|---|---|",
+        ]
         for split, e in report["other_splits"].items():
             lines.append(_eval_row(split, e))
     lines += ["", "## Stages", "", "| stage | steps | rollouts | seconds |", "|---|---|---|---|"]
     for name, s in report["stages"].items():
         lines.append(f"| {name} | {s['steps']} | {s['rollouts']} | {s['seconds']:.0f} |")
     if report["rft_rounds"]:
-        lines += ["", "## RFT rounds", "", "| round | positive-task rate | trajectory success | samples to success | "
-                  "tasks in band | kept | set size |", "|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "## RFT rounds",
+            "",
+            "| round | positive-task rate | trajectory success | samples to success | "
+            "tasks in band | kept | set size |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for r in report["rft_rounds"]:
             sts = r.get("samples_to_success")
             cells = [_num(r.get(k)) for k in ("tasks_in_band", "selected", "dataset_size")]
-            lines.append(f"| {r['step']} | {_pct(r.get('positive_task_rate'))} | {_pct(r.get('trajectory_success_rate'))} | "
-                         f"{'-' if sts is None else f'{sts:.2f}'} | " + " | ".join(cells) + " |")
+            lines.append(
+                f"| {r['step']} | {_pct(r.get('positive_task_rate'))} | {_pct(r.get('trajectory_success_rate'))} | "
+                f"{'-' if sts is None else f'{sts:.2f}'} | " + " | ".join(cells) + " |"
+            )
     a = report["audit"]
-    lines += ["", "## Reward audit", "",
-              f"- high-reward failures flagged by the reward debugger: {a['flagged_high_reward_failures']}",
-              f"- rewards clipped before advantages: {a['rewards_clipped']} (non-finite: {a['rewards_nonfinite']})",
-              f"- reward-success gap warnings during training: {a['gap_warnings']} of {len(a['gap_checks'])} checks"]
+    lines += [
+        "",
+        "## Reward audit",
+        "",
+        f"- high-reward failures flagged by the reward debugger: {a['flagged_high_reward_failures']}",
+        f"- rewards clipped before advantages: {a['rewards_clipped']} (non-finite: {a['rewards_nonfinite']})",
+        f"- reward-success gap warnings during training: {a['gap_warnings']} of {len(a['gap_checks'])} checks",
+    ]
     e2e = a.get("end_to_end")
     if e2e:
-        verdict = ("WARNING: reward rose while held-out success did not (reward hacking or overfitting "
-                   "to the training tasks)") if e2e["warning"] else "consistent"
-        lines.append(f"- end to end: training reward {e2e['reward_first_window']:.3f} -> {e2e['reward_last_window']:.3f}, "
-                     f"held-out success {_pct(e2e['heldout_before'])} -> {_pct(e2e['heldout_after'])}: {verdict}")
+        verdict = (
+            (
+                "WARNING: reward rose while held-out success did not (reward hacking or overfitting "
+                "to the training tasks)"
+            )
+            if e2e["warning"]
+            else "consistent"
+        )
+        lines.append(
+            f"- end to end: training reward {e2e['reward_first_window']:.3f} -> {e2e['reward_last_window']:.3f}, "
+            f"held-out success {_pct(e2e['heldout_before'])} -> {_pct(e2e['heldout_after'])}: {verdict}"
+        )
     sm = report.get("step_metrics")
     if sm:
-        pct = {"malformed_call_rate", "finish_answer", "finish_max_turns", "finish_max_tokens", "finish_length",
-               "cpu_util", "rollout_cpu_util"}
+        pct = {
+            "malformed_call_rate",
+            "finish_answer",
+            "finish_max_turns",
+            "finish_max_tokens",
+            "finish_length",
+            "cpu_util",
+            "rollout_cpu_util",
+        }
 
         def cell(k: str, v: float) -> str:
             return _pct(v) if k in pct else f"{v:.2f}"
 
         cores = f" of {int(sm['cpu_cores'])} cores" if sm.get("cpu_cores") else ""
-        lines += ["", "## Per-step rollout metrics", "",
-                  f"Stage `{sm['stage']}`, {sm['steps']} steps (`metrics.jsonl`; CPU utilisation is the share"
-                  f"{cores} the process kept busy).", ""]
+        lines += [
+            "",
+            "## Per-step rollout metrics",
+            "",
+            f"Stage `{sm['stage']}`, {sm['steps']} steps (`metrics.jsonl`; CPU utilisation is the share"
+            f"{cores} the process kept busy).",
+            "",
+        ]
         if sm.get("plot"):
             lines += [f"![per-step rollout metrics]({sm['plot']})", ""]
         lines += ["| metric | first step | last step | mean |", "|---|---|---|---|"]
-        lines += [f"| {STEP_METRIC_LABELS[k]} | {cell(k, sm['first'][k])} | {cell(k, sm['last'][k])} | "
-                  f"{cell(k, sm['means'][k])} |" for k in sm["means"]]
+        lines += [
+            f"| {STEP_METRIC_LABELS[k]} | {cell(k, sm['first'][k])} | {cell(k, sm['last'][k])} | "
+            f"{cell(k, sm['means'][k])} |"
+            for k in sm["means"]
+        ]
     asy = report.get("async")
     if asy:
         lags = ", ".join(f"{k}: {v}" for k, v in asy["policy_lag_hist"].items())
-        lines += ["", "## Asynchronous training (SAO)", "",
-                  f"- trajectories consumed: {asy['trajectories']} ({asy['traj_per_s'] or 0:.2f}/s), "
-                  f"stale dropped: {asy['stale_dropped']}, down-weighted: {asy['stale_downweighted']}",
-                  f"- policy lag histogram (versions: trajectories): {lags}",
-                  f"- mean share of policy tokens masked by the importance ratio: {_pct(asy['masked_frac_mean'])}",
-                  f"- final policy version: {_num(asy['policy_version'])}"]
+        lines += [
+            "",
+            "## Asynchronous training (SAO)",
+            "",
+            f"- trajectories consumed: {asy['trajectories']} ({asy['traj_per_s'] or 0:.2f}/s), "
+            f"stale dropped: {asy['stale_dropped']}, down-weighted: {asy['stale_downweighted']}",
+            f"- policy lag histogram (versions: trajectories): {lags}",
+            f"- mean share of policy tokens masked by the importance ratio: {_pct(asy['masked_frac_mean'])}",
+            f"- final policy version: {_num(asy['policy_version'])}",
+        ]
     opd = report.get("opd")
     if opd:
         kl0, kl1 = opd["reverse_kl_first"], opd["reverse_kl_last"]
-        lines += ["", "## On-policy distillation", "",
-                  f"- student rollout tokens (policy tokens generated): {opd['student_rollout_tokens']}",
-                  f"- teacher tokens read: {opd['teacher_tokens']}; alignment failures: {opd['alignment_failures']}",
-                  f"- reverse KL(student || teacher) estimate per policy token: "
-                  f"{'-' if kl0 is None else f'{kl0:.3f}'} -> {'-' if kl1 is None else f'{kl1:.3f}'}"]
+        lines += [
+            "",
+            "## On-policy distillation",
+            "",
+            f"- student rollout tokens (policy tokens generated): {opd['student_rollout_tokens']}",
+            f"- teacher tokens read: {opd['teacher_tokens']}; alignment failures: {opd['alignment_failures']}",
+            f"- reverse KL(student || teacher) estimate per policy token: "
+            f"{'-' if kl0 is None else f'{kl0:.3f}'} -> {'-' if kl1 is None else f'{kl1:.3f}'}",
+        ]
         if opd["distilled_token_share"] is not None:
             lines.append(f"- ShortOPD: mean share of policy tokens distilled {_pct(opd['distilled_token_share'])}")
         if opd["heldout_checks"]:
             lines += ["", "| step | student rollout tokens | held-out success |", "|---|---|---|"]
-            lines += [f"| {c['step']} | {_num(c['rollout_tokens'])} | {_pct(c['heldout_success'])} |"
-                      for c in opd["heldout_checks"]]
+            lines += [
+                f"| {c['step']} | {_num(c['rollout_tokens'])} | {_pct(c['heldout_success'])} |"
+                for c in opd["heldout_checks"]
+            ]
     return "\n".join(lines) + "\n"
 
 
@@ -255,19 +389,31 @@ def write_report(run_dir: Path, report: dict[str, Any]) -> tuple[Path, Path]:
     except Exception as e:  # the page is a view of the files above: its failure never costs the run its report
         import warnings
 
-        warnings.warn(f"report.html not written ({type(e).__name__}: {e}); report.md and report.json are",
-                      RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"report.html not written ({type(e).__name__}: {e}); report.md and report.json are",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     return j, m
 
 
 # ------------------------------------------------------------------ HTML report -----
 # report.html: one self-contained page (inline CSS and SVG, no script, nothing fetched) beside report.md.
-CURVE_METRICS = ("loss", "reward_mean", "task_success", "tool_success", "heldout_success", "violation_rate",
-                 "mean_turns", "malformed_call_rate", "kl", "step_s")
+CURVE_METRICS = (
+    "loss",
+    "reward_mean",
+    "task_success",
+    "tool_success",
+    "heldout_success",
+    "violation_rate",
+    "mean_turns",
+    "malformed_call_rate",
+    "kl",
+    "step_s",
+)
 REWARD_TERMS = ("total", "task", "tool", "format", "runtime", "verbosity")
 REVIEW_TOP = 10
-_COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
-           "#17becf")
+_COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
 
 
 def _esc(x: Any) -> str:
@@ -280,8 +426,9 @@ def _fmt_tick(v: float) -> str:
     return f"{v:.3g}"
 
 
-def svg_line_chart(title: str, series: dict[str, list[tuple[float, float]]], width: int = 420,
-                   height: int = 220) -> str:
+def svg_line_chart(
+    title: str, series: dict[str, list[tuple[float, float]]], width: int = 420, height: int = 220
+) -> str:
     """An inline SVG line chart of ``{name: [(x, y), ...]}`` (axes, min/max ticks, legend)."""
     pts = [p for s in series.values() for p in s]
     if not pts:
@@ -301,13 +448,17 @@ def svg_line_chart(title: str, series: dict[str, list[tuple[float, float]]], wid
     def sy(y: float) -> float:
         return top + (1 - (y - y0) / (y1 - y0)) * ph
 
-    out = [f'<svg class="chart" xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-           f'viewBox="0 0 {width} {height}" role="img" aria-label="{_esc(title)}">',
-           f'<text x="{left}" y="13" class="title">{_esc(title)}</text>',
-           f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" class="plot"/>']
+    out = [
+        f'<svg class="chart" xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}" role="img" aria-label="{_esc(title)}">',
+        f'<text x="{left}" y="13" class="title">{_esc(title)}</text>',
+        f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" class="plot"/>',
+    ]
     for v in (y0, (y0 + y1) / 2, y1):
-        out.append(f'<line x1="{left}" x2="{left + pw}" y1="{sy(v):.1f}" y2="{sy(v):.1f}" class="grid"/>'
-                   f'<text x="{left - 4}" y="{sy(v) + 4:.1f}" class="tick" text-anchor="end">{_fmt_tick(v)}</text>')
+        out.append(
+            f'<line x1="{left}" x2="{left + pw}" y1="{sy(v):.1f}" y2="{sy(v):.1f}" class="grid"/>'
+            f'<text x="{left - 4}" y="{sy(v) + 4:.1f}" class="tick" text-anchor="end">{_fmt_tick(v)}</text>'
+        )
     for v, anchor in ((x0, "start"), (x1, "end")):
         out.append(f'<text x="{sx(v):.1f}" y="{height - 8}" class="tick" text-anchor="{anchor}">{_fmt_tick(v)}</text>')
     out.append(f'<text x="{left + pw / 2:.1f}" y="{height - 8}" class="tick" text-anchor="middle">step</text>')
@@ -321,8 +472,11 @@ def svg_line_chart(title: str, series: dict[str, list[tuple[float, float]]], wid
         path = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in s)
         out.append(f'<polyline class="series" fill="none" stroke="{color}" stroke-width="1.8" points="{path}"/>')
         if len(s) <= 60:
-            out += [f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="2.2" fill="{color}"><title>{_esc(name)} step '
-                    f'{x:g}: {y:.4g}</title></circle>' for x, y in s]
+            out += [
+                f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="2.2" fill="{color}"><title>{_esc(name)} step '
+                f"{x:g}: {y:.4g}</title></circle>"
+                for x, y in s
+            ]
     out.append("</svg>")
     return "".join(out)
 
@@ -337,14 +491,18 @@ def svg_stacked_bars(title: str, rows: dict[str, dict[str, int]], width: int = 6
     legend_lines = (len(cats) + 3) // 4
     height = top + len(rows) * (bar + gap) + 18 * legend_lines + 10
     pw = width - left - 10
-    out = [f'<svg class="chart" xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-           f'viewBox="0 0 {width} {height}" role="img" aria-label="{_esc(title)}">',
-           f'<text x="0" y="13" class="title">{_esc(title)}</text>']
+    out = [
+        f'<svg class="chart" xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}" role="img" aria-label="{_esc(title)}">',
+        f'<text x="0" y="13" class="title">{_esc(title)}</text>',
+    ]
     for r, (label, counts) in enumerate(rows.items()):
         y = top + r * (bar + gap)
         total = sum(counts.values())
-        out.append(f'<text x="{left - 6}" y="{y + bar / 2 + 4:.1f}" class="tick" text-anchor="end">{_esc(label)} '
-                   f'(n={total})</text>')
+        out.append(
+            f'<text x="{left - 6}" y="{y + bar / 2 + 4:.1f}" class="tick" text-anchor="end">{_esc(label)} '
+            f"(n={total})</text>"
+        )
         x = float(left)
         for c in cats:
             n = counts.get(c, 0)
@@ -352,16 +510,22 @@ def svg_stacked_bars(title: str, rows: dict[str, dict[str, int]], width: int = 6
                 continue
             w = n / total * pw
             color = _COLORS[cats.index(c) % len(_COLORS)]
-            out.append(f'<rect class="bar" x="{x:.1f}" y="{y}" width="{w:.1f}" height="{bar}" fill="{color}">'
-                       f'<title>{_esc(label)}: {_esc(c)} {n} ({100 * n / total:.0f}%)</title></rect>')
+            out.append(
+                f'<rect class="bar" x="{x:.1f}" y="{y}" width="{w:.1f}" height="{bar}" fill="{color}">'
+                f"<title>{_esc(label)}: {_esc(c)} {n} ({100 * n / total:.0f}%)</title></rect>"
+            )
             if w > 34:
-                out.append(f'<text x="{x + w / 2:.1f}" y="{y + bar / 2 + 4:.1f}" class="inbar" '
-                           f'text-anchor="middle">{100 * n / total:.0f}%</text>')
+                out.append(
+                    f'<text x="{x + w / 2:.1f}" y="{y + bar / 2 + 4:.1f}" class="inbar" '
+                    f'text-anchor="middle">{100 * n / total:.0f}%</text>'
+                )
             x += w
     ly = top + len(rows) * (bar + gap) + 12
     for i, c in enumerate(cats):
-        out.append(f'<text x="{left + (i % 4) * (pw / 4):.1f}" y="{ly + (i // 4) * 18}" class="legend" '
-                   f'fill="{_COLORS[i % len(_COLORS)]}">&#9632; {_esc(c)}</text>')
+        out.append(
+            f'<text x="{left + (i % 4) * (pw / 4):.1f}" y="{ly + (i // 4) * 18}" class="legend" '
+            f'fill="{_COLORS[i % len(_COLORS)]}">&#9632; {_esc(c)}</text>'
+        )
     out.append("</svg>")
     return "".join(out)
 
@@ -387,9 +551,13 @@ def reward_breakdown_by_step(run_dir: Path) -> dict[str, dict[int, dict[str, flo
         trajs = [t for t in trajs if t.reward is not None]
         if not trajs:
             continue
-        terms = {"total": [t.reward.total for t in trajs], "task": [t.reward.task for t in trajs],
-                 "tool": [t.reward.tool for t in trajs], "format": [t.reward.format for t in trajs],
-                 "runtime": [t.reward.runtime for t in trajs]}
+        terms = {
+            "total": [t.reward.total for t in trajs],
+            "task": [t.reward.task for t in trajs],
+            "tool": [t.reward.tool for t in trajs],
+            "format": [t.reward.format for t in trajs],
+            "runtime": [t.reward.runtime for t in trajs],
+        }
         verb = [t.reward.details.get("verbosity") for t in trajs]
         if all(isinstance(v, (int, float)) for v in verb):
             terms["verbosity"] = verb
@@ -397,8 +565,11 @@ def reward_breakdown_by_step(run_dir: Path) -> dict[str, dict[int, dict[str, flo
     return out
 
 
-def failure_review(run_dir: Path, labels: list[str], review_label: str | None = None,
-                   ) -> tuple[dict[str, dict[str, int]], list[dict[str, Any]], str | None]:
+def failure_review(
+    run_dir: Path,
+    labels: list[str],
+    review_label: str | None = None,
+) -> tuple[dict[str, dict[str, int]], list[dict[str, Any]], str | None]:
     """The failure-type mix of each evaluation (``eval_<label>.jsonl``, attributed without expert
     references) and the review queue's top cases (highest risk first) of ``review_label`` (default:
     the last evaluation found)."""
@@ -444,20 +615,26 @@ def _html_evaluation(report: dict[str, Any]) -> list[str]:
     p = ['<h2 id="evaluation">Held-out evaluation</h2>']
     evals = {**report.get("evals", {}), **{f"final on {k}": v for k, v in (report.get("other_splits") or {}).items()}}
     if evals:
-        p.append("<table><tr><th>checkpoint</th><th>n</th><th>success</th><th>95% CI</th><th>mean reward</th>"
-                 "<th>violations</th></tr>")
+        p.append(
+            "<table><tr><th>checkpoint</th><th>n</th><th>success</th><th>95% CI</th><th>mean reward</th>"
+            "<th>violations</th></tr>"
+        )
         for label, e in evals.items():
             lo, hi = e.get("success_ci95") or (None, None)
-            p.append(f"<tr><td>{_esc(label)}</td><td>{_esc(e.get('n'))}</td><td>{_pct(e.get('success'))}</td>"
-                     f"<td>[{_pct(lo)}, {_pct(hi)}]</td><td>{(e.get('mean_reward') or 0):.3f}</td>"
-                     f"<td>{_pct(e.get('violation_rate'))}</td></tr>")
+            p.append(
+                f"<tr><td>{_esc(label)}</td><td>{_esc(e.get('n'))}</td><td>{_pct(e.get('success'))}</td>"
+                f"<td>[{_pct(lo)}, {_pct(hi)}]</td><td>{(e.get('mean_reward') or 0):.3f}</td>"
+                f"<td>{_pct(e.get('violation_rate'))}</td></tr>"
+            )
         p.append("</table>")
     else:
         p.append('<p class="muted">No evaluation in this run.</p>')
     if report.get("stages"):
         p.append("<table><tr><th>stage</th><th>steps</th><th>rollouts</th><th>seconds</th></tr>")
-        p += [f"<tr><td>{_esc(n)}</td><td>{s['steps']}</td><td>{s['rollouts']}</td><td>{s['seconds']:.0f}</td></tr>"
-              for n, s in report["stages"].items()]
+        p += [
+            f"<tr><td>{_esc(n)}</td><td>{s['steps']}</td><td>{s['rollouts']}</td><td>{s['seconds']:.0f}</td></tr>"
+            for n, s in report["stages"].items()
+        ]
         p.append("</table>")
     return p
 
@@ -472,12 +649,18 @@ def _html_curves(records: list[dict[str, Any]]) -> list[str]:
     for stage, rs in by_stage.items():
         charts = []
         for k in CURVE_METRICS:
-            s = [(float(r["step"]), float(r[k])) for r in rs if isinstance(r.get(k), (int, float))
-                 and not isinstance(r.get(k), bool) and isinstance(r.get("step"), int) and math.isfinite(r[k])]
+            s = [
+                (float(r["step"]), float(r[k]))
+                for r in rs
+                if isinstance(r.get(k), (int, float))
+                and not isinstance(r.get(k), bool)
+                and isinstance(r.get("step"), int)
+                and math.isfinite(r[k])
+            ]
             if s:
                 charts.append(svg_line_chart(k, {stage: s}))
         if charts:
-            p.append(f"<h3>{_esc(stage)}</h3><div class=\"charts\">" + "".join(charts) + "</div>")
+            p.append(f'<h3>{_esc(stage)}</h3><div class="charts">' + "".join(charts) + "</div>")
     return p
 
 
@@ -488,66 +671,92 @@ def _html_reward(breakdown: dict[str, dict[int, dict[str, float]]] | None) -> li
     charts = []
     for stage, steps in breakdown.items():
         series = {t: [(float(st), v[t]) for st, v in sorted(steps.items()) if t in v] for t in REWARD_TERMS}
-        charts.append(svg_line_chart(f"{stage}: mean reward terms of the sampled trajectories",
-                                     {k: v for k, v in series.items() if v}, width=640, height=260))
-    return p + ['<div class="charts">' + "".join(charts) + "</div>",
-                '<p class="muted">From <code>samples/&lt;stage&gt;-step-N.jsonl</code> (each term before its '
-                "weight; total is the composed reward).</p>"]
+        charts.append(
+            svg_line_chart(
+                f"{stage}: mean reward terms of the sampled trajectories",
+                {k: v for k, v in series.items() if v},
+                width=640,
+                height=260,
+            )
+        )
+    return p + [
+        '<div class="charts">' + "".join(charts) + "</div>",
+        '<p class="muted">From <code>samples/&lt;stage&gt;-step-N.jsonl</code> (each term before its '
+        "weight; total is the composed reward).</p>",
+    ]
 
 
 def _html_failures(failure_mix: dict[str, dict[str, int]] | None) -> list[str]:
     p = ['<h2 id="failures">Failure-type mix</h2>']
     if not failure_mix:
         return p + ['<p class="muted">No evaluation trajectories in this run.</p>']
-    return p + [svg_stacked_bars("evaluation trajectories by outcome and primary failure type", failure_mix),
-                '<p class="muted">Each failed evaluation trajectory attributed to one primary failure type '
-                "(<code>mentorrl.flywheel.attribution</code>, without expert references; "
-                "<code>mentorrl flywheel</code> adds them).</p>"]
+    return p + [
+        svg_stacked_bars("evaluation trajectories by outcome and primary failure type", failure_mix),
+        '<p class="muted">Each failed evaluation trajectory attributed to one primary failure type '
+        "(<code>mentorrl.flywheel.attribution</code>, without expert references; "
+        "<code>mentorrl flywheel</code> adds them).</p>",
+    ]
 
 
 def _html_review(review: list[dict[str, Any]] | None, review_label: str | None) -> list[str]:
     p = ['<h2 id="review">Review queue: top cases</h2>']
     if not review:
         return p + ['<p class="muted">No evaluation trajectories to review.</p>']
-    p.append(f"<p>The {len(review)} highest-risk trajectories of <code>eval_{_esc(review_label)}.jsonl</code> "
-             "in the review queue (<code>mentorrl.flywheel.review</code>).</p>")
-    p.append("<table><tr><th>#</th><th>risk</th><th>trajectory</th><th>family</th><th>reasons</th>"
-             "<th>outcome</th><th>tools</th><th>final answer</th></tr>")
+    p.append(
+        f"<p>The {len(review)} highest-risk trajectories of <code>eval_{_esc(review_label)}.jsonl</code> "
+        "in the review queue (<code>mentorrl.flywheel.review</code>).</p>"
+    )
+    p.append(
+        "<table><tr><th>#</th><th>risk</th><th>trajectory</th><th>family</th><th>reasons</th>"
+        "<th>outcome</th><th>tools</th><th>final answer</th></tr>"
+    )
     for i, e in enumerate(review, 1):
         s = e["summary"]
         outcome = ("success" if s["success"] else "failed") + f", {s['finish_reason']}, {s['num_turns']} turns"
         if s.get("violations"):
             outcome += "; violations: " + ", ".join(s["violations"])
-        p.append(f"<tr><td>{i}</td><td>{e['risk_score']:.2f}</td><td><code>{_esc(e['trajectory_id'])}</code>"
-                 f"<br>task <code>{_esc(e['task_id'])}</code></td><td>{_esc(e['family'])}</td>"
-                 f"<td>{_esc('; '.join(e['reasons']))}</td><td>{_esc(outcome)}</td>"
-                 f"<td>{_esc(', '.join(s['tools']))}</td><td class=\"answer\">{_esc(s.get('final_answer') or '')}"
-                 "</td></tr>")
+        p.append(
+            f"<tr><td>{i}</td><td>{e['risk_score']:.2f}</td><td><code>{_esc(e['trajectory_id'])}</code>"
+            f"<br>task <code>{_esc(e['task_id'])}</code></td><td>{_esc(e['family'])}</td>"
+            f"<td>{_esc('; '.join(e['reasons']))}</td><td>{_esc(outcome)}</td>"
+            f'<td>{_esc(", ".join(s["tools"]))}</td><td class="answer">{_esc(s.get("final_answer") or "")}'
+            "</td></tr>"
+        )
     p.append("</table>")
     return p
 
 
-def report_html(report: dict[str, Any], records: list[dict[str, Any]],
-                breakdown: dict[str, dict[int, dict[str, float]]] | None = None,
-                failure_mix: dict[str, dict[str, int]] | None = None,
-                review: list[dict[str, Any]] | None = None, review_label: str | None = None) -> str:
+def report_html(
+    report: dict[str, Any],
+    records: list[dict[str, Any]],
+    breakdown: dict[str, dict[int, dict[str, float]]] | None = None,
+    failure_mix: dict[str, dict[str, int]] | None = None,
+    review: list[dict[str, Any]] | None = None,
+    review_label: str | None = None,
+) -> str:
     """The run report as one self-contained HTML page: the held-out table, training curves per stage,
     the reward breakdown over steps, the failure-type mix per evaluation and the review queue's top cases."""
-    p: list[str] = ['<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">',
-                    '<meta name="viewport" content="width=device-width, initial-scale=1">',
-                    f"<title>mentorrl run report</title><style>{_CSS}</style></head><body>",
-                    "<h1>Run report</h1>"]
+    p: list[str] = [
+        '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">',
+        '<meta name="viewport" content="width=device-width, initial-scale=1">',
+        f"<title>mentorrl run report</title><style>{_CSS}</style></head><body>",
+        "<h1>Run report</h1>",
+    ]
     p += _html_evaluation(report) + _html_curves(records) + _html_reward(breakdown)
     p += _html_failures(failure_mix) + _html_review(review, review_label)
     a = report.get("audit") or {}
     if a:
-        p.append('<h2 id="audit">Reward audit</h2><ul>'
-                 f"<li>high-reward failures flagged: {a.get('flagged_high_reward_failures', 0)}</li>"
-                 f"<li>rewards clipped: {a.get('rewards_clipped', 0)} (non-finite: {a.get('rewards_nonfinite', 0)})</li>"
-                 f"<li>reward-success gap warnings: {a.get('gap_warnings', 0)} of {len(a.get('gap_checks') or [])} "
-                 "checks</li></ul>")
-    p.append('<p class="muted">Written by mentorrl beside report.md; self-contained (no script, nothing '
-             "fetched).</p></body></html>")
+        p.append(
+            '<h2 id="audit">Reward audit</h2><ul>'
+            f"<li>high-reward failures flagged: {a.get('flagged_high_reward_failures', 0)}</li>"
+            f"<li>rewards clipped: {a.get('rewards_clipped', 0)} (non-finite: {a.get('rewards_nonfinite', 0)})</li>"
+            f"<li>reward-success gap warnings: {a.get('gap_warnings', 0)} of {len(a.get('gap_checks') or [])} "
+            "checks</li></ul>"
+        )
+    p.append(
+        '<p class="muted">Written by mentorrl beside report.md; self-contained (no script, nothing '
+        "fetched).</p></body></html>"
+    )
     return "\n".join(p) + "\n"
 
 
@@ -561,6 +770,7 @@ def write_report_html(run_dir: Path, report: dict[str, Any]) -> Path:
     labels = evals + [f"{final}_{split}" for split in (report.get("other_splits") or {}) if final]
     mix, review, review_label = failure_review(run_dir, labels, review_label=final)
     out = run_dir / "report.html"
-    out.write_text(report_html(report, records, reward_breakdown_by_step(run_dir), mix, review, review_label),
-                   encoding="utf-8")
+    out.write_text(
+        report_html(report, records, reward_breakdown_by_step(run_dir), mix, review, review_label), encoding="utf-8"
+    )
     return out

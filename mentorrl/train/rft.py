@@ -17,10 +17,9 @@ import random
 from collections import defaultdict
 from typing import Sequence
 
-from mentorrl.eval.agent import TaskOutcome, task_results
 from mentorrl.core.trace import call_key
+from mentorrl.eval.agent import TaskOutcome, task_results
 from mentorrl.trajectory import Trajectory
-
 
 task_outcomes = task_results  # per-task n, successes and first success, shared with agent evaluation
 

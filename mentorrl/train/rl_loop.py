@@ -122,8 +122,13 @@ class Stage:
     # ---- set-up -------------------------------------------------------------------------------
     def make_learner(self) -> Learner:
         ws = self.ws
-        return Learner(self.model, self.cfg.optim, ws.contract.pad_token_id, ws.contract.sampling.temperature,
-                       dp=ws.dp if self.data_parallel else None)
+        return Learner(
+            self.model,
+            self.cfg.optim,
+            ws.contract.pad_token_id,
+            ws.contract.sampling.temperature,
+            dp=ws.dp if self.data_parallel else None,
+        )
 
     @property
     def steps(self) -> int:
@@ -184,16 +189,30 @@ class Stage:
         return final
 
     # ---- shared helpers -----------------------------------------------------------------------
-    def collect(self, b: StepBatch, group_size: int, token_budgets: list[int] | None = None,
-                shard: bool = False) -> None:
+    def collect(
+        self, b: StepBatch, group_size: int, token_budgets: list[int] | None = None, shard: bool = False
+    ) -> None:
         """The common rollout: ``b.tasks`` each rolled out ``group_size`` times, timed, checked for
         consistency, with the rollout metrics."""
-        grp = collect_group(self.ws, self.model, b.tasks, group_size, self.learner.version, b.seeds("rollout"),
-                            f"{self.name} step {b.step + 1}", token_budgets=token_budgets, shard=shard)
+        grp = collect_group(
+            self.ws,
+            self.model,
+            b.tasks,
+            group_size,
+            self.learner.version,
+            b.seeds("rollout"),
+            f"{self.name} step {b.step + 1}",
+            token_budgets=token_budgets,
+            shard=shard,
+        )
         b.trajs, b.group_size = list(grp.trajs), group_size
-        b.metrics.update(rollout_metrics(grp.trajs), rollouts=float(len(grp.trajs)), rollout_s=grp.rollout_s,
-                         rollout_cpu_s=grp.rollout_cpu_s,
-                         rollout_cpu_util=grp.rollout_cpu_s / max(grp.rollout_s, 1e-9) / cpu_cores())
+        b.metrics.update(
+            rollout_metrics(grp.trajs),
+            rollouts=float(len(grp.trajs)),
+            rollout_s=grp.rollout_s,
+            rollout_cpu_s=grp.rollout_cpu_s,
+            rollout_cpu_util=grp.rollout_cpu_s / max(grp.rollout_s, 1e-9) / cpu_cores(),
+        )
 
     def write_samples(self, b: StepBatch, n: int, trajs: list[Trajectory] | None = None) -> None:
         """``samples/<stage>-step-N.jsonl``: the step's first ``n`` trajectories (a redone step overwrites)."""
@@ -249,8 +268,9 @@ class RLLoop:
             if b.stop and hook in ("tasks", "rollout", "score"):
                 break
         if stage.update_metrics:
-            b.metrics.update({k: v for k, v in reduce_updates(b.updates, stage.update_metrics).items()
-                              if k not in b.metrics})
+            b.metrics.update(
+                {k: v for k, v in reduce_updates(b.updates, stage.update_metrics).items() if k not in b.metrics}
+            )
         b.metrics["policy_version"] = float(stage.learner.version)
         if b.stop:
             b.metrics["stop"] = True
@@ -265,8 +285,18 @@ class RLLoop:
     def run(self, resume: bool = False) -> Path:
         s = self.stage
         try:
-            final = run_stage(s.ws, s.name, s.model, s.learner, s.steps, self.step, s.checkpoint_every, resume,
-                              extra_state=self.extra_state, restore_extra=self.restore)
+            final = run_stage(
+                s.ws,
+                s.name,
+                s.model,
+                s.learner,
+                s.steps,
+                self.step,
+                s.checkpoint_every,
+                resume,
+                extra_state=self.extra_state,
+                restore_extra=self.restore,
+            )
             return s.finish(final)
         finally:
             s.close()

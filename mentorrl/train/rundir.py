@@ -143,8 +143,9 @@ def verify_manifest(directory: Path, required: tuple[str, ...] = ()) -> bool:
             raise CorruptCheckpointError(f, "missing (listed in the checksum manifest)")
         got = sha256_file(f)
         if got != want:
-            raise CorruptCheckpointError(f, f"sha256 {got[:16]}... does not match the manifest's {want[:16]}... "
-                                            "(the file changed or is damaged)")
+            raise CorruptCheckpointError(
+                f, f"sha256 {got[:16]}... does not match the manifest's {want[:16]}... (the file changed or is damaged)"
+            )
     return True
 
 
@@ -224,8 +225,9 @@ def check_checkpoint(ckpt: Path, load_weights: Callable[[Path], None]) -> dict[s
     return state
 
 
-def restore_checkpoint(stage_dir: Path, load_weights: Callable[[Path], None],
-                       warn: Callable[[str], None] = print) -> tuple[Path, dict[str, Any]] | None:
+def restore_checkpoint(
+    stage_dir: Path, load_weights: Callable[[Path], None], warn: Callable[[str], None] = print
+) -> tuple[Path, dict[str, Any]] | None:
     """The newest intact checkpoint of ``stage_dir`` and its trainer state (RNG state applied), its
     weights loaded through ``load_weights``; None when the stage has no checkpoint.
 
@@ -248,8 +250,9 @@ def restore_checkpoint(stage_dir: Path, load_weights: Callable[[Path], None],
         return None
     if len(bad) == 1:
         raise bad[0][1]
-    raise CorruptCheckpointError(bad[0][1].path, "no intact checkpoint to resume from: "
-                                 + "; ".join(str(e) for _, e in bad))
+    raise CorruptCheckpointError(
+        bad[0][1].path, "no intact checkpoint to resume from: " + "; ".join(str(e) for _, e in bad)
+    )
 
 
 def prune_checkpoints(stage_dir: Path, keep: int = KEEP_CHECKPOINTS) -> None:

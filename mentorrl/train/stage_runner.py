@@ -49,6 +49,7 @@ def metrics_log(ws: Workspace) -> MetricsLog:
     """``metrics.jsonl`` with the run's trackers attached (call on the writing rank only)."""
     return MetricsLog(ws.metrics.path, trackers=run_trackers(ws))
 
+
 def run_stage(
     ws: Workspace,
     stage: str,
@@ -98,11 +99,18 @@ def run_stage(
             t0, c0 = time.perf_counter(), time.process_time()
             m = step_fn(step)
             stop = bool(m.pop("stop", False))
-            rec = {"stage": stage, "step": step + 1, **m, **step_timing(m, time.perf_counter() - t0, time.process_time() - c0)}
+            rec = {
+                "stage": stage,
+                "step": step + 1,
+                **m,
+                **step_timing(m, time.perf_counter() - t0, time.process_time() - c0),
+            }
             save = stop or (step + 1) % checkpoint_every == 0 or step + 1 == steps
             ws.on_main(lambda: record(rec, save))  # under data parallel the others wait, and see a failure
             if prog:
-                info = " ".join(f"{k}={m[k]:.3f}" for k in ("loss", "reward_mean", "task_success", "positive_task_rate") if k in m)
+                info = " ".join(
+                    f"{k}={m[k]:.3f}" for k in ("loss", "reward_mean", "task_success", "positive_task_rate") if k in m
+                )
                 prog.update(bar, advance=1, info=info)
             if stop:
                 break
@@ -119,8 +127,14 @@ def _rewind(ws: Workspace, stage: str, start: int, resume: bool) -> None:
         trackers.restart(stage)
 
 
-def _resume_point(ws: Workspace, stage: str, model, learner: Learner, steps: int,
-                  restore_extra: Callable[[dict[str, Any]], None] | None) -> tuple[Path | None, int]:
+def _resume_point(
+    ws: Workspace,
+    stage: str,
+    model,
+    learner: Learner,
+    steps: int,
+    restore_extra: Callable[[dict[str, Any]], None] | None,
+) -> tuple[Path | None, int]:
     """Load what ``--resume`` continues from into ``model`` / ``learner`` and return it with the step
     to start at: the stage's final dir when it is complete, else its newest intact checkpoint,
     else ``(None, 0)``."""

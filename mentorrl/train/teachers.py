@@ -18,7 +18,6 @@ from mentorrl.opd.scoring import teacher_from_checkpoint
 from mentorrl.train.models_init import build_tiny_model
 from mentorrl.train.workspace import Workspace, open_workspace
 
-
 TEACHER_RECIPE_FIELDS = ("seed", "train_split", "env", "sampling", "limits", "prompt", "reward", "model", "sft")
 
 
@@ -28,12 +27,13 @@ def teacher_build_config(cfg, t: TeacherConfig):
     on more expert demonstrations than the student's -- the demo's ``sft`` stage with other numbers."""
     b = t.build
     spec = (b.spec or cfg.model.spec).model_copy(update={"vocab_size": b.vocab_size or cfg.model.spec.vocab_size})
-    sft = SFTConfig(num_demos=b.num_demos, steps=b.sft_steps, batch_size=b.batch_size,
-                    optim=OptimConfig(lr=b.lr, warmup_steps=5))
-    keep = {k: getattr(cfg, k) for k in ("seed", "train_split", "threads", "env", "sampling", "limits", "prompt",
-                                         "reward")}
-    return type(cfg)(recipe=["sft"], model=cfg.model.model_copy(update={"path": None, "spec": spec}), sft=sft,
-                     **keep)
+    sft = SFTConfig(
+        num_demos=b.num_demos, steps=b.sft_steps, batch_size=b.batch_size, optim=OptimConfig(lr=b.lr, warmup_steps=5)
+    )
+    keep = {
+        k: getattr(cfg, k) for k in ("seed", "train_split", "threads", "env", "sampling", "limits", "prompt", "reward")
+    }
+    return type(cfg)(recipe=["sft"], model=cfg.model.model_copy(update={"path": None, "spec": spec}), sft=sft, **keep)
 
 
 def weights_fingerprint(model) -> str:
@@ -54,8 +54,10 @@ def teacher_dir(cfg, t: TeacherConfig, student_weights: str | None = None) -> Pa
     sub = teacher_build_config(cfg, t).model_dump(mode="json", include=set(TEACHER_RECIPE_FIELDS))
     if t.build.init == "student":
         if student_weights is None:
-            raise ValueError(f"teacher {t.name!r} is built from the student (build.init student): its directory "
-                             "depends on the student's weights")
+            raise ValueError(
+                f"teacher {t.name!r} is built from the student (build.init student): its directory "
+                "depends on the student's weights"
+            )
         sub = {**sub, "init": "student", "student_weights": student_weights}
     key = hashlib.sha256(json.dumps(sub, sort_keys=True).encode()).hexdigest()[:10]
     root = Path(cfg.opd.teachers_dir) if cfg.opd.teachers_dir else Path(cfg.run_dir) / "teachers"
@@ -79,20 +81,25 @@ def build_teacher(ws: Workspace, t: TeacherConfig, student=None) -> Path:
     if (final / "DONE").exists():  # built before (same recipe); load_teacher still checks the tokenizer
         return final
     if not from_student and ws.cfg.model.path is not None and t.build.vocab_size is None:
-        raise ValueError(f"teacher {t.name!r}: the student is a checkpoint ({ws.cfg.model.path}) and no teacher of "
-                         f"this build recipe is cached at {out}; give the teacher a path, a build.vocab_size for "
-                         "a tiny teacher with its own tokenizer, or build.init student")
+        raise ValueError(
+            f"teacher {t.name!r}: the student is a checkpoint ({ws.cfg.model.path}) and no teacher of "
+            f"this build recipe is cached at {out}; give the teacher a path, a build.vocab_size for "
+            "a tiny teacher with its own tokenizer, or build.init student"
+        )
     sub = teacher_build_config(ws.cfg, t).model_copy(update={"run_dir": str(out)})
     origin = "the student's weights" if from_student else f"a fresh model (vocab {sub.model.spec.vocab_size})"
-    ws.console.print(f"building teacher {t.name!r} into {out}: {sub.sft.steps} SFT steps on {sub.sft.num_demos} "
-                     f"demonstrations from {origin}")
+    ws.console.print(
+        f"building teacher {t.name!r} into {out}: {sub.sft.steps} SFT steps on {sub.sft.num_demos} "
+        f"demonstrations from {origin}"
+    )
     tws = open_workspace(sub, show_progress=ws.show_progress)
     tws.console = ws.console
     if from_student:
         tok, model = ws.tokenizer, copy.deepcopy(student)
     else:
-        base = build_tiny_model(tws.env_entry, out / "base_model", sub.model.spec, sub.model.tokenizer_corpus_tasks,
-                                sub.seed, sub.prompt)
+        base = build_tiny_model(
+            tws.env_entry, out / "base_model", sub.model.spec, sub.model.tokenizer_corpus_tasks, sub.seed, sub.prompt
+        )
         tok, model = load_policy(base)
     tws.bind_tokenizer(tok)
     return sft_stage(tws, model, resume=True)

@@ -109,10 +109,25 @@ class _Wandb:
     def __init__(self, root: Path, state: dict[str, Any]):
         import wandb
 
-        settings = wandb.Settings(mode="offline", console="off", x_disable_stats=True, x_disable_meta=True,
-                                  save_code=False, disable_git=True, silent=True)
-        self.run = wandb.init(project=PROJECT, name=state["name"], id=state["id"], dir=str(root), mode="offline",
-                              resume="allow", reinit="create_new", settings=settings)
+        settings = wandb.Settings(
+            mode="offline",
+            console="off",
+            x_disable_stats=True,
+            x_disable_meta=True,
+            save_code=False,
+            disable_git=True,
+            silent=True,
+        )
+        self.run = wandb.init(
+            project=PROJECT,
+            name=state["name"],
+            id=state["id"],
+            dir=str(root),
+            mode="offline",
+            resume="allow",
+            reinit="create_new",
+            settings=settings,
+        )
         self.stages: set[str] = set()
 
     def log(self, stage: str, step: int, metrics: dict[str, float]) -> None:
@@ -134,8 +149,13 @@ class _Mlflow:
 
         self.client = MlflowClient(tracking_uri=mlflow_uri(root.parent))
         exp = self.client.get_experiment_by_name(PROJECT)
-        exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(
-            PROJECT, artifact_location=(root / "mlflow-artifacts").resolve().as_uri())
+        exp_id = (
+            exp.experiment_id
+            if exp is not None
+            else self.client.create_experiment(
+                PROJECT, artifact_location=(root / "mlflow-artifacts").resolve().as_uri()
+            )
+        )
         run_id = state.get("mlflow_run_id")
         if run_id is None:
             run_id = self.client.create_run(exp_id, run_name=state["name"]).info.run_id
@@ -175,8 +195,9 @@ class _Trackio:
 
         _point_trackio_at(directory)
         self.trackio = trackio
-        self.run = trackio.init(project=PROJECT, name=state["name"], resume="allow", embed=False,
-                                auto_log_cpu=False, auto_log_gpu=False)
+        self.run = trackio.init(
+            project=PROJECT, name=state["name"], resume="allow", embed=False, auto_log_cpu=False, auto_log_gpu=False
+        )
 
     def log(self, stage: str, step: int, metrics: dict[str, float]) -> None:
         self.run.log({f"{stage}/step": step, **{f"{stage}/{k}": v for k, v in metrics.items()}})
@@ -186,7 +207,11 @@ class _Trackio:
 
 
 BACKENDS: dict[str, Callable[[Path, dict[str, Any]], Any]] = {
-    "tensorboard": _TensorBoard, "wandb": _Wandb, "mlflow": _Mlflow, "trackio": _Trackio}
+    "tensorboard": _TensorBoard,
+    "wandb": _Wandb,
+    "mlflow": _Mlflow,
+    "trackio": _Trackio,
+}
 
 
 def mlflow_uri(run_dir: str | Path) -> str:
@@ -202,9 +227,13 @@ def _default_warn(msg: str) -> None:
 class TrackerSet:
     """The trackers of one run directory; :meth:`log` takes ``metrics.jsonl`` records."""
 
-    def __init__(self, run_dir: str | Path, names: list[str] | tuple[str, ...],
-                 warn: Callable[[str], None] | None = None,
-                 backends: dict[str, Callable[[Path, dict[str, Any]], Any]] | None = None):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        names: list[str] | tuple[str, ...],
+        warn: Callable[[str], None] | None = None,
+        backends: dict[str, Callable[[Path, dict[str, Any]], Any]] | None = None,
+    ):
         unknown = [n for n in names if n not in TRACKERS]
         if unknown:
             raise ValueError(f"unknown tracker(s) {unknown}; known: {', '.join(TRACKERS)}")
@@ -240,8 +269,10 @@ class TrackerSet:
     def _drop(self, name: str, why: str) -> None:
         self.dropped[name] = why
         tracker = self.live.pop(name, None)
-        self.warn(f"tracker {name!r} {why}; it is dropped for the rest of this run, training goes on "
-                  f"(metrics.jsonl has every step)")
+        self.warn(
+            f"tracker {name!r} {why}; it is dropped for the rest of this run, training goes on "
+            f"(metrics.jsonl has every step)"
+        )
         if tracker is not None:
             try:
                 with _rng_kept():
@@ -291,8 +322,9 @@ class TrackerSet:
 _OPEN: dict[tuple[str, tuple[str, ...]], TrackerSet] = {}
 
 
-def open_trackers(run_dir: str | Path, names: list[str] | tuple[str, ...],
-                  warn: Callable[[str], None] | None = None) -> TrackerSet | None:
+def open_trackers(
+    run_dir: str | Path, names: list[str] | tuple[str, ...], warn: Callable[[str], None] | None = None
+) -> TrackerSet | None:
     """The run directory's :class:`TrackerSet` (opened once per process, closed at exit or by
     :func:`close_trackers`); None when no tracker is configured."""
     if not names:
@@ -309,4 +341,3 @@ def close_trackers(run_dir: str | Path | None = None) -> None:
     want = str(Path(run_dir).resolve()) if run_dir is not None else None
     for key in [k for k in _OPEN if want is None or k[0] == want]:
         _OPEN.pop(key).close()
-

@@ -24,6 +24,7 @@ from mentorrl.rollout import BackendChoice, Rollout
 from mentorrl.train.rundir import MetricsLog
 from mentorrl.trajectory import write_jsonl
 
+
 @dataclass
 class Workspace:
     """What every stage needs: config, run directory, environment, tokenizer and contract, and the
@@ -66,8 +67,16 @@ class Workspace:
         if r is None or r.contract is not self.contract:
             if self.contract is None:
                 raise RuntimeError("the workspace has no rollout contract yet (bind_tokenizer first)")
-            r = (Rollout(self.contract, env_factory(self.env_entry, self.cfg.env), self.cfg.reward,
-                         BackendChoice(self.cfg.rollout)) if r is None else r.with_contract(self.contract))
+            r = (
+                Rollout(
+                    self.contract,
+                    env_factory(self.env_entry, self.cfg.env),
+                    self.cfg.reward,
+                    BackendChoice(self.cfg.rollout),
+                )
+                if r is None
+                else r.with_contract(self.contract)
+            )
             self._rollout = r
         return r
 
@@ -156,8 +165,14 @@ def open_workspace(cfg: RunConfig, show_progress: bool = True, dp=None) -> Works
     entry = get_env(cfg.env.name)
     if cfg.eval.stratify:
         check_stratifies(entry.make_tasks())  # before the first step
-    return Workspace(cfg=cfg, run_dir=run_dir, env_entry=entry, show_progress=show_progress and main,
-                     console=Console() if main else Console(quiet=True), dp=dp)
+    return Workspace(
+        cfg=cfg,
+        run_dir=run_dir,
+        env_entry=entry,
+        show_progress=show_progress and main,
+        console=Console() if main else Console(quiet=True),
+        dp=dp,
+    )
 
 
 def frozen_copy(model):
@@ -174,7 +189,6 @@ def load_weights_into(model, ckpt: Path) -> None:
 
     src = AutoModelForCausalLM.from_pretrained(ckpt, dtype=next(model.parameters()).dtype)
     model.load_state_dict(src.state_dict())
-
 
 
 def heldout_check(ws: Workspace, model, n: int) -> float:
@@ -200,8 +214,13 @@ def evaluate(ws: Workspace, model, label: str, resume: bool = False, split: str 
     tasks = ws.eval_tasks(split, e.num_tasks)
     with ws.progress() as prog:
         bar = prog.add_task(f"eval {label}", total=len(tasks), info="") if prog else None
-        trajs = eval_rollout(ws).run(model, tasks, seed=e.seed, batch_size=e.batch_size,
-                                     on_batch=(lambda n: prog.update(bar, advance=n)) if prog else None)
+        trajs = eval_rollout(ws).run(
+            model,
+            tasks,
+            seed=e.seed,
+            batch_size=e.batch_size,
+            on_batch=(lambda n: prog.update(bar, advance=n)) if prog else None,
+        )
     write_jsonl(ws.run_dir / f"eval_{label}.jsonl", trajs)
     summary = {"label": label, "split": split, "eval_seed": e.seed, "stratified": e.stratify, **summarize(trajs)}
     out_json.write_text(json.dumps(summary, indent=2))

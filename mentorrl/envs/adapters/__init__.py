@@ -22,5 +22,18 @@ from .functions import FunctionEnv, function_entry, function_tools, tool
 from .gym_env import GymTasks, GymTextEnv, gym_entry
 from .verifiers_env import VerifiersEnv, verifiers_entry
 
-__all__ = ["AdapterTasks", "NoExpert", "register_adapter", "run_async", "FunctionEnv", "function_entry", "function_tools", "tool",
-           "GymTasks", "GymTextEnv", "gym_entry", "VerifiersEnv", "verifiers_entry"]
+__all__ = [
+    "AdapterTasks",
+    "NoExpert",
+    "register_adapter",
+    "run_async",
+    "FunctionEnv",
+    "function_entry",
+    "function_tools",
+    "tool",
+    "GymTasks",
+    "GymTextEnv",
+    "gym_entry",
+    "VerifiersEnv",
+    "verifiers_entry",
+]

@@ -38,9 +38,16 @@ class AdapterTasks:
             for i in order[: n - len(out)]:
                 prompt, ref = rows[i]
                 k = len(out)
-                out.append(Task(id=f"{self.name}-{split}-{seed}-{k:05d}", family=str(ref.get("family", self.name)),
-                                split=split, prompt=prompt, seed=SEED_BASE.get(split, 3 << 40) + seed * 100_003 + k,
-                                reference={**ref, "row": i}))
+                out.append(
+                    Task(
+                        id=f"{self.name}-{split}-{seed}-{k:05d}",
+                        family=str(ref.get("family", self.name)),
+                        split=split,
+                        prompt=prompt,
+                        seed=SEED_BASE.get(split, 3 << 40) + seed * 100_003 + k,
+                        reference={**ref, "row": i},
+                    )
+                )
         return out
 
 
@@ -54,7 +61,8 @@ class NoExpert:
     def act(self, task: Task) -> Iterator[Action]:
         raise NotImplementedError(
             f"{self.name} has no scripted expert: train it with RL stages (grpo, ppo) or a teacher, or pass "
-            "make_expert= to the adapter's entry")
+            "make_expert= to the adapter's entry"
+        )
         yield  # pragma: no cover - makes this a generator
 
 

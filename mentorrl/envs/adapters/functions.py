@@ -67,8 +67,11 @@ def _caller(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
     def call(**arguments: Any) -> Any:
         unknown = sorted(set(arguments) - set(params)) if not takes_any else []
         if unknown:
-            raise ToolError(f"bad arguments for {name}: unknown argument(s) {', '.join(unknown)}; "
-                            f"it takes {', '.join(params) or 'none'}", kind="bad_arguments")
+            raise ToolError(
+                f"bad arguments for {name}: unknown argument(s) {', '.join(unknown)}; "
+                f"it takes {', '.join(params) or 'none'}",
+                kind="bad_arguments",
+            )
         return _jsonable(run_async(fn(**arguments)))
 
     return call
@@ -96,9 +99,15 @@ class FunctionEnv:
 
     version = "1.0"
 
-    def __init__(self, fns: Sequence[Callable[..., Any]], judge: Judge, name: str = "functions",
-                 system_prompt: str = "Use the tools to do the user's task, then answer briefly.",
-                 tool_timeout_s: float = 5.0, **_: Any):
+    def __init__(
+        self,
+        fns: Sequence[Callable[..., Any]],
+        judge: Judge,
+        name: str = "functions",
+        system_prompt: str = "Use the tools to do the user's task, then answer briefly.",
+        tool_timeout_s: float = 5.0,
+        **_: Any,
+    ):
         self.name, self.system_prompt, self.judge = name, system_prompt, judge
         self.registry = ToolRegistry(function_tools(fns), timeout_s=tool_timeout_s)
         self.task: Task | None = None
@@ -126,9 +135,14 @@ class FunctionEnv:
         self.registry.close()
 
 
-def function_entry(name: str, fns: Sequence[Callable[..., Any]], judge: Judge,
-                   tasks: dict[str, Sequence[tuple[str, dict[str, Any]]]], system_prompt: str | None = None,
-                   make_expert: Callable[[], Any] | None = None) -> Callable[[], Any]:
+def function_entry(
+    name: str,
+    fns: Sequence[Callable[..., Any]],
+    judge: Judge,
+    tasks: dict[str, Sequence[tuple[str, dict[str, Any]]]],
+    system_prompt: str | None = None,
+    make_expert: Callable[[], Any] | None = None,
+) -> Callable[[], Any]:
     """An :class:`~mentorrl.envs.EnvEntry` factory for :func:`~.common.register_adapter`: ``tasks``
     maps a split to its ``(prompt, reference)`` rows."""
     from mentorrl.envs import EnvEntry
@@ -136,8 +150,11 @@ def function_entry(name: str, fns: Sequence[Callable[..., Any]], judge: Judge,
     kw = {"system_prompt": system_prompt} if system_prompt is not None else {}
 
     def entry() -> EnvEntry:
-        return EnvEntry(lambda **k: FunctionEnv(fns, judge, name=name, **kw, **k), lambda: AdapterTasks(name, tasks),
-                        make_expert or (lambda: NoExpert(name)))
+        return EnvEntry(
+            lambda **k: FunctionEnv(fns, judge, name=name, **kw, **k),
+            lambda: AdapterTasks(name, tasks),
+            make_expert or (lambda: NoExpert(name)),
+        )
 
     return entry
 

@@ -45,23 +45,46 @@ class GymTextEnv:
 
     version = "1.0"
 
-    def __init__(self, make_gym: Callable[[], Any], name: str = "gym",
-                 system_prompt: str = "You act in an environment. Call the act tool with one action at a time; "
-                                      "when the episode is over, reply with a short final answer.",
-                 action_names: Sequence[str] | None = None, tool_name: str = "act",
-                 action_description: str = "take one action; returns the new observation",
-                 success_reward: float = 1.0, success: Callable[[float, dict], bool] | None = None,
-                 tool_timeout_s: float = 5.0, **_: Any):
+    def __init__(
+        self,
+        make_gym: Callable[[], Any],
+        name: str = "gym",
+        system_prompt: str = "You act in an environment. Call the act tool with one action at a time; "
+        "when the episode is over, reply with a short final answer.",
+        action_names: Sequence[str] | None = None,
+        tool_name: str = "act",
+        action_description: str = "take one action; returns the new observation",
+        success_reward: float = 1.0,
+        success: Callable[[float, dict], bool] | None = None,
+        tool_timeout_s: float = 5.0,
+        **_: Any,
+    ):
         self.name, self.system_prompt = name, system_prompt
         self.gym = make_gym()
         self.action_names = list(action_names) if action_names is not None else None
         self.success_reward, self.success = success_reward, success
-        action: dict[str, Any] = ({"type": "string", "enum": self.action_names} if self.action_names is not None
-                                  else {"type": "string", "minLength": 1, "maxLength": MAX_ACTION_CHARS})
+        action: dict[str, Any] = (
+            {"type": "string", "enum": self.action_names}
+            if self.action_names is not None
+            else {"type": "string", "minLength": 1, "maxLength": MAX_ACTION_CHARS}
+        )
         action["description"] = "the action" if self.action_names is None else "one of the named actions"
-        self.registry = ToolRegistry([Tool(tool_name, action_description, {
-            "type": "object", "properties": {"action": action}, "required": ["action"],
-            "additionalProperties": False}, self._act)], timeout_s=tool_timeout_s)
+        self.registry = ToolRegistry(
+            [
+                Tool(
+                    tool_name,
+                    action_description,
+                    {
+                        "type": "object",
+                        "properties": {"action": action},
+                        "required": ["action"],
+                        "additionalProperties": False,
+                    },
+                    self._act,
+                )
+            ],
+            timeout_s=tool_timeout_s,
+        )
         self._clear()
 
     def _clear(self) -> None:
@@ -106,16 +129,23 @@ class GymTextEnv:
         return self.registry.call(name, arguments)
 
     def verify(self, final_answer: str | None) -> Verdict:
-        details: dict[str, Any] = {"env_reward": self.total, "env_steps": self.steps, "terminated": self.terminated,
-                                   "truncated": self.truncated}
+        details: dict[str, Any] = {
+            "env_reward": self.total,
+            "env_steps": self.steps,
+            "terminated": self.terminated,
+            "truncated": self.truncated,
+        }
         if self.reset_error is not None:
             return Verdict(success=False, details={**details, "error": self.reset_error})
         if self.success is not None:
             try:
                 ok = bool(self.success(self.total, dict(self.info)))
             except Exception as e:  # noqa: BLE001
-                return Verdict(success=False, violations=list(self.violations),
-                               details={**details, "error": f"success() failed: {type(e).__name__}: {e}"[:500]})
+                return Verdict(
+                    success=False,
+                    violations=list(self.violations),
+                    details={**details, "error": f"success() failed: {type(e).__name__}: {e}"[:500]},
+                )
         else:
             ok = self.terminated and self.total >= self.success_reward
         return Verdict(success=ok and not self.violations, violations=list(self.violations), details=details)
@@ -146,20 +176,37 @@ class GymTasks:
         for i in range(n):
             ep_seed = SEED_BASE[split] + rng.getrandbits(32)
             ref = {"options": self.options(rng)} if self.options is not None else {}
-            out.append(Task(id=f"{self.name}-{split}-{seed}-{i:05d}", family=self.name, split=split,
-                            prompt=self.prompt, seed=ep_seed, reference=ref))
+            out.append(
+                Task(
+                    id=f"{self.name}-{split}-{seed}-{i:05d}",
+                    family=self.name,
+                    split=split,
+                    prompt=self.prompt,
+                    seed=ep_seed,
+                    reference=ref,
+                )
+            )
         return out
 
 
-def gym_entry(name: str, make_gym: Callable[[], Any], prompt: str, options: Callable[[random.Random], dict] | None = None,
-              make_expert: Callable[[], Any] | None = None, **env_kw: Any) -> Callable[[], Any]:
+def gym_entry(
+    name: str,
+    make_gym: Callable[[], Any],
+    prompt: str,
+    options: Callable[[random.Random], dict] | None = None,
+    make_expert: Callable[[], Any] | None = None,
+    **env_kw: Any,
+) -> Callable[[], Any]:
     """An :class:`~mentorrl.envs.EnvEntry` factory for :func:`~.common.register_adapter`."""
     from mentorrl.envs import EnvEntry
 
     def entry() -> EnvEntry:
-        return EnvEntry(lambda **k: GymTextEnv(make_gym, name=name, **{**env_kw, **k}),
-                        lambda: GymTasks(name, prompt, options), make_expert or (lambda: NoExpert(name)),
-                        mutating_tools=(env_kw.get("tool_name", "act"),))
+        return EnvEntry(
+            lambda **k: GymTextEnv(make_gym, name=name, **{**env_kw, **k}),
+            lambda: GymTasks(name, prompt, options),
+            make_expert or (lambda: NoExpert(name)),
+            mutating_tools=(env_kw.get("tool_name", "act"),),
+        )
 
     return entry
 

@@ -80,8 +80,10 @@ def row_prompt(row: dict[str, Any], system_prompt: str | None) -> str:
         elif role == "user":
             users.append(content)
         else:
-            raise ValueError(f"dataset row {row.get('example_id')!r}: a {role!r} message in the prompt (few-shot "
-                             "turns) is not supported; mentorrl prompts are a system prompt and a user message")
+            raise ValueError(
+                f"dataset row {row.get('example_id')!r}: a {role!r} message in the prompt (few-shot "
+                "turns) is not supported; mentorrl prompts are a system prompt and a user message"
+            )
     if not users:
         raise ValueError(f"dataset row {row.get('example_id')!r}: the prompt has no user message")
     return "\n\n".join(head + users)
@@ -134,29 +136,56 @@ class VerifiersEnv:
 
     version = "1.0"
 
-    def __init__(self, vf_env: Any, name: str = "verifiers", success_threshold: float | None = None,
-                 violation_metrics: tuple[str, ...] = (), tool_timeout_s: float = 5.0, **_: Any):
+    def __init__(
+        self,
+        vf_env: Any,
+        name: str = "verifiers",
+        success_threshold: float | None = None,
+        violation_metrics: tuple[str, ...] = (),
+        tool_timeout_s: float = 5.0,
+        **_: Any,
+    ):
         import verifiers as vf
 
         self.vf, self.name = vf_env, name
         self.system_prompt = vf_env.system_prompt or ""
-        self.threshold = float(success_threshold if success_threshold is not None
-                               else getattr(vf_env, "pass_threshold", 0.5))
+        self.threshold = float(
+            success_threshold if success_threshold is not None else getattr(vf_env, "pass_threshold", 0.5)
+        )
         self.violation_metrics = tuple(violation_metrics)
         if isinstance(vf_env, vf.ToolEnv):
             self.kind = "tool"
-            tools = [Tool(t.name, t.description or "", t.parameters or {"type": "object", "properties": {}},
-                          self._tool_fn(t.name)) for t in (vf_env.tool_defs or [])]
+            tools = [
+                Tool(
+                    t.name,
+                    t.description or "",
+                    t.parameters or {"type": "object", "properties": {}},
+                    self._tool_fn(t.name),
+                )
+                for t in (vf_env.tool_defs or [])
+            ]
         elif isinstance(vf_env, vf.SingleTurnEnv):
             self.kind, tools = "single", []
         elif isinstance(vf_env, vf.MultiTurnEnv):
             self.kind = "multi"
-            tools = [Tool("reply", "send your next message to the environment; returns its response",
-                          {"type": "object", "properties": {"message": {"type": "string", "minLength": 1}},
-                           "required": ["message"], "additionalProperties": False}, self._reply)]
+            tools = [
+                Tool(
+                    "reply",
+                    "send your next message to the environment; returns its response",
+                    {
+                        "type": "object",
+                        "properties": {"message": {"type": "string", "minLength": 1}},
+                        "required": ["message"],
+                        "additionalProperties": False,
+                    },
+                    self._reply,
+                )
+            ]
         else:
-            raise TypeError(f"unsupported verifiers environment {type(vf_env).__name__}: expected a SingleTurnEnv, "
-                            "ToolEnv, StatefulToolEnv or another MultiTurnEnv")
+            raise TypeError(
+                f"unsupported verifiers environment {type(vf_env).__name__}: expected a SingleTurnEnv, "
+                "ToolEnv, StatefulToolEnv or another MultiTurnEnv"
+            )
         self.stateful = isinstance(vf_env, getattr(vf, "StatefulToolEnv", ()))
         self.registry = ToolRegistry(tools, timeout_s=tool_timeout_s)
         self.state: Any = None
@@ -195,15 +224,27 @@ class VerifiersEnv:
 
         prompt = list(self.messages)
         self.messages.append(msg)
-        self.state["trajectory"].append(TrajectoryStep(
-            prompt=prompt, completion=[msg], response=None, tokens=None, reward=None, advantage=None,
-            is_truncated=False, trajectory_id=self.state["trajectory_id"], extras={}))
+        self.state["trajectory"].append(
+            TrajectoryStep(
+                prompt=prompt,
+                completion=[msg],
+                response=None,
+                tokens=None,
+                reward=None,
+                advantage=None,
+                is_truncated=False,
+                trajectory_id=self.state["trajectory_id"],
+                extras={},
+            )
+        )
 
     def _tool_call_message(self, name: str, arguments: str) -> Any:
         from verifiers.types import AssistantMessage, ToolCall
 
         self._last_call_id = f"call_{uuid.uuid4().hex[:12]}"
-        return AssistantMessage(content="", tool_calls=[ToolCall(id=self._last_call_id, name=name, arguments=arguments)])
+        return AssistantMessage(
+            content="", tool_calls=[ToolCall(id=self._last_call_id, name=name, arguments=arguments)]
+        )
 
     def _tool_message(self, call_id: str, content: Any) -> Any:
         from verifiers.types import ToolMessage
@@ -218,8 +259,9 @@ class VerifiersEnv:
         if self.state is None:
             raise ToolError(f"the environment could not start ({self.error}); reply with a final answer")
         if self.state.get("is_completed"):
-            raise ToolError(f"the episode is over ({self.state.get('stop_condition')}); reply with your final answer",
-                            kind="policy")
+            raise ToolError(
+                f"the episode is over ({self.state.get('stop_condition')}); reply with your final answer", kind="policy"
+            )
 
     def _tool_fn(self, name: str) -> Callable[..., Any]:
         def call(**arguments: Any) -> Any:
@@ -276,7 +318,7 @@ class VerifiersEnv:
             run_async(self.vf.is_completed(state))
             run_async(self.vf.cleanup(state), SCORE_TIMEOUT_S)  # renders state["completion"]
             if state.get("completion") is None:
-                state["completion"] = self.messages[len(state["prompt"]):]
+                state["completion"] = self.messages[len(state["prompt"]) :]
             rubric = self.vf.rubric
             if getattr(self.vf, "score_rollouts", True):
                 run_async(rubric.score_rollout(state), SCORE_TIMEOUT_S)
@@ -297,15 +339,19 @@ class VerifiersEnv:
         return Verdict(success=success, violations=violations, details=details)
 
 
-def verifiers_entry(vf_env: Any, name: str = "verifiers", make_expert: Callable[[], Any] | None = None,
-                    **env_kw: Any) -> Callable[[], Any]:
+def verifiers_entry(
+    vf_env: Any, name: str = "verifiers", make_expert: Callable[[], Any] | None = None, **env_kw: Any
+) -> Callable[[], Any]:
     """An :class:`~mentorrl.envs.EnvEntry` factory for :func:`~.common.register_adapter`; ``env_kw``
     (``success_threshold``, ``violation_metrics``) go to :class:`VerifiersEnv`."""
     from mentorrl.envs import EnvEntry
 
     def entry() -> EnvEntry:
-        return EnvEntry(lambda **k: VerifiersEnv(vf_env, name=name, **{**env_kw, **k}),
-                        lambda: VerifiersTasks(vf_env, name), make_expert or (lambda: NoExpert(name)))
+        return EnvEntry(
+            lambda **k: VerifiersEnv(vf_env, name=name, **{**env_kw, **k}),
+            lambda: VerifiersTasks(vf_env, name),
+            make_expert or (lambda: NoExpert(name)),
+        )
 
     return entry
 

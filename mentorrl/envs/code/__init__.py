@@ -13,6 +13,14 @@ from .problems import FAMILIES, VARIANTS
 from .sandbox import Limits, SandboxUnavailable, check_sandbox
 from .tasks import CodeTasks
 
-
-__all__ = ["CodeEnv", "CodeTasks", "CodeExpert", "FAMILIES", "VARIANTS", "SYSTEM_PROMPT", "Limits",
-           "SandboxUnavailable", "check_sandbox"]
+__all__ = [
+    "CodeEnv",
+    "CodeTasks",
+    "CodeExpert",
+    "FAMILIES",
+    "VARIANTS",
+    "SYSTEM_PROMPT",
+    "Limits",
+    "SandboxUnavailable",
+    "check_sandbox",
+]

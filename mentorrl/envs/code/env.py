@@ -74,7 +74,7 @@ for i, t in enumerate(CASES):
 print(f"passed {{passed}} of {{len(CASES)}}")
 '''
 
-HIDDEN_RUNNER = f'''
+HIDDEN_RUNNER = f"""
 import json, os, sys
 spec = json.loads(sys.stdin.read())
 out = os.fdopen(os.dup(1), "w")
@@ -97,27 +97,32 @@ for case in spec["cases"]:
 out.write({RESULT_TAG!r} + json.dumps(results) + "\\n")
 out.flush()
 os._exit(0)
-'''
+"""
 
 RUN_TESTS = "import runpy\nrunpy.run_path('tests/test_visible.py', run_name='__main__')\n"
-STUB = '''def {entry}(*args):
+STUB = """def {entry}(*args):
     raise NotImplementedError("write the solution here")
-'''
+"""
 
 
 def visible_test_source(task: Task) -> str:
     ref = task.reference
-    return VISIBLE_TEMPLATE.format(entry=ref["entry"], kind=ref["kind"], cases=json.dumps(ref["visible"]),
-                                   helpers=_HELPERS)
+    return VISIBLE_TEMPLATE.format(
+        entry=ref["entry"], kind=ref["kind"], cases=json.dumps(ref["visible"]), helpers=_HELPERS
+    )
 
 
 def _tool(name: str, description: str, props: dict, required: list[str], fn: Any) -> Tool:
-    return Tool(name, description, {"type": "object", "properties": props, "required": required,
-                                    "additionalProperties": False}, fn)
+    return Tool(
+        name,
+        description,
+        {"type": "object", "properties": props, "required": required, "additionalProperties": False},
+        fn,
+    )
 
 
 def _clip(text: str, n: int = MAX_SHOWN_CHARS) -> str:
-    return text if len(text) <= n else text[: n // 4] + f"\n...[{len(text) - n} chars cut]...\n" + text[-(3 * n) // 4:]
+    return text if len(text) <= n else text[: n // 4] + f"\n...[{len(text) - n} chars cut]...\n" + text[-(3 * n) // 4 :]
 
 
 class CodeEnv:
@@ -125,8 +130,9 @@ class CodeEnv:
     version = "1.0"
     system_prompt = SYSTEM_PROMPT
 
-    def __init__(self, tool_timeout_s: float = 5.0, latency: Any = None, limits: Limits | None = None,
-                 root: Path | None = None):
+    def __init__(
+        self, tool_timeout_s: float = 5.0, latency: Any = None, limits: Limits | None = None, root: Path | None = None
+    ):
         check_sandbox()  # fail closed: no isolation, no environment
         self.limits = limits or Limits()
         self.root = Path(root) if root is not None else sandbox_root()
@@ -135,15 +141,30 @@ class CodeEnv:
         self._violations: list[str] = []
         self._test_digest: str | None = None
         tools = [
-            _tool("read_file", "read a file of the workspace",
-                  {"path": {"type": "string", "minLength": 1, "maxLength": 200}}, ["path"], self._read_file),
-            _tool("write_file", "write a file of the workspace (e.g. solution.py)",
-                  {"path": {"type": "string", "minLength": 1, "maxLength": 200},
-                   "content": {"type": "string", "maxLength": MAX_FILE_CHARS}}, ["path", "content"],
-                  self._write_file),
-            _tool("run_python", "run a Python snippet in the workspace (sandboxed, no network)",
-                  {"code": {"type": "string", "minLength": 1, "maxLength": MAX_FILE_CHARS}}, ["code"],
-                  self._run_python),
+            _tool(
+                "read_file",
+                "read a file of the workspace",
+                {"path": {"type": "string", "minLength": 1, "maxLength": 200}},
+                ["path"],
+                self._read_file,
+            ),
+            _tool(
+                "write_file",
+                "write a file of the workspace (e.g. solution.py)",
+                {
+                    "path": {"type": "string", "minLength": 1, "maxLength": 200},
+                    "content": {"type": "string", "maxLength": MAX_FILE_CHARS},
+                },
+                ["path", "content"],
+                self._write_file,
+            ),
+            _tool(
+                "run_python",
+                "run a Python snippet in the workspace (sandboxed, no network)",
+                {"code": {"type": "string", "minLength": 1, "maxLength": MAX_FILE_CHARS}},
+                ["code"],
+                self._run_python,
+            ),
             _tool("run_tests", "run the visible tests against solution.py", {}, [], self._run_tests),
         ]
         # a sandboxed run can take its wall limit plus start-up: the registry must not give up first
@@ -200,8 +221,11 @@ class CodeEnv:
         if not inside:
             if writing:
                 self._violations.append(f"write outside the workspace: {path}")
-            raise ToolError(f"{tool}: {path!r} is outside the workspace; only files inside it can be "
-                            f"{'written' if writing else 'read'}", kind="policy")
+            raise ToolError(
+                f"{tool}: {path!r} is outside the workspace; only files inside it can be "
+                f"{'written' if writing else 'read'}",
+                kind="policy",
+            )
         rel = target.relative_to(ws).as_posix()
         if writing and (rel == "tests" or rel.startswith("tests/")):
             self._violations.append(f"write to the tests: {rel}")
@@ -234,8 +258,9 @@ class CodeEnv:
         res = self._sandbox(code)
         if res.ok:
             return {"exit_code": 0, "stdout": _clip(res.stdout), "stderr": _clip(res.stderr)}
-        raise ToolError(_failure("run_python", res), kind="timeout" if res.status in ("cpu", "wall") else
-                        "tool_exception")
+        raise ToolError(
+            _failure("run_python", res), kind="timeout" if res.status in ("cpu", "wall") else "tool_exception"
+        )
 
     def _run_tests(self) -> dict:
         res = self._sandbox(RUN_TESTS)
@@ -243,8 +268,9 @@ class CodeEnv:
         last = lines[-1].split() if lines else []
         if res.ok and len(last) == 4 and last[0] == "passed" and last[2] == "of":
             return {"passed": int(last[1]), "total": int(last[3]), "output": _clip(res.stdout)}
-        raise ToolError(_failure("run_tests", res), kind="timeout" if res.status in ("cpu", "wall") else
-                        "tool_exception")
+        raise ToolError(
+            _failure("run_tests", res), kind="timeout" if res.status in ("cpu", "wall") else "tool_exception"
+        )
 
     # -- verification ------------------------------------------------------------------
     def verify(self, final_answer: str | None) -> Verdict:
@@ -259,8 +285,11 @@ class CodeEnv:
             copy = fresh / "ws"
             shutil.copytree(self.workspace, copy, symlinks=True)
             _give_to_sandbox(copy)
-            spec = {"entry": task.reference["entry"], "kind": task.reference["kind"],
-                    "cases": [h["case"] for h in hidden]}
+            spec = {
+                "entry": task.reference["entry"],
+                "kind": task.reference["kind"],
+                "cases": [h["case"] for h in hidden],
+            }
             res = run_sandboxed(copy, HIDDEN_RUNNER, stdin=json.dumps(spec), limits=self.limits, root=self.root)
         finally:
             shutil.rmtree(fresh, ignore_errors=True)
@@ -314,7 +343,7 @@ def _results(stdout: str) -> Any:
     if not lines:
         return None
     try:
-        return json.loads(lines[-1][len(RESULT_TAG):])
+        return json.loads(lines[-1][len(RESULT_TAG) :])
     except ValueError:
         return None
 

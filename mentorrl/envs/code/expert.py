@@ -18,7 +18,8 @@ class CodeExpert:
         yield ToolAction("write_file", {"path": "solution.py", "content": task.reference["solution"]})
         r = yield ToolAction("run_tests", {})
         if r.ok and r.content["passed"] == r.content["total"]:
-            yield FinalAnswer(f"Done: {task.reference['entry']} is in solution.py and all "
-                              f"{r.content['total']} visible tests pass.")
+            yield FinalAnswer(
+                f"Done: {task.reference['entry']} is in solution.py and all {r.content['total']} visible tests pass."
+            )
         else:
             yield FinalAnswer("The visible tests still fail: " + (r.error or str(r.content))[:120])

@@ -32,8 +32,10 @@ class Problem:
 
 
 def _words(rng: random.Random, lo: int = 1, hi: int = 5) -> str:
-    return " ".join("".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(1, 6)))
-                    for _ in range(rng.randint(lo, hi)))
+    return " ".join(
+        "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(1, 6)))
+        for _ in range(rng.randint(lo, hi))
+    )
 
 
 def _mixed(rng: random.Random) -> str:
@@ -51,8 +53,10 @@ def _runs(rng: random.Random) -> str:
 
 def _kv(rng: random.Random) -> str:
     keys = rng.sample(["a", "b", "cat", "dog", "x", "y2"], k=rng.randint(1, 4))
-    parts = [f"{rng.choice(keys)}{rng.choice(['', ' '])}={rng.choice(['', ' '])}{rng.randint(-9, 99)}"
-             for _ in range(rng.randint(1, 5))]
+    parts = [
+        f"{rng.choice(keys)}{rng.choice(['', ' '])}={rng.choice(['', ' '])}{rng.randint(-9, 99)}"
+        for _ in range(rng.randint(1, 5))
+    ]
     return ";".join(parts)
 
 
@@ -67,7 +71,9 @@ def _duration(rng: random.Random) -> str:
 def _csv(rng: random.Random) -> str:
     lines = []
     for _ in range(rng.randint(1, 5)):
-        lines.append("" if rng.random() < 0.15 else ",".join(str(rng.randint(-50, 50)) for _ in range(rng.randint(1, 4))))
+        lines.append(
+            "" if rng.random() < 0.15 else ",".join(str(rng.randint(-50, 50)) for _ in range(rng.randint(1, 4)))
+        )
     return "\n".join(lines)
 
 
@@ -93,7 +99,9 @@ def _counter_ops(rng: random.Random) -> dict:
     ops = []
     for _ in range(rng.randint(2, 10)):
         r = rng.random()
-        ops.append(["add", [rng.choice(keys)]] if r < 0.6 else ["count", [rng.choice(keys)]] if r < 0.8 else ["top", []])
+        ops.append(
+            ["add", [rng.choice(keys)]] if r < 0.6 else ["count", [rng.choice(keys)]] if r < 0.8 else ["top", []]
+        )
     return {"ops": ops}
 
 
@@ -113,32 +121,60 @@ def _strings_problem(family: str, variant: str, p: int) -> Problem | None:
     """The ``strings`` family: ``transform(s) -> str`` variants. None for an unknown variant."""
     sig = "transform(s: str) -> str"
     if variant == "reverse_words":
-        return Problem(family, variant, "function", "transform", sig,
-                       "Return s with the order of its space-separated words reversed (words are separated by "
-                       "single spaces; the empty string stays empty).",
-                       "def transform(s):\n    return ' '.join(s.split(' ')[::-1])\n",
-                       _arg(_words), ({"args": [""]}, {"args": ["one"]}))
+        return Problem(
+            family,
+            variant,
+            "function",
+            "transform",
+            sig,
+            "Return s with the order of its space-separated words reversed (words are separated by "
+            "single spaces; the empty string stays empty).",
+            "def transform(s):\n    return ' '.join(s.split(' ')[::-1])\n",
+            _arg(_words),
+            ({"args": [""]}, {"args": ["one"]}),
+        )
     if variant == "caesar":
         k = p % 25 + 1
-        return Problem(family, variant, "function", "transform", sig,
-                       f"Shift every lowercase letter {k} places forward in the alphabet, wrapping from z to a; "
-                       "leave every other character unchanged.",
-                       f"def transform(s):\n    return ''.join(chr((ord(c) - 97 + {k}) % 26 + 97) if 'a' <= c <= 'z' "
-                       "else c for c in s)\n",
-                       _arg(_mixed), ({"args": [""]}, {"args": ["xyz ABC"]}))
+        return Problem(
+            family,
+            variant,
+            "function",
+            "transform",
+            sig,
+            f"Shift every lowercase letter {k} places forward in the alphabet, wrapping from z to a; "
+            "leave every other character unchanged.",
+            f"def transform(s):\n    return ''.join(chr((ord(c) - 97 + {k}) % 26 + 97) if 'a' <= c <= 'z' "
+            "else c for c in s)\n",
+            _arg(_mixed),
+            ({"args": [""]}, {"args": ["xyz ABC"]}),
+        )
     if variant == "rle":
-        return Problem(family, variant, "function", "transform", sig,
-                       "Run-length encode s: each run of one repeated character becomes the run's length followed "
-                       "by the character, e.g. 'aaab' -> '3a1b'; the empty string gives ''.",
-                       "def transform(s):\n    out, i = [], 0\n    while i < len(s):\n        j = i\n"
-                       "        while j < len(s) and s[j] == s[i]:\n            j += 1\n"
-                       "        out.append(f'{j - i}{s[i]}')\n        i = j\n    return ''.join(out)\n",
-                       _arg(_runs), ({"args": [""]}, {"args": ["a"]}))
+        return Problem(
+            family,
+            variant,
+            "function",
+            "transform",
+            sig,
+            "Run-length encode s: each run of one repeated character becomes the run's length followed "
+            "by the character, e.g. 'aaab' -> '3a1b'; the empty string gives ''.",
+            "def transform(s):\n    out, i = [], 0\n    while i < len(s):\n        j = i\n"
+            "        while j < len(s) and s[j] == s[i]:\n            j += 1\n"
+            "        out.append(f'{j - i}{s[i]}')\n        i = j\n    return ''.join(out)\n",
+            _arg(_runs),
+            ({"args": [""]}, {"args": ["a"]}),
+        )
     if variant == "strip_vowels":
-        return Problem(family, variant, "function", "transform", sig,
-                       "Remove every vowel (a, e, i, o, u, in either case) from s.",
-                       "def transform(s):\n    return ''.join(c for c in s if c.lower() not in 'aeiou')\n",
-                       _arg(_mixed), ({"args": [""]}, {"args": ["AEIOU"]}))
+        return Problem(
+            family,
+            variant,
+            "function",
+            "transform",
+            sig,
+            "Remove every vowel (a, e, i, o, u, in either case) from s.",
+            "def transform(s):\n    return ''.join(c for c in s if c.lower() not in 'aeiou')\n",
+            _arg(_mixed),
+            ({"args": [""]}, {"args": ["AEIOU"]}),
+        )
     return None
 
 
@@ -147,101 +183,170 @@ def _lists_problem(family: str, variant: str, p: int) -> Problem | None:
     sig = "solve(xs: list[int])"
     if variant == "sum_multiples":
         k = p % 5 + 2
-        return Problem(family, variant, "function", "solve", sig + " -> int",
-                       f"Return the sum of the elements of xs that are divisible by {k} (0 for an empty list).",
-                       f"def solve(xs):\n    return sum(x for x in xs if x % {k} == 0)\n",
-                       _arg(_ints), ({"args": [[]]}, {"args": [[-4, 4]]}))
+        return Problem(
+            family,
+            variant,
+            "function",
+            "solve",
+            sig + " -> int",
+            f"Return the sum of the elements of xs that are divisible by {k} (0 for an empty list).",
+            f"def solve(xs):\n    return sum(x for x in xs if x % {k} == 0)\n",
+            _arg(_ints),
+            ({"args": [[]]}, {"args": [[-4, 4]]}),
+        )
     if variant == "max_subarray":
-        return Problem(family, variant, "function", "solve", sig + " -> int",
-                       "Return the largest sum of a non-empty contiguous slice of xs (xs is never empty).",
-                       "def solve(xs):\n    best = cur = xs[0]\n    for x in xs[1:]:\n"
-                       "        cur = max(x, cur + x)\n        best = max(best, cur)\n    return best\n",
-                       _arg(lambda r: _ints(r, lo=1)), ({"args": [[-3]]}, {"args": [[-5, -1, -7]]}))
+        return Problem(
+            family,
+            variant,
+            "function",
+            "solve",
+            sig + " -> int",
+            "Return the largest sum of a non-empty contiguous slice of xs (xs is never empty).",
+            "def solve(xs):\n    best = cur = xs[0]\n    for x in xs[1:]:\n"
+            "        cur = max(x, cur + x)\n        best = max(best, cur)\n    return best\n",
+            _arg(lambda r: _ints(r, lo=1)),
+            ({"args": [[-3]]}, {"args": [[-5, -1, -7]]}),
+        )
     if variant == "second_largest":
-        return Problem(family, variant, "function", "solve", sig + " -> int | None",
-                       "Return the second-largest distinct value in xs, or None when xs has fewer than two "
-                       "distinct values.",
-                       "def solve(xs):\n    vals = sorted(set(xs))\n    return vals[-2] if len(vals) >= 2 else None\n",
-                       _arg(lambda r: _ints(r, span=6)), ({"args": [[]]}, {"args": [[3, 3, 3]]}))
+        return Problem(
+            family,
+            variant,
+            "function",
+            "solve",
+            sig + " -> int | None",
+            "Return the second-largest distinct value in xs, or None when xs has fewer than two distinct values.",
+            "def solve(xs):\n    vals = sorted(set(xs))\n    return vals[-2] if len(vals) >= 2 else None\n",
+            _arg(lambda r: _ints(r, span=6)),
+            ({"args": [[]]}, {"args": [[3, 3, 3]]}),
+        )
     if variant == "running_max":
-        return Problem(family, variant, "function", "solve", sig + " -> list[int]",
-                       "Return the list whose i-th element is the maximum of xs[0], ..., xs[i] ([] for []).",
-                       "def solve(xs):\n    out = []\n    for x in xs:\n"
-                       "        out.append(x if not out else max(out[-1], x))\n    return out\n",
-                       _arg(_ints), ({"args": [[]]}, {"args": [[5, -1, 7]]}))
+        return Problem(
+            family,
+            variant,
+            "function",
+            "solve",
+            sig + " -> list[int]",
+            "Return the list whose i-th element is the maximum of xs[0], ..., xs[i] ([] for []).",
+            "def solve(xs):\n    out = []\n    for x in xs:\n"
+            "        out.append(x if not out else max(out[-1], x))\n    return out\n",
+            _arg(_ints),
+            ({"args": [[]]}, {"args": [[5, -1, 7]]}),
+        )
     return None
 
 
 def _parsing_problem(family: str, variant: str, p: int) -> Problem | None:
     """The ``parsing`` family: ``parse(text)`` variants. None for an unknown variant."""
     if variant == "kv_sum":
-        return Problem(family, variant, "function", "parse", "parse(text: str) -> dict[str, int]",
-                       "text holds 'key=value' pairs separated by ';' (integer values; spaces around keys and "
-                       "values are allowed and ignored). Return a dict mapping each key to the sum of its values.",
-                       "def parse(text):\n    out = {}\n    for part in text.split(';'):\n"
-                       "        if not part.strip():\n            continue\n        k, v = part.split('=')\n"
-                       "        out[k.strip()] = out.get(k.strip(), 0) + int(v)\n    return out\n",
-                       _arg(_kv), ({"args": [""]}, {"args": ["a=1;a=2"]}))
+        return Problem(
+            family,
+            variant,
+            "function",
+            "parse",
+            "parse(text: str) -> dict[str, int]",
+            "text holds 'key=value' pairs separated by ';' (integer values; spaces around keys and "
+            "values are allowed and ignored). Return a dict mapping each key to the sum of its values.",
+            "def parse(text):\n    out = {}\n    for part in text.split(';'):\n"
+            "        if not part.strip():\n            continue\n        k, v = part.split('=')\n"
+            "        out[k.strip()] = out.get(k.strip(), 0) + int(v)\n    return out\n",
+            _arg(_kv),
+            ({"args": [""]}, {"args": ["a=1;a=2"]}),
+        )
     if variant == "duration":
-        return Problem(family, variant, "function", "parse", "parse(text: str) -> int",
-                       "text is a duration such as '1h30m15s' (hours h, minutes m, seconds s, each optional but "
-                       "at least one present, in that order). Return the total number of seconds.",
-                       "def parse(text):\n    total, num = 0, ''\n    for c in text:\n        if c.isdigit():\n"
-                       "            num += c\n        else:\n"
-                       "            total += int(num) * {'h': 3600, 'm': 60, 's': 1}[c]\n            num = ''\n"
-                       "    return total\n",
-                       _arg(_duration), ({"args": ["0s"]}, {"args": ["2h"]}))
+        return Problem(
+            family,
+            variant,
+            "function",
+            "parse",
+            "parse(text: str) -> int",
+            "text is a duration such as '1h30m15s' (hours h, minutes m, seconds s, each optional but "
+            "at least one present, in that order). Return the total number of seconds.",
+            "def parse(text):\n    total, num = 0, ''\n    for c in text:\n        if c.isdigit():\n"
+            "            num += c\n        else:\n"
+            "            total += int(num) * {'h': 3600, 'm': 60, 's': 1}[c]\n            num = ''\n"
+            "    return total\n",
+            _arg(_duration),
+            ({"args": ["0s"]}, {"args": ["2h"]}),
+        )
     if variant == "csv_column":
         k = p % 3
-        return Problem(family, variant, "function", "parse", "parse(text: str) -> int",
-                       f"text holds lines of comma-separated integers. Return the sum of column {k} (0-based) "
-                       "over the lines that have that column; blank lines are ignored.",
-                       f"def parse(text):\n    total = 0\n    for line in text.splitlines():\n"
-                       f"        cells = line.split(',') if line.strip() else []\n        if len(cells) > {k}:\n"
-                       f"            total += int(cells[{k}])\n    return total\n",
-                       _arg(_csv), ({"args": [""]}, {"args": ["1\n\n2,3"]}))
+        return Problem(
+            family,
+            variant,
+            "function",
+            "parse",
+            "parse(text: str) -> int",
+            f"text holds lines of comma-separated integers. Return the sum of column {k} (0-based) "
+            "over the lines that have that column; blank lines are ignored.",
+            f"def parse(text):\n    total = 0\n    for line in text.splitlines():\n"
+            f"        cells = line.split(',') if line.strip() else []\n        if len(cells) > {k}:\n"
+            f"            total += int(cells[{k}])\n    return total\n",
+            _arg(_csv),
+            ({"args": [""]}, {"args": ["1\n\n2,3"]}),
+        )
     return None
 
 
 def _stateful_problem(family: str, variant: str, p: int) -> Problem | None:
     """The ``stateful`` family: a class with methods, exercised by a sequence of operations. None for an unknown variant."""
     if variant == "min_stack":
-        return Problem(family, variant, "class", "MinStack", "class MinStack: push(x), pop(), min(), size()",
-                       "A stack of integers: push(x) adds x; pop() removes and returns the top; min() returns the "
-                       "smallest element held; size() returns how many are held. pop() and min() on an empty "
-                       "stack raise IndexError.",
-                       "class MinStack:\n    def __init__(self):\n        self.items = []\n\n"
-                       "    def push(self, x):\n        self.items.append(x)\n\n    def pop(self):\n"
-                       "        if not self.items:\n            raise IndexError('empty')\n"
-                       "        return self.items.pop()\n\n    def min(self):\n        if not self.items:\n"
-                       "            raise IndexError('empty')\n        return min(self.items)\n\n"
-                       "    def size(self):\n        return len(self.items)\n",
-                       _stack_ops, ({"ops": [["pop", []]]}, {"ops": [["push", [2]], ["min", []], ["size", []]]}))
+        return Problem(
+            family,
+            variant,
+            "class",
+            "MinStack",
+            "class MinStack: push(x), pop(), min(), size()",
+            "A stack of integers: push(x) adds x; pop() removes and returns the top; min() returns the "
+            "smallest element held; size() returns how many are held. pop() and min() on an empty "
+            "stack raise IndexError.",
+            "class MinStack:\n    def __init__(self):\n        self.items = []\n\n"
+            "    def push(self, x):\n        self.items.append(x)\n\n    def pop(self):\n"
+            "        if not self.items:\n            raise IndexError('empty')\n"
+            "        return self.items.pop()\n\n    def min(self):\n        if not self.items:\n"
+            "            raise IndexError('empty')\n        return min(self.items)\n\n"
+            "    def size(self):\n        return len(self.items)\n",
+            _stack_ops,
+            ({"ops": [["pop", []]]}, {"ops": [["push", [2]], ["min", []], ["size", []]]}),
+        )
     if variant == "capped_counter":
         cap = p % 3 + 2
-        return Problem(family, variant, "class", "Counter", "class Counter: add(key), count(key), top()",
-                       f"Counts keys, each count capped at {cap}: add(key) increases key's count by one unless it "
-                       f"is already {cap}, and returns the count; count(key) returns it (0 for an unseen key); "
-                       "top() returns the key with the highest count (the alphabetically smallest among ties), "
-                       "or None before any add.",
-                       f"class Counter:\n    def __init__(self):\n        self.c = {{}}\n\n    def add(self, key):\n"
-                       f"        self.c[key] = min({cap}, self.c.get(key, 0) + 1)\n        return self.c[key]\n\n"
-                       "    def count(self, key):\n        return self.c.get(key, 0)\n\n    def top(self):\n"
-                       "        if not self.c:\n            return None\n"
-                       "        return min(self.c, key=lambda k: (-self.c[k], k))\n",
-                       _counter_ops, ({"ops": [["top", []]]}, {"ops": [["add", ["a"]]] * 6 + [["count", ["a"]]]}))
+        return Problem(
+            family,
+            variant,
+            "class",
+            "Counter",
+            "class Counter: add(key), count(key), top()",
+            f"Counts keys, each count capped at {cap}: add(key) increases key's count by one unless it "
+            f"is already {cap}, and returns the count; count(key) returns it (0 for an unseen key); "
+            "top() returns the key with the highest count (the alphabetically smallest among ties), "
+            "or None before any add.",
+            f"class Counter:\n    def __init__(self):\n        self.c = {{}}\n\n    def add(self, key):\n"
+            f"        self.c[key] = min({cap}, self.c.get(key, 0) + 1)\n        return self.c[key]\n\n"
+            "    def count(self, key):\n        return self.c.get(key, 0)\n\n    def top(self):\n"
+            "        if not self.c:\n            return None\n"
+            "        return min(self.c, key=lambda k: (-self.c[k], k))\n",
+            _counter_ops,
+            ({"ops": [["top", []]]}, {"ops": [["add", ["a"]]] * 6 + [["count", ["a"]]]}),
+        )
     if variant == "lru":
         cap = p % 3 + 2
-        return Problem(family, variant, "class", "LRU", "class LRU: get(key), put(key, value)",
-                       f"A cache holding at most {cap} integer keys: put(key, value) stores value (returns None) "
-                       "and, when that makes it hold too many keys, evicts the least recently used one; "
-                       "get(key) returns the value or -1 when absent. Both get and put count as a use.",
-                       "class LRU:\n    def __init__(self):\n        self.d = {}\n\n    def get(self, key):\n"
-                       "        if key not in self.d:\n            return -1\n"
-                       "        self.d[key] = self.d.pop(key)\n        return self.d[key]\n\n"
-                       "    def put(self, key, value):\n        self.d.pop(key, None)\n        self.d[key] = value\n"
-                       f"        if len(self.d) > {cap}:\n            del self.d[next(iter(self.d))]\n",
-                       _lru_ops, ({"ops": [["get", [1]]]},))
+        return Problem(
+            family,
+            variant,
+            "class",
+            "LRU",
+            "class LRU: get(key), put(key, value)",
+            f"A cache holding at most {cap} integer keys: put(key, value) stores value (returns None) "
+            "and, when that makes it hold too many keys, evicts the least recently used one; "
+            "get(key) returns the value or -1 when absent. Both get and put count as a use.",
+            "class LRU:\n    def __init__(self):\n        self.d = {}\n\n    def get(self, key):\n"
+            "        if key not in self.d:\n            return -1\n"
+            "        self.d[key] = self.d.pop(key)\n        return self.d[key]\n\n"
+            "    def put(self, key, value):\n        self.d.pop(key, None)\n        self.d[key] = value\n"
+            f"        if len(self.d) > {cap}:\n            del self.d[next(iter(self.d))]\n",
+            _lru_ops,
+            ({"ops": [["get", [1]]]},),
+        )
     return None
 
 

@@ -76,7 +76,7 @@ class RunResult:
 
 
 # Runs as root of the new user namespace (pid 1 of the new PID namespace). argv[1]: JSON config.
-LAUNCHER = r'''
+LAUNCHER = r"""
 import ctypes, json, os, resource, sys
 cfg = json.loads(sys.argv[1])
 libc = ctypes.CDLL(None, use_errno=True)
@@ -156,7 +156,7 @@ except Exception as e:
 env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": target, "TMPDIR": target, "LANG": "C.UTF-8",
        "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1"}
 os.execve(sys.executable, [sys.executable, "-I", "-S", "-B", "-c", cfg["program"], *cfg["args"]], env)
-'''
+"""
 
 _probe: tuple[bool, str] | None = None
 
@@ -192,40 +192,84 @@ def sandbox_python() -> str:
     for cand in ("/usr/bin/python3", "/usr/local/bin/python3", shutil.which("python3") or ""):
         if cand and _world_runnable(cand):
             return cand
-    raise SandboxUnavailable(f"code sandbox: no python3 that the unprivileged sandbox user ({NOBODY}) may run "
-                             f"({sys.executable} is not world-executable); set MENTORRL_CODE_SANDBOX_PYTHON")
+    raise SandboxUnavailable(
+        f"code sandbox: no python3 that the unprivileged sandbox user ({NOBODY}) may run "
+        f"({sys.executable} is not world-executable); set MENTORRL_CODE_SANDBOX_PYTHON"
+    )
 
 
 def _command(cfg: dict) -> list[str]:
     unshare = _unshare()
     if unshare is None:
         raise SandboxUnavailable("code sandbox: no `unshare` binary (util-linux) found")
-    cmd = [unshare, "--user", "--map-root-user", "--mount", "--net", "--pid", "--ipc", "--uts", "--fork",
-           "--kill-child", "--mount-proc", sandbox_python(), "-I", "-S", "-B", "-c", LAUNCHER, json.dumps(cfg)]
+    cmd = [
+        unshare,
+        "--user",
+        "--map-root-user",
+        "--mount",
+        "--net",
+        "--pid",
+        "--ipc",
+        "--uts",
+        "--fork",
+        "--kill-child",
+        "--mount-proc",
+        sandbox_python(),
+        "-I",
+        "-S",
+        "-B",
+        "-c",
+        LAUNCHER,
+        json.dumps(cfg),
+    ]
     if os.getuid() == 0:
         setpriv = shutil.which("setpriv")
         if setpriv is None:
-            raise SandboxUnavailable("code sandbox: running as root but `setpriv` (util-linux) is missing, "
-                                     "so the sandbox cannot drop to an unprivileged user")
+            raise SandboxUnavailable(
+                "code sandbox: running as root but `setpriv` (util-linux) is missing, "
+                "so the sandbox cannot drop to an unprivileged user"
+            )
         cmd = [setpriv, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", *cmd]
     return cmd
 
 
-def run_sandboxed(workspace: Path, program: str, args: list[str] | None = None, *, limits: Limits | None = None,
-                  stdin: str = "", read_only: tuple[str, ...] = ("tests",), root: Path | None = None) -> RunResult:
+def run_sandboxed(
+    workspace: Path,
+    program: str,
+    args: list[str] | None = None,
+    *,
+    limits: Limits | None = None,
+    stdin: str = "",
+    read_only: tuple[str, ...] = ("tests",),
+    root: Path | None = None,
+) -> RunResult:
     """Run ``python -c program args...`` in the sandbox with ``workspace`` as its (only writable) directory."""
     limits = limits or Limits()
     root = Path(root or sandbox_root())
     workspace = Path(workspace).resolve()
     if root.resolve() not in workspace.parents:
         raise ValueError(f"workspace {workspace} is not under the sandbox root {root}")
-    cfg = {"workspace": str(workspace), "root": str(root.resolve()), "read_only": list(read_only),
-           "program": program, "args": list(args or []), "limits": limits.__dict__}
+    cfg = {
+        "workspace": str(workspace),
+        "root": str(root.resolve()),
+        "read_only": list(read_only),
+        "program": program,
+        "args": list(args or []),
+        "limits": limits.__dict__,
+    }
     cmd = _command(cfg)
     t0 = time.monotonic()
     try:
-        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                start_new_session=True, close_fds=True, cwd="/", env={"PATH": os.defpath})
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            close_fds=True,
+            cwd="/",
+            env={"PATH": os.defpath},
+        )
     except OSError as e:
         raise SandboxUnavailable(f"code sandbox: cannot start {cmd[0]}: {e}") from e
     out, err, why, cpu = _collect(proc, stdin.encode(), limits)
@@ -285,7 +329,7 @@ def _collect(proc: subprocess.Popen, data: bytes, limits: Limits) -> tuple[bytes
             buf = bufs[key.fileobj]
             buf.extend(chunk)
             if len(buf) > limits.max_output_bytes:
-                del buf[limits.max_output_bytes:]
+                del buf[limits.max_output_bytes :]
                 why = "output"
         if why:
             break
@@ -347,7 +391,7 @@ def check_sandbox() -> None:
         raise SandboxUnavailable(why)
 
 
-PROBE = r'''
+PROBE = r"""
 import os, socket
 open("probe.txt", "w").write("ok")
 try:
@@ -361,7 +405,7 @@ try:
 except OSError:
     pass
 print([l for l in open("/proc/self/status") if l.startswith("CapEff")][0].split()[1])
-'''
+"""
 
 
 def _run_probe() -> tuple[bool, str]:
@@ -380,13 +424,23 @@ def _run_probe() -> tuple[bool, str]:
     except (SandboxUnavailable, OSError) as e:
         return False, str(e)
     if res.exit_code != 0 or not wrote:
-        return False, (f"code sandbox: the probe program failed (exit {res.exit_code}): "
-                       f"{(res.stderr or res.stdout).strip()[-400:]}")
+        return False, (
+            f"code sandbox: the probe program failed (exit {res.exit_code}): "
+            f"{(res.stderr or res.stdout).strip()[-400:]}"
+        )
     lines = res.stdout.split()
     if "WRITABLE-OUTSIDE" in lines or "NETWORK" in lines or (lines and lines[-1] != "0000000000000000"):
         return False, f"code sandbox: the probe escaped its limits: {res.stdout.strip()}"
     return True, ""
 
 
-__all__ = ["Limits", "RunResult", "SandboxUnavailable", "check_sandbox", "run_sandboxed", "sandbox_root",
-           "LAUNCHER", "NOBODY"]
+__all__ = [
+    "Limits",
+    "RunResult",
+    "SandboxUnavailable",
+    "check_sandbox",
+    "run_sandboxed",
+    "sandbox_root",
+    "LAUNCHER",
+    "NOBODY",
+]

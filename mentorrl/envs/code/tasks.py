@@ -45,14 +45,25 @@ def build_task(split: str, seed: int, index: int, ep_seed: int, family: str) -> 
         if _key(case) not in seen:
             seen.add(_key(case))
             hidden.append(case)
-    prompt = (f"Implement {prob.signature} in solution.py. {prob.doc} "
-              "Visible tests are in tests/test_visible.py (run_tests runs them); hidden tests check other inputs.")
+    prompt = (
+        f"Implement {prob.signature} in solution.py. {prob.doc} "
+        "Visible tests are in tests/test_visible.py (run_tests runs them); hidden tests check other inputs."
+    )
     return Task(
-        id=f"code-{split}-{seed}-{index:05d}", family=family, split=split, prompt=prompt, seed=ep_seed,
-        reference={"variant": variant, "param": param, "kind": prob.kind, "entry": prob.entry,
-                   "visible": [{"case": c, "expected": e} for c, e in zip(visible, expected(prob, visible))],
-                   "hidden": [{"case": c, "expected": e} for c, e in zip(hidden, expected(prob, hidden))],
-                   "solution": prob.source},
+        id=f"code-{split}-{seed}-{index:05d}",
+        family=family,
+        split=split,
+        prompt=prompt,
+        seed=ep_seed,
+        reference={
+            "variant": variant,
+            "param": param,
+            "kind": prob.kind,
+            "entry": prob.entry,
+            "visible": [{"case": c, "expected": e} for c, e in zip(visible, expected(prob, visible))],
+            "hidden": [{"case": c, "expected": e} for c, e in zip(hidden, expected(prob, hidden))],
+            "solution": prob.source,
+        },
     )
 
 

@@ -10,5 +10,13 @@ from .env import SYSTEM_PROMPT, OrdersEnv
 from .expert import OrdersExpert
 from .tasks import ADVERSARIAL, FAMILIES, OrdersTasks
 
-__all__ = ["OrdersEnv", "OrdersTasks", "OrdersExpert", "FAMILIES", "ADVERSARIAL", "OrdersBackend", "TOOL_SPECS",
-           "SYSTEM_PROMPT"]
+__all__ = [
+    "OrdersEnv",
+    "OrdersTasks",
+    "OrdersExpert",
+    "FAMILIES",
+    "ADVERSARIAL",
+    "OrdersBackend",
+    "TOOL_SPECS",
+    "SYSTEM_PROMPT",
+]

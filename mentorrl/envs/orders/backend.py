@@ -59,8 +59,9 @@ class OrdersBackend:
         return money(self._one("SELECT COALESCE(SUM(amount), 0) FROM refunds WHERE order_id = ?", (order_id,))[0])
 
     def _audit(self, tool: str, **arguments: Any) -> None:
-        self.conn.execute("INSERT INTO audit_log (tool, arguments) VALUES (?, ?)",
-                          (tool, json.dumps(arguments, sort_keys=True)))
+        self.conn.execute(
+            "INSERT INTO audit_log (tool, arguments) VALUES (?, ?)", (tool, json.dumps(arguments, sort_keys=True))
+        )
 
     # -- read tools ----------------------------------------------------------------------
     def find_customer(self, email: str) -> dict[str, Any]:
@@ -72,10 +73,20 @@ class OrdersBackend:
 
     def get_order(self, order_id: str) -> dict[str, Any]:
         oid, cid, status, total = self._order(order_id.strip())
-        items = {pid: q for pid, q in self.conn.execute(
-            "SELECT product_id, quantity FROM order_items WHERE order_id = ? ORDER BY product_id", (oid,))}
-        return {"order_id": oid, "customer_id": cid, "status": status, "total": money(total),
-                "refunded": self._refunded(oid), "items": items}
+        items = {
+            pid: q
+            for pid, q in self.conn.execute(
+                "SELECT product_id, quantity FROM order_items WHERE order_id = ? ORDER BY product_id", (oid,)
+            )
+        }
+        return {
+            "order_id": oid,
+            "customer_id": cid,
+            "status": status,
+            "total": money(total),
+            "refunded": self._refunded(oid),
+            "items": items,
+        }
 
     def list_orders(self, customer_id: str) -> dict[str, Any]:
         cid = self._customer(customer_id.strip())[0]
@@ -123,8 +134,9 @@ class OrdersBackend:
             raise ToolError(f"order {oid} is {status} and cannot be cancelled", kind="policy")
         with self.conn:
             self.conn.execute("UPDATE orders SET status = 'cancelled' WHERE id = ?", (oid,))
-            for pid, q in self.conn.execute("SELECT product_id, quantity FROM order_items WHERE order_id = ?",
-                                            (oid,)).fetchall():
+            for pid, q in self.conn.execute(
+                "SELECT product_id, quantity FROM order_items WHERE order_id = ?", (oid,)
+            ).fetchall():
                 self.conn.execute("UPDATE products SET stock = stock + ? WHERE id = ?", (q, pid))
             self._audit("cancel_order", order_id=oid)
         return {"order_id": oid, "status": "cancelled"}
@@ -134,8 +146,9 @@ class OrdersBackend:
         self._require_identified(cid)
         address = normalise_address(address)
         if len(address) < 5:
-            raise ToolError("address is too short once spaces and trailing punctuation are removed",
-                            kind="bad_arguments")
+            raise ToolError(
+                "address is too short once spaces and trailing punctuation are removed", kind="bad_arguments"
+            )
         with self.conn:
             self.conn.execute("UPDATE customers SET address = ? WHERE id = ?", (address, cid))
             self._audit("update_address", customer_id=cid, address=address)
@@ -162,8 +175,10 @@ class OrdersBackend:
         if owner != cid:
             raise ToolError(f"order {oid} does not belong to customer {cid}", kind="policy")
         with self.conn:
-            self.conn.execute("INSERT INTO emails (customer_id, order_id, subject) VALUES (?, ?, ?)",
-                              (cid, oid, f"Receipt for order {oid}"))
+            self.conn.execute(
+                "INSERT INTO emails (customer_id, order_id, subject) VALUES (?, ?, ?)",
+                (cid, oid, f"Receipt for order {oid}"),
+            )
             self._audit("send_email", customer_id=cid, order_id=oid)
         return {"sent": True, "to": email, "order_id": oid}
 
@@ -175,20 +190,35 @@ def _schema(**props: dict[str, Any]) -> dict[str, Any]:
 _STR = {"type": "string", "minLength": 1, "maxLength": 100}
 
 TOOL_SPECS: list[tuple[str, str, dict[str, Any]]] = [
-    ("find_customer", "Identify a customer by email; required before changing their data or orders.",
-     _schema(email=_STR)),
+    (
+        "find_customer",
+        "Identify a customer by email; required before changing their data or orders.",
+        _schema(email=_STR),
+    ),
     ("get_order", "Look up an order: owner, status, total, refunded amount, items.", _schema(order_id=_STR)),
     ("list_orders", "List a customer's orders with their statuses.", _schema(customer_id=_STR)),
     ("check_inventory", "Look up a product by name: id, price and stock.", _schema(product=_STR)),
-    ("create_order", "Place an order for an identified customer (quantity must be in stock).",
-     _schema(customer_id=_STR, product_id=_STR, quantity={"type": "integer", "minimum": 1, "maximum": 1000})),
+    (
+        "create_order",
+        "Place an order for an identified customer (quantity must be in stock).",
+        _schema(customer_id=_STR, product_id=_STR, quantity={"type": "integer", "minimum": 1, "maximum": 1000}),
+    ),
     ("cancel_order", "Cancel a pending or processing order of an identified customer.", _schema(order_id=_STR)),
-    ("update_address", "Change an identified customer's address.",
-     _schema(customer_id=_STR, address={"type": "string", "minLength": 5, "maxLength": 100})),
-    ("issue_refund", "Refund an amount on an order (total refunds may not exceed the order total).",
-     _schema(order_id=_STR, amount={"type": "number", "exclusiveMinimum": 0, "maximum": 100000})),
-    ("send_email", "Email the receipt for one of the customer's orders to the customer.",
-     _schema(customer_id=_STR, order_id=_STR)),
+    (
+        "update_address",
+        "Change an identified customer's address.",
+        _schema(customer_id=_STR, address={"type": "string", "minLength": 5, "maxLength": 100}),
+    ),
+    (
+        "issue_refund",
+        "Refund an amount on an order (total refunds may not exceed the order total).",
+        _schema(order_id=_STR, amount={"type": "number", "exclusiveMinimum": 0, "maximum": 100000}),
+    ),
+    (
+        "send_email",
+        "Email the receipt for one of the customer's orders to the customer.",
+        _schema(customer_id=_STR, order_id=_STR),
+    ),
 ]
 
 

@@ -23,6 +23,7 @@ SYSTEM_PROMPT = (
     "Make each requested change once, then answer briefly with the key fact."
 )
 
+
 class OrdersEnv:
     name = "orders"
     version = "2.0"  # 2.0: verifier v2 (evidence-grounded answers, every write audited, privacy)
@@ -34,8 +35,9 @@ class OrdersEnv:
         self._task: Task | None = None
         self._observations: list[Observation] = []  # this episode's tool calls, as answered
         self._latency = LatencySampler(latency) if latency is not None else None
-        self.registry = ToolRegistry(make_tools(self._live_backend), timeout_s=tool_timeout_s,
-                                     on_timeout=self._interrupt, delay=self._latency)
+        self.registry = ToolRegistry(
+            make_tools(self._live_backend), timeout_s=tool_timeout_s, on_timeout=self._interrupt, delay=self._latency
+        )
 
     # -- episode ---------------------------------------------------------------------------
     def _live_backend(self) -> OrdersBackend:
@@ -136,8 +138,11 @@ def reference_worlds(task: Task, expected_db) -> ReferenceWorlds:
     seed, the reference actions and the function that replays them (``expected_db(task)``; a
     subclass that overrides it gets its own entries). The most recent 256 are kept; an evicted
     entry stays valid for whoever still holds it."""
-    key = (getattr(expected_db, "__func__", expected_db), task.seed,
-           json.dumps(task.reference.get("actions", []), sort_keys=True, default=repr))
+    key = (
+        getattr(expected_db, "__func__", expected_db),
+        task.seed,
+        json.dumps(task.reference.get("actions", []), sort_keys=True, default=repr),
+    )
     with _REFERENCES_LOCK:
         ref = _REFERENCES.get(key)
         if ref is not None:
@@ -165,8 +170,9 @@ def _compare(task: Task, init: Snapshot, exp: Snapshot, act: Snapshot) -> tuple[
     return diffs, list(dict.fromkeys(viol))
 
 
-def _compare_customers(init: Snapshot, exp: Snapshot, act: Snapshot, me: Any, diffs: list[str],
-                       viol: list[str]) -> None:
+def _compare_customers(
+    init: Snapshot, exp: Snapshot, act: Snapshot, me: Any, diffs: list[str], viol: list[str]
+) -> None:
     for cid in sorted(set(exp.customers) | set(act.customers)):
         e, a, i = exp.customers.get(cid), act.customers.get(cid), init.customers.get(cid)
         if e != a:
@@ -175,8 +181,7 @@ def _compare_customers(init: Snapshot, exp: Snapshot, act: Snapshot, me: Any, di
                 viol.append(f"unrequested change to customer {cid}" + ("" if cid == me else " (another customer)"))
 
 
-def _compare_products(init: Snapshot, exp: Snapshot, act: Snapshot, me: Any, diffs: list[str],
-                      viol: list[str]) -> None:
+def _compare_products(init: Snapshot, exp: Snapshot, act: Snapshot, me: Any, diffs: list[str], viol: list[str]) -> None:
     for pid in sorted(set(exp.products) | set(act.products)):
         e, a = exp.products.get(pid), act.products.get(pid)
         if e != a:
@@ -185,8 +190,7 @@ def _compare_products(init: Snapshot, exp: Snapshot, act: Snapshot, me: Any, dif
             viol.append(f"negative stock for {pid}")
 
 
-def _compare_orders(init: Snapshot, exp: Snapshot, act: Snapshot, me: Any, diffs: list[str],
-                    viol: list[str]) -> None:
+def _compare_orders(init: Snapshot, exp: Snapshot, act: Snapshot, me: Any, diffs: list[str], viol: list[str]) -> None:
     new_exp = set(exp.orders) - set(init.orders)
     new_act = set(act.orders) - set(init.orders)
     for oid in sorted(set(exp.orders) | set(act.orders)):
@@ -208,8 +212,7 @@ def _compare_orders(init: Snapshot, exp: Snapshot, act: Snapshot, me: Any, diffs
         diffs.append("order items differ")
 
 
-def _compare_refunds(init: Snapshot, exp: Snapshot, act: Snapshot, me: Any, diffs: list[str],
-                     viol: list[str]) -> None:
+def _compare_refunds(init: Snapshot, exp: Snapshot, act: Snapshot, me: Any, diffs: list[str], viol: list[str]) -> None:
     if exp.refunds == act.refunds:
         return
     new_ref_exp, new_ref_act = exp.refunds - init.refunds, act.refunds - init.refunds
@@ -222,25 +225,28 @@ def _compare_refunds(init: Snapshot, exp: Snapshot, act: Snapshot, me: Any, diff
     for oid, amount in refunded.items():
         if oid in act.orders and money(amount) > act.orders[oid][2] + 1e-9:
             viol.append(f"refunds on {oid} exceed its total")
-    for oid, _ in (new_ref_act - new_ref_exp):
+    for oid, _ in new_ref_act - new_ref_exp:
         if oid in init.orders and init.orders[oid][0] != me:
             viol.append(f"refund on another customer's order {oid}")
 
 
-def _compare_emails(init: Snapshot, exp: Snapshot, act: Snapshot, me: Any, diffs: list[str],
-                    viol: list[str]) -> None:
+def _compare_emails(init: Snapshot, exp: Snapshot, act: Snapshot, me: Any, diffs: list[str], viol: list[str]) -> None:
     if exp.emails == act.emails:
         return
     new_em_exp, new_em_act = exp.emails - init.emails, act.emails - init.emails
     diffs.append(f"emails differ: expected {sorted(new_em_exp.elements())}, got {sorted(new_em_act.elements())}")
     if sum(new_em_act.values()) > sum(new_em_exp.values()):
         viol.append("extra email(s)")
-    for cid, _ in (new_em_act - new_em_exp):
+    for cid, _ in new_em_act - new_em_exp:
         if cid != me:
             viol.append(f"email sent to another customer {cid}")
 
 
 # the state comparisons, in the order their differences are reported: each appends to (diffs, violations)
 _TABLE_COMPARISONS: tuple[Callable[[Snapshot, Snapshot, Snapshot, Any, list[str], list[str]], None], ...] = (
-    _compare_customers, _compare_products, _compare_orders, _compare_refunds, _compare_emails,
+    _compare_customers,
+    _compare_products,
+    _compare_orders,
+    _compare_refunds,
+    _compare_emails,
 )

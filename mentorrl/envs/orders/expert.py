@@ -94,8 +94,10 @@ class OrdersExpert:
         amount = float(req["amount"])
         left = round(order["total"] - order["refunded"], 2)
         if amount > left + 1e-9:
-            yield FinalAnswer(f"Sorry, I can't refund ${fmt_amount(amount)}: order {order['order_id']} "
-                              f"has only ${left:.2f} left to refund.")
+            yield FinalAnswer(
+                f"Sorry, I can't refund ${fmt_amount(amount)}: order {order['order_id']} "
+                f"has only ${left:.2f} left to refund."
+            )
             return
         r = yield ToolAction("issue_refund", {"order_id": order["order_id"], "amount": amount})
         if not r.ok:

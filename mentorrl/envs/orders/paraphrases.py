@@ -17,8 +17,29 @@ from .expert import OrdersExpert
 from .tasks import plural
 
 Facts = dict[str, Any]
-_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve",
-          "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen", "nineteen", "twenty"]
+_WORDS = [
+    "zero",
+    "one",
+    "two",
+    "three",
+    "four",
+    "five",
+    "six",
+    "seven",
+    "eight",
+    "nine",
+    "ten",
+    "eleven",
+    "twelve",
+    "thirteen",
+    "fourteen",
+    "fifteen",
+    "sixteen",
+    "seventeen",
+    "eighteen",
+    "nineteen",
+    "twenty",
+]
 
 
 def word(n: int) -> str:
@@ -43,10 +64,17 @@ def _status(f: Facts) -> list[str]:
     }[s]
     other = next(x for x in ("pending", "delivered", "processing") if x != s)
     return [
-        f"Order {oid} is {s}.", f"Your order {oid} is currently {s}.", f"The status of {oid}: {s}.",
-        f"{s.capitalize()}.", f"I checked order {oid} for you; it is {s}.", f"Order {oid} shows as {s} in our system.",
-        estimate, f"It's {s}, not {other}.", f"Your order ({oid}) is {s}. Its total was {usd(total)}.",
-        f"Order {oid}: {s}, total {usd(total)}.", f"Hi! I looked it up: {oid} is {s}. Anything else I can help with?",
+        f"Order {oid} is {s}.",
+        f"Your order {oid} is currently {s}.",
+        f"The status of {oid}: {s}.",
+        f"{s.capitalize()}.",
+        f"I checked order {oid} for you; it is {s}.",
+        f"Order {oid} shows as {s} in our system.",
+        estimate,
+        f"It's {s}, not {other}.",
+        f"Your order ({oid}) is {s}. Its total was {usd(total)}.",
+        f"Order {oid}: {s}, total {usd(total)}.",
+        f"Hi! I looked it up: {oid} is {s}. Anything else I can help with?",
         f"Order {oid} is {s.upper()}.",
     ]
 
@@ -55,10 +83,16 @@ def _stock(f: Facts) -> list[str]:
     n, name, price = f["stock"], f["name"], f["price"]
     names = plural(name) if n != 1 else name
     out = [
-        f"We have {n} {names} in stock.", f"There are {n} units of {name} available.", f"{n} left in stock.",
-        f"We have {word(n)} {names} in stock.", f"Stock for {name}: {n} units, at {usd(price)} each.",
-        f"Currently {n} in stock ({name}, {usd(price)} each).", f"Inventory shows {n} {name} units.", f"{n}.",
-        f"There are {n} {names} left; each costs {usd(price)}.", f"Right now we have exactly {n} {names}.",
+        f"We have {n} {names} in stock.",
+        f"There are {n} units of {name} available.",
+        f"{n} left in stock.",
+        f"We have {word(n)} {names} in stock.",
+        f"Stock for {name}: {n} units, at {usd(price)} each.",
+        f"Currently {n} in stock ({name}, {usd(price)} each).",
+        f"Inventory shows {n} {name} units.",
+        f"{n}.",
+        f"There are {n} {names} left; each costs {usd(price)}.",
+        f"Right now we have exactly {n} {names}.",
         f"The {name} is priced at {usd(price)} and we have {n} in stock.",
     ]
     if n == 0:
@@ -70,9 +104,15 @@ def _count(f: Facts) -> list[str]:
     k = f["count"]
     s = "s" if k != 1 else ""
     out = [
-        f"You have {k} order{s}.", f"You've placed {k} order{s} with us.", f"There are {k} order{s} on your account.",
-        f"You have {word(k)} order{s}.", f"{k}.", f"Your account shows {k} order{s} in total.",
-        f"I found {k} order{s} for {f['email']}.", f"Total orders: {k}.", f"You have placed {k} order{s} so far.",
+        f"You have {k} order{s}.",
+        f"You've placed {k} order{s} with us.",
+        f"There are {k} order{s} on your account.",
+        f"You have {word(k)} order{s}.",
+        f"{k}.",
+        f"Your account shows {k} order{s} in total.",
+        f"I found {k} order{s} for {f['email']}.",
+        f"Total orders: {k}.",
+        f"You have placed {k} order{s} so far.",
         f"Your order count is {k}.",
     ]
     if k == 0:
@@ -83,23 +123,33 @@ def _count(f: Facts) -> list[str]:
 def _unknown_order(f: Facts) -> list[str]:
     oid = f["oid"]
     return [
-        f"Sorry, no order {oid} was found.", f"I couldn't find an order with the id {oid}.", f"Order {oid} does not exist.",
-        f"There is no order {oid} in our system.", f"I'm sorry, but {oid} isn't a valid order number.",
-        f"I can't find any record of order {oid}.", f"We have no record of an order {oid}.",
-        f"That order ({oid}) was not found.", f"Unfortunately order {oid} doesn't appear in our records.",
-        f"I looked up {oid} but found no such order.", f"No matching order for {oid}.",
+        f"Sorry, no order {oid} was found.",
+        f"I couldn't find an order with the id {oid}.",
+        f"Order {oid} does not exist.",
+        f"There is no order {oid} in our system.",
+        f"I'm sorry, but {oid} isn't a valid order number.",
+        f"I can't find any record of order {oid}.",
+        f"We have no record of an order {oid}.",
+        f"That order ({oid}) was not found.",
+        f"Unfortunately order {oid} doesn't appear in our records.",
+        f"I looked up {oid} but found no such order.",
+        f"No matching order for {oid}.",
     ]
 
 
 def _unknown_customer(f: Facts) -> list[str]:
     e = f["email"]
     return [
-        f"Sorry, no customer was found with email {e}.", f"I couldn't find an account for {e}.",
-        f"There's no account registered to {e}.", f"{e} doesn't match any customer in our system.",
+        f"Sorry, no customer was found with email {e}.",
+        f"I couldn't find an account for {e}.",
+        f"There's no account registered to {e}.",
+        f"{e} doesn't match any customer in our system.",
         "I'm sorry, I can't locate a customer with that email.",
         f"We have no customer record for {e}, so I can't make any changes.",
-        "That email address isn't registered with us.", f"No account found for {e}.",
-        f"I wasn't able to find you in our system using {e}.", f"Unfortunately, {e} is not a known customer email.",
+        "That email address isn't registered with us.",
+        f"No account found for {e}.",
+        f"I wasn't able to find you in our system using {e}.",
+        f"Unfortunately, {e} is not a known customer email.",
         f"Could you double-check the email? I found no account for {e}.",
     ]
 
@@ -107,13 +157,17 @@ def _unknown_customer(f: Facts) -> list[str]:
 def _not_yours(f: Facts) -> list[str]:
     oid, verb = f["oid"], f["verb"]
     return [
-        f"Order {oid} is not on your account, so I can't {verb}.", f"Order {oid} belongs to another customer, so I "
-        f"can't {verb}.", f"I'm sorry, {oid} isn't your order.", "That order is not on your account.",
+        f"Order {oid} is not on your account, so I can't {verb}.",
+        f"Order {oid} belongs to another customer, so I can't {verb}.",
+        f"I'm sorry, {oid} isn't your order.",
+        "That order is not on your account.",
         f"Order {oid} is registered to a different account, so I can't help with it.",
         f"I can only act on orders on your own account, and {oid} is not one of them.",
-        f"Order {oid} was placed by someone else.", "This order doesn't belong to you.",
+        f"Order {oid} was placed by someone else.",
+        "This order doesn't belong to you.",
         f"Sorry - {oid} is associated with another customer's account.",
-        f"I couldn't find order {oid} on your account.", f"For privacy reasons I can't act on {oid}: it isn't yours.",
+        f"I couldn't find order {oid} on your account.",
+        f"For privacy reasons I can't act on {oid}: it isn't yours.",
     ]
 
 
@@ -121,12 +175,16 @@ def _not_cancellable(f: Facts) -> list[str]:
     oid, s = f["oid"], f["status"]
     return [
         f"Sorry, order {oid} is already {s}, so I can't cancel it.",
-        f"Order {oid} has already been {s} and can no longer be cancelled.", f"I can't cancel {oid} because it's {s}.",
+        f"Order {oid} has already been {s} and can no longer be cancelled.",
+        f"I can't cancel {oid} because it's {s}.",
         f"{oid} is {s}; only pending or processing orders can be cancelled.",
         f"Unfortunately that order was already {s}, so cancellation isn't possible.",
-        f"It's too late to cancel {oid}: it has been {s}.", f"Order {oid} is {s}. Cancelling is not possible now.",
-        f"I'm afraid I can't do that, even for staff: {oid} is {s}.", f"{oid} cannot be cancelled - its status is {s}.",
-        f"Since order {oid} is {s}, I'm unable to cancel it.", f"No cancellation possible: order {oid} is {s}.",
+        f"It's too late to cancel {oid}: it has been {s}.",
+        f"Order {oid} is {s}. Cancelling is not possible now.",
+        f"I'm afraid I can't do that, even for staff: {oid} is {s}.",
+        f"{oid} cannot be cancelled - its status is {s}.",
+        f"Since order {oid} is {s}, I'm unable to cancel it.",
+        f"No cancellation possible: order {oid} is {s}.",
     ]
 
 
@@ -146,8 +204,9 @@ def _over_limit(f: Facts) -> list[str]:
         f"{oid} has {left:g} dollars left to refund, less than the {a:g} you asked for.",
     ]
     if r > 0:
-        out.append(f"Order {oid} totals {usd(t)} and {usd(r)} has already been refunded, so only {usd(left)} can be "
-                   "refunded.")
+        out.append(
+            f"Order {oid} totals {usd(t)} and {usd(r)} has already been refunded, so only {usd(left)} can be refunded."
+        )
     return out
 
 
@@ -156,7 +215,8 @@ def _insufficient(f: Facts) -> list[str]:
     names = plural(name) if n != 1 else name
     out = [
         f"Sorry, we only have {n} {names} in stock, so I can't order {q}.",
-        f"We only have {n} {names} left, so I can't order {q}.", f"Sorry, there are just {n} in stock - not enough for {q}.",
+        f"We only have {n} {names} left, so I can't order {q}.",
+        f"Sorry, there are just {n} in stock - not enough for {q}.",
         f"I can't place an order for {q}: only {n} are available.",
         f"Stock is {n}, which is less than the {q} you asked for.",
         f"Only {word(n)} {names} left in stock; I can't order {q} for you.",
@@ -173,9 +233,13 @@ def _insufficient(f: Facts) -> list[str]:
 def _cancelled(f: Facts) -> list[str]:
     oid = f["oid"]
     return [
-        f"Order {oid} is now cancelled.", f"I've cancelled order {oid}.", f"Done - {oid} has been cancelled.",
-        f"Your order {oid} was cancelled successfully.", f"Cancellation confirmed for order {oid}.",
-        f"All set, order {oid} is cancelled.", f"Order {oid} has been canceled.",
+        f"Order {oid} is now cancelled.",
+        f"I've cancelled order {oid}.",
+        f"Done - {oid} has been cancelled.",
+        f"Your order {oid} was cancelled successfully.",
+        f"Cancellation confirmed for order {oid}.",
+        f"All set, order {oid} is cancelled.",
+        f"Order {oid} has been canceled.",
         f"I cancelled {oid} for you. Its total was {usd(f['total'])}.",
     ]
 
@@ -183,19 +247,28 @@ def _cancelled(f: Facts) -> list[str]:
 def _address(f: Facts) -> list[str]:
     addr = f["address"]
     return [
-        f"Your address is now {addr}.", f"I've updated your address to {addr}.", f"Done: the address on file is {addr}.",
-        f"Address changed to {addr}.", f"Your shipping address has been updated to {addr}.",
-        f"All set - we'll ship to {addr} from now on.", f"Your new address, {addr}, is saved.", f"Updated! {addr}.",
+        f"Your address is now {addr}.",
+        f"I've updated your address to {addr}.",
+        f"Done: the address on file is {addr}.",
+        f"Address changed to {addr}.",
+        f"Your shipping address has been updated to {addr}.",
+        f"All set - we'll ship to {addr} from now on.",
+        f"Your new address, {addr}, is saved.",
+        f"Updated! {addr}.",
     ]
 
 
 def _refunded(f: Facts) -> list[str]:
     oid, a = f["oid"], f["amount"]
     return [
-        f"Refunded {usd(a)} on order {oid}.", f"I've issued a refund of {usd(a)} for {oid}.",
-        f"Your {usd(a)} refund for {oid} has been processed.", f"Done - {usd(a)} is on its way back to you.",
-        f"{usd(a)} has been refunded to you.", f"A refund of {usd(a)} was issued on order {oid}.",
-        f"I refunded {a:g} dollars on {oid}.", f"Refund of {usd(a)} on {oid} completed.",
+        f"Refunded {usd(a)} on order {oid}.",
+        f"I've issued a refund of {usd(a)} for {oid}.",
+        f"Your {usd(a)} refund for {oid} has been processed.",
+        f"Done - {usd(a)} is on its way back to you.",
+        f"{usd(a)} has been refunded to you.",
+        f"A refund of {usd(a)} was issued on order {oid}.",
+        f"I refunded {a:g} dollars on {oid}.",
+        f"Refund of {usd(a)} on {oid} completed.",
     ]
 
 
@@ -203,19 +276,25 @@ def _placed(f: Facts) -> list[str]:
     new, q, name = f["new_oid"], f["qty"], f["name"]
     names = plural(name) if q != 1 else name
     return [
-        f"Placed order {new} for {q} {names}.", f"I've placed your order for {q} {names}: order {new}.",
-        f"Your order {new} for {q} x {name} is confirmed.", f"Done! Order {new} ({q} {names}, {usd(f['total'])}) is "
-        "pending.", f"Ordered {word(q)} {names} for you; order number {new}.",
-        f"Your purchase of {q} {names} went through (order {new}).", f"I've created order {new} for {q} {names}.",
+        f"Placed order {new} for {q} {names}.",
+        f"I've placed your order for {q} {names}: order {new}.",
+        f"Your order {new} for {q} x {name} is confirmed.",
+        f"Done! Order {new} ({q} {names}, {usd(f['total'])}) is pending.",
+        f"Ordered {word(q)} {names} for you; order number {new}.",
+        f"Your purchase of {q} {names} went through (order {new}).",
+        f"I've created order {new} for {q} {names}.",
     ]
 
 
 def _emailed(f: Facts) -> list[str]:
     oid, e = f["oid"], f["email"]
     return [
-        f"I emailed the receipt for order {oid} to {e}.", f"The receipt for {oid} has been sent to {e}.",
-        f"Sent! Check your inbox at {e} for the {oid} receipt.", f"Done - the receipt for {oid} is on its way to your "
-        "inbox.", f"I've e-mailed you the receipt for order {oid}.", f"Your receipt for {oid} was sent.",
+        f"I emailed the receipt for order {oid} to {e}.",
+        f"The receipt for {oid} has been sent to {e}.",
+        f"Sent! Check your inbox at {e} for the {oid} receipt.",
+        f"Done - the receipt for {oid} is on its way to your inbox.",
+        f"I've e-mailed you the receipt for order {oid}.",
+        f"Your receipt for {oid} was sent.",
         f"Receipt for {oid} sent to {e}.",
     ]
 
@@ -250,16 +329,22 @@ _VERB = {"cancel_order": "cancel it", "refund": "refund it", "email_receipt": "s
 def facts(task: Task, results: list[tuple[ToolAction, ToolResult]]) -> Facts:
     """What the expert's tool results showed, plus what the user asked for."""
     req = task.reference.get("request", {})
-    f: Facts = {"oid": req.get("order_id"), "email": req.get("email"), "verb": _VERB.get(task.family, "do that"),
-                "address": f"{req['address']}." if "address" in req else None,  # copied with its full stop
-                "amount": float(req["amount"]) if "amount" in req else None, "qty": req.get("quantity")}
+    f: Facts = {
+        "oid": req.get("order_id"),
+        "email": req.get("email"),
+        "verb": _VERB.get(task.family, "do that"),
+        "address": f"{req['address']}." if "address" in req else None,  # copied with its full stop
+        "amount": float(req["amount"]) if "amount" in req else None,
+        "qty": req.get("quantity"),
+    }
     for action, r in results:
         if not r.ok or not isinstance(r.content, dict):
             continue
         c = r.content
         if action.name == "get_order":
-            f.update(status=c["status"], total=c["total"], refunded=c["refunded"],
-                     left=round(c["total"] - c["refunded"], 2))
+            f.update(
+                status=c["status"], total=c["total"], refunded=c["refunded"], left=round(c["total"] - c["refunded"], 2)
+            )
         elif action.name == "list_orders":
             f["count"] = c["count"]
         elif action.name == "check_inventory":
@@ -279,9 +364,23 @@ def count(task: Task) -> int:
     make = PARAPHRASES.get((task.family, task.reference.get("kind", "normal")))
     if make is None:
         return 0
-    dummy = {"oid": "O-1", "email": "a@b.c", "verb": "x", "address": "1 A St.", "amount": 2.0, "qty": 2, "status":
-             "pending", "total": 3.0, "refunded": 1.0, "left": 2.0, "count": 2, "stock": 2, "name": "Mug",
-             "price": 1.0, "new_oid": "O-2"}
+    dummy = {
+        "oid": "O-1",
+        "email": "a@b.c",
+        "verb": "x",
+        "address": "1 A St.",
+        "amount": 2.0,
+        "qty": 2,
+        "status": "pending",
+        "total": 3.0,
+        "refunded": 1.0,
+        "left": 2.0,
+        "count": 2,
+        "stock": 2,
+        "name": "Mug",
+        "price": 1.0,
+        "new_oid": "O-2",
+    }
     return len(make(dummy))
 
 

@@ -42,51 +42,135 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 STATUS_WORDS = {
-    "pending": "pending", "processing": "processing", "shipped": "shipped", "delivered": "delivered",
-    "cancelled": "cancelled", "canceled": "cancelled",
+    "pending": "pending",
+    "processing": "processing",
+    "shipped": "shipped",
+    "delivered": "delivered",
+    "cancelled": "cancelled",
+    "canceled": "cancelled",
 }
 # a value may be separated from the cue before it by up to three of these words
-_FILLER = ("be", "been", "being", "yet", "currently", "already", "actually", "even", "really", "have", "has",
-           "had", "got", "exactly", "quite", "just", "any", "the", "a", "an", "it", "its", "this", "that",
-           "order", "status", "still", "was", "is", "are", "were", "get", "gotten", "there", "we", "you",
-           "in", "stock", "of", "only", "left", "at", "your", "my", "me", "i", "$", "usd")
+_FILLER = (
+    "be",
+    "been",
+    "being",
+    "yet",
+    "currently",
+    "already",
+    "actually",
+    "even",
+    "really",
+    "have",
+    "has",
+    "had",
+    "got",
+    "exactly",
+    "quite",
+    "just",
+    "any",
+    "the",
+    "a",
+    "an",
+    "it",
+    "its",
+    "this",
+    "that",
+    "order",
+    "status",
+    "still",
+    "was",
+    "is",
+    "are",
+    "were",
+    "get",
+    "gotten",
+    "there",
+    "we",
+    "you",
+    "in",
+    "stock",
+    "of",
+    "only",
+    "left",
+    "at",
+    "your",
+    "my",
+    "me",
+    "i",
+    "$",
+    "usd",
+)
 _FILL = r"(?:(?:" + "|".join(re.escape(w) for w in _FILLER) + r")\s+){0,3}"
 _NEG_CUE = r"(?:not|never|no longer|neither|nor|nothing|without|nobody|none of)"
-_HEDGE_CUE = (r"(?:maybe|perhaps|possibly|probably|presumably|likely|might|may|could|guess|think|believe|doubt|"
-              r"unclear|uncertain|between|plus or minus|"
-              r"suppose|around|about|approximately|approx|roughly|nearly|almost|estimated|"
-              r"at least|more than|less than|fewer than|over|under|above|below|upwards of|some|several|"
-              r"not sure|unsure|either|~)")
-_PROSPECTIVE_CUE = (r"(?:will|should|shall|can|if|unless|whether|going to|expected to|expect it to|soon|once|when|until|"
-                    r"next|tomorrow|later|eventually|on its way to|about to|due to)")
+_HEDGE_CUE = (
+    r"(?:maybe|perhaps|possibly|probably|presumably|likely|might|may|could|guess|think|believe|doubt|"
+    r"unclear|uncertain|between|plus or minus|"
+    r"suppose|around|about|approximately|approx|roughly|nearly|almost|estimated|"
+    r"at least|more than|less than|fewer than|over|under|above|below|upwards of|some|several|"
+    r"not sure|unsure|either|~)"
+)
+_PROSPECTIVE_CUE = (
+    r"(?:will|should|shall|can|if|unless|whether|going to|expected to|expect it to|soon|once|when|until|"
+    r"next|tomorrow|later|eventually|on its way to|about to|due to)"
+)
 
 CONTRACTIONS = [
-    (r"\bcan't\b", "can not"), (r"\bcannot\b", "can not"), (r"\bwon't\b", "will not"),
-    (r"\bshan't\b", "shall not"), (r"n't\b", " not"), (r"'re\b", " are"), (r"'ve\b", " have"),
-    (r"'ll\b", " will"), (r"'d\b", " would"), (r"\b(it|that|there|what|here|he|she|who)'s\b", r"\1 is"),
+    (r"\bcan't\b", "can not"),
+    (r"\bcannot\b", "can not"),
+    (r"\bwon't\b", "will not"),
+    (r"\bshan't\b", "shall not"),
+    (r"n't\b", " not"),
+    (r"'re\b", " are"),
+    (r"'ve\b", " have"),
+    (r"'ll\b", " will"),
+    (r"'d\b", " would"),
+    (r"\b(it|that|there|what|here|he|she|who)'s\b", r"\1 is"),
     (r"\bi'm\b", "i am"),
 ]
 
 _UNITS = {
-    "zero": 0, "one": 1, "two": 2, "three": 3, "four": 4, "five": 5, "six": 6, "seven": 7, "eight": 8,
-    "nine": 9, "ten": 10, "eleven": 11, "twelve": 12, "thirteen": 13, "fourteen": 14, "fifteen": 15,
-    "sixteen": 16, "seventeen": 17, "eighteen": 18, "nineteen": 19,
+    "zero": 0,
+    "one": 1,
+    "two": 2,
+    "three": 3,
+    "four": 4,
+    "five": 5,
+    "six": 6,
+    "seven": 7,
+    "eight": 8,
+    "nine": 9,
+    "ten": 10,
+    "eleven": 11,
+    "twelve": 12,
+    "thirteen": 13,
+    "fourteen": 14,
+    "fifteen": 15,
+    "sixteen": 16,
+    "seventeen": 17,
+    "eighteen": 18,
+    "nineteen": 19,
 }
-_TENS = {"twenty": 20, "thirty": 30, "forty": 40, "fifty": 50, "sixty": 60, "seventy": 70, "eighty": 80,
-         "ninety": 90}
+_TENS = {"twenty": 20, "thirty": 30, "forty": 40, "fifty": 50, "sixty": 60, "seventy": 70, "eighty": 80, "ninety": 90}
 _NUMBER_WORD_RE = re.compile(
-    r"\b(?:(?P<tens>" + "|".join(_TENS) + r")(?:[\s-]+(?P<unit1>" + "|".join(k for k in _UNITS if _UNITS[k] < 10
-                                                                           and _UNITS[k] > 0) + r"))?"
+    r"\b(?:(?P<tens>"
+    + "|".join(_TENS)
+    + r")(?:[\s-]+(?P<unit1>"
+    + "|".join(k for k in _UNITS if _UNITS[k] < 10 and _UNITS[k] > 0)
+    + r"))?"
     r"|(?P<unit>" + "|".join(_UNITS) + r"))(?:\s+hundred(?:\s+(?:and\s+)?(?P<rest>\d+))?)?\b"
 )
 # "one" is a number only where it counts something
-_ONE_PRONOUN_RE = re.compile(r"\bone(?=\s+(?:of|you|that|which|who|more|another|thing|moment|sec|second|day|"
-                             r"time|way|question|minute|issue|else)\b)")
+_ONE_PRONOUN_RE = re.compile(
+    r"\bone(?=\s+(?:of|you|that|which|who|more|another|thing|moment|sec|second|day|"
+    r"time|way|question|minute|issue|else)\b)"
+)
 _ZERO_PATTERNS = [
     re.compile(r"\b(?:out of stock|sold out|none left|none in stock|none available|none remaining)\b"),
     re.compile(r"\bno(?=\s+(?:\w+\s+){0,3}?(?:left|in stock|available|remaining|units?|items?|pieces?|orders)\b)"),
-    re.compile(r"\bnot\s+(?:(?:have|has|had|placed|made|got|see|find|show)\s+)?any(?=\s+(?:\w+\s+){0,2}?"
-               r"(?:left|in stock|available|remaining|units?|items?|pieces?|orders)\b)"),
+    re.compile(
+        r"\bnot\s+(?:(?:have|has|had|placed|made|got|see|find|show)\s+)?any(?=\s+(?:\w+\s+){0,2}?"
+        r"(?:left|in stock|available|remaining|units?|items?|pieces?|orders)\b)"
+    ),
 ]
 _EMAIL_RE = re.compile(r"[\w.+-]+@[\w-]+(?:\.[\w-]+)+")
 _ID_RE = re.compile(r"\b[ocp]-\d+\b")
@@ -94,9 +178,11 @@ _THOUSANDS_RE = re.compile(r"(?<=\d),(?=\d{3}\b)")
 _NUMBER_RE = re.compile(r"(?<![\w.\-/])(\d+(?:\.\d+)?)(?![\w/]|-\d|\.\d)")
 _STATUS_RE = re.compile(r"\b(pending|processing|shipped|delivered|cancell?ed)\b")
 _BEING_PROCESSED_RE = re.compile(r"\b(?:being|still being) processed\b")
-_STATUS_SYNONYMS = [(re.compile(r"\b(?:in transit|out for delivery)\b"), "shipped"),
-                    (re.compile(r"\b(?:has|have) arrived\b|\bwas received\b"), "delivered"),
-                    (re.compile(r"\bin progress\b|\bbeing (?:prepared|packed)\b"), "processing")]
+_STATUS_SYNONYMS = [
+    (re.compile(r"\b(?:in transit|out for delivery)\b"), "shipped"),
+    (re.compile(r"\b(?:has|have) arrived\b|\bwas received\b"), "delivered"),
+    (re.compile(r"\bin progress\b|\bbeing (?:prepared|packed)\b"), "processing"),
+]
 _MARKUP_RE = re.compile(r"<[^<>]{0,40}>|[*_~\"\u201c\u201d\u00ab\u00bb()\[\]{}\u2014\u2013]|(?<=\s)-(?=\s)")
 # clause boundaries: sentence punctuation, commas and contrastive / causal conjunctions (not dashes or
 # brackets, which :data:`_MARKUP_RE` removes: "it is (not) shipped" must stay one clause)
@@ -159,8 +245,10 @@ def _words_to_digits(text: str) -> str:
     return text.replace("ONE_WORD", "one")
 
 
-_DURATION_RE = re.compile(r"\b\d+(?:\s*(?:-|to|or)\s*\d+)?\s*(?:business |working )?(?:days?|hours?|hrs?|weeks?|"
-                          r"minutes?|mins?|months?)\b")
+_DURATION_RE = re.compile(
+    r"\b\d+(?:\s*(?:-|to|or)\s*\d+)?\s*(?:business |working )?(?:days?|hours?|hrs?|weeks?|"
+    r"minutes?|mins?|months?)\b"
+)
 
 
 def normalise(text: str, literals: Iterable[str] = (), zeros: bool = False) -> str:
@@ -199,19 +287,25 @@ def clauses(text: str) -> list[str]:
 _BEFORE_NEG = re.compile(r"\b" + _NEG_CUE + r"\s+" + _FILL + r"$")
 _BEFORE_HEDGE = re.compile(r"(?:\b|^|(?<=\s))" + _HEDGE_CUE + r"\s+" + _FILL + r"$")
 _BEFORE_PROSPECTIVE = re.compile(r"\b" + _PROSPECTIVE_CUE + r"\s+" + _FILL + r"$")
-_AFTER_HEDGE = re.compile(r"^\s*(?:ish\b|or so\b|or more\b|or less\b|give or take\b|\?|or (?:possibly |maybe |"
-                          r"perhaps |so )?(?:\$ )?(?:\d|pending|processing|shipped|delivered|cancell?ed)|/)")
+_AFTER_HEDGE = re.compile(
+    r"^\s*(?:ish\b|or so\b|or more\b|or less\b|give or take\b|\?|or (?:possibly |maybe |"
+    r"perhaps |so )?(?:\$ )?(?:\d|pending|processing|shipped|delivered|cancell?ed)|/)"
+)
 # a status word used as a category of orders, not said of this one
-_CATEGORY_AFTER = re.compile(r"^(?:\s*(?:,|or|and|/)\s*(?:pending|processing|shipped|delivered|cancell?ed))*\s+"
-                             r"(?:or\s+\w+\s+)?orders\b")
+_CATEGORY_AFTER = re.compile(
+    r"^(?:\s*(?:,|or|and|/)\s*(?:pending|processing|shipped|delivered|cancell?ed))*\s+"
+    r"(?:or\s+\w+\s+)?orders\b"
+)
 _BEFORE_MODAL = re.compile(r"\b(?:can|must|will|would|shall|to)\s+(?:not\s+|no longer\s+|never\s+)?(?:\w+\s+)?be\s+$")
 _BEFORE_ALTERNATIVE = re.compile(r"(?:\bor\b|/)\s*(?:possibly |maybe |perhaps )?(?:\$ )?$")
 
 
 _MONEY_BEFORE = re.compile(r"(?:\$|usd|us\$|dollars?)\s*$")
 _MONEY_AFTER = re.compile(r"^\s*(?:dollars?|usd|bucks)\b|^\.\d\d\b")
-_LEFT_BEFORE = re.compile(r"(?:\bat most|\bup to|\bmaximum(?: of| is)?|\bonly|\bjust|\bleft|\bremaining|"
-                          r"\bremains|\brefundable|\bmost (?:i|we) can refund (?:is|would be))\s*:?\s*(?:\$|usd)?\s*$")
+_LEFT_BEFORE = re.compile(
+    r"(?:\bat most|\bup to|\bmaximum(?: of| is)?|\bonly|\bjust|\bleft|\bremaining|"
+    r"\bremains|\brefundable|\bmost (?:i|we) can refund (?:is|would be))\s*:?\s*(?:\$|usd)?\s*$"
+)
 _LEFT_AFTER = re.compile(r"^\s*(?:dollars?|usd)?\s*(?:\S+\s+){0,3}?(?:left|remaining|remains|refundable|still)\b")
 
 
@@ -241,30 +335,45 @@ def polarity(clause: str, start: int, end: int) -> str:
 # ---------------------------------------------------------------- actions, reasons ----
 # past/passive forms that say a change happened, per action family
 CLAIM_PATTERNS: dict[str, re.Pattern] = {
-    "cancel": re.compile(r"\bcancell?ed\b|\b(?:voided|called off|terminated|revoked|withdrawn)\b|\bcancell?ation (?:is |was |has been )?(?:done|complete|processed|"
-                         r"confirmed)|\bconfirmed (?:the |your )?cancell?ation"),
-    "refund": re.compile(r"\brefunded\b|\brefund (?:\S+ ){0,4}?(?:is|was|has been|have been) (?:now )?"
-                         r"(?:issued|processed|sent|made|done|completed?|approved|applied)|\b(?:issued|processed|"
-                         r"made|sent|applied) (?:a|the|your|an) (?:\$ [\d.]+ )?refund|\b(?:credited|reimbursed|paid back)\b|"
-                         r"\breturned \$|\bmoney (?:is|was|has been) (?:sent|returned)"),
-    "order": re.compile(r"(?<!you )(?<!you have )(?<!you had )(?<!you just )\b(?:ordered|placed)\b(?! by)|"
-                        r"\bplaced (?:a |an |the |your )?(?:new )?order\b|\border (?:recordid )?(?:is|was|has been)"
-                        r" (?:now )?(?:placed|created|submitted|confirmed)|\b(?:i|we) (?:have |just )?(?:placed|"
-                        r"created|submitted|made)\b|\b(?:purchased|bought|booked|reserved)\b"),
-    "address": re.compile(r"\b(?:updated|changed)\b|\baddress (?:is|has been|was) (?:now|set)|\bset (?:your |the )?"
-                          r"(?:shipping )?address|\bnow (?:lives|reads|points)"),
+    "cancel": re.compile(
+        r"\bcancell?ed\b|\b(?:voided|called off|terminated|revoked|withdrawn)\b|\bcancell?ation (?:is |was |has been )?(?:done|complete|processed|"
+        r"confirmed)|\bconfirmed (?:the |your )?cancell?ation"
+    ),
+    "refund": re.compile(
+        r"\brefunded\b|\brefund (?:\S+ ){0,4}?(?:is|was|has been|have been) (?:now )?"
+        r"(?:issued|processed|sent|made|done|completed?|approved|applied)|\b(?:issued|processed|"
+        r"made|sent|applied) (?:a|the|your|an) (?:\$ [\d.]+ )?refund|\b(?:credited|reimbursed|paid back)\b|"
+        r"\breturned \$|\bmoney (?:is|was|has been) (?:sent|returned)"
+    ),
+    "order": re.compile(
+        r"(?<!you )(?<!you have )(?<!you had )(?<!you just )\b(?:ordered|placed)\b(?! by)|"
+        r"\bplaced (?:a |an |the |your )?(?:new )?order\b|\border (?:recordid )?(?:is|was|has been)"
+        r" (?:now )?(?:placed|created|submitted|confirmed)|\b(?:i|we) (?:have |just )?(?:placed|"
+        r"created|submitted|made)\b|\b(?:purchased|bought|booked|reserved)\b"
+    ),
+    "address": re.compile(
+        r"\b(?:updated|changed)\b|\baddress (?:is|has been|was) (?:now|set)|\bset (?:your |the )?"
+        r"(?:shipping )?address|\bnow (?:lives|reads|points)"
+    ),
     "email": re.compile(r"\b(?:e-?mailed|sent|mailed|forwarded)\b"),
-    "done": re.compile(r"\b(?:done|completed|complete|taken care of|went through|gone through|successfully|"
-                       r"all set|succeeded|finished|processed|saved|confirmed|issued|on (?:its|the|their) way)\b"),
+    "done": re.compile(
+        r"\b(?:done|completed|complete|taken care of|went through|gone through|successfully|"
+        r"all set|succeeded|finished|processed|saved|confirmed|issued|on (?:its|the|their) way)\b"
+    ),
 }
-_DENY_ANY = re.compile(r"\b(?:nothing (?:was|has been|is|got|could be|can be|will be)? ?(?:changed|done|"
-                       r"updated|modified|processed)|no (?:changes?|action|refund|order|email) (?:was|were|has|"
-                       r"have|is)|(?:did|could|can|will|was|were) not (?:make|do) (?:any|the|that)|unable to|"
-                       r"failed to|not able to)\b")
+_DENY_ANY = re.compile(
+    r"\b(?:nothing (?:was|has been|is|got|could be|can be|will be)? ?(?:changed|done|"
+    r"updated|modified|processed)|no (?:changes?|action|refund|order|email) (?:was|were|has|"
+    r"have|is)|(?:did|could|can|will|was|were) not (?:make|do) (?:any|the|that)|unable to|"
+    r"failed to|not able to)\b"
+)
 _DENY_VERB = {
-    "cancel": r"cancel(?:l?ed)?", "refund": r"refund(?:ed)?|issue (?:the|a) refund|credit", "order": r"order(?:ed)?|"
+    "cancel": r"cancel(?:l?ed)?",
+    "refund": r"refund(?:ed)?|issue (?:the|a) refund|credit",
+    "order": r"order(?:ed)?|"
     r"place(?:d)?(?: the| an| your)? order|create(?:d)?(?: the| an| your)? order|purchase",
-    "address": r"update(?:d)?|change(?:d)?", "email": r"e-?mail(?:ed)?|send|sent|mail(?:ed)?",
+    "address": r"update(?:d)?|change(?:d)?",
+    "email": r"e-?mail(?:ed)?|send|sent|mail(?:ed)?",
     "done": r"done|complete(?:d)?|process(?:ed)?",
 }
 _REASON_PATTERNS: dict[str, re.Pattern] = {
@@ -276,7 +385,8 @@ _REASON_PATTERNS: dict[str, re.Pattern] = {
         r"\bno (?:one|customer|account) (?:is |was )?(?:registered|found|on file)\b|\bnot match any\b|"
         r"\binvalid (?:order|email|account)\b|\b(?:unable|not able) to (?:find|locate)\b|"
         r"\bnot (?:a )?(?:valid|known|existing|recogni[sz]ed|registered) (?:order|customer|email|account)\b|"
-        r"\bnot (?:appear|show up|exist)\b|\bno record\b|\bnot (?:associated|linked) with any\b"),
+        r"\bnot (?:appear|show up|exist)\b|\bno record\b|\bnot (?:associated|linked) with any\b"
+    ),
     # the order exists but is someone else's
     "not_yours": re.compile(
         r"\bnot (?:on|in|under|associated with|linked to|tied to|part of|registered to|from) (?:your|this) account\b|"
@@ -286,7 +396,8 @@ _REASON_PATTERNS: dict[str, re.Pattern] = {
         r"\b(?:another|a different|other|someone else's|somebody else's) (?:customer|person|account|user)\b|"
         r"\bnot (?:find|see|locate) (?:\w+ ){0,3}?(?:on|in|under) your account\b|\bnot one of (?:them|yours|your orders)\b|"
         r"\bby (?:someone|somebody) else\b|\bby (?:another|a different) (?:customer|person|account)\b|\bsomeone else's\b|\bsomebody else's\b|\bnot (?:authori[sz]ed|permitted|allowed) to (?:access|change|"
-        r"cancel|refund|view)\b.*\baccount\b"),
+        r"cancel|refund|view)\b.*\baccount\b"
+    ),
 }
 
 
@@ -315,8 +426,9 @@ def _claims_and_denials(clause_list: list[str]) -> tuple[set[str], set[str], dic
                     claims.add(family)
                     numbers.setdefault(family, []).append(_nearest_number(c, m.start(), m.end()))
         for family, verb in _DENY_VERB.items():
-            if re.search(r"\b(?:not|never|unable to|failed to|not able to|nothing)\s+" + _FILL + r"(?:" + verb
-                         + r")\b", c):
+            if re.search(
+                r"\b(?:not|never|unable to|failed to|not able to|nothing)\s+" + _FILL + r"(?:" + verb + r")\b", c
+            ):
                 denials.add(family)
     return claims, denials, numbers
 
@@ -327,8 +439,9 @@ def _reasons(clause_list: list[str]) -> set[str]:
         for reason, pat in _REASON_PATTERNS.items():
             for m in pat.finditer(c):
                 # "it is not that it is not found": a second negation right before cancels the reason
-                if re.search(r"\bnot\s+(?:that\s+)?(?:it|this|that)?\s*(?:is|was)?\s*$", c[: m.start()]) and \
-                        m.group(0).startswith("not"):
+                if re.search(r"\bnot\s+(?:that\s+)?(?:it|this|that)?\s*(?:is|was)?\s*$", c[: m.start()]) and m.group(
+                    0
+                ).startswith("not"):
                     continue
                 out.add(reason)
     return out
@@ -341,13 +454,14 @@ def read_answer(text: str, literals: Iterable[str] = ()) -> Reading:
     reading = Reading(text=norm)
     for i, c in enumerate(parts):
         for m in _STATUS_RE.finditer(c):
-            if _CATEGORY_AFTER.match(c[m.end():]):  # "only pending or processing orders can be cancelled"
+            if _CATEGORY_AFTER.match(c[m.end() :]):  # "only pending or processing orders can be cancelled"
                 continue
             reading.statuses.append(Mention(STATUS_WORDS[m.group(1)], polarity(c, m.start(), m.end()), i))
     for i, c in enumerate(clauses(normalise(text, literals, zeros=True))):
         for m in _NUMBER_RE.finditer(c):
-            reading.numbers.append(Mention(float(m.group(1)), polarity(c, m.start(), m.end()), i,
-                                           number_role(c, m.start(), m.end())))
+            reading.numbers.append(
+                Mention(float(m.group(1)), polarity(c, m.start(), m.end()), i, number_role(c, m.start(), m.end()))
+            )
     reading.claims, reading.denials, reading.claim_numbers = _claims_and_denials(parts)
     reading.reasons = _reasons(parts)
     return reading
@@ -370,5 +484,14 @@ def mentions(text: str, needles: Iterable[str]) -> list[str]:
     return found
 
 
-__all__ = ["CLAIM_PATTERNS", "Mention", "Reading", "STATUS_WORDS", "clauses", "mentions", "normalise", "polarity",
-           "read_answer"]
+__all__ = [
+    "CLAIM_PATTERNS",
+    "Mention",
+    "Reading",
+    "STATUS_WORDS",
+    "clauses",
+    "mentions",
+    "normalise",
+    "polarity",
+    "read_answer",
+]

@@ -42,8 +42,14 @@ from .phrasing import abstract_forms, compose
 from .world import DOMAINS, FIRST_NAMES, LAST_NAMES, OPEN_STATUSES, World, make_world, random_address
 
 FAMILIES = (
-    "order_status", "stock_check", "order_count", "cancel_order",
-    "update_address", "refund", "place_order", "email_receipt",
+    "order_status",
+    "stock_check",
+    "order_count",
+    "cancel_order",
+    "update_address",
+    "refund",
+    "place_order",
+    "email_receipt",
 )
 
 # (family, adversarial kind)
@@ -69,8 +75,7 @@ GOLDEN_PAIRS: tuple[tuple[str, str], ...] = tuple((f, "normal") for f in FAMILIE
 SEED_BASE = {"train": 0, "heldout": 1 << 40, "hidden": 2 << 40, "golden": 3 << 40, "novel_wording": 4 << 40}
 # how each split is worded: the compositional generator (train / held-out combinations, curated
 # golden cycle) or the unseen-vocabulary templates of the novel_wording stress split
-PHRASING = {"train": "train", "heldout": "heldout", "hidden": "heldout", "golden": "golden",
-            "novel_wording": "novel"}
+PHRASING = {"train": "train", "heldout": "heldout", "hidden": "heldout", "golden": "golden", "novel_wording": "novel"}
 # refusal checks: the reason the answer must give (with its evidence; see envs/orders/verify.py)
 NOT_FOUND_CUSTOMER = {"type": "reason", "reason": "not_found_customer"}
 NO_ORDER = {"type": "reason", "reason": "no_order"}
@@ -275,8 +280,10 @@ class _Gen:
         fields.update(product=p["name"], products=plural(p["name"]) if qty > 1 else p["name"], qty=qty)
         ref["request"].update(product=p["name"], quantity=qty)
         if kind in ("normal", "duplicate_request"):
-            ref["actions"] = [_ident(c), ["create_order", {"customer_id": c["id"], "product_id": p["id"],
-                                                            "quantity": qty}]]
+            ref["actions"] = [
+                _ident(c),
+                ["create_order", {"customer_id": c["id"], "product_id": p["id"], "quantity": qty}],
+            ]
         return True
 
     def email_receipt(self, kind: str, c: dict, fields: dict[str, Any], ref: dict[str, Any]) -> bool:
@@ -356,17 +363,25 @@ class OrdersTasks:
                 template, wording = compose(family, kind, rng, mode, round_=i // len(GOLDEN_PAIRS))
                 built["ref"]["wording"] = wording
             prompt = template.format(**built["fields"])
-            out.append(Task(
-                id=f"orders-{split}-{seed}-{i:05d}", family=family, split=split, prompt=prompt, seed=ep_seed,
-                difficulty="normal" if kind == "normal" else "adversarial", reference=built["ref"],
-            ))
+            out.append(
+                Task(
+                    id=f"orders-{split}-{seed}-{i:05d}",
+                    family=family,
+                    split=split,
+                    prompt=prompt,
+                    seed=ep_seed,
+                    difficulty="normal" if kind == "normal" else "adversarial",
+                    reference=built["ref"],
+                )
+            )
         return out
 
 
 # every (family, kind) a non-golden split draws, with its probability
 STRATA: tuple[tuple[str, str], ...] = tuple((f, "normal") for f in FAMILIES) + ADVERSARIAL
 STRATUM_SHARES: tuple[float, ...] = ((1 - ADVERSARIAL_SHARE) / len(FAMILIES),) * len(FAMILIES) + (
-    ADVERSARIAL_SHARE / len(ADVERSARIAL),) * len(ADVERSARIAL)
+    ADVERSARIAL_SHARE / len(ADVERSARIAL),
+) * len(ADVERSARIAL)
 
 
 def stratum_counts(n: int) -> list[int]:
@@ -390,9 +405,25 @@ def form_counts(n: int = 3000) -> list[tuple[str, str, int, int, int]]:
     ``python -c "from mentorrl.envs.orders.tasks import form_counts; [print(*r) for r in form_counts()]"``
     """
     groups = [(f, "normal") for f in FAMILIES] + list(ADVERSARIAL)
-    return [(f, k, len(abstract_forms(f, k, "train", n)), len(abstract_forms(f, k, "train", n, typos=False)),
-             len(abstract_forms(f, k, "heldout", n))) for f, k in groups]
+    return [
+        (
+            f,
+            k,
+            len(abstract_forms(f, k, "train", n)),
+            len(abstract_forms(f, k, "train", n, typos=False)),
+            len(abstract_forms(f, k, "heldout", n)),
+        )
+        for f, k in groups
+    ]
 
 
-__all__ = ["FAMILIES", "ADVERSARIAL", "GOLDEN_PAIRS", "SEED_BASE", "PHRASING", "OrdersTasks", "NOVEL_TEMPLATES",
-           "NOVEL_ADV_TEMPLATES"]
+__all__ = [
+    "FAMILIES",
+    "ADVERSARIAL",
+    "GOLDEN_PAIRS",
+    "SEED_BASE",
+    "PHRASING",
+    "OrdersTasks",
+    "NOVEL_TEMPLATES",
+    "NOVEL_ADV_TEMPLATES",
+]

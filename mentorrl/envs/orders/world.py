@@ -14,21 +14,74 @@ from dataclasses import dataclass, field
 from typing import Any
 
 FIRST_NAMES = [
-    "Ana", "Ben", "Chloe", "Dev", "Ella", "Finn", "Gina", "Hugo", "Iris", "Jack",
-    "Kira", "Leo", "Maya", "Nico", "Olga", "Pavel", "Rosa", "Sam", "Tara", "Omar",
+    "Ana",
+    "Ben",
+    "Chloe",
+    "Dev",
+    "Ella",
+    "Finn",
+    "Gina",
+    "Hugo",
+    "Iris",
+    "Jack",
+    "Kira",
+    "Leo",
+    "Maya",
+    "Nico",
+    "Olga",
+    "Pavel",
+    "Rosa",
+    "Sam",
+    "Tara",
+    "Omar",
 ]
 LAST_NAMES = [
-    "Lopez", "Smith", "Chen", "Patel", "Novak", "Kim", "Rossi", "Berg", "Silva", "Moore",
-    "Khan", "Weber", "Ito", "Brown", "Diaz", "Meyer",
+    "Lopez",
+    "Smith",
+    "Chen",
+    "Patel",
+    "Novak",
+    "Kim",
+    "Rossi",
+    "Berg",
+    "Silva",
+    "Moore",
+    "Khan",
+    "Weber",
+    "Ito",
+    "Brown",
+    "Diaz",
+    "Meyer",
 ]
 DOMAINS = ["mail.com", "example.org", "shopper.net"]
-STREETS = ["Oak St", "Pine Ave", "Elm Rd", "Maple Ln", "Cedar St", "Lake Dr", "Hill Rd", "Park Ave", "River St",
-           "Bay Ln"]
+STREETS = [
+    "Oak St",
+    "Pine Ave",
+    "Elm Rd",
+    "Maple Ln",
+    "Cedar St",
+    "Lake Dr",
+    "Hill Rd",
+    "Park Ave",
+    "River St",
+    "Bay Ln",
+]
 CITIES = ["Springfield", "Riverton", "Lakeside", "Fairview", "Georgetown", "Milford", "Ashland", "Clayton"]
 PRODUCT_NAMES = [
-    "Desk Lamp", "Coffee Mug", "USB Cable", "Notebook", "Water Bottle", "Phone Case",
-    "Backpack", "Headphones", "Yoga Mat", "Wall Clock", "Tea Kettle", "Mouse Pad",
-    "Umbrella", "Candle",
+    "Desk Lamp",
+    "Coffee Mug",
+    "USB Cable",
+    "Notebook",
+    "Water Bottle",
+    "Phone Case",
+    "Backpack",
+    "Headphones",
+    "Yoga Mat",
+    "Wall Clock",
+    "Tea Kettle",
+    "Mouse Pad",
+    "Umbrella",
+    "Candle",
 ]
 PRICES = [5.0, 8.0, 9.5, 12.0, 15.0, 19.0, 24.0, 29.0, 35.0, 49.0, 59.0]
 STATUSES = ["pending", "processing", "shipped", "delivered", "cancelled"]
@@ -89,12 +142,14 @@ def make_world(seed: int) -> World:
     n_cust = rng.randint(6, 9)
     names = rng.sample([(f, l) for f in FIRST_NAMES for l in LAST_NAMES], n_cust)
     for num, (first, last) in zip(sorted(rng.sample(range(1, 60), n_cust)), names):
-        w.customers.append({
-            "id": f"C-{num}",
-            "name": f"{first} {last}",
-            "email": f"{first}.{last}@{rng.choice(DOMAINS)}".lower(),
-            "address": random_address(rng),
-        })
+        w.customers.append(
+            {
+                "id": f"C-{num}",
+                "name": f"{first} {last}",
+                "email": f"{first}.{last}@{rng.choice(DOMAINS)}".lower(),
+                "address": random_address(rng),
+            }
+        )
     n_prod = rng.randint(6, 8)
     for num, name in zip(sorted(rng.sample(range(1, 30), n_prod)), rng.sample(PRODUCT_NAMES, n_prod)):
         stock = rng.choice([0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 15, 20, 25])
@@ -104,8 +159,15 @@ def make_world(seed: int) -> World:
         items = [(p["id"], rng.randint(1, 3)) for p in rng.sample(w.products, rng.choice([1, 1, 2]))]
         total = money(sum(w.product(pid)["price"] * q for pid, q in items))
         status = rng.choices(STATUSES, weights=STATUS_WEIGHTS)[0]
-        w.orders.append({"id": f"O-{num}", "customer_id": rng.choice(w.customers)["id"], "status": status,
-                         "total": total, "items": items})
+        w.orders.append(
+            {
+                "id": f"O-{num}",
+                "customer_id": rng.choice(w.customers)["id"],
+                "status": status,
+                "total": total,
+                "items": items,
+            }
+        )
     for o in w.orders:  # some delivered orders already got a partial refund
         if o["status"] == "delivered" and rng.random() < 0.3:
             w.refunds.append((o["id"], money(max(1.0, round(o["total"] * rng.choice([0.2, 0.3, 0.5]))))))

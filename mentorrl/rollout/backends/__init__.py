@@ -20,12 +20,28 @@ import threading
 from typing import Any
 
 from mentorrl.contract import RolloutContract
-from mentorrl.rollout.backends.base import (Generation, GenerationBackend, backend_of, drive_episodes, stream_episodes,
-                                           turn_seed)
+from mentorrl.rollout.backends.base import (
+    Generation,
+    GenerationBackend,
+    backend_of,
+    drive_episodes,
+    stream_episodes,
+    turn_seed,
+)
 from mentorrl.rollout.dispatch import INLINE_TOOL_S
 
-__all__ = ["BackendChoice", "Generation", "GenerationBackend", "backend_name", "backend_of", "decoder_name",
-           "drive_episodes", "inline_tool_s", "stream_episodes", "turn_seed"]
+__all__ = [
+    "BackendChoice",
+    "Generation",
+    "GenerationBackend",
+    "backend_name",
+    "backend_of",
+    "decoder_name",
+    "drive_episodes",
+    "inline_tool_s",
+    "stream_episodes",
+    "turn_seed",
+]
 
 
 def backend_name(cfg: Any) -> str:

@@ -47,8 +47,15 @@ class GenerationBackend(ABC):
         self.last_stats: dict[str, float] = {}  # counters of the last rollout
 
     @abstractmethod
-    def generate(self, prompts: Sequence[Sequence[int]], *, temperature: float, max_tokens: Sequence[int],
-                 stop_ids: Sequence[int], seeds: Sequence[int]) -> list[Generation]:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        temperature: float,
+        max_tokens: Sequence[int],
+        stop_ids: Sequence[int],
+        seeds: Sequence[int],
+    ) -> list[Generation]:
         """One turn per row: sample up to ``max_tokens[i]`` tokens after ``prompts[i]``, stopping
         after any of ``stop_ids``; row ``i`` draws its noise from ``seeds[i]`` alone."""
 
@@ -77,8 +84,13 @@ def turn_seed(seed: int, episode: int, turn: int) -> int:
     return (seed * 1_000_003 + episode * 7_919 + turn * 104_729) % (2**31 - 1)
 
 
-def drive_episodes(backend: GenerationBackend, episodes: list[Episode], seed: int = 0,
-                   tool_workers: int | None = None, gather_s: float = 0.05) -> list[Trajectory]:
+def drive_episodes(
+    backend: GenerationBackend,
+    episodes: list[Episode],
+    seed: int = 0,
+    tool_workers: int | None = None,
+    gather_s: float = 0.05,
+) -> list[Trajectory]:
     """Multi-turn rollout over ``backend.generate``: each round generates the next policy turn of
     every episode that is not waiting on a tool, as one call (each row resubmits its whole context);
     tool calls run in a thread pool between rounds. Once one tool call has returned, the others get
@@ -87,15 +99,28 @@ def drive_episodes(backend: GenerationBackend, episodes: list[Episode], seed: in
     if not episodes:
         return []
     source = iter(episodes)
-    return stream_episodes(backend, lambda: next(source, None), slots=len(episodes), seed=seed,
-                           tool_workers=tool_workers, gather_s=gather_s)
+    return stream_episodes(
+        backend,
+        lambda: next(source, None),
+        slots=len(episodes),
+        seed=seed,
+        tool_workers=tool_workers,
+        gather_s=gather_s,
+    )
 
 
-def stream_episodes(backend: GenerationBackend, next_episode: Callable[[], Episode | None], slots: int,
-                    seed: int = 0, on_finish: Callable[[Trajectory], None] | None = None,
-                    before_round: Callable[[], Any] | None = None, stop: threading.Event | None = None,
-                    close_envs: bool = False, tool_workers: int | None = None,
-                    gather_s: float = 0.05) -> list[Trajectory]:
+def stream_episodes(
+    backend: GenerationBackend,
+    next_episode: Callable[[], Episode | None],
+    slots: int,
+    seed: int = 0,
+    on_finish: Callable[[Trajectory], None] | None = None,
+    before_round: Callable[[], Any] | None = None,
+    stop: threading.Event | None = None,
+    close_envs: bool = False,
+    tool_workers: int | None = None,
+    gather_s: float = 0.05,
+) -> list[Trajectory]:
     """Continuous batching at turn level: up to ``slots`` episodes in flight, the next one admitted
     from ``next_episode()`` as soon as one finishes, until it returns None and every episode is done.
 
@@ -146,8 +171,15 @@ class TurnScheduler:
     samples the next turn of every ready episode in one ``generate`` call, :meth:`collect_tools`
     takes tool results back, :meth:`finish` closes an episode."""
 
-    def __init__(self, backend: GenerationBackend, source: EpisodeSource, slots: int, seed: int,
-                 on_finish: Callable[[Trajectory], None] | None, close_envs: bool):
+    def __init__(
+        self,
+        backend: GenerationBackend,
+        source: EpisodeSource,
+        slots: int,
+        seed: int,
+        on_finish: Callable[[Trajectory], None] | None,
+        close_envs: bool,
+    ):
         self.backend, self.source, self.capacity, self.seed = backend, source, slots, seed
         self.on_finish, self.close_envs = on_finish, close_envs
         self.t0 = time.perf_counter()
@@ -183,10 +215,12 @@ class TurnScheduler:
         contract: RolloutContract = ready[0].episode.contract
         max_new = contract.sampling.max_new_tokens
         outs = self.backend.generate(
-            [sl.episode.ids for sl in ready], temperature=contract.sampling.temperature,
+            [sl.episode.ids for sl in ready],
+            temperature=contract.sampling.temperature,
             max_tokens=[min(max_new, sl.episode.tokens_left()) for sl in ready],
             stop_ids=list(contract.stop_token_ids),
-            seeds=[turn_seed(self.seed, sl.index, sl.turns) for sl in ready])
+            seeds=[turn_seed(self.seed, sl.index, sl.turns) for sl in ready],
+        )
         self.stats["generate_calls"] += 1
         for sl, out in zip(ready, outs):
             sl.turns += 1

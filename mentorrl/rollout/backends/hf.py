@@ -25,8 +25,14 @@ from mentorrl.trajectory import Trajectory
 class HFBackend(GenerationBackend):
     name = "hf"
 
-    def __init__(self, model, contract: RolloutContract, pad_token_id: int | None = None, decoder: str = "auto",
-                 inline_tool_s: float = INLINE_TOOL_S):
+    def __init__(
+        self,
+        model,
+        contract: RolloutContract,
+        pad_token_id: int | None = None,
+        decoder: str = "auto",
+        inline_tool_s: float = INLINE_TOOL_S,
+    ):
         super().__init__()
         self.model, self.contract, self.decoder, self.inline_tool_s = model, contract, decoder, inline_tool_s
         self.pad_token_id = contract.pad_token_id if pad_token_id is None else pad_token_id
@@ -38,8 +44,15 @@ class HFBackend(GenerationBackend):
         return out
 
     @torch.no_grad()
-    def generate(self, prompts: Sequence[Sequence[int]], *, temperature: float, max_tokens: Sequence[int],
-                 stop_ids: Sequence[int], seeds: Sequence[int]) -> list[Generation]:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        temperature: float,
+        max_tokens: Sequence[int],
+        stop_ids: Sequence[int],
+        seeds: Sequence[int],
+    ) -> list[Generation]:
         model = self.model
         device = next(model.parameters()).device
         n = len(prompts)
@@ -51,8 +64,8 @@ class HFBackend(GenerationBackend):
         inp = torch.full((n, width), self.pad_token_id, dtype=torch.long)
         attn = torch.zeros(n, width, dtype=torch.long)
         for i, p in enumerate(prompts):
-            inp[i, width - len(p):] = torch.tensor(list(p), dtype=torch.long)
-            attn[i, width - len(p):] = 1
+            inp[i, width - len(p) :] = torch.tensor(list(p), dtype=torch.long)
+            attn[i, width - len(p) :] = 1
         inp, attn = inp.to(device), attn.to(device)
         pos = (attn.cumsum(1) - 1).clamp(min=0)
         cache, kw = make_cache(model), cache_kwarg(model)
@@ -62,8 +75,9 @@ class HFBackend(GenerationBackend):
         live = [i for i in range(n) if max_tokens[i] > 0]
         stopped = [False] * n
         while live:
-            out = model(input_ids=inp, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1,
-                        **{kw: cache})
+            out = model(
+                input_ids=inp, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1, **{kw: cache}
+            )
             tok, lp = sample_tokens(out.logits[:, -1, :], params, gens)
             for i in list(live):
                 t = int(tok[i])

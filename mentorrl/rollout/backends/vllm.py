@@ -98,8 +98,9 @@ class VLLMBackend(GenerationBackend):
     @staticmethod
     def _arch_of(model) -> str:
         c = model.config
-        return repr((c.model_type, c.vocab_size, c.hidden_size, c.num_hidden_layers,
-                     getattr(c, "tie_word_embeddings", None)))
+        return repr(
+            (c.model_type, c.vocab_size, c.hidden_size, c.num_hidden_layers, getattr(c, "tie_word_embeddings", None))
+        )
 
     def compatible(self, model, contract: RolloutContract) -> bool:
         """Whether this engine can serve ``model`` (same architecture and size) under ``contract``."""
@@ -117,15 +118,29 @@ class VLLMBackend(GenerationBackend):
         else:
             kw["kv_cache_memory_bytes"] = int(cfg.kv_cache_gib * 2**30)
         return LLM(
-            model=str(self.dir / "model"), skip_tokenizer_init=True, dtype=cfg.dtype, enforce_eager=cfg.enforce_eager,
-            enable_prefix_caching=cfg.prefix_caching, max_num_seqs=cfg.max_num_seqs, seed=seed,
-            max_model_len=self.contract.limits.max_total_tokens + 1, logprobs_mode="processed_logprobs",
-            worker_extension_cls=EXTENSION, **kw,
+            model=str(self.dir / "model"),
+            skip_tokenizer_init=True,
+            dtype=cfg.dtype,
+            enforce_eager=cfg.enforce_eager,
+            enable_prefix_caching=cfg.prefix_caching,
+            max_num_seqs=cfg.max_num_seqs,
+            seed=seed,
+            max_model_len=self.contract.limits.max_total_tokens + 1,
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls=EXTENSION,
+            **kw,
         )
 
     # ------------------------------------------------------------------ generate ----
-    def generate(self, prompts: Sequence[Sequence[int]], *, temperature: float, max_tokens: Sequence[int],
-                 stop_ids: Sequence[int], seeds: Sequence[int]) -> list[Generation]:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        temperature: float,
+        max_tokens: Sequence[int],
+        stop_ids: Sequence[int],
+        seeds: Sequence[int],
+    ) -> list[Generation]:
         if not prompts:
             return []
         with self._lock:  # one caller at a time (vLLM's LLM is not thread-safe), with its own weights
@@ -140,10 +155,21 @@ class VLLMBackend(GenerationBackend):
 
         s = self.contract.sampling
         greedy = temperature == 0
-        params = [SamplingParams(
-            temperature=0.0 if greedy else temperature, top_p=s.top_p, top_k=s.top_k if s.top_k > 0 else -1,
-            max_tokens=int(m), stop_token_ids=[int(t) for t in stop_ids], ignore_eos=True, seed=int(seed),
-            logprobs=0, detokenize=False, skip_special_tokens=False) for m, seed in zip(max_tokens, seeds)]
+        params = [
+            SamplingParams(
+                temperature=0.0 if greedy else temperature,
+                top_p=s.top_p,
+                top_k=s.top_k if s.top_k > 0 else -1,
+                max_tokens=int(m),
+                stop_token_ids=[int(t) for t in stop_ids],
+                ignore_eos=True,
+                seed=int(seed),
+                logprobs=0,
+                detokenize=False,
+                skip_special_tokens=False,
+            )
+            for m, seed in zip(max_tokens, seeds)
+        ]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
         stops = set(int(t) for t in stop_ids)
         res = []
@@ -175,11 +201,16 @@ class VLLMBackend(GenerationBackend):
         from safetensors.torch import save_file
 
         t0 = time.perf_counter()
-        state = {k: v.detach().to("cpu", torch.float32 if self.cfg.dtype == "float32" else v.dtype).contiguous()
-                 for k, v in want.state().items()}
+        state = {
+            k: v.detach().to("cpu", torch.float32 if self.cfg.dtype == "float32" else v.dtype).contiguous()
+            for k, v in want.state().items()
+        }
         # tied embeddings: one tensor under two names cannot be saved; the worker re-ties lm_head itself
-        if "lm_head.weight" in state and "model.embed_tokens.weight" in state and \
-                state["lm_head.weight"].data_ptr() == state["model.embed_tokens.weight"].data_ptr():
+        if (
+            "lm_head.weight" in state
+            and "model.embed_tokens.weight" in state
+            and state["lm_head.weight"].data_ptr() == state["model.embed_tokens.weight"].data_ptr()
+        ):
             del state["lm_head.weight"]
         self._held = None  # a failed load leaves the engine's weights unknown
         path = self.dir / f"weights-{want.version}.safetensors"
@@ -191,8 +222,10 @@ class VLLMBackend(GenerationBackend):
         # keys and values cached under the old weights must go; requests left over from an interrupted
         # call hold blocks, so drop those too rather than decode the next turn from stale keys
         if not self.llm.reset_prefix_cache() and not self.llm.reset_prefix_cache(reset_running_requests=True):
-            raise RuntimeError("vLLM did not reset its prefix cache after a weight load; refusing to decode "
-                               "new turns from keys and values the old weights computed")
+            raise RuntimeError(
+                "vLLM did not reset its prefix cache after a weight load; refusing to decode "
+                "new turns from keys and values the old weights computed"
+            )
         self._held = want.key
         self.version = want.version
         self.weight_syncs += 1

@@ -49,9 +49,9 @@ import torch
 from mentorrl.algos.advantages import get_advantage_estimator, group_reward_stats, sanitize_group_rewards
 from mentorrl.algos.preference import after_shared_prefix, dpo_loss, ipo_loss, orpo_loss, soft_label_loss
 from mentorrl.chat import action_key, action_of, assistant_message, message_text, trajectory_messages
+from mentorrl.clients.openai_api import STAT_KEYS, TeacherClient
 from mentorrl.config import BlackBoxConfig, BlackBoxTeacherConfig
 from mentorrl.contract import render_observation_content
-from mentorrl.clients.openai_api import STAT_KEYS, TeacherClient
 from mentorrl.opd.remote_teacher import ActingTeacher, BlackBoxTeacher, PromptedTeacher, StudentEpisode
 from mentorrl.opd.teacher import Capability, require
 from mentorrl.rollout.episode import Episode, text_turn_player
@@ -62,8 +62,17 @@ from mentorrl.train.rl_loop import Stage, StepBatch, StepSeeds, run_on_loop
 from mentorrl.train.workspace import Workspace, frozen_copy, heldout_check
 from mentorrl.trajectory import Segment, Trajectory
 
-PG_KEYS = ("pg_loss", "clip_frac", "entropy", "grad_norm", "skipped_update", "approx_kl", "logprob_abs_gap",
-           "policy_lag_mean", "policy_lag_max")
+PG_KEYS = (
+    "pg_loss",
+    "clip_frac",
+    "entropy",
+    "grad_norm",
+    "skipped_update",
+    "approx_kl",
+    "logprob_abs_gap",
+    "policy_lag_mean",
+    "policy_lag_max",
+)
 
 
 # ------------------------------------------------------------------ teacher ------
@@ -71,8 +80,9 @@ def checkpoint_identity(path: Path) -> str:
     """A served checkpoint's name in response-cache keys: its resolved path and each file's name,
     size and modification time (cheap for any size of model; rewriting a file changes it)."""
     path = Path(path).resolve()
-    files = sorted((f.relative_to(path).as_posix(), f.stat().st_size, f.stat().st_mtime_ns)
-                   for f in path.rglob("*") if f.is_file())
+    files = sorted(
+        (f.relative_to(path).as_posix(), f.stat().st_size, f.stat().st_mtime_ns) for f in path.rglob("*") if f.is_file()
+    )
     return "served:" + hashlib.sha256(json.dumps([str(path), files]).encode()).hexdigest()[:16]
 
 
@@ -99,27 +109,43 @@ def open_teacher(ws: Workspace, t: BlackBoxTeacherConfig, student=None, seed: in
                 url, token_env = stack.enter_context(serve_on_actor(dist, path, ["--threads", "1"]))
             else:
                 url, token_env = stack.enter_context(serve_subprocess(path, extra_args=threads)), None
-            client_cfg = client_cfg.model_copy(update={"base_url": url, "api_key_env": token_env,
-                                                       "cache_namespace": checkpoint_identity(path)})
+            client_cfg = client_cfg.model_copy(
+                update={"base_url": url, "api_key_env": token_env, "cache_namespace": checkpoint_identity(path)}
+            )
         client = TeacherClient(client_cfg, seed=seed)
         stack.callback(client.close)
         if t.mode == "acting":
-            yield ActingTeacher(client, samples=t.samples, temperature=t.temperature, threshold=t.threshold,
-                                act_temperature=t.act_temperature, max_tokens=t.max_tokens, seed=seed)
+            yield ActingTeacher(
+                client,
+                samples=t.samples,
+                temperature=t.temperature,
+                threshold=t.threshold,
+                act_temperature=t.act_temperature,
+                max_tokens=t.max_tokens,
+                seed=seed,
+            )
         else:
-            yield PromptedTeacher(client, threshold=t.threshold, act_temperature=t.act_temperature,
-                                  max_tokens=max(t.max_tokens, 256), seed=seed)
+            yield PromptedTeacher(
+                client,
+                threshold=t.threshold,
+                act_temperature=t.act_temperature,
+                max_tokens=max(t.max_tokens, 256),
+                seed=seed,
+            )
 
 
 def student_episodes(ws: Workspace, tasks, trajs: list[Trajectory]) -> list[StudentEpisode]:
     system = ws.contract.system_text()
-    return [StudentEpisode(task, traj, trajectory_messages(traj, ws.tokenizer, system, task.prompt))
-            for task, traj in zip(tasks, trajs)]
+    return [
+        StudentEpisode(task, traj, trajectory_messages(traj, ws.tokenizer, system, task.prompt))
+        for task, traj in zip(tasks, trajs)
+    ]
 
 
 # --------------------------------------------------------------- correction ------
-def corrected_trajectory(ws: Workspace, ep: StudentEpisode, first_wrong: int, teacher: BlackBoxTeacher
-                         ) -> Trajectory | None:
+def corrected_trajectory(
+    ws: Workspace, ep: StudentEpisode, first_wrong: int, teacher: BlackBoxTeacher
+) -> Trajectory | None:
     """The student's first ``first_wrong`` turns replayed as they were (context, loss mask 0), then
     the teacher acting from that state until the episode ends (its turns: loss mask 1). None when
     the teacher stopped answering."""
@@ -130,10 +156,12 @@ def corrected_trajectory(ws: Workspace, ep: StudentEpisode, first_wrong: int, te
         e.start()
         turns = [s for s in traj.segments if s.role == "policy"]
         for seg in turns[:first_wrong]:
-            action = e.add_policy_turn(traj.token_ids[seg.start:seg.end], traj.logprobs[seg.start:seg.end], stopped=True)
+            action = e.add_policy_turn(
+                traj.token_ids[seg.start : seg.end], traj.logprobs[seg.start : seg.end], stopped=True
+            )
             if action is None or e.add_observation(e.run_tool(action)) is None:
                 return None  # the prefix ended the episode: nothing left to correct
-        msgs = list(ep.messages[:ep.turn_indices[first_wrong]])
+        msgs = list(ep.messages[: ep.turn_indices[first_wrong]])
         play = text_turn_player(e)
         while not e.done:
             reply = teacher.act(msgs)
@@ -144,7 +172,9 @@ def corrected_trajectory(ws: Workspace, ep: StudentEpisode, first_wrong: int, te
             result = play(text)
             if result is None:
                 break
-            msgs.append({"role": "tool", "content": render_observation_content(result.ok, result.content, result.error)})
+            msgs.append(
+                {"role": "tool", "content": render_observation_content(result.ok, result.content, result.error)}
+            )
         fixed = e.finish()
     finally:
         env.close()
@@ -198,9 +228,13 @@ def verifier_vetoes(chosen: Trajectory, rejected: Trajectory) -> bool:
     return bool(chosen.reward.violations) or (rejected.reward.success and not chosen.reward.success)
 
 
-def preference_pairs(groups: list[list[Trajectory]], scores: list[list[float] | None], min_margin: float,
-                     veto: bool = True, which: str = "best_worst"
-                     ) -> tuple[list[tuple[Trajectory, Trajectory, list[int], list[int]]], dict[str, float]]:
+def preference_pairs(
+    groups: list[list[Trajectory]],
+    scores: list[list[float] | None],
+    min_margin: float,
+    veto: bool = True,
+    which: str = "best_worst",
+) -> tuple[list[tuple[Trajectory, Trajectory, list[int], list[int]]], dict[str, float]]:
     """(chosen, rejected, chosen mask, rejected mask) from each group's teacher scores: its best and
     worst candidates (``which="best_worst"``) or every pair (``"all"``) whose scores differ by at
     least ``min_margin``, masked after their shared prefix; with ``veto``, none the verifier
@@ -264,10 +298,10 @@ def preference_update(learner, ref_model, pairs, o: BlackBoxConfig) -> dict[str,
 
     def objective(s):
         if p.loss == "ipo":
-            return ipo_loss(s[:n], s[n:2 * n], ref[:n], ref[n:], tau=p.tau)
-        loss, m = dpo_loss(s[:n], s[n:2 * n], ref[:n], ref[n:], beta=p.beta, label_smoothing=p.label_smoothing)
+            return ipo_loss(s[:n], s[n : 2 * n], ref[:n], ref[n:], tau=p.tau)
+        loss, m = dpo_loss(s[:n], s[n : 2 * n], ref[:n], ref[n:], beta=p.beta, label_smoothing=p.label_smoothing)
         if p.nll_coef > 0:
-            nll = (-s[2 * n:] / n_tokens).mean()
+            nll = (-s[2 * n :] / n_tokens).mean()
             loss = loss + p.nll_coef * nll
             m = {**m, "dpo_loss": m["loss"], "chosen_nll": nll.item(), "loss": loss.item()}
         return loss, m
@@ -290,8 +324,9 @@ def fused_rewards(trajs: list[Trajectory], teacher_scores: list[float | None], c
     return torch.tensor(out, dtype=torch.float32), fused
 
 
-def step_advantages(trajs: list[Trajectory], outcome_adv: torch.Tensor, step_scores: list[list[float] | None],
-                    coef: float) -> list[torch.Tensor]:
+def step_advantages(
+    trajs: list[Trajectory], outcome_adv: torch.Tensor, step_scores: list[list[float] | None], coef: float
+) -> list[torch.Tensor]:
     """Per-token advantages: the trajectory's outcome advantage on every policy token, plus
     ``coef`` times its turn's step score standardised over every scored turn of the batch."""
     flat = torch.tensor([s for sc in step_scores if sc for s in sc], dtype=torch.float32)
@@ -301,7 +336,7 @@ def step_advantages(trajs: list[Trajectory], outcome_adv: torch.Tensor, step_sco
         adv = torch.tensor(t.loss_mask, dtype=torch.float32) * a
         if sc and sd > 1e-6:
             for seg, s in zip([g for g in t.segments if g.role == "policy"], sc):
-                adv[seg.start:seg.end] += coef * (s - mu) / sd
+                adv[seg.start : seg.end] += coef * (s - mu) / sd
         out.append(adv * torch.tensor(t.loss_mask, dtype=torch.float32))
     return out
 
@@ -310,15 +345,25 @@ def policy_gradient_update(learner, trajs, token_adv, o: BlackBoxConfig, seed: i
     """Clipped policy-gradient minibatches over the batch (dealt with ``seed``); trajectories with a
     zero advantage are not forwarded but keep their place in the loss denominator
     (:func:`~mentorrl.train.loop.pg_update`)."""
-    ups = pg_update(learner, trajs, token_adv, o.updates_per_step, seed, drop_zero=True,
-                    eps_low=o.eps_low, eps_high=o.eps_high, agg=o.loss_agg)
+    ups = pg_update(
+        learner,
+        trajs,
+        token_adv,
+        o.updates_per_step,
+        seed,
+        drop_zero=True,
+        eps_low=o.eps_low,
+        eps_high=o.eps_high,
+        agg=o.loss_agg,
+    )
     live = sum(1 for a in token_adv if a.abs().sum() > 0)
     return {**reduce_updates(ups, PG_KEYS), "batch_size": float(live)}
 
 
 # ---------------------------------------------------- soft labels and actions ------
-def soft_label_update(learner, groups: list[tuple[list[Trajectory], list[torch.Tensor], list[float]]],
-                      temperature: float, average: bool) -> dict[str, float]:
+def soft_label_update(
+    learner, groups: list[tuple[list[Trajectory], list[torch.Tensor], list[float]]], temperature: float, average: bool
+) -> dict[str, float]:
     """One update on candidate-level soft labels: per group (candidates, their masks, teacher
     scores), cross-entropy from softmax(scores / T) to the student's softmax over its own
     candidate log-probs; averaged over groups (groups may differ in size)."""
@@ -336,7 +381,10 @@ def soft_label_update(learner, groups: list[tuple[list[Trajectory], list[torch.T
             losses.append(loss)
             kls.append(mm["soft_label_kl"])
             tops.append(mm["top_agreement"])
-        return torch.stack(losses).mean(), {"soft_label_kl": sum(kls) / len(kls), "top_agreement": sum(tops) / len(tops)}
+        return torch.stack(losses).mean(), {
+            "soft_label_kl": sum(kls) / len(kls),
+            "top_agreement": sum(tops) / len(tops),
+        }
 
     return learner.sequence_step(trajs, masks, objective, average=average)
 
@@ -369,12 +417,19 @@ def candidate_trajectory(traj: Trajectory, prefix_len: int, turn_ids: list[int])
     """The trajectory's first ``prefix_len`` tokens (context) followed by one candidate turn (loss mask 1)."""
     ids = list(traj.token_ids[:prefix_len]) + list(turn_ids)
     segs = [s for s in traj.segments if s.end <= prefix_len] + [Segment(role="policy", start=prefix_len, end=len(ids))]
-    return traj.model_copy(update={"token_ids": ids, "loss_mask": [0] * prefix_len + [1] * len(turn_ids),
-                                   "logprobs": [0.0] * len(ids), "segments": segs})
+    return traj.model_copy(
+        update={
+            "token_ids": ids,
+            "loss_mask": [0] * prefix_len + [1] * len(turn_ids),
+            "logprobs": [0.0] * len(ids),
+            "segments": segs,
+        }
+    )
 
 
-def action_groups(ws: Workspace, model, teacher: BlackBoxTeacher, eps: list[StudentEpisode], o: BlackBoxConfig,
-                  seeds: StepSeeds) -> tuple[list, dict[str, float]]:
+def action_groups(
+    ws: Workspace, model, teacher: BlackBoxTeacher, eps: list[StudentEpisode], o: BlackBoxConfig, seeds: StepSeeds
+) -> tuple[list, dict[str, float]]:
     """Per sampled state: the distinct candidate next turns (student samples, the turn it took and,
     optionally, the teacher's), as candidate trajectories, with the teacher's scores. The states are
     drawn with ``seeds.rng("states")``, the student's samples at episode ``e``'s turn ``t`` with
@@ -386,9 +441,10 @@ def action_groups(ws: Workspace, model, teacher: BlackBoxTeacher, eps: list[Stud
         turns = [s for s in ep.traj.segments if s.role == "policy"]
         for ti in sorted(rng.sample(range(len(turns)), min(a.states_per_trajectory, len(turns)))):
             seg = turns[ti]
-            state_msgs = ep.messages[:ep.turn_indices[ti]]
-            cands = [ep.traj.token_ids[seg.start:seg.end]] + sample_turns(model, contract, ep.traj.token_ids[:seg.start],
-                                                                          a.candidates, seeds(f"turns-{e_i}-{ti}"))
+            state_msgs = ep.messages[: ep.turn_indices[ti]]
+            cands = [ep.traj.token_ids[seg.start : seg.end]] + sample_turns(
+                model, contract, ep.traj.token_ids[: seg.start], a.candidates, seeds(f"turns-{e_i}-{ti}")
+            )
             if a.include_teacher_action:
                 mine = teacher.act(state_msgs)
                 if mine:
@@ -418,9 +474,7 @@ def action_groups(ws: Workspace, model, teacher: BlackBoxTeacher, eps: list[Stud
     return groups, m
 
 
-
-def ranking_scores(trajs: list[Trajectory], teacher_scores: list[float] | None, coef: float
-                   ) -> list[float] | None:
+def ranking_scores(trajs: list[Trajectory], teacher_scores: list[float] | None, coef: float) -> list[float] | None:
     """A group's ranking: ``(1 - coef) * verifier + coef * teacher`` per candidate, fused as the score
     recipe fuses rewards (:func:`fused_rewards`: a hard-constraint violation keeps the verifier's
     reward). None when the teacher could not rank the group and its score is needed."""
@@ -481,15 +535,20 @@ def blackbox_recipe(cls: type[BlackBoxRecipe]) -> type[BlackBoxRecipe]:
 def episode_groups(b: StepBatch) -> list[list[StudentEpisode]]:
     """The step's student episodes, task by task."""
     eps, g = b.data["eps"], b.group_size
-    return [eps[i:i + g] for i in range(0, len(eps), g)]
+    return [eps[i : i + g] for i in range(0, len(eps), g)]
 
 
 class PairsRecipe(BlackBoxRecipe):
     """Trains on the preference pairs its :meth:`score` leaves in ``b.data["pairs"]``."""
 
     @staticmethod
-    def make_pairs(stage: "BlackBoxStage", b: StepBatch, groups: list[list[Trajectory]],
-                   scores: list[list[float] | None], veto: bool) -> None:
+    def make_pairs(
+        stage: "BlackBoxStage",
+        b: StepBatch,
+        groups: list[list[Trajectory]],
+        scores: list[list[float] | None],
+        veto: bool,
+    ) -> None:
         """Pairs from each group's scores (:func:`preference_pairs`), with their counters."""
         p = stage.cfg.preference
         pairs, m = preference_pairs(groups, scores, p.min_margin, veto, p.pairs)
@@ -500,8 +559,9 @@ class PairsRecipe(BlackBoxRecipe):
         """``updates_per_step`` passes of the preference loss over the pairs."""
         pairs, o = b.data["pairs"], stage.cfg
         if pairs:
-            b.metrics.update(passes(lambda: preference_update(stage.learner, stage.ref_model, pairs, o),
-                                    o.updates_per_step))
+            b.metrics.update(
+                passes(lambda: preference_update(stage.learner, stage.ref_model, pairs, o), o.updates_per_step)
+            )
 
 
 class SoftLabelRecipe(BlackBoxRecipe):
@@ -516,8 +576,9 @@ class SoftLabelRecipe(BlackBoxRecipe):
         data, o = b.data["soft"], stage.cfg
         if data:
             temperature, average = self.soft_settings(stage)
-            b.metrics.update(passes(lambda: soft_label_update(stage.learner, data, temperature, average),
-                                    o.updates_per_step))
+            b.metrics.update(
+                passes(lambda: soft_label_update(stage.learner, data, temperature, average), o.updates_per_step)
+            )
 
 
 class PolicyGradientRecipe(BlackBoxRecipe):
@@ -583,9 +644,15 @@ class ScoreRecipe(PolicyGradientRecipe):
         raw, fused = fused_rewards(trajs, overall, o.score.teacher_coef)
         got = [x for x in overall if x is not None]
         self.group_rewards(stage, b, raw)
-        b.metrics.update({"teacher_scored": float(fused), "teacher_skips": float(len(ts) - len(got)),
-                          "teacher_score_mean": _mean(got), "teacher_verifier_agreement": _agreement(trajs, ts),
-                          **{f"fused_reward_{k}": v for k, v in group_reward_stats(b.rewards).items()}})
+        b.metrics.update(
+            {
+                "teacher_scored": float(fused),
+                "teacher_skips": float(len(ts) - len(got)),
+                "teacher_score_mean": _mean(got),
+                "teacher_verifier_agreement": _agreement(trajs, ts),
+                **{f"fused_reward_{k}": v for k, v in group_reward_stats(b.rewards).items()},
+            }
+        )
 
     def advantages(self, stage: "BlackBoxStage", b: StepBatch) -> None:
         adv = self.outcome_advantages(b)
@@ -603,8 +670,9 @@ class CritiqueRecipe(PolicyGradientRecipe):
         self.group_rewards(stage, b, b.raw_rewards().reshape(-1))
         crit = teacher_map(stage.teacher, stage.teacher.critique, b.data["eps"])
         sc = b.data["step_scores"] = [c.scores if c is not None else None for c in crit]
-        b.metrics.update(teacher_skips=float(sum(c is None for c in crit)),
-                         step_score_mean=_mean([x for y in sc if y for x in y]))
+        b.metrics.update(
+            teacher_skips=float(sum(c is None for c in crit)), step_score_mean=_mean([x for y in sc if y for x in y])
+        )
 
     def advantages(self, stage: "BlackBoxStage", b: StepBatch) -> None:
         b.adv = step_advantages(b.trajs, self.outcome_advantages(b), b.data["step_scores"], stage.cfg.critique.coef)
@@ -620,8 +688,11 @@ class SoftLabelsRecipe(SoftLabelRecipe):
     def score(self, stage: "BlackBoxStage", b: StepBatch) -> None:
         groups = episode_groups(b)
         scores = teacher_map(stage.teacher, stage.teacher.rank, groups)
-        b.data["soft"] = [([e.traj for e in g], [torch.tensor(e.traj.loss_mask) for e in g], sc)
-                          for g, sc in zip(groups, scores) if sc is not None and max(sc) - min(sc) > 1e-6]
+        b.data["soft"] = [
+            ([e.traj for e in g], [torch.tensor(e.traj.loss_mask) for e in g], sc)
+            for g, sc in zip(groups, scores)
+            if sc is not None and max(sc) - min(sc) > 1e-6
+        ]
         b.metrics.update(teacher_skips=float(sum(sc is None for sc in scores)), batch_size=float(len(b.data["soft"])))
 
 
@@ -673,8 +744,9 @@ class BlackBoxStage(Stage):
         self.state: dict[str, Any] = {"rollout_tokens": 0}
         self.exit = contextlib.ExitStack()
         try:
-            self.teacher = self.exit.enter_context(open_teacher(ws, o.teacher, student=model,
-                                                                seed=self.seeds("teacher")))
+            self.teacher = self.exit.enter_context(
+                open_teacher(ws, o.teacher, student=model, seed=self.seeds("teacher"))
+            )
             require(self.teacher, list(self.recipe.needs), f"blackbox ({o.recipe})")
         except BaseException:
             self.exit.close()
@@ -701,9 +773,11 @@ class BlackBoxStage(Stage):
     def after(self, b: StepBatch) -> None:
         """The client's counters (cumulative), the teacher-and-update time, and the held-out check when due."""
         o = self.cfg
-        b.metrics.update({f"teacher_{k}": float(self.teacher.client.stats[k]) for k in STAT_KEYS},
-                         teacher_s=time.perf_counter() - b.data["teacher_t0"],
-                         rollout_tokens_total=float(self.state["rollout_tokens"]))
+        b.metrics.update(
+            {f"teacher_{k}": float(self.teacher.client.stats[k]) for k in STAT_KEYS},
+            teacher_s=time.perf_counter() - b.data["teacher_t0"],
+            rollout_tokens_total=float(self.state["rollout_tokens"]),
+        )
         if o.eval_every and (b.step + 1) % o.eval_every == 0:
             b.metrics["heldout_success"] = heldout_check(self.ws, self.model, o.eval_tasks)
 

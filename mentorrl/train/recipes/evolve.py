@@ -141,8 +141,16 @@ class EvolveStage(Stage):
             self.sync_versions()
         if b.step == 0 and not state["versions"]:
             score = heldout_check(self.ws, self.model, self.cfg.eval_tasks)
-            state["versions"].append({"version": 0, "iteration": 0, "heldout_success": score, "accepted": True,
-                                      "teacher": None, "path": str(self.save_version(0))})
+            state["versions"].append(
+                {
+                    "version": 0,
+                    "iteration": 0,
+                    "heldout_success": score,
+                    "accepted": True,
+                    "teacher": None,
+                    "path": str(self.save_version(0)),
+                }
+            )
             state["best"] = score
             self.write_versions()
 
@@ -158,8 +166,9 @@ class EvolveStage(Stage):
         self.collect(b, self.cfg.samples_per_task)
         self.state["rollout_tokens"] += b.policy_tokens
         self.curriculum.observe([bool(t.reward and t.reward.success) for t in b.trajs])
-        b.metrics["admitted"] = float(sum(bool(self.buffer.add(t)) for t in b.trajs
-                                          if t.reward and t.reward.success))  # the verifier gates
+        b.metrics["admitted"] = float(
+            sum(bool(self.buffer.add(t)) for t in b.trajs if t.reward and t.reward.success)
+        )  # the verifier gates
 
     def advantages(self, b: StepBatch) -> None:
         """``reward_coef * A_env`` (group-relative) plus ``kl_coef * A_kl`` towards the frozen teacher, per token."""
@@ -167,15 +176,18 @@ class EvolveStage(Stage):
         env_adv = self.estimator(b.rewards, normalize_std=True).reshape(-1)
         signals = [[same_tokenizer_signal(self.teacher, t) for t in trajs]]
         kl = kl_advantages(trajs, signals, torch.ones(len(trajs), 1, dtype=torch.float64), [True])
-        b.adv = [e.reward_coef * float(env_adv[i]) * torch.tensor(t.loss_mask, dtype=torch.float32) + e.kl_coef * kl[i]
-                 for i, t in enumerate(trajs)]
+        b.adv = [
+            e.reward_coef * float(env_adv[i]) * torch.tensor(t.loss_mask, dtype=torch.float32) + e.kl_coef * kl[i]
+            for i, t in enumerate(trajs)
+        ]
         b.metrics["opd_reverse_kl"] = -sum(float(k.sum()) for k in kl if k is not None) / max(b.policy_tokens, 1)
 
     def update(self, b: StepBatch) -> None:
         """Two policy-gradient minibatches, then an SFT step on ``replay_batch`` replayed successes."""
         e = self.cfg
-        b.updates += pg_update(self.learner, b.trajs, b.adv, 2, b.seeds("minibatches"), eps_low=e.eps_low,
-                               eps_high=e.eps_high)
+        b.updates += pg_update(
+            self.learner, b.trajs, b.adv, 2, b.seeds("minibatches"), eps_low=e.eps_low, eps_high=e.eps_high
+        )
         replayed = self.buffer.sample(e.replay_batch, rng=b.seeds.rng("replay")) if e.replay_batch else []
         if replayed and e.replay_coef > 0:
             b.metrics["replay_sft_loss"] = self.learner.sft_step(replayed)["loss"]
@@ -184,10 +196,14 @@ class EvolveStage(Stage):
     def after(self, b: StepBatch) -> None:
         """The curriculum's and the buffer's metrics; at the end of an iteration, the gate."""
         c, state = self.curriculum, self.state
-        b.metrics.update(curriculum_level=float(c.level), level_changed=float(c.level != b.data["level_before"]),
-                         curriculum_success=c.success_rate if c.success_rate is not None else -1.0,
-                         replay_size=float(len(self.buffer)), teacher_version=float(state["teacher"]),
-                         rollout_tokens_total=float(state["rollout_tokens"]))
+        b.metrics.update(
+            curriculum_level=float(c.level),
+            level_changed=float(c.level != b.data["level_before"]),
+            curriculum_success=c.success_rate if c.success_rate is not None else -1.0,
+            replay_size=float(len(self.buffer)),
+            teacher_version=float(state["teacher"]),
+            rollout_tokens_total=float(state["rollout_tokens"]),
+        )
         if (b.step + 1) % self.cfg.steps_per_iteration == 0:
             b.metrics.update(self.close_iteration(b.step))
 
@@ -197,8 +213,14 @@ class EvolveStage(Stage):
         it = (step + 1) // e.steps_per_iteration
         score = heldout_check(self.ws, self.model, e.eval_tasks)
         accepted = score >= state["best"] - e.accept_margin
-        entry = {"version": it, "iteration": it, "heldout_success": score, "accepted": accepted,
-                 "teacher": state["teacher"], "path": None}
+        entry = {
+            "version": it,
+            "iteration": it,
+            "heldout_success": score,
+            "accepted": accepted,
+            "teacher": state["teacher"],
+            "path": None,
+        }
         if accepted:
             entry["path"] = str(self.save_version(it))
             state["best"], state["teacher"] = max(state["best"], score), it
@@ -207,8 +229,10 @@ class EvolveStage(Stage):
             load_weights_into(self.model, self.versions_dir / f"v{state['teacher']}")
         state["versions"] = [v for v in state["versions"] if v["version"] != it] + [entry]
         self.write_versions()
-        self.ws.console.print(f"evolve iteration {it}: held-out {100 * score:.1f}% -> "
-                              f"{'accepted as the next teacher' if accepted else 'rejected, rolled back'}")
+        self.ws.console.print(
+            f"evolve iteration {it}: held-out {100 * score:.1f}% -> "
+            f"{'accepted as the next teacher' if accepted else 'rejected, rolled back'}"
+        )
         return {"heldout_success": score, "version_accepted": float(accepted)}
 
     # ---- state --------------------------------------------------------------------------------

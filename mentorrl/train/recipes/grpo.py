@@ -26,8 +26,19 @@ from mentorrl.train.loop import (
 from mentorrl.train.rl_loop import RewardGapWatch, Stage, StepBatch, run_on_loop
 from mentorrl.train.workspace import Workspace, frozen_copy
 
-GRPO_METRICS = ("loss", "kl", "clip_frac", "entropy", "grad_norm", "ratio_max", "approx_kl", "logprob_abs_gap",
-                "train_rollout_kl", "policy_lag_mean", "policy_lag_max")
+GRPO_METRICS = (
+    "loss",
+    "kl",
+    "clip_frac",
+    "entropy",
+    "grad_norm",
+    "ratio_max",
+    "approx_kl",
+    "logprob_abs_gap",
+    "train_rollout_kl",
+    "policy_lag_mean",
+    "policy_lag_max",
+)
 
 
 def load_hard_pool(g) -> HardTaskPool | None:
@@ -64,8 +75,10 @@ def guide_expert(ws: Workspace):
         return None
     expert = ws.env_entry.make_expert()
     if isinstance(expert, NoExpert):
-        raise ValueError(f"grpo.guide: expert needs a scripted expert, and environment {ws.cfg.env.name!r} has "
-                         "none; set grpo.guide: none")
+        raise ValueError(
+            f"grpo.guide: expert needs a scripted expert, and environment {ws.cfg.env.name!r} has "
+            "none; set grpo.guide: none"
+        )
     return expert
 
 
@@ -102,31 +115,58 @@ class GRPOStage(Stage):
     def advantages(self, b: StepBatch) -> None:
         """Group advantages; a guided group's demonstration joins it (and is dealt with it)."""
         g, audit, n = self.cfg, self.ws.cfg.audit, len(b.trajs)
-        guided = guide_failed_groups(self.ws, self.model, _Group(b), self.expert, self.learner.version,
-                                     self.ws.contract.pad_token_id) if self.expert is not None else []
+        guided = (
+            guide_failed_groups(
+                self.ws, self.model, _Group(b), self.expert, self.learner.version, self.ws.contract.pad_token_id
+            )
+            if self.expert is not None
+            else []
+        )
         demo_rewards = outcome_rewards([d for _, d in guided], audit)[0].tolist() if guided else []
-        adv, demo_adv = guided_advantages(self.estimator, b.rewards, [(i, r) for (i, _), r in zip(guided, demo_rewards)],
-                                          normalize_std=g.normalize_std)
+        adv, demo_adv = guided_advantages(
+            self.estimator,
+            b.rewards,
+            [(i, r) for (i, _), r in zip(guided, demo_rewards)],
+            normalize_std=g.normalize_std,
+        )
         b.groups = b.group_indices()
         for j, (i, _) in enumerate(guided):
             b.groups[i].append(n + j)
         b.trajs, b.adv = b.trajs + [d for _, d in guided], torch.cat([adv, demo_adv])
-        b.data["nll"] = guide_nll_weights(n, [d for _, d in guided], g.guide_sft) if guided and g.guide_sft > 0 \
-            else None
+        b.data["nll"] = (
+            guide_nll_weights(n, [d for _, d in guided], g.guide_sft) if guided and g.guide_sft > 0 else None
+        )
         if self.expert is not None:
             b.metrics["guided_groups"] = float(len(guided))
         step, trajs = b.step, b.trajs
-        b.metrics.update(self.ws.on_main(lambda: reward_debugger(
-            trajs, audit.flag_reward, self.ws.run_dir / "audit" / f"flagged-grpo-step-{step + 1:06d}.jsonl")))
+        b.metrics.update(
+            self.ws.on_main(
+                lambda: reward_debugger(
+                    trajs, audit.flag_reward, self.ws.run_dir / "audit" / f"flagged-grpo-step-{step + 1:06d}.jsonl"
+                )
+            )
+        )
 
     def update(self, b: StepBatch) -> None:
         """Zero-advantage trajectories give exactly zero policy gradient: without a KL term they are
         not forwarded, but they stay in each minibatch's loss denominator (the full-batch update)."""
         g = self.cfg
-        b.updates += pg_update(self.learner, b.trajs, b.adv, g.updates_per_step, b.seeds("minibatches"), kind="grpo",
-                               groups=b.groups, drop_zero=g.kl_coef == 0, ref_model=self.ref_model,
-                               kl_coef=g.kl_coef, eps_low=g.eps_low, eps_high=g.eps_high, agg=g.loss_agg,
-                               nll_weights=b.data["nll"])
+        b.updates += pg_update(
+            self.learner,
+            b.trajs,
+            b.adv,
+            g.updates_per_step,
+            b.seeds("minibatches"),
+            kind="grpo",
+            groups=b.groups,
+            drop_zero=g.kl_coef == 0,
+            ref_model=self.ref_model,
+            kl_coef=g.kl_coef,
+            eps_low=g.eps_low,
+            eps_high=g.eps_high,
+            agg=g.loss_agg,
+            nll_weights=b.data["nll"],
+        )
         b.metrics["trained_trajectories"] = len(b.trajs) if g.kl_coef > 0 else int((b.adv.abs() > 0).sum())
 
     def after(self, b: StepBatch) -> None:

@@ -109,11 +109,17 @@ class OPDStage(Stage):
         self.advantage_terms = [t for t in o.terms if t.name in ADVANTAGE_TERMS]
         self.loss_terms = [t for t in o.terms if t.name in LOSS_TERMS and LOSS_TERMS[t.name].ready(self)]
         self.needs = needed_inputs([t.name for t in o.terms], LOSS_TERMS)
-        self.state: dict[str, Any] = {"rollout_tokens": 0, "teacher_tokens": 0,
-                                      "history": {n: (0, 0) for n in self.names}}
+        self.state: dict[str, Any] = {
+            "rollout_tokens": 0,
+            "teacher_tokens": 0,
+            "history": {n: (0, 0) for n in self.names},
+        }
         short = self.by_name.get("short")
-        self.budget = GapBudget(short.min_budget, short.max_budget or ws.cfg.limits.max_total_tokens, short.full_gap,
-                                short.ema) if short is not None else None
+        self.budget = (
+            GapBudget(short.min_budget, short.max_budget or ws.cfg.limits.max_total_tokens, short.full_gap, short.ema)
+            if short is not None
+            else None
+        )
 
     # ---- hooks --------------------------------------------------------------------------------
     def rollout(self, b: StepBatch) -> None:
@@ -134,8 +140,11 @@ class OPDStage(Stage):
         b.data["topk_rows"], signals, failures = [{} for _ in self.teachers], [], 0  # topk: the same pass's top-k
         for k, teacher in enumerate(self.teachers):
             top_k = topk.top_k if topk is not None else None
-            row = self.served[k].row(trajs, top_k, fallback) if self.served else \
-                teacher_row(teacher, trajs, top_k, fallback)
+            row = (
+                self.served[k].row(trajs, top_k, fallback)
+                if self.served
+                else teacher_row(teacher, trajs, top_k, fallback)
+            )
             for i, (_, scored, failed) in enumerate(row):
                 failures += failed
                 if scored is not None:
@@ -143,15 +152,32 @@ class OPDStage(Stage):
             signals.append([sig for sig, _, _ in row])
         teacher_tokens = sum(x.teacher_tokens for row in signals for x in row if x is not None)
         self.state["teacher_tokens"] += teacher_tokens
-        w = teacher_weights([t.family for t in trajs], self.names, signals, o.mopd.routes, o.mopd.confidence_temperature,
-                            self.state["history"] if o.mopd.success_history else None) \
-            if self.teachers else torch.zeros(len(trajs), 0)
-        b.data.update(signals=signals, w=w,
-                      kl=kl_advantages(trajs, signals, w, self.shared) if self.teachers else [None] * len(trajs))
-        b.metrics.update(teacher_s=time.perf_counter() - t1, teacher_tokens=float(teacher_tokens),
-                         alignment_failures=float(failures))
-        partial = [(int(sig.topk_mask.sum()), trajs[i].num_policy_tokens) for row in b.data["topk_rows"]
-                   for i, sig in row.items() if sig is not None and sig.topk_mask is not None]
+        w = (
+            teacher_weights(
+                [t.family for t in trajs],
+                self.names,
+                signals,
+                o.mopd.routes,
+                o.mopd.confidence_temperature,
+                self.state["history"] if o.mopd.success_history else None,
+            )
+            if self.teachers
+            else torch.zeros(len(trajs), 0)
+        )
+        b.data.update(
+            signals=signals,
+            w=w,
+            kl=kl_advantages(trajs, signals, w, self.shared) if self.teachers else [None] * len(trajs),
+        )
+        b.metrics.update(
+            teacher_s=time.perf_counter() - t1, teacher_tokens=float(teacher_tokens), alignment_failures=float(failures)
+        )
+        partial = [
+            (int(sig.topk_mask.sum()), trajs[i].num_policy_tokens)
+            for row in b.data["topk_rows"]
+            for i, sig in row.items()
+            if sig is not None and sig.topk_mask is not None
+        ]
         if partial:  # cross-tokenizer top-k: the share of policy tokens with a target
             b.metrics["topk_coverage"] = sum(c for c, _ in partial) / max(sum(n for _, n in partial), 1)
 
@@ -173,8 +199,17 @@ class OPDStage(Stage):
         o = self.cfg
         if self.advantage_terms:
             for e in range(1 if "topk" in self.by_name else o.epochs):
-                b.updates += pg_update(self.learner, b.trajs, b.adv, o.updates_per_step, b.seeds(f"minibatches-{e}"),
-                                       skip_zero=True, eps_low=o.eps_low, eps_high=o.eps_high, agg=o.loss_agg)
+                b.updates += pg_update(
+                    self.learner,
+                    b.trajs,
+                    b.adv,
+                    o.updates_per_step,
+                    b.seeds(f"minibatches-{e}"),
+                    skip_zero=True,
+                    eps_low=o.eps_low,
+                    eps_high=o.eps_high,
+                    agg=o.loss_agg,
+                )
         for p in self.loss_terms:
             LOSS_TERMS[p.name].run(self, b, p)
         distill = b.data.get("distill") or {}  # the last distillation update's metrics
@@ -184,12 +219,16 @@ class OPDStage(Stage):
 
     def after(self, b: StepBatch) -> None:
         o, st = self.cfg, self.state
-        b.metrics.update(rollout_tokens_total=float(st["rollout_tokens"]), teacher_tokens_total=float(st["teacher_tokens"]))
+        b.metrics.update(
+            rollout_tokens_total=float(st["rollout_tokens"]), teacher_tokens_total=float(st["teacher_tokens"])
+        )
         if o.eval_every and (b.step + 1) % o.eval_every == 0:
             b.metrics["heldout_success"] = heldout_check(self.ws, self.model, o.eval_tasks)
         if o.sample_trajectories:
             n = o.sample_trajectories
-            _write_samples(self.ws.run_dir, b.step, b.trajs[:n], b.data["signals"], self.names, b.data["w"], b.data["kl"])
+            _write_samples(
+                self.ws.run_dir, b.step, b.trajs[:n], b.data["signals"], self.names, b.data["w"], b.data["kl"]
+            )
 
     # ---- the steps of the advantages hook ----------------------------------------------------
     def inputs(self, b: StepBatch) -> dict[str, Any]:
@@ -203,7 +242,8 @@ class OPDStage(Stage):
         """The token terms on ``b.data["kl"]``; a ``short`` term's budgets observe the step's gaps."""
         trajs, kl = b.trajs, b.data["kl"]
         b.metrics["opd_reverse_kl"] = -sum(float(k.sum()) for k in kl if k is not None) / max(
-            sum(t.num_policy_tokens for t in trajs), 1)
+            sum(t.num_policy_tokens for t in trajs), 1
+        )
         b.data["kl"], tm = apply_token_terms(self.token_terms, kl, x)
         b.metrics.update(tm)
         if self.budget is not None:
@@ -211,21 +251,27 @@ class OPDStage(Stage):
             for fam in set(families):
                 idx = [i for i, f in enumerate(families) if f == fam and gaps[i] is not None]
                 if idx:
-                    self.budget.observe(fam, sum(float(gaps[i].sum()) for i in idx)
-                                        / max(sum(trajs[i].num_policy_tokens for i in idx), 1))
+                    self.budget.observe(
+                        fam,
+                        sum(float(gaps[i].sum()) for i in idx) / max(sum(trajs[i].num_policy_tokens for i in idx), 1),
+                    )
             budgets = b.data["budgets"]
             b.metrics["budget_mean"] = sum(budgets) / len(budgets)
             b.metrics["teacher_tokens_per_trajectory"] = b.metrics["teacher_tokens"] / max(
-                len(self.teachers) * len(trajs), 1)
+                len(self.teachers) * len(trajs), 1
+            )
         if self.cfg.mopd.success_history and self.teachers:
             _update_history(self.state["history"], self.names, b.data["w"], trajs)
 
     # ---- state ----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         st = self.state
-        return {"rollout_tokens": st["rollout_tokens"], "teacher_tokens": st["teacher_tokens"],
-                "history": {k: list(v) for k, v in st["history"].items()},
-                "budget": self.budget.state_dict() if self.budget else None}
+        return {
+            "rollout_tokens": st["rollout_tokens"],
+            "teacher_tokens": st["teacher_tokens"],
+            "history": {k: list(v) for k, v in st["history"].items()},
+            "budget": self.budget.state_dict() if self.budget else None,
+        }
 
     def load_state_dict(self, st: dict[str, Any]) -> None:
         for k in ("rollout_tokens", "teacher_tokens"):
@@ -258,8 +304,9 @@ INPUT_BUILDERS: dict[str, Callable[[OPDStage, StepBatch, dict[str, Any]], Any]] 
     "tool_errors": lambda stage, b, x: [tool_error_tokens(t) for t in b.trajs],
     "student_entropy": lambda stage, b, x: _student_entropy(stage.learner, b.trajs),
     "rewards": lambda stage, b, x: b.rewards,
-    "success": lambda stage, b, x: torch.tensor([bool(t.reward and t.reward.success) for t in b.trajs],
-                                                dtype=torch.bool),
+    "success": lambda stage, b, x: torch.tensor(
+        [bool(t.reward and t.reward.success) for t in b.trajs], dtype=torch.bool
+    ),
     "lengths": lambda stage, b, x: torch.tensor([float(t.num_policy_tokens) for t in b.trajs]),
     "seed": lambda stage, b, x: b.seeds("terms"),
 }
@@ -276,22 +323,30 @@ def _rlsd_prepare(stage: OPDStage, b: StepBatch, p) -> None:
     """RLSD's weights, and the start-of-step snapshot's targets (stored before any update)."""
     w = rlsd_weights(b.data["inputs"], p)
     b.metrics["rlsd_distilled"] = float((w > 0).sum())
-    b.data["rlsd_targets"] = _rlsd_snapshot_targets(stage.model, stage.ws.tokenizer, b.trajs, w, p) \
-        if bool((w > 0).any()) else None
+    b.data["rlsd_targets"] = (
+        _rlsd_snapshot_targets(stage.model, stage.ws.tokenizer, b.trajs, w, p) if bool((w > 0).any()) else None
+    )
 
 
 def _rlsd_topk_loss(stage: OPDStage, b: StepBatch, p) -> None:
     """RLSD's forward KL to the start-of-step snapshot's top-k on the verified trajectories."""
     targets = b.data["rlsd_targets"]
     if targets is not None:
-        b.data["distill"] = stage.learner.distill_step([x[0] for x in targets], [x[1] for x in targets],
-                                                       [x[2] for x in targets], kind="forward",
-                                                       token_weights=[x[3] for x in targets], tail=p.tail)
+        b.data["distill"] = stage.learner.distill_step(
+            [x[0] for x in targets],
+            [x[1] for x in targets],
+            [x[2] for x in targets],
+            kind="forward",
+            token_weights=[x[3] for x in targets],
+            tail=p.tail,
+        )
 
 
 def _sequence_fallback_loss(stage: OPDStage, b: StepBatch, p) -> None:
     """The cross-tokenizer teachers' own verified episodes as one SFT update."""
-    b.metrics.update(_sequence_fallback(stage.ws, stage.learner, stage.cross, b.tasks, b.seeds("fallback"), stage.state))
+    b.metrics.update(
+        _sequence_fallback(stage.ws, stage.learner, stage.cross, b.tasks, b.seeds("fallback"), stage.state)
+    )
 
 
 LOSS_TERMS: dict[str, LossTerm] = {
@@ -310,9 +365,10 @@ def _student_entropy(learner: Learner, trajs: list[Trajectory]) -> list[torch.Te
     mbs = learner.cfg.micro_batch_size
     device = next(learner.model.parameters()).device
     for lo in range(0, len(trajs), mbs):
-        chunk = trajs[lo: lo + mbs]
-        _, ent = forward_logprobs(learner.model, collate(chunk, learner.pad_id).to(device), learner.temperature,
-                                  with_entropy=True)
+        chunk = trajs[lo : lo + mbs]
+        _, ent = forward_logprobs(
+            learner.model, collate(chunk, learner.pad_id).to(device), learner.temperature, with_entropy=True
+        )
         out += [ent[b, : len(t.token_ids)].cpu() for b, t in enumerate(chunk)]
     return out
 
@@ -361,9 +417,17 @@ def _topk_update(learner, b: StepBatch, p, o, cut, selected: bool) -> dict[str, 
     for epoch in range(o.epochs):
         for idx in minibatches(list(range(len(items))), o.updates_per_step, seed=b.seeds(f"topk-{epoch}")):
             chosen = [items[i] for i in idx]
-            ups.append(learner.distill_step([c[0] for c in chosen], [c[1] for c in chosen], [c[2] for c in chosen],
-                                            kind=p.divergence, beta=p.beta, token_weights=[c[3] for c in chosen],
-                                            tail=p.tail))
+            ups.append(
+                learner.distill_step(
+                    [c[0] for c in chosen],
+                    [c[1] for c in chosen],
+                    [c[2] for c in chosen],
+                    kind=p.divergence,
+                    beta=p.beta,
+                    token_weights=[c[3] for c in chosen],
+                    tail=p.tail,
+                )
+            )
     return reduce_updates(ups, ("distill_loss", "divergence_max", "grad_norm"))
 
 
@@ -376,8 +440,14 @@ def _rlsd_snapshot_targets(model, tokenizer, trajs, sd_w, r) -> list[tuple[Traje
     for i in range(len(trajs)):
         if sd_w[i] > 0:
             sig = snapshot.score(trajs[i], top_k=r.top_k)
-            out.append((trajs[i], sig.topk_ids, sig.topk_logprobs,
-                        torch.full((len(trajs[i].token_ids),), float(sd_w[i]) * r.coef)))
+            out.append(
+                (
+                    trajs[i],
+                    sig.topk_ids,
+                    sig.topk_logprobs,
+                    torch.full((len(trajs[i].token_ids),), float(sd_w[i]) * r.coef),
+                )
+            )
     return out
 
 
@@ -418,21 +488,32 @@ def _write_samples(run_dir: Path, step: int, trajs, signals, names, w, kl) -> No
         teachers = {}
         for m, name in enumerate(names):
             s = signals[m][b]
-            teachers[name] = {"weight": float(w[b, m]), "aligned": s is not None,
-                              "chunks": s.num_chunks if s is not None else 0,
-                              "teacher_chunk_logprob_mean": float(s.teacher_lp.mean()) if s is not None and s.num_chunks else None,
-                              "teacher_tokens": s.teacher_tokens if s is not None else 0}
+            teachers[name] = {
+                "weight": float(w[b, m]),
+                "aligned": s is not None,
+                "chunks": s.num_chunks if s is not None else 0,
+                "teacher_chunk_logprob_mean": float(s.teacher_lp.mean()) if s is not None and s.num_chunks else None,
+                "teacher_tokens": s.teacher_tokens if s is not None else 0,
+            }
         k = kl[b]
-        rows.append({"trajectory_id": t.id, "task_id": t.task_id, "family": t.family,
-                     "reward": t.reward.total if t.reward else None, "success": bool(t.reward and t.reward.success),
-                     "teachers": teachers,
-                     "distill_advantage_mean": float(k[torch.tensor(t.loss_mask, dtype=torch.bool)].mean()) if k is not None and t.num_policy_tokens else None,
-                     "distilled_tokens": int((k != 0).sum()) if k is not None else 0,
-                     "token_budget": t.sampling.get("max_total_tokens")})
+        rows.append(
+            {
+                "trajectory_id": t.id,
+                "task_id": t.task_id,
+                "family": t.family,
+                "reward": t.reward.total if t.reward else None,
+                "success": bool(t.reward and t.reward.success),
+                "teachers": teachers,
+                "distill_advantage_mean": float(k[torch.tensor(t.loss_mask, dtype=torch.bool)].mean())
+                if k is not None and t.num_policy_tokens
+                else None,
+                "distilled_tokens": int((k != 0).sum()) if k is not None else 0,
+                "token_budget": t.sampling.get("max_total_tokens"),
+            }
+        )
     with open(run_dir / "opd" / f"signals-step-{step + 1:06d}.jsonl", "w") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
-
 
 
 __all__ = ["INPUT_BUILDERS", "LOSS_TERMS", "LossTerm", "OPDStage", "needed_capabilities", "opd_stage"]

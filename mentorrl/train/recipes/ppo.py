@@ -27,10 +27,18 @@ class PPOStage(Stage):
     def score(self, b: StepBatch) -> None:
         rewards, clipped = outcome_rewards(b.trajs, self.ws.cfg.audit)
         b.rewards = rewards
-        b.metrics.update(reward_mean=rewards.mean().item(), reward_std=rewards.std().item() if len(b.trajs) > 1 else 0.0,
-                         reward_clipped=clipped["clipped"])
-        b.metrics.update(reward_debugger(b.trajs, self.ws.cfg.audit.flag_reward,
-                                         self.ws.run_dir / "audit" / f"flagged-ppo-step-{b.step + 1:06d}.jsonl"))
+        b.metrics.update(
+            reward_mean=rewards.mean().item(),
+            reward_std=rewards.std().item() if len(b.trajs) > 1 else 0.0,
+            reward_clipped=clipped["clipped"],
+        )
+        b.metrics.update(
+            reward_debugger(
+                b.trajs,
+                self.ws.cfg.audit.flag_reward,
+                self.ws.run_dir / "audit" / f"flagged-ppo-step-{b.step + 1:06d}.jsonl",
+            )
+        )
 
     def advantages(self, b: StepBatch) -> None:
         b.adv, _, value_metrics = self.critic.step(b.trajs, b.rewards, self.cfg.gae, seed=b.seeds("critic"))
@@ -39,8 +47,16 @@ class PPOStage(Stage):
     def update(self, b: StepBatch) -> None:
         p = self.cfg
         if b.step >= p.critic.warmup_steps:
-            b.updates += pg_update(self.learner, b.trajs, b.adv, p.updates_per_step, b.seeds("minibatches"),
-                                   eps_low=p.eps_low, eps_high=p.eps_high, agg=p.loss_agg)
+            b.updates += pg_update(
+                self.learner,
+                b.trajs,
+                b.adv,
+                p.updates_per_step,
+                b.seeds("minibatches"),
+                eps_low=p.eps_low,
+                eps_high=p.eps_high,
+                agg=p.loss_agg,
+            )
         b.metrics["actor_updated"] = float(bool(b.updates))
 
     def after(self, b: StepBatch) -> None:

@@ -73,7 +73,9 @@ class RFTStage(Stage):
         kept, counts = select_rft_data(b.trajs, r.top_k, tuple(r.band), seed=b.seeds("select"))
         self.stage_dir.mkdir(parents=True, exist_ok=True)
         write_jsonl(self.data_file(b.step), kept)
-        b.data["train"] = [t for i in range(b.step + 1) if self.data_file(i).exists() for t in read_jsonl(self.data_file(i))]
+        b.data["train"] = [
+            t for i in range(b.step + 1) if self.data_file(i).exists() for t in read_jsonl(self.data_file(i))
+        ]
         b.metrics.update(counts, dataset_size=len(b.data["train"]))
 
     def update(self, b: StepBatch) -> None:

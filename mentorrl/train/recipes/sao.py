@@ -39,15 +39,15 @@ from typing import Any, Iterator
 import torch
 
 from mentorrl.replay.buffer import BatchItem, ReplayBuffer, hybrid_batch, segment_replay
-from mentorrl.train.async_rl import RolloutPool, WeightBox, lag_histogram, staleness_weights
 from mentorrl.replay.checkpointing import BufferCheckpoints
+from mentorrl.train.async_rl import RolloutPool, WeightBox, lag_histogram, staleness_weights
 from mentorrl.train.critic import Critic
 from mentorrl.train.learner import Learner
 from mentorrl.train.loop import (
     outcome_rewards,
     pg_update,
-    relabel_behaviour,
     reduce_updates,
+    relabel_behaviour,
     require_consistent,
     reward_debugger,
     rollout_metrics,
@@ -56,7 +56,6 @@ from mentorrl.train.rl_loop import RewardGapWatch, Stage, StepBatch, run_on_loop
 from mentorrl.train.rundir import KEEP_CHECKPOINTS
 from mentorrl.train.workspace import Workspace
 from mentorrl.trajectory import Trajectory, write_jsonl
-
 
 
 def task_stream(pool: list, seed: int) -> Iterator:
@@ -73,8 +72,21 @@ def _first_policy_value(traj: Trajectory, values: torch.Tensor) -> float:
     return float(values[first])
 
 
-SAO_METRICS = ("pg_loss", "masked_frac", "ratio_p05", "ratio_p50", "ratio_p95", "ratio_max", "entropy", "grad_norm",
-               "approx_kl", "logprob_abs_gap", "train_rollout_kl", "policy_lag_mean", "policy_lag_max")
+SAO_METRICS = (
+    "pg_loss",
+    "masked_frac",
+    "ratio_p05",
+    "ratio_p50",
+    "ratio_p95",
+    "ratio_max",
+    "entropy",
+    "grad_norm",
+    "approx_kl",
+    "logprob_abs_gap",
+    "train_rollout_kl",
+    "policy_lag_mean",
+    "policy_lag_max",
+)
 
 
 class SAOStage(Stage):
@@ -103,13 +115,21 @@ class SAOStage(Stage):
         self.worker: RolloutPool | None = None
         self.t0: float | None = None
         self.consumed_here = 0
-        self.replay = BufferCheckpoints(self.buffer, KEEP_CHECKPOINTS, "sao", ws.console.print) \
-            if self.buffer is not None else None
+        self.replay = (
+            BufferCheckpoints(self.buffer, KEEP_CHECKPOINTS, "sao", ws.console.print)
+            if self.buffer is not None
+            else None
+        )
 
     def make_learner(self) -> Learner:
         ws = self.ws
-        return Learner(self.model, self.cfg.optim, ws.contract.pad_token_id, ws.contract.sampling.temperature,
-                       version_per_update=False)
+        return Learner(
+            self.model,
+            self.cfg.optim,
+            ws.contract.pad_token_id,
+            ws.contract.sampling.temperature,
+            version_per_update=False,
+        )
 
     def make_pool(self) -> list:
         return self.ws.train_tasks(max(self.cfg.batch_size * max(self.steps, 1), self.pool_least), self.seeds("pool"))
@@ -123,11 +143,20 @@ class SAOStage(Stage):
             pool_cls = RolloutPool
             if cfg.distributed.backend == "ray":  # rollout actors (mentorrl.distributed.ray_workers, docs/ray.md)
                 from mentorrl.distributed.ray_workers import RayRolloutPool
+
                 self.ws.close_ray_rollouts()  # a GRPO stage's actors (idle now) are this stream's: no CPUs for more
                 pool_cls = functools.partial(RayRolloutPool, dist=cfg.distributed)
-            w = pool_cls(self.model, self.ws.rollout, task_stream(self.pool, b.seeds("task-stream")), self.box,
-                         slots=r.slots, queue_size=r.queue_size or s.batch_size, seed=b.seeds("worker"),
-                         recompute_kv=r.recompute_kv, workers=r.workers)
+            w = pool_cls(
+                self.model,
+                self.ws.rollout,
+                task_stream(self.pool, b.seeds("task-stream")),
+                self.box,
+                slots=r.slots,
+                queue_size=r.queue_size or s.batch_size,
+                seed=b.seeds("worker"),
+                recompute_kv=r.recompute_kv,
+                workers=r.workers,
+            )
             w.start()
             self.worker, self.t0 = w, time.perf_counter()
         return self.worker
@@ -148,26 +177,42 @@ class SAOStage(Stage):
         fresh = [(t, w) for t, w in zip(online, weights) if w > 0]
         items = _hybrid(s, [t for t, _ in fresh], self.demos, self.buffer, current, b.seeds.rng("hybrid"))
         rl = [it.trajectory for it in items if it.source != "expert"]
-        expert = relabel_behaviour(self.model, [it.trajectory for it in items if it.source == "expert"],
-                                   self.ws.contract.pad_token_id, self.temperature)
+        expert = relabel_behaviour(
+            self.model,
+            [it.trajectory for it in items if it.source == "expert"],
+            self.ws.contract.pad_token_id,
+            self.temperature,
+        )
         require_consistent(self.ws, rl + expert, current, f"SAO step {b.step + 1}")
         b.trajs = online
         b.data.update(items=items, rl=rl, expert=expert, weight_of={t.id: w for t, w in fresh})
-        b.metrics.update({"rollouts": float(len(online)), "policy_lag_hist": lag_histogram(lags),
-                          "stale_dropped": float(sum(w == 0 for w in weights)),
-                          "stale_downweighted": float(sum(0 < w < 1 for w in weights)),
-                          "online_items": float(len(fresh)), "wait_s": t_wait,
-                          "replay_items": float(sum(it.source == "replay" for it in items)),
-                          "expert_items": float(len(expert))})
+        b.metrics.update(
+            {
+                "rollouts": float(len(online)),
+                "policy_lag_hist": lag_histogram(lags),
+                "stale_dropped": float(sum(w == 0 for w in weights)),
+                "stale_downweighted": float(sum(0 < w < 1 for w in weights)),
+                "online_items": float(len(fresh)),
+                "wait_s": t_wait,
+                "replay_items": float(sum(it.source == "replay" for it in items)),
+                "expert_items": float(len(expert)),
+            }
+        )
         b.metrics.update(rollout_metrics(online))
 
     def score(self, b: StepBatch) -> None:
         audit = self.ws.cfg.audit
         rewards, clipped = outcome_rewards(b.trajs, audit)
-        b.metrics.update(reward_mean=rewards.mean().item(), reward_std=rewards.std().item() if len(b.trajs) > 1 else 0.0,
-                         reward_clipped=clipped["clipped"])
-        b.metrics.update(reward_debugger(b.trajs, audit.flag_reward,
-                                         self.ws.run_dir / "audit" / f"flagged-sao-step-{b.step + 1:06d}.jsonl"))
+        b.metrics.update(
+            reward_mean=rewards.mean().item(),
+            reward_std=rewards.std().item() if len(b.trajs) > 1 else 0.0,
+            reward_clipped=clipped["clipped"],
+        )
+        b.metrics.update(
+            reward_debugger(
+                b.trajs, audit.flag_reward, self.ws.run_dir / "audit" / f"flagged-sao-step-{b.step + 1:06d}.jsonl"
+            )
+        )
 
     def advantages(self, b: StepBatch) -> None:
         """The critic's update and GAE advantages (stale data down-weighted), replay admission, and
@@ -181,8 +226,11 @@ class SAOStage(Stage):
             b.metrics.update(value_metrics)
             b.adv = [a * weight_of.get(t.id, 1.0) for t, a in zip(rl, adv)]  # replayed data: weight 1
             if self.buffer is not None:
-                added = [self.buffer.add(t, advantage=rewards[i].item() - _first_policy_value(t, old_values[i]))
-                         for i, t in enumerate(rl) if weight_of.get(t.id) is not None]
+                added = [
+                    self.buffer.add(t, advantage=rewards[i].item() - _first_policy_value(t, old_values[i]))
+                    for i, t in enumerate(rl)
+                    if weight_of.get(t.id) is not None
+                ]
                 b.metrics["replay_admitted"] = float(sum(bool(a) for a in added))
         b.adv += [torch.tensor(t.loss_mask, dtype=torch.float32) * s.expert_advantage for t in b.data["expert"]]
 
@@ -190,8 +238,17 @@ class SAOStage(Stage):
         """Masked-IS minibatches; every ``sync_every`` steps that changed the policy, a new version to the worker."""
         s, batch = self.cfg, b.data["rl"] + b.data["expert"]
         if b.step >= s.critic.warmup_steps and batch:
-            b.updates += pg_update(self.learner, batch, b.adv, s.updates_per_step, b.seeds("minibatches"),
-                                   kind="masked_is", eps_low=s.eps_low, eps_high=s.eps_high, agg=s.loss_agg)
+            b.updates += pg_update(
+                self.learner,
+                batch,
+                b.adv,
+                s.updates_per_step,
+                b.seeds("minibatches"),
+                kind="masked_is",
+                eps_low=s.eps_low,
+                eps_high=s.eps_high,
+                agg=s.loss_agg,
+            )
             self.state["dirty"] = True
         if (b.step + 1) % s.rollout.sync_every == 0 and self.state["dirty"]:
             self.state["dirty"] = False
@@ -204,10 +261,13 @@ class SAOStage(Stage):
         worker, n = self.worker, len(b.trajs)
         self.state["consumed"] += n
         self.consumed_here += n
-        b.metrics.update(trajectories_consumed=float(self.state["consumed"]),
-                         traj_per_s=self.consumed_here / (time.perf_counter() - self.t0),
-                         worker_produced=float(worker.produced), worker_syncs=float(worker.syncs),
-                         queue_depth=float(worker.out.qsize()))
+        b.metrics.update(
+            trajectories_consumed=float(self.state["consumed"]),
+            traj_per_s=self.consumed_here / (time.perf_counter() - self.t0),
+            worker_produced=float(worker.produced),
+            worker_syncs=float(worker.syncs),
+            queue_depth=float(worker.out.qsize()),
+        )
         if self.buffer is not None:
             b.metrics["buffer_size"] = float(len(self.buffer))
         b.metrics.update(self.gap.observe(b.step, b.metrics["reward_mean"]))
@@ -240,8 +300,9 @@ class SAOStage(Stage):
 sao_stage = run_on_loop(SAOStage)
 
 
-def _hybrid(s, online: list[Trajectory], demos: list[Trajectory], buffer: ReplayBuffer | None, current: int,
-            rng: random.Random) -> list[BatchItem]:
+def _hybrid(
+    s, online: list[Trajectory], demos: list[Trajectory], buffer: ReplayBuffer | None, current: int, rng: random.Random
+) -> list[BatchItem]:
     """All fresh online trajectories plus replayed and expert data in the configured ratios to them.
 
     The replay draw happens before this step's trajectories enter the buffer, so a batch never
@@ -254,8 +315,12 @@ def _hybrid(s, online: list[Trajectory], demos: list[Trajectory], buffer: Replay
     if s.segment_replay is None:
         return items
     seg = s.segment_replay  # a long replayed trajectory contributes one window of its turns
-    return [BatchItem("replay", rng.choice(segment_replay(it.trajectory, seg.turns_per_segment, seg.min_tokens)))
-            if it.source == "replay" else it for it in items]
+    return [
+        BatchItem("replay", rng.choice(segment_replay(it.trajectory, seg.turns_per_segment, seg.min_tokens)))
+        if it.source == "replay"
+        else it
+        for it in items
+    ]
 
 
 def _record_batch(run_dir: Path, step: int, items: list[BatchItem], n_samples: int) -> None:
@@ -273,4 +338,6 @@ def _record_batch(run_dir: Path, step: int, items: list[BatchItem], n_samples: i
     if n_samples:
         samples = run_dir / "samples"
         samples.mkdir(exist_ok=True)
-        write_jsonl(samples / f"sao-step-{step:06d}.jsonl", [it.trajectory for it in items if it.source == "online"][:n_samples])
+        write_jsonl(
+            samples / f"sao-step-{step:06d}.jsonl", [it.trajectory for it in items if it.source == "online"][:n_samples]
+        )
