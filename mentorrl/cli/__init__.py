@@ -275,15 +275,10 @@ def check(
     """Train/rollout consistency over a run's recorded batches: a pass/fail table; exit 1 on any failure."""
     quiet_transformers()
     from rich.markup import escape
-    from rich.table import Table
 
-    from mentorrl.config.stages import sample_writing_stages
     from mentorrl.models.build import load_policy
-    from mentorrl.train.consistency import batch_checks
     from mentorrl.train.models_init import base_model_dir
-    from mentorrl.train.rundir import MetricsLog
     from mentorrl.train.workspace import open_workspace
-    from mentorrl.trajectory import read_jsonl
 
     cfg_file = run_dir / "config.yaml"
     if not cfg_file.exists():
@@ -297,6 +292,24 @@ def check(
         err.print(f"[red]{escape(str(e))}[/red]")
         raise typer.Exit(2)
     ws.bind_tokenizer(tokenizer)
+    versions, files = _recorded_batches(run_dir)
+    if not files:
+        err.print(f"[red]no recorded batches under {run_dir}/samples or {run_dir}/rft[/red]")
+        raise typer.Exit(2)
+    table, problems = _check_batches(run_dir, files, versions, ws.contract)
+    console.print(table)
+    for p in problems:
+        console.print(f"[red]{escape(p)}[/red]")
+    if problems:
+        raise typer.Exit(1)
+    console.print(f"all {len(files)} recorded batches pass")
+
+
+def _recorded_batches(run_dir: Path) -> tuple[dict[tuple[str, int], int], list[Path]]:
+    """The learner's policy version at each (stage, step) of a run, and its recorded batch files."""
+    from mentorrl.config.stages import sample_writing_stages
+    from mentorrl.train.rundir import MetricsLog
+
     log = MetricsLog(run_dir / "metrics.jsonl")
     versions = {
         (stage, r["step"]): int(r.get("policy_version", 0))
@@ -306,10 +319,16 @@ def check(
     files = [
         f for stage in sample_writing_stages() for f in sorted((run_dir / "samples").glob(f"{stage}-step-*.jsonl"))
     ]
-    files += sorted((run_dir / "rft").glob("data-round-*.jsonl"))
-    if not files:
-        err.print(f"[red]no recorded batches under {run_dir}/samples or {run_dir}/rft[/red]")
-        raise typer.Exit(2)
+    return versions, files + sorted((run_dir / "rft").glob("data-round-*.jsonl"))
+
+
+def _check_batches(run_dir: Path, files: list[Path], versions: dict, contract):
+    """A pass/fail table of the consistency checks over ``files``, and the failures' descriptions."""
+    from rich.table import Table
+
+    from mentorrl.train.consistency import batch_checks
+    from mentorrl.trajectory import read_jsonl
+
     names = ["policy_version", "lengths", "observation_mask", "env_version", "contract"]
     headers = ["version", "lengths", "obs mask", "env", "contract"]  # short enough for an 80-column table
     table = Table(title=f"train/rollout consistency: {run_dir}")
@@ -326,17 +345,12 @@ def check(
         # a sampled batch may not come from a policy newer than the learner's at that step
         stage, _, step = f.stem.partition("-step-")
         current = versions.get((stage, int(step)), 2**62) if step.isdigit() else 2**62
-        checks = batch_checks(trajs, current, ws.contract.env_name, ws.contract.env_version, ws.contract.fingerprint())
+        checks = batch_checks(trajs, current, contract.env_name, contract.env_version, contract.fingerprint())
         table.add_row(
             f.stem, str(len(trajs)), *["[green]pass[/green]" if c.passed else "[red]FAIL[/red]" for c in checks]
         )
         problems += [f"{f.name}: {c.name}: {c.detail}" for c in checks if not c.passed]
-    console.print(table)
-    for p in problems:
-        console.print(f"[red]{escape(p)}[/red]")
-    if problems:
-        raise typer.Exit(1)
-    console.print(f"all {len(files)} recorded batches pass")
+    return table, problems
 
 
 @app.command("config")
