@@ -66,6 +66,72 @@ def async_summary(sao: list[dict[str, Any]]) -> dict[str, Any] | None:
     }
 
 
+RFT_ROUND_KEYS = (
+    "step",
+    "positive_task_rate",
+    "trajectory_success_rate",
+    "samples_to_success",
+    "tasks_in_band",
+    "selected",
+    "dataset_size",
+    "rollouts",
+)
+EVAL_KEYS = ("n", "success", "success_ci95", "mean_reward", "violation_rate", "tool_success", "mean_turns")
+
+
+def _stage_totals(by_stage: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Steps, rollouts and seconds of each stage."""
+    return {
+        name: {
+            "steps": len(rs),
+            "rollouts": int(sum(r.get("rollouts", 0) for r in rs)),
+            "seconds": sum(r.get("step_s", 0.0) for r in rs),
+        }
+        for name, rs in by_stage.items()
+    }
+
+
+def _audit_section(
+    rl: list[dict[str, Any]],
+    every_rl: list[dict[str, Any]],
+    evals: dict[str, dict[str, Any]],
+    audit: AuditConfig,
+    pre_rl_label: str | None,
+    final_label: str | None,
+) -> dict[str, Any]:
+    """The reward audit: debugger flags and clipped rewards over every RL stage, the gap checks
+    of ``rl`` and its end-to-end gap between the ``pre_rl_label`` and ``final_label`` evaluations."""
+    checks = [r for r in rl if "heldout_success" in r]
+    return {
+        "flagged_high_reward_failures": int(sum(r.get("reward_flagged", 0) for r in every_rl)),
+        "rewards_clipped": int(sum(r.get("reward_clipped", 0) for r in every_rl)),
+        "rewards_nonfinite": int(sum(r.get("reward_nonfinite", 0) for r in every_rl)),
+        "gap_checks": [
+            {
+                "step": r["step"],
+                "heldout_success": r["heldout_success"],
+                "reward_mean": r.get("reward_mean"),
+                "warning": bool(r.get("gap_warning")),
+            }
+            for r in checks
+        ],
+        "gap_warnings": int(sum(bool(r.get("gap_warning")) for r in checks)),
+        "end_to_end": end_to_end_gap(
+            rl,
+            evals.get(pre_rl_label, {}).get("success") if pre_rl_label else None,
+            evals.get(final_label, {}).get("success") if final_label else None,
+            audit,
+        ),
+    }
+
+
+def _step_metrics_stage(by_stage: dict[str, list[dict[str, Any]]], rl_stage: str) -> str | None:
+    """``rl_stage`` if it ran, else the last stage that logged per-step rollout metrics."""
+    if by_stage.get(rl_stage):
+        return rl_stage
+    return next((n for n in reversed(list(by_stage)) if any("tool_calls_per_traj" in r for r in by_stage[n])), None)
+
+
 def build_report(
     records: list[dict[str, Any]],
     evals: dict[str, dict[str, Any]],
@@ -81,65 +147,16 @@ def build_report(
     by_stage: dict[str, list[dict[str, Any]]] = {}
     for r in records:
         by_stage.setdefault(r.get("stage", "?"), []).append(r)
-    stages = {
-        name: {
-            "steps": len(rs),
-            "rollouts": int(sum(r.get("rollouts", 0) for r in rs)),
-            "seconds": sum(r.get("step_s", 0.0) for r in rs),
-        }
-        for name, rs in by_stage.items()
-    }
     rl = by_stage.get(rl_stage, [])
     every_rl = [r for name in rl_stage_names() for r in by_stage.get(name, [])]
-    checks = [r for r in rl if "heldout_success" in r]
-    keys = ("n", "success", "success_ci95", "mean_reward", "violation_rate", "tool_success", "mean_turns")
     report: dict[str, Any] = {
-        "evals": {k: {key: v.get(key) for key in keys} for k, v in evals.items()},
-        "other_splits": {k: {key: v.get(key) for key in keys} for k, v in (other_splits or {}).items()},
-        "stages": stages,
-        "rft_rounds": [
-            {
-                k: r.get(k)
-                for k in (
-                    "step",
-                    "positive_task_rate",
-                    "trajectory_success_rate",
-                    "samples_to_success",
-                    "tasks_in_band",
-                    "selected",
-                    "dataset_size",
-                    "rollouts",
-                )
-            }
-            for r in by_stage.get("rft", [])
-        ],
-        "audit": {
-            "flagged_high_reward_failures": int(sum(r.get("reward_flagged", 0) for r in every_rl)),
-            "rewards_clipped": int(sum(r.get("reward_clipped", 0) for r in every_rl)),
-            "rewards_nonfinite": int(sum(r.get("reward_nonfinite", 0) for r in every_rl)),
-            "gap_checks": [
-                {
-                    "step": r["step"],
-                    "heldout_success": r["heldout_success"],
-                    "reward_mean": r.get("reward_mean"),
-                    "warning": bool(r.get("gap_warning")),
-                }
-                for r in checks
-            ],
-            "gap_warnings": int(sum(bool(r.get("gap_warning")) for r in checks)),
-            "end_to_end": end_to_end_gap(
-                rl,
-                evals.get(pre_rl_label, {}).get("success") if pre_rl_label else None,
-                evals.get(final_label, {}).get("success") if final_label else None,
-                audit,
-            ),
-        },
+        "evals": {k: {key: v.get(key) for key in EVAL_KEYS} for k, v in evals.items()},
+        "other_splits": {k: {key: v.get(key) for key in EVAL_KEYS} for k, v in (other_splits or {}).items()},
+        "stages": _stage_totals(by_stage),
+        "rft_rounds": [{k: r.get(k) for k in RFT_ROUND_KEYS} for r in by_stage.get("rft", [])],
+        "audit": _audit_section(rl, every_rl, evals, audit, pre_rl_label, final_label),
     }
-    step_stage = (
-        rl_stage
-        if rl
-        else next((n for n in reversed(list(by_stage)) if any("tool_calls_per_traj" in r for r in by_stage[n])), None)
-    )
+    step_stage = _step_metrics_stage(by_stage, rl_stage)
     summary = step_metrics_summary(step_stage, by_stage.get(step_stage, [])) if step_stage else None
     if summary is not None:
         report["step_metrics"] = summary
@@ -246,7 +263,21 @@ def _eval_row(label: str, e: dict[str, Any]) -> str:
     )
 
 
-def report_markdown(report: dict[str, Any]) -> str:
+STEP_METRICS_PCT = frozenset(
+    {
+        "malformed_call_rate",
+        "finish_answer",
+        "finish_max_turns",
+        "finish_max_tokens",
+        "finish_length",
+        "cpu_util",
+        "rollout_cpu_util",
+    }
+)
+
+
+def _md_evals(report: dict[str, Any]) -> list[str]:
+    """The held-out evaluations, then the final checkpoint's on other splits (if any)."""
     lines = [
         "# Run report",
         "",
@@ -269,7 +300,12 @@ def report_markdown(report: dict[str, Any]) -> str:
         ]
         for split, e in report["other_splits"].items():
             lines.append(_eval_row(split, e))
-    lines += ["", "## Stages", "", "| stage | steps | rollouts | seconds |", "|---|---|---|---|"]
+    return lines
+
+
+def _md_stages(report: dict[str, Any]) -> list[str]:
+    """Steps, rollouts and seconds per stage, then the RFT rounds (if any)."""
+    lines = ["", "## Stages", "", "| stage | steps | rollouts | seconds |", "|---|---|---|---|"]
     for name, s in report["stages"].items():
         lines.append(f"| {name} | {s['steps']} | {s['rollouts']} | {s['seconds']:.0f} |")
     if report["rft_rounds"]:
@@ -288,8 +324,12 @@ def report_markdown(report: dict[str, Any]) -> str:
                 f"| {r['step']} | {_pct(r.get('positive_task_rate'))} | {_pct(r.get('trajectory_success_rate'))} | "
                 f"{'-' if sts is None else f'{sts:.2f}'} | " + " | ".join(cells) + " |"
             )
-    a = report["audit"]
-    lines += [
+    return lines
+
+
+def _md_audit(a: dict[str, Any]) -> list[str]:
+    """The reward audit's counts and its end-to-end verdict (if there is one)."""
+    lines = [
         "",
         "## Reward audit",
         "",
@@ -311,71 +351,81 @@ def report_markdown(report: dict[str, Any]) -> str:
             f"- end to end: training reward {e2e['reward_first_window']:.3f} -> {e2e['reward_last_window']:.3f}, "
             f"held-out success {_pct(e2e['heldout_before'])} -> {_pct(e2e['heldout_after'])}: {verdict}"
         )
-    sm = report.get("step_metrics")
-    if sm:
-        pct = {
-            "malformed_call_rate",
-            "finish_answer",
-            "finish_max_turns",
-            "finish_max_tokens",
-            "finish_length",
-            "cpu_util",
-            "rollout_cpu_util",
-        }
+    return lines
 
-        def cell(k: str, v: float) -> str:
-            return _pct(v) if k in pct else f"{v:.2f}"
 
-        cores = f" of {int(sm['cpu_cores'])} cores" if sm.get("cpu_cores") else ""
+def _step_metric_cell(k: str, v: float) -> str:
+    return _pct(v) if k in STEP_METRICS_PCT else f"{v:.2f}"
+
+
+def _md_step_metrics(sm: dict[str, Any]) -> list[str]:
+    """The per-step rollout metrics: first, last and mean of each, with the plot (if written)."""
+    cores = f" of {int(sm['cpu_cores'])} cores" if sm.get("cpu_cores") else ""
+    lines = [
+        "",
+        "## Per-step rollout metrics",
+        "",
+        f"Stage `{sm['stage']}`, {sm['steps']} steps (`metrics.jsonl`; CPU utilisation is the share"
+        f"{cores} the process kept busy).",
+        "",
+    ]
+    if sm.get("plot"):
+        lines += [f"![per-step rollout metrics]({sm['plot']})", ""]
+    lines += ["| metric | first step | last step | mean |", "|---|---|---|---|"]
+    lines += [
+        f"| {STEP_METRIC_LABELS[k]} | {_step_metric_cell(k, sm['first'][k])} | "
+        f"{_step_metric_cell(k, sm['last'][k])} | {_step_metric_cell(k, sm['means'][k])} |"
+        for k in sm["means"]
+    ]
+    return lines
+
+
+def _md_async(asy: dict[str, Any]) -> list[str]:
+    """SAO's asynchronous bookkeeping."""
+    lags = ", ".join(f"{k}: {v}" for k, v in asy["policy_lag_hist"].items())
+    return [
+        "",
+        "## Asynchronous training (SAO)",
+        "",
+        f"- trajectories consumed: {asy['trajectories']} ({asy['traj_per_s'] or 0:.2f}/s), "
+        f"stale dropped: {asy['stale_dropped']}, down-weighted: {asy['stale_downweighted']}",
+        f"- policy lag histogram (versions: trajectories): {lags}",
+        f"- mean share of policy tokens masked by the importance ratio: {_pct(asy['masked_frac_mean'])}",
+        f"- final policy version: {_num(asy['policy_version'])}",
+    ]
+
+
+def _md_opd(opd: dict[str, Any]) -> list[str]:
+    """What on-policy distillation spent and distilled, with its held-out checks (if any)."""
+    kl0, kl1 = opd["reverse_kl_first"], opd["reverse_kl_last"]
+    lines = [
+        "",
+        "## On-policy distillation",
+        "",
+        f"- student rollout tokens (policy tokens generated): {opd['student_rollout_tokens']}",
+        f"- teacher tokens read: {opd['teacher_tokens']}; alignment failures: {opd['alignment_failures']}",
+        f"- reverse KL(student || teacher) estimate per policy token: "
+        f"{'-' if kl0 is None else f'{kl0:.3f}'} -> {'-' if kl1 is None else f'{kl1:.3f}'}",
+    ]
+    if opd["distilled_token_share"] is not None:
+        lines.append(f"- ShortOPD: mean share of policy tokens distilled {_pct(opd['distilled_token_share'])}")
+    if opd["heldout_checks"]:
+        lines += ["", "| step | student rollout tokens | held-out success |", "|---|---|---|"]
         lines += [
-            "",
-            "## Per-step rollout metrics",
-            "",
-            f"Stage `{sm['stage']}`, {sm['steps']} steps (`metrics.jsonl`; CPU utilisation is the share"
-            f"{cores} the process kept busy).",
-            "",
+            f"| {c['step']} | {_num(c['rollout_tokens'])} | {_pct(c['heldout_success'])} |"
+            for c in opd["heldout_checks"]
         ]
-        if sm.get("plot"):
-            lines += [f"![per-step rollout metrics]({sm['plot']})", ""]
-        lines += ["| metric | first step | last step | mean |", "|---|---|---|---|"]
-        lines += [
-            f"| {STEP_METRIC_LABELS[k]} | {cell(k, sm['first'][k])} | {cell(k, sm['last'][k])} | "
-            f"{cell(k, sm['means'][k])} |"
-            for k in sm["means"]
-        ]
-    asy = report.get("async")
-    if asy:
-        lags = ", ".join(f"{k}: {v}" for k, v in asy["policy_lag_hist"].items())
-        lines += [
-            "",
-            "## Asynchronous training (SAO)",
-            "",
-            f"- trajectories consumed: {asy['trajectories']} ({asy['traj_per_s'] or 0:.2f}/s), "
-            f"stale dropped: {asy['stale_dropped']}, down-weighted: {asy['stale_downweighted']}",
-            f"- policy lag histogram (versions: trajectories): {lags}",
-            f"- mean share of policy tokens masked by the importance ratio: {_pct(asy['masked_frac_mean'])}",
-            f"- final policy version: {_num(asy['policy_version'])}",
-        ]
-    opd = report.get("opd")
-    if opd:
-        kl0, kl1 = opd["reverse_kl_first"], opd["reverse_kl_last"]
-        lines += [
-            "",
-            "## On-policy distillation",
-            "",
-            f"- student rollout tokens (policy tokens generated): {opd['student_rollout_tokens']}",
-            f"- teacher tokens read: {opd['teacher_tokens']}; alignment failures: {opd['alignment_failures']}",
-            f"- reverse KL(student || teacher) estimate per policy token: "
-            f"{'-' if kl0 is None else f'{kl0:.3f}'} -> {'-' if kl1 is None else f'{kl1:.3f}'}",
-        ]
-        if opd["distilled_token_share"] is not None:
-            lines.append(f"- ShortOPD: mean share of policy tokens distilled {_pct(opd['distilled_token_share'])}")
-        if opd["heldout_checks"]:
-            lines += ["", "| step | student rollout tokens | held-out success |", "|---|---|---|"]
-            lines += [
-                f"| {c['step']} | {_num(c['rollout_tokens'])} | {_pct(c['heldout_success'])} |"
-                for c in opd["heldout_checks"]
-            ]
+    return lines
+
+
+def report_markdown(report: dict[str, Any]) -> str:
+    lines = _md_evals(report) + _md_stages(report) + _md_audit(report["audit"])
+    if report.get("step_metrics"):
+        lines += _md_step_metrics(report["step_metrics"])
+    if report.get("async"):
+        lines += _md_async(report["async"])
+    if report.get("opd"):
+        lines += _md_opd(report["opd"])
     return "\n".join(lines) + "\n"
 
 

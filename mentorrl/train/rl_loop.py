@@ -249,6 +249,19 @@ class RewardGapWatch:
         self.monitor.load_state_dict(state or {})
 
 
+def mismatch_metrics(updates: list[dict[str, float]]) -> dict[str, float]:
+    """The train/rollout mismatch of a step, apart from the policy's own change: the log-prob gap and
+    KL of the updates whose batch the current weights sampled (policy lag 0), where the learner
+    recomputes exactly what the rollout recorded up to numerics (kernels, precision, templates)."""
+    fresh = [u for u in updates if u.get("policy_lag_max", 1) == 0 and "logprob_abs_gap" in u]
+    if not fresh:
+        return {}
+    out = {"mismatch_logprob_gap": sum(u["logprob_abs_gap"] for u in fresh) / len(fresh)}
+    if all("train_rollout_kl" in u for u in fresh):
+        out["mismatch_kl"] = sum(u["train_rollout_kl"] for u in fresh) / len(fresh)
+    return out
+
+
 class RLLoop:
     """Runs a :class:`Stage`'s hooks for its steps, resumably (see the module doc)."""
 
@@ -271,6 +284,7 @@ class RLLoop:
             b.metrics.update(
                 {k: v for k, v in reduce_updates(b.updates, stage.update_metrics).items() if k not in b.metrics}
             )
+        b.metrics.update(mismatch_metrics(b.updates))
         b.metrics["policy_version"] = float(stage.learner.version)
         if b.stop:
             b.metrics["stop"] = True
