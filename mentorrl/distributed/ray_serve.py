@@ -28,7 +28,7 @@ import ray
 from ray.exceptions import GetTimeoutError
 
 from mentorrl.config import DistributedConfig
-from mentorrl.distributed.ray_workers import ACTOR_START_TIMEOUT_S, _actor_options, _kill, init_ray
+from mentorrl.distributed.ray_workers import ACTOR_START_TIMEOUT_S, actor_options, init_ray, kill_actor
 
 TOKEN_ENV = "MENTORRL_SERVED_TEACHER_TOKEN"  # in the server's environment and in the learner's process
 
@@ -65,7 +65,7 @@ def serve_on_actor(
     """Serve the checkpoint at ``path`` from a :class:`ServeActor`; yields ``(base URL, name of the variable
     holding its token in this process)``."""
     init_ray(dist)
-    actor = ServeActor.options(**_actor_options()).remote()
+    actor = ServeActor.options(**actor_options()).remote()
     token = secrets.token_urlsafe(24)
     try:
         try:
@@ -85,4 +85,4 @@ def serve_on_actor(
             ray.get(actor.stop.remote(), timeout=60)
         except Exception:  # noqa: BLE001 -- the actor is going anyway
             pass
-        _kill(actor)
+        kill_actor(actor)

@@ -24,10 +24,10 @@ from ray.exceptions import GetTimeoutError, RayTaskError
 from mentorrl.config import ConfigError, DistributedConfig, TeacherConfig
 from mentorrl.distributed.ray_workers import (
     ACTOR_START_TIMEOUT_S,
-    _actor_options,
-    _kill,
+    actor_options,
     gather_shares,
     init_ray,
+    kill_actor,
     shares,
 )
 from mentorrl.trajectory import Trajectory
@@ -90,7 +90,7 @@ class RayTeacher:
             ) from e
 
     def _new_actor(self):
-        return TeacherActor.options(**_actor_options()).remote(*self._args)
+        return TeacherActor.options(**actor_options()).remote(*self._args)
 
     def row(self, trajs: Sequence[Trajectory], top_k: int | None, skip_cross: bool = False) -> list[tuple[Any, ...]]:
         """``teacher_row(teacher, trajs, top_k, skip_cross)``, scored by the actors in contiguous shares."""
@@ -105,7 +105,7 @@ class RayTeacher:
                 raise e
 
         def replace(i: int, e: BaseException) -> None:  # the actor is gone (killed, OOM, node lost)
-            _kill(self.actors[i])
+            kill_actor(self.actors[i])
             self.actors[i] = self._new_actor()
             self.replaced += 1
 
@@ -114,5 +114,5 @@ class RayTeacher:
 
     def close(self) -> None:
         for a in self.actors:
-            _kill(a)
+            kill_actor(a)
         self.actors = []

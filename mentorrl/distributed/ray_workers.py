@@ -384,7 +384,7 @@ class RolloutActor:
             self.thread.join(timeout=30)
 
 
-def _kill(actor) -> None:
+def kill_actor(actor) -> None:
     """``ray.kill`` an actor that may be gone already (frees its CPU now if it was only unreachable)."""
     if actor is None:
         return
@@ -394,7 +394,7 @@ def _kill(actor) -> None:
         pass
 
 
-def _actor_options() -> dict[str, Any]:
+def actor_options() -> dict[str, Any]:
     return {"runtime_env": {"env_vars": dict(ACTOR_ENV)}}
 
 
@@ -417,7 +417,7 @@ def _acquire_actor(spec, rollout: RolloutSpec):
         a = _IDLE["actors"].pop()
         a.configure.remote(spec, rollout)
         return a
-    return RolloutActor.options(**_actor_options()).remote(spec, rollout)
+    return RolloutActor.options(**actor_options()).remote(spec, rollout)
 
 
 def _with_env(spec: RolloutSpec, make_env: Callable[[], Any]) -> RolloutSpec:
@@ -441,7 +441,7 @@ def kill_idle_actors() -> None:
     actors, _IDLE["actors"] = _IDLE["actors"], []
     if ray.is_initialized():
         for a in actors:
-            _kill(a)
+            kill_actor(a)
 
 
 # ------------------------------------------------------------------ weights ----
@@ -531,7 +531,7 @@ class RayRollouts:
         return RemoteEnvFactory(self.env_actors) if self.env_actors else self.rollout_spec.make_env
 
     def _new_env_actor(self):
-        return EnvActor.options(**_actor_options()).remote(self.rollout_spec.make_env)
+        return EnvActor.options(**actor_options()).remote(self.rollout_spec.make_env)
 
     def _new_actor(self):
         return _acquire_actor(self.spec, _with_env(self.rollout_spec, self._worker_env()))
@@ -545,7 +545,7 @@ class RayRollouts:
             except (RayActorError, GetTimeoutError):
                 dead.append(i)
         for i in dead:
-            _kill(self.env_actors[i])
+            kill_actor(self.env_actors[i])
             self.env_actors[i] = self._new_env_actor()
             self.env_replaced += 1
         if dead:
@@ -573,7 +573,7 @@ class RayRollouts:
 
         def replace(i: int, e: BaseException) -> None:
             if not isinstance(e, RayTaskError):  # the rollout actor itself is gone
-                _kill(self.actors[i])  # dead, or unreachable: then its CPU is freed for the new one
+                kill_actor(self.actors[i])  # dead, or unreachable: then its CPU is freed for the new one
                 self.actors[i] = self._new_actor()
                 self.replaced += 1
 
@@ -591,7 +591,7 @@ class RayRollouts:
         for a in self.actors:
             _release_actor(a)
         for a in self.env_actors:
-            _kill(a)
+            kill_actor(a)
         self.actors, self.env_actors = [], []
 
 
@@ -642,7 +642,7 @@ class RayRolloutPool:
         self.weights = WeightBroadcast()
         self.sent_version = -1
         self.env_actors = [
-            EnvActor.options(**_actor_options()).remote(self.rollout_spec.make_env) for _ in range(dist.env_workers)
+            EnvActor.options(**actor_options()).remote(self.rollout_spec.make_env) for _ in range(dist.env_workers)
         ]
         self.actors: list[Any] = [None] * n
         self.starting: list[Any] = [None] * n  # the first ping of an actor that has not answered yet
@@ -714,7 +714,7 @@ class RayRolloutPool:
     def _replace(self, i: int) -> None:
         """Replace actor ``i`` (dead, or unreachable: it is killed first, so its CPU is free for the
         replacement and nothing it still sends is ever collected); the replacement gets its tasks."""
-        _kill(self.actors[i])
+        kill_actor(self.actors[i])
         self.replaced += 1
         self._start_actor(i)
 
@@ -801,7 +801,7 @@ class RayRolloutPool:
         for a in self.actors:
             _release_actor(a)
         for a in self.env_actors:
-            _kill(a)
+            kill_actor(a)
         self.actors = [None] * len(self.actors)
 
 
@@ -813,7 +813,9 @@ __all__ = [
     "RemoteEnvFactory",
     "RolloutActor",
     "WeightBroadcast",
+    "actor_options",
     "init_ray",
+    "kill_actor",
     "kill_idle_actors",
     "shares",
     "weights_payload",
