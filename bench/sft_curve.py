@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import time
 
 import torch
@@ -24,6 +23,7 @@ from mentorrl.eval.metrics import summarize
 from mentorrl.models.build import load_policy
 from mentorrl.rollout.runner import expert_demonstrations, rollout_tasks
 from mentorrl.train.learner import Learner
+from mentorrl.train.rl_loop import StepSeeds
 from mentorrl.train.workspace import open_workspace
 
 
@@ -52,7 +52,7 @@ def main() -> None:
     learner = Learner(model, cfg.sft.optim, ws.contract.pad_token_id, ws.contract.sampling.temperature)
     train_s = 0.0
     for step in range(at[-1]):
-        rng = random.Random(cfg.seed * 1_000_003 + step)  # the SFT stage's own batch order
+        rng = StepSeeds(cfg.seed, "sft", step).rng("batch")  # the SFT stage's own batch order
         batch = [demos[i] for i in rng.sample(range(len(demos)), min(cfg.sft.batch_size, len(demos)))]
         t0 = time.perf_counter()
         m = learner.sft_step(batch, agg=cfg.sft.loss_agg)

@@ -112,7 +112,6 @@ import inspect
 import json
 import math
 import os
-import random
 import resource
 import shutil
 import statistics
@@ -332,16 +331,15 @@ def refused_calls(messages: list[dict[str, Any]], tool_names: set[str], max_turn
 # --------------------------------------------------------------------------- task draw ---------------
 def grpo_step_tasks(entry: Any, seed: int, steps: int, tasks_per_step: int, split: str = "train") -> list[list]:
     """The tasks ``mentorrl train``'s GRPO stage draws at each step for ``seed`` (no hard-task pool):
-    its train pool (``mentorrl.train.loop.train_pool``) and each step's ``random.Random`` draw, as in
-    ``mentorrl.train.recipes.grpo``. The bench checks the result against the ids the mentorrl arm used."""
-    from mentorrl.train.loop import TRAIN_POOL_SEED_OFFSET
+    its train pool and each step's draw, both seeded by :class:`~mentorrl.train.rl_loop.StepSeeds` as in
+    :class:`~mentorrl.train.rl_loop.Stage`. The bench checks the result against the ids the mentorrl arm used."""
+    from mentorrl.train.rl_loop import StepSeeds, pool_size
 
-    pool = entry.make_tasks().tasks(
-        split=split, n=max(tasks_per_step * max(steps, 1), 64), seed=seed + TRAIN_POOL_SEED_OFFSET
-    )
+    seeds = StepSeeds(seed, "grpo")
+    pool = entry.make_tasks().tasks(split=split, n=pool_size(tasks_per_step, steps), seed=seeds("pool"))
     out = []
     for step in range(steps):
-        rng = random.Random(seed * 1_000_003 + 17 * step + 1)
+        rng = seeds.at(step).rng("tasks")
         out.append(rng.sample(pool, min(tasks_per_step, len(pool))))
     return out
 

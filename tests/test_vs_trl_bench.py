@@ -270,22 +270,25 @@ def test_bridge_scores_like_mentorrl(b, orders, base_tokenizer):
 
 # --------------------------------------------------------------------------- task draw ------------
 def test_task_draw_is_mentorrls(b, orders):
-    from mentorrl.train.loop import train_pool
+    from mentorrl.train.recipes.grpo import GRPOStage
+    from mentorrl.train.rl_loop import StepBatch, StepSeeds
 
     entry, _, _ = orders
     seed, steps, per_step = 4, 3, 5
     ws = SimpleNamespace(
         cfg=SimpleNamespace(seed=seed), train_tasks=lambda n, s: entry.make_tasks().tasks(split="train", n=n, seed=s)
     )
-    pool = train_pool(ws, per_step, steps)
+    stage = GRPOStage.__new__(GRPOStage)  # only the pool and the tasks hook (no learner, no rollout)
+    stage.ws, stage.seeds, stage.hard = ws, StepSeeds(seed, "grpo"), None
+    stage.cfg = SimpleNamespace(tasks_per_step=per_step, steps=steps)
+    pool = stage.pool = stage.make_pool()
     drawn = b.grpo_step_tasks(entry, seed, steps, per_step)
     assert len(drawn) == steps and all(len(d) == per_step for d in drawn)
     ids = {t.id for t in pool}
     assert all(t.id in ids for d in drawn for t in d)
-    import random
-
-    # the GRPO stage's per-step draw (mentorrl.train.recipes.grpo.grpo_stage)
-    assert [t.id for t in drawn[2]] == [t.id for t in random.Random(seed * 1_000_003 + 17 * 2 + 1).sample(pool, 5)]
+    b = StepBatch(2, stage.seeds.at(2))
+    stage.tasks(b)  # the GRPO stage's own draw at step 3
+    assert [t.id for t in drawn[2]] == [t.id for t in b.tasks]
 
 
 # ----------------------------------------------------------------------------- summary ------------

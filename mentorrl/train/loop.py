@@ -1,12 +1,11 @@
-"""The training loop's shared parts, public for every stage in :mod:`mentorrl.train.recipes`.
+"""The parts the stages' hooks share (the loop itself is :mod:`mentorrl.train.rl_loop`).
 
-- the rollout prologue: :func:`pick_tasks` draws a step's tasks with its seeded RNG, and
-  :func:`collect_group` rolls each task out ``group_size`` times with the current policy, times
+- the rollout: :func:`collect_group` rolls each task out ``group_size`` times with the current policy, times
   it and refuses data the policy did not produce under the run's contract
   (:func:`require_consistent`);
 - the policy-gradient minibatch update: :func:`minibatches` deals the step's trajectories into
   shuffled minibatches, :func:`pg_update` runs one clipped (or GRPO / masked-IS) update per
-  minibatch and counts policy versions, and :func:`reduce_updates` turns the updates' metrics into
+  minibatch (the learner counts the policy versions), and :func:`reduce_updates` turns the updates' metrics into
   one value per metric for ``metrics.jsonl``;
 - off-policy guidance: :func:`relabel_behaviour` gives demonstrations the current policy's
   behaviour log-probs, :func:`guide_failed_groups` finds the scripted expert's verified
@@ -15,12 +14,12 @@
 - the step's rewards and rollout metrics (:func:`group_rewards`, :func:`outcome_rewards`,
   :func:`rollout_metrics`), the high-reward-failure debugger and the held-out gap check.
 
-Every seed is a pure function of (run seed, step), so a resumed stage redoes a step exactly.
+Every seed comes from the caller (:class:`~mentorrl.train.rl_loop.StepSeeds`), so a resumed stage
+redoes a step exactly.
 """
 
 from __future__ import annotations
 
-import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +36,6 @@ from mentorrl.train.consistency import batch_checks, policy_lag
 from mentorrl.train.workspace import Workspace, heldout_check
 from mentorrl.trajectory import Trajectory, write_jsonl
 
-TRAIN_POOL_SEED_OFFSET = 7919
 FINISH_REASONS = ("answer", "max_turns", "max_tokens", "length")
 PG_METRICS = (
     "pg_loss",
@@ -53,17 +51,6 @@ PG_METRICS = (
 
 
 # ------------------------------------------------------------ rollouts -----
-def train_pool(ws: Workspace, per_step: int, steps: int, offset: int = 0, least: int = 64) -> list:
-    """The stage's training task pool: enough tasks for every step (at least ``least``), seeded by the run."""
-    return ws.train_tasks(max(per_step * max(steps, 1), least), ws.cfg.seed + TRAIN_POOL_SEED_OFFSET + offset)
-
-
-def pick_tasks(pool: list, n: int, seed: int) -> tuple[random.Random, list]:
-    """The step's RNG (seeded with ``seed``) and the ``min(n, len(pool))`` tasks it draws from ``pool``."""
-    rng = random.Random(seed)
-    return rng, rng.sample(pool, min(n, len(pool)))
-
-
 @dataclass
 class Group:
     """One step's rollouts: the tasks, each repeated ``group_size`` times, and what the policy did."""

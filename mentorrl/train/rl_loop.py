@@ -45,6 +45,11 @@ SEED_SPACE = 2**31 - 1  # seeds fit torch, numpy and the rollout's turn seeds
 HOOKS = ("tasks", "rollout", "score", "advantages", "update", "after")
 
 
+def pool_size(per_step: int, steps: int, least: int = 64) -> int:
+    """Tasks in a stage's training pool: enough for ``per_step`` at every step, at least ``least``."""
+    return max(per_step * max(steps, 1), least)
+
+
 def derive_seed(*parts: Any) -> int:
     """A seed in ``[0, SEED_SPACE)`` that is a pure function of ``parts`` (their ``str``), the same in
     every process and Python version (blake2b, not ``hash``)."""
@@ -144,7 +149,7 @@ class Stage:
         per_step = getattr(self.cfg, "tasks_per_step", None)
         if per_step is None:
             return []
-        return self.ws.train_tasks(max(per_step * max(self.steps, 1), self.pool_least), self.seeds("pool"))
+        return self.ws.train_tasks(pool_size(per_step, self.steps, self.pool_least), self.seeds("pool"))
 
     # ---- hooks, in the order the loop runs them ---------------------------------------------
     def tasks(self, b: StepBatch) -> None:
