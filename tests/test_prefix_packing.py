@@ -161,7 +161,7 @@ def _compare(model, rows, masks, must_pack: bool = True):
     torch.testing.assert_close(e1[sel], e0[sel], rtol=1e-5, atol=1e-5)
     assert float(lp1[~sel].abs().sum()) == 0.0
     for a, c in zip(g0, g1):
-        torch.testing.assert_close(c, a, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(c, a, rtol=1e-4, atol=1e-5)  # sums of up to thousands of fp32 terms
     if must_pack:
         assert _used_packing(model, b), "the packed path did not run: this compared the padded forward with itself"
 
