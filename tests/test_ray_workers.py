@@ -106,7 +106,7 @@ def test_grpo_two_steps_on_two_rollout_actors_matches_single_process_rollouts(ra
     from mentorrl.envs import get_env
     from mentorrl.models.build import load_policy
     from mentorrl.rollout.runner import rollout_tasks
-    from mentorrl.train.loop import train_pool
+    from mentorrl.train.rl_loop import StepSeeds, pool_size
     from mentorrl.train.workspace import Workspace
 
     run = tmp_path / "ray2"
@@ -117,14 +117,16 @@ def test_grpo_two_steps_on_two_rollout_actors_matches_single_process_rollouts(ra
     tokenizer, _ = load_policy(run / "base_model")
     ws = Workspace(cfg=cfg, run_dir=run, env_entry=get_env(cfg.env.name), show_progress=False)
     ws.bind_tokenizer(tokenizer)
-    by_id = {t.id: t for t in train_pool(ws, cfg.grpo.tasks_per_step, cfg.grpo.steps)}
+    seeds = StepSeeds(cfg.seed, "grpo")  # the GRPO stage's pool and rollout seeds
+    pool = ws.train_tasks(pool_size(cfg.grpo.tasks_per_step, cfg.grpo.steps), seeds("pool"))
+    by_id = {t.id: t for t in pool}
     weights = [run / "base_model", run / "grpo" / "checkpoints" / "step-000001"]
     for step in (1, 2):
         got = _samples(run, step)
         assert len(got) == cfg.grpo.tasks_per_step * cfg.grpo.samples_per_task
         tasks = [by_id[t.task_id] for t in got]
         model = _load(weights[step - 1])
-        seed = cfg.seed * 7_777 + (step - 1)
+        seed = seeds.at(step - 1)("rollout")
         ref = []
         for lo, hi in ((0, len(tasks) // 2), (len(tasks) // 2, len(tasks))):  # the two actors' shares
             ref += rollout_tasks(
