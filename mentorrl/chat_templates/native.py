@@ -6,8 +6,8 @@ checkpoint ships a tool-aware template (``contract.chat``): the prompt is
 what the template writes after a policy turn's stop token up to the next generation prompt. The policy's
 own tokens go into the trajectory as generated; nothing is re-rendered.
 
-Content stays text. Before rendering, every control string in the messages and tool schemas (each
-added or special token of the tokenizer) is swapped for a marker of private-use characters, so whatever
+Content stays text. Before rendering, every control string in the system, user and tool messages and
+the tool schemas (each added or special token of the tokenizer) is swapped for a marker of private-use characters, so whatever
 the template does to content (``trim``, ``tojson``) it cannot produce a control token from it. In the
 rendered text the control strings are the template's own (:class:`~mentorrl.contract.Control` pieces);
 the markers become their original strings again, as plain text, which
@@ -75,7 +75,9 @@ class TemplateChat:
     # ---- rendering -----------------------------------------------------------------------------
     def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool) -> list[str]:
         """``messages`` rendered by the template, as pieces: the template's control strings are
-        :class:`Control` pieces, everything else (content included) plain text."""
+        :class:`Control` pieces, everything else (content included) plain text. An assistant message is
+        the policy's own turn: it is rendered as given (its tags and reasoning markers are the policy's
+        control tokens, and templates read them, e.g. to split off reasoning)."""
         table: list[str] = []
 
         def escape(s: str) -> str:
@@ -87,7 +89,7 @@ class TemplateChat:
 
         try:
             text = self.tokenizer.apply_chat_template(
-                _map_strings(list(messages), escape),
+                [m if m.get("role") == "assistant" else _map_strings(m, escape) for m in messages],
                 tools=_map_strings(self.tools, escape),
                 add_generation_prompt=add_generation_prompt,
                 tokenize=False,
