@@ -294,3 +294,41 @@ def test_template_chat_is_json_safe_for_tool_schemas(contracts):
     assert isinstance(c.chat, TemplateChat)
     assert all("description" in t["function"] for t in c.chat.tools)
     json.dumps(c.chat.tools)
+
+
+def test_the_engine_rolls_out_with_the_templates_stop_token_and_observations(contracts, orders_entry):
+    """A model generating under a Llama 3.1-style template: turns end on <|eot_id|> (not the tokenizer's
+    ChatML tokens), calls are parsed in the llama3_json format, and every observation is the template's."""
+    import torch
+    from engine_helpers import engine_run
+    from transformers import AutoModelForCausalLM
+
+    tok, c = contracts["llama31"]
+    model = AutoModelForCausalLM.from_pretrained(SHIPPED)
+    model.resize_token_embeddings(len(tok))
+    bias = torch.zeros(model.lm_head.weight.shape[0])
+    bias[tok.convert_tokens_to_ids("<|python_tag|>")] = 31.0  # turns of (malformed) calls...
+    bias[c.im_end_id] = 30.0  # ... ended soon by the template's stop token
+    model.lm_head.bias = torch.nn.Parameter(bias)
+    model.eval()
+    tasks = orders_entry.make_tasks().tasks("train", 3, 11)
+    env = orders_entry.make_env()  # no system turn: a short prompt, within the tiny model's context
+    chat = native_chat_for(tok, env, PromptFormat(system_turn=False))
+    sampling = c.sampling.model_copy(update={"max_new_tokens": 12})
+    limited = contract_for_env(tok, env, sampling=sampling, limits=c.limits, chat=chat)
+    env.close()
+    _, trajs = engine_run(model, limited, orders_entry, tasks, seed=0)
+    assert limited.stop_token_ids == [tok.convert_tokens_to_ids("<|eot_id|>")]
+    observed = 0
+    for t in trajs:
+        calls = iter(t.tool_calls)
+        for seg in t.segments:
+            ids = t.token_ids[seg.start : seg.end]
+            if seg.role == "observation":
+                tc = next(calls)
+                content = render_observation_content(tc.error is None, tc.result, tc.error)
+                assert ids == limited.observation_ids(content)
+                observed += 1
+            elif seg.role == "policy" and ids[-1] in limited.stop_token_ids:
+                assert limited.parse_action(limited.decode_turn(ids)).kind in ("tool", "malformed", "answer")
+    assert observed > 0

@@ -73,7 +73,9 @@ class TemplateChat:
         self.probe()
 
     # ---- rendering -----------------------------------------------------------------------------
-    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool) -> list[str]:
+    def render(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool, with_tools: bool = True
+    ) -> list[str]:
         """``messages`` rendered by the template, as pieces: the template's control strings are
         :class:`Control` pieces, everything else (content included) plain text. An assistant message is
         the policy's own turn: it is rendered as given (its tags and reasoning markers are the policy's
@@ -90,7 +92,7 @@ class TemplateChat:
         try:
             text = self.tokenizer.apply_chat_template(
                 [m if m.get("role") == "assistant" else _map_strings(m, escape) for m in messages],
-                tools=_map_strings(self.tools, escape),
+                tools=_map_strings(self.tools, escape) if with_tools else None,
                 add_generation_prompt=add_generation_prompt,
                 tokenize=False,
             )
@@ -140,8 +142,30 @@ class TemplateChat:
     def observation_pieces(self, content: str) -> list[str]:
         """What the template writes after a policy turn's stop token: the tool turn holding ``content``
         and the next generation prompt."""
-        pieces = self.render(self.conversation(PROBE_USER, [(self._probe_call, content)]), add_generation_prompt=True)
-        return _drop_prefix(pieces, self._turn_prefix)
+        return _drop_prefix(self._observation_render(content, self._light), self._turn_prefix)
+
+    def _observation_render(self, content: str, light: bool) -> list[str]:
+        """A one-call conversation ending in the tool result ``content``: the run's (system, tools), or
+        ``light``, a bare user message (cheaper; used when the probe finds it renders the result alike)."""
+        if not light:
+            return self.render(self.conversation(PROBE_USER, [(self._probe_call, content)]), True)
+        msgs = [{"role": "user", "content": PROBE_USER}, self.assistant_message(self._probe_call)]
+        return self.render([*msgs, {"role": "tool", "content": content}], True, with_tools=False)
+
+    def _try_light(self) -> None:
+        """Render observations without the system turn and tools when that gives the same pieces."""
+        try:
+            bare = [{"role": "user", "content": PROBE_USER}]
+            prefix = "".join(self.render(bare, True, with_tools=False)) + self._probe_call + self.stop
+            same = all(
+                _drop_prefix(self._observation_render(c, True), prefix)
+                == _drop_prefix(self._observation_render(c, False), self._turn_prefix)
+                for c in (PROBE_RESULT, '{"x": "<y>\n"}')
+            )
+        except TemplateError:
+            same = False
+        if same:
+            self._light, self._turn_prefix = True, prefix
 
     def turn_pieces(self, text: str) -> list[str]:
         """A policy turn's text: the family's call tags are the policy's control tokens, the rest text."""
@@ -177,7 +201,8 @@ class TemplateChat:
             )
         self.stop = stop
         self.stop_id = self._ids[stop]
-        self._turn_prefix = head + self._probe_call + stop
+        self._turn_prefix, self._light = head + self._probe_call + stop, False
+        self._try_light()
         self.prefix_problem = self.prefix_check()
 
     def prefix_check(self) -> str | None:
