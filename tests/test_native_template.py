@@ -289,11 +289,18 @@ def test_random_conversations_render_as_the_template_token_in_token_out(contract
 
 
 def test_template_chat_is_json_safe_for_tool_schemas(contracts):
-    """The tools the template renders are the environment's schemas (descriptions kept by default)."""
+    """The tools the template renders are the environment's schemas (descriptions kept by default), and the
+    contract pickles with its template rendering."""
     tok, c = contracts["qwen25"]
     assert isinstance(c.chat, TemplateChat)
     assert all("description" in t["function"] for t in c.chat.tools)
     json.dumps(c.chat.tools)
+    import pickle  # Ray rollout actors get the contract pickled
+
+    back = pickle.loads(pickle.dumps(c))
+    assert back.fingerprint() == c.fingerprint() and back.observation_ids("<|im_end|>") == c.observation_ids(
+        "<|im_end|>"
+    )
 
 
 def test_the_engine_rolls_out_with_the_templates_stop_token_and_observations(contracts, orders_entry):
