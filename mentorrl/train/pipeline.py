@@ -19,6 +19,7 @@ from rich.table import Table
 from mentorrl.config import ConfigError, RunConfig
 from mentorrl.eval.plots import plot_rl_curves, plot_step_metrics
 from mentorrl.models.build import load_policy
+from mentorrl.models.hub import checkpoint_problem
 from mentorrl.train.distributed import current as current_dp
 from mentorrl.train.distributed import setup_distributed, shutdown_distributed
 from mentorrl.train.models_init import base_model_dir, build_config, build_tiny_model  # noqa: F401  (public here too)
@@ -41,7 +42,8 @@ def _checkpoint_fields(cfg: RunConfig) -> list[tuple[str, str]]:
 
 def preflight_config(cfg: RunConfig) -> None:
     """What can be checked without a model, before anything is written: the run directory can be
-    one, every checkpoint the stages load is one, and the GRPO hard-pool state loads.
+    one, every checkpoint the stages load is one (a directory, or a hub id in the local cache: nothing
+    is downloaded), and the GRPO hard-pool state loads.
 
     Raises :class:`ConfigError` naming the field."""
     run_dir = Path(cfg.run_dir)
@@ -49,8 +51,9 @@ def preflight_config(cfg: RunConfig) -> None:
         if p.exists() and not p.is_dir():
             raise ConfigError(f"run_dir {run_dir}: {p} is an existing file, not a directory")
     for name, path in _checkpoint_fields(cfg):
-        if not (Path(path) / "config.json").is_file():
-            raise ConfigError(f"{name} {path} is not a Hugging Face checkpoint directory (no config.json)")
+        problem = checkpoint_problem(name, path)  # a directory, or a hub id already in the local cache
+        if problem is not None:
+            raise ConfigError(problem)
     if "grpo" in cfg.recipe and cfg.grpo.hard_pool_state:
         from mentorrl.train.recipes.grpo import load_hard_pool
 
