@@ -139,7 +139,10 @@ def teacher_placement(cfg: Any, teacher: Any) -> Placement:
 def placement_problems(cfg: Any) -> list[tuple[str, str]]:
     """``(field, why)`` for every device / dtype setting of run config ``cfg`` this machine cannot honour."""
     out: list[tuple[str, str]] = []
-    fields = [("model", cfg.model.device, cfg.model.dtype, True), ("rollout", cfg.rollout.device, cfg.rollout.dtype, False)]
+    fields = [
+        ("model", cfg.model.device, cfg.model.dtype, True),
+        ("rollout", cfg.rollout.device, cfg.rollout.dtype, False),
+    ]
     opd = getattr(cfg, "opd", None)
     for i, t in enumerate(getattr(opd, "teachers", None) or []):
         fields.append((f"opd.teachers[{i}]", getattr(t, "device", None), getattr(t, "dtype", None), False))

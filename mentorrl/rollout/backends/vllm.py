@@ -202,7 +202,9 @@ class VLLMBackend(GenerationBackend):
 
         t0 = time.perf_counter()
         state = {
-            k: v.detach().to("cpu", torch.float32 if (self.cfg.dtype or "float32") == "float32" else v.dtype).contiguous()
+            k: v.detach()
+            .to("cpu", torch.float32 if (self.cfg.dtype or "float32") == "float32" else v.dtype)
+            .contiguous()
             for k, v in want.state().items()
         }
         # tied embeddings: one tensor under two names cannot be saved; the worker re-ties lm_head itself
