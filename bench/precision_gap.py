@@ -105,7 +105,9 @@ def main() -> None:
     rollout_dtypes = ["float32", "bfloat16"] + (["float16"] if device.type == "cuda" else [])
     rows = []
     for name in rollout_dtypes:
-        rollout = Rollout(contract, entry.make_env, DEMO.reward, BackendChoice(None, Placement(device, resolve_dtype(name))))
+        rollout = Rollout(
+            contract, entry.make_env, DEMO.reward, BackendChoice(None, Placement(device, resolve_dtype(name)))
+        )
         t0 = time.perf_counter()
         trajs = rollout.run(model, tasks, seed=args.seed)
         wall = time.perf_counter() - t0

@@ -117,7 +117,9 @@ def test_gradient_checkpointing_gives_the_same_gradients(make_demos, model, toke
     grads = []
     for gc in (False, True):
         m = copy.deepcopy(model)
-        cfg = OptimConfig(gradient_checkpointing=gc, pack_prefixes=pack is not False, tree_attention=pack is True, **EXACT)
+        cfg = OptimConfig(
+            gradient_checkpointing=gc, pack_prefixes=pack is not False, tree_attention=pack is True, **EXACT
+        )
         learner = Learner(m, cfg, tokenizer.pad_token_id)
         assert learner.checkpointing_problem is None
         learner.sft_step(demos)
@@ -174,4 +176,6 @@ def test_offload_is_a_no_op_for_a_cpu_learner(model, tokenizer):
     assert not offload_applies(m)
     opt, _ = make_optimizer(m, OptimConfig(offload_optimizer=True))
     assert type(opt) is torch.optim.AdamW
-    assert Learner(m, OptimConfig(offload_optimizer=True), tokenizer.pad_token_id).optimizer.__class__ is torch.optim.AdamW
+    assert (
+        Learner(m, OptimConfig(offload_optimizer=True), tokenizer.pad_token_id).optimizer.__class__ is torch.optim.AdamW
+    )
