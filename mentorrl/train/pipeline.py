@@ -19,6 +19,7 @@ from rich.table import Table
 from mentorrl.config import ConfigError, RunConfig
 from mentorrl.eval.plots import plot_rl_curves, plot_step_metrics
 from mentorrl.models.build import load_policy
+from mentorrl.models.device import learner_placement, placement_problems
 from mentorrl.models.hub import checkpoint_problem
 from mentorrl.train.distributed import current as current_dp
 from mentorrl.train.distributed import setup_distributed, shutdown_distributed
@@ -41,11 +42,14 @@ def _checkpoint_fields(cfg: RunConfig) -> list[tuple[str, str]]:
 
 
 def preflight_config(cfg: RunConfig) -> None:
-    """What can be checked without a model, before anything is written: the run directory can be
-    one, every checkpoint the stages load is one (a directory, or a hub id in the local cache: nothing
-    is downloaded), and the GRPO hard-pool state loads.
+    """What can be checked without a model, before anything is written: every device and dtype
+    setting can be honoured on this machine, the run directory can be one, every checkpoint the
+    stages load is one (a directory, or a hub id in the local cache: nothing is downloaded), and the
+    GRPO hard-pool state loads.
 
     Raises :class:`ConfigError` naming the field."""
+    for field, why in placement_problems(cfg):
+        raise ConfigError(f"{field}: {why}")
     run_dir = Path(cfg.run_dir)
     for p in (run_dir, *run_dir.parents):
         if p.exists() and not p.is_dir():
@@ -167,7 +171,7 @@ def _run_stages(ws: Workspace, resume: bool, t0: float) -> dict[str, Any]:
     if dp is not None:
         con.print(f"data parallel: {dp.world_size} ranks (DDP over gloo); rank 0 writes")
     model_dir = ws.on_main(lambda: base_model_dir(ws))
-    tokenizer, model = load_policy(model_dir)
+    tokenizer, model = load_policy(model_dir, device=learner_placement(cfg).device)  # fp32 master weights
     ws.bind_tokenizer(tokenizer)
     n_params = sum(p.numel() for p in model.parameters())
     con.print(f"model: {model_dir} ({n_params / 1e6:.2f}M parameters, vocab {len(tokenizer)}), run dir: {ws.run_dir}")

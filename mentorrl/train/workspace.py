@@ -21,6 +21,7 @@ from mentorrl.envs import EnvEntry, env_factory, get_env
 from mentorrl.envs.base import check_stratifies, draw_tasks
 from mentorrl.eval.metrics import summarize
 from mentorrl.eval.sets import assert_trainable, assert_trainable_splits
+from mentorrl.models.device import rollout_backend_args
 from mentorrl.rollout import BackendChoice, Rollout
 from mentorrl.train.rundir import MetricsLog
 from mentorrl.trajectory import write_jsonl
@@ -73,7 +74,7 @@ class Workspace:
                     self.contract,
                     env_factory(self.env_entry, self.cfg.env),
                     self.cfg.reward,
-                    BackendChoice(self.cfg.rollout),
+                    BackendChoice(*rollout_backend_args(self.cfg)),
                 )
                 if r is None
                 else r.with_contract(self.contract)
