@@ -297,10 +297,12 @@ class ChatEncoder:
     raise on it) become U+FFFD, one per code point, so bad content never crashes an episode.
     Other text without control strings encodes exactly as ``tokenizer.encode`` would."""
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any, extra_controls: Any = ()):
+        """``extra_controls``: more strings to treat as control tokens (a checkpoint template's added,
+        non-special tokens such as Qwen's ``<tool_call>``)."""
         self.tokenizer = tokenizer
         unk = getattr(tokenizer, "unk_token_id", None)
-        names = set(SPECIAL_TOKENS) | set(getattr(tokenizer, "all_special_tokens", []) or [])
+        names = set(SPECIAL_TOKENS) | set(getattr(tokenizer, "all_special_tokens", []) or []) | set(extra_controls)
         for tok in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values():
             if getattr(tok, "special", False):
                 names.add(str(tok.content))
@@ -357,8 +359,14 @@ class RolloutContract:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     limits: ContractLimits = field(default_factory=ContractLimits)
     system_turn: bool = True
+    # the checkpoint's own chat template as the rendering (mentorrl.chat_templates.TemplateChat), or None:
+    # the contract's ChatML rendering and tool-call syntax below
+    chat: Any = None
 
     def __post_init__(self) -> None:
+        if self.chat is not None:
+            self._bind_chat()
+            return
         tok = self.tokenizer
         ids = [tok.convert_tokens_to_ids(t) for t in (IM_END, IM_START)]
         unk = getattr(tok, "unk_token_id", None)
@@ -377,15 +385,39 @@ class RolloutContract:
         self.encoder = ChatEncoder(tok)
         self._fingerprint = self._compute_fingerprint()
 
+    def _bind_chat(self) -> None:
+        """Stop tokens, pad and encoder for the checkpoint template's rendering (``self.chat``)."""
+        tok, chat = self.tokenizer, self.chat
+        self.im_end_id = chat.stop_id  # the token that ends a policy turn, as the template writes it
+        stops = {self.im_end_id} | ({tok.eos_token_id} if tok.eos_token_id is not None else set())
+        self.stop_token_ids = sorted(stops)
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        self.pad_token_id = int(pad if pad is not None else self.im_end_id)
+        self.encoder = ChatEncoder(tok, chat.control_names)
+        self._fingerprint = self._compute_fingerprint()
+
     # ---- rendering (text) -------------------------------------------------
     def system_text(self) -> str | None:
         return system_text(self.system_prompt, self.tool_signatures) if self.system_turn else None
 
     def prompt_text(self, user_message: str) -> str:
+        if self.chat is not None:
+            return "".join(self.chat.prompt_pieces(user_message))
         return prompt_text(self.system_text(), user_message)
 
     def observation_text(self, content: str) -> str:
+        if self.chat is not None:
+            return "".join(self.chat.observation_pieces(content))
         return observation_text(content)
+
+    # ---- tool calls in the policy's format ------------------------------------
+    def parse_action(self, text: str) -> ParsedAction:
+        """A policy turn's text (before the stop token) as an action, in the rendering's tool-call format."""
+        return self.chat.parse(text) if self.chat is not None else parse_action(text)
+
+    def render_tool_call(self, name: str, arguments: dict[str, Any]) -> str:
+        """One tool call as the policy writes it (a scripted expert's turn)."""
+        return self.chat.render_call(name, arguments) if self.chat is not None else render_tool_call(name, arguments)
 
     # ---- token ids (rendered once) ---------------------------------------
     def encode(self, text: str) -> list[int]:
@@ -395,16 +427,21 @@ class RolloutContract:
 
     def prompt_ids(self, user_message: str) -> list[int]:
         """The prompt; the system prompt and the user's message are plain text."""
+        if self.chat is not None:
+            return self.encoder.pieces(self.chat.prompt_pieces(user_message))
         return self.encoder.pieces(prompt_pieces(self.system_text(), user_message))
 
     def observation_ids(self, content: str) -> list[int]:
         """A tool observation; ``content`` (the environment's output) is plain text."""
+        if self.chat is not None:
+            return self.encoder.pieces(self.chat.observation_pieces(content))
         return self.encoder.pieces(observation_pieces(content))
 
     def policy_turn_ids(self, text: str) -> list[int]:
         """Ids for a policy turn written by someone else (expert demos, a teacher's reply): the
         text plus the stop token. Its tool-call tags are control tokens; the rest is plain text."""
-        return self.encoder.pieces(turn_pieces(text)) + [self.im_end_id]
+        pieces = self.chat.turn_pieces(text) if self.chat is not None else turn_pieces(text)
+        return self.encoder.pieces(pieces) + [self.im_end_id]
 
     def decode_turn(self, ids: list[int]) -> str:
         """Text of a generated turn, without the stop token."""
@@ -425,6 +462,8 @@ class RolloutContract:
         h.update(json.dumps(self.limits.model_dump(), sort_keys=True).encode())
         h.update(f"{self.env_name}:{self.env_version}".encode())
         h.update(b"content:plain-text")  # message content never encodes to control tokens
+        if self.chat is not None:  # the checkpoint's template and its tool-call format
+            h.update(f"chat:{self.chat.name}".encode())
         return h.hexdigest()[:16]
 
     def sampling_dict(self) -> dict[str, Any]:
@@ -451,7 +490,10 @@ def contract_for_env(
     sampling: SamplingParams | None = None,
     limits: ContractLimits | None = None,
     prompt: PromptFormat | None = None,
+    chat: Any = None,
 ) -> RolloutContract:
+    """The contract of ``env`` for ``tokenizer``; ``chat``: the checkpoint template's rendering
+    (:func:`mentorrl.chat_templates.native_chat_for`), or None for the contract's ChatML one."""
     prompt = prompt or PromptFormat()
     return RolloutContract(
         tokenizer=tokenizer,
@@ -462,6 +504,7 @@ def contract_for_env(
         sampling=sampling or SamplingParams(),
         limits=limits or ContractLimits(),
         system_turn=prompt.system_turn,
+        chat=chat,
     )
 
 

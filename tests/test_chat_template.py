@@ -144,8 +144,9 @@ def test_bad_messages_raise_a_named_template_error(tokenizer, msgs, match):
 
 
 def test_checkpoints_carry_the_template_whatever_the_base_had(tiny_model_dir, tmp_path):
-    """A base checkpoint with another template (an older mentorrl build, a Qwen model): the run's
-    checkpoints are saved with the contract's template."""
+    """A base checkpoint with another template that renders no tools (an older mentorrl build, a plain
+    ChatML one): the run's checkpoints are saved with the contract's template. (A tool-aware template of a
+    known family is kept instead: tests/test_bring_checkpoint.py.)"""
     from mentorrl.config import RunConfig
     from mentorrl.models.build import load_policy
     from mentorrl.train.workspace import open_workspace

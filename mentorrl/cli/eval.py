@@ -129,11 +129,13 @@ def evaluate_checkpoint(
     Returns the summary written to ``out_dir/eval_summary.json``.
     """
     from mentorrl.models.build import load_policy
+    from mentorrl.models.device import rollout_placement
     from mentorrl.train.workspace import open_workspace
 
     judge = make_judge(ecfg.judge)
     ws = open_workspace(cfg.model_copy(update={"run_dir": str(out_dir)}), show_progress=show_progress)
-    tokenizer, model = load_policy(model_dir)
+    place = rollout_placement(cfg)  # evaluation only decodes: load straight onto the rollout's device and dtype
+    tokenizer, model = load_policy(model_dir, dtype=place.dtype, device=place.device)
     ws.bind_tokenizer(tokenizer)
     rollout = ws.rollout.with_temperature(ecfg.temperature)
     sampling = rollout.contract.sampling_dict()

@@ -30,6 +30,24 @@ class OptimConfig(Section):
     max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping")
     warmup_steps: int = Field(0, ge=0, description="linear learning-rate warm-up")
     micro_batch_size: int = Field(32, ge=1, description="sequences per forward/backward; gradients accumulate")
+    micro_batch_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="size micro-batches by tokens instead (replaces micro_batch_size): rows are taken in order "
+        "while rows x the longest row stays within this many tokens (a longer row alone is one "
+        "micro-batch); the update is the same, only the memory peak changes",
+    )
+    gradient_checkpointing: bool = Field(
+        False,
+        description="recompute each decoder layer's activations in the backward pass instead of keeping them "
+        "(the model's own checkpointing, and the learner's prefix-tree forward layer by layer): less "
+        "activation memory for about one more forward; the same gradients",
+    )
+    offload_optimizer: bool = Field(
+        False,
+        description="keep AdamW's state (and the fp32 copy it steps) in CPU memory while the model is on a GPU; "
+        "each step brings the gradients over and writes the weights back. No effect on a CPU learner",
+    )
     pack_prefixes: bool = Field(
         True,
         description="run each token prefix a micro-batch's sequences share once "

@@ -4,9 +4,15 @@ the run's ``model:`` section."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from mentorrl.config.base import Section
+
+# A device name: auto (CUDA when available, else the CPU), cpu, cuda or cuda:N (resolved by mentorrl.models.device).
+DEVICE_PATTERN = r"^(auto|cpu|cuda(:[0-9]+)?)$"
+DType = Literal["float32", "bfloat16", "float16"]
 
 
 class ModelSpec(BaseModel):
@@ -75,6 +81,19 @@ class ModelConfig(Section):
         description="next-token pretraining of the tiny model on the environment's language when it is built "
         "(by a recipe with model.path null, or by `mentorrl init-model`); steps 0: none",
     )
+    device: str = Field(
+        "auto",
+        pattern=DEVICE_PATTERN,
+        description="the learner's device: auto (the first CUDA device when there is one, else the CPU), cpu, "
+        "cuda or cuda:N; checked before the first step",
+    )
+    dtype: DType = Field(
+        "float32",
+        description="the learner's compute dtype. float32: plain fp32. bfloat16 / float16: mixed precision "
+        "(weights and optimizer state stay fp32, forward and backward run under torch.autocast in "
+        "this dtype; float16 adds a gradient scaler and needs a GPU). Also the rollout's and the "
+        "teachers' dtype unless they set their own",
+    )
 
 
-__all__ = ["CORPUS_VERSIONS", "ModelConfig", "ModelSpec", "PretrainSpec"]
+__all__ = ["CORPUS_VERSIONS", "DEVICE_PATTERN", "DType", "ModelConfig", "ModelSpec", "PretrainSpec"]

@@ -17,7 +17,7 @@ from mentorrl.config.base import (
     loss_agg_field,
     updates_per_step_field,
 )
-from mentorrl.config.model import ModelSpec
+from mentorrl.config.model import DEVICE_PATTERN, DType, ModelSpec
 
 
 class TeacherBuildConfig(Section):
@@ -70,6 +70,13 @@ class TeacherConfig(Section):
         description="cross-tokenizer: the student's special tokens spelled the teacher's way, "
         "e.g. {'<|im_end|>': '<|eot_id|>'}",
     )
+    device: str | None = Field(
+        None,
+        pattern=DEVICE_PATTERN,
+        description="hf: the device the teacher scores on (auto, cpu, cuda, cuda:N); null: the learner's "
+        "(model.device). Its scores come back to the learner on the CPU",
+    )
+    dtype: DType | None = Field(None, description="hf: the teacher's weights' dtype; null: model.dtype")
 
 
 # ------------------------------------------------------------------------------ OPD terms -----

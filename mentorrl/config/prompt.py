@@ -22,6 +22,13 @@ class PromptFormat(BaseModel):
     system_turn: bool = Field(
         True, description="render the system turn (role, rules, tools); false: the policy learns the tools from data"
     )
+    tool_format: str = Field(
+        "auto",
+        min_length=1,
+        description="how conversations are rendered and tool calls written: auto (a checkpoint whose chat template "
+        "renders tools in a known family keeps it: hermes for Qwen2.5/Hermes <tool_call> templates, llama3_json for "
+        "Llama 3.1; otherwise mentorrl's ChatML template replaces it), mentorrl, hermes or llama3_json",
+    )
 
 
 class ContractLimits(BaseModel):

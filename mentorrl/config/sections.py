@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from mentorrl.config.base import Section
+from mentorrl.config.model import DEVICE_PATTERN
 
 
 class AuditConfig(Section):
@@ -83,8 +84,19 @@ class RolloutConfig(Section):
         "runs inline in the decode loop; slower ones, and each kind's first calls, run in a "
         "thread pool beside decoding. 0: always the pool (tools that can hang without warning)",
     )
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="vllm: the engine's dtype (float32 keeps its log-probs equal to the learner's)"
+    device: str | None = Field(
+        None,
+        pattern=DEVICE_PATTERN,
+        description="hf backend: the device the rollout decodes on (auto, cpu, cuda, cuda:N); null: the "
+        "learner's (model.device). Another device or dtype than the learner's decodes a copy of the "
+        "policy there, synced after every update (vllm places itself)",
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None,
+        description="the rollout's weights' dtype (hf: a copy of the policy in it when the learner's "
+        "weights differ; vllm: the engine's dtype); null: model.dtype. float32 keeps behaviour log-probs "
+        "equal to an fp32 learner's; bfloat16 gives the train/rollout gap the steps log "
+        "(logprob_abs_gap, train_rollout_kl)",
     )
     kv_cache_gib: float = Field(1.0, gt=0, description="vllm: KV-cache size in GiB (on CPU, VLLM_CPU_KVCACHE_SPACE)")
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vllm on a GPU: share of its memory vLLM takes")

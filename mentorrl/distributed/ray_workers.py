@@ -422,7 +422,7 @@ def _acquire_actor(spec, rollout: RolloutSpec):
 
 def _with_env(spec: RolloutSpec, make_env: Callable[[], Any]) -> RolloutSpec:
     """``spec`` with its environments built by ``make_env`` (e.g. on the environment actors)."""
-    return RolloutSpec(spec.contract, make_env, spec.weights, spec.config)
+    return RolloutSpec(spec.contract, make_env, spec.weights, spec.config, spec.placement)
 
 
 def _release_actor(actor) -> None:

@@ -127,11 +127,14 @@ def init_model(
     return out
 
 
-def load_policy(model_dir: str | Path, dtype: torch.dtype = torch.float32):
-    """Load a tokenizer and causal LM the way any Hugging Face checkpoint loads."""
+def load_policy(model_dir: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
+    """Load a tokenizer and causal LM the way any Hugging Face checkpoint loads, its weights in ``dtype``
+    on ``device`` (None: the CPU; see :mod:`mentorrl.models.device` for the config's names)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    if device is not None:
+        model = model.to(device)
     model.eval()
     return tokenizer, model

@@ -17,6 +17,8 @@ embedding, MLP) layer by layer, as the rollout's slot decoder does
 (:class:`mentorrl.rollout.decoders.SlotDecoder`); only attention is computed here. It serves the
 decoder layouts :func:`tree_support` accepts; the learner checks it against the model's plain
 forward on first use and falls back when they differ (:func:`mentorrl.models.batch.selected_states`).
+When the model's gradient checkpointing is on (its layers' ``gradient_checkpointing``), each layer
+here is checkpointed too (non-reentrant), so the tree forward saves the same activation memory.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from mentorrl.rollout.decoders import decoder_config_problem, decoder_layout_problem
 
@@ -171,19 +174,32 @@ def tree_hidden_states(decoder, input_ids: torch.Tensor, position_ids: torch.Ten
     [1, n] with node depths ``position_ids`` [1, n]: each node sees exactly its ancestors."""
     h = decoder.embed_tokens(input_ids)
     cos, sin = decoder.rotary_emb(h, position_ids)
-    n = input_ids.shape[1]
-    cfg = decoder.config
     for layer in decoder.layers:
-        att = layer.self_attn
-        rope = sys.modules[type(att).__module__].apply_rotary_pos_emb
-        x = layer.input_layernorm(h)
-        shape = (1, n, -1, getattr(att, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
-        q = att.q_proj(x).view(shape).transpose(1, 2)
-        k = att.k_proj(x).view(shape).transpose(1, 2)
-        v = att.v_proj(x).view(shape).transpose(1, 2)
-        q, k = rope(q, k, cos, sin)
-        p = float(getattr(att, "attention_dropout", 0.0) or 0.0) if att.training else 0.0
-        o = tree_attention(q, k, v, plan, scale=att.scaling, dropout_p=p)
-        h = h + att.o_proj(o.transpose(1, 2).reshape(1, n, -1))
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        if getattr(layer, "gradient_checkpointing", False) and layer.training and torch.is_grad_enabled():
+            # the model's gradient checkpointing (optim.gradient_checkpointing), as its own forward does it
+            h = checkpoint(_tree_layer, layer, decoder.config, h, cos, sin, plan, use_reentrant=False)
+        else:
+            h = _tree_layer(layer, decoder.config, h, cos, sin, plan)
     return decoder.norm(h)
+
+
+def checkpointing_on(module) -> bool:
+    """Whether any layer of ``module`` has (Hugging Face) activation checkpointing turned on."""
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in module.modules())
+
+
+def _tree_layer(layer, cfg, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: TreePlan) -> torch.Tensor:
+    """One decoder layer over a trie row: its own norms, projections and MLP, attention under ``plan``."""
+    n = h.shape[1]
+    att = layer.self_attn
+    rope = sys.modules[type(att).__module__].apply_rotary_pos_emb
+    x = layer.input_layernorm(h)
+    shape = (1, n, -1, getattr(att, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    q = att.q_proj(x).view(shape).transpose(1, 2)
+    k = att.k_proj(x).view(shape).transpose(1, 2)
+    v = att.v_proj(x).view(shape).transpose(1, 2)
+    q, k = rope(q, k, cos, sin)
+    p = float(getattr(att, "attention_dropout", 0.0) or 0.0) if att.training else 0.0
+    o = tree_attention(q, k, v, plan, scale=att.scaling, dropout_p=p)
+    h = h + att.o_proj(o.transpose(1, 2).reshape(1, n, -1))
+    return h + layer.mlp(layer.post_attention_layernorm(h))

@@ -43,10 +43,11 @@ def teacher_row(
     return row
 
 
-def teacher_from_checkpoint(path: Path, student_tokenizer, t: TeacherConfig):
+def teacher_from_checkpoint(path: Path, student_tokenizer, t: TeacherConfig, placement=None):
     """An :class:`HFTeacher` when the checkpoint shares the student's tokenizer, else a
-    :class:`CrossTokenizerTeacher`."""
-    tok, model = load_policy(path)
+    :class:`CrossTokenizerTeacher`; loaded on ``placement`` (a :class:`mentorrl.models.device.Placement`;
+    None: the CPU in fp32). Either returns its scores on the CPU, whatever its device."""
+    tok, model = load_policy(path) if placement is None else load_policy(path, placement.dtype, placement.device)
     if tokenizer_fingerprint(tok) == tokenizer_fingerprint(student_tokenizer):
         return HFTeacher(model, tok, t.name, t.temperature)
     return CrossTokenizerTeacher(model, tok, student_tokenizer, t.name, t.temperature, t.special_tokens)

@@ -32,10 +32,11 @@ class RolloutSpec:
     make_env: Callable[[], Any]
     weights: RewardWeights | None = None
     config: Any = None  # a mentorrl.config.RolloutConfig, or None for the hf defaults
+    placement: Any = None  # the hf backend's device and dtype (mentorrl.models.device.Placement), or None
 
     def build(self) -> "Rollout":
         """A :class:`Rollout` with a backend choice of its own (its own vLLM engine, if any)."""
-        return Rollout(self.contract, self.make_env, self.weights, BackendChoice(self.config))
+        return Rollout(self.contract, self.make_env, self.weights, BackendChoice(self.config, self.placement))
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,7 @@ class Rollout:
 
     def spec(self) -> RolloutSpec:
         """The picklable parts (for a rollout actor in another process)."""
-        return RolloutSpec(self.contract, self.make_env, self.weights, self.backend.config)
+        return RolloutSpec(self.contract, self.make_env, self.weights, self.backend.config, self.backend.placement)
 
     def close(self) -> None:
         self.backend.close()

@@ -22,7 +22,6 @@ from typing import Any, Callable
 from mentorrl.contract import (
     ParsedAction,
     RolloutContract,
-    parse_action,
     render_observation_content,
     render_tool_call,
     replace_surrogates,
@@ -98,7 +97,7 @@ class Episode:
         if not stopped:  # hit the per-turn or total token budget before the stop token
             self.finish_reason = "length" if self.tokens_left() > 0 else "max_tokens"
             return None
-        action = parse_action(self.contract.decode_turn(ids))
+        action = self.contract.parse_action(self.contract.decode_turn(ids))
         if action.kind == "answer":
             self.final_answer = action.text
             self.finish_reason = "answer"
@@ -216,17 +215,23 @@ def _clean_result(result: ToolResult) -> ToolResult:
     return result if error == result.error else dataclasses.replace(result, error=error)
 
 
-def drive_script(expert: Any, task: Task, act: Callable[[str], ToolResult | None]) -> None:
+def drive_script(
+    expert: Any,
+    task: Task,
+    act: Callable[[str], ToolResult | None],
+    render_call: Callable[[str, dict[str, Any]], str] = render_tool_call,
+) -> None:
     """Feed a scripted policy's turns, as text, to ``act``.
 
     ``expert.act(task)`` is a generator yielding ToolAction / FinalAnswer and receiving
     ToolResults; ``act(text)`` plays one turn and returns the tool result, or None once the
-    episode has ended.
+    episode has ended. ``render_call`` writes a tool call as the policy does (the contract's
+    :meth:`~mentorrl.contract.RolloutContract.render_tool_call`).
     """
     gen = expert.act(task)
     action = next(gen)
     while True:
-        text = action.text if isinstance(action, FinalAnswer) else render_tool_call(action.name, action.arguments)
+        text = action.text if isinstance(action, FinalAnswer) else render_call(action.name, action.arguments)
         result = act(text)
         if result is None:
             return
@@ -260,7 +265,7 @@ def run_scripted_episode(contract: RolloutContract, env: Environment, task: Task
     """An episode whose policy turns are a scripted expert's text."""
     ep = Episode(contract, env, task, **{"source": "expert", **kw})
     ep.start()
-    drive_script(expert, task, text_turn_player(ep))
+    drive_script(expert, task, text_turn_player(ep), contract.render_tool_call)
     return _finish_scripted(ep)
 
 

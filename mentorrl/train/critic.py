@@ -47,10 +47,10 @@ class Critic:
 
     METRICS = ("value_loss", "value_clip_frac", "explained_variance")
 
-    def __init__(self, policy, cfg, pad_id: int):
+    def __init__(self, policy, cfg, pad_id: int, precision: str | None = None):
         self.cfg = cfg
         self.model = build_critic(policy, cfg)
-        self.learner = CriticLearner(self.model, cfg.optim, pad_id)
+        self.learner = CriticLearner(self.model, cfg.optim, pad_id, precision=precision)
 
     def step(
         self, trajs: list[Trajectory], rewards: torch.Tensor, gae, seed: int

@@ -21,12 +21,17 @@ from mentorrl.algos.logprobs import masked_mean
 from mentorrl.algos.losses import clipped_value_loss, get_policy_loss, sft_loss, weighted_nll
 from mentorrl.config import OptimConfig
 from mentorrl.models.batch import TokenBatch, collate, forward_logprobs
+from mentorrl.models.device import autocast, grad_scaler, module_placement, resolve_dtype
 from mentorrl.train.consistency import logprob_gap_metrics
+from mentorrl.train.memory import OffloadedAdamW, enable_gradient_checkpointing, micro_batch_slices, offload_applies
 from mentorrl.trajectory import Trajectory
 
 
 def make_optimizer(model, cfg: OptimConfig):
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    """AdamW over ``model``'s parameters (state in CPU memory with ``cfg.offload_optimizer`` on a GPU
+    model, :class:`~mentorrl.train.memory.OffloadedAdamW`) and its warm-up schedule."""
+    adamw = OffloadedAdamW if cfg.offload_optimizer and offload_applies(model) else torch.optim.AdamW
+    opt = adamw(model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
     warm = max(cfg.warmup_steps, 0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
     return opt, sched
@@ -53,8 +58,19 @@ def pad_token_values(rows: Sequence[torch.Tensor], T: int, dtype: torch.dtype = 
 
 class Learner:
     def __init__(
-        self, model, optim: OptimConfig, pad_id: int, temperature: float = 1.0, dp=None, version_per_update: bool = True
+        self,
+        model,
+        optim: OptimConfig,
+        pad_id: int,
+        temperature: float = 1.0,
+        dp=None,
+        version_per_update: bool = True,
+        precision: str | torch.dtype | None = None,
     ):
+        """``precision``: the compute dtype (``model.dtype``: float32, bfloat16, float16; None: float32).
+        Below float32 the learner trains in mixed precision: ``model``'s weights and the optimizer state
+        stay as they are (fp32), forward and backward run under ``torch.autocast``, and float16 on a GPU
+        scales the loss (``torch.amp.GradScaler``)."""
         self.model = model
         # The policy version: the number of weight versions the rollout may have sampled from. With
         # ``version_per_update`` every optimizer step is a new version; otherwise the owner calls
@@ -65,6 +81,10 @@ class Learner:
         self.pad_id = pad_id
         self.temperature = temperature if temperature > 0 else 1.0
         self.optimizer, self.scheduler = make_optimizer(model, optim)
+        self.compute_dtype = resolve_dtype(precision)
+        self.scaler = grad_scaler(module_placement(model).device, self.compute_dtype)
+        # why optim.gradient_checkpointing is not in effect (None: it is, or was not asked for)
+        self.checkpointing_problem = enable_gradient_checkpointing(model) if optim.gradient_checkpointing else None
         self.dp = dp if dp is not None and dp.world_size > 1 else None
         self._ddp = self.dp.wrap(model) if self.dp is not None else None
 
@@ -92,6 +112,30 @@ class Learner:
     def _forward(self, mb: TokenBatch) -> tuple[torch.Tensor, torch.Tensor]:
         return self._forward_with(self.model, mb)
 
+    def autocast(self):
+        """The context of this learner's forwards: autocast in its compute dtype (nothing for float32)."""
+        return autocast(module_placement(self.model).device, self.compute_dtype)
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    def _optimizer_step(self) -> float:
+        """Clip the accumulated gradients and step (skipping a non-finite update); the gradient norm."""
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        gn = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm))
+        if math.isfinite(gn):
+            self.optimizer.step()
+        else:  # skip a poisoned update rather than corrupt the weights
+            self.optimizer.zero_grad(set_to_none=True)
+        if self.scaler is not None:
+            self.scaler.update()
+        return gn
+
+    def micro_batches(self, trajs: Sequence[Trajectory], lo: int, hi: int) -> list[slice]:
+        """Rows ``[lo, hi)`` of ``trajs`` as micro-batches (``optim.micro_batch_tokens`` or ``micro_batch_size``)."""
+        return micro_batch_slices([len(t.token_ids) for t in trajs], lo, hi, self.cfg)
+
     def _run(self, fn: Callable, *args):
         """``fn(model, *args)``, through DDP when data-parallel (which arms the gradient all-reduce)."""
         return self._ddp(fn, *args) if self._ddp is not None else fn(self.model, *args)
@@ -100,12 +144,11 @@ class Learner:
         """DDP's ``no_sync`` for all but a rank's last micro-batch: one all-reduce per optimizer step."""
         return self._ddp.no_sync() if self._ddp is not None and not last else nullcontext()
 
-    def _own_slices(self, n: int) -> list[slice]:
+    def _own_slices(self, trajs: Sequence[Trajectory]) -> list[slice]:
         """This rank's micro-batches, as slices of the *global* batch (so per-trajectory inputs
         such as advantages are indexed the same way on every rank)."""
-        own = self.dp.shard(n) if self.dp is not None else range(n)
-        mbs = self.cfg.micro_batch_size
-        return [slice(lo, min(lo + mbs, own.stop)) for lo in range(own.start, own.stop, mbs)]
+        own = self.dp.shard(len(trajs)) if self.dp is not None else range(len(trajs))
+        return self.micro_batches(trajs, own.start, own.stop)
 
     def reduce_across_ranks(
         self, sums: dict[str, float], maxes: dict[str, float] | None = None
@@ -154,18 +197,20 @@ class Learner:
         fwd = forward if forward is not None else (lambda model, mb, sl: self._forward_with(model, mb))
         self.optimizer.zero_grad(set_to_none=True)
         ent_sum, tok_sum = 0.0, 0.0
-        slices = self._own_slices(len(trajs))
+        slices = self._own_slices(trajs)
         idle = not slices  # a rank with no share still joins the step's one gradient all-reduce, with zeros
         for i, sl in enumerate(slices or [slice(0, 1)]):
             with self._sync(last=i == max(len(slices), 1) - 1):
                 mb = collate(trajs[sl], self.pad_id).to(device)
-                logprobs, entropy = self._run(fwd, mb, sl)
+                with self.autocast():
+                    logprobs, entropy = self._run(fwd, mb, sl)
+                logprobs, entropy = logprobs.float(), entropy.float()
                 if idle:
-                    (logprobs.sum() * 0.0).backward()
+                    self._backward(logprobs.sum() * 0.0)
                     continue
                 loss, m, *extra = loss_fn(mb, logprobs, entropy, sl)
                 w = _share(mb, total_tokens, total_seqs, agg)
-                ((loss * w + (extra[0] if extra else 0.0)) * scale).backward()
+                self._backward((loss * w + (extra[0] if extra else 0.0)) * scale)
             for k, v in m.items():
                 metrics[k] = metrics.get(k, 0.0) + w * float(v)
             n = float(mb.loss_mask.sum())
@@ -174,12 +219,7 @@ class Learner:
         if self.dp is not None:
             metrics, _ = self.reduce_across_ranks({**metrics, "__ent": ent_sum, "__tok": tok_sum})
             ent_sum, tok_sum = metrics.pop("__ent"), metrics.pop("__tok")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
-        gn = float(grad_norm)
-        if math.isfinite(gn):
-            self.optimizer.step()
-        else:  # skip a poisoned update rather than corrupt the weights
-            self.optimizer.zero_grad(set_to_none=True)
+        gn = self._optimizer_step()
         self.scheduler.step()
         self.model.eval()
         if self.version_per_update:
@@ -323,10 +363,11 @@ class Learner:
         model = model if model is not None else self.model
         device = next(model.parameters()).device
         out = []
-        for lo in range(0, len(trajs), self.cfg.micro_batch_size):
-            sl = slice(lo, min(lo + self.cfg.micro_batch_size, len(trajs)))
+        for sl in self.micro_batches(trajs, 0, len(trajs)):
             mb = collate(trajs[sl], self.pad_id).to(device)
-            lp, _ = forward_logprobs(model, mb, self.temperature, pack=self.pack_mode)
+            with self.autocast():
+                lp, _ = forward_logprobs(model, mb, self.temperature, pack=self.pack_mode)
+            lp = lp.float()
             out.append(sequence_logprobs(lp, pad_token_values(masks[sl], mb.input_ids.shape[1]).to(device), average))
         return torch.cat(out).float().cpu()
 
@@ -367,23 +408,28 @@ class Learner:
         return self.version
 
     def state_dict(self) -> dict:
-        return {
+        out = {
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "version": self.version,
         }
+        if self.scaler is not None:
+            out["grad_scaler"] = self.scaler.state_dict()
+        return out
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.version = int(state.get("version", 0))
+        if self.scaler is not None and "grad_scaler" in state:
+            self.scaler.load_state_dict(state["grad_scaler"])
 
 
 class CriticLearner(Learner):
     """Optimiser and micro-batched accumulation for a :class:`~mentorrl.models.value.ValueModel`."""
 
-    def __init__(self, critic, optim: OptimConfig, pad_id: int):
-        super().__init__(critic, optim, pad_id)
+    def __init__(self, critic, optim: OptimConfig, pad_id: int, precision: str | torch.dtype | None = None):
+        super().__init__(critic, optim, pad_id, precision=precision)
 
     def _forward_with(self, model, mb: TokenBatch) -> tuple[torch.Tensor, torch.Tensor]:
         from mentorrl.models.value import forward_values
@@ -418,9 +464,10 @@ class CriticLearner(Learner):
         self.model.eval()
         out: list[torch.Tensor] = []
         device = next(self.model.parameters()).device
-        for lo in range(0, len(trajs), self.cfg.micro_batch_size):
-            chunk = trajs[lo : lo + self.cfg.micro_batch_size]
-            v = forward_values(self.model, collate(chunk, self.pad_id).to(device)).cpu()
+        for sl in self.micro_batches(trajs, 0, len(trajs)):
+            chunk = trajs[sl]
+            with self.autocast():
+                v = forward_values(self.model, collate(chunk, self.pad_id).to(device)).float().cpu()
             out += [v[b, : len(t.token_ids)] for b, t in enumerate(chunk)]
         return out
 

@@ -30,6 +30,7 @@ import torch
 from mentorrl.algos.advantages import group_reward_stats, sanitize_group_rewards
 from mentorrl.eval.metrics import summarize
 from mentorrl.models.batch import collate, forward_logprobs
+from mentorrl.models.device import autocast, resolve_dtype
 from mentorrl.rollout.backends import backend_of
 from mentorrl.train.audit import GapMonitor, flag_high_reward_failures
 from mentorrl.train.consistency import batch_checks, policy_lag
@@ -136,16 +137,23 @@ def require_consistent(ws: Workspace, trajs: list[Trajectory], current_version: 
 # ------------------------------------------------------------ guidance -----
 @torch.no_grad()
 def relabel_behaviour(
-    model, trajs: list[Trajectory], pad_id: int, temperature: float, policy_version: int | None = None
+    model,
+    trajs: list[Trajectory],
+    pad_id: int,
+    temperature: float,
+    policy_version: int | None = None,
+    precision: str | None = None,
 ) -> list[Trajectory]:
     """Copies of ``trajs`` whose behaviour log-probs are the current policy's (for off-policy
     demonstrations): the importance ratio is 1 at the update, so a demonstration's share of the
     policy-gradient loss is its advantage times the maximum-likelihood gradient. With
-    ``policy_version`` the copies are stamped with it (the version whose log-probs they carry)."""
+    ``policy_version`` the copies are stamped with it (the version whose log-probs they carry).
+    ``precision``: the learner's compute dtype (``model.dtype``), so the ratio is 1 under its autocast too."""
     if not trajs:
         return []
     device = next(model.parameters()).device
-    lp = forward_logprobs(model, collate(trajs, pad_id).to(device), temperature)[0].cpu()
+    with autocast(device, resolve_dtype(precision)):
+        lp = forward_logprobs(model, collate(trajs, pad_id).to(device), temperature)[0].float().cpu()
     extra = {} if policy_version is None else {"policy_version": policy_version}
     return [
         t.model_copy(
@@ -181,7 +189,7 @@ def guide_failed_groups(
     by_task = {d.task_id: d for d in demos}
     pairs = [(i, by_task[group.chosen[i].id]) for i in failed if group.chosen[i].id in by_task]
     relabelled = relabel_behaviour(
-        model, [d for _, d in pairs], pad_id, ws.contract.sampling.temperature, policy_version
+        model, [d for _, d in pairs], pad_id, ws.contract.sampling.temperature, policy_version, ws.cfg.model.dtype
     )
     return [(i, d) for (i, _), d in zip(pairs, relabelled)]
 

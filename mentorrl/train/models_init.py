@@ -14,6 +14,7 @@ from typing import Any
 
 from mentorrl.models.build import ModelSpec, dir_digest, init_model
 from mentorrl.models.corpus import expert_transcripts
+from mentorrl.models.hub import checkpoint_problem
 from mentorrl.models.pretrain import PretrainSpec, run_pretraining
 from mentorrl.models.pretrain import config_hash as pretrain_config_hash
 from mentorrl.models.shipped import find_shipped_base, install_shipped_base
@@ -29,7 +30,8 @@ def build_config(
         "spec": spec.model_dump(mode="json"),
         "tokenizer_corpus_tasks": corpus_tasks,
         "seed": seed,
-        "prompt": fmt.model_dump(mode="json") if fmt is not None else None,
+        # how the tiny model's corpus is rendered (tool_format only picks a checkpoint's template: not a build input)
+        "prompt": fmt.model_dump(mode="json", exclude={"tool_format"}) if fmt is not None else None,
         "pretrain": pretrain.model_dump(mode="json", exclude={"corpus_version"}),
         **({"corpus_version": pretrain.corpus_version} if pretrain.steps > 0 else {}),
     }
@@ -92,13 +94,15 @@ def build_tiny_model(
     return path
 
 
-def base_model_dir(ws) -> Path:
-    """The directory of the run's base model: ``model.path``, or the tiny model built under the run dir."""
+def base_model_dir(ws) -> Path | str:
+    """The run's base model for ``from_pretrained``: ``model.path`` as written (a checkpoint directory, or a
+    hub id in the local Hugging Face cache), or the tiny model built under the run dir."""
     if ws.cfg.model.path is not None:
-        path = Path(ws.cfg.model.path)
-        if not (path / "config.json").exists():
-            raise FileNotFoundError(f"model.path {path} is not a Hugging Face checkpoint directory (no config.json)")
-        return path
+        problem = checkpoint_problem("model.path", ws.cfg.model.path)
+        if problem is not None:
+            raise FileNotFoundError(problem)
+        path = ws.cfg.model.path
+        return Path(path) if Path(path).is_dir() else path
     # the base is a function of model.* alone (like a real checkpoint); the run seed varies post-training only
     return build_tiny_model(
         ws.env_entry,

@@ -19,6 +19,8 @@ from rich.table import Table
 from mentorrl.config import ConfigError, RunConfig
 from mentorrl.eval.plots import plot_rl_curves, plot_step_metrics
 from mentorrl.models.build import load_policy
+from mentorrl.models.device import learner_placement, placement_problems
+from mentorrl.models.hub import checkpoint_problem
 from mentorrl.train.distributed import current as current_dp
 from mentorrl.train.distributed import setup_distributed, shutdown_distributed
 from mentorrl.train.models_init import base_model_dir, build_config, build_tiny_model  # noqa: F401  (public here too)
@@ -40,17 +42,22 @@ def _checkpoint_fields(cfg: RunConfig) -> list[tuple[str, str]]:
 
 
 def preflight_config(cfg: RunConfig) -> None:
-    """What can be checked without a model, before anything is written: the run directory can be
-    one, every checkpoint the stages load is one, and the GRPO hard-pool state loads.
+    """What can be checked without a model, before anything is written: every device and dtype
+    setting can be honoured on this machine, the run directory can be one, every checkpoint the
+    stages load is one (a directory, or a hub id in the local cache: nothing is downloaded), and the
+    GRPO hard-pool state loads.
 
     Raises :class:`ConfigError` naming the field."""
+    for field, why in placement_problems(cfg):
+        raise ConfigError(f"{field}: {why}")
     run_dir = Path(cfg.run_dir)
     for p in (run_dir, *run_dir.parents):
         if p.exists() and not p.is_dir():
             raise ConfigError(f"run_dir {run_dir}: {p} is an existing file, not a directory")
     for name, path in _checkpoint_fields(cfg):
-        if not (Path(path) / "config.json").is_file():
-            raise ConfigError(f"{name} {path} is not a Hugging Face checkpoint directory (no config.json)")
+        problem = checkpoint_problem(name, path)  # a directory, or a hub id already in the local cache
+        if problem is not None:
+            raise ConfigError(problem)
     if "grpo" in cfg.recipe and cfg.grpo.hard_pool_state:
         from mentorrl.train.recipes.grpo import load_hard_pool
 
@@ -164,7 +171,7 @@ def _run_stages(ws: Workspace, resume: bool, t0: float) -> dict[str, Any]:
     if dp is not None:
         con.print(f"data parallel: {dp.world_size} ranks (DDP over gloo); rank 0 writes")
     model_dir = ws.on_main(lambda: base_model_dir(ws))
-    tokenizer, model = load_policy(model_dir)
+    tokenizer, model = load_policy(model_dir, device=learner_placement(cfg).device)  # fp32 master weights
     ws.bind_tokenizer(tokenizer)
     n_params = sum(p.numel() for p in model.parameters())
     con.print(f"model: {model_dir} ({n_params / 1e6:.2f}M parameters, vocab {len(tokenizer)}), run dir: {ws.run_dir}")

@@ -133,6 +133,7 @@ class Stage:
             ws.contract.pad_token_id,
             ws.contract.sampling.temperature,
             dp=ws.dp if self.data_parallel else None,
+            precision=ws.cfg.model.dtype,
         )
 
     @property

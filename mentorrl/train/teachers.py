@@ -14,6 +14,7 @@ import torch
 
 from mentorrl.config import OptimConfig, SFTConfig, TeacherConfig
 from mentorrl.models.build import load_policy
+from mentorrl.models.device import teacher_placement
 from mentorrl.opd.scoring import teacher_from_checkpoint
 from mentorrl.train.models_init import build_tiny_model
 from mentorrl.train.workspace import Workspace, open_workspace
@@ -115,7 +116,7 @@ def teacher_path(ws: Workspace, t: TeacherConfig, student=None) -> Path:
 
 def load_teacher(ws: Workspace, t: TeacherConfig, student=None):
     """Teacher ``t`` in this process (``student``: the policy a ``build.init: student`` teacher starts from)."""
-    return teacher_from_checkpoint(teacher_path(ws, t, student), ws.tokenizer, t)
+    return teacher_from_checkpoint(teacher_path(ws, t, student), ws.tokenizer, t, teacher_placement(ws.cfg, t))
 
 
 def serve_teachers(ws: Workspace, teachers: list[TeacherConfig], student=None) -> list:

@@ -14,12 +14,14 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from mentorrl.chat_templates import native_chat_for
 from mentorrl.config import RunConfig, dump_config
 from mentorrl.contract import RolloutContract, chat_template_for, contract_for_env
 from mentorrl.envs import EnvEntry, env_factory, get_env
 from mentorrl.envs.base import check_stratifies, draw_tasks
 from mentorrl.eval.metrics import summarize
 from mentorrl.eval.sets import assert_trainable, assert_trainable_splits
+from mentorrl.models.device import rollout_backend_args
 from mentorrl.rollout import BackendChoice, Rollout
 from mentorrl.train.rundir import MetricsLog
 from mentorrl.trajectory import write_jsonl
@@ -72,7 +74,7 @@ class Workspace:
                     self.contract,
                     env_factory(self.env_entry, self.cfg.env),
                     self.cfg.reward,
-                    BackendChoice(self.cfg.rollout),
+                    BackendChoice(*rollout_backend_args(self.cfg)),
                 )
                 if r is None
                 else r.with_contract(self.contract)
@@ -112,14 +114,22 @@ class Workspace:
         self.close()
 
     def bind_tokenizer(self, tokenizer) -> None:
-        """Use ``tokenizer`` for the run; its chat template becomes the contract's for the run's prompt
-        format (:func:`mentorrl.contract.chat_template_for`), so every checkpoint the run saves renders
-        conversations with ``apply_chat_template`` as the policy was trained on them."""
-        tokenizer.chat_template = chat_template_for(self.cfg.prompt)
-        self.tokenizer = tokenizer
+        """Use ``tokenizer`` for the run. A checkpoint whose chat template renders tools in a known family
+        keeps it, and the contract renders with it (:func:`mentorrl.chat_templates.native_chat_for`,
+        ``prompt.tool_format``); otherwise its chat template becomes the contract's for the run's prompt
+        format (:func:`mentorrl.contract.chat_template_for`). Either way every checkpoint the run saves
+        renders conversations with ``apply_chat_template`` as the policy was trained on them."""
         env = self.make_env()
         try:
-            self.contract = contract_for_env(tokenizer, env, self.cfg.sampling, self.cfg.limits, self.cfg.prompt)
+            chat = native_chat_for(tokenizer, env, self.cfg.prompt)
+            if chat is None:
+                tokenizer.chat_template = chat_template_for(self.cfg.prompt)
+            elif chat.prefix_problem:
+                self.console.print(f"[yellow]chat template ({chat.name}): {chat.prefix_problem}[/yellow]")
+            self.tokenizer = tokenizer
+            self.contract = contract_for_env(
+                tokenizer, env, self.cfg.sampling, self.cfg.limits, self.cfg.prompt, chat=chat
+            )
         finally:
             env.close()
 

@@ -17,6 +17,7 @@ two configs decode with their own settings and their own engines.
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any
 
 from mentorrl.contract import RolloutContract
@@ -60,15 +61,69 @@ def inline_tool_s(cfg: Any) -> float:
     return INLINE_TOOL_S if ms is None else float(ms) / 1000.0
 
 
+class PlacedCopies:
+    """Per policy model, a frozen copy on another device / in another dtype (e.g. a bfloat16 rollout of
+    an fp32 learner, or the rollout on another GPU), refreshed from the policy whenever its parameters
+    changed in place (an optimizer step, a checkpoint load), as the vLLM engine follows it."""
+
+    def __init__(self):
+        self._copies: "weakref.WeakKeyDictionary[Any, tuple[Any, Any, tuple]]" = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _key(model) -> tuple:
+        return tuple(p._version for p in model.parameters())
+
+    def get(self, model, placement) -> Any:
+        """The copy of ``model`` on ``placement`` (``.device``, ``.dtype``) with its current weights."""
+        import torch
+
+        with self._lock:
+            held = self._copies.get(model)
+            key = self._key(model)
+            if held is None or held[1] != placement:
+                copy = _detached_copy(model).to(device=placement.device, dtype=placement.dtype).eval()
+                self._copies[model] = (copy, placement, key)
+                return copy
+            copy, _, seen = held
+            if seen != key:
+                with torch.no_grad():
+                    for dst, src in zip(copy.parameters(), model.parameters()):
+                        dst.copy_(src)  # casts and moves
+                self._copies[model] = (copy, placement, key)
+            return copy
+
+
+def _detached_copy(model):
+    """A deep copy of ``model`` without gradients, frozen."""
+    import copy
+
+    grads = [p.grad for p in model.parameters()]
+    for p in model.parameters():
+        p.grad = None
+    try:
+        out = copy.deepcopy(model)
+    finally:
+        for p, g in zip(model.parameters(), grads):
+            p.grad = g
+    for p in out.parameters():
+        p.requires_grad_(False)
+    return out
+
+
 class BackendChoice:
     """The generation backend a ``rollout:`` section picks (``config``: a
     :class:`mentorrl.config.RolloutConfig`, or None for the hf defaults), and the vLLM engine it
     owns once one was asked for. :meth:`close` frees that engine."""
 
-    def __init__(self, config: Any = None):
+    def __init__(self, config: Any = None, placement: Any = None):
+        """``placement``: the hf backend's device and dtype (a :class:`mentorrl.models.device.Placement`,
+        resolved from ``rollout.device`` / ``rollout.dtype``); None decodes the model where it is."""
         self.config = config
+        self.placement = placement
         self._engine: Any = None  # this choice's vLLM backend, built on first use
         self._lock = threading.Lock()
+        self._copies = PlacedCopies()
 
     @property
     def name(self) -> str:
@@ -92,7 +147,15 @@ class BackendChoice:
         this choice's decoder and tool threshold (hf; for streaming rollouts)."""
         from mentorrl.rollout.engine import RolloutEngine
 
-        return RolloutEngine(model, contract, decoder=self.decoder, inline_tool_s=self.inline_tool_s)
+        return RolloutEngine(self.placed(model), contract, decoder=self.decoder, inline_tool_s=self.inline_tool_s)
+
+    def placed(self, model):
+        """The model the hf backend decodes for ``model``: itself when it already sits on this choice's
+        device in its dtype (or no placement was asked for), else a copy there with ``model``'s current
+        weights (:class:`PlacedCopies`)."""
+        if self.placement is None or self.placement.matches(model):
+            return model
+        return self._copies.get(model, self.placement)
 
     def for_model(self, model, contract: RolloutContract, version: int | None = None) -> GenerationBackend:
         """The backend that decodes ``model``'s rollouts under ``contract``: a fresh :class:`HFBackend`
@@ -100,7 +163,7 @@ class BackendChoice:
         if self.name == "hf":
             from mentorrl.rollout.backends.hf import HFBackend
 
-            return HFBackend(model, contract, decoder=self.decoder, inline_tool_s=self.inline_tool_s)
+            return HFBackend(self.placed(model), contract, decoder=self.decoder, inline_tool_s=self.inline_tool_s)
         from mentorrl.rollout.backends.vllm import VLLMBackend
 
         with self._lock:

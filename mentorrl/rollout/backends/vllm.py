@@ -120,7 +120,7 @@ class VLLMBackend(GenerationBackend):
         return LLM(
             model=str(self.dir / "model"),
             skip_tokenizer_init=True,
-            dtype=cfg.dtype,
+            dtype=cfg.dtype or "float32",
             enforce_eager=cfg.enforce_eager,
             enable_prefix_caching=cfg.prefix_caching,
             max_num_seqs=cfg.max_num_seqs,
@@ -202,7 +202,9 @@ class VLLMBackend(GenerationBackend):
 
         t0 = time.perf_counter()
         state = {
-            k: v.detach().to("cpu", torch.float32 if self.cfg.dtype == "float32" else v.dtype).contiguous()
+            k: v.detach()
+            .to("cpu", torch.float32 if (self.cfg.dtype or "float32") == "float32" else v.dtype)
+            .contiguous()
             for k, v in want.state().items()
         }
         # tied embeddings: one tensor under two names cannot be saved; the worker re-ties lm_head itself

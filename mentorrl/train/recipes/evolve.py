@@ -248,8 +248,11 @@ class EvolveStage(Stage):
         path = self.versions_dir / f"v{self.state['teacher']}"
         if (path / "config.json").exists():
             from mentorrl.models.build import load_policy
+            from mentorrl.models.device import teacher_placement
 
-            self.teacher = HFTeacher(load_policy(path)[1], self.ws.tokenizer, f"v{self.state['teacher']}")
+            place = teacher_placement(self.ws.cfg, None)  # an earlier policy version, where the learner's teachers go
+            model = load_policy(path, place.dtype, place.device)[1]
+            self.teacher = HFTeacher(model, self.ws.tokenizer, f"v{self.state['teacher']}")
 
     def close(self) -> None:
         self.buffer.close()

@@ -21,7 +21,7 @@ class PPOStage(Stage):
 
     def __init__(self, ws: Workspace, model):
         super().__init__(ws, model)
-        self.critic = Critic(model, self.cfg.critic, ws.contract.pad_token_id)
+        self.critic = Critic(model, self.cfg.critic, ws.contract.pad_token_id, precision=ws.cfg.model.dtype)
         self.gap = RewardGapWatch(ws, model)
 
     def score(self, b: StepBatch) -> None:

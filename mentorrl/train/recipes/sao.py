@@ -102,7 +102,7 @@ class SAOStage(Stage):
         super().__init__(ws, model)
         s = self.cfg
         self.temperature = ws.contract.sampling.temperature
-        self.critic = Critic(model, s.critic, ws.contract.pad_token_id)
+        self.critic = Critic(model, s.critic, ws.contract.pad_token_id, precision=ws.cfg.model.dtype)
         self.state: dict[str, Any] = {"dirty": False, "consumed": 0}
         self.gap = RewardGapWatch(ws, model)
         self.stage_dir = ws.run_dir / "sao"
@@ -129,6 +129,7 @@ class SAOStage(Stage):
             ws.contract.pad_token_id,
             ws.contract.sampling.temperature,
             version_per_update=False,
+            precision=ws.cfg.model.dtype,
         )
 
     def make_pool(self) -> list:
@@ -182,6 +183,7 @@ class SAOStage(Stage):
             [it.trajectory for it in items if it.source == "expert"],
             self.ws.contract.pad_token_id,
             self.temperature,
+            precision=self.ws.cfg.model.dtype,
         )
         require_consistent(self.ws, rl + expert, current, f"SAO step {b.step + 1}")
         b.trajs = online

@@ -1,0 +1,68 @@
+"""Which rendering a run uses: the checkpoint's own template or the contract's ChatML (``prompt.tool_format``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mentorrl.chat_templates.formats import MENTORRL, TOOL_FORMATS, detect_tool_format, get_tool_format, renders_tools
+from mentorrl.chat_templates.native import TemplateChat, TemplateError
+from mentorrl.config import ConfigError, PromptFormat
+from mentorrl.contract import tool_schemas
+
+
+def resolve_tool_format(source: str | None, requested: str = "auto") -> str:
+    """The tool format a run with chat template ``source`` uses: ``"mentorrl"`` (the contract's ChatML
+    template replaces the checkpoint's) or a registered format's name (the checkpoint's template renders
+    the conversation).
+
+    ``auto``: no template, the contract's own, or one that renders no tools -> ``mentorrl`` (as for the tiny
+    model); a tool-aware template of a registered family -> that family; a tool-aware template of an unknown
+    family -> :class:`ConfigError`. A format named explicitly needs a template that renders tools."""
+    known = ", ".join(["auto", MENTORRL, *TOOL_FORMATS])
+    if requested == MENTORRL:
+        return MENTORRL
+    if requested != "auto" and requested not in TOOL_FORMATS:
+        raise ConfigError(f"prompt.tool_format {requested!r}: unknown; expected one of {known}")
+    family = detect_tool_format(source)
+    if requested == "auto":
+        if family == MENTORRL or not source or (family is None and not renders_tools(source)):
+            return MENTORRL
+        if family is None:
+            raise ConfigError(
+                "prompt.tool_format auto: the checkpoint's chat template renders tools, but in no registered "
+                f"format (its tool-call syntax is not recognised); set prompt.tool_format to one of {known} "
+                "(mentorrl replaces the template with the contract's ChatML one)"
+            )
+        requested = family
+    if not source or not renders_tools(source):
+        raise ConfigError(
+            f"prompt.tool_format {requested}: the checkpoint's chat template cannot render tools "
+            f"({'it has none' if not source else 'it never reads the tools variable'}); use a checkpoint whose "
+            "template takes tools=, or prompt.tool_format mentorrl to train with the contract's ChatML template"
+        )
+    return requested
+
+
+def native_chat_for(tokenizer: Any, env: Any, prompt: PromptFormat) -> TemplateChat | None:
+    """The checkpoint template's rendering for ``env`` (system prompt, tool schemas) under ``prompt``, or
+    None when the run uses the contract's ChatML template (:func:`resolve_tool_format`).
+
+    ``prompt.system_turn`` false: no system message and no ``tools=`` (the policy learns the tools from
+    data); ``prompt.tool_descriptions`` false: the schemas carry no descriptions."""
+    source = getattr(tokenizer, "chat_template", None)
+    source = source if isinstance(source, str) else None
+    name = resolve_tool_format(source, prompt.tool_format)
+    if name == MENTORRL:
+        return None
+    tools = None
+    if prompt.system_turn:
+        tools = tool_schemas(env)
+        if not prompt.tool_descriptions:
+            tools = [{**t, "function": {k: v for k, v in t["function"].items() if k != "description"}} for t in tools]
+    try:
+        return TemplateChat(tokenizer, get_tool_format(name), env.system_prompt if prompt.system_turn else None, tools)
+    except TemplateError as e:
+        raise ConfigError(f"prompt.tool_format {prompt.tool_format} ({name}): {e}") from None
+
+
+__all__ = ["native_chat_for", "resolve_tool_format"]

@@ -1,0 +1,124 @@
+"""The learner's memory levers (``optim:`` settings), each a small piece the :class:`~mentorrl.train.learner.Learner` composes:
+
+* :func:`token_budget_slices` -- micro-batches sized by a token budget (``optim.micro_batch_tokens``)
+  instead of a row count: rows are taken in order while the micro-batch's padded size (rows x its
+  longest row, what the padded forward holds; a packed forward holds at most that) stays within the budget;
+* :func:`enable_gradient_checkpointing` -- ``optim.gradient_checkpointing``: the model's own
+  (Hugging Face) activation checkpointing, non-reentrant; the learner's prefix-tree forward
+  (:func:`mentorrl.models.tree.tree_hidden_states`) checkpoints its layers the same way;
+* :class:`OffloadedAdamW` -- ``optim.offload_optimizer``: AdamW whose state (and an fp32 copy of the
+  parameters it updates) lives in CPU memory while the model sits on a GPU; the gradients come to the
+  CPU for the step and the new weights go back. On a model already on the CPU it changes nothing, so
+  :func:`offload_applies` is False there and the plain optimizer is used.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import torch
+
+
+def token_budget_slices(lengths: Sequence[int], lo: int, hi: int, budget: int) -> list[slice]:
+    """Rows ``[lo, hi)`` in order, cut into consecutive micro-batches: a micro-batch takes the next row
+    while ``rows x longest row`` stays within ``budget`` tokens; a row longer than the budget on its
+    own is a micro-batch of one. Every row is in exactly one slice."""
+    if budget < 1:
+        raise ValueError(f"token budget must be >= 1, got {budget}")
+    out: list[slice] = []
+    start, longest = lo, 0
+    for i in range(lo, hi):
+        n = max(int(lengths[i]), 1)
+        if i > start and (i - start + 1) * max(longest, n) > budget:
+            out.append(slice(start, i))
+            start, longest = i, 0
+        longest = max(longest, n)
+    if hi > start:
+        out.append(slice(start, hi))
+    return out
+
+
+def row_count_slices(lo: int, hi: int, rows: int) -> list[slice]:
+    """Rows ``[lo, hi)`` in micro-batches of ``rows``."""
+    return [slice(s, min(s + rows, hi)) for s in range(lo, hi, rows)]
+
+
+def micro_batch_slices(lengths: Sequence[int], lo: int, hi: int, cfg) -> list[slice]:
+    """The micro-batches of rows ``[lo, hi)`` an ``optim:`` section asks for: by ``micro_batch_tokens``
+    when it is set, else by ``micro_batch_size`` rows."""
+    budget = getattr(cfg, "micro_batch_tokens", None)
+    if budget:
+        return token_budget_slices(lengths, lo, hi, budget)
+    return row_count_slices(lo, hi, cfg.micro_batch_size)
+
+
+def enable_gradient_checkpointing(model) -> str | None:
+    """Turn on non-reentrant activation checkpointing in ``model`` (a Hugging Face model, or a module
+    with one as its ``decoder``, e.g. a critic). None when it is on; else why it cannot be (the model
+    then trains without it)."""
+    names = ("activation_checkpointing_enable", "gradient_checkpointing_enable")
+    target = model if any(hasattr(model, n) for n in names) else getattr(model, "decoder", None)
+    if target is None or not any(hasattr(target, n) for n in names):
+        return f"{type(model).__name__} has no Hugging Face activation checkpointing"
+    if not getattr(target, "supports_gradient_checkpointing", False):
+        return f"{type(target).__name__} does not support gradient checkpointing"
+    enable = getattr(target, "activation_checkpointing_enable", None)  # transformers >= 5.x; the older name before
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        target.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return None
+
+
+def offload_applies(model) -> bool:
+    """Whether offloading ``model``'s optimizer state moves anything: its parameters are not on the CPU."""
+    return any(p.device.type != "cpu" for p in model.parameters())
+
+
+class OffloadedAdamW(torch.optim.AdamW):
+    """AdamW stepping in CPU memory for parameters that live elsewhere (a GPU).
+
+    It optimises fp32 CPU copies of the parameters: :meth:`step` refreshes each copy from its
+    parameter (so a checkpoint load or weight sync in between is seen), brings the gradient over,
+    steps on the CPU and writes the result back. The moments (``exp_avg``, ``exp_avg_sq``: twice the
+    parameters in fp32) never occupy device memory. ``state_dict`` / ``load_state_dict`` are AdamW's, over
+    the copies (same layout as a plain AdamW's)."""
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], **kwargs):
+        self.device_params = [p for p in params if p.requires_grad]
+        copies = [p.detach().to("cpu", torch.float32, copy=True) for p in self.device_params]
+        super().__init__(copies, **kwargs)
+
+    def _copies(self) -> list[torch.Tensor]:
+        return [p for g in self.param_groups for p in g["params"]]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("OffloadedAdamW.step takes no closure")
+        for dev, cpu in zip(self.device_params, self._copies()):
+            cpu.copy_(dev)
+            cpu.grad = None if dev.grad is None else dev.grad.detach().to("cpu", torch.float32)
+        super().step()
+        for dev, cpu in zip(self.device_params, self._copies()):
+            dev.copy_(cpu, non_blocking=True)
+            cpu.grad = None
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.device_params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+        super().zero_grad(set_to_none=set_to_none)
+
+
+__all__ = [
+    "OffloadedAdamW",
+    "enable_gradient_checkpointing",
+    "micro_batch_slices",
+    "offload_applies",
+    "row_count_slices",
+    "token_budget_slices",
+]
