@@ -26,7 +26,9 @@ from mentorrl.trajectory import Trajectory
 
 
 def make_optimizer(model, cfg: OptimConfig):
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    """AdamW over the parameters that train (``requires_grad``: with LoRA adapters, only theirs) and its schedule."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
     warm = max(cfg.warmup_steps, 0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
     return opt, sched
