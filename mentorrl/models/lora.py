@@ -55,6 +55,23 @@ def validate_target_modules(model, targets: list[str]) -> None:
                 f"model.lora.target_modules: {t!r} selects {bad[0]} ({type(modules[bad[0]]).__name__}), "
                 f"not a Linear or Embedding module (those are: {', '.join(linear)})"
             )
+        tied = sorted(set(hits) & _tied_embedding_names(model))
+        if tied:
+            raise ConfigError(
+                f"model.lora.target_modules: {t!r} selects {tied[0]}, whose weight is tied to the other "
+                "end of the model (tie_word_embeddings): an adapter there changes one end only, so no merged "
+                "model equals the adapted one; leave it out"
+            )
+
+
+def _tied_embedding_names(model) -> set[str]:
+    """The names of the input and output embeddings when they share one weight, else none."""
+    get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
+    emb_in, emb_out = get_in() if get_in else None, get_out() if get_out else None
+    w_in, w_out = getattr(emb_in, "weight", None), getattr(emb_out, "weight", None)
+    if w_in is None or w_out is None or w_in.data_ptr() != w_out.data_ptr():
+        return set()
+    return {n for n, m in model.named_modules() if m is emb_in or m is emb_out}
 
 
 def apply_lora(model, spec, base_path: str | Path | None = None, seed: int = 0):
