@@ -242,6 +242,14 @@ def test_adapter_checkpoints_resume_exactly(workspace, model, tokenizer, make_de
     assert s1.keys() == s2.keys() and all(torch.equal(s1[i]["exp_avg_sq"], s2[i]["exp_avg_sq"]) for i in s1)
     assert (final / ADAPTER_WEIGHTS).is_file() and (final / "DONE").is_file()
 
+    # a config changed to full fine-tuning is named, and no checkpoint is moved aside as damaged
+    from mentorrl.train.stage_runner import run_stage
+
+    full = copy.deepcopy(model)
+    with pytest.raises(ConfigError, match="model.lora is null, but .* holds a LoRA adapter"):
+        run_stage(ws, "sft", full, Learner(full, OptimConfig(), pad_id=0), 4, lambda s: {}, 2, True)
+    assert not [p for p in (ws.run_dir / "sft" / "checkpoints").iterdir() if p.name.startswith("corrupt")]
+
     # the final dir restores the same adapters into a fresh adapted model; a mismatched one is named
     fresh = _adapted(model)
     load_adapter_weights(fresh, final)
@@ -346,4 +354,8 @@ def test_stages_train_the_same_adapters_and_export_merged(tiny_model_dir, model,
     got, _ = _learner_logprobs(plain, demos, tokenizer.pad_token_id)
     assert logprob_gap_metrics(want, got, mb.loss_mask)["logprob_abs_gap"] < 1e-5
     assert (out / "tokenizer.json").is_file()
+    # a final dir loads as it is too (transformers' peft integration: the base it names + the adapter)
+    direct = AutoModelForCausalLM.from_pretrained(finals["ppo"], dtype=torch.float32).eval()
+    got, _ = _learner_logprobs(direct, demos, tokenizer.pad_token_id)
+    assert logprob_gap_metrics(want, got, mb.loss_mask)["logprob_abs_gap"] < 1e-5
     assert export_merged(finals["sft"], tmp_path / "sft_merged") == tmp_path / "sft_merged"

@@ -93,9 +93,11 @@ class ModelConfig(Section):
     )
     lora: LoraSpec | None = Field(
         None,
-        description="LoRA adapters through peft ({r, alpha, dropout, target_modules}): only the adapters "
-        "train and the optimizer holds only their state; checkpoints and each stage's final dir hold the "
-        "adapter (docs/scaling.md); null: full fine-tuning",
+        description="LoRA adapters through peft: {r: rank (16), alpha: the update is scaled by alpha / r (32), "
+        "dropout: on the adapters' input while training (0), target_modules: the Linear modules that get "
+        "adapters (default: q/k/v/o_proj, gate/up/down_proj), each checked against the model}; only the "
+        "adapters train and the optimizer holds only their state; checkpoints and each stage's final dir "
+        "hold the adapter (docs/scaling.md); null: full fine-tuning",
     )
 
 

@@ -151,6 +151,17 @@ def load_adapter_weights(model, directory: str | Path) -> None:
     set_peft_model_state_dict(model, state)
 
 
+def check_weights_kind(model, directory: str | Path) -> None:
+    """Before resuming from ``directory``: a LoRA policy needs an adapter there and a full policy a full
+    model. Raises :class:`ConfigError` naming ``model.lora`` otherwise (the checkpoint is not damaged:
+    the config changed), so the checkpoint is never moved aside as corrupt."""
+    d = Path(directory)
+    if is_adapted(model) and not is_adapter_dir(d) and (d / "config.json").is_file():
+        raise ConfigError(f"model.lora is set, but {d} holds a full model, not an adapter: resume without model.lora")
+    if not is_adapted(model) and is_adapter_dir(d):
+        raise ConfigError(f"model.lora is null, but {d} holds a LoRA adapter: resume with the run's model.lora")
+
+
 def adapter_base_path(directory: str | Path) -> str:
     """The base checkpoint an adapter directory names (``adapter_config.json``'s base_model_name_or_path)."""
     cfg = json.loads((Path(directory) / ADAPTER_CONFIG).read_text())
@@ -220,6 +231,7 @@ __all__ = [
     "adapter_base_path",
     "apply_lora",
     "base_module",
+    "check_weights_kind",
     "export_merged",
     "is_adapted",
     "is_adapter_dir",
