@@ -8,8 +8,10 @@ from __future__ import annotations
 import copy
 import io
 import json
+import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -164,8 +166,7 @@ def test_vllm_backend_serves_merged_weights(model, monkeypatch):
 
     class Fake(vllm_backend.VLLMBackend):
         def __init__(self):  # no engine: only follow() and what it hands to _load
-            self._lock, self._local, self._held, self.version = __import__("threading").RLock(), None, None, 0
-            self._local = __import__("threading").local()
+            self._lock, self._local, self._held, self.version = threading.RLock(), threading.local(), None, 0
 
         def _load(self, want):
             pushed.update(want.state())
@@ -343,7 +344,7 @@ def test_stages_train_the_same_adapters_and_export_merged(tiny_model_dir, model,
         capture_output=True,
         text=True,
         timeout=300,
-        env={**__import__("os").environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
     )
     assert res.returncode == 0, res.stdout + res.stderr
     assert "adapter merged" in res.stdout and str(finals["ppo"]) in res.stdout.replace("\n", "")
