@@ -211,6 +211,37 @@ def transplant_vocab_cmd(
     )
 
 
+@app.command("export-merged")
+def export_merged_cmd(
+    src: Path = typer.Argument(
+        ...,
+        exists=True,
+        file_okay=False,
+        help="a run dir (its last finished stage), a stage dir, or a final/checkpoint dir",
+    ),
+    out_dir: Path = typer.Argument(..., help="directory to write the merged model into"),
+    base: Optional[Path] = typer.Option(
+        None, "--base", file_okay=False, help="the adapter's base checkpoint, when not where adapter_config.json says"
+    ),
+) -> None:
+    """Write a LoRA run's model with its adapters merged into the base weights (config.json,
+    model.safetensors and the tokenizer): a plain checkpoint AutoModelForCausalLM and vLLM load."""
+    quiet_transformers()
+    from rich.markup import escape
+
+    from mentorrl.models.build import dir_digest
+    from mentorrl.models.lora import export_merged, is_adapter_dir, resolve_model_dir
+
+    try:
+        directory = resolve_model_dir(src)
+        out = export_merged(directory, out_dir, base)
+    except (ValueError, OSError) as e:  # not a model / adapter dir; the base is missing; OUT_DIR is a file
+        err.print(f"[red]{escape(f'export-merged: {e}')}[/red]")
+        raise typer.Exit(2)
+    what = "adapter merged into its base" if is_adapter_dir(directory) else "already a full model, copied"
+    console.print(f"wrote {out} from {directory} ({what}; digest {dir_digest(out)})")
+
+
 @app.command()
 def diagnose(
     model_dir: Path = typer.Argument(..., exists=True, file_okay=False, help="HF checkpoint directory"),

@@ -65,7 +65,7 @@ from mentorrl.config.loading import (
     raw_number_problems,
     validate_config,
 )
-from mentorrl.config.model import ModelConfig, ModelSpec, PretrainSpec
+from mentorrl.config.model import LoraSpec, ModelConfig, ModelSpec, PretrainSpec
 from mentorrl.config.opd import (
     LEGACY_OPD_FLAGS,
     OPD_TERM_SCHEMAS,
@@ -156,6 +156,7 @@ __all__ = [
     "HardPoolConfig",
     "LatencyModel",
     "LoggingConfig",
+    "LoraSpec",
     "LossAgg",
     "MOPDConfig",
     "ModelConfig",

@@ -70,6 +70,22 @@ class PretrainSpec(BaseModel):
     )
 
 
+class LoraSpec(BaseModel):
+    """LoRA adapters on the policy (through ``peft``): only the adapters train, the base stays frozen."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    r: int = Field(16, ge=1, description="adapter rank")
+    alpha: float = Field(32.0, gt=0, description="scaling numerator: each adapter's update is scaled by alpha / r")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on each adapter's input while training")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        min_length=1,
+        description="names (last component of the module path, or a full dotted path) of the Linear "
+        "modules that get adapters; each must match a module of the model (checked before the first step)",
+    )
+
+
 class ModelConfig(Section):
     path: str | None = Field(
         None, description="Hugging Face checkpoint directory; null builds the tiny local model into RUN_DIR/base_model"
@@ -94,6 +110,14 @@ class ModelConfig(Section):
         "this dtype; float16 adds a gradient scaler and needs a GPU). Also the rollout's and the "
         "teachers' dtype unless they set their own",
     )
+    lora: LoraSpec | None = Field(
+        None,
+        description="LoRA adapters through peft: {r: rank (16), alpha: the update is scaled by alpha / r (32), "
+        "dropout: on the adapters' input while training (0), target_modules: the Linear modules that get "
+        "adapters (default: q/k/v/o_proj, gate/up/down_proj), each checked against the model}; only the "
+        "adapters train and the optimizer holds only their state; checkpoints and each stage's final dir "
+        "hold the adapter (docs/scaling.md); null: full fine-tuning",
+    )
 
 
-__all__ = ["CORPUS_VERSIONS", "DEVICE_PATTERN", "DType", "ModelConfig", "ModelSpec", "PretrainSpec"]
+__all__ = ["CORPUS_VERSIONS", "DEVICE_PATTERN", "DType", "LoraSpec", "ModelConfig", "ModelSpec", "PretrainSpec"]

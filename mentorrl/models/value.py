@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mentorrl.models.batch import TokenBatch, next_token_states
+from mentorrl.rollout.adapters import is_adapter_key
 
 
 class ValueModel(torch.nn.Module):
@@ -28,10 +29,12 @@ class ValueModel(torch.nn.Module):
 
     @classmethod
     def from_policy(cls, policy) -> "ValueModel":
-        """A separate critic: a copy of the policy's decoder (its own weights) plus a zero head."""
+        """A separate critic: a copy of the policy's decoder (its own weights) plus a zero head. A LoRA
+        policy's copy keeps its base frozen: the critic trains its own copy of the adapters and the head."""
         decoder = copy.deepcopy(policy.get_decoder())
-        for p in decoder.parameters():
-            p.requires_grad_(True)
+        adapted = any(is_adapter_key(n) for n, _ in decoder.named_parameters())
+        for n, p in decoder.named_parameters():
+            p.requires_grad_(not adapted or is_adapter_key(n))
         return cls(decoder, policy.config.hidden_size).to(next(policy.parameters()).device)
 
     @classmethod

@@ -32,6 +32,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from mentorrl.rollout.adapters import base_module
 from mentorrl.rollout.kvcache import add_rows, cache_kwarg, compact, expand_batch, make_cache
 
 log = logging.getLogger(__name__)
@@ -155,7 +156,9 @@ class DynamicCacheDecoder:
 
 # ------------------------------------------------------------------------------- slot cache --
 def slot_support(model) -> str | None:
-    """None when :class:`SlotDecoder` can run ``model``; else why not."""
+    """None when :class:`SlotDecoder` can run ``model`` (a ``peft`` wrapper: the model it wraps, whose
+    Linear modules apply the adapters); else why not."""
+    model = base_module(model)
     why = decoder_config_problem(getattr(model, "config", None))
     if why is not None:
         return why
@@ -216,6 +219,7 @@ class SlotDecoder:
         why = slot_support(model)
         if why is not None:
             raise ValueError(f"the slot decoder cannot run this model: {why}")
+        model = base_module(model)  # a peft wrapper's model: running its modules applies the adapters
         self.model = model
         self.max_len = max_len
         core = model.model

@@ -10,6 +10,8 @@ import inspect
 
 import torch
 
+from mentorrl.rollout.adapters import base_module
+
 
 def common_prefix_len(seqs: list[list[int]]) -> int:
     """Length of the token prefix every sequence in ``seqs`` (at least one) shares: what a shared
@@ -25,8 +27,9 @@ def common_prefix_len(seqs: list[list[int]]) -> int:
 
 
 def cache_kwarg(model) -> str:
-    """transformers >= 5.2x calls the cache argument ``cache``; earlier releases ``past_key_values``."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    """transformers >= 5.2x calls the cache argument ``cache``; earlier releases ``past_key_values``
+    (a ``peft`` wrapper passes it on to the model it wraps, whose signature decides)."""
+    return "cache" if "cache" in inspect.signature(base_module(model).forward).parameters else "past_key_values"
 
 
 def make_cache(model):

@@ -28,10 +28,12 @@ from mentorrl.trajectory import Trajectory
 
 
 def make_optimizer(model, cfg: OptimConfig):
-    """AdamW over ``model``'s parameters (state in CPU memory with ``cfg.offload_optimizer`` on a GPU
-    model, :class:`~mentorrl.train.memory.OffloadedAdamW`) and its warm-up schedule."""
+    """AdamW over the parameters that train (``requires_grad``: with LoRA adapters, only theirs; state in CPU
+    memory with ``cfg.offload_optimizer`` on a GPU model, :class:`~mentorrl.train.memory.OffloadedAdamW`) and its
+    warm-up schedule."""
+    params = [p for p in model.parameters() if p.requires_grad]
     adamw = OffloadedAdamW if cfg.offload_optimizer and offload_applies(model) else torch.optim.AdamW
-    opt = adamw(model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    opt = adamw(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
     warm = max(cfg.warmup_steps, 0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
     return opt, sched

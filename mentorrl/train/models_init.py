@@ -113,3 +113,21 @@ def base_model_dir(ws) -> Path | str:
         ws.cfg.prompt,
         pretrain=ws.cfg.model.pretrain,
     )
+
+
+def adapt_policy(ws, model, model_dir: Path):
+    """The policy the stages train: ``model`` itself, or with ``model.lora`` set, ``model`` wrapped with
+    LoRA adapters (:func:`mentorrl.models.lora.apply_lora`; the saved adapter names ``model_dir`` as
+    its base, and the adapters' initialisation is seeded by the run's seed)."""
+    spec = ws.cfg.model.lora
+    if spec is None:
+        return model
+    from mentorrl.models.lora import apply_lora, trainable_summary
+
+    model = apply_lora(model, spec, base_path=model_dir, seed=ws.cfg.seed)
+    trainable, total = trainable_summary(model)
+    ws.console.print(
+        f"LoRA r={spec.r} alpha={spec.alpha:g} on {', '.join(spec.target_modules)}: "
+        f"{trainable / 1e6:.3f}M of {total / 1e6:.2f}M parameters train"
+    )
+    return model

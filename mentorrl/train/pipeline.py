@@ -23,7 +23,7 @@ from mentorrl.models.device import learner_placement, placement_problems
 from mentorrl.models.hub import checkpoint_problem
 from mentorrl.train.distributed import current as current_dp
 from mentorrl.train.distributed import setup_distributed, shutdown_distributed
-from mentorrl.train.models_init import base_model_dir, build_config, build_tiny_model  # noqa: F401  (public here too)
+from mentorrl.train.models_init import adapt_policy, base_model_dir, build_config, build_tiny_model  # noqa: F401  (public here too)
 from mentorrl.train.registry import get_stage, rl_stage_names, run_stage_by_name
 from mentorrl.train.report import STEP_METRICS_PLOT, build_report, write_report
 from mentorrl.train.workspace import Workspace, evaluate, open_workspace
@@ -175,6 +175,7 @@ def _run_stages(ws: Workspace, resume: bool, t0: float) -> dict[str, Any]:
     ws.bind_tokenizer(tokenizer)
     n_params = sum(p.numel() for p in model.parameters())
     con.print(f"model: {model_dir} ({n_params / 1e6:.2f}M parameters, vocab {len(tokenizer)}), run dir: {ws.run_dir}")
+    model = adapt_policy(ws, model, model_dir)
     preflight_prompts(ws)
 
     if cfg.audit.preflight:

@@ -22,11 +22,13 @@ from typing import Any, Callable
 
 from rich.markup import escape
 
+from mentorrl.models.lora import check_weights_kind
 from mentorrl.train.learner import Learner
 from mentorrl.train.rundir import (
     KEEP_CHECKPOINTS,
     CorruptCheckpointError,
     MetricsLog,
+    latest_checkpoint,
     load_trainer_state,
     prune_checkpoints,
     restore_checkpoint,
@@ -141,6 +143,9 @@ def _resume_point(
     final = ws.run_dir / stage / "final"
     stage_dir = final.parent
     warn = lambda msg: ws.console.print(f"[red]{stage}: {escape(msg)}[/red]")  # noqa: E731
+    for d in (final, latest_checkpoint(stage_dir)):  # a config changed to or from LoRA: named, nothing moved aside
+        if d is not None and d.is_dir():
+            check_weights_kind(model, d)
     if (final / "DONE").exists():
         try:
             verify_manifest(final)

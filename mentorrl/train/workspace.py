@@ -194,8 +194,14 @@ def frozen_copy(model):
 
 
 def load_weights_into(model, ckpt: Path) -> None:
-    """Copy the weights of the Hugging Face checkpoint ``ckpt`` into ``model`` (same architecture)."""
+    """Copy the weights of the Hugging Face checkpoint ``ckpt`` into ``model`` (same architecture); a
+    LoRA policy (``model.lora``) takes the adapter saved there (:func:`mentorrl.models.lora.load_adapter_weights`)."""
     from transformers import AutoModelForCausalLM
+
+    from mentorrl.models.lora import is_adapted, load_adapter_weights
+
+    if is_adapted(model):
+        return load_adapter_weights(model, ckpt)
 
     src = AutoModelForCausalLM.from_pretrained(ckpt, dtype=next(model.parameters()).dtype)
     model.load_state_dict(src.state_dict())

@@ -38,6 +38,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from mentorrl.contract import RolloutContract
+from mentorrl.rollout.adapters import merged_state_dict, save_merged
 from mentorrl.rollout.backends.base import Generation, GenerationBackend
 
 EXTENSION = "mentorrl.rollout.backends.vllm_worker.WeightSyncExtension"
@@ -87,7 +88,7 @@ class VLLMBackend(GenerationBackend):
         self.dir = Path(tempfile.mkdtemp(prefix="mentorrl-vllm-", dir=_shm_dir()))
         atexit.register(shutil.rmtree, self.dir, True)  # the copy in /dev/shm goes with the process
         t0 = time.perf_counter()
-        model.save_pretrained(self.dir / "model", safe_serialization=True)
+        save_merged(model, self.dir / "model")  # a LoRA policy's adapters merged into its base weights
         self.llm = self._build(cfg, seed)
         self.start_s = time.perf_counter() - t0
         self._lock = threading.RLock()
@@ -186,7 +187,9 @@ class VLLMBackend(GenerationBackend):
         the last push (or the engine holds other weights)."""
         key = ("model", *params_version(model))
         with self._lock:
-            self._local.want = _Want(key, version if version is not None else (self.version or 0), model.state_dict)
+            self._local.want = _Want(
+                key, version if version is not None else (self.version or 0), lambda: merged_state_dict(model)
+            )
             if key != self._held:
                 self._load(self._local.want)
 
