@@ -16,6 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from mentorrl.config import RunConfig, dump_config
 from mentorrl.contract import RolloutContract, chat_template_for, contract_for_env
+from mentorrl.core.checksums import require_manifest
 from mentorrl.envs import EnvEntry, env_factory, get_env
 from mentorrl.envs.base import check_stratifies, draw_tasks
 from mentorrl.eval.metrics import summarize
@@ -183,9 +184,14 @@ def frozen_copy(model):
     return ref
 
 
-def load_weights_into(model, ckpt: Path) -> None:
-    """Copy the weights of the Hugging Face checkpoint ``ckpt`` into ``model`` (same architecture)."""
+def load_weights_into(model, ckpt: Path, verify: bool = True) -> None:
+    """Copy the weights of the Hugging Face checkpoint ``ckpt`` into ``model`` (same architecture), once
+    ``ckpt`` passes its checksum manifest, which it must have (:func:`~mentorrl.core.checksums.require_manifest`;
+    ``verify=False`` only where the caller has just verified it)."""
     from transformers import AutoModelForCausalLM
+
+    if verify:
+        require_manifest(Path(ckpt))
 
     src = AutoModelForCausalLM.from_pretrained(ckpt, dtype=next(model.parameters()).dtype)
     model.load_state_dict(src.state_dict())
