@@ -3,11 +3,12 @@ learner (``distributed.strategy: fsdp2``).
 
 ``parity OUT``: the updates of :func:`ddp_worker.run_updates` through the FSDP2 learner; saves this
 rank's full (gathered) gradients after the first two updates, every update's metrics and the final
-weights of the policy (the full copy the learner publishes into) to ``OUT/rank{R}.pt``.
+weights of the policy (the full copy the learner publishes into) to ``OUT/rank{R}.pt``; then the
+uninterrupted ``stage`` run below into ``OUT/full`` (6 steps).
 
 ``stage RUN_DIR STEPS [KILL_AT] [resume]``: a ``run_stage`` of STEPS SFT steps checkpointed every
 2 steps (sharded checkpoints) into RUN_DIR; with KILL_AT, rank 0 SIGKILLs itself when step KILL_AT
-(1-based) begins. Rank 0 writes the final weights to ``RUN_DIR/final``."""
+(1-based) begins. Every rank saves the policy's weights at the end to ``RUN_DIR/weights-rank{R}.pt``."""
 
 from __future__ import annotations
 
@@ -92,6 +93,7 @@ def main(argv: list[str]) -> None:
     if argv[0] == "parity":
         out = Path(argv[1])
         torch.save(run_updates(dp), out / f"rank{dp.rank}.pt")
+        run_sharded_stage(dp, out / "full", 6, None, resume=False)
     else:
         run_dir, steps = Path(argv[1]), int(argv[2])
         kill_at = int(argv[3]) if len(argv) > 3 and argv[3] != "-" else None

@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from mentorrl.contract import CHAT_TEMPLATE, IM_END, PAD, SPECIAL_TOKENS
+from mentorrl.core.checksums import verify_manifest
 from mentorrl.models.spec import ModelSpec
 
 # Pre-tokenisation is exactly Qwen2's (NFC, then its split regex, then byte-level): the model is a
@@ -128,8 +129,12 @@ def init_model(
 
 
 def load_policy(model_dir: str | Path, dtype: torch.dtype = torch.float32):
-    """Load a tokenizer and causal LM the way any Hugging Face checkpoint loads."""
+    """Load a tokenizer and causal LM the way any Hugging Face checkpoint loads; a directory that carries
+    a checksum manifest (a mentorrl run's checkpoint or final weights) is verified against it first."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if Path(model_dir).is_dir():
+        verify_manifest(Path(model_dir))
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)

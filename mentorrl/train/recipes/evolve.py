@@ -46,7 +46,7 @@ from mentorrl.replay.checkpointing import BufferCheckpoints
 from mentorrl.train.curriculum import Curriculum
 from mentorrl.train.loop import pg_update
 from mentorrl.train.rl_loop import Stage, StepBatch, run_on_loop
-from mentorrl.train.rundir import KEEP_CHECKPOINTS
+from mentorrl.train.rundir import KEEP_CHECKPOINTS, require_manifest, write_manifest
 from mentorrl.train.workspace import Workspace, heldout_check, load_weights_into
 
 
@@ -120,6 +120,7 @@ class EvolveStage(Stage):
         path = self.versions_dir / f"v{k}"
         self.model.save_pretrained(path, safe_serialization=True)
         self.ws.tokenizer.save_pretrained(path)
+        write_manifest(path)  # verified when the version is loaded again (a rollback, a resumed teacher)
         return path
 
     def write_versions(self) -> None:
@@ -249,6 +250,7 @@ class EvolveStage(Stage):
         if (path / "config.json").exists():
             from mentorrl.models.build import load_policy
 
+            require_manifest(path)
             self.teacher = HFTeacher(load_policy(path)[1], self.ws.tokenizer, f"v{self.state['teacher']}")
 
     def close(self) -> None:
