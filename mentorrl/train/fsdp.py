@@ -29,6 +29,7 @@ weights back in one process (no process group), e.g. to check a checkpoint or re
 from __future__ import annotations
 
 import copy
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -167,7 +168,9 @@ def load_full_weights(model: torch.nn.Module, path: Path) -> None:
     import torch.distributed.checkpoint as dcp
 
     state = {"model": {k: v.detach().clone() for k, v in model.state_dict().items()}}
-    dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(path), no_dist=True)
     model.load_state_dict(state["model"])
 
 
