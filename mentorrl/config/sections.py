@@ -116,6 +116,13 @@ class DistributedConfig(Section):
         'ray: GRPO and SAO rollouts on Ray actors (`pip install "mentorrl[ray]"`, docs/ray.md), '
         "the learner in this process",
     )
+    strategy: Literal["ddp", "fsdp2"] = Field(
+        "ddp",
+        description="the data-parallel learner of a torchrun launch (backend auto or ddp with WORLD_SIZE > 1): "
+        "ddp: every rank holds the whole model and optimizer, gradients all-reduced; fsdp2: parameters, "
+        "gradients and optimizer state sharded over the ranks (torch FSDP2, fully_shard per decoder layer), "
+        "checkpoints sharded (torch.distributed.checkpoint); docs/scaling.md",
+    )
     timeout_s: float = Field(
         1800.0,
         gt=0,

@@ -36,7 +36,8 @@ class StageSpec:
     ``runner``: ``"module:function"`` or the function ``run(ws, model, resume=False) -> final weights dir``;
     ``title``: the rule printed before it runs; ``label``: its short name in the evaluation table;
     ``rl``: a reinforcement-learning stage (the report compares the last one with the stage before it);
-    ``parallel``: the learner parallelism it supports (``"ddp"``: data-parallel under torchrun);
+    ``parallel``: the learner parallelism it supports under torchrun (``"ddp"``: data-parallel, every rank
+    holding the whole model; ``"fsdp2"``: data-parallel with the learner sharded; ``distributed.strategy``);
     ``writes_samples``: it writes ``samples/<name>-step-N.jsonl`` (read by ``mentorrl export``);
     ``needs``: from its section, the ``(field, path)`` of every Hugging Face checkpoint it loads (the
     field relative to the section), checked before the run starts."""
@@ -84,7 +85,7 @@ def _served_teacher(s: Any) -> list[tuple[str, str]]:
 
 
 _RECIPES = "mentorrl.train.recipes"
-DDP = frozenset({"ddp"})
+DDP = frozenset({"ddp", "fsdp2"})  # data-parallel under torchrun, the learner replicated (ddp) or sharded (fsdp2)
 
 BUILTIN_STAGES: tuple[StageSpec, ...] = (  # in recipe order
     StageSpec("sft", SFTConfig, f"{_RECIPES}.sft:sft_stage", "SFT on expert demonstrations", "SFT", parallel=DDP),
@@ -162,7 +163,7 @@ def get_stage_spec(name: str) -> StageSpec:
 
 
 def stages_supporting(parallel: str) -> tuple[str, ...]:
-    """The stages whose learner supports ``parallel`` (e.g. ``"ddp"``)."""
+    """The stages whose learner supports ``parallel`` (``"ddp"`` or ``"fsdp2"``)."""
     return tuple(n for n, s in _STAGES.items() if parallel in s.parallel)
 
 

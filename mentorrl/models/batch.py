@@ -7,9 +7,11 @@ Tensors are aligned to token positions: ``logprobs[b, t]`` is the log-probabilit
 
 from __future__ import annotations
 
+import contextvars
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
@@ -79,6 +81,21 @@ def _split_head(model):
     return (decoder, head) if decoder is not None and decoder is not model else None
 
 
+_PLAIN = contextvars.ContextVar("plain_forwards", default=False)
+
+
+@contextmanager
+def plain_forwards() -> Iterator[None]:
+    """Within: every forward of this module is one plain call of the model (no prefix packing, no
+    shared-prefix KV reuse), so each layer runs exactly once per forward whatever the data (a
+    sharded learner's ranks must all-gather each layer the same number of times)."""
+    token = _PLAIN.set(True)
+    try:
+        yield
+    finally:
+        _PLAIN.reset(token)
+
+
 def next_token_states(module, batch: TokenBatch, attr: str, min_shared: int = 32) -> torch.Tensor:
     """``module``'s output (``attr``: "logits" or "last_hidden_state") at positions 0..T-2, [B, T-1, *].
 
@@ -88,7 +105,7 @@ def next_token_states(module, batch: TokenBatch, attr: str, min_shared: int = 32
     """
     ids, attn = batch.input_ids, batch.attention_mask
     B, T = ids.shape
-    P = min(shared_prefix_len(ids, attn) if B > 1 else 0, T - 1)
+    P = min(shared_prefix_len(ids, attn) if B > 1 and not _PLAIN.get() else 0, T - 1)
     # under gradient checkpointing in training the layers drop the KV cache: the plain forward
     if P >= min_shared and not (module.training and torch.is_grad_enabled() and checkpointing_on(module)):
         cache, kw = make_cache(module), cache_kwarg(module)
@@ -357,7 +374,11 @@ def selected_states(
     if pack not in (True, False, "dense"):
         raise ValueError(f"pack: True, False or 'dense' (got {pack!r})")
     # the tree forward gives a decoder's last hidden states; anything else takes the dense mask
-    form = _packable(module, tree=pack is True and attr == "last_hidden_state") if pack and bool(sel.any()) else None
+    form = (
+        _packable(module, tree=pack is True and attr == "last_hidden_state")
+        if pack and not _PLAIN.get() and bool(sel.any())
+        else None
+    )
     packed = (
         prefix_pack(batch.input_ids, batch.attention_mask, attn_weight=attention_weight(module), tree=form == "tree")
         if form is not None

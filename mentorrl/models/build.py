@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from mentorrl.contract import CHAT_TEMPLATE, IM_END, PAD, SPECIAL_TOKENS
+from mentorrl.core.checksums import verify_manifest
 from mentorrl.models.spec import ModelSpec
 
 # Pre-tokenisation is exactly Qwen2's (NFC, then its split regex, then byte-level): the model is a
@@ -129,8 +130,12 @@ def init_model(
 
 def load_policy(model_dir: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
     """Load a tokenizer and causal LM the way any Hugging Face checkpoint loads, its weights in ``dtype``
-    on ``device`` (None: the CPU; see :mod:`mentorrl.models.device` for the config's names)."""
+    on ``device`` (None: the CPU; see :mod:`mentorrl.models.device` for the config's names); a directory that
+    carries a checksum manifest (a mentorrl run's checkpoint or final weights) is verified against it first."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if Path(model_dir).is_dir():
+        verify_manifest(Path(model_dir))
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)

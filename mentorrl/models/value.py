@@ -39,8 +39,14 @@ class ValueModel(torch.nn.Module):
 
     @classmethod
     def from_pretrained_decoder(cls, model_dir: str | Path) -> "ValueModel":
-        """A separate critic from any Hugging Face causal-LM checkpoint: its decoder plus a zero head."""
+        """A separate critic from any Hugging Face causal-LM checkpoint: its decoder plus a zero head (a
+        directory with a checksum manifest is verified against it first)."""
         from transformers import AutoModelForCausalLM
+
+        from mentorrl.core.checksums import verify_manifest
+
+        if Path(model_dir).is_dir():
+            verify_manifest(Path(model_dir))
 
         lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         return cls(lm.get_decoder(), lm.config.hidden_size)

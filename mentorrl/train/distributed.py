@@ -18,9 +18,8 @@ Only rank 0 writes (metrics, checkpoints, final weights, evaluations, the report
 for it through :meth:`DataParallel.on_main`, which also carries rank 0's failure to them. GRPO
 rollouts are split the same way and gathered, so every rank sees the same trajectories.
 
-Where a GPU exists, the same learner shape maps onto FSDP2 (``torch.distributed.fsdp.fully_shard``
-over NCCL): the weighting above is unchanged because FSDP also averages gradients over ranks;
-it is documented, not implemented (there is no device here to test it on).
+``distributed.strategy: fsdp2`` shards the learner instead (FSDP2, :mod:`mentorrl.train.fsdp`): the
+weighting above is unchanged because FSDP2's reduce-scatter also averages gradients over ranks.
 """
 
 from __future__ import annotations
@@ -35,6 +34,7 @@ import torch.distributed as dist
 
 from mentorrl.config import ConfigError, RunConfig
 from mentorrl.config.stages import stages_supporting
+from mentorrl.train.fsdp import CallThrough, ShardedModule
 
 T = TypeVar("T")
 
@@ -80,35 +80,25 @@ def distributed_plan(cfg: RunConfig, env: Mapping[str, str] | None = None) -> tu
             f"distributed.backend: none, but torchrun launched {world} ranks: each would train alone "
             f"and write the same run_dir; set distributed.backend: ddp (or auto), or launch one process"
         )
-    missing = [s for s in dict.fromkeys(cfg.recipe) if s not in stages_supporting("ddp")]
+    strategy = cfg.distributed.strategy
+    missing = [s for s in dict.fromkeys(cfg.recipe) if s not in stages_supporting(strategy)]
     if missing:
         raise ConfigError(
-            f"recipe: stage(s) {', '.join(missing)} cannot run under distributed.backend "
-            f"{backend} with {world} ranks; data-parallel stages: {', '.join(stages_supporting('ddp'))}"
+            f"recipe: stage(s) {', '.join(missing)} cannot run under distributed.backend {backend} "
+            f"(distributed.strategy {strategy}) with {world} ranks; stages that support {strategy}: "
+            f"{', '.join(stages_supporting(strategy))}"
         )
     return rank, world
 
 
-class _CallThrough(torch.nn.Module):
-    """Lets DDP run any forward function of the model: ``DDP(_CallThrough(m))(fn, *args) == fn(m, *args)``.
-
-    The learner's forwards (split decoder / head, shared-prefix KV reuse, top-k selection) call
-    submodules, not ``model(...)``; going through DDP's own forward is what arms its gradient
-    all-reduce for the backward that follows."""
-
-    def __init__(self, model: torch.nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return fn(self.model, *args)
-
-
 class DataParallel:
-    """This process's rank in an initialised gloo process group, and the collectives the learner uses."""
+    """This process's rank in an initialised gloo process group, and the collectives the learner uses.
 
-    def __init__(self, rank: int, world_size: int):
-        self.rank, self.world_size = rank, world_size
+    ``strategy``: ``"ddp"`` (every rank holds the whole model; gradients all-reduced) or ``"fsdp2"``
+    (parameters, gradients and optimizer state sharded, :mod:`mentorrl.train.fsdp`)."""
+
+    def __init__(self, rank: int, world_size: int, strategy: str = "ddp"):
+        self.rank, self.world_size, self.strategy = rank, world_size, strategy
 
     @property
     def is_main(self) -> bool:
@@ -118,11 +108,14 @@ class DataParallel:
         """This rank's contiguous share of ``n`` items (sizes differ by at most one; may be empty)."""
         return range(self.rank * n // self.world_size, (self.rank + 1) * n // self.world_size)
 
-    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        """A DDP module over ``model`` (rank 0's weights broadcast to all ranks now).
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module | ShardedModule:
+        """A DDP module over ``model`` (rank 0's weights broadcast to all ranks now), or under
+        ``fsdp2`` a :class:`~mentorrl.train.fsdp.ShardedModule` (a sharded training copy of ``model``).
 
         ``broadcast_buffers=False``: a buffer broadcast in every forward would be a collective per
         micro-batch, and ranks run different numbers of micro-batches."""
+        if self.strategy == "fsdp2":
+            return ShardedModule(model)
         import inspect
 
         from torch.nn.parallel import DistributedDataParallel
@@ -131,7 +124,7 @@ class DataParallel:
         no_buffer_sync = (
             {"forward_sync_buffers": False} if "forward_sync_buffers" in params else {"broadcast_buffers": False}
         )
-        return DistributedDataParallel(_CallThrough(model), **no_buffer_sync)
+        return DistributedDataParallel(CallThrough(model), **no_buffer_sync)
 
     @staticmethod
     def no_sync(ddp: torch.nn.Module | None, sync: bool):
@@ -142,6 +135,12 @@ class DataParallel:
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj)
         return out
+
+    def max_over_ranks(self, n: int) -> int:
+        """The largest ``n`` of any rank, on every rank."""
+        t = torch.tensor([n], dtype=torch.long)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
 
     def broadcast(self, obj: T) -> T:
         """Rank 0's ``obj`` on every rank."""
@@ -204,7 +203,7 @@ def setup_distributed(cfg: RunConfig, env: Mapping[str, str] | None = None) -> D
         dist.init_process_group(
             "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=cfg.distributed.timeout_s)
         )
-    _CURRENT = DataParallel(dist.get_rank(), dist.get_world_size())
+    _CURRENT = DataParallel(dist.get_rank(), dist.get_world_size(), cfg.distributed.strategy)
     return _CURRENT
 
 

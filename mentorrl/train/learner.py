@@ -7,6 +7,8 @@ Data parallel (``dp=``, a :class:`~mentorrl.train.distributed.DataParallel`): ev
 the whole batch, runs forward/backward on its contiguous share only, and DDP all-reduces the
 gradients once per optimizer step; micro-batches are weighted by their share of the global batch
 so the result is the single-process full-batch gradient (see :mod:`mentorrl.train.distributed`).
+Under ``fsdp2`` the same weighting holds; the optimizer steps a sharded copy whose weights are
+gathered back into the policy after each step (:mod:`mentorrl.train.fsdp`).
 """
 
 from __future__ import annotations
@@ -82,13 +84,21 @@ class Learner:
         self.cfg = optim
         self.pad_id = pad_id
         self.temperature = temperature if temperature > 0 else 1.0
-        self.optimizer, self.scheduler = make_optimizer(model, optim)
         self.compute_dtype = resolve_dtype(precision)
         self.scaler = grad_scaler(module_placement(model).device, self.compute_dtype)
         # why optim.gradient_checkpointing is not in effect (None: it is, or was not asked for)
         self.checkpointing_problem = enable_gradient_checkpointing(model) if optim.gradient_checkpointing else None
         self.dp = dp if dp is not None and dp.world_size > 1 else None
         self._ddp = self.dp.wrap(model) if self.dp is not None else None
+        # fsdp2: the optimizer steps a sharded training copy, and ``model`` is given its weights after each step
+        self.sharded = self._ddp if getattr(self._ddp, "sharded", False) else None
+        self.optimizer, self.scheduler = make_optimizer(self.trained, optim)
+
+    @property
+    def trained(self) -> torch.nn.Module:
+        """The module whose parameters the optimizer steps: the policy, or under ``fsdp2`` its sharded
+        training copy (:class:`~mentorrl.train.fsdp.ShardedModule`)."""
+        return self.sharded.module if self.sharded is not None else self.model
 
     @property
     def pack_mode(self) -> bool | str:
@@ -125,13 +135,18 @@ class Learner:
         """Clip the accumulated gradients and step (skipping a non-finite update); the gradient norm."""
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
-        gn = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm))
+        if self.sharded is not None:  # DTensor gradients: the norm is reduced over the ranks
+            gn = self.sharded.clip_grad_norm_(self.cfg.max_grad_norm)
+        else:
+            gn = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm))
         if math.isfinite(gn):
             self.optimizer.step()
         else:  # skip a poisoned update rather than corrupt the weights
             self.optimizer.zero_grad(set_to_none=True)
         if self.scaler is not None:
             self.scaler.update()
+        if self.sharded is not None:
+            self.sharded.publish(self.model)  # the rollout, evaluation and final weights read the full policy
         return gn
 
     def micro_batches(self, trajs: Sequence[Trajectory], lo: int, hi: int) -> list[slice]:
@@ -145,6 +160,13 @@ class Learner:
     def _sync(self, last: bool):
         """DDP's ``no_sync`` for all but a rank's last micro-batch: one all-reduce per optimizer step."""
         return self._ddp.no_sync() if self._ddp is not None and not last else nullcontext()
+
+    def _lockstep(self, slices: list[slice]) -> list[slice | None]:
+        """The micro-batches this rank runs: its own, then (None) zero-weight ones up to one at least
+        and, under ``fsdp2``, up to the busiest rank's count (every rank all-gathers each layer in
+        every forward, so all run as many)."""
+        n = self.dp.max_over_ranks(len(slices)) if self.sharded is not None else len(slices)
+        return [*slices, *[None] * (max(n, 1) - len(slices))]
 
     def _own_slices(self, trajs: Sequence[Trajectory]) -> list[slice]:
         """This rank's micro-batches, as slices of the *global* batch (so per-trajectory inputs
@@ -189,7 +211,7 @@ class Learner:
         ``forward(model, mb, sl)`` replaces the default forward. Data-parallel: only this rank's
         share is run; each loss is scaled by the world size because DDP averages the ranks'
         gradients, and the metrics' per-rank partial sums are summed over ranks."""
-        self.model.train()
+        self.trained.train()
         device = next(self.model.parameters()).device
         total_tokens, total_seqs = (
             (float(sum(t.num_policy_tokens for t in trajs)), len(trajs)) if norm is None else norm
@@ -199,10 +221,11 @@ class Learner:
         fwd = forward if forward is not None else (lambda model, mb, sl: self._forward_with(model, mb))
         self.optimizer.zero_grad(set_to_none=True)
         ent_sum, tok_sum = 0.0, 0.0
-        slices = self._own_slices(trajs)
-        idle = not slices  # a rank with no share still joins the step's one gradient all-reduce, with zeros
-        for i, sl in enumerate(slices or [slice(0, 1)]):
-            with self._sync(last=i == max(len(slices), 1) - 1):
+        runs = self._lockstep(self._own_slices(trajs))
+        for i, sl in enumerate(runs):
+            idle = sl is None  # a rank with no (more) share still joins the step's collectives, with zeros
+            sl = slice(0, 1) if idle else sl
+            with self._sync(last=i == len(runs) - 1):
                 mb = collate(trajs[sl], self.pad_id).to(device)
                 with self.autocast():
                     logprobs, entropy = self._run(fwd, mb, sl)
@@ -223,7 +246,7 @@ class Learner:
             ent_sum, tok_sum = metrics.pop("__ent"), metrics.pop("__tok")
         gn = self._optimizer_step()
         self.scheduler.step()
-        self.model.eval()
+        self.trained.eval()
         if self.version_per_update:
             self.version += 1
         metrics.update(
@@ -410,17 +433,24 @@ class Learner:
         return self.version
 
     def state_dict(self) -> dict:
-        out = {
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "version": self.version,
-        }
+        """Optimizer, scheduler, version (and the fp16 gradient scaler); under ``fsdp2`` the optimizer state is
+        not here but in the checkpoint's shards (:func:`mentorrl.train.fsdp.save_shards`), and ``sharded`` says so."""
+        out: dict = {"scheduler": self.scheduler.state_dict(), "version": self.version}
         if self.scaler is not None:
             out["grad_scaler"] = self.scaler.state_dict()
-        return out
+        if self.sharded is None:
+            return {"optimizer": self.optimizer.state_dict(), **out}
+        return {**out, "sharded": True}
 
     def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+        if bool(state.get("sharded")) != (self.sharded is not None):
+            was, now = ("fsdp2", "this learner") if state.get("sharded") else ("ddp or one process", "fsdp2")
+            raise ValueError(
+                f"the checkpoint's optimizer state was written by a {was} learner and cannot resume {now}; "
+                "resume with the distributed.strategy (and torchrun launch) that wrote it"
+            )
+        if self.sharded is None:
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.version = int(state.get("version", 0))
         if self.scaler is not None and "grad_scaler" in state:

@@ -169,7 +169,7 @@ def _run_stages(ws: Workspace, resume: bool, t0: float) -> dict[str, Any]:
     con = ws.console
     con.rule("[bold]mentorrl " + " -> ".join(cfg.recipe))
     if dp is not None:
-        con.print(f"data parallel: {dp.world_size} ranks (DDP over gloo); rank 0 writes")
+        con.print(f"data parallel: {dp.world_size} ranks ({dp.strategy.upper()} over gloo); rank 0 writes")
     model_dir = ws.on_main(lambda: base_model_dir(ws))
     tokenizer, model = load_policy(model_dir, device=learner_placement(cfg).device)  # fp32 master weights
     ws.bind_tokenizer(tokenizer)

@@ -8,6 +8,8 @@ Layout::
                                        (``logging.trackers``, :mod:`mentorrl.train.trackers`)
     RUN_DIR/samples/grpo-step-N.jsonl  a sample of each step's trajectories (Trajectory JSONL)
     RUN_DIR/<stage>/checkpoints/step-000010/   save_pretrained + trainer_state.pt + checksums.sha256
+                                       (a sharded learner's: DCP shards + .metadata instead of
+                                       save_pretrained, :mod:`mentorrl.train.fsdp`)
     RUN_DIR/<stage>/checkpoints/corrupt-step-000012/   a checkpoint that failed its checks (kept, never used)
     RUN_DIR/<stage>/final/             the stage's last weights (a plain HF directory, + checksums.sha256)
 
@@ -17,21 +19,30 @@ mid-write leaves the previous checkpoint as the latest complete one. The last
 format, one line per file), written last and verified on load; :func:`restore_checkpoint` takes
 the newest checkpoint that passes its checksums *and* loads, names every bad file it skipped
 (:class:`CorruptCheckpointError`), moves those aside as ``corrupt-step-N``, and raises when no
-intact checkpoint is left. A checkpoint from before checksums (no manifest) is checked by loading.
+intact checkpoint is left. A checkpoint without a manifest (written before checksums, or its
+manifest removed) is refused like a damaged one: nothing in it could be checked
+(:func:`mentorrl.core.checksums.require_manifest`, whose message says how to vouch for it).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
-import re
 import shutil
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
+
+from mentorrl.core.checksums import (
+    MANIFEST,
+    CorruptCheckpointError,
+    require_manifest,
+    sha256_file,
+    verify_manifest,
+    write_manifest,
+)
 
 
 class MetricsLog:
@@ -84,84 +95,34 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 KEEP_CHECKPOINTS = 2  # the latest and the one before it, to fall back to
-MANIFEST = "checksums.sha256"
 TRAINER_STATE = "trainer_state.pt"
-_MANIFEST_LINE = re.compile(r"^([0-9a-f]{64}) [ *]([^/\\]+)$")
 
 
-class CorruptCheckpointError(ValueError):
-    """A checkpoint file that fails its checksum or does not load. The message names the file."""
-
-    def __init__(self, path: Path, reason: str):
-        super().__init__(f"{path}: {reason}")
-        self.path = path
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def write_manifest(directory: Path) -> Path:
-    """Write ``checksums.sha256`` over every file directly in ``directory`` (fsynced, the last write)."""
-    lines = [f"{sha256_file(p)}  {p.name}\n" for p in sorted(directory.iterdir()) if p.is_file() and p.name != MANIFEST]
-    out = directory / MANIFEST
-    with open(out, "w", encoding="utf-8") as f:
-        f.write("".join(lines))
-        f.flush()
-        os.fsync(f.fileno())
-    return out
-
-
-def verify_manifest(directory: Path, required: tuple[str, ...] = ()) -> bool:
-    """Check ``directory`` against its ``checksums.sha256``: every listed file exists and matches.
-
-    Returns False when there is no manifest (a checkpoint written before checksums); raises
-    :class:`CorruptCheckpointError` naming the first bad file (or the manifest itself)."""
-    manifest = directory / MANIFEST
-    if not manifest.exists():
-        return False
-    try:
-        text = manifest.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise CorruptCheckpointError(manifest, f"unreadable checksum manifest ({e})") from e
-    listed: dict[str, str] = {}
-    for n, line in enumerate(text.splitlines(), 1):
-        m = _MANIFEST_LINE.match(line)
-        if m is None:
-            raise CorruptCheckpointError(manifest, f"line {n} is not '<sha256>  <file>'")
-        listed[m.group(2)] = m.group(1)
-    for name in required:
-        if name not in listed:
-            raise CorruptCheckpointError(manifest, f"does not list {name}")
-    for name, want in listed.items():
-        f = directory / name
-        if not f.is_file():
-            raise CorruptCheckpointError(f, "missing (listed in the checksum manifest)")
-        got = sha256_file(f)
-        if got != want:
-            raise CorruptCheckpointError(
-                f, f"sha256 {got[:16]}... does not match the manifest's {want[:16]}... (the file changed or is damaged)"
-            )
-    return True
-
-
-def save_checkpoint(stage_dir: Path, step: int, model, tokenizer, trainer_state: dict[str, Any]) -> Path:
+def begin_checkpoint(stage_dir: Path, step: int) -> Path:
+    """The empty temporary directory checkpoint ``step`` is written into (:func:`finish_checkpoint`)."""
     ckpts = stage_dir / "checkpoints"
     ckpts.mkdir(parents=True, exist_ok=True)
-    final = ckpts / f"step-{step:06d}"
     tmp = ckpts / f".tmp-step-{step:06d}"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
+    tmp.mkdir()
+    return tmp
+
+
+def finish_checkpoint(tmp: Path, step: int, trainer_state: dict[str, Any]) -> Path:
+    """Add the trainer state (with the RNG state) and the manifest to ``tmp``, then rename it into place."""
     torch.save({**trainer_state, "step": step, "rng": _rng_state()}, tmp / TRAINER_STATE)
     write_manifest(tmp)
+    final = tmp.with_name(f"step-{step:06d}")
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     return final
+
+
+def save_checkpoint(stage_dir: Path, step: int, model, tokenizer, trainer_state: dict[str, Any]) -> Path:
+    tmp = begin_checkpoint(stage_dir, step)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    return finish_checkpoint(tmp, step, trainer_state)
 
 
 def _checkpoints(stage_dir: Path) -> list[Path]:
@@ -213,7 +174,7 @@ def quarantine(ckpt: Path) -> Path:
 def check_checkpoint(ckpt: Path, load_weights: Callable[[Path], None]) -> dict[str, Any]:
     """Verify ``ckpt`` (checksums, then the trainer state, then the weights through ``load_weights``)
     and return its trainer state; :class:`CorruptCheckpointError` names the bad file."""
-    verify_manifest(ckpt, required=(TRAINER_STATE,))
+    require_manifest(ckpt, required=(TRAINER_STATE,))
     state = read_trainer_state(ckpt)
     try:
         load_weights(ckpt)
@@ -260,3 +221,27 @@ def prune_checkpoints(stage_dir: Path, keep: int = KEEP_CHECKPOINTS) -> None:
     done = sorted(p for p in ckpts.iterdir() if p.name.startswith("step-"))
     for p in done[:-keep]:
         shutil.rmtree(p, ignore_errors=True)
+
+
+__all__ = [  # the checksum names are mentorrl.core.checksums', re-exported for the run directory's users
+    "KEEP_CHECKPOINTS",
+    "MANIFEST",
+    "TRAINER_STATE",
+    "CorruptCheckpointError",
+    "MetricsLog",
+    "apply_rng",
+    "begin_checkpoint",
+    "check_checkpoint",
+    "finish_checkpoint",
+    "latest_checkpoint",
+    "load_trainer_state",
+    "prune_checkpoints",
+    "quarantine",
+    "read_trainer_state",
+    "require_manifest",
+    "restore_checkpoint",
+    "save_checkpoint",
+    "sha256_file",
+    "verify_manifest",
+    "write_manifest",
+]

@@ -9,7 +9,10 @@ count and the same metrics file. Each record also goes to the configured tracker
 (``logging.trackers``, :mod:`mentorrl.train.trackers`), which are never sent a step twice.
 
 Under a data-parallel launch (``ws.dp``, see :mod:`mentorrl.train.distributed`) rank 0 alone decides
-where to resume and writes (metrics, checkpoints, final weights); the other ranks follow it.
+where to resume and writes (metrics, checkpoints, final weights); the other ranks follow it. A sharded
+learner (``distributed.strategy: fsdp2``) checkpoints with every rank: each writes its shards of the
+weights and optimizer state (:func:`mentorrl.train.fsdp.save_shards`), then rank 0 the trainer state and
+the manifest over every rank's files; on resume every rank reads its shards of the checkpoint rank 0 chose.
 """
 
 from __future__ import annotations
@@ -23,17 +26,20 @@ from typing import Any, Callable
 from rich.markup import escape
 
 from mentorrl.models.lora import check_weights_kind
+from mentorrl.train.fsdp import is_sharded_checkpoint, load_full_weights, load_shards, save_shards
 from mentorrl.train.learner import Learner
 from mentorrl.train.rundir import (
     KEEP_CHECKPOINTS,
     CorruptCheckpointError,
     MetricsLog,
+    begin_checkpoint,
+    finish_checkpoint,
     latest_checkpoint,
     load_trainer_state,
     prune_checkpoints,
+    require_manifest,
     restore_checkpoint,
     save_checkpoint,
-    verify_manifest,
     write_manifest,
 )
 from mentorrl.train.trackers import TrackerSet, open_trackers
@@ -74,13 +80,7 @@ def run_stage(
     where, start = None, 0
     if resume and ws.dp is not None:
         where, start = ws.on_main(lambda: _resume_point(ws, stage, model, learner, steps, restore_extra))
-        if not ws.is_main and where is not None:  # load what rank 0 chose (it may have moved a bad one aside)
-            load_weights_into(model, where)
-            if where != final:
-                state = load_trainer_state(where)
-                learner.load_state_dict(state["learner"])
-                if restore_extra is not None:
-                    restore_extra(state.get("extra", {}))
+        _follow_resume(ws, where, final, model, learner, restore_extra)
     elif resume:
         where, start = _resume_point(ws, stage, model, learner, steps, restore_extra)
     if where == final:
@@ -90,7 +90,7 @@ def run_stage(
     def record(rec: dict[str, Any], save: bool) -> None:
         """The step's metrics record and, when due, its checkpoint (rank 0 only: the caller's on_main)."""
         metrics_log(ws).log(rec)
-        if save:
+        if save and learner.sharded is None:
             state = {"learner": learner.state_dict(), "extra": extra_state() if extra_state else {}}
             save_checkpoint(stage_dir, rec["step"], model, ws.tokenizer, state)
             prune_checkpoints(stage_dir, keep=KEEP_CHECKPOINTS)
@@ -109,6 +109,8 @@ def run_stage(
             }
             save = stop or (step + 1) % checkpoint_every == 0 or step + 1 == steps
             ws.on_main(lambda: record(rec, save))  # under data parallel the others wait, and see a failure
+            if save and learner.sharded is not None:
+                _save_sharded(ws, stage_dir, rec["step"], model, learner, extra_state)
             if prog:
                 info = " ".join(
                     f"{k}={m[k]:.3f}" for k in ("loss", "reward_mean", "task_success", "positive_task_rate") if k in m
@@ -118,6 +120,53 @@ def run_stage(
                 break
     ws.on_main(lambda: _save_final(ws, model, final, steps))
     return final
+
+
+def _follow_resume(ws: Workspace, where: Path | None, final: Path, model, learner: Learner, restore_extra) -> None:
+    """Every rank after rank 0 chose ``where`` (it may have moved a bad checkpoint aside): a sharded
+    learner's ranks read their shards of it; the other ranks verify it and load the rest."""
+    if where is None:
+        return
+    if where != final and learner.sharded is not None:
+        load_shards(where, learner.sharded, learner.optimizer)
+        learner.sharded.publish(model)
+    if ws.is_main:
+        return
+    require_manifest(where)
+    if where == final or learner.sharded is None:
+        load_weights_into(model, where, verify=False)
+    if where != final:
+        state = load_trainer_state(where)
+        learner.load_state_dict(state["learner"])
+        if restore_extra is not None:
+            restore_extra(state.get("extra", {}))
+
+
+def _save_sharded(ws: Workspace, stage_dir: Path, step: int, model, learner: Learner, extra_state) -> None:
+    """A sharded learner's checkpoint: every rank writes its shards, then rank 0 the config, tokenizer,
+    trainer state and the manifest over every rank's files, and renames it into place."""
+    tmp = ws.on_main(lambda: begin_checkpoint(stage_dir, step))
+    save_shards(tmp, learner.sharded, learner.optimizer)
+    ws.dp.barrier()  # every rank's files are complete before the manifest is written over them
+
+    def finish() -> None:
+        if hasattr(model, "config"):
+            model.config.save_pretrained(tmp)
+        ws.tokenizer.save_pretrained(tmp)
+        state = {"learner": learner.state_dict(), "extra": extra_state() if extra_state else {}}
+        finish_checkpoint(tmp, step, state)
+        prune_checkpoints(stage_dir, keep=KEEP_CHECKPOINTS)
+
+    ws.on_main(finish)
+
+
+def checkpoint_weights_into(model, ckpt: Path) -> None:
+    """A checkpoint's full weights into ``model``: Hugging Face weights, or a sharded checkpoint's read in
+    this process. The caller has verified ``ckpt`` (:func:`~mentorrl.train.rundir.check_checkpoint`)."""
+    if is_sharded_checkpoint(ckpt):
+        load_full_weights(model, ckpt)
+    else:
+        load_weights_into(model, ckpt, verify=False)
 
 
 def _rewind(ws: Workspace, stage: str, start: int, resume: bool) -> None:
@@ -148,17 +197,17 @@ def _resume_point(
             check_weights_kind(model, d)
     if (final / "DONE").exists():
         try:
-            verify_manifest(final)
-            load_weights_into(model, final)
+            require_manifest(final)  # a final dir without checksums is rebuilt too
+            load_weights_into(model, final, verify=False)
             ws.console.print(f"[dim]{stage}: already complete, loaded {final}[/dim]")
             return final, steps
         except Exception as e:  # a damaged final dir: rewritten from the last checkpoint (the same weights)
             warn(f"final weights are not intact ({e}); rewriting them from the last checkpoint")
-            if restore_checkpoint(stage_dir, lambda c: load_weights_into(model, c), warn) is None:
+            if restore_checkpoint(stage_dir, lambda c: checkpoint_weights_into(model, c), warn) is None:
                 raise CorruptCheckpointError(final, f"damaged and no checkpoint to rebuild it from ({e})") from e
             _save_final(ws, model, final, steps)
             return final, steps
-    restored = restore_checkpoint(stage_dir, lambda c: load_weights_into(model, c), warn)
+    restored = restore_checkpoint(stage_dir, lambda c: checkpoint_weights_into(model, c), warn)
     if restored is None:
         return None, 0
     ckpt, state = restored

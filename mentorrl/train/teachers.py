@@ -11,12 +11,14 @@ import json
 from pathlib import Path
 
 import torch
+from rich.markup import escape
 
 from mentorrl.config import OptimConfig, SFTConfig, TeacherConfig
 from mentorrl.models.build import load_policy
 from mentorrl.models.device import teacher_placement
 from mentorrl.opd.scoring import teacher_from_checkpoint
 from mentorrl.train.models_init import build_tiny_model
+from mentorrl.train.rundir import CorruptCheckpointError, require_manifest
 from mentorrl.train.workspace import Workspace, open_workspace
 
 TEACHER_RECIPE_FIELDS = ("seed", "train_split", "env", "sampling", "limits", "prompt", "reward", "model", "sft")
@@ -79,7 +81,7 @@ def build_teacher(ws: Workspace, t: TeacherConfig, student=None) -> Path:
         raise ValueError(f"teacher {t.name!r} has build.init student but no student model was given")
     out = teacher_dir(ws.cfg, t, weights_fingerprint(student) if from_student else None)
     final = out / "sft" / "final"
-    if (final / "DONE").exists():  # built before (same recipe); load_teacher still checks the tokenizer
+    if (final / "DONE").exists() and cached_build_intact(ws, t, final):  # load_teacher still checks the tokenizer
         return final
     if not from_student and ws.cfg.model.path is not None and t.build.vocab_size is None:
         raise ValueError(
@@ -104,6 +106,19 @@ def build_teacher(ws: Workspace, t: TeacherConfig, student=None) -> Path:
         tok, model = load_policy(base)
     tws.bind_tokenizer(tok)
     return sft_stage(tws, model, resume=True)
+
+
+def cached_build_intact(ws: Workspace, t: TeacherConfig, final: Path) -> bool:
+    """Whether a teacher built before passes its checksums (a damaged or unchecked one is said, and rebuilt:
+    its SFT stage resumes, rebuilding its final weights from its last intact checkpoint)."""
+    try:
+        require_manifest(final)
+    except CorruptCheckpointError as e:
+        ws.console.print(
+            f"[red]teacher {t.name!r}: the cached build is not intact ({escape(str(e))}); rebuilding[/red]"
+        )
+        return False
+    return True
 
 
 def teacher_path(ws: Workspace, t: TeacherConfig, student=None) -> Path:

@@ -17,6 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from mentorrl.chat_templates import native_chat_for
 from mentorrl.config import RunConfig, dump_config
 from mentorrl.contract import RolloutContract, chat_template_for, contract_for_env
+from mentorrl.core.checksums import require_manifest
 from mentorrl.envs import EnvEntry, env_factory, get_env
 from mentorrl.envs.base import check_stratifies, draw_tasks
 from mentorrl.eval.metrics import summarize
@@ -193,13 +194,17 @@ def frozen_copy(model):
     return ref
 
 
-def load_weights_into(model, ckpt: Path) -> None:
-    """Copy the weights of the Hugging Face checkpoint ``ckpt`` into ``model`` (same architecture); a
-    LoRA policy (``model.lora``) takes the adapter saved there (:func:`mentorrl.models.lora.load_adapter_weights`)."""
+def load_weights_into(model, ckpt: Path, verify: bool = True) -> None:
+    """Copy the weights of the Hugging Face checkpoint ``ckpt`` into ``model`` (same architecture), once
+    ``ckpt`` passes its checksum manifest, which it must have (:func:`~mentorrl.core.checksums.require_manifest`;
+    ``verify=False`` only where the caller has just verified it). A LoRA policy (``model.lora``) takes the
+    adapter saved there (:func:`mentorrl.models.lora.load_adapter_weights`)."""
     from transformers import AutoModelForCausalLM
 
     from mentorrl.models.lora import is_adapted, load_adapter_weights
 
+    if verify:
+        require_manifest(Path(ckpt))
     if is_adapted(model):
         return load_adapter_weights(model, ckpt)
 

@@ -46,7 +46,7 @@ from mentorrl.replay.checkpointing import BufferCheckpoints
 from mentorrl.train.curriculum import Curriculum
 from mentorrl.train.loop import pg_update
 from mentorrl.train.rl_loop import Stage, StepBatch, run_on_loop
-from mentorrl.train.rundir import KEEP_CHECKPOINTS
+from mentorrl.train.rundir import KEEP_CHECKPOINTS, require_manifest, write_manifest
 from mentorrl.train.workspace import Workspace, heldout_check, load_weights_into
 
 
@@ -120,6 +120,7 @@ class EvolveStage(Stage):
         path = self.versions_dir / f"v{k}"
         self.model.save_pretrained(path, safe_serialization=True)
         self.ws.tokenizer.save_pretrained(path)
+        write_manifest(path)  # verified when the version is loaded again (a rollback, a resumed teacher)
         return path
 
     def write_versions(self) -> None:
@@ -250,6 +251,7 @@ class EvolveStage(Stage):
             from mentorrl.models.build import load_policy
             from mentorrl.models.device import teacher_placement
 
+            require_manifest(path)
             place = teacher_placement(self.ws.cfg, None)  # an earlier policy version, where the learner's teachers go
             model = load_policy(path, place.dtype, place.device)[1]
             self.teacher = HFTeacher(model, self.ws.tokenizer, f"v{self.state['teacher']}")

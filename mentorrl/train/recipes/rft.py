@@ -9,6 +9,7 @@ from typing import Any
 
 from mentorrl.train.rft import rft_round_stats, rising, select_rft_data, task_outcomes
 from mentorrl.train.rl_loop import Stage, StepBatch, run_on_loop
+from mentorrl.train.rundir import write_manifest
 from mentorrl.train.workspace import Workspace, load_weights_into
 from mentorrl.trajectory import read_jsonl, write_jsonl
 
@@ -61,6 +62,7 @@ class RFTStage(Stage):
         if rate > st["best_rate"]:
             st["best_rate"] = rate
             self.model.save_pretrained(self.best_dir, safe_serialization=True)
+            write_manifest(self.best_dir)  # verified when the best weights are loaded back
         if not rising(st["history"], self.cfg.min_gain):
             if rate < st["best_rate"]:
                 load_weights_into(self.model, self.best_dir)
