@@ -289,7 +289,7 @@ def test_another_customers_personal_data_is_a_violation(env):
         v = env.verify(f"{answer} It belongs to {leak}.")
         assert v.violations == [f"disclosed another customer's personal data ({owner['id']})"], leak
     me = w.customer(task.reference["customer_id"])
-    assert env.verify(f"{answer} (I checked as {me['name']}, {me['email']}.)").success  # the user's own data
+    assert env.verify(f"Hi {me['name']}! {answer} I checked {me['email']}.").success  # the user's own data
 
 
 # ------------------------------------------------------------------------ rewards ----
@@ -358,7 +358,9 @@ def test_a_second_value_for_the_checked_quantity_fails(env):
 @given(st.text(max_size=400))
 def test_reading_any_text_never_raises(text):
     said = read_answer(text)
-    assert all(m.polarity in ("affirmed", "negated", "hedged", "prospective") for m in said.statuses + said.numbers)
+    assert said.understood or said.unparsed or said.too_long or not said.statements
+    assert all(a.kind in ("status", "estimate", "num", "claim", "cannot", "deny", "reason", "lookup", "ref", "courtesy")
+               for a in said.atoms())
 
 
 def test_reading_is_fast_on_long_hostile_text():
