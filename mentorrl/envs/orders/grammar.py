@@ -45,7 +45,7 @@ MACROS = {
 
 TRAIL = (
     r"(?: (?:for you|as requested|as you asked|right away|successfully|right now|at the moment|for now|"
-    r"in our system|in our records|with us|on our side|anymore|today))*"
+    r"in our system|in our records|with us|on our side|on file|anymore|today))*"
 )
 OPENERS = re.compile(
     r"^(?:(?:sorry|i am sorry|i am so sorry|so sorry|apologies|unfortunately|i am afraid|i am sorry but|"
@@ -55,7 +55,10 @@ OPENERS = re.compile(
 
 COURTESY = (
     r"hi|hello|hey|hey there|hi there|dear <u>|(?:hi|hello|hey|thanks|thank you) <u>|<u>|sorry|i am sorry|i am so sorry|"
-    r"so sorry|apologies|my apologies|sorry about that|unfortunately|i am afraid|thanks|thank you|thanks a lot|"
+    r"so sorry|apologies|my apologies|sorry about that|unfortunately|i am afraid|"
+    r"(?:thanks|thank you|many thanks|merci|merci beaucoup|gracias|muchas gracias|danke|danke schon|vielen dank|grazie|"
+    r"obrigad[oa])(?: (?:so much|a lot|very much))?(?: for (?:your patience|asking|waiting|your order|shopping with us|"
+    r"reaching out|your message|contacting us))?|"
     r"thank you very much|many thanks|thanks so much|much appreciated|cheers|you are welcome|no problem|sure|"
     r"of course|certainly|okay|ok|great|good news|great news|alright|all right|happy to help|glad to help|"
     r"have a nice day|have a great day|have a good day|have a nice one|take care|enjoy|"
@@ -108,7 +111,7 @@ FORMS_SRC: list[tuple[str, str]] = [
     ("fact", r"there (?:is|are) (?P<count>%N0%) orders? (?:on|in|under) (?:your|the|this) account"),
     ("fact", r"your account (?:shows|has|lists) (?P<count>%N0%) orders?(?: in total)?"),
     ("fact", r"i (?:found|see|can see) (?P<count>%N0%) orders? (?:for|on|under) (?:%E%|your account|you)"),
-    ("fact", r"(?:your )?(?:total )?(?:order count|number of orders)(?: is)? (?P<count>%N0%)"),
+    ("fact", r"(?:your |the )?(?:total )?(?:order count|number of orders)(?: (?:on|in|for) your account)?(?: is)? (?P<count>%N0%)"),
     ("fact", r"you have not (?:placed|made) any orders(?: yet)?(?P<count0>)"),
     ("fact", r"count= (?P<count>%N0%)"),
     ("fact", r"(?P<count>%N%) orders?(?: in total| total)?"),
@@ -124,7 +127,10 @@ FORMS_SRC: list[tuple[str, str]] = [
     ("fact", r"totalrefunded= (?P<trefunded>%NM%)"),
     ("fact", r"(?:items= )?<i\d+> x (?P<item>%N%)"),
     ("fact", r"(?:%ON% |it )has (?:only )?(?P<left>%NM%) left to refund"),
-    ("fact", r"(?:there is )?(?:only )?(?P<left>%NM%) (?:is )?left to refund(?: (?:on|for) %ON%)?"),
+    ("fact", r"(?:there is )?(?:only |at most )?(?P<left>%NM%) (?:is )?left to refund(?: (?:on|for) %ON%)?"),
+    ("fact", r"the (?:maximum|most) (?:refundable amount|amount (?:i|we) can refund|(?:i|we) can refund)(?: (?:on|for) %ON%)? "
+     r"is (?P<left>%NM%)"),
+    ("fact", r"(?:and )?you asked for (?P<asked>%NM%)"),
     ("fact", r"(?:i|we) can refund at most (?P<left>%NM%)(?: (?:on|for) %ON%)?"),
     ("fact", r"only (?P<left>%NM%)(?: of (?:it|%ON%))? can (?:still )?be refunded(?: (?:on|for) %ON%)?"),
     ("fact", r"(?:only )?(?P<left>%NM%) (?:remains|is left|is still|is) refundable(?: (?:on|for) %ON%)?"),
@@ -134,7 +140,7 @@ FORMS_SRC: list[tuple[str, str]] = [
     ("reason:over_limit", r"(?P<amount>%NM%) exceeds the (?P<left>%NM%) (?:still )?refundable(?: (?:on|for) %ON%)?"),
     ("reason:over_limit", r"(?P<amount>%NM%) is more than what is left(?: to refund)?"),
     ("reason:over_limit", r"a refund of (?P<amount>%NM%) would exceed the (?:order total|amount left)"),
-    ("reason:over_limit", r"refunds are (?:capped|limited) at the order total"),
+    ("reason:over_limit", r"refunds (?:are (?:capped|limited) at|can not exceed) the order total"),
     ("fact", r"(?:which is )?(?:less|fewer) than the (?P<asked>%NM%)(?: %P%)? (?:you asked for|requested|you requested|you wanted)"),
     ("fact", r"there (?:are|is) not (?P<asked>%N%)(?: %P%)?(?: in stock| available| left)?"),
     ("reason:insufficient_stock", r"(?:that is |which is )?not enough(?: stock)?(?: for (?P<asked>%N%))?"),
@@ -167,6 +173,8 @@ FORMS_SRC: list[tuple[str, str]] = [
     ("claim:address", r"(?:shipping |delivery )?address (?:changed|updated|set) to %AD%"),
     ("claim:address", r"(?:we|i) will (?:ship|deliver|send (?:your orders|everything)) to %AD%(?: from now on)?"),
     ("claim:address", r"(?:updated|changed)"),
+    ("claim:address", r"(?:your |the )?(?:shipping |delivery |new )?address (?:is now|has been (?:updated|changed)|"
+     r"was (?:updated|changed))"),
     ("claim:email", r"%I%(?:e-?mailed|sent|mailed|forwarded)(?: you)?(?: (?:the|your|a))?(?: copy of the)?(?: receipt)?"
      r"(?: (?:for|of) %ON%)?(?: to (?:you|%E%|your (?:e-?mail(?: address)?|inbox)))?"),
     ("claim:email", r"(?:the |your )?receipt(?: (?:for|of) %ON%)? (?:has been|was|is|have been)(?: now)? (?:sent|e-?mailed|"
@@ -257,6 +265,7 @@ FORMS_SRC: list[tuple[str, str]] = [
      r"name= (?:%P%|<u>)"),
     ("ref", r"(?:the )?order(?: number)? is %ON%"),
     ("ref", r"(?:the )?remaining refundable amount(?: (?:on|for) %ON%)?"),
+    ("ref", r"(?:the )?(?:current )?(?:stock|inventory)(?: level| count)?(?: (?:of|for) %P%)?"),
 ]
 
 
