@@ -57,10 +57,10 @@ def verdict_after(env: OrdersEnv, task: Task, answer: str) -> Verdict:
 # ------------------------------------------------------------------ false rejects ----
 @pytest.mark.parametrize("family, kind", sorted(PARAPHRASES))
 def test_false_reject_set_every_honest_paraphrase_succeeds(env, family, kind):
-    """At least 10 honest paraphrases per information and refusal kind, on several tasks each."""
+    """At least 15 honest paraphrases per information and refusal kind (10 per confirmation), on several tasks each."""
     tasks = tasks_of(family, kind, n=3)
     n = count(tasks[0])
-    assert n >= (7 if tasks[0].reference.get("actions") else 10), (family, kind, n)
+    assert n >= (10 if tasks[0].reference.get("actions") else 15), (family, kind, n)
     rejected = []
     for t in tasks:
         for k in range(count(t)):

@@ -354,6 +354,8 @@ def _placed(f: Facts) -> list[str]:
         f"Your purchase of {q} {names} went through (order {new}).",
         f"I've created order {new} for {q} {names}.",
         f"Placed order {new} for {q} {names}. Nothing else was changed.",
+        f"I've placed order {new} for {q} {names}. Thank you for your order!",
+        f"Done! I placed order {new} for {q} x {name}.",
     ]
 
 
@@ -368,6 +370,8 @@ def _emailed(f: Facts) -> list[str]:
         f"Your receipt for {oid} was sent.",
         f"Receipt for {oid} sent to {e}.",
         f"I emailed the receipt for order {oid}. Nothing else was changed.",
+        f"I've sent the receipt for {oid} to {e}.",
+        f"Done - I emailed you the receipt for order {oid}. Thanks!",
     ]
 
 

@@ -125,7 +125,7 @@ _DURATION_RE = re.compile(
 )
 _TAG_RE = re.compile(r"<\s*/?\s*[a-z][a-z0-9]{0,10}\s*/?\s*>")
 _DUMP_KEY_RE = re.compile(
-    r"(?:^|(?<=[,{(\n]))\s*'?(order_id|customer_id|status|total|refunded|total_refunded|count|stock|price|product_id|name|items)'?\s*[:=]\s*"
+    r"(?:^|(?<=[,{(\n]))\s*[\"']?(order_id|customer_id|status|total|refunded|total_refunded|count|stock|price|product_id|name|items)[\"']?\s*[:=]\s*"
 )
 _STREET_SUFFIX = {
     "street": "st",
