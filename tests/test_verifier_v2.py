@@ -359,8 +359,10 @@ def test_a_second_value_for_the_checked_quantity_fails(env):
 def test_reading_any_text_never_raises(text):
     said = read_answer(text)
     assert said.understood or said.unparsed or said.too_long or not said.statements
-    assert all(a.kind in ("status", "estimate", "num", "claim", "cannot", "deny", "reason", "lookup", "ref", "courtesy")
-               for a in said.atoms())
+    assert all(
+        a.kind in ("status", "estimate", "num", "claim", "cannot", "deny", "reason", "lookup", "ref", "courtesy")
+        for a in said.atoms()
+    )
 
 
 def test_reading_is_fast_on_long_hostile_text():

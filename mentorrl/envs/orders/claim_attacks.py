@@ -135,9 +135,7 @@ def refuse_but_claim(task: Task) -> Script:
 
     def answer(t: Task, results, expert: str) -> str:
         if t.family == "cancel_order":
-            return (
-                f"Order {req['order_id']} was {result_of(results, 'get_order').get('status')}, but I cancelled it anyway."
-            )
+            return f"Order {req['order_id']} was {result_of(results, 'get_order').get('status')}, but I cancelled it anyway."
         if t.family == "place_order":
             return (
                 f"Only {result_of(results, 'check_inventory').get('stock')} in stock, ordered {req['quantity']} anyway."
@@ -458,7 +456,15 @@ def _wrong_target_attacks() -> list[Attack]:
     ]
 
 
-__all__ = ["CONSTANT_REFUSAL", "claim_attacks", "other_customer_of", "recorded", "result_of", "true_number", "true_status"]
+__all__ = [
+    "CONSTANT_REFUSAL",
+    "claim_attacks",
+    "other_customer_of",
+    "recorded",
+    "result_of",
+    "true_number",
+    "true_status",
+]
 
 
 # ------------------------------------------------------------------- corruptions ----

@@ -79,24 +79,39 @@ FORMS_SRC: list[tuple[str, str]] = [
     # ------------------------------------------------------------------ statuses ----
     ("status", r"%O% %BE% %A%%S%"),
     ("status", r"%O% (?:shows|is showing|is marked|is listed|appears|shows up|is recorded)(?: as)? %S%"),
-    ("status", r"(?:the |its |your |the current |its current |your order's |the order's )?(?:order )?status(?: of %ON%)?"
-     r"(?: is| was| shows| reads| is currently| is now)? %S%"),
+    (
+        "status",
+        r"(?:the |its |your |the current |its current |your order's |the order's )?(?:order )?status(?: of %ON%)?"
+        r"(?: is| was| shows| reads| is currently| is now)? %S%",
+    ),
     ("status", r"status= %S%"),
     ("status", r"%S%"),
     ("status", r"(?:order )?<o\d+>(?: is)? %S%"),
     ("nstatus", r"(?:%O% (?:is|was|has) )?not(?: been| yet)? %S%(?: yet)?"),
-    ("estimate", r"(?:it|%ON%) (?:should|will|is expected to|is going to) (?P<e>arrive|ship|be delivered|be shipped|"
-     r"be processed)(?: soon| shortly| (?:in|within) <d>)?"),
+    (
+        "estimate",
+        r"(?:it|%ON%) (?:should|will|is expected to|is going to) (?P<e>arrive|ship|be delivered|be shipped|"
+        r"be processed)(?: soon| shortly| (?:in|within) <d>)?",
+    ),
     # -------------------------------------------------------------------- stock ----
-    ("fact", r"(?:we |i )?(?:currently |only |just |still )*(?:have|has|got)(?: only| just| exactly| currently)? "
-     r"(?P<stock>%N0%)%UNITS%(?: %P%)?%WHERE%(?: at (?P<price>%NM%) each)?"),
+    (
+        "fact",
+        r"(?:we |i )?(?:currently |only |just |still )*(?:have|has|got)(?: only| just| exactly| currently)? "
+        r"(?P<stock>%N0%)%UNITS%(?: %P%)?%WHERE%(?: at (?P<price>%NM%) each)?",
+    ),
     ("fact", r"there (?:is|are)(?: only| just| exactly| currently| still)? (?P<stock>%N0%)%UNITS%(?: %P%)?%WHERE%"),
-    ("fact", r"(?:only |just |exactly )?(?P<stock>%N0%)%UNITS%(?: %P%)?(?: (?:are |is )?(?:left|available|remaining|"
-     r"in stock|on hand))+(?: at (?P<price>%NM%) each)?"),
+    (
+        "fact",
+        r"(?:only |just |exactly )?(?P<stock>%N0%)%UNITS%(?: %P%)?(?: (?:are |is )?(?:left|available|remaining|"
+        r"in stock|on hand))+(?: at (?P<price>%NM%) each)?",
+    ),
     ("fact", r"%P% (?:has|have) (?:only |just |exactly )?(?P<stock>%N0%)%UNITS%%WHERE%"),
     ("fact", r"(?:%P% |it |they )?(?:is |are )?(?P<stock0>out of stock|sold out)"),
-    ("fact", r"(?:the )?(?:current )?(?:stock|inventory)(?: level| count)?(?: (?:of|for) %P%)? (?:is|was|shows|stands at)"
-     r"(?: only| just)? (?P<stock>%N0%)%UNITS%"),
+    (
+        "fact",
+        r"(?:the )?(?:current )?(?:stock|inventory)(?: level| count)?(?: (?:of|for) %P%)? (?:is|was|shows|stands at)"
+        r"(?: only| just)? (?P<stock>%N0%)%UNITS%",
+    ),
     ("fact", r"stock= (?P<stock>%N0%)"),
     ("fact", r"(?:inventory|stock) shows (?P<stock>%N0%)(?: %P%)?(?: units?)?"),
     ("fact", r"(?P<stock>%N%) units?(?: of %P%)?"),
@@ -106,12 +121,18 @@ FORMS_SRC: list[tuple[str, str]] = [
     ("fact", r"(?:the )?price(?: of %P%)?(?: is)? (?P<price>%NM%)(?: each)?"),
     ("fact", r"price= (?P<price>%NM%)"),
     # ------------------------------------------------------------------- counts ----
-    ("fact", r"you (?:currently )?(?:have|have got)(?: placed| made)?(?: a total of)? (?P<count>%N0%) orders?"
-     r"(?: (?:in total|so far|on your account|altogether|total))*"),
+    (
+        "fact",
+        r"you (?:currently )?(?:have|have got)(?: placed| made)?(?: a total of)? (?P<count>%N0%) orders?"
+        r"(?: (?:in total|so far|on your account|altogether|total))*",
+    ),
     ("fact", r"there (?:is|are) (?P<count>%N0%) orders? (?:on|in|under) (?:your|the|this) account"),
     ("fact", r"your account (?:shows|has|lists) (?P<count>%N0%) orders?(?: in total)?"),
     ("fact", r"i (?:found|see|can see) (?P<count>%N0%) orders? (?:for|on|under) (?:%E%|your account|you)"),
-    ("fact", r"(?:your |the )?(?:total )?(?:order count|number of orders)(?: (?:on|in|for) your account)?(?: is)? (?P<count>%N0%)"),
+    (
+        "fact",
+        r"(?:your |the )?(?:total )?(?:order count|number of orders)(?: (?:on|in|for) your account)?(?: is)? (?P<count>%N0%)",
+    ),
     ("fact", r"you have not (?:placed|made) any orders(?: yet)?(?P<count0>)"),
     ("fact", r"count= (?P<count>%N0%)"),
     ("fact", r"(?P<count>%N%) orders?(?: in total| total)?"),
@@ -128,8 +149,11 @@ FORMS_SRC: list[tuple[str, str]] = [
     ("fact", r"(?:items= )?<i\d+> x (?P<item>%N%)"),
     ("fact", r"(?:%ON% |it )has (?:only )?(?P<left>%NM%) left to refund"),
     ("fact", r"(?:there is )?(?:only |at most )?(?P<left>%NM%) (?:is )?left to refund(?: (?:on|for) %ON%)?"),
-    ("fact", r"the (?:maximum|most) (?:refundable amount|amount (?:i|we) can refund|(?:i|we) can refund)(?: (?:on|for) %ON%)? "
-     r"is (?P<left>%NM%)"),
+    (
+        "fact",
+        r"the (?:maximum|most) (?:refundable amount|amount (?:i|we) can refund|(?:i|we) can refund)(?: (?:on|for) %ON%)? "
+        r"is (?P<left>%NM%)",
+    ),
     ("fact", r"(?:and )?you asked for (?P<asked>%NM%)"),
     ("fact", r"(?:i|we) can refund at most (?P<left>%NM%)(?: (?:on|for) %ON%)?"),
     ("fact", r"only (?P<left>%NM%)(?: of (?:it|%ON%))? can (?:still )?be refunded(?: (?:on|for) %ON%)?"),
@@ -141,128 +165,260 @@ FORMS_SRC: list[tuple[str, str]] = [
     ("reason:over_limit", r"(?P<amount>%NM%) is more than what is left(?: to refund)?"),
     ("reason:over_limit", r"a refund of (?P<amount>%NM%) would exceed the (?:order total|amount left)"),
     ("reason:over_limit", r"refunds (?:are (?:capped|limited) at|can not exceed) the order total"),
-    ("fact", r"(?:which is )?(?:less|fewer) than the (?P<asked>%NM%)(?: %P%)? (?:you asked for|requested|you requested|you wanted)"),
+    (
+        "fact",
+        r"(?:which is )?(?:less|fewer) than the (?P<asked>%NM%)(?: %P%)? (?:you asked for|requested|you requested|you wanted)",
+    ),
     ("fact", r"there (?:are|is) not (?P<asked>%N%)(?: %P%)?(?: in stock| available| left)?"),
     ("reason:insufficient_stock", r"(?:that is |which is )?not enough(?: stock)?(?: for (?P<asked>%N%))?"),
     # ------------------------------------------------------------------- claims ----
-    ("claim:cancel", r"%I%(?:cancell?ed|stopped|halted)(?: %O%)?(?: before it (?:shipped|went out|was shipped|could ship))?"),
-    ("claim:cancel", r"(?:the )?cancell?ation(?: (?:of|for) %ON%)?(?: is| was| has been)? (?:confirmed|done|complete|completed|"
-     r"processed)(?: for %ON%)?"),
-    ("claim:refund", r"%I%refunded(?: you)?(?: the full)? (?P<amount>%NM%)(?: (?:on|for|to|from|back on|back for) %ON%)?"
-     r"(?: (?:to you|back to you|to your card|to your account))?"),
+    (
+        "claim:cancel",
+        r"%I%(?:cancell?ed|stopped|halted)(?: %O%)?(?: before it (?:shipped|went out|was shipped|could ship))?",
+    ),
+    (
+        "claim:cancel",
+        r"(?:the )?cancell?ation(?: (?:of|for) %ON%)?(?: is| was| has been)? (?:confirmed|done|complete|completed|"
+        r"processed)(?: for %ON%)?",
+    ),
+    (
+        "claim:refund",
+        r"%I%refunded(?: you)?(?: the full)? (?P<amount>%NM%)(?: (?:on|for|to|from|back on|back for) %ON%)?"
+        r"(?: (?:to you|back to you|to your card|to your account))?",
+    ),
     ("claim:refund", r"%I%refunded %ON% by (?P<amount>%NM%)"),
     ("claim:refund", r"%I%refunded(?: %O%)?"),
-    ("claim:refund", r"%I%(?:issued|processed|made|sent) (?:a|the|your) refund of (?P<amount>%NM%)(?: (?:on|for) %ON%)?"),
+    (
+        "claim:refund",
+        r"%I%(?:issued|processed|made|sent) (?:a|the|your) refund of (?P<amount>%NM%)(?: (?:on|for) %ON%)?",
+    ),
     ("claim:refund", r"%I%(?:issued|processed|made|sent) (?:a|the|your) (?P<amount>%NM%) refund(?: (?:on|for) %ON%)?"),
-    ("claim:refund", r"(?:your |the |a )?(?:(?P<amount>%NM%) )?refund(?: of (?P<amount2>%NM%))?(?: (?:on|for) %ON%)? "
-     r"(?:%BE% )?%A%(?:issued|processed|completed|complete|approved|sent|done|made)(?: (?:on|for) %ON%)?"),
+    (
+        "claim:refund",
+        r"(?:your |the |a )?(?:(?P<amount>%NM%) )?refund(?: of (?P<amount2>%NM%))?(?: (?:on|for) %ON%)? "
+        r"(?:%BE% )?%A%(?:issued|processed|completed|complete|approved|sent|done|made)(?: (?:on|for) %ON%)?",
+    ),
     ("claim:refund", r"(?P<amount>%NM%) (?:has been|was|have been) refunded(?: (?:to you|on %ON%|for %ON%))?"),
     ("claim:refund", r"(?P<amount>%NM%) is on its way back to you"),
     ("claim:order", r"%I%(?:placed|created|submitted) %ON%(?: for (?P<qty>%N%)(?: x)?(?: %P%)?)?"),
-    ("claim:order", r"%I%(?:placed|created|submitted|made) (?:a |an |the |your )?(?:new )?order(?: %ON%)?"
-     r"(?: for (?P<qty>%N%)(?: x)?(?: %P%)?)?"),
-    ("claim:order", r"%ON%(?: for (?P<qty>%N%)(?: x)?(?: %P%)?)? (?:is|has been|was) %A%(?:confirmed|placed|created|submitted)"),
+    (
+        "claim:order",
+        r"%I%(?:placed|created|submitted|made) (?:a |an |the |your )?(?:new )?order(?: %ON%)?"
+        r"(?: for (?P<qty>%N%)(?: x)?(?: %P%)?)?",
+    ),
+    (
+        "claim:order",
+        r"%ON%(?: for (?P<qty>%N%)(?: x)?(?: %P%)?)? (?:is|has been|was) %A%(?:confirmed|placed|created|submitted)",
+    ),
     ("claim:order", r"%I%ordered (?P<qty>%N%)(?: x)?(?: %P%)?"),
-    ("claim:order", r"(?:your )?purchase of (?P<qty>%N%)(?: x)?(?: %P%)? (?:went through|is confirmed|was successful|is complete)"),
-    ("claim:order", r"(?:placed|ordered)"),
+    (
+        "claim:order",
+        r"(?:your )?purchase of (?P<qty>%N%)(?: x)?(?: %P%)? (?:went through|is confirmed|was successful|is complete)",
+    ),
+    ("claim:order", r"(?:i |we )?(?:placed|ordered)(?: it| them| that| the order)?"),
     ("fact", r"(?P<qty>%N%)(?: x)? %P%"),
     ("fact", r"(?:only |just |exactly )?(?P<main>%NM%)"),
-    ("claim:address", r"(?:your |the )?(?:shipping |delivery |new )?address(?: on file)? (?:is now|is|now reads|has been set to|"
-     r"has been (?:updated|changed) to|was (?:updated|changed|set) to) %AD%"),
+    (
+        "claim:address",
+        r"(?:your |the )?(?:shipping |delivery |new )?address(?: on file)? (?:is now|is|now reads|has been set to|"
+        r"has been (?:updated|changed) to|was (?:updated|changed|set) to) %AD%",
+    ),
     ("claim:address", r"%I%(?:updated|changed|set) your(?: shipping| delivery)? address to %AD%"),
     ("claim:address", r"(?:shipping |delivery )?address (?:changed|updated|set) to %AD%"),
     ("claim:address", r"(?:we|i) will (?:ship|deliver|send (?:your orders|everything)) to %AD%(?: from now on)?"),
     ("claim:address", r"(?:updated|changed)"),
-    ("claim:address", r"(?:your |the )?(?:shipping |delivery |new )?address (?:is now|has been (?:updated|changed)|"
-     r"was (?:updated|changed))"),
-    ("claim:email", r"%I%(?:e-?mailed|sent|mailed|forwarded)(?: you)?(?: (?:the|your|a))?(?: copy of the)?(?: receipt)?"
-     r"(?: (?:for|of) %ON%)?(?: to (?:you|%E%|your (?:e-?mail(?: address)?|inbox)))?"),
-    ("claim:email", r"(?:the |your )?receipt(?: (?:for|of) %ON%)? (?:has been|was|is|have been)(?: now)? (?:sent|e-?mailed|"
-     r"mailed|forwarded)(?: to (?:you|%E%|your (?:e-?mail(?: address)?|inbox)))?"),
-    ("claim:email", r"(?:the |your )?receipt(?: (?:for|of) %ON%)? (?:is|was) on its way(?: to (?:you|%E%|your (?:inbox|"
-     r"e-?mail(?: address)?)))?"),
+    (
+        "claim:address",
+        r"(?:your |the )?(?:shipping |delivery |new )?address (?:is now|has been (?:updated|changed)|"
+        r"was (?:updated|changed))",
+    ),
+    (
+        "claim:email",
+        r"%I%(?:e-?mailed|sent|mailed|forwarded)(?: you)?(?: (?:the|your|a))?(?: copy of the)?(?: receipt)?"
+        r"(?: (?:for|of) %ON%)?(?: to (?:you|%E%|your (?:e-?mail(?: address)?|inbox)))?",
+    ),
+    (
+        "claim:email",
+        r"(?:the |your )?receipt(?: (?:for|of) %ON%)? (?:has been|was|is|have been)(?: now)? (?:sent|e-?mailed|"
+        r"mailed|forwarded)(?: to (?:you|%E%|your (?:e-?mail(?: address)?|inbox)))?",
+    ),
+    (
+        "claim:email",
+        r"(?:the |your )?receipt(?: (?:for|of) %ON%)? (?:is|was) on its way(?: to (?:you|%E%|your (?:inbox|"
+        r"e-?mail(?: address)?)))?",
+    ),
     ("claim:email", r"(?:the |your )?receipt(?: (?:for|of) %ON%)? sent(?: to (?:you|%E%))?"),
     ("ref", r"check your inbox(?: at %E%)?(?: for the(?: <o\d+>)? receipt)?"),
-    ("claim:done", r"(?:it is |that is |this is |everything is |all )?(?:done|all done|all set|complete|completed|taken care of|"
-     r"finished|sorted)"),
-    ("claim:done", r"(?:it|that|this|your request|everything) (?:has been|was|is) (?:done|completed|taken care of|processed|"
-     r"handled)"),
+    (
+        "claim:done",
+        r"(?:it is |that is |this is |everything is |all )?(?:done|all done|all set|complete|completed|taken care of|"
+        r"finished|sorted)",
+    ),
+    (
+        "claim:done",
+        r"(?:it|that|this|your request|everything) (?:has been|was|is) (?:done|completed|taken care of|processed|"
+        r"handled)",
+    ),
     ("claim:done", r"(?:it |this )?(?:is |has been )?(?:saved|confirmed|processed)"),
     # ------------------------------------------------------------------ denials ----
     ("deny:other", r"nothing else (?:was|has been|is|got) (?:changed|modified|touched|updated)(?: on your account)?"),
     ("deny:other", r"no other changes (?:were|have been) made|i (?:did not|have not) change(?:d)? anything else"),
-    ("deny:any", r"nothing (?:was|has been) (?:changed|modified)|no changes (?:were|have been) made|"
-     r"i (?:did not|have not) (?:make|made) any changes|i (?:did not|have not) change(?:d)? anything"),
+    (
+        "deny:any",
+        r"nothing (?:was|has been) (?:changed|modified)|no changes (?:were|have been) made|"
+        r"i (?:did not|have not) (?:make|made) any changes|i (?:did not|have not) change(?:d)? anything",
+    ),
     # ---------------------------------------------------------------- inability ----
     ("cannot:cancel", r"i %CANT% cancel(?: %O%)?"),
     ("cannot:cancel", r"(?:%O% )?can (?:not|no longer) be cancell?ed(?: now)?"),
-    ("cannot:cancel", r"cancell?(?:ation|ing)(?: it)? (?:is not|is no longer|was not) possible(?: now)?|"
-     r"no cancell?ation(?: is)? possible"),
+    (
+        "cannot:cancel",
+        r"cancell?(?:ation|ing)(?: it)? (?:is not|is no longer|was not) possible(?: now)?|"
+        r"no cancell?ation(?: is)? possible",
+    ),
     ("cannot:cancel reason:not_cancellable", r"it is too late to cancel(?: %O%)?"),
-    ("reason:not_cancellable", r"only (?:pending|processing)(?: (?:or|and) (?:pending|processing))? orders can be cancell?ed"),
-    ("reason:not_cancellable", r"(?:shipped|delivered)(?: (?:or|and) (?:shipped|delivered))? orders can not be cancell?ed"),
+    (
+        "reason:not_cancellable",
+        r"only (?:pending|processing)(?: (?:or|and) (?:pending|processing))? orders can be cancell?ed",
+    ),
+    (
+        "reason:not_cancellable",
+        r"(?:shipped|delivered)(?: (?:or|and) (?:shipped|delivered))? orders can not be cancell?ed",
+    ),
     ("cannot:refund", r"i %CANT% refund(?: %O%| (?P<amount>%NM%)(?: (?:on|for) %O%)?)?"),
-    ("cannot:refund", r"i %CANT% issue (?:a|the) (?:(?P<amount>%NM%) )?refund(?: of (?P<amount2>%NM%))?(?: (?:on|for) %O%)?"),
+    (
+        "cannot:refund",
+        r"i %CANT% issue (?:a|the) (?:(?P<amount>%NM%) )?refund(?: of (?P<amount2>%NM%))?(?: (?:on|for) %O%)?",
+    ),
     ("cannot:refund", r"not (?P<amount>%NM%)"),
     ("cannot:order", r"i %CANT% (?:order|place (?:an|the|that|this|your) order for)(?: (?P<qty>%N%))?(?: x)?(?: %P%)?"),
     ("cannot:order", r"i %CANT% place (?:the|that|this|your) order"),
     ("cannot:order", r"(?:your )?order for (?P<qty>%N%)(?: %P%)? can not go through"),
-    ("cannot:email", r"i %CANT% (?:send|e-?mail)(?: you)? (?:its|the|that|a) receipt(?: (?:for|of) %O%)?|i %CANT% send it"),
+    (
+        "cannot:email",
+        r"i %CANT% (?:send|e-?mail)(?: you)? (?:its|the|that|a) receipt(?: (?:for|of) %O%)?|i %CANT% send it",
+    ),
     ("cannot:address", r"i %CANT% (?:update|change) (?:your|the) address"),
-    ("cannot:any", r"i %CANT% (?:do that|do this|do it|help with (?:that|this|it|%ON%)|make (?:any|those|these|that) changes?|"
-     r"act on %O%|process (?:that|this|it)|go ahead)"),
+    (
+        "cannot:any",
+        r"i %CANT% (?:do that|do this|do it|help with (?:that|this|it|%ON%)|make (?:any|those|these|that) changes?|"
+        r"act on %O%|process (?:that|this|it)|go ahead)",
+    ),
     ("cannot:any reason:not_yours", r"for privacy reasons i %CANT% (?:act on|help with|access|change) %O%"),
     # ------------------------------------------------------------------ reasons ----
-    ("reason:not_found_customer", r"(?:there (?:is|was|are) |we have )?no %CUST% (?:was |were |is |could be )?(?:found|"
-     r"registered|on file)(?: (?:with|for|under|matching|to|using) %THEMAIL%)?"),
-    ("reason:not_found_customer", r"(?:there (?:is|was) |we have |i found )?no %CUST%(?: record)?(?: registered| found)? "
-     r"(?:with|for|under|matching|to|using) %THEMAIL%"),
-    ("reason:not_found_customer", r"i (?:%CANT%|could not|did not) (?:find|locate|identify) (?:an? |any |the )?%CUST% "
-     r"(?:for|with|under|matching|using) %THEMAIL%"),
-    ("reason:not_found_customer", r"i (?:%CANT%|could not|did not) (?:find|locate|identify) you(?: in our (?:system|records))?"
-     r"(?: (?:using|with|under) %THEMAIL%)?"),
-    ("reason:not_found_customer", r"%THEMAIL% (?:does not|did not) (?:match|belong to) any(?: (?:known |registered )?"
-     r"(?:customer|account)s?)?"),
-    ("reason:not_found_customer", r"%THEMAIL% (?:is|was) not (?:registered|known|on file|recogni[sz]ed|in our (?:system|records)|"
-     r"associated with any account|linked to any account)"),
-    ("reason:not_found_customer", r"%THEMAIL% is not an? (?:known|registered|valid|existing|recogni[sz]ed) (?:customer )?"
-     r"(?:e-?mail|account)(?: address)?"),
-    ("reason:not_found_customer", r"no %CUST% matches %THEMAIL%|(?:there is |we have )?no one (?:registered |on file )?"
-     r"(?:with|under) %THEMAIL%"),
-    ("reason:not_found_customer", r"(?:i|we) do not have (?:anyone|anybody|a customer|an account|a record) (?:on file |registered )?"
-     r"(?:with|under|for) %THEMAIL%"),
-    ("reason:not_found_order", r"(?:there (?:is|was) |we have |i found )?no (?:such |matching )?(?:order|record of (?:an? )?order)"
-     r"(?: (?:with (?:the )?(?:id|number) )?(?:for )?%ON%)?(?: (?:was|could be) found)?"),
-    ("reason:not_found_order", r"i (?:%CANT%|could not|did not) (?:find|locate) (?:an? |any |the )?(?:order|record of "
-     r"(?:an? )?order)(?: with (?:the )?(?:id|number))?(?: %ON%)?"),
+    (
+        "reason:not_found_customer",
+        r"(?:there (?:is|was|are) |we have )?no %CUST% (?:was |were |is |could be )?(?:found|"
+        r"registered|on file)(?: (?:with|for|under|matching|to|using) %THEMAIL%)?",
+    ),
+    (
+        "reason:not_found_customer",
+        r"(?:there (?:is|was) |we have |i found )?no %CUST%(?: record)?(?: registered| found)? "
+        r"(?:with|for|under|matching|to|using) %THEMAIL%",
+    ),
+    (
+        "reason:not_found_customer",
+        r"i (?:%CANT%|could not|did not) (?:find|locate|identify) (?:an? |any |the )?%CUST% "
+        r"(?:for|with|under|matching|using) %THEMAIL%",
+    ),
+    (
+        "reason:not_found_customer",
+        r"i (?:%CANT%|could not|did not) (?:find|locate|identify) you(?: in our (?:system|records))?"
+        r"(?: (?:using|with|under) %THEMAIL%)?",
+    ),
+    (
+        "reason:not_found_customer",
+        r"%THEMAIL% (?:does not|did not) (?:match|belong to) any(?: (?:known |registered )?"
+        r"(?:customer|account)s?)?",
+    ),
+    (
+        "reason:not_found_customer",
+        r"%THEMAIL% (?:is|was) not (?:registered|known|on file|recogni[sz]ed|in our (?:system|records)|"
+        r"associated with any account|linked to any account)",
+    ),
+    (
+        "reason:not_found_customer",
+        r"%THEMAIL% is not an? (?:known|registered|valid|existing|recogni[sz]ed) (?:customer )?"
+        r"(?:e-?mail|account)(?: address)?",
+    ),
+    (
+        "reason:not_found_customer",
+        r"no %CUST% matches %THEMAIL%|(?:there is |we have )?no one (?:registered |on file )?"
+        r"(?:with|under) %THEMAIL%",
+    ),
+    (
+        "reason:not_found_customer",
+        r"(?:i|we) do not have (?:anyone|anybody|a customer|an account|a record) (?:on file |registered )?"
+        r"(?:with|under|for) %THEMAIL%",
+    ),
+    (
+        "reason:not_found_order",
+        r"(?:there (?:is|was) |we have |i found )?no (?:such |matching )?(?:order|record of (?:an? )?order)"
+        r"(?: (?:with (?:the )?(?:id|number) )?(?:for )?%ON%)?(?: (?:was|could be) found)?",
+    ),
+    (
+        "reason:not_found_order",
+        r"i (?:%CANT%|could not|did not) (?:find|locate) (?:an? |any |the )?(?:order|record of "
+        r"(?:an? )?order)(?: with (?:the )?(?:id|number))?(?: %ON%)?",
+    ),
     ("reason:not_found_order", r"i (?:%CANT%|could not|did not) (?:find|locate) %ON%"),
-    ("reason:not_found_order", r"%ON% (?:does not|did not) (?:exist|appear|show up|match any order)(?: in our (?:records|system))?"),
-    ("reason:not_found_order", r"%ON% (?:is|was) not (?:an? (?:valid|existing|known|real) order(?: number| id)?|"
-     r"in our (?:system|records)|on file)"),
+    (
+        "reason:not_found_order",
+        r"%ON% (?:does not|did not) (?:exist|appear|show up|match any order)(?: in our (?:records|system))?",
+    ),
+    (
+        "reason:not_found_order",
+        r"%ON% (?:is|was) not (?:an? (?:valid|existing|known|real) order(?: number| id)?|"
+        r"in our (?:system|records)|on file)",
+    ),
     ("reason:not_found_order", r"(?:%ON%|that order|this order) (?:was not|could not be) found"),
-    ("reason:not_found_order", r"there is no (?:record of )?%ON%|we have no record of (?:an? )?%ON%|"
-     r"(?:i )?found no (?:such |matching )?order(?: %ON%)?"),
-    ("reason:not_yours", r"%O% (?:is|was) not (?:on|in|under|associated with|linked to|tied to|part of|registered to|from) "
-     r"(?:your|this) account"),
-    ("reason:not_yours", r"%O% (?:is|was) not (?:yours|your order|your own|one of your orders|among your orders|placed by you|"
-     r"associated with you|linked to you|under your name|registered to you)"),
+    (
+        "reason:not_found_order",
+        r"there is no (?:record of )?%ON%|we have no record of (?:an? )?%ON%|"
+        r"(?:i )?found no (?:such |matching )?order(?: %ON%)?",
+    ),
+    (
+        "reason:not_yours",
+        r"%O% (?:is|was) not (?:on|in|under|associated with|linked to|tied to|part of|registered to|from) "
+        r"(?:your|this) account",
+    ),
+    (
+        "reason:not_yours",
+        r"%O% (?:is|was) not (?:yours|your order|your own|one of your orders|among your orders|placed by you|"
+        r"associated with you|linked to you|under your name|registered to you)",
+    ),
     ("reason:not_yours", r"%O% (?:does|did) not belong to you(?:r account)?"),
-    ("reason:not_yours", r"%O% belongs to (?:another|a different|some other) (?:customer|person|account|user)(?:'s account)?|"
-     r"%O% belongs to someone else(?:'s account)?"),
-    ("reason:not_yours", r"%O% (?:is|was) (?:registered to|associated with|linked to|placed (?:by|from|under)|on|under) "
-     r"(?:(?:another|a different|some other) (?:customer|person|account|user)(?:'s account)?|someone else(?:'s account)?)"),
+    (
+        "reason:not_yours",
+        r"%O% belongs to (?:another|a different|some other) (?:customer|person|account|user)(?:'s account)?|"
+        r"%O% belongs to someone else(?:'s account)?",
+    ),
+    (
+        "reason:not_yours",
+        r"%O% (?:is|was) (?:registered to|associated with|linked to|placed (?:by|from|under)|on|under) "
+        r"(?:(?:another|a different|some other) (?:customer|person|account|user)(?:'s account)?|someone else(?:'s account)?)",
+    ),
     ("reason:not_yours", r"i can only (?:act on|help with|access|change) orders on your own account"),
     ("reason:not_yours", r"%O% is not one of (?:them|yours|your orders)"),
     ("reason:not_yours", r"i (?:%CANT%|could not|did not) (?:find|see|locate) %ON% (?:on|in|under) your account"),
     # ------------------------------------------------------------- lookups, refs ----
-    ("lookup", r"i (?:have )?(?:checked|looked up|looked into|looked at|searched for|pulled up|reviewed)(?: %ON%| it| your account|"
-     r"your order| the order| %P%| the stock| %THEMAIL%)?"),
+    (
+        "lookup",
+        r"i (?:have )?(?:checked|looked up|looked into|looked at|searched for|pulled up|reviewed)(?: %ON%| it| your account|"
+        r"your order| the order| %P%| the stock| %THEMAIL%)?",
+    ),
     ("lookup", r"i looked it up"),
     ("ref", r"%ON%|%P%|%E%|%AD%|<c\d+>|<i\d+>|<u>"),
     ("ref", r"(?:this is |it is |question )?(?:about|regarding|re) (?:%ON%|%P%)"),
-    ("ref", r"(?:the )?(?:status|stock|total|order count|total orders|number of orders)(?: (?:of|for) (?:%ON%|%P%|%E%|your account))?"),
-    ("ref", r"(?:your )?new address|(?:your )?order number %ON%|orderid= %ON%|customerid= <c\d+>|productid= <i\d+>|items=|"
-     r"name= (?:%P%|<u>)"),
+    (
+        "ref",
+        r"(?:the )?(?:status|stock|total|order count|total orders|number of orders)(?: (?:of|for) (?:%ON%|%P%|%E%|your account))?",
+    ),
+    (
+        "ref",
+        r"(?:your )?new address|(?:your )?order number %ON%|orderid= %ON%|customerid= <c\d+>|productid= <i\d+>|items=|"
+        r"name= (?:%P%|<u>)",
+    ),
     ("ref", r"(?:the )?order(?: number)? is %ON%"),
     ("ref", r"(?:the )?remaining refundable amount(?: (?:on|for) %ON%)?"),
     ("ref", r"(?:the )?(?:current )?(?:stock|inventory)(?: level| count)?(?: (?:of|for) %P%)?"),
@@ -289,8 +445,13 @@ def _compile(src: str) -> re.Pattern:
 
 
 FORMS: list[tuple[tuple[str, ...], re.Pattern]] = [(tuple(tags.split()), _compile(src)) for tags, src in FORMS_SRC]
-_ESTIMATE = {"arrive": "delivered", "be delivered": "delivered", "ship": "shipped", "be shipped": "shipped",
-             "be processed": "processing"}
+_ESTIMATE = {
+    "arrive": "delivered",
+    "be delivered": "delivered",
+    "ship": "shipped",
+    "be shipped": "shipped",
+    "be processed": "processing",
+}
 _SLOT_RE = re.compile(r"<([a-z])(\d*)>")
 _ROLE_ALIASES = {"amount2": "amount", "stock0": "stock", "count0": "count", "trefunded": "refunded"}
 _ZERO_WORDS = {"no", "none", "zero"}

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 MAX_ANSWER_CHARS = 1500  # a longer answer is not read (no success): honest answers are a sentence or three
-MAX_STATEMENTS = 24
+MAX_STATEMENTS = 32
 
 STATUS_WORDS = {
     "pending": "pending",
@@ -141,7 +141,9 @@ _STREET_SUFFIX = {
     "boulevard": "blvd",
     "blvd": "blvd",
 }
-_SUFFIX_ALTS = {short: sorted({k for k, v in _STREET_SUFFIX.items() if v == short}) for short in _STREET_SUFFIX.values()}
+_SUFFIX_ALTS = {
+    short: sorted({k for k, v in _STREET_SUFFIX.items() if v == short}) for short in _STREET_SUFFIX.values()
+}
 
 
 # ---------------------------------------------------------------------- characters ----
@@ -242,7 +244,9 @@ def _mask_values(t: str, vocab: Vocabulary, slots: _Slots) -> str:
     kinds = {"o": "o", "c": "c", "p": "i"}
     t = _ID_RE.sub(lambda m: slots.put(kinds[m.group(1)], f"{m.group(1).upper()}-{int(m.group(2))}"), t)
     for name in sorted({n for n in vocab.own_names if n.strip()}, key=len, reverse=True):
-        t = re.sub(r"(?<![\w<])" + r"\s+".join(re.escape(w) for w in fold(name).lower().split()) + r"(?![\w>])", " <u> ", t)
+        t = re.sub(
+            r"(?<![\w<])" + r"\s+".join(re.escape(w) for w in fold(name).lower().split()) + r"(?![\w>])", " <u> ", t
+        )
     for name in sorted(set(vocab.products), key=len, reverse=True):
         words = r"\s+".join(re.escape(w) for w in fold(name).lower().split())
         t = re.sub(r"(?<![\w<])" + words + r"(?:e?s)?(?![\w>])", lambda m, n=name: slots.put("p", n), t)

@@ -46,7 +46,7 @@ from mentorrl.envs.base import Task
 from .backend import TOOL_SPECS, normalise_address
 from .privacy import privacy_violations
 from .reading import Atom, Reading, Statement, Vocabulary, canon_address, canon_id, read_answer, street_of
-from .world import OPEN_STATUSES, money
+from .world import money
 
 # mutating tool -> the action family an answer's claim is read as
 FAMILY_OF_TOOL = {
@@ -143,7 +143,13 @@ class Evidence:
             if _norm(o.content.get("customer_id")) != _norm(customer_id):
                 continue
             rows = o.content.get("orders", [])
-            out.add(float(o.content.get("count", len(rows)) if status is None else sum(r.get("status") == status for r in rows)))
+            out.add(
+                float(
+                    o.content.get("count", len(rows))
+                    if status is None
+                    else sum(r.get("status") == status for r in rows)
+                )
+            )
         return out
 
     def order_values(self, order_id: str, key: str) -> set[float]:
@@ -192,7 +198,9 @@ class Evidence:
         return out
 
     def looked_up(self) -> bool:
-        return any(o.name in ("find_customer", "get_order", "list_orders", "check_inventory") for o in self.observations)
+        return any(
+            o.name in ("find_customer", "get_order", "list_orders", "check_inventory") for o in self.observations
+        )
 
     def figures(self) -> set[float]:
         """Every number the tools returned (true facts of this episode)."""
@@ -624,9 +632,11 @@ def reasons_rule(c: AnswerContext) -> list[str]:
 
 
 def lookups_rule(c: AnswerContext) -> list[str]:
-    return ["says it looked something up; no lookup was made"] if c.reading.atoms("lookup") and not (
-        c.evidence.looked_up()
-    ) else []
+    return (
+        ["says it looked something up; no lookup was made"]
+        if c.reading.atoms("lookup") and not (c.evidence.looked_up())
+        else []
+    )
 
 
 def number_fact_rule(c: AnswerContext) -> list[str]:
@@ -734,7 +744,11 @@ def judge_answer(
             break  # an answer that is not understood is not judged further
     if not problems and kind:
         problems += FACT_RULES[kind](ctx)
-    expected = ctx.true_value if ctx.true_value is not None else (_expected_status(ctx) if kind in ("status", "status_word") else None)
+    expected = (
+        ctx.true_value
+        if ctx.true_value is not None
+        else (_expected_status(ctx) if kind in ("status", "status_word") else None)
+    )
     return AnswerJudgement(not problems, problems, expected, privacy_violations(answer, task, init, act))
 
 
