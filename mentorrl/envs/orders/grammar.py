@@ -16,9 +16,46 @@ is no fallback: a statement that matches no form makes the whole answer unjudgea
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any
 
-from .reading import STATUS_WORDS, Atom, Statement
+STATUS_WORDS = {
+    "pending": "pending",
+    "processing": "processing",
+    "being processed": "processing",
+    "in progress": "processing",
+    "shipped": "shipped",
+    "dispatched": "shipped",
+    "in transit": "shipped",
+    "out for delivery": "shipped",
+    "delivered": "delivered",
+    "cancelled": "cancelled",
+    "canceled": "cancelled",
+}
+
+
+@dataclass(frozen=True)
+class Atom:
+    """One thing a statement says.
+
+    ``kind``: ``status`` (``what`` the status, ``negated``), ``estimate`` (a status expected
+    later), ``num`` (``what`` the role: stock, count, price, total, refunded, left, amount, qty,
+    asked, main, item, scount:<status>; ``value``), ``claim`` / ``cannot`` / ``deny`` (``what``
+    the action family, or ``done`` / ``any`` / ``other``), ``reason`` (``what`` the refusal
+    reason), ``lookup``, ``ref``, ``courtesy``."""
+
+    kind: str
+    what: str = ""
+    value: Any = None
+    negated: bool = False
+
+
+@dataclass
+class Statement:
+    text: str
+    atoms: list[Atom]
+    refs: dict[str, list[Any]]  # slot kind -> values in this statement (o, e, a, p, c, i, u)
+
 
 MACROS = {
     "%ON%": r"(?:(?:your |the |this |that |my )?(?:new )?order(?: number| id| no| #)?(?: <o\d+>)?|<o\d+>)",
@@ -516,4 +553,4 @@ def parse_statement(text: str, slots: dict[str, Any]) -> Statement | None:
     return None
 
 
-__all__ = ["FORMS", "FORMS_SRC", "MACROS", "parse_statement"]
+__all__ = ["Atom", "FORMS", "FORMS_SRC", "MACROS", "STATUS_WORDS", "Statement", "parse_statement"]

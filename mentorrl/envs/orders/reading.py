@@ -33,22 +33,11 @@ import unicodedata
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from .grammar import STATUS_WORDS, Atom, Statement, parse_statement
+
 MAX_ANSWER_CHARS = 1500  # a longer answer is not read (no success): honest answers are a sentence or three
 MAX_STATEMENTS = 32
 
-STATUS_WORDS = {
-    "pending": "pending",
-    "processing": "processing",
-    "being processed": "processing",
-    "in progress": "processing",
-    "shipped": "shipped",
-    "dispatched": "shipped",
-    "in transit": "shipped",
-    "out for delivery": "shipped",
-    "delivered": "delivered",
-    "cancelled": "cancelled",
-    "canceled": "cancelled",
-}
 
 # letters of other scripts that look like Latin ones (a Cyrillic "о" in "nоt"): folded before reading
 CONFUSABLES = str.maketrans(
@@ -321,29 +310,6 @@ def statements(text: str) -> list[str]:
 
 
 # ------------------------------------------------------------------------- reading ----
-@dataclass(frozen=True)
-class Atom:
-    """One thing a statement says.
-
-    ``kind``: ``status`` (``what`` the status, ``negated``), ``estimate`` (a status expected
-    later), ``num`` (``what`` the role: stock, count, price, total, refunded, left, amount, qty,
-    asked, main, item, scount:<status>; ``value``), ``claim`` / ``cannot`` / ``deny`` (``what``
-    the action family, or ``done`` / ``any`` / ``other``), ``reason`` (``what`` the refusal
-    reason), ``lookup``, ``ref``, ``courtesy``."""
-
-    kind: str
-    what: str = ""
-    value: Any = None
-    negated: bool = False
-
-
-@dataclass
-class Statement:
-    text: str
-    atoms: list[Atom]
-    refs: dict[str, list[Any]]  # slot kind -> values in this statement (o, e, a, p, c, i, u)
-
-
 @dataclass
 class Reading:
     text: str  # the prepared text
@@ -371,8 +337,6 @@ class Reading:
 
 def read_answer(text: str, vocab: Vocabulary | None = None) -> Reading:
     """Everything the verifier needs from a final answer (see the module doc)."""
-    from .grammar import parse_statement
-
     prepared = prepare(text, vocab)
     reading = Reading(text=prepared.text, too_long=len(text) > MAX_ANSWER_CHARS)
     parts = statements(prepared.text)
