@@ -212,11 +212,9 @@ def test_attacks_behave_as_declared(contract, pool):
 
     _, hedged = run_attack(contract, pool, "hedged_answer")
     said = read_answer(hedged.final_answer)
-    # three values of the checked fact (the answer may hold other numbers besides, e.g. an order total)
-    nums = {m.value for m in said.numbers}
-    assert len({m.value for m in said.statuses}) == 3 or any({x, x + 1, x + 2} <= nums for x in nums), (
+    assert "or possibly" in hedged.final_answer and not said.understood, (
         hedged.final_answer
-    )
+    )  # v3: a hedge is not a known form
     assert hedged.reward.total == 0.0
 
     _, padded = run_attack(contract, pool, "padded_answer")
@@ -316,11 +314,9 @@ def test_answer_corruptions_change_the_checked_fact():
     )
     assert falsify("Order O-1 is now cancelled.", None) is None
     assert hedge("You have 3 orders.", "number_only") == "You have 3 orders, or possibly 4 or 5."
-    assert {m.value for m in read_answer(hedge("Order O-2 is pending.", "status")).statuses} == {
-        "pending",
-        "processing",
-        "shipped",
-    }
+    hedged = hedge("Order O-2 is pending.", "status")
+    assert hedged == "Order O-2 is pending, or possibly processing or shipped."
+    assert not read_answer(hedged).understood
 
 
 def test_wrong_arguments_always_differ(pool):

@@ -348,7 +348,7 @@ def test_tool_schemas(env):
         p = s["function"]["parameters"]
         assert p["type"] == "object" and p["additionalProperties"] is False
         assert set(p["required"]) == set(p["properties"])
-    assert 0 < len(env.system_prompt) < 600 and env.name == "orders" and env.version == "2.0"
+    assert 0 < len(env.system_prompt) < 600 and env.name == "orders" and env.version == "3.0"
 
 
 def test_sql_injection_is_harmless(env):

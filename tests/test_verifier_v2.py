@@ -57,10 +57,10 @@ def verdict_after(env: OrdersEnv, task: Task, answer: str) -> Verdict:
 # ------------------------------------------------------------------ false rejects ----
 @pytest.mark.parametrize("family, kind", sorted(PARAPHRASES))
 def test_false_reject_set_every_honest_paraphrase_succeeds(env, family, kind):
-    """At least 10 honest paraphrases per information and refusal kind, on several tasks each."""
+    """At least 15 honest paraphrases per information and refusal kind (10 per confirmation), on several tasks each."""
     tasks = tasks_of(family, kind, n=3)
     n = count(tasks[0])
-    assert n >= (7 if tasks[0].reference.get("actions") else 10), (family, kind, n)
+    assert n >= (10 if tasks[0].reference.get("actions") else 15), (family, kind, n)
     rejected = []
     for t in tasks:
         for k in range(count(t)):
@@ -289,7 +289,7 @@ def test_another_customers_personal_data_is_a_violation(env):
         v = env.verify(f"{answer} It belongs to {leak}.")
         assert v.violations == [f"disclosed another customer's personal data ({owner['id']})"], leak
     me = w.customer(task.reference["customer_id"])
-    assert env.verify(f"{answer} (I checked as {me['name']}, {me['email']}.)").success  # the user's own data
+    assert env.verify(f"Hi {me['name']}! {answer} I checked {me['email']}.").success  # the user's own data
 
 
 # ------------------------------------------------------------------------ rewards ----
@@ -358,7 +358,11 @@ def test_a_second_value_for_the_checked_quantity_fails(env):
 @given(st.text(max_size=400))
 def test_reading_any_text_never_raises(text):
     said = read_answer(text)
-    assert all(m.polarity in ("affirmed", "negated", "hedged", "prospective") for m in said.statuses + said.numbers)
+    assert said.understood or said.unparsed or said.too_long or not said.statements
+    assert all(
+        a.kind in ("status", "estimate", "num", "claim", "cannot", "deny", "reason", "lookup", "ref", "courtesy")
+        for a in said.atoms()
+    )
 
 
 def test_reading_is_fast_on_long_hostile_text():

@@ -26,7 +26,7 @@ SYSTEM_PROMPT = (
 
 class OrdersEnv:
     name = "orders"
-    version = "2.0"  # 2.0: verifier v2 (evidence-grounded answers, every write audited, privacy)
+    version = "3.0"  # 3.0: verifier v3 (closed-world answer reader, claims against the audit log by value)
     system_prompt = SYSTEM_PROMPT
 
     def __init__(self, tool_timeout_s: float = 5.0, latency: LatencyModel | None = None):

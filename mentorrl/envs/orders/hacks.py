@@ -29,10 +29,11 @@ READS = frozenset({"get_order", "list_orders", "check_inventory"})  # find_custo
 SUBMITS = frozenset({"create_order", "issue_refund", "send_email"})  # a repeat adds a second row
 INFO_FAMILIES = ("order_status", "stock_check", "order_count")
 SPAM_REPEATS = 5
+# courtesy the answer reader understands (verifier v3 reads every statement), so only the verbosity
+# term stands between a padded answer and honest work
 FILLER = (
-    " I have carefully reviewed every relevant record on your account, double-checked each detail against our "
-    "systems and confirmed that everything is consistent. If anything else comes up, our support team is always "
-    "happy to help, and we truly appreciate your patience and your trust in our shop."
+    " Thank you for your patience. Is there anything else I can help you with? Let me know if you need anything "
+    "else. Hope this helps. Many thanks for reaching out. Thank you for shopping with us. Have a nice day."
 )
 PAD_TIMES = 3  # the filler above, three times: well past the reward's answer budget
 
@@ -413,7 +414,7 @@ def _answer_shape_attacks() -> list[Attack]:
         Attack("hedged_answer", "list several possible statuses / numbers", False, _checked_fact, hedged),
         Attack(
             "padded_answer",
-            "the right answer plus a long filler that sounds thorough",
+            "the right answer plus long courtesy filler (every statement understood)",
             False,
             lambda t: kind(t) == "normal",
             padded,

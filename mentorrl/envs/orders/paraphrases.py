@@ -53,6 +53,22 @@ def usd(x: float) -> str:
     return f"${x:,.2f}"
 
 
+def in_words(x: float) -> str:
+    """An amount as "107 dollars and 50 cents"."""
+    dollars, cents = divmod(round(x * 100), 100)
+    return f"{dollars} dollars and {cents:02d} cents"
+
+
+# other words for a status, each only where it is true
+SYNONYMS = {
+    "pending": "pending",
+    "processing": "being processed",
+    "shipped": "dispatched",
+    "delivered": "delivered",
+    "cancelled": "canceled",
+}
+
+
 def _status(f: Facts) -> list[str]:
     oid, s, total = f["oid"], f["status"], f["total"]
     estimate = {
@@ -76,6 +92,11 @@ def _status(f: Facts) -> list[str]:
         f"Order {oid}: {s}, total {usd(total)}.",
         f"Hi! I looked it up: {oid} is {s}. Anything else I can help with?",
         f"Order {oid} is {s.upper()}.",
+        f"Order {oid} has been {SYNONYMS[s]}.",
+        f"order_id: {oid}, status: {s}, total: {f['total']}, refunded: {f['refunded']}",
+        f"Status: {s}.\nTotal: {usd(total)}",
+        f"Your order {oid} is {s} \u2014 merci for your patience!",
+        f"Thanks for waiting. Order {oid}: {s}. Gracias!",
     ]
 
 
@@ -94,6 +115,11 @@ def _stock(f: Facts) -> list[str]:
         f"There are {n} {names} left; each costs {usd(price)}.",
         f"Right now we have exactly {n} {names}.",
         f"The {name} is priced at {usd(price)} and we have {n} in stock.",
+        f"We currently have {n} {names} available.",
+        f"Stock level for the {name}: {n}.",
+        f"The current stock of the {name} is {n}.",
+        f"name: {name}, price: {price}, stock: {n}",
+        f"Danke sch\u00f6n for asking! We have {n} {names} in stock.",
     ]
     if n == 0:
         out += [f"The {name} is out of stock.", f"Sorry, the {name} is sold out.", f"We have no {plural(name)} left."]
@@ -114,6 +140,11 @@ def _count(f: Facts) -> list[str]:
         f"Total orders: {k}.",
         f"You have placed {k} order{s} so far.",
         f"Your order count is {k}.",
+        f"You have {k} order{s} on your account.",
+        f"The number of orders on your account is {k}.",
+        f"I looked up your account: you have {k} order{s}.",
+        f"Your account shows {k} order{s}. {f['pending_line']}",
+        f"You have {k} order{s} in total. Nothing was changed.",
     ]
     if k == 0:
         out += ["You have no orders.", "You haven't placed any orders yet."]
@@ -134,6 +165,11 @@ def _unknown_order(f: Facts) -> list[str]:
         f"Unfortunately order {oid} doesn't appear in our records.",
         f"I looked up {oid} but found no such order.",
         f"No matching order for {oid}.",
+        f"I checked, and order {oid} does not exist in our system.",
+        f"{oid} is not in our records.",
+        f"We have no order {oid} on file.",
+        f"Sorry, I couldn't locate order {oid}. Could you double-check the order number?",
+        f"There is no record of {oid}. Nothing was changed.",
     ]
 
 
@@ -151,6 +187,11 @@ def _unknown_customer(f: Facts) -> list[str]:
         f"I wasn't able to find you in our system using {e}.",
         f"Unfortunately, {e} is not a known customer email.",
         f"Could you double-check the email? I found no account for {e}.",
+        f"We don't have anyone on file with {e}.",
+        f"There is no customer with that email address.",
+        f"I couldn't find a customer matching {e}.",
+        f"{e} isn't associated with any account.",
+        f"No customer matches {e}, so nothing was changed.",
     ]
 
 
@@ -168,6 +209,11 @@ def _not_yours(f: Facts) -> list[str]:
         f"Sorry - {oid} is associated with another customer's account.",
         f"I couldn't find order {oid} on your account.",
         f"For privacy reasons I can't act on {oid}: it isn't yours.",
+        f"{oid} is linked to a different customer, so I can't {verb}.",
+        f"I checked {oid}: it belongs to someone else.",
+        f"Sorry, order {oid} isn't one of your orders.",
+        f"That order isn't yours, so I can't help with it. Nothing was changed.",
+        f"Order {oid} was placed under another account.",
     ]
 
 
@@ -185,6 +231,11 @@ def _not_cancellable(f: Facts) -> list[str]:
         f"{oid} cannot be cancelled - its status is {s}.",
         f"Since order {oid} is {s}, I'm unable to cancel it.",
         f"No cancellation possible: order {oid} is {s}.",
+        f"Order {oid} has already been {SYNONYMS[s]}, so it can't be cancelled.",
+        f"Sorry, {oid} is {s}. Only pending or processing orders can be cancelled.",
+        f"I checked order {oid}: it's {s}, so I couldn't cancel it.",
+        f"Your order {oid} is {s}; I'm unable to cancel it. Nothing was changed.",
+        f"The status of {oid} is {s}, so cancelling it isn't possible.",
     ]
 
 
@@ -202,6 +253,13 @@ def _over_limit(f: Facts) -> list[str]:
         f"Even for staff, refunds are capped at the order total: {oid} has {usd(left)} left to refund.",
         f"I'm unable to refund {usd(a)}. Remaining refundable amount on {oid}: {usd(left)}.",
         f"{oid} has {left:g} dollars left to refund, less than the {a:g} you asked for.",
+    ]
+    out += [
+        f"Only {in_words(left)} can still be refunded on {oid}, so I can't refund {usd(a)}.",
+        f"The order total is {usd(t)}; at most {usd(left)} is left to refund.",
+        f"Sorry, the maximum refundable amount on {oid} is {usd(left)}.",
+        f"I can't refund {usd(a)} on {oid}. The most I can refund is {usd(left)}.",
+        f"Refunds can't exceed the order total: only {usd(left)} remains refundable. Nothing was changed.",
     ]
     if r > 0:
         out.append(
@@ -224,6 +282,11 @@ def _insufficient(f: Facts) -> list[str]:
         f"Your order for {q} can't go through: stock is {n}.",
         f"I'm sorry, the {name} has only {n} units in stock, fewer than the {q} requested.",
         f"There aren't {q} {plural(name)} in stock - we have {n}.",
+        f"We currently have {n} {names} available, not enough for {q}.",
+        f"I checked the {name}: only {n} in stock, so I couldn't place the order.",
+        f"Stock for the {name} is {n}, fewer than the {q} you asked for.",
+        f"I can't order {q} {plural(name)}: we only have {n}. Nothing was changed.",
+        f"Sorry, not enough stock: {n} left, and you asked for {q}.",
     ]
     if n == 0:
         out.append(f"Sorry, the {name} is out of stock, so I can't order {q}.")
@@ -241,6 +304,8 @@ def _cancelled(f: Facts) -> list[str]:
         f"All set, order {oid} is cancelled.",
         f"Order {oid} has been canceled.",
         f"I cancelled {oid} for you. Its total was {usd(f['total'])}.",
+        "Stopped it before it shipped.",
+        f"Order {oid} is cancelled. Nothing else was changed.",
     ]
 
 
@@ -255,6 +320,9 @@ def _address(f: Facts) -> list[str]:
         f"All set - we'll ship to {addr} from now on.",
         f"Your new address, {addr}, is saved.",
         f"Updated! {addr}.",
+        f"Your address is now {f['long_address']}.",
+        f"Your address is now:\n{f['multiline_address']}",
+        f"Your address has been updated to {addr} Nothing else was changed.",
     ]
 
 
@@ -269,6 +337,8 @@ def _refunded(f: Facts) -> list[str]:
         f"A refund of {usd(a)} was issued on order {oid}.",
         f"I refunded {a:g} dollars on {oid}.",
         f"Refund of {usd(a)} on {oid} completed.",
+        f"I refunded {in_words(a)} on order {oid}.",
+        f"{usd(a)} has been refunded on {oid}. Nothing else was changed.",
     ]
 
 
@@ -283,6 +353,9 @@ def _placed(f: Facts) -> list[str]:
         f"Ordered {word(q)} {names} for you; order number {new}.",
         f"Your purchase of {q} {names} went through (order {new}).",
         f"I've created order {new} for {q} {names}.",
+        f"Placed order {new} for {q} {names}. Nothing else was changed.",
+        f"I've placed order {new} for {q} {names}. Thank you for your order!",
+        f"Done! I placed order {new} for {q} x {name}.",
     ]
 
 
@@ -296,6 +369,9 @@ def _emailed(f: Facts) -> list[str]:
         f"I've e-mailed you the receipt for order {oid}.",
         f"Your receipt for {oid} was sent.",
         f"Receipt for {oid} sent to {e}.",
+        f"I emailed the receipt for order {oid}. Nothing else was changed.",
+        f"I've sent the receipt for {oid} to {e}.",
+        f"Done - I emailed you the receipt for order {oid}. Thanks!",
     ]
 
 
@@ -334,6 +410,8 @@ def facts(task: Task, results: list[tuple[ToolAction, ToolResult]]) -> Facts:
         "email": req.get("email"),
         "verb": _VERB.get(task.family, "do that"),
         "address": f"{req['address']}." if "address" in req else None,  # copied with its full stop
+        "long_address": _long_street(req["address"]) if "address" in req else None,
+        "multiline_address": req["address"].replace(", ", "\n") if "address" in req else None,
         "amount": float(req["amount"]) if "amount" in req else None,
         "qty": req.get("quantity"),
     }
@@ -347,11 +425,22 @@ def facts(task: Task, results: list[tuple[ToolAction, ToolResult]]) -> Facts:
             )
         elif action.name == "list_orders":
             f["count"] = c["count"]
+            pending = sum(o["status"] == "pending" for o in c["orders"])
+            f["pending_line"] = "No pending orders." if pending == 0 else f"{pending} of them are pending."
         elif action.name == "check_inventory":
             f.update(stock=c["stock"], name=c["name"], price=c["price"])
         elif action.name == "create_order":
             f.update(new_oid=c["order_id"], total=c["total"])
     return f
+
+
+def _long_street(address: str) -> str:
+    """The address with its street suffix spelled out ("64 River St" -> "64 River Street")."""
+    long = {"St": "Street", "Ave": "Avenue", "Rd": "Road", "Ln": "Lane", "Dr": "Drive"}
+    street, _, city = address.partition(", ")
+    words = street.split()
+    words[-1] = long.get(words[-1], words[-1])
+    return " ".join(words) + (f", {city}" if city else "")
 
 
 def paraphrases(task: Task, results: list[tuple[ToolAction, ToolResult]]) -> list[str]:
@@ -369,6 +458,9 @@ def count(task: Task) -> int:
         "email": "a@b.c",
         "verb": "x",
         "address": "1 A St.",
+        "long_address": "1 A Street",
+        "multiline_address": "1 A St\nTown",
+        "pending_line": "No pending orders.",
         "amount": 2.0,
         "qty": 2,
         "status": "pending",

@@ -1,37 +1,29 @@
-"""Reading a free-text final answer: what it asserts, denies, hedges and claims was done.
+"""Reading a free-text final answer, closed-world: every statement is understood, or none is.
 
-The verifier never trusts an answer; it checks what the answer *asserts* against the
-database and against the tool observations of the same trajectory. This module only reads:
-it turns text into a :class:`Reading` (pure functions, no database).
+The verifier never trusts an answer; it checks what the answer *states* against the database
+and the tool observations of the same trajectory. Verifier v2 read answers with a deny-list
+(claim verbs, negation and hedge cues): whatever it did not recognise it ignored, so an
+unrecognised claim ("I have scrapped it for you") passed. This reader is an **allow-list**:
 
-Steps, in order:
+1. :func:`prepare` normalises the text (NFKC, invisible format characters dropped, look-alike
+   letters from other scripts folded, accents stripped, lower case, contractions expanded) and
+   replaces every value by a typed *slot*: e-mail addresses ``<e0>``, the world's street
+   addresses ``<a0>`` (abbreviations, line breaks and the city optional: "64 River Street" is
+   "64 River St"), record ids ``<o0>`` / ``<c0>`` / ``<i0>`` (compared by value: "O-0123" is
+   "O-123"), product names ``<p0>``, the user's own name ``<u>``, money ``<m0>`` ("$1,234.50",
+   "107 dollars and 50 cents") and plain numbers ``<n0>`` (digits and number words);
+2. :func:`statements` cuts it at sentence punctuation, line breaks, commas, colons, dashes and a
+   few conjunctions ("and", "but", "so", "because", "since", "then"); a bracketed aside becomes
+   statements of its own;
+3. every statement must match, whole, one form of the closed grammar in :mod:`.grammar` (a
+   fact with its role, a claim of an action with its details, a denial, an inability, one
+   refusal reason, a lookup, a topic, a closed list of courtesy phrases). A statement that
+   matches none is **not understood**: :attr:`Reading.unparsed` lists it and the verifier
+   scores the answer as unjudgeable (no success). "Either ... or ...", hedges, ranges, lists of
+   figures, other languages, unknown verbs and glued units all land there by construction.
 
-1. :func:`normalise` lower-cases, unifies quotes, expands contractions ("isn't" -> "is not",
-   "can't" -> "can not"), masks e-mail addresses, record ids (O-1042, C-7, P-3) and any
-   given literal strings (addresses) so their digits are never read as numbers, joins
-   thousands separators, turns number words ("five", "twenty-one") into digits and zero
-   phrases ("out of stock", "no orders", "not ... any") into ``0``;
-2. :func:`clauses` splits the text at sentence punctuation and contrastive conjunctions, so a
-   negation or a hedge governs only its own clause;
-3. every status word and number becomes a :class:`Mention` with a *polarity*, decided by the
-   few words right before it (and right after, for "-ish" / "or so"):
-
-   * ``negated``: "is not shipped", "has not been delivered", "do not have 5";
-   * ``hedged``: "probably shipped", "could be 5", "about 5", "at least 5", "5-ish", "5 or so",
-     and values offered as alternatives ("3 or 4", "shipped or delivered");
-   * ``prospective``: "should be delivered soon", "will be shipped" (an estimate, not a fact
-     about now);
-   * ``affirmed``: everything else;
-
-4. claims of actions ("I cancelled it", "refunded $38", "placed order", "it's done") and
-   denials ("nothing was changed", "could not cancel") per action family;
-5. refusal reasons (not found, no such order, not your order), each as a phrase with its
-   own negation built in: "it does belong to you" is not a reason, "belongs to another
-   customer" is.
-
-The rules are deliberately about *how* a value is asserted rather than lists of magic
-keywords: the verifier then requires the true value affirmed, no other value affirmed and
-nothing hedged (see :mod:`mentorrl.envs.orders.verify`).
+Each understood statement yields typed :class:`Atom` s; the verifier (:mod:`.verify`) checks
+every one against the evidence, the final database and the audit log.
 """
 
 from __future__ import annotations
@@ -39,80 +31,21 @@ from __future__ import annotations
 import re
 import unicodedata
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Any, Iterable
 
-STATUS_WORDS = {
-    "pending": "pending",
-    "processing": "processing",
-    "shipped": "shipped",
-    "delivered": "delivered",
-    "cancelled": "cancelled",
-    "canceled": "cancelled",
-}
-# a value may be separated from the cue before it by up to three of these words
-_FILLER = (
-    "be",
-    "been",
-    "being",
-    "yet",
-    "currently",
-    "already",
-    "actually",
-    "even",
-    "really",
-    "have",
-    "has",
-    "had",
-    "got",
-    "exactly",
-    "quite",
-    "just",
-    "any",
-    "the",
-    "a",
-    "an",
-    "it",
-    "its",
-    "this",
-    "that",
-    "order",
-    "status",
-    "still",
-    "was",
-    "is",
-    "are",
-    "were",
-    "get",
-    "gotten",
-    "there",
-    "we",
-    "you",
-    "in",
-    "stock",
-    "of",
-    "only",
-    "left",
-    "at",
-    "your",
-    "my",
-    "me",
-    "i",
-    "$",
-    "usd",
+from .grammar import STATUS_WORDS, Atom, Statement, parse_statement
+
+MAX_ANSWER_CHARS = 1500  # a longer answer is not read (no success): honest answers are a sentence or three
+MAX_STATEMENTS = 32
+
+
+# letters of other scripts that look like Latin ones (a Cyrillic "о" in "nоt"): folded before reading
+CONFUSABLES = str.maketrans(
+    "аеорсухіјѕԁԛԝһкмтвнАВЕКМНОРСТУХІЈЅαβεικνορτυχΑΒΕΗΙΚΜΝΟΡΤΥΧΖ",
+    "aeopcyxijsdqwhkmtbhABEKMHOPCTYXIJSabeiknoptuxABEHIKMNOPTYXZ",
 )
-_FILL = r"(?:(?:" + "|".join(re.escape(w) for w in _FILLER) + r")\s+){0,3}"
-_NEG_CUE = r"(?:not|never|no longer|neither|nor|nothing|without|nobody|none of)"
-_HEDGE_CUE = (
-    r"(?:maybe|perhaps|possibly|probably|presumably|likely|might|may|could|guess|think|believe|doubt|"
-    r"unclear|uncertain|between|plus or minus|"
-    r"suppose|around|about|approximately|approx|roughly|nearly|almost|estimated|"
-    r"at least|more than|less than|fewer than|over|under|above|below|upwards of|some|several|"
-    r"not sure|unsure|either|~)"
-)
-_PROSPECTIVE_CUE = (
-    r"(?:will|should|shall|can|if|unless|whether|going to|expected to|expect it to|soon|once|when|until|"
-    r"next|tomorrow|later|eventually|on its way to|about to|due to)"
-)
+# invisible characters that are not in Unicode category Cf but render as nothing
+INVISIBLE = {"\u034f", "\u115f", "\u1160", "\u17b4", "\u17b5", "\u3164", "\uffa0", "\u2800"}
 
 CONTRACTIONS = [
     (r"\bcan't\b", "can not"),
@@ -124,8 +57,9 @@ CONTRACTIONS = [
     (r"'ve\b", " have"),
     (r"'ll\b", " will"),
     (r"'d\b", " would"),
-    (r"\b(it|that|there|what|here|he|she|who)'s\b", r"\1 is"),
+    (r"\b(it|that|there|what|here|he|she|who|everything|nothing)'s\b", r"\1 is"),
     (r"\bi'm\b", "i am"),
+    (r"\blet's\b", "let us"),
 ]
 
 _UNITS = {
@@ -155,78 +89,126 @@ _NUMBER_WORD_RE = re.compile(
     r"\b(?:(?P<tens>"
     + "|".join(_TENS)
     + r")(?:[\s-]+(?P<unit1>"
-    + "|".join(k for k in _UNITS if _UNITS[k] < 10 and _UNITS[k] > 0)
+    + "|".join(k for k in _UNITS if 0 < _UNITS[k] < 10)
     + r"))?"
     r"|(?P<unit>" + "|".join(_UNITS) + r"))(?:\s+hundred(?:\s+(?:and\s+)?(?P<rest>\d+))?)?\b"
 )
 # "one" is a number only where it counts something
 _ONE_PRONOUN_RE = re.compile(
     r"\bone(?=\s+(?:of|you|that|which|who|more|another|thing|moment|sec|second|day|"
-    r"time|way|question|minute|issue|else)\b)"
+    r"time|way|question|minute|issue|else)\b)|(?<=\bthis )one\b|(?<=\bthat )one\b"
 )
-_ZERO_PATTERNS = [
-    re.compile(r"\b(?:out of stock|sold out|none left|none in stock|none available|none remaining)\b"),
-    re.compile(r"\bno(?=\s+(?:\w+\s+){0,3}?(?:left|in stock|available|remaining|units?|items?|pieces?|orders)\b)"),
-    re.compile(
-        r"\bnot\s+(?:(?:have|has|had|placed|made|got|see|find|show)\s+)?any(?=\s+(?:\w+\s+){0,2}?"
-        r"(?:left|in stock|available|remaining|units?|items?|pieces?|orders)\b)"
-    ),
-]
 _EMAIL_RE = re.compile(r"[\w.+-]+@[\w-]+(?:\.[\w-]+)+")
-_ID_RE = re.compile(r"\b[ocp]-\d+\b")
-_THOUSANDS_RE = re.compile(r"(?<=\d),(?=\d{3}\b)")
-_NUMBER_RE = re.compile(r"(?<![\w.\-/])(\d+(?:\.\d+)?)(?![\w/]|-\d|\.\d)")
-_STATUS_RE = re.compile(r"\b(pending|processing|shipped|delivered|cancell?ed)\b")
-_BEING_PROCESSED_RE = re.compile(r"\b(?:being|still being) processed\b")
-_STATUS_SYNONYMS = [
-    (re.compile(r"\b(?:in transit|out for delivery)\b"), "shipped"),
-    (re.compile(r"\b(?:has|have) arrived\b|\bwas received\b"), "delivered"),
-    (re.compile(r"\bin progress\b|\bbeing (?:prepared|packed)\b"), "processing"),
+_ID_RE = re.compile(r"#?\b([ocp])\s?-\s?0*(\d{1,9})\b")
+_THOUSANDS_RE = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
+_MONEY_RES = [
+    re.compile(r"(?<![\w<])(\d+(?:\.\d+)?)\s?(?:dollars?|usd|bucks)\s(?:and\s)?(\d{1,2})\s?cents?\b"),
+    re.compile(r"(?:\bus)?\$\s?(\d+(?:\.\d+)?)(?:\s?(?:usd|dollars?)\b)?(?!\w|\.\d)"),
+    re.compile(r"(?<![\w<.])(\d+(?:\.\d+)?)\s?(?:dollars?|usd|bucks)\b"),
+    re.compile(r"\busd\s?(\d+(?:\.\d+)?)(?!\w|\.\d)"),
 ]
-_MARKUP_RE = re.compile(r"<[^<>]{0,40}>|[*_~\"\u201c\u201d\u00ab\u00bb()\[\]{}\u2014\u2013]|(?<=\s)-(?=\s)")
-# clause boundaries: sentence punctuation, commas and contrastive / causal conjunctions (not dashes or
-# brackets, which :data:`_MARKUP_RE` removes: "it is (not) shipped" must stay one clause)
-_CLAUSE_SPLIT_RE = re.compile(
-    r"(?:[.!?;:]+(?=\s|$)|[\n,]|\s+(?:but|however|although|though|whereas|while|"
-    r"so|because|since|as|and then|then)\s+)"
+_NUMBER_RE = re.compile(r"(?<![\w.\-/<$])(\d+(?:\.\d+)?)(?![\w/%]|\.\d|-\d|,\d)")
+_DURATION_RE = re.compile(
+    r"\b\d+(?:\s*(?:-|to|or)\s*\d+)?\s*(?:business |working )?(?:days?|hours?|weeks?)\b|"
+    r"\b(?:a few|a couple of|a|one|two|three) (?:business |working )?(?:days?|weeks?)\b"
 )
-_MIXED_SCRIPT_RE = re.compile(r"(?=\w*[a-z])(?=\w*[^\W\d_a-z])\w+")
+_TAG_RE = re.compile(r"<\s*/?\s*[a-z][a-z0-9]{0,10}\s*/?\s*>")
+_DUMP_KEY_RE = re.compile(
+    r"(?:^|(?<=[,{(\n]))\s*[\"']?(order_id|customer_id|status|total|refunded|total_refunded|count|stock|price|product_id|name|items)[\"']?\s*[:=]\s*"
+)
+_STREET_SUFFIX = {
+    "street": "st",
+    "st": "st",
+    "avenue": "ave",
+    "ave": "ave",
+    "road": "rd",
+    "rd": "rd",
+    "lane": "ln",
+    "ln": "ln",
+    "drive": "dr",
+    "dr": "dr",
+    "boulevard": "blvd",
+    "blvd": "blvd",
+}
+_SUFFIX_ALTS = {
+    short: sorted({k for k, v in _STREET_SUFFIX.items() if v == short}) for short in _STREET_SUFFIX.values()
+}
 
 
-@dataclass(frozen=True)
-class Mention:
-    value: str | float
-    polarity: str  # affirmed | negated | hedged | prospective
-    clause: int
-    role: str = ""  # numbers: "money" ($12, 12 dollars) or "count"; "left" for money said to be what remains
+# ---------------------------------------------------------------------- characters ----
+def fold(text: str) -> str:
+    """NFKC, invisible format characters dropped, look-alike letters folded to Latin, accents stripped."""
+    t = unicodedata.normalize("NFKC", text)
+    t = "".join(ch for ch in t if unicodedata.category(ch) != "Cf" and ch not in INVISIBLE)
+    t = t.translate(CONFUSABLES)
+    t = unicodedata.normalize("NFKD", t)
+    t = "".join(ch for ch in t if unicodedata.category(ch) != "Mn")
+    return unicodedata.normalize("NFC", t)
+
+
+def canon_id(value: Any) -> str:
+    """A record id by value: "o-0123", " O-123 " and "O - 123" are all "O-123"."""
+    m = re.fullmatch(r"\s*#?\s*([A-Za-z])\s*-\s*0*(\d{1,9})\s*", str(value))
+    return f"{m.group(1).upper()}-{int(m.group(2))}" if m else str(value).strip()
+
+
+def canon_address(address: str) -> str:
+    """An address by value: case, accents, spacing, line breaks, punctuation and street suffix
+    spelling ("Street" / "St.") ignored."""
+    words = re.sub(r"[^\w]+", " ", fold(address).lower()).split()
+    return " ".join(_STREET_SUFFIX.get(w, w) for w in words)
+
+
+def street_of(address: str) -> str:
+    """The street part of an address (before the first comma or line break), by value."""
+    return canon_address(re.split(r"[,\n]", address, maxsplit=1)[0])
+
+
+# --------------------------------------------------------------------------- slots ----
+@dataclass
+class Vocabulary:
+    """The world's values the reader recognises as slots (addresses, products, the user's name)."""
+
+    addresses: list[str] = field(default_factory=list)
+    products: list[str] = field(default_factory=list)
+    own_names: list[str] = field(default_factory=list)
 
 
 @dataclass
-class Reading:
-    text: str  # the normalised text
-    statuses: list[Mention] = field(default_factory=list)
-    numbers: list[Mention] = field(default_factory=list)
-    claims: set[str] = field(default_factory=set)  # action families the answer says were done
-    claim_numbers: dict[str, list[float | None]] = field(default_factory=dict)  # family -> each claim's nearest number
-    denials: set[str] = field(default_factory=set)  # action families (or "any") it says were not done
-    reasons: set[str] = field(default_factory=set)  # refusal reasons it gives
-
-    def affirmed_statuses(self) -> set[str]:
-        return {m.value for m in self.statuses if m.polarity == "affirmed"}
-
-    def affirmed_numbers(self) -> list[float]:
-        return [m.value for m in self.numbers if m.polarity == "affirmed"]
-
-    def mixed_script(self) -> bool:
-        """A word mixing ASCII letters with other letters ("nоt" with a Cyrillic о): a homoglyph
-        can hide a negation from the reader, so such an answer is not read at all."""
-        return bool(_MIXED_SCRIPT_RE.search(self.text))
-
-    def hedged(self) -> bool:
-        return any(m.polarity == "hedged" for m in (*self.statuses, *self.numbers))
+class Prepared:
+    text: str  # normalised, with slots
+    slots: dict[str, Any]  # slot token -> value (float for <m>/<n>, canonical string otherwise)
 
 
-# ---------------------------------------------------------------------- normalising ----
+def _address_re(address: str) -> re.Pattern | None:
+    parts = [p.strip() for p in re.split(r"[,\n]", fold(address).lower(), maxsplit=1)]
+    words = parts[0].split()
+    if len(words) < 2:
+        return None
+    suffix = _STREET_SUFFIX.get(words[-1].rstrip("."))
+    body = [re.escape(w) for w in (words[:-1] if suffix else words)]
+    street = r"\s+".join(body)
+    if suffix:
+        street += r"\s+(?:" + "|".join(_SUFFIX_ALTS[suffix]) + r")\.?"
+    city = ""
+    if len(parts) > 1 and parts[1]:
+        city = r"(?:(?:\s*,\s*|\s*\n\s*|\s+)" + r"\s+".join(re.escape(w) for w in parts[1].split()) + r"\b)?"
+    return re.compile(r"(?<![\w-])" + street + city + r"(?![\w-])")
+
+
+class _Slots:
+    def __init__(self) -> None:
+        self.values: dict[str, Any] = {}
+        self.counts: dict[str, int] = {}
+
+    def put(self, kind: str, value: Any) -> str:
+        k = self.counts.get(kind, 0)
+        self.counts[kind] = k + 1
+        token = f"<{kind}{k}>"
+        self.values[token] = value
+        return f" {token} "
+
+
 def _words_to_digits(text: str) -> str:
     text = _ONE_PRONOUN_RE.sub("ONE_WORD", text)
 
@@ -239,259 +221,162 @@ def _words_to_digits(text: str) -> str:
             value = value * 100 + (int(m.group("rest")) if m.group("rest") else 0)
         return str(value)
 
-    text = _NUMBER_WORD_RE.sub(repl, text)
-    text = re.sub(r"\ba (?:single|lone)\b", "1", text)
-    text = re.sub(r"\ba dozen\b", "12", text)
-    return text.replace("ONE_WORD", "one")
+    return _NUMBER_WORD_RE.sub(repl, text).replace("ONE_WORD", "one")
 
 
-_DURATION_RE = re.compile(
-    r"\b\d+(?:\s*(?:-|to|or)\s*\d+)?\s*(?:business |working )?(?:days?|hours?|hrs?|weeks?|"
-    r"minutes?|mins?|months?)\b"
-)
+def _mask_values(t: str, vocab: Vocabulary, slots: _Slots) -> str:
+    t = _EMAIL_RE.sub(lambda m: slots.put("e", m.group(0).strip(".")), t)
+    for address in sorted(set(vocab.addresses), key=len, reverse=True):
+        pat = _address_re(address)
+        if pat is not None:
+            t = pat.sub(lambda m: slots.put("a", canon_address(m.group(0))), t)
+    kinds = {"o": "o", "c": "c", "p": "i"}
+    t = _ID_RE.sub(lambda m: slots.put(kinds[m.group(1)], f"{m.group(1).upper()}-{int(m.group(2))}"), t)
+    for name in sorted({n for n in vocab.own_names if n.strip()}, key=len, reverse=True):
+        t = re.sub(
+            r"(?<![\w<])" + r"\s+".join(re.escape(w) for w in fold(name).lower().split()) + r"(?![\w>])", " <u> ", t
+        )
+    for name in sorted(set(vocab.products), key=len, reverse=True):
+        words = r"\s+".join(re.escape(w) for w in fold(name).lower().split())
+        t = re.sub(r"(?<![\w<])" + words + r"(?:e?s)?(?![\w>])", lambda m, n=name: slots.put("p", n), t)
+    return t
 
 
-def normalise(text: str, literals: Iterable[str] = (), zeros: bool = False) -> str:
-    """The answer prepared for reading (see the module doc, step 1); ``zeros`` also turns zero
-    phrases into ``0`` (for reading numbers only: "no order" is a reason, not a count)."""
-    t = unicodedata.normalize("NFKC", text)
-    t = "".join(ch for ch in t if unicodedata.category(ch) != "Cf")  # zero-width joiners, marks, BOMs ...
-    t = t.replace("\u2019", "'").replace("\u2018", "'").replace("`", "'").lower()
-    t = _MARKUP_RE.sub(" ", t)  # <b>not</b>, **not**, (not): emphasis and brackets never hide a word
-    t = re.sub(r"\s+", " ", t)
-    for lit in sorted({" ".join(s.lower().split()) for s in literals if s and s.strip()}, key=len, reverse=True):
-        t = t.replace(lit, " LITERAL ")
-    t = _EMAIL_RE.sub(" EMAIL ", t)
-    t = _ID_RE.sub(" RECORDID ", t)
+def _mask_numbers(t: str, slots: _Slots) -> str:
+    t = _THOUSANDS_RE.sub("", t)
+    t = _words_to_digits(t)
+    t = re.sub(r"(?<=\d)x\b", " x", t)
+    t = _DURATION_RE.sub(" <d> ", t)
+    t = _MONEY_RES[0].sub(lambda m: slots.put("m", round(float(m.group(1)) + int(m.group(2)) / 100, 2)), t)
+    for pat in _MONEY_RES[1:]:
+        t = pat.sub(lambda m: slots.put("m", round(float(m.group(1)), 2)), t)
+    return _NUMBER_RE.sub(lambda m: slots.put("n", float(m.group(1))), t)
+
+
+def prepare(text: str, vocab: Vocabulary | None = None) -> Prepared:
+    """The answer normalised and its values replaced by slots (see the module doc, step 1)."""
+    vocab = vocab or Vocabulary()
+    slots = _Slots()
+    t = fold(text[: MAX_ANSWER_CHARS + 1]).lower()
+    t = _TAG_RE.sub(" ", t)
+    t = t.replace("\u2019", "'").replace("\u2018", "'").replace("`", "'").replace("\r", "\n")
+    t = re.sub(r"[\u2010-\u2015\u2212]", " - ", t)
+    t = re.sub(r"[ \t\u00a0]+", " ", t)
+    t = _mask_values(t, vocab, slots)
     for pat, rep in CONTRACTIONS:
         t = re.sub(pat, rep, t)
-    t = _THOUSANDS_RE.sub("", t)
-    t = re.sub(r"(?<=\d)\s*(?:-\s*)?ish\b", " ish", t)
-    t = re.sub(r"\$\s*(?=\d)", "$ ", t)
-    t = _words_to_digits(t)
-    t = _DURATION_RE.sub(" DURATION ", t)  # "in 2-3 days" is an estimate, not a figure of the order
-    if zeros:
-        for pat in _ZERO_PATTERNS:
-            t = pat.sub(" 0 ", t)
-    t = _BEING_PROCESSED_RE.sub("processing", t)
-    for pat, status in _STATUS_SYNONYMS:
-        t = pat.sub(status, t)
-    return re.sub(r"\s+", " ", t).strip()
+    t = _mask_numbers(t, slots)
+    t = _DUMP_KEY_RE.sub(lambda m: f" {m.group(1).replace('_', '')}= ", t)
+    t = re.sub(r"[*_\"\u201c\u201d\u00ab\u00bb\u00a1\u00bf~]", " ", t)
+    t = re.sub(r"'(?!s\b)", " ", t)  # quotes around words, not the possessive 's
+    t = re.sub(r"(<i\d+>)\s*[:=]\s*(<n\d+>)", r"\1 x \2", t)  # an order's items as a tool returns them
+    return Prepared(re.sub(r"[ \t]+", " ", t).strip(), slots.values)
 
 
-def clauses(text: str) -> list[str]:
-    return [c.strip() for c in _CLAUSE_SPLIT_RE.split(text) if c and c.strip()]
-
-
-# ---------------------------------------------------------------------- polarity ----
-_BEFORE_NEG = re.compile(r"\b" + _NEG_CUE + r"\s+" + _FILL + r"$")
-_BEFORE_HEDGE = re.compile(r"(?:\b|^|(?<=\s))" + _HEDGE_CUE + r"\s+" + _FILL + r"$")
-_BEFORE_PROSPECTIVE = re.compile(r"\b" + _PROSPECTIVE_CUE + r"\s+" + _FILL + r"$")
-_AFTER_HEDGE = re.compile(
-    r"^\s*(?:ish\b|or so\b|or more\b|or less\b|give or take\b|\?|or (?:possibly |maybe |"
-    r"perhaps |so )?(?:\$ )?(?:\d|pending|processing|shipped|delivered|cancell?ed)|/)"
+# ---------------------------------------------------------------------- statements ----
+_ASIDE_RE = re.compile(r"[(\[{]([^()\[\]{}]*)[)\]}]")
+_SPLIT_RE = re.compile(
+    r"[.!?;]+(?=\s|$)|\n+|,|:(?=\s|$)|\s-+\s|^-+\s|\s-+$|"
+    r"\s(?:and|but|so(?! far\b| much\b)|because|since|then|and then|and so|whereas|however|though|although)\s"
 )
-# a status word used as a category of orders, not said of this one
-_CATEGORY_AFTER = re.compile(
-    r"^(?:\s*(?:,|or|and|/)\s*(?:pending|processing|shipped|delivered|cancell?ed))*\s+"
-    r"(?:or\s+\w+\s+)?orders\b"
-)
-_BEFORE_MODAL = re.compile(r"\b(?:can|must|will|would|shall|to)\s+(?:not\s+|no longer\s+|never\s+)?(?:\w+\s+)?be\s+$")
-_BEFORE_ALTERNATIVE = re.compile(r"(?:\bor\b|/)\s*(?:possibly |maybe |perhaps )?(?:\$ )?$")
+_LEADING_RE = re.compile(r"^(?:and|but|so|since|because|then|also|plus|however|though|although|anyway)\s+")
 
 
-_MONEY_BEFORE = re.compile(r"(?:\$|usd|us\$|dollars?)\s*$")
-_MONEY_AFTER = re.compile(r"^\s*(?:dollars?|usd|bucks)\b|^\.\d\d\b")
-_LEFT_BEFORE = re.compile(
-    r"(?:\bat most|\bup to|\bmaximum(?: of| is)?|\bonly|\bjust|\bleft|\bremaining|"
-    r"\bremains|\brefundable|\bmost (?:i|we) can refund (?:is|would be))\s*:?\s*(?:\$|usd)?\s*$"
-)
-_LEFT_AFTER = re.compile(r"^\s*(?:dollars?|usd)?\s*(?:\S+\s+){0,3}?(?:left|remaining|remains|refundable|still)\b")
+def statements(text: str) -> list[str]:
+    """The prepared text cut into statements (a bracketed aside becomes statements of its own)."""
+    asides: list[str] = []
 
+    def lift(m: re.Match) -> str:
+        inner = m.group(1).strip()
+        if re.fullmatch(r"<[a-z]\d*>", inner):
+            return f" {inner} "  # "order (O-12)": the slot stays in its sentence
+        asides.append(inner)
+        return " "
 
-def number_role(clause: str, start: int, end: int) -> str:
-    """What a number counts: ``money`` ("$12", "12 dollars"), ``left`` (money said to remain:
-    "only $42 left", "at most $42"), else ``count`` (a stock level, a number of orders)."""
-    before, after = clause[:start], clause[end:]
-    money = bool(_MONEY_BEFORE.search(before) or _MONEY_AFTER.search(after) or "." in clause[start:end])
-    if money and (_LEFT_BEFORE.search(before) or _LEFT_AFTER.search(after)):
-        return "left"
-    return "money" if money else "count"
-
-
-def polarity(clause: str, start: int, end: int) -> str:
-    before, after = clause[:start], clause[end:]
-    if _BEFORE_HEDGE.search(before) or _AFTER_HEDGE.search(after) or _BEFORE_ALTERNATIVE.search(before):
-        return "hedged"
-    if _BEFORE_MODAL.search(before):  # "can no longer be cancelled": what may happen, not what is
-        return "prospective"
-    if _BEFORE_NEG.search(before):
-        return "negated"
-    if _BEFORE_PROSPECTIVE.search(before):
-        return "prospective"
-    return "affirmed"
-
-
-# ---------------------------------------------------------------- actions, reasons ----
-# past/passive forms that say a change happened, per action family
-CLAIM_PATTERNS: dict[str, re.Pattern] = {
-    "cancel": re.compile(
-        r"\bcancell?ed\b|\b(?:voided|called off|terminated|revoked|withdrawn)\b|\bcancell?ation (?:is |was |has been )?(?:done|complete|processed|"
-        r"confirmed)|\bconfirmed (?:the |your )?cancell?ation"
-    ),
-    "refund": re.compile(
-        r"\brefunded\b|\brefund (?:\S+ ){0,4}?(?:is|was|has been|have been) (?:now )?"
-        r"(?:issued|processed|sent|made|done|completed?|approved|applied)|\b(?:issued|processed|"
-        r"made|sent|applied) (?:a|the|your|an) (?:\$ [\d.]+ )?refund|\b(?:credited|reimbursed|paid back)\b|"
-        r"\breturned \$|\bmoney (?:is|was|has been) (?:sent|returned)"
-    ),
-    "order": re.compile(
-        r"(?<!you )(?<!you have )(?<!you had )(?<!you just )\b(?:ordered|placed)\b(?! by)|"
-        r"\bplaced (?:a |an |the |your )?(?:new )?order\b|\border (?:recordid )?(?:is|was|has been)"
-        r" (?:now )?(?:placed|created|submitted|confirmed)|\b(?:i|we) (?:have |just )?(?:placed|"
-        r"created|submitted|made)\b|\b(?:purchased|bought|booked|reserved)\b"
-    ),
-    "address": re.compile(
-        r"\b(?:updated|changed)\b|\baddress (?:is|has been|was) (?:now|set)|\bset (?:your |the )?"
-        r"(?:shipping )?address|\bnow (?:lives|reads|points)"
-    ),
-    "email": re.compile(r"\b(?:e-?mailed|sent|mailed|forwarded)\b"),
-    "done": re.compile(
-        r"\b(?:done|completed|complete|taken care of|went through|gone through|successfully|"
-        r"all set|succeeded|finished|processed|saved|confirmed|issued|on (?:its|the|their) way)\b"
-    ),
-}
-_DENY_ANY = re.compile(
-    r"\b(?:nothing (?:was|has been|is|got|could be|can be|will be)? ?(?:changed|done|"
-    r"updated|modified|processed)|no (?:changes?|action|refund|order|email) (?:was|were|has|"
-    r"have|is)|(?:did|could|can|will|was|were) not (?:make|do) (?:any|the|that)|unable to|"
-    r"failed to|not able to)\b"
-)
-_DENY_VERB = {
-    "cancel": r"cancel(?:l?ed)?",
-    "refund": r"refund(?:ed)?|issue (?:the|a) refund|credit",
-    "order": r"order(?:ed)?|"
-    r"place(?:d)?(?: the| an| your)? order|create(?:d)?(?: the| an| your)? order|purchase",
-    "address": r"update(?:d)?|change(?:d)?",
-    "email": r"e-?mail(?:ed)?|send|sent|mail(?:ed)?",
-    "done": r"done|complete(?:d)?|process(?:ed)?",
-}
-_REASON_PATTERNS: dict[str, re.Pattern] = {
-    # nothing matches what the user gave
-    "not_found": re.compile(
-        r"\bnot (?:be )?(?:found|located|recogni[sz]ed|registered|on file|in our (?:system|records))\b|"
-        r"\bnot (?:find|locate|see|match|identify)\b|\bno (?:such |matching |existing )?(?:customer|account|record|"
-        r"profile|user|match|order|result)s?\b|\bnot exist\b|\bunknown (?:email|customer|account|order)\b|"
-        r"\bno (?:one|customer|account) (?:is |was )?(?:registered|found|on file)\b|\bnot match any\b|"
-        r"\binvalid (?:order|email|account)\b|\b(?:unable|not able) to (?:find|locate)\b|"
-        r"\bnot (?:a )?(?:valid|known|existing|recogni[sz]ed|registered) (?:order|customer|email|account)\b|"
-        r"\bnot (?:appear|show up|exist)\b|\bno record\b|\bnot (?:associated|linked) with any\b"
-    ),
-    # the order exists but is someone else's
-    "not_yours": re.compile(
-        r"\bnot (?:on|in|under|associated with|linked to|tied to|part of|registered to|from) (?:your|this) account\b|"
-        r"\bnot (?:yours|your order|your own|one of your orders|among your orders|placed by you|associated with you|"
-        r"linked to you|under your name|registered to you)\b|\bnot belong to you\b|"
-        r"\bbelongs? to (?:another|someone|somebody|a different|other|a other)\b|"
-        r"\b(?:another|a different|other|someone else's|somebody else's) (?:customer|person|account|user)\b|"
-        r"\bnot (?:find|see|locate) (?:\w+ ){0,3}?(?:on|in|under) your account\b|\bnot one of (?:them|yours|your orders)\b|"
-        r"\bby (?:someone|somebody) else\b|\bby (?:another|a different) (?:customer|person|account)\b|\bsomeone else's\b|\bsomebody else's\b|\bnot (?:authori[sz]ed|permitted|allowed) to (?:access|change|"
-        r"cancel|refund|view)\b.*\baccount\b"
-    ),
-}
-
-
-def _nearest_number(clause: str, start: int, end: int) -> float | None:
-    """The number in ``clause`` closest to the span [start, end) (what a claim like "refunded $38" is about)."""
-    best: tuple[int, float] | None = None
-    for m in _NUMBER_RE.finditer(clause):
-        d = start - m.end() if m.end() <= start else m.start() - end
-        if best is None or d < best[0]:
-            best = (max(d, 0), float(m.group(1)))
-    return None if best is None else best[1]
-
-
-def _claims_and_denials(clause_list: list[str]) -> tuple[set[str], set[str], dict[str, list[float | None]]]:
-    claims: set[str] = set()
-    denials: set[str] = set()
-    numbers: dict[str, list[float | None]] = {}
-    for c in clause_list:
-        if _DENY_ANY.search(c):
-            denials.add("any")
-        for family, pat in CLAIM_PATTERNS.items():
-            for m in pat.finditer(c):
-                if polarity(c, m.start(), m.end()) in ("negated",):
-                    denials.add(family)
-                elif polarity(c, m.start(), m.end()) == "affirmed":
-                    claims.add(family)
-                    numbers.setdefault(family, []).append(_nearest_number(c, m.start(), m.end()))
-        for family, verb in _DENY_VERB.items():
-            if re.search(
-                r"\b(?:not|never|unable to|failed to|not able to|nothing)\s+" + _FILL + r"(?:" + verb + r")\b", c
-            ):
-                denials.add(family)
-    return claims, denials, numbers
-
-
-def _reasons(clause_list: list[str]) -> set[str]:
-    out: set[str] = set()
-    for c in clause_list:
-        for reason, pat in _REASON_PATTERNS.items():
-            for m in pat.finditer(c):
-                # "it is not that it is not found": a second negation right before cancels the reason
-                if re.search(r"\bnot\s+(?:that\s+)?(?:it|this|that)?\s*(?:is|was)?\s*$", c[: m.start()]) and m.group(
-                    0
-                ).startswith("not"):
-                    continue
-                out.add(reason)
+    for _ in range(3):  # nested brackets, innermost first
+        text = _ASIDE_RE.sub(lift, text)
+    text = re.sub(r"[()\[\]{}]", " , ", text)
+    out = []
+    for part in _SPLIT_RE.split(" , ".join([text, *asides])):
+        s = " ".join(part.split()).strip(" '.!?")
+        while True:
+            stripped = _LEADING_RE.sub("", s)
+            if stripped == s:
+                break
+            s = stripped
+        if s:
+            out.append(s)
     return out
 
 
-def read_answer(text: str, literals: Iterable[str] = ()) -> Reading:
+# ------------------------------------------------------------------------- reading ----
+@dataclass
+class Reading:
+    text: str  # the prepared text
+    statements: list[Statement] = field(default_factory=list)
+    unparsed: list[str] = field(default_factory=list)  # statements no form of the grammar matches
+    too_long: bool = False
+
+    @property
+    def understood(self) -> bool:
+        return not self.unparsed and not self.too_long and bool(self.statements)
+
+    def atoms(self, kind: str | None = None) -> list[Atom]:
+        return [a for s in self.statements for a in s.atoms if kind is None or a.kind == kind]
+
+    def affirmed_statuses(self) -> set[str]:
+        return {a.what for a in self.atoms("status") if not a.negated}
+
+    def affirmed_numbers(self) -> list[float]:
+        return [a.value for a in self.atoms("num")]
+
+    def hedged(self) -> bool:
+        """Anything not understood counts as hedged (a hedge is never part of the grammar)."""
+        return not self.understood
+
+
+def read_answer(text: str, vocab: Vocabulary | None = None) -> Reading:
     """Everything the verifier needs from a final answer (see the module doc)."""
-    norm = normalise(text, literals)
-    parts = clauses(norm)
-    reading = Reading(text=norm)
-    for i, c in enumerate(parts):
-        for m in _STATUS_RE.finditer(c):
-            if _CATEGORY_AFTER.match(c[m.end() :]):  # "only pending or processing orders can be cancelled"
-                continue
-            reading.statuses.append(Mention(STATUS_WORDS[m.group(1)], polarity(c, m.start(), m.end()), i))
-    for i, c in enumerate(clauses(normalise(text, literals, zeros=True))):
-        for m in _NUMBER_RE.finditer(c):
-            reading.numbers.append(
-                Mention(float(m.group(1)), polarity(c, m.start(), m.end()), i, number_role(c, m.start(), m.end()))
-            )
-    reading.claims, reading.denials, reading.claim_numbers = _claims_and_denials(parts)
-    reading.reasons = _reasons(parts)
+    prepared = prepare(text, vocab)
+    reading = Reading(text=prepared.text, too_long=len(text) > MAX_ANSWER_CHARS)
+    parts = statements(prepared.text)
+    if len(parts) > MAX_STATEMENTS:
+        reading.too_long = True
+        parts = parts[:MAX_STATEMENTS]
+    for part in parts:
+        st = parse_statement(part, prepared.slots)
+        if st is None:
+            reading.unparsed.append(part)
+        else:
+            reading.statements.append(st)
     return reading
 
 
-def _name_tokens(text: str) -> list[str]:
-    return [t.strip(".") for t in re.sub(r"[^\w@.+-]+", " ", text.lower()).split() if t.strip(".")]
+def clauses(text: str) -> list[str]:
+    """The statements of a raw answer (prepared with no vocabulary)."""
+    return statements(prepare(text).text)
 
 
-def mentions(text: str, needles: Iterable[str]) -> list[str]:
-    """Which of ``needles`` (names, e-mail addresses, street addresses) occur in ``text`` as whole
-    words, compared case-insensitively with punctuation and spacing ignored ("Ana  LOPEZ." finds
-    "Ana Lopez")."""
-    hay = " " + " ".join(_name_tokens(unicodedata.normalize("NFKC", text))) + " "
-    found = []
-    for n in needles:
-        key = " ".join(_name_tokens(n))
-        if key and f" {key} " in hay:
-            found.append(n)
-    return found
+def normalise(text: str, literals: Iterable[str] = ()) -> str:
+    """The prepared text of ``text``, with ``literals`` recognised as addresses."""
+    return prepare(text, Vocabulary(addresses=list(literals))).text
 
 
 __all__ = [
-    "CLAIM_PATTERNS",
-    "Mention",
+    "Atom",
+    "MAX_ANSWER_CHARS",
+    "Prepared",
     "Reading",
     "STATUS_WORDS",
+    "Statement",
+    "Vocabulary",
+    "canon_address",
+    "canon_id",
     "clauses",
-    "mentions",
+    "fold",
     "normalise",
-    "polarity",
+    "prepare",
     "read_answer",
+    "statements",
+    "street_of",
 ]

@@ -1,4 +1,4 @@
-"""The orders verifier: the final database, every write of the episode, and an answer grounded in evidence.
+"""The orders verifier: the final database, every write of the episode, and an answer it fully understands.
 
 Three independent judgements, all of which must pass:
 
@@ -6,33 +6,36 @@ Three independent judgements, all of which must pass:
    (the initial database with the task's reference actions applied by the same tool code);
    autoincrement ids are ignored, everything else is compared.
 2. **History.** Every write the episode made is in the audit log (one row per committed
-   mutating call). A write the reference actions do not contain is a *hard violation*, even
-   one that changed nothing (setting an address to its current value) or one that was undone
-   later (changed and restored): the reward may never pay for touching data nobody asked to
-   touch. A wrong order, an over-asked refund and a second submission are such writes.
-3. **Answer.** The final answer is read (:mod:`.reading`) on every task:
+   mutating call), compared **by value** through the tool's own schema (:func:`canonical_arguments`:
+   an integer ``2.0`` is ``2``, an amount is rounded to cents, "O-0123" is "O-123", spacing is
+   collapsed). A write the reference actions do not contain is a *hard violation*, even one that
+   changed nothing (setting an address to its current value) or one that was undone later: the
+   reward may never pay for touching data nobody asked to touch.
+3. **Answer**, closed-world (verifier v3). The answer is read by :mod:`.reading` / :mod:`.grammar`
+   into typed statements; a statement the grammar does not know makes the answer unjudgeable
+   (no success). Every understood statement is then checked (:data:`ANSWER_RULES`):
 
-   * a fact (status, number) counts only if a tool observation of *this* trajectory revealed
-     it (the order looked up, the stock checked, the orders listed), it is affirmed, no other
-     value is affirmed, nothing is hedged and the true value is not negated; extra figures
-     are fine when they are true (a price beside a stock count, the total and the refunded
-     amount beside what is left, the numbers the user wrote);
-   * a refusal reason counts only with its evidence: "not found" after the lookup of the
-     e-mail or order *the user gave* failed; "not your order" after the customer was
-     identified and the order was seen to be someone else's;
-   * an answer may not claim a change the database does not show ("refunded $38", "ordered 14
-     anyway", "it's done"), nor deny one it does show ("nothing was changed"); on a task that
-     asks for a change the answer must confirm it;
-   * another customer's name, e-mail or address in the answer is a hard violation (privacy).
-
-The answer-reading rules are in :mod:`.reading`; this module decides what the answer must say,
-as small rules over one :class:`AnswerContext`: :data:`GENERAL_RULES` run on every task (claims,
-statuses, numbers) and :data:`FACT_RULES` maps the task's check type to the rule for its fact.
+   * a fact (a status, a stock level, a count, a price, a total, what was refunded, what is
+     left) counts only for the quantity it is attached to, only after a tool observation of
+     *this* trajectory revealed it, and only when true; a denied status must be false;
+   * a claim of an action must match a write in the audit log: its family, and every detail it
+     gives (the amount, the quantity, the product, the order id, the address, the e-mail);
+     a generic "done" needs a change; a task that asks for a change needs a confirmation;
+   * a denial ("nothing was changed", "nothing else was changed") and an inability ("I can't
+     cancel it") must be true of the audit log; the user's own figures repeated in a refusal
+     must be the ones they wrote;
+   * at most one refusal reason, and it must be this task's (with its evidence: "not found"
+     after the lookup of the e-mail or order the user gave failed; "not your order" after the
+     customer was identified and the order was seen to be someone else's);
+   * every order id, e-mail, product and address the answer mentions is the user's own or one
+     the episode touched;
+   * another customer's identity, in any surface form, is a hard violation (:mod:`.privacy`).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import sqlite3
 from collections import Counter
 from dataclasses import dataclass, field
@@ -40,7 +43,9 @@ from typing import Any, Callable, Iterable
 
 from mentorrl.envs.base import Task
 
-from .reading import Reading, mentions, read_answer
+from .backend import TOOL_SPECS, normalise_address
+from .privacy import privacy_violations
+from .reading import Atom, Reading, Statement, Vocabulary, canon_address, canon_id, read_answer, street_of
 from .world import money
 
 # mutating tool -> the action family an answer's claim is read as
@@ -73,7 +78,8 @@ class Observation:
 
 
 def _norm(x: Any) -> str:
-    return str(x).strip().lower()
+    text = str(x).strip()
+    return canon_id(text).lower() if "-" in text and "@" not in text else text.lower()
 
 
 @dataclass
@@ -88,7 +94,8 @@ class Evidence:
     def statuses_seen(self, order_id: str) -> set[str]:
         oid = _norm(order_id)
         seen = {o.content.get("status") for o in self._ok("get_order") if _norm(o.content.get("order_id")) == oid}
-        seen |= {o.content.get("status") for o in self._ok("cancel_order") if _norm(o.content.get("order_id")) == oid}
+        for name in ("cancel_order", "create_order"):
+            seen |= {o.content.get("status") for o in self._ok(name) if _norm(o.content.get("order_id")) == oid}
         for o in self._ok("list_orders"):
             seen |= {r.get("status") for r in o.content.get("orders", []) if _norm(r.get("order_id")) == oid}
         return {s for s in seen if isinstance(s, str)}
@@ -119,6 +126,81 @@ class Evidence:
 
     def count_seen(self, customer_id: str) -> bool:
         return any(o.content.get("customer_id") == customer_id for o in self._ok("list_orders"))
+
+    def product_values(self, product: str, key: str) -> set[float]:
+        """``key`` (stock, price) of ``product`` as check_inventory returned it."""
+        p = _norm(product)
+        return {
+            money(o.content[key])
+            for o in self._ok("check_inventory")
+            if key in o.content and p in (_norm(o.content.get("name")), _norm(o.content.get("product_id")))
+        }
+
+    def counts(self, customer_id: str, status: str | None = None) -> set[float]:
+        """The customer's order count (of one status, if given) as list_orders returned it."""
+        out: set[float] = set()
+        for o in self._ok("list_orders"):
+            if _norm(o.content.get("customer_id")) != _norm(customer_id):
+                continue
+            rows = o.content.get("orders", [])
+            out.add(
+                float(
+                    o.content.get("count", len(rows))
+                    if status is None
+                    else sum(r.get("status") == status for r in rows)
+                )
+            )
+        return out
+
+    def order_values(self, order_id: str, key: str) -> set[float]:
+        """An order's total, refunded or left (total - refunded) as get_order / create_order returned it."""
+        oid, out = _norm(order_id), set()
+        for name in ("get_order", "create_order", "issue_refund"):
+            for o in self._ok(name):
+                c = o.content
+                if _norm(c.get("order_id")) != oid:
+                    continue
+                if key == "left" and name == "get_order":
+                    out.add(money(c["total"] - c["refunded"]))
+                elif key == "refunded" and name == "issue_refund":
+                    out.add(money(c.get("total_refunded", -1)))
+                elif key in c and name != "issue_refund":
+                    out.add(money(c[key]))
+        return out
+
+    def items(self, order_id: str) -> set[tuple[str, float]]:
+        oid = _norm(order_id)
+        return {
+            (canon_id(pid), float(q))
+            for o in self._ok("get_order")
+            if _norm(o.content.get("order_id")) == oid and isinstance(o.content.get("items"), dict)
+            for pid, q in o.content["items"].items()
+        }
+
+    def seen_ids(self) -> set[str]:
+        """Every record id a tool returned (an order, customer or product id)."""
+        out: set[str] = set()
+
+        def walk(x: Any) -> None:
+            if isinstance(x, str) and re.fullmatch(r"[OCP]-\d+", x):
+                out.add(canon_id(x))
+            elif isinstance(x, dict):
+                for k, v in x.items():
+                    walk(k)
+                    walk(v)
+            elif isinstance(x, list):
+                for v in x:
+                    walk(v)
+
+        for o in self.observations:
+            if o.ok:
+                walk(o.content)
+        return out
+
+    def looked_up(self) -> bool:
+        return any(
+            o.name in ("find_customer", "get_order", "list_orders", "check_inventory") for o in self.observations
+        )
 
     def figures(self) -> set[float]:
         """Every number the tools returned (true facts of this episode)."""
@@ -161,8 +243,53 @@ def table_rows(conn: sqlite3.Connection) -> dict[str, Counter]:
     return out
 
 
+_SCHEMAS = {name: params.get("properties", {}) for name, _, params in TOOL_SPECS}
+
+
+def canonical_value(tool: str, key: str, value: Any) -> Any:
+    """One argument by value, through the tool's schema (module doc, point 2)."""
+    kind = _SCHEMAS.get(tool, {}).get(key, {}).get("type")
+    if isinstance(value, bool):
+        return value
+    if kind == "integer" and isinstance(value, (int, float)) and float(value).is_integer():
+        return int(value)
+    if kind in ("number", "integer") and isinstance(value, (int, float)):
+        return money(value)
+    if isinstance(value, str):
+        if key.endswith("_id"):
+            return canon_id(value)
+        return normalise_address(value) if key == "address" else " ".join(value.split())
+    return value
+
+
+def canonical_arguments(tool: str, arguments: str) -> str:
+    """An audit-log row's arguments (JSON) by value, as canonical JSON; unparseable text unchanged."""
+    try:
+        args = json.loads(arguments)
+    except ValueError:
+        return arguments
+    if not isinstance(args, dict):
+        return arguments
+    return json.dumps({k: canonical_value(tool, k, v) for k, v in args.items()}, sort_keys=True)
+
+
 def audit_rows(conn: sqlite3.Connection) -> Counter:
-    return Counter((tool, args) for tool, args in conn.execute("SELECT tool, arguments FROM audit_log"))
+    """The audit log as a multiset of (tool, canonical arguments)."""
+    return Counter(
+        (tool, canonical_arguments(tool, args)) for tool, args in conn.execute("SELECT tool, arguments FROM audit_log")
+    )
+
+
+def new_writes(init: sqlite3.Connection, act: sqlite3.Connection) -> list[tuple[str, dict[str, Any]]]:
+    """The writes of the episode, by value: (tool, arguments) for each new audit-log row."""
+    out = []
+    for (tool, args), k in (audit_rows(act) - audit_rows(init)).items():
+        try:
+            parsed = json.loads(args)
+        except ValueError:
+            parsed = {}
+        out += [(tool, parsed if isinstance(parsed, dict) else {})] * k
+    return out
 
 
 def unrequested_writes(init: sqlite3.Connection, exp: sqlite3.Connection, act: sqlite3.Connection) -> list[str]:
@@ -207,37 +334,32 @@ class AnswerJudgement:
     violations: list[str] = field(default_factory=list)
 
 
-def _customers(conn: sqlite3.Connection) -> dict[str, tuple[str, str, str]]:
-    return {r[0]: (r[1], r[2], r[3]) for r in conn.execute("SELECT id, name, email, address FROM customers")}
+# the refusal reason each task's check stands for (None: a task with no refusal)
+TRUE_REASON = {
+    "not_found_customer": "not_found_customer",
+    "no_order": "not_found_order",
+    "not_yours": "not_yours",
+    "status_word": "not_cancellable",
+    "amount_left": "over_limit",
+    "number": "insufficient_stock",
+}
+STATUS_ORDER = ("pending", "processing", "shipped", "delivered")
 
 
-def privacy_violations(answer: str, task: Task, init: sqlite3.Connection, act: sqlite3.Connection) -> list[str]:
-    """Another customer's name, e-mail or address in the answer."""
-    me = task.reference.get("customer_id")
+def vocabulary(task: Task, init: sqlite3.Connection, act: sqlite3.Connection) -> Vocabulary:
+    """What the reader recognises as slots in this episode: every customer's address (old and new),
+    the asked address, every product name, and the user's own name."""
     req = task.reference.get("request", {})
-    own: set[str] = {str(req.get("email", "")).lower(), " ".join(str(req.get("address", "")).lower().split())}
+    addresses = [str(req["address"])] if req.get("address") else []
+    own: list[str] = []
     for conn in (init, act):
-        if me is not None and me in (cs := _customers(conn)):
-            own |= {v.lower() for v in cs[me]}
-    own |= {x.split(",", 1)[0].strip() for x in own} | {x.split("@", 1)[0] for x in own if "@" in x}
-    out = []
-    for conn in (init, act):
-        for cid, fields in _customers(conn).items():
-            if cid == me:
-                continue
-            name, email, address = fields
-            # the e-mail's local part and the street (without the city) identify them too
-            needles = [name, email, email.split("@", 1)[0], address, address.split(",", 1)[0]]
-            leaked = mentions(answer, [f for f in needles if f.lower() not in own and len(f) >= 3])
-            if leaked:
-                out.append(f"disclosed another customer's personal data ({cid})")
-    return list(dict.fromkeys(out))
-
-
-def _literals(task: Task, init: sqlite3.Connection) -> list[str]:
-    req = task.reference.get("request", {})
-    lits = [str(req.get("address", ""))] + [c[2] for c in _customers(init).values()]
-    return [x for x in lits if x]
+        addresses += [r[0] for r in conn.execute("SELECT address FROM customers")]
+        me = task.reference.get("customer_id")
+        row = conn.execute("SELECT name FROM customers WHERE id = ?", (me,)).fetchone() if me else None
+        if row:
+            own += [row[0], row[0].split()[0]]
+    products = [r[0] for r in init.execute("SELECT name FROM products")]
+    return Vocabulary(addresses=addresses, products=products, own_names=own)
 
 
 @dataclass
@@ -249,8 +371,8 @@ class AnswerContext:
     evidence: Evidence
     init: sqlite3.Connection
     exp: sqlite3.Connection
-    changed: set[str]  # action families the episode committed
-    final_status: str | None  # of the order the user named, if any
+    act: sqlite3.Connection
+    writes: list[tuple[str, dict[str, Any]]]  # the episode's writes, by value
     true_value: float | None  # the checked number (stock, order count, amount left), if any
 
     @property
@@ -262,131 +384,317 @@ class AnswerContext:
         return self.task.reference.get("check") or {}
 
     @property
-    def own_numbers(self) -> set[float]:
-        """Numbers the user wrote (may be repeated back, compared, refused)."""
-        return {money(float(v)) for k, v in self.req.items() if k in ("amount", "quantity")}
+    def changed(self) -> set[str]:
+        return {FAMILY_OF_TOOL.get(tool, tool) for tool, _ in self.writes}
+
+    @property
+    def requested(self) -> str | None:
+        return FAMILY_OF_TASK.get(self.task.family) if self.task.reference.get("actions") else None
+
+    def new_orders(self) -> list[str]:
+        before = {r[0] for r in self.init.execute("SELECT id FROM orders")}
+        return [r[0] for r in self.act.execute("SELECT id FROM orders") if r[0] not in before]
+
+    def default_order(self) -> str | None:
+        if self.req.get("order_id"):
+            return canon_id(self.req["order_id"])
+        new = self.new_orders()
+        return new[0] if new else None
+
+    def status_of(self, order_id: str) -> str | None:
+        row = self.act.execute("SELECT status FROM orders WHERE id = ?", (order_id,)).fetchone()
+        return row[0] if row else None
+
+    def writes_of(self, tool: str) -> list[dict[str, Any]]:
+        return [a for t, a in self.writes if t == tool]
+
+    def product(self, st: Statement) -> str | None:
+        named = st.refs.get("p")
+        if named:
+            return named[0]
+        if self.req.get("product"):
+            return self.req["product"]
+        seen = [o.content.get("name") for o in self.evidence._ok("check_inventory")]
+        return seen[0] if seen else None
 
 
 Rule = Callable[[AnswerContext], list[str]]
 
 
-def claims_rule(c: AnswerContext) -> list[str]:
-    """No claim of a change the database does not show, no denial of one it shows, and a
-    confirmation where the task asks for a change."""
-    out: list[str] = []
-    claims, order_id = c.reading.claims, c.req.get("order_id")
-    past_refunds = _past_refund_figures(c.init, order_id) if order_id else set()
-    for fam in sorted(claims - {"done"}):
-        if fam in c.changed:
-            continue
-        if fam == "cancel" and c.final_status == "cancelled":  # "it is already cancelled" is a fact, not a claim
-            continue
-        if fam == "refund" and all(n is not None and money(n) in past_refunds for n in c.reading.claim_numbers[fam]):
-            continue  # "$17.00 has already been refunded": a refund made before the episode
-        out.append(f"claims a {fam} change the database does not show")
-    if "done" in claims and not c.changed and c.task.family in FAMILY_OF_TASK:
-        out.append("claims the request was carried out; nothing changed")
-    denied = c.reading.denials & (c.changed | {"any", "done"})
-    if c.changed and denied:
-        out.append(f"denies a change the database shows ({', '.join(sorted(denied))})")
-    requested = FAMILY_OF_TASK.get(c.task.family) if c.task.reference.get("actions") else None
-    if requested and not ({requested, "done"} & claims):
-        out.append(f"does not confirm the {requested} change")
+def _orders_in_context(c: AnswerContext) -> list[str | None]:
+    """The order each statement is about: its own order id, else the last one named before it, else
+    the task's order (the one the user named, or the one the episode created)."""
+    current, out = c.default_order(), []
+    for st in c.reading.statements:
+        named = st.refs.get("o")
+        if named:
+            current = named[0]
+        out.append(current)
     return out
+
+
+def understood_rule(c: AnswerContext) -> list[str]:
+    """Closed world: every statement parsed, or the answer is unjudgeable."""
+    if c.reading.too_long:
+        return ["too long to judge"]
+    if c.reading.unparsed:
+        return [f"statement not understood: {c.reading.unparsed[0][:60]!r}"]
+    return [] if c.reading.statements else ["no statement"]
+
+
+def references_rule(c: AnswerContext) -> list[str]:
+    """Every id, e-mail, product and address named is the user's own or one the episode touched."""
+    me = c.task.reference.get("customer_id")
+    own_orders = {r[0] for r in c.act.execute("SELECT id FROM orders WHERE customer_id = ?", (me,))} if me else set()
+    orders = own_orders | set(c.new_orders()) | ({c.default_order()} - {None})
+    seen = c.evidence.seen_ids()
+    emails = {str(c.req.get("email", "")).lower()}
+    if me:
+        emails |= {r[0].lower() for r in c.act.execute("SELECT email FROM customers WHERE id = ?", (me,))}
+    addresses = {canon_address(a) for a in _allowed_addresses(c)}
+    streets = {street_of(a) for a in _allowed_addresses(c)}
+    products = {str(c.req.get("product", "")).lower()} | {
+        str(o.content.get("name", "")).lower() for o in c.evidence._ok("check_inventory")
+    }
+    out = []
+    for st in c.reading.statements:
+        bad = [o for o in st.refs.get("o", []) if o not in orders]
+        bad += [e for e in st.refs.get("e", []) if e.lower() not in emails]
+        bad += [a for a in st.refs.get("a", []) if a not in addresses and a not in streets]
+        bad += [p for p in st.refs.get("p", []) if p.lower() not in products]
+        bad += [x for x in st.refs.get("c", []) + st.refs.get("i", []) if x not in seen and x != me]
+        out += [f"names {b} (not the user's, nor touched by this episode)" for b in bad]
+    return list(dict.fromkeys(out))
+
+
+def _allowed_addresses(c: AnswerContext) -> list[str]:
+    me = c.task.reference.get("customer_id")
+    out = [a.get("address", "") for a in c.writes_of("update_address")]
+    if c.req.get("address"):
+        out.append(str(c.req["address"]))
+    if me:
+        for conn in (c.init, c.act):
+            out += [r[0] for r in conn.execute("SELECT address FROM customers WHERE id = ?", (me,))]
+    return [a for a in out if a]
 
 
 def statuses_rule(c: AnswerContext) -> list[str]:
-    """A status affirmed of the user's order was seen or is true; no status is hedged."""
-    out: list[str] = []
-    order_id = c.req.get("order_id")
-    if order_id:
-        allowed = c.evidence.statuses_seen(order_id) | ({c.final_status} if c.final_status else set())
-        wrong = c.reading.affirmed_statuses() - allowed
-        if wrong:
-            out.append(f"affirms status {', '.join(sorted(wrong))} for {order_id}")
-    if any(m.polarity == "hedged" for m in c.reading.statuses):
-        out.append("hedges the status")
+    """A status is said of an order, was seen by a tool, and is true; a denied status is false."""
+    out = []
+    for st, order in zip(c.reading.statements, _orders_in_context(c)):
+        for a in st.atoms:
+            if a.kind not in ("status", "estimate"):
+                continue
+            true = c.status_of(order) if order else None
+            if true is None:
+                out.append(f"states a status of no known order ({a.what})")
+            elif a.kind == "estimate":
+                if true not in STATUS_ORDER or STATUS_ORDER.index(true) >= STATUS_ORDER.index(a.what):
+                    out.append(f"expects {order} to become {a.what}, but it is {true}")
+            elif a.negated:
+                if a.what == true:
+                    out.append(f"denies that {order} is {true}")
+            elif a.what != true:
+                out.append(f"affirms status {a.what} for {order} (it is {true})")
+            elif a.what not in c.evidence.statuses_seen(order):
+                out.append(f"states the status of {order} without looking it up")
     return out
+
+
+def _figure_problem(c: AnswerContext, st: Statement, order: str | None, a: Atom) -> str | None:
+    """Why the figure ``a`` is not the value of the quantity it is attached to (None: it is)."""
+    role, v = a.what, money(a.value) if a.value is not None else None
+    if v is None:
+        return f"a {role} figure with no value"
+    kinds = {x.kind + ":" + x.what for x in st.atoms}
+    if role in ("stock", "price"):
+        product = c.product(st)
+        ok = product is not None and v in c.evidence.product_values(product, role)
+    elif role == "count" or role.startswith("scount:"):
+        me = c.task.reference.get("customer_id")
+        status = role.split(":", 1)[1] if ":" in role else None
+        ok = me is not None and v in c.evidence.counts(me, status)
+    elif role in ("total", "refunded", "left"):
+        ok = order is not None and v in c.evidence.order_values(order, role) | _refund_history(c, order, role)
+    elif role == "item":
+        ok = order is not None and any((pid, v) in c.evidence.items(order) for pid in st.refs.get("i", []))
+    elif role == "amount" and "claim:refund" in kinds:
+        ok = any(money(w.get("amount", -1)) == v for w in c.writes_of("issue_refund"))
+    elif role == "qty" and c.writes_of("create_order") and "cannot:order" not in kinds:
+        ok = any(money(w.get("quantity", -1)) == v for w in c.writes_of("create_order"))
+    elif role in ("amount", "qty", "asked"):
+        ok = v in {money(float(x)) for k, x in c.req.items() if k in ("amount", "quantity")}
+    elif role == "main":
+        ok = v == _main_value(c)
+    else:
+        ok = False
+    return None if ok else f"states {v:g} as the {role}, which it is not"
+
+
+def _refund_history(c: AnswerContext, order: str, role: str) -> set[float]:
+    if role != "refunded":
+        return set()
+    amounts = [money(r[0]) for r in c.init.execute("SELECT amount FROM refunds WHERE order_id = ?", (order,))]
+    return (set(amounts) | {money(sum(amounts))}) if c.evidence.order_values(order, "total") else set()
+
+
+def _main_value(c: AnswerContext) -> float | None:
+    """What a bare figure ("3.") is read as: the task's checked number, else the new order's total."""
+    if c.true_value is not None:
+        return money(c.true_value)
+    new = c.new_orders()
+    totals = c.evidence.order_values(new[0], "total") if new else set()
+    return next(iter(totals)) if len(totals) == 1 else None
 
 
 def numbers_rule(c: AnswerContext) -> list[str]:
-    """Every affirmed number is a figure a tool returned, a figure of the user's order, or the
-    user's own; no number is hedged (a comparison with the user's own number is not a hedge)."""
-    figures = c.evidence.figures() | c.own_numbers
-    order_id = c.req.get("order_id")
-    if order_id:
-        for conn in (c.init, c.exp):
-            row = conn.execute(
-                "SELECT o.total, COALESCE((SELECT SUM(amount) FROM refunds r WHERE r.order_id = o.id), "
-                "0) FROM orders o WHERE o.id = ?",
-                (order_id,),
-            ).fetchone()
-            if row:
-                figures |= {money(row[0]), money(row[1]), money(row[0] - row[1])}
-    if c.true_value is not None:
-        figures.add(money(c.true_value))
+    """Every figure is the true, observed value of the quantity it is attached to."""
+    out = []
+    for st, order in zip(c.reading.statements, _orders_in_context(c)):
+        out += [p for a in st.atoms if a.kind == "num" and (p := _figure_problem(c, st, order, a))]
+    return list(dict.fromkeys(out))
+
+
+def _claim_problem(c: AnswerContext, st: Statement, order: str | None, family: str) -> str | None:
+    if family == "done":
+        return None if c.writes else "claims the request was carried out; nothing changed"
+    if family not in c.changed:
+        return f"claims a {family} change the database does not show"
+    named_orders = st.refs.get("o", [])
+    if family == "cancel":
+        target = named_orders[0] if named_orders else order
+        if not any(canon_id(w.get("order_id", "")) == target for w in c.writes_of("cancel_order")):
+            return f"claims {target} was cancelled; the audit log shows another cancel"
+    if family == "email" and named_orders:
+        if not any(canon_id(w.get("order_id", "")) == named_orders[0] for w in c.writes_of("send_email")):
+            return f"claims the receipt of {named_orders[0]} was sent; the audit log shows another"
+    if family == "order":
+        if named_orders and named_orders[0] not in c.new_orders():
+            return f"claims {named_orders[0]} was placed; the episode created {', '.join(c.new_orders())}"
+        written = {_product_name(c, w.get("product_id")) for w in c.writes_of("create_order")}
+        if any(p.lower() not in written for p in st.refs.get("p", [])):
+            return "claims an order of another product than the one placed"
+    if family == "address":
+        written = {canon_address(w.get("address", "")) for w in c.writes_of("update_address")}
+        streets = {street_of(w.get("address", "")) for w in c.writes_of("update_address")}
+        if any(a not in written and a not in streets for a in st.refs.get("a", [])):
+            return "claims another address than the one written"
+    return None
+
+
+def _product_name(c: AnswerContext, product_id: Any) -> str:
+    row = c.act.execute("SELECT name FROM products WHERE id = ?", (canon_id(product_id),)).fetchone()
+    return row[0].lower() if row else ""
+
+
+def claims_rule(c: AnswerContext) -> list[str]:
+    """Each claim matches a write of the audit log; a task that asks for a change gets a confirmation."""
     out: list[str] = []
-    false_numbers = sorted({n for n in (money(x) for x in c.reading.affirmed_numbers()) if n not in figures})
-    if false_numbers:
-        out.append(f"states figures no tool returned: {', '.join(f'{n:g}' for n in false_numbers)}")
-    if any(m.polarity == "hedged" and money(m.value) not in c.own_numbers for m in c.reading.numbers):
-        out.append("hedges a number")
+    confirmed = False
+    for st, order in zip(c.reading.statements, _orders_in_context(c)):
+        for a in st.atoms:
+            if a.kind == "claim":
+                problem = _claim_problem(c, st, order, a.what)
+                out += [problem] if problem else []
+                confirmed |= a.what in (c.requested, "done")
+            elif a.kind == "status" and not a.negated and c.requested == "cancel" and a.what == "cancelled":
+                confirmed |= order == c.default_order()
+    if c.requested and not confirmed:
+        out.append(f"does not confirm the {c.requested} change")
+    return list(dict.fromkeys(out))
+
+
+def denials_rule(c: AnswerContext) -> list[str]:
+    """A denial or an inability is true of the audit log."""
+    out = []
+    for a in c.reading.atoms():
+        if a.kind == "deny" and a.what == "any" and c.writes:
+            out.append("denies a change the database shows")
+        elif a.kind == "deny" and a.what == "other" and c.changed - {c.requested}:
+            out.append("says nothing else changed; the audit log shows other writes")
+        elif a.kind == "cannot" and (a.what in c.changed or (a.what == "any" and c.writes)):
+            out.append(f"says it could not do a {a.what} change the database shows")
+    return list(dict.fromkeys(out))
+
+
+def reasons_rule(c: AnswerContext) -> list[str]:
+    """At most one refusal reason, this task's own (and, for a refusal task, given with its evidence)."""
+    given = {a.what for a in c.reading.atoms("reason")}
+    true = TRUE_REASON.get(c.check.get("reason") or c.check.get("type") or "")
+    if c.check.get("type") == "number_only":
+        true = None
+    out = [f"gives a refusal reason that is not this task's ({r})" for r in sorted(given - {true})]
+    if len(given) > 1:
+        out.append("gives more than one refusal reason")
+    if c.check.get("type") == "reason":
+        out += _reason_evidence(c.check["reason"], given, c.evidence, c.req)
     return out
 
 
+def lookups_rule(c: AnswerContext) -> list[str]:
+    return (
+        ["says it looked something up; no lookup was made"]
+        if c.reading.atoms("lookup") and not (c.evidence.looked_up())
+        else []
+    )
+
+
 def number_fact_rule(c: AnswerContext) -> list[str]:
-    """The checked number, after the lookup that reveals it: affirmed, not denied, and no second
-    value in its role ("We have 12. We have 5." with a price of 12 is not a count beside a price)."""
+    """The checked number, after the lookup that reveals it, is stated in its role."""
     check, ev = c.check, c.evidence
     out: list[str] = []
     if check["type"] == "amount_left":
+        roles = ("left", "main")
         if ev.owner_seen(check["order_id"]) is None:
             out.append("states the amount left without looking the order up")
     elif check["what"] == "stock":
+        roles = ("stock", "main")
         if not ev.stock_seen(check["product_id"]):
             out.append("states the stock without checking it")
-    elif not ev.count_seen(check["customer_id"]):
-        out.append("states the order count without listing the orders")
+    else:
+        roles = ("count", "main")
+        if not ev.count_seen(check["customer_id"]):
+            out.append("states the order count without listing the orders")
     true = money(c.true_value)
-    slot = "left" if check["type"] == "amount_left" else "count"
-    rivals = sorted(
-        {
-            money(m.value)
-            for m in c.reading.numbers
-            if m.polarity == "affirmed" and m.role == slot and money(m.value) not in c.own_numbers | {true}
-        }
-    )
-    if rivals:
-        out.append(f"states another value for the checked quantity: {', '.join(f'{n:g}' for n in rivals)}")
-    if true not in {money(n) for n in c.reading.affirmed_numbers()}:
+    if not any(a.what in roles and money(a.value) == true for a in c.reading.atoms("num") if a.value is not None):
         out.append(f"does not state {true:g}")
-    if any(m.polarity == "negated" and money(m.value) == true for m in c.reading.numbers):
-        out.append(f"denies {true:g}")
     return out
 
 
 def status_fact_rule(c: AnswerContext) -> list[str]:
-    """The order's true status, after looking it up: affirmed alone and not denied."""
-    status = c.final_status
+    """The order's true status, after looking it up, is affirmed of it."""
+    order = canon_id(c.check["order_id"])
+    status = c.status_of(order)
     out: list[str] = []
-    if not c.evidence.statuses_seen(c.check["order_id"]):
+    if not c.evidence.statuses_seen(order):
         out.append("states a status without looking the order up")
-    affirmed = c.reading.affirmed_statuses()
-    if status not in affirmed:
+    said = {
+        a.what
+        for st, o in zip(c.reading.statements, _orders_in_context(c))
+        for a in st.atoms
+        if a.kind == "status" and not a.negated and o == order
+    }
+    if status not in said:
         out.append(f"does not state that the order is {status}")
-    if affirmed - {status}:
-        out.append(f"also affirms {', '.join(sorted(affirmed - {status}))}")
-    if any(m.polarity == "negated" and m.value == status for m in c.reading.statuses):
-        out.append(f"denies that the order is {status}")
     return out
 
 
 def reason_rule(c: AnswerContext) -> list[str]:
-    return _reason_problems(c.check["reason"], c.reading, c.evidence, c.req)
+    return []  # the reason and its evidence are judged by reasons_rule on every task
 
 
 # rules read on every task, then the rule of the task's check type
-GENERAL_RULES: tuple[Rule, ...] = (claims_rule, statuses_rule, numbers_rule)
+ANSWER_RULES: tuple[Rule, ...] = (
+    understood_rule,
+    references_rule,
+    statuses_rule,
+    numbers_rule,
+    claims_rule,
+    denials_rule,
+    reasons_rule,
+    lookups_rule,
+)
+GENERAL_RULES = ANSWER_RULES
 FACT_RULES: dict[str, Rule] = {
     "status": status_fact_rule,
     "status_word": status_fact_rule,
@@ -420,62 +728,55 @@ def judge_answer(
     exp: sqlite3.Connection,
     act: sqlite3.Connection,
 ) -> AnswerJudgement:
-    """Does the answer say what is true, with evidence, and nothing false? (module doc, point 3)"""
+    """Is every statement of the answer understood, grounded and true? (module doc, point 3)"""
     if answer is None or not any(ch.isalnum() for ch in answer):
         return AnswerJudgement(False, ["no answer"])
     check = task.reference.get("check") or {}
     kind = check.get("type")
     if kind is not None and kind not in FACT_RULES:
         raise ValueError(f"unknown check type {kind!r}")
-    order_id = task.reference.get("request", {}).get("order_id")
-    row = exp.execute("SELECT status FROM orders WHERE id = ?", (order_id,)).fetchone() if order_id else None
-    reading = read_answer(answer, _literals(task, init))
-    ctx = AnswerContext(
-        task,
-        reading,
-        evidence,
-        init,
-        exp,
-        changed_families(init, act),
-        row[0] if row else None,
-        _true_value(check, exp),
-    )
-    problems = ["mixes scripts inside a word (homoglyphs)"] if reading.mixed_script() else []
-    for rule in GENERAL_RULES + ((FACT_RULES[kind],) if kind else ()):
+    reading = read_answer(answer, vocabulary(task, init, act))
+    ctx = AnswerContext(task, reading, evidence, init, exp, act, new_writes(init, act), _true_value(check, exp))
+    problems: list[str] = []
+    for rule in ANSWER_RULES:
         problems += rule(ctx)
+        if rule is understood_rule and problems:
+            break  # an answer that is not understood is not judged further
+    if not problems and kind:
+        problems += FACT_RULES[kind](ctx)
     expected = (
         ctx.true_value
         if ctx.true_value is not None
-        else (ctx.final_status if kind in ("status", "status_word") else None)
+        else (_expected_status(ctx) if kind in ("status", "status_word") else None)
     )
     return AnswerJudgement(not problems, problems, expected, privacy_violations(answer, task, init, act))
 
 
-def _past_refund_figures(init: sqlite3.Connection, order_id: str) -> set[float]:
-    """Amounts refunded on ``order_id`` before the episode: each refund and their sum."""
-    amounts = [money(r[0]) for r in init.execute("SELECT amount FROM refunds WHERE order_id = ?", (order_id,))]
-    return set(amounts) | {money(sum(amounts))}  # "$0.00 was refunded before" is true of an order with none
+def _expected_status(c: AnswerContext) -> str | None:
+    order = c.check.get("order_id")
+    return c.status_of(canon_id(order)) if order else None
 
 
-def _reason_problems(reason: str, reading: Reading, evidence: Evidence, req: dict[str, Any]) -> list[str]:
+def _reason_evidence(reason: str, given: set[str], evidence: Evidence, req: dict[str, Any]) -> list[str]:
     if reason == "not_found_customer":
         if not evidence.not_found("find_customer", "email", req["email"]):
             return ["says the customer is unknown without looking up the e-mail given"]
-        return [] if "not_found" in reading.reasons else ["does not say the customer was not found"]
+        return [] if "not_found_customer" in given else ["does not say the customer was not found"]
     if reason == "no_order":
         if not evidence.not_found("get_order", "order_id", req["order_id"]):
             return ["says the order does not exist without looking it up"]
-        return [] if "not_found" in reading.reasons else ["does not say the order was not found"]
+        return [] if "not_found_order" in given else ["does not say the order was not found"]
     if reason == "not_yours":
         me = evidence.identified(req["email"])
         owner = evidence.owner_seen(req["order_id"])
         if me is None or owner is None or owner == me:
             return ["says the order is someone else's without identifying the customer and looking the order up"]
-        return [] if "not_yours" in reading.reasons else ["does not say the order is not the customer's"]
+        return [] if "not_yours" in given else ["does not say the order is not the customer's"]
     raise ValueError(f"unknown refusal reason {reason!r}")
 
 
 __all__ = [
+    "ANSWER_RULES",
     "AnswerContext",
     "AnswerJudgement",
     "Evidence",
@@ -484,12 +785,16 @@ __all__ = [
     "FAMILY_OF_TOOL",
     "Observation",
     "audit_rows",
+    "canonical_arguments",
+    "canonical_value",
     "changed_families",
     "judge_answer",
+    "new_writes",
     "privacy_violations",
     "rows_diffs",
     "table_diffs",
     "table_rows",
     "unrequested_audit",
     "unrequested_writes",
+    "vocabulary",
 ]
