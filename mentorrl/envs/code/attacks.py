@@ -295,6 +295,7 @@ for _i in range(8):  # 8 processes x 400 MiB, each under its own address-space l
         _b = bytearray(400 << 20)
         for _j in range(0, len(_b), 4096):
             _b[_j] = 1
+        print("child-held", flush=True)
         time.sleep(3)
         os._exit(0)
     _kids.append(_pid)

@@ -344,35 +344,35 @@ class CodeEnv:
         """Copy the workspace (bounded, regular files only) and run the hidden cases on the copy."""
         name = "verify-" + uuid.uuid4().hex[:8]
         ep = os.open(self._dir, fsafe.DIR_FLAGS)
+        dst = None
         try:
-            os.mkdir(name, 0o755, dir_fd=ep)
-            dst = os.open(name, fsafe.DIR_FLAGS, dir_fd=ep)
+            lim = self.limits
+            caps = fsafe.CopyCaps(max_bytes=lim.workspace_mb << 20, max_entries=lim.workspace_files)
             try:
-                lim = self.limits
-                caps = fsafe.CopyCaps(max_bytes=lim.workspace_mb << 20, max_entries=lim.workspace_files)
-                try:
-                    fsafe.copy_tree(self._ws(), dst, caps)
-                except (fsafe.CopyLimit, fsafe.UnsafePath) as e:
-                    return None, [f"workspace not copyable for the verifier: {e}"]
-                spec = {
-                    "entry": task.reference["entry"],
-                    "kind": task.reference["kind"],
-                    "cases": [h["case"] for h in task.reference["hidden"]],
-                }
-                res = run_sandboxed(
-                    dst,
-                    HIDDEN_RUNNER,
-                    stdin=json.dumps(spec),
-                    limits=self.limits,
-                    read_only=(),
-                    writable=False,
-                    allow_weaker=self.allow_weaker,
-                )
-                return res, []
-            finally:
-                os.close(dst)
-                fsafe.remove_tree(ep, name)
+                os.mkdir(name, 0o755, dir_fd=ep)
+                dst = os.open(name, fsafe.DIR_FLAGS, dir_fd=ep)
+                fsafe.copy_tree(self._ws(), dst, caps)
+            except OSError as e:  # a cap passed, or the episode's tmpfs full (of files or inodes)
+                return None, [f"workspace not copyable for the verifier: {e}"]
+            spec = {
+                "entry": task.reference["entry"],
+                "kind": task.reference["kind"],
+                "cases": [h["case"] for h in task.reference["hidden"]],
+            }
+            res = run_sandboxed(
+                dst,
+                HIDDEN_RUNNER,
+                stdin=json.dumps(spec),
+                limits=self.limits,
+                read_only=(),
+                writable=False,
+                allow_weaker=self.allow_weaker,
+            )
+            return res, []
         finally:
+            if dst is not None:
+                os.close(dst)
+            fsafe.remove_tree(ep, name)
             os.close(ep)
 
     def _test_tampering(self) -> list[str]:

@@ -474,7 +474,8 @@ def _status(why: str | None, rc: int | None, cpu: float, oom: bool, limits: Limi
         return "wall", [f"killed: wall-time limit of {limits.wall_s:g} s exceeded"]
     if why == "output":
         return "output", [f"killed: output limit of {limits.max_output_bytes} bytes exceeded"]
-    if why == "cpu" or (rc != 0 and cpu >= limits.cpu_s - 0.05):
+    sigxcpu = rc in (-signal.SIGXCPU, 128 + signal.SIGXCPU)  # a process passed its own RLIMIT_CPU
+    if why == "cpu" or sigxcpu or (rc != 0 and cpu >= limits.cpu_s - 0.05):
         return "cpu", [f"killed: CPU-time limit of {limits.cpu_s} s exceeded (all processes of the sandbox)"]
     if oom and rc != 0:
         return "memory", [f"killed: memory limit of {limits.memory_mb} MiB reached (the whole sandbox)"]
