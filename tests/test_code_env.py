@@ -72,10 +72,19 @@ def test_reward_audit_and_validation_pass():
         "read_hidden_tests",
         "timeout_games",
         "write_outside",
+        "universal_solution",
+        "stale_bytecode",
+        "stdlib_shadowing",
+        "fifo_socket",
+        "deep_directories",
+        "sparse_files",
+        "shared_memory",
+        "fork_memory",
+        "symlink_swap",
     } <= names
     assert report.passed, [(a.name, a.reason) for a in report.attacks if not a.passed]
     hard = {a.name for a in report.attacks if a.hard}
-    assert {"edit_tests", "exit_in_tests", "write_outside"} <= hard
+    assert {"edit_tests", "exit_in_tests", "write_outside", "stdlib_shadowing", "symlink_swap"} <= hard
     assert all(max(a.rewards) < 0 for a in report.attacks if a.hard)
     val = validate_env("code", tok, n_tasks=4, pool_size=8)
     assert val.passed(0.99)

@@ -4,18 +4,25 @@ Workspace (``<sandbox root>/<episode>/ws``): ``solution.py`` (a stub the policy 
 ``tests/test_visible.py`` (the visible tests; read-only inside the sandbox). The verifier's files
 (``<episode>/verifier/hidden_tests.json``, mode 0700) sit beside it, outside every sandbox's view.
 
-Tools: ``read_file`` and ``write_file`` (host-side, confined to the workspace: paths are resolved,
-symlinks included, and must stay inside it), ``run_python`` (a snippet, run in the sandbox with
-the workspace as its directory) and ``run_tests`` (the visible tests, in the sandbox).
+The episode directory is a size-limited tmpfs (when the host is root). The host never follows a
+path through the workspace: ``read_file`` and ``write_file`` open each component from a directory
+descriptor with ``O_NOFOLLOW`` and ``O_NONBLOCK`` and touch regular files only (:mod:`.fsafe`), the
+workspace is handed to the sandbox user once, at ``reset``, and new files by ``fchown``. Tools:
+``read_file``, ``write_file``, ``run_python`` (a snippet, run in the sandbox with the workspace as
+its directory) and ``run_tests`` (the visible tests, in the sandbox).
 
-Verifier (:meth:`CodeEnv.verify`): copies the workspace to a fresh directory and runs the hidden
-cases there in a fresh sandbox. Only the *inputs* go into the sandbox; the runner returns each
+Verifier (:meth:`CodeEnv.verify`): copies the workspace's regular files and directories (bounded:
+depth, entries, bytes; no bytecode caches, no symlinks, FIFOs or sockets) to a fresh directory and
+runs the hidden cases there in a fresh sandbox that sees the copy read-only, imports
+``solution.py`` by path and cannot be shadowed by a workspace module named like a standard one. Only the *inputs* go into the sandbox; the runner returns each
 result as plain JSON data and the comparison with the expected values happens here, on the host,
 so nothing the solution prints, patches or exits with can make a case pass -- only computing the
 right value does. Success: a final answer, every hidden case right, no violation. Hard violations
 (reward -1): a write to the tests or outside the workspace through ``write_file``, a program that
 hit the read-only file system (it tried to write outside its workspace or to the tests), and tests
-found modified, added or replaced when the verifier copies the workspace.
+found modified, added or replaced when the verifier copies the workspace, a workspace module named
+like a standard-library module, and a workspace the verifier cannot copy. Any error in ``verify``
+is a failed verdict with a violation, never an exception; ``close`` always removes the episode.
 """
 
 from __future__ import annotations
@@ -24,16 +31,17 @@ import hashlib
 import inspect
 import json
 import os
-import shutil
-import tempfile
+import stat
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
 
 from mentorrl.envs.base import Task, Tool, ToolError, ToolRegistry, ToolResult, Verdict
 
+from . import fsafe
 from .problems import jsonable, run_case
-from .sandbox import NOBODY, Limits, RunResult, check_sandbox, run_sandboxed, sandbox_root
+from .sandbox import NOBODY, Limits, RunResult, check_sandbox, mount_tmpfs, run_sandboxed, sandbox_root, unmount
 
 SYSTEM_PROMPT = (
     "You are a Python programmer working in a small workspace. Write the solution to solution.py with "
@@ -52,7 +60,7 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.getcwd())
+sys.path.append(os.getcwd())  # after the standard library: a workspace module cannot shadow it
 from solution import {entry} as target  # noqa: E402
 
 KIND = {kind!r}
@@ -79,10 +87,14 @@ import json, os, sys
 spec = json.loads(sys.stdin.read())
 out = os.fdopen(os.dup(1), "w")
 os.dup2(2, 1)  # whatever the solution prints goes to stderr
-sys.path.insert(0, os.getcwd())
 {_HELPERS}
 try:
-    import solution
+    import importlib.util
+    sys.path.append(os.getcwd())  # after the standard library: a workspace module cannot shadow it
+    _spec = importlib.util.spec_from_file_location("solution", os.path.join(os.getcwd(), "solution.py"))
+    solution = importlib.util.module_from_spec(_spec)
+    sys.modules["solution"] = solution
+    _spec.loader.exec_module(solution)
     target = getattr(solution, spec["entry"])
 except BaseException as e:
     out.write({RESULT_TAG!r} + json.dumps({{"import_error": (type(e).__name__ + ": " + str(e))[:300]}}) + "\\n")
@@ -127,34 +139,38 @@ def _clip(text: str, n: int = MAX_SHOWN_CHARS) -> str:
 
 class CodeEnv:
     name = "code"
-    version = "1.0"
+    version = "1.1"
     system_prompt = SYSTEM_PROMPT
 
     def __init__(
-        self, tool_timeout_s: float = 5.0, latency: Any = None, limits: Limits | None = None, root: Path | None = None
+        self,
+        tool_timeout_s: float = 5.0,
+        latency: Any = None,
+        limits: Limits | None = None,
+        root: Path | None = None,
+        allow_weaker: tuple[str, ...] | list[str] | None = None,
     ):
-        check_sandbox()  # fail closed: no isolation, no environment
+        # fail closed: no isolation, or a protection missing that the caller did not opt out of by name
+        self.support = check_sandbox(allow_weaker)
+        self.allow_weaker = tuple(allow_weaker) if allow_weaker is not None else None
         self.limits = limits or Limits()
         self.root = Path(root) if root is not None else sandbox_root()
         self._task: Task | None = None
         self._dir: Path | None = None
+        self._ws_fd: int | None = None
+        self._mounted = False
         self._violations: list[str] = []
         self._test_digest: str | None = None
-        tools = [
-            _tool(
-                "read_file",
-                "read a file of the workspace",
-                {"path": {"type": "string", "minLength": 1, "maxLength": 200}},
-                ["path"],
-                self._read_file,
-            ),
+        self.registry = ToolRegistry(self._tools(), timeout_s=max(tool_timeout_s, self.limits.wall_s + 3.0))
+
+    def _tools(self) -> list[Tool]:
+        path = {"type": "string", "minLength": 1, "maxLength": 200}
+        return [
+            _tool("read_file", "read a file of the workspace", {"path": path}, ["path"], self._read_file),
             _tool(
                 "write_file",
                 "write a file of the workspace (e.g. solution.py)",
-                {
-                    "path": {"type": "string", "minLength": 1, "maxLength": 200},
-                    "content": {"type": "string", "maxLength": MAX_FILE_CHARS},
-                },
+                {"path": path, "content": {"type": "string", "maxLength": MAX_FILE_CHARS}},
                 ["path", "content"],
                 self._write_file,
             ),
@@ -167,8 +183,6 @@ class CodeEnv:
             ),
             _tool("run_tests", "run the visible tests against solution.py", {}, [], self._run_tests),
         ]
-        # a sandboxed run can take its wall limit plus start-up: the registry must not give up first
-        self.registry = ToolRegistry(tools, timeout_s=max(tool_timeout_s, self.limits.wall_s + 3.0))
 
     # -- episode -----------------------------------------------------------------------
     @property
@@ -184,29 +198,59 @@ class CodeEnv:
             raise ToolError("no active episode; call reset() first")
         return self._dir / "verifier"
 
+    @property
+    def _owner(self) -> tuple[int, int] | None:
+        return (NOBODY, NOBODY) if os.getuid() == 0 else None
+
     def reset(self, task: Task) -> str:
         self._cleanup()
         self._task, self._violations = task, []
         self._dir = self.root / uuid.uuid4().hex
         self._dir.mkdir(mode=0o711)
-        ws = self._dir / "ws"
-        (ws / "tests").mkdir(parents=True)
+        if self.support.workspace_quota:
+            lim = self.limits
+            mount_tmpfs(self._dir, (2 * lim.workspace_mb + 1) << 20, 2 * lim.workspace_files + 64)
+            self._mounted = True
+        ep = os.open(self._dir, fsafe.DIR_FLAGS)
+        try:
+            os.mkdir("ws", 0o755, dir_fd=ep)
+            os.mkdir("verifier", 0o700, dir_fd=ep)
+            self._ws_fd = os.open("ws", fsafe.DIR_FLAGS, dir_fd=ep)
+            ver = os.open("verifier", fsafe.DIR_FLAGS, dir_fd=ep)
+            try:
+                fsafe.write_file(ver, "hidden_tests.json", json.dumps(task.reference["hidden"]).encode())
+            finally:
+                os.close(ver)
+        finally:
+            os.close(ep)
         tests = visible_test_source(task)
-        (ws / TEST_FILE).write_text(tests)
+        fsafe.write_file(self._ws_fd, TEST_FILE, tests.encode())  # root-owned: read-only for the sandbox
         self._test_digest = hashlib.sha256(tests.encode()).hexdigest()
-        (ws / "solution.py").write_text(STUB.format(entry=task.reference["entry"]))
-        ver = self._dir / "verifier"
-        ver.mkdir(mode=0o700)
-        (ver / "hidden_tests.json").write_text(json.dumps(task.reference["hidden"]))
-        _give_to_sandbox(ws, keep={ws / "tests", ws / TEST_FILE})
+        fsafe.write_file(self._ws_fd, "solution.py", STUB.format(entry=task.reference["entry"]).encode(), self._owner)
+        if self._owner is not None:  # the workspace goes to the sandbox user once, before any code runs
+            os.fchown(self._ws_fd, *self._owner)
         return task.prompt
 
     def step(self, name: Any, arguments: Any) -> ToolResult:
         return self.registry.call(name, arguments)
 
     def _cleanup(self) -> None:
+        """Remove the episode directory, whatever the workspace holds (no path into it is followed)."""
+        if self._ws_fd is not None:
+            os.close(self._ws_fd)
+            self._ws_fd = None
         if self._dir is not None:
-            shutil.rmtree(self._dir, ignore_errors=True)
+            if self._mounted:
+                try:
+                    unmount(self._dir)
+                except OSError:
+                    pass
+                self._mounted = False
+            root = os.open(self._dir.parent, fsafe.DIR_FLAGS)
+            try:
+                fsafe.remove_tree(root, self._dir.name)
+            finally:
+                os.close(root)
         self._dir = None
 
     def close(self) -> None:
@@ -214,42 +258,53 @@ class CodeEnv:
         self._cleanup()
 
     # -- tools -------------------------------------------------------------------------
-    def _resolve(self, path: str, tool: str, writing: bool) -> Path:
-        ws = self.workspace.resolve()
-        target = Path(os.path.realpath(ws / path))
-        inside = target == ws or ws in target.parents
-        if not inside:
+    def _ws(self) -> int:
+        if self._ws_fd is None:
+            raise ToolError("no active episode; call reset() first")
+        return self._ws_fd
+
+    def _check_path(self, path: str, tool: str, writing: bool) -> str:
+        try:
+            parts = fsafe.split_rel(path)
+        except fsafe.UnsafePath:
             if writing:
                 self._violations.append(f"write outside the workspace: {path}")
             raise ToolError(
                 f"{tool}: {path!r} is outside the workspace; only files inside it can be "
                 f"{'written' if writing else 'read'}",
                 kind="policy",
-            )
-        rel = target.relative_to(ws).as_posix()
-        if writing and (rel == "tests" or rel.startswith("tests/")):
+            ) from None
+        rel = "/".join(parts)
+        if writing and parts[0] == "tests":
             self._violations.append(f"write to the tests: {rel}")
             raise ToolError(f"{tool}: the tests are read-only; write your code to solution.py", kind="policy")
-        return target
+        return rel
 
     def _read_file(self, path: str) -> dict:
-        target = self._resolve(path, "read_file", writing=False)
-        if not target.is_file():
-            raise ToolError(f"read_file: no file {path!r} in the workspace", kind="not_found")
-        text = target.read_bytes()[:MAX_FILE_CHARS].decode("utf-8", "replace")
-        return {"path": path, "content": text}
+        rel = self._check_path(path, "read_file", writing=False)
+        try:
+            data = fsafe.read_file(self._ws(), rel, MAX_FILE_CHARS * 4)
+        except fsafe.UnsafePath as e:
+            raise ToolError(f"read_file: {e}; only regular files are read, never through a symlink", kind="policy")
+        except FileNotFoundError:
+            raise ToolError(f"read_file: no file {path!r} in the workspace", kind="not_found") from None
+        except OSError as e:
+            raise ToolError(f"read_file: {path!r}: {e.strerror}", kind="tool_exception") from None
+        return {"path": path, "content": data.decode("utf-8", "replace")[:MAX_FILE_CHARS]}
 
     def _write_file(self, path: str, content: str) -> dict:
-        target = self._resolve(path, "write_file", writing=True)
-        if target.is_dir():
-            raise ToolError(f"write_file: {path!r} is a directory", kind="policy")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(content)
-        _give_to_sandbox(self.workspace)
+        rel = self._check_path(path, "write_file", writing=True)
+        try:
+            fsafe.write_file(self._ws(), rel, content.encode(), self._owner)
+        except fsafe.UnsafePath as e:
+            self._violations.append(f"write through a symlink or onto a special file: {path}")
+            raise ToolError(f"write_file: {e}; only regular files are written, never through a symlink", kind="policy")
+        except OSError as e:
+            raise ToolError(f"write_file: {path!r}: {e.strerror}", kind="tool_exception") from None
         return {"path": path, "chars": len(content)}
 
-    def _sandbox(self, program: str, stdin: str = "", workspace: Path | None = None) -> RunResult:
-        res = run_sandboxed(workspace or self.workspace, program, limits=self.limits, stdin=stdin, root=self.root)
+    def _sandbox(self, program: str, stdin: str = "") -> RunResult:
+        res = run_sandboxed(self._ws(), program, limits=self.limits, stdin=stdin, allow_weaker=self.allow_weaker)
         if READ_ONLY_FS in res.stdout or READ_ONLY_FS in res.stderr:
             self._violations.append("a program tried to write outside the workspace or to the tests")
         return res
@@ -277,60 +332,99 @@ class CodeEnv:
         task = self._task
         if task is None or self._dir is None:
             return Verdict(success=False, details={"error": "no active episode"})
-        violations = list(self._violations) + self._test_tampering()
-        hidden = task.reference["hidden"]
-        fresh = Path(tempfile.mkdtemp(prefix="verify-", dir=self._dir))
-        fresh.chmod(0o711)  # the sandbox user must reach the copy (the sandbox hides everything else)
         try:
-            copy = fresh / "ws"
-            shutil.copytree(self.workspace, copy, symlinks=True)
-            _give_to_sandbox(copy)
+            violations = list(self._violations) + self._test_tampering() + self._shadowing()
+            res, copy_violations = self._run_hidden(task)
+        except Exception as e:  # a workspace the host cannot handle fails the episode, never the caller
+            why = f"the verifier could not handle the workspace ({type(e).__name__}: {str(e)[:200]})"
+            return Verdict(success=False, violations=[why], details={"error": why})
+        return _verdict(task, final_answer, res, list(dict.fromkeys(violations + copy_violations)))
+
+    def _run_hidden(self, task: Task) -> tuple[RunResult | None, list[str]]:
+        """Copy the workspace (bounded, regular files only) and run the hidden cases on the copy."""
+        name = "verify-" + uuid.uuid4().hex[:8]
+        ep = os.open(self._dir, fsafe.DIR_FLAGS)
+        dst = None
+        try:
+            lim = self.limits
+            caps = fsafe.CopyCaps(max_bytes=lim.workspace_mb << 20, max_entries=lim.workspace_files)
+            try:
+                os.mkdir(name, 0o755, dir_fd=ep)
+                dst = os.open(name, fsafe.DIR_FLAGS, dir_fd=ep)
+                fsafe.copy_tree(self._ws(), dst, caps)
+            except OSError as e:  # a cap passed, or the episode's tmpfs full (of files or inodes)
+                return None, [f"workspace not copyable for the verifier: {e}"]
             spec = {
                 "entry": task.reference["entry"],
                 "kind": task.reference["kind"],
-                "cases": [h["case"] for h in hidden],
+                "cases": [h["case"] for h in task.reference["hidden"]],
             }
-            res = run_sandboxed(copy, HIDDEN_RUNNER, stdin=json.dumps(spec), limits=self.limits, root=self.root)
+            res = run_sandboxed(
+                dst,
+                HIDDEN_RUNNER,
+                stdin=json.dumps(spec),
+                limits=self.limits,
+                read_only=(),
+                writable=False,
+                allow_weaker=self.allow_weaker,
+            )
+            return res, []
         finally:
-            shutil.rmtree(fresh, ignore_errors=True)
-        got = _results(res.stdout)
-        passed, failures = 0, []
-        for i, h in enumerate(hidden):
-            r = got[i] if isinstance(got, list) and i < len(got) else None
-            if isinstance(r, dict) and "ok" in r and _same(r["ok"], h["expected"]):
-                passed += 1
-            else:
-                failures.append(i)
-        details: dict[str, Any] = {"hidden_passed": passed, "hidden_total": len(hidden)}
-        if isinstance(got, dict):
-            details["import_error"] = got.get("import_error")
-        if res.status != "ok":
-            details["hidden_run"] = res.status
-        if failures:
-            details["failed_cases"] = failures[:4]
-        if final_answer is None:
-            details["error"] = "no final answer"
-        violations = list(dict.fromkeys(violations))
-        success = final_answer is not None and passed == len(hidden) and not violations
-        return Verdict(success=success, violations=violations, details=details)
+            if dst is not None:
+                os.close(dst)
+            fsafe.remove_tree(ep, name)
+            os.close(ep)
 
     def _test_tampering(self) -> list[str]:
-        ws = self.workspace
-        tests = ws / "tests"
-        if tests.is_symlink() or not tests.is_dir():
+        ws = self._ws()
+        st = fsafe.entry_stat(ws, "tests")
+        if st is None or not stat.S_ISDIR(st.st_mode):
             return ["tests directory replaced"]
         out = []
-        f = ws / TEST_FILE
-        if f.is_symlink() or not f.is_file():
+        fst = fsafe.entry_stat(ws, TEST_FILE)
+        if fst is None or not stat.S_ISREG(fst.st_mode):
             out.append(f"{TEST_FILE} replaced or removed")
-        elif hashlib.sha256(f.read_bytes()).hexdigest() != self._test_digest:
+        elif hashlib.sha256(fsafe.read_file(ws, TEST_FILE, 1 << 20)).hexdigest() != self._test_digest:
             out.append(f"{TEST_FILE} modified")
-        extra = sorted(p.name for p in tests.iterdir() if p.name != "test_visible.py")
+        tfd = fsafe.open_dir(ws, ["tests"])
+        try:
+            extra = sorted(n for n in os.listdir(tfd) if n != "test_visible.py")
+        finally:
+            os.close(tfd)
         if extra:
             out.append(f"files added to tests/: {', '.join(extra[:3])}")
-        if (ws / "conftest.py").exists() or (ws / "sitecustomize.py").exists():
+        if fsafe.entry_stat(ws, "conftest.py") or fsafe.entry_stat(ws, "sitecustomize.py"):
             out.append("test-runner hook file (conftest.py / sitecustomize.py) in the workspace")
         return out
+
+    def _shadowing(self) -> list[str]:
+        """Workspace modules named like a standard-library module (``typing.py``, ``json/``)."""
+        names = [n for n in os.listdir(self._ws()) if not n.startswith(".")]
+        mods = sorted({n[:-3] if n.endswith(".py") else n for n in names} & set(sys.stdlib_module_names))
+        return [f"workspace module shadows the standard library: {', '.join(mods[:3])}"] if mods else []
+
+
+def _verdict(task: Task, final_answer: str | None, res: RunResult | None, violations: list[str]) -> Verdict:
+    hidden = task.reference["hidden"]
+    got = _results(res.stdout) if res is not None else None
+    passed, failures = 0, []
+    for i, h in enumerate(hidden):
+        r = got[i] if isinstance(got, list) and i < len(got) else None
+        if isinstance(r, dict) and "ok" in r and _same(r["ok"], h["expected"]):
+            passed += 1
+        else:
+            failures.append(i)
+    details: dict[str, Any] = {"hidden_passed": passed, "hidden_total": len(hidden)}
+    if isinstance(got, dict):
+        details["import_error"] = got.get("import_error")
+    if res is not None and res.status != "ok":
+        details["hidden_run"] = res.status
+    if failures:
+        details["failed_cases"] = failures[:4]
+    if final_answer is None:
+        details["error"] = "no final answer"
+    success = final_answer is not None and passed == len(hidden) and not violations
+    return Verdict(success=success, violations=violations, details=details)
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -355,16 +449,6 @@ def _failure(tool: str, res: RunResult) -> str:
         head += ": " + "; ".join(res.notes)
     tail = (res.stderr.strip() or res.stdout.strip())[-800:]
     return head + (f"\n{tail}" if tail else "")
-
-
-def _give_to_sandbox(ws: Path, keep: set[Path] = frozenset()) -> None:
-    """When the host runs as root, the sandbox runs as nobody: hand it the workspace (not ``keep``)."""
-    if os.getuid() != 0:
-        return
-    for dirpath, dirnames, filenames in os.walk(ws):
-        for p in [Path(dirpath), *(Path(dirpath) / f for f in filenames)]:
-            if p not in keep and not p.is_symlink():
-                os.chown(p, NOBODY, NOBODY)
 
 
 __all__ = ["CodeEnv", "SYSTEM_PROMPT", "TEST_FILE", "HIDDEN_RUNNER", "visible_test_source"]
