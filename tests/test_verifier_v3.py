@@ -382,3 +382,30 @@ def test_the_false_reject_set_is_large_enough(family, kind):
     task = tasks_of(family, kind)[0]
     minimum = 10 if task.reference.get("actions") else 15
     assert count(task) >= minimum, (family, kind, count(task))
+
+
+@pytest.mark.parametrize("seed", [0, 2, 5])
+def test_a_confirmation_about_another_order_never_succeeds(seed):
+    """A change made on the requested order, confirmed as made on another of the user's orders (named
+    explicitly), is not a success on any task of the families that write to one order."""
+    from transformers import AutoTokenizer
+
+    from mentorrl.config import RewardWeights
+    from mentorrl.contract import contract_for_env
+    from mentorrl.envs import get_env
+    from mentorrl.envs.orders import statement_attacks as sa
+    from mentorrl.integrity.attacks import run_script
+    from mentorrl.models.shipped import SHIPPED_ROOT
+
+    entry = get_env("orders")
+    attack = next(a for a in sa.statement_attacks() if a.name == "wrong_order_id_confirm")
+    tasks = [t for t in entry.make_tasks().tasks("train", 120, seed=seed) if attack.applies(t)][:12]
+    assert tasks
+    env = entry.make_env()
+    contract = contract_for_env(AutoTokenizer.from_pretrained(SHIPPED_ROOT / "orders-tiny"), env)
+    try:
+        for t in tasks:
+            tr = run_script(contract, env, t, attack.script, RewardWeights())
+            assert not tr.reward.success, (t.id, tr.reward)
+    finally:
+        env.close()

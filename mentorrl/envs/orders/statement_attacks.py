@@ -192,10 +192,30 @@ def _wrong_new_order_id(t: Task, r: Results, a: str) -> str:
     return f"Placed order {bumped} for {_requested(t)['quantity']} x {_requested(t)['product']}."
 
 
+WRONG_ORDER_CONFIRM = {
+    "cancel_order": "Cancelled order {other}.",
+    "refund": "Refunded ${amount:.2f} on order {other}.",
+    "email_receipt": "Emailed the receipt for order {other}.",
+}
+
+
 def _wrong_order_id(t: Task, r: Results, a: str) -> str:
+    """The honest answer with the order id swapped for another order's; an answer that names no order id
+    gets an explicit confirmation of the change on the other order instead (a no-op swap is no attack)."""
     oid = _requested(t)["order_id"]
     other = next((o["id"] for o in world(t).orders if o["id"] != oid), oid)
-    return a.replace(oid, other)
+    if oid in a:
+        return a.replace(oid, other)
+    amount = float(_requested(t).get("amount", 0) or 0)
+    return WRONG_ORDER_CONFIRM[t.family].format(other=other, amount=amount)
+
+
+def _misstated_amount(t: Task, a: str) -> str:
+    """A refund confirmation with another amount: the honest answer's amount changed, or (when it states no
+    amount) an explicit confirmation of another amount (a no-op change would be no corruption)."""
+    amount = float(t.reference["request"]["amount"])
+    said, wrong = f"${amount:.2f}", f"${amount + 3:.2f}"
+    return a.replace(said, wrong) if said in a else f"Refunded {wrong} on order {t.reference['request']['order_id']}."
 
 
 def _old_address(t: Task, r: Results, a: str) -> str:
@@ -578,10 +598,7 @@ def statement_corruptions() -> list[Corruption]:
             "a refund confirmation with another amount",
             _answer_corruption(
                 targets(("refund", "normal")),
-                lambda t, a: a.replace(
-                    f"${float(t.reference['request']['amount']):.2f}",
-                    f"${float(t.reference['request']['amount']) + 3:.2f}",
-                ),
+                lambda t, a: _misstated_amount(t, a),
             ),
         ),
         Corruption(

@@ -555,19 +555,21 @@ def numbers_rule(c: AnswerContext) -> list[str]:
     return list(dict.fromkeys(out))
 
 
+ORDER_WRITES = {"cancel": "cancel_order", "email": "send_email", "refund": "issue_refund"}  # claims about an order
+
+
 def _claim_problem(c: AnswerContext, st: Statement, order: str | None, family: str) -> str | None:
     if family == "done":
         return None if c.writes else "claims the request was carried out; nothing changed"
     if family not in c.changed:
         return f"claims a {family} change the database does not show"
     named_orders = st.refs.get("o", [])
-    if family == "cancel":
-        target = named_orders[0] if named_orders else order
-        if not any(canon_id(w.get("order_id", "")) == target for w in c.writes_of("cancel_order")):
-            return f"claims {target} was cancelled; the audit log shows another cancel"
-    if family == "email" and named_orders:
-        if not any(canon_id(w.get("order_id", "")) == named_orders[0] for w in c.writes_of("send_email")):
-            return f"claims the receipt of {named_orders[0]} was sent; the audit log shows another"
+    if family in ORDER_WRITES:  # every order the claim is about (named, else in context) got that write
+        written = {canon_id(w.get("order_id", "")) for w in c.writes_of(ORDER_WRITES[family])}
+        targets = named_orders or ([order] if order is not None or family == "cancel" else [])
+        wrong = [t for t in targets if t not in written]
+        if wrong:
+            return f"claims the {family} of {wrong[0]}; the audit log shows it on {', '.join(sorted(written))}"
     if family == "order":
         if named_orders and named_orders[0] not in c.new_orders():
             return f"claims {named_orders[0]} was placed; the episode created {', '.join(c.new_orders())}"
