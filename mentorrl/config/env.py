@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -46,6 +46,14 @@ class EnvConfig(Section):
     def _registered(cls, v: str) -> str:
         return check_registered(ENVIRONMENT, v)  # a ValueError naming the registered environments
 
+    id: str | None = Field(
+        None,
+        description="an installed environment to load by id (name: verifiers: its package or module, or a hub "
+        "id owner/name); null: the registered environment `name` itself",
+    )
+    args: dict[str, Any] = Field(
+        default_factory=dict, description="keyword arguments of the environment loaded by id (its config's fields)"
+    )
     tool_timeout_s: float = Field(5.0, gt=0, description="per tool call")
     latency: LatencyModel | None = Field(
         None, description="inject seeded heavy-tailed tool latency (log-normal or Pareto); null: none"

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import Any, Callable, Sequence
 
+from mentorrl.config.base import ConfigError
 from mentorrl.config.names import ENVIRONMENT, register_name
 from mentorrl.config.plugins import ENV_GROUP
 
@@ -63,7 +64,27 @@ def _code() -> EnvEntry:
     )
 
 
-_REGISTRY: dict[str, Callable[[], EnvEntry]] = {"orders": _orders, "code": _code}
+def _needs_id(name: str) -> Callable[..., Any]:
+    def refuse(*_: Any, **__: Any) -> Any:
+        raise ConfigError(f"env.id: environment {name!r} loads an installed environment by id: set env.id")
+
+    return refuse
+
+
+def _verifiers() -> EnvEntry:
+    """``env: {name: verifiers}`` without an id: an entry that says env.id is needed when used."""
+    return EnvEntry(_needs_id("verifiers"), _needs_id("verifiers"), _needs_id("verifiers"))
+
+
+def _load_verifiers(env_id: str, args: dict[str, Any]) -> EnvEntry:
+    from mentorrl.envs.adapters.verifiers_v1 import load_verifiers_entry
+
+    return load_verifiers_entry(env_id, args)
+
+
+_REGISTRY: dict[str, Callable[[], EnvEntry]] = {"orders": _orders, "code": _code, "verifiers": _verifiers}
+# environments that load an installed environment by id: name -> (env.id, env.args) -> EnvEntry
+_LOADERS: dict[str, Callable[[str, dict[str, Any]], EnvEntry]] = {"verifiers": _load_verifiers}
 
 
 def register_env(name: str, factory: Callable[[], EnvEntry]) -> None:
@@ -89,6 +110,22 @@ def get_env(name: str) -> EnvEntry:
     if name not in _REGISTRY:
         raise ValueError(f"unknown environment {name!r}; registered: {', '.join(registered_envs())}")
     return _REGISTRY[name]()
+
+
+def resolve_env(env_cfg: Any) -> EnvEntry:
+    """The run's environment from its ``env:`` section: ``get_env(name)``, or, for a loader such as
+    ``verifiers`` with ``id`` (and ``args``) set, the installed environment it names. Bad input is a
+    :class:`~mentorrl.config.ConfigError` naming ``env.id`` / ``env.args``, before the first step."""
+    env_id, args = getattr(env_cfg, "id", None), getattr(env_cfg, "args", None) or {}
+    if env_id is None:
+        if args:
+            raise ConfigError(f"env.args: set only with env.id (environment {env_cfg.name!r})")
+        return get_env(env_cfg.name)
+    if env_cfg.name not in _LOADERS:
+        raise ConfigError(
+            f"env.id: environment {env_cfg.name!r} takes no id; environments loaded by id: {', '.join(sorted(_LOADERS))}"
+        )
+    return _LOADERS[env_cfg.name](env_id, args)
 
 
 def env_factory(entry: EnvEntry, env_cfg: Any) -> Callable[[], Any]:

@@ -18,7 +18,7 @@ from mentorrl.chat_templates import native_chat_for
 from mentorrl.config import RunConfig, dump_config
 from mentorrl.contract import RolloutContract, chat_template_for, contract_for_env
 from mentorrl.core.checksums import require_manifest
-from mentorrl.envs import EnvEntry, env_factory, get_env
+from mentorrl.envs import EnvEntry, env_factory, resolve_env
 from mentorrl.envs.base import check_stratifies, draw_tasks
 from mentorrl.eval.metrics import summarize
 from mentorrl.eval.sets import assert_trainable, assert_trainable_splits
@@ -173,7 +173,7 @@ def open_workspace(cfg: RunConfig, show_progress: bool = True, dp=None) -> Works
         (run_dir / "config.yaml").write_text(dump_config(cfg))
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    entry = get_env(cfg.env.name)
+    entry = resolve_env(cfg.env)
     if cfg.eval.stratify:
         check_stratifies(entry.make_tasks())  # before the first step
     return Workspace(

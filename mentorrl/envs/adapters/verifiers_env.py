@@ -2,7 +2,7 @@
 through mentorrl's rollout, reward and trajectory contract.
 
 Supported: the classic API, ``import verifiers as vf`` (``verifiers`` 0.2 and 0.3; 0.3 keeps it as
-``verifiers.legacy`` and answers the old names): ``vf.SingleTurnEnv``, ``vf.ToolEnv``,
+``verifiers.legacy`` and answers the old names; 0.4 removed it: :mod:`.verifiers_v1` adapts 0.4): ``vf.SingleTurnEnv``, ``vf.ToolEnv``,
 ``vf.StatefulToolEnv`` and any other ``vf.MultiTurnEnv``. Nothing here imports ``verifiers`` until
 an adapted environment runs, and mentorrl, not a ``verifiers`` client, drives the model.
 
@@ -147,6 +147,12 @@ class VerifiersEnv:
     ):
         import verifiers as vf
 
+        if not hasattr(vf, "MultiTurnEnv"):
+            raise TypeError(
+                f"the classic verifiers API (vf.SingleTurnEnv, vf.ToolEnv, ...) needs verifiers<0.4, and "
+                f"verifiers {getattr(vf, '__version__', '?')} is installed: adapt a verifiers 0.4 taskset with "
+                "mentorrl.envs.adapters.verifiers_v1 (or env: {name: verifiers, id: ...})"
+            )
         self.vf, self.name = vf_env, name
         self.system_prompt = vf_env.system_prompt or ""
         self.threshold = float(
