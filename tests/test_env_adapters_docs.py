@@ -15,7 +15,7 @@ from mentorrl.envs import get_env
 from mentorrl.envs.adapters.common import is_registered
 from mentorrl.rollout.episode import run_text_turns
 
-pytest.importorskip("verifiers")
+pytest.importorskip("verifiers.v1")
 pytest.importorskip("gymnasium")
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "bring-your-env.md"
@@ -50,13 +50,19 @@ def _play(entry, tokenizer, turns_for):
 
 
 def test_verifiers_example(examples, tokenizer):
-    def turns(env, task):
+    entry = examples["codes"]
+    env = entry.make_env(tool_timeout_s=2.0)
+    contract = contract_for_env(tokenizer, env, limits=ContractLimits(max_turns=8, max_total_tokens=1024))
+    try:
+        task = entry.make_tasks().tasks("train", 1, 0)[0]
         word = task.prompt.split()[-1].rstrip("?")
-        return [call("lookup", word=word), word[::-1].upper()]
-
-    good, bad = _play(examples["codes"], tokenizer, turns)
+        good = run_text_turns(contract, env, task, [word[::-1].upper()])
+        bad = run_text_turns(contract, env, task, [call("lookup", word=word), "no idea"])
+    finally:
+        env.close()
     assert good.reward.success and good.reward.details["vf_reward"] == 1.0
-    assert bad.tool_calls[0].error_kind == "bad_arguments" and not bad.reward.success
+    assert env.system_prompt == "Answer with the code only."
+    assert bad.tool_calls[0].error_kind == "unknown_tool" and not bad.reward.success
 
 
 def test_gym_example(examples, tokenizer):

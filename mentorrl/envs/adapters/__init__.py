@@ -2,6 +2,9 @@
 :class:`~mentorrl.envs.base.Environment` protocol, so it trains and evaluates through the same
 rollout, reward and trajectory contract as ``orders`` and ``code``.
 
+* :mod:`.verifiers_v1`: a ``verifiers`` 0.4 taskset (``import verifiers.v1 as vf``), and an installed
+  verifiers environment package loaded by id (``env: {name: verifiers, id: ..., args: ...}``): its
+  tasks become tasks, its own ``@vf.reward`` / ``@vf.metric`` methods score the episode.
 * :mod:`.verifiers_env`: a ``verifiers`` environment (the classic ``SingleTurnEnv`` /
   ``MultiTurnEnv`` / ``ToolEnv`` / ``StatefulToolEnv`` API of ``import verifiers as vf``): its
   dataset rows become tasks, its tools become mentorrl tools, its rubric scores the episode.
@@ -21,6 +24,7 @@ from .common import AdapterTasks, NoExpert, register_adapter, run_async
 from .functions import FunctionEnv, function_entry, function_tools, tool
 from .gym_env import GymTasks, GymTextEnv, gym_entry
 from .verifiers_env import VerifiersEnv, verifiers_entry
+from .verifiers_v1 import VerifiersV1Env, verifiers_v1_entry
 
 __all__ = [
     "AdapterTasks",
@@ -36,4 +40,6 @@ __all__ = [
     "gym_entry",
     "VerifiersEnv",
     "verifiers_entry",
+    "VerifiersV1Env",
+    "verifiers_v1_entry",
 ]
