@@ -101,13 +101,21 @@ def test_settings_precedence(project, run_name, mode, uri, env_mode, env_uri, en
         if v is not None
     }
     s = T.resolve_settings(cfg, env)
-    # None: wandb is not given a mode, so it reads WANDB_MODE itself
-    assert s.wandb_mode == (None if env_mode else (mode or "offline"))
+    assert s.wandb_mode == (env_mode or mode or "offline")
     assert s.mlflow_uri == (env_uri or uri)  # None: the run's local SQLite store
     assert s.wandb_project == (project or env_project or T.PROJECT)
     assert s.mlflow_experiment == (project or env_exp or T.PROJECT)
     assert s.wandb_name == (run_name or env_name)
     assert s.run_name == run_name
+
+
+def test_wandb_tags_and_legacy_modes():
+    cfg = SimpleNamespace(tags=[], wandb_mode=None)
+    s = T.resolve_settings(cfg, {"WANDB_TAGS": "a, b,,", "WANDB_MODE": "dryrun"})
+    assert s.wandb_tags == ("a", "b") and s.wandb_mode == "offline"
+    cfg.tags = ["mine"]
+    assert T.resolve_settings(cfg, {"WANDB_TAGS": "a", "WANDB_MODE": "run"}).wandb_tags == ("mine",)
+    assert T.resolve_settings(cfg, {"WANDB_MODE": "run"}).wandb_mode == "online"
 
 
 def test_config_fields_validate():

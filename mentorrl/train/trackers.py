@@ -66,6 +66,9 @@ MLFLOW_BATCH = 100  # params per MLflow log_batch call (its limit)
 _SECRET_WORDS = frozenset(
     {"key", "apikey", "token", "secret", "password", "passwd", "pwd", "credential", "credentials", "auth"}
 )
+# WANDB_MODE as wandb reads it (its legacy spellings too); passed explicitly, since wandb reads its
+# environment once per process, at its first setup
+_WANDB_MODES = {"online": "online", "run": "online", "offline": "offline", "dryrun": "offline", "disabled": "disabled"}
 _SECRET_WORDS_RE = re.compile(r"[^a-z0-9]+")
 _URL_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/@\s]+@")
 
@@ -96,7 +99,8 @@ class TrackerSettings:
     project: str | None = None  # logging.project (null: each tracker's own variable, then PROJECT)
     run_name: str | None = None  # logging.run_name (null: WANDB_NAME for W&B, then the run dir's name)
     tags: tuple[str, ...] = ()
-    wandb_mode: str | None = None  # None: WANDB_MODE is set, wandb reads it itself
+    wandb_mode: str = "offline"
+    wandb_tags: tuple[str, ...] = ()
     mlflow_uri: str | None = None  # None: the run's local SQLite store
     mlflow_experiment: str = PROJECT
     wandb_project: str = PROJECT
@@ -119,7 +123,9 @@ def resolve_settings(logging_cfg: Any = None, env: Mapping[str, str] | None = No
         project=project,
         run_name=get("run_name"),
         tags=tuple(get("tags") or ()),
-        wandb_mode=None if env.get("WANDB_MODE") else (get("wandb_mode") or "offline"),
+        wandb_mode=_WANDB_MODES.get(env.get("WANDB_MODE", "").strip().lower(), None) or get("wandb_mode") or "offline",
+        wandb_tags=tuple(get("tags") or ())
+        or tuple(t.strip() for t in env.get("WANDB_TAGS", "").split(",") if t.strip()),
         mlflow_uri=env.get("MLFLOW_TRACKING_URI") or getattr(logging_cfg, "mlflow_tracking_uri", None) or None,
         mlflow_experiment=project or env.get("MLFLOW_EXPERIMENT_NAME") or PROJECT,
         wandb_project=project or env.get("WANDB_PROJECT") or PROJECT,
@@ -240,7 +246,7 @@ class _Wandb:
     def __init__(self, root: Path, state: dict[str, Any], settings: TrackerSettings):
         import wandb
 
-        mode = {"mode": settings.wandb_mode} if settings.wandb_mode else {}  # else WANDB_MODE, read by wandb
+        mode = {"mode": settings.wandb_mode}
         wb_settings = wandb.Settings(
             console="off",
             x_disable_stats=True,
@@ -255,7 +261,7 @@ class _Wandb:
             name=settings.wandb_name or state["name"],
             id=state["id"],
             dir=str(root),
-            tags=list(settings.tags) or None,
+            tags=list(settings.wandb_tags) or None,
             config=settings.params or None,
             resume="allow",
             reinit="create_new",
