@@ -23,6 +23,23 @@ def quiet_transformers() -> None:
     transformers.utils.logging.disable_progress_bar()
 
 
+def output_path(positional: Optional[Path], option: Optional[Path], command: str, metavar: str = "OUT") -> Path:
+    """The output of ``command``: ``--out`` (the one convention), or the deprecated positional form,
+    still taken with a note on stderr. Neither, or two different ones, exits 2."""
+    if positional is not None and option is not None and positional != option:
+        err.print(f"[red]{escape(f'{command}: two outputs ({positional} and --out {option}); give --out only')}[/red]")
+        raise typer.Exit(2)
+    if positional is None and option is None:
+        err.print(f"[red]{escape(f'{command}: missing the output: --out {metavar}')}[/red]")
+        raise typer.Exit(2)
+    if option is None:
+        err.print(
+            f"[yellow]note: {escape(f'`mentorrl {command} ... {metavar}` (the output as a positional argument) is deprecated; write --out {metavar}')}[/yellow]"
+        )
+        return positional  # type: ignore[return-value]
+    return option
+
+
 def load_run_config(
     config: Optional[Path],
     overrides: list[str],

@@ -88,7 +88,7 @@ def _run_dir(tmp_path: Path, demos, failures=(), heldout=()) -> Path:
 
 
 def _export(run: Path, out: Path, model: Path, *args: str):
-    return runner.invoke(APP, ["export", str(run), str(out), "--model", str(model), *args])
+    return runner.invoke(APP, ["export", str(run), "--out", str(out), "--model", str(model), *args])
 
 
 def _import(dataset: Path, out: Path, model: Path, *args: str):
@@ -430,7 +430,7 @@ def test_missing_dataset_and_non_chatml_tokenizer(tmp_path, tiny_model_dir):
     (tmp_path / "fw" / "preference_pairs.jsonl").write_text('{"chosen": 1}\n')
     res = _export(tmp_path, tmp_path / "o", tiny_model_dir, "--what", "preferences")
     assert res.exit_code == 2 and "preference_pairs.jsonl:1: not a valid record" in cli_output(res), cli_output(res)
-    res = runner.invoke(APP, ["export", str(tmp_path), str(tmp_path / "o"), "--what", "everything"])
+    res = runner.invoke(APP, ["export", str(tmp_path), "--out", str(tmp_path / "o"), "--what", "everything"])
     assert res.exit_code == 2 and "--what 'everything'" in " ".join(cli_output(res).split())
 
 

@@ -30,6 +30,7 @@ from mentorrl.train.workspace import Workspace
 
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "trackio": "trackio"}
 SECRET = "sk-mentorrl-test-secret-7f3a9c"
+USER_VARS = ("WANDB_MODE", "WANDB_PROJECT", "WANDB_NAME", "WANDB_TAGS", "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME")
 TIMING = {"step_s", "cpu_s", "cpu_util", "cpu_cores", "update_s"}
 
 
@@ -211,6 +212,8 @@ def test_scalar_metrics_keeps_finite_numbers_only():
 @pytest.fixture
 def workspace(tmp_path, tokenizer, orders_entry, monkeypatch):
     monkeypatch.setenv("OPENAI_API_KEY", SECRET)  # a secret in the environment must reach no tracker
+    for var in USER_VARS:  # the defaults: what the user's own shell set must not leak into this test
+        monkeypatch.delenv(var, raising=False)
     cfg = load_config(None, [f"run_dir={tmp_path / 'run'}", "logging.trackers=[tensorboard, wandb, mlflow, trackio]"])
     buf = io.StringIO()
     ws = Workspace(
@@ -293,7 +296,7 @@ def test_fresh_run_sends_a_stage_again(workspace, model):
 class _Boom:
     name = "boom"
 
-    def __init__(self, root, state):
+    def __init__(self, root, state, settings=None):
         self.calls = 0
 
     def log(self, stage, step, metrics):
@@ -309,7 +312,7 @@ class _Good:
     name = "good"
     got: list = []
 
-    def __init__(self, root, state):
+    def __init__(self, root, state, settings=None):
         pass
 
     def log(self, stage, step, metrics):
@@ -319,7 +322,7 @@ class _Good:
         pass
 
 
-def _missing(root, state):
+def _missing(root, state, settings=None):
     raise ImportError("No module named 'wandb'")
 
 

@@ -18,9 +18,32 @@ from typing import Optional
 
 import typer
 
-from mentorrl.cli_common import console, err, load_run_config, quiet_transformers
+from mentorrl.cli_common import console, err, load_run_config, output_path, quiet_transformers
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Post-training for language-model agents.")
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            v = version("mentorrl")
+        except PackageNotFoundError:  # run from a source tree that was never installed
+            import mentorrl
+
+            v = getattr(mentorrl, "__version__", "unknown")
+        typer.echo(f"mentorrl {v}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="print the installed version and exit"
+    ),
+) -> None:
+    """Post-training for language-model agents."""
 
 
 def _load(
@@ -58,6 +81,20 @@ def _run_recipe(cfg, resume: bool) -> dict:
 
 ConfigOpt = typer.Option(None, "--config", "-c", exists=True, dir_okay=False, help="YAML recipe")
 SetOpt = typer.Option([], "--set", help="override a field: --set grpo.steps=10 (repeatable)")
+RunDirOpt = typer.Option(
+    None, "--run-dir", help="the run directory (wins over the recipe's run_dir; a --set run_dir=... wins over it)"
+)
+OUT_HELP = "directory to write into (the positional form is deprecated)"
+
+
+def OutOpt(help: str = OUT_HELP):  # noqa: N802  (an option factory, like typer.Option)
+    return typer.Option(None, "--out", "-o", help=help)
+
+
+def OldOutArg(help: str = "deprecated: use --out"):  # noqa: N802
+    return typer.Argument(None, help=help, show_default=False, metavar="[OUT]")
+
+
 NoEvalOpt = typer.Option(False, "--no-eval", help="skip the held-out evaluation after each stage (eval.num_tasks=0)")
 NO_EVAL = ["eval.num_tasks=0"]
 
@@ -65,7 +102,7 @@ NO_EVAL = ["eval.num_tasks=0"]
 @app.command()
 def demo(
     config: Optional[Path] = ConfigOpt,
-    run_dir: Optional[str] = typer.Option(None, help="default: runs/demo"),
+    run_dir: Optional[str] = typer.Option(None, "--run-dir", help="the run directory (default: runs/demo)"),
     resume: bool = typer.Option(False, "--resume", help="continue from the run dir's last checkpoint"),
     no_eval: bool = NoEvalOpt,
     set_: list[str] = SetOpt,
@@ -83,6 +120,7 @@ def demo(
 @app.command()
 def train(
     config: Path = typer.Argument(..., exists=True, dir_okay=False, help="YAML recipe"),
+    run_dir: Optional[str] = RunDirOpt,
     resume: bool = typer.Option(False, "--resume", help="continue every stage from its last checkpoint"),
     no_eval: bool = NoEvalOpt,
     set_: list[str] = SetOpt,
@@ -95,12 +133,13 @@ def train(
 ) -> None:
     """Run a recipe's stages (e.g. sft -> rft -> grpo, held-out eval after each); model.path may be any HF checkpoint."""
     quiet_transformers()
-    _run_recipe(_load(config, [*set_, *NO_EVAL] if no_eval else set_, plugins=plugin), resume)
+    _run_recipe(_load(config, [*set_, *NO_EVAL] if no_eval else set_, run_dir, plugins=plugin), resume)
 
 
 @app.command("init-model")
 def init_model_cmd(
-    out_dir: Path = typer.Argument(..., help="directory to write the tokenizer and model into"),
+    old_out: Optional[Path] = OldOutArg(),
+    out: Optional[Path] = OutOpt("directory to write the tokenizer and model into"),
     config: Optional[Path] = ConfigOpt,
     set_: list[str] = SetOpt,
     pretrain_steps: Optional[int] = typer.Option(
@@ -119,8 +158,9 @@ def init_model_cmd(
     """Build the tiny local BPE tokenizer and Qwen2-architecture model (no download).
 
     Size, seed, environment, prompt format and pretraining come from the config (default: the demo
-    recipe; pretraining settings under model.pretrain). Writes OUT_DIR/mentorrl_build.json with the
+    recipe; pretraining settings under model.pretrain). Writes OUT/mentorrl_build.json with the
     command, the build config and its hash, and the pretraining corpus size and loss curve."""
+    out_dir = output_path(old_out, out, "init-model")
     quiet_transformers()
     import shlex
 
@@ -161,18 +201,20 @@ def init_model_cmd(
 @app.command("transplant-vocab")
 def transplant_vocab_cmd(
     model_dir: Path = typer.Argument(..., exists=True, file_okay=False, help="HF checkpoint to move"),
-    out_dir: Path = typer.Argument(..., help="directory to write the transplanted checkpoint into"),
+    old_out: Optional[Path] = OldOutArg(),
+    out: Optional[Path] = OutOpt("directory to write the transplanted checkpoint into"),
     tokenizer: Path = typer.Option(
         ...,
         "--tokenizer",
         exists=True,
         file_okay=False,
         help="directory of the new (byte-level BPE) tokenizer, e.g. one "
-        "`mentorrl init-model DIR --set model.spec.vocab_size=1536` built",
+        "`mentorrl init-model --out DIR --set model.spec.vocab_size=1536` built",
     ),
 ) -> None:
     """Re-fit a checkpoint to another tokenizer: body weights kept, each new token's embedding the mean
     of its old spelling's. Fine-tune it briefly under the new tokenizer afterwards (an SFT stage)."""
+    out_dir = output_path(old_out, out, "transplant-vocab")
     quiet_transformers()
     from rich.markup import escape
     from transformers import AutoTokenizer
@@ -219,13 +261,15 @@ def export_merged_cmd(
         file_okay=False,
         help="a run dir (its last finished stage), a stage dir, or a final/checkpoint dir",
     ),
-    out_dir: Path = typer.Argument(..., help="directory to write the merged model into"),
+    old_out: Optional[Path] = OldOutArg(),
+    out: Optional[Path] = OutOpt("directory to write the merged model into"),
     base: Optional[Path] = typer.Option(
         None, "--base", file_okay=False, help="the adapter's base checkpoint, when not where adapter_config.json says"
     ),
 ) -> None:
     """Write a LoRA run's model with its adapters merged into the base weights (config.json,
     model.safetensors and the tokenizer): a plain checkpoint AutoModelForCausalLM and vLLM load."""
+    out_dir = output_path(old_out, out, "export-merged")
     quiet_transformers()
     from rich.markup import escape
 
@@ -257,6 +301,9 @@ def diagnose(
     split: str = typer.Option("train", help="task split to probe"),
     seed: int = typer.Option(0),
     config: Optional[Path] = ConfigOpt,
+    run_dir: Optional[str] = typer.Option(
+        None, "--run-dir", help="where diagnose.json goes (default: runs/diagnose-MODEL_DIR_NAME)"
+    ),
     set_: list[str] = SetOpt,
 ) -> None:
     """GRPO debug report: P tasks x N samples -> reward spread, advantage std, and the notes' diagnosis."""
@@ -270,7 +317,7 @@ def diagnose(
     from mentorrl.train.rundir import MetricsLog
     from mentorrl.train.workspace import open_workspace
 
-    cfg = _load(config, set_, f"runs/diagnose-{model_dir.name}", default="demo.yaml")
+    cfg = _load(config, set_, run_dir or f"runs/diagnose-{model_dir.name}", default="demo.yaml")
     ws = open_workspace(cfg, show_progress=False)
     tokenizer, model = load_policy(model_dir)
     ws.bind_tokenizer(tokenizer)

@@ -1,6 +1,6 @@
 """``mentorrl export`` and ``mentorrl import``: run data <-> Hugging Face datasets in TRL's formats.
 
-* ``mentorrl export RUN_DIR OUT --what trajectories|corrections|preferences`` writes
+* ``mentorrl export RUN_DIR --out OUT --what trajectories|corrections|preferences`` writes
   ``OUT/<what>.parquet`` (or ``OUT/<what>/`` with ``--format disk``): TRL's conversational SFT
   format for trajectories and corrections, its conversational preference format for preference
   pairs (:mod:`mentorrl.datasets_io` says what goes in each column);
@@ -17,7 +17,7 @@ from typing import Any, Optional
 import typer
 from rich.markup import escape
 
-from mentorrl.cli_common import console, err, quiet_transformers
+from mentorrl.cli_common import console, err, output_path, quiet_transformers
 from mentorrl.datasets_io import (
     DEFAULT_MAX_CHARS,
     DEFAULT_MAX_TOKENS,
@@ -96,7 +96,10 @@ def env_info_from_registry():
 
 def export_command(
     run_dir: Path = typer.Argument(..., exists=True, help="a run directory (or one JSONL file of records)"),
-    out: Path = typer.Argument(..., help="output directory: OUT/<what>.parquet (or OUT/<what>/ with --format disk)"),
+    old_out: Optional[Path] = typer.Argument(None, help="deprecated: use --out", show_default=False, metavar="[OUT]"),
+    out: Optional[Path] = typer.Option(
+        None, "--out", "-o", help="output directory: OUT/<what>.parquet (or OUT/<what>/ with --format disk)"
+    ),
     what: str = typer.Option("trajectories", "--what", help="trajectories | corrections | preferences"),
     only_success: bool = typer.Option(
         False, "--only-success", help="only trajectories the verifier accepted with no violation"
@@ -110,6 +113,7 @@ def export_command(
     fmt: str = typer.Option("parquet", "--format", help="parquet (Dataset.to_parquet) | disk (save_to_disk)"),
 ) -> None:
     """Write a run's trajectories, corrections or preference pairs as a Hugging Face dataset in TRL's formats."""
+    out = output_path(old_out, out, "export")
     if what not in KINDS:
         _fail(f"--what {what!r}: expected one of {', '.join(KINDS)}")
     if fmt not in ("parquet", "disk"):

@@ -130,6 +130,7 @@ def evaluate_checkpoint(
     """
     from mentorrl.models.build import load_policy
     from mentorrl.models.device import rollout_placement
+    from mentorrl.train.progress import count_progress
     from mentorrl.train.workspace import open_workspace
 
     judge = make_judge(ecfg.judge)
@@ -153,9 +154,7 @@ def evaluate_checkpoint(
             tasks = tasks_from_trajectories(trajs, lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
         else:
             tasks = eset.tasks
-            with ws.progress() as prog:
-                total = len(tasks) * ecfg.samples_per_task
-                bar = prog.add_task(f"eval {eset.name}", total=total, info="") if prog else None
+            with count_progress(ws, f"eval {eset.name}", len(tasks) * ecfg.samples_per_task) as advance:
                 trajs = rollout_samples(
                     model,
                     rollout,
@@ -163,7 +162,7 @@ def evaluate_checkpoint(
                     ecfg.samples_per_task,
                     seed=eset.seed,
                     batch_size=ecfg.batch_size,
-                    on_batch=(lambda n, bar=bar: prog.update(bar, advance=n)) if prog else None,
+                    on_batch=advance,
                 )
         if judge is not None:  # recorded verdicts are kept; only unjudged trajectories are judged
             attach_judgements(judge, tasks, [t for t in trajs if t.judge is None])

@@ -26,6 +26,7 @@ from mentorrl.config.run import RunConfig, run_config_model
 MAX_CONFIG_BYTES = 1 << 20  # per file
 MAX_CONFIG_NODES = 20_000  # per document, with YAML aliases followed (an anchor bomb expands exponentially)
 MAX_CONFIG_DEPTH = 32  # nesting levels
+MAX_CONFIG_CHARS = 4 * MAX_CONFIG_BYTES  # characters of keys and strings per document, aliases expanded
 MAX_EXTENDS = 16  # files in one `extends` chain
 MAX_CONFIG_INT = 2**63 - 1  # every int field fits in 64 bits (seeds reach torch and numpy)
 
@@ -36,29 +37,106 @@ def _dotted(loc: Loc) -> str:
     return ".".join(str(p) for p in loc) or "(top level)"
 
 
-def _format_problems(problems: dict[Loc, str], source: str) -> str:
-    return "\n".join([f"invalid config {source}:", *(f"  {_dotted(loc)}: {msg}" for loc, msg in problems.items())])
+def _shown(text: str, limit: int = 80) -> str:
+    """``text`` printable whatever it holds (a lone surrogate as an escape), cut at ``limit``."""
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def check_bounded(value: Any, what: str, max_nodes: int = MAX_CONFIG_NODES, max_depth: int = MAX_CONFIG_DEPTH) -> None:
-    """Refuse a parsed document with more than ``max_nodes`` nodes or ``max_depth`` levels.
+def _origin(loc: Loc, origins: dict[tuple[str, ...], str]) -> str | None:
+    """The ``--set`` that set (a section holding, or a field inside) the problem's location; the last wins."""
+    path = tuple(str(p) for p in loc)
+    hit = None
+    for key, label in origins.items():
+        n = min(len(key), len(path))
+        if n and key[:n] == path[:n]:
+            hit = label
+    return hit
 
-    Nodes are counted as if every YAML alias were expanded (shared and even cyclic references
-    count each time they are reached), and the walk stops at the first excess, so its cost is
-    bounded by ``max_nodes`` whatever the document."""
-    stack: list[tuple[Any, int]] = [(value, 0)]
-    nodes = 0
+
+def _format_problems(problems: dict[Loc, str], source: str, origins: dict[tuple[str, ...], str] | None = None) -> str:
+    origins = origins or {}
+    found = {loc: _origin(loc, origins) for loc in problems}
+    lines = [
+        f"  {_shown(_dotted(loc), 200)}: {msg}" + (f" (from {found[loc]})" if found[loc] else "")
+        for loc, msg in problems.items()
+    ]
+    if found and all(found.values()):
+        labels = ", ".join(dict.fromkeys(v for v in found.values() if v))
+        head = f"invalid override {labels} (applied over {source}):"
+    else:
+        head = f"invalid config {source}:"
+    return "\n".join([head, *lines])
+
+
+def _field_of(loc: Loc) -> str:
+    """The dotted field of a location inside a parsed document (mapping keys; list positions dropped)."""
+    keys = [str(p)[:40] for p in loc if not isinstance(p, int)]
+    return (".".join(keys[:6]) + (".…" if len(keys) > 6 else "")) or "(top level)"
+
+
+def check_bounded(
+    value: Any,
+    what: str,
+    max_nodes: int = MAX_CONFIG_NODES,
+    max_depth: int = MAX_CONFIG_DEPTH,
+    max_chars: int = MAX_CONFIG_CHARS,
+) -> None:
+    """Refuse a parsed document with more than ``max_nodes`` nodes, ``max_depth`` levels or
+    ``max_chars`` characters of keys and strings; the message names the field the excess is in.
+
+    Nodes and characters are counted as if every YAML alias were expanded (shared and even cyclic
+    references count each time they are reached: a string anchored once and aliased thousands of
+    times is as large as its copies would be once validated), and the walk stops at the first excess,
+    so its cost is bounded by ``max_nodes`` whatever the document."""
+    stack: list[tuple[Any, int, Loc]] = [(value, 0, ())]
+    nodes = chars = 0
     while stack:
-        v, depth = stack.pop()
+        v, depth, loc = stack.pop()
         nodes += 1
         if nodes > max_nodes:
-            raise ConfigError(f"{what} is too large: more than {max_nodes} YAML nodes once aliases are expanded")
+            raise ConfigError(
+                f"{what}: {_field_of(loc)} is too large: more than {max_nodes} YAML nodes once aliases are expanded"
+            )
         if depth > max_depth:
-            raise ConfigError(f"{what} is too deep: more than {max_depth} levels of nesting")
-        if isinstance(v, dict):
-            stack.extend((x, depth + 1) for kv in v.items() for x in kv)
+            raise ConfigError(f"{what}: {_field_of(loc)} is too deep: more than {max_depth} levels of nesting")
+        if isinstance(v, (str, bytes)):
+            chars += len(v)
+            if chars > max_chars:
+                raise ConfigError(
+                    f"{what}: {_field_of(loc)} is too large: more than {max_chars} characters of text once "
+                    "aliases are expanded"
+                )
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                stack.append((k, depth + 1, loc))
+                stack.append((x, depth + 1, (*loc, k if isinstance(k, (str, int)) else str(k)[:40])))
         elif isinstance(v, (list, tuple, set, frozenset)):
-            stack.extend((x, depth + 1) for x in v)
+            stack.extend((x, depth + 1, (*loc, i)) for i, x in enumerate(v))
+
+
+def text_problems(raw: Any, loc: Loc = ()) -> dict[Loc, str]:
+    """Every key or string of a parsed document that is not text: a lone surrogate (``"\\udcff"`` in
+    YAML, a file name decoded with ``surrogateescape``) cannot be written to a file or printed as UTF-8.
+    ``raw`` must be bounded (:func:`check_bounded`)."""
+    out: dict[Loc, str] = {}
+    if isinstance(raw, str):
+        try:
+            raw.encode("utf-8")
+        except UnicodeEncodeError as e:
+            out[loc] = (
+                f"holds a lone surrogate (U+{ord(raw[e.start]):04X}) at character {e.start}: not text "
+                "that can be written as UTF-8 (a path must be valid Unicode)"
+            )
+    elif isinstance(raw, dict):
+        for k, v in raw.items():
+            key = k if isinstance(k, (str, int)) else str(k)
+            out.update(text_problems(k, (*loc, key)) if isinstance(k, str) else {})
+            out.update(text_problems(v, (*loc, key)))
+    elif isinstance(raw, (list, tuple)):
+        for i, v in enumerate(raw):
+            out.update(text_problems(v, (*loc, i)))
+    return out
 
 
 def parse_yaml(text: str, what: str) -> Any:
@@ -76,11 +154,11 @@ def parse_yaml(text: str, what: str) -> Any:
 def _deep_set(d: dict[str, Any], dotted: str, value: Any) -> None:
     keys = dotted.split(".")
     if not all(keys):
-        raise ConfigError(f"override {dotted}=...: empty field name; write key.sub=value")
+        raise ConfigError("empty field name; write key.sub=value")
     for k in keys[:-1]:
         child = d.setdefault(k, {})
         if not isinstance(child, dict):
-            raise ConfigError(f"override {dotted}: {k} is not a section")
+            raise ConfigError(f"{_shown(k)} is not a section")
         d[k] = d = dict(child)  # a copy: a YAML alias may share this mapping with another field
     d[keys[-1]] = value
 
@@ -255,27 +333,57 @@ def plugins_of(data: Any) -> list[str]:
     return [m for m in plugins if isinstance(m, str)] if isinstance(plugins, list) else []
 
 
-def validate_config(data: Any, source: str = "(defaults)") -> RunConfig:
-    """A RunConfig from parsed data, or a ConfigError listing every bad field by dotted path. The plugins
-    it names (and the installed entry points) are loaded first, so their stages' sections validate."""
+def _problems(data: Any, source: str) -> tuple[RunConfig | None, dict[Loc, str]]:
+    """The validated config (None when it does not validate) and every problem, by location."""
     check_bounded(data, f"config {source}")
     load_plugins(plugins_of(data))
     model = run_config_model()
-    problems = raw_number_problems(data, model)
+    problems = text_problems(data)
+    for loc, msg in raw_number_problems(data, model).items():
+        problems.setdefault(loc, msg)
+    cfg = None
     try:
         cfg = model.model_validate(data)
     except ValidationError as e:
         found = list(problems)
         for err in e.errors():
             loc = tuple(err["loc"])
-            if not any(f[: len(loc)] == loc for f in found):  # not a consequence of a number already reported
+            if not any(f[: len(loc)] == loc for f in found):  # not a consequence of a problem already reported
                 problems.setdefault(loc, err["msg"])
     else:
         for loc, msg in number_problems(cfg, data).items():
             problems.setdefault(loc, msg)
-    if problems:
-        raise ConfigError(_format_problems(problems, source))
+    return cfg, problems
+
+
+def validate_config(
+    data: Any, source: str = "(defaults)", origins: dict[tuple[str, ...], str] | None = None
+) -> RunConfig:
+    """A RunConfig from parsed data, or a ConfigError listing every bad field by dotted path (and the
+    ``--set`` override it came from, given ``origins``: field path -> override). The plugins it names
+    (and the installed entry points) are loaded first, so their stages' sections validate."""
+    cfg, problems = _problems(data, source)
+    if problems or cfg is None:
+        raise ConfigError(_format_problems(problems, source, origins))
     return cfg
+
+
+def _apply_override(data: dict[str, Any], ov: str) -> tuple[str, ...]:
+    """Apply one ``key.sub=value`` override; returns its field path. Failures name the override."""
+    label = f"--set {_shown(ov)}"
+    if "=" not in ov:
+        raise ConfigError(f"{label}: an override must look like key.sub=value")
+    key, raw = ov.split("=", 1)
+    key = key.strip()
+    for what, text in (("field name", key), ("value", raw)):
+        for msg in text_problems(text).values():
+            raise ConfigError(f"{label}: the {what} {msg}")
+    try:
+        _deep_set(data, key, parse_yaml(raw, f"{label}: the value of {_shown(key)}"))
+    except ConfigError as e:
+        msg = str(e)
+        raise ConfigError(msg if msg.startswith(label) else f"{label}: {msg}") from None
+    return tuple(key.split("."))
 
 
 def load_config(
@@ -284,22 +392,20 @@ def load_config(
     """Load YAML (or defaults), apply ``key.sub=value`` overrides, add ``plugins`` (modules, e.g. from
     ``mentorrl train --plugin``) to the config's own, load them, validate.
 
-    Raises ConfigError (naming the file or field) for anything else than a valid config."""
+    Raises ConfigError (naming the file or field, and the ``--set`` override that caused it) for
+    anything else than a valid config."""
     data: dict[str, Any] = {}
     source = "(defaults)"
     if path is not None:
         source = str(path)
         data = _read_yaml(Path(path), seen=())
+    origins: dict[tuple[str, ...], str] = {}
     for ov in overrides or []:
-        if "=" not in ov:
-            raise ConfigError(f"override {ov!r} must look like key.sub=value")
-        key, raw = ov.split("=", 1)
-        key = key.strip()
-        _deep_set(data, key, parse_yaml(raw, f"override {key}"))
+        origins[_apply_override(data, ov)] = f"--set {_shown(ov)}"
     if plugins:
         listed = data.get("plugins") if isinstance(data.get("plugins"), list) else []
         data["plugins"] = [*listed, *(m for m in plugins if m not in listed)]
-    return validate_config(data, source)
+    return validate_config(data, source, origins)
 
 
 def dump_config(cfg: RunConfig) -> str:
@@ -308,6 +414,7 @@ def dump_config(cfg: RunConfig) -> str:
 
 __all__ = [
     "MAX_CONFIG_BYTES",
+    "MAX_CONFIG_CHARS",
     "MAX_CONFIG_DEPTH",
     "MAX_CONFIG_INT",
     "MAX_CONFIG_NODES",
@@ -321,5 +428,6 @@ __all__ = [
     "parse_yaml",
     "plugins_of",
     "raw_number_problems",
+    "text_problems",
     "validate_config",
 ]

@@ -173,13 +173,56 @@ class DistributedConfig(Section):
 
 
 class LoggingConfig(Section):
-    """The `logging:` section: where step metrics go besides ``metrics.jsonl`` (:mod:`mentorrl.train.trackers`)."""
+    """The `logging:` section: where step metrics go besides ``metrics.jsonl`` (:mod:`mentorrl.train.trackers`),
+    what the run is called there, and the plain progress lines printed when stdout is not a terminal.
+
+    Where a tracker sends (``wandb_mode``, ``mlflow_tracking_uri``): the tracker's environment variable
+    (``WANDB_MODE``, ``MLFLOW_TRACKING_URI``) wins over the field. What the run is called (``project``,
+    ``run_name``, ``tags``): the field wins over the tracker's variable (``WANDB_PROJECT``,
+    ``MLFLOW_EXPERIMENT_NAME``, ``WANDB_NAME``), as an argument to the tracker's own init does
+    (docs/trackers.md)."""
 
     trackers: list[Literal["tensorboard", "wandb", "mlflow", "trackio"]] = Field(
         default_factory=list,
-        description="trackers every step metric also goes to, all local (never the network), under "
-        "RUN_DIR/trackers/: tensorboard event files, wandb in offline mode, an mlflow file store, "
-        "trackio's local store; a tracker that fails to import or log is warned about once and dropped",
+        description="trackers every step metric (and the run's config, secrets redacted) also goes to: "
+        "tensorboard event files under RUN_DIR/trackers/, wandb (offline unless WANDB_MODE or "
+        "logging.wandb_mode say otherwise), mlflow (MLFLOW_TRACKING_URI, else logging.mlflow_tracking_uri, "
+        "else a local SQLite store under RUN_DIR/trackers/), trackio's local store; a tracker that fails "
+        "to import or log is warned about once and dropped",
+    )
+    project: str | None = Field(
+        None,
+        max_length=128,
+        description="W&B project, MLflow experiment and trackio project (null: WANDB_PROJECT / "
+        "MLFLOW_EXPERIMENT_NAME when set, else mentorrl)",
+    )
+    run_name: str | None = Field(
+        None,
+        max_length=128,
+        description="the run's name in every tracker (null: WANDB_NAME for W&B when set, else the run directory's name)",
+    )
+    tags: list[str] = Field(
+        default_factory=list,
+        max_length=64,
+        description="tags of the run: W&B tags as given; MLflow tags, key=value giving that key its value "
+        "(a bare tag: an empty value)",
+    )
+    wandb_mode: Literal["offline", "online", "disabled"] | None = Field(
+        None, description="W&B mode when WANDB_MODE is not set (null: offline, nothing sent over the network)"
+    )
+    mlflow_tracking_uri: str | None = Field(
+        None,
+        description="MLflow tracking server or store when MLFLOW_TRACKING_URI is not set (null: "
+        "sqlite:///RUN_DIR/trackers/mlflow.db, local)",
+    )
+    log_every_steps: int = Field(
+        10,
+        ge=1,
+        description="stdout not a terminal (a cluster job, nohup, CI): print a plain progress line at least "
+        "every this many steps (stage, step/total, reward, success, tokens/s, elapsed, ETA)",
+    )
+    log_every_s: float = Field(
+        30.0, gt=0, description="... and after any step ending this many seconds or more after the last line"
     )
 
     @field_validator("trackers")
@@ -187,6 +230,14 @@ class LoggingConfig(Section):
     def _once_each(cls, v: list[str]) -> list[str]:
         if len(set(v)) != len(v):
             raise ValueError(f"a tracker is named twice: {v}")
+        return v
+
+    @field_validator("tags")
+    @classmethod
+    def _short_tags(cls, v: list[str]) -> list[str]:
+        bad = [t for t in v if not t.strip() or len(t) > 250]
+        if bad:
+            raise ValueError(f"a tag must be 1 to 250 characters, not blank: {bad[0][:40]!r}")
         return v
 
 

@@ -28,6 +28,7 @@ from rich.markup import escape
 from mentorrl.models.lora import check_weights_kind
 from mentorrl.train.fsdp import is_sharded_checkpoint, load_full_weights, load_shards, save_shards
 from mentorrl.train.learner import Learner
+from mentorrl.train.progress import stage_progress
 from mentorrl.train.rundir import (
     KEEP_CHECKPOINTS,
     CorruptCheckpointError,
@@ -42,15 +43,16 @@ from mentorrl.train.rundir import (
     save_checkpoint,
     write_manifest,
 )
-from mentorrl.train.trackers import TrackerSet, open_trackers
+from mentorrl.train.trackers import TrackerSet, config_params, open_trackers, resolve_settings
 from mentorrl.train.workspace import Workspace, load_weights_into
 
 
 def run_trackers(ws: Workspace) -> TrackerSet | None:
     """The run's trackers (``logging.trackers``; opened once, on the writing rank), or None."""
-    names = getattr(getattr(ws.cfg, "logging", None), "trackers", None) or []
+    section = getattr(ws.cfg, "logging", None)
+    names = getattr(section, "trackers", None) or []
     warn = lambda msg: ws.console.print(f"[red]warning: {escape(msg)}[/red]")  # noqa: E731
-    return open_trackers(ws.run_dir, names, warn)
+    return open_trackers(ws.run_dir, names, warn, lambda: resolve_settings(section, params=config_params(ws.cfg)))
 
 
 def metrics_log(ws: Workspace) -> MetricsLog:
@@ -95,8 +97,7 @@ def run_stage(
             save_checkpoint(stage_dir, rec["step"], model, ws.tokenizer, state)
             prune_checkpoints(stage_dir, keep=KEEP_CHECKPOINTS)
 
-    with ws.progress() as prog:
-        bar = prog.add_task(stage, total=steps, completed=start, info="") if prog else None
+    with stage_progress(ws, stage, steps, start) as progress:
         for step in range(start, steps):
             t0, c0 = time.perf_counter(), time.process_time()
             m = step_fn(step)
@@ -111,11 +112,7 @@ def run_stage(
             ws.on_main(lambda: record(rec, save))  # under data parallel the others wait, and see a failure
             if save and learner.sharded is not None:
                 _save_sharded(ws, stage_dir, rec["step"], model, learner, extra_state)
-            if prog:
-                info = " ".join(
-                    f"{k}={m[k]:.3f}" for k in ("loss", "reward_mean", "task_success", "positive_task_rate") if k in m
-                )
-                prog.update(bar, advance=1, info=info)
+            progress.update(step + 1, m, last=stop)
             if stop:
                 break
     ws.on_main(lambda: _save_final(ws, model, final, steps))

@@ -24,6 +24,7 @@ from mentorrl.eval.metrics import summarize
 from mentorrl.eval.sets import assert_trainable, assert_trainable_splits
 from mentorrl.models.device import rollout_backend_args
 from mentorrl.rollout import BackendChoice, Rollout
+from mentorrl.train.progress import count_progress
 from mentorrl.train.rundir import MetricsLog
 from mentorrl.trajectory import write_jsonl
 
@@ -233,15 +234,8 @@ def evaluate(ws: Workspace, model, label: str, resume: bool = False, split: str 
     if resume and out_json.exists():
         return json.loads(out_json.read_text())
     tasks = ws.eval_tasks(split, e.num_tasks)
-    with ws.progress() as prog:
-        bar = prog.add_task(f"eval {label}", total=len(tasks), info="") if prog else None
-        trajs = eval_rollout(ws).run(
-            model,
-            tasks,
-            seed=e.seed,
-            batch_size=e.batch_size,
-            on_batch=(lambda n: prog.update(bar, advance=n)) if prog else None,
-        )
+    with count_progress(ws, f"eval {label}", len(tasks)) as advance:
+        trajs = eval_rollout(ws).run(model, tasks, seed=e.seed, batch_size=e.batch_size, on_batch=advance)
     write_jsonl(ws.run_dir / f"eval_{label}.jsonl", trajs)
     summary = {"label": label, "split": split, "eval_seed": e.seed, "stratified": e.stratify, **summarize(trajs)}
     out_json.write_text(json.dumps(summary, indent=2))

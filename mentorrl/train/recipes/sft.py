@@ -48,6 +48,7 @@ class SFTStage(Stage):
 
     def update(self, b: StepBatch) -> None:
         b.metrics.update(self.learner.sft_step(b.trajs, agg=self.cfg.loss_agg))
+        b.metrics["train_tokens"] = float(sum(t.num_policy_tokens for t in b.trajs))  # for tokens/s
 
 
 sft_stage = run_on_loop(SFTStage)
