@@ -149,6 +149,26 @@ def add_recording_routes(app: Any, hook: RecordingHook) -> None:
         return {"recorder": hook.recorder.counters(), "server": dict(hook.stats), "policy_version": hook.version()}
 
 
+def start_recording_server(
+    tokenizer: Any,
+    model: Any,
+    recorder: Recorder,
+    sampling: RunSampling,
+    version: Callable[[], int],
+    api_key: str,
+    reward_key: str,
+    host: str = "127.0.0.1",
+) -> tuple["BackgroundServer", RecordingHook]:
+    """``model`` served in recording mode on a free port of ``host``, on a thread of this process
+    (``/v1`` behind ``api_key``, the reward routes behind ``reward_key``), started; and its hook."""
+    from mentorrl.serve import create_app
+
+    hook = RecordingHook(recorder, reward_key, version, sampling)
+    app = create_app(tokenizer, model, "mentorrl-policy", token=api_key, recording=hook)
+    add_recording_routes(app, hook)
+    return BackgroundServer(app, host).start(), hook
+
+
 class BackgroundServer:
     """``app`` served by uvicorn on a daemon thread, on a free port of ``host`` (loopback by default)."""
 
@@ -187,4 +207,5 @@ __all__ = [
     "RunSampling",
     "TASK_HEADER",
     "add_recording_routes",
+    "start_recording_server",
 ]

@@ -196,6 +196,11 @@ class Recorder:
         with self._lock:
             self._db.executemany("UPDATE episodes SET status = 'closed' WHERE id = ?", [(e,) for e in episode_ids])
 
+    def close_open(self) -> int:
+        """Close every open episode (a resumed run's: the killed step is redone with new ids); how many."""
+        with self._lock:
+            return self._db.execute("UPDATE episodes SET status = 'closed' WHERE status = 'open'").rowcount
+
     def _episode_row(self, episode_id: str, task_id: str | None) -> tuple[str, str, int, int]:
         row = self._db.execute(
             "SELECT task_id, status, completions, tokens FROM episodes WHERE id = ?", (episode_id,)

@@ -29,7 +29,7 @@ import torch
 
 from mentorrl.algos.advantages import sanitize_group_rewards
 from mentorrl.rollout.recorder import COUNTERS, RecordedEpisode, Recorder, RecordError
-from mentorrl.serve_recording import REWARD_PATH, BackgroundServer, RecordingHook, RunSampling, add_recording_routes
+from mentorrl.serve_recording import REWARD_PATH, RunSampling, start_recording_server
 from mentorrl.train.agents import AgentJob, AgentOutcome, outcome_counts, run_agents
 from mentorrl.train.loop import require_consistent, reward_debugger, rollout_metrics
 from mentorrl.train.recipes.grpo import GRPOStage
@@ -141,15 +141,6 @@ class RewardFile:
             self.bad += 1
 
 
-def start_server(ws: Workspace, model, hook: RecordingHook, api_key: str) -> BackgroundServer:
-    """The policy served in recording mode on 127.0.0.1 (a free port), on a thread of this process."""
-    from mentorrl.serve import create_app
-
-    app = create_app(ws.contract.tokenizer, model, "mentorrl-policy", token=api_key, recording=hook)
-    add_recording_routes(app, hook)
-    return BackgroundServer(app).start()
-
-
 class ExternalStage(GRPOStage):
     """GRPO on the user's agent, recorded over HTTP (see the module docstring)."""
 
@@ -172,17 +163,20 @@ class ExternalStage(GRPOStage):
             max_completions=cfg.max_completions,
             max_tokens=cfg.max_episode_tokens,
         )
+        self.recorder.close_open()  # a killed run's unfinished step: never used
         self.api_key, self.reward_key = secrets.token_urlsafe(24), secrets.token_urlsafe(24)
         s = c.sampling
-        self.hook = RecordingHook(
+        self.server, self.hook = start_recording_server(
+            tok,
+            model,
             self.recorder,
-            self.reward_key,
-            lambda: self.learner.version,
             RunSampling(s.temperature, s.top_p, s.max_new_tokens),
+            lambda: self.learner.version,
+            self.api_key,
+            self.reward_key,
         )
-        self.hook.pause()
+        self.hook.pause()  # open only while the step's agents run
         self.reward_file = RewardFile(cfg.reward_file, self.recorder)
-        self.server = start_server(ws, model, self.hook, self.api_key)
 
     # ---- rollout: the agents ------------------------------------------------------------------
     def rollout(self, b: StepBatch) -> None:
