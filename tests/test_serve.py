@@ -23,9 +23,9 @@ from cli_helpers import cli_output, cli_with
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
-from mentorrl.chat import assistant_message, prompt_text
+from mentorrl.chat import assistant_message, prompt_pieces, prompt_text
 from mentorrl.cli.serve import register
-from mentorrl.contract import IM_END, IM_START
+from mentorrl.contract import IM_END, IM_START, ChatEncoder
 from mentorrl.serve import (
     MAX_STOP_CHARS,
     READY_PREFIX,
@@ -183,8 +183,11 @@ def test_greedy_reply_is_what_the_model_writes_from_the_contract_text(tokenizer,
         },
     )
     assert r.status_code == 200, r.text
-    prompt = encode(tokenizer, TOOL_CONVERSATION)
-    assert rec.inputs == [[prompt]]  # the server rendered exactly the contract's text (tool call included)
+    tools = [{"type": "function", "function": {"name": "get_order"}}]
+    # the contract's encoding: the system turn (tools, call syntax) is text, as a rollout encodes it
+    prompt = ChatEncoder(tokenizer).pieces(prompt_pieces(TOOL_CONVERSATION, tools))
+    assert "get_order() - " in tokenizer.decode(prompt) and prompt != encode(tokenizer, TOOL_CONVERSATION)
+    assert rec.inputs == [[prompt]]  # the server rendered exactly the contract's text (tools, tool call included)
     stops = [tokenizer.convert_tokens_to_ids(IM_END), tokenizer.eos_token_id]
     out = biased_model.generate(
         torch.tensor([prompt]),
@@ -264,7 +267,7 @@ def post_all(c: TestClient, bodies: list[dict[str, Any]]) -> list[httpx.Response
 def test_a_padded_batch_writes_each_prompt_s_greedy_tokens(tokenizer, varied_model):
     gen = PolicyGenerator(tokenizer, varied_model)
     prompts = [encode(tokenizer, m) for m in CONVERSATIONS]
-    batched = gen.run([gen.request(p, 1, 0.0, 1.0, 12) for p in prompts])
+    batched = [[s.turn() for s in r] for r in gen.run([gen.request(p, 1, 0.0, 1.0, 12) for p in prompts])]
     alone = []
     for p in prompts:  # unpadded, one prompt at a time
         out = varied_model.generate(
@@ -279,17 +282,20 @@ def test_a_seeded_request_samples_the_same_alone_and_in_a_batch(tokenizer, varie
     gen = PolicyGenerator(tokenizer, varied_model)
     short, long_, tiny = (encode(tokenizer, m) for m in CONVERSATIONS)
     mine = dict(prompt_ids=short, n=3, temperature=1.0, top_p=0.9, max_new_tokens=10)
-    alone = gen.run([gen.request(**mine, seed=11)])[0]
+    def turns(batch):
+        return [[s.turn() for s in r] for r in gen.run(batch)]
+
+    alone = turns([gen.request(**mine, seed=11)])[0]
     batch = [
         gen.request(long_, 2, 0.7, 1.0, 10, seed=5),
         gen.request(**mine, seed=11),
         gen.request(tiny, 2, 0.0, 1.0, 10),
         gen.request(tiny, 1, 1.3, 0.5, 10),
     ]  # greedy, no seed, other top-p
-    assert gen.run(batch)[1] == alone
+    assert turns(batch)[1] == alone
     assert len({text for text, _, _ in alone}) == 3  # each sample has its own stream
-    assert gen.run([gen.request(**mine, seed=12)])[0] != alone
-    assert gen.run([gen.request(**mine)])[0] != gen.run([gen.request(**mine)])[0]  # no seed: fresh draws
+    assert turns([gen.request(**mine, seed=12)])[0] != alone
+    assert turns([gen.request(**mine)])[0] != turns([gen.request(**mine)])[0]  # no seed: fresh draws
 
 
 def test_the_row_sampler_samples_temperature_and_top_p_per_row():
@@ -390,7 +396,9 @@ BAD_BODIES = {
     "n=17": json.dumps({"messages": USER_ONLY, "n": 17}),
     "temperature=-1": json.dumps({"messages": USER_ONLY, "temperature": -1}),
     "max_tokens=0": json.dumps({"messages": USER_ONLY, "max_tokens": 0}),
-    "stream": json.dumps({"messages": USER_ONLY, "stream": True}),
+    "top_logprobs=21": json.dumps({"messages": USER_ONLY, "logprobs": True, "top_logprobs": 21}),
+    "top_logprobs without logprobs": json.dumps({"messages": USER_ONLY, "top_logprobs": 2}),
+    "stream_options without stream": json.dumps({"messages": USER_ONLY, "stream_options": {"include_usage": True}}),
 }
 
 

@@ -80,6 +80,23 @@ class TemplateChat:
         :class:`Control` pieces, everything else (content included) plain text. An assistant message is
         the policy's own turn: it is rendered as given (its tags and reasoning markers are the policy's
         control tokens, and templates read them, e.g. to split off reasoning)."""
+        return self._render(messages, self.tools if with_tools else None, add_generation_prompt, False)
+
+    def render_request(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None
+    ) -> list[str]:
+        """A client's conversation and its own ``tools`` (a chat-completions request), ending with the
+        generation prompt, as pieces. Every string is content here, an assistant message's too (a client
+        is not the policy): a control string in it, or in a tool's name or description, stays text."""
+        return self._render(messages, [dict(t) for t in tools] if tools else None, True, True)
+
+    def _render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None,
+        add_generation_prompt: bool,
+        escape_assistant: bool,
+    ) -> list[str]:
         table: list[str] = []
 
         def escape(s: str) -> str:
@@ -91,8 +108,11 @@ class TemplateChat:
 
         try:
             text = self.tokenizer.apply_chat_template(
-                [m if m.get("role") == "assistant" else _map_strings(m, escape) for m in messages],
-                tools=_map_strings(self.tools, escape) if with_tools else None,
+                [
+                    m if m.get("role") == "assistant" and not escape_assistant else _map_strings(m, escape)
+                    for m in messages
+                ],
+                tools=_map_strings(tools, escape) if tools else None,
                 add_generation_prompt=add_generation_prompt,
                 tokenize=False,
             )
