@@ -169,7 +169,12 @@ def test_reward_endpoint_refuses_a_wrong_key(tmp_path, shipped, contract):
         root = server.url[: -len("/v1")]
         url = f"{root}/mentorrl/episodes/e1/reward"
         body = {"reward": 1.0, "details": {"success": True}}
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Bearer api-key"}, {"Authorization": "reward-key"}):
+        for headers in (
+            {},
+            {"Authorization": "Bearer wrong"},
+            {"Authorization": "Bearer api-key"},
+            {"Authorization": "reward-key"},
+        ):
             r = httpx.post(url, json=body, headers=headers)
             assert r.status_code == 401 and "reward-key" not in r.text
         assert rec.rewards(["e1"]) == {}

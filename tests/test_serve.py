@@ -282,6 +282,7 @@ def test_a_seeded_request_samples_the_same_alone_and_in_a_batch(tokenizer, varie
     gen = PolicyGenerator(tokenizer, varied_model)
     short, long_, tiny = (encode(tokenizer, m) for m in CONVERSATIONS)
     mine = dict(prompt_ids=short, n=3, temperature=1.0, top_p=0.9, max_new_tokens=10)
+
     def turns(batch):
         return [[s.turn() for s in r] for r in gen.run(batch)]
 

@@ -45,9 +45,7 @@ class ExternalConfig(GRPOConfig):
         description="also read rewards from this JSONL file ({episode_id, reward, details?} per line), "
         "e.g. written by the harness instead of posting to the reward endpoint",
     )
-    min_group: int = Field(
-        2, ge=2, description="a task's group trains only with at least this many rewarded episodes"
-    )
+    min_group: int = Field(2, ge=2, description="a task's group trains only with at least this many rewarded episodes")
     max_completions: int = Field(64, ge=1, le=4096, description="chat completions one episode may make")
     max_episode_tokens: int = Field(
         16_384, ge=16, le=1_048_576, description="tokens one episode may record (all its segments)"

@@ -201,6 +201,17 @@ class Recorder:
         with self._lock:
             return self._db.execute("UPDATE episodes SET status = 'closed' WHERE status = 'open'").rowcount
 
+    def check_open(self, episode_id: str, task_id: str | None) -> None:
+        """A :class:`RecordError` unless a completion for ``episode_id`` (of ``task_id``) may be recorded now."""
+        with self._lock:
+            row = self._db.execute("SELECT task_id, status FROM episodes WHERE id = ?", (episode_id,)).fetchone()
+        if row is None and not self.auto_open:
+            raise RecordError(404, f"unknown episode {episode_id!r}")
+        if row is not None and row[1] != "open":
+            raise RecordError(409, f"episode {episode_id!r} is closed")
+        if row is not None and task_id is not None and task_id != row[0]:
+            raise RecordError(409, f"episode {episode_id!r} belongs to task {row[0]!r}, not {task_id!r}")
+
     def _episode_row(self, episode_id: str, task_id: str | None) -> tuple[str, str, int, int]:
         row = self._db.execute(
             "SELECT task_id, status, completions, tokens FROM episodes WHERE id = ?", (episode_id,)
@@ -235,7 +246,9 @@ class Recorder:
             raise ValueError("record_completion: one log-prob per sampled token")
         with self._lock:
             try:
-                return self._record(episode_id, task_id, list(prompt_ids), list(completion_ids), logprobs, policy_version)
+                return self._record(
+                    episode_id, task_id, list(prompt_ids), list(completion_ids), logprobs, policy_version
+                )
             except RecordError:
                 self._bump("refused")
                 raise
@@ -312,7 +325,9 @@ class Recorder:
             raise RecordError(400, f"details: a JSON object of at most {MAX_DETAILS_BYTES} bytes")
         with self._lock:
             self._episode_row(episode_id, None)
-            self._db.execute("UPDATE episodes SET reward = ?, details = ? WHERE id = ?", (float(reward), text, episode_id))
+            self._db.execute(
+                "UPDATE episodes SET reward = ?, details = ? WHERE id = ?", (float(reward), text, episode_id)
+            )
             self._bump("rewards")
 
     # ---- reading ----------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ import torch
 
 from mentorrl.algos.advantages import sanitize_group_rewards
 from mentorrl.rollout.recorder import COUNTERS, RecordedEpisode, Recorder, RecordError
-from mentorrl.serve_recording import REWARD_PATH, RunSampling, start_recording_server
+from mentorrl.serve.recording import REWARD_PATH, RunSampling, start_recording_server
 from mentorrl.train.agents import AgentJob, AgentOutcome, outcome_counts, run_agents
 from mentorrl.train.loop import require_consistent, reward_debugger, rollout_metrics
 from mentorrl.train.recipes.grpo import GRPOStage
@@ -225,7 +225,9 @@ class ExternalStage(GRPOStage):
             elif o.episode_id not in rewards:
                 drops["no_reward"] += 1
             else:
-                by_task.setdefault(i, []).append((rewards[o.episode_id], episode_trajectories(ep, task, self.ws.contract)))
+                by_task.setdefault(i, []).append(
+                    (rewards[o.episode_id], episode_trajectories(ep, task, self.ws.contract))
+                )
         trajs: list[Trajectory] = []
         groups = []
         for i in sorted(by_task):

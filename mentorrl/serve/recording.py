@@ -1,12 +1,16 @@
 """Recording mode of ``mentorrl serve``: every chat completion recorded token in / token out for training.
 
-A :class:`RecordingHook` sits beside the server's request handling: the chat-completions handler asks
-it for the request's episode (:meth:`RecordingHook.episode_of`: the ``X-Mentorrl-Episode`` header, or
-the request's ``user`` field; the task from ``X-Mentorrl-Task``), generates under its gate
-(:meth:`RecordingHook.generating`: no generation while the learner updates the shared weights) with
-the run's sampling settings (:meth:`RecordingHook.sampling`), and hands each choice's prompt ids,
-sampled ids and behaviour log-probs to :meth:`RecordingHook.record`, which stores them with the
-policy version in the :class:`~mentorrl.rollout.recorder.Recorder`.
+A :class:`RecordingHook` sits beside the server's request handling (``create_app(recording=hook)``):
+the chat-completions handler passes it each request with its episode id (the ``X-Mentorrl-Episode``
+header, or the request's ``user`` field) and task id (``X-Mentorrl-Task``, optional);
+:meth:`RecordingHook.complete` refuses what cannot be recorded (no or unknown episode, ``stream``,
+``n > 1``), sets the run's sampling (temperature, top-p; ``tool_choice: none`` is not enforced, as
+its ban would change the distribution the recorded log-probs describe), and lets the server answer
+under its gate (:meth:`RecordingHook.generating`: no generation while the learner updates the
+shared weights). The server's ``on_completion`` (:meth:`RecordingHook.on_completion`) then stores the
+prompt ids as rendered, the sampled ids, their behaviour log-probs and the policy version in the
+:class:`~mentorrl.rollout.recorder.Recorder`, under the request's episode (a context variable of
+the request's thread).
 
 :func:`add_recording_routes` adds the harness's side: ``POST /mentorrl/episodes/{id}/reward``
 (``{"reward": float, "details": {...}}``) and ``GET /mentorrl/stats``, both behind the reward key: a
@@ -19,16 +23,20 @@ new weights are served as soon as the learner writes them).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import hmac
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Sequence
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from mentorrl.rollout.recorder import Recorder, RecordError, check_id
 
-EPISODE_HEADER = "x-mentorrl-episode"
-TASK_HEADER = "x-mentorrl-task"
+EPISODE_HEADER = "X-Mentorrl-Episode"
+TASK_HEADER = "X-Mentorrl-Task"
+_EPISODE: contextvars.ContextVar[tuple[str, str | None]] = contextvars.ContextVar("mentorrl_recorded_episode")
 REWARD_PATH = "/mentorrl/episodes/{episode_id}/reward"  # outside /v1: its own key, not the API key
 
 
@@ -56,19 +64,78 @@ class RecordingHook:
         self.stats = {"generate_s": 0.0, "requests": 0, "overridden": 0, "refused_paused": 0}
 
     # ---- requests -------------------------------------------------------------------------------
-    def episode_of(self, headers: Mapping[str, str], user: str | None) -> tuple[str, str | None]:
-        """(episode id, task id or None) of a request; a :class:`RecordError` (400) without one."""
-        episode = headers.get(EPISODE_HEADER) or user
-        if not episode:
-            raise RecordError(400, "recording mode: send the episode id as the X-Mentorrl-Episode header (or `user`)")
-        task = headers.get(TASK_HEADER)
-        return check_id(episode, "episode id"), (check_id(task, "task id") if task else None)
+    def complete(self, req: Any, ids: tuple[str | None, str | None], answer: Callable[[Any], Any]) -> Any:
+        """Answer ``req`` (``answer(req)``: the server's own handling) as a recorded completion of the
+        episode ``ids`` = (episode id, task id or None), with the run's sampling; an :class:`APIError`
+        for a request that cannot be recorded (no or unknown episode, ``stream``, ``n > 1``) or while paused."""
+        from mentorrl.serve.protocol import APIError
 
-    def note_override(self, temperature: float, top_p: float) -> None:
-        """Count a request that asked for other sampling settings than the run's."""
-        if (temperature, top_p) != (self.sampling.temperature, self.sampling.top_p):
-            with self._cond:
+        try:
+            episode = check_id(ids[0] or "", "episode id (the X-Mentorrl-Episode header, or `user`)")
+            task = check_id(ids[1], "task id (X-Mentorrl-Task)") if ids[1] else None
+            self.recorder.check_open(episode, task)
+        except RecordError as e:
+            raise APIError(e.status, f"recording mode: {e}") from None
+        if req.stream:
+            raise APIError(400, "recording mode: stream=true is not supported; send stream=false", param="stream")
+        if req.n != 1:
+            raise APIError(
+                400, "recording mode: one choice per request (n=1): an episode is one conversation", param="n"
+            )
+        with self._cond:
+            if (req.temperature, req.top_p) != (self.sampling.temperature, self.sampling.top_p) or (
+                req.tool_choice == "none"
+            ):
                 self.stats["overridden"] += 1
+        run = req.model_copy(
+            update={
+                "temperature": self.sampling.temperature,
+                "top_p": self.sampling.top_p,
+                # tool_choice none would ban tokens the recorded log-probs count: not in recording mode
+                "tool_choice": None if req.tool_choice == "none" else req.tool_choice,
+            }
+        )
+        try:
+            with self.generating():
+                token = _EPISODE.set((episode, task))
+                try:
+                    return answer(run)
+                finally:
+                    _EPISODE.reset(token)
+        except RecordError as e:
+            raise APIError(e.status, f"recording mode: {e}") from None
+
+    def chain(self, on_completion: Callable[[Any], None] | None) -> Callable[[Any], None]:
+        """The server's ``on_completion``: record, then ``on_completion`` (if any)."""
+
+        def record(c: Any) -> None:
+            self.on_completion(c)
+            if on_completion is not None:
+                on_completion(c)
+
+        return record
+
+    def on_completion(self, c: Any) -> None:
+        """Record an answered request (a :class:`mentorrl.serve.Completion`) into the episode it was asked for."""
+        ids = _EPISODE.get(None)
+        if ids is None:  # not a recorded request
+            return
+        sample = c.samples[0]
+        if sample.logprobs is None:
+            raise RecordError(500, "the generator gave no log-probs for a recorded completion")
+        lps = [t.logprob for t in sample.logprobs]
+        self.record(ids[0], ids[1], c.prompt_ids, sample.token_ids, lps, self.version())
+
+    def record(
+        self,
+        episode_id: str,
+        task_id: str | None,
+        prompt_ids: Sequence[int],
+        completion_ids: Sequence[int],
+        logprobs: Sequence[float],
+        version: int,
+    ) -> dict[str, Any]:
+        return self.recorder.record_completion(episode_id, task_id, prompt_ids, completion_ids, logprobs, version)
 
     @contextlib.contextmanager
     def generating(self) -> Iterator[None]:
@@ -88,17 +155,6 @@ class RecordingHook:
                 self.stats["generate_s"] += time.perf_counter() - t0
                 self._cond.notify_all()
 
-    def record(
-        self,
-        episode_id: str,
-        task_id: str | None,
-        prompt_ids: Sequence[int],
-        completion_ids: Sequence[int],
-        logprobs: Sequence[float],
-        version: int,
-    ) -> dict[str, Any]:
-        return self.recorder.record_completion(episode_id, task_id, prompt_ids, completion_ids, logprobs, version)
-
     # ---- the gate -------------------------------------------------------------------------------
     def pause(self, timeout_s: float = 600.0) -> bool:
         """Refuse new generations and wait (up to ``timeout_s``) for those in flight; True when none is left."""
@@ -116,16 +172,19 @@ class RecordingHook:
         return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), self._key)
 
 
+class RewardBody(BaseModel):
+    """The body of a reward post: the episode's reward and, optionally, the verifier's details."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    reward: float = Field(allow_inf_nan=False)
+    details: dict[str, Any] | None = None
+
+
 def add_recording_routes(app: Any, hook: RecordingHook) -> None:
     """The reward and stats routes (see the module docstring); a wrong or missing key gets 401."""
-    from fastapi import Request
+    from fastapi import Header
     from fastapi.responses import JSONResponse
-    from pydantic import BaseModel, ConfigDict, Field
-
-    class RewardBody(BaseModel):
-        model_config = ConfigDict(extra="forbid")
-        reward: float = Field(allow_inf_nan=False)
-        details: dict[str, Any] | None = None
 
     def refuse(status: int, message: str) -> JSONResponse:
         kind = "authentication_error" if status == 401 else "invalid_request_error"
@@ -133,8 +192,8 @@ def add_recording_routes(app: Any, hook: RecordingHook) -> None:
         return JSONResponse(body, status_code=status, headers={"WWW-Authenticate": "Bearer"} if status == 401 else None)
 
     @app.post(REWARD_PATH)
-    def post_reward(episode_id: str, body: RewardBody, request: Request) -> Any:
-        if not hook.authorized(request.headers.get("authorization")):
+    def post_reward(episode_id: str, body: RewardBody, authorization: str | None = Header(None)) -> Any:
+        if not hook.authorized(authorization):
             return refuse(401, "missing or invalid bearer token (Authorization: Bearer ...)")
         try:
             hook.recorder.set_reward(episode_id, body.reward, body.details)
@@ -143,8 +202,8 @@ def add_recording_routes(app: Any, hook: RecordingHook) -> None:
         return {"episode_id": episode_id, "reward": body.reward}
 
     @app.get("/mentorrl/stats")
-    def stats(request: Request) -> Any:
-        if not hook.authorized(request.headers.get("authorization")):
+    def stats(authorization: str | None = Header(None)) -> Any:
+        if not hook.authorized(authorization):
             return refuse(401, "missing or invalid bearer token (Authorization: Bearer ...)")
         return {"recorder": hook.recorder.counters(), "server": dict(hook.stats), "policy_version": hook.version()}
 
@@ -164,7 +223,9 @@ def start_recording_server(
     from mentorrl.serve import create_app
 
     hook = RecordingHook(recorder, reward_key, version, sampling)
-    app = create_app(tokenizer, model, "mentorrl-policy", token=api_key, recording=hook)
+    app = create_app(
+        tokenizer, model, "mentorrl-policy", token=api_key, max_new_tokens_cap=sampling.max_new_tokens, recording=hook
+    )
     add_recording_routes(app, hook)
     return BackgroundServer(app, host).start(), hook
 
