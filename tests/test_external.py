@@ -230,7 +230,7 @@ def _ws(tmp_path, tok, *overrides):
     return ws
 
 
-def test_failed_episodes_are_dropped_and_counted(tmp_path, shipped):
+def test_failed_episodes_are_dropped_and_counted(tmp_path, shipped, monkeypatch):
     from mentorrl.train.registry import get_stage, resolve_runner
 
     script = tmp_path / "flaky.py"
@@ -247,7 +247,7 @@ def test_failed_episodes_are_dropped_and_counted(tmp_path, shipped):
         "external.episode_timeout_s=60",
         "external.reward_timeout_s=1",
     )
-    os.environ["PYTHONPATH"] = str(ROOT)  # the agents import mentorrl from this checkout
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))  # the agents import mentorrl from this checkout
     final = resolve_runner(get_stage("external"))(ws, copy.deepcopy(model))
     assert (final / "model.safetensors").exists()
     rec = json.loads((ws.run_dir / "metrics.jsonl").read_text().splitlines()[0])
@@ -266,25 +266,29 @@ def test_mentorrl_train_external_trains_the_real_agent(tmp_path):
     from mentorrl.models.shipped import SHIPPED_ROOT
 
     run = tmp_path / "run"
-    sets = [
-        f"run_dir={run}",
-        "threads=1",
-        "recipe=[external]",
-        f"model.path={SHIPPED_ROOT / 'orders-tiny'}",
-        "prompt.system_turn=false",
-        "sampling.max_new_tokens=48",
-        f"limits.max_turns={MAX_TURNS}",
-        "audit.preflight=false",
-        "eval.num_tasks=0",
-        f"external.agent=[{sys.executable}, {AGENT}, --no-system, --max-turns, {MAX_TURNS}]",
-        "external.steps=2",
-        "external.tasks_per_step=2",
-        "external.samples_per_task=3",
-        "external.concurrency=3",
-        "external.checkpoint_every=1",
-        "external.optim.lr=1e-3",
-    ]
-    cmd = [sys.executable, "-m", "mentorrl.cli", "train"] + [x for s in sets for x in ("--set", s)]
+    recipe = tmp_path / "external.yaml"
+    recipe.write_text(
+        f"""
+run_dir: {run}
+threads: 1
+recipe: [external]
+model: {{path: {SHIPPED_ROOT / "orders-tiny"}}}
+prompt: {{system_turn: false}}
+sampling: {{max_new_tokens: 48}}
+limits: {{max_turns: {MAX_TURNS}}}
+audit: {{preflight: false}}
+eval: {{num_tasks: 0}}
+external:
+  agent: [{sys.executable}, {AGENT}, --no-system, --max-turns, "{MAX_TURNS}"]
+  steps: 2
+  tasks_per_step: 2
+  samples_per_task: 3
+  concurrency: 3
+  checkpoint_every: 1
+  optim: {{lr: 1.0e-3}}
+"""
+    )
+    cmd = [sys.executable, "-m", "mentorrl.cli", "train", str(recipe)]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

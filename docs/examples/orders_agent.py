@@ -39,17 +39,21 @@ def tool_schemas(env) -> list[dict]:
     ]
 
 
-def run_episode(client: OpenAI, env, task: Task, headers: dict, system: bool, max_turns: int) -> str | None:
-    """The agent's loop: ask the model, run the tools it calls, until it answers (or runs out of turns)."""
+def run_episode(
+    client: OpenAI, env, task: Task, headers: dict, system: bool, max_turns: int
+) -> tuple[str | None, list]:
+    """The agent's loop: ask the model, run the tools it calls, until it answers (or runs out of
+    turns). Returns the final answer (None without one) and the tool results."""
     messages = [{"role": "system", "content": env.system_prompt}] if system else []
     messages.append({"role": "user", "content": env.reset(task)})
+    results = []
     for _ in range(max_turns):
         reply = client.chat.completions.create(
             model="policy", messages=messages, tools=tool_schemas(env), extra_headers=headers
         )
         msg = reply.choices[0].message
         if not msg.tool_calls:
-            return msg.content
+            return msg.content, results
         calls = [{"id": c.id, "type": "function", "function": c.function.model_dump()} for c in msg.tool_calls]
         messages.append({"role": "assistant", "content": msg.content, "tool_calls": calls})
         for c in msg.tool_calls:
@@ -57,15 +61,18 @@ def run_episode(client: OpenAI, env, task: Task, headers: dict, system: bool, ma
                 args = json.loads(c.function.arguments)
             except json.JSONDecodeError:
                 args = None
-            content = observation(env.step(c.function.name, args))
-            messages.append({"role": "tool", "tool_call_id": c.id, "content": content})
-    return None
+            results.append(env.step(c.function.name, args))
+            messages.append({"role": "tool", "tool_call_id": c.id, "content": observation(results[-1])})
+    return None, results
 
 
-def reward_of(verdict) -> tuple[float, dict]:
-    """The harness's reward: 1 for a verified success, -1 for a broken rule, else 0."""
-    reward = 1.0 if verdict.success and not verdict.violations else (-1.0 if verdict.violations else 0.0)
-    return reward, {"success": bool(verdict.success), "violations": list(verdict.violations)}
+def reward_of(verdict, results: list) -> tuple[float, dict]:
+    """The harness's reward, from the final database state: 1 for a verified success, -1 for a
+    broken rule, plus 0.2 times the share of tool calls that worked (a little signal before the
+    first success)."""
+    tools = sum(r.ok for r in results) / len(results) if results else 0.0
+    task = 1.0 if verdict.success and not verdict.violations else (-1.0 if verdict.violations else 0.0)
+    return task + 0.2 * tools, {"success": bool(verdict.success), "violations": list(verdict.violations)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,8 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     headers = {"X-Mentorrl-Episode": episode, "X-Mentorrl-Task": os.environ["MENTORRL_TASK_ID"]}
     env = get_env("orders").make_env()
     try:
-        answer = run_episode(OpenAI(max_retries=2, timeout=120), env, task, headers, not args.no_system, args.max_turns)
-        reward, details = reward_of(env.verify(answer))
+        client = OpenAI(max_retries=2, timeout=120)
+        answer, results = run_episode(client, env, task, headers, not args.no_system, args.max_turns)
+        reward, details = reward_of(env.verify(answer), results)
     finally:
         env.close()
     r = httpx.post(

@@ -242,7 +242,7 @@ class ExternalStage(GRPOStage):
             groups.append(group)
         if trajs:
             require_consistent(self.ws, trajs, self.learner.version, f"external step {b.step + 1}")
-            b.metrics.update(rollout_metrics(trajs))
+            b.metrics.update(rollout_metrics(trajs), rollout_backend="external")
         b.trajs, b.data["episodes"] = trajs, groups
         used = sum(len(g) for g in groups)
         b.metrics.update({f"dropped_{k}": v for k, v in drops.items()}, episodes_used=float(used))
