@@ -298,3 +298,36 @@ external:
     before = load_file(SHIPPED_ROOT / "orders-tiny" / "model.safetensors")
     after = load_file(run / "external" / "final" / "model.safetensors")
     assert any(not torch.equal(before[k], after[k]) for k in before if k in after)
+
+
+def test_mentorrl_serve_record_records_a_standalone_server(tmp_path):
+    """``mentorrl serve --record DB``: episodes opened by their first request, rewards with the reward key."""
+    from openai import OpenAI
+
+    from mentorrl.models.shipped import SHIPPED_ROOT
+    from mentorrl.rollout.recorder import Recorder
+    from mentorrl.serve import serve_subprocess
+
+    db = tmp_path / "rec.sqlite"
+    args = ["--record", str(db), "--reward-key-env", "RK", "--temperature", "0", "--max-tokens-cap", "16"]
+    with serve_subprocess(SHIPPED_ROOT / "orders-tiny", extra_args=args, env={"RK": "rk"}) as url:
+        client = OpenAI(base_url=url, api_key="none", max_retries=0)
+        head = {"X-Mentorrl-Episode": "ep-1", "X-Mentorrl-Task": "task-1"}
+        client.chat.completions.create(model="p", messages=[{"role": "user", "content": "hi"}], extra_headers=head)
+        root = url[: -len("/v1")]
+        reward = httpx.post(
+            f"{root}/mentorrl/episodes/ep-1/reward", json={"reward": 0.5}, headers={"Authorization": "Bearer rk"}
+        )
+        assert reward.status_code == 200
+    rec = Recorder(db)
+    ep = rec.episode("ep-1")
+    assert ep.task_id == "task-1" and ep.reward == 0.5 and len(ep.segments) == 1
+    assert 0 < sum(ep.segments[0].loss_mask) <= 16
+    done = subprocess.run(
+        [sys.executable, "-m", "mentorrl.cli", "serve", str(SHIPPED_ROOT / "orders-tiny"), "--record", str(db)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert done.returncode == 2 and "--reward-key-env" in done.stderr + done.stdout
