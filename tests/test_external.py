@@ -260,7 +260,11 @@ def test_failed_episodes_are_dropped_and_counted(tmp_path, shipped, monkeypatch)
 
 @pytest.mark.slow
 def test_mentorrl_train_external_trains_the_real_agent(tmp_path):
-    """``mentorrl train`` with ``recipe: [external]``: the agent script, two steps, the weights move."""
+    """``mentorrl train`` with ``recipe: [external]``: the agent script for three steps, SIGKILLed after
+    its first checkpoint and resumed with ``--resume``; every step logged once, the weights move."""
+    import signal
+    import time
+
     from safetensors.torch import load_file
 
     from mentorrl.models.shipped import SHIPPED_ROOT
@@ -280,7 +284,7 @@ audit: {{preflight: false}}
 eval: {{num_tasks: 0}}
 external:
   agent: [{sys.executable}, {AGENT}, --no-system, --max-turns, "{MAX_TURNS}"]
-  steps: 2
+  steps: 3
   tasks_per_step: 2
   samples_per_task: 3
   concurrency: 3
@@ -290,10 +294,19 @@ external:
     )
     cmd = [sys.executable, "-m", "mentorrl.cli", "train", str(recipe)]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    with open(tmp_path / "first.log", "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 600
+        while not (run / "external" / "checkpoints" / "step-000001").exists() and proc.poll() is None:
+            assert time.monotonic() < deadline, "no first checkpoint"
+            time.sleep(0.5)
+        time.sleep(3)  # inside step 2: agents running
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=60) == -signal.SIGKILL  # killed mid-run, not finished
+    done = subprocess.run(cmd + ["--resume"], env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in recs if r["stage"] == "external"] == [1, 2]
+    assert [r["step"] for r in recs if r["stage"] == "external"] == [1, 2, 3]
     assert sum(r["episodes_used"] for r in recs) > 0 and recs[-1]["policy_version"] >= 1
     before = load_file(SHIPPED_ROOT / "orders-tiny" / "model.safetensors")
     after = load_file(run / "external" / "final" / "model.safetensors")
