@@ -160,6 +160,11 @@ def test_auto_open_for_a_standalone_server(tmp_path):
     rec = recorder(tmp_path, auto_open=True)
     rec.record_completion("new", "t", [1], [2], [-1.0], 3)
     assert rec.episode("new").task_id == "t" and rec.episode("new").segments[0].versions == [3]
+    rec.record_completion("untagged", None, [1], [2], [-1.0], 0)
+    assert rec.episode("untagged").task_id == "untagged"  # no task header: the episode is its own task
+    with pytest.raises(RecordError):  # a reward never opens an episode
+        rec.set_reward("never-asked", 1.0)
+    assert rec.episode("never-asked") is None
 
 
 def test_agent_outcomes_are_counted_per_episode(tmp_path):

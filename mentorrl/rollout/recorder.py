@@ -212,15 +212,17 @@ class Recorder:
         if row is not None and task_id is not None and task_id != row[0]:
             raise RecordError(409, f"episode {episode_id!r} belongs to task {row[0]!r}, not {task_id!r}")
 
-    def _episode_row(self, episode_id: str, task_id: str | None) -> tuple[str, str, int, int]:
+    def _episode_row(self, episode_id: str, task_id: str | None, create: bool = True) -> tuple[str, str, int, int]:
         row = self._db.execute(
             "SELECT task_id, status, completions, tokens FROM episodes WHERE id = ?", (episode_id,)
         ).fetchone()
         if row is None:
-            if not self.auto_open or task_id is None:
+            if not (self.auto_open and create):
                 raise RecordError(404, f"unknown episode {episode_id!r}")
-            self._insert_episode(episode_id, task_id)
-            return task_id, "open", 0, 0
+            self._insert_episode(
+                episode_id, task_id or episode_id
+            )  # a standalone server's: opened by its first request
+            return task_id or episode_id, "open", 0, 0
         if row[1] != "open":
             raise RecordError(409, f"episode {episode_id!r} is closed")
         if task_id is not None and task_id != row[0]:
@@ -324,7 +326,7 @@ class Recorder:
         if text is not None and (not isinstance(details, dict) or len(text.encode()) > MAX_DETAILS_BYTES):
             raise RecordError(400, f"details: a JSON object of at most {MAX_DETAILS_BYTES} bytes")
         with self._lock:
-            self._episode_row(episode_id, None)
+            self._episode_row(episode_id, None, create=False)
             self._db.execute(
                 "UPDATE episodes SET reward = ?, details = ? WHERE id = ?", (float(reward), text, episode_id)
             )

@@ -152,7 +152,6 @@ class ExternalStage(GRPOStage):
         cfg, c = self.cfg, ws.contract
         if not cfg.agent:
             raise ValueError("external.agent: give the agent command as an argv list, e.g. [python, my_agent.py]")
-        self.expert = None  # the section refuses guide; grpo.guide is another stage's setting
         db = ws.run_dir / "external" / "recordings.sqlite"
         tok = c.tokenizer
         self.recorder = Recorder(
