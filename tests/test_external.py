@@ -344,3 +344,32 @@ def test_mentorrl_serve_record_records_a_standalone_server(tmp_path):
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert done.returncode == 2 and "--reward-key-env" in done.stderr + done.stdout
+
+
+def test_an_openai_agents_sdk_agent_is_recorded_like_the_rollout(tmp_path, shipped, contract):
+    """4b: the same agent on the OpenAI Agents SDK (its own loop and tool plumbing), offline against the
+    local endpoint: recorded as one segment equal to the in-process rollout. Skipped without the SDK
+    (``pip install openai-agents``; ``MENTORRL_AGENTS_SDK_PATH``: a ``pip install --target`` directory)."""
+    from mentorrl.envs import get_env
+    from mentorrl.rollout.runner import rollout_tasks
+    from mentorrl.train.agents import AgentJob, run_agents
+
+    path = os.pathsep.join(p for p in (os.environ.get("MENTORRL_AGENTS_SDK_PATH", ""), str(ROOT)) if p)
+    probe = subprocess.run([sys.executable, "-c", "import agents"], env={**os.environ, "PYTHONPATH": path})
+    if probe.returncode != 0:
+        pytest.skip("the OpenAI Agents SDK (openai-agents) is not installed")
+    entry = get_env("orders")
+    task = entry.make_tasks().tasks("train", 1, 0)[0]
+    traj = rollout_tasks(shipped[1], contract, entry.make_env, [task])[0]
+    with recording(tmp_path, shipped, contract) as (server, hook, rec):
+        hook.resume()
+        rec.open_episode("sdk", task.id)
+        job = AgentJob("sdk", {**agent_env_for(server, "sdk", task), "PYTHONPATH": path})
+        sdk = str(AGENT.parent / "orders_agent_sdk.py")
+        out = run_agents([sys.executable, sdk, "--no-system", "--max-turns", str(MAX_TURNS)], [job], 1, 300)[0]
+        assert out.status == "ok", out.stderr_tail
+        ep = rec.episode("sdk")
+        assert ep.reward is not None and len(ep.segments) == 1, rec.counters()
+        seg = ep.segments[0]
+        assert seg.token_ids == traj.token_ids and seg.loss_mask == traj.loss_mask
+        assert (torch.tensor(seg.logprobs) - torch.tensor(traj.logprobs)).abs().max().item() < 1e-5
