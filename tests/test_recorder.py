@@ -185,3 +185,39 @@ def test_agent_outcomes_are_counted_per_episode(tmp_path):
     assert outcome_counts(outs)["agent_timeout"] == 1.0
     missing = run_agents(["/nonexistent/agent"], [AgentJob("x", {})], 1, 1.0)
     assert missing[0].status == "launch_error"
+
+
+def test_rewards_from_a_jsonl_file_and_the_wait(tmp_path):
+    """A harness may append rewards to a file: whole lines only, read on from where the last read
+    stopped; a bad line or a closed episode's is counted. The wait ends when every reward is in, or at
+    the reward timeout after each agent's exit."""
+    import json
+    import time
+
+    from mentorrl.train.agents import AgentOutcome
+    from mentorrl.train.recipes.external import RewardFile, wait_for_rewards
+
+    rec = recorder(tmp_path)
+    for e in ("a", "b", "c"):
+        rec.open_episode(e, "t")
+    rec.close_episodes(["c"])
+    path = tmp_path / "rewards.jsonl"
+    path.write_text(
+        json.dumps({"episode_id": "a", "reward": 1.0})
+        + "\nnot json\n"
+        + json.dumps({"episode_id": "c", "reward": 1})
+        + "\n"
+        + '{"episode_id": "b", "rew'
+    )
+    rf = RewardFile(str(path), rec)
+    rf.poll()
+    assert rec.rewards(["a", "b"]) == {"a": 1.0} and rf.bad == 2
+    with open(path, "a") as f:
+        f.write('ard": 0.5, "details": {"success": false}}\n')
+    now = time.monotonic()
+    outs = [AgentOutcome(e, "ok", 0, 1.0, now) for e in ("a", "b")] + [AgentOutcome("x", "timeout", None, 1.0, now)]
+    assert wait_for_rewards(rec, outs, 5.0, rf.poll) == {"a": 1.0, "b": 0.5}  # the timed-out agent is not waited for
+    rec.open_episode("d", "t")
+    t0 = time.monotonic()
+    assert wait_for_rewards(rec, [AgentOutcome("d", "ok", 0, 1.0, time.monotonic())], 0.3) == {}
+    assert 0.25 < time.monotonic() - t0 < 5
