@@ -383,3 +383,46 @@ def test_an_openai_agents_sdk_agent_is_recorded_like_the_rollout(tmp_path, shipp
         seg = ep.segments[0]
         assert seg.token_ids == traj.token_ids and seg.loss_mask == traj.loss_mask
         assert (torch.tensor(seg.logprobs) - torch.tensor(traj.logprobs)).abs().max().item() < 1e-5
+
+
+def idle(hook, timeout_s: float = 30.0) -> bool:
+    """Whether the hook's generations in flight drop to none within ``timeout_s``."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while hook._in_flight and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return hook._in_flight == 0
+
+
+def test_a_streamed_completion_is_recorded_like_a_plain_one(tmp_path, shipped, contract):
+    """``stream: true`` in recording mode: the reply's tokens are recorded as a plain reply's are (the
+    same ids and log-probs); the gate counts a stream until it ends, or until the client drops it."""
+    from openai import OpenAI
+
+    user = {"role": "user", "content": "Where is order O-557?"}
+    with recording(tmp_path, shipped, contract) as (server, hook, rec):
+        hook.resume()
+        client = OpenAI(base_url=server.url, api_key="api-key", max_retries=0)
+        for eid in ("plain", "streamed"):
+            rec.open_episode(eid, "t")
+        head = {"X-Mentorrl-Episode": "plain"}
+        plain = client.chat.completions.create(model="p", messages=[user], extra_headers=head)
+        stream = client.chat.completions.create(
+            model="p", messages=[user], extra_headers={"X-Mentorrl-Episode": "streamed"}, stream=True
+        )
+        assert list(stream)
+        assert idle(hook)  # the gate is released once the stream has ended
+        a, b = rec.episode("plain").segments, rec.episode("streamed").segments
+        assert len(a) == len(b) == 1 and a[0].token_ids == b[0].token_ids  # greedy: the same turn
+        assert (torch.tensor(a[0].logprobs) - torch.tensor(b[0].logprobs)).abs().max().item() < 1e-5
+        msg = plain.choices[0].message
+        turn = {"role": "assistant", "content": msg.content}
+        if msg.tool_calls:
+            calls = [{"id": c.id, "type": "function", "function": c.function.model_dump()} for c in msg.tool_calls]
+            turn = {"role": "assistant", "content": msg.content, "tool_calls": calls}
+        nxt = [user, turn, {"role": "tool", "tool_call_id": "x", "content": "{}"}]
+        client.chat.completions.create(
+            model="p", messages=nxt, extra_headers={"X-Mentorrl-Episode": "streamed"}, stream=True
+        ).close()  # dropped before its end: the gate is released all the same
+        assert idle(hook) and hook.pause(timeout_s=5)

@@ -137,13 +137,15 @@ def create_app(
         x_mentorrl_episode: str | None = Header(None, max_length=256),
         x_mentorrl_task: str | None = Header(None, max_length=256),
     ) -> Any:
+        def respond(req: ChatRequest) -> Any:
+            if req.stream:
+                plan = plan_request(served, req)
+                return StreamingResponse(stream_completion(served, plan), media_type="text/event-stream")
+            return chat_completion(served, req)
+
         if recording is not None:  # the episode (and task) a recorded completion belongs to
-            ids = (x_mentorrl_episode or req.user, x_mentorrl_task)
-            return recording.complete(req, ids, lambda r: chat_completion(served, r))
-        if req.stream:
-            plan = plan_request(served, req)
-            return StreamingResponse(stream_completion(served, plan), media_type="text/event-stream")
-        return chat_completion(served, req)
+            return recording.complete(req, (x_mentorrl_episode or req.user, x_mentorrl_task), respond)
+        return respond(req)
 
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=max_body_bytes)
     if token is not None:

@@ -3,8 +3,8 @@
 A :class:`RecordingHook` sits beside the server's request handling (``create_app(recording=hook)``):
 the chat-completions handler passes it each request with its episode id (the ``X-Mentorrl-Episode``
 header, or the request's ``user`` field) and task id (``X-Mentorrl-Task``, optional);
-:meth:`RecordingHook.complete` refuses what cannot be recorded (no or unknown episode, ``stream``,
-``n > 1``), sets the run's sampling (temperature, top-p; ``tool_choice: none`` is not enforced, as
+:meth:`RecordingHook.complete` refuses what cannot be recorded (no or unknown episode, ``n > 1``),
+sets the run's sampling (temperature, top-p; ``tool_choice: none`` is not enforced, as
 its ban would change the distribution the recorded log-probs describe), and lets the server answer
 under its gate (:meth:`RecordingHook.generating`: no generation while the learner updates the
 shared weights). The server's ``on_completion`` (:meth:`RecordingHook.on_completion`) then stores the
@@ -65,45 +65,58 @@ class RecordingHook:
 
     # ---- requests -------------------------------------------------------------------------------
     def complete(self, req: Any, ids: tuple[str | None, str | None], answer: Callable[[Any], Any]) -> Any:
-        """Answer ``req`` (``answer(req)``: the server's own handling) as a recorded completion of the
-        episode ``ids`` = (episode id, task id or None), with the run's sampling; an :class:`APIError`
-        for a request that cannot be recorded (no or unknown episode, ``stream``, ``n > 1``) or while paused."""
+        """Answer ``req`` (``answer(req)``: the server's own handling, plain or streamed) as a recorded
+        completion of the episode ``ids`` = (episode id, task id or None), with the run's sampling; an
+        :class:`APIError` for a request that cannot be recorded (no or unknown episode, ``n > 1``) or
+        while paused. A streamed reply holds the gate until its last chunk."""
         from mentorrl.serve.protocol import APIError
 
         try:
             episode = check_id(ids[0] or "", "episode id (the X-Mentorrl-Episode header, or `user`)")
             task = check_id(ids[1], "task id (X-Mentorrl-Task)") if ids[1] else None
             self.recorder.check_open(episode, task)
+            if req.n != 1:
+                raise RecordError(400, "one choice per request (n=1): an episode is one conversation")
+            t0 = self._enter()
         except RecordError as e:
             raise APIError(e.status, f"recording mode: {e}") from None
-        if req.stream:
-            raise APIError(400, "recording mode: stream=true is not supported; send stream=false", param="stream")
-        if req.n != 1:
-            raise APIError(
-                400, "recording mode: one choice per request (n=1): an episode is one conversation", param="n"
-            )
-        with self._cond:
-            if (req.temperature, req.top_p) != (self.sampling.temperature, self.sampling.top_p) or (
-                req.tool_choice == "none"
-            ):
-                self.stats["overridden"] += 1
-        run = req.model_copy(
-            update={
-                "temperature": self.sampling.temperature,
-                "top_p": self.sampling.top_p,
-                # tool_choice none would ban tokens the recorded log-probs count: not in recording mode
-                "tool_choice": None if req.tool_choice == "none" else req.tool_choice,
-            }
-        )
+        streamed = False
         try:
-            with self.generating():
-                token = _EPISODE.set((episode, task))
-                try:
-                    return answer(run)
-                finally:
-                    _EPISODE.reset(token)
+            token = _EPISODE.set((episode, task))
+            try:
+                reply = answer(self._run_sampling(req))
+            finally:
+                _EPISODE.reset(token)
+            if hasattr(reply, "body_iterator"):  # a streamed reply: generated (and recorded) as it is sent
+                reply.body_iterator, streamed = self._tagged(reply.body_iterator, (episode, task), t0), True
+            return reply
         except RecordError as e:
             raise APIError(e.status, f"recording mode: {e}") from None
+        finally:
+            if not streamed:
+                self._exit(t0)
+
+    def _run_sampling(self, req: Any) -> Any:
+        """``req`` with the run's sampling (counted when it asked for other settings)."""
+        asked = (req.temperature, req.top_p) != (self.sampling.temperature, self.sampling.top_p)
+        if asked or req.tool_choice == "none":
+            with self._cond:
+                self.stats["overridden"] += 1
+        update = {"temperature": self.sampling.temperature, "top_p": self.sampling.top_p}
+        if req.tool_choice == "none":  # its ban would change the distribution the recorded log-probs describe
+            update["tool_choice"] = None
+        return req.model_copy(update=update)
+
+    async def _tagged(self, chunks: Any, ids: tuple[str, str | None], t0: float) -> Any:
+        """A streamed reply's chunks (Starlette's async iterator, each chunk produced on a worker thread
+        in a copy of the sending task's context) with the episode set in that context, so the reply's
+        completion is recorded into it; the gate is released when the stream ends or is dropped."""
+        _EPISODE.set(ids)  # the sending task's own context: the request ends with it
+        try:
+            async for chunk in chunks:
+                yield chunk
+        finally:
+            self._exit(t0)
 
     def chain(self, on_completion: Callable[[Any], None] | None) -> Callable[[Any], None]:
         """The server's ``on_completion``: record, then ``on_completion`` (if any)."""
@@ -137,23 +150,30 @@ class RecordingHook:
     ) -> dict[str, Any]:
         return self.recorder.record_completion(episode_id, task_id, prompt_ids, completion_ids, logprobs, version)
 
-    @contextlib.contextmanager
-    def generating(self) -> Iterator[None]:
-        """Generate inside this: refused (503) while paused; :meth:`pause` waits for it to end."""
+    def _enter(self) -> float:
+        """Count a generation in; a :class:`RecordError` (503) while paused."""
         with self._cond:
             if not self._open:
                 self.stats["refused_paused"] += 1
                 raise RecordError(503, "the policy is updating; retry after the round")
             self._in_flight += 1
             self.stats["requests"] += 1
-        t0 = time.perf_counter()
+        return time.perf_counter()
+
+    def _exit(self, t0: float) -> None:
+        with self._cond:
+            self._in_flight -= 1
+            self.stats["generate_s"] += time.perf_counter() - t0
+            self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def generating(self) -> Iterator[None]:
+        """Generate inside this: refused (503) while paused; :meth:`pause` waits for it to end."""
+        t0 = self._enter()
         try:
             yield
         finally:
-            with self._cond:
-                self._in_flight -= 1
-                self.stats["generate_s"] += time.perf_counter() - t0
-                self._cond.notify_all()
+            self._exit(t0)
 
     # ---- the gate -------------------------------------------------------------------------------
     def pause(self, timeout_s: float = 600.0) -> bool:
