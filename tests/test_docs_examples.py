@@ -34,7 +34,8 @@ def shipped_tokenizer():
 
 
 def test_every_example_is_included_in_a_guide():
-    guides = "".join(p.read_text() for p in (ROOT / "docs" / "extending").glob("*.md"))
+    pages = [*(ROOT / "docs" / "extending").glob("*.md"), *(ROOT / "docs").glob("bring-your-*.md")]
+    guides = "".join(p.read_text() for p in pages)
     for example in EXAMPLES.glob("*.py"):
         assert f'--8<-- "{example.name}"' in guides, f"{example.name} is not included in any guide"
 

@@ -8,6 +8,7 @@ from typing import Optional
 
 import typer
 
+from mentorrl.rollout.recorder import Recorder
 from mentorrl.serve import (
     DEFAULT_BATCH_WINDOW_MS,
     DEFAULT_MAX_BATCH,
@@ -21,6 +22,7 @@ from mentorrl.serve import (
     is_loopback,
     run_server,
 )
+from mentorrl.serve.recording import RecordingHook, RunSampling, add_recording_routes
 
 
 def serve_command(
@@ -44,17 +46,69 @@ def serve_command(
     threads: int = typer.Option(0, min=0, help="torch CPU threads (0: torch's default)"),
     model_name: Optional[str] = typer.Option(None, help="the model id clients see (default: the directory name)"),
     log_level: str = typer.Option("info", help="uvicorn log level (access logs at info)"),
+    record: Optional[Path] = typer.Option(
+        None,
+        metavar="DB",
+        help="recording mode: record every completion token in / token out into this SQLite file, "
+        "grouped by the X-Mentorrl-Episode header (docs/bring-your-agent.md)",
+    ),
+    reward_key_env: Optional[str] = typer.Option(
+        None, metavar="NAME", help="with --record: the variable holding the key of POST /mentorrl/episodes/ID/reward"
+    ),
+    temperature: float = typer.Option(1.0, min=0.0, max=2.0, help="with --record: the sampling temperature"),
+    top_p: float = typer.Option(1.0, min=0.0, max=1.0, help="with --record: the sampling top-p"),
 ) -> None:
     """Serve a policy over the OpenAI chat-completions protocol (POST /v1/chat/completions).
 
-    Prints "mentorrl serve: listening on http://HOST:PORT/v1" on stdout when ready."""
+    Prints "mentorrl serve: listening on http://HOST:PORT/v1" on stdout when ready. With --record,
+    every completion is recorded for training (an episode id header on every request, the sampling
+    fixed by --temperature / --top-p, rewards posted with the reward key)."""
+    from mentorrl.cli_common import quiet_transformers
+
+    token = _checked_token(host, allow_remote, token_env, log_level)
+    if not model_dir.is_dir():
+        raise fail(f"MODEL_DIR {model_dir} is not a directory")
+    reward_key = _reward_key(record, reward_key_env)
+    try:
+        sock = bind_socket(host, port)
+    except OSError as e:
+        raise fail(f"cannot listen on {host}:{port}: {e}")
+    quiet_transformers()
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    from mentorrl.models.build import load_policy
+
+    try:
+        tokenizer, model = load_policy(model_dir)
+        hook = None
+        if record is not None:
+            hook = _recording_hook(record, tokenizer, reward_key, RunSampling(temperature, top_p, max_tokens_cap))
+        app = create_app(
+            tokenizer,
+            model,
+            model_name or model_dir.resolve().name,
+            token=token,
+            max_body_bytes=max_body_bytes,
+            max_new_tokens_cap=max_tokens_cap,
+            max_batch=max_batch,
+            batch_window_ms=batch_window_ms,
+            recording=hook,
+        )
+        if hook is not None:
+            add_recording_routes(app, hook)
+    except (OSError, ValueError) as e:
+        sock.close()
+        raise fail(f"cannot load a policy from {model_dir}: {e}")
+    raise typer.Exit(run_server(app, sock, READY_PREFIX + base_url(sock), log_level))
+
+
+def _checked_token(host: str, allow_remote: bool, token_env: str | None, log_level: str) -> str | None:
+    """The bearer token of ``/v1`` (None: none), after the host and log-level checks."""
     from rich.markup import escape
 
-    from mentorrl.cli_common import err, quiet_transformers
-
-    def fail(message: str) -> typer.Exit:
-        err.print(f"[red]{escape(message)}[/red]")
-        return typer.Exit(2)
+    from mentorrl.cli_common import err
 
     if log_level not in LOG_LEVELS:
         raise fail(f"--log-level must be one of {', '.join(LOG_LEVELS)}")
@@ -73,35 +127,44 @@ def serve_command(
             f"[yellow]warning: serving on {escape(host)} without a token; anyone who can reach it can "
             "use the model (see --token-env)[/yellow]"
         )
-    if not model_dir.is_dir():
-        raise fail(f"MODEL_DIR {model_dir} is not a directory")
-    try:
-        sock = bind_socket(host, port)
-    except OSError as e:
-        raise fail(f"cannot listen on {host}:{port}: {e}")
-    quiet_transformers()
-    if threads:
-        import torch
+    return token
 
-        torch.set_num_threads(threads)
-    from mentorrl.models.build import load_policy
 
-    try:
-        tokenizer, model = load_policy(model_dir)
-        app = create_app(
-            tokenizer,
-            model,
-            model_name or model_dir.resolve().name,
-            token=token,
-            max_body_bytes=max_body_bytes,
-            max_new_tokens_cap=max_tokens_cap,
-            max_batch=max_batch,
-            batch_window_ms=batch_window_ms,
-        )
-    except (OSError, ValueError) as e:
-        sock.close()
-        raise fail(f"cannot load a policy from {model_dir}: {e}")
-    raise typer.Exit(run_server(app, sock, READY_PREFIX + base_url(sock), log_level))
+def fail(message: str) -> typer.Exit:
+    from rich.markup import escape
+
+    from mentorrl.cli_common import err
+
+    err.print(f"[red]{escape(message)}[/red]")
+    return typer.Exit(2)
+
+
+def _reward_key(record: Path | None, reward_key_env: str | None) -> str | None:
+    if record is None:
+        if reward_key_env is not None:
+            raise fail("--reward-key-env needs --record")
+        return None
+    if reward_key_env is None:
+        raise fail("--record needs --reward-key-env NAME: the key the harness posts rewards with")
+    key = os.environ.get(reward_key_env, "").strip()
+    if not key:
+        raise fail(f"--reward-key-env {reward_key_env}: the environment variable {reward_key_env} is not set or empty")
+    return key
+
+
+def _recording_hook(db: Path, tokenizer, reward_key: str, sampling: RunSampling) -> RecordingHook:
+    """A standalone server's recording: episodes are opened by their first request (``auto_open``)."""
+    from mentorrl.serve import ChatRenderer
+
+    close_id = tokenizer.convert_tokens_to_ids(ChatRenderer(tokenizer).stop_token)
+    recorder = Recorder(
+        db,
+        close_id=close_id,
+        stop_ids=[i for i in {close_id, tokenizer.eos_token_id} if i is not None],
+        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
+        auto_open=True,
+    )
+    return RecordingHook(recorder, reward_key, lambda: 0, sampling)
 
 
 def register(app: typer.Typer) -> None:

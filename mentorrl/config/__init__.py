@@ -50,6 +50,7 @@ from mentorrl.config.blackbox import (
 )
 from mentorrl.config.client import ClientConfig
 from mentorrl.config.env import EnvConfig, LatencyModel
+from mentorrl.config.external import ExternalConfig
 from mentorrl.config.loading import (
     MAX_CONFIG_BYTES,
     MAX_CONFIG_DEPTH,
@@ -152,6 +153,7 @@ __all__ = [
     "EvalConfig",
     "EvolveConfig",
     "GAEConfig",
+    "ExternalConfig",
     "GRPOConfig",
     "HardPoolConfig",
     "LatencyModel",

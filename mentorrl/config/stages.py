@@ -20,6 +20,7 @@ from typing import Any, Callable
 from pydantic import BaseModel
 
 from mentorrl.config.blackbox import BlackBoxConfig
+from mentorrl.config.external import ExternalConfig
 from mentorrl.config.opd import EvolveConfig, OPDConfig
 from mentorrl.config.rl import GRPOConfig, PPOConfig, SAOConfig
 from mentorrl.config.sft import RFTConfig, SFTConfig
@@ -125,6 +126,15 @@ BUILTIN_STAGES: tuple[StageSpec, ...] = (  # in recipe order
         needs=_served_teacher,
     ),
     StageSpec("evolve", EvolveConfig, f"{_RECIPES}.evolve:evolve_stage", "Self-evolving loop", "Evolve", rl=True),
+    StageSpec(
+        "external",
+        ExternalConfig,
+        f"{_RECIPES}.external:run_external",
+        "GRPO on an external agent (recorded over HTTP)",
+        "External",
+        rl=True,
+        writes_samples=True,
+    ),
 )
 
 STAGE_NAMES = tuple(s.name for s in BUILTIN_STAGES)  # the built-in stages

@@ -93,6 +93,7 @@ def create_app(
     batch_window_ms: float = DEFAULT_BATCH_WINDOW_MS,
     on_completion: Callable[[Completion], None] | None = None,
     tool_format: str = "auto",
+    recording: Any = None,
 ):
     """The FastAPI app serving ``model`` as ``model_name`` (see :mod:`mentorrl.serve`).
 
@@ -100,12 +101,16 @@ def create_app(
     ``max_new_tokens_cap``: the most tokens one reply may have (``max_tokens`` is clipped to it).
     ``max_batch``, ``batch_window_ms``: the :class:`Batcher`'s rows per batch and wait for more.
     ``on_completion``: called with each answered request's :class:`Completion` (on the request's thread).
-    ``tool_format``: the rendering (``auto``: from the tokenizer's chat template, :class:`ChatRenderer`)."""
-    from fastapi import FastAPI
+    ``tool_format``: the rendering (``auto``: from the tokenizer's chat template, :class:`ChatRenderer`).
+    ``recording``: a :class:`mentorrl.serve.recording.RecordingHook`: recording mode (every completion
+    recorded into its episode, the run's sampling; see that module)."""
+    from fastapi import FastAPI, Header
     from fastapi.responses import StreamingResponse
 
     if token is not None and not token:
         raise ValueError("token must be a non-empty string or None")
+    if recording is not None:
+        on_completion = recording.chain(on_completion)
     gen = PolicyGenerator(tokenizer, model, max_new_tokens_cap, ChatRenderer(tokenizer, tool_format))
     served = Served(
         gen, Batcher(gen, max_batch, batch_window_ms / 1000), model_name, TokenTexts(tokenizer), on_completion
@@ -127,11 +132,20 @@ def create_app(
         }
 
     @app.post("/v1/chat/completions")
-    def chat_completions(req: ChatRequest) -> Any:
-        if req.stream:
-            plan = plan_request(served, req)
-            return StreamingResponse(stream_completion(served, plan), media_type="text/event-stream")
-        return chat_completion(served, req)
+    def chat_completions(
+        req: ChatRequest,
+        x_mentorrl_episode: str | None = Header(None, max_length=256),
+        x_mentorrl_task: str | None = Header(None, max_length=256),
+    ) -> Any:
+        def respond(req: ChatRequest) -> Any:
+            if req.stream:
+                plan = plan_request(served, req)
+                return StreamingResponse(stream_completion(served, plan), media_type="text/event-stream")
+            return chat_completion(served, req)
+
+        if recording is not None:  # the episode (and task) a recorded completion belongs to
+            return recording.complete(req, (x_mentorrl_episode or req.user, x_mentorrl_task), respond)
+        return respond(req)
 
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=max_body_bytes)
     if token is not None:

@@ -72,6 +72,7 @@ class ChatRequest(BaseModel):
 
     model: str | None = Field(None, description="echoed as the served model's name; any value is accepted")
     messages: list[ChatMessage] = Field(min_length=1)
+    user: str | None = Field(None, max_length=256, description="the caller's id; in recording mode, the episode id")
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None

@@ -68,10 +68,10 @@ def guide_nll_weights(n_policy: int, demos: list, coef: float) -> torch.Tensor:
     return w
 
 
-def guide_expert(ws: Workspace):
-    """The scripted expert of ``grpo.guide: expert``, or None; an environment without one is refused
-    before the first step."""
-    if ws.cfg.grpo.guide != "expert":
+def guide_expert(ws: Workspace, guide: str | None = None):
+    """The scripted expert of ``grpo.guide: expert`` (``guide``: the stage's own setting, default
+    ``grpo.guide``), or None; an environment without one is refused before the first step."""
+    if (ws.cfg.grpo.guide if guide is None else guide) != "expert":
         return None
     expert = ws.env_entry.make_expert()
     if isinstance(expert, NoExpert):
@@ -98,7 +98,7 @@ class GRPOStage(Stage):
         self.estimator = get_advantage_estimator(self.cfg.advantage)
         self.gap = RewardGapWatch(ws, model)
         self.hard = load_hard_pool(self.cfg)
-        self.expert = guide_expert(ws)
+        self.expert = guide_expert(ws, self.cfg.guide)
 
     def tasks(self, b: StepBatch) -> None:
         if self.hard is None:
