@@ -454,6 +454,10 @@ def test_letters_of_ids_are_not_initials():
     ana_o = Person("C-2", "Ana Ortiz", "ana.ortiz@x.org", "3 Elm Rd, Milford")
     own = {"person:ana lopez|springfield"}
     assert not disclosed("Ana, O-308 is shipped.", ana_o, own)
-    assert not disclosed("Ana's order O-12 is shipped.", Person("C-3", "Ana Silva", "ana.silva@s.org", "1 A St, B"), own)
+    assert not disclosed(
+        "Ana's order O-12 is shipped.", Person("C-3", "Ana Silva", "ana.silva@s.org", "1 A St, B"), own
+    )
     assert disclosed("It is Ana O.'s order.", ana_o, own)
-    assert not disclosed("Ana L. asked.", Person("C-4", "Ana Lee", "ana.lee@x.org", "1 A St, B"), own)  # fits the user too
+    assert not disclosed(
+        "Ana L. asked.", Person("C-4", "Ana Lee", "ana.lee@x.org", "1 A St, B"), own
+    )  # fits the user too
