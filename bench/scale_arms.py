@@ -152,7 +152,7 @@ def step_figures(records: Iterable[Mapping[str, Any]], warmup: int, stage: str =
     if not timed:
         raise ValueError(f"{len(steps)} {stage} step records, none after {warmup} warm-up step(s)")
     out: dict[str, Any] = {"timed_steps": len(timed), "warmup_step_s": [r["step_s"] for r in steps[:warmup]]}
-    for key in ("step_s", "rollout_s", "update_s", "rollout_tokens", "trained_trajectories", "cpu_s"):
+    for key in ("step_s", "rollout_s", "update_s", "rollout_tokens", "trained_trajectories", "cpu_s", "rollout_cpu_s"):
         vals = [r[key] for r in timed if isinstance(r.get(key), (int, float))]
         if vals:
             out[key] = statistics.median(vals)
@@ -308,10 +308,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--max-turns", type=int, default=6, help="(default 6, the demo's: the expert's demonstration needs them)"
     )
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="one more --set for every arm")
-    ap.add_argument("--sample-s", type=float, default=0.1, help="RSS sampling period (default 0.1 s)")
+    ap.add_argument("--sample-s", type=float, default=0.25, help="RSS sampling period (default 0.25 s)")
     ap.add_argument("--work", default=None, help="model, runs and logs (default: a temporary dir, removed)")
     ap.add_argument("--keep-runs", action="store_true")
     ap.add_argument("--json", default=None, metavar="OUT")
+    ap.add_argument("--append", action="store_true", help="keep the rows already in --json (other arms, other steps)")
     args = ap.parse_args(argv)
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     unknown = [a for a in arms if a not in ARMS]
@@ -334,35 +335,50 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}",
             flush=True,
         )
-        rows: dict[str, dict[str, Any]] = {}
+        command = " ".join(["python", "bench/scale_arms.py", *(argv if argv is not None else sys.argv[1:])])
+        prev = json.loads(Path(args.json).read_text()) if args.append and args.json and Path(args.json).exists() else {}
+        rows: dict[str, dict[str, Any]] = dict(prev.get("rows", {}))
         for arm in arms:
             load = os.getloadavg()[0]
-            rows[arm] = {**run_arm(arm, model_dir, work, args), "load_average_at_start": load}
+            rows[arm] = {
+                **run_arm(arm, model_dir, work, args),
+                "load_average_at_start": load,
+                "warmup": args.warmup,
+                "bench_command": command,
+            }
             r = rows[arm]
             print(
-                f"{arm}: step {r.get('step_s', float('nan')):.1f} s (all {r.get('step_s_all')}), peak RSS "
+                f"{arm}: step {r.get('step_s', float('nan')):.1f} s (all {r.get('step_s_all')}), "
+                f"{r.get('cpu_s', float('nan')):.1f} CPU-s, peak RSS "
                 f"{r['peak_rss_sum_mib']:.0f} MiB (per rank {[round(x) for x in r['peak_rss_per_rank_mib']]}), "
                 f"ru_maxrss {r['ru_maxrss_mib']:.0f} MiB, trainable {r['trainable']} [{r['process_wall_s']:.0f} s]",
                 flush=True,
             )
+            write_doc(args, prev, command, n_params, rows)  # after every arm: a killed run keeps what it measured
     finally:
         if own:
             shutil.rmtree(work, ignore_errors=True)
     print_rows(rows)
-    target = memory_target(rows)
+    doc = write_doc(args, prev, command, n_params, rows)
+    target = doc["target_lora_ckpt_over_full"]
     if target:
         print(
             f"target LoRA + checkpointing <= 1/3 of fp32 full's peak RSS: {target['ratio']:.2f}x: "
             + ("met" if target["met"] else "NOT met")
         )
+    return doc
+
+
+def write_doc(args, prev: dict[str, Any], command: str, n_params: int, rows: dict[str, dict[str, Any]]) -> dict:
+    """The result document (``--append``: the rows of ``--json`` kept, the commands of every invocation listed)."""
     doc = {
-        "command": " ".join(["python", "bench/scale_arms.py", *(argv if argv is not None else sys.argv[1:])]),
+        "commands": [*prev.get("commands", []), command] if prev else [command],
         "size": args.size,
         "params": n_params,
-        "settings": {k: v for k, v in vars(args).items() if k != "json"},
+        "settings": {k: v for k, v in vars(args).items() if k not in ("json", "arms")},
         "machine": {"cpu_count": os.cpu_count(), "omp": "OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE", "threads": 1},
         "rows": rows,
-        "target_lora_ckpt_over_full": target,
+        "target_lora_ckpt_over_full": memory_target(rows),
     }
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

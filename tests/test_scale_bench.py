@@ -107,3 +107,38 @@ def test_gpu_step_summary_of_metrics():
     assert out["rollout_tokens_per_s"] == pytest.approx(600 / 4.0)
     assert out["logprob_abs_gap"] == pytest.approx(0.02)
     assert out["logprob_abs_gap_max"] == pytest.approx(0.03)
+
+
+def test_frozen_copy_of_a_lora_policy_shares_the_base_only():
+    """The KL reference of a LoRA policy (``frozen_copy``) holds its own adapters but the policy's frozen base."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from mentorrl.train.workspace import frozen_copy
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=True,
+    )  # fmt: skip
+    policy = get_peft_model(Qwen2ForCausalLM(cfg), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    ids = torch.randint(0, 64, (2, 7))
+    with torch.no_grad():
+        before = policy(input_ids=ids).logits
+    ref = frozen_copy(policy)
+    pol, cop = dict(policy.named_parameters()), dict(ref.named_parameters())
+    assert pol.keys() == cop.keys()
+    for name, p in pol.items():
+        same = p.data_ptr() == cop[name].data_ptr()
+        assert same == (not p.requires_grad), name  # frozen: shared; adapters: copied
+        assert not cop[name].requires_grad
+    opt = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=1.0)
+    policy(input_ids=ids).logits.square().mean().backward()
+    opt.step()
+    with torch.no_grad():
+        assert not torch.allclose(policy(input_ids=ids).logits, before)
+        assert torch.equal(ref(input_ids=ids).logits, before)  # the reference stays the policy at the copy
+    assert all(p.requires_grad for n, p in policy.named_parameters() if "lora_" in n)  # the policy still trains
+    plain = Qwen2ForCausalLM(cfg)
+    assert all(a.data_ptr() != b.data_ptr() for a, b in zip(plain.parameters(), frozen_copy(plain).parameters()))
