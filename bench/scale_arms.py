@@ -9,7 +9,9 @@ Arms (``--arms``, comma-separated; any ``--set`` is added to every arm):
 * ``lora-ckpt``: ``lora`` plus ``grpo.optim.gradient_checkpointing: true``;
 * ``fsdp2``: fp32 full fine-tuning sharded over 2 ranks (``torchrun --standalone --nproc-per-node 2``,
   ``distributed.strategy: fsdp2``, ``threads: 1`` per rank; gloo on the CPU);
-* ``lora-ckpt-bf16`` (not in the default set): ``lora-ckpt`` with ``model.dtype: bfloat16``.
+* ``lora-ckpt-bf16`` (not in the default set): ``lora-ckpt`` with ``model.dtype: bfloat16``;
+* ``lora-ckpt-mbt`` (not in the default set): ``lora-ckpt`` with ``grpo.optim.micro_batch_tokens: 512``
+  (micro-batches of at most 512 padded tokens: the activation lever).
 
 Every arm runs the demo recipe's GRPO (``mentorrl/configs/demo.yaml``: the ``orders`` environment, its
 tools and reward, ``grpo.guide: expert`` so that a group where every rollout fails, as a random-init
@@ -68,6 +70,7 @@ ARMS: dict[str, dict[str, Any]] = {
     "lora-ckpt": {"sets": [LORA, CKPT]},
     "fsdp2": {"sets": ["distributed.strategy=fsdp2"], "ranks": 2},
     "lora-ckpt-bf16": {"sets": [LORA, CKPT, "model.dtype=bfloat16"]},
+    "lora-ckpt-mbt": {"sets": [LORA, CKPT, "grpo.optim.micro_batch_tokens=512"]},
 }
 DEFAULT_ARMS = ("full", "bf16", "lora", "lora-ckpt", "fsdp2")
 TARGET_LORA_CKPT_OVER_FULL = 1 / 3
@@ -132,13 +135,20 @@ class RssPeaks:
         self.per_pid: dict[int, int] = {}
         self.sum_peak = 0
         self.samples = 0
+        self.timeline: list[tuple[float, int]] = []  # (seconds since the first sample, the sum)
+        self._t0: float | None = None
+        self.marks: list[float] = []  # seconds since the first sample at which the watched file grew (a step ended)
 
-    def add(self, sample: Mapping[int, int]) -> None:
+    def add(self, sample: Mapping[int, int], t: float | None = None) -> None:
         """One sample; the processes in ``exclude`` (a torchrun launcher) count per process but not in the sum."""
         self.samples += 1
         for pid, rss in sample.items():
             self.per_pid[pid] = max(self.per_pid.get(pid, 0), rss)
-        self.sum_peak = max(self.sum_peak, sum(v for p, v in sample.items() if p not in self.exclude))
+        total = sum(v for p, v in sample.items() if p not in self.exclude)
+        self.sum_peak = max(self.sum_peak, total)
+        now = time.perf_counter() if t is None else t
+        self._t0 = now if self._t0 is None else self._t0
+        self.timeline.append((now - self._t0, total))
 
     def top(self, n: int) -> list[int]:
         """The ``n`` largest per-process peaks, largest first (the ranks of a torchrun tree: its launcher is small)."""
@@ -161,6 +171,16 @@ def step_figures(records: Iterable[Mapping[str, Any]], warmup: int, stage: str =
     if gaps:
         out["logprob_abs_gap"] = sum(gaps) / len(gaps)
     return out
+
+
+def thin_timeline(timeline: Iterable[tuple[float, int]], every_s: float) -> list[tuple[float, float]]:
+    """``(t, bytes)`` samples as ``(t, MiB)`` at most one per ``every_s`` seconds, each the largest of its window."""
+    out: dict[int, tuple[float, float]] = {}
+    for t, b in timeline:
+        k = int(t // every_s)
+        if k not in out or b / 2**20 > out[k][1]:
+            out[k] = (round(t, 1), round(b / 2**20, 1))
+    return [out[k] for k in sorted(out)]
 
 
 def memory_target(rows: Mapping[str, Mapping[str, Any]], key: str = "peak_rss_sum_mib") -> dict[str, Any] | None:
@@ -199,8 +219,14 @@ def _rss_bytes(pid: int) -> int | None:
     return None
 
 
-def sample_tree(root: int, peaks: RssPeaks, stop: threading.Event, period: float) -> None:
+def sample_tree(root: int, peaks: RssPeaks, stop: threading.Event, period: float, watch: Path | None = None) -> None:
+    """Sample the tree's RSS into ``peaks`` every ``period`` s; mark when ``watch`` (metrics.jsonl) grows."""
+    size = 0
     while not stop.is_set():
+        if watch is not None and watch.exists() and watch.stat().st_size != size:
+            size = watch.stat().st_size
+            if peaks._t0 is not None:
+                peaks.marks.append(time.perf_counter() - peaks._t0)
         sample = {}
         for pid in descendants(root, _proc_parents()):
             rss = _rss_bytes(pid)
@@ -245,7 +271,9 @@ def run_arm(arm: str, model_dir: Path, work: Path, args) -> dict[str, Any]:
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
         peaks = RssPeaks(exclude=[proc.pid] if ranks > 1 else ())  # under torchrun: the ranks' sum
-        sampler = threading.Thread(target=sample_tree, args=(proc.pid, peaks, stop, args.sample_s), daemon=True)
+        sampler = threading.Thread(
+            target=sample_tree, args=(proc.pid, peaks, stop, args.sample_s, run_dir / "metrics.jsonl"), daemon=True
+        )
         sampler.start()
         _, status, usage = os.wait4(proc.pid, 0)
         stop.set()
@@ -270,6 +298,9 @@ def run_arm(arm: str, model_dir: Path, work: Path, args) -> dict[str, Any]:
         "process_wall_s": wall,
         "process_cpu_s": usage.ru_utime + usage.ru_stime,
         "rss_samples": peaks.samples,
+        # the summed RSS over the run, one point a second (MiB), and when each step's record was written
+        "rss_timeline_mib": thin_timeline(peaks.timeline, 1.0),
+        "metrics_written_s": [round(t, 1) for t in peaks.marks],
         "trainable": trainable.group(1) if trainable else "all",
         "command": " ".join(cmd),
     }

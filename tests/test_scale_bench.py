@@ -67,6 +67,7 @@ def test_every_arm_is_a_valid_config(tmp_path):
         assert cfg.grpo.kl_coef == 0 and cfg.sampling.max_new_tokens == 48
         assert (cfg.model.lora is not None) == ("lora" in arm)
         assert cfg.grpo.optim.gradient_checkpointing == ("ckpt" in arm)
+        assert (cfg.grpo.optim.micro_batch_tokens == 512) == arm.endswith("mbt")
         assert cfg.model.dtype == ("bfloat16" if "bf16" in arm else "float32")
         assert cfg.distributed.strategy == ("fsdp2" if arm == "fsdp2" else "ddp")
     cmd = scale_arms.arm_command("fsdp2", sets, python="py")
@@ -142,3 +143,8 @@ def test_frozen_copy_of_a_lora_policy_shares_the_base_only():
     assert all(p.requires_grad for n, p in policy.named_parameters() if "lora_" in n)  # the policy still trains
     plain = Qwen2ForCausalLM(cfg)
     assert all(a.data_ptr() != b.data_ptr() for a, b in zip(plain.parameters(), frozen_copy(plain).parameters()))
+
+
+def test_thin_timeline_keeps_each_windows_largest():
+    tl = [(0.0, 2**20), (0.4, 3 * 2**20), (1.2, 2**20), (2.5, 5 * 2**20), (2.9, 4 * 2**20)]
+    assert scale_arms.thin_timeline(tl, 1.0) == [(0.4, 3.0), (1.2, 1.0), (2.5, 5.0)]
