@@ -60,9 +60,11 @@ def arm_sets(
     vllm_mem: float = 0.25,
 ) -> list[str]:
     """``--set`` overrides of the demo recipe for one arm."""
+    # under torchrun every rank takes its own GPU only with `auto` (cuda:LOCAL_RANK); plain `cuda` is cuda:0
+    placed = "auto" if device == "cuda" and arm == "fsdp2" else device
     sets = [
         f"model.path={model_dir}",
-        f"model.device={device}",
+        f"model.device={placed}",
         "recipe=[grpo]",
         f"run_dir={run_dir}",
         "audit.preflight=false",
