@@ -102,7 +102,15 @@ Format bridging (mentorrl -> TRL ``environment_factory``)
   answers it. Two calls in one turn run both in TRL (mentorrl: one malformed call; ``multi_call_turns``).
 
 The issue's targets (rollout policy tokens per CPU-second >= 2x TRL, whole-step trajectories per
-CPU-second >= 4x TRL) are checked and printed.
+CPU-second >= 4x TRL) are checked and printed (``--target-step`` / ``--target-rollout`` move them).
+
+LoRA (``--lora``)
+-----------------
+Both arms train the same adapters (:data:`LORA`: r 16, alpha 32, dropout 0, every attention and MLP projection):
+mentorrl through ``model.lora``, TRL through ``peft_config`` (its KL reference, when ``beta`` > 0, is the policy
+with its adapters disabled; mentorrl's is ``frozen_copy``, which shares the frozen base). The 0.5B-shaped run in
+``docs/scaling.md`` adds ``--mentorrl-set grpo.kl_coef=0.001 --trl-set beta=0.001`` so that both arms train every
+row of a random-init model's zero-advantage groups (without a KL term mentorrl skips them, exactly).
 """
 
 from __future__ import annotations
