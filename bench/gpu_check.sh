@@ -1,24 +1,76 @@
 #!/usr/bin/env bash
-# The GPU check of the vLLM rollout backend (issue 19): a ~0.5B random-init Qwen2 (Qwen2-0.5B's shape, the
-# project's tokenizer) built locally, rolled out on held-out orders tasks by the project's engine and by vLLM
-# on the GPU, side by side; prints policy tokens/s of each, the log-prob gap against the learner's
-# recomputation, vLLM's start time and its weight-sync time per update. Nothing is downloaded: the model is
-# built here. Needs a CUDA machine with torch (CUDA build), vllm and this package installed
-# (`pip install -e ".[vllm-gpu]"`); writes $OUT/gpu_check.json (or ./gpu_check.json) and the log.
+# The GPU check (issues 19 and 37, item 6), one short script for a CUDA machine. Nothing is downloaded: the model
+# is a random-init Qwen2 of Qwen2-0.5B's shape (24 layers of width 896, 14 heads, 2 KV heads, MLP 4864; 0.36B
+# parameters with the project's 1024-token vocabulary) built here. Never needed for CI. Two parts:
 #
-#   bash bench/gpu_check.sh                 # defaults: 64 tasks, 3 alternating repeats
-#   TASKS=16 REPEATS=1 bash bench/gpu_check.sh
+#   1. rollout backends: held-out orders tasks rolled out by the project's engine and by vLLM on the GPU, side by
+#      side (bench/rollout_backends.py): policy tokens/s of each, the log-prob gap, vLLM's start and weight sync;
+#   2. a GRPO step through `mentorrl train` (bench/gpu_step.py): the learner in bf16 with LoRA and the rollout
+#      through vLLM on the GPU, then full-weights FSDP2 under torchrun (NCCL, one rank per GPU; 1 is fine).
+#      Prints per arm: step time, rollout policy tokens/s, the vLLM/learner log-prob gap (`logprob_abs_gap` of
+#      metrics.jsonl) and each process's peak GPU memory (torch.cuda.max_memory_allocated).
+#
+# Needs torch with CUDA, vllm and this package (`pip install -e ".[vllm-gpu]"`). Writes $OUT/gpu_check.json,
+# $OUT/gpu_step.json and the logs (or ./). Meant to finish within ~8 minutes on one H200.
+#
+#   bash bench/gpu_check.sh                         # both parts; TASKS (64) and REPEATS (2) size part 1
+#   PARTS=step bash bench/gpu_check.sh              # the GRPO step only (PARTS=rollout: part 1 only)
+#   DEVICE=cpu bash bench/gpu_check.sh              # the plumbing on a CPU: a 20M model, gloo, small sizes,
+#                                                   # vLLM only if it imports; proves the script, measures nothing
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-.}"
 mkdir -p "$out"
-python - <<'PY'
-import torch
-assert torch.cuda.is_available(), "no CUDA device: this check is for a GPU machine"
-print("device:", torch.cuda.get_device_name(), "| torch", torch.__version__)
-import vllm
+device="${DEVICE:-cuda}"
+parts="${PARTS:-rollout,step}"
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$(pwd)"
+export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
+start=$(date +%s)
+
+if [[ "$device" == cuda ]]; then
+  python - <<'PY' || { echo "gpu_check: refusing to run: this check needs a CUDA GPU (DEVICE=cpu runs the plumbing only)" >&2; exit 2; }
+import sys, torch
+if not torch.cuda.is_available():
+    print(f"no CUDA device: torch {torch.__version__}, torch.cuda.is_available() is False", file=sys.stderr)
+    sys.exit(1)
+print("device:", torch.cuda.get_device_name(), "x", torch.cuda.device_count(), "| torch", torch.__version__)
+try:
+    import vllm
+except Exception as e:
+    print(f"vllm does not import ({type(e).__name__}: {e}): pip install -e '.[vllm-gpu]'", file=sys.stderr)
+    sys.exit(1)
 print("vllm", vllm.__version__)
 PY
-export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$(pwd)"
-python bench/rollout_backends.py --size 0.5b --device cuda --tasks "${TASKS:-64}" --repeats "${REPEATS:-3}" \
-  --threads 4 --json "$out/gpu_check.json" 2>&1 | tee "$out/gpu_check.log"
+  size=0.5b tasks="${TASKS:-64}" repeats="${REPEATS:-2}" threads=4
+  step_args=(--device cuda --size 0.5b --vllm on)
+  nvidia-smi --query-gpu=index,memory.used,memory.total --format=csv,noheader -lms 500 >"$out/nvidia_smi.csv" 2>/dev/null &
+  smi=$!
+  trap 'kill "$smi" 2>/dev/null || true' EXIT
+elif [[ "$device" == cpu ]]; then
+  echo "DEVICE=cpu: the plumbing only (a 20M model, small sizes, gloo; vLLM only if it imports)"
+  size=20m tasks="${TASKS:-4}" repeats="${REPEATS:-1}" threads=1
+  step_args=(--device cpu --size 20m --vllm auto --tasks 1 --group 4 --steps 1)
+  export OMP_NUM_THREADS=1
+else
+  echo "gpu_check: DEVICE must be cuda or cpu, got '$device'" >&2
+  exit 2
+fi
+
+work=$(mktemp -d "${TMPDIR:-/tmp}/gpu-check-XXXXXX")
+trap 'rm -rf "$work"; [[ -n "${smi:-}" ]] && kill "$smi" 2>/dev/null || true' EXIT
+python - "$size" "$work/model" <<'PY'
+import sys
+from pathlib import Path
+from bench.scale_arms import build_model
+print("model:", build_model(sys.argv[1], Path(sys.argv[2])))
+PY
+
+if [[ "$parts" == *rollout* ]]; then  # without vllm (on a CPU) only the hf row is measured
+  python bench/rollout_backends.py --model "$work/model" --device "$device" --tasks "$tasks" --repeats "$repeats" \
+    --syncs 2 --threads "$threads" --json "$out/gpu_check.json" 2>&1 | tee "$out/gpu_check.log"
+fi
+if [[ "$parts" == *step* ]]; then
+  python bench/gpu_step.py "${step_args[@]}" --model "$work/model" --work "$work/step" --json "$out/gpu_step.json" \
+    2>&1 | tee "$out/gpu_step.log"
+fi
+echo "gpu_check ($device) done in $(( $(date +%s) - start )) s; results in $out"

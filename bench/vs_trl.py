@@ -102,7 +102,15 @@ Format bridging (mentorrl -> TRL ``environment_factory``)
   answers it. Two calls in one turn run both in TRL (mentorrl: one malformed call; ``multi_call_turns``).
 
 The issue's targets (rollout policy tokens per CPU-second >= 2x TRL, whole-step trajectories per
-CPU-second >= 4x TRL) are checked and printed.
+CPU-second >= 4x TRL) are checked and printed (``--target-step`` / ``--target-rollout`` move them).
+
+LoRA (``--lora``)
+-----------------
+Both arms train the same adapters (:data:`LORA`: r 16, alpha 32, dropout 0, every attention and MLP projection):
+mentorrl through ``model.lora``, TRL through ``peft_config`` (its KL reference, when ``beta`` > 0, is the policy
+with its adapters disabled; mentorrl's is ``frozen_copy``, which shares the frozen base). The 0.5B-shaped run in
+``docs/scaling.md`` adds ``--mentorrl-set grpo.kl_coef=0.001 --trl-set beta=0.001`` so that both arms train every
+row of a random-init model's zero-advantage groups (without a KL term mentorrl skips them, exactly).
 """
 
 from __future__ import annotations
@@ -150,6 +158,12 @@ DEFAULT_MODEL = Path("runs/demo/sft/final")
 ARMS = ("trl", "mentorrl")
 TARGETS = {"rollout_tokens_per_cpu_s": 2.0, "trajectories_per_cpu_s": 4.0}
 ASSISTANT_HEADER = f"{IM_START}assistant\n"
+# --lora: the same adapters in both arms (mentorrl ``model.lora``; TRL ``peft_config``)
+LORA = {
+    "r": 16,
+    "alpha": 32,
+    "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+}
 
 # ----------------------------------------------------------------- format bridging (no trl needed) ---
 # JSON-schema type -> the Python hint transformers' get_json_schema turns back into that type
@@ -383,7 +397,9 @@ def ratio_spread(vals: Sequence[float]) -> dict[str, Any]:
     return {"reps": len(vals), "min": min(vals), "max": max(vals), "geo_mean": math.exp(iv["mean"]), "ci95": ci}
 
 
-def summarize(results: dict[str, list[dict[str, Any]]], warmup: int) -> dict[str, Any]:
+def summarize(
+    results: dict[str, list[dict[str, Any]]], warmup: int, targets_at: dict[str, float] | None = None
+) -> dict[str, Any]:
     """Per arm the median over reps of every :func:`rep_metrics` figure; ``ratios``: per figure the
     median over reps of mentorrl / TRL, each rep's two arms paired (reps present in both arms).
     ``targets``: the issue's targets against the median ratio (``met``), with the per-rep spread and
@@ -405,7 +421,7 @@ def summarize(results: dict[str, list[dict[str, Any]]], warmup: int) -> dict[str
                 if k in TARGETS and all(v > 0 for v in vals):
                     spreads[k] = ratio_spread(vals)
     targets = {}
-    for k, t in TARGETS.items():
+    for k, t in (targets_at or TARGETS).items():
         sp = spreads.get(k)
         targets[k] = {
             "target": t,
@@ -570,8 +586,16 @@ def mentorrl_overrides(args, run_dir: Path) -> list[str]:
         f"sampling.max_new_tokens={args.max_new_tokens}",
         f"limits.max_turns={args.max_turns}",
         f"limits.max_total_tokens={args.max_total_tokens}",
+        *([lora_override()] if getattr(args, "lora", False) else []),
         *getattr(args, "mentorrl_set", []),
     ]
+
+
+def lora_override() -> str:
+    """:data:`LORA` as a ``--set`` of ``mentorrl train``."""
+    return (
+        f"model.lora={{r: {LORA['r']}, alpha: {LORA['alpha']}, target_modules: [{', '.join(LORA['target_modules'])}]}}"
+    )
 
 
 def run_mentorrl_arm(args, work: Path) -> dict[str, Any]:
@@ -581,11 +605,14 @@ def run_mentorrl_arm(args, work: Path) -> dict[str, Any]:
 
     torch.set_num_threads(1)
     import mentorrl.train.recipes.grpo as grpo
+    import mentorrl.train.rl_loop as rl_loop
     from mentorrl.cli import app
 
     clock, info = Clock(), {}
     cur = {"step": -1}
-    orig_collect, orig_update, orig_run_stage = grpo.collect_group, grpo.pg_update, grpo.run_stage
+    # the GRPO stage's hooks run on the RL loop: rollouts through rl_loop.collect_group (Stage.collect), the
+    # resumable runner rl_loop.run_stage (RLLoop.run), the update through grpo.pg_update (GRPOStage.update)
+    orig_collect, orig_update, orig_run_stage = rl_loop.collect_group, grpo.pg_update, rl_loop.run_stage
 
     def collect_group(ws, model, chosen, *a, **kw):
         with clock.span(cur["step"], "rollout"):
@@ -616,7 +643,7 @@ def run_mentorrl_arm(args, work: Path) -> dict[str, Any]:
 
         return orig_run_stage(ws, stage, model, learner, steps, timed, *a, **kw)
 
-    grpo.collect_group, grpo.pg_update, grpo.run_stage = collect_group, pg_update, run_stage
+    rl_loop.collect_group, grpo.pg_update, rl_loop.run_stage = collect_group, pg_update, run_stage
     run_dir = work / f"mentorrl-rep{args.rep}"
     shutil.rmtree(run_dir, ignore_errors=True)
     argv = ["train", str(DEMO_CONFIG)]
@@ -833,8 +860,16 @@ def run_trl_arm(args, work: Path) -> dict[str, Any]:
     for kv in getattr(args, "trl_set", []):
         key, _, value = kv.partition("=")
         kw[key] = json.loads(value)
+    peft = {}
+    if getattr(args, "lora", False):
+        from peft import LoraConfig
+
+        peft["peft_config"] = LoraConfig(
+            r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=0.0, target_modules=list(LORA["target_modules"])
+        )
     trainer = TimedGRPOTrainer(
         model=model,
+        **peft,
         reward_funcs=[mentorrl_reward],
         args=GRPOConfig(**kw),
         train_dataset=data,
@@ -884,6 +919,8 @@ def run_trl_arm(args, work: Path) -> dict[str, Any]:
         "format_check": fmt_check,
         "grpo_config": {k: v for k, v in kw.items() if k != "output_dir"},
         "trl_log": logs,
+        "trainable_params": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
+        "params": sum(p.numel() for p in trainer.model.parameters()),
         "peak_rss_mib_self": peak_rss_mib(),
     }
 
@@ -958,6 +995,8 @@ def child_command(args, arm: str, rep: int, out: Path, work: Path) -> list[str]:
         cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     if args.trl_continuous_batching:
         cmd.append("--trl-continuous-batching")
+    if getattr(args, "lora", False):
+        cmd.append("--lora")
     for kv in args.trl_set:
         cmd += ["--trl-set", kv]
     for kv in getattr(args, "mentorrl_set", []):
@@ -1028,10 +1067,18 @@ def parse_args(argv: list[str] | None):
         "grpo.optim.pack_prefixes=false (repeatable)",
     )
     p.add_argument(
+        "--lora",
+        action="store_true",
+        help="LoRA adapters in both arms (r 16, alpha 32, every attention and MLP projection; mentorrl "
+        "model.lora, TRL peft_config): only the adapters train",
+    )
+    p.add_argument(
         "--trl-continuous-batching",
         action="store_true",
         help="TRL use_transformers_continuous_batching (off: far slower here, see the results)",
     )
+    p.add_argument("--target-step", type=float, default=None, help="whole-step target ratio (default 4)")
+    p.add_argument("--target-rollout", type=float, default=None, help="rollout target ratio (default 2)")
     p.add_argument("--work", default=None, help="run directories and logs (default: a temporary dir, removed)")
     p.add_argument("--json", default=None, metavar="OUT", help="write everything as JSON")
     p.add_argument(
@@ -1045,6 +1092,14 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--rep", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--arm-out", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
+
+
+def targets_of(args) -> dict[str, float]:
+    """The targets checked: the issue's (``TARGETS``) unless ``--target-step`` / ``--target-rollout`` move them."""
+    return {
+        "rollout_tokens_per_cpu_s": args.target_rollout or TARGETS["rollout_tokens_per_cpu_s"],
+        "trajectories_per_cpu_s": args.target_step or TARGETS["trajectories_per_cpu_s"],
+    }
 
 
 def resolve_model(arg: str | None) -> Path:
@@ -1102,7 +1157,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     finally:
         if own_work:
             shutil.rmtree(work, ignore_errors=True)
-    summary = summarize(results, args.warmup)
+    summary = summarize(results, args.warmup, targets_of(args))
     same = None
     if "trl" in results and "mentorrl" in results:
         same = all(
@@ -1117,6 +1172,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     )
     for line in target_lines(summary):
         print(line)
+    mem = summary["ratios"].get("peak_rss_mib")
+    if mem is not None:
+        print(f"peak RSS mentorrl / TRL: {mem:.2f}x ({'no more' if mem <= 1 else 'MORE'} memory than TRL)")
     print(f"same tasks in both arms at every step: {same}")
     doc = {
         "command": " ".join(["python", "bench/vs_trl.py", *(argv if argv is not None else sys.argv[1:])]),

@@ -188,8 +188,14 @@ def open_workspace(cfg: RunConfig, show_progress: bool = True, dp=None) -> Works
 
 
 def frozen_copy(model):
-    """A copy of ``model`` in eval mode with no gradients: a reference policy fixed at a stage's start."""
-    ref = copy.deepcopy(model).eval()
+    """A copy of ``model`` in eval mode with no gradients: a reference policy fixed at a stage's start.
+
+    A LoRA policy's frozen base weights are shared with the copy, not copied: only the adapters train, so
+    the base never changes and the reference adds one copy of the adapters, not of the model."""
+    from mentorrl.rollout.adapters import is_adapted
+
+    memo = {id(p): p for p in model.parameters() if not p.requires_grad} if is_adapted(model) else {}
+    ref = copy.deepcopy(model, memo).eval()
     for p in ref.parameters():
         p.requires_grad_(False)
     return ref
