@@ -57,7 +57,7 @@ def arm_overrides(arm: str, seed: int, sft: str, out: Path, a: Any) -> list[str]
         return common + ["grpo.guide=none"]
     agent = [sys.executable, str(AGENT), "--no-system", "--max-turns", str(a.max_turns)]
     return common + [
-        f"external.agent=[{', '.join(agent)}]",
+        f"external.agent={json.dumps(agent)}",  # quoted: a number in the argv stays a string
         f"external.concurrency={a.concurrency}",
         f"limits.max_turns={a.max_turns}",
         "grpo.guide=none",

@@ -82,3 +82,15 @@ def test_finished_runs_are_read_back_and_compared(tmp_path):
     assert row["external_minus_grpo"] == pytest.approx(5.0)
     assert row["seconds_per_trajectory_ratio"] == pytest.approx(4.0) and row["hop_share"] == pytest.approx(75.0)
     assert b.read_arm(tmp_path / "missing", "grpo") is None
+
+
+@pytest.mark.parametrize("arm", ["grpo", "external"])
+def test_each_arms_overrides_validate_through_the_real_config_loader(tmp_path, arm):
+    """The overrides a run gets must load (the agent's argv, numbers included, stays a list of strings)."""
+    from mentorrl.config import load_config
+
+    b = _bench()
+    a = SimpleNamespace(steps=2, tasks_per_step=4, samples_per_task=4, concurrency=2, max_turns=6, eval_tasks=10)
+    cfg = load_config(b.DEMO, b.arm_overrides(arm, 0, str(tmp_path / "sft"), tmp_path, a))
+    if arm == "external":
+        assert cfg.external.agent[-2:] == ["--max-turns", "6"]
