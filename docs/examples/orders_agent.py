@@ -75,6 +75,17 @@ def reward_of(verdict, results: list) -> tuple[float, dict]:
     return task + 0.2 * tools, {"success": bool(verdict.success), "violations": list(verdict.violations)}
 
 
+def post_reward(reward: float, details: dict) -> None:
+    """Post the episode's reward to the URL mentorrl gave, with the reward key (not the API key)."""
+    r = httpx.post(
+        os.environ["MENTORRL_REWARD_URL"],
+        json={"reward": reward, "details": details},
+        headers={"Authorization": f"Bearer {os.environ['MENTORRL_REWARD_KEY']}"},
+        timeout=30,
+    )
+    r.raise_for_status()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--no-system", action="store_true", help="send no system message (a run with system_turn: false)")
@@ -90,13 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         reward, details = reward_of(env.verify(answer), results)
     finally:
         env.close()
-    r = httpx.post(
-        os.environ["MENTORRL_REWARD_URL"],
-        json={"reward": reward, "details": details},
-        headers={"Authorization": f"Bearer {os.environ['MENTORRL_REWARD_KEY']}"},
-        timeout=30,
-    )
-    r.raise_for_status()
+    post_reward(reward, details)
     return 0
 
 

@@ -11,13 +11,12 @@ import os
 import sys
 from pathlib import Path
 
-import httpx
 from agents import Agent, FunctionTool, OpenAIChatCompletionsModel, Runner, set_tracing_disabled
 from agents.exceptions import MaxTurnsExceeded
 from openai import AsyncOpenAI
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from orders_agent import observation, reward_of  # noqa: E402  (the same harness: world, verdict, reward)
+from orders_agent import observation, post_reward, reward_of  # noqa: E402  (the same harness: world, verdict, reward)
 
 from mentorrl.envs import get_env  # noqa: E402
 from mentorrl.envs.base import Task  # noqa: E402
@@ -69,13 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         reward, details = reward_of(env.verify(answer), results)
     finally:
         env.close()
-    r = httpx.post(
-        os.environ["MENTORRL_REWARD_URL"],
-        json={"reward": reward, "details": details},
-        headers={"Authorization": f"Bearer {os.environ['MENTORRL_REWARD_KEY']}"},
-        timeout=30,
-    )
-    r.raise_for_status()
+    post_reward(reward, details)
     return 0
 
 
