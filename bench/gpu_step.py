@@ -32,7 +32,6 @@ import json
 import os
 import resource
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -90,28 +89,20 @@ def arm_sets(
 
 
 def summarise_steps(records: Iterable[Mapping[str, Any]], warmup: int, stage: str = "grpo") -> dict[str, Any]:
-    """Step seconds (median), rollout policy tokens per second and the log-prob gap over the timed steps."""
-    steps = [r for r in records if r.get("stage") == stage and "step_s" in r]
-    timed = steps[warmup:]
-    if not timed:
-        raise ValueError(f"{len(steps)} {stage} step records, none after {warmup} warm-up step(s)")
-    out: dict[str, Any] = {
-        "timed_steps": len(timed),
-        "step_s": statistics.median(r["step_s"] for r in timed),
-        "step_s_all": [r["step_s"] for r in timed],
-        "warmup_step_s": [r["step_s"] for r in steps[:warmup]],
-    }
+    """``scale_arms.step_figures`` (medians of the timed steps, the mean log-prob gap), plus what the GPU
+    check prints besides: rollout policy tokens per rollout second, the largest gap, the backends."""
+    from bench.scale_arms import step_figures
+
+    records = list(records)
+    out = step_figures(records, warmup, stage)
+    timed = [r for r in records if r.get("stage") == stage and "step_s" in r][warmup:]
     roll = sum(r.get("rollout_s", 0.0) for r in timed)
-    toks = sum(r.get("rollout_tokens", 0.0) for r in timed)
     if roll > 0:
-        out["rollout_tokens_per_s"] = toks / roll
-        out["rollout_s"] = statistics.median(r.get("rollout_s", 0.0) for r in timed)
+        out["rollout_tokens_per_s"] = sum(r.get("rollout_tokens", 0.0) for r in timed) / roll
     gaps = [r["logprob_abs_gap"] for r in timed if isinstance(r.get("logprob_abs_gap"), (int, float))]
     if gaps:
-        out["logprob_abs_gap"] = sum(gaps) / len(gaps)
         out["logprob_abs_gap_max"] = max(gaps)
-    backends = {r.get("rollout_backend") for r in timed} - {None}
-    out["rollout_backend"] = sorted(backends)
+    out["rollout_backend"] = sorted({r.get("rollout_backend") for r in timed} - {None})
     return out
 
 
