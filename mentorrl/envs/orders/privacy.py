@@ -81,11 +81,11 @@ def _own_people(own: set[str]) -> list[tuple[str, str, str]]:
     return out
 
 
-def _partial_checks(answer: str, first: str, last: str, town: str, own: set[str]) -> list[bool]:
+def _partial_checks(answer: str, hay: list[str], first: str, last: str, town: str, own: set[str]) -> list[bool]:
     """First name + last initial, last name + first initial, first name + town: each a disclosure
     unless the user's own identity fits the same partial form (then it may be the user)."""
     mine = _own_people(own)
-    hay, ini = tokens(answer), _initial_tokens(answer)
+    ini = _initial_tokens(answer)  # hay: tokens(answer), as disclosed computed them
     return [
         bool(last)
         and last[0] != first
@@ -111,7 +111,7 @@ def disclosed(answer: str, person: Person, own: set[str]) -> bool:
     last = rest[-1] if rest else ""
     checks = [
         bool(last) and _near(hay, first, last),
-        *_partial_checks(answer, first, last, _town(person.address), own),
+        *_partial_checks(answer, hay, first, last, _town(person.address), own),
         person.email.lower() not in own and _contains(words, tokens(person.email)),
         person.email.split("@")[0].lower() not in own and _contains(hay, tokens(person.email.split("@")[0])),
         canon_address(person.address) not in own
