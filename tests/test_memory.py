@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mentorrl.config import OptimConfig
+from mentorrl.train import memory
 from mentorrl.train.learner import Learner, make_optimizer
 from mentorrl.train.memory import (
     OffloadedAdamW,
@@ -179,3 +180,58 @@ def test_offload_is_a_no_op_for_a_cpu_learner(model, tokenizer):
     assert (
         Learner(m, OptimConfig(offload_optimizer=True), tokenizer.pad_token_id).optimizer.__class__ is torch.optim.AdamW
     )
+
+
+# ---- the allocator: freed tensors go back to the OS (the run's malloc_mmap_threshold) ----------------
+_FRAGMENT = r"""
+import json, sys, torch
+from mentorrl.train.memory import set_malloc_mmap_threshold
+
+def rss_mib():
+    with open("/proc/self/status") as f:
+        return next(int(x.split()[1]) for x in f if x.startswith("VmRSS")) / 1024
+
+why = set_malloc_mmap_threshold(1 << 20 if sys.argv[1] == "fixed" else None, environ={})
+t = torch.empty(16 << 20, dtype=torch.uint8).fill_(1)
+del t  # glibc's default: freeing a 16 MiB mapping raises the threshold to 16 MiB
+base = rss_mib()
+big, small = [], []
+for _ in range(32):  # a step's large tensors, with small long-lived blocks allocated between them
+    big.append(torch.empty(8 << 20, dtype=torch.uint8).fill_(1))
+    small.append(torch.ones(256))
+del big
+print(json.dumps({"why": why, "retained_mib": rss_mib() - base}))
+"""
+
+
+def _retained(mode: str) -> dict:
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _FRAGMENT, mode], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)
+
+
+@pytest.mark.skipif(memory._glibc() is None, reason="glibc's allocator only")
+def test_fixed_mmap_threshold_returns_freed_tensors_to_the_os():
+    """With the run's threshold, 256 MiB of freed 8 MiB tensors leave the process; with glibc's default
+    (the threshold raised by an earlier free) they stay in a heap that small live blocks pin."""
+    fixed, default = _retained("fixed"), _retained("default")
+    assert fixed["why"] is None
+    assert fixed["retained_mib"] < 32, fixed
+    assert default["retained_mib"] > fixed["retained_mib"] + 128, (default, fixed)  # what the setting is for
+
+
+def test_mmap_threshold_defers_to_the_environment_and_null():
+    assert "MALLOC_MMAP_THRESHOLD_" in memory.set_malloc_mmap_threshold(1 << 20, {"MALLOC_MMAP_THRESHOLD_": "1"})
+    assert memory.set_malloc_mmap_threshold(None, {}) == "malloc_mmap_threshold is null"
+
+
+def test_mmap_threshold_is_validated_before_the_first_step():
+    from mentorrl.config import ConfigError
+    from mentorrl.config.loading import load_config
+
+    with pytest.raises(ConfigError, match="malloc_mmap_threshold"):
+        load_config(None, ["malloc_mmap_threshold=12"])
+    assert load_config(None, ["malloc_mmap_threshold=null"]).malloc_mmap_threshold is None

@@ -45,6 +45,15 @@ class RunSettings(Section):
     )
     train_split: str = Field("train", description="task split every training stage draws from (never 'hidden')")
     threads: int = Field(0, ge=0, description="torch CPU threads; 0 keeps torch's default")
+    malloc_mmap_threshold: int | None = Field(
+        1 << 20,
+        ge=1 << 12,
+        le=1 << 30,
+        description="bytes (glibc only): every CPU block at least this large gets a mapping of its own, returned to "
+        "the OS when freed, instead of glibc's threshold that rises to 32 MiB and keeps a step's freed tensors in a "
+        "fragmented heap (1.5 GiB of a 0.5B LoRA step's peak, docs/scaling.md#memory); null keeps glibc's default; "
+        "MALLOC_MMAP_THRESHOLD_ or GLIBC_TUNABLES in the environment win",
+    )
     env: EnvConfig = Field(default_factory=EnvConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     sampling: SamplingParams = Field(default_factory=SamplingParams)

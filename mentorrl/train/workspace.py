@@ -24,6 +24,7 @@ from mentorrl.eval.metrics import summarize
 from mentorrl.eval.sets import assert_trainable, assert_trainable_splits
 from mentorrl.models.device import rollout_backend_args
 from mentorrl.rollout import BackendChoice, Rollout
+from mentorrl.train.memory import set_malloc_mmap_threshold
 from mentorrl.train.progress import count_progress
 from mentorrl.train.rundir import MetricsLog
 from mentorrl.trajectory import write_jsonl
@@ -174,6 +175,7 @@ def open_workspace(cfg: RunConfig, show_progress: bool = True, dp=None) -> Works
         (run_dir / "config.yaml").write_text(dump_config(cfg))
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    set_malloc_mmap_threshold(cfg.malloc_mmap_threshold)  # before the model's tensors are allocated
     entry = resolve_env(cfg.env)
     if cfg.eval.stratify:
         check_stratifies(entry.make_tasks())  # before the first step
