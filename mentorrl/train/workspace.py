@@ -175,7 +175,9 @@ def open_workspace(cfg: RunConfig, show_progress: bool = True, dp=None) -> Works
         (run_dir / "config.yaml").write_text(dump_config(cfg))
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    set_malloc_mmap_threshold(cfg.malloc_mmap_threshold)  # before the model's tensors are allocated
+    why = set_malloc_mmap_threshold(cfg.malloc_mmap_threshold)  # before the policy's tensors are allocated
+    if why is not None and cfg.malloc_mmap_threshold is not None and main:
+        Console(stderr=True).print(f"malloc_mmap_threshold not applied: {why}", markup=False)
     entry = resolve_env(cfg.env)
     if cfg.eval.stratify:
         check_stratifies(entry.make_tasks())  # before the first step
