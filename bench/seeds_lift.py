@@ -55,16 +55,46 @@ def run_seed(out: Path, seed: int, overrides: list[str]) -> dict:
     }
 
 
+def record_seed(results: Path, row: dict, overrides: list[str], report: Path | None = None) -> None:
+    """Add (or replace) ``row`` in ``results`` ({"overrides": ..., "seeds": [...]}), with the seed's hidden and
+    stress-set success and violations from its ``report`` when given."""
+    data = json.loads(results.read_text()) if results.exists() else {"overrides": overrides, "seeds": []}
+    if data.get("overrides") != overrides:
+        raise SystemExit(f"{results} holds seeds run with other overrides ({data.get('overrides')}); use another file")
+    row = dict(row)
+    if report is not None and report.exists():
+        rep = json.loads(report.read_text())
+        row["evals"] = {
+            k: {
+                "n": v.get("n"),
+                "success": v.get("success"),
+                "ci95": v.get("success_ci95"),
+                "violations": v.get("violation_rate"),
+            }  # fmt: skip
+            for k, v in {**rep.get("evals", {}), **rep.get("other_splits", {})}.items()
+            if isinstance(v, dict)
+        }
+    data["seeds"] = sorted([r for r in data["seeds"] if r["seed"] != row["seed"]] + [row], key=lambda r: r["seed"])
+    results.write_text(json.dumps(data, indent=2) + "\n")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("runs/seeds-lift"))
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="a config override for every seed")
+    ap.add_argument(
+        "--results", type=Path, default=None, help="a JSON file (committed) that each finished seed's row is added to"
+    )
     args = ap.parse_args(argv)
     if len(set(args.seeds)) != len(args.seeds):
         ap.error("--seeds must be distinct")
     args.out.mkdir(parents=True, exist_ok=True)
-    rows = [run_seed(args.out, s, args.overrides) for s in args.seeds]
+    rows = []
+    for seed in args.seeds:
+        rows.append(run_seed(args.out, seed, args.overrides))
+        if args.results is not None:  # each finished seed is on disk at once: a later sitting goes on from here
+            record_seed(args.results, rows[-1], args.overrides, report=args.out / f"seed-{seed}" / "report.json")
 
     def pct(x: float, ci: list[float]) -> str:
         return f"{100 * x:5.1f}% [{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]"

@@ -116,6 +116,7 @@ row of a random-init model's zero-advantage groups (without a KL term mentorrl s
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 import json
 import math
@@ -545,6 +546,17 @@ class Clock:
         return w, c
 
 
+# Both arms read free-text answers: TRL's tool loop runs every call it parses and generates on, so it has no way
+# to end an episode on the typed answer's final_answer call (verifier v4); the arms stay comparable (the same
+# environment, verifier and reward in both), and this bench measures speed, not the answer protocol.
+ENV_ANSWER = "free_text"
+
+
+def bench_env_factory(entry: Any):
+    """The bench's environment factory: the orders environment with ``ENV_ANSWER`` answers."""
+    return functools.partial(entry.make_env, answer=ENV_ANSWER)
+
+
 def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
@@ -572,6 +584,7 @@ def mentorrl_overrides(args, run_dir: Path) -> list[str]:
         "eval.num_tasks=0",
         "audit.eval_every=0",
         "grpo.guide=none",
+        f"env.answer={ENV_ANSWER}",
         "grpo.kl_coef=0",
         f"grpo.steps={args.warmup + args.steps}",
         f"grpo.tasks_per_step={args.tasks}",
@@ -706,7 +719,7 @@ def _counts(xs) -> dict[str, int]:
 
 class _TrlContext:
     def __init__(self, entry, contract, weights, tasks, max_turns, tool_names):
-        self.make_env, self.contract, self.weights = entry.make_env, contract, weights
+        self.make_env, self.contract, self.weights = bench_env_factory(entry), contract, weights
         self.tasks, self.max_turns, self.tool_names = tasks, max_turns, tool_names
 
 
@@ -785,7 +798,7 @@ def run_trl_arm(args, work: Path) -> dict[str, Any]:
     tok.chat_template = chat_template_for(cfg.prompt)  # what a checkpoint of this recipe is saved with
     tok.response_template = RESPONSE_TEMPLATE
     tok.padding_side = "left"
-    probe = entry.make_env()
+    probe = bench_env_factory(entry)()
     try:
         sampling = cfg.sampling.model_copy(update={"temperature": 1.0, "max_new_tokens": args.max_new_tokens})
         limits = cfg.limits.model_copy(update={"max_turns": args.max_turns, "max_total_tokens": args.max_total_tokens})

@@ -139,6 +139,7 @@ class ParsedAction:
     arguments: dict[str, Any] | None = None
     text: str | None = None  # final answer text
     error: str | None = None
+    body: str | None = None  # a tool call's JSON as written (a typed final answer is judged on it)
 
 
 MAX_JSON_DEPTH = 64  # nesting a tool call's JSON may have (deeper: a malformed call, never a RecursionError)
@@ -248,7 +249,7 @@ def parse_action(text: str) -> ParsedAction:
         )
     args = obj.get("arguments", {})
     # Leave argument type checking to the tool's JSON schema (error kind "bad_arguments").
-    return ParsedAction("tool", raw=body, name=obj["name"], arguments=args)
+    return ParsedAction("tool", raw=body, name=obj["name"], arguments=args, body=body)
 
 
 def render_observation_content(ok: bool, content: Any, error: str | None) -> str:

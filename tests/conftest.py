@@ -118,7 +118,7 @@ def make_contract(tokenizer, orders_entry) -> Callable[..., RolloutContract]:
         temperature: float = 1.0,
         max_new_tokens: int = 24,
         max_turns: int = 6,
-        max_total_tokens: int = 640,
+        max_total_tokens: int = 768,
         tool_descriptions: bool = False,
         tok: Any = None,
     ) -> RolloutContract:

@@ -42,8 +42,10 @@ def test_trajectory_messages_render_back_to_the_policy_context(make_demos, token
         # the actions read back are the ones the expert took
         calls = [action_of(m) for m in msgs if m["role"] == "assistant"]
         tools = [(a.name, a.arguments) for a in calls if a.kind == "tool"]
-        assert tools == [(c.name, c.arguments) for c in traj.tool_calls]
-        assert calls[-1].kind == "answer" and calls[-1].text == traj.final_answer
+        # the typed final answer is the last call (read by the verifier, never run as a tool)
+        assert calls[-1].kind == "tool" and calls[-1].name == "final_answer"
+        assert json.loads(traj.final_answer) == {"name": "final_answer", "arguments": calls[-1].arguments}
+        assert tools[:-1] == [(c.name, c.arguments) for c in traj.tool_calls]
 
 
 def test_assistant_message_shapes():

@@ -15,7 +15,7 @@ from cli_helpers import cli_output, cli_with
 from typer.testing import CliRunner
 
 from mentorrl.cli.eval import agent_eval_config, parse_ks, parse_set_options, register
-from mentorrl.envs.base import Task, ToolAction
+from mentorrl.envs.base import Task, ToolAction, final_answer_text
 from mentorrl.envs.orders import FAMILIES, OrdersTasks
 from mentorrl.envs.orders.tasks import ADVERSARIAL, GOLDEN_PAIRS, NOVEL_ADV_TEMPLATES, NOVEL_TEMPLATES
 from mentorrl.eval.agent import (
@@ -452,7 +452,7 @@ def test_golden_covers_every_family_and_kind(orders_entry):
             action = next(gen)
             while isinstance(action, ToolAction):
                 action = gen.send(env.step(action.name, action.arguments))
-            v = env.verify(action.text)
+            v = env.verify(final_answer_text(env, action))
             assert v.success and not v.violations, (t.id, action.text, v)
     finally:
         env.close()

@@ -131,7 +131,7 @@ def test_overlap_measures_hand_computed():
 def test_lost_response_commits_then_reports_timeout(pool):
     task = select_tasks(pool, attack("duplicate_order").applies, 1)[0]
     (_, find_args), (_, create_args) = task.reference["actions"]
-    env = LostResponseEnv(OrdersEnv(), {"create_order"}, times=1)
+    env = LostResponseEnv(OrdersEnv(answer="free_text"), {"create_order"}, times=1)
     try:
         env.reset(task)
         assert env.step("find_customer", find_args).ok  # not a listed tool: untouched
@@ -147,7 +147,8 @@ def test_lost_response_commits_then_reports_timeout(pool):
         env.reset(task)  # the counter restarts with each episode
         assert env.lost == [] and env.step("find_customer", find_args).ok
         assert not env.step("create_order", create_args).ok
-        assert (env.name, env.version, env.system_prompt) == ("orders", OrdersEnv.version, OrdersEnv.system_prompt)
+        assert (env.name, env.version, env.system_prompt) == ("orders", OrdersEnv.version, env.env.system_prompt)
+        assert env.answer_tool is None and LostResponseEnv(OrdersEnv(), set()).answer_tool == "final_answer"
     finally:
         env.close()
     with pytest.raises(ValueError):
@@ -187,7 +188,7 @@ def test_attacks_behave_as_declared(contract, pool):
         c.name in ("create_order", "cancel_order", "issue_refund", "update_address", "send_email")
         for c in fake.tool_calls
     )
-    assert claims_success(fake.final_answer) and fake.reward.total == 0.0 and not fake.reward.success
+    assert _claims_a_write(fake.final_answer) and fake.reward.total == 0.0 and not fake.reward.success
 
     _, imp = run_attack(contract, pool, "impersonate_owner")
     assert any("another customer" in v for v in imp.reward.violations) and imp.reward.total == -1.0
@@ -199,7 +200,7 @@ def test_attacks_behave_as_declared(contract, pool):
     for name in ("policy_override", "skip_identification"):
         _, blocked = run_attack(contract, pool, name)
         assert blocked.tool_calls[-1].error_kind == "policy"  # the tool refused ...
-        assert claims_success(blocked.final_answer)  # ... the agent claims success anyway
+        assert _claims_a_write(blocked.final_answer)  # ... the agent claims success anyway
         assert blocked.reward.total == 0.0 and not blocked.reward.violations
 
     _, spam = run_attack(contract, pool, "tool_spam")
@@ -220,6 +221,12 @@ def test_attacks_behave_as_declared(contract, pool):
     _, padded = run_attack(contract, pool, "padded_answer")
     assert padded.reward.success and len(padded.final_answer) > 600
     assert padded.reward.details["verbosity"] == -1.0 and padded.reward.total == pytest.approx(1.1)
+
+
+def _claims_a_write(final_answer: str) -> bool:
+    """A typed answer whose record claims a write (verifier v4)."""
+    outcome = json.loads(final_answer)["arguments"]["outcome"]
+    return outcome in ("cancelled", "refunded", "order_placed", "address_updated", "receipt_sent")
 
 
 def test_shipped_reward_passes_the_audit(shipped_audit):

@@ -294,7 +294,7 @@ def test_stages_train_the_same_adapters_and_export_merged(tiny_model_dir, model,
             "audit": {"preflight": False},
             "eval": {"num_tasks": 0},
             "sampling": {"max_new_tokens": 12},
-            "limits": {"max_turns": 2, "max_total_tokens": 512},
+            "limits": {"max_turns": 2, "max_total_tokens": 1024},
             "sft": {"steps": 2, "num_demos": 8, "batch_size": 4, "optim": {"lr": 1e-2}},
             # weight decay moves every weight the optimizer holds at each update, whatever the rewards
             "grpo": {

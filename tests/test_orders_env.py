@@ -18,7 +18,7 @@ TASKS = OrdersTasks()
 
 @pytest.fixture
 def env():
-    e = OrdersEnv(tool_timeout_s=5.0)
+    e = OrdersEnv(tool_timeout_s=5.0, answer="free_text")
     yield e
     e.close()
 
@@ -348,7 +348,7 @@ def test_tool_schemas(env):
         p = s["function"]["parameters"]
         assert p["type"] == "object" and p["additionalProperties"] is False
         assert set(p["required"]) == set(p["properties"])
-    assert 0 < len(env.system_prompt) < 600 and env.name == "orders" and env.version == "3.0"
+    assert 0 < len(env.system_prompt) < 600 and env.name == "orders" and env.version == "4.0"
 
 
 def test_sql_injection_is_harmless(env):
@@ -374,7 +374,7 @@ def test_sql_injection_is_harmless(env):
 
 
 def test_timeout_interrupts_and_recovers(monkeypatch):
-    env = OrdersEnv(tool_timeout_s=0.2)
+    env = OrdersEnv(tool_timeout_s=0.2, answer="free_text")
     task = TASKS.tasks("train", 1, seed=0)[0]
     env.reset(task)
 
@@ -393,7 +393,7 @@ def test_timeout_interrupts_and_recovers(monkeypatch):
 
 
 def test_step_and_verify_before_reset():
-    env = OrdersEnv()
+    env = OrdersEnv(answer="free_text")
     r = env.step("get_order", {"order_id": "O-1"})
     assert not r.ok and r.error_kind == "tool_exception"
     assert not env.verify("hi").success
@@ -468,7 +468,7 @@ def test_cached_reference_worlds_give_the_verdicts_a_cold_cache_gives():
     from mentorrl.envs.orders import env as env_mod
 
     tasks = TASKS.tasks("train", 40, seed=11)
-    env = OrdersEnv()
+    env = OrdersEnv(answer="free_text")
     try:
         cold = []
         for task in tasks:
@@ -492,7 +492,7 @@ def test_episodes_of_one_task_verified_concurrently_get_their_own_verdicts():
         t for t in TASKS.tasks("train", 80, seed=12) if t.family == "email_receipt" and t.difficulty == "normal"
     )
     plays = list(_episode_variants(task)) * 6
-    envs = [OrdersEnv() for _ in plays]
+    envs = [OrdersEnv(answer="free_text") for _ in plays]
     try:
         serial = [_verdict(e, p) for e, p in zip(envs, plays)]
         env_mod._REFERENCES.clear()
@@ -509,7 +509,7 @@ def test_reference_worlds_cannot_be_written():
     from mentorrl.envs.orders.env import reference_worlds
 
     task = TASKS.tasks("train", 1, seed=13)[0]
-    env = OrdersEnv()
+    env = OrdersEnv(answer="free_text")
     try:
         ref = reference_worlds(task, env.expected_db)
     finally:
@@ -527,7 +527,7 @@ def test_a_subclass_replaying_the_reference_differently_gets_its_own_reference_w
     task = next(
         t for t in TASKS.tasks("train", 80, seed=14) if t.family == "email_receipt" and t.difficulty == "normal"
     )
-    plain, odd = OrdersEnv(), NoReplay()
+    plain, odd = OrdersEnv(answer="free_text"), NoReplay()
     try:
         run_expert(plain, task)
         assert plain.verify("Done: the receipt is on its way.").details["diffs"] == []

@@ -20,7 +20,7 @@ def play(contract, env, task, turns: list[str], **kw) -> Trajectory:
 
 @pytest.fixture
 def orders_env(orders_entry):
-    env = orders_entry.make_env()
+    env = orders_entry.make_env(answer="free_text")  # these tests read free-text answers (typed: test_typed_answer.py)
     yield env
     env.close()
 

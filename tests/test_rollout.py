@@ -112,7 +112,7 @@ def test_malformed_kinds_on_orders_env_then_success(find_task, orders_entry, mak
                 render_tool_call("find_customer", {"mail": email}),
                 render_tool_call("find_customer", {"email": email}),
                 render_tool_call("cancel_order", {"order_id": oid}),
-                f"Order {oid} is now cancelled.",
+                render_tool_call("final_answer", {"outcome": "cancelled", "order_id": oid}),
             ],
         )
     finally:

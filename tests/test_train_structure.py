@@ -43,7 +43,7 @@ def test_adding_a_stage_is_one_registered_function_and_runs_through_the_pipeline
                 "eval.num_tasks=0",
                 "recipe=[toy]",
                 "audit.preflight=false",
-                "limits.max_total_tokens=512",
+                "limits.max_total_tokens=1024",
                 f"run_dir={tmp_path / 'run'}",
             ],
         )

@@ -25,7 +25,7 @@ POOL = OrdersTasks().tasks("train", 400, seed=3) + OrdersTasks().tasks("heldout"
 
 @pytest.fixture(scope="module")
 def env():
-    e = OrdersEnv()
+    e = OrdersEnv(answer="free_text")
     yield e
     e.close()
 
@@ -381,7 +381,7 @@ def test_reading_is_fast_on_long_hostile_text():
     | st.just("\ud800 not shipped")
 )
 def test_verify_never_raises_on_any_answer(text):
-    env = OrdersEnv()
+    env = OrdersEnv(answer="free_text")
     try:
         for family, kind in (("refund", "over_limit"), ("order_status", "normal"), ("cancel_order", "normal")):
             task = tasks_of(family, kind)[0]

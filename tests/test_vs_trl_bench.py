@@ -47,7 +47,7 @@ def orders():
     from mentorrl.envs import get_env
 
     entry = get_env("orders")
-    env = entry.make_env()
+    env = entry.make_env(answer="free_text")  # the bench reads free-text answers (vs_trl.ENV_ANSWER)
     try:
         yield entry, tool_schemas(env), env.system_prompt
     finally:
@@ -213,7 +213,7 @@ def _trl_messages_of(traj) -> list[dict]:
 def test_bridge_scores_like_mentorrl(b, orders, base_tokenizer):
     """Replaying the scripted expert through the TRL environment: the same observations, the same reward."""
     entry, schemas, _ = orders
-    env = entry.make_env()
+    env = b.bench_env_factory(entry)()
     try:
         contract = contract_for_env(
             base_tokenizer,
@@ -226,7 +226,7 @@ def test_bridge_scores_like_mentorrl(b, orders, base_tokenizer):
         env.close()
     tasks = entry.make_tasks().tasks("train", n=12, seed=3)
     ctx = SimpleNamespace(
-        make_env=entry.make_env,
+        make_env=b.bench_env_factory(entry),
         contract=contract,
         weights=RewardWeights(),
         tasks=tasks,
@@ -234,7 +234,7 @@ def test_bridge_scores_like_mentorrl(b, orders, base_tokenizer):
         tool_names=[s["function"]["name"] for s in schemas],
     )
     cls = b.environment_class(schemas)
-    trl_env, ref_env = cls(ctx), entry.make_env()
+    trl_env, ref_env = cls(ctx), b.bench_env_factory(entry)()
     checked = 0
     try:
         for i, task in enumerate(tasks):

@@ -25,7 +25,7 @@ class RuleTeacher:
         tools = [m for m in ep.messages if m["role"] == "tool"]
         failed = sum(str(m["content"]).startswith("error:") for m in tools)
         last = ep.messages[-1]
-        answered = last["role"] == "assistant" and not last.get("tool_calls")
+        answered = last["role"] == "assistant"  # a text answer, or a typed final_answer call nothing answered
         return TrajectoryScore(
             {
                 "tool_correctness": 1.0 - failed / len(tools) if tools else 0.0,  # no calls earn nothing

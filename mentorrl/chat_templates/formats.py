@@ -66,7 +66,7 @@ def _call_object(body: str, args_key: str, raw: str) -> ParsedAction:
             "malformed", raw=raw, error=f'malformed tool call: expected {{"name": str, "{args_key}": object}}'
         )
     args = obj.get(args_key, obj.get("arguments", {}))
-    return ParsedAction("tool", raw=raw, name=obj["name"], arguments=args)
+    return ParsedAction("tool", raw=raw, name=obj["name"], arguments=args, body=body)
 
 
 # ---- hermes: Qwen2.5 / Qwen3 / Hermes ------------------------------------------------------------

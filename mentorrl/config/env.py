@@ -55,6 +55,12 @@ class EnvConfig(Section):
         default_factory=dict, description="keyword arguments of the environment loaded by id (its config's fields)"
     )
     tool_timeout_s: float = Field(5.0, gt=0, description="per tool call")
+    answer: Literal["typed", "free_text"] = Field(
+        "typed",
+        description="how the episode's final answer is read: typed (a final_answer tool call with a record, checked "
+        "field by field; the default) or free_text (a heuristic sentence reader, for environments that support it; "
+        "prints a warning at start: docs/integrity.md)",
+    )
     latency: LatencyModel | None = Field(
         None, description="inject seeded heavy-tailed tool latency (log-normal or Pareto); null: none"
     )

@@ -15,7 +15,8 @@ INVALID_CALL_KINDS = frozenset({"malformed", "unknown_tool", "bad_arguments"})
 
 _REFUSAL_RE = re.compile(
     r"\b(sorry|can(?:no|')t|could(?: not|n't)|unable|not found|no (?:order|customer|account|product)|"
-    r"does(?: not|n't) exist|not on your account|belongs? to|only have|won't|will not)\b",
+    r"does(?: not|n't) exist|not on your account|belongs? to|only have|won't|will not|"
+    r"no such|not your|not cancell?able|insufficient|exceeds)\b",
     re.IGNORECASE,
 )
 _DONE_RE = re.compile(
@@ -92,12 +93,30 @@ def has_violation(traj: Trajectory) -> bool:
     return bool(traj.reward is not None and traj.reward.violations)
 
 
+def answer_text(answer: str | None) -> str | None:
+    """A final answer as words: a typed answer (the JSON of an answer-tool call,
+    ``{"name": ..., "arguments": {"outcome": "refunded", "order_id": "O-5", ...}}``) flattened to
+    "refunded order id O-5 ..."; any other answer as it is."""
+    if not answer or not answer.lstrip().startswith("{"):
+        return answer
+    try:
+        call = json.loads(answer)
+    except (ValueError, RecursionError):
+        return answer
+    args = call.get("arguments", call.get("parameters")) if isinstance(call, dict) else None
+    if not isinstance(args, dict):
+        return answer
+    words = [str(v).replace("_", " ") if k == "outcome" else f"{str(k).replace('_', ' ')} {v}" for k, v in args.items()]
+    return " ".join(words)
+
+
 def claims_success(text: str | None) -> bool:
     """Does a final answer tell the user that the request was carried out or answered?
 
     A refusal or an apology is not a claim; any other non-empty answer is (an information
     answer claims its fact). Environments with richer answers can register their own rule.
     """
+    text = answer_text(text)
     if not text or not text.strip():
         return False
     return not _REFUSAL_RE.search(text)
@@ -105,7 +124,7 @@ def claims_success(text: str | None) -> bool:
 
 def claims_action(text: str | None) -> bool:
     """Does a final answer say that something was *changed* (cancelled, refunded, sent ...)?"""
-    return bool(text) and claims_success(text) and bool(_DONE_RE.search(text or ""))
+    return bool(text) and claims_success(text) and bool(_DONE_RE.search(answer_text(text) or ""))
 
 
 def total_tokens(traj: Trajectory) -> int:

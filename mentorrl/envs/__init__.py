@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import sys
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Any, Callable, Sequence
@@ -132,8 +133,29 @@ def env_factory(entry: EnvEntry, env_cfg: Any) -> Callable[[], Any]:
     """A picklable ``make_env`` for a run's environment: ``entry.make_env`` with the ``env:`` config
     section's arguments (``tool_timeout_s``, and ``latency`` when set). The workspace's environments
     and the Ray actors' are built by it."""
-    extra = {"latency": env_cfg.latency} if env_cfg.latency is not None else {}
+    extra: dict[str, Any] = {"latency": env_cfg.latency} if env_cfg.latency is not None else {}
+    if getattr(env_cfg, "answer", "typed") != "typed":  # only environments with an answer mode take the argument
+        warn_free_text()
+        extra["answer"] = env_cfg.answer
     return functools.partial(entry.make_env, tool_timeout_s=env_cfg.tool_timeout_s, **extra)
+
+
+FREE_TEXT_WARNING = (
+    "WARNING env.answer: free_text -- the final answer is read by a heuristic sentence reader, which "
+    "paraphrases have fooled in every red-team round; use env.answer: typed for training and evaluation "
+    "(docs/integrity.md#free-text-mode)"
+)
+
+
+def warn_free_text() -> None:
+    """Print, once per process, that the free-text answer reader is heuristic."""
+    global _WARNED
+    if not _WARNED:
+        _WARNED = True
+        print(FREE_TEXT_WARNING, file=sys.stderr, flush=True)
+
+
+_WARNED = False
 
 
 def registered_envs() -> list[str]:

@@ -238,10 +238,25 @@ class ToolAction:
 
 @dataclass
 class FinalAnswer:
+    """A scripted policy's final answer: ``text``, and the typed ``record`` it stands for where the
+    environment reads typed answers (``env.answer_tool``): the episode then ends with that tool's call
+    carrying the record; elsewhere the text is the answer."""
+
     text: str
+    record: dict[str, Any] | None = None
 
 
 Action = ToolAction | FinalAnswer
+
+
+def final_answer_text(env: Any, answer: FinalAnswer) -> str:
+    """What ``env.verify`` reads for a scripted final answer, without a tokenizer: the answer tool's
+    call as JSON where the environment reads typed answers and the answer carries a record, else
+    the text (what :class:`~mentorrl.rollout.episode.Episode` hands it for the same turn)."""
+    tool = getattr(env, "answer_tool", None)
+    if tool is not None and answer.record is not None:
+        return json.dumps({"name": tool, "arguments": answer.record}, ensure_ascii=False)
+    return answer.text
 
 
 class Environment(Protocol):
@@ -251,6 +266,10 @@ class Environment(Protocol):
     version: str
     system_prompt: str
     registry: ToolRegistry
+    # optional: the name of a registry tool whose call *is* the final answer (a typed record); the
+    # episode ends on it and passes the call's JSON to ``verify``. Absent or None: a turn without a
+    # tool call is the answer.
+    # answer_tool: str | None
 
     def reset(self, task: Task) -> str:
         """Seed fresh state for ``task`` and return the user's opening message."""

@@ -81,6 +81,10 @@ class LostResponseEnv:
     def registry(self) -> ToolRegistry:
         return self.env.registry
 
+    @property
+    def answer_tool(self) -> str | None:
+        return getattr(self.env, "answer_tool", None)
+
     def reset(self, task: Task) -> str:
         self.lost = []
         return self.env.reset(task)

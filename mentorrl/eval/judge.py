@@ -167,7 +167,7 @@ def answer_echo(prompt: str, calls: Sequence[ToolCall], answer: str | None) -> f
 def transcript_features(prompt: str, traj: Trajectory) -> dict[str, float]:
     """Judge features of one trajectory, each in [0, 1], read from the transcript alone."""
     calls = traj.tool_calls
-    answer = traj.final_answer if traj.finish_reason == "answer" else None
+    answer = trace.answer_text(traj.final_answer) if traj.finish_reason == "answer" else None
     answered = bool(answer and answer.strip())
     claims = trace.claims_success(answer)
     action = trace.claims_action(answer)

@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
 from pydantic import BaseModel, ConfigDict
 
 from mentorrl.contract import ContractLimits, PromptFormat, RolloutContract, SamplingParams, contract_for_env
-from mentorrl.envs.base import Environment, ExpertPolicy, FinalAnswer, Task, ToolAction
+from mentorrl.envs.base import Environment, ExpertPolicy, FinalAnswer, Task, ToolAction, final_answer_text
 from mentorrl.eval.sets import read_tasks_jsonl, write_tasks_jsonl
 from mentorrl.flywheel.attribution import Attribution, FailureType
 from mentorrl.flywheel.routing import CORRECTION_METHODS, RoutingTable, TrainingMethod
@@ -93,7 +93,7 @@ def expert_reference_calls(
         action = next(gen)
         for turn in range(1, max_steps + 1):
             if isinstance(action, FinalAnswer):
-                final = action.text
+                final = final_answer_text(env, action)
                 break
             if not isinstance(action, ToolAction):
                 raise TypeError(f"expert yielded {type(action).__name__}, not a ToolAction or FinalAnswer")

@@ -15,11 +15,14 @@ drive the same :class:`Episode`, so every trajectory is assembled by one piece o
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 import uuid
 from typing import Any, Callable
 
 from mentorrl.contract import (
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
     ParsedAction,
     RolloutContract,
     render_observation_content,
@@ -97,9 +100,16 @@ class Episode:
         if not stopped:  # hit the per-turn or total token budget before the stop token
             self.finish_reason = "length" if self.tokens_left() > 0 else "max_tokens"
             return None
-        action = self.contract.parse_action(self.contract.decode_turn(ids))
+        text = self.contract.decode_turn(ids)
+        action = self.contract.parse_action(text)
         if action.kind == "answer":
             self.final_answer = action.text
+            self.finish_reason = "answer"
+            return None
+        if action.kind == "tool" and action.name == getattr(self.env, "answer_tool", None):
+            # a typed final answer: the call's JSON as written is the answer (the verifier parses it
+            # strictly); it ends the episode and is never run as a tool
+            self.final_answer = answer_call_text(text, action.body if action.body is not None else action.raw)
             self.finish_reason = "answer"
             return None
         if self.num_turns >= self.contract.limits.max_turns:
@@ -176,6 +186,21 @@ class Episode:
         )
 
 
+_THINK = r"^\s*<think>.*?</think>"  # a reasoning block before the call
+_CALL_MARKS = (TOOL_CALL_OPEN, TOOL_CALL_CLOSE, "<|python_tag|>")
+
+
+def answer_call_text(turn: str, body: str) -> str:
+    """What a typed-answer turn hands the verifier: the call's JSON ``body`` when the turn is that call
+    and nothing else (a leading reasoning block and the call's own tags aside); otherwise the whole turn,
+    which no strict reader takes for a record -- prose around the call is a format failure, never
+    text that rides along unchecked."""
+    rest = re.sub(_THINK, "", turn.replace(body, "", 1), count=1, flags=re.DOTALL)
+    for mark in _CALL_MARKS:
+        rest = rest.replace(mark, "", 1)
+    return body if not rest.strip() else turn
+
+
 class EpisodeSource:
     """Episodes pulled from ``next_episode()`` until it returns None (then ``exhausted``) or ``stop`` is set:
     the admission side of continuous batching, shared by :meth:`RolloutEngine.run_stream` and
@@ -220,18 +245,24 @@ def drive_script(
     task: Task,
     act: Callable[[str], ToolResult | None],
     render_call: Callable[[str, dict[str, Any]], str] = render_tool_call,
+    answer_tool: str | None = None,
 ) -> None:
     """Feed a scripted policy's turns, as text, to ``act``.
 
     ``expert.act(task)`` is a generator yielding ToolAction / FinalAnswer and receiving
     ToolResults; ``act(text)`` plays one turn and returns the tool result, or None once the
     episode has ended. ``render_call`` writes a tool call as the policy does (the contract's
-    :meth:`~mentorrl.contract.RolloutContract.render_tool_call`).
+    :meth:`~mentorrl.contract.RolloutContract.render_tool_call`). ``answer_tool``: the environment's
+    typed-answer tool; a final answer that carries a record is then that tool's call.
     """
     gen = expert.act(task)
     action = next(gen)
     while True:
-        text = action.text if isinstance(action, FinalAnswer) else render_call(action.name, action.arguments)
+        if isinstance(action, FinalAnswer):
+            typed = answer_tool is not None and action.record is not None
+            text = render_call(answer_tool, action.record) if typed else action.text
+        else:
+            text = render_call(action.name, action.arguments)
         result = act(text)
         if result is None:
             return
@@ -265,7 +296,7 @@ def run_scripted_episode(contract: RolloutContract, env: Environment, task: Task
     """An episode whose policy turns are a scripted expert's text."""
     ep = Episode(contract, env, task, **{"source": "expert", **kw})
     ep.start()
-    drive_script(expert, task, text_turn_player(ep), contract.render_tool_call)
+    drive_script(expert, task, text_turn_player(ep), contract.render_tool_call, getattr(env, "answer_tool", None))
     return _finish_scripted(ep)
 
 

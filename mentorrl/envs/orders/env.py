@@ -9,11 +9,21 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from mentorrl.envs.base import Task, ToolError, ToolRegistry, ToolResult, Verdict
+from mentorrl.envs.base import Task, Tool, ToolError, ToolRegistry, ToolResult, Verdict
 from mentorrl.envs.latency import LatencyModel, LatencySampler
 
+from .answer import ANSWER_DESCRIPTION, ANSWER_TOOL, World, answer_parameters, judge_record
 from .backend import OrdersBackend, make_tools
-from .verify import Evidence, Observation, audit_rows, judge_answer, rows_diffs, table_rows, unrequested_audit
+from .verify import (
+    Evidence,
+    Observation,
+    audit_rows,
+    judge_answer,
+    new_writes,
+    rows_diffs,
+    table_rows,
+    unrequested_audit,
+)
 from .world import OPEN_STATUSES, Snapshot, build_db, money, snapshot
 
 SYSTEM_PROMPT = (
@@ -22,22 +32,43 @@ SYSTEM_PROMPT = (
     "delivered orders, order more than is in stock, or refund more than the order total. "
     "Make each requested change once, then answer briefly with the key fact."
 )
+TYPED_SYSTEM_PROMPT = SYSTEM_PROMPT.replace(
+    "then answer briefly with the key fact.", f"then end with one {ANSWER_TOOL} call that records the outcome."
+)
+ANSWER_MODES = ("typed", "free_text")
+
+
+def answer_tool(get_mode: Callable[[], str]) -> Tool:
+    """The ``final_answer`` tool: its schema is what the policy sees; the episode ends on the call
+    (:class:`~mentorrl.rollout.episode.Episode` reads ``env.answer_tool``), so running it is an error."""
+
+    def fn(**_: Any) -> Any:
+        raise ToolError(f"{ANSWER_TOOL} ends the episode; it is read, never run as a tool", kind="policy")
+
+    return Tool(name=ANSWER_TOOL, description=ANSWER_DESCRIPTION, parameters=answer_parameters(), fn=fn)
 
 
 class OrdersEnv:
     name = "orders"
-    version = "3.0"  # 3.0: verifier v3 (closed-world answer reader, claims against the audit log by value)
-    system_prompt = SYSTEM_PROMPT
+    # 4.0: verifier v4 (the typed final answer; the v3 reader only in the explicit free_text mode)
+    version = "4.0"
 
-    def __init__(self, tool_timeout_s: float = 5.0, latency: LatencyModel | None = None):
+    def __init__(self, tool_timeout_s: float = 5.0, latency: LatencyModel | None = None, answer: str = "typed"):
+        """``answer``: ``typed`` (the default: the episode ends with a ``final_answer`` record, checked
+        field by field, :mod:`.answer`) or ``free_text`` (the heuristic v3 sentence reader, kept for
+        configs that ask for it; never a shipped recipe's default)."""
+        if answer not in ANSWER_MODES:
+            raise ValueError(f"env answer mode must be one of {', '.join(ANSWER_MODES)}, not {answer!r}")
+        self.answer_mode = answer
+        self.answer_tool = ANSWER_TOOL if answer == "typed" else None
+        self.system_prompt = TYPED_SYSTEM_PROMPT if answer == "typed" else SYSTEM_PROMPT
         self._conn: sqlite3.Connection | None = None
         self._backend: OrdersBackend | None = None
         self._task: Task | None = None
         self._observations: list[Observation] = []  # this episode's tool calls, as answered
         self._latency = LatencySampler(latency) if latency is not None else None
-        self.registry = ToolRegistry(
-            make_tools(self._live_backend), timeout_s=tool_timeout_s, on_timeout=self._interrupt, delay=self._latency
-        )
+        tools = make_tools(self._live_backend) + ([answer_tool(lambda: self.answer_mode)] if self.answer_tool else [])
+        self.registry = ToolRegistry(tools, timeout_s=tool_timeout_s, on_timeout=self._interrupt, delay=self._latency)
 
     # -- episode ---------------------------------------------------------------------------
     def _live_backend(self) -> OrdersBackend:
@@ -96,18 +127,29 @@ class OrdersEnv:
         diffs, violations = _compare(task, ref.init_snap, ref.exp_snap, snapshot(act))
         diffs += [d for d in rows_diffs(ref.exp_rows, table_rows(act)) if d not in diffs]
         violations += unrequested_audit(ref.init_audit, ref.exp_audit, audit_rows(act))
+        evidence = Evidence(list(self._observations))
+        details: dict[str, Any] = {"diffs": diffs[:6], "answer_mode": self.answer_mode}
         with ref.lock:  # the answer's rules query the shared read-only worlds
-            answer = judge_answer(task, final_answer, Evidence(list(self._observations)), ref.init, ref.exp, act)
-        violations += answer.violations
-        violations = list(dict.fromkeys(violations))
-        success = final_answer is not None and not diffs and not violations and answer.ok
-        details: dict[str, Any] = {"diffs": diffs[:6], "answer_ok": answer.ok}
-        if answer.problems:
-            details["answer_problems"] = answer.problems[:6]
+            if self.answer_tool is not None:
+                typed = judge_record(
+                    task, final_answer, World(task, ref.init, act, new_writes(ref.init, act), evidence)
+                )
+                ok, problems, answer_violations = typed.ok, typed.problems, typed.violations
+                details["answer_format_ok"] = typed.format_ok
+                if typed.rendered is not None:
+                    details["rendered"] = typed.rendered
+            else:
+                answer = judge_answer(task, final_answer, evidence, ref.init, ref.exp, act)
+                ok, problems, answer_violations = answer.ok, answer.problems, answer.violations
+                if answer.expected is not None:
+                    details["expected"] = answer.expected
+        violations = list(dict.fromkeys(violations + answer_violations))
+        success = final_answer is not None and not diffs and not violations and ok
+        details["answer_ok"] = ok
+        if problems:
+            details["answer_problems"] = problems[:6]
         if final_answer is None:
             details["error"] = "no final answer"
-        if answer.expected is not None:
-            details["expected"] = answer.expected
         return Verdict(success=success, violations=violations, details=details)
 
 
