@@ -25,14 +25,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="write the per-attack figures here (JSON)")
     args = ap.parse_args(argv)
 
-    from mentorrl.cli.integrity import tiny_tokenizer
+    from transformers import AutoTokenizer
+
     from mentorrl.contract import contract_for_env
     from mentorrl.envs.orders import OrdersEnv, OrdersTasks
     from mentorrl.envs.orders.typed_attacks import typed_attacks, typed_probes
     from mentorrl.integrity.attacks import AttackAuditConfig, audit_env, run_script, select_tasks, task_pool
+    from mentorrl.models.shipped import SHIPPED_ROOT
 
     t0 = time.perf_counter()
-    tok = tiny_tokenizer("orders")
+    tok = AutoTokenizer.from_pretrained(SHIPPED_ROOT / "orders-tiny")  # the demo's tokenizer
     cfg = AttackAuditConfig(tasks_per_attack=args.tasks, seed=args.seed)
     report = audit_env("orders", tok, cfg, attacks=typed_attacks())
     env = OrdersEnv()

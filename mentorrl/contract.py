@@ -142,6 +142,10 @@ class ParsedAction:
     body: str | None = None  # a tool call's JSON as written (a typed final answer is judged on it)
 
 
+# malformed-call errors name no tag: an observation never carries a template's control string (a re-render
+# with apply_chat_template, serve or vLLM would tokenise it as the control token)
+ONE_CALL_ERROR = "malformed tool call: expected exactly one call, opened and closed once by the tool-call tags"
+UNBALANCED_ERROR = "malformed tool call: the closing tool-call tag comes before the opening one"
 MAX_JSON_DEPTH = 64  # nesting a tool call's JSON may have (deeper: a malformed call, never a RecursionError)
 MAX_ERROR_CHARS = 500  # error text shown to the policy (a bad argument is never echoed whole)
 
@@ -230,12 +234,10 @@ def parse_action(text: str) -> ParsedAction:
     if TOOL_CALL_OPEN not in text and TOOL_CALL_CLOSE not in text:
         return ParsedAction("answer", raw=raw, text=text.strip())
     if text.count(TOOL_CALL_OPEN) != 1 or text.count(TOOL_CALL_CLOSE) != 1:
-        return ParsedAction(
-            "malformed", raw=raw, error="malformed tool call: expected exactly one <tool_call>...</tool_call>"
-        )
+        return ParsedAction("malformed", raw=raw, error=ONE_CALL_ERROR)
     start, end = text.find(TOOL_CALL_OPEN), text.find(TOOL_CALL_CLOSE)
     if end < start:
-        return ParsedAction("malformed", raw=raw, error="malformed tool call: unbalanced <tool_call> tags")
+        return ParsedAction("malformed", raw=raw, error=UNBALANCED_ERROR)
     body = text[start + len(TOOL_CALL_OPEN) : end].strip()
     try:
         obj = loads_bounded(body)

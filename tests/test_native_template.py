@@ -89,7 +89,7 @@ def test_auto_keeps_a_known_tool_aware_template_and_replaces_the_rest():
     assert resolve_tool_format(LLAMA31_STYLE) == "llama3_json"
     assert resolve_tool_format(CHAT_TEMPLATE) == MENTORRL  # the tiny model keeps its own
     assert resolve_tool_format(None) == MENTORRL
-    assert resolve_tool_format(PLAIN_CHATML) == MENTORRL  # renders no tools: the contract's replaces it
+    assert resolve_tool_format(PLAIN_CHATML) == "hermes_prompted"  # renders no tools: kept, the tools prompted
     assert resolve_tool_format(QWEN25_STYLE, "mentorrl") == MENTORRL
     assert resolve_tool_format(UNKNOWN_TOOL_STYLE, "hermes") == "hermes"  # an explicit override wins
 

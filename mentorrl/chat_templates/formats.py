@@ -25,9 +25,10 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from mentorrl.contract import ParsedAction, loads_bounded
+from mentorrl.contract import ONE_CALL_ERROR, UNBALANCED_ERROR, ParsedAction, loads_bounded
 
 MENTORRL = "mentorrl"  # the contract's own ChatML format (mentorrl.contract.CHAT_TEMPLATE)
+HERMES_PROMPTED = "hermes_prompted"  # Hermes calls in the content of a template that renders no tools
 MENTORRL_MARK = "Reply without a tool call to give the final answer."  # in every template chat_template_for writes
 
 
@@ -46,6 +47,7 @@ class ToolFormat:
     parse: Callable[[str], ParsedAction]
     detect: Callable[[str], bool]
     description: str = ""
+    prompted: bool = False  # the template renders no tools: schemas go in the system text, calls stay content
 
 
 def _dumps(obj: Any) -> str:
@@ -83,12 +85,10 @@ def hermes_parse(text: str) -> ParsedAction:
     if HERMES_OPEN not in text and HERMES_CLOSE not in text:
         return ParsedAction("answer", raw=text, text=text.split("</think>")[-1].strip())
     if text.count(HERMES_OPEN) != 1 or text.count(HERMES_CLOSE) != 1:
-        return ParsedAction(
-            "malformed", raw=text, error="malformed tool call: expected exactly one <tool_call>...</tool_call>"
-        )
+        return ParsedAction("malformed", raw=text, error=ONE_CALL_ERROR)
     start, end = text.find(HERMES_OPEN), text.find(HERMES_CLOSE)
     if end < start:
-        return ParsedAction("malformed", raw=text, error="malformed tool call: unbalanced <tool_call> tags")
+        return ParsedAction("malformed", raw=text, error=UNBALANCED_ERROR)
     body = text[start + len(HERMES_OPEN) : end].strip()
     return _call_object(body, "arguments", body)
 
@@ -146,6 +146,35 @@ register_tool_format(
 )
 
 
+register_tool_format(
+    ToolFormat(
+        HERMES_PROMPTED,
+        (HERMES_OPEN, HERMES_CLOSE),
+        hermes_render,
+        hermes_parse,
+        lambda source: False,  # chosen for templates that render no tools (resolve_tool_format), never detected
+        "Hermes tool calls, prompted: for a template with no tools section (SmolLM2, plain ChatML)",
+        prompted=True,
+    )
+)
+
+
+def prompted_system(system: str | None, tools: list[dict[str, Any]] | None) -> str | None:
+    """The system message of a ``prompted`` format: the run's system prompt, then the tool schemas in a
+    ``<tools>`` block and the call syntax, as Hermes-style function-calling data writes them (the template
+    itself is never edited; it renders this as any system message)."""
+    if not tools:
+        return system
+    schemas = "\n".join(_dumps(t) for t in tools)
+    block = (
+        "# Tools\n\nYou may call one function at a time. Their signatures are within <tools></tools> XML tags:\n"
+        f"<tools>\n{schemas}\n</tools>\n\nWrite a call as a JSON object with the function name and its arguments "
+        'within <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": '
+        "<args-json-object>}\n</tool_call>"
+    )
+    return f"{system}\n\n{block}" if system else block
+
+
 def get_tool_format(name: str) -> ToolFormat:
     try:
         return TOOL_FORMATS[name]
@@ -175,6 +204,7 @@ def detect_tool_format(source: str | None) -> str | None:
 
 
 __all__ = [
+    "HERMES_PROMPTED",
     "MENTORRL",
     "TOOL_FORMATS",
     "ToolFormat",
@@ -184,6 +214,7 @@ __all__ = [
     "hermes_render",
     "llama3_parse",
     "llama3_render",
+    "prompted_system",
     "register_tool_format",
     "renders_tools",
 ]

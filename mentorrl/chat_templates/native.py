@@ -26,7 +26,7 @@ from __future__ import annotations
 import re
 from typing import Any, Mapping, Sequence
 
-from mentorrl.chat_templates.formats import ToolFormat
+from mentorrl.chat_templates.formats import ToolFormat, prompted_system
 from mentorrl.contract import Control, ParsedAction
 
 _MARK_OPEN, _MARK_CLOSE = "\ue000", "\ue001"
@@ -60,6 +60,10 @@ class TemplateChat:
         system: str | None,
         tools: Sequence[Mapping[str, Any]] | None,
     ):
+        self._prompted: tuple[str | None, list[dict[str, Any]]] | None = None
+        if fmt.prompted and tools:  # the template renders no tools: they are the system text's, calls the content's
+            self._prompted = (system, [dict(t) for t in tools])
+            system, tools = prompted_system(*self._prompted), None
         self.tokenizer, self.fmt, self.system = tokenizer, fmt, system
         self.tools = [dict(t) for t in tools] if tools else None
         self.name = fmt.name
@@ -87,7 +91,13 @@ class TemplateChat:
     ) -> list[str]:
         """A client's conversation and its own ``tools`` (a chat-completions request), ending with the
         generation prompt, as pieces. Every string is content here, an assistant message's too (a client
-        is not the policy): a control string in it, or in a tool's name or description, stays text."""
+        is not the policy): a control string in it, or in a tool's name or description, stays text. A prompted
+        format puts the request's tools in the system message (the template renders none)."""
+        if self.fmt.prompted and tools:
+            msgs = list(messages)
+            first = msgs[0] if msgs and msgs[0].get("role") == "system" else None
+            system = prompted_system(first.get("content") if first else None, [dict(t) for t in tools])
+            return self._render([{"role": "system", "content": system}, *msgs[1 if first else 0 :]], None, True, True)
         return self._render(messages, [dict(t) for t in tools] if tools else None, True, True)
 
     def _render(
@@ -106,12 +116,18 @@ class TemplateChat:
 
             return self._escape.sub(mark, s)
 
+        def prepare(m: Mapping[str, Any]) -> Any:
+            if m.get("role") == "assistant" and not escape_assistant:
+                return m
+            if self._prompted is not None and not escape_assistant and m.get("role") == "system":
+                if m.get("content") == self.system:  # the block's own tags are template text: control strings
+                    base, tools = self._prompted
+                    return {**m, "content": prompted_system(base and escape(base), _map_strings(tools, escape))}
+            return _map_strings(m, escape)
+
         try:
             text = self.tokenizer.apply_chat_template(
-                [
-                    m if m.get("role") == "assistant" and not escape_assistant else _map_strings(m, escape)
-                    for m in messages
-                ],
+                [prepare(m) for m in messages],
                 tools=_map_strings(tools, escape) if tools else None,
                 add_generation_prompt=add_generation_prompt,
                 tokenize=False,
@@ -150,7 +166,7 @@ class TemplateChat:
         """A policy turn's text as the assistant message the template renders back to that text: a call
         in the family's format becomes ``tool_calls`` (the text before it the content), else content."""
         action = self.fmt.parse(text)
-        if action.kind != "tool" or not isinstance(action.arguments, dict):
+        if self.fmt.prompted or action.kind != "tool" or not isinstance(action.arguments, dict):
             return {"role": "assistant", "content": text}
         cut = min((text.find(t) for t in self.fmt.tags if t in text), default=0)
         call = {"type": "function", "function": {"name": action.name, "arguments": action.arguments}}

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from mentorrl.chat_templates.formats import MENTORRL, TOOL_FORMATS, detect_tool_format, get_tool_format, renders_tools
+from mentorrl.chat_templates.formats import (
+    HERMES_PROMPTED,
+    MENTORRL,
+    TOOL_FORMATS,
+    detect_tool_format,
+    get_tool_format,
+    renders_tools,
+)
 from mentorrl.chat_templates.native import TemplateChat, TemplateError
 from mentorrl.config import ConfigError, PromptFormat
 from mentorrl.contract import tool_schemas
@@ -15,9 +22,11 @@ def resolve_tool_format(source: str | None, requested: str = "auto") -> str:
     template replaces the checkpoint's) or a registered format's name (the checkpoint's template renders
     the conversation).
 
-    ``auto``: no template, the contract's own, or one that renders no tools -> ``mentorrl`` (as for the tiny
-    model); a tool-aware template of a registered family -> that family; a tool-aware template of an unknown
-    family -> :class:`ConfigError`. A format named explicitly needs a template that renders tools."""
+    ``auto``: no template or the contract's own -> ``mentorrl`` (as for the tiny model); a template that renders
+    no tools (SmolLM2's plain ChatML) -> ``hermes_prompted`` (the template is kept; the tools go in the system
+    text); a tool-aware template of a registered family -> that family; a tool-aware template of an unknown
+    family -> :class:`ConfigError`. A format named explicitly needs a template that renders tools, except a
+    prompted one."""
     known = ", ".join(["auto", MENTORRL, *TOOL_FORMATS])
     if requested == MENTORRL:
         return MENTORRL
@@ -25,8 +34,10 @@ def resolve_tool_format(source: str | None, requested: str = "auto") -> str:
         raise ConfigError(f"prompt.tool_format {requested!r}: unknown; expected one of {known}")
     family = detect_tool_format(source)
     if requested == "auto":
-        if family == MENTORRL or not source or (family is None and not renders_tools(source)):
+        if family == MENTORRL or not source:
             return MENTORRL
+        if family is None and not renders_tools(source):
+            return HERMES_PROMPTED
         if family is None:
             raise ConfigError(
                 "prompt.tool_format auto: the checkpoint's chat template renders tools, but in no registered "
@@ -34,6 +45,10 @@ def resolve_tool_format(source: str | None, requested: str = "auto") -> str:
                 "(mentorrl replaces the template with the contract's ChatML one)"
             )
         requested = family
+    if get_tool_format(requested).prompted:
+        if not source:
+            raise ConfigError(f"prompt.tool_format {requested}: the checkpoint has no chat template to render with")
+        return requested
     if not source or not renders_tools(source):
         raise ConfigError(
             f"prompt.tool_format {requested}: the checkpoint's chat template cannot render tools "
@@ -62,6 +77,8 @@ def native_chat_for(tokenizer: Any, env: Any, prompt: PromptFormat) -> TemplateC
     try:
         return TemplateChat(tokenizer, get_tool_format(name), env.system_prompt if prompt.system_turn else None, tools)
     except TemplateError as e:
+        if prompt.tool_format == "auto" and get_tool_format(name).prompted:
+            return None  # a template that cannot hold a conversation at all (no turn markers): the contract's ChatML
         raise ConfigError(f"prompt.tool_format {prompt.tool_format} ({name}): {e}") from None
 
 
