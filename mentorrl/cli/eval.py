@@ -35,6 +35,7 @@ from mentorrl.eval.sets import (
     rollout_samples,
     tasks_from_trajectories,
 )
+from mentorrl.models.gguf import is_gguf_source
 from mentorrl.trajectory import Trajectory, write_jsonl
 
 SUMMARY_NAME = "eval_summary.json"
@@ -326,7 +327,9 @@ def _fail(msg: str) -> typer.Exit:
 
 
 def eval_command(
-    model_dir: Path = typer.Argument(..., exists=True, file_okay=False, help="HF checkpoint directory"),
+    model_dir: Path = typer.Argument(
+        ..., help="HF checkpoint directory, or a .gguf file / short name (smollm2) to import first"
+    ),
     on: list[str] = OnOpt,
     set_: list[str] = SetOpt,
     samples: Optional[int] = typer.Option(None, "--samples", min=1, help="samples per task (default 1)"),
@@ -346,6 +349,8 @@ def eval_command(
     recovery, violations, cost and judge agreement, overall, per family and per difficulty;
     writes OUT/eval_summary.json and one trajectory JSONL per set."""
     quiet_transformers()
+    if not model_dir.is_dir() and not is_gguf_source(model_dir):  # a GGUF source is imported by load_policy
+        raise _fail(f"MODEL_DIR {model_dir} is not a directory (nor a .gguf file)")
     out_dir = out or Path("runs") / f"eval-{model_dir.name}"
     try:
         specs, overrides = parse_set_options(on), list(set_)

@@ -8,6 +8,7 @@ from typing import Optional
 
 import typer
 
+from mentorrl.models.gguf import is_gguf_source
 from mentorrl.rollout.recorder import Recorder
 from mentorrl.serve import (
     DEFAULT_BATCH_WINDOW_MS,
@@ -26,7 +27,9 @@ from mentorrl.serve.recording import RecordingHook, RunSampling, add_recording_r
 
 
 def serve_command(
-    model_dir: Path = typer.Argument(..., help="HF checkpoint directory (a ChatML tokenizer)"),
+    model_dir: Path = typer.Argument(
+        ..., help="HF checkpoint directory (a ChatML tokenizer), or a .gguf file / short name (smollm2) to import"
+    ),
     host: str = typer.Option("127.0.0.1", help="address to bind; a non-loopback one needs --allow-remote"),
     port: int = typer.Option(8000, min=0, max=65535, help="0: any free port (read it from the ready line)"),
     allow_remote: bool = typer.Option(False, "--allow-remote", help="allow binding a non-loopback address"),
@@ -66,8 +69,8 @@ def serve_command(
     from mentorrl.cli_common import quiet_transformers
 
     token = _checked_token(host, allow_remote, token_env, log_level)
-    if not model_dir.is_dir():
-        raise fail(f"MODEL_DIR {model_dir} is not a directory")
+    if not model_dir.is_dir() and not is_gguf_source(model_dir):  # a GGUF source is imported by load_policy
+        raise fail(f"MODEL_DIR {model_dir} is not a directory (nor a .gguf file)")
     reward_key = _reward_key(record, reward_key_env)
     try:
         sock = bind_socket(host, port)

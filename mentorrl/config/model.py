@@ -88,7 +88,10 @@ class LoraSpec(BaseModel):
 
 class ModelConfig(Section):
     path: str | None = Field(
-        None, description="Hugging Face checkpoint directory; null builds the tiny local model into RUN_DIR/base_model"
+        None,
+        description="Hugging Face checkpoint directory, hub id in the local cache, or GGUF source (a .gguf file, or "
+        "`smollm2`: an installed package's file), imported once into a cached checkpoint; null builds the tiny "
+        "local model into RUN_DIR/base_model",
     )
     spec: ModelSpec = Field(default_factory=ModelSpec, description="size of the tiny model (used when path is null)")
     tokenizer_corpus_tasks: int = Field(400, ge=10, description="expert episodes rendered to train the tiny tokenizer")

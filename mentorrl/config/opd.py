@@ -57,7 +57,9 @@ class TeacherConfig(Section):
         "start of each step (RLSD)",
     )
     path: str | None = Field(
-        None, description="hf: checkpoint directory; null: built by `build` (once, cached under opd.teachers_dir)"
+        None,
+        description="hf: checkpoint directory or GGUF source (a .gguf file, `smollm2`); null: built by `build` "
+        "(once, cached under opd.teachers_dir)",
     )
     build: TeacherBuildConfig = Field(
         default_factory=TeacherBuildConfig,

@@ -131,9 +131,14 @@ def init_model(
 def load_policy(model_dir: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
     """Load a tokenizer and causal LM the way any Hugging Face checkpoint loads, its weights in ``dtype``
     on ``device`` (None: the CPU; see :mod:`mentorrl.models.device` for the config's names); a directory that
-    carries a checksum manifest (a mentorrl run's checkpoint or final weights) is verified against it first."""
+    carries a checksum manifest (a mentorrl run's checkpoint or final weights) is verified against it first. A
+    GGUF source (a ``.gguf`` file, or a short name such as ``smollm2``) loads from the checkpoint directory it is
+    imported into (:func:`mentorrl.models.gguf.resolve_model_path`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from mentorrl.models.gguf import resolve_model_path
+
+    model_dir = resolve_model_path(model_dir)
     if Path(model_dir).is_dir():
         verify_manifest(Path(model_dir))
 

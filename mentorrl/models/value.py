@@ -44,7 +44,9 @@ class ValueModel(torch.nn.Module):
         from transformers import AutoModelForCausalLM
 
         from mentorrl.core.checksums import verify_manifest
+        from mentorrl.models.gguf import resolve_model_path
 
+        model_dir = resolve_model_path(model_dir)  # a GGUF source: the checkpoint it is imported into
         if Path(model_dir).is_dir():
             verify_manifest(Path(model_dir))
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from mentorrl.models.build import ModelSpec, dir_digest, init_model
 from mentorrl.models.corpus import expert_transcripts
+from mentorrl.models.gguf import GGUFImportError, resolve_model_path
 from mentorrl.models.hub import checkpoint_problem
 from mentorrl.models.pretrain import PretrainSpec, run_pretraining
 from mentorrl.models.pretrain import config_hash as pretrain_config_hash
@@ -96,12 +97,17 @@ def build_tiny_model(
 
 def base_model_dir(ws) -> Path | str:
     """The run's base model for ``from_pretrained``: ``model.path`` as written (a checkpoint directory, or a
-    hub id in the local Hugging Face cache), or the tiny model built under the run dir."""
+    hub id in the local Hugging Face cache), the checkpoint directory a GGUF ``model.path`` (a ``.gguf`` file
+    or a short name such as ``smollm2``) was imported into (converted on first use, then cached: see
+    :mod:`mentorrl.models.gguf`), or the tiny model built under the run dir."""
     if ws.cfg.model.path is not None:
         problem = checkpoint_problem("model.path", ws.cfg.model.path)
         if problem is not None:
             raise FileNotFoundError(problem)
-        path = ws.cfg.model.path
+        try:
+            path = resolve_model_path(ws.cfg.model.path)
+        except GGUFImportError as e:
+            raise FileNotFoundError(f"model.path {ws.cfg.model.path}: {e}") from None
         return Path(path) if Path(path).is_dir() else path
     # the base is a function of model.* alone (like a real checkpoint); the run seed varies post-training only
     return build_tiny_model(

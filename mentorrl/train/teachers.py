@@ -16,6 +16,7 @@ from rich.markup import escape
 from mentorrl.config import OptimConfig, SFTConfig, TeacherConfig
 from mentorrl.models.build import load_policy
 from mentorrl.models.device import teacher_placement
+from mentorrl.models.gguf import GGUFImportError, resolve_model_path
 from mentorrl.opd.scoring import teacher_from_checkpoint
 from mentorrl.train.models_init import build_tiny_model
 from mentorrl.train.rundir import CorruptCheckpointError, require_manifest
@@ -121,9 +122,18 @@ def cached_build_intact(ws: Workspace, t: TeacherConfig, final: Path) -> bool:
     return True
 
 
+def checkpoint_dir(what: str, path: str) -> Path:
+    """A teacher's ``path`` as a directory: a GGUF source (a ``.gguf`` file, a short name such as ``smollm2``)
+    is imported (:func:`mentorrl.models.gguf.resolve_model_path`); a file that will not import is named."""
+    try:
+        return Path(resolve_model_path(path))
+    except GGUFImportError as e:
+        raise FileNotFoundError(f"{what}: {e}") from None
+
+
 def teacher_path(ws: Workspace, t: TeacherConfig, student=None) -> Path:
     """Teacher ``t``'s checkpoint directory: its ``path``, or the one :func:`build_teacher` builds."""
-    path = Path(t.path) if t.path else build_teacher(ws, t, student)
+    path = checkpoint_dir(f"teacher {t.name!r}", t.path) if t.path else build_teacher(ws, t, student)
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"teacher {t.name!r}: {path} is not a Hugging Face checkpoint directory")
     return path

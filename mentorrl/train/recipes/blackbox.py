@@ -96,9 +96,13 @@ def open_teacher(ws: Workspace, t: BlackBoxTeacherConfig, student=None, seed: in
         client_cfg = t.client
         if t.serve is not None:
             from mentorrl.serve import serve_subprocess
-            from mentorrl.train.teachers import build_teacher
+            from mentorrl.train.teachers import build_teacher, checkpoint_dir
 
-            path = Path(t.serve.path) if t.serve.path else build_teacher(ws, t.serve, student)
+            path = (
+                checkpoint_dir("blackbox teacher", t.serve.path)
+                if t.serve.path
+                else build_teacher(ws, t.serve, student)
+            )
             if not (path / "config.json").exists():
                 raise FileNotFoundError(f"blackbox teacher: {path} is not a Hugging Face checkpoint directory")
             threads = ["--threads", str(ws.cfg.threads)] if ws.cfg.threads else []  # the run's CPU budget, not more
