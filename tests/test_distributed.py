@@ -227,3 +227,20 @@ def test_torchrun_train_runs_sft_and_grpo_data_parallel_with_the_single_process_
     # untrained policy earns no reward, so its gradient here is the KL term's: 0 at the reference)
     assert all(r["rollouts"] == 4 and r["trained_trajectories"] == 4 and "grad_norm" in r for r in ddp[2:])
     assert (tmp_path / "ddp" / "grpo" / "final" / "DONE").exists()
+
+
+@pytest.mark.parametrize(
+    "device, cuda, want",
+    [
+        ("cpu", False, "gloo"),
+        ("auto", False, "gloo"),
+        ("cpu", True, "gloo"),
+        ("auto", True, "cpu:gloo,cuda:nccl"),
+        ("cuda", True, "cpu:gloo,cuda:nccl"),
+        ("cuda:1", True, "cpu:gloo,cuda:nccl"),
+    ],
+)
+def test_the_process_group_uses_nccl_on_cuda(device, cuda, want):
+    from mentorrl.train.distributed import process_group_backend
+
+    assert process_group_backend(device, cuda) == want

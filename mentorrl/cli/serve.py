@@ -26,6 +26,23 @@ from mentorrl.serve import (
 from mentorrl.serve.recording import RecordingHook, RunSampling, add_recording_routes
 
 
+def _checked_placement(device: str, dtype: str):
+    """The served model's device and dtype, checked before anything loads (a clear exit 2 otherwise)."""
+    from mentorrl.models.device import Placement, device_problem, dtype_problem
+
+    problem = device_problem(device)
+    if problem is None:
+        try:
+            placement = Placement.of(device, dtype)
+        except ValueError as e:
+            problem = str(e)
+        else:
+            problem = dtype_problem(dtype, placement.device, training=False)
+    if problem is not None:
+        raise fail(f"--device {device} --dtype {dtype}: {problem}")
+    return placement
+
+
 def serve_command(
     model_dir: Path = typer.Argument(
         ..., help="HF checkpoint directory (a ChatML tokenizer), or a .gguf file / short name (smollm2) to import"
@@ -47,6 +64,10 @@ def serve_command(
         DEFAULT_BATCH_WINDOW_MS, min=0.0, help="how long a batch waits for more requests"
     ),
     threads: int = typer.Option(0, min=0, help="torch CPU threads (0: torch's default)"),
+    device: str = typer.Option(
+        "auto", help="auto (the first CUDA device when there is one, else the CPU), cpu, cuda:N"
+    ),
+    dtype: str = typer.Option("float32", help="the weights' dtype: float32, bfloat16 or float16"),
     model_name: Optional[str] = typer.Option(None, help="the model id clients see (default: the directory name)"),
     log_level: str = typer.Option("info", help="uvicorn log level (access logs at info)"),
     record: Optional[Path] = typer.Option(
@@ -69,6 +90,7 @@ def serve_command(
     from mentorrl.cli_common import quiet_transformers
 
     token = _checked_token(host, allow_remote, token_env, log_level)
+    placement = _checked_placement(device, dtype)
     if not model_dir.is_dir() and not is_gguf_source(model_dir):  # a GGUF source is imported by load_policy
         raise fail(f"MODEL_DIR {model_dir} is not a directory (nor a .gguf file)")
     reward_key = _reward_key(record, reward_key_env)
@@ -84,7 +106,7 @@ def serve_command(
     from mentorrl.models.build import load_policy
 
     try:
-        tokenizer, model = load_policy(model_dir)
+        tokenizer, model = load_policy(model_dir, dtype=placement.dtype, device=placement.device)
         hook = None
         if record is not None:
             hook = _recording_hook(record, tokenizer, reward_key, RunSampling(temperature, top_p, max_tokens_cap))

@@ -188,8 +188,17 @@ def is_main_process() -> bool:
     return os.environ.get("RANK", "0").strip() in ("", "0")
 
 
+def process_group_backend(device: str, cuda_available: bool) -> str:
+    """The process group's backend for a learner on ``device`` (``model.device``: auto, cpu, cuda, cuda:N):
+    NCCL for CUDA tensors, with gloo beside it for the CPU collectives the loop also makes (a flag, an
+    object broadcast); gloo alone on CPU."""
+    on_cuda = device.startswith("cuda") or (device == "auto" and cuda_available)
+    return "cpu:gloo,cuda:nccl" if on_cuda and cuda_available else "gloo"
+
+
 def setup_distributed(cfg: RunConfig, env: Mapping[str, str] | None = None) -> DataParallel | None:
-    """Join the gloo process group when :func:`distributed_plan` says this is a data-parallel run.
+    """Join the process group (:func:`process_group_backend`: NCCL on CUDA, gloo on CPU) when
+    :func:`distributed_plan` says this is a data-parallel run.
 
     Idempotent: a second call returns the group already joined."""
     global _CURRENT
@@ -200,8 +209,9 @@ def setup_distributed(cfg: RunConfig, env: Mapping[str, str] | None = None) -> D
         return _CURRENT
     rank, world = plan
     if not dist.is_initialized():
+        backend = process_group_backend(cfg.model.device, torch.cuda.is_available())
         dist.init_process_group(
-            "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=cfg.distributed.timeout_s)
+            backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=cfg.distributed.timeout_s)
         )
     _CURRENT = DataParallel(dist.get_rank(), dist.get_world_size(), cfg.distributed.strategy)
     return _CURRENT
