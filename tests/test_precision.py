@@ -212,3 +212,27 @@ def test_grpo_run_with_a_bf16_rollout_and_an_fp32_learner_logs_the_gap(tiny_mode
         assert "logprob_abs_gap" in r and "train_rollout_kl" in r
         assert 0.0 <= r.get("clip_frac", 0.0) <= 1.0
     assert any(r["logprob_abs_gap"] > 0 for r in recs)
+
+
+def test_dtype_auto_is_chosen_by_a_probe_and_reported(monkeypatch):
+    """``model.dtype: auto`` takes bfloat16 on a CPU only where the measured bf16 matmul is fast enough."""
+    from mentorrl.config.model import ModelConfig
+    from mentorrl.models import device as dev
+
+    assert ModelConfig(dtype="auto").dtype == "auto"
+    for fast, want in ((6.0, torch.bfloat16), (0.07, torch.float32)):
+        dev._choose_dtype.cache_clear()
+        rates = {torch.float32: 100.0, torch.bfloat16: 100.0 * fast}
+        monkeypatch.setattr(dev, "matmul_rate", lambda dtype, device, **_: rates[dtype])
+        choice = dev.choose_dtype(torch.device("cpu"))
+        assert choice.dtype == want and choice.bf16_speedup == pytest.approx(fast, abs=0.01)
+        assert dev.resolve_dtype("auto", torch.device("cpu")) == want
+        assert dev.Placement.of("cpu", "auto").dtype == want
+        assert json.dumps(choice.to_dict())
+    dev._choose_dtype.cache_clear()
+
+
+def test_the_matmul_probe_measures_a_rate():
+    from mentorrl.models.device import matmul_rate
+
+    assert matmul_rate(torch.float32, torch.device("cpu"), n=64, min_s=0.001) > 0

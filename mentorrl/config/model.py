@@ -13,6 +13,7 @@ from mentorrl.config.base import Section
 # A device name: auto (CUDA when available, else the CPU), cpu, cuda or cuda:N (resolved by mentorrl.models.device).
 DEVICE_PATTERN = r"^(auto|cpu|cuda(:[0-9]+)?)$"
 DType = Literal["float32", "bfloat16", "float16"]
+ModelDType = Literal["auto", "float32", "bfloat16", "float16"]
 
 
 class ModelSpec(BaseModel):
@@ -106,9 +107,11 @@ class ModelConfig(Section):
         description="the learner's device: auto (the first CUDA device when there is one, else the CPU), cpu, "
         "cuda or cuda:N; checked before the first step",
     )
-    dtype: DType = Field(
+    dtype: ModelDType = Field(
         "float32",
-        description="the learner's compute dtype. float32: plain fp32. bfloat16 / float16: mixed precision "
+        description="the learner's compute dtype. auto: bfloat16 where a start-up probe finds it faster (a GPU with "
+        "bf16; a CPU whose bf16 matmul measures >= 1.5x fp32, e.g. with AMX), else float32; the choice and the "
+        "measured ratio are printed at start and written to RUN_DIR/precision.json. float32: plain fp32. bfloat16 / float16: mixed precision "
         "(weights and optimizer state stay fp32, forward and backward run under torch.autocast in "
         "this dtype; float16 adds a gradient scaler and needs a GPU). Also the rollout's and the "
         "teachers' dtype unless they set their own",
@@ -123,4 +126,13 @@ class ModelConfig(Section):
     )
 
 
-__all__ = ["CORPUS_VERSIONS", "DEVICE_PATTERN", "DType", "LoraSpec", "ModelConfig", "ModelSpec", "PretrainSpec"]
+__all__ = [
+    "CORPUS_VERSIONS",
+    "DEVICE_PATTERN",
+    "DType",
+    "ModelDType",
+    "LoraSpec",
+    "ModelConfig",
+    "ModelSpec",
+    "PretrainSpec",
+]

@@ -16,6 +16,7 @@ model resolves them here:
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from contextlib import nullcontext
@@ -51,14 +52,73 @@ def resolve_device(spec: str | torch.device | None = "auto") -> torch.device:
     return torch.device("cuda", index)
 
 
-def resolve_dtype(name: str | torch.dtype | None = "float32") -> torch.dtype:
-    """``float32`` | ``bfloat16`` | ``float16`` (None: float32) as a torch dtype."""
+def resolve_dtype(name: str | torch.dtype | None = "float32", device: torch.device | None = None) -> torch.dtype:
+    """``float32`` | ``bfloat16`` | ``float16`` (None: float32) as a torch dtype; ``auto``: the choice of
+    :func:`choose_dtype` for ``device`` (None: ``auto``'s device)."""
     if isinstance(name, torch.dtype):
         return name
+    if name == "auto":
+        return choose_dtype(device if device is not None else resolve_device("auto")).dtype
     try:
         return DTYPES[name or "float32"]
     except KeyError:
         raise ValueError(f"dtype {name!r}: expected one of {', '.join(DTYPES)}") from None
+
+
+AUTO_BF16_MIN_SPEEDUP = 1.5  # dtype auto takes bfloat16 on a CPU whose bf16 matmul is at least this much faster
+
+
+@dataclass(frozen=True)
+class PrecisionChoice:
+    """What ``dtype: auto`` chose on a device, and why (printed at start, written to the run directory)."""
+
+    device: str
+    dtype: torch.dtype
+    reason: str
+    bf16_speedup: float | None = None  # measured bf16 / fp32 matmul rate (CPU only)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"device": self.device, "dtype": str(self.dtype).removeprefix("torch."), "reason": self.reason,
+                "bf16_speedup": self.bf16_speedup}  # fmt: skip
+
+
+def matmul_rate(dtype: torch.dtype, device: torch.device, n: int = 384, min_s: float = 0.05) -> float:
+    """Measured GFLOP/s of an ``n``-square matmul in ``dtype`` on ``device`` (after one warm-up)."""
+    import time
+
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    a @ b
+    reps, t0 = 0, time.perf_counter()
+    while True:
+        a @ b
+        reps += 1
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        elapsed = time.perf_counter() - t0
+        if elapsed >= min_s and reps >= 3:
+            return 2 * n**3 * reps / elapsed / 1e9
+
+
+def choose_dtype(device: torch.device) -> PrecisionChoice:
+    """``dtype: auto`` on ``device``, decided once per device and process: a GPU with bfloat16 takes it (else
+    float32); a CPU takes bfloat16 when a start-up probe measures its bf16 matmul at least
+    :data:`AUTO_BF16_MIN_SPEEDUP` times the fp32 rate (CPUs with AMX / AVX512-BF16 units: ~6x on this project's
+    machines; without them bf16 runs far slower), else float32."""
+    return _choose_dtype(str(device))
+
+
+@functools.lru_cache(maxsize=8)
+def _choose_dtype(name: str) -> PrecisionChoice:
+    device = torch.device(name)
+    if device.type == "cuda":
+        if torch.cuda.is_bf16_supported():
+            return PrecisionChoice(name, torch.bfloat16, "the GPU supports bfloat16")
+        return PrecisionChoice(name, torch.float32, "the GPU has no bfloat16")
+    ratio = matmul_rate(torch.bfloat16, device) / matmul_rate(torch.float32, device)
+    pick = torch.bfloat16 if ratio >= AUTO_BF16_MIN_SPEEDUP else torch.float32
+    why = f"bf16 matmul measured at {ratio:.1f}x fp32 on this CPU (bf16 from {AUTO_BF16_MIN_SPEEDUP}x)"
+    return PrecisionChoice(name, pick, why, round(ratio, 2))
 
 
 def device_problem(spec: str | None) -> str | None:
@@ -74,7 +134,7 @@ def dtype_problem(name: str | None, device: torch.device, training: bool) -> str
     """Why dtype ``name`` cannot be used on ``device`` (None: it can). bfloat16 needs a GPU that has it;
     float16 training on the CPU is refused: the CPU's float16 matmuls are slow and its autocast
     brings no speed or memory gain there (use bfloat16), and float16 inference on the CPU is allowed."""
-    dtype = resolve_dtype(name)
+    dtype = resolve_dtype(name, device)
     if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
         return f"dtype bfloat16: {torch.cuda.get_device_name(device)} has no bfloat16 support (use float16)"
     if device.type == "cpu" and dtype == torch.float16 and training:
@@ -93,7 +153,7 @@ class Placement:
     def of(cls, device: str | None, dtype: str | None, like: "Placement | None" = None) -> "Placement":
         """Resolved from config names; a None name takes ``like``'s value (the learner's), else the default."""
         dev = resolve_device(device) if device is not None or like is None else like.device
-        dt = resolve_dtype(dtype) if dtype is not None or like is None else like.dtype
+        dt = resolve_dtype(dtype, dev) if dtype is not None or like is None else like.dtype
         return cls(dev, dt)
 
     def matches(self, model) -> bool:
@@ -128,6 +188,8 @@ def rollout_backend_args(cfg: Any) -> tuple[Any, Placement]:
     dtype filled in (null: ``model.dtype``, which the vLLM engine is built with) and the hf backend's placement."""
     place = rollout_placement(cfg)
     dtype = cfg.rollout.dtype or cfg.model.dtype
+    if dtype == "auto":  # the engine gets the name the probe chose
+        dtype = str(place.dtype).removeprefix("torch.")
     return cfg.rollout.model_copy(update={"dtype": dtype}), place
 
 

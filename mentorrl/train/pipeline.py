@@ -19,7 +19,7 @@ from rich.table import Table
 from mentorrl.config import ConfigError, RunConfig
 from mentorrl.eval.plots import plot_rl_curves, plot_step_metrics
 from mentorrl.models.build import load_policy
-from mentorrl.models.device import learner_placement, placement_problems
+from mentorrl.models.device import choose_dtype, learner_placement, placement_problems
 from mentorrl.models.hub import checkpoint_problem
 from mentorrl.train.distributed import current as current_dp
 from mentorrl.train.distributed import setup_distributed, shutdown_distributed
@@ -164,12 +164,23 @@ def _run_recipe(cfg: RunConfig, resume: bool, show_progress: bool, dp, t0: float
         return _run_stages(ws, resume, t0)
 
 
+def report_precision(ws: Workspace) -> None:
+    """``model.dtype: auto``: print the dtype the start-up probe chose, and why, and write it to
+    RUN_DIR/precision.json (the rollout and teachers follow the learner unless they set their own)."""
+    if ws.cfg.model.dtype != "auto":
+        return
+    choice = choose_dtype(learner_placement(ws.cfg).device)
+    ws.console.print(f"model.dtype auto: {str(choice.dtype).removeprefix('torch.')} ({choice.reason})")
+    ws.on_main(lambda: (ws.run_dir / "precision.json").write_text(json.dumps(choice.to_dict(), indent=1) + "\n"))
+
+
 def _run_stages(ws: Workspace, resume: bool, t0: float) -> dict[str, Any]:
     cfg, dp = ws.cfg, ws.dp
     con = ws.console
     con.rule("[bold]mentorrl " + " -> ".join(cfg.recipe))
     if dp is not None:
-        con.print(f"data parallel: {dp.world_size} ranks ({dp.strategy.upper()} over gloo); rank 0 writes")
+        con.print(f"data parallel: {dp.world_size} ranks ({dp.strategy.upper()}); rank 0 writes")
+    report_precision(ws)
     model_dir = ws.on_main(lambda: base_model_dir(ws))
     tokenizer, model = load_policy(model_dir, device=learner_placement(cfg).device)  # fp32 master weights
     ws.bind_tokenizer(tokenizer)
