@@ -26,6 +26,13 @@ from mentorrl.serve import (
 from mentorrl.serve.recording import RecordingHook, RunSampling, add_recording_routes
 
 
+def _set_threads(threads: int) -> None:
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
 def _checked_placement(device: str, dtype: str):
     """The served model's device and dtype, checked before anything loads (a clear exit 2 otherwise)."""
     from mentorrl.models.device import Placement, device_problem, dtype_problem
@@ -99,10 +106,7 @@ def serve_command(
     except OSError as e:
         raise fail(f"cannot listen on {host}:{port}: {e}")
     quiet_transformers()
-    if threads:
-        import torch
-
-        torch.set_num_threads(threads)
+    _set_threads(threads)
     from mentorrl.models.build import load_policy
 
     try:
