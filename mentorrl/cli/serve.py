@@ -96,8 +96,7 @@ def serve_command(
     fixed by --temperature / --top-p, rewards posted with the reward key)."""
     from mentorrl.cli_common import quiet_transformers
 
-    token = _checked_token(host, allow_remote, token_env, log_level)
-    placement = _checked_placement(device, dtype)
+    token, placement = _checked_token(host, allow_remote, token_env, log_level), _checked_placement(device, dtype)
     if not model_dir.is_dir() and not is_gguf_source(model_dir):  # a GGUF source is imported by load_policy
         raise fail(f"MODEL_DIR {model_dir} is not a directory (nor a .gguf file)")
     reward_key = _reward_key(record, reward_key_env)
