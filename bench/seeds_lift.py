@@ -9,6 +9,7 @@ and a Student-t 95% interval of the mean lift, and writes everything to ``OUT/se
 
     python bench/seeds_lift.py --out runs/seeds-lift                     # seeds 0 1 2, the demo recipe
     python bench/seeds_lift.py --out runs/seeds-lift --seeds 0 1 2 3 --set eval.num_tasks=500
+    python bench/seeds_lift.py --out runs/smollm2 --config mentorrl/configs/smollm2.yaml --results FILE.json
 """
 
 from __future__ import annotations
@@ -31,11 +32,12 @@ def lift_summary(lifts: list[float]) -> dict[str, float | None]:
     return {k: s[k] for k in ("n", "mean", "sd", "ci95")}
 
 
-def run_seed(out: Path, seed: int, overrides: list[str]) -> dict:
+def run_seed(out: Path, seed: int, overrides: list[str], config: str | None = None) -> dict:
     run_dir = out / f"seed-{seed}"
     report = run_dir / "report.json"
     if not report.exists():
-        cmd = [sys.executable, "-m", "mentorrl.cli", "demo", "--run-dir", str(run_dir), "--set", f"seed={seed}"]
+        what = ["demo"] if config is None else ["train", config]  # the demo, or another recipe run the same way
+        cmd = [sys.executable, "-m", "mentorrl.cli", *what, "--run-dir", str(run_dir), "--set", f"seed={seed}"]
         for ov in overrides:
             cmd += ["--set", ov]
         env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
@@ -83,6 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=Path("runs/seeds-lift"))
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="a config override for every seed")
+    ap.add_argument("--config", default=None, help="a recipe to run with `mentorrl train` instead of the demo")
     ap.add_argument(
         "--results", type=Path, default=None, help="a JSON file (committed) that each finished seed's row is added to"
     )
@@ -92,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
     for seed in args.seeds:
-        rows.append(run_seed(args.out, seed, args.overrides))
+        rows.append(run_seed(args.out, seed, args.overrides, args.config))
         if args.results is not None:  # each finished seed is on disk at once: a later sitting goes on from here
             record_seed(args.results, rows[-1], args.overrides, report=args.out / f"seed-{seed}" / "report.json")
 

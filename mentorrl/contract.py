@@ -292,9 +292,9 @@ class ChatEncoder:
     """Pieces -> token ids for one tokenizer, with control tokens from the template only.
 
     A :class:`Control` piece becomes its token id (or, for a tokenizer without that token, its
-    text). Runs of other pieces are joined and encoded as plain text: any control string in
-    them (the contract's tokens and every special token of the tokenizer) is cut after its
-    first character, so no run can match it, whatever the tokenizer's added-token settings
+    text, encoded with the text around it as ``tokenizer.encode`` of the whole rendering would). Runs of
+    other pieces are joined and encoded as plain text: any control string in them (the contract's tokens
+    and every special token the tokenizer has) is cut after its first character, so no run can match it, whatever the tokenizer's added-token settings
     (no tokenizer state is changed, so this is thread-safe). Surrogate code points (a lone
     ``"\\ud800"`` in a tool's output or a user's message is not valid Unicode, and tokenizers
     raise on it) become U+FFFD, one per code point, so bad content never crashes an episode.
@@ -316,7 +316,9 @@ class ChatEncoder:
             # (the tiny tokenizers use <|endoftext|> as unk: it is still a control token)
             if isinstance(i, int) and (i != unk or tokenizer.convert_ids_to_tokens(i) == name):
                 self.control_ids[name] = i
-        names = sorted((n for n in names if n), key=len, reverse=True)
+        # only strings that are tokens of this tokenizer can become control tokens: text is cut at those alone,
+        # so a template string this tokenizer lacks (SmolLM2 has no <tool_call>) encodes as plain text would
+        names = sorted((n for n in self.control_ids if n), key=len, reverse=True)
         self._control = re.compile("|".join(re.escape(n) for n in names)) if names else None
 
     def text(self, text: str) -> list[int]:
@@ -340,13 +342,13 @@ class ChatEncoder:
         ids: list[int] = []
         run: list[str] = []
         for p in pieces:
-            if isinstance(p, Control):
+            i = self.control_ids.get(p) if isinstance(p, Control) else None
+            if i is not None:
                 ids += self.text("".join(run))
                 run = []
-                i = self.control_ids.get(p)
-                ids += [i] if i is not None else self.tokenizer.encode(str(p), add_special_tokens=False)
-            else:
-                run.append(p)
+                ids.append(i)
+            else:  # text, or a template string this tokenizer has no token for: part of the text around it
+                run.append(str(p))
         return ids + self.text("".join(run))
 
 

