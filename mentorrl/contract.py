@@ -56,7 +56,7 @@ SPECIAL_TOKENS = [PAD, IM_START, IM_END, TOOL_CALL_OPEN, TOOL_CALL_CLOSE]
 # Rendering is text: a tokenizer that re-tokenises the text turns a literal "<|im_end|>" inside
 # content into the control token; untrusted content must go through ChatEncoder (as serve does).
 CHAT_TEMPLATE = (
-    "{%- set ns = namespace(first=0, system='') -%}"
+    "{%- set ns = namespace(first=0, system='', typed=false) -%}"
     "{%- set with_desc = tool_descriptions if tool_descriptions is defined else true -%}"
     "{%- set with_system = system_turn if system_turn is defined else true -%}"
     "{%- if tools and with_system -%}"
@@ -73,6 +73,7 @@ CHAT_TEMPLATE = (
     "{%- set params = fn['parameters'] if fn['parameters'] is defined and fn['parameters'] else {} -%}"
     "{%- set props = params['properties'] if params['properties'] is defined and params['properties'] else {} -%}"
     "{%- set required = params['required'] if params['required'] is defined and params['required'] else [] -%}"
+    "{%- if fn['name'] == 'final_answer' -%}{%- set ns.typed = true -%}{%- endif -%}"
     "{{- '- ' ~ fn['name'] ~ '(' -}}"
     "{%- for key, spec in props.items() -%}"
     "{{- (', ' if not loop.first else '') ~ key ~ ('' if key in required else '?') ~ ': '"
@@ -82,8 +83,9 @@ CHAT_TEMPLATE = (
     "{%- if with_desc -%}{{- ' - ' ~ (fn['description'] if fn['description'] is defined else '') -}}{%- endif -%}"
     "{{- '\n' if not loop.last else '' -}}"
     "{%- endfor -%}"
-    '{{- \'\nCall a tool with <tool_call>{"name": ..., "arguments": {...}}</tool_call>. '
-    "Reply without a tool call to give the final answer.<|im_end|>\n' -}}"
+    '{{- \'\nCall a tool with <tool_call>{"name": ..., "arguments": {...}}</tool_call>. \' ~ '
+    "('End with a final_answer call.' if ns.typed else 'Reply without a tool call to give the final answer.')"
+    " ~ '<|im_end|>\n' -}}"
     "{%- endif -%}"
     "{%- for message in messages -%}"
     "{%- if loop.index0 >= ns.first -%}"
@@ -258,12 +260,18 @@ def render_observation_content(ok: bool, content: Any, error: str | None) -> str
     return dumps_compact(content) if ok else f"error: {clip_text(str(error))}"
 
 
+ANSWER_TOOL_NAME = "final_answer"  # an environment's typed-answer tool, by convention (the template names it)
+
+
 def system_text(system_prompt: str, tool_signatures: list[str]) -> str:
+    """The system turn: the prompt, the tools, the call syntax, and how to end (with the typed-answer tool
+    when the environment has one, else a reply without a tool call)."""
     tools = "\n".join(f"- {s}" for s in tool_signatures)
+    typed = any(s.startswith(ANSWER_TOOL_NAME + "(") for s in tool_signatures)
+    ending = f"End with a {ANSWER_TOOL_NAME} call." if typed else "Reply without a tool call to give the final answer."
     return (
         f"{system_prompt}\nTools:\n{tools}\n"
-        f'Call a tool with {TOOL_CALL_OPEN}{{"name": ..., "arguments": {{...}}}}{TOOL_CALL_CLOSE}. '
-        "Reply without a tool call to give the final answer."
+        f'Call a tool with {TOOL_CALL_OPEN}{{"name": ..., "arguments": {{...}}}}{TOOL_CALL_CLOSE}. {ending}'
     )
 
 

@@ -51,6 +51,7 @@ from typing import Any, Callable, Iterable, Iterator, Literal, Mapping, Sequence
 
 from mentorrl.chat import MessageError, message_pieces_of, prompt_pieces, tool_signature
 from mentorrl.contract import (
+    ANSWER_TOOL_NAME,
     IM_END,
     IM_START,
     TOOL_CALL_CLOSE,
@@ -732,7 +733,7 @@ def _digest(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> str:
     return hashlib.sha256(json.dumps([messages, tools], sort_keys=True).encode()).hexdigest()[:10]
 
 
-TYPED_ANSWER_TOOL = "final_answer"  # a conversation's last, unanswered call of this name is its typed answer
+TYPED_ANSWER_TOOL = ANSWER_TOOL_NAME  # a conversation's last, unanswered call of this name is its typed answer
 
 
 def conversation_trajectory(

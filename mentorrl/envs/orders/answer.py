@@ -39,13 +39,13 @@ from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from typing import Any, Callable
 
-from mentorrl.contract import MAX_JSON_DEPTH, json_depth
+from mentorrl.contract import ANSWER_TOOL_NAME, MAX_JSON_DEPTH, json_depth
 from mentorrl.envs.base import Task
 
 from .backend import normalise_address
 from .world import STATUSES, money
 
-ANSWER_TOOL = "final_answer"
+ANSWER_TOOL = ANSWER_TOOL_NAME  # the contract's convention: its templates name it
 MAX_ANSWER_CHARS = 2000  # a record is ~100 characters; anything far longer is not one
 
 # field name -> its type; every outcome's fields are drawn from here
