@@ -55,6 +55,7 @@ class Statement:
     text: str
     atoms: list[Atom]
     refs: dict[str, list[Any]]  # slot kind -> values in this statement (o, e, a, p, c, i, u)
+    sentence: int = 0  # which sentence of the answer it is part of (set by the reader)
 
 
 MACROS = {

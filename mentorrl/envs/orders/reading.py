@@ -11,10 +11,17 @@ unrecognised claim ("I have scrapped it for you") passed. This reader is an **al
    addresses ``<a0>`` (abbreviations, line breaks and the city optional: "64 River Street" is
    "64 River St"), record ids ``<o0>`` / ``<c0>`` / ``<i0>`` (compared by value: "O-0123" is
    "O-123"), product names ``<p0>``, the user's own name ``<u>``, money ``<m0>`` ("$1,234.50",
-   "107 dollars and 50 cents") and plain numbers ``<n0>`` (digits and number words);
-2. :func:`statements` cuts it at sentence punctuation, line breaks, commas, colons, dashes and a
-   few conjunctions ("and", "but", "so", "because", "since", "then"); a bracketed aside becomes
-   statements of its own;
+   "107 dollars and 50 cents") and plain numbers ``<n0>`` (digits and number words). Nothing is
+   normalised away that could carry meaning: **markup is kept as text** (``<del>``, ``<s>`` and
+   every other tag, ``~~``, ``**``, ``_``, backticks), so a statement with markup matches no form; a number
+   written with more precision than the domain has (more than two decimals: "2.996") or with a
+   decimal comma or a malformed thousands group ("0,003", "31,5") becomes :data:`UNREADABLE`,
+   never a rounded value;
+2. :func:`sentences` cuts it into sentences (at ``.``, ``!``, ``?`` and line breaks), and each
+   sentence into statements at commas, colons, semicolons, dashes and a few conjunctions
+   ("and", "but", "so", "because", "since", "then"); a bracketed aside becomes statements of its
+   own, *in its own sentence* (each :class:`Statement` knows its sentence: the verifier links a
+   statement to an entity only within it);
 3. every statement must match, whole, one form of the closed grammar in :mod:`.grammar` (a
    fact with its role, a claim of an action with its details, a denial, an inability, one
    refusal reason, a lookup, a topic, a closed list of courtesy phrases). A statement that
@@ -100,7 +107,16 @@ _ONE_PRONOUN_RE = re.compile(
 )
 _EMAIL_RE = re.compile(r"[\w.+-]+@[\w-]+(?:\.[\w-]+)+")
 _ID_RE = re.compile(r"#?\b([ocp])\s?-\s?0*(\d{1,9})\b")
-_THOUSANDS_RE = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
+# "1,234" and "12,345.67": a well-formed thousands grouping (the first group 1-3 digits, no leading zero)
+_THOUSANDS_RE = re.compile(r"(?<![\d,.])[1-9]\d{0,2}(?:,\d{3})+(?:\.\d+)?(?!\d|[.,]\d)")
+# any other digits around a comma: a decimal comma ("0,50"), a bad grouping ("0,003"), a list ("1,2")
+_COMMA_NUMBER_RE = re.compile(r"(?<![\d.,])\d[\d.]*(?:,\d[\d.]*)+")
+MAX_DECIMALS = 2  # money has cents; counts, stock and quantities are whole: nothing has more
+# what a number the reader refuses becomes: a token no form of the grammar contains, so the statement
+# holding it is not understood (the markup brackets below are never part of a form either)
+UNREADABLE = " \u2039unreadable\u203a "
+# "<" and ">" of the answer itself, kept as text but never read as a slot ("<o0>" typed by the policy)
+_MARKUP_BRACKETS = str.maketrans({"<": "\u2039", ">": "\u203a"})
 _MONEY_RES = [
     re.compile(r"(?<![\w<])(\d+(?:\.\d+)?)\s?(?:dollars?|usd|bucks)\s(?:and\s)?(\d{1,2})\s?cents?\b"),
     re.compile(r"(?:\bus)?\$\s?(\d+(?:\.\d+)?)(?:\s?(?:usd|dollars?)\b)?(?!\w|\.\d)"),
@@ -112,7 +128,6 @@ _DURATION_RE = re.compile(
     r"\b\d+(?:\s*(?:-|to|or)\s*\d+)?\s*(?:business |working )?(?:days?|hours?|weeks?)\b|"
     r"\b(?:a few|a couple of|a|one|two|three) (?:business |working )?(?:days?|weeks?)\b"
 )
-_TAG_RE = re.compile(r"<\s*/?\s*[a-z][a-z0-9]{0,10}\s*/?\s*>")
 _DUMP_KEY_RE = re.compile(
     r"(?:^|(?<=[,{(\n]))\s*[\"']?(order_id|customer_id|status|total|refunded|total_refunded|count|stock|price|product_id|name|items)[\"']?\s*[:=]\s*"
 )
@@ -242,24 +257,42 @@ def _mask_values(t: str, vocab: Vocabulary, slots: _Slots) -> str:
     return t
 
 
+def too_precise(digits: str) -> bool:
+    """Whether a number as written has more decimals than any value of the domain (never rounded)."""
+    return len(digits.partition(".")[2]) > MAX_DECIMALS
+
+
+def _commas(t: str) -> str:
+    """Thousands separators dropped from well-formed groupings; any other comma between digits
+    (a decimal comma, "0,003") makes the number :data:`UNREADABLE`."""
+    t = _THOUSANDS_RE.sub(lambda m: m.group(0).replace(",", ""), t)
+    return _COMMA_NUMBER_RE.sub(UNREADABLE, t)
+
+
+def _number_slot(slots: _Slots, kind: str, digits: str, cents: str | None = None) -> str:
+    if too_precise(digits) or (cents is not None and "." in digits):
+        return UNREADABLE
+    value = float(digits) + (int(cents) / 100 if cents is not None else 0)
+    return slots.put(kind, round(value, 2) if kind == "m" else value)
+
+
 def _mask_numbers(t: str, slots: _Slots) -> str:
-    t = _THOUSANDS_RE.sub("", t)
+    t = _commas(t)
     t = _words_to_digits(t)
     t = re.sub(r"(?<=\d)x\b", " x", t)
     t = _DURATION_RE.sub(" <d> ", t)
-    t = _MONEY_RES[0].sub(lambda m: slots.put("m", round(float(m.group(1)) + int(m.group(2)) / 100, 2)), t)
+    t = _MONEY_RES[0].sub(lambda m: _number_slot(slots, "m", m.group(1), m.group(2)), t)
     for pat in _MONEY_RES[1:]:
-        t = pat.sub(lambda m: slots.put("m", round(float(m.group(1)), 2)), t)
-    return _NUMBER_RE.sub(lambda m: slots.put("n", float(m.group(1))), t)
+        t = pat.sub(lambda m: _number_slot(slots, "m", m.group(1)), t)
+    return _NUMBER_RE.sub(lambda m: _number_slot(slots, "n", m.group(1)), t)
 
 
 def prepare(text: str, vocab: Vocabulary | None = None) -> Prepared:
     """The answer normalised and its values replaced by slots (see the module doc, step 1)."""
     vocab = vocab or Vocabulary()
     slots = _Slots()
-    t = fold(text[: MAX_ANSWER_CHARS + 1]).lower()
-    t = _TAG_RE.sub(" ", t)
-    t = t.replace("\u2019", "'").replace("\u2018", "'").replace("`", "'").replace("\r", "\n")
+    t = fold(text[: MAX_ANSWER_CHARS + 1]).lower().translate(_MARKUP_BRACKETS)
+    t = t.replace("\u2019", "'").replace("\u2018", "'").replace("\r", "\n")  # a backtick is markup: it stays
     t = re.sub(r"[\u2010-\u2015\u2212]", " - ", t)
     t = re.sub(r"[ \t\u00a0]+", " ", t)
     t = _mask_values(t, vocab, slots)
@@ -267,7 +300,7 @@ def prepare(text: str, vocab: Vocabulary | None = None) -> Prepared:
         t = re.sub(pat, rep, t)
     t = _mask_numbers(t, slots)
     t = _DUMP_KEY_RE.sub(lambda m: f" {m.group(1).replace('_', '')}= ", t)
-    t = re.sub(r"[*_\"\u201c\u201d\u00ab\u00bb\u00a1\u00bf~]", " ", t)
+    t = re.sub(r"[\"\u201c\u201d\u00ab\u00bb\u00a1\u00bf]", " ", t)  # quotes, not markup: "*", "_", "~" stay
     t = re.sub(r"'(?!s\b)", " ", t)  # quotes around words, not the possessive 's
     t = re.sub(r"(<i\d+>)\s*[:=]\s*(<n\d+>)", r"\1 x \2", t)  # an order's items as a tool returns them
     return Prepared(re.sub(r"[ \t]+", " ", t).strip(), slots.values)
@@ -282,31 +315,47 @@ _SPLIT_RE = re.compile(
 _LEADING_RE = re.compile(r"^(?:and|but|so|since|because|then|also|plus|however|though|although|anyway)\s+")
 
 
-def statements(text: str) -> list[str]:
-    """The prepared text cut into statements (a bracketed aside becomes statements of its own)."""
+_SENTENCE_RE = re.compile(r"[.!?]+(?=\s|$)|\n+")
+
+
+def _clean(part: str) -> str:
+    s = " ".join(part.split()).strip(" '.!?")
+    while True:
+        stripped = _LEADING_RE.sub("", s)
+        if stripped == s:
+            return s
+        s = stripped
+
+
+def sentence_statements(sentence: str) -> list[str]:
+    """One sentence cut into statements; a bracketed aside becomes statements of its own, after
+    the sentence's (never moved out of it)."""
     asides: list[str] = []
 
     def lift(m: re.Match) -> str:
         inner = m.group(1).strip()
         if re.fullmatch(r"<[a-z]\d*>", inner):
-            return f" {inner} "  # "order (O-12)": the slot stays in its sentence
+            return f" {inner} "  # "order (O-12)": the slot stays in its statement
         asides.append(inner)
         return " "
 
     for _ in range(3):  # nested brackets, innermost first
-        text = _ASIDE_RE.sub(lift, text)
-    text = re.sub(r"[()\[\]{}]", " , ", text)
-    out = []
-    for part in _SPLIT_RE.split(" , ".join([text, *asides])):
-        s = " ".join(part.split()).strip(" '.!?")
-        while True:
-            stripped = _LEADING_RE.sub("", s)
-            if stripped == s:
-                break
-            s = stripped
-        if s:
-            out.append(s)
-    return out
+        sentence = _ASIDE_RE.sub(lift, sentence)
+    sentence = re.sub(r"[()\[\]{}]", " , ", sentence)
+    parts = (_clean(p) for p in _SPLIT_RE.split(" , ".join([sentence, *asides])))
+    return [p for p in parts if p]
+
+
+def sentences(text: str) -> list[list[str]]:
+    """The prepared text cut into sentences (at ``.``, ``!``, ``?`` and line breaks), each cut into
+    its statements (:func:`sentence_statements`); sentences with no statement are left out."""
+    out = [sentence_statements(s) for s in _SENTENCE_RE.split(text)]
+    return [s for s in out if s]
+
+
+def statements(text: str) -> list[str]:
+    """The prepared text cut into statements, sentence by sentence."""
+    return [s for sentence in sentences(text) for s in sentence]
 
 
 # ------------------------------------------------------------------------- reading ----
@@ -339,15 +388,16 @@ def read_answer(text: str, vocab: Vocabulary | None = None) -> Reading:
     """Everything the verifier needs from a final answer (see the module doc)."""
     prepared = prepare(text, vocab)
     reading = Reading(text=prepared.text, too_long=len(text) > MAX_ANSWER_CHARS)
-    parts = statements(prepared.text)
+    parts = [(k, part) for k, sentence in enumerate(sentences(prepared.text)) for part in sentence]
     if len(parts) > MAX_STATEMENTS:
         reading.too_long = True
         parts = parts[:MAX_STATEMENTS]
-    for part in parts:
+    for k, part in parts:
         st = parse_statement(part, prepared.slots)
         if st is None:
             reading.unparsed.append(part)
         else:
+            st.sentence = k
             reading.statements.append(st)
     return reading
 
@@ -377,6 +427,10 @@ __all__ = [
     "normalise",
     "prepare",
     "read_answer",
+    "sentence_statements",
+    "sentences",
     "statements",
     "street_of",
+    "too_precise",
+    "UNREADABLE",
 ]

@@ -11,16 +11,23 @@ Three independent judgements, all of which must pass:
    collapsed). A write the reference actions do not contain is a *hard violation*, even one that
    changed nothing (setting an address to its current value) or one that was undone later: the
    reward may never pay for touching data nobody asked to touch.
-3. **Answer**, closed-world (verifier v3). The answer is read by :mod:`.reading` / :mod:`.grammar`
-   into typed statements; a statement the grammar does not know makes the answer unjudgeable
-   (no success). Every understood statement is then checked (:data:`ANSWER_RULES`):
+3. **Answer**, closed-world (verifier v3, the explicit ``free_text`` mode). The answer is read by
+   :mod:`.reading` / :mod:`.grammar` into typed statements; a statement the grammar does not know
+   makes the answer unjudgeable (no success): markup, over-precise numbers ("2.996") and decimal
+   commas are never normalised into something it knows. Every understood statement is then
+   checked (:data:`ANSWER_RULES`):
 
+   * a statement is about the order, product or address named **in its own sentence**, never one
+     named before or after it (:mod:`.linking`); a statement whose sentence names none is about
+     the task's own entity only when the answer names no other, else about nothing;
    * a fact (a status, a stock level, a count, a price, a total, what was refunded, what is
-     left) counts only for the quantity it is attached to, only after a tool observation of
-     *this* trajectory revealed it, and only when true; a denied status must be false;
-   * a claim of an action must match a write in the audit log: its family, and every detail it
-     gives (the amount, the quantity, the product, the order id, the address, the e-mail);
-     a generic "done" needs a change; a task that asks for a change needs a confirmation;
+     left) counts only for the quantity it is attached to, only when it is the value in the
+     **final** database (:mod:`.figures`: a figure seen before a write changed it is stale) *and*
+     a tool observation of *this* trajectory returned it; a denied status must be false;
+   * each claim of an action consumes **one** write of the audit log that matches it: its family,
+     and every detail it gives (the amount, the quantity, the product, the order id, the address);
+     a second identical claim needs a second write (:func:`.linking.unmatched_claims`); a generic
+     "done" needs a change; a task that asks for a change needs a confirmation about its entity;
    * a denial ("nothing was changed", "nothing else was changed") and an inability ("I can't
      cancel it") must be true of the audit log; the user's own figures repeated in a refusal
      must be the ones they wrote;
@@ -39,11 +46,14 @@ import re
 import sqlite3
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Callable, Iterable
 
 from mentorrl.envs.base import Task
 
 from .backend import TOOL_SPECS, normalise_address
+from .figures import is_integer_role, item_quantity, order_count, order_value, product_value
+from .linking import ORDER_FAMILIES, Write, claims_of, linked, one, unmatched_claims, why_unmatched
 from .privacy import privacy_violations
 from .reading import Atom, Reading, Statement, Vocabulary, canon_address, canon_id, read_answer, street_of
 from .world import money
@@ -153,7 +163,9 @@ class Evidence:
         return out
 
     def order_values(self, order_id: str, key: str) -> set[float]:
-        """An order's total, refunded or left (total - refunded) as get_order / create_order returned it."""
+        """An order's total, refunded or left (total - refunded) as the tools returned it: get_order and
+        create_order show the total (get_order also what was refunded); issue_refund shows the new
+        refunded sum, and with a total seen before, what is left after the refund."""
         oid, out = _norm(order_id), set()
         for name in ("get_order", "create_order", "issue_refund"):
             for o in self._ok(name):
@@ -166,7 +178,17 @@ class Evidence:
                     out.add(money(c.get("total_refunded", -1)))
                 elif key in c and name != "issue_refund":
                     out.add(money(c[key]))
+        if key == "left":
+            totals, refunded = self.order_values(order_id, "total"), self._refunded_after_writes(oid)
+            out |= {money(t - r) for t in totals for r in refunded}
         return out
+
+    def _refunded_after_writes(self, oid: str) -> set[float]:
+        return {
+            money(o.content["total_refunded"])
+            for o in self._ok("issue_refund")
+            if _norm(o.content.get("order_id")) == oid and isinstance(o.content.get("total_refunded"), (int, float))
+        }
 
     def items(self, order_id: str) -> set[tuple[str, float]]:
         oid = _norm(order_id)
@@ -408,29 +430,29 @@ class AnswerContext:
     def writes_of(self, tool: str) -> list[dict[str, Any]]:
         return [a for t, a in self.writes if t == tool]
 
-    def product(self, st: Statement) -> str | None:
-        named = st.refs.get("p")
-        if named:
-            return named[0]
+    def default_product(self) -> str | None:
+        """The product the task is about: the one asked about, else the first one looked up."""
         if self.req.get("product"):
-            return self.req["product"]
+            return str(self.req["product"])
         seen = [o.content.get("name") for o in self.evidence._ok("check_inventory")]
         return seen[0] if seen else None
 
+    @cached_property
+    def order_links(self) -> list[list[str]]:
+        """For each statement, the orders it is about (:func:`.linking.linked`: within its sentence)."""
+        return linked(self.reading.statements, "o", self.default_order())
+
+    @cached_property
+    def product_links(self) -> list[list[str]]:
+        """For each statement, the products it is about (within its sentence, as for orders)."""
+        return linked(self.reading.statements, "p", self.default_product(), key=lambda p: str(p).lower())
+
+    def about(self) -> Iterable[tuple[Statement, str | None, str | None]]:
+        """Each statement with the one order and the one product it is about (None: none, or several)."""
+        return zip(self.reading.statements, map(one, self.order_links), map(one, self.product_links))
+
 
 Rule = Callable[[AnswerContext], list[str]]
-
-
-def _orders_in_context(c: AnswerContext) -> list[str | None]:
-    """The order each statement is about: its own order id, else the last one named before it, else
-    the task's order (the one the user named, or the one the episode created)."""
-    current, out = c.default_order(), []
-    for st in c.reading.statements:
-        named = st.refs.get("o")
-        if named:
-            current = named[0]
-        out.append(current)
-    return out
 
 
 def understood_rule(c: AnswerContext) -> list[str]:
@@ -479,9 +501,10 @@ def _allowed_addresses(c: AnswerContext) -> list[str]:
 
 
 def statuses_rule(c: AnswerContext) -> list[str]:
-    """A status is said of an order, was seen by a tool, and is true; a denied status is false."""
+    """A status is said of an order (named in its sentence), was seen by a tool, and is true of the
+    final database; a denied status is false."""
     out = []
-    for st, order in zip(c.reading.statements, _orders_in_context(c)):
+    for st, order, _ in c.about():
         for a in st.atoms:
             if a.kind not in ("status", "estimate"):
                 continue
@@ -501,41 +524,54 @@ def statuses_rule(c: AnswerContext) -> list[str]:
     return out
 
 
-def _figure_problem(c: AnswerContext, st: Statement, order: str | None, a: Atom) -> str | None:
+def _final_and_seen(c: AnswerContext, role: str, v: float, order: str | None, product: str | None) -> bool | None:
+    """Whether ``v`` is the final database's value of a state figure *and* a tool of the episode
+    returned it (stale or unobserved: False); None for a role that is not a state figure."""
+    me = c.task.reference.get("customer_id")
+    if role in ("stock", "price"):
+        seen = c.evidence.product_values(product, role) if product else set()
+        return product is not None and v == product_value(c.act, product, role) and v in seen
+    if role == "count" or role.startswith("scount:"):
+        status = role.split(":", 1)[1] if ":" in role else None
+        return me is not None and v == order_count(c.act, me, status) and v in c.evidence.counts(me, status)
+    if role in ("total", "refunded", "left"):
+        return order is not None and v == order_value(c.act, order, role) and v in c.evidence.order_values(order, role)
+    return None
+
+
+def _item_seen(c: AnswerContext, st: Statement, order: str | None, v: float) -> bool:
+    """An item's quantity: what the final database holds and get_order showed."""
+    if order is None:
+        return False
+    return any(
+        (pid, v) in c.evidence.items(order) and item_quantity(c.act, order, pid) == v for pid in st.refs.get("i", [])
+    )
+
+
+def _figure_problem(c: AnswerContext, st: Statement, about: tuple[str | None, str | None], a: Atom) -> str | None:
     """Why the figure ``a`` is not the value of the quantity it is attached to (None: it is)."""
     role, v = a.what, money(a.value) if a.value is not None else None
     if v is None:
         return f"a {role} figure with no value"
+    if is_integer_role(role) and not float(v).is_integer():
+        return f"states {v:g} as the {role}, which counts whole units"
+    ok = _final_and_seen(c, role, v, *about)
+    if ok is None:
+        ok = _item_seen(c, st, about[0], v) if role == "item" else _action_figure_ok(c, st, role, v)
+    return None if ok else f"states {v:g} as the {role}, which it is not (now, as a tool of this episode showed it)"
+
+
+def _action_figure_ok(c: AnswerContext, st: Statement, role: str, v: float) -> bool:
+    """A figure of an action: the amount or quantity written (in a claim), else the one the user asked
+    for; a bare figure is the task's checked number (or the new order's total)."""
     kinds = {x.kind + ":" + x.what for x in st.atoms}
-    if role in ("stock", "price"):
-        product = c.product(st)
-        ok = product is not None and v in c.evidence.product_values(product, role)
-    elif role == "count" or role.startswith("scount:"):
-        me = c.task.reference.get("customer_id")
-        status = role.split(":", 1)[1] if ":" in role else None
-        ok = me is not None and v in c.evidence.counts(me, status)
-    elif role in ("total", "refunded", "left"):
-        ok = order is not None and v in c.evidence.order_values(order, role) | _refund_history(c, order, role)
-    elif role == "item":
-        ok = order is not None and any((pid, v) in c.evidence.items(order) for pid in st.refs.get("i", []))
-    elif role == "amount" and "claim:refund" in kinds:
-        ok = any(money(w.get("amount", -1)) == v for w in c.writes_of("issue_refund"))
-    elif role == "qty" and c.writes_of("create_order") and "cannot:order" not in kinds:
-        ok = any(money(w.get("quantity", -1)) == v for w in c.writes_of("create_order"))
-    elif role in ("amount", "qty", "asked"):
-        ok = v in {money(float(x)) for k, x in c.req.items() if k in ("amount", "quantity")}
-    elif role == "main":
-        ok = v == _main_value(c)
-    else:
-        ok = False
-    return None if ok else f"states {v:g} as the {role}, which it is not"
-
-
-def _refund_history(c: AnswerContext, order: str, role: str) -> set[float]:
-    if role != "refunded":
-        return set()
-    amounts = [money(r[0]) for r in c.init.execute("SELECT amount FROM refunds WHERE order_id = ?", (order,))]
-    return (set(amounts) | {money(sum(amounts))}) if c.evidence.order_values(order, "total") else set()
+    if role == "amount" and "claim:refund" in kinds:
+        return any(money(w.get("amount", -1)) == v for w in c.writes_of("issue_refund"))
+    if role == "qty" and c.writes_of("create_order") and "cannot:order" not in kinds:
+        return any(money(w.get("quantity", -1)) == v for w in c.writes_of("create_order"))
+    if role in ("amount", "qty", "asked"):
+        return v in {money(float(x)) for k, x in c.req.items() if k in ("amount", "quantity")}
+    return role == "main" and v == _main_value(c)
 
 
 def _main_value(c: AnswerContext) -> float | None:
@@ -548,59 +584,70 @@ def _main_value(c: AnswerContext) -> float | None:
 
 
 def numbers_rule(c: AnswerContext) -> list[str]:
-    """Every figure is the true, observed value of the quantity it is attached to."""
+    """Every figure is the true (final), observed value of the quantity it is attached to."""
     out = []
-    for st, order in zip(c.reading.statements, _orders_in_context(c)):
-        out += [p for a in st.atoms if a.kind == "num" and (p := _figure_problem(c, st, order, a))]
+    for st, order, product in c.about():
+        out += [p for a in st.atoms if a.kind == "num" and (p := _figure_problem(c, st, (order, product), a))]
     return list(dict.fromkeys(out))
 
 
-ORDER_WRITES = {"cancel": "cancel_order", "email": "send_email", "refund": "issue_refund"}  # claims about an order
-
-
-def _claim_problem(c: AnswerContext, st: Statement, order: str | None, family: str) -> str | None:
-    if family == "done":
-        return None if c.writes else "claims the request was carried out; nothing changed"
-    if family not in c.changed:
-        return f"claims a {family} change the database does not show"
-    named_orders = st.refs.get("o", [])
-    if family in ORDER_WRITES:  # every order the claim is about (named, else in context) got that write
-        written = {canon_id(w.get("order_id", "")) for w in c.writes_of(ORDER_WRITES[family])}
-        targets = named_orders or ([order] if order is not None or family == "cancel" else [])
-        wrong = [t for t in targets if t not in written]
-        if wrong:
-            return f"claims the {family} of {wrong[0]}; the audit log shows it on {', '.join(sorted(written))}"
-    if family == "order":
-        if named_orders and named_orders[0] not in c.new_orders():
-            return f"claims {named_orders[0]} was placed; the episode created {', '.join(c.new_orders())}"
-        written = {_product_name(c, w.get("product_id")) for w in c.writes_of("create_order")}
-        if any(p.lower() not in written for p in st.refs.get("p", [])):
-            return "claims an order of another product than the one placed"
-    if family == "address":
-        written = {canon_address(w.get("address", "")) for w in c.writes_of("update_address")}
-        streets = {street_of(w.get("address", "")) for w in c.writes_of("update_address")}
-        if any(a not in written and a not in streets for a in st.refs.get("a", [])):
-            return "claims another address than the one written"
-    return None
+def episode_writes(c: AnswerContext) -> list[Write]:
+    """The episode's writes as claims are compared to them (:class:`.linking.Write`)."""
+    out = []
+    for tool, args in c.writes:
+        amount, qty = args.get("amount"), args.get("quantity")
+        out.append(
+            Write(
+                tool,
+                order=canon_id(args["order_id"]) if args.get("order_id") else None,
+                amount=money(amount) if isinstance(amount, (int, float)) else None,
+                quantity=float(qty) if isinstance(qty, (int, float)) else None,
+                product=_product_name(c, args.get("product_id")),
+                address=canon_address(str(args.get("address", ""))),
+                street=street_of(str(args.get("address", ""))),
+            )
+        )
+    return out
 
 
 def _product_name(c: AnswerContext, product_id: Any) -> str:
+    if not product_id:
+        return ""
     row = c.act.execute("SELECT name FROM products WHERE id = ?", (canon_id(product_id),)).fetchone()
     return row[0].lower() if row else ""
 
 
+def _sentence_addresses(c: AnswerContext) -> list[list[str]]:
+    """For each statement, the addresses it names, else those its sentence names (never another sentence's)."""
+    return linked(c.reading.statements, "a", None)
+
+
+def _confirms(c: AnswerContext, family: str, orders: list[str]) -> bool:
+    """Whether a claim of ``family`` about ``orders`` confirms the task's requested change: the same
+    family (or a generic "done"), and, for a change to one order, about that order."""
+    if family not in (c.requested, "done"):
+        return False
+    return c.requested not in ORDER_FAMILIES or c.default_order() in orders
+
+
 def claims_rule(c: AnswerContext) -> list[str]:
-    """Each claim matches a write of the audit log; a task that asks for a change gets a confirmation."""
+    """Each claimed action consumes one write of the audit log that matches it in every detail
+    (:mod:`.linking`: one claim, one write; entities only from its own sentence); a generic "done"
+    needs a change; a task that asks for a change gets a confirmation about the right entity."""
     out: list[str] = []
-    confirmed = False
-    for st, order in zip(c.reading.statements, _orders_in_context(c)):
+    claims, confirmed = [], False
+    addresses = _sentence_addresses(c)
+    for st, orders, products, addrs in zip(c.reading.statements, c.order_links, c.product_links, addresses):
+        claims += claims_of(st, orders, products, addrs)
         for a in st.atoms:
             if a.kind == "claim":
-                problem = _claim_problem(c, st, order, a.what)
-                out += [problem] if problem else []
-                confirmed |= a.what in (c.requested, "done")
+                if a.what == "done" and not c.writes:
+                    out.append("claims the request was carried out; nothing changed")
+                confirmed |= _confirms(c, a.what, orders)
             elif a.kind == "status" and not a.negated and c.requested == "cancel" and a.what == "cancelled":
-                confirmed |= order == c.default_order()
+                confirmed |= one(orders) == c.default_order()
+    writes, new = episode_writes(c), c.new_orders()
+    out += [why_unmatched(x, writes, new) for x in unmatched_claims(claims, writes, new)]
     if c.requested and not confirmed:
         out.append(f"does not confirm the {c.requested} change")
     return list(dict.fromkeys(out))
@@ -670,12 +717,7 @@ def status_fact_rule(c: AnswerContext) -> list[str]:
     out: list[str] = []
     if not c.evidence.statuses_seen(order):
         out.append("states a status without looking the order up")
-    said = {
-        a.what
-        for st, o in zip(c.reading.statements, _orders_in_context(c))
-        for a in st.atoms
-        if a.kind == "status" and not a.negated and o == order
-    }
+    said = {a.what for st, o, _ in c.about() for a in st.atoms if a.kind == "status" and not a.negated and o == order}
     if status not in said:
         out.append(f"does not state that the order is {status}")
     return out
