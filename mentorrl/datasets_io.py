@@ -733,9 +733,6 @@ def _digest(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> str:
     return hashlib.sha256(json.dumps([messages, tools], sort_keys=True).encode()).hexdigest()[:10]
 
 
-TYPED_ANSWER_TOOL = ANSWER_TOOL_NAME  # a conversation's last, unanswered call of this name is its typed answer
-
-
 def conversation_trajectory(
     conv: Conversation, encoder: ConversationEncoder, *, max_tokens: int = DEFAULT_MAX_TOKENS
 ) -> Trajectory:
@@ -762,8 +759,8 @@ def conversation_trajectory(
         if m.get("tool_calls"):
             fn = m["tool_calls"][0]["function"]
             nxt = msgs[j + 1] if j + 1 < len(msgs) and msgs[j + 1]["role"] == "tool" else None
-            if fn["name"] == TYPED_ANSWER_TOOL and nxt is None and j == len(msgs) - 1:
-                # the conversation ends with the typed answer: the call's JSON is the answer (never run)
+            if fn["name"] == ANSWER_TOOL_NAME and nxt is None and j == len(msgs) - 1:
+                # the conversation ends with the typed answer (a last call nothing answers): its JSON is the answer
                 final = dumps_compact({"name": fn["name"], "arguments": json.loads(fn["arguments"])})
                 continue
             calls.append(

@@ -15,6 +15,7 @@ from pathlib import Path
 import click
 import pytest
 import typer
+from cli_helpers import cli_output
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
@@ -29,17 +30,8 @@ WRITES_A_RUN = {"demo", "train", "diagnose"}
 FIELDS = sorted({f.replace("[]", "") for f, _, _ in config_reference() if "[]" not in f})
 
 
-def _out(res) -> str:
-    out = res.output
-    try:
-        out += res.stderr
-    except (ValueError, AttributeError):
-        pass
-    return out
-
-
 def _exit_2(res, *needles: str) -> str:
-    out = _out(res)
+    out = cli_output(res)
     assert res.exit_code == 2, out
     assert res.exception is None or isinstance(res.exception, SystemExit), repr(res.exception)
     assert "Traceback" not in out
@@ -101,11 +93,11 @@ def test_the_positional_output_still_works_with_a_note(tmp_path):
     common += ["--set", "model.spec.hidden_size=32", "--set", "model.spec.intermediate_size=64"]
     common += ["--set", "model.spec.num_layers=1", "--set", "model.pretrain.steps=0", "--rebuild"]
     new = runner.invoke(app, ["init-model", "--out", str(tmp_path / "a"), *common])
-    assert new.exit_code == 0, _out(new)
-    assert "deprecated" not in _out(new)
+    assert new.exit_code == 0, cli_output(new)
+    assert "deprecated" not in cli_output(new)
     old = runner.invoke(app, ["init-model", str(tmp_path / "b"), *common])
-    assert old.exit_code == 0, _out(old)
-    assert "deprecated; write --out" in _out(old)
+    assert old.exit_code == 0, cli_output(old)
+    assert "deprecated; write --out" in cli_output(old)
     for f in ("model.safetensors", "tokenizer.json"):
         assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes()
     _exit_2(runner.invoke(app, ["init-model", str(tmp_path / "c"), "--out", str(tmp_path / "d")]), "--out only")

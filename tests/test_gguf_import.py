@@ -17,6 +17,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from cli_helpers import cli_output
 from typer.testing import CliRunner
 
 from mentorrl.config import ConfigError, RunConfig
@@ -370,27 +371,18 @@ def test_base_model_dir_and_load_policy_take_a_gguf_source(tiny, tmp_path, monke
 
 
 # ---------------------------------------------------------------- the command line -----
-def _output(res) -> str:
-    out = res.output
-    try:
-        out += res.stderr
-    except (ValueError, AttributeError):
-        pass
-    return out
-
-
 def test_the_import_model_command(tiny, tmp_path, monkeypatch):
     from mentorrl.cli import app
 
     runner = CliRunner()
     res = runner.invoke(app, ["import-model", str(tiny.path), "--out", str(tmp_path / "ckpt")])
-    assert res.exit_code == 0, _output(res)
+    assert res.exit_code == 0, cli_output(res)
     assert res.stdout.strip() == str(tmp_path / "ckpt") and (tmp_path / "ckpt" / "model.safetensors").is_file()
     monkeypatch.setenv("MENTORRL_CACHE", str(tiny.cache))
     res = runner.invoke(app, ["import-model", str(tiny.path)])
-    assert res.exit_code == 0 and res.stdout.strip() == str(tiny.imported), _output(res)
+    assert res.exit_code == 0 and res.stdout.strip() == str(tiny.imported), cli_output(res)
     res = runner.invoke(app, ["import-model", str(_text(tmp_path / "x.gguf", "nope"))])
-    out = _output(res)
+    out = cli_output(res)
     assert res.exit_code == 2 and "import-model:" in out and "is not a GGUF file" in out and "Traceback" not in out
 
 
@@ -402,10 +394,10 @@ def test_eval_and_serve_take_a_gguf_source_and_name_a_bad_one(tmp_path):
     gone = str(tmp_path / "gone.gguf")
     for args in (["eval", gone, "--out", str(tmp_path / "ev")], ["serve", gone, "--port", "0"]):
         res = runner.invoke(app, args)
-        out = _output(res)
+        out = cli_output(res)
         assert res.exit_code == 2 and "no GGUF file at" in out and "Traceback" not in out, (args, out)
     res = runner.invoke(app, ["eval", str(tmp_path / "nope"), "--out", str(tmp_path / "ev2")])
-    assert res.exit_code == 2 and "is not a directory (nor a .gguf file)" in _output(res)
+    assert res.exit_code == 2 and "is not a directory (nor a .gguf file)" in cli_output(res)
 
 
 # -------------------------------------------------------------- the real SmolLM2 -----

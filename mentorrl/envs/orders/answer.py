@@ -42,7 +42,8 @@ from typing import Any, Callable
 from mentorrl.contract import ANSWER_TOOL_NAME, MAX_JSON_DEPTH, json_depth
 from mentorrl.envs.base import Task
 
-from .backend import normalise_address
+from .backend import normalise_address, product_names
+from .tasks import units
 from .world import STATUSES, money
 
 ANSWER_TOOL = ANSWER_TOOL_NAME  # the contract's convention: its templates name it
@@ -274,7 +275,7 @@ class World:
     def product_named(self, name: Any) -> tuple | None:
         key = str(name).strip().lower()
         for row in self.init.execute("SELECT id, name FROM products"):
-            if key in {row[0].lower(), row[1].lower(), row[1].lower() + "s", row[1].lower() + "es"}:
+            if key in product_names(row[0], row[1]):  # as check_inventory finds it
                 return row
         return None
 
@@ -501,10 +502,6 @@ def judge_record(task: Task, text: str | None, w: World) -> RecordJudgement:
 
 
 # ----------------------------------------------------------------------- rendering ----
-def _units(n: int, name: str) -> str:
-    from .tasks import plural
-
-    return f"{n} {plural(name) if n != 1 else name}"
 
 
 def render(record: dict[str, Any], act: sqlite3.Connection, request: dict[str, Any]) -> str:
@@ -520,12 +517,12 @@ def render(record: dict[str, Any], act: sqlite3.Connection, request: dict[str, A
 
     texts: dict[str, Callable[[], str]] = {
         "order_status": lambda: f"Order {record['order_id']} is {record['status']}.",
-        "stock_level": lambda: f"We have {_units(record['stock'], product())} in stock.",
+        "stock_level": lambda: f"We have {units(record['stock'], product())} in stock.",
         "order_count": lambda: f"You have {record['count']} order{'s' if record['count'] != 1 else ''}.",
         "cancelled": lambda: f"Order {record['order_id']} is now cancelled.",
         "address_updated": lambda: f"Your address is now {normalise_address(record['address'])}.",
         "refunded": lambda: f"Refunded {amount('amount')} on order {record['order_id']}.",
-        "order_placed": lambda: f"Placed order {record['order_id']} for {_units(record['quantity'], product())}.",
+        "order_placed": lambda: f"Placed order {record['order_id']} for {units(record['quantity'], product())}.",
         "receipt_sent": lambda: f"I emailed the receipt for order {record['order_id']} to you.",
         "no_such_customer": lambda: "Sorry, no customer was found with the email you gave.",
         "no_such_order": lambda: f"Sorry, no order {record['order_id']} was found.",
@@ -537,7 +534,7 @@ def render(record: dict[str, Any], act: sqlite3.Connection, request: dict[str, A
             f"Sorry, I can't refund that: order {record['order_id']} has only {amount('refundable')} left to refund."
         ),
         "insufficient_stock": lambda: (
-            f"Sorry, we only have {_units(record['stock'], product())} in stock, so I can't order that many."
+            f"Sorry, we only have {units(record['stock'], product())} in stock, so I can't order that many."
         ),
     }
     return texts[o]()

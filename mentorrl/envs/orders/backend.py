@@ -28,6 +28,11 @@ def normalise_address(address: str) -> str:
     return " ".join(address.split()).rstrip(" .,;:!?")
 
 
+def product_names(product_id: str, name: str) -> set[str]:
+    """The lower-cased strings a product is found by: its id, its name, the name's plural forms."""
+    return {product_id.lower(), name.lower(), name.lower() + "s", name.lower() + "es"}
+
+
 class OrdersBackend:
     MUTATING = ("create_order", "cancel_order", "update_address", "issue_refund", "send_email")
 
@@ -98,8 +103,7 @@ class OrdersBackend:
         key = product.strip().lower()
         rows = self.conn.execute("SELECT id, name, price, stock FROM products").fetchall()
         for r in rows:
-            names = {r[0].lower(), r[1].lower(), r[1].lower() + "s", r[1].lower() + "es"}
-            if key in names:
+            if key in product_names(r[0], r[1]):
                 return r
         raise ToolError(f"no product named {_s(product)}", kind="not_found")
 

@@ -19,10 +19,10 @@ from .verify import (
     Observation,
     audit_rows,
     judge_answer,
-    new_writes,
     rows_diffs,
     table_rows,
     unrequested_audit,
+    writes_between,
 )
 from .world import OPEN_STATUSES, Snapshot, build_db, money, snapshot
 
@@ -38,7 +38,7 @@ TYPED_SYSTEM_PROMPT = SYSTEM_PROMPT.replace(
 ANSWER_MODES = ("typed", "free_text")
 
 
-def answer_tool(get_mode: Callable[[], str]) -> Tool:
+def answer_tool() -> Tool:
     """The ``final_answer`` tool: its schema is what the policy sees; the episode ends on the call
     (:class:`~mentorrl.rollout.episode.Episode` reads ``env.answer_tool``), so running it is an error."""
 
@@ -67,7 +67,7 @@ class OrdersEnv:
         self._task: Task | None = None
         self._observations: list[Observation] = []  # this episode's tool calls, as answered
         self._latency = LatencySampler(latency) if latency is not None else None
-        tools = make_tools(self._live_backend) + ([answer_tool(lambda: self.answer_mode)] if self.answer_tool else [])
+        tools = make_tools(self._live_backend) + ([answer_tool()] if self.answer_tool else [])
         self.registry = ToolRegistry(tools, timeout_s=tool_timeout_s, on_timeout=self._interrupt, delay=self._latency)
 
     # -- episode ---------------------------------------------------------------------------
@@ -126,13 +126,14 @@ class OrdersEnv:
         act = self._conn
         diffs, violations = _compare(task, ref.init_snap, ref.exp_snap, snapshot(act))
         diffs += [d for d in rows_diffs(ref.exp_rows, table_rows(act)) if d not in diffs]
-        violations += unrequested_audit(ref.init_audit, ref.exp_audit, audit_rows(act))
+        act_audit = audit_rows(act)  # read once: the history check and the typed answer's claimed writes
+        violations += unrequested_audit(ref.init_audit, ref.exp_audit, act_audit)
         evidence = Evidence(list(self._observations))
         details: dict[str, Any] = {"diffs": diffs[:6], "answer_mode": self.answer_mode}
         with ref.lock:  # the answer's rules query the shared read-only worlds
             if self.answer_tool is not None:
                 typed = judge_record(
-                    task, final_answer, World(task, ref.init, act, new_writes(ref.init, act), evidence)
+                    task, final_answer, World(task, ref.init, act, writes_between(ref.init_audit, act_audit), evidence)
                 )
                 ok, problems, answer_violations = typed.ok, typed.problems, typed.violations
                 details["answer_format_ok"] = typed.format_ok

@@ -12,7 +12,7 @@ from typing import Any, Generator
 
 from mentorrl.envs.base import Action, FinalAnswer, Task, ToolAction, ToolResult
 
-from .tasks import fmt_amount, plural
+from .tasks import fmt_amount, units
 from .world import OPEN_STATUSES
 
 Gen = Generator[Action, ToolResult, None]
@@ -27,10 +27,6 @@ def _money(x: float) -> int | float:
 def _answer(text: str, outcome: str, **fields: Any) -> FinalAnswer:
     """The expert's final answer: the sentence (free-text mode) and the record it stands for (typed)."""
     return FinalAnswer(text, {"outcome": outcome, **fields})
-
-
-def _qty(n: int, name: str) -> str:
-    return f"{n} {plural(name) if n != 1 else name}"
 
 
 class OrdersExpert:
@@ -56,7 +52,7 @@ class OrdersExpert:
                 return
             c = r.content
             yield _answer(
-                f"We have {_qty(c['stock'], c['name'])} in stock.",
+                f"We have {units(c['stock'], c['name'])} in stock.",
                 "stock_level",
                 product_id=c["product_id"],
                 stock=c["stock"],
@@ -144,14 +140,14 @@ class OrdersExpert:
             return
         p = r.content
         if p["stock"] < qty:
-            text = f"Sorry, we only have {_qty(p['stock'], p['name'])} in stock, so I can't order {qty}."
+            text = f"Sorry, we only have {units(p['stock'], p['name'])} in stock, so I can't order {qty}."
             yield _answer(text, "insufficient_stock", product_id=p["product_id"], stock=p["stock"])
             return
         r = yield ToolAction("create_order", {"customer_id": cid, "product_id": p["product_id"], "quantity": qty})
         if not r.ok:
             yield FinalAnswer(f"Sorry, I couldn't place the order: {r.error}")
             return
-        text = f"Placed order {r.content['order_id']} for {_qty(qty, p['name'])}."
+        text = f"Placed order {r.content['order_id']} for {units(qty, p['name'])}."
         yield _answer(text, "order_placed", order_id=r.content["order_id"], product_id=p["product_id"], quantity=qty)
 
     def _email_receipt(self, req: dict[str, Any], cid: str) -> Gen:

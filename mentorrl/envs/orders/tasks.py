@@ -139,6 +139,11 @@ def plural(name: str) -> str:
     return name if name.endswith("s") else name + "s"
 
 
+def units(n: int, name: str) -> str:
+    """``n`` of a product as a sentence says it: "1 Desk Lamp", "3 Desk Lamps"."""
+    return f"{n} {plural(name) if n != 1 else name}"
+
+
 def fmt_amount(x: float) -> str:
     return f"{x:.0f}" if float(x).is_integer() else f"{x:.2f}"
 

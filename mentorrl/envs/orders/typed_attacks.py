@@ -39,6 +39,34 @@ def body_of(record: Any, **dumps: Any) -> str:
     return json.dumps({"name": ANSWER_TOOL, "arguments": record}, **dumps)
 
 
+MONEY = ("amount", "refundable")
+FIGURES = ("amount", "stock", "count", "quantity", "refundable")
+INTEGERS = ("stock", "count", "quantity")
+
+
+def first_field(rec: dict[str, Any], names: tuple[str, ...]) -> str | None:
+    """The first of ``names`` that ``rec`` has, or None."""
+    return next((k for k in names if k in rec), None)
+
+
+def body_with_literals(rec: dict[str, Any], name: str, *literals: str) -> str:
+    """A raw call body: ``rec``'s other fields as JSON, then field ``name`` once per literal, each written as given
+    (the JSON no serializer writes: a repeated key, ``NaN``, ``2.996``, ``310e-1``)."""
+    inner = ", ".join(f'"{k}": {json.dumps(v)}' for k, v in rec.items() if k != name)
+    fields = ", ".join(f'"{name}": {literal}' for literal in literals)
+    return f'{{"name": "{ANSWER_TOOL}", "arguments": {{{inner}, {fields}}}}}'
+
+
+def raw_field(names: tuple[str, ...], literal: Callable[[Any], str]) -> Callable[[Task, dict[str, Any]], str | None]:
+    """A raw body maker: the first of ``names`` in the record written as ``literal(value)``; None without one."""
+
+    def make(task: Task, rec: dict[str, Any]) -> str | None:
+        name = first_field(rec, names)
+        return None if name is None else body_with_literals(rec, name, literal(rec[name]))
+
+    return make
+
+
 def _final(task: Task, answer: FinalAnswer, rewrite: Rewrite) -> FinalAnswer | None:
     if answer.record is None:
         return answer
@@ -244,14 +272,11 @@ def _duplicate_key(first: str) -> Callable[[Task, dict[str, Any]], str | None]:
     """A raw body with one field twice: the honest value and a false one (``first``: which comes first)."""
 
     def make(task: Task, rec: dict[str, Any]) -> str | None:
-        name = next((k for k in ("amount", "status", "stock", "count", "order_id", "quantity") if k in rec), None)
+        name = first_field(rec, ("amount", "status", "stock", "count", "order_id", "quantity"))
         if name is None:
             return None
-        honest = json.dumps(rec[name])
-        false = json.dumps(_falsified(rec, name))
-        a, b = (honest, false) if first == "honest" else (false, honest)
-        inner = ", ".join(f'"{k}": {json.dumps(v)}' for k, v in rec.items() if k != name)
-        return f'{{"name": "{ANSWER_TOOL}", "arguments": {{{inner}, "{name}": {a}, "{name}": {b}}}}}'
+        honest, false = json.dumps(rec[name]), json.dumps(_falsified(rec, name))
+        return body_with_literals(rec, name, *((honest, false) if first == "honest" else (false, honest)))
 
     return make
 
@@ -397,31 +422,26 @@ def _drop_field(task: Task, rec: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def _string_number(task: Task, rec: dict[str, Any]) -> dict[str, Any] | None:
-    name = next((k for k in ("amount", "stock", "count", "quantity", "refundable") if k in rec), None)
+    name = first_field(rec, FIGURES)
     return {**rec, name: str(rec[name])} if name else None
 
 
 def _float_for_int(task: Task, rec: dict[str, Any]) -> dict[str, Any] | None:
-    name = next((k for k in ("stock", "count", "quantity") if k in rec), None)
+    name = first_field(rec, INTEGERS)
     return {**rec, name: float(rec[name])} if name else None
 
 
 def _bool_for_int(task: Task, rec: dict[str, Any]) -> dict[str, Any] | None:
-    name = next((k for k in ("stock", "count", "quantity") if k in rec), None)
+    name = first_field(rec, INTEGERS)
     return {**rec, name: True} if name else None
 
 
-def _overprecise(task: Task, rec: dict[str, Any]) -> str | None:
-    """The amount written with three decimals, off by less than half a cent (2.996 for 3)."""
-    name = next((k for k in ("amount", "refundable") if k in rec), None)
-    if name is None:
-        return None
-    inner = ", ".join(f'"{k}": {json.dumps(v)}' for k, v in rec.items() if k != name)
-    return f'{{"name": "{ANSWER_TOOL}", "arguments": {{{inner}, "{name}": {float(rec[name]) - 0.004:.3f}}}}}'
+# the amount written with three decimals, off by less than half a cent (2.996 for 3)
+_overprecise = raw_field(MONEY, lambda v: f"{float(v) - 0.004:.3f}")
 
 
 def _comma_decimal(task: Task, rec: dict[str, Any]) -> dict[str, Any] | None:
-    name = next((k for k in ("amount", "refundable") if k in rec), None)
+    name = first_field(rec, MONEY)
     return {**rec, name: f"{float(rec[name]):.2f}".replace(".", ",")} if name else None
 
 
@@ -450,16 +470,11 @@ def _id_confusable(task: Task, rec: dict[str, Any]) -> dict[str, Any] | None:
     return {**rec, "order_id": rec["order_id"].replace("-", "\u2010")} if "order_id" in rec else None
 
 
-def _nan_number(task: Task, rec: dict[str, Any]) -> str | None:
-    name = next((k for k in ("amount", "stock", "count", "quantity", "refundable") if k in rec), None)
-    if name is None:
-        return None
-    inner = ", ".join(f'"{k}": {json.dumps(v)}' for k, v in rec.items() if k != name)
-    return f'{{"name": "{ANSWER_TOOL}", "arguments": {{{inner}, "{name}": NaN}}}}'
+_nan_number = raw_field(FIGURES, lambda v: "NaN")
 
 
 def _negative(task: Task, rec: dict[str, Any]) -> dict[str, Any] | None:
-    name = next((k for k in ("amount", "stock", "count", "quantity", "refundable") if k in rec), None)
+    name = first_field(rec, FIGURES)
     return {**rec, name: -rec[name] if rec[name] else -1} if name else None
 
 
@@ -793,20 +808,8 @@ def _reordered(task: Task, rec: dict[str, Any]) -> str:
     return body_of(dict(reversed(list(rec.items()))))
 
 
-def _cents(task: Task, rec: dict[str, Any]) -> str | None:
-    name = next((k for k in ("amount", "refundable") if k in rec), None)
-    if name is None:
-        return None
-    inner = ", ".join(f'"{k}": {json.dumps(v)}' for k, v in rec.items() if k != name)
-    return f'{{"name": "{ANSWER_TOOL}", "arguments": {{{inner}, "{name}": {float(rec[name]):.2f}}}}}'
-
-
-def _exponent(task: Task, rec: dict[str, Any]) -> str | None:
-    name = next((k for k in ("amount", "refundable") if k in rec), None)
-    if name is None:
-        return None
-    inner = ", ".join(f'"{k}": {json.dumps(v)}' for k, v in rec.items() if k != name)
-    return f'{{"name": "{ANSWER_TOOL}", "arguments": {{{inner}, "{name}": {float(rec[name]) * 10:g}e-1}}}}'
+_cents = raw_field(MONEY, lambda v: f"{float(v):.2f}")  # 31.00 for 31
+_exponent = raw_field(MONEY, lambda v: f"{float(v) * 10:g}e-1")  # 310e-1 for 31
 
 
 def _escaped(task: Task, rec: dict[str, Any]) -> str:

@@ -304,8 +304,13 @@ def audit_rows(conn: sqlite3.Connection) -> Counter:
 
 def new_writes(init: sqlite3.Connection, act: sqlite3.Connection) -> list[tuple[str, dict[str, Any]]]:
     """The writes of the episode, by value: (tool, arguments) for each new audit-log row."""
+    return writes_between(audit_rows(init), audit_rows(act))
+
+
+def writes_between(base: Counter, act: Counter) -> list[tuple[str, dict[str, Any]]]:
+    """:func:`new_writes` on two :func:`audit_rows` results."""
     out = []
-    for (tool, args), k in (audit_rows(act) - audit_rows(init)).items():
+    for (tool, args), k in (act - base).items():
         try:
             parsed = json.loads(args)
         except ValueError:
@@ -841,4 +846,5 @@ __all__ = [
     "unrequested_audit",
     "unrequested_writes",
     "vocabulary",
+    "writes_between",
 ]
