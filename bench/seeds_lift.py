@@ -2,8 +2,9 @@
 
 Each seed is one whole `mentorrl demo` run in its own process and run directory
 (``OUT/seed-S``, ``--set seed=S``), exactly what a user runs; extra ``--set`` overrides go to
-every seed. A finished seed is read back instead of rerun (its ``report.json``), so the bench
-can be stopped and started again. It prints one row per seed (held-out success after SFT and
+every seed. A finished seed is read back instead of rerun (its ``report.json``) and a seed
+stopped part-way continues from its run directory (``--resume``), so the bench can be stopped
+and started again. It prints one row per seed (held-out success after SFT and
 after GRPO with 95% Wilson intervals, and the lift), then the mean ± sd of the lift over seeds
 and a Student-t 95% interval of the mean lift, and writes everything to ``OUT/seeds_lift.json``.
 
@@ -38,6 +39,8 @@ def run_seed(out: Path, seed: int, overrides: list[str], config: str | None = No
     if not report.exists():
         what = ["demo"] if config is None else ["train", config]  # the demo, or another recipe run the same way
         cmd = [sys.executable, "-m", "mentorrl.cli", *what, "--run-dir", str(run_dir), "--set", f"seed={seed}"]
+        if run_dir.exists():
+            cmd.append("--resume")  # a seed stopped part-way continues from its last checkpoint
         for ov in overrides:
             cmd += ["--set", ov]
         env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from mentorrl.rollout.adapters import base_module
+from mentorrl.rollout.fused import fuse_layers, fused_bytes
 from mentorrl.rollout.kvcache import add_rows, cache_kwarg, compact, expand_batch, make_cache
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,9 @@ class Decoder(Protocol):
     def close(self) -> None:
         """The rollout is over (its buffers may serve the next one)."""
 
+    def refresh_weights(self) -> None:
+        """The model's weights changed: whatever the decoder derived from them is taken again."""
+
 
 # ------------------------------------------------------------------------ transformers forward --
 class DynamicCacheDecoder:
@@ -87,6 +91,9 @@ class DynamicCacheDecoder:
 
     def close(self) -> None:
         self.reset(0)
+
+    def refresh_weights(self) -> None:  # runs the model's forward: nothing derived to take again
+        pass
 
     def reset(self, n: int) -> None:
         self.cache = make_cache(self.model)
@@ -213,9 +220,11 @@ class SlotDecoder:
 
     pads_wide = False
 
-    def __init__(self, model, max_len: int | None = None):
+    def __init__(self, model, max_len: int | None = None, fuse: bool = True):
         """``max_len``: the longest context a row can reach (the contract's token limit); the cache
-        grows by doubling up to it, never past it unless a row needs more."""
+        grows by doubling up to it, never past it unless a row needs more. ``fuse``: run each layer's
+        projections as four matmuls of effective weights (:mod:`mentorrl.rollout.fused`, LoRA merged
+        into a copy); False runs the model's own Linear modules."""
         why = slot_support(model)
         if why is not None:
             raise ValueError(f"the slot decoder cannot run this model: {why}")
@@ -241,8 +250,10 @@ class SlotDecoder:
         self.static_rope = getattr(self.rotary, "rope_type", "default") in _STATIC_ROPE
         self._cos = self._sin = None  # rotary tables over the capacity (static rope types)
         self.closed = False
+        self.fuse = fuse
+        self.refresh_weights()
         self.reset(0)
-        self.stats = {"slot_moves": 0, "cache_grows": 0, "shared_rows": 0}
+        self.stats = {"slot_moves": 0, "cache_grows": 0, "shared_rows": 0, "fused": float(self.fused is not None)}
 
     def close(self) -> None:
         """Return the cache buffers to the model's pool (a later decoder reuses them)."""
@@ -259,6 +270,13 @@ class SlotDecoder:
     def lens(self) -> list[int]:
         """Each row's context length (row ``i`` lives in slot ``i``)."""
         return [len(c) for c in self.ctx]
+
+    def refresh_weights(self) -> None:
+        """Take the effective projection weights again (:mod:`mentorrl.rollout.fused`), or run the
+        model's own modules where they cannot be fused or there is no memory for the copy."""
+        self.fused = None  # the old copy goes first
+        if self.fuse and _room_for_copy(self.layers, self.device):
+            self.fused = fuse_layers(self.layers)
 
     def reset(self, n: int) -> None:
         self.ctx: list[list[int]] = [[] for _ in range(n)]  # each row's context (what its slot holds)
@@ -477,17 +495,27 @@ class SlotDecoder:
         cos, sin = self._rotary(h, p.pos_t)
         for li, layer in enumerate(self.layers):
             att = layer.self_attn
+            fl = self.fused[li] if self.fused is not None else None
             a = layer.input_layernorm(h)
-            q = att.q_proj(a).view(N, self.nh, self.hd)
-            k = att.k_proj(a).view(N, self.nkv, self.hd)
-            v = att.v_proj(a).view(N, self.nkv, self.hd)
+            if fl is not None:
+                q, k, v = fl.qkv(a).split(fl.splits, dim=-1)
+            else:
+                q, k, v = att.q_proj(a), att.k_proj(a), att.v_proj(a)
+            q = q.reshape(N, self.nh, self.hd)
+            k = k.reshape(N, self.nkv, self.hd)
+            v = v.reshape(N, self.nkv, self.hd)
             q, k = self.rope(q, k, cos, sin, unsqueeze_dim=1)
             K, V = self.k[li], self.v[li]
             K[p.rows_t, :, p.pos_t] = k.to(K.dtype)
             V[p.rows_t, :, p.pos_t] = v.to(V.dtype)
-            out = self._attend(p, q, K, V, att.scaling)
-            h = h + att.o_proj(out.reshape(N, self.nh * self.hd))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            out = self._attend(p, q, K, V, att.scaling).reshape(N, self.nh * self.hd)
+            if fl is None:
+                h = h + att.o_proj(out)
+                h = h + layer.mlp(layer.post_attention_layernorm(h))
+                continue
+            h = h + fl.o(out)
+            gate, up = fl.gate_up(layer.post_attention_layernorm(h)).split(fl.inter, dim=-1)
+            h = h + fl.down(fl.act(gate) * up)
         for i in p.fed:
             self.ctx[i].extend(chunks[i])
         logits = self.lm_head(self.norm(h[p.last]))
@@ -566,6 +594,15 @@ def _compare_with_forward(model) -> str | None:
         if not torch.allclose(x.float(), y, atol=2e-3 * scale, rtol=0):
             return f"slot decoder logits differ from the model's forward by {float((x.float() - y).abs().max()):.3g}"
     return None
+
+
+def _room_for_copy(layers, device: torch.device) -> bool:
+    """Whether a fused copy of ``layers``' projections fits: always on a CPU, on an accelerator when
+    it takes at most half of the free memory."""
+    if device.type != "cuda":
+        return True
+    free, _ = torch.cuda.mem_get_info(device)
+    return 2 * fused_bytes(layers) <= free
 
 
 def make_decoder(

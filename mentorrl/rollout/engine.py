@@ -262,6 +262,7 @@ class StreamScheduler:
     def resync(self) -> None:
         """New weights: drop the cache and feed every live row its whole context again."""
         self.stats["weight_syncs"] += 1
+        self.decoder.refresh_weights()
         self.decoder.reset(len(self.rows))
         for sl in self.rows:
             sl.pending = sl.episode.ids + sl.turn_ids  # == everything fed so far + what is pending

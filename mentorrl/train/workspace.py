@@ -241,9 +241,11 @@ def evaluate(ws: Workspace, model, label: str, resume: bool = False, split: str 
     e = ws.cfg.eval
     split = split or e.split
     out_json = ws.run_dir / f"eval_{label}.json"
-    if resume and out_json.exists():
-        return json.loads(out_json.read_text())
     tasks = ws.eval_tasks(split, e.num_tasks)
+    if resume and out_json.exists():
+        done = json.loads(out_json.read_text())
+        if (done.get("split"), done.get("eval_seed"), done.get("n")) == (split, e.seed, len(tasks)):
+            return done  # the same evaluation; another task count, split or seed is run again
     with count_progress(ws, f"eval {label}", len(tasks)) as advance:
         trajs = eval_rollout(ws).run(model, tasks, seed=e.seed, batch_size=e.batch_size, on_batch=advance)
     write_jsonl(ws.run_dir / f"eval_{label}.jsonl", trajs)
