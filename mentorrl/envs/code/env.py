@@ -31,6 +31,7 @@ import hashlib
 import inspect
 import json
 import os
+import re
 import stat
 import sys
 import uuid
@@ -52,6 +53,8 @@ MAX_FILE_CHARS = 20_000
 MAX_SHOWN_CHARS = 2_000
 RESULT_TAG = "MENTORRL-RESULTS "
 READ_ONLY_FS = "Read-only file system"
+MAX_RESULT_CHARS = 1 << 16  # a result line the host parses (the sandbox caps its stdout lower still)
+MAX_RESULT_DEPTH = 32  # nesting of a result line: results list, one result, its value (a few levels)
 
 _HELPERS = "from typing import Any\n\n\n" + inspect.getsource(jsonable) + "\n\n" + inspect.getsource(run_case)
 
@@ -332,13 +335,13 @@ class CodeEnv:
         task = self._task
         if task is None or self._dir is None:
             return Verdict(success=False, details={"error": "no active episode"})
-        try:
+        try:  # everything after the run reads hostile output: any error is this episode's failure
             violations = list(self._violations) + self._test_tampering() + self._shadowing()
             res, copy_violations = self._run_hidden(task)
-        except Exception as e:  # a workspace the host cannot handle fails the episode, never the caller
+            return _verdict(task, final_answer, res, list(dict.fromkeys(violations + copy_violations)))
+        except Exception as e:  # a workspace or an output the host cannot handle fails the episode, never the caller
             why = f"the verifier could not handle the workspace ({type(e).__name__}: {str(e)[:200]})"
             return Verdict(success=False, violations=[why], details={"error": why})
-        return _verdict(task, final_answer, res, list(dict.fromkeys(violations + copy_violations)))
 
     def _run_hidden(self, task: Task) -> tuple[RunResult | None, list[str]]:
         """Copy the workspace (bounded, regular files only) and run the hidden cases on the copy."""
@@ -432,14 +435,35 @@ def _same(a: Any, b: Any) -> bool:
     return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
 
 
-def _results(stdout: str) -> Any:
-    lines = [ln for ln in stdout.splitlines() if ln.startswith(RESULT_TAG)]
-    if not lines:
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_BRACKETS = re.compile(r"[\[\]{}]")
+
+
+def json_depth(text: str) -> int:
+    """The deepest nesting of ``[`` / ``{`` in ``text`` outside JSON strings (one linear scan, no recursion)."""
+    depth = deepest = 0
+    for ch in _BRACKETS.findall(_STRING.sub("", text)):
+        depth = depth + 1 if ch in "[{" else depth - 1
+        deepest = max(deepest, depth)
+    return deepest
+
+
+def untrusted_json(text: str, max_chars: int = MAX_RESULT_CHARS, max_depth: int = MAX_RESULT_DEPTH) -> Any:
+    """``text`` parsed as JSON when it is at most ``max_chars`` long and nested at most ``max_depth`` deep
+    (checked before parsing, so the parser cannot recurse without bound); None otherwise, or when it is
+    not JSON."""
+    if len(text) > max_chars or json_depth(text) > max_depth:
         return None
     try:
-        return json.loads(lines[-1][len(RESULT_TAG) :])
-    except ValueError:
+        return json.loads(text)
+    except (ValueError, RecursionError):
         return None
+
+
+def _results(stdout: str) -> Any:
+    """The runner's last result line (a sandbox's output: hostile, bounded, never raising)."""
+    lines = [ln for ln in stdout.splitlines() if ln.startswith(RESULT_TAG)]
+    return untrusted_json(lines[-1][len(RESULT_TAG) :]) if lines else None
 
 
 def _failure(tool: str, res: RunResult) -> str:
