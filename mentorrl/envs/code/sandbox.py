@@ -19,7 +19,8 @@ Each execution is one process chain::
 * **Namespaces**: no network (a fresh network namespace), PID, IPC, UTS, mount, user and cgroup
   namespaces; ``--disable-userns`` forbids nested user namespaces.
 * **seccomp** (:mod:`.seccomp`): no ``unshare`` / ``setns`` / namespace ``clone`` flags, no mounts,
-  no ``keyctl``, no ``io_uring``, no ``ptrace``, no ``bpf``.
+  no ``keyctl``, no ``io_uring``, no ``ptrace`` / ``process_vm_*``, no ``bpf``, no ``memfd_create`` /
+  ``execveat``; sockets of the ``AF_UNIX`` family only (an allow-list).
 * **Per-sandbox limits** (:mod:`.cgroups`): one cgroup per run with the memory (shared memory and
   tmpfs pages count), the process count and the CPU time (polled, the run killed past ``cpu_s``,
   and ``cpu.max`` at one core) of the whole sandbox; per-process rlimits on top (CPU, address
@@ -560,6 +561,7 @@ _EXPLAIN = (
     ("Resource temporarily unavailable", "process limit of {max_processes} reached (fork refused)"),
     ("Network is unreachable", "no network in the sandbox"),
     ("Temporary failure in name resolution", "no network in the sandbox"),
+    ("Address family not supported", "no network in the sandbox: only AF_UNIX sockets can be created"),
     ("Read-only file system", "write refused: the sandbox can write only inside its workspace (tests are read-only)"),
     ("File too large", "file-size limit of {max_file_bytes} bytes reached"),
     ("No space left on device", "workspace size limit of {workspace_mb} MiB reached"),
