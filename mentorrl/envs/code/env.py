@@ -278,6 +278,12 @@ class CodeEnv:
                 kind="policy",
             ) from None
         rel = "/".join(parts)
+        if writing and any(fsafe.shadows_source(p) for p in parts):
+            raise ToolError(
+                f"{tool}: {path!r} is not source: only Python source and data files can be written "
+                "(no extension modules, bytecode, .pth files or __pycache__)",
+                kind="policy",
+            )
         if writing and parts[0] == "tests":
             self._violations.append(f"write to the tests: {rel}")
             raise ToolError(f"{tool}: the tests are read-only; write your code to solution.py", kind="policy")

@@ -15,7 +15,9 @@ Each execution is one process chain::
   time; ``read_only`` subdirectories, the tests, bound read-only). No ``/work``, no
   site-packages (so no ``mentorrl``), no ``/tmp``, no ``/home``, no ``/sys``, no shell.
 * **Code shown is code run**: ``-B`` and an empty read-only ``pycache_prefix`` (no bytecode is read
-  from or written to ``__pycache__``); ``-I`` keeps the workspace off the front of ``sys.path``.
+  from or written to ``__pycache__``); ``-I`` keeps the workspace off the front of ``sys.path``; every
+  directory outside the interpreter's own is searched for ``.py`` source only (the prelude's path
+  hook), so an extension module, bytecode or zip planted there never runs instead of a ``.py``.
 * **Namespaces**: no network (a fresh network namespace), PID, IPC, UTS, mount, user and cgroup
   namespaces; ``--disable-userns`` forbids nested user namespaces.
 * **seccomp** (:mod:`.seccomp`): no ``unshare`` / ``setns`` / namespace ``clone`` flags, no mounts,
@@ -92,13 +94,30 @@ class RunResult:
 
 
 # Runs first in the sandboxed interpreter: the per-process limits, then the program as __main__.
+# Every directory outside the interpreter's own (the workspace, /dev/shm, anything added to sys.path) is
+# searched for source only: an extension module, bytecode or zip there never runs instead of a .py.
 PRELUDE = r"""
-import resource as _r, sys as _s
+import resource as _r, sys as _s, os as _o, importlib.machinery as _m
 for _k, _v in {limits}:
     _r.setrlimit(_k, _v)
+_std = tuple(_o.path.realpath(_p) + "/" for _p in _s.path)
+def _source_only(path, _std=_std, _hooks=tuple(_s.path_hooks), _m=_m, _o=_o):
+    real = _o.path.realpath(path or ".")
+    if (real + "/").startswith(_std):  # the interpreter's own directories keep their usual finders
+        for _h in _hooks:
+            try:
+                return _h(path)
+            except ImportError:
+                pass
+        raise ImportError(path)
+    if not _o.path.isdir(real):  # no zip archive, outside the interpreter's own
+        raise ImportError("only directories of Python source are searched here")
+    return _m.FileFinder(path or ".", (_m.SourceFileLoader, _m.SOURCE_SUFFIXES))
+_s.path_hooks[:] = [_source_only]
+_s.path_importer_cache.clear()
 _s.argv[0] = "-c"
 _c = compile(_s.argv.pop(1), "<string>", "exec")
-del _r, _s, _k, _v
+del _r, _s, _o, _m, _k, _v, _std, _source_only
 exec(_c)
 """
 
