@@ -85,12 +85,26 @@ for i, t in enumerate(CASES):
 print(f"passed {{passed}} of {{len(CASES)}}")
 '''
 
-HIDDEN_RUNNER = f"""
+# The hidden run is two processes. The runner (this program) reads the hidden inputs from stdin, makes
+# itself undumpable (no other process of the sandbox may read its memory or descriptors), and only then
+# starts the solution's process (HIDDEN_SOLUTION, a fresh interpreter: nothing of the runner's memory)
+# with the entry point's name and kind as its arguments. The solution is imported before any input is
+# sent; then the inputs go one at a time, each after the previous result came back. So an import error
+# (the only text of the solution's that reaches the verdict) is written before the solution's process
+# has seen a single hidden input, and at any moment it has seen only the inputs it was called with.
+HIDDEN_SOLUTION = f"""
 import json, os, sys
-spec = json.loads(sys.stdin.read())
-out = os.fdopen(os.dup(1), "w")
+entry, kind = sys.argv[1], sys.argv[2]
+_cases = os.fdopen(os.dup(0), "rb")
+_out = os.fdopen(os.dup(1), "w")
+_null = os.open(os.devnull, os.O_RDONLY)
+os.dup2(_null, 0)
+os.close(_null)
 os.dup2(2, 1)  # whatever the solution prints goes to stderr
 {_HELPERS}
+def _send(obj):
+    _out.write(json.dumps(obj) + "\\n")
+    _out.flush()
 try:
     import importlib.util
     sys.path.append(os.getcwd())  # after the standard library: a workspace module cannot shadow it
@@ -98,18 +112,58 @@ try:
     solution = importlib.util.module_from_spec(_spec)
     sys.modules["solution"] = solution
     _spec.loader.exec_module(solution)
-    target = getattr(solution, spec["entry"])
+    target = getattr(solution, entry)
 except BaseException as e:
-    out.write({RESULT_TAG!r} + json.dumps({{"import_error": (type(e).__name__ + ": " + str(e))[:300]}}) + "\\n")
+    try:
+        _why = (type(e).__name__ + ": " + str(e))[:300]
+    except BaseException:
+        _why = "import failed"
+    _send({{"import_error": _why}})
+    os._exit(0)
+_send({{"ready": True}})
+for _line in _cases:
+    try:
+        _send({{"ok": run_case(target, kind, json.loads(_line))}})
+    except BaseException as e:
+        _send({{"error": type(e).__name__}})
+os._exit(0)
+"""
+
+HIDDEN_RUNNER = f"""
+import ctypes, json, os, subprocess, sys
+ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: no /proc/<pid>/mem, fd/, environ for others
+entry, kind = sys.argv[1], sys.argv[2]
+cases = json.loads(sys.stdin.read())  # the hidden inputs; stdin is then at its end, and closed
+sys.stdin.close()
+out = os.fdopen(os.dup(1), "w")
+c = sys.orig_argv.index("-c")  # the same interpreter, flags and prelude for the solution's process
+child = subprocess.Popen(sys.orig_argv[: c + 2] + [{HIDDEN_SOLUTION!r}, entry, kind],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
+def receive():
+    line = child.stdout.readline(1 << 16)
+    try:
+        msg = json.loads(line)
+    except (ValueError, RecursionError):
+        return None, None
+    return (msg, line.decode().strip()) if isinstance(msg, dict) else (None, None)
+first, _ = receive()
+if first is None or "import_error" in first:
+    why = str(first.get("import_error"))[:300] if first else "the solution's process ended before its import"
+    out.write({RESULT_TAG!r} + json.dumps({{"import_error": why}}) + "\\n")
     out.flush()
     os._exit(0)
 results = []
-for case in spec["cases"]:
+for case in cases:
     try:
-        results.append({{"ok": run_case(target, spec["kind"], case)}})
-    except BaseException as e:
-        results.append({{"error": type(e).__name__}})
-out.write({RESULT_TAG!r} + json.dumps(results) + "\\n")
+        child.stdin.write((json.dumps(case) + "\\n").encode())
+        child.stdin.flush()
+    except OSError:
+        break
+    msg, raw = receive()
+    if msg is None:
+        break
+    results.append(raw)
+out.write({RESULT_TAG!r} + "[" + ",".join(results) + "]\\n")
 out.flush()
 os._exit(0)
 """
@@ -363,15 +417,12 @@ class CodeEnv:
                 fsafe.copy_tree(self._ws(), dst, caps)
             except OSError as e:  # a cap passed, or the episode's tmpfs full (of files or inodes)
                 return None, [f"workspace not copyable for the verifier: {e}"]
-            spec = {
-                "entry": task.reference["entry"],
-                "kind": task.reference["kind"],
-                "cases": [h["case"] for h in task.reference["hidden"]],
-            }
+            ref = task.reference
             res = run_sandboxed(
                 dst,
                 HIDDEN_RUNNER,
-                stdin=json.dumps(spec),
+                [ref["entry"], ref["kind"]],  # public: the names the prompt and the visible tests show
+                stdin=json.dumps([h["case"] for h in ref["hidden"]]),  # read by the runner, never by the solution
                 limits=self.limits,
                 read_only=(),
                 writable=False,
