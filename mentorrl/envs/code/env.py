@@ -130,17 +130,22 @@ os._exit(0)
 """
 
 HIDDEN_RUNNER = f"""
-import ctypes, json, os, subprocess, sys
+import ctypes, json, os, sys
 ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: no /proc/<pid>/mem, fd/, environ for others
 entry, kind = sys.argv[1], sys.argv[2]
 cases = json.loads(sys.stdin.read())  # the hidden inputs; stdin is then at its end, and closed
 sys.stdin.close()
 out = os.fdopen(os.dup(1), "w")
 c = sys.orig_argv.index("-c")  # the same interpreter, flags and prelude for the solution's process
-child = subprocess.Popen(sys.orig_argv[: c + 2] + [{HIDDEN_SOLUTION!r}, entry, kind],
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
+to_r, to_w = os.pipe()
+from_r, from_w = os.pipe()  # every descriptor but 0, 1 and 2 is close-on-exec
+os.posix_spawn(sys.orig_argv[0], sys.orig_argv[: c + 2] + [{HIDDEN_SOLUTION!r}, entry, kind], os.environ,
+               file_actions=[(os.POSIX_SPAWN_DUP2, to_r, 0), (os.POSIX_SPAWN_DUP2, from_w, 1)])
+os.close(to_r)
+os.close(from_w)
+to_child, from_child = os.fdopen(to_w, "wb"), os.fdopen(from_r, "rb")
 def receive():
-    line = child.stdout.readline(1 << 16)
+    line = from_child.readline(1 << 16)
     try:
         msg = json.loads(line)
     except (ValueError, RecursionError):
@@ -155,8 +160,8 @@ if first is None or "import_error" in first:
 results = []
 for case in cases:
     try:
-        child.stdin.write((json.dumps(case) + "\\n").encode())
-        child.stdin.flush()
+        to_child.write((json.dumps(case) + "\\n").encode())
+        to_child.flush()
     except OSError:
         break
     msg, raw = receive()
