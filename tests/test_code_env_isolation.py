@@ -21,22 +21,9 @@ import shutil
 import pytest
 
 from mentorrl.envs.code import env as code_env
-from mentorrl.envs.code import fsafe
-from mentorrl.envs.code import sandbox as sb
+from mentorrl.envs.code import fsafe, seccomp
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")
-
-
-@pytest.fixture
-def env_task():
-    from mentorrl.envs import get_env
-
-    entry = get_env("code")
-    env = entry.make_env()
-    tasks = entry.make_tasks().tasks("train", 4, 0)
-    env.reset(tasks[0])
-    yield env, tasks
-    env.close()
 
 
 def _py(env, code):
@@ -125,11 +112,17 @@ except OSError as e:
 """
 
 
+@pytest.mark.parametrize("arch", sorted(seccomp.SYSCALLS))
+def test_the_filter_assembles_for_every_architecture(arch):
+    prog = seccomp.bpf_program(arch)
+    assert prog and len(prog) % 8 == 0 and len(prog) // 8 < 256
+    assert {"socket", "socketpair", "memfd_create", "execveat"} <= set(seccomp.SYSCALLS[arch])
+    assert "memfd_create" in seccomp.DENIED and "execveat" in seccomp.DENIED and seccomp.SOCKET_FAMILIES == (1,)
+
+
 def test_only_unix_sockets_can_be_created(env_task):
     env, _ = env_task
-    from mentorrl.envs.code.seccomp import SYSCALLS, machine
-
-    r = _py(env, SOCKETS.replace("SYS_SOCKET", str(SYSCALLS[machine()]["socket"])))
+    r = _py(env, SOCKETS.replace("SYS_SOCKET", str(seccomp.SYSCALLS[seccomp.machine()]["socket"])))
     assert r.ok, r.error
     lines = [ln.split() for ln in r.content["stdout"].strip().splitlines()]
     assert ["AF_UNIX", "works"] in lines
@@ -338,9 +331,7 @@ except OSError as e:
 
 def test_anonymous_memory_cannot_be_executed(env_task):
     env, _ = env_task
-    from mentorrl.envs.code.seccomp import SYSCALLS, machine
-
-    nrs = SYSCALLS[machine()]
+    nrs = seccomp.SYSCALLS[seccomp.machine()]
     code = MEMFD_EXEC.replace("MEMFD_CREATE", str(nrs["memfd_create"])).replace("EXECVEAT", str(nrs["execveat"]))
     r = _py(env, code)
     assert r.ok, r.error
@@ -352,5 +343,8 @@ def test_anonymous_memory_cannot_be_executed(env_task):
 
 def test_os_memfd_create_is_refused_in_the_sandbox(env_task):
     env, _ = env_task
-    r = _py(env, "import os\ntry:\n    os.memfd_create('x')\n    print('CREATED')\nexcept OSError as e:\n    print('refused', e.errno)")
+    r = _py(
+        env,
+        "import os\ntry:\n    os.memfd_create('x')\n    print('CREATED')\nexcept OSError as e:\n    print('refused', e.errno)",
+    )
     assert r.ok and r.content["stdout"].split() == ["refused", "1"], r
