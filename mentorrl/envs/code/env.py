@@ -14,8 +14,10 @@ its directory) and ``run_tests`` (the visible tests, in the sandbox).
 Verifier (:meth:`CodeEnv.verify`): copies the workspace's regular files and directories (bounded:
 depth, entries, bytes; no bytecode caches, no symlinks, FIFOs or sockets) to a fresh directory and
 runs the hidden cases there in a fresh sandbox that sees the copy read-only, imports
-``solution.py`` by path and cannot be shadowed by a workspace module named like a standard one. Only the *inputs* go into the sandbox; the runner returns each
-result as plain JSON data and the comparison with the expected values happens here, on the host,
+``solution.py`` by path and cannot be shadowed by a workspace module named like a standard one. Only the *inputs* go into the sandbox,
+read by a runner the solution's own process cannot inspect and sent to it one at a time after its import
+(:data:`HIDDEN_RUNNER`); each result comes back as plain JSON data (read as hostile: bounded in size
+and depth before it is parsed) and the comparison with the expected values happens here, on the host,
 so nothing the solution prints, patches or exits with can make a case pass -- only computing the
 right value does. Success: a final answer, every hidden case right, no violation. Hard violations
 (reward -1): a write to the tests or outside the workspace through ``write_file``, a program that
