@@ -245,6 +245,17 @@ def toy_env_cls():
     return ToyEnv
 
 
+@pytest.fixture
+def env_task():
+    """A fresh code environment reset to the first of four train tasks: ``(env, tasks)``, closed after."""
+    entry = get_env("code")
+    env = entry.make_env()
+    tasks = entry.make_tasks().tasks("train", 4, 0)
+    env.reset(tasks[0])
+    yield env, tasks
+    env.close()
+
+
 # ------------------------------------------------------------- scripted HTTP -----
 class HTTPScript:
     """What a scripted local HTTP server answers and what it was asked.

@@ -19,18 +19,6 @@ from mentorrl.envs.code import sandbox as sb
 from mentorrl.envs.code.attacks import hardcoded_solution, universal_solution
 
 
-@pytest.fixture
-def env_task():
-    from mentorrl.envs import get_env
-
-    entry = get_env("code")
-    env = entry.make_env()
-    tasks = entry.make_tasks().tasks("train", 4, 0)
-    env.reset(tasks[0])
-    yield env, tasks
-    env.close()
-
-
 def _py(env, code):
     return env.step("run_python", {"code": code})
 

@@ -19,18 +19,6 @@ except SandboxUnavailable as e:  # pragma: no cover - depends on the machine
 # Never skipped: on a machine without isolation these tests fail (the environment refuses to start there).
 
 
-@pytest.fixture
-def env_task():
-    from mentorrl.envs import get_env
-
-    entry = get_env("code")
-    env = entry.make_env()
-    tasks = entry.make_tasks().tasks("train", 2, 0)
-    env.reset(tasks[0])
-    yield env, tasks
-    env.close()
-
-
 def test_infinite_loop_is_stopped_by_the_cpu_limit(env_task):
     env, _ = env_task
     r = env.step("run_python", {"code": "while True:\n    pass"})

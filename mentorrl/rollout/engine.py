@@ -23,7 +23,7 @@ import torch
 from mentorrl.contract import RolloutContract
 from mentorrl.rollout.decoders import make_decoder
 from mentorrl.rollout.dispatch import INLINE_TOOL_S, Dispatch, tool_kind, verify_kind
-from mentorrl.rollout.episode import Episode, EpisodeSource
+from mentorrl.rollout.episode import Episode, EpisodeSource, close_env
 from mentorrl.rollout.kvcache import common_prefix_len
 from mentorrl.rollout.sampling import sample_tokens
 from mentorrl.trajectory import Trajectory
@@ -173,6 +173,7 @@ class StreamScheduler:
             "weight_syncs": 0,
             "max_rows": 0,
             "fed_tokens": 0,
+            "env_errors": 0,  # environment exceptions in step / verify, each its episode's failure
         }
         self.pool = cf.ThreadPoolExecutor(
             max_workers=engine.tool_workers or max(slots, 1), thread_name_prefix="rollout-tool"
@@ -238,11 +239,13 @@ class StreamScheduler:
                 sl.pending = sl.pending + obs  # the unfed stop token, then the observation
 
     def _verify(self, sl: EpisodeSlot) -> Trajectory:
-        traj = sl.episode.finish()
-        traj.timings["rollout_s"] = time.perf_counter() - self.t_start
-        if self.close_envs:
-            sl.episode.env.close()
-        return traj
+        try:
+            traj = sl.episode.finish()  # an environment error becomes this episode's failure
+            traj.timings["rollout_s"] = time.perf_counter() - self.t_start
+            return traj
+        finally:
+            if self.close_envs:
+                close_env(sl.episode.env)
 
     def finish(self, sl: EpisodeSlot) -> None:
         """The verifier runs in the tool pool beside the decoding of the other rows, or inline
@@ -255,6 +258,7 @@ class StreamScheduler:
         for sl in [sl for sl in self.verdicts.values() if block or sl.verdict.done()]:
             del self.verdicts[sl.index]
             sl.result = traj = sl.verdict.result()
+            self.stats["env_errors"] += len(sl.episode.env_errors)
             if self.on_finish is not None:
                 self.on_finish(traj)
 
@@ -320,7 +324,7 @@ class StreamScheduler:
         if self.close_envs:
             for sl in self.rows:
                 if not sl.ended and sl.index not in self.waiting:
-                    sl.episode.env.close()  # a row whose tool is still running keeps its env open
+                    close_env(sl.episode.env)  # a row whose tool is still running keeps its env open
 
     def final_stats(self) -> dict[str, float]:
         return {**self.stats, **self.decoder.stats, **self.dispatch.stats, "wall_s": time.perf_counter() - self.t_start}

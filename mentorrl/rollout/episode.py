@@ -15,6 +15,7 @@ drive the same :class:`Episode`, so every trajectory is assembled by one piece o
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 import time
 import uuid
@@ -29,9 +30,11 @@ from mentorrl.contract import (
     render_tool_call,
     replace_surrogates,
 )
-from mentorrl.envs.base import Environment, FinalAnswer, Task, ToolResult
+from mentorrl.envs.base import Environment, FinalAnswer, Task, ToolResult, Verdict
 from mentorrl.rewards.compose import RewardWeights, compose_reward
 from mentorrl.trajectory import Segment, ToolCall, Trajectory
+
+log = logging.getLogger(__name__)
 
 
 class Episode:
@@ -63,6 +66,7 @@ class Episode:
         self.finish_reason: str | None = None
         self.num_turns = 0
         self.timings = {"tool_s": 0.0}
+        self.env_errors: list[str] = []  # exceptions the environment raised in step / verify (this episode's failure)
         self._t0 = time.perf_counter()
 
     # ---- token bookkeeping ------------------------------------------------
@@ -121,7 +125,11 @@ class Episode:
         if action.kind == "malformed":
             result = ToolResult(ok=False, content=None, error=action.error, error_kind="malformed")
         else:
-            result = self.env.step(action.name, action.arguments)
+            try:
+                result = self.env.step(action.name, action.arguments)
+            except Exception as e:  # an environment error is this episode's failed call, never the batch's
+                why = self._env_error("step", e)
+                result = ToolResult(ok=False, content=None, error=why, error_kind="tool_exception")
         result = _clean_result(result)  # an environment's lone surrogates never reach the record or the tokenizer
         self.timings["tool_s"] += result.latency_s
         self.tool_calls.append(
@@ -147,11 +155,21 @@ class Episode:
         self._append("observation", ids)
         return ids
 
+    def _env_error(self, where: str, e: Exception) -> str:
+        why = f"environment error in {where}: {type(e).__name__}: {str(e)[:200]}"
+        self.env_errors.append(why)
+        log.warning("task %s: %s", self.task.id, why)
+        return why
+
     def finish(self) -> Trajectory:
         if self.finish_reason is None:
             raise RuntimeError("finish() called on a live episode")
         t_verify = time.perf_counter()
-        verdict = self.env.verify(self.final_answer)
+        try:
+            verdict = self.env.verify(self.final_answer)
+        except Exception as e:  # an environment error fails this episode, never the batch
+            why = self._env_error("verify", e)
+            verdict = Verdict(success=False, details={"error": why, "env_error": True})
         self.timings["verify_s"] = time.perf_counter() - t_verify
         self.timings["total_s"] = time.perf_counter() - self._t0
         reward = compose_reward(
@@ -199,6 +217,14 @@ def answer_call_text(turn: str, body: str) -> str:
     for mark in _CALL_MARKS:
         rest = rest.replace(mark, "", 1)
     return body if not rest.strip() else turn
+
+
+def close_env(env: Any) -> None:
+    """``env.close()``, an error in it logged, never raised: closing one environment never skips another's."""
+    try:
+        env.close()
+    except Exception as e:  # noqa: BLE001 - whatever the environment raises
+        log.warning("closing environment %s failed: %s: %s", getattr(env, "name", env), type(e).__name__, e)
 
 
 class EpisodeSource:

@@ -12,7 +12,7 @@ from mentorrl.contract import RolloutContract
 from mentorrl.envs.base import Task
 from mentorrl.rewards.compose import RewardWeights
 from mentorrl.rollout.backends.base import GenerationBackend
-from mentorrl.rollout.episode import Episode, run_scripted_episode
+from mentorrl.rollout.episode import Episode, close_env, run_scripted_episode
 from mentorrl.trajectory import Trajectory
 
 
@@ -53,7 +53,7 @@ def rollout_tasks(
             out.extend(engine.run_episodes(eps, seed=seed + lo))
         finally:
             for env in envs:
-                env.close()
+                close_env(env)
         if on_batch is not None:
             on_batch(len(chunk))
     return out

@@ -14,8 +14,10 @@ its directory) and ``run_tests`` (the visible tests, in the sandbox).
 Verifier (:meth:`CodeEnv.verify`): copies the workspace's regular files and directories (bounded:
 depth, entries, bytes; no bytecode caches, no symlinks, FIFOs or sockets) to a fresh directory and
 runs the hidden cases there in a fresh sandbox that sees the copy read-only, imports
-``solution.py`` by path and cannot be shadowed by a workspace module named like a standard one. Only the *inputs* go into the sandbox; the runner returns each
-result as plain JSON data and the comparison with the expected values happens here, on the host,
+``solution.py`` by path and cannot be shadowed by a workspace module named like a standard one. Only the *inputs* go into the sandbox,
+read by a runner the solution's own process cannot inspect and sent to it one at a time after its import
+(:data:`HIDDEN_RUNNER`); each result comes back as plain JSON data (read as hostile: bounded in size
+and depth before it is parsed) and the comparison with the expected values happens here, on the host,
 so nothing the solution prints, patches or exits with can make a case pass -- only computing the
 right value does. Success: a final answer, every hidden case right, no violation. Hard violations
 (reward -1): a write to the tests or outside the workspace through ``write_file``, a program that
@@ -31,6 +33,7 @@ import hashlib
 import inspect
 import json
 import os
+import re
 import stat
 import sys
 import uuid
@@ -52,6 +55,8 @@ MAX_FILE_CHARS = 20_000
 MAX_SHOWN_CHARS = 2_000
 RESULT_TAG = "MENTORRL-RESULTS "
 READ_ONLY_FS = "Read-only file system"
+MAX_RESULT_CHARS = 1 << 16  # a result line the host parses (the sandbox caps its stdout lower still)
+MAX_RESULT_DEPTH = 32  # nesting of a result line: results list, one result, its value (a few levels)
 
 _HELPERS = "from typing import Any\n\n\n" + inspect.getsource(jsonable) + "\n\n" + inspect.getsource(run_case)
 
@@ -82,12 +87,26 @@ for i, t in enumerate(CASES):
 print(f"passed {{passed}} of {{len(CASES)}}")
 '''
 
-HIDDEN_RUNNER = f"""
+# The hidden run is two processes. The runner (this program) reads the hidden inputs from stdin, makes
+# itself undumpable (no other process of the sandbox may read its memory or descriptors), and only then
+# starts the solution's process (HIDDEN_SOLUTION, a fresh interpreter: nothing of the runner's memory)
+# with the entry point's name and kind as its arguments. The solution is imported before any input is
+# sent; then the inputs go one at a time, each after the previous result came back. So an import error
+# (the only text of the solution's that reaches the verdict) is written before the solution's process
+# has seen a single hidden input, and at any moment it has seen only the inputs it was called with.
+HIDDEN_SOLUTION = f"""
 import json, os, sys
-spec = json.loads(sys.stdin.read())
-out = os.fdopen(os.dup(1), "w")
+entry, kind = sys.argv[1], sys.argv[2]
+_cases = os.fdopen(os.dup(0), "rb")
+_out = os.fdopen(os.dup(1), "w")
+_null = os.open(os.devnull, os.O_RDONLY)
+os.dup2(_null, 0)
+os.close(_null)
 os.dup2(2, 1)  # whatever the solution prints goes to stderr
 {_HELPERS}
+def _send(obj):
+    _out.write(json.dumps(obj) + "\\n")
+    _out.flush()
 try:
     import importlib.util
     sys.path.append(os.getcwd())  # after the standard library: a workspace module cannot shadow it
@@ -95,18 +114,63 @@ try:
     solution = importlib.util.module_from_spec(_spec)
     sys.modules["solution"] = solution
     _spec.loader.exec_module(solution)
-    target = getattr(solution, spec["entry"])
+    target = getattr(solution, entry)
 except BaseException as e:
-    out.write({RESULT_TAG!r} + json.dumps({{"import_error": (type(e).__name__ + ": " + str(e))[:300]}}) + "\\n")
+    try:
+        _why = (type(e).__name__ + ": " + str(e))[:300]
+    except BaseException:
+        _why = "import failed"
+    _send({{"import_error": _why}})
+    os._exit(0)
+_send({{"ready": True}})
+for _line in _cases:
+    try:
+        _send({{"ok": run_case(target, kind, json.loads(_line))}})
+    except BaseException as e:
+        _send({{"error": type(e).__name__}})
+os._exit(0)
+"""
+
+HIDDEN_RUNNER = f"""
+import ctypes, json, os, sys
+ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: no /proc/<pid>/mem, fd/, environ for others
+entry, kind = sys.argv[1], sys.argv[2]
+cases = json.loads(sys.stdin.read())  # the hidden inputs; stdin is then at its end, and closed
+sys.stdin.close()
+out = os.fdopen(os.dup(1), "w")
+c = sys.orig_argv.index("-c")  # the same interpreter, flags and prelude for the solution's process
+to_r, to_w = os.pipe()
+from_r, from_w = os.pipe()  # every descriptor but 0, 1 and 2 is close-on-exec
+os.posix_spawn(sys.orig_argv[0], sys.orig_argv[: c + 2] + [{HIDDEN_SOLUTION!r}, entry, kind], os.environ,
+               file_actions=[(os.POSIX_SPAWN_DUP2, to_r, 0), (os.POSIX_SPAWN_DUP2, from_w, 1)])
+os.close(to_r)
+os.close(from_w)
+to_child, from_child = os.fdopen(to_w, "wb"), os.fdopen(from_r, "rb")
+def receive():
+    line = from_child.readline(1 << 16)
+    try:
+        msg = json.loads(line)
+    except (ValueError, RecursionError):
+        return None, None
+    return (msg, line.decode().strip()) if isinstance(msg, dict) else (None, None)
+first, _ = receive()
+if first is None or "import_error" in first:
+    why = str(first.get("import_error"))[:300] if first else "the solution's process ended before its import"
+    out.write({RESULT_TAG!r} + json.dumps({{"import_error": why}}) + "\\n")
     out.flush()
     os._exit(0)
 results = []
-for case in spec["cases"]:
+for case in cases:
     try:
-        results.append({{"ok": run_case(target, spec["kind"], case)}})
-    except BaseException as e:
-        results.append({{"error": type(e).__name__}})
-out.write({RESULT_TAG!r} + json.dumps(results) + "\\n")
+        to_child.write((json.dumps(case) + "\\n").encode())
+        to_child.flush()
+    except OSError:
+        break
+    msg, raw = receive()
+    if msg is None:
+        break
+    results.append(raw)
+out.write({RESULT_TAG!r} + "[" + ",".join(results) + "]\\n")
 out.flush()
 os._exit(0)
 """
@@ -275,6 +339,12 @@ class CodeEnv:
                 kind="policy",
             ) from None
         rel = "/".join(parts)
+        if writing and any(fsafe.shadows_source(p) for p in parts):
+            raise ToolError(
+                f"{tool}: {path!r} is not source: only Python source and data files can be written "
+                "(no extension modules, bytecode, .pth files or __pycache__)",
+                kind="policy",
+            )
         if writing and parts[0] == "tests":
             self._violations.append(f"write to the tests: {rel}")
             raise ToolError(f"{tool}: the tests are read-only; write your code to solution.py", kind="policy")
@@ -332,13 +402,13 @@ class CodeEnv:
         task = self._task
         if task is None or self._dir is None:
             return Verdict(success=False, details={"error": "no active episode"})
-        try:
+        try:  # everything after the run reads hostile output: any error is this episode's failure
             violations = list(self._violations) + self._test_tampering() + self._shadowing()
             res, copy_violations = self._run_hidden(task)
-        except Exception as e:  # a workspace the host cannot handle fails the episode, never the caller
+            return _verdict(task, final_answer, res, list(dict.fromkeys(violations + copy_violations)))
+        except Exception as e:  # a workspace or an output the host cannot handle fails the episode, never the caller
             why = f"the verifier could not handle the workspace ({type(e).__name__}: {str(e)[:200]})"
             return Verdict(success=False, violations=[why], details={"error": why})
-        return _verdict(task, final_answer, res, list(dict.fromkeys(violations + copy_violations)))
 
     def _run_hidden(self, task: Task) -> tuple[RunResult | None, list[str]]:
         """Copy the workspace (bounded, regular files only) and run the hidden cases on the copy."""
@@ -354,15 +424,12 @@ class CodeEnv:
                 fsafe.copy_tree(self._ws(), dst, caps)
             except OSError as e:  # a cap passed, or the episode's tmpfs full (of files or inodes)
                 return None, [f"workspace not copyable for the verifier: {e}"]
-            spec = {
-                "entry": task.reference["entry"],
-                "kind": task.reference["kind"],
-                "cases": [h["case"] for h in task.reference["hidden"]],
-            }
+            ref = task.reference
             res = run_sandboxed(
                 dst,
                 HIDDEN_RUNNER,
-                stdin=json.dumps(spec),
+                [ref["entry"], ref["kind"]],  # public: the names the prompt and the visible tests show
+                stdin=json.dumps([h["case"] for h in ref["hidden"]]),  # read by the runner, never by the solution
                 limits=self.limits,
                 read_only=(),
                 writable=False,
@@ -432,14 +499,35 @@ def _same(a: Any, b: Any) -> bool:
     return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
 
 
-def _results(stdout: str) -> Any:
-    lines = [ln for ln in stdout.splitlines() if ln.startswith(RESULT_TAG)]
-    if not lines:
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_BRACKETS = re.compile(r"[\[\]{}]")
+
+
+def json_depth(text: str) -> int:
+    """The deepest nesting of ``[`` / ``{`` in ``text`` outside JSON strings (one linear scan, no recursion)."""
+    depth = deepest = 0
+    for ch in _BRACKETS.findall(_STRING.sub("", text)):
+        depth = depth + 1 if ch in "[{" else depth - 1
+        deepest = max(deepest, depth)
+    return deepest
+
+
+def untrusted_json(text: str, max_chars: int = MAX_RESULT_CHARS, max_depth: int = MAX_RESULT_DEPTH) -> Any:
+    """``text`` parsed as JSON when it is at most ``max_chars`` long and nested at most ``max_depth`` deep
+    (checked before parsing, so the parser cannot recurse without bound); None otherwise, or when it is
+    not JSON."""
+    if len(text) > max_chars or json_depth(text) > max_depth:
         return None
     try:
-        return json.loads(lines[-1][len(RESULT_TAG) :])
-    except ValueError:
+        return json.loads(text)
+    except (ValueError, RecursionError):
         return None
+
+
+def _results(stdout: str) -> Any:
+    """The runner's last result line (a sandbox's output: hostile, bounded, never raising)."""
+    lines = [ln for ln in stdout.splitlines() if ln.startswith(RESULT_TAG)]
+    return untrusted_json(lines[-1][len(RESULT_TAG) :]) if lines else None
 
 
 def _failure(tool: str, res: RunResult) -> str:

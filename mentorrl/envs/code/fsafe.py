@@ -6,7 +6,8 @@ fails the operation; it is never followed), files are opened ``O_NONBLOCK`` (a F
 the host) and checked with ``fstat`` after the open (only regular files are read or written), and
 ownership changes go through ``fchown`` on the open descriptor. Walks are iterative (no
 recursion, so 1,500 nested directories are no problem) and bounded: :func:`copy_tree` caps depth,
-entries and bytes and copies regular files and directories only; :func:`remove_tree` removes any
+entries and bytes and copies regular files and directories only, and no file that could run instead of
+source (:func:`shadows_source`: extension modules, bytecode, ``.pth``); :func:`remove_tree` removes any
 tree with a constant number of open descriptors, climbing back with ``..`` checked against the
 device and inode it came from.
 """
@@ -141,13 +142,33 @@ def entry_stat(root_fd: int, path: str) -> os.stat_result | None:
         os.close(dfd)
 
 
+def _not_source_suffixes() -> tuple[str, ...]:
+    """Name endings of files the import system (or ``site``) runs instead of, or beside, source: extension
+    modules of any platform, bytecode, ``.pth`` and ``.egg-link`` files, and every importable suffix of
+    this interpreter other than ``.py``."""
+    import importlib.machinery as m
+
+    fixed = (".so", ".pyd", ".dll", ".dylib", ".pyc", ".pyo", ".pth", ".egg-link")
+    ours = tuple(x for x in m.all_suffixes() if x not in m.SOURCE_SUFFIXES)
+    return tuple(dict.fromkeys(fixed + ours))
+
+
+NOT_SOURCE_SUFFIXES = _not_source_suffixes()
+CACHE_DIRS = frozenset({"__pycache__"})
+
+
+def shadows_source(name: str) -> bool:
+    """Could a file or directory called ``name`` run as code instead of (or beside) the ``.py`` shown?"""
+    return name in CACHE_DIRS or name.lower().endswith(NOT_SOURCE_SUFFIXES)
+
+
 @dataclass
 class CopyCaps:
     max_depth: int = 16
     max_entries: int = 512
     max_bytes: int = 16 << 20
-    skip_dirs: frozenset[str] = frozenset({"__pycache__"})
-    skip_suffixes: tuple[str, ...] = (".pyc", ".pyo")
+    skip_dirs: frozenset[str] = CACHE_DIRS
+    skip_suffixes: tuple[str, ...] = NOT_SOURCE_SUFFIXES  # only source is copied: nothing that shadows a .py
 
 
 @dataclass
@@ -200,8 +221,8 @@ def _copy_dir(s: int, d: int, prefix: str, depth: int, caps: CopyCaps, rep: Copy
             os.mkdir(name, 0o755, dir_fd=d)
             stack.append((os.open(name, DIR_FLAGS, dir_fd=s), os.open(name, DIR_FLAGS, dir_fd=d), rel + "/", depth + 1))
         elif stat.S_ISREG(st.st_mode):
-            if name.endswith(caps.skip_suffixes):
-                rep.skipped.append(f"{rel} (bytecode)")
+            if name.lower().endswith(caps.skip_suffixes):
+                rep.skipped.append(f"{rel} (not source: extension module, bytecode or site hook)")
                 continue
             _copy_file(s, d, name, caps, rep)
         else:
@@ -300,4 +321,6 @@ __all__ = [
     "entry_stat",
     "copy_tree",
     "remove_tree",
+    "shadows_source",
+    "NOT_SOURCE_SUFFIXES",
 ]

@@ -15,11 +15,14 @@ Each execution is one process chain::
   time; ``read_only`` subdirectories, the tests, bound read-only). No ``/work``, no
   site-packages (so no ``mentorrl``), no ``/tmp``, no ``/home``, no ``/sys``, no shell.
 * **Code shown is code run**: ``-B`` and an empty read-only ``pycache_prefix`` (no bytecode is read
-  from or written to ``__pycache__``); ``-I`` keeps the workspace off the front of ``sys.path``.
+  from or written to ``__pycache__``); ``-I`` keeps the workspace off the front of ``sys.path``; every
+  directory outside the interpreter's own is searched for ``.py`` source only (the prelude's path
+  hook), so an extension module, bytecode or zip planted there never runs instead of a ``.py``.
 * **Namespaces**: no network (a fresh network namespace), PID, IPC, UTS, mount, user and cgroup
   namespaces; ``--disable-userns`` forbids nested user namespaces.
 * **seccomp** (:mod:`.seccomp`): no ``unshare`` / ``setns`` / namespace ``clone`` flags, no mounts,
-  no ``keyctl``, no ``io_uring``, no ``ptrace``, no ``bpf``.
+  no ``keyctl``, no ``io_uring``, no ``ptrace`` / ``process_vm_*``, no ``bpf``, no ``memfd_create`` /
+  ``execveat``; sockets of the ``AF_UNIX`` family only (an allow-list).
 * **Per-sandbox limits** (:mod:`.cgroups`): one cgroup per run with the memory (shared memory and
   tmpfs pages count), the process count and the CPU time (polled, the run killed past ``cpu_s``,
   and ``cpu.max`` at one core) of the whole sandbox; per-process rlimits on top (CPU, address
@@ -91,13 +94,30 @@ class RunResult:
 
 
 # Runs first in the sandboxed interpreter: the per-process limits, then the program as __main__.
+# Every directory outside the interpreter's own (the workspace, /dev/shm, anything added to sys.path) is
+# searched for source only: an extension module, bytecode or zip there never runs instead of a .py.
 PRELUDE = r"""
-import resource as _r, sys as _s
+import resource as _r, sys as _s, os as _o, importlib.machinery as _m
 for _k, _v in {limits}:
     _r.setrlimit(_k, _v)
+_std = tuple(_o.path.realpath(_p) + "/" for _p in _s.path)
+def _source_only(path, _std=_std, _hooks=tuple(_s.path_hooks), _m=_m, _o=_o):
+    real = _o.path.realpath(path or ".")
+    if (real + "/").startswith(_std):  # the interpreter's own directories keep their usual finders
+        for _h in _hooks:
+            try:
+                return _h(path)
+            except ImportError:
+                pass
+        raise ImportError(path)
+    if not _o.path.isdir(real):  # no zip archive, outside the interpreter's own
+        raise ImportError("only directories of Python source are searched here")
+    return _m.FileFinder(path or ".", (_m.SourceFileLoader, _m.SOURCE_SUFFIXES))
+_s.path_hooks[:] = [_source_only]
+_s.path_importer_cache.clear()
 _s.argv[0] = "-c"
 _c = compile(_s.argv.pop(1), "<string>", "exec")
-del _r, _s, _k, _v
+del _r, _s, _o, _m, _k, _v, _std, _source_only
 exec(_c)
 """
 
@@ -560,6 +580,7 @@ _EXPLAIN = (
     ("Resource temporarily unavailable", "process limit of {max_processes} reached (fork refused)"),
     ("Network is unreachable", "no network in the sandbox"),
     ("Temporary failure in name resolution", "no network in the sandbox"),
+    ("Address family not supported", "no network in the sandbox: only AF_UNIX sockets can be created"),
     ("Read-only file system", "write refused: the sandbox can write only inside its workspace (tests are read-only)"),
     ("File too large", "file-size limit of {max_file_bytes} bytes reached"),
     ("No space left on device", "workspace size limit of {workspace_mb} MiB reached"),

@@ -2,12 +2,16 @@
 
 Denied with ``EPERM``: new namespaces (``unshare``, ``setns``, ``clone`` with a namespace flag),
 mounts (``mount``, ``umount2``, ``pivot_root``, the new mount API), ``keyctl`` / ``add_key`` /
-``request_key``, ``io_uring_*``, ``ptrace``, ``bpf``, ``perf_event_open``, ``userfaultfd``,
-``kexec_load``, ``open_by_handle_at``; ``clone3`` gets ``ENOSYS`` (its flags are out of the
-filter's reach, and the C library then falls back to ``clone``). A foreign architecture (the
-32-bit or x32 ABI on x86_64) kills the process. :func:`bpf_program` returns the filter in the
-layout ``bwrap --seccomp FD`` reads (an array of ``struct sock_filter``); ``None`` on an
-architecture without a table here (the sandbox then reports seccomp as missing).
+``request_key``, ``io_uring_*``, ``ptrace``, ``process_vm_readv`` / ``process_vm_writev``, ``bpf``,
+``perf_event_open``, ``userfaultfd``, ``kexec_load``, ``open_by_handle_at``, and running anonymous
+memory (``memfd_create``, ``execveat``: no ``fexecve``); ``clone3`` gets ``ENOSYS`` (its flags are out
+of the filter's reach, and the C library then falls back to ``clone``). Sockets come from an
+allow-list of families: ``socket`` and ``socketpair`` for any family but ``AF_UNIX`` get
+``EAFNOSUPPORT`` (so ``AF_VSOCK``, ``AF_NETLINK``, ``AF_PACKET``, ``AF_INET`` ... never reach the
+kernel's socket code). A foreign architecture (the 32-bit ABI on x86_64) kills the process; an x32
+call gets ``EPERM``. :func:`bpf_program` returns the filter in the layout ``bwrap --seccomp FD``
+reads (an array of ``struct sock_filter``); ``None`` on an architecture without a table here (the
+sandbox then reports seccomp as missing).
 """
 
 from __future__ import annotations
@@ -26,7 +30,9 @@ _RET_KILL_PROCESS = 0x80000000
 _RET_ERRNO = 0x00050000
 _RET_ALLOW = 0x7FFF0000
 # offsets in struct seccomp_data
-_NR, _ARCH, _ARG0 = 0, 4, 16
+_NR, _ARCH, _ARG0 = 0, 4, 16  # _ARG0: the low 32 bits of the first argument (little-endian)
+AF_UNIX = 1
+SOCKET_FAMILIES = (AF_UNIX,)  # the only socket families a sandboxed program may create
 # CLONE_NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET | NEWTIME
 CLONE_NS_FLAGS = 0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000 | 0x80
 
@@ -59,8 +65,14 @@ SYSCALLS = {
         "fsmount": 432,
         "fspick": 433,
         "mount_setattr": 442,
+        "process_vm_readv": 310,
+        "process_vm_writev": 311,
+        "memfd_create": 319,
+        "execveat": 322,
         "clone": 56,
         "clone3": 435,
+        "socket": 41,
+        "socketpair": 53,
     },
     "aarch64": {
         "audit_arch": 0xC00000B7,
@@ -89,11 +101,18 @@ SYSCALLS = {
         "fsmount": 432,
         "fspick": 433,
         "mount_setattr": 442,
+        "process_vm_readv": 270,
+        "process_vm_writev": 271,
+        "memfd_create": 279,
+        "execveat": 281,
         "clone": 220,
         "clone3": 435,
+        "socket": 198,
+        "socketpair": 199,
     },
 }
-DENIED = tuple(n for n in SYSCALLS["x86_64"] if n not in ("audit_arch", "clone", "clone3"))
+_CHECKED = ("audit_arch", "clone", "clone3", "socket", "socketpair")  # not denied outright: see bpf_program
+DENIED = tuple(n for n in SYSCALLS["x86_64"] if n not in _CHECKED)
 _ALIASES = {"amd64": "x86_64", "arm64": "aarch64"}
 
 
@@ -102,39 +121,63 @@ def machine() -> str:
     return _ALIASES.get(m, m)
 
 
-def _ins(code: int, k: int, jt: int = 0, jf: int = 0) -> tuple[int, int, int, int]:
-    return (code, jt, jf, k)
+def _assemble(prog: list[tuple]) -> bytes:
+    """Pack ``prog``: instructions ``(code, k, jt, jf)`` whose jump targets are label names, and
+    ``("label", name)`` markers; a jump's offset is counted from the next instruction."""
+    labels, n = {}, 0
+    for ins in prog:
+        if ins[0] == "label":
+            labels[ins[1]] = n
+        else:
+            n += 1
+    out, i = [], 0
+    for ins in prog:
+        if ins[0] == "label":
+            continue
+        code, k, jt, jf = ins
+        offs = [labels[t] - i - 1 if isinstance(t, str) else t for t in (jt, jf)]
+        if not all(0 <= o < 256 for o in offs):
+            raise ValueError(f"seccomp: jump out of range at instruction {i}")
+        out.append(struct.pack("=HBBI", code, offs[0], offs[1], k))
+        i += 1
+    return b"".join(out)
 
 
 def bpf_program(arch: str | None = None) -> bytes | None:
     """The filter as packed ``struct sock_filter`` records, or None for an unknown architecture."""
-    table = SYSCALLS.get(arch or machine())
+    arch = arch or machine()
+    table = SYSCALLS.get(arch)
     if table is None:
         return None
-    denied = [table[n] for n in DENIED]
-    # layout: arch check, [x32 check], one jeq per denied call, clone3, clone + its flags, then the returns
-    head = [_ins(_LD_W_ABS, _ARCH), _ins(_JEQ_K, table["audit_arch"], 1, 0), _ins(_RET_K, _RET_KILL_PROCESS)]
-    body = [_ins(_LD_W_ABS, _NR)]
-    x32 = (arch or machine()) == "x86_64"
-    n_checks = len(denied) + (1 if x32 else 0)
-    # after the checks: [jeq clone3] [jeq clone] [ld arg0] [jset] [ret allow] [ret eperm] [ret enosys]
-    tail_len = 4  # clone3, clone, ld arg0, jset
-    for i in range(n_checks):
-        to_eperm = (n_checks - i - 1) + tail_len + 1  # skip the rest of the checks, the tail and ret allow
-        if x32 and i == 0:
-            body.append(_ins(_JGE_K, 0x40000000, to_eperm, 0))  # the x32 ABI sets this bit in nr
-        else:
-            body.append(_ins(_JEQ_K, denied[i - (1 if x32 else 0)], to_eperm, 0))
-    body += [
-        _ins(_JEQ_K, table["clone3"], 5, 0),  # -> ret ENOSYS
-        _ins(_JEQ_K, table["clone"], 0, 2),  # not clone -> ret allow
-        _ins(_LD_W_ABS, _ARG0),  # clone's flags (the low 32 bits of its first argument)
-        _ins(_JSET_K, CLONE_NS_FLAGS, 1, 0),  # a namespace flag -> ret EPERM
-        _ins(_RET_K, _RET_ALLOW),
-        _ins(_RET_K, _RET_ERRNO | errno.EPERM),
-        _ins(_RET_K, _RET_ERRNO | errno.ENOSYS),
+    prog: list[tuple] = [
+        (_LD_W_ABS, _ARCH, 0, 0),
+        (_JEQ_K, table["audit_arch"], 1, 0),
+        (_RET_K, _RET_KILL_PROCESS, 0, 0),  # a foreign ABI
+        (_LD_W_ABS, _NR, 0, 0),
     ]
-    return b"".join(struct.pack("=HBBI", *ins) for ins in head + body)
+    if arch == "x86_64":
+        prog.append((_JGE_K, 0x40000000, "eperm", 0))  # the x32 ABI sets this bit in nr
+    prog += [(_JEQ_K, table[n], "eperm", 0) for n in DENIED]
+    prog += [
+        (_JEQ_K, table["clone3"], "enosys", 0),
+        (_JEQ_K, table["socket"], "family", 0),
+        (_JEQ_K, table["socketpair"], "family", 0),
+        (_JEQ_K, table["clone"], "clone", "allow"),
+        ("label", "clone"),
+        (_LD_W_ABS, _ARG0, 0, 0),  # clone's flags
+        (_JSET_K, CLONE_NS_FLAGS, "eperm", "allow"),
+        ("label", "family"),
+        (_LD_W_ABS, _ARG0, 0, 0),  # the socket's family: an allow-list
+        *[(_JEQ_K, fam, "allow", 0) for fam in SOCKET_FAMILIES],
+        (_RET_K, _RET_ERRNO | errno.EAFNOSUPPORT, 0, 0),
+        ("label", "allow"),
+        (_RET_K, _RET_ALLOW, 0, 0),
+        ("label", "eperm"),
+        (_RET_K, _RET_ERRNO | errno.EPERM, 0, 0),
+        ("label", "enosys"),
+        (_RET_K, _RET_ERRNO | errno.ENOSYS, 0, 0),
+    ]
+    return _assemble(prog)
 
 
-__all__ = ["bpf_program", "machine", "DENIED", "SYSCALLS", "CLONE_NS_FLAGS"]
+__all__ = ["bpf_program", "machine", "DENIED", "SYSCALLS", "CLONE_NS_FLAGS", "SOCKET_FAMILIES"]
