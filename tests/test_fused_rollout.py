@@ -144,3 +144,20 @@ def test_unfused_decoder_is_still_available():
     dec = SlotDecoder(pm, fuse=False)
     assert dec.fused is None and dec.stats["fused"] == 0.0
     dec.close()
+
+
+@pytest.mark.parametrize("replica", [False, True])
+def test_a_bf16_policy_gets_the_slot_decoder_and_a_broken_one_still_does_not(replica, monkeypatch):
+    """The once-per-model check runs in float32 (a copy, or a two-layer replica past the size limit), so
+    bf16 rounding never sends a bf16 LoRA policy to the slow fallback, and a real fault is still caught."""
+    import mentorrl.rollout.decoders as decoders_mod
+
+    if replica:
+        monkeypatch.setattr(decoders_mod, "_CHECK_COPY_BYTES", 0)
+    pm = _adapted(_llama(), MODULES).to(torch.bfloat16)
+    assert slot_decoder_checks(pm) is None
+    other = _adapted(_llama(), MODULES, seed=3).to(torch.bfloat16)
+    real = SlotDecoder._rotary
+    # a position skipped after the fourth token (a uniform shift would not show: rotary attention is relative)
+    monkeypatch.setattr(SlotDecoder, "_rotary", lambda self, h, pos: real(self, h, pos + (pos >= 4).long()))
+    assert "differ" in (slot_decoder_checks(other) or "")
