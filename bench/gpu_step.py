@@ -13,7 +13,8 @@ random-init model's all-failed groups still train; no KL reference; no evaluatio
 
 Printed per arm, from the run's ``metrics.jsonl`` (the timed steps after ``--warmup``): step seconds (median),
 rollout policy tokens per second (total policy tokens over total rollout seconds), the vLLM/learner log-prob
-gap ``logprob_abs_gap`` (mean and largest), and each process's peak GPU memory
+gap at the same weights ``mismatch_logprob_gap`` (mean and largest over the steps; each step's is its first
+update's, before the policy moves; ``logprob_abs_gap``, over every update, is printed beside it), and each process's peak GPU memory
 (``torch.cuda.max_memory_allocated`` and ``max_memory_reserved``, written by the process itself at exit;
 on the CPU its peak RSS instead).
 
@@ -102,6 +103,13 @@ def summarise_steps(records: Iterable[Mapping[str, Any]], warmup: int, stage: st
     gaps = [r["logprob_abs_gap"] for r in timed if isinstance(r.get("logprob_abs_gap"), (int, float))]
     if gaps:
         out["logprob_abs_gap_max"] = max(gaps)
+    # the rollout/learner mismatch at the same weights: the updates whose batch the current weights sampled
+    # (policy lag 0, rl_loop.mismatch_metrics). logprob_abs_gap averages every update of a step, so after the
+    # first one it includes the policy's own change (0.098 there where the mismatch was 7e-7).
+    same = [r["mismatch_logprob_gap"] for r in timed if isinstance(r.get("mismatch_logprob_gap"), (int, float))]
+    if same:
+        out["mismatch_logprob_gap"] = sum(same) / len(same)
+        out["mismatch_logprob_gap_max"] = max(same)
     out["rollout_backend"] = sorted({r.get("rollout_backend") for r in timed} - {None})
     return out
 
@@ -195,7 +203,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--size", choices=["0.5b", "20m"], default="0.5b")
-    ap.add_argument("--model", default=None, help="a model directory built before (skips the build)")
+    ap.add_argument(
+        "--model", default=None, help="a model directory built before, or a GGUF source such as smollm2 (skips the build)"
+    )
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--ranks", type=int, default=None, help="FSDP2 ranks (default: every GPU; 2 on the CPU)")
     ap.add_argument("--vllm", choices=["auto", "on", "off"], default="auto", help="auto: vLLM if it imports")
@@ -246,8 +256,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
             print(
                 f"{arm}: step {r['step_s']:.2f} s (timed {[round(x, 2) for x in r['step_s_all']]}, warm-up "
                 f"{[round(x, 1) for x in r['warmup_step_s']]}); rollout {r.get('rollout_tokens_per_s', 0):.0f} policy "
-                f"tokens/s ({'/'.join(r['rollout_backend'])}); |logprob gap| {r.get('logprob_abs_gap', float('nan')):.2e} "
-                f"(max {r.get('logprob_abs_gap_max', float('nan')):.2e}); {fmt_mem(r)} [{r['process_wall_s']:.0f} s]",
+                f"tokens/s ({'/'.join(r['rollout_backend'])}); |logprob gap| at the same weights "
+                f"{r.get('mismatch_logprob_gap', float('nan')):.2e} (max {r.get('mismatch_logprob_gap_max', float('nan')):.2e}; "
+                f"over all updates {r.get('logprob_abs_gap', float('nan')):.2e}); {fmt_mem(r)} [{r['process_wall_s']:.0f} s]",
                 flush=True,
             )
     finally:

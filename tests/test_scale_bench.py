@@ -103,7 +103,9 @@ def test_gpu_step_summary_of_metrics():
         {"stage": "grpo", "step": 2, "step_s": 3.0, "rollout_s": 2.0, "rollout_tokens": 400, "logprob_abs_gap": 0.01},
         {"stage": "grpo", "step": 3, "step_s": 5.0, "rollout_s": 2.0, "rollout_tokens": 200, "logprob_abs_gap": 0.03},
     ]
+    recs[1]["mismatch_logprob_gap"], recs[2]["mismatch_logprob_gap"] = 1e-6, 3e-6  # lag-0 updates only
     out = gpu_step.summarise_steps(recs, warmup=1)
+    assert out["mismatch_logprob_gap"] == pytest.approx(2e-6) and out["mismatch_logprob_gap_max"] == pytest.approx(3e-6)
     assert out["step_s"] == 4.0
     assert out["rollout_tokens_per_s"] == pytest.approx(600 / 4.0)
     assert out["logprob_abs_gap"] == pytest.approx(0.02)
