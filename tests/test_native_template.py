@@ -41,6 +41,7 @@ from mentorrl.contract import (
     chat_template_for,
     contract_for_env,
     render_observation_content,
+    tool_schemas,
 )
 from mentorrl.rollout.episode import run_scripted_episode
 
@@ -320,7 +321,7 @@ def test_the_engine_rolls_out_with_the_templates_stop_token_and_observations(con
     model.eval()
     tasks = orders_entry.make_tasks().tasks("train", 3, 11)
     env = orders_entry.make_env()  # no system turn: a short prompt, within the tiny model's context
-    chat = native_chat_for(tok, env, PromptFormat(system_turn=False))
+    chat = native_chat_for(tok, env, PromptFormat(system_turn=False, native_tools=False))
     sampling = c.sampling.model_copy(update={"max_new_tokens": 12})
     limited = contract_for_env(tok, env, sampling=sampling, limits=c.limits, chat=chat)
     env.close()
@@ -339,3 +340,29 @@ def test_the_engine_rolls_out_with_the_templates_stop_token_and_observations(con
             elif seg.role == "policy" and ids[-1] in limited.stop_token_ids:
                 assert limited.parse_action(limited.decode_turn(ids)).kind in ("tool", "malformed", "answer")
     assert observed > 0
+
+
+@pytest.mark.parametrize("fam", ["qwen25", "llama31"])
+def test_a_tool_aware_template_gets_its_tools_under_a_recipe_without_a_system_turn(base_tokenizer, env, fam):
+    """The shipped recipes set ``prompt.system_turn: false`` (the tiny model learns its tools from data). A
+    checkpoint whose template renders tools must not silently lose them under such a recipe: the tool
+    schemas still reach its template (only the system prompt text goes); ``native_tools: false`` opts out.
+    A template that renders no tools (``hermes_prompted``) follows ``system_turn`` as before."""
+    tok = family_tokenizer(base_tokenizer, fam)
+    names = [t["function"]["name"] for t in tool_schemas(env)]
+    shown = contract_for_env(
+        tok, env, limits=ContractLimits(max_total_tokens=8192),
+        chat=native_chat_for(tok, env, PromptFormat(system_turn=False)),
+    )  # fmt: skip
+    prompt = tok.decode(shown.prompt_ids("Where is order 7?"))
+    assert all(n in prompt for n in names)
+    assert env.system_prompt.strip()[:40] not in prompt  # the system prompt itself is dropped
+    hidden = native_chat_for(tok, env, PromptFormat(system_turn=False, native_tools=False))
+    c = contract_for_env(tok, env, limits=ContractLimits(max_total_tokens=8192), chat=hidden)
+    assert not any(n in tok.decode(c.prompt_ids("Where is order 7?")) for n in names)
+    plain = family_tokenizer(base_tokenizer, "qwen25")
+    plain.chat_template = PLAIN_CHATML
+    prompted = native_chat_for(plain, env, PromptFormat(system_turn=False))
+    assert prompted.name == "hermes_prompted"
+    c = contract_for_env(plain, env, limits=ContractLimits(max_total_tokens=8192), chat=prompted)
+    assert not any(n in plain.decode(c.prompt_ids("Where is order 7?")) for n in names)

@@ -62,15 +62,18 @@ def native_chat_for(tokenizer: Any, env: Any, prompt: PromptFormat) -> TemplateC
     """The checkpoint template's rendering for ``env`` (system prompt, tool schemas) under ``prompt``, or
     None when the run uses the contract's ChatML template (:func:`resolve_tool_format`).
 
-    ``prompt.system_turn`` false: no system message and no ``tools=`` (the policy learns the tools from
-    data); ``prompt.tool_descriptions`` false: the schemas carry no descriptions."""
+    ``prompt.system_turn`` false: no system message, and no ``tools=`` where the template does not render
+    tools itself (the contract's ChatML, a prompted format: the policy learns the tools from data); a
+    template that renders tools natively still gets them (``prompt.native_tools``, default true: a recipe
+    written for the tiny model, ``system_turn: false``, would otherwise hide a Qwen or Llama checkpoint's
+    tools from it). ``prompt.tool_descriptions`` false: the schemas carry no descriptions."""
     source = getattr(tokenizer, "chat_template", None)
     source = source if isinstance(source, str) else None
     name = resolve_tool_format(source, prompt.tool_format)
     if name == MENTORRL:
         return None
     tools = None
-    if prompt.system_turn:
+    if prompt.system_turn or (prompt.native_tools and not get_tool_format(name).prompted):
         tools = tool_schemas(env)
         if not prompt.tool_descriptions:
             tools = [{**t, "function": {k: v for k, v in t["function"].items() if k != "description"}} for t in tools]

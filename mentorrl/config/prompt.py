@@ -22,6 +22,12 @@ class PromptFormat(BaseModel):
     system_turn: bool = Field(
         True, description="render the system turn (role, rules, tools); false: the policy learns the tools from data"
     )
+    native_tools: bool = Field(
+        True,
+        description="a checkpoint template that renders tools itself (hermes, llama3_json) gets the tool schemas "
+        "even with system_turn false, which then drops only the system prompt (the model was trained to see "
+        "its tools there); false: no tools= either, the policy learns them from data",
+    )
     tool_format: str = Field(
         "auto",
         min_length=1,
