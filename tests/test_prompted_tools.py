@@ -92,3 +92,41 @@ def test_malformed_calls_from_a_real_model_are_observations_not_crashes(contract
     task = orders_entry.make_tasks().tasks("train", 1, 3)[0]
     traj = run_text_turns(contract, env, task, [turn, "I could not do it."])
     assert traj.tool_calls and traj.finish_reason == "answer" and not traj.reward.success
+
+
+@pytest.mark.parametrize("system_turn", [False, True])
+def test_serve_renders_a_saved_checkpoint_as_its_run_trained_it(plain_tok, tmp_path, system_turn):
+    """The run's prompt settings travel in the checkpoint's tokenizer_config.json (``PROMPT_RECORD``): a
+    SmolLM2-style checkpoint trained with ``system_turn: false`` saw no tools block, so ``mentorrl serve``
+    renders a request's tools nowhere (they still name the functions a reply may call) and the served
+    prompt is the training prompt token for token; one trained with the system turn gets the tools block."""
+    from transformers import AutoTokenizer
+
+    from mentorrl.config import RunConfig
+    from mentorrl.serve.render import ChatRenderer
+    from mentorrl.train.workspace import open_workspace
+
+    tok = copy.deepcopy(plain_tok)
+    ws = open_workspace(
+        RunConfig(run_dir=str(tmp_path / "run"), prompt={"system_turn": system_turn}, limits={"max_total_tokens": 4096}),
+        show_progress=False,
+    )
+    ws.bind_tokenizer(tok)
+    tok.save_pretrained(tmp_path / "ckpt")
+    loaded = AutoTokenizer.from_pretrained(tmp_path / "ckpt")
+    assert loaded.chat_template == PLAIN_CHATML  # never edited
+    env = ws.make_env()
+    try:
+        task = ws.eval_tasks("heldout", 1)[0]
+        user = env.reset(task)
+        tools = tool_schemas(env)
+        system = [{"role": "system", "content": env.system_prompt}] if system_turn else []
+        renderer = ChatRenderer(loaded)
+        served = renderer.prompt_pieces([*system, {"role": "user", "content": user}], tools)
+        if system_turn:  # the text; this tokenizer has <tool_call> as a token, which serve's tools block spells out
+            assert "".join(served) == "".join(ws.contract.chat.prompt_pieces(user))
+        else:
+            assert renderer.encoder.pieces(served) == ws.contract.prompt_ids(user)
+        assert ("<tools>" in "".join(served)) is system_turn
+    finally:
+        env.close()

@@ -14,10 +14,11 @@ from mentorrl.chat_templates.formats import (
     renders_tools,
 )
 from mentorrl.chat_templates.native import TemplateChat, TemplateError
-from mentorrl.chat_templates.resolve import native_chat_for, resolve_tool_format
+from mentorrl.chat_templates.resolve import PROMPT_RECORD, native_chat_for, resolve_tool_format, trained_without_tools
 
 __all__ = [
     "MENTORRL",
+    "PROMPT_RECORD",
     "TOOL_FORMATS",
     "TemplateChat",
     "TemplateError",
@@ -28,4 +29,5 @@ __all__ = [
     "register_tool_format",
     "renders_tools",
     "resolve_tool_format",
+    "trained_without_tools",
 ]

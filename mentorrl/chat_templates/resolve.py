@@ -17,6 +17,21 @@ from mentorrl.config import ConfigError, PromptFormat
 from mentorrl.contract import tool_schemas
 
 
+# The key of a run's prompt settings in its tokenizer's ``init_kwargs`` (so ``tokenizer_config.json`` of every
+# checkpoint it saves): the rendering the policy was trained on, for a server that loads the checkpoint.
+PROMPT_RECORD = "mentorrl_prompt"
+
+
+def trained_without_tools(tokenizer: Any, fmt_name: str) -> bool:
+    """Whether ``tokenizer``'s checkpoint was trained with no tools in its prompt under the native format
+    ``fmt_name``: a prompted format (the template renders no tools) with ``prompt.system_turn`` false, or a
+    tool-aware one with ``system_turn`` and ``native_tools`` both false (its :data:`PROMPT_RECORD`)."""
+    rec = (getattr(tokenizer, "init_kwargs", None) or {}).get(PROMPT_RECORD)
+    if not isinstance(rec, dict) or rec.get("tool_format") != fmt_name or rec.get("system_turn") is not False:
+        return False
+    return get_tool_format(fmt_name).prompted or rec.get("native_tools") is False
+
+
 def resolve_tool_format(source: str | None, requested: str = "auto") -> str:
     """The tool format a run with chat template ``source`` uses: ``"mentorrl"`` (the contract's ChatML
     template replaces the checkpoint's) or a registered format's name (the checkpoint's template renders
@@ -85,4 +100,4 @@ def native_chat_for(tokenizer: Any, env: Any, prompt: PromptFormat) -> TemplateC
         raise ConfigError(f"prompt.tool_format {prompt.tool_format} ({name}): {e}") from None
 
 
-__all__ = ["native_chat_for", "resolve_tool_format"]
+__all__ = ["PROMPT_RECORD", "native_chat_for", "resolve_tool_format", "trained_without_tools"]

@@ -24,7 +24,14 @@ import logging
 from typing import Any, Mapping, Sequence
 
 from mentorrl.chat import MessageError, message_pieces_of, prompt_pieces
-from mentorrl.chat_templates import MENTORRL, TemplateChat, TemplateError, get_tool_format, resolve_tool_format
+from mentorrl.chat_templates import (
+    MENTORRL,
+    TemplateChat,
+    TemplateError,
+    get_tool_format,
+    resolve_tool_format,
+    trained_without_tools,
+)
 from mentorrl.chat_templates.formats import PYTHON_TAG
 from mentorrl.config import ConfigError
 from mentorrl.contract import (
@@ -57,6 +64,9 @@ class ChatRenderer:
         source = source if isinstance(source, str) else None
         self.tokenizer, self.chat = tokenizer, self._native(tokenizer, source, tool_format)
         self.format = MENTORRL if self.chat is None else self.chat.name
+        # a checkpoint trained with no tools in its prompt (its run's PROMPT_RECORD): a request's tools are not
+        # rendered, as in training, and still name the functions a reply may call
+        self.render_tools = self.chat is None or not trained_without_tools(tokenizer, self.format)
         self.tool_descriptions = _template_flag(source, "tool_descriptions")
         self.system_turn = _template_flag(source, "system_turn")
         self.encoder = ChatEncoder(tokenizer, self.chat.control_names if self.chat is not None else ())
@@ -82,7 +92,8 @@ class ChatRenderer:
         for m in messages:
             message_pieces_of(m)  # the checks (role, tool calls, their arguments) of the ChatML rendering
         try:
-            return self.chat.render_request([_native_message(m) for m in messages], tools or None)
+            shown = (tools or None) if self.render_tools else None
+            return self.chat.render_request([_native_message(m) for m in messages], shown)
         except TemplateError as e:
             raise MessageError(str(e)) from None
 

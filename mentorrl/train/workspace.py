@@ -14,7 +14,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from mentorrl.chat_templates import native_chat_for
+from mentorrl.chat_templates import PROMPT_RECORD, native_chat_for
 from mentorrl.config import RunConfig, dump_config
 from mentorrl.contract import RolloutContract, chat_template_for, contract_for_env
 from mentorrl.core.checksums import require_manifest
@@ -129,6 +129,12 @@ class Workspace:
                 tokenizer.chat_template = chat_template_for(self.cfg.prompt)
             elif chat.prefix_problem:
                 self.console.print(f"[yellow]chat template ({chat.name}): {chat.prefix_problem}[/yellow]")
+            if chat is not None:  # travels with every checkpoint's tokenizer: serve renders as the run trained
+                tokenizer.init_kwargs[PROMPT_RECORD] = {
+                    "tool_format": chat.name,
+                    "system_turn": self.cfg.prompt.system_turn,
+                    "native_tools": self.cfg.prompt.native_tools,
+                }
             self.tokenizer = tokenizer
             self.contract = contract_for_env(
                 tokenizer, env, self.cfg.sampling, self.cfg.limits, self.cfg.prompt, chat=chat
