@@ -156,9 +156,7 @@ def main() -> None:
     del roll
 
     # ---- learner: LoRA SFT steps under autocast, fp32 master weights
-    learner = Learner(
-        model, OptimConfig(lr=1e-5, micro_batch_size=a.sft_seqs), tok.pad_token_id or 0, precision=dtype
-    )
+    learner = Learner(model, OptimConfig(lr=1e-5, micro_batch_size=a.sft_seqs), tok.pad_token_id or 0, precision=dtype)
     model.train()
 
     def demo(i: int) -> Trajectory:

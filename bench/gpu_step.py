@@ -204,7 +204,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--size", choices=["0.5b", "20m"], default="0.5b")
     ap.add_argument(
-        "--model", default=None, help="a model directory built before, or a GGUF source such as smollm2 (skips the build)"
+        "--model",
+        default=None,
+        help="a model directory built before, or a GGUF source such as smollm2 (skips the build)",
     )
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--ranks", type=int, default=None, help="FSDP2 ranks (default: every GPU; 2 on the CPU)")

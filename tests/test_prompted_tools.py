@@ -108,7 +108,9 @@ def test_serve_renders_a_saved_checkpoint_as_its_run_trained_it(plain_tok, tmp_p
 
     tok = copy.deepcopy(plain_tok)
     ws = open_workspace(
-        RunConfig(run_dir=str(tmp_path / "run"), prompt={"system_turn": system_turn}, limits={"max_total_tokens": 4096}),
+        RunConfig(
+            run_dir=str(tmp_path / "run"), prompt={"system_turn": system_turn}, limits={"max_total_tokens": 4096}
+        ),
         show_progress=False,
     )
     ws.bind_tokenizer(tok)
