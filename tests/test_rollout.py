@@ -282,10 +282,22 @@ def test_engine_is_deterministic_given_seed(tool_happy_model, make_contract, ord
 
     _, a = engine_run(tool_happy_model, contract, orders_entry, tasks, episode_cls=jittery([0.0] * 50), seed=5)
     _, b = engine_run(tool_happy_model, contract, orders_entry, tasks, episode_cls=jittery([0.03, 0.0] * 25), seed=5)
+    # tool_sync next_step (the default): every pass feeds the same rows whatever the tools' timing, so the
+    # same seed gives the same trajectories bit for bit (issue 41, item 5)
     assert [t.token_ids for t in a] == [t.token_ids for t in b]
-    # log-probs agree to float noise (the batch layout of each step differs between the runs)
-    for ta, tb in zip(a, b):
-        assert max((abs(x - y) for x, y in zip(ta.logprobs, tb.logprobs)), default=0.0) < 1e-4
+    assert [t.logprobs for t in a] == [t.logprobs for t in b]
+    _, c = engine_run(
+        tool_happy_model, contract, orders_entry, tasks, episode_cls=jittery([0.03, 0.0] * 25), seed=5, tool_sync="asap"
+    )
+    assert [t.token_ids for t in a] == [t.token_ids for t in c]
+    # asap: log-probs agree to float noise (the batch layout of each step follows the tools' timing)
+    for ta, tc in zip(a, c):
+        assert max((abs(x - y) for x, y in zip(ta.logprobs, tc.logprobs)), default=0.0) < 1e-4
+
+
+def test_an_unknown_tool_sync_is_refused(tool_happy_model, make_contract):
+    with pytest.raises(ValueError, match="tool_sync 'later'"):
+        RolloutEngine(tool_happy_model, make_contract(), tool_sync="later")
 
 
 class _Gate:
@@ -331,7 +343,14 @@ def test_slow_tool_does_not_block_other_trajectories(tool_happy_model, make_cont
     contract = make_contract()
     tasks = orders_tasks[60 : 60 + N]
     engine, trajs = engine_run(
-        tool_happy_model, contract, orders_entry, tasks, episode_cls=GatedEpisode, seed=2, on_finish=gate.on_finish
+        tool_happy_model,
+        contract,
+        orders_entry,
+        tasks,
+        episode_cls=GatedEpisode,
+        seed=2,
+        on_finish=gate.on_finish,
+        tool_sync="asap",  # next_step waits for every call of a step: this gate would hold the batch
     )
     assert gate.slow_id is not None, "no trajectory made a tool call"
     assert gate.unfinished_at_block >= 2, "others had already finished: nothing was tested"
@@ -361,7 +380,9 @@ def test_slow_tool_wall_time(make_contract, orders_entry, orders_tasks, tool_hap
 
     contract = make_contract()
     tasks = orders_tasks[60 : 60 + N]
-    engine, trajs = engine_run(tool_happy_model, contract, orders_entry, tasks, episode_cls=SleepyEpisode, seed=2)
+    engine, trajs = engine_run(
+        tool_happy_model, contract, orders_entry, tasks, episode_cls=SleepyEpisode, seed=2, tool_sync="asap"
+    )
     assert len(calls) >= 8
     # some tool calls of different trajectories overlapped in time
     overlaps = sum(

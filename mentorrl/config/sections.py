@@ -76,6 +76,13 @@ class RolloutConfig(Section):
         "over left-padded rows; auto: slots where the model passes a one-time check against its "
         "own forward, else hf",
     )
+    tool_sync: Literal["next_step", "asap"] = Field(
+        "next_step",
+        description="hf backend: when a tool's result joins the batch. next_step: every call of a step is "
+        "awaited before the next forward pass, so a fixed seed rolls out the same trajectories bit for bit "
+        "whatever the tools' timing; asap: a result joins the first pass after it is back (a slow tool, "
+        "e.g. sandboxed code, then holds up only its own row)",
+    )
     inline_tool_ms: float = Field(
         5.0,
         ge=0,

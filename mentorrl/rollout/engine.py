@@ -29,6 +29,9 @@ from mentorrl.rollout.sampling import sample_tokens
 from mentorrl.trajectory import Trajectory
 
 
+TOOL_SYNC = ("next_step", "asap")
+
+
 class RolloutEngine:
     def __init__(
         self,
@@ -39,6 +42,7 @@ class RolloutEngine:
         compact_ratio: float = 1.25,
         decoder: str = "auto",
         inline_tool_s: float = INLINE_TOOL_S,
+        tool_sync: str = "next_step",
     ):
         """``tool_workers``: threads running tool calls; None gives one per slot, so no call ever
         queues behind another (tool calls wait on I/O; cap it for CPU-heavy tools).
@@ -52,7 +56,14 @@ class RolloutEngine:
         (per-row KV slots and packed tokens where the model supports it), ``slots`` or ``hf``.
         ``inline_tool_s``: a kind of tool call (or verification) whose recent calls took at most this
         long (median CPU and wall time, none stalled past 10x) runs inline in the decode loop instead
-        of the pool (:mod:`mentorrl.rollout.dispatch`; 0: always the pool)."""
+        of the pool (:mod:`mentorrl.rollout.dispatch`; 0: always the pool).
+        ``tool_sync``: when a tool's result joins the batch. ``next_step`` (the default): every call made
+        in a step is awaited before the next forward pass, so which rows a pass feeds depends on the
+        episodes alone, never on timing (where a call ran, how long it took): a fixed seed rolls out the
+        same trajectories bit for bit. ``asap``: a result joins the first pass after it is back, so a slow
+        tool holds up only its own row (tools of 0.1 s and more, e.g. sandboxed code)."""
+        if tool_sync not in TOOL_SYNC:
+            raise ValueError(f"tool_sync {tool_sync!r}: expected one of {', '.join(TOOL_SYNC)}")
         self.model = model
         self.contract = contract
         self.tool_workers = tool_workers
@@ -60,6 +71,7 @@ class RolloutEngine:
         self.compact_ratio = compact_ratio
         self.decoder = decoder
         self.inline_tool_s = inline_tool_s
+        self.tool_sync = tool_sync
 
     @torch.no_grad()
     def run(
@@ -225,7 +237,13 @@ class StreamScheduler:
     def collect_tools(self, poll: bool) -> None:
         """Take the tool results that are back (waiting for one when every row is paused: at most
         a moment with ``poll``, so a stop is seen) and the finished verdicts."""
-        if self.waiting and self.all_paused():
+        if self.waiting and self.engine.tool_sync == "next_step":
+            pending = [sl.tool for sl in self.waiting.values()]
+            stop = self.source.stop
+            while cf.wait(pending, timeout=0.05 if poll else None).not_done:  # a moment at a time: a stop is seen
+                if stop is not None and stop.is_set():
+                    break
+        elif self.waiting and self.all_paused():
             futures = [sl.tool for sl in self.waiting.values()] + [sl.verdict for sl in self.verdicts.values()]
             cf.wait(futures, timeout=0.05 if poll else None, return_when=cf.FIRST_COMPLETED)
         self.collect()

@@ -138,6 +138,10 @@ class BackendChoice:
         return inline_tool_s(self.config)
 
     @property
+    def tool_sync(self) -> str:
+        return getattr(self.config, "tool_sync", None) or "next_step"
+
+    @property
     def engine(self) -> Any:
         """The vLLM engine built so far (None: none yet, or the hf backend)."""
         return self._engine
@@ -147,7 +151,13 @@ class BackendChoice:
         this choice's decoder and tool threshold (hf; for streaming rollouts)."""
         from mentorrl.rollout.engine import RolloutEngine
 
-        return RolloutEngine(self.placed(model), contract, decoder=self.decoder, inline_tool_s=self.inline_tool_s)
+        return RolloutEngine(
+            self.placed(model),
+            contract,
+            decoder=self.decoder,
+            inline_tool_s=self.inline_tool_s,
+            tool_sync=self.tool_sync,
+        )
 
     def placed(self, model):
         """The model the hf backend decodes for ``model``: itself when it already sits on this choice's
@@ -163,7 +173,13 @@ class BackendChoice:
         if self.name == "hf":
             from mentorrl.rollout.backends.hf import HFBackend
 
-            return HFBackend(self.placed(model), contract, decoder=self.decoder, inline_tool_s=self.inline_tool_s)
+            return HFBackend(
+                self.placed(model),
+                contract,
+                decoder=self.decoder,
+                inline_tool_s=self.inline_tool_s,
+                tool_sync=self.tool_sync,
+            )
         from mentorrl.rollout.backends.vllm import VLLMBackend
 
         with self._lock:

@@ -32,13 +32,17 @@ class HFBackend(GenerationBackend):
         pad_token_id: int | None = None,
         decoder: str = "auto",
         inline_tool_s: float = INLINE_TOOL_S,
+        tool_sync: str = "next_step",
     ):
         super().__init__()
         self.model, self.contract, self.decoder, self.inline_tool_s = model, contract, decoder, inline_tool_s
+        self.tool_sync = tool_sync
         self.pad_token_id = contract.pad_token_id if pad_token_id is None else pad_token_id
 
     def run_episodes(self, episodes: list[Episode], seed: int = 0) -> list[Trajectory]:
-        engine = RolloutEngine(self.model, self.contract, decoder=self.decoder, inline_tool_s=self.inline_tool_s)
+        engine = RolloutEngine(
+            self.model, self.contract, decoder=self.decoder, inline_tool_s=self.inline_tool_s, tool_sync=self.tool_sync
+        )
         out = engine.run(episodes, seed=seed)
         self.last_stats = getattr(engine, "last_stats", {})
         return out
