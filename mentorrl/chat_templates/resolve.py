@@ -16,7 +16,6 @@ from mentorrl.chat_templates.native import TemplateChat, TemplateError
 from mentorrl.config import ConfigError, PromptFormat
 from mentorrl.contract import tool_schemas
 
-
 # The key of a run's prompt settings in its tokenizer's ``init_kwargs`` (so ``tokenizer_config.json`` of every
 # checkpoint it saves): the rendering the policy was trained on, for a server that loads the checkpoint.
 PROMPT_RECORD = "mentorrl_prompt"

@@ -28,7 +28,6 @@ from mentorrl.rollout.kvcache import common_prefix_len
 from mentorrl.rollout.sampling import sample_tokens
 from mentorrl.trajectory import Trajectory
 
-
 TOOL_SYNC = ("next_step", "asap")
 
 
