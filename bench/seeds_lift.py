@@ -33,6 +33,38 @@ def lift_summary(lifts: list[float]) -> dict[str, float | None]:
     return {k: s[k] for k in ("n", "mean", "sd", "ci95")}
 
 
+def _successes(path: Path) -> dict[str, float]:
+    """task id -> 1.0 / 0.0 from an evaluation's trajectories (``eval_<label>.jsonl``)."""
+    out = {}
+    for line in path.read_text().splitlines():
+        t = json.loads(line)
+        out[t["task_id"]] = float(bool((t.get("reward") or {}).get("success")))
+    return out
+
+
+def paired_lift(run_dir: Path, before: str = "sft", after: str = "grpo") -> dict | None:
+    """The lift on the tasks both evaluations rolled out (the same held-out tasks: ``eval.seed``): the mean
+    per-task difference in points with its 95% interval (normal, paired), and the discordant counts.
+    None when either evaluation's trajectories are missing."""
+    a, b = run_dir / f"eval_{before}.jsonl", run_dir / f"eval_{after}.jsonl"
+    if not (a.exists() and b.exists()):
+        return None
+    x, y = _successes(a), _successes(b)
+    common = sorted(set(x) & set(y))
+    if not common:
+        return None
+    diffs = [y[t] - x[t] for t in common]
+    s = mean_interval(diffs)
+    lo, hi = s["ci95"] if s["ci95"] is not None else (None, None)
+    return {
+        "n": len(common),
+        "lift_points": 100 * s["mean"],
+        "ci95_points": None if lo is None else [100 * lo, 100 * hi],
+        "only_after": sum(d > 0 for d in diffs),
+        "only_before": sum(d < 0 for d in diffs),
+    }
+
+
 def run_seed(out: Path, seed: int, overrides: list[str], config: str | None = None) -> dict:
     run_dir = out / f"seed-{seed}"
     report = run_dir / "report.json"
@@ -57,6 +89,7 @@ def run_seed(out: Path, seed: int, overrides: list[str], config: str | None = No
         "grpo": grpo["success"],
         "grpo_ci95": grpo["success_ci95"],
         "lift_points": 100 * (grpo["success"] - sft["success"]),
+        "paired": paired_lift(run_dir),
     }
 
 

@@ -32,6 +32,23 @@ def test_lift_summary_is_mean_sd_and_a_t_interval():
         b.lift_summary([])
 
 
+def test_paired_lift_counts_each_task_once_on_the_tasks_both_evaluated(tmp_path):
+    b = _bench()
+
+    def write(label, results):
+        lines = [json.dumps({"task_id": t, "reward": {"success": ok}}) for t, ok in results.items()]
+        (tmp_path / f"eval_{label}.jsonl").write_text("\n".join(lines) + "\n")
+
+    assert b.paired_lift(tmp_path) is None
+    write("sft", {"a": False, "b": True, "c": False, "d": True, "only_sft": True})
+    write("grpo", {"a": True, "b": True, "c": True, "d": False, "only_grpo": False})
+    p = b.paired_lift(tmp_path)
+    assert p["n"] == 4 and p["only_after"] == 2 and p["only_before"] == 1
+    assert p["lift_points"] == pytest.approx(25.0)
+    lo, hi = p["ci95_points"]
+    assert lo < 25.0 < hi
+
+
 @pytest.mark.slow
 def test_two_tiny_seeds_run_and_are_read_back(tmp_path, capsys, monkeypatch):
     monkeypatch.syspath_prepend(str(BENCH.parent.parent))
