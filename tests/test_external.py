@@ -246,6 +246,7 @@ def test_failed_episodes_are_dropped_and_counted(tmp_path, shipped, monkeypatch)
         "external.concurrency=6",
         "external.episode_timeout_s=60",
         "external.reward_timeout_s=1",
+        "external.reward=agent",  # the harness's rewards: a missing one drops its episode
     )
     monkeypatch.setenv("PYTHONPATH", str(ROOT))  # the agents import mentorrl from this checkout
     final = resolve_runner(get_stage("external"))(ws, copy.deepcopy(model))
