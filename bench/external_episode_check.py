@@ -29,10 +29,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("runs/external-episode-check"))
     a = ap.parse_args(argv)
 
+    import orders_agent
     import torch
     from openai import OpenAI
 
-    import orders_agent
     from mentorrl.contract import ContractLimits, PromptFormat, SamplingParams, contract_for_env
     from mentorrl.envs import get_env
     from mentorrl.models.build import load_policy

@@ -88,14 +88,18 @@ def arm_overrides(arm: str, seed: int, sft: str, out: Path, a: Any) -> list[str]
     if arm == "grpo":
         return common + ["grpo.guide=none"]
     agent = [sys.executable, str(AGENT), "--no-system", "--max-turns", str(a.max_turns)]
-    return common + grpo_settings() + [
-        f"external.agent={json.dumps(agent)}",  # quoted: a number in the argv stays a string
-        f"external.concurrency={a.concurrency}",
-        f"external.mode={getattr(a, 'mode', 'worker')}",
-        "external.reward=verifier",
-        f"limits.max_turns={a.max_turns}",
-        "grpo.guide=none",
-    ]
+    return (
+        common
+        + grpo_settings()
+        + [
+            f"external.agent={json.dumps(agent)}",  # quoted: a number in the argv stays a string
+            f"external.concurrency={a.concurrency}",
+            f"external.mode={getattr(a, 'mode', 'worker')}",
+            "external.reward=verifier",
+            f"limits.max_turns={a.max_turns}",
+            "grpo.guide=none",
+        ]
+    )
 
 
 def run_metrics(run_dir: Path, stage: str) -> list[dict[str, Any]]:
@@ -240,7 +244,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     xs = [rows[s]["row"] for s in a.seeds]
     diff = summary("external - GRPO", [x["external_minus_grpo"] for x in xs])
-    ratio = summary("s/trajectory external/GRPO", [x["seconds_per_trajectory_ratio"] for x in xs], "x", difference=False)
+    ratio = summary(
+        "s/trajectory external/GRPO", [x["seconds_per_trajectory_ratio"] for x in xs], "x", difference=False
+    )
     lo = diff["ci95"][1] if diff["ci95"] is not None else diff["mean"]
     targets = {
         "within_5_points": lo >= TARGET_POINTS,  # the interval holds values >= -5

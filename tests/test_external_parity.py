@@ -20,10 +20,11 @@ sys.path.insert(0, str(ROOT / "docs" / "examples"))
 
 @pytest.fixture(scope="module")
 def contract():
+    from transformers import AutoTokenizer
+
     from mentorrl.contract import ContractLimits, PromptFormat, SamplingParams, chat_template_for, contract_for_env
     from mentorrl.envs import get_env
     from mentorrl.models.shipped import SHIPPED_ROOT
-    from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(SHIPPED_ROOT / "orders-tiny")
     tok.chat_template = chat_template_for(PromptFormat(system_turn=False))
@@ -84,7 +85,7 @@ def test_a_replayed_episode_gets_the_in_process_reward_and_end(contract):
     from mentorrl.train.recipes.external import episode_trajectories
 
     entry, task, traj = _expert_episode(contract, "order_status")
-    obs = contract.observation_ids('error: final_answer ends the episode; it is read, never run as a tool')
+    obs = contract.observation_ids("error: final_answer ends the episode; it is read, never run as a tool")
     junk = contract.policy_turn_ids("The order is shipped.")
     seg = _recorded(traj, [(obs, junk)])  # the old example agent: it ran final_answer and went on
     got = replay_episode([seg], task, contract, entry.make_env)
@@ -139,7 +140,14 @@ def test_recording_mode_samples_as_a_rollout_turn():
     msgs = [{"role": "user", "content": "hi"}]
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
     asked = ChatRequest(
-        messages=msgs, tools=tools, temperature=0.2, top_p=0.9, max_tokens=12, stop=["\n"], seed=3, tool_choice="required"
+        messages=msgs,
+        tools=tools,
+        temperature=0.2,
+        top_p=0.9,
+        max_tokens=12,
+        stop=["\n"],
+        seed=3,
+        tool_choice="required",
     )
     got = hook._run_sampling(asked)
     assert (got.temperature, got.top_p, got.max_tokens, got.max_completion_tokens) == (1.0, 1.0, 80, None)
@@ -162,7 +170,9 @@ class _ScriptedClient:
     def create(self, **_):
         self.requests += 1
         name, args = self.turns.pop(0)
-        fn = SimpleNamespace(name=name, arguments=json.dumps(args), model_dump=lambda: {"name": name, "arguments": json.dumps(args)})
+        fn = SimpleNamespace(
+            name=name, arguments=json.dumps(args), model_dump=lambda: {"name": name, "arguments": json.dumps(args)}
+        )
         call = SimpleNamespace(id=f"call-{self.requests}", function=fn)
         return SimpleNamespace(choices=[SimpleNamespace(message=SimpleNamespace(content=None, tool_calls=[call]))])
 
@@ -239,7 +249,10 @@ def test_the_time_breakdown_adds_up():
     from mentorrl.train.agents import AgentOutcome
     from mentorrl.train.recipes.external import time_breakdown
 
-    timed = [AgentOutcome(f"e{i}", "ok", 0, 1.2, 0.0, "", {"model_s": 0.6, "tools_s": 0.1, "episode_s": 1.0}) for i in range(4)]
+    timed = [
+        AgentOutcome(f"e{i}", "ok", 0, 1.2, 0.0, "", {"model_s": 0.6, "tools_s": 0.1, "episode_s": 1.0})
+        for i in range(4)
+    ]
     got = time_breakdown(timed, 2.0, {"busy_s": 1.5, "calls": 3, "rows": 12}, 0.3)
     assert got["time_http_json_s"] == pytest.approx(0.4) and got["time_tools_s"] == pytest.approx(0.4)
     assert got["time_agent_process_s"] == pytest.approx(1.2) and got["gen_rows_per_call"] == 4.0

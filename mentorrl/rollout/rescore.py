@@ -46,9 +46,7 @@ class Replayed:
 
 
 def _cut(seg: RecordedSegment, end: int, turns: int) -> RecordedSegment:
-    return RecordedSegment(
-        seg.token_ids[:end], seg.loss_mask[:end], seg.logprobs[:end], seg.versions[:turns], turns
-    )
+    return RecordedSegment(seg.token_ids[:end], seg.loss_mask[:end], seg.logprobs[:end], seg.versions[:turns], turns)
 
 
 def replay_episode(

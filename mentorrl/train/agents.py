@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -52,6 +52,15 @@ def _kill_group(proc: subprocess.Popen) -> None:
         proc.kill()
 
 
+def stderr_tail(f, chars: int) -> str:
+    """The last ``chars`` characters of the binary file ``f`` (an agent's stderr), decoded leniently."""
+    if not chars:
+        return ""
+    f.seek(0, os.SEEK_END)
+    f.seek(max(0, f.tell() - 4 * chars))
+    return f.read().decode("utf-8", "replace")[-chars:]
+
+
 def run_agent(argv: Sequence[str], job: AgentJob, timeout_s: float, output_chars: int = 2000) -> AgentOutcome:
     """Run one agent to completion, a timeout or a failure to start (see the module docstring)."""
     t0 = time.monotonic()
@@ -74,11 +83,7 @@ def run_agent(argv: Sequence[str], job: AgentJob, timeout_s: float, output_chars
             _kill_group(proc)
             code, status = None, "timeout"
         ended = time.monotonic()
-        tail = ""
-        if status != "ok" and output_chars:
-            err.seek(0, os.SEEK_END)
-            err.seek(max(0, err.tell() - 4 * output_chars))
-            tail = err.read().decode("utf-8", "replace")[-output_chars:]
+        tail = stderr_tail(err, output_chars) if status != "ok" else ""
     return AgentOutcome(job.episode_id, status, code, ended - t0, ended, tail)
 
 
@@ -158,11 +163,7 @@ class AgentWorker:
         return self.proc is not None and self.proc.poll() is None
 
     def _tail(self) -> str:
-        if self._err is None or not self.output_chars:
-            return ""
-        self._err.seek(0, os.SEEK_END)
-        self._err.seek(max(0, self._err.tell() - 4 * self.output_chars))
-        return self._err.read().decode("utf-8", "replace")[-self.output_chars :]
+        return stderr_tail(self._err, self.output_chars) if self._err is not None else ""
 
     def run(self, jobs: Sequence[AgentJob], timeout_s: float) -> list[AgentOutcome]:
         """Every job's outcome, in job order: ``ok`` / ``nonzero`` (the worker reported a failure), or,
@@ -177,7 +178,9 @@ class AgentWorker:
             if not self.alive():
                 self._start()
             for job in jobs:
-                self.proc.stdin.write((json.dumps({"episode_id": job.episode_id, "env": dict(job.env)}) + "\n").encode())  # type: ignore[union-attr]
+                self.proc.stdin.write(
+                    (json.dumps({"episode_id": job.episode_id, "env": dict(job.env)}) + "\n").encode()
+                )  # type: ignore[union-attr]
             self.proc.stdin.flush()  # type: ignore[union-attr]
         except (OSError, ValueError) as e:
             now = time.monotonic()
@@ -200,7 +203,11 @@ class AgentWorker:
                 ok = msg.get("ok") is True
                 timings = msg.get("timings") if isinstance(msg.get("timings"), dict) else None
                 err = "" if ok else str(msg.get("error", ""))[: self.output_chars]
-                out.append(AgentOutcome(j.episode_id, "ok" if ok else "nonzero", 0 if ok else 1, ended - t0, ended, err, timings))
+                out.append(
+                    AgentOutcome(
+                        j.episode_id, "ok" if ok else "nonzero", 0 if ok else 1, ended - t0, ended, err, timings
+                    )
+                )
             else:
                 now = time.monotonic()
                 out.append(AgentOutcome(j.episode_id, "crashed" if dead else "timeout", None, now - t0, now, tail))

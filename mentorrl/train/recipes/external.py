@@ -235,7 +235,11 @@ class ExternalStage(GRPOStage):
         self.worker = (
             AgentWorker(
                 cfg.agent,
-                {"OPENAI_BASE_URL": self.server.url, "OPENAI_API_KEY": self.api_key, "MENTORRL_REWARD_KEY": self.reward_key},
+                {
+                    "OPENAI_BASE_URL": self.server.url,
+                    "OPENAI_API_KEY": self.api_key,
+                    "MENTORRL_REWARD_KEY": self.reward_key,
+                },
                 cfg.concurrency,
                 cfg.output_chars,
             )
