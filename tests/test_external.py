@@ -246,6 +246,7 @@ def test_failed_episodes_are_dropped_and_counted(tmp_path, shipped, monkeypatch)
         "external.concurrency=6",
         "external.episode_timeout_s=60",
         "external.reward_timeout_s=1",
+        "external.reward=agent",  # the harness's rewards: a missing one drops its episode
     )
     monkeypatch.setenv("PYTHONPATH", str(ROOT))  # the agents import mentorrl from this checkout
     final = resolve_runner(get_stage("external"))(ws, copy.deepcopy(model))
@@ -426,3 +427,32 @@ def test_a_streamed_completion_is_recorded_like_a_plain_one(tmp_path, shipped, c
             model="p", messages=nxt, extra_headers={"X-Mentorrl-Episode": "streamed"}, stream=True
         ).close()  # dropped before its end: the gate is released all the same
         assert idle(hook) and hook.pause(timeout_s=5)
+
+
+def test_worker_mode_trains_the_real_agent_on_the_verifiers_reward(tmp_path, shipped, monkeypatch):
+    """One agent process for every episode of the stage (external.mode: worker), each episode scored by
+    replaying it through the environment (the agent's own posted reward is not what trains)."""
+    from mentorrl.train.registry import get_stage, resolve_runner
+
+    tok, model = shipped
+    ws = _ws(
+        tmp_path,
+        copy.deepcopy(tok),
+        f"external.agent=[{sys.executable}, {AGENT}, --no-system, --max-turns, '{MAX_TURNS}']",
+        "external.mode=worker",
+        "external.steps=2",
+        "external.tasks_per_step=2",
+        "external.samples_per_task=2",
+        "external.concurrency=4",
+        "external.episode_timeout_s=120",
+    )
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    stage = get_stage("external")
+    final = resolve_runner(stage)(ws, copy.deepcopy(model))
+    assert (final / "model.safetensors").exists()
+    recs = [json.loads(x) for x in (ws.run_dir / "metrics.jsonl").read_text().splitlines()]
+    recs = [r for r in recs if r.get("stage") == "external"]
+    assert len(recs) == 2 and all(r["agent_ok"] == 4 and r["episodes_used"] == 4 for r in recs), recs
+    assert all(r["time_worker_start_s"] >= 0 and "time_http_json_s" in r and r["gen_calls"] >= 1 for r in recs)
+    assert sum(r["time_worker_start_s"] > 0 for r in recs) == 1  # one process for both steps
+    assert all("replay_turns_cut" in r and r["server_overridden"] == 0 for r in recs)

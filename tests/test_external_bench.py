@@ -76,7 +76,9 @@ def test_finished_runs_are_read_back_and_compared(tmp_path):
         0.45,
         [{"episodes": 10, "episodes_used": 10, "rollout_s": 20.0, "server_generate_s": 5.0}],
     )
-    runs = b.run_seed(SimpleNamespace(**vars(ARGS), sft="SFT-{seed}"), 0, tmp_path)  # read back: nothing runs
+    results = tmp_path / "results.jsonl"
+    runs = b.run_seed(SimpleNamespace(**vars(ARGS), sft="SFT-{seed}"), 0, tmp_path, results)  # read back: nothing runs
+    assert [json.loads(x)["arm"] for x in results.read_text().splitlines()] == ["grpo", "external"]
     row = b.seed_row(runs)
     assert row["grpo"] == pytest.approx(40.0) and row["external"] == pytest.approx(45.0)
     assert row["external_minus_grpo"] == pytest.approx(5.0)
@@ -94,3 +96,44 @@ def test_each_arms_overrides_validate_through_the_real_config_loader(tmp_path, a
     cfg = load_config(b.DEMO, b.arm_overrides(arm, 0, str(tmp_path / "sft"), tmp_path, a))
     if arm == "external":
         assert cfg.external.agent[-2:] == ["--max-turns", "6"]
+
+
+def test_the_arms_train_with_the_same_grpo_settings_and_reward(tmp_path):
+    """The external arm's resolved section equals the grpo arm's on every shared setting (the demo sets
+    the grpo section's learning rate, warm-up and updates per step; the external section's defaults
+    differ), it is scored by the verifier, and its agent runs as one worker."""
+    from mentorrl.config import load_config
+
+    b = _bench()
+    a = SimpleNamespace(steps=2, tasks_per_step=4, samples_per_task=4, concurrency=2, max_turns=6, eval_tasks=10)
+    g = load_config(b.DEMO, b.arm_overrides("grpo", 0, str(tmp_path / "sft"), tmp_path, a)).grpo.model_dump()
+    cfg = load_config(b.DEMO, b.arm_overrides("external", 0, str(tmp_path / "sft"), tmp_path, a))
+    e = cfg.external.model_dump()
+    shared = set(g) & set(e) - b.NOT_SHARED
+    assert {k: e[k] for k in shared} == {k: g[k] for k in shared}
+    assert cfg.external.reward == "verifier" and cfg.external.mode == "worker"
+
+
+def test_finished_arms_are_appended_and_skipped_on_a_rerun(tmp_path, monkeypatch):
+    b = _bench()
+    results = tmp_path / "results.jsonl"
+    b.append_result(results, 0, "grpo", {"eval": {"success": 0.4}, "speed": {}})
+    b.append_result(results, 0, "external", {"eval": {"success": 0.5}, "speed": {}})
+    monkeypatch.setattr(b, "train_run", lambda *a, **k: pytest.fail("a finished arm was run again"))
+    runs = b.run_seed(SimpleNamespace(**vars(ARGS), sft="SFT"), 0, tmp_path, results)
+    assert runs["external"]["eval"]["success"] == 0.5 and len(results.read_text().splitlines()) == 2
+
+
+def test_the_breakdown_shares():
+    b = _bench()
+    got = b.breakdown(
+        {
+            "time_generate_wall_s": 2.0,
+            "time_server_s": 3.0,
+            "time_http_json_s": 1.0,
+            "time_tools_s": 1.0,
+            "time_agent_process_s": 2.5,
+            "time_worker_start_s": 0.5,
+        }
+    )
+    assert got == {"generation": 25.0, "server": 12.5, "http_json": 12.5, "tools": 12.5, "agent_process": 37.5}

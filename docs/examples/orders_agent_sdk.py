@@ -16,7 +16,7 @@ from agents.exceptions import MaxTurnsExceeded
 from openai import AsyncOpenAI
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from orders_agent import observation, post_reward, reward_of  # noqa: E402  (the same harness: world, verdict, reward)
+from orders_agent import answer_text, observation, post_reward, reward_of  # noqa: E402  (the same harness: world, verdict, reward)
 
 from mentorrl.envs import get_env  # noqa: E402
 from mentorrl.envs.base import Task  # noqa: E402
@@ -27,6 +27,8 @@ def sdk_tools(env, results: list) -> list[FunctionTool]:
 
     def invoker(name: str):
         async def invoke(ctx, arguments: str) -> str:
+            if name == getattr(env, "answer_tool", None):  # the typed answer ends the run (stop_at_tool_names)
+                return answer_text(name, arguments)
             try:
                 args = json.loads(arguments) if arguments else {}
             except json.JSONDecodeError:
@@ -60,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
             instructions=None if args.no_system else env.system_prompt,
             tools=sdk_tools(env, results),
             model=OpenAIChatCompletionsModel(model="policy", openai_client=client),
+            # the environment's typed-answer call ends the episode, its record the final output
+            tool_use_behavior={"stop_at_tool_names": [env.answer_tool]} if env.answer_tool else "run_llm_again",
         )
         try:
             answer = Runner.run_sync(agent, user, max_turns=args.max_turns).final_output
@@ -68,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         reward, details = reward_of(env.verify(answer), results)
     finally:
         env.close()
-    post_reward(reward, details)
+    post_reward(reward, details, os.environ["MENTORRL_REWARD_URL"], os.environ["MENTORRL_REWARD_KEY"])
     return 0
 
 

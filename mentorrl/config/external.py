@@ -8,7 +8,7 @@ harness posts (docs/bring-your-agent.md). Its loss settings are GRPO's (the sect
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -33,7 +33,19 @@ class ExternalConfig(GRPOConfig):
         "OPENAI_BASE_URL, OPENAI_API_KEY, MENTORRL_EPISODE_ID, MENTORRL_TASK_ID, MENTORRL_TASK (JSON) "
         "and MENTORRL_REWARD_URL in its environment",
     )
-    concurrency: int = Field(4, ge=1, le=256, description="agent processes running at once")
+    mode: Literal["episode", "worker"] = Field(
+        "episode",
+        description="episode: the agent command is started once per episode; worker: it is started once "
+        "(MENTORRL_WORKER=1) and serves every episode it is sent on stdin, concurrency at a time "
+        "(docs/bring-your-agent.md#worker-mode)",
+    )
+    reward: Literal["verifier", "agent"] = Field(
+        "verifier",
+        description="verifier: each recorded episode is replayed through the environment and scored by its "
+        "verifier with the run's reward weights (the in-process reward; the episode ends where an "
+        "in-process one would); agent: the reward the harness posts",
+    )
+    concurrency: int = Field(4, ge=1, le=256, description="episodes running at once (agent processes, or a worker's)")
     episode_timeout_s: float = Field(
         300.0, gt=0, le=86_400, description="an agent still running after this is killed (its episode dropped)"
     )

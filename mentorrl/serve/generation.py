@@ -372,6 +372,7 @@ class Batcher:
         self.gen, self.max_batch, self.window_s = gen, max_batch, window_s
         self._queue: queue.Queue[GenRequest] = queue.Queue()
         self._held: GenRequest | None = None  # taken from the queue, but it did not fit the last batch
+        self.stats = {"busy_s": 0.0, "calls": 0, "rows": 0}  # generate calls: wall seconds, count, rows
         threading.Thread(target=self._work, name="mentorrl-serve-batcher", daemon=True).start()
 
     def submit(self, req: GenRequest) -> list[Sample]:
@@ -405,6 +406,7 @@ class Batcher:
         return batch
 
     def _run(self, group: list[GenRequest]) -> None:
+        t0 = time.perf_counter()
         try:
             replies = self.gen.run(group)
         except Exception as e:  # each request of the call answers a 500
@@ -413,6 +415,10 @@ class Batcher:
                 if req.events is not None:
                     req.events.put(DONE)
             return
+        finally:
+            self.stats["busy_s"] += time.perf_counter() - t0
+            self.stats["calls"] += 1
+            self.stats["rows"] += sum(r.rows for r in group)
         for req, samples in zip(group, replies):
             req.future.set_result(samples)
             if req.events is not None:

@@ -4,8 +4,8 @@ A :class:`RecordingHook` sits beside the server's request handling (``create_app
 the chat-completions handler passes it each request with its episode id (the ``X-Mentorrl-Episode``
 header, or the request's ``user`` field) and task id (``X-Mentorrl-Task``, optional);
 :meth:`RecordingHook.complete` refuses what cannot be recorded (no or unknown episode, ``n > 1``),
-sets the run's sampling (temperature, top-p; ``tool_choice: none`` is not enforced, as
-its ban would change the distribution the recorded log-probs describe), and lets the server answer
+samples it as an in-process rollout turn samples (:func:`run_sampling_update`: the run's temperature,
+top-p and ``max_new_tokens``; no stop strings, no seed, ``tool_choice: auto``), and lets the server answer
 under its gate (:meth:`RecordingHook.generating`: no generation while the learner updates the
 shared weights). The server's ``on_completion`` (:meth:`RecordingHook.on_completion`) then stores the
 prompt ids as rendered, the sampled ids, their behaviour log-probs and the policy version in the
@@ -50,6 +50,31 @@ class RunSampling:
     max_new_tokens: int
 
 
+def run_sampling_update(req: Any, sampling: RunSampling) -> dict[str, Any]:
+    """The fields of ``req`` that differ from the contract's sampling, with the contract's values
+    (empty when the request already samples as a rollout turn does)."""
+    want = {
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "max_tokens": sampling.max_new_tokens,
+        "max_completion_tokens": None,
+        "stop": None,
+        "seed": None,
+        "tool_choice": None,
+    }
+    have = {k: getattr(req, k) for k in want}
+    if have["tool_choice"] == "auto":
+        have["tool_choice"] = None
+    asked = have["max_completion_tokens"] or have["max_tokens"]
+    # no limit, or one at or over the run's (the server caps it there): the turn's budget is the run's
+    have["max_tokens"] = sampling.max_new_tokens if asked is None or asked >= sampling.max_new_tokens else asked
+    have["max_completion_tokens"] = None
+    update = {k: v for k, v in want.items() if have[k] != v}
+    if "max_tokens" in update:  # the newer name wins in the server: clear it too
+        update["max_completion_tokens"] = None
+    return update
+
+
 class RecordingHook:
     """What the server does differently in recording mode (see the module docstring).
 
@@ -62,6 +87,7 @@ class RecordingHook:
         self._cond = threading.Condition()
         self._open, self._in_flight = True, 0
         self.stats = {"generate_s": 0.0, "requests": 0, "overridden": 0, "refused_paused": 0}
+        self.batcher: Any = None  # the server's Batcher (start_recording_server sets it)
 
     # ---- requests -------------------------------------------------------------------------------
     def complete(self, req: Any, ids: tuple[str | None, str | None], answer: Callable[[Any], Any]) -> Any:
@@ -97,15 +123,17 @@ class RecordingHook:
                 self._exit(t0)
 
     def _run_sampling(self, req: Any) -> Any:
-        """``req`` with the run's sampling (counted when it asked for other settings)."""
-        asked = (req.temperature, req.top_p) != (self.sampling.temperature, self.sampling.top_p)
-        if asked or req.tool_choice == "none":
+        """``req`` sampled as a rollout turn samples (counted when it asked for anything else): the run's
+        temperature and top-p, the run's ``max_new_tokens`` per turn (a shorter ``max_tokens`` would cut
+        the turn where an in-process rollout does not), no stop strings (a rollout stops on the
+        contract's stop tokens only), no seed (a seeded request repeats its draws: a task's group would
+        collapse to one sample) and ``tool_choice: auto`` (``none`` bans the call tag, ``required`` and a
+        named function prefill the call's opening: each changes what the policy would sample)."""
+        update = run_sampling_update(req, self.sampling)
+        if update:
             with self._cond:
                 self.stats["overridden"] += 1
-        update = {"temperature": self.sampling.temperature, "top_p": self.sampling.top_p}
-        if req.tool_choice == "none":  # its ban would change the distribution the recorded log-probs describe
-            update["tool_choice"] = None
-        return req.model_copy(update=update)
+        return req.model_copy(update=update) if update else req
 
     async def _tagged(self, chunks: Any, ids: tuple[str, str | None], t0: float) -> Any:
         """A streamed reply's chunks (Starlette's async iterator, each chunk produced on a worker thread
@@ -247,6 +275,7 @@ def start_recording_server(
         tokenizer, model, "mentorrl-policy", token=api_key, max_new_tokens_cap=sampling.max_new_tokens, recording=hook
     )
     add_recording_routes(app, hook)
+    hook.batcher = app.state.served.batcher  # its generate calls' wall time: the stage's generation share
     return BackgroundServer(app, host).start(), hook
 
 

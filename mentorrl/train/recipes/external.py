@@ -29,8 +29,9 @@ import torch
 
 from mentorrl.algos.advantages import sanitize_group_rewards
 from mentorrl.rollout.recorder import COUNTERS, RecordedEpisode, Recorder, RecordError
+from mentorrl.rollout.rescore import REPLAY_COUNTERS, Replayed, replay_episode
 from mentorrl.serve.recording import REWARD_PATH, RunSampling, start_recording_server
-from mentorrl.train.agents import AgentJob, AgentOutcome, outcome_counts, run_agents
+from mentorrl.train.agents import AgentJob, AgentOutcome, AgentWorker, outcome_counts, run_agents
 from mentorrl.train.loop import require_consistent, reward_debugger, rollout_metrics
 from mentorrl.train.recipes.grpo import GRPOStage
 from mentorrl.train.rl_loop import StepBatch, run_on_loop
@@ -65,15 +66,25 @@ def agent_env(url: str, api_key: str, reward_key: str, episode_id: str, task: An
     }
 
 
-def episode_trajectories(ep: RecordedEpisode, task: Any, contract: Any) -> list[Trajectory]:
-    """One trajectory per recorded segment of ``ep``, each carrying the episode's reward."""
-    details = ep.details or {}
-    success = details.get("success")
-    reward = RewardBreakdown(
-        total=float(ep.reward), success=bool(success) if isinstance(success, bool) else False, details=details
-    )
+def episode_trajectories(
+    ep: RecordedEpisode, task: Any, contract: Any, replayed: Replayed | None = None
+) -> list[Trajectory]:
+    """One trajectory per recorded segment of ``ep``, each carrying the episode's reward: the
+    agent's (``ep.reward``), or with ``replayed`` the verifier's, over the segments cut where the
+    in-process episode ends (:func:`~mentorrl.rollout.rescore.replay_episode`)."""
+    if replayed is not None:
+        ref = replayed.trajectory
+        reward, segments = ref.reward, replayed.segments
+        extra = dict(finish_reason=ref.finish_reason)
+    else:
+        details = ep.details or {}
+        success = details.get("success")
+        reward = RewardBreakdown(
+            total=float(ep.reward), success=bool(success) if isinstance(success, bool) else False, details=details
+        )
+        segments, extra = ep.segments, {}
     out = []
-    for i, seg in enumerate(ep.segments):
+    for i, seg in enumerate(segments):
         out.append(
             Trajectory(
                 id=f"{ep.id}-s{i}",
@@ -93,8 +104,11 @@ def episode_trajectories(ep: RecordedEpisode, task: Any, contract: Any) -> list[
                 num_turns=seg.turns,
                 reward=reward,
                 source="policy",
+                **extra,
             )
         )
+    if replayed is not None and out:  # the episode's calls and answer once (on its last segment)
+        out[-1].tool_calls, out[-1].final_answer = replayed.trajectory.tool_calls, replayed.trajectory.final_answer
     return out
 
 
@@ -112,6 +126,48 @@ def wait_for_rewards(
         if not missing or time.monotonic() >= max(o.ended_at for o in missing) + timeout_s:
             return got
         time.sleep(0.05)
+
+
+def time_breakdown(
+    outcomes: list[AgentOutcome], server_s: float, batcher: dict[str, float], worker_start_s: float | None
+) -> dict[str, float]:
+    """Where a round's episode seconds went (``time_*`` metrics, seconds summed over episodes, so
+    concurrent episodes each count; ``time_generate_wall_s`` is wall time):
+
+    * ``time_generate_wall_s``: the server's ``generate`` calls (the model decoding), wall seconds, with
+      ``gen_calls`` and ``gen_rows_per_call`` (how many turns each decode step carried);
+    * ``time_server_s``: the server's handling of the recorded requests (render, queue, generation,
+      parse, record), summed over requests;
+    * ``time_agent_s``: the episodes' wall time as the stage saw them (launch or hand-over to result);
+    * with a worker's timings (``model_s``, ``tools_s``, ``episode_s`` per episode): ``time_http_json_s``
+      (the agent's time waiting on the model beyond the server's handling: HTTP and JSON both ways),
+      ``time_tools_s`` (the agent's tools), ``time_agent_process_s`` (the agent's own code: the
+      rest of its episodes);
+    * without them (the per-episode mode): ``time_agent_process_s`` is everything of the episodes
+      outside the server (process start-up, imports, HTTP, JSON, tools);
+    * ``time_worker_start_s``: starting the worker (worker mode)."""
+    agent_s = sum(o.wall_s for o in outcomes)
+    out = {"time_server_s": server_s, "time_agent_s": agent_s}
+    if batcher:
+        out["time_generate_wall_s"] = float(batcher.get("busy_s", 0.0))
+        calls = float(batcher.get("calls", 0))
+        out["gen_calls"] = calls
+        out["gen_rows_per_call"] = float(batcher.get("rows", 0)) / calls if calls else 0.0
+    timed = [o.timings for o in outcomes if o.timings]
+    if timed:
+        model = sum(float(t.get("model_s", 0.0)) for t in timed)
+        tools = sum(float(t.get("tools_s", 0.0)) for t in timed)
+        episode = sum(float(t.get("episode_s", 0.0)) for t in timed)
+        out.update(
+            time_http_json_s=max(0.0, model - server_s),
+            time_tools_s=tools,
+            time_agent_process_s=max(0.0, episode - model - tools),
+        )
+    else:
+        out["time_agent_process_s"] = max(0.0, agent_s - server_s)
+    if worker_start_s is not None:
+        out["time_worker_start_s"] = worker_start_s
+    return out
 
 
 class RewardFile:
@@ -176,11 +232,27 @@ class ExternalStage(GRPOStage):
         )
         self.hook.pause()  # open only while the step's agents run
         self.reward_file = RewardFile(cfg.reward_file, self.recorder)
+        self.worker = (
+            AgentWorker(
+                cfg.agent,
+                {
+                    "OPENAI_BASE_URL": self.server.url,
+                    "OPENAI_API_KEY": self.api_key,
+                    "MENTORRL_REWARD_KEY": self.reward_key,
+                },
+                cfg.concurrency,
+                cfg.output_chars,
+            )
+            if cfg.mode == "worker"
+            else None
+        )
 
     # ---- rollout: the agents ------------------------------------------------------------------
     def rollout(self, b: StepBatch) -> None:
         cfg, t0 = self.cfg, time.perf_counter()
-        before, gen0 = self.recorder.counters(), self.hook.stats["generate_s"]
+        before, server0 = self.recorder.counters(), dict(self.hook.stats)
+        busy0 = dict(self.hook.batcher.stats) if self.hook.batcher is not None else {}
+        start0 = self.worker.start_s if self.worker is not None else 0.0
         jobs, tasks = [], {}
         for i, task in enumerate(b.tasks):
             for k in range(cfg.samples_per_task):
@@ -191,8 +263,15 @@ class ExternalStage(GRPOStage):
         self.model.eval()
         self.hook.resume()
         try:
-            outcomes = run_agents(cfg.agent, jobs, cfg.concurrency, cfg.episode_timeout_s, cfg.output_chars)
-            rewards = wait_for_rewards(self.recorder, outcomes, cfg.reward_timeout_s, self.reward_file.poll)
+            if self.worker is not None:
+                outcomes = self.worker.run(jobs, cfg.episode_timeout_s)
+            else:
+                outcomes = run_agents(cfg.agent, jobs, cfg.concurrency, cfg.episode_timeout_s, cfg.output_chars)
+            rewards = (
+                wait_for_rewards(self.recorder, outcomes, cfg.reward_timeout_s, self.reward_file.poll)
+                if cfg.reward == "agent"
+                else {}
+            )
         finally:
             self.hook.pause()
             self.recorder.close_episodes(list(tasks))
@@ -203,9 +282,19 @@ class ExternalStage(GRPOStage):
         b.metrics.update({f"recorder_{k}": float(after[k] - before[k]) for k in COUNTERS})
         b.metrics.update(
             rollout_s=wall,
-            server_generate_s=self.hook.stats["generate_s"] - gen0,
+            server_generate_s=self.hook.stats["generate_s"] - server0["generate_s"],
+            server_requests=float(self.hook.stats["requests"] - server0["requests"]),
+            server_overridden=float(self.hook.stats["overridden"] - server0["overridden"]),
             episodes=float(len(jobs)),
             rollouts=float(len(b.trajs)),
+        )
+        b.metrics.update(
+            time_breakdown(
+                outcomes,
+                self.hook.stats["generate_s"] - server0["generate_s"],
+                {k: v - busy0.get(k, 0) for k, v in (self.hook.batcher.stats if self.hook.batcher else {}).items()},
+                (self.worker.start_s - start0) if self.worker is not None else None,
+            )
         )
         self._log_failures(b, outcomes)
 
@@ -213,6 +302,8 @@ class ExternalStage(GRPOStage):
         """The step's trajectories, grouped by task: ``b.data["episodes"]`` is, per task with at least
         ``min_group`` usable episodes, the list of (reward, trajectory indices) of each."""
         drops = dict.fromkeys(DROPS, 0.0)
+        replay = dict.fromkeys(REPLAY_COUNTERS, 0.0)
+        verifier = self.cfg.reward == "verifier"
         by_task: dict[int, list[tuple[float, list[Trajectory]]]] = {}
         for o in outcomes:
             i, task = tasks[o.episode_id]
@@ -221,12 +312,24 @@ class ExternalStage(GRPOStage):
                 drops["failed"] += 1
             elif ep is None or not ep.segments:
                 drops["no_completion"] += 1
+            elif verifier:
+                got = replay_episode(
+                    ep.segments, task, self.ws.contract, self.ws.make_env, self.ws.rollout.weights, self.learner.version
+                )
+                for k, v in got.counts.items():
+                    replay[k] += v
+                replay_s = replay.setdefault("tools_s", 0.0)
+                replay["tools_s"] = replay_s + got.tools_s
+                ts = episode_trajectories(ep, task, self.ws.contract, got)
+                by_task.setdefault(i, []).append((got.trajectory.reward.total, ts))
             elif o.episode_id not in rewards:
                 drops["no_reward"] += 1
             else:
                 by_task.setdefault(i, []).append(
                     (rewards[o.episode_id], episode_trajectories(ep, task, self.ws.contract))
                 )
+        if verifier:
+            b.metrics.update({f"replay_{k}": v for k, v in replay.items()})
         trajs: list[Trajectory] = []
         groups = []
         for i in sorted(by_task):
@@ -259,10 +362,16 @@ class ExternalStage(GRPOStage):
 
     # ---- GRPO on ragged groups ------------------------------------------------------------------
     def score(self, b: StepBatch) -> None:
-        """Each used episode's reward, sanitised (the audit's bounds), and their statistics."""
-        raw = torch.tensor([r for g in b.data["episodes"] for r, _ in g], dtype=torch.float32).view(-1, 1)
+        """Each used episode's reward, sanitised per group as GRPO's score sanitises each task's group
+        (the audit's bounds and outlier rule), and their statistics."""
         audit = self.ws.cfg.audit
-        rewards, clipped = sanitize_group_rewards(raw, audit.reward_low, audit.reward_high, None)
+        parts, clipped = [], {"clipped": 0.0}
+        for g in b.data["episodes"]:
+            raw = torch.tensor([r for r, _ in g], dtype=torch.float32).view(1, -1)
+            r, c = sanitize_group_rewards(raw, audit.reward_low, audit.reward_high, audit.outlier_z)
+            parts.append(r.view(-1))
+            clipped["clipped"] += c["clipped"]
+        rewards = torch.cat(parts) if parts else torch.zeros(0)
         b.rewards = rewards.view(-1)
         n = b.rewards.numel()
         b.metrics.update(
@@ -298,6 +407,8 @@ class ExternalStage(GRPOStage):
         self.reward_file.offset = int(state.get("reward_file_offset", 0))
 
     def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
         self.hook.pause(timeout_s=30)
         self.server.stop()
         self.recorder.close()
