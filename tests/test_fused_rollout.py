@@ -99,24 +99,30 @@ def test_fused_bf16_policy_matches_its_modules_bit_for_bit():
     assert slot_decoder_checks(pm) is None
 
 
-def test_new_weights_are_taken_at_refresh_and_not_before():
+@pytest.mark.parametrize("how", ["in_place", "load_state_dict", "new_data"])
+def test_new_weights_are_taken_at_the_next_pass_whoever_changed_them(how):
+    """The fused groups are a copy: any change of the policy's weights (an optimizer step in place, an SAO
+    actor's load_state_dict without telling the engine, a new ``.data``) is seen at the next pass."""
     pm = _adapted(_llama(), MODULES)
     dec = SlotDecoder(pm)
     dec.reset(1)
     before = dec.forward([[1, 2, 3]]).float()
     with torch.no_grad():
-        for n, p in pm.named_parameters():
-            if "lora_A" in n:
-                p.mul_(3.0)  # an optimizer step, in place
+        if how == "in_place":
+            for n, p in pm.named_parameters():
+                if "lora_A" in n:
+                    p.mul_(3.0)
+        elif how == "load_state_dict":
+            state = {k: v * 1.5 if "q_proj.base_layer.weight" in k else v for k, v in pm.state_dict().items()}
+            pm.load_state_dict(state)
+        else:
+            layer = pm.get_base_model().model.layers[0]
+            layer.mlp.down_proj.base_layer.weight.data = layer.mlp.down_proj.base_layer.weight.data * 2.0
     dec.reset(1)
-    stale = dec.forward([[1, 2, 3]]).float()
-    assert torch.allclose(stale, before)  # the copy is the rollout's weights until a sync
-    dec.refresh_weights()
-    dec.reset(1)
-    fresh = dec.forward([[1, 2, 3]]).float()
+    after = dec.forward([[1, 2, 3]]).float()
     dec.close()
-    assert torch.allclose(fresh, _run(pm, False, [[[1, 2, 3]]])[0], atol=1e-5)
-    assert not torch.allclose(fresh, before, atol=1e-3)
+    assert torch.allclose(after, _run(pm, False, [[[1, 2, 3]]])[0], atol=1e-5)
+    assert not torch.allclose(after, before, atol=1e-3)
 
 
 def test_what_cannot_be_fused_exactly_runs_the_modules():

@@ -275,8 +275,15 @@ class SlotDecoder:
         """Take the effective projection weights again (:mod:`mentorrl.rollout.fused`), or run the
         model's own modules where they cannot be fused or there is no memory for the copy."""
         self.fused = None  # the old copy goes first
+        self._weights_key = self._layers_key()
         if self.fuse and _room_for_copy(self.layers, self.device):
             self.fused = fuse_layers(self.layers)
+
+    def _layers_key(self) -> tuple:
+        """Where the layers' parameters live and how often each was written: any weight change (an optimizer
+        step, ``load_state_dict``, a new ``.data``) changes it, whoever made it and whether or not the engine
+        was told (an SAO actor loads new weights and keeps its KV cache)."""
+        return tuple((p.data_ptr(), p._version) for layer in self.layers for p in layer.parameters())
 
     def reset(self, n: int) -> None:
         self.ctx: list[list[int]] = [[] for _ in range(n)]  # each row's context (what its slot holds)
@@ -489,6 +496,8 @@ class SlotDecoder:
         return out
 
     def _forward(self, chunks: list[list[int]]) -> torch.Tensor:
+        if self.fused is not None and self._layers_key() != self._weights_key:
+            self.refresh_weights()  # the fused groups are a copy: never decode with stale weights
         p = self._plan(chunks)
         N = len(p.ids)
         h = self.embed(torch.tensor(p.ids, device=self.device))  # [N, hidden]

@@ -31,8 +31,9 @@ def build_config(
         "spec": spec.model_dump(mode="json"),
         "tokenizer_corpus_tasks": corpus_tasks,
         "seed": seed,
-        # how the tiny model's corpus is rendered (tool_format only picks a checkpoint's template: not a build input)
-        "prompt": fmt.model_dump(mode="json", exclude={"tool_format"}) if fmt is not None else None,
+        # how the tiny model's corpus is rendered (tool_format and native_tools only concern a checkpoint's own
+        # template: not build inputs)
+        "prompt": fmt.model_dump(mode="json", exclude={"tool_format", "native_tools"}) if fmt is not None else None,
         "pretrain": pretrain.model_dump(mode="json", exclude={"corpus_version"}),
         **({"corpus_version": pretrain.corpus_version} if pretrain.steps > 0 else {}),
     }
