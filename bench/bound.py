@@ -59,6 +59,12 @@ def attention_flops(cfg, context: float) -> float:
     return 4 * cfg.num_hidden_layers * context * cfg.num_attention_heads * (cfg.hidden_size // cfg.num_attention_heads)
 
 
+def phase_figures(tokens: int, seconds: float, flops: float, rate: float) -> dict:
+    """Throughput of one timed phase: tokens/s, GFLOP/s, and that as a share of the measured matmul rate."""
+    gflops = flops / seconds / 1e9
+    return {"tokens": tokens, "tokens_per_s": tokens / seconds, "gflops": gflops, "bound_fraction": gflops / rate}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2", help="a checkpoint directory or a GGUF source (smollm2)")
@@ -135,22 +141,12 @@ def main() -> None:
     pre_flops = pre_tok * (2 * n_lin + attention_flops(cfg, a.prompt / 2))
     dec_tok = a.rows * a.decode
     dec_flops = dec_tok * (2 * n_lin + attention_flops(cfg, a.prompt + a.decode / 2))
-    out["prefill"] = {
-        "rows": a.rows,
-        "tokens": pre_tok,
-        "s": prefill_s,
-        "tokens_per_s": pre_tok / prefill_s,
-        "gflops": pre_flops / prefill_s / 1e9,
-        "bound_fraction": pre_flops / prefill_s / 1e9 / rate,
-    }
+    out["prefill"] = {"rows": a.rows, "s": prefill_s, **phase_figures(pre_tok, prefill_s, pre_flops, rate)}
     out["decode"] = {
         "rows": a.rows,
         "steps": a.decode,
-        "tokens": dec_tok,
         "s": decode_s,
-        "tokens_per_s": dec_tok / decode_s,
-        "gflops": dec_flops / decode_s / 1e9,
-        "bound_fraction": dec_flops / decode_s / 1e9 / rate,
+        **phase_figures(dec_tok, decode_s, dec_flops, rate),
         "pass_ms": 1000 * decode_s / a.decode,
     }
     del roll
@@ -181,14 +177,7 @@ def main() -> None:
     sft_s = (time.perf_counter() - t0) / a.sft_steps
     sft_tok = a.sft_seqs * a.sft_len
     sft_flops = sft_tok * (4 * n_lin + 2 * attention_flops(cfg, a.sft_len / 2))
-    out["learner"] = {
-        "seqs": a.sft_seqs,
-        "tokens": sft_tok,
-        "s_per_step": sft_s,
-        "tokens_per_s": sft_tok / sft_s,
-        "gflops": sft_flops / sft_s / 1e9,
-        "bound_fraction": sft_flops / sft_s / 1e9 / rate,
-    }
+    out["learner"] = {"seqs": a.sft_seqs, "s_per_step": sft_s, **phase_figures(sft_tok, sft_s, sft_flops, rate)}
     print(json.dumps(out, indent=1))
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1) + "\n")

@@ -142,6 +142,12 @@ class BackendChoice:
         return getattr(self.config, "tool_sync", None) or "next_step"
 
     @property
+    def engine_settings(self) -> dict[str, Any]:
+        """The project's engine settings this choice names (decoder, inline tool threshold, tool sync), as
+        :class:`~mentorrl.rollout.engine.RolloutEngine` and :class:`HFBackend` take them."""
+        return {"decoder": self.decoder, "inline_tool_s": self.inline_tool_s, "tool_sync": self.tool_sync}
+
+    @property
     def engine(self) -> Any:
         """The vLLM engine built so far (None: none yet, or the hf backend)."""
         return self._engine
@@ -151,13 +157,7 @@ class BackendChoice:
         this choice's decoder and tool threshold (hf; for streaming rollouts)."""
         from mentorrl.rollout.engine import RolloutEngine
 
-        return RolloutEngine(
-            self.placed(model),
-            contract,
-            decoder=self.decoder,
-            inline_tool_s=self.inline_tool_s,
-            tool_sync=self.tool_sync,
-        )
+        return RolloutEngine(self.placed(model), contract, **self.engine_settings)
 
     def placed(self, model):
         """The model the hf backend decodes for ``model``: itself when it already sits on this choice's
@@ -173,13 +173,7 @@ class BackendChoice:
         if self.name == "hf":
             from mentorrl.rollout.backends.hf import HFBackend
 
-            return HFBackend(
-                self.placed(model),
-                contract,
-                decoder=self.decoder,
-                inline_tool_s=self.inline_tool_s,
-                tool_sync=self.tool_sync,
-            )
+            return HFBackend(self.placed(model), contract, **self.engine_settings)
         from mentorrl.rollout.backends.vllm import VLLMBackend
 
         with self._lock:
