@@ -3,7 +3,7 @@ each stage run through the registry (:mod:`mentorrl.train.registry`), on a base 
 :mod:`mentorrl.train.models_init`.
 
 Before the first step a recipe runs its preflight: the run directory, the files the stages will
-read, and the prompt length against ``limits.max_total_tokens`` are checked, so a bad setting is a
+read, and the prompt length against the episode's token budget are checked, so a bad setting is a
 :class:`~mentorrl.config.ConfigError` naming the field, not a crash after SFT."""
 
 from __future__ import annotations
@@ -84,10 +84,11 @@ def longest_prompt(ws: Workspace, tasks) -> tuple[int, str]:
 
 def preflight_prompts(ws: Workspace) -> None:
     """Render the prompts the run will use (every evaluation task, a sample of training tasks) with
-    the run's tokenizer; each must leave room under ``limits.max_total_tokens``.
+    the run's tokenizer; each must leave room in the episode's budget (:attr:`RolloutContract.max_total_tokens`:
+    ``limits.max_total_tokens`` plus the system turn, at most the model's context).
 
     Raises :class:`ConfigError` naming the field (also for a split the environment does not have)."""
-    cfg, limit = ws.cfg, ws.cfg.limits.max_total_tokens
+    cfg, contract = ws.cfg, ws.contract
     checks = [("train_split", cfg.train_split, lambda: ws.tasks(cfg.train_split, PREFLIGHT_TRAIN_TASKS, cfg.seed))]
     if cfg.eval.num_tasks > 0:
         checks.append(("eval.split", cfg.eval.split, lambda: ws.eval_tasks(cfg.eval.split, cfg.eval.num_tasks)))
@@ -97,11 +98,24 @@ def preflight_prompts(ws: Workspace) -> None:
         except ValueError as e:
             raise ConfigError(f"{field} {split!r}: {e}") from None
         tokens, task = longest_prompt(ws, tasks)
-        if tokens >= limit:
-            raise ConfigError(
-                f"limits.max_total_tokens={limit} leaves no room for a turn: the prompt of {split} "
-                f"task {task} is {tokens} tokens; set limits.max_total_tokens above {tokens}"
-            )
+        if tokens >= contract.max_total_tokens:
+            raise ConfigError(budget_problem(contract, tokens, f"the prompt of {split} task {task}"))
+
+
+def budget_problem(contract: Any, tokens: int, what: str) -> str:
+    """Why a prompt of ``tokens`` leaves no room for a turn under ``contract``'s budget."""
+    limit, system = contract.limits.max_total_tokens, contract.system_tokens
+    head = f"{what} is {tokens} tokens (the system turn's {system} included)"
+    if contract.context_tokens is not None and limit + system > contract.context_tokens:
+        return (
+            f"limits.max_total_tokens={limit} leaves no room for a turn: {head}, and the model's context is "
+            f"{contract.context_tokens} tokens; shorten the system prompt or tool descriptions "
+            "(prompt.tool_descriptions=false) or use a model with a longer context"
+        )
+    return (
+        f"limits.max_total_tokens={limit} leaves no room for a turn: {head}; set limits.max_total_tokens "
+        f"above {tokens - system} (it counts everything but the system turn)"
+    )
 
 
 def _fmt_pct(x: float) -> str:
