@@ -19,7 +19,7 @@ from mentorrl.config.base import (
     optim_field,
 )
 from mentorrl.config.model import ModelSpec
-from mentorrl.config.names import ADVANTAGE, check_registered
+from mentorrl.config.names import ADVANTAGE, POLICY_LOSS, check_registered
 from mentorrl.config.replay import ReplayConfig
 
 
@@ -52,6 +52,12 @@ class GRPOConfig(RolloutStageConfig):
     advantage: str = Field(
         "grpo", description="a registered advantage estimator (mentorrl.algos.advantages.register_advantage)"
     )
+    loss: str = Field(
+        "grpo",
+        description="a registered policy loss (mentorrl.algos.losses.register_policy_loss): grpo (clipped surrogate "
+        "+ k3 KL to the reference when kl_coef > 0), clipped, masked_is, or a user's; it gets each trajectory's "
+        "advantage, eps_low / eps_high and loss_agg (and the reference's log-probs and kl_coef when kl_coef > 0)",
+    )
     sample_trajectories: int = Field(
         8, ge=0, description="trajectories per step written to RUN_DIR/samples/grpo-step-N.jsonl"
     )
@@ -79,6 +85,11 @@ class GRPOConfig(RolloutStageConfig):
     @classmethod
     def _registered(cls, v: str) -> str:
         return check_registered(ADVANTAGE, v)  # a ValueError naming the registered estimators
+
+    @field_validator("loss")
+    @classmethod
+    def _registered_loss(cls, v: str) -> str:
+        return check_registered(POLICY_LOSS, v)  # a ValueError naming the registered losses
 
     @model_validator(mode="after")
     def _state_needs_a_pool(self) -> "GRPOConfig":

@@ -20,7 +20,7 @@ from mentorrl.config.plugins import MODULE_PATH, load_plugins
 from mentorrl.config.prompt import ContractLimits, PromptFormat, SamplingParams
 from mentorrl.config.reward import RewardWeights
 from mentorrl.config.sections import AuditConfig, DistributedConfig, EvalConfig, LoggingConfig, RolloutConfig
-from mentorrl.config.stages import BUILTIN_STAGES, RESERVED, STAGE_NAMES, StageSpec, stage_specs
+from mentorrl.config.stages import BUILTIN_STAGES, STAGE_NAMES, STAGES, StageSpec, stage_specs
 
 MAX_PLUGINS = 32
 
@@ -127,7 +127,9 @@ RunConfig = create_model(  # the run config of the built-in stages
     **_stage_fields(list(BUILTIN_STAGES)),
     **{k: (v, Field(default_factory=v)) for k, v in TAIL_SECTIONS.items()},
 )
-RESERVED.update(n for n in RunConfig.model_fields if n not in STAGE_NAMES)  # no stage may take these names
+for _field in RunConfig.model_fields:  # no stage may take the name of a run-config section that is not one
+    if _field not in STAGE_NAMES:
+        STAGES.reserve(_field, "a run-config section that is not a stage; pick another")
 
 _MODELS: dict[tuple[tuple[str, int], ...], type[BaseModel]] = {}
 

@@ -51,6 +51,7 @@ from mentorrl.algos.preference import after_shared_prefix, dpo_loss, ipo_loss, o
 from mentorrl.chat import action_key, action_of, assistant_message, message_text, trajectory_messages
 from mentorrl.clients.openai_api import STAT_KEYS, TeacherClient
 from mentorrl.config import BlackBoxConfig, BlackBoxTeacherConfig
+from mentorrl.config.registry import Registry
 from mentorrl.contract import render_observation_content
 from mentorrl.opd.remote_teacher import ActingTeacher, BlackBoxTeacher, PromptedTeacher, StudentEpisode
 from mentorrl.opd.teacher import Capability, require
@@ -527,13 +528,15 @@ class BlackBoxRecipe:
         raise NotImplementedError
 
 
-RECIPES: dict[str, type[BlackBoxRecipe]] = {}
+RECIPES: Registry[type[BlackBoxRecipe]] = Registry("black-box recipe")
 
 
-def blackbox_recipe(cls: type[BlackBoxRecipe]) -> type[BlackBoxRecipe]:
-    """Register a :class:`BlackBoxRecipe` under its ``name`` (a later one of the same name replaces it)."""
-    RECIPES[cls.name] = cls
-    return cls
+def blackbox_recipe(cls: type[BlackBoxRecipe] | None = None, *, replace: bool = False) -> Any:
+    """Register a :class:`BlackBoxRecipe` under its ``name`` (a taken name is an error unless ``replace``);
+    ``@blackbox_recipe`` or ``@blackbox_recipe(replace=True)``."""
+    if cls is None:
+        return lambda c: RECIPES.register(c.name, c, replace=replace)
+    return RECIPES.register(cls.name, cls, replace=replace)
 
 
 def episode_groups(b: StepBatch) -> list[list[StudentEpisode]]:
