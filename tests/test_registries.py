@@ -133,3 +133,46 @@ def test_the_configured_loss_is_the_one_the_update_calls(monkeypatch):
 
     stage.update(B())
     assert seen["kind"] == "masked_is" and seen["eps_low"] == stage.cfg.eps_low
+
+
+# ---- a rollout backend is registered like anything else ------------------------------------------
+def test_a_plugin_rollout_backend_is_picked_by_config_and_decodes(
+    tool_happy_model, make_contract, orders_entry, orders_tasks
+):
+    """One file's worth of plugin: a backend kind wrapping the project's engine, counting its calls. The config
+    accepts its name only while it is registered, and a rollout under it decodes through it."""
+    from mentorrl.config import RolloutConfig
+    from mentorrl.config.names import ROLLOUT_BACKENDS
+    from mentorrl.rollout.api import Rollout
+    from mentorrl.rollout.backends import BackendChoice, BackendKind, register_rollout_backend
+    from mentorrl.rollout.backends.hf import HFBackend
+
+    calls = []
+
+    class Counting(HFBackend):
+        name = "counting"
+
+        def run_episodes(self, episodes, seed=0):
+            calls.append(len(episodes))
+            return super().run_episodes(episodes, seed=seed)
+
+    class CountingKind(BackendKind):
+        def build(self, choice, model, contract, version):
+            return Counting(choice.placed(model), contract, **choice.engine_settings)
+
+    with pytest.raises(ValueError, match="unknown rollout backend 'counting'; registered: hf, vllm"):
+        RolloutConfig(backend="counting")
+    register_rollout_backend("counting", CountingKind())
+    try:
+        with pytest.raises(DuplicateName):
+            register_rollout_backend("counting", CountingKind())
+        choice = BackendChoice(RolloutConfig(backend="counting"))
+        assert not choice.streams_in_process and BackendChoice(None).streams_in_process
+        contract = make_contract(max_new_tokens=8, max_turns=2)
+        tasks = orders_tasks[:3]
+        trajs = Rollout(contract, orders_entry.make_env, None, choice).run(tool_happy_model, tasks, seed=1)
+        assert len(trajs) == 3 and sum(calls) == 3  # every episode went through the plugin
+    finally:
+        ROLLOUT_BACKENDS.unregister("counting")
+    with pytest.raises(ValueError, match="unknown rollout backend"):
+        RolloutConfig(backend="counting")

@@ -1,7 +1,8 @@
 """The registries whose names a config checks at load time, held in the schema layer
 (:class:`~mentorrl.config.registry.Registry`: one idiom for every extension point).
 
-The runtime modules (:mod:`mentorrl.algos.advantages`, :mod:`mentorrl.algos.losses`, :mod:`mentorrl.envs`)
+The runtime modules (:mod:`mentorrl.algos.advantages`, :mod:`mentorrl.algos.losses`, :mod:`mentorrl.envs`,
+:mod:`mentorrl.rollout.backends`)
 register into these same objects, so a config naming a user's estimator, loss or environment validates; the
 built-in names are declared on each registry (a test keeps them equal to the runtime's), so validating a
 config imports no runtime module. An environment may also come from an installed package's ``mentorrl.envs``
@@ -17,6 +18,7 @@ from mentorrl.config.registry import Registry, UnknownName
 ADVANTAGE = "advantage estimator"
 ENVIRONMENT = "environment"
 POLICY_LOSS = "policy loss"
+ROLLOUT_BACKEND = "rollout backend"
 
 # The registries a config names entries of. The runtime modules fill them (mentorrl.algos.advantages,
 # mentorrl.algos.losses, mentorrl.envs); the built-in names are declared here so that validating a config
@@ -24,7 +26,8 @@ POLICY_LOSS = "policy loss"
 ADVANTAGES: Registry = Registry(ADVANTAGE, builtin=("grpo",))
 POLICY_LOSSES: Registry = Registry(POLICY_LOSS, builtin=("clipped", "grpo", "masked_is"))
 ENVIRONMENTS: Registry = Registry(ENVIRONMENT, builtin=("code", "orders", "verifiers"), entry_points="mentorrl.envs")
-REGISTRIES: dict[str, Registry] = {r.kind: r for r in (ADVANTAGES, POLICY_LOSSES, ENVIRONMENTS)}
+ROLLOUT_BACKENDS: Registry = Registry(ROLLOUT_BACKEND, builtin=("hf", "vllm"))
+REGISTRIES: dict[str, Registry] = {r.kind: r for r in (ADVANTAGES, POLICY_LOSSES, ENVIRONMENTS, ROLLOUT_BACKENDS)}
 BUILTIN_NAMES: dict[str, tuple[str, ...]] = {kind: r.builtin for kind, r in REGISTRIES.items()}
 
 
@@ -67,6 +70,8 @@ __all__ = [
     "POLICY_LOSS",
     "POLICY_LOSSES",
     "REGISTRIES",
+    "ROLLOUT_BACKEND",
+    "ROLLOUT_BACKENDS",
     "UnknownName",
     "assert_trainable_splits",
     "check_registered",
