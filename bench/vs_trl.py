@@ -195,6 +195,204 @@ RESPONSE_TEMPLATE: dict[str, Any] = {
 }
 
 
+# ------------------------------------------- a checkpoint's own ChatML template (hermes_prompted) ------
+class BridgeError(ValueError):
+    """A checkpoint whose rendering the bench cannot give TRL as a chat template (say which, and why)."""
+
+
+BRIDGE_PROBE_USER = "vs_trl bridge probe"
+# The TRL template for a checkpoint that renders the conversation with its own plain ChatML template and writes
+# Hermes calls in its turns (``prompt.tool_format`` hermes_prompted: SmolLM2). ``__PREAMBLE__`` becomes what the
+# checkpoint's template writes before a conversation that has no system message (SmolLM2: its default system
+# turn), as a Jinja string literal. ``tools`` are never rendered: a prompted format has them in the system
+# message's text or (``prompt.system_turn: false``) nowhere; an assistant message's ``tool_calls`` render as
+# the policy writes a call (``hermes_render``), inside ``{% generation %}`` with the turn's ``<|im_end|>``.
+HERMES_PROMPTED_BRIDGE = (
+    "{%- if messages and messages[0]['role'] != 'system' -%}{{- __PREAMBLE__ -}}{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] not in ['system', 'user', 'assistant', 'tool'] -%}"
+    "{{- raise_exception('unknown role ' ~ (message['role'] | tojson)) -}}"
+    "{%- endif -%}"
+    "{%- set content = message['content'] if message['content'] is defined and message['content'] is not none else '' -%}"
+    "{%- if content is not string -%}{{- raise_exception(message['role'] ~ ' message content must be a string') -}}{%- endif -%}"
+    "{%- set calls = message['tool_calls'] if message['tool_calls'] is defined and message['tool_calls'] else [] -%}"
+    "{{- '<|im_start|>' ~ message['role'] ~ '\n' -}}"
+    "{%- if message['role'] == 'assistant' -%}"
+    "{%- generation -%}"
+    "{{- content -}}"
+    "{%- for call in calls -%}"
+    "{%- set fn = call['function'] if call['function'] is defined else call -%}"
+    "{%- set args = fn['arguments'] if fn['arguments'] is defined and fn['arguments'] is not none else {} -%}"
+    "{{- '<tool_call>\n{\"name\": ' ~ (fn['name'] | tojson) ~ ', \"arguments\": '"
+    " ~ (args if args is string else args | tojson) ~ '}\n</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{{- '<|im_end|>' -}}"
+    "{%- endgeneration -%}"
+    "{{- '\n' -}}"
+    "{%- else -%}"
+    "{%- if calls -%}{{- raise_exception('only assistant messages carry tool_calls') -}}{%- endif -%}"
+    "{{- content ~ '<|im_end|>\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"
+)
+
+
+def _own_render(chat: Any, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+    """``messages`` as the checkpoint's own template writes them (assistant messages' content as given)."""
+    return chat.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+
+
+def bridge_template(chat: Any) -> str:
+    """TRL's chat template for a run that renders with the checkpoint's own template (``chat``: the contract's
+    :class:`~mentorrl.chat_templates.TemplateChat`): :data:`HERMES_PROMPTED_BRIDGE` with the template's
+    preamble. The checkpoint's template file is not touched: TRL gets this on its own tokenizer copy.
+
+    Checked here, against the checkpoint's template: the format is ``hermes_prompted``, a turn ends with
+    ``<|im_end|>``, and a probe conversation (without and with a system message; user, two Hermes calls with
+    their tool results, an answer) renders to the same text through both. Anything else is a
+    :class:`BridgeError`: the bench covers ChatML templates that render no tools (SmolLM2), and the contract's
+    own template (:func:`mentorrl.contract.chat_template_for`)."""
+    from mentorrl.chat_templates.formats import HERMES_PROMPTED
+
+    if chat.name != HERMES_PROMPTED:
+        raise BridgeError(
+            f"the checkpoint renders tool calls in the {chat.name!r} format with its own template; the bench "
+            f"bridges {HERMES_PROMPTED!r} (a ChatML template with no tools section, e.g. SmolLM2) and mentorrl's "
+            "own template only"
+        )
+    if chat.stop != IM_END:
+        raise BridgeError(f"the checkpoint's template ends a turn with {chat.stop!r}, not {IM_END!r} (not ChatML)")
+    user = [{"role": "user", "content": BRIDGE_PROBE_USER}]
+    text = _own_render(chat, user, True)
+    tail = f"{IM_START}user\n{BRIDGE_PROBE_USER}{IM_END}\n{ASSISTANT_HEADER}"
+    if not text.endswith(tail):
+        raise BridgeError(f"the checkpoint's template is not ChatML: it renders a user turn as {text[-120:]!r}")
+    # a Jinja string literal: JSON's escapes (\n, \", \uXXXX) are Jinja's
+    template = HERMES_PROMPTED_BRIDGE.replace("__PREAMBLE__", json.dumps(text[: -len(tail)]))
+    problem = bridge_problem(chat, template)
+    if problem:
+        raise BridgeError(f"the bench's TRL template does not render as the checkpoint's: {problem}")
+    return template
+
+
+def _probe_conversation(chat: Any, system: str | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(as the checkpoint's template reads it, as TRL holds it) for one probe conversation."""
+    calls = [("get_order", {"order_id": "O-1"}), ("cancel_order", {"order_id": "O-1", "reason": 'é "x"'})]
+    own = [{"role": "system", "content": system}] if system is not None else []
+    own.append({"role": "user", "content": BRIDGE_PROBE_USER})
+    trl = [dict(m) for m in own]
+    for k, (name, args) in enumerate(calls):
+        own.append({"role": "assistant", "content": chat.render_call(name, args)})
+        call = {"type": "function", "function": {"name": name, "arguments": args}}
+        trl.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        result = {"role": "tool", "content": f'{{"probe": {k}}}'}
+        own.append(result)
+        trl.append({**result, "name": name})
+    own.append({"role": "assistant", "content": "It is cancelled."})
+    trl.append({"role": "assistant", "content": "It is cancelled."})
+    return own, trl
+
+
+def bridge_problem(chat: Any, template: str) -> str | None:
+    """None when ``template`` renders the probe conversations (:func:`_probe_conversation`) as the checkpoint's
+    own template does at every turn boundary (with the generation prompt) and whole; else the first difference."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    for system in (None, "a system prompt"):
+        own, trl = _probe_conversation(chat, system)
+        cuts = [i for i, m in enumerate(own) if m["role"] == "assistant"] + [len(own)]
+        for cut in cuts:
+            gen = cut < len(own)
+            want = _own_render(chat, own[:cut], gen)
+            got = render_jinja_template([trl[:cut]], chat_template=template, add_generation_prompt=gen)[0][0]
+            if got != want:
+                at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+                return f"after {cut} messages, at character {at}: {got[at : at + 60]!r} vs {want[at : at + 60]!r}"
+    return None
+
+
+def trl_template_for(tokenizer: Any, chat: Any, prompt: Any) -> str:
+    """The chat template TRL renders with: mentorrl's own for the run's prompt format when the contract renders
+    with it (``chat`` None), else the bridge to the checkpoint's template (:func:`bridge_template`)."""
+    return chat_template_for(prompt) if chat is None else bridge_template(chat)
+
+
+# ----------------------------------------------------------- token parity: TRL's view of a mentorrl episode --
+def episode_observations(traj: Any) -> list[tuple[str, str]]:
+    """(tool name, observation text) per tool call of a mentorrl trajectory, in order: the tool messages TRL's
+    loop appends (the environment methods return the contract's observation text)."""
+    return [(str(c.name), render_observation_content(c.error is None, c.result, c.error)) for c in traj.tool_calls]
+
+
+def _first_diff(a: Sequence[int], b: Sequence[int]) -> str:
+    at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return f"token {at} of {len(a)} vs {len(b)}: {list(a[at : at + 6])} vs {list(b[at : at + 6])}"
+
+
+def parity_problems(
+    tok: Any,
+    traj: Any,
+    head: list[dict[str, Any]],
+    user: str,
+    tools: Any = None,
+    suffix_ids: Callable[[list[dict[str, Any]]], list[int]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+) -> list[str]:
+    """Where TRL's token ids for a mentorrl trajectory ``traj`` differ from the trajectory's (empty: nowhere).
+
+    ``tok``: TRL's tokenizer (its chat template and ``response_template``); ``head`` + a user message ``user``:
+    TRL's prompt; ``tools``: what TRL passes as ``tools=``. Checked, for the conversation TRL holds (each policy
+    turn as ``tok.parse_response`` reads the turn's ids, then the tool message of the observation):
+
+    * at every turn boundary, ``apply_chat_template`` of the conversation so far with the generation prompt is
+      the trajectory's ids up to that turn;
+    * the whole conversation renders to the trajectory's ids (then the template's closing newline), and its
+      ``{% generation %}`` mask (``return_assistant_tokens_mask``) is exactly the policy's tokens;
+    * with ``suffix_ids`` (TRL's ``GRPOTrainer._get_tool_suffix_ids``): TRL's own token-in/token-out stream,
+      prompt ids + each turn's generated ids + the tool-result suffix, is the trajectory's ids."""
+    kw = dict(template_kwargs or {})
+    ids = list(traj.token_ids)
+    policy = [s for s in traj.segments if s.role == "policy"]
+    obs = episode_observations(traj)
+    msgs = [*head, {"role": "user", "content": user}]
+    problems: list[str] = []
+    stream: list[int] = []
+    for k, seg in enumerate(policy):
+        at = tok.apply_chat_template(
+            msgs, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False, **kw
+        )
+        if list(at) != ids[: seg.start]:
+            problems.append(f"rendering before turn {k + 1}: {_first_diff(list(at), ids[: seg.start])}")
+        if k == 0:
+            stream = list(at)
+        turn = ids[seg.start : seg.end]
+        msgs.append(tok.parse_response(turn, prefix=ids[: seg.start]))
+        stream += turn
+        if k < len(obs) and k < len(policy) - 1:
+            tool_msg = [{"role": "tool", "name": obs[k][0], "content": obs[k][1]}]
+            msgs += tool_msg
+            if suffix_ids is not None:
+                stream += list(suffix_ids(tool_msg))
+    whole = tok.apply_chat_template(
+        msgs, tools=tools, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, **kw
+    )
+    got, mask = list(whole["input_ids"]), list(whole["assistant_masks"])
+    if got[: len(ids)] != ids:
+        problems.append(f"whole conversation: {_first_diff(got, ids)}")
+    want_mask = [0] * len(ids)
+    for s in policy:
+        want_mask[s.start : s.end] = [1] * (s.end - s.start)
+    if mask[: len(ids)] != want_mask or any(mask[len(ids) :]):
+        problems.append(
+            f"generation mask: {sum(mask)} tokens marked, the policy wrote {sum(want_mask)} "
+            f"({_first_diff(mask, want_mask)})"
+        )
+    if suffix_ids is not None and stream != ids:
+        problems.append(f"TRL's token-in/token-out stream: {_first_diff(stream, ids)}")
+    return problems
+
+
 def tool_method(schema: dict[str, Any]) -> Callable[..., str]:
     """A method ``name(self, **arguments) -> str`` whose signature, type hints and Google docstring make
     transformers' ``get_json_schema`` give back ``schema``'s name, description, argument names, types and
