@@ -10,7 +10,8 @@ spinning, which matters on a machine shared with other jobs) in both arms.
 
     python bench/vs_trl.py --model runs/demo/sft/final --reps 3 --steps 2 --json bench/results/vs_trl.json
     python bench/vs_trl.py --model runs/smollm2/seed-0/sft/final --config mentorrl/configs/smollm2.yaml \
-        --lora --dtype auto --tasks 8 --group 4 --trl-micro-batch 8 --reps 3 --json bench/results/vs_trl_smollm2.json
+        --lora --dtype auto --answer typed --tasks 8 --group 4 --trl-micro-batch 8 --reps 3 \
+        --json bench/results/vs_trl_smollm2.json
 
 ``--model``: a mentorrl checkpoint directory (transformers-loadable: model.safetensors, tokenizer.json and
 its chat template), or a LoRA stage's adapter directory (SmolLM2's ``sft/final``: ``adapter_config.json``
@@ -117,7 +118,15 @@ Format bridging (mentorrl -> TRL ``environment_factory``)
   fell back to text -- ends the episode with no answer (``unparsed``, counted per arm as
   ``unparsed_share``), where mentorrl would have charged the call and gone on. A call TRL refused before
   reaching the environment (unknown tool, arguments not an object) is charged as mentorrl's registry
-  answers it. Two calls in one turn run both in TRL (mentorrl: one malformed call; ``multi_call_turns``).
+  answers it. Two calls in one turn run both in TRL (mentorrl: one malformed call; ``multi_call_turns``);
+* answers (``--answer``): ``free_text`` (default, the demo's figures) ends both arms' episodes on a reply
+  without a tool call. ``typed`` (verifier v4: the answer is a ``final_answer`` call, as SmolLM2's recipe
+  trains its policy; under ``free_text`` that policy's answer calls are unknown tools and no episode
+  succeeds) ends mentorrl's episode on that call (``Episode.add_policy_turn``, never run). TRL has no tool
+  that ends a rollout; its environment method for the call returns a result longer than the completion
+  budget, which TRL's tool loop drops, ending that rollout (its own rule for a tool result that does not fit):
+  the same turns, the call's tokens the last, and the reward function reads the call as mentorrl does
+  (:func:`trl_episode_end`: the call's JSON is the answer, at any turn up to the last).
 
 A checkpoint's own ChatML template (``hermes_prompted``: SmolLM2)
 ----------------------------------------------------------------
@@ -191,6 +200,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from mentorrl.contract import (  # noqa: E402
+    ANSWER_TOOL_NAME,
     IM_END,
     IM_START,
     ParsedAction,
@@ -504,7 +514,12 @@ class ToolEnvBase:
         return task.prompt  # TRL appends it to the (empty) user message
 
     def _call(self, name: str, arguments: dict[str, Any]) -> str:
-        """One tool call as mentorrl runs it (``Episode.run_tool``); the observation text."""
+        """One tool call as mentorrl runs it (``Episode.run_tool``); the observation text. The typed answer's
+        call (``--answer typed``) runs nothing: it returns :attr:`ctx.end_text`, a result longer than TRL's
+        completion budget, so TRL's tool loop drops it and ends this rollout (its own rule for a tool result
+        that does not fit): the episode ends on that call, as in mentorrl."""
+        if name is not None and name == getattr(self._ctx, "answer_tool", None):
+            return self._ctx.end_text
         raw = dumps_compact({"name": name, "arguments": arguments})
         result = self._ep.run_tool(ParsedAction("tool", raw=raw, name=name, arguments=arguments))
         return render_observation_content(result.ok, result.content, result.error)
@@ -514,7 +529,9 @@ class ToolEnvBase:
         ep, ctx = self._ep, self._ctx
         stopped = bool(completion_ids) and completion_ids[-1] in ctx.contract.stop_token_ids
         turn = last_turn_text(ctx.contract.tokenizer.decode(list(completion_ids), skip_special_tokens=False), stopped)
-        final, reason, _ = trl_episode_end(messages, turn, stopped, ctx.max_turns, ctx.contract.parse_action)
+        final, reason, _ = trl_episode_end(
+            messages, turn, stopped, ctx.max_turns, ctx.contract.parse_action, getattr(ctx, "answer_tool", None)
+        )
         refused = refused_calls(messages, set(ctx.tool_names), ctx.max_turns)
         for name, args in refused:  # TRL answered these itself; charge them as mentorrl's registry answers them
             ep.run_tool(
@@ -564,6 +581,7 @@ def trl_episode_end(
     stopped: bool,
     max_turns: int,
     parse: Callable[[str], ParsedAction] = parse_action,
+    answer_tool: str | None = None,
 ) -> tuple[str | None, str, ParsedAction | None]:
     """(final answer, finish reason, mentorrl's reading of the last turn) of a TRL rollout.
 
@@ -571,14 +589,21 @@ def trl_episode_end(
     text; ``stopped``: it ended with the stop token. The last turn still holding a tool call means TRL
     stopped the tool loop: at the turn limit (``max_turns``) or because the tool result did not fit
     (``max_tokens``). A turn cut before its stop token is ``length``. Otherwise mentorrl's parser of the
-    rendering (``parse``: the contract's ``parse_action``; default the contract's own format) reads the turn: an answer is the final answer; a turn it reads as a tool call (or a
-    malformed one) that TRL's parser did not is ``unparsed``: the episode ended with no answer."""
+    rendering (``parse``: the contract's ``parse_action``; default the contract's own format) reads the turn:
+    an answer is the final answer; a turn it reads as a tool call (or a malformed one) that TRL's parser did
+    not is ``unparsed``: the episode ended with no answer. First of all, a stopped last turn that is a call of
+    ``answer_tool`` (the typed answer) is the final answer, as ``Episode.add_policy_turn`` reads it (the call's
+    JSON as written, :func:`~mentorrl.rollout.episode.answer_call_text`), whatever turn it came at."""
+    from mentorrl.rollout.episode import answer_call_text
+
+    action = parse(turn_text) if stopped else None
+    if answer_tool is not None and action is not None and action.kind == "tool" and action.name == answer_tool:
+        return answer_call_text(turn_text, action.body if action.body is not None else action.raw), "answer", action
     assistants = [m for m in messages if m.get("role") == "assistant"]
     if assistants and assistants[-1].get("tool_calls"):
         return None, ("max_turns" if len(assistants) >= max_turns else "max_tokens"), None
-    if not stopped:
+    if action is None:
         return None, "length", None
-    action = parse(turn_text)
     if action.kind == "answer":
         return action.text, "answer", action
     return None, "unparsed", action
@@ -804,15 +829,18 @@ class Clock:
         return w, c
 
 
-# Both arms read free-text answers: TRL's tool loop runs every call it parses and generates on, so it has no way
-# to end an episode on the typed answer's final_answer call (verifier v4); the arms stay comparable (the same
-# environment, verifier and reward in both), and this bench measures speed, not the answer protocol.
+# --answer's default: both arms read free-text answers. TRL's tool loop runs every call it parses and generates
+# on, so it has no way of its own to end an episode on the typed answer's final_answer call (verifier v4); the
+# arms stay comparable (the same environment, verifier and reward in both). A policy trained on typed answers
+# (SmolLM2's recipe) needs ``--answer typed``: TRL's episode then ends on that call through its overlong rule
+# (``ToolEnvBase._call``).
 ENV_ANSWER = "free_text"
+ANSWERS = ("free_text", "typed")
 
 
-def bench_env_factory(entry: Any):
-    """The bench's environment factory: the orders environment with ``ENV_ANSWER`` answers."""
-    return functools.partial(entry.make_env, answer=ENV_ANSWER)
+def bench_env_factory(entry: Any, answer: str = ENV_ANSWER):
+    """The bench's environment factory: the orders environment with ``answer`` answers (``--answer``)."""
+    return functools.partial(entry.make_env, answer=answer)
 
 
 def peak_rss_mib() -> float:
@@ -847,7 +875,7 @@ def mentorrl_overrides(args, run_dir: Path) -> list[str]:
         "eval.num_tasks=0",
         "audit.eval_every=0",
         "grpo.guide=none",
-        f"env.answer={ENV_ANSWER}",
+        f"env.answer={getattr(args, 'answer', ENV_ANSWER)}",
         "grpo.kl_coef=0",
         f"grpo.steps={args.warmup + args.steps}",
         f"grpo.tasks_per_step={args.tasks}",
@@ -983,9 +1011,18 @@ def _counts(xs) -> dict[str, int]:
 
 
 class _TrlContext:
-    def __init__(self, entry, contract, weights, tasks, max_turns, tool_names):
-        self.make_env, self.contract, self.weights = bench_env_factory(entry), contract, weights
+    def __init__(self, entry, contract, weights, tasks, max_turns, tool_names, answer=ENV_ANSWER, answer_tool=None):
+        self.make_env, self.contract, self.weights = bench_env_factory(entry, answer), contract, weights
         self.tasks, self.max_turns, self.tool_names = tasks, max_turns, tool_names
+        # the typed answer's tool (None: free-text answers) and the result that ends TRL's rollout on its call
+        self.answer_tool, self.end_text = answer_tool, ""
+
+    def set_end_text(self, tok, max_completion: int) -> None:
+        """:attr:`end_text`: a tool result of more than ``max_completion`` tokens (TRL drops it, ending the
+        rollout)."""
+        self.end_text = "end " * (max_completion + 1)
+        if len(tok.encode(self.end_text, add_special_tokens=False)) <= max_completion:
+            raise SystemExit("--answer typed: the end-of-episode tool result does not exceed TRL's completion budget")
 
 
 def trl_config_kwargs(
@@ -1056,7 +1093,7 @@ def trl_contract(args, cfg, entry, tok) -> tuple[Any, list[dict[str, Any]], Any,
     from mentorrl.chat_templates import native_chat_for
     from mentorrl.contract import contract_for_env, tool_schemas
 
-    probe = bench_env_factory(entry)()
+    probe = bench_env_factory(entry, getattr(args, "answer", ENV_ANSWER))()
     try:
         chat = native_chat_for(tok, probe, cfg.prompt)
         if chat is None:
@@ -1102,7 +1139,13 @@ def run_trl_arm(args, work: Path) -> dict[str, Any]:
     contract, schemas, tok, head = trl_contract(args, cfg, entry, tok)
     longest_prompt = max(len(contract.prompt_ids(t.prompt)) for t in flat)
     max_completion = args.max_total_tokens - longest_prompt
-    ctx = _TrlContext(entry, contract, cfg.reward, flat, args.max_turns, [s["function"]["name"] for s in schemas])
+    answer = getattr(args, "answer", ENV_ANSWER)
+    names = [s["function"]["name"] for s in schemas]
+    answer_tool = ANSWER_TOOL_NAME if answer == "typed" else None
+    if answer_tool is not None and answer_tool not in names:
+        raise SystemExit(f"--answer typed: the environment has no {answer_tool} tool")
+    ctx = _TrlContext(entry, contract, cfg.reward, flat, args.max_turns, names, answer, answer_tool)
+    ctx.set_end_text(tok, max_completion)
     env_cls = environment_class(schemas)
     data = Dataset.from_list(
         [{"prompt": head + [{"role": "user", "content": ""}], "task_index": i} for i in range(len(flat))]
@@ -1189,7 +1232,7 @@ def run_trl_arm(args, work: Path) -> dict[str, Any]:
         environment_factory=lambda: env_cls(ctx),
         callbacks=[StepClock()],
     )
-    fmt_check = trl_format_check(trainer, contract, flat, head, entry)
+    fmt_check = trl_format_check(trainer, contract, flat, head, entry, answer)
     setup = (time.perf_counter() - t0, time.process_time() - c0)
     t1, c1 = time.perf_counter(), time.process_time()
     trainer.train()
@@ -1237,7 +1280,9 @@ def run_trl_arm(args, work: Path) -> dict[str, Any]:
     }
 
 
-def trl_format_check(trainer, contract, tasks, head, entry, episodes: int = 4) -> dict[str, Any]:
+def trl_format_check(
+    trainer, contract, tasks, head, entry, answer: str = ENV_ANSWER, episodes: int = 4
+) -> dict[str, Any]:
     """Do TRL's token ids equal the contract's? Every task's prompt as TRL tokenises it (its
     ``_tokenize_prompts`` call: the environment's tools, the trainer's template and kwargs) against
     ``contract.prompt_ids``; TRL's tool-result suffix (``_get_tool_suffix_ids``) against
@@ -1269,7 +1314,7 @@ def trl_format_check(trainer, contract, tasks, head, entry, episodes: int = 4) -
         == contract.observation_ids(o)
         for o in observations
     )
-    problems = scripted_parity(trainer, contract, head, entry, tools, kw, episodes)
+    problems = scripted_parity(trainer, contract, head, entry, tools, kw, episodes, answer)
     out = {
         "prompts_equal": same,
         "prompts": len(tasks),
@@ -1284,13 +1329,13 @@ def trl_format_check(trainer, contract, tasks, head, entry, episodes: int = 4) -
     return out
 
 
-def scripted_parity(trainer, contract, head, entry, tools, kw, episodes: int) -> list[str]:
+def scripted_parity(trainer, contract, head, entry, tools, kw, episodes: int, answer: str = ENV_ANSWER) -> list[str]:
     """:func:`parity_problems` over ``episodes`` scripted expert episodes of the contract (train tasks)."""
     from mentorrl.rollout.episode import run_scripted_episode
 
     if trainer.chat_template is not None:
         return ["TRL replaced the chat template (it found it not prefix-preserving)"]
-    env, out = bench_env_factory(entry)(), []
+    env, out = bench_env_factory(entry, answer)(), []
     try:
         for task in entry.make_tasks().tasks("train", episodes, 12345):
             traj = run_scripted_episode(contract, env, task, entry.make_expert())
@@ -1325,6 +1370,8 @@ def child_command(args, arm: str, rep: int, out: Path, work: Path) -> list[str]:
         str(recipe_path(args)),
         "--dtype",
         str(getattr(args, "dtype", "float32")),
+        "--answer",
+        str(getattr(args, "answer", ENV_ANSWER)),
     ]
     for flag in (
         "steps",
@@ -1394,6 +1441,14 @@ def parse_args(argv: list[str] | None):
         default=None,
         help="the recipe both arms take their prompt format, reward and contract settings from, and the mentorrl arm "
         "trains with (default: mentorrl/configs/demo.yaml; the SmolLM2 checkpoints: mentorrl/configs/smollm2.yaml)",
+    )
+    p.add_argument(
+        "--answer",
+        choices=ANSWERS,
+        default=ENV_ANSWER,
+        help="how an episode ends in both arms: free_text (default; a reply without a tool call, the v3 reader) or "
+        "typed (a final_answer call, verifier v4, as SmolLM2's recipe trains; TRL's rollout ends on that call "
+        "through its own rule for a tool result that does not fit)",
     )
     p.add_argument(
         "--dtype",

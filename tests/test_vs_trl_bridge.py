@@ -262,3 +262,61 @@ def test_smollm2_tokenizer_parity(b, env, orders_entry):
 
         for traj, user in _episodes(contract, env, orders_entry):
             assert b.parity_problems(trl_tok, traj, head, user, tool_schemas(env), suffix_ids=suffix) == []
+
+
+# -------------------------------------------------------------------------- typed answers -------------
+def test_typed_answers_end_and_score_as_in_mentorrl(b, orders_entry):
+    """``--answer typed`` (SmolLM2's recipe: verifier v4): the expert's episodes replayed through the TRL
+    environment, each ending on its final_answer call as TRL holds it (the call's tool result dropped by TRL's
+    overlong rule), score exactly as mentorrl's; the call itself runs nothing and returns the end text."""
+    from mentorrl.rewards.compose import RewardWeights
+
+    env = b.bench_env_factory(orders_entry, "typed")()
+    ref_env = b.bench_env_factory(orders_entry, "typed")()
+    try:
+        contract, trl_tok, head = _setup(b, _tokenizer(SMOLLM2_CHATML), env, system_turn=False)
+        tasks = orders_entry.make_tasks().tasks("train", 8, 3)
+        schemas = tool_schemas(env)
+        names = [s["function"]["name"] for s in schemas]
+        assert env.answer_tool == b.ANSWER_TOOL_NAME in names
+        ctx = b._TrlContext(orders_entry, contract, RewardWeights(), tasks, 6, names, "typed", env.answer_tool)
+        ctx.set_end_text(trl_tok, 700)
+        assert len(trl_tok.encode(ctx.end_text, add_special_tokens=False)) > 700
+        trl_env = b.environment_class(schemas)(ctx)
+        checked = 0
+        for i, task in enumerate(tasks):
+            ref = run_scripted_episode(contract, ref_env, task, orders_entry.make_expert())
+            assert trl_env.reset(task_index=i) == task.prompt
+            msgs = []
+            for seg in [s for s in ref.segments if s.role == "policy"]:
+                msgs.append(
+                    trl_tok.parse_response(ref.token_ids[seg.start : seg.end], prefix=ref.token_ids[: seg.start])
+                )
+                call = msgs[-1]["tool_calls"][0]["function"]
+                result = getattr(trl_env, call["name"])(**call["arguments"])  # what TRL's tool loop does
+                if call["name"] == env.answer_tool:
+                    assert result == ctx.end_text  # TRL drops it and ends the rollout
+                else:
+                    msgs.append({"role": "tool", "name": call["name"], "content": result})
+            assert trl_env._score(msgs, ref.token_ids[ref.segments[0].end :]) == pytest.approx(ref.reward.total)
+            assert trl_env._last["finish_reason"] == ref.finish_reason == "answer"
+            assert trl_env._last["success"] == ref.reward.success
+            checked += ref.reward.success
+        assert checked >= 4
+        # a final_answer call at the last allowed turn is still the answer (mentorrl reads it before max_turns)
+        turn = contract.render_tool_call(env.answer_tool, {"outcome": "x"})
+        last = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "x"}}]}
+        final, reason, _ = b.trl_episode_end([last] * 6, turn, True, 6, contract.parse_action, env.answer_tool)
+        assert reason == "answer" and final == '{"name": "final_answer", "arguments": {"outcome": "x"}}'
+        assert b.trl_episode_end([last] * 6, turn, True, 6, contract.parse_action)[1] == "max_turns"  # free text
+    finally:
+        env.close()
+        ref_env.close()
+
+
+def test_the_answer_mode_reaches_both_arms(b, tmp_path):
+    args = b.parse_args(["--model", str(TINY), "--answer", "typed"])
+    args.model = TINY
+    child = b.parse_args(b.child_command(args, "trl", 0, tmp_path / "o.json", tmp_path)[2:])
+    assert child.answer == "typed" and "env.answer=typed" in b.mentorrl_overrides(child, tmp_path / "run")
+    assert b.parse_args(["--model", str(TINY)]).answer == "free_text"  # the demo's results keep theirs
