@@ -149,11 +149,13 @@ Precision (``--dtype``)
 -----------------------
 ``float32`` (default): fp32 in both arms. ``bfloat16``: fp32 weights and optimizer state in both arms, forward
 and backward under bf16 autocast (mentorrl ``model.dtype=bfloat16``: the learner's autocast, the rollout on a
-bf16 copy of the policy synced after each update; TRL ``bf16=True``: the Trainer's autocast, and the bench
-runs TRL's ``generate`` under that same ``accelerator.autocast()``, since with peft adapters ``generate``
-bypasses the autocast accelerate wraps the model's forward in and would decode in fp32). A bf16-loaded model
-for TRL was not chosen: it would hold other weights than mentorrl's (bf16 base, no fp32 copy), so the memory
-comparison would not be of the same setting. ``auto``: mentorrl's start-up probe (``choose_dtype``: bf16
+bf16 copy of the policy synced after each update; TRL ``bf16=True``: the Trainer's autocast for its
+training and log-prob forwards). TRL's ``generate`` decodes in fp32 there (with peft adapters it bypasses
+the autocast accelerate wraps the model's forward in), which is TRL's faster choice on this CPU: SmolLM2
+with LoRA, 4 rows, one thread, decoded 33 tokens/CPU-s in fp32, 17.5 under bf16 autocast (the weights are
+cast at every step) and 32 with bf16 weights, so the bench leaves it as it is. A bf16-loaded model for TRL
+was not chosen: it would hold other weights than mentorrl's (a bf16 base, no fp32 copy), so the memory
+comparison would not be of the same setting, and it decodes no faster. ``auto``: mentorrl's start-up probe (``choose_dtype``: bf16
 where its matmul measures >= 1.5x fp32, as on AMX CPUs) decides once in the driver and both arms get the result.
 
 The issue's targets (rollout policy tokens per CPU-second >= 2x TRL, whole-step trajectories per
@@ -1167,12 +1169,6 @@ def run_trl_arm(args, work: Path) -> dict[str, Any]:
             info.setdefault(g, {})["rss_after_step_mib"] = peak_rss_mib()
 
     class TimedGRPOTrainer(GRPOTrainer):
-        def _generate_single_turn(self, *a, **kw):
-            # bf16=True: generate under the Trainer's own autocast, as its training forwards run (with peft
-            # adapters, generate() bypasses the autocast accelerate puts on the wrapped model's forward)
-            with self.accelerator.autocast():
-                return super()._generate_single_turn(*a, **kw)
-
         def _generate_and_score_completions(self, inputs):
             with clock.span(batch_of(self), "score_total"):
                 return super()._generate_and_score_completions(inputs)
