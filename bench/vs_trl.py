@@ -102,9 +102,9 @@ Format bridging (mentorrl -> TRL ``environment_factory``)
   two observations, and scripted expert episodes through :func:`parity_problems` with the trainer's own
   ``_get_tool_suffix_ids`` (TRL's ids at every turn boundary, its token-in/token-out stream, and its
   ``{% generation %}`` mask against the trajectory's policy tokens);
-* mentorrl's own rendering (the demo): its saved template (``mentorrl.contract.CHAT_TEMPLATE``) is prefix-preserving and
-  marks assistant turns with ``{% generation %}``, so TRL keeps it (no ``get_training_chat_template``
-  patch) and ``_get_tool_suffix_ids`` works: the tokenizer's EOS is ``<|im_end|>``, TRL trims at it.
+* mentorrl's own rendering (the demo): its saved template (``mentorrl.contract.CHAT_TEMPLATE``) is
+  prefix-preserving and marks assistant turns with ``{% generation %}``, so TRL keeps it (no
+  ``get_training_chat_template`` patch) and ``_get_tool_suffix_ids`` works: the tokenizer's EOS is ``<|im_end|>``, TRL trims at it.
   TRL always passes ``tools=``; the template (``mentorrl.contract.chat_template_for`` the recipe's prompt
   format, as checkpoints are saved) then renders the system turn only if the recipe has one, so for a
   ``system_turn: false`` recipe (the demo) the prompt is the one the policy was trained on (the bench also
@@ -133,7 +133,7 @@ A checkpoint's own ChatML template (``hermes_prompted``: SmolLM2)
 SmolLM2's recipe keeps the model's plain ChatML template unedited (no tools section, no generation markers;
 its default system turn when a conversation has none): the rollout renders with it, the tool schemas would go
 in the system text (``prompt.system_turn: false``: nowhere), a call is the turn's text
-``<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`` (plain text: the tokenizer has no such
+``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` (plain text: the tokenizer has no such
 token) and a tool result is a ``tool`` turn the template renders. The checkpoint records this in its
 ``tokenizer_config.json`` (``mentorrl_prompt``); ``prompt.tool_format: auto`` resolves to it either way.
 TRL's template (:func:`bridge_template`, never written to the checkpoint) is :data:`HERMES_PROMPTED_BRIDGE`:
@@ -155,8 +155,9 @@ the autocast accelerate wraps the model's forward in), which is TRL's faster cho
 with LoRA, 4 rows, one thread, decoded 33 tokens/CPU-s in fp32, 17.5 under bf16 autocast (the weights are
 cast at every step) and 32 with bf16 weights, so the bench leaves it as it is. A bf16-loaded model for TRL
 was not chosen: it would hold other weights than mentorrl's (a bf16 base, no fp32 copy), so the memory
-comparison would not be of the same setting, and it decodes no faster. ``auto``: mentorrl's start-up probe (``choose_dtype``: bf16
-where its matmul measures >= 1.5x fp32, as on AMX CPUs) decides once in the driver and both arms get the result.
+comparison would not be of the same setting, and it decodes no faster. ``auto``: mentorrl's start-up probe
+(``choose_dtype``: bf16 where its matmul measures >= 1.5x fp32, as on AMX CPUs) decides once in the driver and
+both arms get the result.
 
 The issue's targets (rollout policy tokens per CPU-second >= 2x TRL, whole-step trajectories per
 CPU-second >= 4x TRL) are checked and printed (``--target-step`` / ``--target-rollout`` move them).
@@ -165,10 +166,12 @@ LoRA (``--lora``)
 -----------------
 Both arms train the same adapters (:data:`LORA`: r 16, alpha 32, dropout 0, every attention and MLP projection):
 mentorrl through ``model.lora``, TRL through ``peft_config`` (SmolLM2's recipe has the same adapters; without
-``--lora`` the bench sets ``model.lora=null``, so both arms train the full model) (TRL's KL reference, when ``beta`` > 0, is the policy
-with its adapters disabled; mentorrl's is ``frozen_copy``, which shares the frozen base). The 0.5B-shaped run in
-``docs/scaling.md`` adds ``--mentorrl-set grpo.kl_coef=0.001 --trl-set beta=0.001`` so that both arms train every
-row of a random-init model's zero-advantage groups (without a KL term mentorrl skips them, exactly).
+``--lora`` the bench sets ``model.lora=null``, so both arms train the full model). TRL's KL reference, when
+``beta`` > 0, is the policy with its adapters disabled; mentorrl's is ``frozen_copy``, which shares the frozen
+base. The 0.5B-shaped run in ``docs/scaling.md`` adds ``--mentorrl-set grpo.kl_coef=0.001 --trl-set beta=0.001``
+so that both arms train every row of a random-init model's zero-advantage groups (without a KL term mentorrl
+skips them, exactly). SmolLM2's SFT policy solves many tasks already, so whole groups tie too: without those
+flags mentorrl skips their update while TRL runs it (the same weights after the step either way).
 """
 
 from __future__ import annotations
@@ -1532,7 +1535,8 @@ def resolve_model(arg: str | None) -> Path:
             )
     if not (path / "config.json").exists() and not (path / "adapter_config.json").exists():
         sys.exit(
-            f"--model {path}: neither a checkpoint directory (no config.json) nor a LoRA adapter (no adapter_config.json)"
+            f"--model {path}: neither a checkpoint directory (no config.json) nor a LoRA adapter "
+            "(no adapter_config.json)"
         )
     return path.resolve()
 
@@ -1598,7 +1602,8 @@ def run_reps(args, argv: list[str] | None, work: Path) -> dict[str, Any]:
     args.dtype = resolve_precision(args.dtype)
     print(
         f"model {args.model_source}{'' if args.model == args.model_source else f' (merged: {args.model})'}; "
-        f"recipe {recipe_path(args)}; {args.dtype}; {args.reps} reps x {args.warmup} warm-up + {args.steps} timed steps per arm; "
+        f"recipe {recipe_path(args)}; {args.dtype}; {args.answer} answers; {args.reps} reps x {args.warmup} warm-up + "
+        f"{args.steps} timed steps per arm; "
         f"{args.tasks} tasks x {args.group} samples; work dir {work}",
         flush=True,
     )

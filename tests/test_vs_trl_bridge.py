@@ -320,3 +320,29 @@ def test_the_answer_mode_reaches_both_arms(b, tmp_path):
     child = b.parse_args(b.child_command(args, "trl", 0, tmp_path / "o.json", tmp_path)[2:])
     assert child.answer == "typed" and "env.answer=typed" in b.mentorrl_overrides(child, tmp_path / "run")
     assert b.parse_args(["--model", str(TINY)]).answer == "free_text"  # the demo's results keep theirs
+
+
+def test_the_demo_rendering_passes_the_same_parity(b, env, orders_entry):
+    """The contract's own rendering (the tiny demo model, mentorrl's template for a ``system_turn: false``
+    recipe): TRL's ids equal the rollout's too, so the bench's stopping check at start lets the demo run."""
+    from transformers import AutoTokenizer
+
+    fmt = PromptFormat(system_turn=False)
+    tok = AutoTokenizer.from_pretrained(TINY)
+    tok.chat_template = b.trl_template_for(tok, None, fmt)
+    tok.response_template = b.RESPONSE_TEMPLATE
+    contract = contract_for_env(tok, env, limits=ContractLimits(max_total_tokens=8192), prompt=fmt)
+    suffix = None
+    if importlib.util.find_spec("trl") is not None:
+        from trl import GRPOTrainer
+
+        fake = SimpleNamespace(
+            processing_class=tok, _tokenizer=tok, chat_template=None, chat_template_kwargs={}, _is_vlm=False
+        )
+
+        def suffix(msgs):
+            return GRPOTrainer._get_tool_suffix_ids(fake, msgs)
+
+    kw = {"system_turn": False, "tool_descriptions": True}  # what the bench passes as chat_template_kwargs
+    for traj, user in _episodes(contract, env, orders_entry, n=4):
+        assert b.parity_problems(tok, traj, [], user, tool_schemas(env), suffix, kw) == []
