@@ -1471,7 +1471,13 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--max-new-tokens", type=int, default=64, help="per turn")
     p.add_argument("--max-turns", type=int, default=6)
     p.add_argument("--max-total-tokens", type=int, default=768)
-    p.add_argument("--trl-micro-batch", type=int, default=32, help="TRL per_device_train_batch_size (default 32)")
+    p.add_argument(
+        "--trl-micro-batch",
+        type=int,
+        default=32,
+        help="sequences per forward/backward in both arms: TRL per_device_train_batch_size, mentorrl "
+        "grpo.optim.micro_batch_size (default 32)",
+    )
     p.add_argument(
         "--trl-set",
         action="append",
