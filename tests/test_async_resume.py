@@ -20,7 +20,14 @@ from test_resume import TINY_OVERRIDES, _env
 from mentorrl.config import load_config
 from mentorrl.replay import ReplayBuffer, ReplayConfig
 from mentorrl.replay.checkpointing import BufferCheckpoints, ResumeDrops
+from mentorrl.train.consistency import batch_checks
 from mentorrl.train.rundir import MetricsLog
+
+
+def _gate_passes(buf: ReplayBuffer, version: int) -> bool:
+    """The consistency gate's policy-version check over everything the buffer can offer a learner at ``version``."""
+    trajs = buf.sample(len(buf), current_version=version)
+    return next(c for c in batch_checks(trajs, version, "orders", "1.0", "") if c.name == "policy_version").passed
 
 
 def _checkpoints(buf: ReplayBuffer) -> tuple[BufferCheckpoints, list[str]]:
@@ -38,7 +45,9 @@ def test_entries_ahead_of_the_restored_version_are_dropped_even_under_the_mark(t
             buf.add(traj(i, version=v))
         saved = ck.state()
         buf.add(traj(99, version=5))  # after the checkpoint: the rollback's
+        assert not _gate_passes(buf, 2)  # what a resumed learner at v2 would have been offered
         drops = ck.restore(saved, version=2)
+        assert _gate_passes(buf, 2)
         assert drops == ResumeDrops(version=2, discarded=1, ahead={3: 1, 4: 2, 5: 1}, by_version_rule=3)
         assert drops.metrics() == {"replay_resume_discarded": 1.0, "replay_resume_ahead_dropped": 4.0}
         assert buf.ids() == ["t-0", "t-1", "t-2", "t-6"]
