@@ -19,7 +19,7 @@ from rich.table import Table
 from mentorrl.config import ConfigError, RunConfig
 from mentorrl.eval.plots import plot_rl_curves, plot_step_metrics
 from mentorrl.models.build import load_policy
-from mentorrl.models.device import choose_dtype, learner_placement, placement_problems
+from mentorrl.models.device import PrecisionChoice, choose_dtype, learner_placement, pin_choice, placement_problems
 from mentorrl.models.hub import checkpoint_problem
 from mentorrl.train.distributed import current as current_dp
 from mentorrl.train.distributed import setup_distributed, shutdown_distributed
@@ -178,14 +178,31 @@ def _run_recipe(cfg: RunConfig, resume: bool, show_progress: bool, dp, t0: float
         return _run_stages(ws, resume, t0)
 
 
-def report_precision(ws: Workspace) -> None:
-    """``model.dtype: auto``: print the dtype the start-up probe chose, and why, and write it to
-    RUN_DIR/precision.json (the rollout and teachers follow the learner unless they set their own)."""
+def report_precision(ws: Workspace, resume: bool = False) -> None:
+    """``model.dtype: auto``: the dtype the start-up probe chose, and why, printed and written to
+    RUN_DIR/precision.json (the rollout and teachers follow the learner unless they set their own).
+    The probe is a timing, so the run decides once: rank 0 probes (a resumed run reuses the recorded
+    choice instead) and every rank pins that choice (:func:`~mentorrl.models.device.pin_choice`)."""
     if ws.cfg.model.dtype != "auto":
         return
-    choice = choose_dtype(learner_placement(ws.cfg).device)
-    ws.console.print(f"model.dtype auto: {str(choice.dtype).removeprefix('torch.')} ({choice.reason})")
-    ws.on_main(lambda: (ws.run_dir / "precision.json").write_text(json.dumps(choice.to_dict(), indent=1) + "\n"))
+    device, path = learner_placement(ws.cfg).device, ws.run_dir / "precision.json"
+
+    def decide() -> tuple[PrecisionChoice, bool]:
+        if resume and path.exists():
+            try:
+                recorded = PrecisionChoice.from_dict(json.loads(path.read_text()))
+                if recorded.device == str(device):
+                    return recorded, True
+            except ValueError:  # unreadable: probe again (and say so by the reason printed)
+                pass
+        return choose_dtype(device), False
+
+    choice, kept = ws.on_main(decide)
+    pin_choice(choice)
+    how = "the run's recorded choice" if kept else choice.reason
+    ws.console.print(f"model.dtype auto: {str(choice.dtype).removeprefix('torch.')} ({how})")
+    if not kept:
+        ws.on_main(lambda: path.write_text(json.dumps(choice.to_dict(), indent=1) + "\n"))
 
 
 def _run_stages(ws: Workspace, resume: bool, t0: float) -> dict[str, Any]:
@@ -194,7 +211,7 @@ def _run_stages(ws: Workspace, resume: bool, t0: float) -> dict[str, Any]:
     con.rule("[bold]mentorrl " + " -> ".join(cfg.recipe))
     if dp is not None:
         con.print(f"data parallel: {dp.world_size} ranks ({dp.strategy.upper()}); rank 0 writes")
-    report_precision(ws)
+    report_precision(ws, resume)
     model_dir = ws.on_main(lambda: base_model_dir(ws))
     tokenizer, model = load_policy(model_dir, device=learner_placement(cfg).device)  # fp32 master weights
     ws.bind_tokenizer(tokenizer)

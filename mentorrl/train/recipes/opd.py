@@ -249,7 +249,7 @@ class OPDStage(Stage):
         b.metrics.update(tm)
         if self.budget is not None:
             gaps, families = x["gaps"], [t.family for t in trajs]
-            for fam in set(families):
+            for fam in sorted(set(families)):  # not hash order: the same in every process
                 idx = [i for i, f in enumerate(families) if f == fam and gaps[i] is not None]
                 if idx:
                     self.budget.observe(

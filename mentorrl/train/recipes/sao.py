@@ -20,8 +20,11 @@ Crash safety: checkpoints hold the weights, optimiser, critic and policy version
 buffer's mark (:meth:`ReplayBuffer.mark`: its id and high-water entry). The buffer is SQLite (each
 insert one transaction); on resume it is rolled back to the restored checkpoint's mark in one
 transaction, so entries added by the discarded steps (possibly of a policy version newer than the
-restored learner) are gone and entries they evicted are back; a stage that starts from step 0
-starts from an empty buffer. A buffer file that was replaced raises :class:`ReplayBufferError`
+restored learner) are gone and entries they evicted are back; then any entry still from a policy
+version above the restored learner's is dropped (the version rule of
+:mod:`mentorrl.replay.checkpointing`, which holds whoever wrote the entry); both counts are printed
+and logged on the first step after the resume. A stage that starts from step 0 starts from an
+empty buffer. A buffer file that was replaced raises :class:`ReplayBufferError`
 naming it. The per-step records (``metrics.jsonl``, ``samples/sao-step-N.jsonl``,
 ``sao/consumed/step-N.json``) are rewritten when a step is redone. Trajectories in flight when
 the run died are simply lost; the resumed worker starts new ones.
@@ -272,6 +275,8 @@ class SAOStage(Stage):
         )
         if self.buffer is not None:
             b.metrics["buffer_size"] = float(len(self.buffer))
+        if self.replay is not None:
+            b.metrics.update(self.replay.take_metrics())  # the first step after a resume: what it dropped
         b.metrics.update(self.gap.observe(b.step, b.metrics["reward_mean"]))
         _record_batch(self.ws.run_dir, b.step + 1, b.data["items"], self.cfg.sample_trajectories)
 
@@ -283,7 +288,7 @@ class SAOStage(Stage):
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         if self.replay is not None:
-            self.replay.restore(saved)
+            self.replay.restore(saved, self.learner.version)  # the learner was restored first
         self.state.update({k: saved[k] for k in ("dirty", "consumed") if k in saved})
         self.gap.load_state_dict(saved.get("gap_monitor", {}))
         self.critic.load_state_dict(saved)
