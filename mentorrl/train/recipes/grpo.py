@@ -91,6 +91,7 @@ class GRPOStage(Stage):
     name = "grpo"
     data_parallel = True
     update_metrics = GRPO_METRICS
+    overlappable = True  # grpo.overlap: one_step rolls batch k+1 out during step k's update
 
     def __init__(self, ws: Workspace, model):
         super().__init__(ws, model)
