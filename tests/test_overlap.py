@@ -213,7 +213,9 @@ def test_a_sigkilled_overlapped_run_resumes_to_the_uninterrupted_run_bit_for_bit
             killed.kill()
             killed.wait()
     assert full.wait(timeout=300) == 0, full.stdout.read()
-    ckpt = torch.load(tmp_path / "killed" / "grpo" / "checkpoints" / "step-000002" / "trainer_state.pt", weights_only=False)
+    ckpt = torch.load(
+        tmp_path / "killed" / "grpo" / "checkpoints" / "step-000002" / "trainer_state.pt", weights_only=False
+    )
     assert ckpt["extra"]["overlap"]["step"] == 2  # batch 3 (0-based 2), rolled out ahead, is in the checkpoint
     resumed = _run(script, tmp_path / "killed", tiny_model_dir, resume=True)
     out = resumed.stdout.read()
@@ -225,4 +227,6 @@ def test_a_sigkilled_overlapped_run_resumes_to_the_uninterrupted_run_bit_for_bit
     again = json.loads((tmp_path / "killed" / "trained.json").read_text())
     assert again == {k: v for k, v in done.items() if int(k) >= 2}  # the steps after the checkpoint, exactly
     for f in ("model.safetensors",):
-        assert (tmp_path / "killed" / "grpo" / "final" / f).read_bytes() == (tmp_path / "full" / "grpo" / "final" / f).read_bytes()
+        assert (tmp_path / "killed" / "grpo" / "final" / f).read_bytes() == (
+            tmp_path / "full" / "grpo" / "final" / f
+        ).read_bytes()

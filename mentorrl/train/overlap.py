@@ -39,7 +39,7 @@ from typing import Any, Callable
 
 import torch
 
-from mentorrl.train.rl_loop import HOOKS, RLLoop, Stage, StepBatch, StepSeeds
+from mentorrl.train.rl_loop import HOOKS, RLLoop, Stage, StepBatch, StepSeeds, register_loop
 from mentorrl.train.workspace import frozen_copy
 from mentorrl.trajectory import Trajectory
 
@@ -147,6 +147,7 @@ def batch_from_state(state: dict[str, Any], seeds: StepSeeds) -> StepBatch:
     )
 
 
+@register_loop("one_step")
 class OverlapLoop(RLLoop):
     """:class:`RLLoop` with each step's tasks and rollout a step ahead (see the module doc)."""
 

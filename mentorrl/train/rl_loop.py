@@ -351,12 +351,23 @@ def run_on_loop(stage_cls: type[Stage]):
     return run
 
 
-def loop_for(stage: Stage) -> RLLoop:
-    """The loop that runs ``stage``: :class:`RLLoop`, or with ``<section>.overlap: one_step`` the
-    one-step-off-policy :class:`~mentorrl.train.overlap.OverlapLoop` (checked before the first step)."""
-    mode = getattr(stage.cfg, "overlap", "off")
-    if mode == "off":
-        return RLLoop(stage)
-    from mentorrl.train.overlap import OverlapLoop  # noqa: PLC0415 -- it builds on this module
+LOOPS: dict[str, type[RLLoop]] = {"off": RLLoop}  # a stage's ``overlap`` setting -> the loop that runs it
 
-    return OverlapLoop(stage)
+
+def register_loop(mode: str):
+    """Register a loop class for ``<section>.overlap: mode`` (e.g. :mod:`mentorrl.train.overlap`'s ``one_step``)."""
+
+    def deco(cls: type[RLLoop]) -> type[RLLoop]:
+        LOOPS[mode] = cls
+        return cls
+
+    return deco
+
+
+def loop_for(stage: Stage) -> RLLoop:
+    """The loop that runs ``stage``: :class:`RLLoop`, or the one registered for its ``overlap`` setting
+    (``one_step``: :class:`~mentorrl.train.overlap.OverlapLoop`, which checks the stage before the first step)."""
+    mode = getattr(stage.cfg, "overlap", "off")
+    if mode not in LOOPS:
+        raise ValueError(f"{stage.name}.overlap: {mode!r} has no loop registered (registered: {sorted(LOOPS)})")
+    return LOOPS[mode](stage)

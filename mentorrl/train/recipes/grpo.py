@@ -23,6 +23,7 @@ from mentorrl.train.loop import (
     pg_update,
     reward_debugger,
 )
+from mentorrl.train.overlap import OverlapLoop  # noqa: F401 -- registers grpo.overlap: one_step
 from mentorrl.train.rl_loop import RewardGapWatch, Stage, StepBatch, run_on_loop
 from mentorrl.train.workspace import Workspace, frozen_copy
 
