@@ -78,8 +78,8 @@ def seeded(recs: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.endswith(TIMING)} for r in recs]
 
 
-def run(tmp_path: Path, name: str, model, tokenizer, **kw):
-    ws = make_ws(tmp_path / name, tokenizer)
+def run(tmp_path: Path, name: str, model, tokenizer, extra: list[str] = (), **kw):
+    ws = make_ws(tmp_path / name, tokenizer, extra)
     stage = Recording(ws, copy.deepcopy(model), **kw)
     loop = loop_for(stage)
     assert isinstance(loop, OverlapLoop)
@@ -87,9 +87,15 @@ def run(tmp_path: Path, name: str, model, tokenizer, **kw):
     return stage, loop, final
 
 
-def test_overlapped_grpo_is_bitwise_reproducible_and_rolls_out_by_the_previous_weights(tmp_path, model, tokenizer):
-    a, loop, final = run(tmp_path, "a", model, tokenizer)
-    b, _, _ = run(tmp_path, "b", model, tokenizer)
+WITH_STATE = ["grpo.hard_pool={boost: 4.0}", "grpo.guide=expert", "grpo.kl_coef=0.01"]  # a pool, demos, a reference
+
+
+@pytest.mark.parametrize("extra", [[], WITH_STATE], ids=["plain", "hard-pool-guide-kl"])
+def test_overlapped_grpo_is_bitwise_reproducible_and_rolls_out_by_the_previous_weights(
+    tmp_path, model, tokenizer, extra
+):
+    a, loop, final = run(tmp_path, "a", model, tokenizer, extra)
+    b, _, _ = run(tmp_path, "b", model, tokenizer, extra)
     assert a.trained == b.trained  # the same tokens, log-probs (floats, exactly) and versions
     for pa, pb in zip(a.model.parameters(), b.model.parameters()):
         assert torch.equal(pa, pb)
@@ -102,6 +108,8 @@ def test_overlapped_grpo_is_bitwise_reproducible_and_rolls_out_by_the_previous_w
         assert {v for _, _, v in trajs} == {want}, (s, want)
         assert ra[s]["behaviour_version"] == want
     assert a.trained.keys() == {0, 1, 2, 3}
+    if extra:
+        assert [r["hard_pool_size"] for r in ra] == [r["hard_pool_size"] for r in rb]
     assert ra[2]["policy_lag_max"] >= 1  # trained a step off-policy
     assert loop.pending is None  # nothing rolled out past the last step
 

@@ -111,6 +111,11 @@ class GRPOStage(Stage):
 
     def rollout(self, b: StepBatch) -> None:
         self.collect(b, self.cfg.samples_per_task, shard=True)
+
+    def score(self, b: StepBatch) -> None:
+        """The verifier's group rewards; the hard-task pool learns the batch's failures here, in the
+        learner's thread (under ``grpo.overlap`` the next batch's tasks were drawn a step earlier)."""
+        super().score(b)
         if self.hard is not None:
             self.hard.update(b.trajs)
 
