@@ -124,6 +124,24 @@ def test_the_rollout_ahead_runs_while_the_previous_batch_trains(tmp_path, model,
     assert all(r["overlap_s"] > 0 for r in records(tmp_path / "slow")[:3])
 
 
+def test_threads_auto_gives_the_overlapped_stage_half_the_cores_while_it_runs(tmp_path, model, tokenizer):
+    before = torch.get_num_threads()
+    seen = []
+    try:
+        ws = make_ws(tmp_path / "auto", tokenizer, ["threads=auto", "grpo.steps=2"])
+        run_threads = torch.get_num_threads()
+        stage = GRPOStage(ws, copy.deepcopy(model))
+        stage.after = lambda b: seen.append(torch.get_num_threads())
+        loop_for(stage).run()
+        plans = json.loads((tmp_path / "auto" / "parallelism.json").read_text())
+        assert plans["run"]["threads"] == run_threads == plans["run"]["cores"]
+        assert seen == [plans["grpo"]["threads"]] * 2 == [max(1, plans["grpo"]["cores"] // 2)] * 2
+        assert "rollout ahead" in plans["grpo"]["reason"]
+        assert torch.get_num_threads() == run_threads  # undone when the stage ends
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_a_pending_batch_round_trips_through_checkpoint_state(tmp_path, model, tokenizer):
     stage, loop, _ = run(tmp_path, "rt", model, tokenizer)
     ws = make_ws(tmp_path / "rt2", tokenizer, ["grpo.steps=2"])

@@ -34,11 +34,13 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
+from mentorrl.train.parallelism import choose_parallelism, cpu_cores, write_parallelism
 from mentorrl.train.rl_loop import HOOKS, RLLoop, Stage, StepBatch, StepSeeds, register_loop
 from mentorrl.train.workspace import frozen_copy
 from mentorrl.trajectory import Trajectory
@@ -73,6 +75,28 @@ def check_overlap(stage: Stage) -> None:
             f"{where} needs rollout.backend: hf (the {stage.ws.rollout.backend.name} engine follows the learner's "
             "weights after every update; the rollout ahead needs a behaviour policy of its own)"
         )
+
+
+@contextmanager
+def stage_threads(stage: Stage) -> Iterator[None]:
+    """Under ``threads: auto``, the overlapped stage's own choice (the rollout ahead and the learner each get
+    half the cores; the other stages keep the run's), printed, written to ``RUN_DIR/parallelism.json`` under
+    the stage's name, and undone when the stage ends."""
+    ws = stage.ws
+    if ws.cfg.threads != "auto":
+        yield
+        return
+    device = next(stage.model.parameters()).device.type
+    plan = choose_parallelism(cpu_cores(), device, (stage.name,), overlap=True)
+    if ws.is_main:
+        write_parallelism(ws.run_dir, plan, stage.name)
+        ws.console.print(f"{stage.name}: {plan.line()}", markup=False, highlight=False)
+    before = torch.get_num_threads()
+    torch.set_num_threads(plan.threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def copy_weights(dst: torch.nn.Module, src: torch.nn.Module) -> None:
@@ -218,6 +242,10 @@ class OverlapLoop(RLLoop):
         hi = min(at["rollout_end", step + 1], at["train_end", step])
         return max(0.0, hi - lo)
 
+    def run(self, resume: bool = False):
+        with stage_threads(self.stage):
+            return super().run(resume)
+
     def extra_state(self) -> dict[str, Any]:
         return {**super().extra_state(), "overlap": batch_state(self.pending) if self.pending is not None else None}
 
@@ -225,3 +253,5 @@ class OverlapLoop(RLLoop):
         super().restore(state)
         pending = state.get("overlap")
         self.pending = batch_from_state(pending, self.stage.seeds) if pending else None
+        if self.pending is not None and (self.pending.behaviour_version or 0) > self.stage.learner.version:
+            self.pending = None  # never a batch from a policy ahead of the restored learner: rolled out again

@@ -2,10 +2,12 @@
 "Parallelism chosen for the machine"), not a constant.
 
 :func:`choose_parallelism` is a pure function of the machine (cores, device) and the run (its recipe,
-whether GRPO overlaps its rollout with the update, the ranks a torchrun launch started); the workspace
-applies its ``threads`` (torch intra-op threads of this process) and its ``rollout_workers`` (Ray rollout
-actors under ``distributed.backend: ray``, unless set), prints the choice with its reason at start and
-writes it to ``RUN_DIR/parallelism.json``. ``learner_ranks`` is advice: a process cannot launch its own
+whether a stage overlaps its rollout with its update, the ranks a torchrun launch started). The workspace
+applies the run's ``threads`` (torch intra-op threads of this process) and ``rollout_workers`` (Ray rollout
+actors under ``distributed.backend: ray``, unless set); an overlapped stage (``grpo.overlap: one_step``)
+applies its own ``threads`` while it runs (:func:`mentorrl.train.overlap.stage_threads`), so SFT keeps every
+core. Each choice is printed with its reason and written to ``RUN_DIR/parallelism.json`` (``run``, and the
+stage's name). ``learner_ranks`` is advice: a process cannot launch its own
 data-parallel ranks, so the line says which ``torchrun`` command would use the cores better.
 
 The rows, from the measurements in docs/scaling.md ("CPU threads on two cores", 2 idle cores):
@@ -30,7 +32,6 @@ import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 ROLLOUT_STAGES = frozenset({"grpo", "ppo", "sao", "opd", "rft", "evolve", "blackbox", "external"})
 GPU_HOST_THREADS = 4
@@ -94,13 +95,13 @@ def cpu_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def run_overlaps(cfg: Any) -> bool:
-    """Whether a stage of ``cfg``'s recipe overlaps its rollout with its update (``<stage>.overlap``)."""
-    return any(getattr(getattr(cfg, s, None), "overlap", "off") != "off" for s in cfg.recipe)
-
-
-def write_parallelism(run_dir: Path, plan: Parallelism) -> Path:
-    """``RUN_DIR/parallelism.json``: the choice, its inputs and its reason."""
+def write_parallelism(run_dir: Path, plan: Parallelism, scope: str = "run") -> Path:
+    """``RUN_DIR/parallelism.json``: per scope (``run``: the workspace's; a stage's name: what that stage
+    chose for itself, e.g. an overlapped GRPO), the choice, its inputs and its reason."""
     path = Path(run_dir) / "parallelism.json"
-    path.write_text(json.dumps(asdict(plan), indent=2) + "\n")
+    try:
+        held = json.loads(path.read_text()) if path.exists() else {}
+    except ValueError:  # a torn file from a killed run: rewritten
+        held = {}
+    path.write_text(json.dumps({**held, scope: asdict(plan)}, indent=2) + "\n")
     return path

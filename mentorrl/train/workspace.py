@@ -25,7 +25,7 @@ from mentorrl.eval.sets import assert_trainable, assert_trainable_splits
 from mentorrl.models.device import resolve_device, rollout_backend_args
 from mentorrl.rollout import BackendChoice, Rollout
 from mentorrl.train.memory import set_malloc_mmap_threshold
-from mentorrl.train.parallelism import Parallelism, choose_parallelism, cpu_cores, run_overlaps, write_parallelism
+from mentorrl.train.parallelism import Parallelism, choose_parallelism, cpu_cores, write_parallelism
 from mentorrl.train.progress import count_progress
 from mentorrl.train.rundir import MetricsLog
 from mentorrl.trajectory import write_jsonl
@@ -180,7 +180,7 @@ def auto_parallelism(cfg: RunConfig, ranks: int = 1) -> Parallelism | None:
     if cfg.threads != "auto":
         return None
     device = resolve_device(cfg.model.device).type
-    plan = choose_parallelism(cpu_cores(), device, tuple(cfg.recipe), run_overlaps(cfg), ranks)
+    plan = choose_parallelism(cpu_cores(), device, tuple(cfg.recipe), False, ranks)  # an overlapped stage: its own
     if cfg.distributed.backend == "ray" and "rollout_workers" not in cfg.distributed.model_fields_set:
         cfg.distributed.rollout_workers = plan.rollout_workers
     return plan
