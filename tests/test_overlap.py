@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from mentorrl.config import load_config
-from mentorrl.train.overlap import OverlapLoop, batch_from_state, batch_state, check_overlap
+from mentorrl.train.overlap import OverlapLoop, RolloutAhead, batch_from_state, batch_state, check_overlap
 from mentorrl.train.recipes.grpo import GRPOStage
 from mentorrl.train.rl_loop import RLLoop, StepSeeds, loop_for
 from mentorrl.train.workspace import open_workspace
@@ -114,14 +114,27 @@ def test_overlapped_grpo_is_bitwise_reproducible_and_rolls_out_by_the_previous_w
     assert loop.pending is None  # nothing rolled out past the last step
 
 
-def test_the_rollout_ahead_runs_while_the_previous_batch_trains(tmp_path, model, tokenizer):
-    """Catches a sequential "overlap": the rollout of k+1 starts before the update of k ends and ends after it starts."""
-    _, loop, _ = run(tmp_path, "slow", model, tokenizer, slow_rollout_s=0.3)
+def not_overlapped(loop: OverlapLoop, steps: int) -> list[int]:
+    """The steps k whose update did not run while the rollout of k+1 ran (it must start before the update
+    of k ends, and end after it starts)."""
     at = {(e.name, e.step): e.t for e in loop.events}
-    for k in range(3):
-        assert at["rollout_start", k + 1] < at["update_end", k], k
-        assert at["rollout_end", k + 1] > at["update_start", k], k
+    return [
+        k
+        for k in range(steps - 1)
+        if not (at["rollout_start", k + 1] < at["update_end", k] and at["rollout_end", k + 1] > at["update_start", k])
+    ]
+
+
+def test_the_rollout_ahead_runs_while_the_previous_batch_trains(tmp_path, model, tokenizer, monkeypatch):
+    _, loop, _ = run(tmp_path, "slow", model, tokenizer, slow_rollout_s=0.3)
+    assert not_overlapped(loop, 4) == []
     assert all(r["overlap_s"] > 0 for r in records(tmp_path / "slow")[:3])
+    # the cheapest fake, a rollout ahead that runs to its end before the update starts, is caught
+    monkeypatch.setattr(RolloutAhead, "start", RolloutAhead.run)
+    monkeypatch.setattr(RolloutAhead, "join", lambda self, timeout=None: None)
+    _, fake, _ = run(tmp_path, "fake", model, tokenizer, slow_rollout_s=0.3)
+    assert not_overlapped(fake, 4) == [0, 1, 2]
+    assert all(r["overlap_s"] == 0 for r in records(tmp_path / "fake"))
 
 
 def test_threads_auto_gives_the_overlapped_stage_half_the_cores_while_it_runs(tmp_path, model, tokenizer):
@@ -169,6 +182,28 @@ def test_overlap_is_refused_before_the_first_step_where_it_cannot_run(tmp_path, 
     assert type(loop_for(GRPOStage(make_ws(tmp_path / "y", tokenizer, ["grpo.overlap=off"]), model))) is RLLoop
     with pytest.raises(Exception, match="overlap"):
         load_config(None, ["grpo.overlap=two_steps"])
+
+
+def test_an_interrupted_overlapped_run_resumes_to_the_uninterrupted_run(tmp_path, model, tokenizer):
+    """In-process (the SIGKILL test below is the slow one): interrupted in step 3 (after the step-2
+    checkpoint, whose state holds batch 3), resumed: the same trajectories, metrics and weights."""
+    full, _, _ = run(tmp_path, "full", model, tokenizer)
+
+    class Interrupted(Recording):
+        def after(self, b):
+            super().after(b)
+            if b.step == 2:
+                raise KeyboardInterrupt
+
+    ws = make_ws(tmp_path / "cut", tokenizer)
+    with pytest.raises(KeyboardInterrupt):
+        loop_for(Interrupted(ws, copy.deepcopy(model))).run()
+    again = Recording(make_ws(tmp_path / "cut", tokenizer), copy.deepcopy(model))
+    loop_for(again).run(resume=True)
+    assert again.trained == {k: v for k, v in full.trained.items() if k >= 2}
+    assert seeded(records(tmp_path / "cut")) == seeded(records(tmp_path / "full"))
+    for pa, pb in zip(again.model.parameters(), full.model.parameters()):
+        assert torch.equal(pa, pb)
 
 
 # ------------------------------------------------------------- SIGKILL -------
