@@ -107,6 +107,9 @@ def test_overlapped_grpo_is_bitwise_reproducible_and_rolls_out_by_the_previous_w
         want = after[max(s - 1, 0)]
         assert {v for _, _, v in trajs} == {want}, (s, want)
         assert ra[s]["behaviour_version"] == want
+    # one update a step here, so the version that rolled batch s out is s - 1 (batch 0: the start, 0)
+    assert after == [0, 1, 2, 3, 4]
+    assert {s: {v for _, _, v in t} for s, t in a.trained.items()} == {0: {0}, 1: {0}, 2: {1}, 3: {2}}
     assert a.trained.keys() == {0, 1, 2, 3}
     if extra:
         assert [r["hard_pool_size"] for r in ra] == [r["hard_pool_size"] for r in rb]
