@@ -80,6 +80,13 @@ class GRPOConfig(RolloutStageConfig):
         "(their token-mean negative log-likelihood, added to each update's loss besides "
         "their place in the group; single-stage SFT + RL); 0: none",
     )
+    overlap: Literal["off", "one_step"] = Field(
+        "off",
+        description="one_step: one-step-off-policy GRPO -- batch k+1 is rolled out (by the weights after step k-1, "
+        "in a thread of its own, or by the Ray rollout actors) while the learner trains on batch k; the "
+        "clipped ratio to the recorded behaviour log-probs corrects for the lag. The batch rolled ahead is "
+        "checkpointed with the step, so a resumed run continues bit for bit (docs/scaling.md#overlap)",
+    )
 
     @field_validator("advantage")
     @classmethod
@@ -90,6 +97,12 @@ class GRPOConfig(RolloutStageConfig):
     @classmethod
     def _registered_loss(cls, v: str) -> str:
         return check_registered(POLICY_LOSS, v)  # a ValueError naming the registered losses
+
+    @field_validator("overlap", mode="before")
+    @classmethod
+    def _yaml_off(cls, v: Any) -> Any:
+        """YAML reads ``off`` / ``on`` as booleans: false is ``off``, true ``one_step``."""
+        return {False: "off", True: "one_step"}.get(v, v) if isinstance(v, bool) else v
 
     @model_validator(mode="after")
     def _state_needs_a_pool(self) -> "GRPOConfig":

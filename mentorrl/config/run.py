@@ -8,7 +8,7 @@ registered later (a plugin's), so a plugin's section validates like a built-in o
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError, create_model, field_validator, model_validator
 
@@ -44,7 +44,12 @@ class RunSettings(Section):
         "`mentorrl.stages` / `mentorrl.envs` entry points load without being listed",
     )
     train_split: str = Field("train", description="task split every training stage draws from (never 'hidden')")
-    threads: int = Field(0, ge=0, description="torch CPU threads; 0 keeps torch's default")
+    threads: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
+        0,
+        description="torch CPU threads; 0 keeps torch's default; auto: chosen for the machine and the recipe "
+        "(cores, device, grpo.overlap, torchrun ranks; with distributed.backend: ray also the rollout "
+        "workers), printed at start and written to RUN_DIR/parallelism.json (docs/scaling.md)",
+    )
     malloc_mmap_threshold: int | None = Field(
         1 << 20,
         ge=1 << 12,

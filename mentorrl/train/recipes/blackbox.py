@@ -106,7 +106,8 @@ def open_teacher(ws: Workspace, t: BlackBoxTeacherConfig, student=None, seed: in
             )
             if not (path / "config.json").exists():
                 raise FileNotFoundError(f"blackbox teacher: {path} is not a Hugging Face checkpoint directory")
-            threads = ["--threads", str(ws.cfg.threads)] if ws.cfg.threads else []  # the run's CPU budget, not more
+            n = torch.get_num_threads() if ws.cfg.threads == "auto" else ws.cfg.threads  # auto: as the workspace set
+            threads = ["--threads", str(n)] if n else []  # the run's CPU budget, not more
             dist = ws.cfg.distributed
             if dist.backend == "ray" and dist.teacher_workers > 0:  # on a Ray actor, with a fresh bearer token
                 from mentorrl.distributed.ray_serve import serve_on_actor

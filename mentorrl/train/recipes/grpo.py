@@ -25,6 +25,7 @@ from mentorrl.train.loop import (
     pg_update,
     reward_debugger,
 )
+from mentorrl.train.overlap import OverlapLoop  # noqa: F401 -- registers grpo.overlap: one_step
 from mentorrl.train.rl_loop import RewardGapWatch, Stage, StepBatch, run_on_loop
 from mentorrl.train.workspace import Workspace, frozen_copy
 
@@ -109,6 +110,7 @@ class GRPOStage(Stage):
     name = "grpo"
     data_parallel = True
     update_metrics = GRPO_METRICS
+    overlappable = True  # grpo.overlap: one_step rolls batch k+1 out during step k's update
 
     def __init__(self, ws: Workspace, model):
         super().__init__(ws, model)
@@ -128,6 +130,11 @@ class GRPOStage(Stage):
 
     def rollout(self, b: StepBatch) -> None:
         self.collect(b, self.cfg.samples_per_task, shard=True)
+
+    def score(self, b: StepBatch) -> None:
+        """The verifier's group rewards; the hard-task pool learns the batch's failures here, in the
+        learner's thread (under ``grpo.overlap`` the next batch's tasks were drawn a step earlier)."""
+        super().score(b)
         if self.hard is not None:
             self.hard.update(b.trajs)
 
