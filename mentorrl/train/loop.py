@@ -260,6 +260,21 @@ def reward_debugger(trajs: list[Trajectory], threshold: float, path: Path) -> di
     return {"reward_flagged": float(len(flagged)), "reward_flagged_share": len(flagged) / len(trajs) if trajs else 0.0}
 
 
+def score_outcomes(ws, stage: str, step: int, trajs: list[Trajectory]) -> tuple[torch.Tensor, dict[str, float]]:
+    """The outcome-reward ``score`` of a critic-based stage (PPO, SAO): each trajectory's sanitised total reward
+    (``[B]``), and the step's metrics -- reward mean / std, the share clipped, and the reward debugger's flags
+    (written to ``RUN_DIR/audit/flagged-<stage>-step-N.jsonl``)."""
+    audit = ws.cfg.audit
+    rewards, clipped = outcome_rewards(trajs, audit)
+    metrics = {
+        "reward_mean": rewards.mean().item(),
+        "reward_std": rewards.std().item() if len(trajs) > 1 else 0.0,
+        "reward_clipped": clipped["clipped"],
+    }
+    flagged = ws.run_dir / "audit" / f"flagged-{stage}-step-{step + 1:06d}.jsonl"
+    return rewards, {**metrics, **reward_debugger(trajs, audit.flag_reward, flagged)}
+
+
 def gap_check(ws: Workspace, model, monitor: GapMonitor, step: int) -> dict[str, float]:
     """Held-out success now, fed to the reward-success gap monitor."""
     success = heldout_check(ws, model, ws.cfg.audit.eval_tasks)

@@ -119,6 +119,7 @@ class Stage:
     data_parallel: ClassVar[bool] = False  # the learner trains data-parallel under a torchrun launch
     update_metrics: ClassVar[tuple[str, ...]] = PG_METRICS  # reduced over a step's updates
     pool_least: ClassVar[int] = 64
+    learner_options: ClassVar[dict[str, Any]] = {}  # extra Learner arguments (SAO: version_per_update=False)
     overlappable: ClassVar[bool] = False  # its tasks + rollout may run a step ahead (``overlap: one_step``)
 
     def __init__(self, ws: Workspace, model):
@@ -130,6 +131,7 @@ class Stage:
 
     # ---- set-up -------------------------------------------------------------------------------
     def make_learner(self) -> Learner:
+        """The stage's learner over its model, with :attr:`learner_options` (e.g. SAO's policy versions)."""
         ws = self.ws
         return Learner(
             self.model,
@@ -138,6 +140,7 @@ class Stage:
             ws.contract.sampling.temperature,
             dp=ws.dp if self.data_parallel else None,
             precision=ws.cfg.model.dtype,
+            **self.learner_options,
         )
 
     @property

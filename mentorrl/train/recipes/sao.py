@@ -45,15 +45,14 @@ from mentorrl.replay.buffer import BatchItem, ReplayBuffer, hybrid_batch, segmen
 from mentorrl.replay.checkpointing import BufferCheckpoints
 from mentorrl.train.async_rl import RolloutPool, WeightBox, lag_histogram, staleness_weights
 from mentorrl.train.critic import Critic
-from mentorrl.train.learner import Learner
 from mentorrl.train.loop import (
     outcome_rewards,
     pg_update,
     reduce_updates,
     relabel_behaviour,
     require_consistent,
-    reward_debugger,
     rollout_metrics,
+    score_outcomes,
 )
 from mentorrl.train.rl_loop import RewardGapWatch, Stage, StepBatch, run_on_loop
 from mentorrl.train.rundir import KEEP_CHECKPOINTS
@@ -100,6 +99,7 @@ class SAOStage(Stage):
 
     name = "sao"
     update_metrics = ()  # reduced in the update hook (its pg_loss is the stage's loss)
+    learner_options = {"version_per_update": False}  # the version moves when the weights go to the worker
 
     def __init__(self, ws: Workspace, model):
         super().__init__(ws, model)
@@ -122,17 +122,6 @@ class SAOStage(Stage):
             BufferCheckpoints(self.buffer, KEEP_CHECKPOINTS, "sao", ws.console.print)
             if self.buffer is not None
             else None
-        )
-
-    def make_learner(self) -> Learner:
-        ws = self.ws
-        return Learner(
-            self.model,
-            self.cfg.optim,
-            ws.contract.pad_token_id,
-            ws.contract.sampling.temperature,
-            version_per_update=False,
-            precision=ws.cfg.model.dtype,
         )
 
     def make_pool(self) -> list:
@@ -206,18 +195,7 @@ class SAOStage(Stage):
         b.metrics.update(rollout_metrics(online))
 
     def score(self, b: StepBatch) -> None:
-        audit = self.ws.cfg.audit
-        rewards, clipped = outcome_rewards(b.trajs, audit)
-        b.metrics.update(
-            reward_mean=rewards.mean().item(),
-            reward_std=rewards.std().item() if len(b.trajs) > 1 else 0.0,
-            reward_clipped=clipped["clipped"],
-        )
-        b.metrics.update(
-            reward_debugger(
-                b.trajs, audit.flag_reward, self.ws.run_dir / "audit" / f"flagged-sao-step-{b.step + 1:06d}.jsonl"
-            )
-        )
+        b.metrics.update(score_outcomes(self.ws, "sao", b.step, b.trajs)[1])
 
     def advantages(self, b: StepBatch) -> None:
         """The critic's update and GAE advantages (stale data down-weighted), replay admission, and
