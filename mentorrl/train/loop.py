@@ -38,9 +38,9 @@ from mentorrl.train.workspace import Workspace, heldout_check
 from mentorrl.trajectory import Trajectory, write_jsonl
 
 FINISH_REASONS = ("answer", "max_turns", "max_tokens", "length")
-PG_METRICS = (
-    "pg_loss",
-    "clip_frac",
+# What every policy-gradient update reports besides its loss (reduced over a step's updates by reduce_updates);
+# each stage's list is its loss's own metrics plus these.
+UPDATE_HEALTH = (
     "entropy",
     "grad_norm",
     "approx_kl",
@@ -49,6 +49,7 @@ PG_METRICS = (
     "policy_lag_mean",
     "policy_lag_max",
 )
+PG_METRICS = ("pg_loss", "clip_frac", *UPDATE_HEALTH)
 
 
 # ------------------------------------------------------------ rollouts -----

@@ -58,22 +58,12 @@ from mentorrl.opd.teacher import Capability, require
 from mentorrl.rollout.episode import Episode, text_turn_player
 from mentorrl.rollout.kvcache import cache_kwarg, make_cache
 from mentorrl.rollout.sampling import sample_tokens
-from mentorrl.train.loop import pg_update, reduce_updates
+from mentorrl.train.loop import PG_METRICS, pg_update, reduce_updates
 from mentorrl.train.rl_loop import Stage, StepBatch, StepSeeds, run_on_loop
 from mentorrl.train.workspace import Workspace, frozen_copy, heldout_check
 from mentorrl.trajectory import Segment, Trajectory
 
-PG_KEYS = (
-    "pg_loss",
-    "clip_frac",
-    "entropy",
-    "grad_norm",
-    "skipped_update",
-    "approx_kl",
-    "logprob_abs_gap",
-    "policy_lag_mean",
-    "policy_lag_max",
-)
+PG_KEYS = (*PG_METRICS, "skipped_update")
 
 
 # ------------------------------------------------------------------ teacher ------

@@ -44,7 +44,7 @@ from mentorrl.opd.teacher import HFTeacher
 from mentorrl.replay.buffer import ReplayBuffer, ReplayConfig
 from mentorrl.replay.checkpointing import BufferCheckpoints
 from mentorrl.train.curriculum import Curriculum
-from mentorrl.train.loop import pg_update
+from mentorrl.train.loop import PG_METRICS, pg_update
 from mentorrl.train.rl_loop import Stage, StepBatch, run_on_loop
 from mentorrl.train.rundir import KEEP_CHECKPOINTS, require_manifest, write_manifest
 from mentorrl.train.workspace import Workspace, heldout_check, load_weights_into
@@ -80,7 +80,7 @@ def _frozen_teacher(model, tokenizer, version: int) -> HFTeacher:
     return HFTeacher(copy.deepcopy(model), tokenizer, f"v{version}")
 
 
-EVOLVE_METRICS = ("pg_loss", "clip_frac", "entropy", "grad_norm", "logprob_abs_gap", "policy_lag_max")
+EVOLVE_METRICS = PG_METRICS
 
 
 class EvolveStage(Stage):

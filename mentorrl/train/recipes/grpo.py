@@ -19,6 +19,7 @@ from mentorrl.config import ConfigError
 from mentorrl.envs.adapters.common import NoExpert
 from mentorrl.flywheel.hard_pool import HardTaskPool
 from mentorrl.train.loop import (
+    UPDATE_HEALTH,
     guide_failed_groups,
     guided_advantages,
     outcome_rewards,
@@ -29,19 +30,7 @@ from mentorrl.train.overlap import OverlapLoop  # noqa: F401 -- registers grpo.o
 from mentorrl.train.rl_loop import RewardGapWatch, Stage, StepBatch, run_on_loop
 from mentorrl.train.workspace import Workspace, frozen_copy
 
-GRPO_METRICS = (
-    "loss",
-    "kl",
-    "clip_frac",
-    "entropy",
-    "grad_norm",
-    "ratio_max",
-    "approx_kl",
-    "logprob_abs_gap",
-    "train_rollout_kl",
-    "policy_lag_mean",
-    "policy_lag_max",
-)
+GRPO_METRICS = ("loss", "kl", "clip_frac", "ratio_max", *UPDATE_HEALTH)
 
 
 def load_hard_pool(g) -> HardTaskPool | None:

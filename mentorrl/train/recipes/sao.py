@@ -46,6 +46,7 @@ from mentorrl.replay.checkpointing import BufferCheckpoints
 from mentorrl.train.async_rl import RolloutPool, WeightBox, lag_histogram, staleness_weights
 from mentorrl.train.critic import Critic
 from mentorrl.train.loop import (
+    UPDATE_HEALTH,
     outcome_rewards,
     pg_update,
     reduce_updates,
@@ -74,21 +75,7 @@ def _first_policy_value(traj: Trajectory, values: torch.Tensor) -> float:
     return float(values[first])
 
 
-SAO_METRICS = (
-    "pg_loss",
-    "masked_frac",
-    "ratio_p05",
-    "ratio_p50",
-    "ratio_p95",
-    "ratio_max",
-    "entropy",
-    "grad_norm",
-    "approx_kl",
-    "logprob_abs_gap",
-    "train_rollout_kl",
-    "policy_lag_mean",
-    "policy_lag_max",
-)
+SAO_METRICS = ("pg_loss", "masked_frac", "ratio_p05", "ratio_p50", "ratio_p95", "ratio_max", *UPDATE_HEALTH)
 
 
 class SAOStage(Stage):
