@@ -22,7 +22,7 @@ from mentorrl.models.batch import collate, forward_logprobs
 from mentorrl.rollout import Rollout
 from mentorrl.rollout.runner import expert_demonstrations, rollout_tasks
 from mentorrl.train.learner import Learner
-from mentorrl.train.loop import Group, guide_failed_groups, guided_advantages, pg_update
+from mentorrl.train.loop import guide_failed_groups, guided_advantages, pg_update
 from mentorrl.train.recipes.grpo import guide_expert
 from mentorrl.train.rundir import MetricsLog
 
@@ -48,17 +48,17 @@ def setting(orders_entry, make_contract, model, find_task):
     # group 1 holds one success (the expert's, as if the policy had found it)
     solved = expert_demonstrations(contract, orders_entry.make_env, orders_entry.make_expert(), [tasks[1]])[0]
     trajs[G + 1] = solved
-    return ws, Group(tasks, grouped, trajs, 0.0, 0.0)
+    return ws, SimpleNamespace(tasks=tasks, trajs=trajs)
 
 
 def test_only_failed_groups_get_a_relabelled_demonstration(setting, model, orders_entry, tokenizer):
     ws, group = setting
     guided = guide_failed_groups(
-        ws, model, group, orders_entry.make_expert(), policy_version=7, pad_id=tokenizer.pad_token_id
+        ws, model, group.tasks, group.trajs, orders_entry.make_expert(), policy_version=7, pad_id=tokenizer.pad_token_id
     )
     assert [i for i, _ in guided] == [0]  # group 1 holds a success: nothing for it
     demo = guided[0][1]
-    assert demo.source == "expert" and demo.reward.success and demo.task_id == group.chosen[0].id
+    assert demo.source == "expert" and demo.reward.success and demo.task_id == group.tasks[0].id
     assert demo.policy_version == 7
     # behaviour log-probs are the current policy's on the policy tokens (ratio 1 at the update), 0 elsewhere
     lp, _ = forward_logprobs(model, collate([demo], tokenizer.pad_token_id), ws.contract.sampling.temperature)
@@ -77,7 +77,7 @@ class _WrongExpert:
 
 def test_a_task_the_expert_cannot_solve_gets_nothing(setting, model, tokenizer):
     ws, group = setting
-    assert guide_failed_groups(ws, model, group, _WrongExpert(), 0, tokenizer.pad_token_id) == []
+    assert guide_failed_groups(ws, model, group.tasks, group.trajs, _WrongExpert(), 0, tokenizer.pad_token_id) == []
 
 
 def test_guided_advantages_treat_the_demonstration_as_one_more_group_member():
@@ -100,7 +100,9 @@ def test_guided_advantages_treat_the_demonstration_as_one_more_group_member():
 
 def test_the_guided_update_raises_the_demonstration(setting, model, orders_entry, tokenizer):
     ws, group = setting
-    ((i, demo),) = guide_failed_groups(ws, model, group, orders_entry.make_expert(), 0, tokenizer.pad_token_id)
+    ((i, demo),) = guide_failed_groups(
+        ws, model, group.tasks, group.trajs, orders_entry.make_expert(), 0, tokenizer.pad_token_id
+    )
     rows = list(group.trajs[i * G : (i + 1) * G]) + [demo]
     est = get_advantage_estimator("grpo")
     adv, demo_adv = guided_advantages(
@@ -196,7 +198,9 @@ def test_the_sft_term_adds_exactly_its_gradient_whatever_the_micro_batching(sett
     """policy_step(nll_weights=w) has the gradient of the clipped loss plus sum_i w_i NLL_i, with 1 or 4
     sequences per micro-batch (the term is normalised over the batch, not per micro-batch)."""
     ws, group = setting
-    ((i, demo),) = guide_failed_groups(ws, model, group, orders_entry.make_expert(), 0, tokenizer.pad_token_id)
+    ((i, demo),) = guide_failed_groups(
+        ws, model, group.tasks, group.trajs, orders_entry.make_expert(), 0, tokenizer.pad_token_id
+    )
     rows = list(group.trajs) + [demo]
     adv = torch.linspace(-1, 1, len(rows))
     w = guide_nll_weights(len(group.trajs), [demo], 0.7)

@@ -21,9 +21,8 @@ redoes a step exactly.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -53,23 +52,12 @@ PG_METRICS = ("pg_loss", "clip_frac", *UPDATE_HEALTH)
 
 
 # ------------------------------------------------------------ rollouts -----
-@dataclass
-class Group:
-    """One step's rollouts: the tasks, each repeated ``group_size`` times, and what the policy did."""
+class Collected(NamedTuple):
+    """One step's rollouts, in task order (each task ``group_size`` times), and what they cost."""
 
-    chosen: list
-    grouped: list
     trajs: list[Trajectory]
     rollout_s: float
     rollout_cpu_s: float
-
-    @property
-    def policy_tokens(self) -> int:
-        return sum(t.num_policy_tokens for t in self.trajs)
-
-    def raw_rewards(self) -> torch.Tensor:
-        """The trajectories' total rewards as ``[tasks, group_size]``."""
-        return torch.tensor([t.reward.total for t in self.trajs], dtype=torch.float32).view(len(self.chosen), -1)
 
 
 def collect_group(
@@ -82,7 +70,7 @@ def collect_group(
     where: str | None,
     token_budgets: list[int] | None = None,
     shard: bool = False,
-) -> Group:
+) -> Collected:
     """Roll every task of ``chosen`` out ``group_size`` times (task by task, seeds from ``seed``);
     with ``where``, raise unless the batch passes the consistency checks (:func:`require_consistent`).
     ``shard``: split the rollouts over the data-parallel ranks (:func:`rollout_shared`)."""
@@ -95,10 +83,10 @@ def collect_group(
         trajs = ws.rollout.run(
             model, grouped, policy_version=policy_version, seed=seed, batch_size=len(grouped), **extra
         )
-    group = Group(chosen, grouped, trajs, time.perf_counter() - t0, time.process_time() - c0)
+    collected = Collected(trajs, time.perf_counter() - t0, time.process_time() - c0)
     if where is not None:
         require_consistent(ws, trajs, policy_version, where)
-    return group
+    return collected
 
 
 def rollout_shared(ws: Workspace, model, tasks: list, policy_version: int, seed: int) -> list[Trajectory]:
@@ -168,7 +156,7 @@ def relabel_behaviour(
 
 
 def guide_failed_groups(
-    ws: Workspace, model, group: "Group", expert: Any, policy_version: int, pad_id: int
+    ws: Workspace, model, tasks: list, trajs: list[Trajectory], expert: Any, policy_version: int, pad_id: int
 ) -> list[tuple[int, Trajectory]]:
     """Expert guidance for GRPO (mixed-policy groups, after LUFFY, Yan et al. 2025): for every group
     where no rollout succeeded, the scripted expert's demonstration of that task, if the verifier
@@ -178,17 +166,17 @@ def guide_failed_groups(
     harmful failure (a violation) keeps its more negative advantage. It is relabelled with the
     current policy's log-probs and version (:func:`relabel_behaviour`). Groups with a success, and
     tasks the expert cannot solve, get nothing."""
-    size = len(group.trajs) // max(len(group.chosen), 1)
+    size = len(trajs) // max(len(tasks), 1)
     failed = [
         i
-        for i in range(len(group.chosen))
-        if not any(t.reward is not None and t.reward.success for t in group.trajs[i * size : (i + 1) * size])
+        for i in range(len(tasks))
+        if not any(t.reward is not None and t.reward.success for t in trajs[i * size : (i + 1) * size])
     ]
     if not failed:
         return []
-    demos = ws.rollout.demonstrations(expert, [group.chosen[i] for i in failed])
+    demos = ws.rollout.demonstrations(expert, [tasks[i] for i in failed])
     by_task = {d.task_id: d for d in demos}
-    pairs = [(i, by_task[group.chosen[i].id]) for i in failed if group.chosen[i].id in by_task]
+    pairs = [(i, by_task[tasks[i].id]) for i in failed if tasks[i].id in by_task]
     relabelled = relabel_behaviour(
         model, [d for _, d in pairs], pad_id, ws.contract.sampling.temperature, policy_version, ws.cfg.model.dtype
     )

@@ -132,7 +132,7 @@ class GRPOStage(Stage):
         g, audit, n = self.cfg, self.ws.cfg.audit, len(b.trajs)
         guided = (
             guide_failed_groups(
-                self.ws, self.model, _Group(b), self.expert, self.learner.version, self.ws.contract.pad_token_id
+                self.ws, self.model, b.tasks, b.trajs, self.expert, self.learner.version, self.ws.contract.pad_token_id
             )
             if self.expert is not None
             else []
@@ -195,13 +195,6 @@ class GRPOStage(Stage):
         if self.hard is not None and state.get("hard_pool"):
             self.hard.load_state_dict(state["hard_pool"])
             self.hard.config = self.cfg.hard_pool
-
-
-class _Group:
-    """The view of a step that :func:`guide_failed_groups` reads (its tasks and rollouts)."""
-
-    def __init__(self, b: StepBatch):
-        self.chosen, self.trajs = b.tasks, b.trajs
 
 
 run_grpo = run_on_loop(GRPOStage)
