@@ -67,7 +67,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from mentorrl.config import ConfigError, DistributedConfig
 from mentorrl.rollout import Rollout, RolloutSpec
-from mentorrl.rollout.backends import stream_episodes
+from mentorrl.rollout.backends import put_unless_stopped
 from mentorrl.rollout.episode import Episode
 from mentorrl.trajectory import Trajectory
 
@@ -304,44 +304,31 @@ class RolloutActor:
         return None
 
     def _emit(self, traj: Trajectory) -> None:
-        while not self.stop.is_set():
-            try:
-                self.outbox.put(traj, timeout=0.1)
-                self.produced += 1
-                return
-            except queue.Full:
-                continue
+        if put_unless_stopped(self.outbox, traj, self.stop):
+            self.produced += 1
 
     def _stream(self) -> None:
         choice, contract = self.rollout_.backend, self.rollout_.contract
         try:
-            if choice.streams_in_process:
-                choice.rollout_engine(self.model, contract).run_stream(
-                    self._next_episode,
-                    slots=self.slots,
-                    seed=self.seed,
-                    on_finish=self._emit,
-                    before_step=self._sync,
-                    stop=self.stop,
-                    close_envs=True,
-                )
-            else:  # the actor's vLLM engine, turn-level continuous batching; weights loaded between rounds
-                backend = choice.for_model(self.model, contract, self.version)
+            # the actor's vLLM engine (not streaming in process): turn-level batching, weights loaded between rounds
+            backend = None if choice.streams_in_process else choice.for_model(self.model, contract, self.version)
 
-                def before_round() -> None:
-                    self._sync()
-                    backend.follow(self.model, self.version)
+            def before_round() -> None:
+                self._sync()
+                backend.follow(self.model, self.version)
 
-                stream_episodes(
-                    backend,
-                    self._next_episode,
-                    slots=self.slots,
-                    seed=self.seed,
-                    on_finish=self._emit,
-                    before_round=before_round,
-                    stop=self.stop,
-                    close_envs=True,
-                )
+            choice.stream(
+                self.model,
+                contract,
+                self._next_episode,
+                self._emit,
+                sync=self._sync,
+                slots=self.slots,
+                seed=self.seed,
+                stop=self.stop,
+                backend=backend,
+                before_round=before_round,
+            )
         except BaseException as e:  # noqa: BLE001 -- reported to the driver by poll(), which raises it
             self.error = repr(e)
 

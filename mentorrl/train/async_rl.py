@@ -27,7 +27,7 @@ from typing import Iterator, Sequence
 import torch
 
 from mentorrl.rollout.api import Rollout
-from mentorrl.rollout.backends import stream_episodes
+from mentorrl.rollout.backends import put_unless_stopped
 from mentorrl.rollout.episode import Episode
 from mentorrl.trajectory import Trajectory
 
@@ -132,10 +132,9 @@ class RolloutWorker(threading.Thread):
             self.model = copy.deepcopy(policy).eval()
             for p in self.model.parameters():
                 p.requires_grad_(False)
-            self.engine = rollout.backend.rollout_engine(self.model, self.contract)
             self.backend = None
         else:
-            self.model, self.engine = None, None
+            self.model = None
             self.backend = rollout.backend.for_model(policy, self.contract)  # built here, in the learner's thread
         self._sync()  # start from the published weights
 
@@ -169,37 +168,23 @@ class RolloutWorker(threading.Thread):
         )
 
     def _emit(self, traj: Trajectory) -> None:
-        while not self.stop_event.is_set():
-            try:
-                self.out.put(traj, timeout=0.1)
-                self.produced += 1
-                return
-            except queue.Full:
-                continue
+        if put_unless_stopped(self.out, traj, self.stop_event):
+            self.produced += 1
 
     def run(self) -> None:
         try:
-            if self.backend is None:
-                self.engine.run_stream(
-                    self._next_episode,
-                    slots=self.slots,
-                    seed=self.seed,
-                    on_finish=self._emit,
-                    before_step=self._sync,
-                    stop=self.stop_event,
-                    close_envs=True,
-                )
-            else:
-                stream_episodes(
-                    self.backend,
-                    self._next_episode,
-                    slots=self.slots,
-                    seed=self.seed,
-                    on_finish=self._emit,
-                    before_round=self._sync_backend,
-                    stop=self.stop_event,
-                    close_envs=True,
-                )
+            self.rollout.backend.stream(
+                self.model,
+                self.contract,
+                self._next_episode,
+                self._emit,
+                sync=self._sync,
+                slots=self.slots,
+                seed=self.seed,
+                stop=self.stop_event,
+                backend=self.backend,
+                before_round=self._sync_backend,
+            )
         except BaseException as e:  # noqa: BLE001 -- handed to the learner, which raises it
             self.error = e
 

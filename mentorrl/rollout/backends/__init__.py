@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 from mentorrl.config.names import ROLLOUT_BACKENDS
 from mentorrl.contract import RolloutContract
@@ -29,6 +29,7 @@ from mentorrl.rollout.backends.base import (
     GenerationBackend,
     backend_of,
     drive_episodes,
+    put_unless_stopped,
     stream_episodes,
     turn_seed,
 )
@@ -47,6 +48,7 @@ __all__ = [
     "decoder_name",
     "drive_episodes",
     "inline_tool_s",
+    "put_unless_stopped",
     "stream_episodes",
     "turn_seed",
 ]
@@ -226,6 +228,31 @@ class BackendChoice:
         from mentorrl.rollout.engine import RolloutEngine
 
         return RolloutEngine(self.placed(model), contract, **self.engine_settings)
+
+    def stream(
+        self,
+        model,
+        contract: RolloutContract,
+        next_episode: Callable[[], Any],
+        on_finish: Callable[[Any], None],
+        *,
+        sync: Callable[[], bool],
+        slots: int,
+        seed: int,
+        stop: threading.Event,
+        backend: GenerationBackend | None = None,
+        before_round: Callable[[], Any] | None = None,
+    ) -> None:
+        """Streaming rollouts, the one loop of SAO's worker thread and a Ray actor's stream: episodes from
+        ``next_episode`` (until it returns None or ``stop`` is set) decoded with continuous batching, each
+        finished one handed to ``on_finish``. A backend that :attr:`streams_in_process` runs the project's
+        engine over ``model`` (``sync`` before every forward pass: new weights, True to recompute the live
+        rows' KV cache); any other decodes round by round through ``backend`` (``before_round`` first)."""
+        common = {"slots": slots, "seed": seed, "on_finish": on_finish, "stop": stop, "close_envs": True}
+        if self.streams_in_process:
+            self.rollout_engine(model, contract).run_stream(next_episode, before_step=sync, **common)
+        else:
+            stream_episodes(backend, next_episode, before_round=before_round, **common)
 
     def placed(self, model):
         """The model the hf backend decodes for ``model``: itself when it already sits on this choice's

@@ -15,6 +15,7 @@ caching reuses the context it has already computed).
 from __future__ import annotations
 
 import concurrent.futures as cf
+import queue
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -107,6 +108,18 @@ def drive_episodes(
         tool_workers=tool_workers,
         gather_s=gather_s,
     )
+
+
+def put_unless_stopped(out: "queue.Queue", item: Any, stop: threading.Event, poll_s: float = 0.1) -> bool:
+    """Put ``item`` in the bounded queue ``out``, waiting while it is full, unless ``stop`` is set first
+    (a streaming worker's hand-off to its consumer); whether it went in."""
+    while not stop.is_set():
+        try:
+            out.put(item, timeout=poll_s)
+            return True
+        except queue.Full:
+            continue
+    return False
 
 
 def stream_episodes(
