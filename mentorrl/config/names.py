@@ -14,7 +14,7 @@ from typing import Iterable
 
 ADVANTAGE = "advantage estimator"
 ENVIRONMENT = "environment"
-BUILTIN_NAMES: dict[str, tuple[str, ...]] = {ADVANTAGE: ("grpo",), ENVIRONMENT: ("code", "orders", "verifiers")}
+BUILTIN_NAMES: dict[str, tuple[str, ...]] = {ADVANTAGE: ("grpo",), ENVIRONMENT: ("code", "orders", "tau2", "verifiers")}
 ENTRY_POINT_GROUPS = {ENVIRONMENT: "mentorrl.envs"}  # kinds whose names installed packages may also declare
 
 _REGISTERED: dict[str, set[str]] = {kind: set(names) for kind, names in BUILTIN_NAMES.items()}

@@ -244,12 +244,15 @@ def audit_env(
     config: AttackAuditConfig | None = None,
     make_env: Callable[[], Environment] | None = None,
     attacks: Sequence[Attack] | None = None,
+    entry: Any = None,
 ) -> AuditReport:
-    """The audit of a registered environment; ``make_env`` swaps in another environment/verifier."""
+    """The audit of a registered environment; ``make_env`` swaps in another environment/verifier;
+    ``entry``: the run's resolved :class:`~mentorrl.envs.EnvEntry` (a configured one, e.g. ``tau2``'s
+    clone) instead of the registered name's."""
     from mentorrl.envs import get_env
 
     config = config or AttackAuditConfig()
-    entry = get_env(env_name)
+    entry = entry if entry is not None else get_env(env_name)
     return run_audit(
         attacks if attacks is not None else get_attacks(env_name),
         env_name=env_name,

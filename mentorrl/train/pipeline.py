@@ -296,7 +296,8 @@ def preflight_reward_audit(ws: Workspace) -> dict[str, Any] | None:
     except ValueError:
         ws.console.print(f"[yellow]reward audit: no reward-hacking suite registered for {name!r}; skipped[/yellow]")
         return None
-    report = audit_env(name, ws.tokenizer, AttackAuditConfig(weights=ws.cfg.reward, seed=ws.cfg.seed))
+    config = AttackAuditConfig(weights=ws.cfg.reward, seed=ws.cfg.seed)
+    report = audit_env(name, ws.tokenizer, config, entry=ws.env_entry)
     data = report.to_dict()
     (ws.run_dir / "reward_audit.json").write_text(json.dumps(data, indent=2))
     failed = [f"{a.name}: {a.reason}" for a in report.attacks if not a.passed]

@@ -1,0 +1,102 @@
+"""The τ²-bench task source: a domain's tasks by split, with the ones the run cannot score fairly left out.
+
+mentorrl's ``train`` split is the benchmark split ``env.split`` names (default ``train``); ``heldout``
+is the benchmark's ``test``; each benchmark split is also there under its own name (``train``,
+``test``, ``base``, ...). Left out, and counted in :attr:`Tau2Tasks.report`:
+
+* everywhere, without ``env.judge``: tasks whose reward needs the NL_ASSERTION judge (they carry
+  assertions); scoring them 0 or 1 without a judge would be a wrong reward either way;
+* from ``train`` only, with ``env.exclude_hackable`` (the default): tasks where an audit attack
+  (:func:`.audit.tau2_attacks`) earns the full benchmark reward (:func:`.audit.screen_tasks`).
+  Evaluation splits keep them, so figures stay comparable with the benchmark's.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Any
+
+from mentorrl.config.base import ConfigError
+from mentorrl.envs.adapters.common import AdapterTasks
+from mentorrl.envs.base import Task
+
+from .audit import screen_tasks, tau2_attacks
+from .env import DomainSpec, Tau2Env
+from .records import Tau2Settings, Tau2Task, load_splits, load_tasks
+from .users import opening_message
+
+
+def _row(record: Tau2Task, domain: str) -> tuple[str, dict[str, Any]]:
+    return opening_message(record.user_scenario), {
+        "tau2": record.model_dump(mode="json"),
+        "tau2_id": record.id,
+        "family": domain,
+    }
+
+
+def check_split(settings: Tau2Settings) -> dict[str, list[str]]:
+    splits = load_splits(settings)
+    if settings.split not in splits:
+        raise ConfigError(f"env.split: {settings.domain} has no split {settings.split!r}; it has {', '.join(splits)}")
+    return splits
+
+
+class Tau2Tasks(AdapterTasks):
+    """The task source (see the module docstring); ``make_env`` plays the screen's attacks."""
+
+    def __init__(self, settings: Tau2Settings, make_env: Any):
+        records = load_tasks(settings)
+        splits = check_split(settings)
+        refused = sorted(
+            (i for i, r in records.items() if r.evaluation_criteria is not None and r.evaluation_criteria.needs_judge)
+            if settings.judge is None
+            else []
+        )
+        by_split = {
+            name: [records[i] for i in ids if i in records and i not in refused] for name, ids in splits.items()
+        }
+        train = by_split[settings.split]
+        hackable: dict[str, list[str]] = {}
+        if settings.exclude_hackable and train:
+            probe = []
+            for r in train:
+                prompt, ref = _row(r, settings.domain)
+                probe.append(
+                    Task(
+                        id=f"screen-{r.id}", family=settings.domain, split="train", prompt=prompt, seed=0, reference=ref
+                    )
+                )
+            env = make_env()
+            try:
+                hackable = screen_tasks(env, probe, tau2_attacks())
+            finally:
+                env.close()
+        rows = {name: [_row(r, settings.domain) for r in recs] for name, recs in by_split.items()}
+        rows["train"] = [_row(r, settings.domain) for r in train if r.id not in hackable]
+        rows["heldout"] = rows.get("test", [])
+        super().__init__("tau2", rows)
+        self.report = {
+            "domain": settings.domain,
+            "split": settings.split,
+            "tasks_in_split": len(splits[settings.split]),
+            "refused_nl_assertion": refused,
+            "hackable": hackable,
+            "train_tasks": len(rows["train"]),
+        }
+        print(
+            f"tau2 {settings.domain}/{settings.split}: {len(rows['train'])} training tasks of "
+            f"{len(splits[settings.split])}; left out: {len(refused)} needing the NL judge (no env.judge), "
+            f"{len(hackable)} an audit attack wins ({', '.join(sorted(hackable)) or 'none'})",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+@functools.lru_cache(maxsize=8)
+def tasks_for(settings: Tau2Settings, spec: DomainSpec) -> Tau2Tasks:
+    """The task source of a run, built (and screened) once per process."""
+    return Tau2Tasks(settings, functools.partial(Tau2Env, settings, spec))
+
+
+__all__ = ["Tau2Tasks", "check_split", "tasks_for"]
