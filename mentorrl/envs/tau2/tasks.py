@@ -76,17 +76,20 @@ class Tau2Tasks(AdapterTasks):
         rows["train"] = [_row(r, settings.domain) for r in train if r.id not in hackable]
         rows["heldout"] = rows.get("test", [])
         super().__init__("tau2", rows)
+        in_split = set(splits[settings.split])
         self.report = {
             "domain": settings.domain,
             "split": settings.split,
             "tasks_in_split": len(splits[settings.split]),
-            "refused_nl_assertion": refused,
+            "refused_nl_assertion": [i for i in refused if i in in_split],
+            "refused_nl_assertion_all_splits": refused,
             "hackable": hackable,
             "train_tasks": len(rows["train"]),
         }
         print(
             f"tau2 {settings.domain}/{settings.split}: {len(rows['train'])} training tasks of "
-            f"{len(splits[settings.split])}; left out: {len(refused)} needing the NL judge (no env.judge), "
+            f"{len(splits[settings.split])}; left out: {len(self.report['refused_nl_assertion'])} needing the NL judge "
+            f"(no env.judge), "
             f"{len(hackable)} an audit attack wins ({', '.join(sorted(hackable)) or 'none'})",
             file=sys.stderr,
             flush=True,
