@@ -267,6 +267,50 @@ def test_the_user_channel_is_a_tool_whose_answer_is_the_observation(entry):
         env.close()
 
 
+class StubChat:
+    """An OpenAI-compatible user model: scripted replies, and every conversation it was sent."""
+
+    def __init__(self, replies):
+        self.replies, self.seen = list(replies), []
+
+    def chat(self, messages):
+        self.seen.append([dict(m) for m in messages])
+        return self.replies.pop(0) if self.replies else None
+
+    def close(self):
+        pass
+
+
+def test_the_llm_user_is_opt_in_and_ends_on_stop(monkeypatch):
+    from mentorrl.envs.tau2 import env as tau2_env
+
+    stub = StubChat(["Hi, I want to cancel order #T1001.", "Yes, go ahead.", f"Thanks! {STOP}"])
+    monkeypatch.setattr(tau2_env, "make_client", lambda cfg: None if cfg is None else stub)
+    entry = resolve_env(env_cfg(user="llm", user_client={"base_url": "http://127.0.0.1:9/v1", "model": "u"}))
+    env = entry.make_env()
+    try:
+        assert env.reset(task_of("0")) == "Hi, I want to cancel order #T1001."
+        system = stub.seen[0][0]["content"]
+        assert "#T1001" in system and "ada_lovelace_1815" in system  # the scenario, for the user model only
+        assert env.step(USER_TOOL, {"message": "Cancel #T1001, do you confirm?"}).content == "Yes, go ahead."
+        assert STOP in env.step(USER_TOOL, {"message": "Done."}).content
+        assert env.step(USER_TOOL, {"message": "Anything else?"}).content == ENDED
+        assert stub.seen[1][-1] == {"role": "user", "content": "Cancel #T1001, do you confirm?"}  # roles flipped
+    finally:
+        env.close()
+
+
+def test_the_entry_pickles_for_remote_workers(entry):
+    import pickle
+
+    env = pickle.loads(pickle.dumps(entry.make_env))(tool_timeout_s=3.0)
+    try:
+        assert env.reset(task_of("1")) and env.step("get_order_details", {"order_id": "#T1002"}).ok
+    finally:
+        env.close()
+    assert pickle.loads(pickle.dumps(entry.make_expert))().mutating == {"cancel_pending_order"}
+
+
 # ---------------------------------------------------------------- config checks ----
 def test_bad_paths_domains_and_files_are_config_errors_naming_the_field(tmp_path):
     with pytest.raises(ConfigError, match="env.path"):

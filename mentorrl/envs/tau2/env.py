@@ -26,6 +26,7 @@ from typing import Any
 from mentorrl.config.base import ConfigError
 from mentorrl.contract import clip_text
 from mentorrl.envs.base import Task, Tool, ToolError, ToolRegistry, ToolResult, Verdict, schema_validator
+from mentorrl.envs.latency import LatencySampler
 
 from .protocol import Child, ChildFailure
 from .records import Tau2Settings, Tau2Task
@@ -171,7 +172,8 @@ class Tau2Env:
                 self._message_user,
             )
         )
-        self.registry = ToolRegistry(tools, timeout_s=tool_timeout_s, on_timeout=self._on_timeout)
+        self._latency = LatencySampler(latency) if latency is not None else None
+        self.registry = ToolRegistry(tools, timeout_s=tool_timeout_s, on_timeout=self._on_timeout, delay=self._latency)
         self.child: Child | None = None
         self.user_client = make_client(settings.user_client) if settings.user == "llm" else None
         self.judge = make_client(settings.judge)
@@ -204,6 +206,8 @@ class Tau2Env:
     # ---- the protocol -------------------------------------------------------
     def reset(self, task: Task) -> str:
         self.task = Tau2Task.model_validate(task.reference["tau2"])
+        if self._latency is not None:
+            self._latency.start_episode(task.seed)
         self.failure, self.messages, self.calls, self.transcript = None, [], [], []
         scenario, turns = self.task.user_scenario, self.settings.max_user_turns
         self.user = (
