@@ -383,6 +383,34 @@ def test_a_hostile_child_is_a_bounded_clear_failure(tmp_path, monkeypatch, kind)
     child.close()
 
 
+def test_a_child_that_stops_reading_cannot_block_a_request(tmp_path, monkeypatch):
+    script = tmp_path / "child.py"
+    script.write_text("import time\ntime.sleep(30)\n")  # never reads its input
+    monkeypatch.setattr(proto, "CHILD", script)
+    child = proto.Child(sys.executable, FIXTURE, "toy")
+    t0 = time.monotonic()
+    with pytest.raises(proto.ChildFailure, match="did not take the request"):
+        child.request("call", timeout_s=1.0, name="x", arguments={"x": "a" * 500_000})  # over a pipe's buffer
+    assert time.monotonic() - t0 < 10
+    child.close()
+
+
+def test_a_child_flooding_its_stderr_keeps_only_a_bounded_tail(tmp_path, monkeypatch):
+    script = tmp_path / "child.py"
+    script.write_text(
+        "import sys\nsys.stdin.readline()\nfor _ in range(400):\n    sys.stderr.write('e' * 65536)\n"
+        "sys.stderr.write('LAST WORDS')\nsys.stderr.flush()\nprint('{\"ok\": true}', flush=True)\nsys.exit(0)\n"
+    )
+    monkeypatch.setattr(proto, "CHILD", script)
+    child = proto.Child(sys.executable, FIXTURE, "toy")
+    assert child.request("hello", timeout_s=20.0) == {"ok": True}
+    child.proc.wait(timeout=10)
+    tail = child.stderr_tail()
+    assert tail.endswith("LAST WORDS") and len(tail) <= proto.STDERR_TAIL
+    assert sum(map(len, child._tail)) <= proto.STDERR_TAIL + 65536  # 25 MiB written, a few KiB kept
+    child.close()
+
+
 def test_a_hanging_or_flooding_tool_fails_the_episode_not_the_host(tmp_path):
     clone = copy_clone(tmp_path)
     tools = clone / "src" / "tau2" / "domains" / "toy" / "tools.py"

@@ -10,11 +10,12 @@ and the next episode starts a new one. Requests are bounded too (:data:`MAX_REQU
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import select
 import subprocess
-import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ def child_env(clone: Path) -> dict[str, str]:
     env = dict(os.environ)
     env["TAU2_DATA_DIR"] = str(clone / "data")  # read once at the upstream package's import
     env["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"  # the upstream import fetches a cost map otherwise
+    env.setdefault("LOGURU_LEVEL", "WARNING")  # the upstream package logs every step at DEBUG otherwise
     env.pop("PYTHONPATH", None)
     return env
 
@@ -43,34 +45,47 @@ class Child:
 
     def __init__(self, python: str, clone: Path, domain: str, start_timeout_s: float = 60.0):
         self.python, self.clone, self.domain = python, clone, domain
-        self._stderr = tempfile.TemporaryFile()
         try:
             self.proc = subprocess.Popen(
                 [python, "-I", str(CHILD), str(clone), domain],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
-                stderr=self._stderr,
+                stderr=subprocess.PIPE,
                 env=child_env(clone),
                 cwd=str(clone),
             )
         except OSError as e:
-            self._stderr.close()
             raise ChildFailure(f"cannot start {python!r}: {e}") from None
+        assert self.proc.stdin is not None and self.proc.stderr is not None
+        os.set_blocking(self.proc.stdin.fileno(), False)  # a child that stops reading cannot block a request
         self._buf = b""
+        self._tail: collections.deque[bytes] = collections.deque()
+        self._tail_lock = threading.Lock()
+        threading.Thread(target=self._drain_stderr, args=(self.proc.stderr,), daemon=True).start()
         self.start_timeout_s = start_timeout_s
 
     @property
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def stderr_tail(self) -> str:
+    def _drain_stderr(self, stream: Any) -> None:
+        """Read the child's stderr as it comes, keeping only its last bytes (memory and disk stay bounded)."""
+        kept = 0
         try:
-            self._stderr.seek(0, os.SEEK_END)
-            size = self._stderr.tell()
-            self._stderr.seek(max(0, size - STDERR_TAIL))
-            return self._stderr.read().decode("utf-8", "replace").strip()
+            for chunk in iter(lambda: stream.read1(65536), b""):
+                with self._tail_lock:
+                    self._tail.append(chunk)
+                    kept += len(chunk)
+                    while kept - len(self._tail[0]) >= STDERR_TAIL and len(self._tail) > 1:
+                        kept -= len(self._tail.popleft())
         except (OSError, ValueError):
-            return ""
+            pass
+
+    def stderr_tail(self) -> str:
+        time.sleep(0.05)  # let the drain thread catch the child's last words
+        with self._tail_lock:
+            data = b"".join(self._tail)
+        return data[-STDERR_TAIL:].decode("utf-8", "replace").strip()
 
     def _fail(self, why: str) -> ChildFailure:
         self.kill()
@@ -83,18 +98,27 @@ class Child:
         line = json.dumps({"op": op, **fields}, ensure_ascii=False, default=str).encode() + b"\n"
         if len(line) > MAX_REQUEST_BYTES:
             raise ChildFailure(f"request {op!r} is {len(line)} bytes, over {MAX_REQUEST_BYTES}")
-        try:
-            assert self.proc.stdin is not None
-            self.proc.stdin.write(line)
-            self.proc.stdin.flush()
-        except (BrokenPipeError, OSError) as e:
-            raise self._fail(f"the {self.domain} process closed its input ({type(e).__name__})") from None
-        return parse_reply(self._read_line(op, timeout_s), op, self._fail)
+        deadline = time.monotonic() + timeout_s
+        self._write_all(line, op, deadline)
+        return parse_reply(self._read_line(op, deadline, timeout_s), op, self._fail)
 
-    def _read_line(self, op: str, timeout_s: float) -> bytes:
+    def _write_all(self, data: bytes, op: str, deadline: float) -> None:
+        assert self.proc.stdin is not None
+        fd, view = self.proc.stdin.fileno(), memoryview(data)
+        while view:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([], [fd], [], left)[1]:
+                raise self._fail(f"the {self.domain} process did not take the request {op!r} in time")
+            try:
+                view = view[os.write(fd, view) :]
+            except BlockingIOError:
+                continue
+            except OSError as e:
+                raise self._fail(f"the {self.domain} process closed its input ({type(e).__name__})") from None
+
+    def _read_line(self, op: str, deadline: float, timeout_s: float) -> bytes:
         assert self.proc.stdout is not None
         fd = self.proc.stdout.fileno()
-        deadline = time.monotonic() + timeout_s
         while b"\n" not in self._buf:
             if len(self._buf) > MAX_REPLY_BYTES:
                 raise self._fail(f"reply to {op!r} is over {MAX_REPLY_BYTES} bytes without a line end")
@@ -123,13 +147,12 @@ class Child:
         if self.proc.poll() is None:
             try:
                 assert self.proc.stdin is not None
-                self.proc.stdin.write(b'{"op": "bye"}\n')
-                self.proc.stdin.flush()
+                os.write(self.proc.stdin.fileno(), b'{"op": "bye"}\n')
                 self.proc.wait(timeout=2)
             except (OSError, subprocess.TimeoutExpired):
                 pass
         self.kill()
-        for f in (self.proc.stdin, self.proc.stdout, self._stderr):
+        for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
             try:
                 if f is not None:
                     f.close()
