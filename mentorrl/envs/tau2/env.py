@@ -180,6 +180,7 @@ class Tau2Env:
         self.task: Tau2Task | None = None
         self.user: Any = None
         self.failure: str | None = None
+        self.episode = 0  # counts resets
         self.messages: list[str] = []  # the agent's messages to the user
         self.calls: list[tuple[str, dict[str, Any]]] = []  # the agent's domain tool calls that ran
         self.transcript: list[tuple[str, str]] = []
@@ -189,25 +190,37 @@ class Tau2Env:
         if self.failure is not None:
             raise ChildFailure(self.failure)
         if self.child is None or not self.child.alive:
-            self.child = Child(self.settings.python, self.settings.clone, self.settings.domain)
+            if self.child is not None:
+                self.child.close()
+            try:
+                self.child = Child(self.settings.python, self.settings.clone, self.settings.domain)
+            except ChildFailure as e:
+                self.failure = f"the {self.settings.domain} environment process did not start: {e}"
+                raise ChildFailure(self.failure) from None
+        child, episode = self.child, self.episode
         try:
-            return self.child.request(op, timeout_s, **fields)
+            return child.request(op, timeout_s, **fields)
         except ChildFailure as e:
-            self.failure = f"the {self.settings.domain} environment process failed: {e}"
-            self.child = None
-            raise ChildFailure(self.failure) from None
+            why = f"the {self.settings.domain} environment process failed: {e}"
+            if episode == self.episode:  # a call that timed out may end after its episode: it touches nothing then
+                self.failure = why
+                if self.child is child:
+                    self.child = None
+            child.close()
+            raise ChildFailure(why) from None
 
     def _on_timeout(self) -> None:
         child, self.child = self.child, None
         self.failure = self.failure or "a tool call timed out; the environment process was stopped"
         if child is not None:
-            child.kill()
+            child.kill()  # the stalled call then fails at once; it closes the pipes
 
     # ---- the protocol -------------------------------------------------------
     def reset(self, task: Task) -> str:
         self.task = Tau2Task.model_validate(task.reference["tau2"])
         if self._latency is not None:
             self._latency.start_episode(task.seed)
+        self.episode += 1
         self.failure, self.messages, self.calls, self.transcript = None, [], [], []
         scenario, turns = self.task.user_scenario, self.settings.max_user_turns
         self.user = (
