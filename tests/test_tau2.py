@@ -202,6 +202,8 @@ def test_do_nothing_is_flagged_on_the_no_op_task_and_left_out_of_training(source
     assert set(hackable) == {"1"}
     assert "1" not in {ref["tau2_id"] for _, ref in source.rows["train"]}
     assert "1" in {ref["tau2_id"] for _, ref in source.rows["base"]}  # evaluation splits keep it
+    heldout = {ref["tau2_id"] for _, ref in source.rows["heldout"]}
+    assert heldout == set(SPLITS["test"]) - set(source.report["refused_nl_assertion_all_splits"])
     assert source.report["train_tasks"] == len(source.rows["train"])
 
 
@@ -234,6 +236,7 @@ def test_the_preflight_audit_passes_on_the_screened_pool_and_fails_without_the_s
     assert report is not None and report["passed"] and report["honest"]["failures"] == []
     assert {a["name"] for a in report["attacks"]} == {"do_nothing", "refuse", "transfer_at_once"}
     assert all(a["successes"] == [] for a in report["attacks"])  # no attack wins a task of the screened pool
+    assert report["task_source"]["hackable"] == {"1": ["do_nothing", "refuse", "transfer_at_once"]}  # reported
     ws = open_workspace(
         load_config(None, [*base, f"run_dir={tmp_path / 'b'}", "env.exclude_hackable=false"]), show_progress=False
     )
