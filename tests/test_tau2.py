@@ -204,6 +204,16 @@ def test_do_nothing_is_flagged_on_the_no_op_task_and_left_out_of_training(source
     assert "1" in {ref["tau2_id"] for _, ref in source.rows["base"]}  # evaluation splits keep it
     heldout = {ref["tau2_id"] for _, ref in source.rows["heldout"]}
     assert heldout == set(SPLITS["test"]) - set(source.report["refused_nl_assertion_all_splits"])
+    assert {ref["tau2_id"] for _, ref in source.rows["hidden"]} == heldout
+
+
+def test_the_test_split_as_hidden_is_never_trained_on(source):
+    from mentorrl.config.names import HiddenSetError
+    from mentorrl.eval.sets import assert_trainable
+
+    with pytest.raises(HiddenSetError):
+        assert_trainable(source.tasks("hidden", n=2, seed=0))
+    assert_trainable(source.tasks("train", n=2, seed=0))
     assert source.report["train_tasks"] == len(source.rows["train"])
 
 

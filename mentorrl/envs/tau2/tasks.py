@@ -1,8 +1,8 @@
 """The τ²-bench task source: a domain's tasks by split, with the ones the run cannot score fairly left out.
 
 mentorrl's ``train`` split is the benchmark split ``env.split`` names (default ``train``); ``heldout``
-is the benchmark's ``test``; each benchmark split is also there under its own name (``train``,
-``test``, ``base``, ...). Left out, and counted in :attr:`Tau2Tasks.report`:
+and ``hidden`` (evaluation only: the training guard refuses it) are the benchmark's ``test``; each
+benchmark split is also there under its own name (``train``, ``test``, ``base``, ...). Left out, and counted in :attr:`Tau2Tasks.report`:
 
 * everywhere, without ``env.judge``: tasks whose reward needs the NL_ASSERTION judge (they carry
   assertions); scoring them 0 or 1 without a judge would be a wrong reward either way;
@@ -74,7 +74,7 @@ class Tau2Tasks(AdapterTasks):
                 env.close()
         rows = {name: [_row(r, settings.domain) for r in recs] for name, recs in by_split.items()}
         rows["train"] = [_row(r, settings.domain) for r in train if r.id not in hackable]
-        rows["heldout"] = rows.get("test", [])
+        rows["heldout"] = rows["hidden"] = rows.get("test", [])  # hidden: evaluation only, never trained on
         super().__init__("tau2", rows)
         in_split = set(splits[settings.split])
         self.report = {
