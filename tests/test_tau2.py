@@ -161,6 +161,9 @@ class StubJudge:
         self.calls += 1
         return self.reply
 
+    def close(self):
+        pass
+
 
 def test_nl_assertion_tasks_are_refused_and_counted_without_a_judge(source):
     nl = {
@@ -192,6 +195,25 @@ def test_with_a_judge_configured_nl_tasks_stay(tmp_path):
     src = entry.make_tasks()
     assert isinstance(src, Tau2Tasks) and src.report["refused_nl_assertion"] == []
     assert "3" in {ref["tau2_id"] for _, ref in src.rows["train"]}
+
+
+def test_the_configured_judge_scores_an_nl_task_in_the_episode(monkeypatch):
+    from mentorrl.envs.tau2 import env as tau2_env
+
+    judge = StubJudge(JudgeReply(met=[True]))
+    monkeypatch.setattr(tau2_env, "make_client", lambda cfg: None if cfg is None else judge)
+    entry = resolve_env(env_cfg(judge={"base_url": "http://127.0.0.1:9/v1", "model": "j"}, exclude_hackable=False))
+    env, expert = entry.make_env(), entry.make_expert()
+    try:
+        verdict = play(env, task_of("3"), expert.act)
+        assert verdict.success and verdict.details["tau2"]["components"] == {"DB": 1.0, "NL_ASSERTION": 1.0}
+        assert judge.calls == 1
+        judge.reply = None  # an empty judge reply fails the task
+        assert not play(env, task_of("3"), expert.act).success
+        play(env, task_of("0"), expert.act)
+        assert judge.calls == 2  # a task without NL assertions never asks the judge
+    finally:
+        env.close()
 
 
 # --------------------------------------------------------------------- audit ----
