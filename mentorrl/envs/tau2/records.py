@@ -1,7 +1,8 @@
 """τ²-bench's task files as typed records, and the checks that a clone and a domain are usable.
 
-A clone has ``data/tau2/domains/<domain>/`` (``tasks.json``, ``split_tasks.json``, ``policy.md``
-and ``db.json``, or ``db.toml`` for telecom) and ``src/tau2/domains/<domain>/``. The records keep
+A clone has ``data/tau2/domains/<domain>/`` (``tasks.json``, ``split_tasks.json``, and the files the
+domain's code opens: ``db.json`` and ``policy.md``; telecom: ``db.toml``, ``user_db.toml`` and its
+policies) and ``src/tau2/domains/<domain>/``. The records keep
 the fields the adapter reads (the scenario, the initial state, the evaluation criteria); others
 are ignored. Every failure here is a :class:`~mentorrl.config.ConfigError` naming the ``env.``
 field to fix, raised before the first step.
@@ -118,11 +119,9 @@ def check_clone(path: str | None, domain: str | None) -> tuple[Path, str]:
     if not domain.isidentifier() or domain not in known or not (clone / "src" / "tau2" / "domains" / domain).is_dir():
         raise ConfigError(f"env.domain: no domain {domain!r} in {clone} (data and code); it has {', '.join(known)}")
     data = clone / "data" / "tau2" / "domains" / domain
-    for name in ("tasks.json", "split_tasks.json", "policy.md"):
-        if not (data / name).is_file():
-            raise ConfigError(f"env.path: the clone has no data/tau2/domains/{domain}/{name}")
-    if not any((data / f"db.{ext}").is_file() for ext in ("json", "toml")):
-        raise ConfigError(f"env.path: the clone has no data/tau2/domains/{domain}/db.json (or db.toml)")
+    for name in ("tasks.json", "split_tasks.json"):  # what the adapter reads itself; the domain's own files
+        if not (data / name).is_file():  # (db.json or db.toml, policy.md or telecom's policies) are its to open:
+            raise ConfigError(f"env.path: the clone has no data/tau2/domains/{domain}/{name}")  # see handshake
     return clone, domain
 
 
