@@ -280,6 +280,52 @@ def test_the_preflight_audit_passes_on_the_screened_pool_and_fails_without_the_s
     assert won["do_nothing"] and won["transfer_at_once"]  # the unscreened pool has the no-op task
 
 
+# ---------------------------------------------------------------------- solo ----
+def test_tasks_with_user_actions_are_left_out_outside_solo_mode(source):
+    user_acts = {
+        tid
+        for tid, t in TASKS.items()
+        if any(a.get("requestor") == "user" for a in t["evaluation_criteria"]["actions"])
+    }
+    assert user_acts and set(source.report["left_out_all_splits"]["user_actions"]) == user_acts
+    assert not user_acts & {ref["tau2_id"] for rows in source.rows.values() for _, ref in rows}
+
+
+def test_solo_mode_gives_the_ticket_and_the_users_tools_and_no_user():
+    entry = resolve_env(env_cfg(solo=True, split="base"))
+    source = entry.make_tasks()
+    with_ticket = {tid for tid, t in TASKS.items() if t.get("ticket")}
+    assert {ref["tau2_id"] for _, ref in source.rows["base"]} == with_ticket
+    env, expert = entry.make_env(), entry.make_expert()
+    try:
+        names = {s["function"]["name"] for s in env.registry.specs()}
+        assert {"check_parcel", "mark_parcel_received", "get_order_details"} <= names and USER_TOOL not in names
+        assert "mark_parcel_received" in entry.mutating_tools
+        for task in source.tasks("base", n=len(with_ticket), seed=0):
+            tid = task.reference["tau2_id"]
+            assert env.reset(task) == TASKS[tid]["ticket"]
+            assert play(env, task, expert.act).success  # the expert takes the user's gold action too
+            for attack in tau2_attacks():
+                assert benchmark_reward(play(env, task, attack.script)) == 0.0, (tid, attack.name)
+    finally:
+        env.close()
+
+
+def test_solo_mode_on_a_domain_without_it_is_a_config_error(tmp_path):
+    clone = copy_clone(tmp_path)
+    envpy = clone / "src" / "tau2" / "domains" / "toy" / "environment.py"
+    envpy.write_text(
+        envpy.read_text().replace(
+            "    with open(TOY_POLICY_PATH) as f:",
+            '    if solo_mode:\n        raise ValueError("Toy domain does not support solo mode")\n    with open(TOY_POLICY_PATH) as f:',
+        )
+    )
+    with pytest.raises(ConfigError, match="env.solo.*does not support solo mode"):
+        resolve_env(env_cfg(clone, solo=True))
+    with pytest.raises(ValueError, match="solo: only for name: tau2"):
+        EnvConfig(name="orders", solo=True)
+
+
 # ---------------------------------------------------------------------- users ----
 def test_the_scripted_user_confirms_answers_and_ends():
     user = ScriptedUser(Tau2Task.model_validate(TASKS["0"]).user_scenario, max_turns=3)

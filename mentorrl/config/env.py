@@ -88,6 +88,10 @@ class EnvConfig(Section):
         True, description="tau2: leave out of the task pool every task an audit attack scores full reward on"
     )
     max_user_turns: int = Field(10, ge=1, le=100, description="tau2: messages the user answers before leaving")
+    solo: bool = Field(
+        False,
+        description="tau2: solo mode (telecom): the agent gets each task's ticket and the user's tools, and no user",
+    )
 
     @model_validator(mode="after")
     def _clone_fields(self) -> "EnvConfig":
@@ -95,6 +99,8 @@ class EnvConfig(Section):
             for key in ("path", "domain", "split", "python", "user_client", "judge"):
                 if getattr(self, key) is not None:
                     raise ValueError(f"{key}: only for name: tau2 (this environment is {self.name!r})")
+            if self.solo:
+                raise ValueError(f"solo: only for name: tau2 (this environment is {self.name!r})")
         elif self.user == "llm" and self.user_client is None:
             raise ValueError("user_client: user: llm needs the user's server (user_client: {base_url, model})")
         return self

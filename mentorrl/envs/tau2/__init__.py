@@ -49,6 +49,7 @@ def settings_from_config(env_cfg: Any) -> Tau2Settings:
         judge=dump(env_cfg.judge),
         exclude_hackable=env_cfg.exclude_hackable,
         max_user_turns=env_cfg.max_user_turns,
+        solo=env_cfg.solo,
     )
     check_split(settings)
     return settings
@@ -67,7 +68,7 @@ def tau2_entry(env_cfg: Any) -> EnvEntry:
     return EnvEntry(
         functools.partial(Tau2Env, settings, spec),
         functools.partial(tasks_for, settings, spec),
-        functools.partial(Tau2Expert, spec.mutating),
+        functools.partial(Tau2Expert, spec.mutating, settings.solo),
         attacks=tau2_attacks,
         mutating_tools=spec.mutating,
     )

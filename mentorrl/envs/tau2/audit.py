@@ -1,8 +1,8 @@
 """The τ²-bench expert, the audit's attacks, and the screen that finds the tasks an attack wins.
 
 * :class:`Tau2Expert` replays each task's gold actions (asking the user to confirm before each
-  state-changing one, as the domain policies require) and ends with a message carrying the
-  task's ``communicate_info``: the SFT demonstrations and the audit's honest baseline.
+  state-changing one, as the domain policies require; in solo mode, with no user, it takes the
+  user's actions too) and ends with a message carrying the task's ``communicate_info``: the SFT demonstrations and the audit's honest baseline.
 * :func:`tau2_attacks`: doing nothing, refusing, and transferring to a human at once; each is a
   scripted policy the preflight reward audit (:mod:`mentorrl.integrity.attacks`) runs like any
   environment's attacks.
@@ -30,16 +30,16 @@ MAX_SCRIPT_TURNS = 64
 class Tau2Expert:
     """Replays the gold actions (see the module docstring); ``mutating``: the domain's state-changing tools."""
 
-    def __init__(self, mutating: Iterable[str] = ()):
-        self.mutating = frozenset(mutating)
+    def __init__(self, mutating: Iterable[str] = (), solo: bool = False):
+        self.mutating, self.solo = frozenset(mutating), solo
 
     def act(self, task: Task) -> Script:
         record = Tau2Task.model_validate(task.reference["tau2"])
         crit = record.evaluation_criteria
         for action in (crit.actions or []) if crit else []:
-            if action.requestor != "assistant":
-                continue  # the user's own actions (telecom) are the user's to take
-            if action.name in self.mutating:
+            if action.requestor != "assistant" and not self.solo:
+                continue  # the user's own actions (telecom) are the user's to take, or the agent's in solo mode
+            if action.name in self.mutating and not self.solo:  # solo mode: no customer to ask
                 args = json.dumps(action.arguments, ensure_ascii=False)
                 yield ToolAction(USER_TOOL, {"message": f"I will now run {action.name} with {args}. Do you confirm?"})
             yield ToolAction(action.name, dict(action.arguments))

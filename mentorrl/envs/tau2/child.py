@@ -1,7 +1,8 @@
 """The child side of the τ²-bench bridge: run by the clone's own interpreter (``python -I child.py
 CLONE DOMAIN``), standard library only, never importing mentorrl.
 
-It loads ``tau2.domains.<DOMAIN>.environment`` from ``CLONE/src`` (the user's clone: the upstream
+It loads ``tau2.domains.<DOMAIN>.environment`` (``get_environment(solo_mode=True)`` with a third
+argument ``solo``) from ``CLONE/src`` (the user's clone: the upstream
 package with its dependencies in that interpreter, or any package of the same layout), with
 ``TAU2_DATA_DIR`` set to ``CLONE/data`` before the import, and answers one JSON object per line
 on the stdout it was given; everything the domain prints goes to stderr instead. Requests:
@@ -34,13 +35,13 @@ def _clip(text: str) -> str:
 
 
 class Domain:
-    def __init__(self, clone: str, domain: str):
-        self.domain = domain
+    def __init__(self, clone: str, domain: str, solo: bool = False):
+        self.domain, self.solo = domain, solo
         self.module = importlib.import_module(f"tau2.domains.{domain}.environment")
         self.env: Any = None
 
-    def fresh(self, initial_state: Any) -> Any:
-        env = self.module.get_environment()
+    def fresh(self, initial_state: Any, solo: bool = False) -> Any:
+        env = self.module.get_environment(solo_mode=True) if solo else self.module.get_environment()
         if isinstance(initial_state, dict):
             data = initial_state.get("initialization_data") or {}
             if data.get("agent_data"):
@@ -60,19 +61,24 @@ class Domain:
         return getattr(kit, str(call["func_name"]))(**dict(call.get("arguments") or {}))
 
     def hello(self) -> dict[str, Any]:
-        env = self.fresh(None)
-        tools = env.get_tools()
-        mutates = getattr(env.tools, "tool_mutates_state", None)
+        env = self.fresh(None, self.solo)
+        kits = [(env.tools, env.get_tools())]
+        if self.solo and env.user_tools is not None:  # solo mode: the agent has the user's tools too
+            kits.append((env.user_tools, env.get_user_tools()))
+        mutating = []
+        for kit, tools in kits:
+            mutates = getattr(kit, "tool_mutates_state", None)
+            mutating += [t.name for t in tools if mutates is None or mutates(t.name)]
         return {
             "python": list(sys.version_info[:3]),
             "policy": env.get_policy(),
-            "tools": [t.openai_schema for t in tools],
-            "mutating": [t.name for t in tools if mutates is None or mutates(t.name)],
+            "tools": [t.openai_schema for _, tools in kits for t in tools],
+            "mutating": mutating,
             "user_tools": env.user_tools is not None,
         }
 
     def reset(self, initial_state: Any) -> dict[str, Any]:
-        self.env = self.fresh(initial_state)
+        self.env = self.fresh(initial_state, self.solo)
         return {}
 
     def call(self, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
@@ -90,7 +96,7 @@ class Domain:
     def evaluate(self, actions: list[dict[str, Any]], assertions: list[dict[str, Any]], initial_state: Any):
         if self.env is None:
             raise ValueError("evaluate before reset")
-        gold = self.fresh(initial_state)
+        gold = self.fresh(initial_state)  # never in solo mode: the user's gold actions are the user's
         gold_errors = []
         for a in actions:
             try:
@@ -138,13 +144,13 @@ def serve(domain: Domain, out: Any) -> None:
 
 
 def main() -> None:
-    clone, domain_name = sys.argv[1], sys.argv[2]
+    clone, domain_name, solo = sys.argv[1], sys.argv[2], sys.argv[3:] == ["solo"]
     out = os.fdopen(os.dup(sys.stdout.fileno()), "w", encoding="utf-8")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # the domain's prints never reach the protocol
     sys.stdout = sys.stderr
     sys.path.insert(0, os.path.join(clone, "src"))
     try:
-        domain = Domain(clone, domain_name)
+        domain = Domain(clone, domain_name, solo)
     except BaseException as e:  # noqa: BLE001 - an import failure is the parent's config error
         tb = traceback.format_exception_only(type(e), e)[-1].strip()
         out.write(json.dumps({"ok": False, "fatal": True, "error": _clip(tb)}) + "\n")

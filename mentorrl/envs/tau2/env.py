@@ -45,6 +45,11 @@ SYSTEM = (
     "talk to the customer with the {user_tool} tool (its result is the customer's answer); your final reply "
     "without a tool call ends the conversation and is your last message to the customer.\n\n<policy>\n{policy}\n</policy>"
 )
+SOLO_SYSTEM = (
+    "You are a customer service agent of the {domain} domain, solving a ticket on your own: there is no customer "
+    "to talk to, and you have the customer's tools as well as yours. Follow the policy below; your final reply "
+    "without a tool call ends the task.\n\n<policy>\n{policy}\n</policy>"
+)
 
 
 @dataclass(frozen=True)
@@ -120,7 +125,7 @@ def _spec_from_hello(settings: Tau2Settings, reply: dict[str, Any]) -> DomainSpe
 def handshake(settings: Tau2Settings) -> DomainSpec:
     """Start the domain once and check it (see the module docstring)."""
     try:
-        child = Child(settings.python, settings.clone, settings.domain)
+        child = Child(settings.python, settings.clone, settings.domain, solo=settings.solo)
     except ChildFailure as e:
         raise ConfigError(f"env.python: {e}") from None
     try:
@@ -137,6 +142,8 @@ def handshake(settings: Tau2Settings) -> DomainSpec:
                 "clone's dependencies into that interpreter, e.g. `uv sync` in the clone, and point env.python "
                 "at its .venv/bin/python)"
             )
+        if settings.solo and "solo" in why.lower():
+            raise ConfigError(f"env.solo: the {settings.domain} domain has no solo mode: {why}")
         if "FileNotFoundError" in why:
             raise ConfigError(f"env.path: the {settings.domain} domain could not find a data file: {why}")
         raise ConfigError(f"env.domain: the {settings.domain} domain failed to load: {why}")
@@ -161,17 +168,19 @@ class Tau2Env:
     def __init__(self, settings: Tau2Settings, spec: DomainSpec, tool_timeout_s: float = 5.0, latency: Any = None):
         self.settings, self.spec = settings, spec
         self.name, self.version = "tau2", f"tau2/{settings.domain}"
-        self.system_prompt = SYSTEM.format(domain=settings.domain, policy=spec.policy, user_tool=USER_TOOL)
+        template = SOLO_SYSTEM if settings.solo else SYSTEM
+        self.system_prompt = template.format(domain=settings.domain, policy=spec.policy, user_tool=USER_TOOL)
         self.call_timeout_s = max(0.5, tool_timeout_s - 0.25)  # the child's deadline, inside the registry's
         tools = [Tool(t["name"], t["description"], t["parameters"], self._domain_tool(t["name"])) for t in spec.tools]
-        tools.append(
-            Tool(
-                USER_TOOL,
-                "Send a message to the customer; the result is the customer's answer.",
-                {"type": "object", "properties": {"message": {"type": "string"}}, "required": ["message"]},
-                self._message_user,
+        if not settings.solo:  # solo mode has no customer to talk to
+            tools.append(
+                Tool(
+                    USER_TOOL,
+                    "Send a message to the customer; the result is the customer's answer.",
+                    {"type": "object", "properties": {"message": {"type": "string"}}, "required": ["message"]},
+                    self._message_user,
+                )
             )
-        )
         self._latency = LatencySampler(latency) if latency is not None else None
         self.registry = ToolRegistry(tools, timeout_s=tool_timeout_s, on_timeout=self._on_timeout, delay=self._latency)
         self.child: Child | None = None
@@ -193,7 +202,9 @@ class Tau2Env:
             if self.child is not None:
                 self.child.close()
             try:
-                self.child = Child(self.settings.python, self.settings.clone, self.settings.domain)
+                self.child = Child(
+                    self.settings.python, self.settings.clone, self.settings.domain, solo=self.settings.solo
+                )
             except ChildFailure as e:
                 self.failure = f"the {self.settings.domain} environment process did not start: {e}"
                 raise ChildFailure(self.failure) from None
@@ -236,7 +247,7 @@ class Tau2Env:
                 )
         except ChildFailure:
             pass  # self.failure says why: every call errors and the verdict fails
-        opening = self.user.opening()
+        opening = (self.task.ticket or "") if self.settings.solo else self.user.opening()
         self.transcript.append(("user", opening))
         return opening
 

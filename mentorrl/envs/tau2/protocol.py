@@ -43,11 +43,11 @@ def child_env(clone: Path) -> dict[str, str]:
 class Child:
     """A running child: :meth:`request` sends one op and returns its reply (a dict with ``ok``)."""
 
-    def __init__(self, python: str, clone: Path, domain: str, start_timeout_s: float = 60.0):
+    def __init__(self, python: str, clone: Path, domain: str, start_timeout_s: float = 60.0, solo: bool = False):
         self.python, self.clone, self.domain = python, clone, domain
         try:
             self.proc = subprocess.Popen(
-                [python, "-I", str(CHILD), str(clone), domain],
+                [python, "-I", str(CHILD), str(clone), domain, *(["solo"] if solo else [])],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,

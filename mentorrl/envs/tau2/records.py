@@ -76,8 +76,15 @@ class Criteria(_Loose):
 class Tau2Task(_Loose):
     id: str
     user_scenario: UserScenario
+    ticket: str | None = None  # the task as a ticket, for solo mode
     initial_state: dict[str, Any] | None = None
     evaluation_criteria: Criteria | None = None
+
+    @property
+    def user_acts(self) -> bool:
+        """Does a gold action belong to the user (telecom: only solo mode can play it)?"""
+        crit = self.evaluation_criteria
+        return crit is not None and any(a.requestor == "user" for a in crit.actions or [])
 
 
 @dataclass(frozen=True)
@@ -93,6 +100,7 @@ class Tau2Settings:
     judge: str | None = None  # a ClientConfig as JSON
     exclude_hackable: bool = True
     max_user_turns: int = 10
+    solo: bool = False
 
     @property
     def data_dir(self) -> Path:
