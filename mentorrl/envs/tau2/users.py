@@ -43,7 +43,7 @@ def opening_message(scenario: UserScenario) -> str:
     ins = scenario_parts(scenario)
     parts = [ins.reason_for_call.strip(), (ins.known_info or "").strip()]
     body = "\n".join(p for p in parts if p)
-    return "Customer request (the customer's own situation, as they describe it):\n" + body
+    return 'A customer contacts you. Their situation, in the benchmark\'s words ("you" is the customer):\n' + body
 
 
 class ScriptedUser:
