@@ -13,6 +13,10 @@ not counted): ``step_s`` for SFT; ``rollout_s``, ``update_s`` and ``step_s`` for
 * ``t2-interop1``: ``threads=2`` and ``torch.set_num_interop_threads(1)``;
 * ``ddp2x1``: ``torchrun --nproc-per-node 2`` with ``threads=1`` per rank (the data-parallel learner;
   the step's rollouts are split over the ranks too).
+* ``t1-overlap`` (GRPO only): ``threads=1`` and ``grpo.overlap=one_step``: batch k+1 rolled out in a
+  thread while batch k trains (one torch thread each);
+* ``t1-overlap-ray`` (GRPO only): the same with the rollout ahead in one Ray actor process
+  (``distributed.backend=ray``, ``distributed.rollout_workers=1``).
 
 The arms run in turn, ``--reps`` rounds (alternating, so a change in the machine's load hits every
 arm), and the table prints the median over rounds of each arm's median, with the CPU seconds the
@@ -47,6 +51,13 @@ ARMS: dict[str, dict] = {
     "t2-active": {"threads": 2, "env": {"OMP_WAIT_POLICY": "ACTIVE"}},
     "t2-interop1": {"threads": 2, "interop1": True},
     "ddp2x1": {"threads": 1, "ranks": 2},
+    # grpo.overlap: one_step (issue 41, item 2): the rollout ahead in a thread, or in a Ray actor process
+    "t1-overlap": {"threads": 1, "sets": ["grpo.overlap=one_step"], "stages": ["grpo"]},
+    "t1-overlap-ray": {
+        "threads": 1,
+        "sets": ["grpo.overlap=one_step", "distributed.backend=ray", "distributed.rollout_workers=1"],
+        "stages": ["grpo"],
+    },
 }
 STAGES = {  # the demo's settings but fewer demonstrations and tasks per step (the step's shape is the same)
     "sft": ["recipe=[sft]", "sft.num_demos=256"],
@@ -64,6 +75,7 @@ def command(arm: dict, stage: str, steps: int, run_dir: Path) -> list[str]:
         "audit.preflight=false",
         "audit.eval_every=0",
         f"{stage}.checkpoint_every={steps + 10}",
+        *arm.get("sets", []),
     ]
     args = ["train", str(DEMO)] + [x for s in sets for x in ("--set", s)]
     if arm.get("ranks", 1) > 1:
@@ -110,7 +122,7 @@ def run_arm(name: str, stage: str, steps: int) -> dict:
         "process_wall_s": wall,
         "cpu_s": (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime),
     }
-    for key in ("step_s", "rollout_s", "update_s"):
+    for key in ("step_s", "rollout_s", "update_s", "overlap_s", "cpu_util"):
         vals = [r[key] for r in recs if key in r]
         if vals:
             out[key] = statistics.median(vals)
@@ -125,7 +137,7 @@ def summarise(results: list[dict]) -> list[dict]:
             if not mine:
                 continue
             row = {"stage": stage, "arm": name, "reps": len(mine)}
-            for key in ("step_s", "rollout_s", "update_s", "cpu_s", "process_wall_s"):
+            for key in ("step_s", "rollout_s", "update_s", "overlap_s", "cpu_util", "cpu_s", "process_wall_s"):
                 vals = [r[key] for r in mine if key in r]
                 if vals:
                     row[key] = statistics.median(vals)
@@ -158,6 +170,8 @@ def main() -> None:
     for rep in range(a.reps):
         for stage in stages:
             for name in arms:
+                if stage not in ARMS[name].get("stages", STAGES):
+                    continue
                 r = run_arm(name, stage, a.steps or STEPS[stage])
                 results.append(r)
                 print(

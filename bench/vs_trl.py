@@ -9,17 +9,26 @@ step that is not timed, then ``--steps`` timed ones. Children run at one torch t
 spinning, which matters on a machine shared with other jobs) in both arms.
 
     python bench/vs_trl.py --model runs/demo/sft/final --reps 3 --steps 2 --json bench/results/vs_trl.json
+    python bench/vs_trl.py --model runs/smollm2/seed-0/sft/final --config mentorrl/configs/smollm2.yaml \
+        --lora --dtype auto --answer typed --tasks 8 --group 4 --trl-micro-batch 8 --reps 3 \
+        --json bench/results/vs_trl_smollm2.json
 
 ``--model``: a mentorrl checkpoint directory (transformers-loadable: model.safetensors, tokenizer.json and
-the tool-aware ``chat_template.jinja`` mentorrl saves); default ``runs/demo/sft/final`` when it exists.
-The bench does not build one: make it with ``mentorrl demo`` or
-``mentorrl train mentorrl/configs/demo.yaml --set recipe=[sft]`` (the demo's SFT, ~5 minutes on 2 cores).
+its chat template), or a LoRA stage's adapter directory (SmolLM2's ``sft/final``: ``adapter_config.json``
+naming its base), which the driver merges into its base once, in the work dir
+(:func:`merged_model`); default ``runs/demo/sft/final`` when it exists. The bench does not build one: make
+it with ``mentorrl demo`` or ``mentorrl train mentorrl/configs/demo.yaml --set recipe=[sft]`` (the demo's
+SFT, ~5 minutes on 2 cores); SmolLM2's with ``mentorrl train mentorrl/configs/smollm2.yaml``.
+``--config``: the recipe both arms take the prompt format, contract limits' defaults and reward weights
+from, and the mentorrl arm trains with (``mentorrl train <config> --set ...``); default the demo's.
 Needs the ``bench`` extra (``pip install -e ".[bench]"``: trl 1.16.0, accelerate).
 
 Same for both arms
 ------------------
-* checkpoint, tokenizer, the ``orders`` environment and its tools, the demo's prompt format
-  (``prompt.system_turn: false``: no system turn, the policy learnt the tools from demonstrations);
+* checkpoint, tokenizer, the ``orders`` environment and its tools, the recipe's prompt format
+  (the demo's and SmolLM2's: ``prompt.system_turn: false``: no system turn, the policy learnt the tools from
+  demonstrations) and the rendering ``mentorrl train`` binds for that checkpoint (see "Format bridging");
+* precision (``--dtype``, see "Precision") and, with ``--lora``, the adapters;
 * the tasks: each step's 16 tasks are the ones ``mentorrl train`` draws for that seed and step
   (the TRL arm rebuilds the same draw and feeds it in order, ``shuffle_dataset=False``; the bench
   checks the task ids match);
@@ -34,15 +43,18 @@ Same for both arms
   (mentorrl ``grpo.eps_low`` / ``grpo.eps_high``; TRL ``epsilon`` / ``epsilon_high``), group-std
   normalised advantages, token-mean loss over the whole update batch (TRL ``loss_type="dapo"``);
 * ``--updates`` (2, mentorrl's ``grpo.updates_per_step`` default) optimizer steps per rollout batch of
-  128, on minibatches of 64 (TRL: ``steps_per_generation = updates x gradient_accumulation_steps``).
+  128, on minibatches of 64 (TRL: ``steps_per_generation = updates x gradient_accumulation_steps``);
+* sequences per forward/backward: ``--trl-micro-batch`` (32) in both arms (mentorrl
+  ``grpo.optim.micro_batch_size``, set by the bench; TRL ``per_device_train_batch_size``).
 
 TRL's settings (its best for this machine, where they are a choice)
 -------------------------------------------------------------------
 ``per_device_train_batch_size`` ``--trl-micro-batch`` (32) with ``gradient_accumulation_steps`` 64 / that,
 so each optimizer step still sees 64 trajectories (16 / 32 / 64 cost the same update CPU within noise;
-32 is mentorrl's ``micro_batch_size`` too); ``gradient_checkpointing=False`` (TRL's GRPOConfig defaults to
-True: ~12% more update CPU here, for ~400 MiB less peak RSS); ``bf16=False`` (fp32 as mentorrl; TRL's default
-bf16 autocast made a step 4x slower on this CPU); generation through ``model.generate``, TRL's default
+the bench sets mentorrl's ``micro_batch_size`` to it); ``gradient_checkpointing=False`` (TRL's GRPOConfig
+defaults to True: ~12% more update CPU here, for ~400 MiB less peak RSS); ``bf16`` from ``--dtype`` (default
+float32: ``bf16=False``, as mentorrl's fp32; on the demo's 1M model TRL's default bf16 autocast made a step 4x
+slower); generation through ``model.generate``, TRL's default
 (``use_transformers_continuous_batching`` took ~17x the generation CPU); ``use_cpu=True``; no vLLM, no
 reference model (``beta=0``); ``max_tool_calling_iterations`` 5 (the first turn plus 5 after tool results =
 6 turns); logging every step, no checkpoints, no tqdm. ``--trl-set KEY=JSON`` overrides any GRPOConfig field
@@ -83,9 +95,16 @@ Format bridging (mentorrl -> TRL ``environment_factory``)
 * observations: a method returns the contract's observation text (``render_observation_content``: the
   JSON result, or ``error: ...``); TRL wraps it as a ``tool`` message, and the chat template renders
   ``\\n<|im_start|>tool\\n...<|im_end|>\\n<|im_start|>assistant\\n``, the contract's observation;
-* chat template: mentorrl's saved template (``mentorrl.contract.CHAT_TEMPLATE``) is prefix-preserving and
-  marks assistant turns with ``{% generation %}``, so TRL keeps it (no ``get_training_chat_template``
-  patch) and ``_get_tool_suffix_ids`` works: the tokenizer's EOS is ``<|im_end|>``, TRL trims at it.
+* chat template (:func:`trl_contract`): the contract is the one ``mentorrl train`` binds for the checkpoint
+  (``native_chat_for``); TRL gets :func:`trl_template_for`'s template on its own copy of the tokenizer: the
+  contract's own rendering (the demo, here) or a checkpoint's own ChatML template (next section). Both are
+  checked at start by :func:`trl_format_check`, which stops the bench on any difference: every task's prompt,
+  two observations, and scripted expert episodes through :func:`parity_problems` with the trainer's own
+  ``_get_tool_suffix_ids`` (TRL's ids at every turn boundary, its token-in/token-out stream, and its
+  ``{% generation %}`` mask against the trajectory's policy tokens);
+* mentorrl's own rendering (the demo): its saved template (``mentorrl.contract.CHAT_TEMPLATE``) is
+  prefix-preserving and marks assistant turns with ``{% generation %}``, so TRL keeps it (no
+  ``get_training_chat_template`` patch) and ``_get_tool_suffix_ids`` works: the tokenizer's EOS is ``<|im_end|>``, TRL trims at it.
   TRL always passes ``tools=``; the template (``mentorrl.contract.chat_template_for`` the recipe's prompt
   format, as checkpoints are saved) then renders the system turn only if the recipe has one, so for a
   ``system_turn: false`` recipe (the demo) the prompt is the one the policy was trained on (the bench also
@@ -99,7 +118,46 @@ Format bridging (mentorrl -> TRL ``environment_factory``)
   fell back to text -- ends the episode with no answer (``unparsed``, counted per arm as
   ``unparsed_share``), where mentorrl would have charged the call and gone on. A call TRL refused before
   reaching the environment (unknown tool, arguments not an object) is charged as mentorrl's registry
-  answers it. Two calls in one turn run both in TRL (mentorrl: one malformed call; ``multi_call_turns``).
+  answers it. Two calls in one turn run both in TRL (mentorrl: one malformed call; ``multi_call_turns``);
+* answers (``--answer``): ``free_text`` (default, the demo's figures) ends both arms' episodes on a reply
+  without a tool call. ``typed`` (verifier v4: the answer is a ``final_answer`` call, as SmolLM2's recipe
+  trains its policy; under ``free_text`` that policy's answer calls are unknown tools and no episode
+  succeeds) ends mentorrl's episode on that call (``Episode.add_policy_turn``, never run). TRL has no tool
+  that ends a rollout; its environment method for the call returns a result longer than the completion
+  budget, which TRL's tool loop drops, ending that rollout (its own rule for a tool result that does not fit):
+  the same turns, the call's tokens the last, and the reward function reads the call as mentorrl does
+  (:func:`trl_episode_end`: the call's JSON is the answer, at any turn up to the last).
+
+A checkpoint's own ChatML template (``hermes_prompted``: SmolLM2)
+----------------------------------------------------------------
+SmolLM2's recipe keeps the model's plain ChatML template unedited (no tools section, no generation markers;
+its default system turn when a conversation has none): the rollout renders with it, the tool schemas would go
+in the system text (``prompt.system_turn: false``: nowhere), a call is the turn's text
+``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` (plain text: the tokenizer has no such
+token) and a tool result is a ``tool`` turn the template renders. The checkpoint records this in its
+``tokenizer_config.json`` (``mentorrl_prompt``); ``prompt.tool_format: auto`` resolves to it either way.
+TRL's template (:func:`bridge_template`, never written to the checkpoint) is :data:`HERMES_PROMPTED_BRIDGE`:
+the same ChatML, the checkpoint's preamble (SmolLM2's default system turn) read off its template, an
+assistant message's ``tool_calls`` rendered as the policy writes a call, ``{% generation %}`` around each
+assistant turn and its ``<|im_end|>``, ``tools=`` ignored (TRL always passes them; the contract renders
+none). It is built only when a probe conversation renders to the same text through it and through the
+checkpoint's own template (:func:`bridge_problem`); any other family is refused (:class:`BridgeError`). The
+response parser is :data:`RESPONSE_TEMPLATE` (it reads the newlines around the JSON as well), and the reward
+function reads a turn with the contract's parser (``hermes_parse``).
+
+Precision (``--dtype``)
+-----------------------
+``float32`` (default): fp32 in both arms. ``bfloat16``: fp32 weights and optimizer state in both arms, forward
+and backward under bf16 autocast (mentorrl ``model.dtype=bfloat16``: the learner's autocast, the rollout on a
+bf16 copy of the policy synced after each update; TRL ``bf16=True``: the Trainer's autocast for its
+training and log-prob forwards). TRL's ``generate`` decodes in fp32 there (with peft adapters it bypasses
+the autocast accelerate wraps the model's forward in), which is TRL's faster choice on this CPU: SmolLM2
+with LoRA, 4 rows, one thread, decoded 33 tokens/CPU-s in fp32, 17.5 under bf16 autocast (the weights are
+cast at every step) and 32 with bf16 weights, so the bench leaves it as it is. A bf16-loaded model for TRL
+was not chosen: it would hold other weights than mentorrl's (a bf16 base, no fp32 copy), so the memory
+comparison would not be of the same setting, and it decodes no faster. ``auto``: mentorrl's start-up probe
+(``choose_dtype``: bf16 where its matmul measures >= 1.5x fp32, as on AMX CPUs) decides once in the driver and
+both arms get the result.
 
 The issue's targets (rollout policy tokens per CPU-second >= 2x TRL, whole-step trajectories per
 CPU-second >= 4x TRL) are checked and printed (``--target-step`` / ``--target-rollout`` move them).
@@ -107,10 +165,13 @@ CPU-second >= 4x TRL) are checked and printed (``--target-step`` / ``--target-ro
 LoRA (``--lora``)
 -----------------
 Both arms train the same adapters (:data:`LORA`: r 16, alpha 32, dropout 0, every attention and MLP projection):
-mentorrl through ``model.lora``, TRL through ``peft_config`` (its KL reference, when ``beta`` > 0, is the policy
-with its adapters disabled; mentorrl's is ``frozen_copy``, which shares the frozen base). The 0.5B-shaped run in
-``docs/scaling.md`` adds ``--mentorrl-set grpo.kl_coef=0.001 --trl-set beta=0.001`` so that both arms train every
-row of a random-init model's zero-advantage groups (without a KL term mentorrl skips them, exactly).
+mentorrl through ``model.lora``, TRL through ``peft_config`` (SmolLM2's recipe has the same adapters; without
+``--lora`` the bench sets ``model.lora=null``, so both arms train the full model). TRL's KL reference, when
+``beta`` > 0, is the policy with its adapters disabled; mentorrl's is ``frozen_copy``, which shares the frozen
+base. The 0.5B-shaped run in ``docs/scaling.md`` adds ``--mentorrl-set grpo.kl_coef=0.001 --trl-set beta=0.001``
+so that both arms train every row of a random-init model's zero-advantage groups (without a KL term mentorrl
+skips them, exactly). SmolLM2's SFT policy solves many tasks already, so whole groups tie too: without those
+flags mentorrl skips their update while TRL runs it (the same weights after the step either way).
 """
 
 from __future__ import annotations
@@ -144,6 +205,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from mentorrl.contract import (  # noqa: E402
+    ANSWER_TOOL_NAME,
     IM_END,
     IM_START,
     ParsedAction,
@@ -193,6 +255,213 @@ RESPONSE_TEMPLATE: dict[str, Any] = {
         "content": {"close_pattern": r"<\|im_end\|>\s*", "content": "text"},
     },
 }
+
+
+# ------------------------------------------- a checkpoint's own ChatML template (hermes_prompted) ------
+class BridgeError(ValueError):
+    """A checkpoint whose rendering the bench cannot give TRL as a chat template (say which, and why)."""
+
+
+BRIDGE_PROBE_USER = "vs_trl bridge probe"
+# The TRL template for a checkpoint that renders the conversation with its own plain ChatML template and writes
+# Hermes calls in its turns (``prompt.tool_format`` hermes_prompted: SmolLM2). ``__PREAMBLE__`` becomes what the
+# checkpoint's template writes before a conversation that has no system message (SmolLM2: its default system
+# turn), as a Jinja string literal. ``tools`` are never rendered: a prompted format has them in the system
+# message's text or (``prompt.system_turn: false``) nowhere; an assistant message's ``tool_calls`` render as
+# the policy writes a call (``hermes_render``), inside ``{% generation %}`` with the turn's ``<|im_end|>``.
+HERMES_PROMPTED_BRIDGE = (
+    "{%- if messages and messages[0]['role'] != 'system' -%}{{- __PREAMBLE__ -}}{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] not in ['system', 'user', 'assistant', 'tool'] -%}"
+    "{{- raise_exception('unknown role ' ~ (message['role'] | tojson)) -}}"
+    "{%- endif -%}"
+    "{%- set content = message['content'] if message['content'] is defined and message['content'] is not none else '' -%}"
+    "{%- if content is not string -%}{{- raise_exception(message['role'] ~ ' message content must be a string') -}}{%- endif -%}"
+    "{%- set calls = message['tool_calls'] if message['tool_calls'] is defined and message['tool_calls'] else [] -%}"
+    "{{- '<|im_start|>' ~ message['role'] ~ '\n' -}}"
+    "{%- if message['role'] == 'assistant' -%}"
+    "{%- generation -%}"
+    "{{- content -}}"
+    "{%- for call in calls -%}"
+    "{%- set fn = call['function'] if call['function'] is defined else call -%}"
+    "{%- set args = fn['arguments'] if fn['arguments'] is defined and fn['arguments'] is not none else {} -%}"
+    "{{- '<tool_call>\n{\"name\": ' ~ (fn['name'] | tojson) ~ ', \"arguments\": '"
+    " ~ (args if args is string else args | tojson) ~ '}\n</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{{- '<|im_end|>' -}}"
+    "{%- endgeneration -%}"
+    "{{- '\n' -}}"
+    "{%- else -%}"
+    "{%- if calls -%}{{- raise_exception('only assistant messages carry tool_calls') -}}{%- endif -%}"
+    "{{- content ~ '<|im_end|>\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"
+)
+
+
+def _own_render(chat: Any, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+    """``messages`` as the checkpoint's own template writes them (assistant messages' content as given)."""
+    return chat.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+
+
+def bridge_template(chat: Any) -> str:
+    """TRL's chat template for a run that renders with the checkpoint's own template (``chat``: the contract's
+    :class:`~mentorrl.chat_templates.TemplateChat`): :data:`HERMES_PROMPTED_BRIDGE` with the template's
+    preamble. The checkpoint's template file is not touched: TRL gets this on its own tokenizer copy.
+
+    Checked here, against the checkpoint's template: the format is ``hermes_prompted``, a turn ends with
+    ``<|im_end|>``, and a probe conversation (without and with a system message; user, two Hermes calls with
+    their tool results, an answer) renders to the same text through both. Anything else is a
+    :class:`BridgeError`: the bench covers ChatML templates that render no tools (SmolLM2), and the contract's
+    own template (:func:`mentorrl.contract.chat_template_for`)."""
+    from mentorrl.chat_templates.formats import HERMES_PROMPTED
+
+    if chat.name != HERMES_PROMPTED:
+        raise BridgeError(
+            f"the checkpoint renders tool calls in the {chat.name!r} format with its own template; the bench "
+            f"bridges {HERMES_PROMPTED!r} (a ChatML template with no tools section, e.g. SmolLM2) and mentorrl's "
+            "own template only"
+        )
+    if chat.stop != IM_END:
+        raise BridgeError(f"the checkpoint's template ends a turn with {chat.stop!r}, not {IM_END!r} (not ChatML)")
+    user = [{"role": "user", "content": BRIDGE_PROBE_USER}]
+    text = _own_render(chat, user, True)
+    tail = f"{IM_START}user\n{BRIDGE_PROBE_USER}{IM_END}\n{ASSISTANT_HEADER}"
+    if not text.endswith(tail):
+        raise BridgeError(f"the checkpoint's template is not ChatML: it renders a user turn as {text[-120:]!r}")
+    # a Jinja string literal: JSON's escapes (\n, \", \uXXXX) are Jinja's
+    template = HERMES_PROMPTED_BRIDGE.replace("__PREAMBLE__", json.dumps(text[: -len(tail)]))
+    problem = bridge_problem(chat, template)
+    if problem:
+        raise BridgeError(f"the bench's TRL template does not render as the checkpoint's: {problem}")
+    return template
+
+
+def _probe_conversation(chat: Any, system: str | None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(as the checkpoint's template reads it, as TRL holds it) for one probe conversation."""
+    calls = [("get_order", {"order_id": "O-1"}), ("cancel_order", {"order_id": "O-1", "reason": 'é "x"'})]
+    own = [{"role": "system", "content": system}] if system is not None else []
+    own.append({"role": "user", "content": BRIDGE_PROBE_USER})
+    trl = [dict(m) for m in own]
+    for k, (name, args) in enumerate(calls):
+        own.append({"role": "assistant", "content": chat.render_call(name, args)})
+        call = {"type": "function", "function": {"name": name, "arguments": args}}
+        trl.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        result = {"role": "tool", "content": f'{{"probe": {k}}}'}
+        own.append(result)
+        trl.append({**result, "name": name})
+    own.append({"role": "assistant", "content": "It is cancelled."})
+    trl.append({"role": "assistant", "content": "It is cancelled."})
+    return own, trl
+
+
+def bridge_problem(chat: Any, template: str) -> str | None:
+    """None when ``template`` renders the probe conversations (:func:`_probe_conversation`) as the checkpoint's
+    own template does at every turn boundary (with the generation prompt) and whole; else the first difference."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    for system in (None, "a system prompt"):
+        own, trl = _probe_conversation(chat, system)
+        cuts = [i for i, m in enumerate(own) if m["role"] == "assistant"] + [len(own)]
+        for cut in cuts:
+            gen = cut < len(own)
+            want = _own_render(chat, own[:cut], gen)
+            got = render_jinja_template([trl[:cut]], chat_template=template, add_generation_prompt=gen)[0][0]
+            if got != want:
+                at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+                return f"after {cut} messages, at character {at}: {got[at : at + 60]!r} vs {want[at : at + 60]!r}"
+    return None
+
+
+def trl_template_for(tokenizer: Any, chat: Any, prompt: Any) -> str:
+    """The chat template TRL renders with: mentorrl's own for the run's prompt format when the contract renders
+    with it (``chat`` None), else the bridge to the checkpoint's template (:func:`bridge_template`)."""
+    return chat_template_for(prompt) if chat is None else bridge_template(chat)
+
+
+# ----------------------------------------------------------- token parity: TRL's view of a mentorrl episode --
+def episode_observations(traj: Any) -> list[tuple[str, str]]:
+    """(tool name, observation text) per tool call of a mentorrl trajectory, in order: the tool messages TRL's
+    loop appends (the environment methods return the contract's observation text)."""
+    return [(str(c.name), render_observation_content(c.error is None, c.result, c.error)) for c in traj.tool_calls]
+
+
+def _first_diff(a: Sequence[int], b: Sequence[int]) -> str:
+    at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return f"token {at} of {len(a)} vs {len(b)}: {list(a[at : at + 6])} vs {list(b[at : at + 6])}"
+
+
+def parity_problems(
+    tok: Any,
+    traj: Any,
+    head: list[dict[str, Any]],
+    user: str,
+    tools: Any = None,
+    suffix_ids: Callable[[list[dict[str, Any]]], list[int]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+) -> list[str]:
+    """Where TRL's token ids for a mentorrl trajectory ``traj`` differ from the trajectory's (empty: nowhere).
+
+    ``tok``: TRL's tokenizer (its chat template and ``response_template``); ``head`` + a user message ``user``:
+    TRL's prompt; ``tools``: what TRL passes as ``tools=``. Checked, for the conversation TRL holds (each policy
+    turn as ``tok.parse_response`` reads the turn's ids, then the tool message of the observation):
+
+    * at every turn boundary, ``apply_chat_template`` of the conversation so far with the generation prompt is
+      the trajectory's ids up to that turn;
+    * the whole conversation renders to the trajectory's ids (then the template's closing newline), and its
+      ``{% generation %}`` mask (``return_assistant_tokens_mask``) is exactly the policy's tokens;
+    * with ``suffix_ids`` (TRL's ``GRPOTrainer._get_tool_suffix_ids``): TRL's own token-in/token-out stream,
+      prompt ids + each turn's generated ids + the tool-result suffix, is the trajectory's ids.
+
+    A template that cannot render TRL's conversation at all (it raises) is one more problem, said as such."""
+    problems: list[str] = []
+    try:
+        _check_parity(problems, tok, traj, head, user, tools, suffix_ids, dict(template_kwargs or {}))
+    except Exception as e:  # jinja's errors, a missing variable, raise_exception
+        problems.append(f"the template cannot render TRL's conversation: {type(e).__name__}: {e}")
+    return problems
+
+
+def _check_parity(problems: list[str], tok, traj, head, user, tools, suffix_ids, kw: dict[str, Any]) -> None:
+    """:func:`parity_problems`' checks, each difference appended to ``problems``."""
+    ids = list(traj.token_ids)
+    policy = [s for s in traj.segments if s.role == "policy"]
+    obs = episode_observations(traj)
+    msgs = [*head, {"role": "user", "content": user}]
+    stream: list[int] = []
+    for k, seg in enumerate(policy):
+        at = tok.apply_chat_template(
+            msgs, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False, **kw
+        )
+        if list(at) != ids[: seg.start]:
+            problems.append(f"rendering before turn {k + 1}: {_first_diff(list(at), ids[: seg.start])}")
+        if k == 0:
+            stream = list(at)
+        turn = ids[seg.start : seg.end]
+        msgs.append(tok.parse_response(turn, prefix=ids[: seg.start]))
+        stream += turn
+        if k < len(obs) and k < len(policy) - 1:
+            tool_msg = [{"role": "tool", "name": obs[k][0], "content": obs[k][1]}]
+            msgs += tool_msg
+            if suffix_ids is not None:
+                stream += list(suffix_ids(tool_msg))
+    whole = tok.apply_chat_template(
+        msgs, tools=tools, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, **kw
+    )
+    got, mask = list(whole["input_ids"]), list(whole["assistant_masks"])
+    if got[: len(ids)] != ids:
+        problems.append(f"whole conversation: {_first_diff(got, ids)}")
+    want_mask = [0] * len(ids)
+    for s in policy:
+        want_mask[s.start : s.end] = [1] * (s.end - s.start)
+    if mask[: len(ids)] != want_mask or any(mask[len(ids) :]):
+        problems.append(
+            f"generation mask: {sum(mask)} tokens marked, the policy wrote {sum(want_mask)} "
+            f"({_first_diff(mask, want_mask)})"
+        )
+    if suffix_ids is not None and stream != ids:
+        problems.append(f"TRL's token-in/token-out stream: {_first_diff(stream, ids)}")
 
 
 def tool_method(schema: dict[str, Any]) -> Callable[..., str]:
@@ -250,7 +519,12 @@ class ToolEnvBase:
         return task.prompt  # TRL appends it to the (empty) user message
 
     def _call(self, name: str, arguments: dict[str, Any]) -> str:
-        """One tool call as mentorrl runs it (``Episode.run_tool``); the observation text."""
+        """One tool call as mentorrl runs it (``Episode.run_tool``); the observation text. The typed answer's
+        call (``--answer typed``) runs nothing: it returns :attr:`ctx.end_text`, a result longer than TRL's
+        completion budget, so TRL's tool loop drops it and ends this rollout (its own rule for a tool result
+        that does not fit): the episode ends on that call, as in mentorrl."""
+        if name is not None and name == getattr(self._ctx, "answer_tool", None):
+            return self._ctx.end_text
         raw = dumps_compact({"name": name, "arguments": arguments})
         result = self._ep.run_tool(ParsedAction("tool", raw=raw, name=name, arguments=arguments))
         return render_observation_content(result.ok, result.content, result.error)
@@ -260,7 +534,9 @@ class ToolEnvBase:
         ep, ctx = self._ep, self._ctx
         stopped = bool(completion_ids) and completion_ids[-1] in ctx.contract.stop_token_ids
         turn = last_turn_text(ctx.contract.tokenizer.decode(list(completion_ids), skip_special_tokens=False), stopped)
-        final, reason, _ = trl_episode_end(messages, turn, stopped, ctx.max_turns)
+        final, reason, _ = trl_episode_end(
+            messages, turn, stopped, ctx.max_turns, ctx.contract.parse_action, getattr(ctx, "answer_tool", None)
+        )
         refused = refused_calls(messages, set(ctx.tool_names), ctx.max_turns)
         for name, args in refused:  # TRL answered these itself; charge them as mentorrl's registry answers them
             ep.run_tool(
@@ -305,22 +581,34 @@ def last_turn_text(completion_text: str, stopped: bool) -> str:
 
 
 def trl_episode_end(
-    messages: list[dict[str, Any]], turn_text: str, stopped: bool, max_turns: int
+    messages: list[dict[str, Any]],
+    turn_text: str,
+    stopped: bool,
+    max_turns: int,
+    parse: Callable[[str], ParsedAction] = parse_action,
+    answer_tool: str | None = None,
 ) -> tuple[str | None, str, ParsedAction | None]:
     """(final answer, finish reason, mentorrl's reading of the last turn) of a TRL rollout.
 
     ``messages``: TRL's completion (assistant and tool messages); ``turn_text``: the last turn's raw
     text; ``stopped``: it ended with the stop token. The last turn still holding a tool call means TRL
     stopped the tool loop: at the turn limit (``max_turns``) or because the tool result did not fit
-    (``max_tokens``). A turn cut before its stop token is ``length``. Otherwise mentorrl's
-    ``parse_action`` reads the turn: an answer is the final answer; a turn it reads as a tool call (or a
-    malformed one) that TRL's parser did not is ``unparsed``: the episode ended with no answer."""
+    (``max_tokens``). A turn cut before its stop token is ``length``. Otherwise mentorrl's parser of the
+    rendering (``parse``: the contract's ``parse_action``; default the contract's own format) reads the turn:
+    an answer is the final answer; a turn it reads as a tool call (or a malformed one) that TRL's parser did
+    not is ``unparsed``: the episode ended with no answer. First of all, a stopped last turn that is a call of
+    ``answer_tool`` (the typed answer) is the final answer, as ``Episode.add_policy_turn`` reads it (the call's
+    JSON as written, :func:`~mentorrl.rollout.episode.answer_call_text`), whatever turn it came at."""
+    from mentorrl.rollout.episode import answer_call_text
+
+    action = parse(turn_text) if stopped else None
+    if answer_tool is not None and action is not None and action.kind == "tool" and action.name == answer_tool:
+        return answer_call_text(turn_text, action.body if action.body is not None else action.raw), "answer", action
     assistants = [m for m in messages if m.get("role") == "assistant"]
     if assistants and assistants[-1].get("tool_calls"):
         return None, ("max_turns" if len(assistants) >= max_turns else "max_tokens"), None
-    if not stopped:
+    if action is None:
         return None, "length", None
-    action = parse_action(turn_text)
     if action.kind == "answer":
         return action.text, "answer", action
     return None, "unparsed", action
@@ -546,15 +834,18 @@ class Clock:
         return w, c
 
 
-# Both arms read free-text answers: TRL's tool loop runs every call it parses and generates on, so it has no way
-# to end an episode on the typed answer's final_answer call (verifier v4); the arms stay comparable (the same
-# environment, verifier and reward in both), and this bench measures speed, not the answer protocol.
+# --answer's default: both arms read free-text answers. TRL's tool loop runs every call it parses and generates
+# on, so it has no way of its own to end an episode on the typed answer's final_answer call (verifier v4); the
+# arms stay comparable (the same environment, verifier and reward in both). A policy trained on typed answers
+# (SmolLM2's recipe) needs ``--answer typed``: TRL's episode then ends on that call through its overlong rule
+# (``ToolEnvBase._call``).
 ENV_ANSWER = "free_text"
+ANSWERS = ("free_text", "typed")
 
 
-def bench_env_factory(entry: Any):
-    """The bench's environment factory: the orders environment with ``ENV_ANSWER`` answers."""
-    return functools.partial(entry.make_env, answer=ENV_ANSWER)
+def bench_env_factory(entry: Any, answer: str = ENV_ANSWER):
+    """The bench's environment factory: the orders environment with ``answer`` answers (``--answer``)."""
+    return functools.partial(entry.make_env, answer=answer)
 
 
 def peak_rss_mib() -> float:
@@ -562,18 +853,23 @@ def peak_rss_mib() -> float:
 
 
 def arm_context(args) -> dict[str, Any]:
-    """Shared by both arms: the demo recipe's contract settings and reward weights, the task draw."""
+    """Shared by both arms: the recipe's (``--config``) contract settings and reward weights, the task draw."""
     from mentorrl.config import load_config
     from mentorrl.envs import get_env
 
-    cfg = load_config(DEMO_CONFIG)
+    cfg = load_config(recipe_path(args))
     entry = get_env("orders")
     steps = grpo_step_tasks(entry, args.seed, args.warmup + args.steps, args.tasks)
     return {"cfg": cfg, "entry": entry, "step_tasks": steps}
 
 
+def recipe_path(args) -> Path:
+    """The recipe both arms take their settings from (``--config``; default the demo's)."""
+    return Path(getattr(args, "config", None) or DEMO_CONFIG)
+
+
 def mentorrl_overrides(args, run_dir: Path) -> list[str]:
-    """``--set`` overrides of ``mentorrl train mentorrl/configs/demo.yaml`` for the mentorrl arm."""
+    """``--set`` overrides of ``mentorrl train <--config>`` for the mentorrl arm."""
     return [
         f"model.path={args.model}",
         "recipe=[grpo]",
@@ -584,7 +880,7 @@ def mentorrl_overrides(args, run_dir: Path) -> list[str]:
         "eval.num_tasks=0",
         "audit.eval_every=0",
         "grpo.guide=none",
-        f"env.answer={ENV_ANSWER}",
+        f"env.answer={getattr(args, 'answer', ENV_ANSWER)}",
         "grpo.kl_coef=0",
         f"grpo.steps={args.warmup + args.steps}",
         f"grpo.tasks_per_step={args.tasks}",
@@ -599,7 +895,9 @@ def mentorrl_overrides(args, run_dir: Path) -> list[str]:
         f"sampling.max_new_tokens={args.max_new_tokens}",
         f"limits.max_turns={args.max_turns}",
         f"limits.max_total_tokens={args.max_total_tokens}",
-        *([lora_override()] if getattr(args, "lora", False) else []),
+        f"grpo.optim.micro_batch_size={args.trl_micro_batch}",
+        f"model.dtype={getattr(args, 'dtype', 'float32')}",
+        lora_override() if getattr(args, "lora", False) else "model.lora=null",
         *getattr(args, "mentorrl_set", []),
     ]
 
@@ -659,7 +957,7 @@ def run_mentorrl_arm(args, work: Path) -> dict[str, Any]:
     rl_loop.collect_group, grpo.pg_update, rl_loop.run_stage = collect_group, pg_update, run_stage
     run_dir = work / f"mentorrl-rep{args.rep}"
     shutil.rmtree(run_dir, ignore_errors=True)
-    argv = ["train", str(DEMO_CONFIG)]
+    argv = ["train", str(recipe_path(args))]
     for ov in mentorrl_overrides(args, run_dir):
         argv += ["--set", ov]
     t0, c0 = time.perf_counter(), time.process_time()
@@ -718,9 +1016,18 @@ def _counts(xs) -> dict[str, int]:
 
 
 class _TrlContext:
-    def __init__(self, entry, contract, weights, tasks, max_turns, tool_names):
-        self.make_env, self.contract, self.weights = bench_env_factory(entry), contract, weights
+    def __init__(self, entry, contract, weights, tasks, max_turns, tool_names, answer=ENV_ANSWER, answer_tool=None):
+        self.make_env, self.contract, self.weights = bench_env_factory(entry, answer), contract, weights
         self.tasks, self.max_turns, self.tool_names = tasks, max_turns, tool_names
+        # the typed answer's tool (None: free-text answers) and the result that ends TRL's rollout on its call
+        self.answer_tool, self.end_text = answer_tool, ""
+
+    def set_end_text(self, tok, max_completion: int) -> None:
+        """:attr:`end_text`: a tool result of more than ``max_completion`` tokens (TRL drops it, ending the
+        rollout)."""
+        self.end_text = "end " * (max_completion + 1)
+        if len(tok.encode(self.end_text, add_special_tokens=False)) <= max_completion:
+            raise SystemExit("--answer typed: the end-of-episode tool result does not exceed TRL's completion budget")
 
 
 def trl_config_kwargs(
@@ -737,7 +1044,7 @@ def trl_config_kwargs(
         output_dir=out_dir,
         seed=args.seed,
         use_cpu=True,
-        bf16=False,
+        bf16=getattr(args, "dtype", "float32") == "bfloat16",
         fp16=False,
         gradient_checkpointing=False,
         per_device_train_batch_size=args.trl_micro_batch,
@@ -777,6 +1084,46 @@ def trl_config_kwargs(
     )
 
 
+def trl_contract(args, cfg, entry, tok) -> tuple[Any, list[dict[str, Any]], Any, list[dict[str, Any]]]:
+    """The TRL arm's (contract, tool schemas, TRL's tokenizer, the head of TRL's prompt).
+
+    The contract is what ``mentorrl train`` binds for this checkpoint and recipe
+    (:meth:`~mentorrl.train.workspace.Workspace.bind_tokenizer`): the checkpoint's own template when it renders
+    the conversation (``hermes_prompted``: SmolLM2), else mentorrl's template for the recipe's prompt format.
+    TRL gets a copy of the tokenizer with :func:`trl_template_for`'s template and the response parser; the
+    contract keeps the checkpoint's. The head: the system message the contract renders (none for
+    ``prompt.system_turn: false``)."""
+    import copy
+
+    from mentorrl.chat_templates import native_chat_for
+    from mentorrl.contract import contract_for_env, tool_schemas
+
+    probe = bench_env_factory(entry, getattr(args, "answer", ENV_ANSWER))()
+    try:
+        chat = native_chat_for(tok, probe, cfg.prompt)
+        if chat is None:
+            tok.chat_template = chat_template_for(cfg.prompt)  # what a checkpoint of this recipe is saved with
+        sampling = cfg.sampling.model_copy(update={"temperature": 1.0, "max_new_tokens": args.max_new_tokens})
+        limits = cfg.limits.model_copy(update={"max_turns": args.max_turns, "max_total_tokens": args.max_total_tokens})
+        contract = contract_for_env(tok, probe, sampling, limits, cfg.prompt, chat=chat)
+        schemas, system_prompt = tool_schemas(probe), probe.system_prompt
+    finally:
+        probe.close()
+    try:
+        template = trl_template_for(tok, chat, cfg.prompt)
+    except BridgeError as e:
+        raise SystemExit(f"--model {args.model}: {e}") from None
+    trl_tok = copy.deepcopy(tok)
+    trl_tok.chat_template = template
+    trl_tok.response_template = RESPONSE_TEMPLATE
+    trl_tok.padding_side = "left"
+    if chat is not None:
+        head = [{"role": "system", "content": chat.system}] if chat.system is not None else []
+    else:
+        head = [{"role": "system", "content": system_prompt}] if cfg.prompt.system_turn else []
+    return contract, schemas, trl_tok, head
+
+
 def run_trl_arm(args, work: Path) -> dict[str, Any]:
     """TRL's GRPOTrainer with mentorrl's environment and reward bridged in, timed by overriding
     ``_generate`` / ``_calculate_rewards`` / ``_generate_and_score_completions`` and a step callback."""
@@ -787,7 +1134,6 @@ def run_trl_arm(args, work: Path) -> dict[str, Any]:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from mentorrl.contract import contract_for_env, tool_schemas
     from mentorrl.models.build import load_policy
 
     t0, c0 = time.perf_counter(), time.process_time()
@@ -795,22 +1141,17 @@ def run_trl_arm(args, work: Path) -> dict[str, Any]:
     cfg, entry = ctx0["cfg"], ctx0["entry"]
     flat = [t for step in ctx0["step_tasks"] for t in step]
     tok, model = load_policy(args.model)
-    tok.chat_template = chat_template_for(cfg.prompt)  # what a checkpoint of this recipe is saved with
-    tok.response_template = RESPONSE_TEMPLATE
-    tok.padding_side = "left"
-    probe = bench_env_factory(entry)()
-    try:
-        sampling = cfg.sampling.model_copy(update={"temperature": 1.0, "max_new_tokens": args.max_new_tokens})
-        limits = cfg.limits.model_copy(update={"max_turns": args.max_turns, "max_total_tokens": args.max_total_tokens})
-        contract = contract_for_env(tok, probe, sampling, limits, cfg.prompt)
-        schemas, system_prompt = tool_schemas(probe), probe.system_prompt
-    finally:
-        probe.close()
+    contract, schemas, tok, head = trl_contract(args, cfg, entry, tok)
     longest_prompt = max(len(contract.prompt_ids(t.prompt)) for t in flat)
     max_completion = args.max_total_tokens - longest_prompt
-    ctx = _TrlContext(entry, contract, cfg.reward, flat, args.max_turns, [s["function"]["name"] for s in schemas])
+    answer = getattr(args, "answer", ENV_ANSWER)
+    names = [s["function"]["name"] for s in schemas]
+    answer_tool = ANSWER_TOOL_NAME if answer == "typed" else None
+    if answer_tool is not None and answer_tool not in names:
+        raise SystemExit(f"--answer typed: the environment has no {answer_tool} tool")
+    ctx = _TrlContext(entry, contract, cfg.reward, flat, args.max_turns, names, answer, answer_tool)
+    ctx.set_end_text(tok, max_completion)
     env_cls = environment_class(schemas)
-    head = [{"role": "system", "content": system_prompt}] if cfg.prompt.system_turn else []
     data = Dataset.from_list(
         [{"prompt": head + [{"role": "user", "content": ""}], "task_index": i} for i in range(len(flat))]
     )
@@ -890,7 +1231,7 @@ def run_trl_arm(args, work: Path) -> dict[str, Any]:
         environment_factory=lambda: env_cls(ctx),
         callbacks=[StepClock()],
     )
-    fmt_check = trl_format_check(trainer, contract, flat)
+    fmt_check = trl_format_check(trainer, contract, flat, head, entry, answer)
     setup = (time.perf_counter() - t0, time.process_time() - c0)
     t1, c1 = time.perf_counter(), time.process_time()
     trainer.train()
@@ -938,22 +1279,29 @@ def run_trl_arm(args, work: Path) -> dict[str, Any]:
     }
 
 
-def trl_format_check(trainer, contract, tasks) -> dict[str, Any]:
+def trl_format_check(
+    trainer, contract, tasks, head, entry, answer: str = ENV_ANSWER, episodes: int = 4
+) -> dict[str, Any]:
     """Do TRL's token ids equal the contract's? Every task's prompt as TRL tokenises it (its
     ``_tokenize_prompts`` call: the environment's tools, the trainer's template and kwargs) against
-    ``contract.prompt_ids``, and TRL's tool-result suffix (``_get_tool_suffix_ids``) against
-    ``contract.observation_ids`` for a success and an error observation."""
+    ``contract.prompt_ids``; TRL's tool-result suffix (``_get_tool_suffix_ids``) against
+    ``contract.observation_ids`` for a success and an error observation; and ``episodes`` scripted expert
+    episodes through :func:`parity_problems` with the trainer's own suffix function (every turn boundary, the
+    generation mask, TRL's token-in/token-out stream). Any difference stops the bench: the arms would not be
+    training on the same token streams."""
     tok = trainer.processing_class
+    kw = dict(trainer.chat_template_kwargs)
+    tools = trainer._env_tools[None] or None
     same = 0
     for t in tasks:
         ids = tok.apply_chat_template(
-            [{"role": "user", "content": t.prompt}],
-            tools=trainer._env_tools[None] or None,
+            [*head, {"role": "user", "content": t.prompt}],
+            tools=tools,
             chat_template=trainer.chat_template,
             add_generation_prompt=True,
             tokenize=True,
             return_dict=True,
-            **trainer.chat_template_kwargs,
+            **kw,
         )["input_ids"]
         same += list(ids) == contract.prompt_ids(t.prompt)
     observations = [
@@ -965,12 +1313,39 @@ def trl_format_check(trainer, contract, tasks) -> dict[str, Any]:
         == contract.observation_ids(o)
         for o in observations
     )
-    return {
+    problems = scripted_parity(trainer, contract, head, entry, tools, kw, episodes, answer)
+    out = {
         "prompts_equal": same,
         "prompts": len(tasks),
         "observations_equal": obs_same,
+        "episodes_checked": episodes,
+        "episode_problems": problems,
         "trl_kept_chat_template": trainer.chat_template is None,
+        "rendering": contract.chat.name if contract.chat is not None else "mentorrl",
     }
+    if same != len(tasks) or not obs_same or problems:
+        raise SystemExit(f"TRL's token ids differ from mentorrl's rollout: {json.dumps(out)}")
+    return out
+
+
+def scripted_parity(trainer, contract, head, entry, tools, kw, episodes: int, answer: str = ENV_ANSWER) -> list[str]:
+    """:func:`parity_problems` over ``episodes`` scripted expert episodes of the contract (train tasks)."""
+    from mentorrl.rollout.episode import run_scripted_episode
+
+    if trainer.chat_template is not None:
+        return ["TRL replaced the chat template (it found it not prefix-preserving)"]
+    env, out = bench_env_factory(entry, answer)(), []
+    try:
+        for task in entry.make_tasks().tasks("train", episodes, 12345):
+            traj = run_scripted_episode(contract, env, task, entry.make_expert())
+            user = env.reset(task)
+            for p in parity_problems(
+                trainer.processing_class, traj, head, user, tools, trainer._get_tool_suffix_ids, kw
+            ):
+                out.append(f"{task.id}: {p}")
+    finally:
+        env.close()
+    return out
 
 
 # -------------------------------------------------------------------------------- driver ----------
@@ -990,6 +1365,12 @@ def child_command(args, arm: str, rep: int, out: Path, work: Path) -> list[str]:
         str(args.model),
         "--seed",
         str(args.seed + rep),
+        "--config",
+        str(recipe_path(args)),
+        "--dtype",
+        str(getattr(args, "dtype", "float32")),
+        "--answer",
+        str(getattr(args, "answer", ENV_ANSWER)),
     ]
     for flag in (
         "steps",
@@ -1048,7 +1429,34 @@ def run_child(cmd: list[str], log: Path) -> dict[str, Any]:
 
 def parse_args(argv: list[str] | None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=None, help=f"mentorrl checkpoint dir (default: {DEFAULT_MODEL} if it exists)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help=f"mentorrl checkpoint dir, or a LoRA stage's adapter dir (merged into its base once, in the work dir) "
+        f"(default: {DEFAULT_MODEL} if it exists)",
+    )
+    p.add_argument(
+        "--config",
+        default=None,
+        help="the recipe both arms take their prompt format, reward and contract settings from, and the mentorrl arm "
+        "trains with (default: mentorrl/configs/demo.yaml; the SmolLM2 checkpoints: mentorrl/configs/smollm2.yaml)",
+    )
+    p.add_argument(
+        "--answer",
+        choices=ANSWERS,
+        default=ENV_ANSWER,
+        help="how an episode ends in both arms: free_text (default; a reply without a tool call, the v3 reader) or "
+        "typed (a final_answer call, verifier v4, as SmolLM2's recipe trains; TRL's rollout ends on that call "
+        "through its own rule for a tool result that does not fit)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "auto"),
+        default="float32",
+        help="compute precision of both arms: fp32 weights and optimizer state, forward and backward (and generation) "
+        "under bf16 autocast for bfloat16 (mentorrl model.dtype; TRL bf16=True); auto: mentorrl's start-up probe "
+        "decides once, in the driver, for both arms (default float32)",
+    )
     p.add_argument("--reps", type=int, default=3, help="repetitions; each runs TRL then mentorrl (default 3)")
     p.add_argument("--steps", type=int, default=2, help="timed GRPO steps per arm and rep (default 2)")
     p.add_argument("--warmup", type=int, default=1, help="untimed GRPO steps first (default 1)")
@@ -1063,7 +1471,13 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--max-new-tokens", type=int, default=64, help="per turn")
     p.add_argument("--max-turns", type=int, default=6)
     p.add_argument("--max-total-tokens", type=int, default=768)
-    p.add_argument("--trl-micro-batch", type=int, default=32, help="TRL per_device_train_batch_size (default 32)")
+    p.add_argument(
+        "--trl-micro-batch",
+        type=int,
+        default=32,
+        help="sequences per forward/backward in both arms: TRL per_device_train_batch_size, mentorrl "
+        "grpo.optim.micro_batch_size (default 32)",
+    )
     p.add_argument(
         "--trl-set",
         action="append",
@@ -1125,9 +1539,45 @@ def resolve_model(arg: str | None) -> Path:
                 f"no --model and no {DEFAULT_MODEL}: build the demo's SFT checkpoint first "
                 "(`mentorrl train mentorrl/configs/demo.yaml --set recipe=[sft]`) and pass its sft/final"
             )
-    if not (path / "config.json").exists():
-        sys.exit(f"--model {path}: not a checkpoint directory (no config.json)")
+    if not (path / "config.json").exists() and not (path / "adapter_config.json").exists():
+        sys.exit(
+            f"--model {path}: neither a checkpoint directory (no config.json) nor a LoRA adapter "
+            "(no adapter_config.json)"
+        )
     return path.resolve()
+
+
+def merged_model(path: Path, work: Path) -> Path:
+    """The checkpoint both arms load: ``path`` itself, or for a LoRA stage's adapter directory (SmolLM2's
+    ``sft/final``) the adapter merged into the base it names, once, under ``work``
+    (:func:`mentorrl.models.lora.export_merged`: merged in fp32, saved in the base's dtype, with the
+    adapter's tokenizer, chat template and prompt record). ``--lora`` then trains fresh adapters on it in both
+    arms (zero-initialised: the starting policy is the adapted model's)."""
+    from mentorrl.models.lora import export_merged, is_adapter_dir
+
+    if not is_adapter_dir(path):
+        return path
+    out = work / "merged-model"
+    if not (out / "config.json").exists():
+        try:
+            export_merged(path, out)
+        except (OSError, ValueError) as e:
+            sys.exit(f"--model {path}: cannot merge the adapter into its base ({e})")
+    return out
+
+
+def resolve_precision(name: str) -> str:
+    """``--dtype`` as both arms get it: ``auto`` decided once here by mentorrl's start-up probe (printed)."""
+    if name != "auto":
+        return name
+    import torch
+
+    from mentorrl.models.device import choose_dtype
+
+    choice = choose_dtype(torch.device("cpu"))
+    picked = str(choice.dtype).removeprefix("torch.")
+    print(f"--dtype auto: {picked} ({choice.reason})", flush=True)
+    return picked
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
@@ -1145,31 +1595,40 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     own_work = args.work is None
     work = Path(tempfile.mkdtemp(prefix="vs-trl-")) if own_work else Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
+    try:
+        return run_reps(args, argv, work)
+    finally:
+        if own_work:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def run_reps(args, argv: list[str] | None, work: Path) -> dict[str, Any]:
+    """The driver: the checkpoint and precision both arms get, then the reps, the summary and ``--json``."""
+    args.model_source, args.model = args.model, merged_model(args.model, work)
+    args.dtype = resolve_precision(args.dtype)
     print(
-        f"model {args.model}; {args.reps} reps x {args.warmup} warm-up + {args.steps} timed steps per arm; "
+        f"model {args.model_source}{'' if args.model == args.model_source else f' (merged: {args.model})'}; "
+        f"recipe {recipe_path(args)}; {args.dtype}; {args.answer} answers; {args.reps} reps x {args.warmup} warm-up + "
+        f"{args.steps} timed steps per arm; "
         f"{args.tasks} tasks x {args.group} samples; work dir {work}",
         flush=True,
     )
     results: dict[str, list[dict[str, Any]]] = {a: [] for a in args.arms}
     started = time.perf_counter()
-    try:
-        for rep in range(args.reps):
-            for arm in [a for a in ARMS if a in args.arms]:  # TRL first, then mentorrl, every rep
-                out = work / f"{arm}-rep{rep}.json"
-                res = run_child(child_command(args, arm, rep, out, work), work / f"{arm}-rep{rep}.log")
-                results[arm].append(res)
-                m = rep_metrics(res, args.warmup)
-                print(
-                    f"rep {rep} {arm:8s}: step {m['step_cpu_s_per_step']:.1f} CPU-s (rollout "
-                    f"{m['rollout_cpu_s_per_step']:.1f}, update {m['update_cpu_s_per_step']:.1f}); "
-                    f"{m['trajectories_per_cpu_s']:.2f} traj/CPU-s, {m['rollout_tokens_per_cpu_s']:.0f} rollout "
-                    f"tok/CPU-s; success {m['success']:.1%}; peak RSS {res['peak_rss_mib']:.0f} MiB "
-                    f"[{time.perf_counter() - started:.0f}s]",
-                    flush=True,
-                )
-    finally:
-        if own_work:
-            shutil.rmtree(work, ignore_errors=True)
+    for rep in range(args.reps):
+        for arm in [a for a in ARMS if a in args.arms]:  # TRL first, then mentorrl, every rep
+            out = work / f"{arm}-rep{rep}.json"
+            res = run_child(child_command(args, arm, rep, out, work), work / f"{arm}-rep{rep}.log")
+            results[arm].append(res)
+            m = rep_metrics(res, args.warmup)
+            print(
+                f"rep {rep} {arm:8s}: step {m['step_cpu_s_per_step']:.1f} CPU-s (rollout "
+                f"{m['rollout_cpu_s_per_step']:.1f}, update {m['update_cpu_s_per_step']:.1f}); "
+                f"{m['trajectories_per_cpu_s']:.2f} traj/CPU-s, {m['rollout_tokens_per_cpu_s']:.0f} rollout "
+                f"tok/CPU-s; success {m['success']:.1%}; peak RSS {res['peak_rss_mib']:.0f} MiB "
+                f"[{time.perf_counter() - started:.0f}s]",
+                flush=True,
+            )
     summary = summarize(results, args.warmup, targets_of(args))
     same = None
     if "trl" in results and "mentorrl" in results:

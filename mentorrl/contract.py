@@ -360,6 +360,9 @@ class ChatEncoder:
         return ids + self.text("".join(run))
 
 
+MAX_STATED_CONTEXT = 10**7  # a tokenizer's model_max_length at or above this is transformers' "unset" sentinel
+
+
 @dataclass
 class RolloutContract:
     """Tokenizer + template + tool syntax + sampling + limits, shared by rollout and learner."""
@@ -396,7 +399,7 @@ class RolloutContract:
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         self.pad_token_id = int(pad)
         self.encoder = ChatEncoder(tok)
-        self._fingerprint = self._compute_fingerprint()
+        self._bind_budget()
 
     def _bind_chat(self) -> None:
         """Stop tokens, pad and encoder for the checkpoint template's rendering (``self.chat``)."""
@@ -407,6 +410,23 @@ class RolloutContract:
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         self.pad_token_id = int(pad if pad is not None else self.im_end_id)
         self.encoder = ChatEncoder(tok, chat.control_names)
+        self._bind_budget()
+
+    def _bind_budget(self) -> None:
+        """The token budget of an episode (:attr:`max_total_tokens`): ``limits.max_total_tokens`` for the
+        task's message, the policy's turns and the observations, plus the system turn (:attr:`system_tokens`:
+        the system prompt and the tool schemas, however many tools there are), at most the model's
+        context (:attr:`context_tokens`, the tokenizer's ``model_max_length`` when it states one)."""
+        bare = (
+            self.chat.render([{"role": "user", "content": ""}], add_generation_prompt=True, with_tools=False)
+            if self.chat is not None
+            else prompt_pieces(None, "")
+        )
+        self.system_tokens = max(0, len(self.prompt_ids("")) - len(self.encoder.pieces(bare)))
+        stated = getattr(self.tokenizer, "model_max_length", None)
+        self.context_tokens = stated if isinstance(stated, int) and 0 < stated < MAX_STATED_CONTEXT else None
+        total = self.limits.max_total_tokens + self.system_tokens
+        self.max_total_tokens = min(total, self.context_tokens) if self.context_tokens else total
         self._fingerprint = self._compute_fingerprint()
 
     # ---- rendering (text) -------------------------------------------------
@@ -528,6 +548,7 @@ __all__ = [
     "Control",
     "MAX_ERROR_CHARS",
     "MAX_JSON_DEPTH",
+    "MAX_STATED_CONTEXT",
     "ContractLimits",
     "ParsedAction",
     "PromptFormat",

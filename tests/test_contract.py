@@ -185,7 +185,7 @@ def test_engine_produces_multiturn_tool_trajectories(engine_run):
         assert len(t.tool_calls) >= n_observations(t)
         assert t.sampling["temperature"] == temperature
         assert t.contract_fingerprint == contract.fingerprint()
-        assert len(t.token_ids) <= contract.limits.max_total_tokens
+        assert len(t.token_ids) <= contract.max_total_tokens
         assert t.num_turns == sum(s.role == "policy" for s in t.segments)
     # the batched paths under test were exercised: shared-prefix prefill, then cache compaction
     # (left-padded decoder) or rows moving between slots (slot decoder)

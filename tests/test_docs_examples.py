@@ -205,3 +205,49 @@ def test_teacher_example_ranks_and_declares(shipped_tokenizer):
     require(teacher, ["ranking", "scoring"], "ranking")
     with pytest.raises(MissingCapability, match="step_critique"):
         require(teacher, ["step_critique", "sampling"], "correction")
+
+
+def test_advantage_example_checks_and_a_recipe_picks_it():
+    from mentorrl.algos.advantages import ADVANTAGE_ESTIMATORS, get_advantage_estimator
+    from mentorrl.config import ConfigError, load_config
+
+    mod = _load("rank_advantage")
+    try:
+        mod.check()
+        assert get_advantage_estimator("rank") is mod.rank_advantages
+        assert load_config(None, ["grpo.advantage=rank"]).grpo.advantage == "rank"
+    finally:
+        ADVANTAGE_ESTIMATORS.unregister("rank")
+    with pytest.raises(ConfigError, match="unknown advantage estimator 'rank'"):
+        load_config(None, ["grpo.advantage=rank"])
+
+
+def test_rollout_backend_example_decodes_and_traces(tmp_path, monkeypatch, policy_and_trajs):
+    from mentorrl.config import ConfigError, RolloutConfig, load_config
+    from mentorrl.config.names import ROLLOUT_BACKENDS
+    from mentorrl.contract import contract_for_env
+    from mentorrl.envs import get_env
+    from mentorrl.rollout.api import Rollout
+    from mentorrl.rollout.backends import BackendChoice
+
+    trace = tmp_path / "trace.jsonl"
+    monkeypatch.setenv("MENTORRL_TRACE", str(trace))
+    mod = _load("traced_backend")
+    try:
+        mod.register()  # idempotent
+        assert load_config(None, ["rollout.backend=hf_traced"]).rollout.backend == "hf_traced"
+        tokenizer, model, _ = policy_and_trajs
+        entry = get_env("orders")
+        env = entry.make_env()
+        contract = contract_for_env(tokenizer, env)
+        env.close()
+        tasks = entry.make_tasks().tasks("train", 3, seed=0)
+        choice = BackendChoice(RolloutConfig(backend="hf_traced"))
+        trajs = Rollout(contract, entry.make_env, None, choice).run(model, tasks, seed=0)
+        lines = [json.loads(x) for x in trace.read_text().splitlines()]
+        assert len(trajs) == 3 and sum(x["episodes"] for x in lines) == 3
+        assert sum(x["policy_tokens"] for x in lines) == sum(t.num_policy_tokens for t in trajs)
+    finally:
+        ROLLOUT_BACKENDS.unregister("hf_traced")
+    with pytest.raises(ConfigError, match="unknown rollout backend 'hf_traced'"):
+        load_config(None, ["rollout.backend=hf_traced"])

@@ -223,7 +223,7 @@ def test_the_sft_term_adds_exactly_its_gradient_whatever_the_micro_batching(sett
 
 
 def test_pg_update_forwards_a_demonstration_with_zero_advantage_but_an_sft_weight(setting, model, tokenizer):
-    """drop_zero skips zero-advantage rows, but not one the SFT term trains on; kind must be grpo."""
+    """drop_zero skips zero-advantage rows, but not one the SFT term trains on; sequence-level advantages only."""
     ws, group = setting
     rows = list(group.trajs[:2])
     adv = torch.zeros(2)
@@ -233,7 +233,7 @@ def test_pg_update_forwards_a_demonstration_with_zero_advantage_but_an_sft_weigh
     assert pg_update(learner, rows, adv, 1, 0, kind="grpo", drop_zero=True) == []
     ups = pg_update(learner, rows, adv, 1, 0, kind="grpo", drop_zero=True, nll_weights=torch.tensor([0.0, 0.1]))
     assert len(ups) == 1 and any(not torch.equal(a, b) for a, b in zip(m.parameters(), model.parameters()))
-    with pytest.raises(ValueError, match="kind='grpo'"):
+    with pytest.raises(ValueError, match="one advantage per trajectory"):
         pg_update(learner, rows, [torch.zeros(3)] * 2, 1, 0, nll_weights=torch.ones(2))
 
 

@@ -392,10 +392,21 @@ def test_cli_fails_with_a_naive_verifier(tmp_path, monkeypatch):
     from mentorrl import envs
 
     naive = EnvEntry(NaiveOrdersEnv, OrdersTasks, OrdersExpert)
-    monkeypatch.setitem(envs._REGISTRY, "orders-naive", lambda: naive)
+    envs.register_env("orders-naive", lambda: naive)
     monkeypatch.setitem(attacks_mod.ATTACKS.registered, "orders-naive", orders_attacks)
     monkeypatch.setitem(validation_mod.CORRUPTIONS.registered, "orders-naive", orders_corruptions)
-    res = CliRunner().invoke(
+    try:
+        res = reward_audit_naive(tmp_path)
+    finally:
+        envs.ENVIRONMENTS.unregister("orders-naive")
+    assert res.exit_code == 1, res.output
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert not report["passed"] and report["validation"] is None
+    assert not next(a for a in report["audit"]["attacks"] if a["name"] == "fake_success")["passed"]
+
+
+def reward_audit_naive(tmp_path):
+    return CliRunner().invoke(
         _app(),
         [
             "reward-audit",
@@ -409,10 +420,6 @@ def test_cli_fails_with_a_naive_verifier(tmp_path, monkeypatch):
             str(tmp_path / "r.json"),
         ],
     )
-    assert res.exit_code == 1, res.output
-    report = json.loads((tmp_path / "r.json").read_text())
-    assert not report["passed"] and report["validation"] is None
-    assert not next(a for a in report["audit"]["attacks"] if a["name"] == "fake_success")["passed"]
 
 
 @pytest.mark.parametrize(

@@ -111,3 +111,22 @@ def test_episodes_of_one_task_draw_independent_delays_unless_told_otherwise():
     assert [s("get_order") for _ in range(5)] in ind  # the same stream, whoever drew it
     same = episodes(m.model_copy(update={"repeats": "same"}), 3)
     assert same[0] == same[1] == same[2]
+
+
+def test_whether_an_injected_delay_times_out_is_decided_by_its_value_not_the_clock(monkeypatch):
+    """A draw at or past the timeout is a timeout however fast the machine; a draw just under it never
+    is, however slow (the tool itself still gets the whole timeout)."""
+    from mentorrl.envs.base import Tool, ToolRegistry
+
+    ran: list[str] = []
+    tool = Tool(name="get", description="", parameters={"type": "object", "properties": {}}, fn=lambda: ran.append("x"))
+    slept: list[float] = []
+    monkeypatch.setattr("mentorrl.envs.base.time.sleep", slept.append)  # the timeout is not waited for real
+    at = ToolRegistry([tool], timeout_s=0.05, delay=lambda name: 0.05).call("get", {})
+    assert (at.ok, at.error_kind, ran, slept) == (False, "timeout", [], [0.05])
+    monkeypatch.undo()
+    under = ToolRegistry([tool], timeout_s=0.05, delay=lambda name: 0.049)
+    slow_tool = Tool(name="get", description="", parameters=tool.parameters, fn=lambda: time.sleep(0.03) or "ok")
+    under.tools["get"] = slow_tool  # 0.049 s of injected delay + 0.03 s of work: past 0.05 s in wall time
+    r = under.call("get", {})
+    assert r.ok and r.content == "ok", r

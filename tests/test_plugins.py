@@ -188,16 +188,17 @@ def test_schema_names_equal_the_runtime_registries():
     """The config checks names without importing the runtime registries: its built-in names are theirs."""
     code = (
         "import json; from mentorrl.algos.advantages import ADVANTAGE_ESTIMATORS; "
-        "from mentorrl.envs import registered_envs; "
-        "print(json.dumps([sorted(ADVANTAGE_ESTIMATORS), registered_envs()]))"
+        "from mentorrl.algos.losses import POLICY_LOSSES; from mentorrl.envs import registered_envs; "
+        "print(json.dumps([sorted(ADVANTAGE_ESTIMATORS), registered_envs(), sorted(POLICY_LOSSES)]))"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    advantages, envs = json.loads(res.stdout)
-    from mentorrl.config.names import ADVANTAGE, BUILTIN_NAMES, ENVIRONMENT
+    advantages, envs, losses = json.loads(res.stdout)
+    from mentorrl.config.names import ADVANTAGE, BUILTIN_NAMES, ENVIRONMENT, POLICY_LOSS
 
     assert sorted(BUILTIN_NAMES[ADVANTAGE]) == advantages
     assert sorted(BUILTIN_NAMES[ENVIRONMENT]) == envs
+    assert sorted(BUILTIN_NAMES[POLICY_LOSS]) == losses
 
 
 def test_a_registered_estimator_validates():
@@ -205,7 +206,6 @@ def test_a_registered_estimator_validates():
 
     from mentorrl.algos.advantages import ADVANTAGE_ESTIMATORS, register_advantage
     from mentorrl.config import ConfigError, load_config
-    from mentorrl.config.names import ADVANTAGE, unregister_name
 
     with pytest.raises(ConfigError, match="grpo.advantage: .*unknown advantage estimator 'plug_adv'"):
         load_config(None, ["grpo.advantage=plug_adv"])
@@ -213,8 +213,9 @@ def test_a_registered_estimator_validates():
     try:
         assert load_config(None, ["grpo.advantage=plug_adv"]).grpo.advantage == "plug_adv"
     finally:
-        ADVANTAGE_ESTIMATORS.pop("plug_adv")
-        unregister_name(ADVANTAGE, "plug_adv")
+        ADVANTAGE_ESTIMATORS.unregister("plug_adv")
+    with pytest.raises(ConfigError, match="unknown advantage estimator 'plug_adv'"):  # the registry is the list
+        load_config(None, ["grpo.advantage=plug_adv"])
 
 
 def test_the_old_group_size_key_names_the_new_one():

@@ -236,3 +236,44 @@ def test_the_matmul_probe_measures_a_rate():
     from mentorrl.models.device import matmul_rate
 
     assert matmul_rate(torch.float32, torch.device("cpu"), n=64, min_s=0.001) > 0
+
+
+def test_a_run_decides_dtype_auto_once_and_a_resume_keeps_its_choice(monkeypatch, tmp_path):
+    """The probe is a timing: the run probes once, records the choice, and a resumed run (or another rank)
+    computes in that dtype even when its own probe would now measure otherwise."""
+    import io
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from mentorrl.config import load_config
+    from mentorrl.models import device as dev
+    from mentorrl.train.pipeline import report_precision
+
+    monkeypatch.setattr(dev, "_PINNED", {})
+    out = io.StringIO()
+    ws = SimpleNamespace(
+        cfg=load_config(None, ["model.dtype=auto", "model.device=cpu"]),
+        run_dir=tmp_path,
+        console=Console(file=out, width=200),
+        on_main=lambda fn: fn(),
+    )
+
+    def probe_measures(fast: float) -> None:
+        dev._PINNED.clear()
+        dev._choose_dtype.cache_clear()
+        rates = {torch.float32: 100.0, torch.bfloat16: 100.0 * fast}
+        monkeypatch.setattr(dev, "matmul_rate", lambda dtype, device, **_: rates[dtype])
+
+    probe_measures(6.0)
+    report_precision(ws)
+    assert json.loads((tmp_path / "precision.json").read_text())["dtype"] == "bfloat16"
+    probe_measures(0.07)  # a busy machine, at the resume: the probe alone would now take float32
+    report_precision(ws, resume=True)
+    assert dev.resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16
+    assert "bfloat16 (the run's recorded choice)" in out.getvalue()
+    probe_measures(0.07)
+    report_precision(ws)  # a fresh run probes again
+    assert dev.resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert json.loads((tmp_path / "precision.json").read_text())["dtype"] == "float32"
+    dev._choose_dtype.cache_clear()

@@ -73,6 +73,15 @@ def _sample_task_ids(run_dir) -> dict[int, list[str]]:
     return out
 
 
+def _sample_tokens(run_dir) -> dict[int, list[tuple[list[int], list[float]]]]:
+    out = {}
+    for f in sorted((run_dir / "samples").glob("grpo-step-*.jsonl")):
+        out[int(f.stem.split("-")[-1])] = [
+            (t["token_ids"], t["logprobs"]) for t in map(json.loads, f.read_text().splitlines())
+        ]
+    return out
+
+
 def _steps(records: list[dict], stage: str) -> list[int]:
     return [r["step"] for r in records if r.get("stage") == stage]
 
@@ -128,7 +137,7 @@ def test_cli_resume_after_sigkill(tmp_path):
     assert (run_dir / "eval_sft.json").exists() and not (run_dir / "eval_grpo.json").exists()
     eval_sft_before = (run_dir / "eval_sft.json").read_text()
     per_step = cfg.grpo.tasks_per_step * cfg.grpo.samples_per_task
-    killed_samples = _sample_task_ids(run_dir)
+    killed_samples, killed_tokens = _sample_task_ids(run_dir), _sample_tokens(run_dir)
     assert sorted(killed_samples) == [1, 2, 3] and all(len(v) == per_step for v in killed_samples.values())
 
     # 2. resume with the ordinary entry point
@@ -154,11 +163,15 @@ def test_cli_resume_after_sigkill(tmp_path):
     assert grpo_now[1] == grpo_killed[1] and grpo_now[2] == grpo_killed[2]
     assert [r for r in records if r["stage"] == "sft"] == [r for r in killed if r["stage"] == "sft"]
     # the redone step 3 continues the same run: the same tasks as the killed step 3, the policy
-    # version counter continues from the checkpoint (rollout tokens themselves are not compared:
-    # the engine's sampling depends on tool-call timing, see test_rollout)
+    # version counter continues from the checkpoint, and (tool_sync next_step, the RNG state restored)
+    # the same trajectories and the same logged values but the timings (issue 41, item 5)
     samples = _sample_task_ids(run_dir)
     assert sorted(samples) == [1, 2, 3, 4]  # one sample file per step: the redone step replaced its file
     assert samples[3] == killed_samples[3] and samples[1] == killed_samples[1]
+    assert _sample_tokens(run_dir)[3] == killed_tokens[3]
+    from test_reproducible import _differences
+
+    assert not _differences([grpo_killed[3]], [grpo_now[3]])
     assert grpo_now[3]["policy_version"] >= grpo_killed[2]["policy_version"]
     assert grpo_now[4]["policy_version"] >= grpo_now[3]["policy_version"]
 

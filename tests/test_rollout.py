@@ -167,15 +167,16 @@ def test_max_total_tokens_boundary(toy_env, toy_task, make_contract):
     L = len(probe.policy_turn_ids(ECHO))
     O = len(probe.observation_ids('{"echo": "hello"}'))
 
-    tight = make_contract(env=toy_env, max_total_tokens=P + L + O)
+    # the system turn is outside limits.max_total_tokens (tests/test_prompt_budget.py)
+    tight = make_contract(env=toy_env, max_total_tokens=P + L + O - probe.system_tokens)
     traj = play(tight, toy_env, toy_task, [ECHO, "ok"])
     assert traj.finish_reason == "max_tokens"
-    assert len(traj.token_ids) == P + L <= tight.limits.max_total_tokens
+    assert len(traj.token_ids) == P + L <= tight.max_total_tokens
     assert [s.role for s in traj.segments] == ["prompt", "policy"]
     assert len(traj.tool_calls) == 1 and traj.tool_calls[0].ok  # the call ran; its result did not fit
     assert traj.reward.runtime == pytest.approx(-W.truncation_penalty) and traj.reward.format == 0.0
 
-    roomy = make_contract(env=toy_env, max_total_tokens=P + L + O + 1)
+    roomy = make_contract(env=toy_env, max_total_tokens=P + L + O + 1 - probe.system_tokens)
     ep = Episode(roomy, toy_env, toy_task)
     ep.start()
     ids = roomy.policy_turn_ids(ECHO)
@@ -188,7 +189,7 @@ def test_prompt_over_budget_raises(toy_env, toy_task, make_contract):
     probe = make_contract(env=toy_env)
     P = len(probe.prompt_ids(toy_task.prompt))
     with pytest.raises(ValueError, match="max_total_tokens"):
-        Episode(make_contract(env=toy_env, max_total_tokens=P), toy_env, toy_task).start()
+        Episode(make_contract(env=toy_env, max_total_tokens=P - probe.system_tokens), toy_env, toy_task).start()
 
 
 def test_unstopped_turn_finish_reasons(toy_env, toy_task, make_contract):
@@ -210,7 +211,7 @@ def test_engine_respects_token_and_turn_limits(tool_happy_model, make_contract, 
     tasks = orders_tasks[20:30]
     probe = make_contract()
     budget = max(len(probe.prompt_ids(t.prompt)) for t in tasks) + 40
-    contract = make_contract(max_new_tokens=16, max_turns=3, max_total_tokens=budget)
+    contract = make_contract(max_new_tokens=16, max_turns=3, max_total_tokens=budget - probe.system_tokens)
     _, trajs = engine_run(tool_happy_model, contract, orders_entry, tasks, seed=3)
     reasons = {t.finish_reason for t in trajs}
     assert "max_tokens" in reasons, reasons

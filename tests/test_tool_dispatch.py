@@ -120,3 +120,42 @@ def test_the_run_config_sets_the_threshold(model, make_contract):
     assert BackendChoice(RolloutConfig()).for_model(model, contract).inline_tool_s == pytest.approx(0.005)
     with pytest.raises(ValidationError):
         RolloutConfig(inline_tool_ms=-1)
+
+
+class _Clock:
+    """A stand-in for the ``time`` module :mod:`mentorrl.rollout.dispatch` measures with: every reading
+    advances by ``tick`` seconds, so each call measures ``tick`` (0: instant; 1.0: a second, wall and CPU)."""
+
+    def __init__(self, tick: float):
+        self.tick, self.now = tick, 0.0
+
+    def _read(self) -> float:
+        self.now += self.tick
+        return self.now
+
+    perf_counter = thread_time = _read
+
+
+def test_fake_fast_or_slow_clocks_change_where_calls_run_and_nothing_in_the_rollout(
+    tool_happy_model, make_contract, orders_entry, orders_tasks, monkeypatch
+):
+    """The one decision the engine takes from measured time: under a clock that says every call was
+    instant, each kind runs inline after its first calls; under one that says each took a second,
+    every call stays in the pool. The trajectories (tokens, log-probs, rewards) are the same, bit for bit."""
+    contract = make_contract()
+    tasks = [t for t in orders_tasks[30:36] for _ in range(3)]
+    out = {}
+    for name, tick in (("fast", 0.0), ("slow", 1.0)):
+        D.forget()
+        monkeypatch.setattr(D, "time", _Clock(tick))
+        engine, trajs = engine_run(tool_happy_model, contract, orders_entry, tasks, seed=11)
+        out[name] = (engine.last_stats, trajs)
+    (fast, a), (slow, b) = out["fast"], out["slow"]
+    assert fast["inline_calls"] > fast["pool_calls"] and slow["inline_calls"] == 0
+    assert sum(len(t.tool_calls) for t in a) >= 10
+    assert [t.token_ids for t in a] == [t.token_ids for t in b]
+    assert [t.logprobs for t in a] == [t.logprobs for t in b]
+    assert [t.reward.model_dump() for t in a] == [t.reward.model_dump() for t in b]
+    assert [[c.model_dump(exclude={"latency_s"}) for c in t.tool_calls] for t in a] == [
+        [c.model_dump(exclude={"latency_s"}) for c in t.tool_calls] for t in b
+    ]

@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from mentorrl.config.names import ADVANTAGE, register_name
+from mentorrl.config.names import ADVANTAGES
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -36,28 +36,16 @@ __all__ = [
     "adaptive_gae_lambda",
 ]
 
-ADVANTAGE_ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {}
+ADVANTAGE_ESTIMATORS = ADVANTAGES  # the registry a config's grpo.advantage is checked against (mentorrl.config.names)
 
 
-def register_advantage(name: str):
-    """Decorator: register an advantage estimator under ``name``."""
-
-    def deco(fn):
-        existing = ADVANTAGE_ESTIMATORS.get(name)
-        if existing is not None and existing is not fn:
-            raise ValueError(f"advantage estimator {name!r} already registered")
-        ADVANTAGE_ESTIMATORS[name] = fn
-        register_name(ADVANTAGE, name)  # a config naming it validates
-        return fn
-
-    return deco
+def register_advantage(name: str, replace: bool = False):
+    """Decorator: register an advantage estimator under ``name`` (a taken name is an error unless ``replace``)."""
+    return ADVANTAGES.register(name, replace=replace)
 
 
 def get_advantage_estimator(name: str) -> Callable[..., torch.Tensor]:
-    try:
-        return ADVANTAGE_ESTIMATORS[name]
-    except KeyError:
-        raise ValueError(f"unknown advantage estimator {name!r}; valid: {sorted(ADVANTAGE_ESTIMATORS)}") from None
+    return ADVANTAGES.get(name)
 
 
 @register_advantage("grpo")

@@ -18,11 +18,13 @@ and decorate it with ``@register_policy_loss("name")``.
 
 from __future__ import annotations
 
-from typing import Callable
+import inspect
+from typing import Callable, Iterable
 
 import torch
 
-from .logprobs import masked_mean, masked_sum
+from mentorrl.algos.logprobs import masked_mean, masked_sum
+from mentorrl.config.names import POLICY_LOSSES
 
 __all__ = [
     "AGG_MODES",
@@ -30,6 +32,7 @@ __all__ = [
     "POLICY_LOSSES",
     "register_policy_loss",
     "get_policy_loss",
+    "unaccepted_arguments",
     "aggregate_loss",
     "clipped_policy_loss",
     "masked_importance_policy_loss",
@@ -47,27 +50,24 @@ KL_KINDS = ("k1", "k2", "k3")
 # badly off-policy token cannot overflow the ratio to inf.
 _LOG_RATIO_CLAMP = 20.0
 
-POLICY_LOSSES: dict[str, Callable] = {}
 
-
-def register_policy_loss(name: str):
-    """Decorator: register a policy loss under ``name``."""
-
-    def deco(fn):
-        existing = POLICY_LOSSES.get(name)
-        if existing is not None and existing is not fn:
-            raise ValueError(f"policy loss {name!r} already registered")
-        POLICY_LOSSES[name] = fn
-        return fn
-
-    return deco
+def register_policy_loss(name: str, replace: bool = False):
+    """Decorator: register a policy loss under ``name`` (a taken name is an error unless ``replace``); a
+    config picks it by name (``grpo.loss``)."""
+    return POLICY_LOSSES.register(name, replace=replace)
 
 
 def get_policy_loss(name: str) -> Callable:
-    try:
-        return POLICY_LOSSES[name]
-    except KeyError:
-        raise ValueError(f"unknown policy loss {name!r}; valid: {sorted(POLICY_LOSSES)}") from None
+    return POLICY_LOSSES.get(name)
+
+
+def unaccepted_arguments(fn: Callable, names: Iterable[str]) -> list[str]:
+    """The keyword arguments of ``names`` that loss ``fn`` does not take (none when it takes ``**kwargs``)."""
+    params = inspect.signature(fn).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return []
+    taken = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return [n for n in names if n not in taken]
 
 
 def aggregate_loss(loss_tok: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean") -> torch.Tensor:

@@ -55,6 +55,7 @@ import torch
 
 from mentorrl.algos.advantages import get_advantage_estimator
 from mentorrl.algos.distill import distill_weights, exploration_split, reward_weights, select_large_gap, step_weights
+from mentorrl.config.registry import Registry
 
 KL = list[torch.Tensor | None]
 Inputs = Mapping[str, Any]
@@ -69,30 +70,31 @@ class Term:
     needs: tuple[str, ...] = ()
 
 
-TOKEN_TERMS: dict[str, Term] = {}
-ADVANTAGE_TERMS: dict[str, Term] = {}
+TOKEN_TERMS: Registry[Term] = Registry("OPD token term")
+ADVANTAGE_TERMS: Registry[Term] = Registry("OPD advantage term")
 
 
-def _register(table: dict[str, Term], name: str, needs: tuple[str, ...]):
+def _register(table: Registry[Term], name: str, needs: tuple[str, ...], replace: bool):
     unknown = set(needs) - set(INPUTS)
     if unknown:
         raise ValueError(f"term {name!r} needs unknown inputs {sorted(unknown)} (known: {INPUTS})")
 
     def deco(fn):
-        table[name] = Term(fn, tuple(needs))
+        table.register(name, Term(fn, tuple(needs)), replace=replace)
         return fn
 
     return deco
 
 
-def token_term(name: str, needs: tuple[str, ...] = ()):
-    """Register ``fn(kl, x, p) -> (kl, metrics)`` as token term ``name``, reading ``needs``."""
-    return _register(TOKEN_TERMS, name, needs)
+def token_term(name: str, needs: tuple[str, ...] = (), replace: bool = False):
+    """Register ``fn(kl, x, p) -> (kl, metrics)`` as token term ``name``, reading ``needs`` (a taken name is
+    an error unless ``replace``)."""
+    return _register(TOKEN_TERMS, name, needs, replace)
 
 
-def advantage_term(name: str, needs: tuple[str, ...] = ()):
+def advantage_term(name: str, needs: tuple[str, ...] = (), replace: bool = False):
     """Register ``fn(kl, x, p) -> (per-trajectory advantages, metrics)`` as advantage term ``name``."""
-    return _register(ADVANTAGE_TERMS, name, needs)
+    return _register(ADVANTAGE_TERMS, name, needs, replace)
 
 
 def needed_inputs(names: Sequence[str], *extra: Mapping[str, Term]) -> tuple[str, ...]:

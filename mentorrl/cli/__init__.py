@@ -175,7 +175,10 @@ def init_model_cmd(
     cfg = _load(config, overrides, default="demo.yaml")  # an unknown env.name exits 2 here
     entry = get_env(cfg.env.name)
     if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+        from mentorrl.train.workspace import auto_parallelism
+
+        plan = auto_parallelism(cfg)
+        torch.set_num_threads(plan.threads if plan is not None else cfg.threads)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:  # OUT_DIR (or a folder above it) is an existing file, or not writable

@@ -1,55 +1,47 @@
-"""Registered names the config checks at load time, held in the schema layer.
+"""The registries whose names a config checks at load time, held in the schema layer
+(:class:`~mentorrl.config.registry.Registry`: one idiom for every extension point).
 
-The runtime registries (:mod:`mentorrl.algos.advantages`, :mod:`mentorrl.envs`) add every name they
-register here, so a config naming a user's estimator or environment validates; the built-in names are
-listed below (a test keeps them equal to the runtime registries), so validating a config imports no
-runtime module. An environment may also come from an installed package's ``mentorrl.envs`` entry
-point, listed without importing it. Also here: the training-split guard (evaluation-only splits).
+The runtime modules (:mod:`mentorrl.algos.advantages`, :mod:`mentorrl.algos.losses`, :mod:`mentorrl.envs`,
+:mod:`mentorrl.rollout.backends`)
+register into these same objects, so a config naming a user's estimator, loss or environment validates; the
+built-in names are declared on each registry (a test keeps them equal to the runtime's), so validating a
+config imports no runtime module. An environment may also come from an installed package's ``mentorrl.envs``
+entry point, listed without importing it. Also here: the training-split guard (evaluation-only splits).
 """
 
 from __future__ import annotations
 
-from importlib import metadata
 from typing import Iterable
+
+from mentorrl.config.registry import Registry, UnknownName
 
 ADVANTAGE = "advantage estimator"
 ENVIRONMENT = "environment"
-BUILTIN_NAMES: dict[str, tuple[str, ...]] = {ADVANTAGE: ("grpo",), ENVIRONMENT: ("code", "orders", "tau2", "verifiers")}
-ENTRY_POINT_GROUPS = {ENVIRONMENT: "mentorrl.envs"}  # kinds whose names installed packages may also declare
+POLICY_LOSS = "policy loss"
+ROLLOUT_BACKEND = "rollout backend"
 
-_REGISTERED: dict[str, set[str]] = {kind: set(names) for kind, names in BUILTIN_NAMES.items()}
-
-
-def register_name(kind: str, name: str) -> None:
-    """Record that the runtime registry of ``kind`` now holds ``name`` (called by that registry)."""
-    _REGISTERED.setdefault(kind, set()).add(name)
-
-
-def unregister_name(kind: str, name: str) -> None:
-    _REGISTERED.get(kind, set()).discard(name)
-
-
-def entry_point_names(group: str) -> list[str]:
-    """The names installed packages declare in entry-point ``group`` (nothing is imported)."""
-    return [ep.name for ep in metadata.entry_points(group=group)]
+# The registries a config names entries of. The runtime modules fill them (mentorrl.algos.advantages,
+# mentorrl.algos.losses, mentorrl.envs); the built-in names are declared here so that validating a config
+# imports no runtime module (tests/test_plugins.py keeps them equal to what the runtime registers).
+ADVANTAGES: Registry = Registry(ADVANTAGE, builtin=("grpo",))
+POLICY_LOSSES: Registry = Registry(POLICY_LOSS, builtin=("clipped", "grpo", "masked_is"))
+ENVIRONMENTS: Registry = Registry(
+    ENVIRONMENT, builtin=("code", "orders", "tau2", "verifiers"), entry_points="mentorrl.envs"
+)
+ROLLOUT_BACKENDS: Registry = Registry(ROLLOUT_BACKEND, builtin=("hf", "vllm"))
+REGISTRIES: dict[str, Registry] = {r.kind: r for r in (ADVANTAGES, POLICY_LOSSES, ENVIRONMENTS, ROLLOUT_BACKENDS)}
+BUILTIN_NAMES: dict[str, tuple[str, ...]] = {kind: r.builtin for kind, r in REGISTRIES.items()}
 
 
 def known_names(kind: str) -> list[str]:
     """Every name of ``kind`` a config may use, sorted."""
-    names = set(_REGISTERED.get(kind, ()))
-    if kind in ENTRY_POINT_GROUPS:
-        names.update(entry_point_names(ENTRY_POINT_GROUPS[kind]))
-    return sorted(names)
+    return REGISTRIES[kind].names()
 
 
 def check_registered(kind: str, name: str) -> str:
-    """``name``, or a ValueError naming the registered names of ``kind``."""
-    if name in _REGISTERED.get(kind, ()):
-        return name
-    known = known_names(kind)
-    if name not in known:
-        raise ValueError(f"unknown {kind} {name!r}; registered: {', '.join(known)}")
-    return name
+    """``name``, or a ValueError (:class:`~mentorrl.config.registry.UnknownName`) naming the registered
+    names of ``kind``."""
+    return REGISTRIES[kind].check(name)
 
 
 # ---------------------------------------------------------------- task splits ------
@@ -71,14 +63,19 @@ def assert_trainable_splits(splits: Iterable[str]) -> None:
 
 __all__ = [
     "ADVANTAGE",
+    "ADVANTAGES",
     "BUILTIN_NAMES",
     "ENVIRONMENT",
+    "ENVIRONMENTS",
     "HIDDEN_SPLITS",
     "HiddenSetError",
+    "POLICY_LOSS",
+    "POLICY_LOSSES",
+    "REGISTRIES",
+    "ROLLOUT_BACKEND",
+    "ROLLOUT_BACKENDS",
+    "UnknownName",
     "assert_trainable_splits",
     "check_registered",
-    "entry_point_names",
     "known_names",
-    "register_name",
-    "unregister_name",
 ]

@@ -41,7 +41,13 @@ class ContractLimits(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     max_turns: int = Field(8, ge=1, description="policy turns per trajectory")
-    max_total_tokens: int = Field(1024, ge=16, description="prompt + all turns + observations")
+    max_total_tokens: int = Field(
+        1024,
+        ge=16,
+        description="an episode's tokens: the task's message, all turns and observations, plus the system turn "
+        "(system prompt and tool schemas, not counted here, so adding tools does not shrink the episode); "
+        "the whole is capped by the model's context (the tokenizer's model_max_length)",
+    )
 
 
 __all__ = ["ContractLimits", "PromptFormat", "SamplingParams"]

@@ -19,7 +19,7 @@ from mentorrl.config.base import (
     optim_field,
 )
 from mentorrl.config.model import ModelSpec
-from mentorrl.config.names import ADVANTAGE, check_registered
+from mentorrl.config.names import ADVANTAGE, POLICY_LOSS, check_registered
 from mentorrl.config.replay import ReplayConfig
 
 
@@ -52,6 +52,12 @@ class GRPOConfig(RolloutStageConfig):
     advantage: str = Field(
         "grpo", description="a registered advantage estimator (mentorrl.algos.advantages.register_advantage)"
     )
+    loss: str = Field(
+        "grpo",
+        description="a registered policy loss (mentorrl.algos.losses.register_policy_loss): grpo (clipped surrogate "
+        "+ k3 KL to the reference when kl_coef > 0), clipped, masked_is, or a user's; it gets each trajectory's "
+        "advantage, eps_low / eps_high and loss_agg (and the reference's log-probs and kl_coef when kl_coef > 0)",
+    )
     sample_trajectories: int = Field(
         8, ge=0, description="trajectories per step written to RUN_DIR/samples/grpo-step-N.jsonl"
     )
@@ -74,11 +80,29 @@ class GRPOConfig(RolloutStageConfig):
         "(their token-mean negative log-likelihood, added to each update's loss besides "
         "their place in the group; single-stage SFT + RL); 0: none",
     )
+    overlap: Literal["off", "one_step"] = Field(
+        "off",
+        description="one_step: one-step-off-policy GRPO -- batch k+1 is rolled out (by the weights after step k-1, "
+        "in a thread of its own, or by the Ray rollout actors) while the learner trains on batch k; the "
+        "clipped ratio to the recorded behaviour log-probs corrects for the lag. The batch rolled ahead is "
+        "checkpointed with the step, so a resumed run continues bit for bit (docs/scaling.md#overlap)",
+    )
 
     @field_validator("advantage")
     @classmethod
     def _registered(cls, v: str) -> str:
         return check_registered(ADVANTAGE, v)  # a ValueError naming the registered estimators
+
+    @field_validator("loss")
+    @classmethod
+    def _registered_loss(cls, v: str) -> str:
+        return check_registered(POLICY_LOSS, v)  # a ValueError naming the registered losses
+
+    @field_validator("overlap", mode="before")
+    @classmethod
+    def _yaml_off(cls, v: Any) -> Any:
+        """YAML reads ``off`` / ``on`` as booleans: false is ``off``, true ``one_step``."""
+        return {False: "off", True: "one_step"}.get(v, v) if isinstance(v, bool) else v
 
     @model_validator(mode="after")
     def _state_needs_a_pool(self) -> "GRPOConfig":

@@ -8,7 +8,7 @@ registered later (a plugin's), so a plugin's section validates like a built-in o
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError, create_model, field_validator, model_validator
 
@@ -20,7 +20,7 @@ from mentorrl.config.plugins import MODULE_PATH, load_plugins
 from mentorrl.config.prompt import ContractLimits, PromptFormat, SamplingParams
 from mentorrl.config.reward import RewardWeights
 from mentorrl.config.sections import AuditConfig, DistributedConfig, EvalConfig, LoggingConfig, RolloutConfig
-from mentorrl.config.stages import BUILTIN_STAGES, RESERVED, STAGE_NAMES, StageSpec, stage_specs
+from mentorrl.config.stages import BUILTIN_STAGES, STAGE_NAMES, STAGES, StageSpec, stage_specs
 
 MAX_PLUGINS = 32
 
@@ -44,7 +44,12 @@ class RunSettings(Section):
         "`mentorrl.stages` / `mentorrl.envs` entry points load without being listed",
     )
     train_split: str = Field("train", description="task split every training stage draws from (never 'hidden')")
-    threads: int = Field(0, ge=0, description="torch CPU threads; 0 keeps torch's default")
+    threads: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
+        0,
+        description="torch CPU threads; 0 keeps torch's default; auto: chosen for the machine and the recipe "
+        "(cores, device, grpo.overlap, torchrun ranks; with distributed.backend: ray also the rollout "
+        "workers), printed at start and written to RUN_DIR/parallelism.json (docs/scaling.md)",
+    )
     malloc_mmap_threshold: int | None = Field(
         1 << 20,
         ge=1 << 12,
@@ -127,7 +132,9 @@ RunConfig = create_model(  # the run config of the built-in stages
     **_stage_fields(list(BUILTIN_STAGES)),
     **{k: (v, Field(default_factory=v)) for k, v in TAIL_SECTIONS.items()},
 )
-RESERVED.update(n for n in RunConfig.model_fields if n not in STAGE_NAMES)  # no stage may take these names
+for _field in RunConfig.model_fields:  # no stage may take the name of a run-config section that is not one
+    if _field not in STAGE_NAMES:
+        STAGES.reserve(_field, "a run-config section that is not a stage; pick another")
 
 _MODELS: dict[tuple[tuple[str, int], ...], type[BaseModel]] = {}
 

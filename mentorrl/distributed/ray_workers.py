@@ -315,7 +315,7 @@ class RolloutActor:
     def _stream(self) -> None:
         choice, contract = self.rollout_.backend, self.rollout_.contract
         try:
-            if choice.name == "hf":
+            if choice.streams_in_process:
                 choice.rollout_engine(self.model, contract).run_stream(
                     self._next_episode,
                     slots=self.slots,

@@ -16,7 +16,7 @@ from importlib import metadata
 from typing import Any, Callable, Sequence
 
 from mentorrl.config.base import ConfigError
-from mentorrl.config.names import ENVIRONMENT, register_name
+from mentorrl.config.names import ENVIRONMENTS
 from mentorrl.config.plugins import ENV_GROUP
 
 
@@ -95,21 +95,16 @@ def _load_verifiers(env_id: str, args: dict[str, Any]) -> EnvEntry:
     return load_verifiers_entry(env_id, args)
 
 
-_REGISTRY: dict[str, Callable[[], EnvEntry]] = {
-    "orders": _orders,
-    "code": _code,
-    "verifiers": _verifiers,
-    "tau2": _tau2,
-}
+for _name, _factory in (("orders", _orders), ("code", _code), ("verifiers", _verifiers), ("tau2", _tau2)):
+    ENVIRONMENTS.register(_name, _factory)
 # environments that load an installed environment by id: name -> (env.id, env.args) -> EnvEntry
 _LOADERS: dict[str, Callable[[str, dict[str, Any]], EnvEntry]] = {"verifiers": _load_verifiers}
 
 
-def register_env(name: str, factory: Callable[[], EnvEntry]) -> None:
-    if name in _REGISTRY:
-        raise ValueError(f"environment {name!r} is already registered")
-    _REGISTRY[name] = factory
-    register_name(ENVIRONMENT, name)  # a config naming it validates
+def register_env(name: str, factory: Callable[[], EnvEntry], replace: bool = False) -> None:
+    """Register environment ``name`` (a factory ``() -> EnvEntry``) in the registry a config's ``env.name`` is
+    checked against; a taken name is an error unless ``replace``."""
+    ENVIRONMENTS.register(name, factory, replace=replace)
 
 
 def _load_entry_point(name: str) -> None:
@@ -117,17 +112,15 @@ def _load_entry_point(name: str) -> None:
     entry point is an environment factory (``() -> EnvEntry``), or a module whose import registers it."""
     for ep in metadata.entry_points(group=ENV_GROUP, name=name):
         obj = ep.load()
-        if name not in _REGISTRY and callable(obj):
+        if name not in ENVIRONMENTS and callable(obj):
             register_env(name, obj)
         return
 
 
 def get_env(name: str) -> EnvEntry:
-    if name not in _REGISTRY:
+    if name not in ENVIRONMENTS:
         _load_entry_point(name)
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown environment {name!r}; registered: {', '.join(registered_envs())}")
-    return _REGISTRY[name]()
+    return ENVIRONMENTS.get(name)()
 
 
 def resolve_env(env_cfg: Any) -> EnvEntry:
@@ -182,4 +175,4 @@ _WARNED = False
 
 def registered_envs() -> list[str]:
     """The registered environment names (installed entry points included), sorted."""
-    return sorted({*_REGISTRY, *(ep.name for ep in metadata.entry_points(group=ENV_GROUP))})
+    return ENVIRONMENTS.names()

@@ -4,8 +4,15 @@ Real agent tools (search, databases, sandboxes) have long-tailed latency: most c
 and a few take many times the median. :class:`LatencyModel` describes the distribution
 (log-normal or Pareto, optionally per tool); :class:`LatencySampler` draws one delay per call
 from an RNG seeded by the model's seed and the episode's seed, so the same task sees the
-same delays whatever the thread timing. The delay is slept *inside* the tool call, so the
-tool timeout applies to it like to any slow tool.
+same delays whatever the thread timing. The delay is slept *inside* the tool call, and it
+counts towards the tool timeout by its drawn value, not by the clock: a delay of at least
+``env.tool_timeout_s`` is a timeout (the caller waits the timeout, the tool never runs), a
+shorter one never causes one, so whether a call times out never depends on the machine's load.
+
+With ``repeats: independent`` the k-th episode of a task *in this process* draws stream k: the
+same in two uninterrupted runs of one configuration, but a resumed run (a new process) and each
+Ray rollout actor count afresh, so their delays, and the timeouts they decide, may differ from
+an uninterrupted single-process run's.
 """
 
 from __future__ import annotations

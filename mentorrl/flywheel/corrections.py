@@ -52,7 +52,7 @@ def find_tasks(env_entry: Any, task_ids: Iterable[str], max_index: int = 100_000
     a regenerated task is kept only if its id is exactly the requested one.
     """
     groups: dict[tuple[str, int], set[tuple[int, str]]] = defaultdict(set)
-    for tid in set(task_ids):
+    for tid in sorted(set(task_ids)):  # not hash order: the same in every process
         parsed = parse_task_id(tid)
         if parsed is not None and parsed[2] < max_index:
             split, seed, index = parsed

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from mentorrl.contract import CHAT_TEMPLATE, IM_END, PAD, SPECIAL_TOKENS
+from mentorrl.contract import CHAT_TEMPLATE, IM_END, MAX_STATED_CONTEXT, PAD, SPECIAL_TOKENS
 from mentorrl.core.checksums import verify_manifest
 from mentorrl.models.spec import ModelSpec
 
@@ -147,4 +147,18 @@ def load_policy(model_dir: str | Path, dtype: torch.dtype = torch.float32, devic
     if device is not None:
         model = model.to(device)
     model.eval()
+    state_context(tokenizer, model)
     return tokenizer, model
+
+
+def state_context(tokenizer, model) -> None:
+    """A tokenizer that states no context length (transformers' sentinel, as a GGUF import leaves it) takes
+    the model's ``max_position_embeddings``: the rollout contract caps an episode's budget by it."""
+    stated = getattr(tokenizer, "model_max_length", None)
+    positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if (
+        not (isinstance(stated, int) and 0 < stated < MAX_STATED_CONTEXT)
+        and isinstance(positions, int)
+        and positions > 0
+    ):
+        tokenizer.model_max_length = positions

@@ -81,6 +81,26 @@ class PrecisionChoice:
         return {"device": self.device, "dtype": str(self.dtype).removeprefix("torch."), "reason": self.reason,
                 "bf16_speedup": self.bf16_speedup}  # fmt: skip
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> PrecisionChoice:
+        """The inverse of :meth:`to_dict` (``RUN_DIR/precision.json``); ValueError on anything else."""
+        try:
+            dtype = DTYPES[d["dtype"]]
+            speedup = d.get("bf16_speedup")
+            return cls(str(d["device"]), dtype, str(d["reason"]), None if speedup is None else float(speedup))
+        except (KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"not a precision choice: {d!r}") from e
+
+
+_PINNED: dict[str, PrecisionChoice] = {}  # a run's recorded choice per device (see pin_choice)
+
+
+def pin_choice(choice: PrecisionChoice) -> None:
+    """Make ``dtype: auto`` on ``choice.device`` resolve to ``choice`` in this process, without a probe:
+    the run's choice, made once (by rank 0) and recorded, so every rank, and a resumed run, computes in
+    the dtype the run started with, however busy the machine is when they measure."""
+    _PINNED[choice.device] = choice
+
 
 def matmul_rate(dtype: torch.dtype, device: torch.device, n: int = 384, min_s: float = 0.05) -> float:
     """Measured GFLOP/s of an ``n``-square matmul in ``dtype`` on ``device`` (after one warm-up)."""
@@ -104,8 +124,10 @@ def choose_dtype(device: torch.device) -> PrecisionChoice:
     """``dtype: auto`` on ``device``, decided once per device and process: a GPU with bfloat16 takes it (else
     float32); a CPU takes bfloat16 when a start-up probe measures its bf16 matmul at least
     :data:`AUTO_BF16_MIN_SPEEDUP` times the fp32 rate (CPUs with AMX / AVX512-BF16 units: ~6x on this project's
-    machines; without them bf16 runs far slower), else float32."""
-    return _choose_dtype(str(device))
+    machines; without them bf16 runs far slower), else float32. A choice pinned by :func:`pin_choice` (the
+    run's) comes first: the probe is a timing, and near the threshold two probes may disagree."""
+    pinned = _PINNED.get(str(device))
+    return pinned if pinned is not None else _choose_dtype(str(device))
 
 
 @functools.lru_cache(maxsize=8)

@@ -16,7 +16,9 @@ for sampling and bookkeeping::
 Rollback (crash safety): :meth:`ReplayBuffer.mark` is the buffer's state in a few numbers (its id,
 the high-water ``seq`` and the rejection counts); a training checkpoint stores it, and on resume
 :meth:`ReplayBuffer.rollback` restores that state in one transaction: entries inserted after the
-mark are deleted, entries they evicted come back from ``evicted``, and the counts are restored.
+mark are deleted, entries they evicted come back from ``evicted``, and the counts are restored;
+:meth:`ReplayBuffer.drop_ahead` then deletes any entry from a policy version above the restored
+learner's (whoever wrote it, and whenever).
 A file that is not a replay buffer, belongs to another buffer, or is behind the mark raises
 :class:`ReplayBufferError` naming the file. :meth:`ReplayBuffer.forget_evicted` drops evicted
 rows no retained checkpoint can roll back to. Hard-task marks are not rolled back.
@@ -398,6 +400,37 @@ class ReplayBuffer:
             conn.executemany("INSERT INTO rejections (reason, count) VALUES (?, ?)", sorted(rej.items()))
             self._evict_over_capacity(conn)
             return dropped
+
+        return self._write(txn)
+
+    def versions_ahead(self, version: int) -> dict[int, int]:
+        """``{policy version: entries}`` for the stored entries from a policy version above ``version``."""
+        rows = (
+            self._conn()
+            .execute(
+                "SELECT policy_version, COUNT(*) FROM entries WHERE policy_version > ? GROUP BY policy_version"
+                " ORDER BY policy_version",
+                (version,),
+            )
+            .fetchall()
+        )
+        return {int(v): int(n) for v, n in rows}
+
+    def drop_ahead(self, version: int) -> dict[int, int]:
+        """Delete, in one transaction, every entry from a policy version above ``version`` (and every
+        kept evicted copy of one, so no later rollback brings it back). Returns ``{policy version:
+        entries dropped}``. Resume calls it with the restored learner's version: such an entry was
+        sampled by a policy the resumed run does not have (see :mod:`mentorrl.replay.checkpointing`)."""
+
+        def txn(conn: sqlite3.Connection) -> dict[int, int]:
+            rows = conn.execute(
+                "SELECT policy_version, COUNT(*) FROM entries WHERE policy_version > ? GROUP BY policy_version"
+                " ORDER BY policy_version",
+                (version,),
+            ).fetchall()
+            conn.execute("DELETE FROM entries WHERE policy_version > ?", (version,))
+            conn.execute("DELETE FROM evicted WHERE policy_version > ?", (version,))
+            return {int(v): int(n) for v, n in rows}
 
         return self._write(txn)
 

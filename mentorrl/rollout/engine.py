@@ -169,7 +169,7 @@ class StreamScheduler:
             engine.decoder,
             engine.compact_ratio,
             contract.pad_token_id,
-            max_len=contract.limits.max_total_tokens + 1,
+            max_len=contract.max_total_tokens + 1,
         )
         self.t_start = time.perf_counter()
         self.slots: list[EpisodeSlot] = []  # every admitted episode, in admission order

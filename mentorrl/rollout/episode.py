@@ -55,7 +55,7 @@ class Episode:
             raise ValueError(f"token_budget must be >= 1, got {token_budget}")
         self.contract, self.env, self.task = contract, env, task
         self.token_budget = token_budget
-        self.max_total_tokens = contract.limits.max_total_tokens
+        self.max_total_tokens = contract.max_total_tokens
         self.policy_version, self.weights, self.source = policy_version, weights or RewardWeights(), source
         self.ids: list[int] = []
         self.mask: list[int] = []

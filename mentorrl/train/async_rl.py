@@ -128,7 +128,7 @@ class RolloutWorker(threading.Thread):
         self.syncs = 0
         self._state: dict[str, torch.Tensor] | None = None
         self._loaded = -1  # the version this thread last gave the shared backend
-        if rollout.backend.name == "hf":
+        if rollout.backend.streams_in_process:
             self.model = copy.deepcopy(policy).eval()
             for p in self.model.parameters():
                 p.requires_grad_(False)

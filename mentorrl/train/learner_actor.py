@@ -46,7 +46,8 @@ class LearnerActor:
 
 def learner_actor_options(cfg) -> dict[str, Any]:
     d = cfg.distributed
-    threads = str(cfg.threads or max(1, int(d.learner_cpus)))
+    fixed = 0 if cfg.threads == "auto" else cfg.threads  # auto: the CPUs the actor is given
+    threads = str(fixed or max(1, int(d.learner_cpus)))
     env = {**ACTOR_ENV, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
     return {"num_cpus": d.learner_cpus, "num_gpus": d.learner_gpus, "runtime_env": {"env_vars": env}}
 

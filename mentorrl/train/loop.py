@@ -260,6 +260,21 @@ def reward_debugger(trajs: list[Trajectory], threshold: float, path: Path) -> di
     return {"reward_flagged": float(len(flagged)), "reward_flagged_share": len(flagged) / len(trajs) if trajs else 0.0}
 
 
+def score_outcomes(ws, stage: str, step: int, trajs: list[Trajectory]) -> tuple[torch.Tensor, dict[str, float]]:
+    """The outcome-reward ``score`` of a critic-based stage (PPO, SAO): each trajectory's sanitised total reward
+    (``[B]``), and the step's metrics -- reward mean / std, the share clipped, and the reward debugger's flags
+    (written to ``RUN_DIR/audit/flagged-<stage>-step-N.jsonl``)."""
+    audit = ws.cfg.audit
+    rewards, clipped = outcome_rewards(trajs, audit)
+    metrics = {
+        "reward_mean": rewards.mean().item(),
+        "reward_std": rewards.std().item() if len(trajs) > 1 else 0.0,
+        "reward_clipped": clipped["clipped"],
+    }
+    flagged = ws.run_dir / "audit" / f"flagged-{stage}-step-{step + 1:06d}.jsonl"
+    return rewards, {**metrics, **reward_debugger(trajs, audit.flag_reward, flagged)}
+
+
 def gap_check(ws: Workspace, model, monitor: GapMonitor, step: int) -> dict[str, float]:
     """Held-out success now, fed to the reward-success gap monitor."""
     success = heldout_check(ws, model, ws.cfg.audit.eval_tasks)
@@ -341,18 +356,19 @@ def pg_update(
     whole GRPO groups (as verl deals prompts): their advantages balance within it, and the learner
     runs each group's shared prompt and common turns once, not once per minibatch it was split over.
 
-    ``adv``: per-trajectory token advantages (a list of 1-D tensors), or for ``kind="grpo"`` one
-    advantage per trajectory (a tensor). ``skip_zero`` skips a minibatch whose advantages are all 0.
+    ``adv``: per-trajectory token advantages (a list of 1-D tensors), or one advantage per trajectory (a
+    tensor: GRPO's sequence level, where ``kind`` is any registered policy loss, ``grpo.loss``). ``skip_zero`` skips a minibatch whose advantages are all 0.
     ``drop_zero`` (only without a KL term: then a zero-advantage trajectory's loss is exactly 0) does
     not forward a minibatch's zero-advantage trajectories but keeps them in its loss denominator,
     so each update equals the one over the whole minibatch (dropping them from the denominator too
     would scale the step up by up to ``group_size`` when few groups carry signal). A minibatch
     with no signal at all is skipped.
-    ``nll_weights`` (``kind="grpo"`` only; [len(trajs)] or None): an SFT term per trajectory
+    ``nll_weights`` (sequence-level ``adv`` only; [len(trajs)] or None): an SFT term per trajectory
     (:meth:`Learner.policy_step`); a trajectory with a non-zero weight is forwarded whatever its advantage.
     ``loss`` goes to the learner's step (``eps_low``, ``eps_high``, ``agg``, ``ref_model``, ``kl_coef``)."""
-    if nll_weights is not None and kind != "grpo":
-        raise ValueError("pg_update: nll_weights needs kind='grpo'")
+    per_sequence = isinstance(adv, torch.Tensor)
+    if nll_weights is not None and not per_sequence:
+        raise ValueError("pg_update: nll_weights needs one advantage per trajectory (a tensor)")
     if groups is not None and items is not None:
         raise ValueError("pg_update: give items or groups, not both")
     units = groups if groups is not None else [[i] for i in (range(len(trajs)) if items is None else items)]
@@ -369,7 +385,7 @@ def pg_update(
         idx = update_order(learner, idx, trajs)
         batch = [trajs[i] for i in idx]
         lag_from = learner.version
-        if kind == "grpo":
+        if per_sequence:
             nll = nll_weights[idx] if nll_weights is not None else None
             m = learner.policy_step(batch, adv[idx], kind, norm=norm, nll_weights=nll, **loss)
         else:

@@ -3,7 +3,7 @@ each stage run through the registry (:mod:`mentorrl.train.registry`), on a base 
 :mod:`mentorrl.train.models_init`.
 
 Before the first step a recipe runs its preflight: the run directory, the files the stages will
-read, and the prompt length against ``limits.max_total_tokens`` are checked, so a bad setting is a
+read, and the prompt length against the episode's token budget are checked, so a bad setting is a
 :class:`~mentorrl.config.ConfigError` naming the field, not a crash after SFT."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from rich.table import Table
 from mentorrl.config import ConfigError, RunConfig
 from mentorrl.eval.plots import plot_rl_curves, plot_step_metrics
 from mentorrl.models.build import load_policy
-from mentorrl.models.device import choose_dtype, learner_placement, placement_problems
+from mentorrl.models.device import PrecisionChoice, choose_dtype, learner_placement, pin_choice, placement_problems
 from mentorrl.models.hub import checkpoint_problem
 from mentorrl.train.distributed import current as current_dp
 from mentorrl.train.distributed import setup_distributed, shutdown_distributed
@@ -84,10 +84,11 @@ def longest_prompt(ws: Workspace, tasks) -> tuple[int, str]:
 
 def preflight_prompts(ws: Workspace) -> None:
     """Render the prompts the run will use (every evaluation task, a sample of training tasks) with
-    the run's tokenizer; each must leave room under ``limits.max_total_tokens``.
+    the run's tokenizer; each must leave room in the episode's budget (:attr:`RolloutContract.max_total_tokens`:
+    ``limits.max_total_tokens`` plus the system turn, at most the model's context).
 
     Raises :class:`ConfigError` naming the field (also for a split the environment does not have)."""
-    cfg, limit = ws.cfg, ws.cfg.limits.max_total_tokens
+    cfg, contract = ws.cfg, ws.contract
     checks = [("train_split", cfg.train_split, lambda: ws.tasks(cfg.train_split, PREFLIGHT_TRAIN_TASKS, cfg.seed))]
     if cfg.eval.num_tasks > 0:
         checks.append(("eval.split", cfg.eval.split, lambda: ws.eval_tasks(cfg.eval.split, cfg.eval.num_tasks)))
@@ -97,11 +98,24 @@ def preflight_prompts(ws: Workspace) -> None:
         except ValueError as e:
             raise ConfigError(f"{field} {split!r}: {e}") from None
         tokens, task = longest_prompt(ws, tasks)
-        if tokens >= limit:
-            raise ConfigError(
-                f"limits.max_total_tokens={limit} leaves no room for a turn: the prompt of {split} "
-                f"task {task} is {tokens} tokens; set limits.max_total_tokens above {tokens}"
-            )
+        if tokens >= contract.max_total_tokens:
+            raise ConfigError(budget_problem(contract, tokens, f"the prompt of {split} task {task}"))
+
+
+def budget_problem(contract: Any, tokens: int, what: str) -> str:
+    """Why a prompt of ``tokens`` leaves no room for a turn under ``contract``'s budget."""
+    limit, system = contract.limits.max_total_tokens, contract.system_tokens
+    head = f"{what} is {tokens} tokens (the system turn's {system} included)"
+    if contract.context_tokens is not None and limit + system > contract.context_tokens:
+        return (
+            f"limits.max_total_tokens={limit} leaves no room for a turn: {head}, and the model's context is "
+            f"{contract.context_tokens} tokens; shorten the system prompt or tool descriptions "
+            "(prompt.tool_descriptions=false) or use a model with a longer context"
+        )
+    return (
+        f"limits.max_total_tokens={limit} leaves no room for a turn: {head}; set limits.max_total_tokens "
+        f"above {tokens - system} (it counts everything but the system turn)"
+    )
 
 
 def _fmt_pct(x: float) -> str:
@@ -164,14 +178,31 @@ def _run_recipe(cfg: RunConfig, resume: bool, show_progress: bool, dp, t0: float
         return _run_stages(ws, resume, t0)
 
 
-def report_precision(ws: Workspace) -> None:
-    """``model.dtype: auto``: print the dtype the start-up probe chose, and why, and write it to
-    RUN_DIR/precision.json (the rollout and teachers follow the learner unless they set their own)."""
+def report_precision(ws: Workspace, resume: bool = False) -> None:
+    """``model.dtype: auto``: the dtype the start-up probe chose, and why, printed and written to
+    RUN_DIR/precision.json (the rollout and teachers follow the learner unless they set their own).
+    The probe is a timing, so the run decides once: rank 0 probes (a resumed run reuses the recorded
+    choice instead) and every rank pins that choice (:func:`~mentorrl.models.device.pin_choice`)."""
     if ws.cfg.model.dtype != "auto":
         return
-    choice = choose_dtype(learner_placement(ws.cfg).device)
-    ws.console.print(f"model.dtype auto: {str(choice.dtype).removeprefix('torch.')} ({choice.reason})")
-    ws.on_main(lambda: (ws.run_dir / "precision.json").write_text(json.dumps(choice.to_dict(), indent=1) + "\n"))
+    device, path = learner_placement(ws.cfg).device, ws.run_dir / "precision.json"
+
+    def decide() -> tuple[PrecisionChoice, bool]:
+        if resume and path.exists():
+            try:
+                recorded = PrecisionChoice.from_dict(json.loads(path.read_text()))
+                if recorded.device == str(device):
+                    return recorded, True
+            except ValueError:  # unreadable: probe again (and say so by the reason printed)
+                pass
+        return choose_dtype(device), False
+
+    choice, kept = ws.on_main(decide)
+    pin_choice(choice)
+    how = "the run's recorded choice" if kept else choice.reason
+    ws.console.print(f"model.dtype auto: {str(choice.dtype).removeprefix('torch.')} ({how})")
+    if not kept:
+        ws.on_main(lambda: path.write_text(json.dumps(choice.to_dict(), indent=1) + "\n"))
 
 
 def _run_stages(ws: Workspace, resume: bool, t0: float) -> dict[str, Any]:
@@ -180,7 +211,7 @@ def _run_stages(ws: Workspace, resume: bool, t0: float) -> dict[str, Any]:
     con.rule("[bold]mentorrl " + " -> ".join(cfg.recipe))
     if dp is not None:
         con.print(f"data parallel: {dp.world_size} ranks ({dp.strategy.upper()}); rank 0 writes")
-    report_precision(ws)
+    report_precision(ws, resume)
     model_dir = ws.on_main(lambda: base_model_dir(ws))
     tokenizer, model = load_policy(model_dir, device=learner_placement(cfg).device)  # fp32 master weights
     ws.bind_tokenizer(tokenizer)

@@ -42,11 +42,12 @@ def register_stage(
     parallel: Iterable[str] = (),
     writes_samples: bool = False,
     needs: Callable[[Any], list[tuple[str, str]]] | None = None,
+    replace: bool = False,
 ) -> Callable[[StageFn], StageFn]:
     """Register the decorated :class:`~mentorrl.train.rl_loop.Stage` subclass (run by the one loop),
     or a plain ``run(ws, model, resume=False)``, as stage ``name`` with its own config section
-    ``config`` (see :class:`~mentorrl.config.stages.StageSpec` for the rest). Registering a name
-    twice replaces the earlier stage (a test's toy stage, a reloaded module)."""
+    ``config`` (see :class:`~mentorrl.config.stages.StageSpec` for the rest). A taken name is an error
+    unless ``replace`` (:func:`unregister_stage` brings a replaced built-in stage back)."""
 
     def deco(fn):
         runner = run_on_loop(fn) if isinstance(fn, type) and issubclass(fn, Stage) else fn
@@ -61,7 +62,8 @@ def register_stage(
                 frozenset(parallel),
                 writes_samples,
                 needs,
-            )
+            ),
+            replace=replace,
         )
         return fn
 

@@ -43,6 +43,7 @@ from mentorrl.trajectory import Trajectory, write_jsonl
 
 SEED_SPACE = 2**31 - 1  # seeds fit torch, numpy and the rollout's turn seeds
 HOOKS = ("tasks", "rollout", "score", "advantages", "update", "after")
+STOPPABLE = ("tasks", "rollout", "score")  # a stop set by one of these skips the hooks after it
 
 
 def pool_size(per_step: int, steps: int, least: int = 64) -> int:
@@ -92,6 +93,8 @@ class StepBatch:
     metrics: dict[str, Any] = field(default_factory=dict)
     data: dict[str, Any] = field(default_factory=dict)  # what a stage carries between its own hooks
     stop: bool = False  # end the stage after this step (checkpointed)
+    policy: Any = None  # the model that rolls this batch out (None: the stage's policy; overlap: a snapshot)
+    behaviour_version: int | None = None  # the policy version that rolls it out (None: the learner's now)
 
     @property
     def policy_tokens(self) -> int:
@@ -116,6 +119,8 @@ class Stage:
     data_parallel: ClassVar[bool] = False  # the learner trains data-parallel under a torchrun launch
     update_metrics: ClassVar[tuple[str, ...]] = PG_METRICS  # reduced over a step's updates
     pool_least: ClassVar[int] = 64
+    learner_options: ClassVar[dict[str, Any]] = {}  # extra Learner arguments (SAO: version_per_update=False)
+    overlappable: ClassVar[bool] = False  # its tasks + rollout may run a step ahead (``overlap: one_step``)
 
     def __init__(self, ws: Workspace, model):
         self.ws, self.model = ws, model
@@ -126,6 +131,7 @@ class Stage:
 
     # ---- set-up -------------------------------------------------------------------------------
     def make_learner(self) -> Learner:
+        """The stage's learner over its model, with :attr:`learner_options` (e.g. SAO's policy versions)."""
         ws = self.ws
         return Learner(
             self.model,
@@ -134,6 +140,7 @@ class Stage:
             ws.contract.sampling.temperature,
             dp=ws.dp if self.data_parallel else None,
             precision=ws.cfg.model.dtype,
+            **self.learner_options,
         )
 
     @property
@@ -202,10 +209,10 @@ class Stage:
         consistency, with the rollout metrics."""
         grp = collect_group(
             self.ws,
-            self.model,
+            self.model if b.policy is None else b.policy,
             b.tasks,
             group_size,
-            self.learner.version,
+            self.learner.version if b.behaviour_version is None else b.behaviour_version,
             b.seeds("rollout"),
             f"{self.name} step {b.step + 1}",
             token_budgets=token_budgets,
@@ -275,17 +282,30 @@ class RLLoop:
         self.stage = stage
 
     def step(self, step: int) -> dict[str, Any]:
+        b = StepBatch(step, self.stage.seeds.at(step))
+        self.run_hooks(b, HOOKS)
+        return self.finish(b)
+
+    def run_hooks(self, b: StepBatch, hooks: tuple[str, ...]) -> None:
+        """Run ``hooks`` on ``b`` in order (timing the update); a ``stop`` set by tasks, rollout or
+        score skips the rest."""
+        for hook in hooks:
+            self.run_hook(b, hook)
+            if b.stop and hook in STOPPABLE:
+                return
+
+    def run_hook(self, b: StepBatch, hook: str) -> None:
         stage = self.stage
-        b = StepBatch(step, stage.seeds.at(step))
-        for hook in HOOKS:
-            t0, c0 = time.perf_counter(), time.process_time()
-            getattr(stage, hook)(b)
-            if hook == "update":
-                stage.ws.rollout.sync(stage.model, stage.learner.version)  # an engine of its own (vLLM) follows
-                b.metrics.setdefault("update_s", time.perf_counter() - t0)
-                b.metrics.setdefault("update_cpu_s", time.process_time() - c0)
-            if b.stop and hook in ("tasks", "rollout", "score"):
-                break
+        t0, c0 = time.perf_counter(), time.process_time()
+        getattr(stage, hook)(b)
+        if hook == "update":
+            stage.ws.rollout.sync(stage.model, stage.learner.version)  # an engine of its own (vLLM) follows
+            b.metrics.setdefault("update_s", time.perf_counter() - t0)
+            b.metrics.setdefault("update_cpu_s", time.process_time() - c0)
+
+    def finish(self, b: StepBatch) -> dict[str, Any]:
+        """The step's metrics record: the updates' metrics reduced, the mismatch, the policy version."""
+        stage = self.stage
         if stage.update_metrics:
             b.metrics.update(
                 {k: v for k, v in reduce_updates(b.updates, stage.update_metrics).items() if k not in b.metrics}
@@ -326,9 +346,31 @@ def run_on_loop(stage_cls: type[Stage]):
     """The registry's ``run(ws, model, resume=False) -> Path`` for a :class:`Stage` class."""
 
     def run(ws: Workspace, model, resume: bool = False) -> Path:
-        return RLLoop(stage_cls(ws, model)).run(resume)
+        return loop_for(stage_cls(ws, model)).run(resume)
 
     run.__name__ = f"run_{stage_cls.name}"
     run.__doc__ = stage_cls.__doc__
     run.stage_cls = stage_cls  # type: ignore[attr-defined]  (what the registry and tests introspect)
     return run
+
+
+LOOPS: dict[str, type[RLLoop]] = {"off": RLLoop}  # a stage's ``overlap`` setting -> the loop that runs it
+
+
+def register_loop(mode: str):
+    """Register a loop class for ``<section>.overlap: mode`` (e.g. :mod:`mentorrl.train.overlap`'s ``one_step``)."""
+
+    def deco(cls: type[RLLoop]) -> type[RLLoop]:
+        LOOPS[mode] = cls
+        return cls
+
+    return deco
+
+
+def loop_for(stage: Stage) -> RLLoop:
+    """The loop that runs ``stage``: :class:`RLLoop`, or the one registered for its ``overlap`` setting
+    (``one_step``: :class:`~mentorrl.train.overlap.OverlapLoop`, which checks the stage before the first step)."""
+    mode = getattr(stage.cfg, "overlap", "off")
+    if mode not in LOOPS:
+        raise ValueError(f"{stage.name}.overlap: {mode!r} has no loop registered (registered: {sorted(LOOPS)})")
+    return LOOPS[mode](stage)

@@ -18,7 +18,6 @@ the manifest over every rank's files; on resume every rank reads its shards of t
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -28,6 +27,7 @@ from rich.markup import escape
 from mentorrl.models.lora import check_weights_kind
 from mentorrl.train.fsdp import is_sharded_checkpoint, load_full_weights, load_shards, save_shards
 from mentorrl.train.learner import Learner
+from mentorrl.train.parallelism import cpu_cores
 from mentorrl.train.progress import stage_progress
 from mentorrl.train.rundir import (
     KEEP_CHECKPOINTS,
@@ -213,14 +213,6 @@ def _resume_point(
         restore_extra(state.get("extra", {}))
     ws.console.print(f"[yellow]{stage}: resuming from {ckpt.name} (step {state['step']}/{steps})[/yellow]")
     return ckpt, int(state["step"])
-
-
-def cpu_cores() -> int:
-    """Cores this process may run on."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
 
 
 def step_timing(m: dict[str, Any], step_s: float, cpu_s: float) -> dict[str, float]:

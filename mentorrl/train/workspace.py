@@ -22,9 +22,10 @@ from mentorrl.envs import EnvEntry, env_factory, resolve_env
 from mentorrl.envs.base import check_stratifies, draw_tasks
 from mentorrl.eval.metrics import summarize
 from mentorrl.eval.sets import assert_trainable, assert_trainable_splits
-from mentorrl.models.device import rollout_backend_args
+from mentorrl.models.device import resolve_device, rollout_backend_args
 from mentorrl.rollout import BackendChoice, Rollout
 from mentorrl.train.memory import set_malloc_mmap_threshold
+from mentorrl.train.parallelism import Parallelism, choose_parallelism, cpu_cores, write_parallelism
 from mentorrl.train.progress import count_progress
 from mentorrl.train.rundir import MetricsLog
 from mentorrl.trajectory import write_jsonl
@@ -172,15 +173,32 @@ class Workspace:
         )
 
 
+def auto_parallelism(cfg: RunConfig, ranks: int = 1) -> Parallelism | None:
+    """``threads: auto``'s choice for this machine and ``cfg`` (:mod:`mentorrl.train.parallelism`); under
+    ``distributed.backend: ray`` it also sets ``distributed.rollout_workers`` unless the config set it. None
+    for a fixed thread count."""
+    if cfg.threads != "auto":
+        return None
+    device = resolve_device(cfg.model.device).type
+    plan = choose_parallelism(cpu_cores(), device, tuple(cfg.recipe), False, ranks)  # an overlapped stage: its own
+    if cfg.distributed.backend == "ray" and "rollout_workers" not in cfg.distributed.model_fields_set:
+        cfg.distributed.rollout_workers = plan.rollout_workers
+    return plan
+
+
 def open_workspace(cfg: RunConfig, show_progress: bool = True, dp=None) -> Workspace:
     """The run's workspace; with ``dp`` (a data-parallel rank) only rank 0 writes and shows progress."""
     run_dir = Path(cfg.run_dir)
     main = dp is None or dp.is_main
+    plan = auto_parallelism(cfg, dp.world_size if dp is not None else 1)  # before config.yaml: it may set workers
     if main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(dump_config(cfg))
+        if plan is not None:
+            write_parallelism(run_dir, plan)
+            Console().print(plan.line(), markup=False, highlight=False)
     if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+        torch.set_num_threads(plan.threads if plan is not None else cfg.threads)
     why = set_malloc_mmap_threshold(cfg.malloc_mmap_threshold)  # before the policy's tensors are allocated
     if why is not None and cfg.malloc_mmap_threshold is not None and main:
         Console(stderr=True).print(f"malloc_mmap_threshold not applied: {why}", markup=False)

@@ -4,6 +4,8 @@
   log-probs (at the contract's temperature) out; ``set_weights(version, state_dict)``, ``close()``.
 - ``hf`` (:class:`~mentorrl.rollout.backends.hf.HFBackend`, the default): the project's engine.
 - ``vllm`` (:class:`~mentorrl.rollout.backends.vllm.VLLMBackend`): a vLLM engine in this process.
+- a user's: ``register_rollout_backend(name, kind)`` with a :class:`BackendKind` (how a choice builds it for a
+  model), in the registry ``rollout.backend`` is checked against (:data:`mentorrl.config.names.ROLLOUT_BACKENDS`).
 
 A run's ``rollout:`` config section picks one: :class:`BackendChoice` is built from it (by
 :class:`mentorrl.rollout.api.Rollout`, which the workspace builds once) and owns the vLLM engine,
@@ -20,6 +22,7 @@ import threading
 import weakref
 from typing import Any
 
+from mentorrl.config.names import ROLLOUT_BACKENDS
 from mentorrl.contract import RolloutContract
 from mentorrl.rollout.backends.base import (
     Generation,
@@ -33,6 +36,10 @@ from mentorrl.rollout.dispatch import INLINE_TOOL_S
 
 __all__ = [
     "BackendChoice",
+    "BackendKind",
+    "ROLLOUT_BACKENDS",
+    "SharedEngineKind",
+    "register_rollout_backend",
     "Generation",
     "GenerationBackend",
     "backend_name",
@@ -46,7 +53,8 @@ __all__ = [
 
 
 def backend_name(cfg: Any) -> str:
-    """The backend a ``rollout:`` section (:class:`mentorrl.config.RolloutConfig`, or None) names: hf or vllm."""
+    """The backend a ``rollout:`` section (:class:`mentorrl.config.RolloutConfig`, or None) names (hf, vllm or a
+    registered one)."""
     return getattr(cfg, "backend", "hf") or "hf"
 
 
@@ -111,6 +119,57 @@ def _detached_copy(model):
     return out
 
 
+class BackendKind:
+    """A registered rollout backend: how a :class:`BackendChoice` builds it for a model (:meth:`build`).
+    ``streams_in_process``: the backend is the project's engine over a model in this process, which streaming
+    rollouts (SAO's worker, Ray actors) drive directly (:meth:`BackendChoice.rollout_engine`); otherwise they go
+    through :meth:`BackendChoice.for_model` round by round."""
+
+    streams_in_process: bool = False
+
+    def build(self, choice: "BackendChoice", model, contract: RolloutContract, version: int | None):
+        raise NotImplementedError
+
+
+class EngineKind(BackendKind):
+    """``hf``: the project's engine (:class:`~mentorrl.rollout.backends.hf.HFBackend`), a fresh one per call over
+    the choice's placed model."""
+
+    streams_in_process = True
+
+    def build(self, choice, model, contract, version):
+        from mentorrl.rollout.backends.hf import HFBackend
+
+        return HFBackend(choice.placed(model), contract, **choice.engine_settings)
+
+
+class SharedEngineKind(BackendKind):
+    """A backend holding one engine per choice (``vllm``): ``make(model, contract, rollout_config)`` builds it on
+    first use; it is rebuilt when it is not ``compatible`` with a later model or contract, and follows the model's
+    weights (``follow(model, version)``)."""
+
+    def __init__(self, make):
+        self.make = make
+
+    def build(self, choice, model, contract, version):
+        return choice.shared_engine(self.make, model, contract, version)
+
+
+def _vllm_engine(model, contract, config):
+    from mentorrl.rollout.backends.vllm import VLLMBackend
+
+    return VLLMBackend(model, contract, config)
+
+
+def register_rollout_backend(name: str, kind: BackendKind, replace: bool = False) -> BackendKind:
+    """Make ``rollout.backend: name`` decode with ``kind`` (a taken name is an error unless ``replace``)."""
+    return ROLLOUT_BACKENDS.register(name, kind, replace=replace)
+
+
+register_rollout_backend("hf", EngineKind())
+register_rollout_backend("vllm", SharedEngineKind(_vllm_engine))
+
+
 class BackendChoice:
     """The generation backend a ``rollout:`` section picks (``config``: a
     :class:`mentorrl.config.RolloutConfig`, or None for the hf defaults), and the vLLM engine it
@@ -128,6 +187,15 @@ class BackendChoice:
     @property
     def name(self) -> str:
         return backend_name(self.config)
+
+    @property
+    def kind(self) -> BackendKind:
+        return ROLLOUT_BACKENDS.get(self.name)
+
+    @property
+    def streams_in_process(self) -> bool:
+        """Whether streaming rollouts drive the project's engine here (:attr:`BackendKind.streams_in_process`)."""
+        return self.kind.streams_in_process
 
     @property
     def decoder(self) -> str:
@@ -168,19 +236,19 @@ class BackendChoice:
         return self._copies.get(model, self.placement)
 
     def for_model(self, model, contract: RolloutContract, version: int | None = None) -> GenerationBackend:
-        """The backend that decodes ``model``'s rollouts under ``contract``: a fresh :class:`HFBackend`
-        over the model itself, or this choice's vLLM engine with ``model``'s current weights."""
-        if self.name == "hf":
-            from mentorrl.rollout.backends.hf import HFBackend
+        """The backend that decodes ``model``'s rollouts under ``contract``, as the registered kind of
+        ``rollout.backend`` builds it: a fresh :class:`HFBackend` over the model itself, or this choice's vLLM
+        engine with ``model``'s current weights."""
+        return self.kind.build(self, model, contract, version)
 
-            return HFBackend(self.placed(model), contract, **self.engine_settings)
-        from mentorrl.rollout.backends.vllm import VLLMBackend
-
+    def shared_engine(self, make, model, contract: RolloutContract, version: int | None) -> GenerationBackend:
+        """This choice's one engine (:class:`SharedEngineKind`), built by ``make`` on first use or when the
+        held one is not compatible with ``model`` / ``contract``, given ``model``'s current weights."""
         with self._lock:
             if self._engine is not None and not self._engine.compatible(model, contract):
                 self._release()
             if self._engine is None:
-                self._engine = VLLMBackend(model, contract, self.config)
+                self._engine = make(model, contract, self.config)
             engine = self._engine
         engine.contract = contract  # the eval contract may differ from the training one in temperature only
         engine.follow(model, version)

@@ -126,7 +126,7 @@ class VLLMBackend(GenerationBackend):
             enable_prefix_caching=cfg.prefix_caching,
             max_num_seqs=cfg.max_num_seqs,
             seed=seed,
-            max_model_len=self.contract.limits.max_total_tokens + 1,
+            max_model_len=self.contract.max_total_tokens + 1,
             logprobs_mode="processed_logprobs",
             worker_extension_cls=EXTENSION,
             **kw,

@@ -51,6 +51,7 @@ from mentorrl.algos.preference import after_shared_prefix, dpo_loss, ipo_loss, o
 from mentorrl.chat import action_key, action_of, assistant_message, message_text, trajectory_messages
 from mentorrl.clients.openai_api import STAT_KEYS, TeacherClient
 from mentorrl.config import BlackBoxConfig, BlackBoxTeacherConfig
+from mentorrl.config.registry import Registry
 from mentorrl.contract import render_observation_content
 from mentorrl.opd.remote_teacher import ActingTeacher, BlackBoxTeacher, PromptedTeacher, StudentEpisode
 from mentorrl.opd.teacher import Capability, require
@@ -105,7 +106,8 @@ def open_teacher(ws: Workspace, t: BlackBoxTeacherConfig, student=None, seed: in
             )
             if not (path / "config.json").exists():
                 raise FileNotFoundError(f"blackbox teacher: {path} is not a Hugging Face checkpoint directory")
-            threads = ["--threads", str(ws.cfg.threads)] if ws.cfg.threads else []  # the run's CPU budget, not more
+            n = torch.get_num_threads() if ws.cfg.threads == "auto" else ws.cfg.threads  # auto: as the workspace set
+            threads = ["--threads", str(n)] if n else []  # the run's CPU budget, not more
             dist = ws.cfg.distributed
             if dist.backend == "ray" and dist.teacher_workers > 0:  # on a Ray actor, with a fresh bearer token
                 from mentorrl.distributed.ray_serve import serve_on_actor
@@ -527,13 +529,15 @@ class BlackBoxRecipe:
         raise NotImplementedError
 
 
-RECIPES: dict[str, type[BlackBoxRecipe]] = {}
+RECIPES: Registry[type[BlackBoxRecipe]] = Registry("black-box recipe")
 
 
-def blackbox_recipe(cls: type[BlackBoxRecipe]) -> type[BlackBoxRecipe]:
-    """Register a :class:`BlackBoxRecipe` under its ``name`` (a later one of the same name replaces it)."""
-    RECIPES[cls.name] = cls
-    return cls
+def blackbox_recipe(cls: type[BlackBoxRecipe] | None = None, *, replace: bool = False) -> Any:
+    """Register a :class:`BlackBoxRecipe` under its ``name`` (a taken name is an error unless ``replace``);
+    ``@blackbox_recipe`` or ``@blackbox_recipe(replace=True)``."""
+    if cls is None:
+        return lambda c: RECIPES.register(c.name, c, replace=replace)
+    return RECIPES.register(cls.name, cls, replace=replace)
 
 
 def episode_groups(b: StepBatch) -> list[list[StudentEpisode]]:

@@ -205,6 +205,7 @@ class EvolveStage(Stage):
             teacher_version=float(state["teacher"]),
             rollout_tokens_total=float(state["rollout_tokens"]),
         )
+        b.metrics.update(self.replay.take_metrics())  # the first step after a resume: what it dropped
         if (b.step + 1) % self.cfg.steps_per_iteration == 0:
             b.metrics.update(self.close_iteration(b.step))
 
@@ -241,7 +242,7 @@ class EvolveStage(Stage):
         return {**self.state, "curriculum": self.curriculum.state_dict(), **self.replay.state()}
 
     def load_state_dict(self, st: dict[str, Any]) -> None:
-        self.replay.restore(st)
+        self.replay.restore(st, self.learner.version)  # the learner was restored first
         self.state.update({k: st[k] for k in self.state if k in st})
         self.sync_versions()
         if st.get("curriculum"):

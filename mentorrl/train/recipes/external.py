@@ -202,6 +202,7 @@ class ExternalStage(GRPOStage):
 
     name = "external"
     data_parallel = False
+    overlappable = False  # the recording server serves the policy itself: no behaviour snapshot to roll ahead with
 
     def __init__(self, ws: Workspace, model):
         super().__init__(ws, model)

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 
 from mentorrl.algos.advantages import get_advantage_estimator
+from mentorrl.algos.losses import get_policy_loss, unaccepted_arguments
+from mentorrl.config import ConfigError
 from mentorrl.envs.adapters.common import NoExpert
 from mentorrl.flywheel.hard_pool import HardTaskPool
 from mentorrl.train.loop import (
@@ -23,6 +25,7 @@ from mentorrl.train.loop import (
     pg_update,
     reward_debugger,
 )
+from mentorrl.train.overlap import OverlapLoop  # noqa: F401 -- registers grpo.overlap: one_step
 from mentorrl.train.rl_loop import RewardGapWatch, Stage, StepBatch, run_on_loop
 from mentorrl.train.workspace import Workspace, frozen_copy
 
@@ -82,6 +85,22 @@ def guide_expert(ws: Workspace, guide: str | None = None):
     return expert
 
 
+def grpo_loss_kwargs(g) -> dict[str, Any]:
+    """What the configured policy loss (``grpo.loss``) gets besides the log-probs, advantages and mask: the
+    clip range and aggregation, and the KL coefficient when there is a KL term (the reference's log-probs come
+    with it). A loss that does not take them is a :class:`ConfigError` before the first step."""
+    kw: dict[str, Any] = {"eps_low": g.eps_low, "eps_high": g.eps_high, "agg": g.loss_agg}
+    if g.kl_coef > 0:
+        kw["kl_coef"] = g.kl_coef
+    missing = unaccepted_arguments(get_policy_loss(g.loss), [*kw, *(["ref_logprobs"] if g.kl_coef > 0 else [])])
+    if missing:
+        raise ConfigError(
+            f"grpo.loss: the policy loss {g.loss!r} does not take {', '.join(missing)}"
+            + (" (grpo.kl_coef > 0 needs a loss with a KL term, e.g. grpo)" if g.kl_coef > 0 else "")
+        )
+    return kw
+
+
 class GRPOStage(Stage):
     """GRPO: group-relative advantages over ``samples_per_task`` rollouts per task (optionally
     resampling hard tasks, and with the scripted expert's demonstration in a group where every
@@ -91,9 +110,11 @@ class GRPOStage(Stage):
     name = "grpo"
     data_parallel = True
     update_metrics = GRPO_METRICS
+    overlappable = True  # grpo.overlap: one_step rolls batch k+1 out during step k's update
 
     def __init__(self, ws: Workspace, model):
         super().__init__(ws, model)
+        self.loss_kwargs = grpo_loss_kwargs(self.cfg)
         self.ref_model = frozen_copy(model) if self.cfg.kl_coef > 0 else None
         self.estimator = get_advantage_estimator(self.cfg.advantage)
         self.gap = RewardGapWatch(ws, model)
@@ -109,6 +130,11 @@ class GRPOStage(Stage):
 
     def rollout(self, b: StepBatch) -> None:
         self.collect(b, self.cfg.samples_per_task, shard=True)
+
+    def score(self, b: StepBatch) -> None:
+        """The verifier's group rewards; the hard-task pool learns the batch's failures here, in the
+        learner's thread (under ``grpo.overlap`` the next batch's tasks were drawn a step earlier)."""
+        super().score(b)
         if self.hard is not None:
             self.hard.update(b.trajs)
 
@@ -157,15 +183,12 @@ class GRPOStage(Stage):
             b.adv,
             g.updates_per_step,
             b.seeds("minibatches"),
-            kind="grpo",
+            kind=g.loss,
             groups=b.groups,
             drop_zero=g.kl_coef == 0,
             ref_model=self.ref_model,
-            kl_coef=g.kl_coef,
-            eps_low=g.eps_low,
-            eps_high=g.eps_high,
-            agg=g.loss_agg,
             nll_weights=b.data["nll"],
+            **self.loss_kwargs,
         )
         b.metrics["trained_trajectories"] = len(b.trajs) if g.kl_coef > 0 else int((b.adv.abs() > 0).sum())
 

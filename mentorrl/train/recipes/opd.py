@@ -49,6 +49,7 @@ from mentorrl.algos.opd_terms import (
     rlsd_weights,
     token_advantages,
 )
+from mentorrl.config.registry import Registry
 from mentorrl.contract import contract_for_env
 from mentorrl.opd.advantage import GapBudget, kl_advantages, teacher_weights, tool_error_tokens, until_first_error
 from mentorrl.opd.retokenize import retokenize
@@ -248,7 +249,7 @@ class OPDStage(Stage):
         b.metrics.update(tm)
         if self.budget is not None:
             gaps, families = x["gaps"], [t.family for t in trajs]
-            for fam in set(families):
+            for fam in sorted(set(families)):  # not hash order: the same in every process
                 idx = [i for i, f in enumerate(families) if f == fam and gaps[i] is not None]
                 if idx:
                     self.budget.observe(
@@ -349,11 +350,12 @@ def _sequence_fallback_loss(stage: OPDStage, b: StepBatch, p) -> None:
     )
 
 
-LOSS_TERMS: dict[str, LossTerm] = {
-    "topk": LossTerm(_topk_loss, ready=lambda stage: bool(stage.teachers)),
-    "rlsd_topk": LossTerm(_rlsd_topk_loss, needs=("rewards", "success", "lengths", "seed"), prepare=_rlsd_prepare),
-    "sequence_fallback": LossTerm(_sequence_fallback_loss, ready=lambda stage: bool(stage.cross)),
-}
+LOSS_TERMS: Registry[LossTerm] = Registry("OPD loss term")
+LOSS_TERMS.register("topk", LossTerm(_topk_loss, ready=lambda stage: bool(stage.teachers)))
+LOSS_TERMS.register(
+    "rlsd_topk", LossTerm(_rlsd_topk_loss, needs=("rewards", "success", "lengths", "seed"), prepare=_rlsd_prepare)
+)
+LOSS_TERMS.register("sequence_fallback", LossTerm(_sequence_fallback_loss, ready=lambda stage: bool(stage.cross)))
 
 
 # ------------------------------------------------------------- helpers -----

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from mentorrl.train.critic import Critic
-from mentorrl.train.loop import outcome_rewards, pg_update, reward_debugger
+from mentorrl.train.loop import pg_update, score_outcomes
 from mentorrl.train.rl_loop import RewardGapWatch, Stage, StepBatch, run_on_loop
 from mentorrl.train.workspace import Workspace
 
@@ -25,20 +25,8 @@ class PPOStage(Stage):
         self.gap = RewardGapWatch(ws, model)
 
     def score(self, b: StepBatch) -> None:
-        rewards, clipped = outcome_rewards(b.trajs, self.ws.cfg.audit)
-        b.rewards = rewards
-        b.metrics.update(
-            reward_mean=rewards.mean().item(),
-            reward_std=rewards.std().item() if len(b.trajs) > 1 else 0.0,
-            reward_clipped=clipped["clipped"],
-        )
-        b.metrics.update(
-            reward_debugger(
-                b.trajs,
-                self.ws.cfg.audit.flag_reward,
-                self.ws.run_dir / "audit" / f"flagged-ppo-step-{b.step + 1:06d}.jsonl",
-            )
-        )
+        b.rewards, metrics = score_outcomes(self.ws, "ppo", b.step, b.trajs)
+        b.metrics.update(metrics)
 
     def advantages(self, b: StepBatch) -> None:
         b.adv, _, value_metrics = self.critic.step(b.trajs, b.rewards, self.cfg.gae, seed=b.seeds("critic"))

@@ -20,8 +20,11 @@ Crash safety: checkpoints hold the weights, optimiser, critic and policy version
 buffer's mark (:meth:`ReplayBuffer.mark`: its id and high-water entry). The buffer is SQLite (each
 insert one transaction); on resume it is rolled back to the restored checkpoint's mark in one
 transaction, so entries added by the discarded steps (possibly of a policy version newer than the
-restored learner) are gone and entries they evicted are back; a stage that starts from step 0
-starts from an empty buffer. A buffer file that was replaced raises :class:`ReplayBufferError`
+restored learner) are gone and entries they evicted are back; then any entry still from a policy
+version above the restored learner's is dropped (the version rule of
+:mod:`mentorrl.replay.checkpointing`, which holds whoever wrote the entry); both counts are printed
+and logged on the first step after the resume. A stage that starts from step 0 starts from an
+empty buffer. A buffer file that was replaced raises :class:`ReplayBufferError`
 naming it. The per-step records (``metrics.jsonl``, ``samples/sao-step-N.jsonl``,
 ``sao/consumed/step-N.json``) are rewritten when a step is redone. Trajectories in flight when
 the run died are simply lost; the resumed worker starts new ones.
@@ -42,15 +45,14 @@ from mentorrl.replay.buffer import BatchItem, ReplayBuffer, hybrid_batch, segmen
 from mentorrl.replay.checkpointing import BufferCheckpoints
 from mentorrl.train.async_rl import RolloutPool, WeightBox, lag_histogram, staleness_weights
 from mentorrl.train.critic import Critic
-from mentorrl.train.learner import Learner
 from mentorrl.train.loop import (
     outcome_rewards,
     pg_update,
     reduce_updates,
     relabel_behaviour,
     require_consistent,
-    reward_debugger,
     rollout_metrics,
+    score_outcomes,
 )
 from mentorrl.train.rl_loop import RewardGapWatch, Stage, StepBatch, run_on_loop
 from mentorrl.train.rundir import KEEP_CHECKPOINTS
@@ -97,6 +99,7 @@ class SAOStage(Stage):
 
     name = "sao"
     update_metrics = ()  # reduced in the update hook (its pg_loss is the stage's loss)
+    learner_options = {"version_per_update": False}  # the version moves when the weights go to the worker
 
     def __init__(self, ws: Workspace, model):
         super().__init__(ws, model)
@@ -119,17 +122,6 @@ class SAOStage(Stage):
             BufferCheckpoints(self.buffer, KEEP_CHECKPOINTS, "sao", ws.console.print)
             if self.buffer is not None
             else None
-        )
-
-    def make_learner(self) -> Learner:
-        ws = self.ws
-        return Learner(
-            self.model,
-            self.cfg.optim,
-            ws.contract.pad_token_id,
-            ws.contract.sampling.temperature,
-            version_per_update=False,
-            precision=ws.cfg.model.dtype,
         )
 
     def make_pool(self) -> list:
@@ -203,18 +195,7 @@ class SAOStage(Stage):
         b.metrics.update(rollout_metrics(online))
 
     def score(self, b: StepBatch) -> None:
-        audit = self.ws.cfg.audit
-        rewards, clipped = outcome_rewards(b.trajs, audit)
-        b.metrics.update(
-            reward_mean=rewards.mean().item(),
-            reward_std=rewards.std().item() if len(b.trajs) > 1 else 0.0,
-            reward_clipped=clipped["clipped"],
-        )
-        b.metrics.update(
-            reward_debugger(
-                b.trajs, audit.flag_reward, self.ws.run_dir / "audit" / f"flagged-sao-step-{b.step + 1:06d}.jsonl"
-            )
-        )
+        b.metrics.update(score_outcomes(self.ws, "sao", b.step, b.trajs)[1])
 
     def advantages(self, b: StepBatch) -> None:
         """The critic's update and GAE advantages (stale data down-weighted), replay admission, and
@@ -272,6 +253,8 @@ class SAOStage(Stage):
         )
         if self.buffer is not None:
             b.metrics["buffer_size"] = float(len(self.buffer))
+        if self.replay is not None:
+            b.metrics.update(self.replay.take_metrics())  # the first step after a resume: what it dropped
         b.metrics.update(self.gap.observe(b.step, b.metrics["reward_mean"]))
         _record_batch(self.ws.run_dir, b.step + 1, b.data["items"], self.cfg.sample_trajectories)
 
@@ -283,7 +266,7 @@ class SAOStage(Stage):
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         if self.replay is not None:
-            self.replay.restore(saved)
+            self.replay.restore(saved, self.learner.version)  # the learner was restored first
         self.state.update({k: saved[k] for k in ("dirty", "consumed") if k in saved})
         self.gap.load_state_dict(saved.get("gap_monitor", {}))
         self.critic.load_state_dict(saved)
