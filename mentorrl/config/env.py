@@ -6,9 +6,10 @@ from __future__ import annotations
 import math
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from mentorrl.config.base import Section
+from mentorrl.config.client import ClientConfig
 from mentorrl.config.names import ENVIRONMENT, check_registered
 
 
@@ -64,6 +65,45 @@ class EnvConfig(Section):
     latency: LatencyModel | None = Field(
         None, description="inject seeded heavy-tailed tool latency (log-normal or Pareto); null: none"
     )
+    # ---- environments that read a benchmark clone (name: tau2; docs/bring-your-env.md#tau2-bench) ----
+    path: str | None = Field(None, description="tau2: the user's clone of tau2-bench (its root directory)")
+    domain: str | None = Field(None, description="tau2: the domain (retail, airline, telecom, or any in the clone)")
+    split: str | None = Field(
+        None, description="tau2: the benchmark split the train tasks come from (train, test, base; null: train)"
+    )
+    python: str | None = Field(
+        None,
+        description="tau2: the interpreter that runs the domain (null: the clone's .venv/bin/python, else python3.12)",
+    )
+    user: Literal["scripted", "llm"] = Field(
+        "scripted",
+        description="tau2: who plays the customer: scripted (deterministic, from the task's scenario) or llm "
+        "(user_client's model)",
+    )
+    user_client: ClientConfig | None = Field(None, description="tau2: the LLM user's OpenAI-compatible server")
+    judge: ClientConfig | None = Field(
+        None, description="tau2: the NL_ASSERTION judge's server; null: tasks with NL assertions are left out"
+    )
+    exclude_hackable: bool = Field(
+        True, description="tau2: leave out of the task pool every task an audit attack scores full reward on"
+    )
+    max_user_turns: int = Field(10, ge=1, le=100, description="tau2: messages the user answers before leaving")
+    solo: bool = Field(
+        False,
+        description="tau2: solo mode (telecom): the agent gets each task's ticket and the user's tools, and no user",
+    )
+
+    @model_validator(mode="after")
+    def _clone_fields(self) -> "EnvConfig":
+        if self.name != "tau2":
+            for key in ("path", "domain", "split", "python", "user_client", "judge"):
+                if getattr(self, key) is not None:
+                    raise ValueError(f"{key}: only for name: tau2 (this environment is {self.name!r})")
+            if self.solo:
+                raise ValueError(f"solo: only for name: tau2 (this environment is {self.name!r})")
+        elif self.user == "llm" and self.user_client is None:
+            raise ValueError("user_client: user: llm needs the user's server (user_client: {base_url, model})")
+        return self
 
 
 __all__ = ["EnvConfig", "LatencyModel"]

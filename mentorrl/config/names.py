@@ -25,7 +25,9 @@ ROLLOUT_BACKEND = "rollout backend"
 # imports no runtime module (tests/test_plugins.py keeps them equal to what the runtime registers).
 ADVANTAGES: Registry = Registry(ADVANTAGE, builtin=("grpo",))
 POLICY_LOSSES: Registry = Registry(POLICY_LOSS, builtin=("clipped", "grpo", "masked_is"))
-ENVIRONMENTS: Registry = Registry(ENVIRONMENT, builtin=("code", "orders", "verifiers"), entry_points="mentorrl.envs")
+ENVIRONMENTS: Registry = Registry(
+    ENVIRONMENT, builtin=("code", "orders", "tau2", "verifiers"), entry_points="mentorrl.envs"
+)
 ROLLOUT_BACKENDS: Registry = Registry(ROLLOUT_BACKEND, builtin=("hf", "vllm"))
 REGISTRIES: dict[str, Registry] = {r.kind: r for r in (ADVANTAGES, POLICY_LOSSES, ENVIRONMENTS, ROLLOUT_BACKENDS)}
 BUILTIN_NAMES: dict[str, tuple[str, ...]] = {kind: r.builtin for kind, r in REGISTRIES.items()}

@@ -77,13 +77,25 @@ def _verifiers() -> EnvEntry:
     return EnvEntry(_needs_id("verifiers"), _needs_id("verifiers"), _needs_id("verifiers"))
 
 
+def _needs_clone(*_: Any, **__: Any) -> Any:
+    raise ConfigError("env.path: environment 'tau2' reads your clone of tau2-bench: set env.path and env.domain")
+
+
+def _tau2() -> EnvEntry:
+    """``env: {name: tau2}`` by name alone: its attack suite, and an entry that asks for the clone when used
+    (:func:`resolve_env` builds the configured one)."""
+    return EnvEntry(
+        _needs_clone, _needs_clone, _needs_clone, attacks=_suite("mentorrl.envs.tau2.audit", "tau2_attacks")
+    )
+
+
 def _load_verifiers(env_id: str, args: dict[str, Any]) -> EnvEntry:
     from mentorrl.envs.adapters.verifiers_v1 import load_verifiers_entry
 
     return load_verifiers_entry(env_id, args)
 
 
-for _name, _factory in (("orders", _orders), ("code", _code), ("verifiers", _verifiers)):
+for _name, _factory in (("orders", _orders), ("code", _code), ("verifiers", _verifiers), ("tau2", _tau2)):
     ENVIRONMENTS.register(_name, _factory)
 # environments that load an installed environment by id: name -> (env.id, env.args) -> EnvEntry
 _LOADERS: dict[str, Callable[[str, dict[str, Any]], EnvEntry]] = {"verifiers": _load_verifiers}
@@ -113,9 +125,14 @@ def get_env(name: str) -> EnvEntry:
 
 def resolve_env(env_cfg: Any) -> EnvEntry:
     """The run's environment from its ``env:`` section: ``get_env(name)``, or, for a loader such as
-    ``verifiers`` with ``id`` (and ``args``) set, the installed environment it names. Bad input is a
+    ``verifiers`` with ``id`` (and ``args``) set, the installed environment it names, or for ``tau2`` the
+    domain of the clone ``path`` names (checked here: :func:`mentorrl.envs.tau2.tau2_entry`). Bad input is a
     :class:`~mentorrl.config.ConfigError` naming ``env.id`` / ``env.args``, before the first step."""
     env_id, args = getattr(env_cfg, "id", None), getattr(env_cfg, "args", None) or {}
+    if env_cfg.name == "tau2" and env_id is None and not args:
+        from mentorrl.envs.tau2 import tau2_entry  # the configured clone (env.path, env.domain, ...)
+
+        return tau2_entry(env_cfg)
     if env_id is None:
         if args:
             raise ConfigError(f"env.args: set only with env.id (environment {env_cfg.name!r})")

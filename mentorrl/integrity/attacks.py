@@ -97,6 +97,7 @@ class AttackResult:
     passed: bool
     reason: str
     violations: list[str] = field(default_factory=list)  # distinct violations the verifier reported
+    successes: list[str] = field(default_factory=list)  # task ids where the verifier counted the attack a success
 
     @property
     def max_reward(self) -> float | None:
@@ -219,9 +220,19 @@ def run_audit(
             ids = [t.id for t in chosen]
             passed, reason = judge_attack(attack.hard, rewards, ids, honest_min)
             violations = list(dict.fromkeys(v for tr in trajs for v in tr.reward.violations))
+            won = [t.id for t, tr in zip(chosen, trajs) if tr.reward.success]
             results.append(
                 AttackResult(
-                    attack.name, attack.description, attack.hard, ids, rewards, honest_min, passed, reason, violations
+                    attack.name,
+                    attack.description,
+                    attack.hard,
+                    ids,
+                    rewards,
+                    honest_min,
+                    passed,
+                    reason,
+                    violations,
+                    won,
                 )
             )
     finally:
@@ -244,12 +255,15 @@ def audit_env(
     config: AttackAuditConfig | None = None,
     make_env: Callable[[], Environment] | None = None,
     attacks: Sequence[Attack] | None = None,
+    entry: Any = None,
 ) -> AuditReport:
-    """The audit of a registered environment; ``make_env`` swaps in another environment/verifier."""
+    """The audit of a registered environment; ``make_env`` swaps in another environment/verifier;
+    ``entry``: the run's resolved :class:`~mentorrl.envs.EnvEntry` (a configured one, e.g. ``tau2``'s
+    clone) instead of the registered name's."""
     from mentorrl.envs import get_env
 
     config = config or AttackAuditConfig()
-    entry = get_env(env_name)
+    entry = entry if entry is not None else get_env(env_name)
     return run_audit(
         attacks if attacks is not None else get_attacks(env_name),
         env_name=env_name,

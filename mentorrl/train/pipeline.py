@@ -316,7 +316,8 @@ def preflight_reward_audit(ws: Workspace) -> dict[str, Any] | None:
     scripted attack below honest work (and below 0 when it breaks a hard constraint)?
 
     Runs the environment's reward-hacking suite with this run's reward weights and tokenizer,
-    writes ``reward_audit.json`` and raises :class:`RewardAuditFailed` when an attack wins.
+    writes ``reward_audit.json`` (with the task source's ``report`` where it keeps one, e.g. the tau2
+    tasks left out of training) and raises :class:`RewardAuditFailed` when an attack wins.
     Environments without a registered suite are skipped with a note.
     """
     from mentorrl.integrity.attacks import AttackAuditConfig, audit_env, get_attacks
@@ -327,8 +328,12 @@ def preflight_reward_audit(ws: Workspace) -> dict[str, Any] | None:
     except ValueError:
         ws.console.print(f"[yellow]reward audit: no reward-hacking suite registered for {name!r}; skipped[/yellow]")
         return None
-    report = audit_env(name, ws.tokenizer, AttackAuditConfig(weights=ws.cfg.reward, seed=ws.cfg.seed))
+    config = AttackAuditConfig(weights=ws.cfg.reward, seed=ws.cfg.seed)
+    report = audit_env(name, ws.tokenizer, config, entry=ws.env_entry)
     data = report.to_dict()
+    screen = getattr(ws.env_entry.make_tasks(), "report", None)  # e.g. tau2: the tasks left out, and why
+    if isinstance(screen, dict):
+        data["task_source"] = screen
     (ws.run_dir / "reward_audit.json").write_text(json.dumps(data, indent=2))
     failed = [f"{a.name}: {a.reason}" for a in report.attacks if not a.passed]
     if report.honest_failures:
