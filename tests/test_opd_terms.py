@@ -24,7 +24,7 @@ from mentorrl.algos.opd_terms import (
 )
 from mentorrl.config import OPD_TERM_SCHEMAS, ConfigError, dump_config, load_config
 from mentorrl.opd.advantage import group_reward_weights
-from mentorrl.train.recipes.opd import INPUT_BUILDERS, LOSS_TERMS, OPDStage
+from mentorrl.train.recipes.opd import INPUT_BUILDERS, LOSS_TERMS, OPDStage, OPDStepData
 
 CONFIGS = Path(__file__).resolve().parent.parent / "mentorrl" / "configs"
 
@@ -278,7 +278,7 @@ def test_the_stage_computes_only_the_inputs_its_terms_need(monkeypatch):
 
     calls = []
     monkeypatch.setitem(opd.INPUT_BUILDERS, "student_entropy", lambda stage, b, x: calls.append(1) or [])
-    b = SimpleNamespace(trajs=[], rewards=torch.zeros(1, 2), data={"kl": []}, seeds=lambda p: 1)
+    b = SimpleNamespace(trajs=[], rewards=torch.zeros(1, 2), data=OPDStepData(kl=[]), seeds=lambda p: 1)
     plain = _stage_for([])
     assert plain.needs == () and OPDStage.inputs(plain, b) == {} and not calls
     short = _stage_for(["opd.terms=[sampled_kl, until_first_error, {name: short, top_frac: 0.5}]"])

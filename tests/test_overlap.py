@@ -165,8 +165,9 @@ def test_a_pending_batch_round_trips_through_checkpoint_state(tmp_path, model, t
     lp = OverlapLoop(st)
     lp.step(0)
     state = batch_state(lp.pending)
-    back = batch_from_state(state, st.seeds)
+    back = batch_from_state(state, st)
     assert back.trajs == lp.pending.trajs and back.tasks == lp.pending.tasks
+    assert type(back.data) is type(lp.pending.data) and back.data == lp.pending.data
     assert back.behaviour_version == lp.pending.behaviour_version == 0 and back.step == 1
     assert back.seeds == StepSeeds(st.seeds.run, "grpo", 1)
 

@@ -186,3 +186,29 @@ def test_no_recipe_bumps_the_policy_version_or_builds_a_loop_by_hand():
         assert '["policy"] +=' not in text, path.name
         assert "run_stage(" not in text, path.name
         assert "1_000_003" not in text and "* 7_777" not in text, path.name  # seeds come from StepSeeds
+
+
+def test_every_stage_declares_a_slotted_step_record():
+    """Each stage's ``step_data`` is a slotted StepData dataclass with defaults: the loop makes one per
+    step, and a misspelt field is an AttributeError, never a silent new key."""
+    import dataclasses
+
+    from mentorrl.train.recipes.blackbox import BlackBoxStage
+    from mentorrl.train.recipes.evolve import EvolveStage
+    from mentorrl.train.recipes.external import ExternalStage
+    from mentorrl.train.recipes.grpo import GRPOStage
+    from mentorrl.train.recipes.opd import OPDStage
+    from mentorrl.train.recipes.ppo import PPOStage
+    from mentorrl.train.recipes.rft import RFTStage
+    from mentorrl.train.recipes.sao import SAOStage
+    from mentorrl.train.recipes.sft import SFTStage
+    from mentorrl.train.rl_loop import StepData, step_data_state
+
+    stages = (BlackBoxStage, EvolveStage, ExternalStage, GRPOStage, OPDStage, PPOStage, RFTStage, SAOStage, SFTStage)
+    for cls in stages:
+        d = cls.step_data()
+        assert isinstance(d, StepData) and dataclasses.is_dataclass(d) and not hasattr(d, "__dict__"), cls
+        assert type(d)(**step_data_state(d)) == d
+        with pytest.raises(AttributeError):
+            d.not_a_field = 1
+    assert GRPOStage.step_data().nll is None and ExternalStage.step_data().episodes == []

@@ -7,7 +7,8 @@ rollout -> score -> advantages -> update -> after) and gives it checkpoints ever
 ``--resume``, ``metrics.jsonl``, trackers, the policy version and the final Hugging Face
 directory for free. Here the default ``tasks`` hook draws ``tasks_per_step`` tasks from the
 stage's seeded pool and the default ``rollout`` hook rolls each out ``samples_per_task`` times
-(checked for train/rollout consistency); the stage adds a ``score`` and an ``update``.
+(checked for train/rollout consistency); the stage adds a ``score`` and an ``update``, and declares
+what the one hands the other as its step record (``step_data``: a fresh one per step).
 
 ``@register_stage`` with ``config=`` gives it a YAML section: ``recipe: [sft, self_imitation]``
 runs it, and ``self_imitation: {steps: 4}`` (or ``--set self_imitation.steps=4``) configures it,
@@ -21,11 +22,13 @@ two steps.
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from mentorrl.config import RolloutStageConfig
 from mentorrl.train.registry import register_stage
-from mentorrl.train.rl_loop import Stage, StepBatch
+from mentorrl.train.rl_loop import Stage, StepBatch, StepData
+from mentorrl.trajectory import Trajectory
 
 
 class SelfImitationConfig(RolloutStageConfig):
@@ -37,6 +40,13 @@ class SelfImitationConfig(RolloutStageConfig):
         "checkpoint_every": 5,
         "optim": {"lr": 1e-4},
     }
+
+
+@dataclass(slots=True)
+class SelfImitationStepData(StepData):
+    """What ``score`` hands ``update`` within a step (``b.data``): the verified successes."""
+
+    wins: list[Trajectory] = field(default_factory=list)
 
 
 @register_stage(
@@ -51,14 +61,15 @@ class SelfImitationStage(Stage):
 
     name = "self_imitation"
     update_metrics = ()  # its update reports the SFT step's metrics itself
+    step_data = SelfImitationStepData
 
     def score(self, b: StepBatch) -> None:
-        b.data["wins"] = [t for t in b.trajs if t.reward.success]
-        b.metrics["task_success"] = len(b.data["wins"]) / max(len(b.trajs), 1)
+        b.data.wins = [t for t in b.trajs if t.reward.success]
+        b.metrics["task_success"] = len(b.data.wins) / max(len(b.trajs), 1)
 
     def update(self, b: StepBatch) -> None:
-        if b.data["wins"]:
-            b.metrics.update(self.learner.sft_step(b.data["wins"]))
+        if b.data.wins:
+            b.metrics.update(self.learner.sft_step(b.data.wins))
 
 
 if __name__ == "__main__":

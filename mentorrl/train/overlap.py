@@ -41,7 +41,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from mentorrl.train.parallelism import choose_parallelism, cpu_cores, write_parallelism
-from mentorrl.train.rl_loop import HOOKS, RLLoop, Stage, StepBatch, StepSeeds, register_loop
+from mentorrl.train.rl_loop import HOOKS, RLLoop, Stage, StepBatch, register_loop, step_data_state
 from mentorrl.train.workspace import frozen_copy
 from mentorrl.trajectory import Trajectory
 
@@ -149,23 +149,23 @@ def batch_state(b: StepBatch) -> dict[str, Any]:
         "trajs": [t.model_dump() for t in b.trajs],
         "group_size": b.group_size,
         "metrics": dict(b.metrics),
-        "data": dict(b.data),
+        "data": step_data_state(b.data),
         "stop": b.stop,
         "behaviour_version": b.behaviour_version,
     }
 
 
-def batch_from_state(state: dict[str, Any], seeds: StepSeeds) -> StepBatch:
-    """The pending batch of :func:`batch_state` back (``seeds``: the stage's)."""
+def batch_from_state(state: dict[str, Any], stage: Stage) -> StepBatch:
+    """The pending batch of :func:`batch_state` back, with ``stage``'s seeds and step record."""
     step = int(state["step"])
     return StepBatch(
         step,
-        seeds.at(step),
+        stage.seeds.at(step),
         tasks=list(state["tasks"]),
         trajs=[Trajectory.model_validate(t) for t in state["trajs"]],
         group_size=int(state["group_size"]),
         metrics=dict(state["metrics"]),
-        data=dict(state["data"]),
+        data=stage.step_data(**state["data"]),
         stop=bool(state["stop"]),
         behaviour_version=state["behaviour_version"],
     )
@@ -194,7 +194,7 @@ class OverlapLoop(RLLoop):
 
     def behaviour(self, step: int) -> StepBatch:
         """A new batch whose rollout is by the policy's weights now (copied into the snapshot)."""
-        b = StepBatch(step, self.stage.seeds.at(step))
+        b = self.new_batch(step)
         copy_weights(self.snapshot, self.stage.model)
         b.policy, b.behaviour_version = self.snapshot, self.stage.learner.version
         return b
@@ -252,6 +252,6 @@ class OverlapLoop(RLLoop):
     def restore(self, state: dict[str, Any]) -> None:
         super().restore(state)
         pending = state.get("overlap")
-        self.pending = batch_from_state(pending, self.stage.seeds) if pending else None
+        self.pending = batch_from_state(pending, self.stage) if pending else None
         if self.pending is not None and (self.pending.behaviour_version or 0) > self.stage.learner.version:
             self.pending = None  # never a batch from a policy ahead of the restored learner: rolled out again

@@ -6,8 +6,8 @@ owns everything else, in this order, for every step::
     tasks -> rollout -> score -> advantages -> update -> after
 
 - each hook reads and fills one typed record, the step's :class:`StepBatch` (tasks, trajectories,
-  rewards, advantages, the updates' metrics, and a ``data`` dict for what a stage carries between
-  its own hooks);
+  rewards, advantages, the updates' metrics, and ``data``: the stage's own :class:`StepData` record,
+  declared by :attr:`Stage.step_data`, for what it carries between its own hooks);
 - :class:`StepSeeds` hands out every seed: a pure function of (run seed, stage, step, purpose),
   so a resumed stage redoes a step exactly and no two purposes share a stream by accident;
 - the :class:`~mentorrl.train.learner.Learner` owns the policy version (one per optimizer step,
@@ -28,7 +28,7 @@ from __future__ import annotations
 import hashlib
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -77,6 +77,19 @@ class StepSeeds:
         return StepSeeds(self.run, self.stage, step)
 
 
+@dataclass(slots=True)
+class StepData:
+    """What a stage carries between its own hooks within one step: nothing here. A stage that carries
+    something declares its own record, a ``@dataclass(slots=True)`` subclass with a default for every
+    field, and names it in :attr:`Stage.step_data`; the loop makes a fresh one per step, so a misspelt
+    field is an AttributeError, never a silent new key."""
+
+
+def step_data_state(d: StepData) -> dict[str, Any]:
+    """``d``'s fields by name (shallow), e.g. for a checkpoint; ``type(d)(**state)`` restores it."""
+    return {f.name: getattr(d, f.name) for f in fields(d)}
+
+
 @dataclass
 class StepBatch:
     """One step's data as it moves through the hooks."""
@@ -91,7 +104,7 @@ class StepBatch:
     groups: list[list[int]] | None = None  # trajectories an update deals together (a GRPO group)
     updates: list[dict[str, float]] = field(default_factory=list)  # each optimizer update's metrics
     metrics: dict[str, Any] = field(default_factory=dict)
-    data: dict[str, Any] = field(default_factory=dict)  # what a stage carries between its own hooks
+    data: StepData = field(default_factory=StepData)  # the stage's own record (Stage.step_data), fresh per step
     stop: bool = False  # end the stage after this step (checkpointed)
     policy: Any = None  # the model that rolls this batch out (None: the stage's policy; overlap: a snapshot)
     behaviour_version: int | None = None  # the policy version that rolls it out (None: the learner's now)
@@ -121,6 +134,7 @@ class Stage:
     pool_least: ClassVar[int] = 64
     learner_options: ClassVar[dict[str, Any]] = {}  # extra Learner arguments (SAO: version_per_update=False)
     overlappable: ClassVar[bool] = False  # its tasks + rollout may run a step ahead (``overlap: one_step``)
+    step_data: ClassVar[type[StepData]] = StepData  # what its hooks carry between them in a step (StepBatch.data)
 
     def __init__(self, ws: Workspace, model):
         self.ws, self.model = ws, model
@@ -281,8 +295,12 @@ class RLLoop:
     def __init__(self, stage: Stage):
         self.stage = stage
 
+    def new_batch(self, step: int) -> StepBatch:
+        """Step ``step``'s empty batch: its seeds, and a fresh record of the stage's :attr:`Stage.step_data`."""
+        return StepBatch(step, self.stage.seeds.at(step), data=self.stage.step_data())
+
     def step(self, step: int) -> dict[str, Any]:
-        b = StepBatch(step, self.stage.seeds.at(step))
+        b = self.new_batch(step)
         self.run_hooks(b, HOOKS)
         return self.finish(b)
 

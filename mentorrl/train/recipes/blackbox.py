@@ -41,6 +41,7 @@ import hashlib
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Iterator
 
@@ -59,7 +60,7 @@ from mentorrl.rollout.episode import Episode, text_turn_player
 from mentorrl.rollout.kvcache import cache_kwarg, make_cache
 from mentorrl.rollout.sampling import sample_tokens
 from mentorrl.train.loop import PG_METRICS, pg_update, reduce_updates
-from mentorrl.train.rl_loop import Stage, StepBatch, StepSeeds, run_on_loop
+from mentorrl.train.rl_loop import Stage, StepBatch, StepData, StepSeeds, run_on_loop
 from mentorrl.train.workspace import Workspace, frozen_copy, heldout_check
 from mentorrl.trajectory import Segment, Trajectory
 
@@ -500,9 +501,25 @@ def _agreement(trajs: list[Trajectory], scores) -> float:
 
 
 # ------------------------------------------------------------------ recipes ------
+@dataclass(slots=True)
+class BlackBoxStepData(StepData):
+    """What the black-box hooks hand on within a step: the rollout's student episodes ``eps`` (one per
+    trajectory, as chat messages for the teacher) and ``teacher_t0`` (when the score hook began asking
+    the teacher); then what the recipe's score builds for its update: preference ``pairs`` (None when
+    the recipe built none), candidate groups with soft labels ``soft``, corrected trajectories
+    ``targets``, or the critique's per-turn ``step_scores``."""
+
+    eps: list[StudentEpisode] = field(default_factory=list)
+    teacher_t0: float = 0.0
+    pairs: list | None = None
+    soft: list[tuple] = field(default_factory=list)
+    targets: list[Trajectory] = field(default_factory=list)
+    step_scores: list[list[float] | None] = field(default_factory=list)
+
+
 class BlackBoxRecipe:
     """One way to learn from the teacher, chosen by ``blackbox.recipe``: :meth:`score` asks the
-    teacher about the step's student episodes (``b.data["eps"]``, task by task) and builds the
+    teacher about the step's student episodes (``b.data.eps``, task by task) and builds the
     batch, :meth:`advantages` and :meth:`update` train on it. ``needs``: the teacher capabilities
     it asks for (checked when the stage opens the teacher). Register one with :func:`blackbox_recipe`."""
 
@@ -532,12 +549,12 @@ def blackbox_recipe(cls: type[BlackBoxRecipe] | None = None, *, replace: bool = 
 
 def episode_groups(b: StepBatch) -> list[list[StudentEpisode]]:
     """The step's student episodes, task by task."""
-    eps, g = b.data["eps"], b.group_size
+    eps, g = b.data.eps, b.group_size
     return [eps[i : i + g] for i in range(0, len(eps), g)]
 
 
 class PairsRecipe(BlackBoxRecipe):
-    """Trains on the preference pairs its :meth:`score` leaves in ``b.data["pairs"]``."""
+    """Trains on the preference pairs its :meth:`score` leaves in ``b.data.pairs``."""
 
     @staticmethod
     def make_pairs(
@@ -550,12 +567,12 @@ class PairsRecipe(BlackBoxRecipe):
         """Pairs from each group's scores (:func:`preference_pairs`), with their counters."""
         p = stage.cfg.preference
         pairs, m = preference_pairs(groups, scores, p.min_margin, veto, p.pairs)
-        b.data["pairs"] = pairs
+        b.data.pairs = pairs
         b.metrics.update(m, batch_size=float(len(pairs)))
 
     def update(self, stage: "BlackBoxStage", b: StepBatch) -> None:
         """``updates_per_step`` passes of the preference loss over the pairs."""
-        pairs, o = b.data["pairs"], stage.cfg
+        pairs, o = b.data.pairs, stage.cfg
         if pairs:
             b.metrics.update(
                 passes(lambda: preference_update(stage.learner, stage.ref_model, pairs, o), o.updates_per_step)
@@ -563,7 +580,7 @@ class PairsRecipe(BlackBoxRecipe):
 
 
 class SoftLabelRecipe(BlackBoxRecipe):
-    """Trains on the candidate groups its :meth:`score` leaves in ``b.data["soft"]`` (soft labels)."""
+    """Trains on the candidate groups its :meth:`score` leaves in ``b.data.soft`` (soft labels)."""
 
     def soft_settings(self, stage: "BlackBoxStage") -> tuple[float, bool]:
         """(temperature, average) of the soft-label loss."""
@@ -571,7 +588,7 @@ class SoftLabelRecipe(BlackBoxRecipe):
         return sl.temperature, sl.average
 
     def update(self, stage: "BlackBoxStage", b: StepBatch) -> None:
-        data, o = b.data["soft"], stage.cfg
+        data, o = b.data.soft, stage.cfg
         if data:
             temperature, average = self.soft_settings(stage)
             b.metrics.update(
@@ -605,12 +622,12 @@ class CorrectionRecipe(BlackBoxRecipe):
     needs = (Capability.STEP_CRITIQUE, Capability.SAMPLING)
 
     def score(self, stage: "BlackBoxStage", b: StepBatch) -> None:
-        b.data["targets"], m = corrections(stage.ws, stage.teacher, b.data["eps"], stage.cfg)
+        b.data.targets, m = corrections(stage.ws, stage.teacher, b.data.eps, stage.cfg)
         b.metrics.update(m)
 
     def update(self, stage: "BlackBoxStage", b: StepBatch) -> None:
-        if b.data["targets"]:
-            b.metrics.update(stage.learner.sft_step(b.data["targets"], agg=stage.cfg.loss_agg))
+        if b.data.targets:
+            b.metrics.update(stage.learner.sft_step(b.data.targets, agg=stage.cfg.loss_agg))
 
 
 @blackbox_recipe
@@ -637,7 +654,7 @@ class ScoreRecipe(PolicyGradientRecipe):
 
     def score(self, stage: "BlackBoxStage", b: StepBatch) -> None:
         o, teacher, trajs = stage.cfg, stage.teacher, b.trajs
-        ts = teacher_map(teacher, teacher.score, b.data["eps"])
+        ts = teacher_map(teacher, teacher.score, b.data.eps)
         overall = [x.overall(o.score.weights) if x is not None else None for x in ts]
         raw, fused = fused_rewards(trajs, overall, o.score.teacher_coef)
         got = [x for x in overall if x is not None]
@@ -666,14 +683,14 @@ class CritiqueRecipe(PolicyGradientRecipe):
 
     def score(self, stage: "BlackBoxStage", b: StepBatch) -> None:
         self.group_rewards(stage, b, b.raw_rewards().reshape(-1))
-        crit = teacher_map(stage.teacher, stage.teacher.critique, b.data["eps"])
-        sc = b.data["step_scores"] = [c.scores if c is not None else None for c in crit]
+        crit = teacher_map(stage.teacher, stage.teacher.critique, b.data.eps)
+        sc = b.data.step_scores = [c.scores if c is not None else None for c in crit]
         b.metrics.update(
             teacher_skips=float(sum(c is None for c in crit)), step_score_mean=_mean([x for y in sc if y for x in y])
         )
 
     def advantages(self, stage: "BlackBoxStage", b: StepBatch) -> None:
-        b.adv = step_advantages(b.trajs, self.outcome_advantages(b), b.data["step_scores"], stage.cfg.critique.coef)
+        b.adv = step_advantages(b.trajs, self.outcome_advantages(b), b.data.step_scores, stage.cfg.critique.coef)
 
 
 @blackbox_recipe
@@ -686,12 +703,12 @@ class SoftLabelsRecipe(SoftLabelRecipe):
     def score(self, stage: "BlackBoxStage", b: StepBatch) -> None:
         groups = episode_groups(b)
         scores = teacher_map(stage.teacher, stage.teacher.rank, groups)
-        b.data["soft"] = [
+        b.data.soft = [
             ([e.traj for e in g], [torch.tensor(e.traj.loss_mask) for e in g], sc)
             for g, sc in zip(groups, scores)
             if sc is not None and max(sc) - min(sc) > 1e-6
         ]
-        b.metrics.update(teacher_skips=float(sum(sc is None for sc in scores)), batch_size=float(len(b.data["soft"])))
+        b.metrics.update(teacher_skips=float(sum(sc is None for sc in scores)), batch_size=float(len(b.data.soft)))
 
 
 @blackbox_recipe
@@ -707,16 +724,16 @@ class ActionsRecipe(SoftLabelRecipe, PairsRecipe):
         return a.temperature, a.average
 
     def score(self, stage: "BlackBoxStage", b: StepBatch) -> None:
-        data, m = action_groups(stage.ws, stage.model, stage.teacher, b.data["eps"], stage.cfg, b.seeds)
+        data, m = action_groups(stage.ws, stage.model, stage.teacher, b.data.eps, stage.cfg, b.seeds)
         if stage.cfg.actions.loss == "preference":  # pairs of a state's actions; no veto: they share the outcome
             self.make_pairs(stage, b, [t for t, _, _ in data], [sc for _, _, sc in data], veto=False)
         else:
-            b.data["soft"] = data
+            b.data.soft = data
             b.metrics["batch_size"] = float(len(data))
         b.metrics.update(m)  # the states' counters (teacher_skips among them) over the pairs'
 
     def update(self, stage: "BlackBoxStage", b: StepBatch) -> None:
-        if "pairs" in b.data:
+        if b.data.pairs is not None:
             PairsRecipe.update(self, stage, b)
         else:
             SoftLabelRecipe.update(self, stage, b)
@@ -732,6 +749,7 @@ class BlackBoxStage(Stage):
     (:data:`RECIPES`, by ``blackbox.recipe``) turns its answers into an update."""
 
     name = "blackbox"
+    step_data = BlackBoxStepData
     update_metrics = ()  # each recipe reports its own update's metrics
 
     def __init__(self, ws: Workspace, model):
@@ -751,15 +769,15 @@ class BlackBoxStage(Stage):
             raise
 
     def rollout(self, b: StepBatch) -> None:
-        """The student's rollouts, and the same as chat-message episodes for the teacher (``b.data["eps"]``)."""
+        """The student's rollouts, and the same as chat-message episodes for the teacher (``b.data.eps``)."""
         self.collect(b, self.cfg.samples_per_task)
         self.state["rollout_tokens"] += b.policy_tokens
-        b.data["eps"] = student_episodes(self.ws, [t for t in b.tasks for _ in range(b.group_size)], b.trajs)
+        b.data.eps = student_episodes(self.ws, [t for t in b.tasks for _ in range(b.group_size)], b.trajs)
 
     def score(self, b: StepBatch) -> None:
         """The verifier's reward statistics, then the recipe asks the teacher."""
         b.metrics.update({f"reward_{k}": v for k, v in group_reward_stats(b.raw_rewards()).items()})
-        b.data["teacher_t0"] = time.perf_counter()
+        b.data.teacher_t0 = time.perf_counter()
         self.recipe.score(self, b)
 
     def advantages(self, b: StepBatch) -> None:
@@ -773,7 +791,7 @@ class BlackBoxStage(Stage):
         o = self.cfg
         b.metrics.update(
             {f"teacher_{k}": float(self.teacher.client.stats[k]) for k in STAT_KEYS},
-            teacher_s=time.perf_counter() - b.data["teacher_t0"],
+            teacher_s=time.perf_counter() - b.data.teacher_t0,
             rollout_tokens_total=float(self.state["rollout_tokens"]),
         )
         if o.eval_every and (b.step + 1) % o.eval_every == 0:

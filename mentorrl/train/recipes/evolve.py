@@ -32,6 +32,7 @@ import copy
 import json
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +46,7 @@ from mentorrl.replay.buffer import ReplayBuffer, ReplayConfig
 from mentorrl.replay.checkpointing import BufferCheckpoints
 from mentorrl.train.curriculum import Curriculum
 from mentorrl.train.loop import PG_METRICS, pg_update
-from mentorrl.train.rl_loop import Stage, StepBatch, run_on_loop
+from mentorrl.train.rl_loop import Stage, StepBatch, StepData, run_on_loop
 from mentorrl.train.rundir import KEEP_CHECKPOINTS, require_manifest, write_manifest
 from mentorrl.train.workspace import Workspace, heldout_check, load_weights_into
 
@@ -83,6 +84,13 @@ def _frozen_teacher(model, tokenizer, version: int) -> HFTeacher:
 EVOLVE_METRICS = PG_METRICS
 
 
+@dataclass(slots=True)
+class EvolveStepData(StepData):
+    """``level_before``: the curriculum's level when the step's tasks were drawn (``after`` reports a change)."""
+
+    level_before: int = 0
+
+
 class EvolveStage(Stage):
     """The self-evolving loop on :class:`~mentorrl.train.rl_loop.RLLoop`: the curriculum chooses the
     tasks, the advantages add a reverse-KL term towards the frozen teacher (the last accepted
@@ -90,6 +98,7 @@ class EvolveStage(Stage):
     (held-out check: accept as the next teacher, or roll back) runs in ``after``."""
 
     name = "evolve"
+    step_data = EvolveStepData
     update_metrics = EVOLVE_METRICS
     pool_least = 128
 
@@ -159,7 +168,7 @@ class EvolveStage(Stage):
     def tasks(self, b: StepBatch) -> None:
         """The curriculum's tasks at its current level."""
         self.begin(b)
-        b.data["level_before"] = self.curriculum.level
+        b.data.level_before = self.curriculum.level
         b.tasks = self.curriculum.sample(self.cfg.tasks_per_step)
 
     def rollout(self, b: StepBatch) -> None:
@@ -199,7 +208,7 @@ class EvolveStage(Stage):
         c, state = self.curriculum, self.state
         b.metrics.update(
             curriculum_level=float(c.level),
-            level_changed=float(c.level != b.data["level_before"]),
+            level_changed=float(c.level != b.data.level_before),
             curriculum_success=c.success_rate if c.success_rate is not None else -1.0,
             replay_size=float(len(self.buffer)),
             teacher_version=float(state["teacher"]),

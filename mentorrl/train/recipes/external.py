@@ -33,7 +33,7 @@ from mentorrl.rollout.rescore import REPLAY_COUNTERS, Replayed, replay_episode
 from mentorrl.serve.recording import REWARD_PATH, RunSampling, start_recording_server
 from mentorrl.train.agents import AgentJob, AgentOutcome, AgentWorker, outcome_counts, run_agents
 from mentorrl.train.loop import require_consistent, reward_debugger, rollout_metrics
-from mentorrl.train.recipes.grpo import GRPOStage
+from mentorrl.train.recipes.grpo import GRPOStage, GRPOStepData
 from mentorrl.train.rl_loop import StepBatch, run_on_loop
 from mentorrl.train.workspace import Workspace
 from mentorrl.trajectory import RewardBreakdown, Segment, Trajectory
@@ -197,11 +197,20 @@ class RewardFile:
             self.bad += 1
 
 
+@dataclasses.dataclass(slots=True)
+class ExternalStepData(GRPOStepData):
+    """GRPO's step record and ``episodes``: per task with at least ``min_group`` usable episodes, the
+    (reward, trajectory indices) of each (the rollout hook's, read by score and advantages)."""
+
+    episodes: list[list[tuple[float, list[int]]]] = dataclasses.field(default_factory=list)
+
+
 class ExternalStage(GRPOStage):
     """GRPO on the user's agent, recorded over HTTP (see the module docstring)."""
 
     name = "external"
     data_parallel = False
+    step_data = ExternalStepData
     overlappable = False  # the recording server serves the policy itself: no behaviour snapshot to roll ahead with
 
     def __init__(self, ws: Workspace, model):
@@ -300,7 +309,7 @@ class ExternalStage(GRPOStage):
         self._log_failures(b, outcomes)
 
     def _gather(self, b: StepBatch, outcomes: list[AgentOutcome], rewards: dict[str, float], tasks: dict) -> None:
-        """The step's trajectories, grouped by task: ``b.data["episodes"]`` is, per task with at least
+        """The step's trajectories, grouped by task: ``b.data.episodes`` is, per task with at least
         ``min_group`` usable episodes, the list of (reward, trajectory indices) of each."""
         drops = dict.fromkeys(DROPS, 0.0)
         replay = dict.fromkeys(REPLAY_COUNTERS, 0.0)
@@ -346,7 +355,7 @@ class ExternalStage(GRPOStage):
         if trajs:
             require_consistent(self.ws, trajs, self.learner.version, f"external step {b.step + 1}")
             b.metrics.update(rollout_metrics(trajs), rollout_backend="external")
-        b.trajs, b.data["episodes"] = trajs, groups
+        b.trajs, b.data.episodes = trajs, groups
         used = sum(len(g) for g in groups)
         b.metrics.update({f"dropped_{k}": v for k, v in drops.items()}, episodes_used=float(used))
         b.metrics["segments_per_episode"] = len(trajs) / used if used else 0.0
@@ -367,7 +376,7 @@ class ExternalStage(GRPOStage):
         (the audit's bounds and outlier rule), and their statistics."""
         audit = self.ws.cfg.audit
         parts, clipped = [], {"clipped": 0.0}
-        for g in b.data["episodes"]:
+        for g in b.data.episodes:
             raw = torch.tensor([r for r, _ in g], dtype=torch.float32).view(1, -1)
             r, c = sanitize_group_rewards(raw, audit.reward_low, audit.reward_high, audit.outlier_z)
             parts.append(r.view(-1))
@@ -385,14 +394,14 @@ class ExternalStage(GRPOStage):
         """GRPO's estimator over each task's group of episodes; an episode's segments share its advantage."""
         adv = torch.zeros(len(b.trajs))
         b.groups, start = [], 0
-        for group in b.data["episodes"]:
+        for group in b.data.episodes:
             r = b.rewards[start : start + len(group)].view(1, -1)
             start += len(group)
             a = self.estimator(r, normalize_std=self.cfg.normalize_std).view(-1)
             for (_, idx), ai in zip(group, a.tolist()):
                 adv[idx] = ai
             b.groups.append([i for _, idx in group for i in idx])
-        b.adv, b.data["nll"] = adv, None
+        b.adv, b.data.nll = adv, None
         zero = sum(bool((adv[g] == 0).all()) for g in b.groups)
         b.metrics["zero_advantage_groups"] = float(zero)
         step, trajs, audit = b.step, b.trajs, self.ws.cfg.audit

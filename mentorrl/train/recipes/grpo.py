@@ -8,6 +8,7 @@ learner trains on each rank's share of every minibatch, and only rank 0 writes."
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ from mentorrl.train.loop import (
     reward_debugger,
 )
 from mentorrl.train.overlap import OverlapLoop  # noqa: F401 -- registers grpo.overlap: one_step
-from mentorrl.train.rl_loop import RewardGapWatch, Stage, StepBatch, run_on_loop
+from mentorrl.train.rl_loop import RewardGapWatch, Stage, StepBatch, StepData, run_on_loop
 from mentorrl.train.workspace import Workspace, frozen_copy
 
 GRPO_METRICS = ("loss", "kl", "clip_frac", "ratio_max", *UPDATE_HEALTH)
@@ -90,6 +91,14 @@ def grpo_loss_kwargs(g) -> dict[str, Any]:
     return kw
 
 
+@dataclass(slots=True)
+class GRPOStepData(StepData):
+    """What GRPO's advantages hook hands its update: ``nll``, the per-trajectory weights of the guided
+    demonstrations' SFT term (:func:`guide_nll_weights`; None without one)."""
+
+    nll: torch.Tensor | None = None
+
+
 class GRPOStage(Stage):
     """GRPO: group-relative advantages over ``samples_per_task`` rollouts per task (optionally
     resampling hard tasks, and with the scripted expert's demonstration in a group where every
@@ -100,6 +109,7 @@ class GRPOStage(Stage):
     data_parallel = True
     update_metrics = GRPO_METRICS
     overlappable = True  # grpo.overlap: one_step rolls batch k+1 out during step k's update
+    step_data = GRPOStepData
 
     def __init__(self, ws: Workspace, model):
         super().__init__(ws, model)
@@ -148,9 +158,7 @@ class GRPOStage(Stage):
         for j, (i, _) in enumerate(guided):
             b.groups[i].append(n + j)
         b.trajs, b.adv = b.trajs + [d for _, d in guided], torch.cat([adv, demo_adv])
-        b.data["nll"] = (
-            guide_nll_weights(n, [d for _, d in guided], g.guide_sft) if guided and g.guide_sft > 0 else None
-        )
+        b.data.nll = guide_nll_weights(n, [d for _, d in guided], g.guide_sft) if guided and g.guide_sft > 0 else None
         if self.expert is not None:
             b.metrics["guided_groups"] = float(len(guided))
         step, trajs = b.step, b.trajs
@@ -176,7 +184,7 @@ class GRPOStage(Stage):
             groups=b.groups,
             drop_zero=g.kl_coef == 0,
             ref_model=self.ref_model,
-            nll_weights=b.data["nll"],
+            nll_weights=b.data.nll,
             **self.loss_kwargs,
         )
         b.metrics["trained_trajectories"] = len(b.trajs) if g.kl_coef > 0 else int((b.adv.abs() > 0).sum())

@@ -35,7 +35,7 @@ from __future__ import annotations
 import copy
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -58,7 +58,7 @@ from mentorrl.opd.signals import CrossTokenizerTeacher
 from mentorrl.opd.teacher import Capability, HFTeacher, require
 from mentorrl.train.learner import Learner
 from mentorrl.train.loop import minibatches, pg_update, reduce_updates
-from mentorrl.train.rl_loop import Stage, StepBatch, run_on_loop
+from mentorrl.train.rl_loop import Stage, StepBatch, StepData, run_on_loop
 from mentorrl.train.teachers import load_teacher, serve_teachers
 from mentorrl.train.workspace import Workspace, heldout_check
 from mentorrl.trajectory import Trajectory, write_jsonl
@@ -84,10 +84,30 @@ class LossTerm:
     ready: Callable[["OPDStage"], bool] = lambda stage: True
 
 
+@dataclass(slots=True)
+class OPDStepData(StepData):
+    """What OPD's hooks hand on within a step: the rollout's token ``budgets`` (a ``short`` term; else
+    None); the score hook's per-teacher ``signals`` (teacher x trajectory), MOPD's teacher weights
+    ``w`` ([trajectories, teachers]), the distillation advantage ``kl`` (per trajectory; reshaped by the
+    token terms) and ``topk_rows`` (per teacher, trajectory index -> the same pass's top-k); the
+    advantages hook's term ``inputs`` and RLSD's start-of-step ``rlsd_targets``; and ``distill``, the
+    last distillation update's metrics."""
+
+    budgets: list[int] | None = None
+    signals: list[list[Any]] = field(default_factory=list)
+    w: torch.Tensor | None = None
+    kl: list[torch.Tensor | None] = field(default_factory=list)
+    topk_rows: list[dict[int, Any]] = field(default_factory=list)
+    inputs: dict[str, Any] = field(default_factory=dict)
+    rlsd_targets: list[tuple[Trajectory, Any, Any, torch.Tensor]] | None = None
+    distill: dict[str, float] = field(default_factory=dict)
+
+
 class OPDStage(Stage):
     """On-policy distillation: student rollouts, teacher scores, the configured terms (module doc)."""
 
     name = "opd"
+    step_data = OPDStepData
 
     def __init__(self, ws: Workspace, model):
         super().__init__(ws, model)
@@ -128,17 +148,17 @@ class OPDStage(Stage):
         n = self.cfg.samples_per_task
         budgets = [self.budget.budget(t.family) for t in b.tasks for _ in range(n)] if self.budget is not None else None
         self.collect(b, n, token_budgets=budgets)
-        b.data["budgets"] = budgets
+        b.data.budgets = budgets
         self.state["rollout_tokens"] += b.policy_tokens
 
     def score(self, b: StepBatch) -> None:
         """The group rewards, then every teacher scores every trajectory in one forward pass; MOPD weights
-        the teachers and the weighted signals become the distillation advantage ``b.data["kl"]``."""
+        the teachers and the weighted signals become the distillation advantage ``b.data.kl``."""
         super().score(b)
         o, trajs = self.cfg, b.trajs
         t1 = time.perf_counter()
         topk, fallback = self.by_name.get("topk"), "sequence_fallback" in self.by_name
-        b.data["topk_rows"], signals, failures = [{} for _ in self.teachers], [], 0  # topk: the same pass's top-k
+        b.data.topk_rows, signals, failures = [{} for _ in self.teachers], [], 0  # topk: the same pass's top-k
         for k, teacher in enumerate(self.teachers):
             top_k = topk.top_k if topk is not None else None
             row = (
@@ -149,7 +169,7 @@ class OPDStage(Stage):
             for i, (_, scored, failed) in enumerate(row):
                 failures += failed
                 if scored is not None:
-                    b.data["topk_rows"][k][i] = scored
+                    b.data.topk_rows[k][i] = scored
             signals.append([sig for sig, _, _ in row])
         teacher_tokens = sum(x.teacher_tokens for row in signals for x in row if x is not None)
         self.state["teacher_tokens"] += teacher_tokens
@@ -165,17 +185,14 @@ class OPDStage(Stage):
             if self.teachers
             else torch.zeros(len(trajs), 0)
         )
-        b.data.update(
-            signals=signals,
-            w=w,
-            kl=kl_advantages(trajs, signals, w, self.shared) if self.teachers else [None] * len(trajs),
-        )
+        b.data.signals, b.data.w = signals, w
+        b.data.kl = kl_advantages(trajs, signals, w, self.shared) if self.teachers else [None] * len(trajs)
         b.metrics.update(
             teacher_s=time.perf_counter() - t1, teacher_tokens=float(teacher_tokens), alignment_failures=float(failures)
         )
         partial = [
             (int(sig.topk_mask.sum()), trajs[i].num_policy_tokens)
-            for row in b.data["topk_rows"]
+            for row in b.data.topk_rows
             for i, sig in row.items()
             if sig is not None and sig.topk_mask is not None
         ]
@@ -185,10 +202,10 @@ class OPDStage(Stage):
     def advantages(self, b: StepBatch) -> None:
         """The inputs the terms need, the token terms on ``A_kl``, the advantage terms' sum into
         ``b.adv``, and the loss terms' preparation (before any update of the step)."""
-        x = b.data["inputs"] = self.inputs(b)
+        x = b.data.inputs = self.inputs(b)
         self.shape(b, x)
         if self.advantage_terms:
-            b.adv, m = token_advantages(_masks(b.trajs), self.advantage_terms, b.data["kl"], x)
+            b.adv, m = token_advantages(_masks(b.trajs), self.advantage_terms, b.data.kl, x)
             b.metrics.update(m)
         for p in self.loss_terms:
             prepare = LOSS_TERMS[p.name].prepare
@@ -213,7 +230,7 @@ class OPDStage(Stage):
                 )
         for p in self.loss_terms:
             LOSS_TERMS[p.name].run(self, b, p)
-        distill = b.data.get("distill") or {}  # the last distillation update's metrics
+        distill = b.data.distill  # the last distillation update's metrics
         b.metrics.update({k: v for k, v in distill.items() if k in ("distill_loss", "divergence_max")})
         if distill and not b.updates:
             b.metrics["grad_norm"] = distill.get("grad_norm", 0.0)
@@ -227,9 +244,7 @@ class OPDStage(Stage):
             b.metrics["heldout_success"] = heldout_check(self.ws, self.model, o.eval_tasks)
         if o.sample_trajectories:
             n = o.sample_trajectories
-            _write_samples(
-                self.ws.run_dir, b.step, b.trajs[:n], b.data["signals"], self.names, b.data["w"], b.data["kl"]
-            )
+            _write_samples(self.ws.run_dir, b.step, b.trajs[:n], b.data.signals, self.names, b.data.w, b.data.kl)
 
     # ---- the steps of the advantages hook ----------------------------------------------------
     def inputs(self, b: StepBatch) -> dict[str, Any]:
@@ -240,12 +255,12 @@ class OPDStage(Stage):
         return x
 
     def shape(self, b: StepBatch, x: dict[str, Any]) -> None:
-        """The token terms on ``b.data["kl"]``; a ``short`` term's budgets observe the step's gaps."""
-        trajs, kl = b.trajs, b.data["kl"]
+        """The token terms on ``b.data.kl``; a ``short`` term's budgets observe the step's gaps."""
+        trajs, kl = b.trajs, b.data.kl
         b.metrics["opd_reverse_kl"] = -sum(float(k.sum()) for k in kl if k is not None) / max(
             sum(t.num_policy_tokens for t in trajs), 1
         )
-        b.data["kl"], tm = apply_token_terms(self.token_terms, kl, x)
+        b.data.kl, tm = apply_token_terms(self.token_terms, kl, x)
         b.metrics.update(tm)
         if self.budget is not None:
             gaps, families = x["gaps"], [t.family for t in trajs]
@@ -256,13 +271,13 @@ class OPDStage(Stage):
                         fam,
                         sum(float(gaps[i].sum()) for i in idx) / max(sum(trajs[i].num_policy_tokens for i in idx), 1),
                     )
-            budgets = b.data["budgets"]
+            budgets = b.data.budgets
             b.metrics["budget_mean"] = sum(budgets) / len(budgets)
             b.metrics["teacher_tokens_per_trajectory"] = b.metrics["teacher_tokens"] / max(
                 len(self.teachers) * len(trajs), 1
             )
         if self.cfg.mopd.success_history and self.teachers:
-            _update_history(self.state["history"], self.names, b.data["w"], trajs)
+            _update_history(self.state["history"], self.names, b.data.w, trajs)
 
     # ---- state ----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -292,7 +307,7 @@ opd_stage = run_on_loop(OPDStage)
 # --------------------------------------------------------------- inputs -----
 def _gaps(stage: OPDStage, b: StepBatch, x: dict[str, Any]) -> list[torch.Tensor | None]:
     """``|A_kl|`` on the tokens distilled: after ``until_first_error`` when it is configured."""
-    kl = b.data["kl"]
+    kl = b.data.kl
     if "until_first_error" in stage.by_name:
         kl, _ = TOKEN_TERMS["until_first_error"].fn(kl, x)
     return [k.abs() if k is not None else None for k in kl]
@@ -316,24 +331,24 @@ INPUT_BUILDERS: dict[str, Callable[[OPDStage, StepBatch, dict[str, Any]], Any]] 
 # ----------------------------------------------------------- loss terms -----
 def _topk_loss(stage: OPDStage, b: StepBatch, p) -> None:
     """A top-k divergence to each trajectory's most-weighted teacher (the ``topk`` term)."""
-    cut = b.data["inputs"]["first_error"] if "until_first_error" in stage.by_name else None
-    b.data["distill"] = _topk_update(stage.learner, b, p, stage.cfg, cut, selected="short" in stage.by_name)
+    cut = b.data.inputs["first_error"] if "until_first_error" in stage.by_name else None
+    b.data.distill = _topk_update(stage.learner, b, p, stage.cfg, cut, selected="short" in stage.by_name)
 
 
 def _rlsd_prepare(stage: OPDStage, b: StepBatch, p) -> None:
     """RLSD's weights, and the start-of-step snapshot's targets (stored before any update)."""
-    w = rlsd_weights(b.data["inputs"], p)
+    w = rlsd_weights(b.data.inputs, p)
     b.metrics["rlsd_distilled"] = float((w > 0).sum())
-    b.data["rlsd_targets"] = (
+    b.data.rlsd_targets = (
         _rlsd_snapshot_targets(stage.model, stage.ws.tokenizer, b.trajs, w, p) if bool((w > 0).any()) else None
     )
 
 
 def _rlsd_topk_loss(stage: OPDStage, b: StepBatch, p) -> None:
     """RLSD's forward KL to the start-of-step snapshot's top-k on the verified trajectories."""
-    targets = b.data["rlsd_targets"]
+    targets = b.data.rlsd_targets
     if targets is not None:
-        b.data["distill"] = stage.learner.distill_step(
+        b.data.distill = stage.learner.distill_step(
             [x[0] for x in targets],
             [x[1] for x in targets],
             [x[2] for x in targets],
@@ -392,7 +407,7 @@ def _topk_items(b: StepBatch, p, cut, selected: bool) -> list[tuple[Trajectory, 
     """Per trajectory that got a top-k: its most-weighted teacher's top-k (stored by the scoring pass) and
     the token weights (``p.coef`` on policy tokens, only where a cross-tokenizer teacher has a one-to-one
     chunk, up to the first error with ``cut``, on the ``short`` selection with ``selected``)."""
-    topk_rows, w, kl = b.data["topk_rows"], b.data["w"], b.data["kl"]
+    topk_rows, w, kl = b.data.topk_rows, b.data.w, b.data.kl
     items = []
     for i, t in enumerate(b.trajs):
         ms = [m for m in range(len(topk_rows)) if w[i, m] > 0 and topk_rows[m].get(i) is not None]

@@ -11,7 +11,7 @@ from mentorrl.train.rft import rft_round_stats, rising, select_rft_data, task_ou
 from mentorrl.train.rl_loop import Stage, StepBatch, run_on_loop
 from mentorrl.train.rundir import write_manifest
 from mentorrl.train.workspace import Workspace, load_weights_into
-from mentorrl.trajectory import read_jsonl, write_jsonl
+from mentorrl.trajectory import Trajectory, read_jsonl, write_jsonl
 
 
 class RFTStage(Stage):
@@ -53,40 +53,54 @@ class RFTStage(Stage):
         b.metrics.update(rollouts=len(b.trajs), rollout_s=time.perf_counter() - t0)
 
     def score(self, b: StepBatch) -> None:
-        """The round's positive-task rate; a new best saves the weights that sampled it, a plateau
-        stops the stage on the best weights."""
+        """The round's positive-task rate and what it decides: a new best keeps the weights that
+        sampled it (:meth:`keep_if_best`), a plateau stops the stage on the best weights
+        (:meth:`stop_on_plateau`)."""
         stats = rft_round_stats(task_outcomes(b.trajs))
         rate, st = stats["positive_task_rate"], self.state
         st["history"] = st["history"][: b.step] + [rate]
         b.metrics.update(stats)
-        if rate > st["best_rate"]:
-            st["best_rate"] = rate
+        self.keep_if_best(rate)
+        self.stop_on_plateau(b, rate)
+
+    def keep_if_best(self, rate: float) -> None:
+        """A round better than every one before it: its sampling weights saved as ``rft/best``."""
+        if rate > self.state["best_rate"]:
+            self.state["best_rate"] = rate
             self.model.save_pretrained(self.best_dir, safe_serialization=True)
             write_manifest(self.best_dir)  # verified when the best weights are loaded back
+
+    def stop_on_plateau(self, b: StepBatch, rate: float) -> None:
+        """The positive-task rate stopped rising: back to the best weights, and the stage stops."""
+        st = self.state
         if not rising(st["history"], self.cfg.min_gain):
             if rate < st["best_rate"]:
                 load_weights_into(self.model, self.best_dir)
             b.metrics.update(stopped_on_plateau=1.0, kept_best_rate=st["best_rate"])
             b.stop = True
 
-    def advantages(self, b: StepBatch) -> None:
-        """The kept trajectories of this round (written out) and the training set of all rounds so far."""
-        r = self.cfg
-        kept, counts = select_rft_data(b.trajs, r.top_k, tuple(r.band), seed=b.seeds("select"))
-        self.stage_dir.mkdir(parents=True, exist_ok=True)
-        write_jsonl(self.data_file(b.step), kept)
-        b.data["train"] = [
-            t for i in range(b.step + 1) if self.data_file(i).exists() for t in read_jsonl(self.data_file(i))
-        ]
-        b.metrics.update(counts, dataset_size=len(b.data["train"]))
+    # RFT has no advantages: a trajectory is kept for the training set or not (select_round, in update)
 
     def update(self, b: StepBatch) -> None:
-        r, data, losses = self.cfg, b.data["train"], []
+        """This round's selection (:meth:`select_round`), then ``sft_steps`` SFT steps on the training
+        set of every round so far."""
+        r, data, losses = self.cfg, self.select_round(b), []
         for k in range(r.sft_steps if data else 0):
             rng = b.seeds.rng(f"batch-{k}")
             batch = [data[i] for i in rng.sample(range(len(data)), min(r.batch_size, len(data)))]
             losses.append(self.learner.sft_step(batch, agg=self.ws.cfg.sft.loss_agg)["loss"])
         b.metrics["loss"] = sum(losses) / len(losses) if losses else 0.0
+
+    def select_round(self, b: StepBatch) -> list[Trajectory]:
+        """The round's kept trajectories (:func:`select_rft_data`), written to its data file; returns
+        the training set: the kept trajectories of every round so far."""
+        r = self.cfg
+        kept, counts = select_rft_data(b.trajs, r.top_k, tuple(r.band), seed=b.seeds("select"))
+        self.stage_dir.mkdir(parents=True, exist_ok=True)
+        write_jsonl(self.data_file(b.step), kept)
+        train = [t for i in range(b.step + 1) if self.data_file(i).exists() for t in read_jsonl(self.data_file(i))]
+        b.metrics.update(counts, dataset_size=len(train))
+        return train
 
     def data_file(self, round_: int) -> Path:
         return self.stage_dir / f"data-round-{round_:03d}.jsonl"

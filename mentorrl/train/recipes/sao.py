@@ -36,6 +36,7 @@ import functools
 import json
 import random
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -55,7 +56,7 @@ from mentorrl.train.loop import (
     rollout_metrics,
     score_outcomes,
 )
-from mentorrl.train.rl_loop import RewardGapWatch, Stage, StepBatch, run_on_loop
+from mentorrl.train.rl_loop import RewardGapWatch, Stage, StepBatch, StepData, run_on_loop
 from mentorrl.train.rundir import KEEP_CHECKPOINTS
 from mentorrl.train.workspace import Workspace
 from mentorrl.trajectory import Trajectory, write_jsonl
@@ -78,6 +79,19 @@ def _first_policy_value(traj: Trajectory, values: torch.Tensor) -> float:
 SAO_METRICS = ("pg_loss", "masked_frac", "ratio_p05", "ratio_p50", "ratio_p95", "ratio_max", *UPDATE_HEALTH)
 
 
+@dataclass(slots=True)
+class SAOStepData(StepData):
+    """What SAO's rollout hook hands the later hooks: the hybrid batch's ``items`` (online, replayed,
+    expert; recorded by ``after``), its ``rl`` trajectories (online and replayed) and ``expert`` ones
+    (relabelled with the policy's log-probs), and ``weight_of``: each fresh online trajectory's
+    staleness weight by id."""
+
+    items: list[BatchItem] = field(default_factory=list)
+    rl: list[Trajectory] = field(default_factory=list)
+    expert: list[Trajectory] = field(default_factory=list)
+    weight_of: dict[str, float] = field(default_factory=dict)
+
+
 class SAOStage(Stage):
     """SAO on the loop: the rollout hook takes finished trajectories from the asynchronous worker,
     the critic gives GAE advantages, the update is token-level masked importance sampling, and the
@@ -87,6 +101,7 @@ class SAOStage(Stage):
     name = "sao"
     update_metrics = ()  # reduced in the update hook (its pg_loss is the stage's loss)
     learner_options = {"version_per_update": False}  # the version moves when the weights go to the worker
+    step_data = SAOStepData
 
     def __init__(self, ws: Workspace, model):
         super().__init__(ws, model)
@@ -166,7 +181,8 @@ class SAOStage(Stage):
         )
         require_consistent(self.ws, rl + expert, current, f"SAO step {b.step + 1}")
         b.trajs = online
-        b.data.update(items=items, rl=rl, expert=expert, weight_of={t.id: w for t, w in fresh})
+        b.data.items, b.data.rl, b.data.expert = items, rl, expert
+        b.data.weight_of = {t.id: w for t, w in fresh}
         b.metrics.update(
             {
                 "rollouts": float(len(online)),
@@ -187,7 +203,7 @@ class SAOStage(Stage):
     def advantages(self, b: StepBatch) -> None:
         """The critic's update and GAE advantages (stale data down-weighted), replay admission, and
         the expert items' fixed advantage."""
-        s, rl, weight_of = self.cfg, b.data["rl"], b.data["weight_of"]
+        s, rl, weight_of = self.cfg, b.data.rl, b.data.weight_of
         b.adv = []
         b.metrics.update(reduce_updates([], Critic.METRICS))  # 0s when no trajectory is left to fit
         if rl:
@@ -202,11 +218,11 @@ class SAOStage(Stage):
                     if weight_of.get(t.id) is not None
                 ]
                 b.metrics["replay_admitted"] = float(sum(bool(a) for a in added))
-        b.adv += [torch.tensor(t.loss_mask, dtype=torch.float32) * s.expert_advantage for t in b.data["expert"]]
+        b.adv += [torch.tensor(t.loss_mask, dtype=torch.float32) * s.expert_advantage for t in b.data.expert]
 
     def update(self, b: StepBatch) -> None:
         """Masked-IS minibatches; every ``sync_every`` steps that changed the policy, a new version to the worker."""
-        s, batch = self.cfg, b.data["rl"] + b.data["expert"]
+        s, batch = self.cfg, b.data.rl + b.data.expert
         if b.step >= s.critic.warmup_steps and batch:
             b.updates += pg_update(
                 self.learner,
@@ -243,7 +259,7 @@ class SAOStage(Stage):
         if self.replay is not None:
             b.metrics.update(self.replay.take_metrics())  # the first step after a resume: what it dropped
         b.metrics.update(self.gap.observe(b.step, b.metrics["reward_mean"]))
-        _record_batch(self.ws.run_dir, b.step + 1, b.data["items"], self.cfg.sample_trajectories)
+        _record_batch(self.ws.run_dir, b.step + 1, b.data.items, self.cfg.sample_trajectories)
 
     def state_dict(self) -> dict[str, Any]:
         out = {**self.state, "gap_monitor": self.gap.state_dict(), **self.critic.state_dict()}
