@@ -104,7 +104,7 @@ def summarise_steps(records: Iterable[Mapping[str, Any]], warmup: int, stage: st
     if gaps:
         out["logprob_abs_gap_max"] = max(gaps)
     # the rollout/learner mismatch at the same weights: the updates whose batch the current weights sampled
-    # (policy lag 0, rl_loop.mismatch_metrics). logprob_abs_gap averages every update of a step, so after the
+    # (policy lag 0, loop.mismatch_metrics). logprob_abs_gap averages every update of a step, so after the
     # first one it includes the policy's own change (0.098 there where the mismatch was 7e-7).
     same = [r["mismatch_logprob_gap"] for r in timed if isinstance(r.get("mismatch_logprob_gap"), (int, float))]
     if same:

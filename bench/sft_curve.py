@@ -23,7 +23,7 @@ from mentorrl.eval.metrics import summarize
 from mentorrl.models.build import load_policy
 from mentorrl.rollout.runner import expert_demonstrations, rollout_tasks
 from mentorrl.train.learner import Learner
-from mentorrl.train.rl_loop import StepSeeds
+from mentorrl.train.loop import StepSeeds
 from mentorrl.train.workspace import open_workspace
 
 

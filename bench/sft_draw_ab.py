@@ -19,9 +19,9 @@ import torch
 
 from mentorrl.cli_common import load_run_config
 from mentorrl.models.build import load_policy
+from mentorrl.train.loop import RLLoop
 from mentorrl.train.models_init import base_model_dir
 from mentorrl.train.recipes import sft as sft_mod
-from mentorrl.train.rl_loop import RLLoop
 from mentorrl.train.workspace import evaluate, open_workspace
 
 

@@ -634,9 +634,9 @@ def refused_calls(messages: list[dict[str, Any]], tool_names: set[str], max_turn
 # --------------------------------------------------------------------------- task draw ---------------
 def grpo_step_tasks(entry: Any, seed: int, steps: int, tasks_per_step: int, split: str = "train") -> list[list]:
     """The tasks ``mentorrl train``'s GRPO stage draws at each step for ``seed`` (no hard-task pool):
-    its train pool and each step's draw, both seeded by :class:`~mentorrl.train.rl_loop.StepSeeds` as in
-    :class:`~mentorrl.train.rl_loop.Stage`. The bench checks the result against the ids the mentorrl arm used."""
-    from mentorrl.train.rl_loop import StepSeeds, pool_size
+    its train pool and each step's draw, both seeded by :class:`~mentorrl.train.loop.StepSeeds` as in
+    :class:`~mentorrl.train.loop.Stage`. The bench checks the result against the ids the mentorrl arm used."""
+    from mentorrl.train.loop import StepSeeds, pool_size
 
     seeds = StepSeeds(seed, "grpo")
     pool = entry.make_tasks().tasks(split=split, n=pool_size(tasks_per_step, steps), seed=seeds("pool"))
@@ -915,15 +915,15 @@ def run_mentorrl_arm(args, work: Path) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(1)
+    import mentorrl.train.loop as loop_mod
     import mentorrl.train.recipes.grpo as grpo
-    import mentorrl.train.rl_loop as rl_loop
     from mentorrl.cli import app
 
     clock, info = Clock(), {}
     cur = {"step": -1}
-    # the GRPO stage's hooks run on the RL loop: rollouts through rl_loop.collect_group (Stage.collect), the
-    # resumable runner rl_loop.run_stage (RLLoop.run), the update through grpo.pg_update (GRPOStage.update)
-    orig_collect, orig_update, orig_run_stage = rl_loop.collect_group, grpo.pg_update, rl_loop.run_stage
+    # the GRPO stage's hooks run on the RL loop: rollouts through loop.collect_group (Stage.collect), the
+    # step loop loop.run_stage (RLLoop.run), the update through grpo.pg_update (GRPOStage.update)
+    orig_collect, orig_update, orig_run_stage = loop_mod.collect_group, grpo.pg_update, loop_mod.run_stage
 
     def collect_group(ws, model, chosen, *a, **kw):
         with clock.span(cur["step"], "rollout"):
@@ -954,7 +954,7 @@ def run_mentorrl_arm(args, work: Path) -> dict[str, Any]:
 
         return orig_run_stage(ws, stage, model, learner, steps, timed, *a, **kw)
 
-    rl_loop.collect_group, grpo.pg_update, rl_loop.run_stage = collect_group, pg_update, run_stage
+    loop_mod.collect_group, grpo.pg_update, loop_mod.run_stage = collect_group, pg_update, run_stage
     run_dir = work / f"mentorrl-rep{args.rep}"
     shutil.rmtree(run_dir, ignore_errors=True)
     argv = ["train", str(recipe_path(args))]

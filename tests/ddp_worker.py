@@ -112,7 +112,7 @@ def main(out_dir: Path) -> None:
     from mentorrl.config import DistributedConfig, RunConfig
     from mentorrl.train.distributed import setup_distributed, shutdown_distributed
     from mentorrl.train.learner import Learner
-    from mentorrl.train.stage_runner import run_stage
+    from mentorrl.train.loop import run_stage
     from mentorrl.train.workspace import Workspace
 
     cfg = RunConfig(distributed=DistributedConfig(backend="auto", timeout_s=120))

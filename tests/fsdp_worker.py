@@ -66,7 +66,7 @@ def stage_batch(step: int) -> list:
 
 def run_sharded_stage(dp, run_dir: Path, steps: int, kill_at: int | None, resume: bool) -> None:
     from mentorrl.train.learner import Learner
-    from mentorrl.train.stage_runner import run_stage
+    from mentorrl.train.loop import run_stage
     from mentorrl.train.workspace import Workspace
 
     cfg = RunConfig(distributed=DistributedConfig(backend="auto", strategy="fsdp2", timeout_s=120))

@@ -117,9 +117,9 @@ def test_after_a_restore_nothing_is_ahead_and_the_rest_is_the_checkpoints(before
 KILL_AHEAD_CLI = """
 import json, os, signal
 from mentorrl.replay import buffer as buffer_mod
-from mentorrl.train import stage_runner
+from mentorrl.train import stage_checkpoints
 seen = {"version": None, "step": None}
-_save, _add = stage_runner.save_checkpoint, buffer_mod.ReplayBuffer.add
+_save, _add = stage_checkpoints.save_checkpoint, buffer_mod.ReplayBuffer.add
 def save_checkpoint(stage_dir, step, model, tokenizer, state):
     out = _save(stage_dir, step, model, tokenizer, state)
     if stage_dir.name == "sao":
@@ -132,7 +132,7 @@ def add(self, traj, *args, **kwargs):
             json.dump({**seen, "entry": traj.id, "entry_version": traj.policy_version}, f)
         os.kill(os.getpid(), signal.SIGKILL)
     return res
-stage_runner.save_checkpoint, buffer_mod.ReplayBuffer.add = save_checkpoint, add
+stage_checkpoints.save_checkpoint, buffer_mod.ReplayBuffer.add = save_checkpoint, add
 from mentorrl.cli import app
 app()
 """

@@ -167,7 +167,7 @@ def _run_stage_example(mod, tmp_path, policy_and_trajs):
         def rollout(self, b):
             b.trajs = expert_trajs
 
-    from mentorrl.train.rl_loop import RLLoop
+    from mentorrl.train.loop import RLLoop
 
     ws3 = _example_ws(tmp_path, "run3", tokenizer, "self_imitation.steps=1")
     RLLoop(Imitating(ws3, copy.deepcopy(model))).run()

@@ -18,7 +18,7 @@ from test_resume import TINY_OVERRIDES
 from mentorrl.config import load_config
 from mentorrl.replay.buffer import ReplayBuffer
 from mentorrl.train import loop as loop_mod
-from mentorrl.train import rl_loop as rl_loop_mod
+from mentorrl.train import stage_helpers
 from mentorrl.train.learner import Learner
 from mentorrl.train.rundir import MetricsLog
 
@@ -68,11 +68,12 @@ def _half_verified(real, on_call=None):
         if on_call is not None:
             on_call()
         grp = real(*args, **kwargs)
-        grp.trajs = [
-            t.model_copy(update={"reward": t.reward.model_copy(update={"success": True})}) if i % 2 == 0 else t
-            for i, t in enumerate(grp.trajs)
-        ]
-        return grp
+        return grp._replace(  # a Collected record (a NamedTuple)
+            trajs=[
+                t.model_copy(update={"reward": t.reward.model_copy(update={"success": True})}) if i % 2 == 0 else t
+                for i, t in enumerate(grp.trajs)
+            ]
+        )
 
     return collect
 
@@ -92,7 +93,7 @@ def _run_killed_at_the_step_4_checkpoint(tmp_path, tokenizer, orders_entry, mode
     """Runs evolve until it dies writing the step-4 checkpoint (after iteration 2 was closed:
     its buffer entries, its ``versions.json`` entry and ``versions/v2`` are on disk). Returns the
     persisted state as the step-2 checkpoint recorded it, and the state at the kill."""
-    from mentorrl.train import stage_runner as stages_mod
+    from mentorrl.train import stage_checkpoints as stages_mod
     from mentorrl.train.recipes import evolve as evolve_mod
 
     ws, _ = _workspace(tmp_path, tokenizer, orders_entry)
@@ -107,7 +108,7 @@ def _run_killed_at_the_step_4_checkpoint(tmp_path, tokenizer, orders_entry, mode
         return real_save(stage_dir, step, *a, **kw)
 
     monkeypatch.setattr(stages_mod, "save_checkpoint", save_then_die)
-    monkeypatch.setattr(rl_loop_mod, "collect_group", _half_verified(loop_mod.collect_group))
+    monkeypatch.setattr(loop_mod, "collect_group", _half_verified(stage_helpers.collect_group))
     with pytest.raises(_Killed):
         evolve_mod.evolve_stage(ws, copy.deepcopy(model), resume=False)
     monkeypatch.setattr(stages_mod, "save_checkpoint", real_save)
@@ -145,7 +146,7 @@ def test_evolve_resume_restores_buffer_and_versions_to_the_checkpoint(
         replayed.extend(t.id for t in batch)
         return real_sft(self, batch, *a, **kw)
 
-    monkeypatch.setattr(rl_loop_mod, "collect_group", _half_verified(loop_mod.collect_group, on_rollout))
+    monkeypatch.setattr(loop_mod, "collect_group", _half_verified(stage_helpers.collect_group, on_rollout))
     monkeypatch.setattr(Learner, "sft_step", watching_sft)
     evolve_mod.evolve_stage(ws, copy.deepcopy(model), resume=True)
     assert "resuming from step-000002" in out.getvalue()
@@ -170,7 +171,7 @@ def test_evolve_fresh_start_empties_the_buffer_of_an_earlier_run(tmp_path, token
         first.update(_snapshot(ws.run_dir))
         raise _Killed  # seen what the first step starts from: enough
 
-    monkeypatch.setattr(rl_loop_mod, "collect_group", _half_verified(loop_mod.collect_group, on_rollout))
+    monkeypatch.setattr(loop_mod, "collect_group", _half_verified(stage_helpers.collect_group, on_rollout))
     with pytest.raises(_Killed):
         evolve_mod.evolve_stage(ws, copy.deepcopy(model), resume=False)
     assert first["ids"] == [] and first["rejections"] == {}

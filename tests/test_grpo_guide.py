@@ -22,9 +22,9 @@ from mentorrl.models.batch import collate, forward_logprobs
 from mentorrl.rollout import Rollout
 from mentorrl.rollout.runner import expert_demonstrations, rollout_tasks
 from mentorrl.train.learner import Learner
-from mentorrl.train.loop import guide_failed_groups, guided_advantages, pg_update
 from mentorrl.train.recipes.grpo import guide_expert
 from mentorrl.train.rundir import MetricsLog
+from mentorrl.train.stage_helpers import guide_failed_groups, guided_advantages, pg_update
 
 G = 3
 

@@ -200,7 +200,7 @@ def workspace(tmp_path, tokenizer, orders_entry):
 
 
 def _sft_stage(ws, model, make_demos, tokenizer, steps, resume, crash_at=None, base_path=None):
-    from mentorrl.train.stage_runner import run_stage
+    from mentorrl.train.loop import run_stage
 
     pm = _adapted(model, base_path=base_path)
     learner = Learner(pm, OptimConfig(lr=1e-2, micro_batch_size=2, warmup_steps=2), pad_id=tokenizer.pad_token_id)
@@ -244,7 +244,7 @@ def test_adapter_checkpoints_resume_exactly(workspace, model, tokenizer, make_de
     assert (final / ADAPTER_WEIGHTS).is_file() and (final / "DONE").is_file()
 
     # a config changed to full fine-tuning is named, and no checkpoint is moved aside as damaged
-    from mentorrl.train.stage_runner import run_stage
+    from mentorrl.train.loop import run_stage
 
     full = copy.deepcopy(model)
     with pytest.raises(ConfigError, match="model.lora is null, but .* holds a LoRA adapter"):

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from mentorrl.config import load_config
+from mentorrl.train.loop import RLLoop, StepSeeds, loop_for
 from mentorrl.train.overlap import OverlapLoop, RolloutAhead, batch_from_state, batch_state, check_overlap
 from mentorrl.train.recipes.grpo import GRPOStage
-from mentorrl.train.rl_loop import RLLoop, StepSeeds, loop_for
 from mentorrl.train.workspace import open_workspace
 
 REPO = Path(__file__).resolve().parents[1]
@@ -216,7 +216,7 @@ import json, os, sys, time
 sys.path.insert(0, {tests!r})
 from mentorrl.models.build import load_policy
 from mentorrl.train import rundir
-from mentorrl.train.rl_loop import loop_for
+from mentorrl.train.loop import loop_for
 from test_overlap import Recording, make_ws
 
 run_dir, model_dir, block, resume = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1"

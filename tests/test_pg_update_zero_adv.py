@@ -11,7 +11,7 @@ import torch
 
 from mentorrl.config import OptimConfig
 from mentorrl.train.learner import Learner
-from mentorrl.train.loop import pg_update
+from mentorrl.train.stage_helpers import pg_update
 
 
 def _advantages(demos, kind, zero_rows, seed=0):
@@ -86,13 +86,13 @@ def test_sorted_micro_batches_give_the_same_update(make_demos, model, tokenizer,
     """pg_update feeds the learner each minibatch sorted (by shared prefix when it packs prefixes,
     else by length: less padding per micro-batch); the gradient is the one of the minibatch in its
     dealt order."""
-    import mentorrl.train.loop as loop
+    import mentorrl.train.stage_helpers as helpers
 
     _, demos = make_demos(7)
     assert len({len(d.token_ids) for d in demos}) > 2, "need trajectories of different lengths"
     adv = _advantages(demos, kind, zero_rows=[1])
     _, sorted_grads, _ = _run(model, tokenizer, demos, adv, kind, "token-mean", k=1, pack=pack)
-    monkeypatch.setattr(loop, "update_order", lambda learner, idx, trajs: list(idx))
+    monkeypatch.setattr(helpers, "update_order", lambda learner, idx, trajs: list(idx))
     _, dealt_grads, _ = _run(model, tokenizer, demos, adv, kind, "token-mean", k=1, pack=pack)
     assert max(g.abs().max().item() for g in dealt_grads) > 0
     for a, b in zip(dealt_grads, sorted_grads):
@@ -102,7 +102,7 @@ def test_sorted_micro_batches_give_the_same_update(make_demos, model, tokenizer,
 def test_length_order_is_a_permutation_sorted_within_each_ranks_share():
     from types import SimpleNamespace
 
-    from mentorrl.train.loop import length_order
+    from mentorrl.train.stage_helpers import length_order
 
     lengths = [50, 3, 400, 7, 7, 120, 90, 1, 64]
     trajs = [SimpleNamespace(token_ids=[0] * n) for n in lengths]
@@ -122,7 +122,7 @@ def test_length_order_is_a_permutation_sorted_within_each_ranks_share():
 def test_update_order_groups_shared_prefixes_when_the_learner_packs():
     from types import SimpleNamespace
 
-    from mentorrl.train.loop import update_order
+    from mentorrl.train.stage_helpers import update_order
 
     toks = [[5, 1, 2], [3, 9], [5, 1, 7, 7], [3, 9, 9, 9, 9], [5, 2]]
     trajs = [SimpleNamespace(token_ids=t) for t in toks]
@@ -137,7 +137,7 @@ def test_groups_are_dealt_whole_into_minibatches():
     every trajectory is trained once per pass, and the deal depends on the seed."""
     from types import SimpleNamespace
 
-    import mentorrl.train.loop as loop
+    import mentorrl.train.stage_helpers as helpers
 
     seen: list[list[int]] = []
 
@@ -154,11 +154,11 @@ def test_groups_are_dealt_whole_into_minibatches():
     deals = set()
     for seed in range(6):
         seen.clear()
-        loop.pg_update(Recorder(), trajs, adv, 2, seed, kind="grpo", groups=groups, drop_zero=True)
+        helpers.pg_update(Recorder(), trajs, adv, 2, seed, kind="grpo", groups=groups, drop_zero=True)
         assert len(seen) == 2 and sorted(i for mb in seen for i in mb) == list(range(13))
         for mb in seen:
             assert all(set(g) <= set(mb) or not set(g) & set(mb) for g in groups)
         deals.add(tuple(sorted(tuple(sorted(mb)) for mb in seen)))
     assert len(deals) > 1
     with pytest.raises(ValueError, match="items or groups"):
-        loop.pg_update(Recorder(), trajs, adv, 2, 0, kind="grpo", groups=groups, items=[0, 1])
+        helpers.pg_update(Recorder(), trajs, adv, 2, 0, kind="grpo", groups=groups, items=[0, 1])

@@ -70,7 +70,7 @@ from pydantic import Field
 from mentorrl.config import StepStageConfig
 from mentorrl.train.learner import Learner
 from mentorrl.train.registry import register_stage
-from mentorrl.train.stage_runner import run_stage
+from mentorrl.train.loop import run_stage
 
 
 class CountConfig(StepStageConfig):

@@ -184,7 +184,7 @@ def test_opd_stage_with_a_teacher_actor(ray_local, tmp_path, tiny_model_dir):
 def test_the_recipe_runs_in_a_learner_actor(ray_local, tmp_path):
     import os
 
-    from mentorrl.train.pipeline import run_demo
+    from mentorrl.train.pipeline import train
 
     run = tmp_path / "learner"
     cfg = load_config(
@@ -202,7 +202,7 @@ def test_the_recipe_runs_in_a_learner_actor(ray_local, tmp_path):
             "distributed.learner_actor=true",
         ],
     )
-    result = run_demo(cfg, show_progress=False)
+    result = train(cfg, show_progress=False)
     assert result["learner"]["pid"] != os.getpid()  # the recipe ran in another process
     recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs if r.get("stage") == "grpo"] == [1]
@@ -210,7 +210,7 @@ def test_the_recipe_runs_in_a_learner_actor(ray_local, tmp_path):
 
 
 def test_an_error_in_the_learner_actor_keeps_its_type(ray_local, tmp_path):
-    from mentorrl.train.pipeline import run_demo
+    from mentorrl.train.pipeline import train
 
     cfg = load_config(
         None,
@@ -224,7 +224,7 @@ def test_an_error_in_the_learner_actor_keeps_its_type(ray_local, tmp_path):
         ],
     )
     with pytest.raises(ConfigError, match="no-such-checkpoint") as e:  # the preflight check, inside the actor
-        run_demo(cfg, show_progress=False)
+        train(cfg, show_progress=False)
     assert type(e.value) is ConfigError and "ray::" not in str(e.value)  # the error itself, not Ray's wrapper
 
 

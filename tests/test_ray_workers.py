@@ -106,7 +106,7 @@ def test_grpo_two_steps_on_two_rollout_actors_matches_single_process_rollouts(ra
     from mentorrl.envs import get_env
     from mentorrl.models.build import load_policy
     from mentorrl.rollout.runner import rollout_tasks
-    from mentorrl.train.rl_loop import StepSeeds, pool_size
+    from mentorrl.train.loop import StepSeeds, pool_size
     from mentorrl.train.workspace import Workspace
 
     run = tmp_path / "ray2"
@@ -243,7 +243,7 @@ def test_sao_stream_across_actors_versions_and_staleness(
     from mentorrl.distributed.ray_workers import RayRolloutPool
     from mentorrl.rollout import Rollout
     from mentorrl.train.async_rl import WeightBox, staleness_weights
-    from mentorrl.train.loop import relabel_behaviour
+    from mentorrl.train.stage_helpers import relabel_behaviour
 
     contract = make_contract()
     model = copy.deepcopy(tool_happy_model)

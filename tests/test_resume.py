@@ -19,8 +19,8 @@ from rich.console import Console
 
 from mentorrl.config import OptimConfig, load_config
 from mentorrl.train.learner import Learner
+from mentorrl.train.loop import run_stage
 from mentorrl.train.rundir import MetricsLog, latest_checkpoint
-from mentorrl.train.stage_runner import run_stage
 from mentorrl.train.workspace import Workspace
 
 REPO = Path(__file__).resolve().parents[1]

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mentorrl.train.rl_loop import HOOKS, SEED_SPACE, RLLoop, Stage, StepBatch, StepSeeds, derive_seed
+from mentorrl.train.loop import HOOKS, SEED_SPACE, RLLoop, Stage, StepBatch, StepSeeds, derive_seed
 
 
 # ------------------------------------------------------------------ seeds -----
@@ -193,6 +193,7 @@ def test_every_stage_declares_a_slotted_step_record():
     step, and a misspelt field is an AttributeError, never a silent new key."""
     import dataclasses
 
+    from mentorrl.train.loop import StepData, step_data_state
     from mentorrl.train.recipes.blackbox import BlackBoxStage
     from mentorrl.train.recipes.evolve import EvolveStage
     from mentorrl.train.recipes.external import ExternalStage
@@ -202,7 +203,6 @@ def test_every_stage_declares_a_slotted_step_record():
     from mentorrl.train.recipes.rft import RFTStage
     from mentorrl.train.recipes.sao import SAOStage
     from mentorrl.train.recipes.sft import SFTStage
-    from mentorrl.train.rl_loop import StepData, step_data_state
 
     stages = (BlackBoxStage, EvolveStage, ExternalStage, GRPOStage, OPDStage, PPOStage, RFTStage, SAOStage, SFTStage)
     for cls in stages:

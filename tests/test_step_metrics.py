@@ -29,7 +29,7 @@ def _expected(trajs) -> dict[str, float]:
 
 
 def test_rollout_metrics_count_calls_malformed_and_finish_reasons(make_demos):
-    from mentorrl.train.loop import rollout_metrics
+    from mentorrl.train.stage_helpers import rollout_metrics
 
     _, demos = make_demos(6)
     trajs = [d.model_copy(deep=True) for d in demos]

@@ -24,8 +24,8 @@ from rich.console import Console
 from mentorrl.config import ConfigError, OptimConfig, load_config
 from mentorrl.train import trackers as T
 from mentorrl.train.learner import Learner
+from mentorrl.train.loop import run_stage
 from mentorrl.train.rundir import MetricsLog
-from mentorrl.train.stage_runner import run_stage
 from mentorrl.train.workspace import Workspace
 
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow", "trackio": "trackio"}

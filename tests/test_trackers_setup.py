@@ -26,7 +26,7 @@ from rich.console import Console
 
 from mentorrl.config import ConfigError, load_config
 from mentorrl.train import trackers as T
-from mentorrl.train.stage_runner import metrics_log
+from mentorrl.train.stage_checkpoints import metrics_log
 
 SECRET = "sk-mentorrl-test-secret-7f3a9c"
 USER_VARS = (

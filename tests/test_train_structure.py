@@ -22,10 +22,10 @@ def test_adding_a_stage_is_one_registered_function_and_runs_through_the_pipeline
     """A stage defined here (as in its own module), registered, then run by the recipe runner."""
     from mentorrl.config import OptimConfig, load_config
     from mentorrl.train.learner import Learner
+    from mentorrl.train.loop import run_stage
     from mentorrl.train.pipeline import run_recipe
     from mentorrl.train.registry import register_stage, unregister_stage
     from mentorrl.train.rundir import MetricsLog
-    from mentorrl.train.stage_runner import run_stage
 
     @register_stage("toy", title="A toy stage", label="Toy")
     def toy_stage(ws, model, resume: bool = False):

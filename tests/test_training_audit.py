@@ -72,7 +72,7 @@ def test_reward_debugger_flags_only_high_reward_failures():
 
 
 def test_reward_debugger_in_stage_writes_flagged_file(tmp_path):
-    from mentorrl.train.loop import reward_debugger as _reward_debugger
+    from mentorrl.train.stage_helpers import reward_debugger as _reward_debugger
 
     trajs = [traj(0, "a", False, total=0.9), traj(1, "a", True)]
     m = _reward_debugger(trajs, 0.5, tmp_path / "audit" / "flagged.jsonl")

@@ -270,8 +270,8 @@ def test_bridge_scores_like_mentorrl(b, orders, base_tokenizer):
 
 # --------------------------------------------------------------------------- task draw ------------
 def test_task_draw_is_mentorrls(b, orders):
+    from mentorrl.train.loop import StepBatch, StepSeeds
     from mentorrl.train.recipes.grpo import GRPOStage
-    from mentorrl.train.rl_loop import StepBatch, StepSeeds
 
     entry, _, _ = orders
     seed, steps, per_step = 4, 3, 5

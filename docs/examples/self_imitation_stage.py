@@ -1,8 +1,8 @@
 """A new training stage: self-imitation. Each step the policy plays a few train tasks, the
 verifier keeps its successes, and the policy is fine-tuned on them (a one-round, on-line RFT).
 
-A stage is a :class:`~mentorrl.train.rl_loop.Stage` subclass that overrides only the hooks that
-differ; the one loop (:class:`~mentorrl.train.rl_loop.RLLoop`) runs them in order (tasks ->
+A stage is a :class:`~mentorrl.train.loop.Stage` subclass that overrides only the hooks that
+differ; the one loop (:class:`~mentorrl.train.loop.RLLoop`) runs them in order (tasks ->
 rollout -> score -> advantages -> update -> after) and gives it checkpoints every N steps,
 ``--resume``, ``metrics.jsonl``, trackers, the policy version and the final Hugging Face
 directory for free. Here the default ``tasks`` hook draws ``tasks_per_step`` tasks from the
@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from mentorrl.config import RolloutStageConfig
+from mentorrl.train.loop import Stage, StepBatch, StepData
 from mentorrl.train.registry import register_stage
-from mentorrl.train.rl_loop import Stage, StepBatch, StepData
 from mentorrl.trajectory import Trajectory
 
 
@@ -76,7 +76,7 @@ if __name__ == "__main__":
     from mentorrl.config import load_config
     from mentorrl.models.build import load_policy
     from mentorrl.models.shipped import SHIPPED_ROOT
-    from mentorrl.train.rl_loop import RLLoop
+    from mentorrl.train.loop import RLLoop
     from mentorrl.train.workspace import open_workspace
 
     run_dir = sys.argv[1] if len(sys.argv) > 1 else "runs/self-imitation"

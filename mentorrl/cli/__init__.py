@@ -56,17 +56,18 @@ def _load(
     return load_run_config(config, overrides, run_dir, default, plugins)
 
 
-def _run_recipe(cfg, resume: bool) -> dict:
+def _train(cfg, resume: bool) -> dict:
+    """:func:`mentorrl.train.pipeline.train`, with the CLI's exit codes for what it refuses."""
     from rich.markup import escape
 
     from mentorrl.config import ConfigError
     from mentorrl.replay.buffer import ReplayBufferError
     from mentorrl.train.distributed import RankZeroFailed
-    from mentorrl.train.pipeline import RewardAuditFailed, run_demo
+    from mentorrl.train.pipeline import RewardAuditFailed, train
     from mentorrl.train.rundir import CorruptCheckpointError
 
     try:
-        return run_demo(cfg, resume=resume)
+        return train(cfg, resume=resume)
     except RankZeroFailed as e:  # a rank > 0 of a torchrun launch: rank 0 printed the reason
         err.print(f"[red]{escape(str(e))}[/red]")
         raise typer.Exit(1)
@@ -110,7 +111,7 @@ def demo(
     """Build the tiny model, audit the reward, SFT, evaluate, GRPO, evaluate again; print the table and report."""
     quiet_transformers()
     cfg = _load(config, [*set_, *NO_EVAL] if no_eval else set_, run_dir, default="demo.yaml")
-    result = _run_recipe(cfg, resume)
+    result = _train(cfg, resume)
     from mentorrl.train.distributed import is_main_process
 
     if is_main_process():  # under torchrun, rank 0 alone writes
@@ -133,7 +134,7 @@ def train(
 ) -> None:
     """Run a recipe's stages (e.g. sft -> rft -> grpo, held-out eval after each); model.path may be any HF checkpoint."""
     quiet_transformers()
-    _run_recipe(_load(config, [*set_, *NO_EVAL] if no_eval else set_, run_dir, plugins=plugin), resume)
+    _train(_load(config, [*set_, *NO_EVAL] if no_eval else set_, run_dir, plugins=plugin), resume)
 
 
 @app.command("init-model")

@@ -16,7 +16,7 @@ What runs where::
   contract, environment factory -- :func:`mentorrl.envs.env_factory`, the one the workspace uses --,
   reward weights, ``rollout:`` section); each actor builds its own :class:`~mentorrl.rollout.Rollout`.
 - **GRPO** (:class:`RayRollouts`, owned by the workspace: ``ws.ray_rollouts(model)``, called from
-  ``train/loop.py:rollout_shared``): a step's task list
+  ``train/stage_helpers.py:rollout_shared``): a step's task list
   is split into contiguous shares, one per worker, exactly as the data-parallel learner splits it
   (:func:`shares`); worker ``i`` rolls its share out with ``seed + offset`` of the share, so the
   trajectories are a pure function of (weights, task list, seed, number of workers). With one

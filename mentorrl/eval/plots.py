@@ -62,7 +62,7 @@ def plot_rl_curves(
 
 
 def plot_step_metrics(records: list[dict[str, Any]], out: str | Path, name: str = "GRPO") -> Path:
-    """The per-step rollout metrics of one stage (see :func:`mentorrl.train.loop.rollout_metrics`)
+    """The per-step rollout metrics of one stage (see :func:`mentorrl.train.stage_helpers.rollout_metrics`)
     in six panels: tool calls per trajectory and the malformed-call rate; finish-reason shares
     (stacked); turns; policy tokens per trajectory; rollout vs update seconds; CPU utilisation."""
     steps = [r["step"] for r in records]

@@ -11,7 +11,7 @@ import torch
 from mentorrl.algos.advantages import adaptive_gae_lambda, gae_advantages, outcome_token_rewards
 from mentorrl.models.value import build_critic
 from mentorrl.train.learner import CriticLearner, pad_token_values
-from mentorrl.train.loop import minibatches, reduce_updates
+from mentorrl.train.stage_helpers import minibatches, reduce_updates
 from mentorrl.trajectory import Trajectory
 
 

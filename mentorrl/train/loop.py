@@ -1,385 +1,439 @@
-"""The parts the stages' hooks share (the loop itself is :mod:`mentorrl.train.rl_loop`).
+"""The training loop: from a recipe down to a stage's hooks, read top to bottom.
 
-- the rollout: :func:`collect_group` rolls each task out ``group_size`` times with the current policy, times
-  it and refuses data the policy did not produce under the run's contract
-  (:func:`require_consistent`);
-- the policy-gradient minibatch update: :func:`minibatches` deals the step's trajectories into
-  shuffled minibatches, :func:`pg_update` runs one clipped (or GRPO / masked-IS) update per
-  minibatch (the learner counts the policy versions), and :func:`reduce_updates` turns the updates' metrics into
-  one value per metric for ``metrics.jsonl``;
-- off-policy guidance: :func:`relabel_behaviour` gives demonstrations the current policy's
-  behaviour log-probs, :func:`guide_failed_groups` finds the scripted expert's verified
-  demonstration for each group in which no rollout succeeded (``grpo.guide``), and
-  :func:`guided_advantages` scores it as one more member of that group;
-- the step's rewards and rollout metrics (:func:`group_rewards`, :func:`outcome_rewards`,
-  :func:`rollout_metrics`), the high-reward-failure debugger and the held-out gap check.
+``mentorrl train recipe.yaml`` (and ``mentorrl demo``) calls :func:`mentorrl.train.pipeline.train`,
+which runs the recipe (:func:`~mentorrl.train.pipeline.run_recipe`: preflight, workspace, base model)
+and then its stages in order (:func:`~mentorrl.train.pipeline.run_stages`, evaluating after each).
+From there on everything is in this module::
 
-Every seed comes from the caller (:class:`~mentorrl.train.rl_loop.StepSeeds`), so a resumed stage
-redoes a step exactly.
+    for stage in recipe:                    registry: a Stage class, wrapped by run_on_loop
+        loop_for(stage).run(resume)         RLLoop (or OverlapLoop under overlap: one_step)
+            run_stage(...)                  the step loop: resume, metrics.jsonl, checkpoints
+                for step in steps:
+                    RLLoop.step(step)       a new StepBatch, then the hooks in order:
+                        tasks -> rollout -> score -> advantages -> update -> after
+
+A stage is a small class of hooks (:class:`Stage`) plus its own config section; :class:`RLLoop`
+owns everything else:
+
+- each hook reads and fills one typed record, the step's :class:`StepBatch` (tasks, trajectories,
+  rewards, advantages, the updates' metrics, and ``data``: the stage's own :class:`StepData` record,
+  declared by :attr:`Stage.step_data`, for what it carries between its own hooks);
+- :class:`StepSeeds` hands out every seed: a pure function of (run seed, stage, step, purpose),
+  so a resumed stage redoes a step exactly and no two purposes share a stream by accident;
+- the :class:`~mentorrl.train.learner.Learner` owns the policy version (one per optimizer step,
+  or one per :meth:`~mentorrl.train.learner.Learner.publish` for SAO's periodic sync);
+- the loop times the rollout and the update, reduces the updates' metrics, and :func:`run_stage`
+  checkpoints the weights, the learner (with its version) and the stage's own
+  :meth:`Stage.state_dict` (how: :mod:`mentorrl.train.stage_checkpoints`).
+
+The hooks' shared parts (the rollout, the policy-gradient update, rewards and metrics) are
+:mod:`mentorrl.train.stage_helpers`. A stage says only what differs: GRPO its group advantages and
+guidance, PPO its critic, SAO that its rollouts come from an asynchronous worker, OPD its teachers'
+scores, the black-box recipes their teacher calls, evolve its curriculum and version gate, SFT and
+RFT that their data is a dataset (their rollout hook does nothing or samples and filters). A new
+stage is one class and one registry entry (see ``docs/extending/stage.md`` for a worked example).
 """
 
 from __future__ import annotations
 
+import hashlib
+import random
 import time
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, ClassVar
 
 import torch
 
-from mentorrl.algos.advantages import group_reward_stats, sanitize_group_rewards
-from mentorrl.eval.metrics import summarize
-from mentorrl.models.batch import collate, forward_logprobs
-from mentorrl.models.device import autocast, resolve_dtype
-from mentorrl.rollout.backends import backend_of
-from mentorrl.train.audit import GapMonitor, flag_high_reward_failures
-from mentorrl.train.consistency import batch_checks, policy_lag
-from mentorrl.train.workspace import Workspace, heldout_check
+from mentorrl.train.learner import Learner
+from mentorrl.train.parallelism import cpu_cores
+from mentorrl.train.progress import stage_progress
+from mentorrl.train.stage_checkpoints import (
+    record_step,
+    resume_stage,
+    rewind,
+    save_final,
+    save_sharded,
+    step_timing,
+)
+from mentorrl.train.stage_helpers import PG_METRICS, collect_group, group_rewards, reduce_updates, rollout_metrics
+from mentorrl.train.workspace import Workspace
 from mentorrl.trajectory import Trajectory, write_jsonl
 
-FINISH_REASONS = ("answer", "max_turns", "max_tokens", "length")
-# What every policy-gradient update reports besides its loss (reduced over a step's updates by reduce_updates);
-# each stage's list is its loss's own metrics plus these.
-UPDATE_HEALTH = (
-    "entropy",
-    "grad_norm",
-    "approx_kl",
-    "logprob_abs_gap",
-    "train_rollout_kl",
-    "policy_lag_mean",
-    "policy_lag_max",
-)
-PG_METRICS = ("pg_loss", "clip_frac", *UPDATE_HEALTH)
+SEED_SPACE = 2**31 - 1  # seeds fit torch, numpy and the rollout's turn seeds
+HOOKS = ("tasks", "rollout", "score", "advantages", "update", "after")
+STOPPABLE = ("tasks", "rollout", "score")  # a stop set by one of these skips the hooks after it
 
 
-# ------------------------------------------------------------ rollouts -----
-class Collected(NamedTuple):
-    """One step's rollouts, in task order (each task ``group_size`` times), and what they cost."""
-
-    trajs: list[Trajectory]
-    rollout_s: float
-    rollout_cpu_s: float
+def pool_size(per_step: int, steps: int, least: int = 64) -> int:
+    """Tasks in a stage's training pool: enough for ``per_step`` at every step, at least ``least``."""
+    return max(per_step * max(steps, 1), least)
 
 
-def collect_group(
+def derive_seed(*parts: Any) -> int:
+    """A seed in ``[0, SEED_SPACE)`` that is a pure function of ``parts`` (their ``str``), the same in
+    every process and Python version (blake2b, not ``hash``)."""
+    digest = hashlib.blake2b("\x1f".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") % SEED_SPACE
+
+
+@dataclass(frozen=True)
+class StepSeeds:
+    """Every seed of a stage: ``seeds("purpose")`` at one step (or stage-wide when ``step`` is None,
+    e.g. the task pool), derived from (run seed, stage, step, purpose)."""
+
+    run: int
+    stage: str
+    step: int | None = None
+
+    def __call__(self, purpose: str) -> int:
+        return derive_seed(self.run, self.stage, self.step, purpose)
+
+    def rng(self, purpose: str) -> random.Random:
+        return random.Random(self(purpose))
+
+    def at(self, step: int) -> "StepSeeds":
+        return StepSeeds(self.run, self.stage, step)
+
+
+@dataclass(slots=True)
+class StepData:
+    """What a stage carries between its own hooks within one step: nothing here. A stage that carries
+    something declares its own record, a ``@dataclass(slots=True)`` subclass with a default for every
+    field, and names it in :attr:`Stage.step_data`; the loop makes a fresh one per step, so a misspelt
+    field is an AttributeError, never a silent new key."""
+
+
+def step_data_state(d: StepData) -> dict[str, Any]:
+    """``d``'s fields by name (shallow), e.g. for a checkpoint; ``type(d)(**state)`` restores it."""
+    return {f.name: getattr(d, f.name) for f in fields(d)}
+
+
+@dataclass
+class StepBatch:
+    """One step's data as it moves through the hooks."""
+
+    step: int
+    seeds: StepSeeds
+    tasks: list = field(default_factory=list)
+    trajs: list[Trajectory] = field(default_factory=list)
+    group_size: int = 1
+    rewards: torch.Tensor | None = None  # [tasks, group_size], sanitised (or [B] for outcome rewards)
+    adv: Any = None  # one advantage per trajectory (a tensor), or a token advantage tensor per trajectory
+    groups: list[list[int]] | None = None  # trajectories an update deals together (a GRPO group)
+    updates: list[dict[str, float]] = field(default_factory=list)  # each optimizer update's metrics
+    metrics: dict[str, Any] = field(default_factory=dict)
+    data: StepData = field(default_factory=StepData)  # the stage's own record (Stage.step_data), fresh per step
+    stop: bool = False  # end the stage after this step (checkpointed)
+    policy: Any = None  # the model that rolls this batch out (None: the stage's policy; overlap: a snapshot)
+    behaviour_version: int | None = None  # the policy version that rolls it out (None: the learner's now)
+
+    @property
+    def policy_tokens(self) -> int:
+        return sum(t.num_policy_tokens for t in self.trajs)
+
+    def raw_rewards(self) -> torch.Tensor:
+        """The trajectories' total rewards as ``[tasks, group_size]``."""
+        return torch.tensor([t.reward.total for t in self.trajs], dtype=torch.float32).view(-1, self.group_size)
+
+    def group_indices(self) -> list[list[int]]:
+        """Trajectory indices per task, in rollout order."""
+        g = self.group_size
+        return [list(range(i, i + g)) for i in range(0, len(self.trajs), g)]
+
+
+class Stage:
+    """A training stage as hooks on :class:`RLLoop`. Subclasses set ``name`` and ``section`` and
+    override only the hooks that differ; every hook takes the step's :class:`StepBatch`."""
+
+    name: ClassVar[str]
+    section: ClassVar[str | None] = None  # the RunConfig section of this stage (defaults to ``name``)
+    data_parallel: ClassVar[bool] = False  # the learner trains data-parallel under a torchrun launch
+    update_metrics: ClassVar[tuple[str, ...]] = PG_METRICS  # reduced over a step's updates
+    pool_least: ClassVar[int] = 64
+    learner_options: ClassVar[dict[str, Any]] = {}  # extra Learner arguments (SAO: version_per_update=False)
+    overlappable: ClassVar[bool] = False  # its tasks + rollout may run a step ahead (``overlap: one_step``)
+    step_data: ClassVar[type[StepData]] = StepData  # what its hooks carry between them in a step (StepBatch.data)
+
+    def __init__(self, ws: Workspace, model):
+        self.ws, self.model = ws, model
+        self.cfg = getattr(ws.cfg, self.section or self.name)
+        self.seeds = StepSeeds(ws.cfg.seed, self.name)
+        self.learner = self.make_learner()
+        self.pool = self.make_pool()
+
+    # ---- set-up -------------------------------------------------------------------------------
+    def make_learner(self) -> Learner:
+        """The stage's learner over its model, with :attr:`learner_options` (e.g. SAO's policy versions)."""
+        ws = self.ws
+        return Learner(
+            self.model,
+            self.cfg.optim,
+            ws.contract.pad_token_id,
+            ws.contract.sampling.temperature,
+            dp=ws.dp if self.data_parallel else None,
+            precision=ws.cfg.model.dtype,
+            **self.learner_options,
+        )
+
+    @property
+    def steps(self) -> int:
+        return self.cfg.steps
+
+    @property
+    def checkpoint_every(self) -> int:
+        return self.cfg.checkpoint_every
+
+    def make_pool(self) -> list:
+        """The stage's training tasks: enough for ``tasks_per_step`` at every step (at least
+        ``pool_least``), seeded by the stage; none for a stage without ``tasks_per_step``."""
+        per_step = getattr(self.cfg, "tasks_per_step", None)
+        if per_step is None:
+            return []
+        return self.ws.train_tasks(pool_size(per_step, self.steps, self.pool_least), self.seeds("pool"))
+
+    # ---- hooks, in the order the loop runs them ---------------------------------------------
+    def tasks(self, b: StepBatch) -> None:
+        """Choose the step's tasks (default: ``tasks_per_step`` drawn from the stage's pool, if it has one)."""
+        if not self.pool:
+            return
+        rng = b.seeds.rng("tasks")
+        b.tasks = rng.sample(self.pool, min(self.cfg.tasks_per_step, len(self.pool)))
+
+    def rollout(self, b: StepBatch) -> None:
+        """Roll every task out ``samples_per_task`` times with the current policy (checked for consistency)."""
+        self.collect(b, self.cfg.samples_per_task)
+
+    def score(self, b: StepBatch) -> None:
+        """Rewards (default: the verifier's, sanitised per group, with their statistics)."""
+        rewards, clipped, stats = group_rewards(b.raw_rewards(), self.ws.cfg.audit)
+        b.rewards = rewards
+        b.metrics.update(stats, reward_clipped=clipped["clipped"])
+
+    def advantages(self, b: StepBatch) -> None:
+        """Advantages into ``b.adv`` (default: none)."""
+
+    def update(self, b: StepBatch) -> None:
+        """Optimizer updates; append each one's metrics to ``b.updates`` (default: none)."""
+
+    def after(self, b: StepBatch) -> None:
+        """Anything after the update: held-out checks, sample files (default: nothing)."""
+
+    # ---- state --------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """What the stage keeps across steps beyond the weights and the learner (checkpointed)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` from a checkpoint."""
+
+    def close(self) -> None:
+        """Release what the stage holds (workers, teacher servers, buffers); runs however the stage ends."""
+
+    def finish(self, final: Path) -> Path:
+        """After the last step (e.g. save a critic beside the weights); returns the stage's weights dir."""
+        return final
+
+    # ---- shared helpers -----------------------------------------------------------------------
+    def collect(
+        self, b: StepBatch, group_size: int, token_budgets: list[int] | None = None, shard: bool = False
+    ) -> None:
+        """The common rollout: ``b.tasks`` each rolled out ``group_size`` times, timed, checked for
+        consistency, with the rollout metrics."""
+        grp = collect_group(
+            self.ws,
+            self.model if b.policy is None else b.policy,
+            b.tasks,
+            group_size,
+            self.learner.version if b.behaviour_version is None else b.behaviour_version,
+            b.seeds("rollout"),
+            f"{self.name} step {b.step + 1}",
+            token_budgets=token_budgets,
+            shard=shard,
+        )
+        b.trajs, b.group_size = list(grp.trajs), group_size
+        b.metrics.update(
+            rollout_metrics(grp.trajs),
+            rollouts=float(len(grp.trajs)),
+            rollout_s=grp.rollout_s,
+            rollout_cpu_s=grp.rollout_cpu_s,
+            rollout_cpu_util=grp.rollout_cpu_s / max(grp.rollout_s, 1e-9) / cpu_cores(),
+        )
+
+    def write_samples(self, b: StepBatch, n: int, trajs: list[Trajectory] | None = None) -> None:
+        """``samples/<stage>-step-N.jsonl``: the step's first ``n`` trajectories (a redone step overwrites)."""
+        if not n or not self.ws.is_main:
+            return
+        samples = self.ws.run_dir / "samples"
+        samples.mkdir(exist_ok=True)
+        write_jsonl(samples / f"{self.name}-step-{b.step + 1:06d}.jsonl", (b.trajs if trajs is None else trajs)[:n])
+
+
+class RLLoop:
+    """Runs a :class:`Stage`'s hooks for its steps, resumably (see the module doc): :meth:`run` hands
+    :meth:`step` to :func:`run_stage`, the step loop; :meth:`step` runs the hooks on a new batch."""
+
+    def __init__(self, stage: Stage):
+        self.stage = stage
+
+    def run(self, resume: bool = False) -> Path:
+        """The stage's steps (:func:`run_stage`: checkpointed, resumable), then :meth:`Stage.finish`;
+        :meth:`Stage.close` however it ends. Returns the stage's final weights dir."""
+        s = self.stage
+        try:
+            final = run_stage(
+                s.ws,
+                s.name,
+                s.model,
+                s.learner,
+                s.steps,
+                self.step,
+                s.checkpoint_every,
+                resume,
+                extra_state=self.extra_state,
+                restore_extra=self.restore,
+            )
+            return s.finish(final)
+        finally:
+            s.close()
+
+    def new_batch(self, step: int) -> StepBatch:
+        """Step ``step``'s empty batch: its seeds, and a fresh record of the stage's :attr:`Stage.step_data`."""
+        return StepBatch(step, self.stage.seeds.at(step), data=self.stage.step_data())
+
+    def step(self, step: int) -> dict[str, Any]:
+        """One step: a new batch, the stage's hooks on it in order (:data:`HOOKS`), its metrics record."""
+        b = self.new_batch(step)
+        self.run_hooks(b, HOOKS)
+        return self.finish(b)
+
+    def run_hooks(self, b: StepBatch, hooks: tuple[str, ...]) -> None:
+        """Run ``hooks`` on ``b`` in order (timing the update); a ``stop`` set by tasks, rollout or
+        score skips the rest."""
+        for hook in hooks:
+            self.run_hook(b, hook)
+            if b.stop and hook in STOPPABLE:
+                return
+
+    def run_hook(self, b: StepBatch, hook: str) -> None:
+        stage = self.stage
+        t0, c0 = time.perf_counter(), time.process_time()
+        getattr(stage, hook)(b)
+        if hook == "update":
+            stage.ws.rollout.sync(stage.model, stage.learner.version)  # an engine of its own (vLLM) follows
+            b.metrics.setdefault("update_s", time.perf_counter() - t0)
+            b.metrics.setdefault("update_cpu_s", time.process_time() - c0)
+
+    def finish(self, b: StepBatch) -> dict[str, Any]:
+        """The step's metrics record: the updates' metrics reduced, the mismatch, the policy version."""
+        stage = self.stage
+        if stage.update_metrics:
+            b.metrics.update(
+                {k: v for k, v in reduce_updates(b.updates, stage.update_metrics).items() if k not in b.metrics}
+            )
+        b.metrics.update(mismatch_metrics(b.updates))
+        b.metrics["policy_version"] = float(stage.learner.version)
+        if b.stop:
+            b.metrics["stop"] = True
+        return b.metrics
+
+    def extra_state(self) -> dict[str, Any]:
+        return {"stage": self.stage.state_dict()}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.stage.load_state_dict(state.get("stage", {}))
+
+
+def run_stage(
     ws: Workspace,
+    stage: str,
     model,
-    chosen: list,
-    group_size: int,
-    policy_version: int,
-    seed: int,
-    where: str | None,
-    token_budgets: list[int] | None = None,
-    shard: bool = False,
-) -> Collected:
-    """Roll every task of ``chosen`` out ``group_size`` times (task by task, seeds from ``seed``);
-    with ``where``, raise unless the batch passes the consistency checks (:func:`require_consistent`).
-    ``shard``: split the rollouts over the data-parallel ranks (:func:`rollout_shared`)."""
-    grouped = [t for t in chosen for _ in range(group_size)]
-    extra = {"token_budgets": token_budgets} if token_budgets is not None else {}
-    t0, c0 = time.perf_counter(), time.process_time()
-    if shard:
-        trajs = rollout_shared(ws, model, grouped, policy_version, seed)
-    else:
-        trajs = ws.rollout.run(
-            model, grouped, policy_version=policy_version, seed=seed, batch_size=len(grouped), **extra
-        )
-    collected = Collected(trajs, time.perf_counter() - t0, time.process_time() - c0)
-    if where is not None:
-        require_consistent(ws, trajs, policy_version, where)
-    return collected
+    learner: Learner,
+    steps: int,
+    step_fn: Callable[[int], dict[str, Any]],
+    checkpoint_every: int,
+    resume: bool,
+    extra_state: Callable[[], dict[str, Any]] | None = None,
+    restore_extra: Callable[[dict[str, Any]], None] | None = None,
+) -> Path:
+    """The step loop: ``step_fn`` for steps [start, steps), each step's record to ``metrics.jsonl`` and
+    the trackers, a checkpoint every ``checkpoint_every`` steps; returns the stage's final weights dir.
 
-
-def rollout_shared(ws: Workspace, model, tasks: list, policy_version: int, seed: int) -> list[Trajectory]:
-    """One step's rollouts, in task order. Under data parallel each rank decodes its contiguous
-    share (seeded by its offset in the batch) and all ranks gather every trajectory; under
-    ``distributed.backend: ray`` the shares go to the Ray rollout actors the same way."""
-    cfg = ws.cfg
-    if cfg.distributed.backend == "ray":  # rollout actors (mentorrl.distributed.ray_workers, docs/ray.md)
-        return ws.ray_rollouts(model).rollout(tasks, policy_version, seed)
-    if ws.dp is None:
-        return ws.rollout.run(model, tasks, policy_version=policy_version, seed=seed, batch_size=len(tasks))
-    own = ws.dp.shard(len(tasks))
-    mine = (
-        ws.rollout.run(
-            model,
-            tasks[own.start : own.stop],
-            policy_version=policy_version,
-            seed=seed + own.start,
-            batch_size=max(len(own), 1),
-        )
-        if len(own)
-        else []
-    )
-    return [t for part in ws.dp.all_gather(mine) for t in part]
-
-
-def require_consistent(ws: Workspace, trajs: list[Trajectory], current_version: int, where: str) -> None:
-    """Never train on data the policy did not produce under this run's contract: raise on any failed check."""
-    checks = batch_checks(
-        trajs, current_version, ws.contract.env_name, ws.contract.env_version, ws.contract.fingerprint()
-    )
-    failed = [f"{c.name}: {c.detail}" for c in checks if not c.passed]
-    if failed:
-        raise RuntimeError(f"{where}: train/rollout consistency check failed: " + "; ".join(failed))
-
-
-# ------------------------------------------------------------ guidance -----
-@torch.no_grad()
-def relabel_behaviour(
-    model,
-    trajs: list[Trajectory],
-    pad_id: int,
-    temperature: float,
-    policy_version: int | None = None,
-    precision: str | None = None,
-) -> list[Trajectory]:
-    """Copies of ``trajs`` whose behaviour log-probs are the current policy's (for off-policy
-    demonstrations): the importance ratio is 1 at the update, so a demonstration's share of the
-    policy-gradient loss is its advantage times the maximum-likelihood gradient. With
-    ``policy_version`` the copies are stamped with it (the version whose log-probs they carry).
-    ``precision``: the learner's compute dtype (``model.dtype``), so the ratio is 1 under its autocast too."""
-    if not trajs:
-        return []
-    device = next(model.parameters()).device
-    with autocast(device, resolve_dtype(precision)):
-        lp = forward_logprobs(model, collate(trajs, pad_id).to(device), temperature)[0].float().cpu()
-    extra = {} if policy_version is None else {"policy_version": policy_version}
-    return [
-        t.model_copy(
-            update={
-                "logprobs": [float(x) if m else 0.0 for x, m in zip(lp[b, : len(t.token_ids)].tolist(), t.loss_mask)],
-                **extra,
+    ``resume`` continues from the stage's newest intact checkpoint (or returns at once when the stage is
+    complete); steps past it are redone, never logged twice (:mod:`mentorrl.train.stage_checkpoints`).
+    A step whose metrics hold ``stop: True`` ends the stage early (after checkpointing it). Under data
+    parallel, rank 0 alone decides where to resume and writes; the other ranks follow it."""
+    stage_dir = ws.run_dir / stage
+    final = stage_dir / "final"
+    where, start = resume_stage(ws, stage, model, learner, steps, restore_extra) if resume else (None, 0)
+    if where == final:
+        return final  # complete already: its final weights are loaded
+    ws.on_main(lambda: rewind(ws, stage, start, resume))  # steps past the checkpoint are redone, never logged twice
+    with stage_progress(ws, stage, steps, start) as progress:
+        for step in range(start, steps):
+            t0, c0 = time.perf_counter(), time.process_time()
+            m = step_fn(step)
+            stop = bool(m.pop("stop", False))
+            rec = {
+                "stage": stage,
+                "step": step + 1,
+                **m,
+                **step_timing(m, time.perf_counter() - t0, time.process_time() - c0),
             }
-        )
-        for b, t in enumerate(trajs)
-    ]
+            save = stop or (step + 1) % checkpoint_every == 0 or step + 1 == steps
+            # under data parallel the others wait, and see a failure
+            ws.on_main(lambda: record_step(ws, stage_dir, rec, save, model, learner, extra_state))
+            if save and learner.sharded is not None:
+                save_sharded(ws, stage_dir, rec["step"], model, learner, extra_state)
+            progress.update(step + 1, m, last=stop)
+            if stop:
+                break
+    ws.on_main(lambda: save_final(ws, model, final, steps))
+    return final
 
 
-def guide_failed_groups(
-    ws: Workspace, model, tasks: list, trajs: list[Trajectory], expert: Any, policy_version: int, pad_id: int
-) -> list[tuple[int, Trajectory]]:
-    """Expert guidance for GRPO (mixed-policy groups, after LUFFY, Yan et al. 2025): for every group
-    where no rollout succeeded, the scripted expert's demonstration of that task, if the verifier
-    accepts it, as ``(group index, demonstration)``. Such a group otherwise carries no signal
-    towards success: every member failed, so group-relative advantages only rank failures. The
-    demonstration joins its group (:func:`guided_advantages`); the policy's rollouts all stay, so a
-    harmful failure (a violation) keeps its more negative advantage. It is relabelled with the
-    current policy's log-probs and version (:func:`relabel_behaviour`). Groups with a success, and
-    tasks the expert cannot solve, get nothing."""
-    size = len(trajs) // max(len(tasks), 1)
-    failed = [
-        i
-        for i in range(len(tasks))
-        if not any(t.reward is not None and t.reward.success for t in trajs[i * size : (i + 1) * size])
-    ]
-    if not failed:
-        return []
-    demos = ws.rollout.demonstrations(expert, [tasks[i] for i in failed])
-    by_task = {d.task_id: d for d in demos}
-    pairs = [(i, by_task[tasks[i].id]) for i in failed if tasks[i].id in by_task]
-    relabelled = relabel_behaviour(
-        model, [d for _, d in pairs], pad_id, ws.contract.sampling.temperature, policy_version, ws.cfg.model.dtype
-    )
-    return [(i, d) for (i, _), d in zip(pairs, relabelled)]
-
-
-def guided_advantages(
-    estimator: Any, rewards: torch.Tensor, guided: list[tuple[int, float]], **kw: Any
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Advantages of the ``[tasks, G]`` policy rollouts (flattened, row-major) and of each guided
-    group's demonstration (``guided``: (group index, its reward)). A guided group's ``G + 1`` rewards
-    go through ``estimator`` together, as one group; the others exactly as without guidance."""
-    adv = estimator(rewards, **kw).clone()
-    extra = []
-    for i, r in guided:
-        row = estimator(torch.cat([rewards[i], torch.tensor([r], dtype=rewards.dtype)]).view(1, -1), **kw).view(-1)
-        adv[i] = row[:-1]
-        extra.append(row[-1])
-    return adv.reshape(-1), (torch.stack(extra) if extra else torch.zeros(0, dtype=adv.dtype))
-
-
-# ------------------------------------------------------------- rewards -----
-def group_rewards(raw: torch.Tensor, audit) -> tuple[torch.Tensor, dict[str, float], dict[str, float]]:
-    """``[tasks, G]`` rewards sanitised with the audit's bounds and outlier rule, the clip counters,
-    and the group statistics as ``reward_*`` metrics."""
-    rewards, clipped = sanitize_group_rewards(raw, audit.reward_low, audit.reward_high, audit.outlier_z)
-    return rewards, clipped, {f"reward_{k}": v for k, v in group_reward_stats(rewards).items()}
-
-
-def outcome_rewards(trajs: list[Trajectory], audit) -> tuple[torch.Tensor, dict[str, float]]:
-    """Each trajectory's total reward, sanitised (non-finite / out-of-range clipped) without group statistics: ``[B]``."""
-    raw = torch.tensor([t.reward.total for t in trajs], dtype=torch.float32).view(-1, 1)
-    rewards, clipped = sanitize_group_rewards(raw, audit.reward_low, audit.reward_high, None)
-    return rewards.view(-1), clipped
-
-
-def rollout_metrics(trajs: list[Trajectory]) -> dict[str, float]:
-    """What one step's rollouts did, for ``metrics.jsonl``: success, tool calls per trajectory
-    (well-formed ones, whatever the tool answered), the malformed-call rate (turns with unparsable
-    tool-call tags, over all call attempts), the share of each finish reason (``finish_answer``,
-    ``finish_max_turns``: turn limit, ``finish_max_tokens``: context budget, ``finish_length``:
-    a turn cut at ``max_new_tokens``), turns and policy tokens."""
-    s = summarize(trajs)
-    n = len(trajs)
-    calls = [c for t in trajs for c in t.tool_calls]
-    malformed = sum(c.error_kind == "malformed" for c in calls)
-    out = {
-        "task_success": s["success"],
-        "tool_success": s["tool_success"],
-        "mean_turns": s["mean_turns"],
-        "violation_rate": s["violation_rate"],
-        "mean_policy_tokens": s["mean_policy_tokens"],
-        "rollout_tokens": float(sum(t.num_policy_tokens for t in trajs)),  # policy tokens the student generated
-        "tool_calls_per_traj": (len(calls) - malformed) / n if n else 0.0,
-        "malformed_call_rate": malformed / len(calls) if calls else 0.0,
-        "rollout_backend": backend_of(
-            trajs
-        ),  # a tag: the engine that sampled them (hf, vllm), for the consistency metrics
-    }
-    out.update({f"finish_{r}": (sum(t.finish_reason == r for t in trajs) / n if n else 0.0) for r in FINISH_REASONS})
+def mismatch_metrics(updates: list[dict[str, float]]) -> dict[str, float]:
+    """The train/rollout mismatch of a step, apart from the policy's own change: the log-prob gap and
+    KL of the updates whose batch the current weights sampled (policy lag 0), where the learner
+    recomputes exactly what the rollout recorded up to numerics (kernels, precision, templates)."""
+    fresh = [u for u in updates if u.get("policy_lag_max", 1) == 0 and "logprob_abs_gap" in u]
+    if not fresh:
+        return {}
+    out = {"mismatch_logprob_gap": sum(u["logprob_abs_gap"] for u in fresh) / len(fresh)}
+    if all("train_rollout_kl" in u for u in fresh):
+        out["mismatch_kl"] = sum(u["train_rollout_kl"] for u in fresh) / len(fresh)
     return out
 
 
-def reward_debugger(trajs: list[Trajectory], threshold: float, path: Path) -> dict[str, float]:
-    """Flag high-reward failures; write them for review (a redone step overwrites its file)."""
-    flagged = flag_high_reward_failures(trajs, threshold)
-    if flagged:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_jsonl(path, flagged)
-    return {"reward_flagged": float(len(flagged)), "reward_flagged_share": len(flagged) / len(trajs) if trajs else 0.0}
+def run_on_loop(stage_cls: type[Stage]):
+    """The registry's ``run(ws, model, resume=False) -> Path`` for a :class:`Stage` class."""
+
+    def run(ws: Workspace, model, resume: bool = False) -> Path:
+        return loop_for(stage_cls(ws, model)).run(resume)
+
+    run.__name__ = f"run_{stage_cls.name}"
+    run.__doc__ = stage_cls.__doc__
+    run.stage_cls = stage_cls  # type: ignore[attr-defined]  (what the registry and tests introspect)
+    return run
 
 
-def score_outcomes(ws, stage: str, step: int, trajs: list[Trajectory]) -> tuple[torch.Tensor, dict[str, float]]:
-    """The outcome-reward ``score`` of a critic-based stage (PPO, SAO): each trajectory's sanitised total reward
-    (``[B]``), and the step's metrics -- reward mean / std, the share clipped, and the reward debugger's flags
-    (written to ``RUN_DIR/audit/flagged-<stage>-step-N.jsonl``)."""
-    audit = ws.cfg.audit
-    rewards, clipped = outcome_rewards(trajs, audit)
-    metrics = {
-        "reward_mean": rewards.mean().item(),
-        "reward_std": rewards.std().item() if len(trajs) > 1 else 0.0,
-        "reward_clipped": clipped["clipped"],
-    }
-    flagged = ws.run_dir / "audit" / f"flagged-{stage}-step-{step + 1:06d}.jsonl"
-    return rewards, {**metrics, **reward_debugger(trajs, audit.flag_reward, flagged)}
+LOOPS: dict[str, type[RLLoop]] = {"off": RLLoop}  # a stage's ``overlap`` setting -> the loop that runs it
 
 
-def gap_check(ws: Workspace, model, monitor: GapMonitor, step: int) -> dict[str, float]:
-    """Held-out success now, fed to the reward-success gap monitor."""
-    success = heldout_check(ws, model, ws.cfg.audit.eval_tasks)
-    warning = monitor.observe_eval(step, success)
-    if warning:
-        ws.console.print(f"[bold red]warning:[/bold red] {warning['message']}")
-    return {"heldout_success": success, "gap_warning": 1.0 if warning else 0.0}
+def register_loop(mode: str):
+    """Register a loop class for ``<section>.overlap: mode`` (e.g. :mod:`mentorrl.train.overlap`'s ``one_step``)."""
+
+    def deco(cls: type[RLLoop]) -> type[RLLoop]:
+        LOOPS[mode] = cls
+        return cls
+
+    return deco
 
 
-# ------------------------------------------------------------- updates -----
-def minibatches(items: list[int], k: int, seed: int) -> list[list[int]]:
-    """``items`` shuffled with ``seed`` and dealt round-robin into ``min(k, len(items))`` minibatches."""
-    return [[i for unit in mb for i in unit] for mb in deal([[i] for i in items], k, seed)]
-
-
-def deal(units: list[list[int]], k: int, seed: int) -> list[list[list[int]]]:
-    """``units`` (lists of items that stay together, e.g. a GRPO group) shuffled with ``seed`` and
-    dealt round-robin into ``min(k, len(units))`` minibatches."""
-    perm = torch.randperm(len(units), generator=torch.Generator().manual_seed(seed)).tolist()
-    order = [units[i] for i in perm]
-    k = min(k, len(order))
-    return [order[i::k] for i in range(k)]
-
-
-def length_order(idx: list[int], trajs: list[Trajectory], world_size: int = 1) -> list[int]:
-    """``idx`` reordered so that micro-batches (consecutive runs) hold trajectories of similar length:
-    less right-padding in the learner's forward and backward. With ``world_size`` data-parallel
-    ranks, each rank's contiguous share gets every ``world_size``-th trajectory of the sorted order,
-    so the shares stay alike in length. An update's loss is a weighted sum over trajectories, so the
-    order changes it only by float rounding."""
-    s = sorted(idx, key=lambda i: len(trajs[i].token_ids))
-    return s if world_size <= 1 else [i for r in range(world_size) for i in s[r::world_size]]
-
-
-def prefix_order(idx: list[int], trajs: list[Trajectory]) -> list[int]:
-    """``idx`` in lexicographic order of the trajectories' tokens, so a micro-batch (a consecutive
-    run, and a data-parallel rank's contiguous share) holds whole groups whose shared prompt and
-    common first turns the learner's prefix packing runs once (:func:`mentorrl.models.batch.prefix_pack`)."""
-    return sorted(idx, key=lambda i: trajs[i].token_ids)
-
-
-def update_order(learner, idx: list[int], trajs: list[Trajectory]) -> list[int]:
-    """The order a minibatch is micro-batched in: by shared prefix when the learner packs prefixes,
-    else by length."""
-    if learner.packs_prefixes:
-        return prefix_order(idx, trajs)
-    return length_order(idx, trajs, learner.dp.world_size if learner.dp is not None else 1)
-
-
-def reduce_updates(updates: list[dict[str, float]], keys: tuple[str, ...]) -> dict[str, float]:
-    """One value per metric over a step's optimizer updates: the max for ``*_max`` keys, else the mean (0 if none)."""
-    out = {}
-    for key in keys:
-        vals = [m[key] for m in updates if key in m]
-        out[key] = (max(vals) if key.endswith("_max") else sum(vals) / len(vals)) if vals else 0.0
-    return out
-
-
-def pg_update(
-    learner,
-    trajs: list[Trajectory],
-    adv,
-    k: int,
-    seed: int,
-    *,
-    items: list[int] | None = None,
-    groups: list[list[int]] | None = None,
-    kind: str = "clipped",
-    skip_zero: bool = False,
-    drop_zero: bool = False,
-    nll_weights: torch.Tensor | None = None,
-    sync: Callable[[Any, int], None] | None = None,
-    **loss: Any,
-) -> list[dict[str, float]]:
-    """One pass of policy-gradient updates: ``items`` (default: every trajectory) dealt into ``k``
-    minibatches with ``seed``, one optimizer step per minibatch; each update's metrics with the
-    minibatch's policy lag behind the learner's policy version (which the learner advances).
-    ``groups`` (instead of ``items``): lists of trajectories dealt together, so a minibatch holds
-    whole GRPO groups (as verl deals prompts): their advantages balance within it, and the learner
-    runs each group's shared prompt and common turns once, not once per minibatch it was split over.
-
-    ``adv``: per-trajectory token advantages (a list of 1-D tensors), or one advantage per trajectory (a
-    tensor: GRPO's sequence level, where ``kind`` is any registered policy loss, ``grpo.loss``). ``skip_zero`` skips a minibatch whose advantages are all 0.
-    ``drop_zero`` (only without a KL term: then a zero-advantage trajectory's loss is exactly 0) does
-    not forward a minibatch's zero-advantage trajectories but keeps them in its loss denominator,
-    so each update equals the one over the whole minibatch (dropping them from the denominator too
-    would scale the step up by up to ``group_size`` when few groups carry signal). A minibatch
-    with no signal at all is skipped.
-    ``nll_weights`` (sequence-level ``adv`` only; [len(trajs)] or None): an SFT term per trajectory
-    (:meth:`Learner.policy_step`); a trajectory with a non-zero weight is forwarded whatever its advantage.
-    ``loss`` goes to the learner's step (``eps_low``, ``eps_high``, ``agg``, ``ref_model``, ``kl_coef``)."""
-    per_sequence = isinstance(adv, torch.Tensor)
-    if nll_weights is not None and not per_sequence:
-        raise ValueError("pg_update: nll_weights needs one advantage per trajectory (a tensor)")
-    if groups is not None and items is not None:
-        raise ValueError("pg_update: give items or groups, not both")
-    units = groups if groups is not None else [[i] for i in (range(len(trajs)) if items is None else items)]
-    units = [u for u in units if u]
-    ups: list[dict[str, float]] = []
-    for idx in [[i for u in mb for i in u] for mb in deal(units, k, seed)] if units else []:
-        live = [i for i in idx if adv[i].abs().sum() > 0 or (nll_weights is not None and nll_weights[i] != 0)]
-        if (skip_zero or drop_zero) and not live:
-            continue
-        norm = None
-        if drop_zero and len(live) < len(idx):
-            norm = (float(sum(trajs[i].num_policy_tokens for i in idx)), len(idx))
-            idx = live
-        idx = update_order(learner, idx, trajs)
-        batch = [trajs[i] for i in idx]
-        lag_from = learner.version
-        if per_sequence:
-            nll = nll_weights[idx] if nll_weights is not None else None
-            m = learner.policy_step(batch, adv[idx], kind, norm=norm, nll_weights=nll, **loss)
-        else:
-            m = learner.token_policy_step(batch, [adv[i] for i in idx], kind, norm=norm, **loss)
-        ups.append({**m, **policy_lag(batch, lag_from)})
-    if ups and sync is not None:  # outside the loop (which syncs after every update hook)
-        sync(learner.model, learner.version)  # a rollout engine of its own (vLLM) gets the new weights
-    return ups
+def loop_for(stage: Stage) -> RLLoop:
+    """The loop that runs ``stage``: :class:`RLLoop`, or the one registered for its ``overlap`` setting
+    (``one_step``: :class:`~mentorrl.train.overlap.OverlapLoop`, which checks the stage before the first step)."""
+    mode = getattr(stage.cfg, "overlap", "off")
+    if mode not in LOOPS:
+        raise ValueError(f"{stage.name}.overlap: {mode!r} has no loop registered (registered: {sorted(LOOPS)})")
+    return LOOPS[mode](stage)

@@ -40,8 +40,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from mentorrl.train.loop import HOOKS, RLLoop, Stage, StepBatch, register_loop, step_data_state
 from mentorrl.train.parallelism import choose_parallelism, cpu_cores, write_parallelism
-from mentorrl.train.rl_loop import HOOKS, RLLoop, Stage, StepBatch, register_loop, step_data_state
 from mentorrl.train.workspace import frozen_copy
 from mentorrl.trajectory import Trajectory
 

@@ -1,6 +1,8 @@
 """Recipes composed from stages: the demo (SFT -> eval -> GRPO -> eval) and any ``recipe`` list,
 each stage run through the registry (:mod:`mentorrl.train.registry`), on a base model from
-:mod:`mentorrl.train.models_init`.
+:mod:`mentorrl.train.models_init`. :func:`train` is what ``mentorrl train`` runs: :func:`run_recipe`
+(preflight, distributed set-up, the workspace), then :func:`run_stages` (each stage on the loop,
+:mod:`mentorrl.train.loop`, and its evaluation), then the report.
 
 Before the first step a recipe runs its preflight: the run directory, the files the stages will
 read, and the prompt length against the episode's token budget are checked, so a bad setting is a
@@ -147,6 +149,18 @@ def stage_label(name: str) -> str:
         return name
 
 
+def train(cfg: RunConfig, resume: bool = False, show_progress: bool = True) -> dict[str, Any]:
+    """What ``mentorrl train`` and ``mentorrl demo`` run: the recipe (:func:`run_recipe`), in this
+    process or, under ``distributed: {backend: ray, learner_actor: true}``, in a Ray actor
+    (:mod:`mentorrl.train.learner_actor`). The walk from here to a stage's hooks is
+    :mod:`mentorrl.train.loop`'s module doc."""
+    if cfg.distributed.backend == "ray" and cfg.distributed.learner_actor:
+        from mentorrl.train.learner_actor import run_in_learner_actor
+
+        return run_in_learner_actor(run_recipe, cfg, resume=resume, show_progress=show_progress)
+    return run_recipe(cfg, resume=resume, show_progress=show_progress)
+
+
 def run_recipe(cfg: RunConfig, resume: bool = False, show_progress: bool = True) -> dict[str, Any]:
     """Run ``cfg.recipe`` (e.g. sft -> rft -> grpo), evaluating held-out success after every stage
     (unless ``eval.num_tasks`` is 0). A recipe of several evaluated stages ends with the change in
@@ -167,15 +181,11 @@ def run_recipe(cfg: RunConfig, resume: bool = False, show_progress: bool = True)
     owned = current_dp() is None
     dp = setup_distributed(cfg)
     try:
-        return _run_recipe(cfg, resume, show_progress, dp, t0)
+        with open_workspace(cfg, show_progress=show_progress, dp=dp) as ws:  # closing it frees its rollout engine
+            return run_stages(ws, resume, t0)
     finally:
         if dp is not None and owned:
             shutdown_distributed()
-
-
-def _run_recipe(cfg: RunConfig, resume: bool, show_progress: bool, dp, t0: float) -> dict[str, Any]:
-    with open_workspace(cfg, show_progress=show_progress, dp=dp) as ws:  # closing it frees its rollout engine
-        return _run_stages(ws, resume, t0)
 
 
 def report_precision(ws: Workspace, resume: bool = False) -> None:
@@ -205,7 +215,11 @@ def report_precision(ws: Workspace, resume: bool = False) -> None:
         ws.on_main(lambda: path.write_text(json.dumps(choice.to_dict(), indent=1) + "\n"))
 
 
-def _run_stages(ws: Workspace, resume: bool, t0: float) -> dict[str, Any]:
+def run_stages(ws: Workspace, resume: bool, t0: float) -> dict[str, Any]:
+    """The recipe's stages in order on one policy: the base model (built, or ``model.path``), the
+    preflight checks, then for each stage its registered runner (:func:`~mentorrl.train.registry.run_stage_by_name`:
+    a :class:`~mentorrl.train.loop.Stage` on the loop, see :mod:`mentorrl.train.loop`) and the held-out
+    evaluation after it; then the report (:func:`_finish_recipe`)."""
     cfg, dp = ws.cfg, ws.dp
     con = ws.console
     con.rule("[bold]mentorrl " + " -> ".join(cfg.recipe))
@@ -353,16 +367,6 @@ def preflight_reward_audit(ws: Workspace) -> dict[str, Any] | None:
         f"(closest: {closest.name} {closest.max_reward:.2f} vs honest {closest.honest_min:.2f})"
     )
     return data
-
-
-def run_demo(cfg: RunConfig, resume: bool = False, show_progress: bool = True) -> dict[str, Any]:
-    """:func:`run_recipe`, in this process or, under ``distributed: {backend: ray, learner_actor: true}``,
-    in a Ray actor (:mod:`mentorrl.train.learner_actor`)."""
-    if cfg.distributed.backend == "ray" and cfg.distributed.learner_actor:
-        from mentorrl.train.learner_actor import run_in_learner_actor
-
-        return run_in_learner_actor(run_recipe, cfg, resume=resume, show_progress=show_progress)
-    return run_recipe(cfg, resume=resume, show_progress=show_progress)
 
 
 def _print_audit(con, report: dict[str, Any]) -> None:

@@ -27,7 +27,7 @@ from mentorrl.config.stages import (
     stage_specs,
     unregister_stage_spec,
 )
-from mentorrl.train.rl_loop import Stage, run_on_loop
+from mentorrl.train.loop import Stage, run_on_loop
 
 StageFn = Callable[..., Path]
 
@@ -44,7 +44,7 @@ def register_stage(
     needs: Callable[[Any], list[tuple[str, str]]] | None = None,
     replace: bool = False,
 ) -> Callable[[StageFn], StageFn]:
-    """Register the decorated :class:`~mentorrl.train.rl_loop.Stage` subclass (run by the one loop),
+    """Register the decorated :class:`~mentorrl.train.loop.Stage` subclass (run by the one loop),
     or a plain ``run(ws, model, resume=False)``, as stage ``name`` with its own config section
     ``config`` (see :class:`~mentorrl.config.stages.StageSpec` for the rest). A taken name is an error
     unless ``replace`` (:func:`unregister_stage` brings a replaced built-in stage back)."""

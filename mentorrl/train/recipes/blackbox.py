@@ -23,7 +23,7 @@ One step:
                                                       next actions (student samples + teacher's)
    ========================  =======================  ==============================================
 
-The stage is :class:`BlackBoxStage` on the one training loop (:mod:`mentorrl.train.rl_loop`):
+The stage is :class:`BlackBoxStage` on the one training loop (:mod:`mentorrl.train.loop`):
 its rollout hook also turns the student's trajectories into chat episodes, and the recipe plugs in
 as the score source: a :class:`BlackBoxRecipe` registered by name (:func:`blackbox_recipe`,
 :data:`RECIPES`) whose ``score`` asks the teacher and builds the batch and whose ``advantages`` /
@@ -59,8 +59,8 @@ from mentorrl.opd.teacher import Capability, require
 from mentorrl.rollout.episode import Episode, text_turn_player
 from mentorrl.rollout.kvcache import cache_kwarg, make_cache
 from mentorrl.rollout.sampling import sample_tokens
-from mentorrl.train.loop import PG_METRICS, pg_update, reduce_updates
-from mentorrl.train.rl_loop import Stage, StepBatch, StepData, StepSeeds, run_on_loop
+from mentorrl.train.loop import Stage, StepBatch, StepData, StepSeeds, run_on_loop
+from mentorrl.train.stage_helpers import PG_METRICS, pg_update, reduce_updates
 from mentorrl.train.workspace import Workspace, frozen_copy, heldout_check
 from mentorrl.trajectory import Segment, Trajectory
 
@@ -341,7 +341,7 @@ def step_advantages(
 def policy_gradient_update(learner, trajs, token_adv, o: BlackBoxConfig, seed: int) -> dict[str, float]:
     """Clipped policy-gradient minibatches over the batch (dealt with ``seed``); trajectories with a
     zero advantage are not forwarded but keep their place in the loss denominator
-    (:func:`~mentorrl.train.loop.pg_update`)."""
+    (:func:`~mentorrl.train.stage_helpers.pg_update`)."""
     ups = pg_update(
         learner,
         trajs,

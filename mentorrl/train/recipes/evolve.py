@@ -45,9 +45,9 @@ from mentorrl.opd.teacher import HFTeacher
 from mentorrl.replay.buffer import ReplayBuffer, ReplayConfig
 from mentorrl.replay.checkpointing import BufferCheckpoints
 from mentorrl.train.curriculum import Curriculum
-from mentorrl.train.loop import PG_METRICS, pg_update
-from mentorrl.train.rl_loop import Stage, StepBatch, StepData, run_on_loop
+from mentorrl.train.loop import Stage, StepBatch, StepData, run_on_loop
 from mentorrl.train.rundir import KEEP_CHECKPOINTS, require_manifest, write_manifest
+from mentorrl.train.stage_helpers import PG_METRICS, pg_update
 from mentorrl.train.workspace import Workspace, heldout_check, load_weights_into
 
 
@@ -92,7 +92,7 @@ class EvolveStepData(StepData):
 
 
 class EvolveStage(Stage):
-    """The self-evolving loop on :class:`~mentorrl.train.rl_loop.RLLoop`: the curriculum chooses the
+    """The self-evolving loop on :class:`~mentorrl.train.loop.RLLoop`: the curriculum chooses the
     tasks, the advantages add a reverse-KL term towards the frozen teacher (the last accepted
     version), the update is a policy-gradient pass and a replay SFT step, and the iteration gate
     (held-out check: accept as the next teacher, or roll back) runs in ``after``."""

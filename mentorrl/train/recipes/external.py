@@ -32,9 +32,9 @@ from mentorrl.rollout.recorder import COUNTERS, RecordedEpisode, Recorder, Recor
 from mentorrl.rollout.rescore import REPLAY_COUNTERS, Replayed, replay_episode
 from mentorrl.serve.recording import REWARD_PATH, RunSampling, start_recording_server
 from mentorrl.train.agents import AgentJob, AgentOutcome, AgentWorker, outcome_counts, run_agents
-from mentorrl.train.loop import require_consistent, reward_debugger, rollout_metrics
+from mentorrl.train.loop import StepBatch, run_on_loop
 from mentorrl.train.recipes.grpo import GRPOStage, GRPOStepData
-from mentorrl.train.rl_loop import StepBatch, run_on_loop
+from mentorrl.train.stage_helpers import require_consistent, reward_debugger, rollout_metrics
 from mentorrl.train.workspace import Workspace
 from mentorrl.trajectory import RewardBreakdown, Segment, Trajectory
 

@@ -19,16 +19,17 @@ from mentorrl.algos.losses import get_policy_loss, unaccepted_arguments
 from mentorrl.config import ConfigError
 from mentorrl.envs.adapters.common import NoExpert
 from mentorrl.flywheel.hard_pool import HardTaskPool
-from mentorrl.train.loop import (
+from mentorrl.train.loop import Stage, StepBatch, StepData, run_on_loop
+from mentorrl.train.overlap import OverlapLoop  # noqa: F401 -- registers grpo.overlap: one_step
+from mentorrl.train.stage_helpers import (
     UPDATE_HEALTH,
+    RewardGapWatch,
     guide_failed_groups,
     guided_advantages,
     outcome_rewards,
     pg_update,
     reward_debugger,
 )
-from mentorrl.train.overlap import OverlapLoop  # noqa: F401 -- registers grpo.overlap: one_step
-from mentorrl.train.rl_loop import RewardGapWatch, Stage, StepBatch, StepData, run_on_loop
 from mentorrl.train.workspace import Workspace, frozen_copy
 
 GRPO_METRICS = ("loss", "kl", "clip_frac", "ratio_max", *UPDATE_HEALTH)

@@ -1,7 +1,7 @@
 """On-policy distillation stage (``recipe: [sft, opd]``): the student rolls out, white-box
 teachers score what it actually did, and that signal trains it.
 
-One step on :class:`~mentorrl.train.rl_loop.RLLoop` (:class:`OPDStage`'s hooks):
+One step on :class:`~mentorrl.train.loop.RLLoop` (:class:`OPDStage`'s hooks):
 
 1. **rollout**: ``tasks_per_step x samples_per_task`` episodes with the student (with a ``short``
    term, each task family under its own adaptive token budget).
@@ -57,8 +57,8 @@ from mentorrl.opd.scoring import teacher_row
 from mentorrl.opd.signals import CrossTokenizerTeacher
 from mentorrl.opd.teacher import Capability, HFTeacher, require
 from mentorrl.train.learner import Learner
-from mentorrl.train.loop import minibatches, pg_update, reduce_updates
-from mentorrl.train.rl_loop import Stage, StepBatch, StepData, run_on_loop
+from mentorrl.train.loop import Stage, StepBatch, StepData, run_on_loop
+from mentorrl.train.stage_helpers import minibatches, pg_update, reduce_updates
 from mentorrl.train.teachers import load_teacher, serve_teachers
 from mentorrl.train.workspace import Workspace, heldout_check
 from mentorrl.trajectory import Trajectory, write_jsonl

@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from mentorrl.train.critic import Critic
-from mentorrl.train.loop import pg_update, score_outcomes
-from mentorrl.train.rl_loop import RewardGapWatch, Stage, StepBatch, run_on_loop
+from mentorrl.train.loop import Stage, StepBatch, run_on_loop
+from mentorrl.train.stage_helpers import RewardGapWatch, pg_update, score_outcomes
 from mentorrl.train.workspace import Workspace
 
 

@@ -7,8 +7,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mentorrl.train.loop import Stage, StepBatch, run_on_loop
 from mentorrl.train.rft import rft_round_stats, rising, select_rft_data, task_outcomes
-from mentorrl.train.rl_loop import Stage, StepBatch, run_on_loop
 from mentorrl.train.rundir import write_manifest
 from mentorrl.train.workspace import Workspace, load_weights_into
 from mentorrl.trajectory import Trajectory, read_jsonl, write_jsonl

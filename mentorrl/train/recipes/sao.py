@@ -46,8 +46,11 @@ from mentorrl.replay.buffer import BatchItem, ReplayBuffer, hybrid_batch, segmen
 from mentorrl.replay.checkpointing import BufferCheckpoints
 from mentorrl.train.async_rl import RolloutPool, WeightBox, lag_histogram, staleness_weights
 from mentorrl.train.critic import Critic
-from mentorrl.train.loop import (
+from mentorrl.train.loop import Stage, StepBatch, StepData, run_on_loop
+from mentorrl.train.rundir import KEEP_CHECKPOINTS
+from mentorrl.train.stage_helpers import (
     UPDATE_HEALTH,
+    RewardGapWatch,
     outcome_rewards,
     pg_update,
     reduce_updates,
@@ -56,8 +59,6 @@ from mentorrl.train.loop import (
     rollout_metrics,
     score_outcomes,
 )
-from mentorrl.train.rl_loop import RewardGapWatch, Stage, StepBatch, StepData, run_on_loop
-from mentorrl.train.rundir import KEEP_CHECKPOINTS
 from mentorrl.train.workspace import Workspace
 from mentorrl.trajectory import Trajectory, write_jsonl
 

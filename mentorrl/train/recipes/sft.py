@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mentorrl.train.rl_loop import Stage, StepBatch, run_on_loop
+from mentorrl.train.loop import Stage, StepBatch, run_on_loop
 from mentorrl.train.workspace import Workspace
 
 

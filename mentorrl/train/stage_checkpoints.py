@@ -1,5 +1,5 @@
-"""The resumable stage runner: a stage is a ``step_fn(step) -> metrics`` run for its steps with
-checkpoints, ``metrics.jsonl`` records and final weights.
+"""A stage's checkpoints, resume point, metrics records and final weights: what
+:func:`mentorrl.train.loop.run_stage` (the step loop) calls around every step.
 
 Every stage is resumable: batches and task samples are a pure function of (seed, step), the
 weights, optimiser and RNG state come back from the latest intact checkpoint (complete, its
@@ -18,7 +18,6 @@ the manifest over every rank's files; on resume every rank reads its shards of t
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -28,7 +27,6 @@ from mentorrl.models.lora import check_weights_kind
 from mentorrl.train.fsdp import is_sharded_checkpoint, load_full_weights, load_shards, save_shards
 from mentorrl.train.learner import Learner
 from mentorrl.train.parallelism import cpu_cores
-from mentorrl.train.progress import stage_progress
 from mentorrl.train.rundir import (
     KEEP_CHECKPOINTS,
     CorruptCheckpointError,
@@ -60,63 +58,40 @@ def metrics_log(ws: Workspace) -> MetricsLog:
     return MetricsLog(ws.metrics.path, trackers=run_trackers(ws))
 
 
-def run_stage(
+def resume_stage(
     ws: Workspace,
     stage: str,
     model,
     learner: Learner,
     steps: int,
-    step_fn: Callable[[int], dict[str, float]],
-    checkpoint_every: int,
-    resume: bool,
-    extra_state: Callable[[], dict[str, Any]] | None = None,
     restore_extra: Callable[[dict[str, Any]], None] | None = None,
-) -> Path:
-    """Run ``step_fn`` for steps [start, steps), checkpointing; returns the stage's final weights dir.
+) -> tuple[Path | None, int]:
+    """``--resume``: where the stage continues from, loaded into ``model`` / ``learner`` (see
+    :func:`_resume_point`), and the step to start at. Under data parallel rank 0 alone decides (it may
+    move a damaged checkpoint aside) and the other ranks load what it chose."""
+    if ws.dp is None:
+        return _resume_point(ws, stage, model, learner, steps, restore_extra)
+    where, start = ws.on_main(lambda: _resume_point(ws, stage, model, learner, steps, restore_extra))
+    _follow_resume(ws, where, ws.run_dir / stage / "final", model, learner, restore_extra)
+    return where, start
 
-    A step whose metrics hold ``stop: True`` ends the stage early (after checkpointing it).
-    Under data parallel, rank 0 alone decides where to resume (it may move a damaged checkpoint
-    aside) and writes; the other ranks load what it chose and wait for its final weights."""
-    stage_dir = ws.run_dir / stage
-    final = stage_dir / "final"
-    where, start = None, 0
-    if resume and ws.dp is not None:
-        where, start = ws.on_main(lambda: _resume_point(ws, stage, model, learner, steps, restore_extra))
-        _follow_resume(ws, where, final, model, learner, restore_extra)
-    elif resume:
-        where, start = _resume_point(ws, stage, model, learner, steps, restore_extra)
-    if where == final:
-        return final
-    ws.on_main(lambda: _rewind(ws, stage, start, resume))  # steps past the checkpoint are redone, never logged twice
 
-    def record(rec: dict[str, Any], save: bool) -> None:
-        """The step's metrics record and, when due, its checkpoint (rank 0 only: the caller's on_main)."""
-        metrics_log(ws).log(rec)
-        if save and learner.sharded is None:
-            state = {"learner": learner.state_dict(), "extra": extra_state() if extra_state else {}}
-            save_checkpoint(stage_dir, rec["step"], model, ws.tokenizer, state)
-            prune_checkpoints(stage_dir, keep=KEEP_CHECKPOINTS)
-
-    with stage_progress(ws, stage, steps, start) as progress:
-        for step in range(start, steps):
-            t0, c0 = time.perf_counter(), time.process_time()
-            m = step_fn(step)
-            stop = bool(m.pop("stop", False))
-            rec = {
-                "stage": stage,
-                "step": step + 1,
-                **m,
-                **step_timing(m, time.perf_counter() - t0, time.process_time() - c0),
-            }
-            save = stop or (step + 1) % checkpoint_every == 0 or step + 1 == steps
-            ws.on_main(lambda: record(rec, save))  # under data parallel the others wait, and see a failure
-            if save and learner.sharded is not None:
-                _save_sharded(ws, stage_dir, rec["step"], model, learner, extra_state)
-            progress.update(step + 1, m, last=stop)
-            if stop:
-                break
-    ws.on_main(lambda: _save_final(ws, model, final, steps))
-    return final
+def record_step(
+    ws: Workspace,
+    stage_dir: Path,
+    rec: dict[str, Any],
+    save: bool,
+    model,
+    learner: Learner,
+    extra_state: Callable[[], dict[str, Any]] | None,
+) -> None:
+    """The step's metrics record and, when ``save``, its checkpoint (the writing rank only: the caller's
+    ``on_main``; a sharded learner's checkpoint is :func:`save_sharded`, by every rank)."""
+    metrics_log(ws).log(rec)
+    if save and learner.sharded is None:
+        state = {"learner": learner.state_dict(), "extra": extra_state() if extra_state else {}}
+        save_checkpoint(stage_dir, rec["step"], model, ws.tokenizer, state)
+        prune_checkpoints(stage_dir, keep=KEEP_CHECKPOINTS)
 
 
 def _follow_resume(ws: Workspace, where: Path | None, final: Path, model, learner: Learner, restore_extra) -> None:
@@ -139,7 +114,7 @@ def _follow_resume(ws: Workspace, where: Path | None, final: Path, model, learne
             restore_extra(state.get("extra", {}))
 
 
-def _save_sharded(ws: Workspace, stage_dir: Path, step: int, model, learner: Learner, extra_state) -> None:
+def save_sharded(ws: Workspace, stage_dir: Path, step: int, model, learner: Learner, extra_state) -> None:
     """A sharded learner's checkpoint: every rank writes its shards, then rank 0 the config, tokenizer,
     trainer state and the manifest over every rank's files, and renames it into place."""
     tmp = ws.on_main(lambda: begin_checkpoint(stage_dir, step))
@@ -166,7 +141,7 @@ def checkpoint_weights_into(model, ckpt: Path) -> None:
         load_weights_into(model, ckpt, verify=False)
 
 
-def _rewind(ws: Workspace, stage: str, start: int, resume: bool) -> None:
+def rewind(ws: Workspace, stage: str, start: int, resume: bool) -> None:
     """Cut ``metrics.jsonl`` back to ``start``; a stage started over (not resumed) is sent to the
     trackers again from its first step (a resumed one never sends a step twice)."""
     ws.metrics.truncate_after(stage, start)
@@ -202,7 +177,7 @@ def _resume_point(
             warn(f"final weights are not intact ({e}); rewriting them from the last checkpoint")
             if restore_checkpoint(stage_dir, lambda c: checkpoint_weights_into(model, c), warn) is None:
                 raise CorruptCheckpointError(final, f"damaged and no checkpoint to rebuild it from ({e})") from e
-            _save_final(ws, model, final, steps)
+            save_final(ws, model, final, steps)
             return final, steps
     restored = restore_checkpoint(stage_dir, lambda c: checkpoint_weights_into(model, c), warn)
     if restored is None:
@@ -227,7 +202,7 @@ def step_timing(m: dict[str, Any], step_s: float, cpu_s: float) -> dict[str, flo
     return out
 
 
-def _save_final(ws: Workspace, model, final: Path, steps: int) -> None:
+def save_final(ws: Workspace, model, final: Path, steps: int) -> None:
     """The stage's last weights as a plain HF directory, with its checksum manifest, then ``DONE``."""
     final.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(final, safe_serialization=True)
