@@ -397,7 +397,9 @@ def test_a_budgeted_episode_stops_at_its_budget(make_contract, orders_entry, too
     for t in short:
         prompt = t.segments[0].end
         assert len(t.token_ids) <= prompt + 40 and t.sampling["max_total_tokens"] == prompt + 40
-    assert all(t.sampling["max_total_tokens"] == 640 for t in full)
+    assert all(
+        t.sampling["max_total_tokens"] == contract.max_total_tokens == 640 + contract.system_tokens for t in full
+    )
     # the same tasks unbudgeted run past the budget (which episodes do depends on sampling; some must)
     assert any(len(t.token_ids) > t.segments[0].end + 40 for t in full), [
         len(t.token_ids) - t.segments[0].end for t in full
