@@ -126,7 +126,7 @@ def test_the_configured_loss_is_the_one_the_update_calls(monkeypatch):
     class B:
         trajs, groups, updates, metrics = [], [], [], {}
         adv = __import__("torch").zeros(0)
-        data = {"nll": None}
+        data = grpo_mod.GRPOStepData()
 
         def seeds(self, name):
             return 0
