@@ -91,6 +91,8 @@ def one_rep(model, ws, tasks, decoder: str, seed: int, weights) -> dict:
         "fed_per_cpu_s": st["fed_tokens"] / cpu,
         "gflop": rollout_flops(model, trajs, st) / 1e9,
         "digest": digest(trajs),
+        "inline_calls": st.get("inline_calls", 0),
+        "pool_calls": st.get("pool_calls", 0),
     }
 
 
@@ -105,11 +107,11 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
     cfg = load_run_config(
         Path(args.config) if args.config else None, [], str(Path("/tmp") / "mentorrl-bench-rcpu"), "demo.yaml"
     )
     ws = open_workspace(cfg, show_progress=False)
+    torch.set_num_threads(args.threads)  # after the workspace, which sets the recipe's own (the demo's: 2)
     tok, model = load_policy(args.model)
     ws.bind_tokenizer(tok)
     model.eval()
@@ -121,6 +123,7 @@ def main(argv=None) -> int:
         tasks = [t for t in ws.train_tasks(args.tasks, 1000 + rep) for _ in range(args.group)]
         r = one_rep(model, ws, tasks, args.decoder, rep, cfg.reward)
         r["bound_fraction"] = r["gflop"] / r["cpu_s"] / rate
+        r["torch_threads"] = torch.get_num_threads()
         runs.append(r)
         print(
             f"rep {rep} cpu {r['cpu_s']:.2f} s  wall {r['wall_s']:.2f} s  {r['tok_per_cpu_s']:.0f} policy tok/CPU-s  "
