@@ -35,14 +35,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bound import linear_params, matmul_gflops  # noqa: E402
-
 from mentorrl.cli_common import load_run_config  # noqa: E402
 from mentorrl.models.build import load_policy  # noqa: E402
 from mentorrl.rollout.engine import RolloutEngine  # noqa: E402
 from mentorrl.rollout.episode import Episode  # noqa: E402
 from mentorrl.train.workspace import open_workspace  # noqa: E402
+
+# after mentorrl: bound.py puts this checkout first on sys.path, and the mentorrl measured must stay the one
+# on PYTHONPATH (an A/B run of another checkout)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bound import linear_params, matmul_gflops  # noqa: E402
 
 
 def digest(trajs) -> str:
@@ -134,6 +136,7 @@ def main(argv=None) -> int:
     keys = ("cpu_s", "wall_s", "tok_per_cpu_s", "fed_per_cpu_s", "bound_fraction")
     med = {k: statistics.median(r[k] for r in runs) for k in keys}
     print(
+        f"mentorrl from {Path(sys.modules['mentorrl'].__file__).parent.parent}; "
         f"median over {args.reps} reps: {med['tok_per_cpu_s']:.0f} policy tok/CPU-s, {med['fed_per_cpu_s']:.0f} fed "
         f"tok/CPU-s, CPU {med['cpu_s']:.2f} s, wall {med['wall_s']:.2f} s; matmul {rate:.1f} GFLOP/s; "
         f"{100 * med['bound_fraction']:.2f}% of the bound; digests {' '.join(r['digest'] for r in runs)}"
