@@ -66,11 +66,11 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
     cfg = load_run_config(
         Path(args.config) if args.config else None, [], str(Path("/tmp") / "mentorrl-bench-dec"), "demo.yaml"
     )
     ws = open_workspace(cfg, show_progress=False)
+    torch.set_num_threads(args.threads)  # after the workspace, which sets the recipe's own (the demo's: 2)
     tok, model = load_policy(args.model)
     ws.bind_tokenizer(tok)
     model.eval()

@@ -296,6 +296,10 @@ def observation_text(content: str) -> str:
     return "".join(observation_pieces(content))
 
 
+MEMO_TEXTS = 4096  # texts a ChatEncoder remembers the ids of
+MEMO_CHARS = 8192  # the longest text it remembers
+
+
 class ChatEncoder:
     """Pieces -> token ids for one tokenizer, with control tokens from the template only.
 
@@ -328,11 +332,25 @@ class ChatEncoder:
         # so a template string this tokenizer lacks (SmolLM2 has no <tool_call>) encodes as plain text would
         names = sorted((n for n in self.control_ids if n), key=len, reverse=True)
         self._control = re.compile("|".join(re.escape(n) for n in names)) if names else None
+        # text -> ids: a GRPO group's episodes encode the same prompt, and often the same observations
+        self._memo: dict[str, tuple[int, ...]] = {}
 
     def text(self, text: str) -> list[int]:
-        """Plain text: control strings in ``text`` stay characters, never control tokens."""
+        """Plain text: control strings in ``text`` stay characters, never control tokens. Short texts
+        are remembered (encoding is a pure function of the text and this tokenizer)."""
         if not text:
             return []
+        hit = self._memo.get(text)
+        if hit is not None:
+            return list(hit)
+        ids = self._encode(text)
+        if len(text) <= MEMO_CHARS:
+            if len(self._memo) >= MEMO_TEXTS:
+                self._memo.clear()  # a plain dict (picklable, atomic under the GIL): start over when full
+            self._memo[text] = tuple(ids)
+        return ids
+
+    def _encode(self, text: str) -> list[int]:
         text = replace_surrogates(text)
         pieces = [text]
         if self._control is not None:

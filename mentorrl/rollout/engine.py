@@ -313,8 +313,8 @@ class StreamScheduler:
         self.stats["max_rows"] = max(self.stats["max_rows"], len(self.rows))
         self.stats["fed_tokens"] += sum(len(c) for c in chunks)
         tokens, logps = sample_tokens(logits, self.contract.sampling, [self.rows[i].gen for i in fed])
-        for j, i in enumerate(fed):
-            self.advance(self.rows[i], int(tokens[j]), float(logps[j]))
+        for i, tok, logp in zip(fed, tokens.tolist(), logps.tolist()):  # one conversion, not two a row
+            self.advance(self.rows[i], tok, logp)
 
     def advance(self, sl: EpisodeSlot, tok: int, logp: float) -> None:
         """``tok`` sampled for ``sl``; at the turn's end, its tool call starts or the episode finishes."""

@@ -37,25 +37,30 @@ def sample_tokens(
     """logits [B, V] -> (tokens [B], logprobs [B]).
 
     With a list of generators (one per row), each row draws its own noise (Gumbel-max), so a
-    trajectory's samples do not depend on which other rows share the step.
+    trajectory's samples do not depend on which other rows share the step. The noise is drawn into
+    one buffer and transformed in place (``argmax(filt - log(-log u))``, the same floats as
+    ``argmax(filt + -log(-log u))``); tests/test_sampling_fast.py holds the plain form it must equal.
     """
     logits = logits.float()
     temperature = params.temperature if params.temperature > 0 else 1.0
-    logp = torch.log_softmax(logits / temperature, dim=-1)
+    logp = torch.log_softmax(logits if temperature == 1.0 else logits / temperature, dim=-1)  # x / 1 is x
     if params.temperature == 0:
         tokens = logp.argmax(dim=-1)
+        return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+    filt = logp  # each cut below makes a new tensor: logp itself is never written
+    if params.top_k > 0 and params.top_k < filt.shape[-1]:
+        kth = torch.topk(filt, params.top_k, dim=-1).values[:, -1:]
+        filt = filt.masked_fill(filt < kth, float("-inf"))
+    if params.top_p < 1.0:
+        filt = nucleus(filt, params.top_p)
+    if isinstance(generator, list):
+        u = torch.empty(len(generator), filt.shape[-1])
+        for row, g in zip(u, generator):
+            torch.rand(filt.shape[-1], generator=g, out=row)
+        u = u.to(filt.device)
+        u.clamp_(1e-20, 1.0 - 1e-7).log_().neg_().log_()  # -u is the Gumbel noise
+        tokens = torch.sub(filt, u, out=u).argmax(dim=-1)
     else:
-        filt = logp.clone()
-        if params.top_k > 0 and params.top_k < filt.shape[-1]:
-            kth = torch.topk(filt, params.top_k, dim=-1).values[:, -1:]
-            filt = filt.masked_fill(filt < kth, float("-inf"))
-        if params.top_p < 1.0:
-            filt = nucleus(filt, params.top_p)
-        if isinstance(generator, list):
-            u = torch.stack([torch.rand(filt.shape[-1], generator=g) for g in generator]).to(filt.device)
-            gumbel = -torch.log(-torch.log(u.clamp(1e-20, 1.0 - 1e-7)))
-            tokens = (filt + gumbel).argmax(dim=-1)
-        else:
-            probs = torch.softmax(filt, dim=-1)
-            tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        probs = torch.softmax(filt, dim=-1)
+        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
