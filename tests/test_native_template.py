@@ -69,6 +69,7 @@ def contracts(base_tokenizer, env):
     out = {}
     for fam in FAMILIES:
         tok = family_tokenizer(base_tokenizer, fam)
+        tok.model_max_length = 16384  # the family templates' tool prompts outgrow the tiny tokenizer's stated 4096
         chat = native_chat_for(tok, env, PromptFormat())
         out[fam] = (tok, contract_for_env(tok, env, limits=ContractLimits(max_total_tokens=8192), chat=chat))
     return out

@@ -130,6 +130,11 @@ def contract_for_trajectory(tokenizer: Any, env: Environment, traj: Trajectory) 
         for tool_descriptions in (True, False):
             fmt = PromptFormat(tool_descriptions=tool_descriptions, system_turn=system_turn)
             contract = contract_for_env(tokenizer, env, sampling, limits, fmt)
+            # a trajectory records its episode's whole budget: the limit plus the system turn's tokens
+            configured = limits.max_total_tokens - contract.system_tokens
+            if contract.fingerprint() != traj.contract_fingerprint and contract.system_tokens and configured >= 16:
+                limited = limits.model_copy(update={"max_total_tokens": configured})
+                contract = contract_for_env(tokenizer, env, sampling, limited, fmt)
             if contract.fingerprint() == traj.contract_fingerprint:
                 return contract
     return None

@@ -22,7 +22,7 @@ import threading
 import weakref
 from typing import Any, Callable
 
-from mentorrl.config.names import ROLLOUT_BACKENDS
+from mentorrl.config import names as config_names  # the registry lives in the schema layer
 from mentorrl.contract import RolloutContract
 from mentorrl.rollout.backends.base import (
     Generation,
@@ -38,7 +38,6 @@ from mentorrl.rollout.dispatch import INLINE_TOOL_S
 __all__ = [
     "BackendChoice",
     "BackendKind",
-    "ROLLOUT_BACKENDS",
     "SharedEngineKind",
     "register_rollout_backend",
     "Generation",
@@ -165,7 +164,7 @@ def _vllm_engine(model, contract, config):
 
 def register_rollout_backend(name: str, kind: BackendKind, replace: bool = False) -> BackendKind:
     """Make ``rollout.backend: name`` decode with ``kind`` (a taken name is an error unless ``replace``)."""
-    return ROLLOUT_BACKENDS.register(name, kind, replace=replace)
+    return config_names.ROLLOUT_BACKENDS.register(name, kind, replace=replace)
 
 
 register_rollout_backend("hf", EngineKind())
@@ -192,7 +191,7 @@ class BackendChoice:
 
     @property
     def kind(self) -> BackendKind:
-        return ROLLOUT_BACKENDS.get(self.name)
+        return config_names.ROLLOUT_BACKENDS.get(self.name)
 
     @property
     def streams_in_process(self) -> bool:
