@@ -379,6 +379,9 @@ class ChatEncoder:
 
 
 MAX_STATED_CONTEXT = 10**7  # a tokenizer's model_max_length at or above this is transformers' "unset" sentinel
+# a trajectory's record of its episode's whole token budget; its ``max_total_tokens`` is the configured limit.
+# Trajectories written before this key existed recorded the budget under ``max_total_tokens``.
+EFFECTIVE_BUDGET_KEY = "effective_max_total_tokens"
 
 
 @dataclass
@@ -520,6 +523,13 @@ class RolloutContract:
     def sampling_dict(self) -> dict[str, Any]:
         return {**self.sampling.model_dump(), **self.limits.model_dump()}
 
+    def trajectory_sampling(self, budget: int | None = None) -> dict[str, Any]:
+        """What a trajectory records of its contract: the sampling parameters and the configured limits
+        (``max_total_tokens`` is ``limits.max_total_tokens``, as configured), plus the episode's whole
+        budget under its own key, ``EFFECTIVE_BUDGET_KEY`` (``budget``, default :attr:`max_total_tokens`:
+        the limit plus the system turn, capped by the context; an episode's own token budget may lower it)."""
+        return {**self.sampling_dict(), EFFECTIVE_BUDGET_KEY: self.max_total_tokens if budget is None else budget}
+
 
 def tool_signatures(env: Any, fmt: PromptFormat | None = None) -> list[str]:
     fmt = fmt or PromptFormat()
@@ -567,6 +577,7 @@ __all__ = [
     "MAX_ERROR_CHARS",
     "MAX_JSON_DEPTH",
     "MAX_STATED_CONTEXT",
+    "EFFECTIVE_BUDGET_KEY",
     "ContractLimits",
     "ParsedAction",
     "PromptFormat",

@@ -18,7 +18,14 @@ from cli_helpers import cli_with
 from typer.testing import CliRunner
 
 from mentorrl.cli.flywheel import register
-from mentorrl.contract import render_tool_call
+from mentorrl.contract import (
+    EFFECTIVE_BUDGET_KEY,
+    ContractLimits,
+    PromptFormat,
+    SamplingParams,
+    contract_for_env,
+    render_tool_call,
+)
 from mentorrl.core import trace
 from mentorrl.envs.base import FinalAnswer, Task
 from mentorrl.envs.orders import OrdersExpert
@@ -672,6 +679,38 @@ def test_contract_is_rebuilt_from_the_fingerprint(cases, tokenizer, orders_entry
         assert (
             contract_for_trajectory(tokenizer, env, traj.model_copy(update={"contract_fingerprint": "0" * 16})) is None
         )
+    finally:
+        env.close()
+
+
+@pytest.mark.parametrize("system_turn", [True, False], ids=["system-turn", "no-system-turn"])
+def test_a_contract_rebuilt_from_its_trajectory_equals_the_original(system_turn, tokenizer, orders_entry, find_task):
+    """The trajectory records the configured limit (``max_total_tokens``) and the episode's whole budget
+    (``EFFECTIVE_BUDGET_KEY``: the limit plus the system turn) apart; the rebuild reads the limit as configured."""
+    env = orders_entry.make_env()
+    try:
+        fmt = PromptFormat(tool_descriptions=True, system_turn=system_turn)
+        sampling = SamplingParams(temperature=0.7, max_new_tokens=24)
+        original = contract_for_env(tokenizer, env, sampling, ContractLimits(max_turns=8, max_total_tokens=1000), fmt)
+        assert (original.system_tokens > 0) == system_turn
+        traj = run_scripted_episode(original, env, find_task("stock_check"), OrdersExpert())
+        assert traj.sampling["max_total_tokens"] == 1000
+        assert traj.sampling[EFFECTIVE_BUDGET_KEY] == original.max_total_tokens == 1000 + original.system_tokens
+        rebuilt = contract_for_trajectory(tokenizer, env, traj)
+        assert rebuilt is not None
+        assert rebuilt.fingerprint() == original.fingerprint() == traj.contract_fingerprint
+        assert (rebuilt.sampling, rebuilt.limits, rebuilt.system_turn) == (
+            original.sampling,
+            original.limits,
+            system_turn,
+        )
+        assert (rebuilt.system_prompt, rebuilt.tool_signatures) == (original.system_prompt, original.tool_signatures)
+        assert (rebuilt.system_tokens, rebuilt.max_total_tokens) == (original.system_tokens, original.max_total_tokens)
+        # a trajectory written before the budget had its own key recorded the budget as max_total_tokens
+        old = dict(traj.sampling)
+        old["max_total_tokens"] = old.pop(EFFECTIVE_BUDGET_KEY)
+        legacy = contract_for_trajectory(tokenizer, env, traj.model_copy(update={"sampling": old}))
+        assert legacy is not None and legacy.fingerprint() == original.fingerprint()
     finally:
         env.close()
 

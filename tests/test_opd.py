@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 from mentorrl.algos.opd_terms import center_term, rlsd_weights, short_term
 from mentorrl.cli import app
 from mentorrl.config import ConfigError, RLSDSelectedTerm, ShortOPDConfig, load_config
+from mentorrl.contract import EFFECTIVE_BUDGET_KEY
 from mentorrl.opd.advantage import (
     GapBudget,
     group_reward_weights,
@@ -396,9 +397,11 @@ def test_a_budgeted_episode_stops_at_its_budget(make_contract, orders_entry, too
     full, short = trajs[: len(tasks)], trajs[len(tasks) :]
     for t in short:
         prompt = t.segments[0].end
-        assert len(t.token_ids) <= prompt + 40 and t.sampling["max_total_tokens"] == prompt + 40
+        assert len(t.token_ids) <= prompt + 40 and t.sampling[EFFECTIVE_BUDGET_KEY] == prompt + 40
+    # the trajectory records the configured limit and its episode's whole budget under separate keys
+    assert all(t.sampling["max_total_tokens"] == 640 for t in trajs)
     assert all(
-        t.sampling["max_total_tokens"] == contract.max_total_tokens == 640 + contract.system_tokens for t in full
+        t.sampling[EFFECTIVE_BUDGET_KEY] == contract.max_total_tokens == 640 + contract.system_tokens for t in full
     )
     # the same tasks unbudgeted run past the budget (which episodes do depends on sampling; some must)
     assert any(len(t.token_ids) > t.segments[0].end + 40 for t in full), [

@@ -26,7 +26,14 @@ from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
 
 from pydantic import BaseModel, ConfigDict
 
-from mentorrl.contract import ContractLimits, PromptFormat, RolloutContract, SamplingParams, contract_for_env
+from mentorrl.contract import (
+    EFFECTIVE_BUDGET_KEY,
+    ContractLimits,
+    PromptFormat,
+    RolloutContract,
+    SamplingParams,
+    contract_for_env,
+)
 from mentorrl.envs.base import Environment, ExpertPolicy, FinalAnswer, Task, ToolAction, final_answer_text
 from mentorrl.eval.sets import read_tasks_jsonl, write_tasks_jsonl
 from mentorrl.flywheel.attribution import Attribution, FailureType
@@ -126,15 +133,18 @@ def contract_for_trajectory(tokenizer: Any, env: Environment, traj: Trajectory) 
     format whose fingerprint matches); None when no prompt format reproduces the fingerprint."""
     sampling = SamplingParams(**{k: traj.sampling[k] for k in SamplingParams.model_fields if k in traj.sampling})
     limits = ContractLimits(**{k: traj.sampling[k] for k in ContractLimits.model_fields if k in traj.sampling})
+    # a trajectory records the configured limit under max_total_tokens and its episode's whole budget
+    # under EFFECTIVE_BUDGET_KEY; one written before that key recorded the budget under max_total_tokens
+    legacy = EFFECTIVE_BUDGET_KEY not in traj.sampling
     for system_turn in (True, False):
         for tool_descriptions in (True, False):
             fmt = PromptFormat(tool_descriptions=tool_descriptions, system_turn=system_turn)
             contract = contract_for_env(tokenizer, env, sampling, limits, fmt)
-            # a trajectory records its episode's whole budget: the limit plus the system turn's tokens
-            configured = limits.max_total_tokens - contract.system_tokens
-            if contract.fingerprint() != traj.contract_fingerprint and contract.system_tokens and configured >= 16:
-                limited = limits.model_copy(update={"max_total_tokens": configured})
-                contract = contract_for_env(tokenizer, env, sampling, limited, fmt)
+            if legacy and contract.fingerprint() != traj.contract_fingerprint and contract.system_tokens:
+                configured = limits.max_total_tokens - contract.system_tokens  # the budget less the system turn
+                if configured >= 16:
+                    limited = limits.model_copy(update={"max_total_tokens": configured})
+                    contract = contract_for_env(tokenizer, env, sampling, limited, fmt)
             if contract.fingerprint() == traj.contract_fingerprint:
                 return contract
     return None

@@ -86,7 +86,7 @@ def retokenize(traj: Trajectory, src_tokenizer, dst: RolloutContract) -> Traject
             "segments": segments,
             "contract_fingerprint": dst.fingerprint(),
             "source": "teacher",
-            "sampling": {**dst.sampling_dict()},
+            "sampling": dst.trajectory_sampling(),
         }
     )
 

@@ -192,7 +192,7 @@ class Episode:
             policy_version=self.policy_version,
             env_name=self.contract.env_name,
             env_version=self.contract.env_version,
-            sampling={**self.contract.sampling_dict(), "max_total_tokens": self.max_total_tokens},
+            sampling=self.contract.trajectory_sampling(self.max_total_tokens),
             contract_fingerprint=self.contract.fingerprint(),
             tool_calls=self.tool_calls,
             final_answer=self.final_answer,

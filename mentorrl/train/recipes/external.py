@@ -99,7 +99,7 @@ def episode_trajectories(
                 policy_version=min(seg.versions),
                 env_name=contract.env_name,
                 env_version=contract.env_version,
-                sampling=contract.sampling_dict(),
+                sampling=contract.trajectory_sampling(),
                 contract_fingerprint=contract.fingerprint(),
                 num_turns=seg.turns,
                 reward=reward,

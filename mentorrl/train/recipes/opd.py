@@ -50,7 +50,7 @@ from mentorrl.algos.opd_terms import (
     token_advantages,
 )
 from mentorrl.config.registry import Registry
-from mentorrl.contract import contract_for_env
+from mentorrl.contract import EFFECTIVE_BUDGET_KEY, contract_for_env
 from mentorrl.opd.advantage import GapBudget, kl_advantages, teacher_weights, tool_error_tokens, until_first_error
 from mentorrl.opd.retokenize import retokenize
 from mentorrl.opd.scoring import teacher_row
@@ -525,7 +525,7 @@ def _write_samples(run_dir: Path, step: int, trajs, signals, names, w, kl) -> No
                 if k is not None and t.num_policy_tokens
                 else None,
                 "distilled_tokens": int((k != 0).sum()) if k is not None else 0,
-                "token_budget": t.sampling.get("max_total_tokens"),
+                "token_budget": t.sampling.get(EFFECTIVE_BUDGET_KEY, t.sampling.get("max_total_tokens")),
             }
         )
     with open(run_dir / "opd" / f"signals-step-{step + 1:06d}.jsonl", "w") as f:
