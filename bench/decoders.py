@@ -13,67 +13,32 @@ the two arms sampled the same tokens.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-import torch  # noqa: E402
-
-from mentorrl.cli_common import load_run_config  # noqa: E402
-from mentorrl.models.build import load_policy  # noqa: E402
-from mentorrl.rollout.engine import RolloutEngine  # noqa: E402
-from mentorrl.rollout.episode import Episode  # noqa: E402
-from mentorrl.train.workspace import open_workspace  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _engine import engine_parser, open_engine_bench, timed_rollout  # noqa: E402
 
 
 def one_arm(model, ws, tasks, decoder: str, seed: int, weights) -> dict:
-    envs = [ws.make_env() for _ in tasks]
-    try:
-        eps = [Episode(ws.contract, e, t, weights=weights) for e, t in zip(envs, tasks)]
-        engine = RolloutEngine(model, ws.contract, decoder=decoder)
-        c0, t0 = time.process_time(), time.perf_counter()
-        trajs = engine.run(eps, seed=seed)
-        cpu, wall = time.process_time() - c0, time.perf_counter() - t0
-    finally:
-        for e in envs:
-            e.close()
+    trajs, st, cpu, wall = timed_rollout(model, ws, tasks, decoder, seed, weights)
     toks = sum(t.num_policy_tokens for t in trajs)
     return {
         "cpu_s": cpu,
         "wall_s": wall,
         "policy_tokens": toks,
         "tok_per_cpu_s": toks / cpu,
-        "forward_passes": engine.last_stats["forward_passes"],
-        "fed_tokens": engine.last_stats["fed_tokens"],
+        "forward_passes": st["forward_passes"],
+        "fed_tokens": st["fed_tokens"],
         "token_ids": [t.token_ids for t in trajs],
     }
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="HF checkpoint dir (e.g. the demo's SFT checkpoint)")
-    p.add_argument("--config", default=None, help="run config (default: the demo recipe)")
-    p.add_argument("--tasks", type=int, default=16)
-    p.add_argument("--group", type=int, default=8)
-    p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--json", default=None)
-    args = p.parse_args(argv)
-    cfg = load_run_config(
-        Path(args.config) if args.config else None, [], str(Path("/tmp") / "mentorrl-bench-dec"), "demo.yaml"
-    )
-    ws = open_workspace(cfg, show_progress=False)
-    torch.set_num_threads(args.threads)  # after the workspace, which sets the recipe's own (the demo's: 2)
-    tok, model = load_policy(args.model)
-    ws.bind_tokenizer(tok)
-    model.eval()
+    args = engine_parser(__doc__, reps=5).parse_args(argv)
+    cfg, ws, model = open_engine_bench(args, "mentorrl-bench-dec")
     one_arm(model, ws, ws.train_tasks(2, 999), "slots", 0, cfg.reward)  # warm-up (and the slot self-check)
     runs: dict[str, list[dict]] = {"slots": [], "hf": []}
     same = True

@@ -20,30 +20,19 @@ that print the same digest for the same arguments rolled out bit-identical traje
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
-import os
 import statistics
 import struct
 import sys
-import time
 from pathlib import Path
 
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-import torch  # noqa: E402
-
-from mentorrl.cli_common import load_run_config  # noqa: E402
-from mentorrl.models.build import load_policy  # noqa: E402
-from mentorrl.rollout.engine import RolloutEngine  # noqa: E402
-from mentorrl.rollout.episode import Episode  # noqa: E402
-from mentorrl.train.workspace import open_workspace  # noqa: E402
-
-# after mentorrl: bound.py puts this checkout first on sys.path, and the mentorrl measured must stay the one
-# on PYTHONPATH (an A/B run of another checkout)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch  # noqa: E402
+from _engine import engine_parser, open_engine_bench, timed_rollout  # noqa: E402
+
+# after mentorrl (which _engine imports): bound.py puts this checkout first on sys.path, and the mentorrl
+# measured must stay the one on PYTHONPATH (an A/B run of another checkout)
 from bound import linear_params, matmul_gflops  # noqa: E402
 
 
@@ -71,17 +60,7 @@ def rollout_flops(model, trajs, stats) -> float:
 
 
 def one_rep(model, ws, tasks, decoder: str, seed: int, weights) -> dict:
-    envs = [ws.make_env() for _ in tasks]
-    try:
-        eps = [Episode(ws.contract, e, t, weights=weights) for e, t in zip(envs, tasks)]
-        engine = RolloutEngine(model, ws.contract, decoder=decoder)
-        c0, t0 = time.process_time(), time.perf_counter()
-        trajs = engine.run(eps, seed=seed)
-        cpu, wall = time.process_time() - c0, time.perf_counter() - t0
-    finally:
-        for e in envs:
-            e.close()
-    st = engine.last_stats
+    trajs, st, cpu, wall = timed_rollout(model, ws, tasks, decoder, seed, weights)
     policy = sum(t.num_policy_tokens for t in trajs)
     return {
         "cpu_s": cpu,
@@ -99,24 +78,10 @@ def one_rep(model, ws, tasks, decoder: str, seed: int, weights) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="HF checkpoint dir (e.g. the demo's SFT checkpoint)")
-    p.add_argument("--config", default=None, help="run config (default: the demo recipe)")
+    p = engine_parser(__doc__, reps=3)
     p.add_argument("--decoder", default="slots", help="slots, hf or auto")
-    p.add_argument("--tasks", type=int, default=16)
-    p.add_argument("--group", type=int, default=8)
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    cfg = load_run_config(
-        Path(args.config) if args.config else None, [], str(Path("/tmp") / "mentorrl-bench-rcpu"), "demo.yaml"
-    )
-    ws = open_workspace(cfg, show_progress=False)
-    torch.set_num_threads(args.threads)  # after the workspace, which sets the recipe's own (the demo's: 2)
-    tok, model = load_policy(args.model)
-    ws.bind_tokenizer(tok)
-    model.eval()
+    cfg, ws, model = open_engine_bench(args, "mentorrl-bench-rcpu")
     one_rep(model, ws, ws.train_tasks(2, 999), args.decoder, 0, cfg.reward)  # warm-up (and the slot self-check)
     mm = model.config
     rate = matmul_gflops(next(model.parameters()).dtype, 2048, mm.hidden_size, mm.intermediate_size)
