@@ -52,6 +52,14 @@ def orders_entry():
     return get_env("orders")
 
 
+@pytest.fixture(scope="module")
+def env(orders_entry):
+    """An orders environment per test module (a module with another environment defines its own ``env``)."""
+    e = orders_entry.make_env()
+    yield e
+    e.close()
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, orders_entry) -> Path:
     from mentorrl.train.models_init import build_tiny_model

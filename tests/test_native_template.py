@@ -57,13 +57,6 @@ def base_tokenizer():
 
 
 @pytest.fixture(scope="module")
-def env(orders_entry):
-    e = orders_entry.make_env()
-    yield e
-    e.close()
-
-
-@pytest.fixture(scope="module")
 def contracts(base_tokenizer, env):
     """family -> (tokenizer, contract) with the family's template as the rendering."""
     out = {}

@@ -30,13 +30,6 @@ def base_tokenizer():
     return tok
 
 
-@pytest.fixture(scope="module")
-def env(orders_entry):
-    e = orders_entry.make_env()
-    yield e
-    e.close()
-
-
 class FewTools:
     """``env`` seen through a registry holding only its first ``n`` tools."""
 

@@ -30,13 +30,6 @@ def plain_tok():
 
 
 @pytest.fixture(scope="module")
-def env(orders_entry):
-    e = orders_entry.make_env()
-    yield e
-    e.close()
-
-
-@pytest.fixture(scope="module")
 def contract(plain_tok, env):
     chat = native_chat_for(plain_tok, env, PromptFormat())
     assert chat is not None and chat.name == HERMES_PROMPTED
