@@ -87,13 +87,20 @@ def test_two_grpo_runs_log_the_same_floats_while_the_dispatch_decisions_differ(
 ):
     """The first run starts with no tool-call measurements (its first calls of each kind go to the pool),
     the second with the first's (cheap kinds run inline from its first call): every logged value but the
-    timings, and every sampled trajectory, are the same."""
+    timings, and every sampled trajectory, are the same.
+
+    Every call is measured as free: what a call costs on a loaded machine must not decide whether the two
+    runs dispatch differently. The dispatch rule then differs for certain: a kind's first ``MIN_SAMPLES``
+    calls of the first run go to the pool (nothing is measured before a call ends), while the second run
+    starts with the first's measurements and runs every call of a kind called that often inline (the
+    verifier is called once per trajectory)."""
     decisions: list[list[bool]] = [[], []]
-    real = dispatch.runs_inline
+    real, record = dispatch.runs_inline, dispatch.record
     run = {"k": 0}
     monkeypatch.setattr(
         dispatch, "runs_inline", lambda kind, s: decisions[run["k"]].append(real(kind, s)) or decisions[run["k"]][-1]
     )
+    monkeypatch.setattr(dispatch, "record", lambda kind, cpu_s, wall_s: record(kind, 0.0, 0.0))
     dispatch.forget()
     records, samples = [], []
     for k in range(2):
@@ -103,7 +110,8 @@ def test_two_grpo_runs_log_the_same_floats_while_the_dispatch_decisions_differ(
         records.append([json.loads(x) for x in (ws.run_dir / "metrics.jsonl").read_text().splitlines()])
         samples.append(_samples(ws.run_dir))
     dispatch.forget()
-    assert decisions[0] != decisions[1] and sum(decisions[1]) > sum(decisions[0])  # timing decided differently
+    assert len(decisions[0]) == len(decisions[1]) and not decisions[0][0]  # the first run's first call: the pool
+    assert sum(decisions[1]) > sum(decisions[0])  # the measurements the second run starts with decided differently
     assert records[0][0]["tool_calls_per_traj"] + records[0][0]["malformed_call_rate"] > 0  # tools were called
     assert not _differences(*records)
     assert samples[0] == samples[1] and len(samples[0]) == 27
