@@ -312,7 +312,7 @@ def test_a_missing_protection_refuses_to_start_unless_opted_out_by_name(monkeypa
 
     real = sb.machine_support()
     weaker = sb.Support(None, real.workspace_quota, real.seccomp, {"cgroup": "no cgroup delegation (test)"})
-    monkeypatch.setattr(sb, "_support", weaker)
+    monkeypatch.setattr(sb, "machine_support", lambda: weaker)
     monkeypatch.delenv("MENTORRL_CODE_ALLOW_WEAKER", raising=False)
     with pytest.raises(sb.SandboxUnavailable, match="cgroup.*allow_weaker"):
         CodeEnv()
@@ -337,7 +337,8 @@ def test_without_the_workspace_quota_opt_out_the_episode_is_a_plain_directory(mo
     from mentorrl.envs.code import CodeEnv, CodeTasks
 
     real = sb.machine_support()
-    monkeypatch.setattr(sb, "_support", sb.Support(real.cgroup, False, real.seccomp, {"workspace_quota": "test"}))
+    weaker = sb.Support(real.cgroup, False, real.seccomp, {"workspace_quota": "test"})
+    monkeypatch.setattr(sb, "machine_support", lambda: weaker)
     with pytest.raises(sb.SandboxUnavailable, match="workspace_quota"):
         CodeEnv()
     env = CodeEnv(allow_weaker=["workspace_quota"])

@@ -123,7 +123,7 @@ def test_symlink_in_the_workspace_cannot_lead_write_file_outside(env_task):
 
 
 def test_fails_closed_without_isolation(monkeypatch):
-    monkeypatch.setattr(sb, "_probe_error", "code sandbox: no `bwrap` binary found")
+    monkeypatch.setattr(sb, "_probe_error", lambda: "code sandbox: no `bwrap` binary found")
     from mentorrl.envs.code import CodeEnv
 
     with pytest.raises(SandboxUnavailable, match="bwrap"):

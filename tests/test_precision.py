@@ -250,7 +250,7 @@ def test_a_run_decides_dtype_auto_once_and_a_resume_keeps_its_choice(monkeypatch
     from mentorrl.models import device as dev
     from mentorrl.train.pipeline import report_precision
 
-    monkeypatch.setattr(dev, "_PINNED", {})
+    monkeypatch.setattr(dev, "_PINNED", dev.PinnedChoices())
     out = io.StringIO()
     ws = SimpleNamespace(
         cfg=load_config(None, ["model.dtype=auto", "model.device=cpu"]),

@@ -36,8 +36,7 @@ CACHES = {
     ("mentorrl.rollout.decoders", "_POOL"),  # slot-decoder KV buffers reused across rollouts (always overwritten)
     ("mentorrl.rollout.decoders", "_POOL_LOCK"),
     ("mentorrl.rollout.decoders", "_checked"),  # per model: whether the slot decoder matches its forward
-    ("mentorrl.rollout.dispatch", "_SAMPLES"),  # measured tool-call costs: inline or in the pool, same result
-    ("mentorrl.rollout.dispatch", "_LOCK"),
+    ("mentorrl.rollout.dispatch", "_COSTS"),  # measured tool-call costs: inline or in the pool, same result
     ("mentorrl.distributed.ray_workers", "_IDLE"),  # idle actor handles, explicitly reconfigured on reuse
 }
 IMMUTABLE = (

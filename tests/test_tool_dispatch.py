@@ -84,7 +84,7 @@ def test_zero_threshold_always_uses_the_pool_and_errors_surface_the_same_way():
 def test_model_written_tool_names_cannot_grow_the_measurements_without_bound():
     for i in range(D.MAX_KINDS + 50):
         D.record(("tool", "Env", f"name-{i}"), 0.0, 0.0)
-    assert len(D._SAMPLES) == D.MAX_KINDS
+    assert len(D._COSTS) == D.MAX_KINDS
     assert not D.runs_inline(("tool", "Env", f"name-{D.MAX_KINDS + 10}"), 0.005)
 
 

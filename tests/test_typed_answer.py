@@ -11,6 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from mentorrl.config.process import Once
 from mentorrl.contract import ContractLimits, contract_for_env
 from mentorrl.envs import env_factory, get_env
 from mentorrl.envs.base import FinalAnswer
@@ -329,7 +330,7 @@ def test_free_text_is_explicit_and_warns(capsys, monkeypatch):
     from mentorrl.config.env import EnvConfig
 
     assert EnvConfig().answer == "typed"
-    monkeypatch.setattr(envs_mod, "_WARNED", False)
+    monkeypatch.setattr(envs_mod, "_FREE_TEXT_WARNED", Once())
     make = env_factory(get_env("orders"), EnvConfig(answer="free_text"))
     assert "heuristic" in capsys.readouterr().err
     e = make()

@@ -15,6 +15,8 @@ import it:
 * :mod:`~mentorrl.config.stages` -- the stage table (:class:`StageSpec`);
 * :mod:`~mentorrl.config.run` -- :data:`RunConfig` and :func:`run_config_model`;
 * :mod:`~mentorrl.config.plugins` -- plugin modules and entry points;
+* :mod:`~mentorrl.config.process` -- the small objects that own process-wide state (:class:`Once`,
+  :class:`LRUCache`; standard library only, like the registries);
 * :mod:`~mentorrl.config.loading` -- YAML reading, bounds, overrides, dotted errors;
 * :mod:`~mentorrl.config.reference` -- the configuration reference.
 """

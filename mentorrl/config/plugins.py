@@ -21,22 +21,20 @@ from importlib import metadata
 from typing import Iterable
 
 from mentorrl.config.base import ConfigError
+from mentorrl.config.process import Once
 from mentorrl.config.stages import StageSpec, register_stage_spec
 
 MODULE_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 STAGE_GROUP = "mentorrl.stages"
 ENV_GROUP = "mentorrl.envs"
 
-_loaded: set[str] = set()
-_entry_points_loaded = False
+_ENTRY_POINTS = Once()  # the installed entry points are loaded once per process
 
 
 def load_entry_point_stages() -> None:
     """Load every installed ``mentorrl.stages`` entry point (once per process)."""
-    global _entry_points_loaded
-    if _entry_points_loaded:
+    if not _ENTRY_POINTS.first():
         return
-    _entry_points_loaded = True
     for ep in metadata.entry_points(group=STAGE_GROUP):
         try:
             obj = ep.load()
@@ -51,14 +49,12 @@ def load_entry_point_stages() -> None:
 
 
 def import_plugin(module: str, where: str = "plugins") -> None:
-    """Import plugin ``module`` (once); a ConfigError naming ``where`` when it cannot be imported."""
-    if module in _loaded:
-        return
+    """Import plugin ``module`` (once: an imported module is in ``sys.modules``); a ConfigError
+    naming ``where`` when it cannot be imported."""
     try:
         importlib.import_module(module)
     except Exception as e:  # not found, or its import failed: name the plugin
         raise ConfigError(f"{where}: cannot import plugin {module!r}: {type(e).__name__}: {e}") from e
-    _loaded.add(module)
 
 
 def load_plugins(modules: Iterable[str] = ()) -> None:

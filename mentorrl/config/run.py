@@ -8,6 +8,7 @@ registered later (a plugin's), so a plugin's section validates like a built-in o
 
 from __future__ import annotations
 
+import functools
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError, create_model, field_validator, model_validator
@@ -136,8 +137,6 @@ for _field in RunConfig.model_fields:  # no stage may take the name of a run-con
     if _field not in STAGE_NAMES:
         STAGES.reserve(_field, "a run-config section that is not a stage; pick another")
 
-_MODELS: dict[tuple[tuple[str, int], ...], type[BaseModel]] = {}
-
 
 def run_config_model() -> type[BaseModel]:
     """The run-config model of the current stage table: :data:`RunConfig`, or (once a stage with a
@@ -154,12 +153,13 @@ def run_config_model() -> type[BaseModel]:
     ]
     if not extra and not changed:
         return RunConfig
-    key = tuple(sorted((s.name, id(s.section)) for s in extra + changed))
-    if key not in _MODELS:
-        _MODELS[key] = create_model(
-            "RunConfig", __base__=RunConfig, __module__=__name__, **_stage_fields(extra + changed)
-        )
-    return _MODELS[key]
+    return _run_config_subclass(tuple((s.name, s.section) for s in extra + changed))
+
+
+@functools.cache  # one class per set of sections: a config restored twice is of one class
+def _run_config_subclass(sections: tuple[tuple[str, type[BaseModel]], ...]) -> type[BaseModel]:
+    fields = {name: _section_field(section, f"the {name} stage's settings") for name, section in sections}
+    return create_model("RunConfig", __base__=RunConfig, __module__=__name__, **fields)
 
 
 def restore_run_config(data: dict[str, Any]) -> BaseModel:

@@ -389,7 +389,31 @@ def actor_options() -> dict[str, Any]:
 # Rollout actors released by a closed pool, kept (with their CPU) for this process's next pool:
 # starting one costs a process and its imports (torch, transformers: about 6 s of CPU). Keyed by
 # the cluster, so a new ray.init never sees a previous cluster's handles.
-_IDLE: dict[str, Any] = {"cluster": None, "actors": []}
+class IdleActors:
+    """The idle rollout actors of this process, and the cluster they live in."""
+
+    def __init__(self) -> None:
+        self.cluster: str | None = None
+        self.actors: list[Any] = []
+
+    def take(self, cluster: str) -> Any | None:
+        """An idle actor of ``cluster`` (no longer idle), or None."""
+        if self.cluster == cluster and self.actors:
+            return self.actors.pop()
+        return None
+
+    def put(self, cluster: str, actor: Any) -> None:
+        if self.cluster != cluster:
+            self.cluster, self.actors = cluster, []
+        self.actors.append(actor)
+
+    def drain(self) -> list[Any]:
+        """Every idle actor (no longer idle)."""
+        actors, self.actors = self.actors, []
+        return actors
+
+
+_IDLE = IdleActors()
 
 
 def _cluster() -> str:
@@ -400,8 +424,8 @@ def _acquire_actor(spec, rollout: RolloutSpec):
     """A rollout actor for the policy ``spec`` and ``rollout``: an idle one, reconfigured (the call is
     queued before any other, so nothing waits here), else a new one. An idle actor that died meanwhile
     fails its next call and is replaced like any dead actor."""
-    if _IDLE["cluster"] == _cluster() and _IDLE["actors"]:
-        a = _IDLE["actors"].pop()
+    a = _IDLE.take(_cluster())
+    if a is not None:
         a.configure.remote(spec, rollout)
         return a
     return RolloutActor.options(**actor_options()).remote(spec, rollout)
@@ -417,15 +441,13 @@ def _release_actor(actor) -> None:
     if actor is None or not ray.is_initialized():
         return
     cluster = _cluster()
-    if _IDLE["cluster"] != cluster:
-        _IDLE.update(cluster=cluster, actors=[])
     actor.stop_stream.remote()
-    _IDLE["actors"].append(actor)
+    _IDLE.put(cluster, actor)
 
 
 def kill_idle_actors() -> None:
     """Kill the idle rollout actors (their CPUs go back to the cluster); before ``ray.shutdown``."""
-    actors, _IDLE["actors"] = _IDLE["actors"], []
+    actors = _IDLE.drain()
     if ray.is_initialized():
         for a in actors:
             kill_actor(a)

@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 from mentorrl.config.base import ConfigError
 from mentorrl.config.names import ENVIRONMENTS
 from mentorrl.config.plugins import ENV_GROUP
+from mentorrl.config.process import Once
 
 
 @dataclass(frozen=True)
@@ -164,13 +165,11 @@ FREE_TEXT_WARNING = (
 
 def warn_free_text() -> None:
     """Print, once per process, that the free-text answer reader is heuristic."""
-    global _WARNED
-    if not _WARNED:
-        _WARNED = True
+    if _FREE_TEXT_WARNED.first():
         print(FREE_TEXT_WARNING, file=sys.stderr, flush=True)
 
 
-_WARNED = False
+_FREE_TEXT_WARNED = Once()
 
 
 def registered_envs() -> list[str]:

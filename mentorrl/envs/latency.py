@@ -24,15 +24,23 @@ from collections import Counter
 
 from mentorrl.config.env import LatencyModel
 
-_occurrences: Counter = Counter()
-_occurrences_lock = threading.Lock()
+
+class Occurrences:
+    """How many episodes of each (latency seed, task seed) this process started (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._counts: Counter = Counter()
+        self._lock = threading.Lock()
+
+    def next(self, key: tuple) -> int:
+        """The number of earlier calls with ``key``."""
+        with self._lock:
+            k = self._counts[key]
+            self._counts[key] += 1
+            return k
 
 
-def _next_occurrence(key: tuple) -> int:
-    with _occurrences_lock:
-        k = _occurrences[key]
-        _occurrences[key] += 1
-        return k
+_OCCURRENCES = Occurrences()
 
 
 class LatencySampler:
@@ -51,7 +59,7 @@ class LatencySampler:
         With ``independent`` (default) the samples of a GRPO group each draw their own delays,
         as calls to a real tool would; a group whose members all stalled together would hide
         the straggler effect being measured."""
-        occurrence = 0 if self.model.repeats == "same" else _next_occurrence((self.model.seed, task_seed))
+        occurrence = 0 if self.model.repeats == "same" else _OCCURRENCES.next((self.model.seed, task_seed))
         self.reset(task_seed, occurrence)
 
     def __call__(self, tool: str) -> float:

@@ -92,14 +92,30 @@ class PrecisionChoice:
             raise ValueError(f"not a precision choice: {d!r}") from e
 
 
-_PINNED: dict[str, PrecisionChoice] = {}  # a run's recorded choice per device (see pin_choice)
+class PinnedChoices:
+    """The run's recorded :class:`PrecisionChoice` per device in this process (see :func:`pin_choice`)."""
+
+    def __init__(self) -> None:
+        self._by_device: dict[str, PrecisionChoice] = {}
+
+    def pin(self, choice: PrecisionChoice) -> None:
+        self._by_device[choice.device] = choice
+
+    def get(self, device: str) -> PrecisionChoice | None:
+        return self._by_device.get(device)
+
+    def clear(self) -> None:
+        self._by_device.clear()
+
+
+_PINNED = PinnedChoices()
 
 
 def pin_choice(choice: PrecisionChoice) -> None:
     """Make ``dtype: auto`` on ``choice.device`` resolve to ``choice`` in this process, without a probe:
     the run's choice, made once (by rank 0) and recorded, so every rank, and a resumed run, computes in
     the dtype the run started with, however busy the machine is when they measure."""
-    _PINNED[choice.device] = choice
+    _PINNED.pin(choice)
 
 
 def matmul_rate(dtype: torch.dtype, device: torch.device, n: int = 384, min_s: float = 0.05) -> float:

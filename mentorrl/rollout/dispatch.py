@@ -32,26 +32,49 @@ MIN_SAMPLES = 3  # a kind's first calls always run in the pool
 WALL_FACTOR = 10.0
 MAX_KINDS = 1024  # tool names are model-written: kinds beyond this are not measured (they run in the pool)
 
-_SAMPLES: dict[Hashable, deque] = {}
-_LOCK = threading.Lock()
+
+class CallCosts:
+    """The measured (cpu_s, wall_s) of the last :data:`WINDOW` calls of each kind in this process, for at
+    most :data:`MAX_KINDS` kinds (thread-safe). One instance, ``_COSTS``, serves every :class:`Dispatch`:
+    what a kind costs is learnt across rollouts."""
+
+    def __init__(self) -> None:
+        self._samples: dict[Hashable, deque] = {}
+        self._lock = threading.Lock()
+
+    def record(self, kind: Hashable, cpu_s: float, wall_s: float) -> None:
+        with self._lock:
+            window = self._samples.get(kind)
+            if window is None:
+                if len(self._samples) >= MAX_KINDS:
+                    return
+                window = self._samples[kind] = deque(maxlen=WINDOW)
+            window.append((cpu_s, wall_s))
+
+    def recent(self, kind: Hashable) -> list[tuple[float, float]]:
+        with self._lock:
+            return list(self._samples.get(kind, ()))
+
+    def forget(self) -> None:
+        with self._lock:
+            self._samples.clear()
+
+    def __len__(self) -> int:
+        return len(self._samples)
+
+
+_COSTS = CallCosts()
 
 
 def record(kind: Hashable, cpu_s: float, wall_s: float) -> None:
-    with _LOCK:
-        window = _SAMPLES.get(kind)
-        if window is None:
-            if len(_SAMPLES) >= MAX_KINDS:
-                return
-            window = _SAMPLES[kind] = deque(maxlen=WINDOW)
-        window.append((cpu_s, wall_s))
+    _COSTS.record(kind, cpu_s, wall_s)
 
 
 def runs_inline(kind: Hashable, inline_s: float) -> bool:
     """Whether calls of ``kind`` run inline now (see the module docstring)."""
     if inline_s <= 0:
         return False
-    with _LOCK:
-        samples = list(_SAMPLES.get(kind, ()))
+    samples = _COSTS.recent(kind)
     if len(samples) < MIN_SAMPLES:
         return False
     cpu = statistics.median(s[0] for s in samples)
@@ -61,8 +84,7 @@ def runs_inline(kind: Hashable, inline_s: float) -> bool:
 
 def forget() -> None:
     """Drop every measurement (tests)."""
-    with _LOCK:
-        _SAMPLES.clear()
+    _COSTS.forget()
 
 
 class Dispatch:

@@ -172,19 +172,55 @@ class RankZeroFailed(RuntimeError):
     """Raised on ranks > 0 when rank 0 failed in work they were waiting for."""
 
 
-_CURRENT: DataParallel | None = None
+class ProcessGroup:
+    """This process's membership of the ``torch.distributed`` group, which is itself process-wide:
+    :meth:`join` (by :func:`setup_distributed`) and :meth:`leave` (by :func:`shutdown_distributed`).
+    One instance, :data:`PROCESS_GROUP`, owns it."""
+
+    def __init__(self) -> None:
+        self.joined: DataParallel | None = None
+
+    def join(self, cfg: RunConfig, env: Mapping[str, str] | None = None) -> DataParallel | None:
+        plan = distributed_plan(cfg, env)
+        if plan is None:
+            return None
+        if self.joined is not None:
+            return self.joined
+        rank, world = plan
+        if not dist.is_initialized():
+            backend = process_group_backend(cfg.model.device, torch.cuda.is_available())
+            dist.init_process_group(
+                backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=cfg.distributed.timeout_s)
+            )
+        self.joined = DataParallel(dist.get_rank(), dist.get_world_size(), cfg.distributed.strategy)
+        return self.joined
+
+    def leave(self) -> None:
+        if self.joined is not None and dist.is_initialized():
+            import gc
+
+            try:  # bounded: a rank that died must not hold the others here
+                dist.monitored_barrier(timeout=datetime.timedelta(seconds=60))
+            except Exception:  # noqa: BLE001 -- another rank is gone (it failed): leave anyway
+                pass
+            gc.collect()
+            dist.destroy_process_group()
+        self.joined = None
+
+
+PROCESS_GROUP = ProcessGroup()
 
 
 def current() -> DataParallel | None:
     """The data-parallel group this process joined (:func:`setup_distributed`), or None."""
-    return _CURRENT
+    return PROCESS_GROUP.joined
 
 
 def is_main_process() -> bool:
     """Whether this process writes run-level files: rank 0 of the group joined, else (no group, e.g.
     after the recipe left it) torchrun's ``RANK`` 0 or a plain launch."""
-    if _CURRENT is not None:
-        return _CURRENT.is_main
+    if PROCESS_GROUP.joined is not None:
+        return PROCESS_GROUP.joined.is_main
     return os.environ.get("RANK", "0").strip() in ("", "0")
 
 
@@ -201,20 +237,7 @@ def setup_distributed(cfg: RunConfig, env: Mapping[str, str] | None = None) -> D
     :func:`distributed_plan` says this is a data-parallel run.
 
     Idempotent: a second call returns the group already joined."""
-    global _CURRENT
-    plan = distributed_plan(cfg, env)
-    if plan is None:
-        return None
-    if _CURRENT is not None:
-        return _CURRENT
-    rank, world = plan
-    if not dist.is_initialized():
-        backend = process_group_backend(cfg.model.device, torch.cuda.is_available())
-        dist.init_process_group(
-            backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=cfg.distributed.timeout_s)
-        )
-    _CURRENT = DataParallel(dist.get_rank(), dist.get_world_size(), cfg.distributed.strategy)
-    return _CURRENT
+    return PROCESS_GROUP.join(cfg, env)
 
 
 def shutdown_distributed() -> None:
@@ -223,21 +246,13 @@ def shutdown_distributed() -> None:
     interpreter exit instead, with gloo's worker threads still joinable, is a known way to abort at exit
     ("terminate called without an active exception", exit code -6), which rank 0 did twice here after
     a finished run (a mitigation: 16 runs were clean with and without it)."""
-    global _CURRENT
-    if _CURRENT is not None and dist.is_initialized():
-        import gc
-
-        try:  # bounded: a rank that died must not hold the others here
-            dist.monitored_barrier(timeout=datetime.timedelta(seconds=60))
-        except Exception:  # noqa: BLE001 -- another rank is gone (it failed): leave anyway
-            pass
-        gc.collect()
-        dist.destroy_process_group()
-    _CURRENT = None
+    PROCESS_GROUP.leave()
 
 
 __all__ = [
     "DataParallel",
+    "PROCESS_GROUP",
+    "ProcessGroup",
     "RankZeroFailed",
     "current",
     "distributed_plan",

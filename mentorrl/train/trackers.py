@@ -344,13 +344,10 @@ class _Mlflow:
         self.client.set_terminated(self.run_id)
 
 
-_TRACKIO_DIR_SET: list[str] = []  # the TRACKIO_DIR values this module set (not the user's)
-
-
 def _trackio_dir(root: Path) -> Path:
     """``TRACKIO_DIR`` when the user set it, else the run's ``trackers/trackio/``."""
     user = os.environ.get("TRACKIO_DIR")
-    if user and user not in _TRACKIO_DIR_SET:
+    if user and user not in OPEN_TRACKERS.trackio_dirs:
         return Path(user)
     return (root / "trackio").resolve()
 
@@ -358,7 +355,7 @@ def _trackio_dir(root: Path) -> Path:
 def _point_trackio_at(directory: Path) -> None:
     """trackio reads ``TRACKIO_DIR`` once, at import; set it first, or move an already-imported trackio."""
     os.environ["TRACKIO_DIR"] = str(directory)
-    _TRACKIO_DIR_SET.append(str(directory))
+    OPEN_TRACKERS.trackio_dirs.add(str(directory))
     for name, mod in list(sys.modules.items()):
         if name == "trackio" or name.startswith("trackio."):
             if hasattr(mod, "TRACKIO_DIR"):
@@ -510,7 +507,36 @@ class TrackerSet:
         self.live.clear()
 
 
-_OPEN: dict[tuple[str, tuple[str, ...]], TrackerSet] = {}
+class OpenTrackers:
+    """The tracker sets open in this process, one per run directory and tracker list: opened by
+    :meth:`open` (once), closed by :meth:`close` or at exit; and the ``TRACKIO_DIR`` values set for
+    them (so not the user's). One instance, :data:`OPEN_TRACKERS`."""
+
+    def __init__(self) -> None:
+        self.sets: dict[tuple[str, tuple[str, ...]], TrackerSet] = {}
+        self.trackio_dirs: set[str] = set()
+
+    def open(
+        self,
+        run_dir: str | Path,
+        names: list[str] | tuple[str, ...],
+        warn: Callable[[str], None] | None = None,
+        settings: Callable[[], TrackerSettings] | TrackerSettings | None = None,
+    ) -> TrackerSet:
+        key = (str(Path(run_dir).resolve()), tuple(names))
+        if key not in self.sets:
+            made = settings() if callable(settings) else settings
+            self.sets[key] = TrackerSet(run_dir, names, warn, settings=made)
+            atexit.register(self.close, run_dir)  # after the trackers' own exit hooks were registered: runs first
+        return self.sets[key]
+
+    def close(self, run_dir: str | Path | None = None) -> None:
+        want = str(Path(run_dir).resolve()) if run_dir is not None else None
+        for key in [k for k in self.sets if want is None or k[0] == want]:
+            self.sets.pop(key).close()
+
+
+OPEN_TRACKERS = OpenTrackers()
 
 
 def open_trackers(
@@ -524,16 +550,9 @@ def open_trackers(
     them, called only when the set is opened): see :func:`resolve_settings`."""
     if not names:
         return None
-    key = (str(Path(run_dir).resolve()), tuple(names))
-    if key not in _OPEN:
-        made = settings() if callable(settings) else settings
-        _OPEN[key] = TrackerSet(run_dir, names, warn, settings=made)
-        atexit.register(close_trackers, run_dir)  # after the trackers' own exit hooks were registered: runs first
-    return _OPEN[key]
+    return OPEN_TRACKERS.open(run_dir, names, warn, settings)
 
 
 def close_trackers(run_dir: str | Path | None = None) -> None:
     """Close the open tracker sets (of ``run_dir`` only, when given), flushing what they hold."""
-    want = str(Path(run_dir).resolve()) if run_dir is not None else None
-    for key in [k for k in _OPEN if want is None or k[0] == want]:
-        _OPEN.pop(key).close()
+    OPEN_TRACKERS.close(run_dir)

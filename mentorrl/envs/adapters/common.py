@@ -80,18 +80,23 @@ def is_registered(name: str) -> bool:
     return True
 
 
-_LOOP: asyncio.AbstractEventLoop | None = None
-_LOOP_LOCK = threading.Lock()
+class BackgroundLoop:
+    """One event loop running on a daemon thread, started on first use (again if it was closed)."""
+
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._lock = threading.Lock()
+
+    def get(self) -> asyncio.AbstractEventLoop:
+        with self._lock:
+            if self._loop is None or self._loop.is_closed():
+                loop = asyncio.new_event_loop()
+                threading.Thread(target=loop.run_forever, name="mentorrl-adapters-loop", daemon=True).start()
+                self._loop = loop
+            return self._loop
 
 
-def _loop() -> asyncio.AbstractEventLoop:
-    global _LOOP
-    with _LOOP_LOCK:
-        if _LOOP is None or _LOOP.is_closed():
-            loop = asyncio.new_event_loop()
-            threading.Thread(target=loop.run_forever, name="mentorrl-adapters-loop", daemon=True).start()
-            _LOOP = loop
-        return _LOOP
+_LOOP = BackgroundLoop()  # the one loop of run_async in this process
 
 
 def run_async(value: Any, timeout_s: float | None = None) -> Any:
@@ -100,7 +105,7 @@ def run_async(value: Any, timeout_s: float | None = None) -> Any:
     if not asyncio.iscoroutine(value):
         return value
     coro: Coroutine[Any, Any, Any] = value
-    return asyncio.run_coroutine_threadsafe(coro, _loop()).result(timeout_s)
+    return asyncio.run_coroutine_threadsafe(coro, _LOOP.get()).result(timeout_s)
 
 
 __all__ = ["AdapterTasks", "NoExpert", "register_adapter", "is_registered", "run_async", "SPLITS", "SEED_BASE"]

@@ -11,6 +11,7 @@ reports the CPU time and the OOM kills of the run, kills everything in them and 
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import time
@@ -89,15 +90,10 @@ class CgroupLayout:
     parents: dict[str, Path]  # controller -> parent directory (v2: "" -> the one parent)
 
 
-_layout: CgroupLayout | str | None = None
-
-
+@functools.cache
 def cgroup_support() -> CgroupLayout | str:
     """The layout to create per-run groups in, or a string saying why there is none (probed once)."""
-    global _layout
-    if _layout is None:
-        _layout = _probe()
-    return _layout
+    return _probe()
 
 
 def _probe() -> CgroupLayout | str:

@@ -40,6 +40,7 @@ sandbox never runs silently weaker.
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import os
 import selectors
@@ -186,17 +187,12 @@ class PythonLayout:
     masks: tuple[str, ...]  # site-packages directories inside those binds: covered by an empty tmpfs
 
 
-_layouts: dict[str, PythonLayout] = {}
-
-
 def python_layout(python: str | None = None) -> PythonLayout:
     """What the sandbox must show for ``python`` to run with its standard library (probed once)."""
-    python = python or sandbox_python()
-    if python not in _layouts:
-        _layouts[python] = _probe_layout(python)
-    return _layouts[python]
+    return _probe_layout(python or sandbox_python())
 
 
+@functools.cache  # once per interpreter and process (a failed probe raises, and is tried again next time)
 def _probe_layout(python: str) -> PythonLayout:
     try:
         info = json.loads(
@@ -282,36 +278,29 @@ class Support:
     missing: dict[str, str]
 
 
-_support: Support | None = None
-_probe_error: str | None = None
-
-
 def allow_weaker_from_env() -> tuple[str, ...]:
     raw = os.environ.get("MENTORRL_CODE_ALLOW_WEAKER", "")
     return tuple(x.strip() for x in raw.split(",") if x.strip())
 
 
+@functools.cache
 def machine_support() -> Support:
     """The protections this machine provides (probed once per process)."""
-    global _support
-    if _support is None:
-        missing = {}
-        cg = cgroup_support()
-        if isinstance(cg, str):
-            missing["cgroup"] = cg
-        quota = tmpfs_quota_problem()
-        if quota:
-            missing["workspace_quota"] = quota
-        if seccomp.bpf_program() is None:
-            missing["seccomp"] = f"no seccomp syscall table for {seccomp.machine()}"
-        _support = Support(None if isinstance(cg, str) else cg, not quota, "seccomp" not in missing, missing)
-    return _support
+    missing = {}
+    cg = cgroup_support()
+    if isinstance(cg, str):
+        missing["cgroup"] = cg
+    quota = tmpfs_quota_problem()
+    if quota:
+        missing["workspace_quota"] = quota
+    if seccomp.bpf_program() is None:
+        missing["seccomp"] = f"no seccomp syscall table for {seccomp.machine()}"
+    return Support(None if isinstance(cg, str) else cg, not quota, "seccomp" not in missing, missing)
 
 
 def check_sandbox(allow_weaker: tuple[str, ...] | list[str] | None = None) -> Support:
     """Raise :class:`SandboxUnavailable` when the sandbox does not work here, or lacks a protection the
     caller did not opt out of by name (``allow_weaker``; default: ``MENTORRL_CODE_ALLOW_WEAKER``)."""
-    global _probe_error
     allow = tuple(allow_weaker_from_env() if allow_weaker is None else allow_weaker)
     unknown = [a for a in allow if a not in WEAKER]
     if unknown:
@@ -325,11 +314,16 @@ def check_sandbox(allow_weaker: tuple[str, ...] | list[str] | None = None) -> Su
             + f". Opt out explicitly to run weaker: allow_weaker=[{', '.join(map(repr, refused))}] "
             f"(or MENTORRL_CODE_ALLOW_WEAKER={','.join(refused)})"
         )
-    if _probe_error is None:
-        _probe_error = _run_probe()
-    if _probe_error:
-        raise SandboxUnavailable(_probe_error)
+    error = _probe_error()
+    if error:
+        raise SandboxUnavailable(error)
     return sup
+
+
+@functools.cache
+def _probe_error() -> str:
+    """Why the probe program could not run confined here ("" when it did); run once per process."""
+    return _run_probe()
 
 
 # ---------------------------------------------------------------------- the tmpfs quota ----

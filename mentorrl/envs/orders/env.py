@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 import sqlite3
 import threading
-from collections import Counter, OrderedDict
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from mentorrl.config.process import LRUCache
 from mentorrl.envs.base import Task, Tool, ToolError, ToolRegistry, ToolResult, Verdict
 from mentorrl.envs.latency import LatencyModel, LatencySampler
 
@@ -171,9 +172,7 @@ class ReferenceWorlds:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-_REFERENCES: "OrderedDict[tuple[Any, int, str], ReferenceWorlds]" = OrderedDict()
-_REFERENCES_MAX = 256
-_REFERENCES_LOCK = threading.Lock()
+_REFERENCES: "LRUCache[tuple[Any, int, str], ReferenceWorlds]" = LRUCache(256)
 
 
 def reference_worlds(task: Task, expected_db) -> ReferenceWorlds:
@@ -186,21 +185,14 @@ def reference_worlds(task: Task, expected_db) -> ReferenceWorlds:
         task.seed,
         json.dumps(task.reference.get("actions", []), sort_keys=True, default=repr),
     )
-    with _REFERENCES_LOCK:
-        ref = _REFERENCES.get(key)
-        if ref is not None:
-            _REFERENCES.move_to_end(key)
-            return ref
+    ref = _REFERENCES.get(key)
+    if ref is not None:
+        return ref
     init, exp = build_db(task.seed), expected_db(task)
     for conn in (init, exp):
         conn.execute("PRAGMA query_only = ON")
     ref = ReferenceWorlds(init, exp, snapshot(init), snapshot(exp), table_rows(exp), audit_rows(init), audit_rows(exp))
-    with _REFERENCES_LOCK:
-        ref = _REFERENCES.setdefault(key, ref)  # a racing build of the same task: keep the first
-        _REFERENCES.move_to_end(key)
-        while len(_REFERENCES) > _REFERENCES_MAX:
-            _REFERENCES.popitem(last=False)
-    return ref
+    return _REFERENCES.setdefault(key, ref)  # a racing build of the same task: keep the first
 
 
 def _compare(task: Task, init: Snapshot, exp: Snapshot, act: Snapshot) -> tuple[list[str], list[str]]:

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import random
 import sqlite3
-import threading
-from collections import Counter, OrderedDict
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
+
+from mentorrl.config.process import LRUCache
 
 FIRST_NAMES = [
     "Ana",
@@ -199,9 +200,7 @@ def _fresh_db(seed: int) -> sqlite3.Connection:
     return conn
 
 
-_TEMPLATES: "OrderedDict[int, sqlite3.Connection]" = OrderedDict()
-_TEMPLATES_MAX = 256
-_TEMPLATES_LOCK = threading.Lock()
+_TEMPLATES: "LRUCache[int, sqlite3.Connection]" = LRUCache(256, on_evict=sqlite3.Connection.close)
 
 
 def build_db(seed: int) -> sqlite3.Connection:
@@ -210,14 +209,10 @@ def build_db(seed: int) -> sqlite3.Connection:
     verifier's initial and expected states; a GRPO group shares its task). Templates are never
     written; the most recent 256 are kept."""
     conn = sqlite3.connect(":memory:", check_same_thread=False)
-    with _TEMPLATES_LOCK:
+    with _TEMPLATES.lock:  # held from the look-up to the copy: no other thread builds or evicts it meanwhile
         tpl = _TEMPLATES.get(seed)
         if tpl is None:
-            tpl = _TEMPLATES[seed] = _fresh_db(seed)
-            while len(_TEMPLATES) > _TEMPLATES_MAX:
-                _TEMPLATES.popitem(last=False)[1].close()
-        else:
-            _TEMPLATES.move_to_end(seed)
+            tpl = _TEMPLATES.setdefault(seed, _fresh_db(seed))
         tpl.backup(conn)
     return conn
 
