@@ -1,0 +1,132 @@
+"""The demo's wall time and cores busy, today's settings against the whole-machine ones (issue 41), per seed.
+
+Each (arm, seed) is one ``mentorrl demo --run-dir OUT/ARM-sSEED --set seed=SEED [ARM's --set ...]`` in its own
+process; the bench measures its wall time and the CPU seconds of its whole process tree (``os.wait4``'s
+rusage: user + system of the demo and every child it waited for), and reads the run's figures back: SFT and
+GRPO held-out success (with their Wilson intervals), the hidden set's, and the GRPO stage's mean ``cpu_util``
+(the share of the machine's cores busy, as each step logs it).
+
+Arms:
+
+* ``today``: the demo as it ships (``threads: 2``, no overlap);
+* ``whole``: ``threads: auto`` and ``grpo.overlap: one_step`` (rollout of batch k+1 beside the update of k).
+
+Incremental: each finished (arm, seed) is appended as one JSON line to ``--results`` at once, and a rerun skips
+what is there. Run it on an otherwise idle machine: wall time is what it measures.
+
+    OMP_WAIT_POLICY=PASSIVE python bench/demo_wall.py --seeds 0 --out runs/demo-wall \\
+        --results bench/results/demo_wall.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ARMS: dict[str, list[str]] = {
+    "today": [],
+    "whole": ["threads=auto", "grpo.overlap=one_step"],
+}
+
+
+def done_keys(results: Path) -> set[tuple[str, int]]:
+    """The (arm, seed) pairs already in ``results`` (a JSON-lines file; a torn last line is ignored)."""
+    keys: set[tuple[str, int]] = set()
+    if not results.exists():
+        return keys
+    for line in results.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and "arm" in row and "seed" in row:
+            keys.add((row["arm"], int(row["seed"])))
+    return keys
+
+
+def run_figures(run_dir: Path) -> dict:
+    """A finished demo's held-out figures and the GRPO stage's mean cores busy."""
+    out: dict = {}
+    for name, key in (("eval_sft.json", "sft"), ("eval_grpo.json", "grpo"), ("eval_grpo_hidden.json", "hidden")):
+        p = run_dir / name
+        if p.exists():
+            ev = json.loads(p.read_text())
+            out[key] = {"success": ev["success"], "ci95": ev["success_ci95"], "n": ev["n"]}
+    utils = []
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.exists():
+        for line in metrics.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if row.get("stage") == "grpo" and "cpu_util" in row:
+                utils.append(float(row["cpu_util"]))
+    out["grpo_cores_busy"] = sum(utils) / len(utils) if utils else None
+    return out
+
+
+def run_arm(arm: str, seed: int, out: Path, extra: list[str]) -> dict:
+    """One demo in its own process: wall time, CPU seconds of its process tree, its figures."""
+    run_dir = out / f"{arm}-s{seed}"
+    cmd = [sys.executable, "-m", "mentorrl.cli", "demo", "--run-dir", str(run_dir), "--set", f"seed={seed}"]
+    for ov in ARMS[arm] + extra:
+        cmd += ["--set", ov]
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / f"{arm}-s{seed}.log"
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - t0
+    rc = os.waitstatus_to_exitcode(status)
+    if rc != 0:
+        sys.exit(f"{arm} seed {seed}: the demo exited {rc} (log: {log})")
+    cpu = usage.ru_utime + usage.ru_stime
+    cores = os.cpu_count() or 1
+    return {
+        "arm": arm,
+        "seed": seed,
+        "sets": ARMS[arm] + extra,
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "cores_busy": cpu / wall / cores,
+        "cores": cores,
+        "run_dir": str(run_dir),
+        **run_figures(run_dir),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0])
+    ap.add_argument("--arms", nargs="+", choices=sorted(ARMS), default=list(ARMS))
+    ap.add_argument("--out", type=Path, default=Path("runs/demo-wall"))
+    ap.add_argument("--results", type=Path, default=Path("bench/results/demo_wall.jsonl"))
+    ap.add_argument("--set", dest="extra", action="append", default=[], help="added to every arm")
+    a = ap.parse_args(argv)
+    done = done_keys(a.results)
+    todo = [(arm, s) for s in a.seeds for arm in a.arms if (arm, s) not in done]
+    print(f"{len(todo)} demo run(s) to go, ~13 minutes each on 2 idle cores at today's settings: {todo}", flush=True)
+    for arm, seed in todo:
+        row = run_arm(arm, seed, a.out, a.extra)
+        a.results.parent.mkdir(parents=True, exist_ok=True)
+        with open(a.results, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        figs = {k: round(row[k]["success"] * 100, 1) for k in ("sft", "grpo", "hidden") if k in row}
+        print(
+            f"{arm} seed {seed}: {row['wall_s']:.0f} s wall, {row['cpu_s']:.0f} CPU-s, "
+            f"cores busy {row['cores_busy']:.0%} (GRPO {row['grpo_cores_busy'] or 0:.0%}); {figs}",
+            flush=True,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
