@@ -94,6 +94,7 @@ def create_app(
     on_completion: Callable[[Completion], None] | None = None,
     tool_format: str = "auto",
     recording: Any = None,
+    decoder: str = "auto",
 ):
     """The FastAPI app serving ``model`` as ``model_name`` (see :mod:`mentorrl.serve`).
 
@@ -103,7 +104,8 @@ def create_app(
     ``on_completion``: called with each answered request's :class:`Completion` (on the request's thread).
     ``tool_format``: the rendering (``auto``: from the tokenizer's chat template, :class:`ChatRenderer`).
     ``recording``: a :class:`mentorrl.serve.recording.RecordingHook`: recording mode (every completion
-    recorded into its episode, the run's sampling; see that module)."""
+    recorded into its episode, the run's sampling; see that module).
+    ``decoder``: what decodes a batch (:class:`PolicyGenerator`: auto, slots, hf, hf_generate)."""
     from fastapi import FastAPI, Header
     from fastapi.responses import StreamingResponse
 
@@ -111,7 +113,7 @@ def create_app(
         raise ValueError("token must be a non-empty string or None")
     if recording is not None:
         on_completion = recording.chain(on_completion)
-    gen = PolicyGenerator(tokenizer, model, max_new_tokens_cap, ChatRenderer(tokenizer, tool_format))
+    gen = PolicyGenerator(tokenizer, model, max_new_tokens_cap, ChatRenderer(tokenizer, tool_format), decoder)
     served = Served(
         gen, Batcher(gen, max_batch, batch_window_ms / 1000), model_name, TokenTexts(tokenizer), on_completion
     )

@@ -1,9 +1,14 @@
-"""Generation for the server: batched ``model.generate``, per-row sampling, per-token log-probs and streaming.
+"""Generation for the server: batched decoding, per-row sampling, per-token log-probs and streaming.
 
 A :class:`GenRequest` is one request's prompt (token ids, as rendered) and settings; the
 :class:`Batcher`'s worker runs the pending ones together through :meth:`PolicyGenerator.run`, which
 gives each request its ``n`` :class:`Sample` s: the sampled ids, each one's behaviour log-prob (and
 the most likely alternatives when asked) and the turn's text -- token in / token out, structured.
+
+A batch is decoded by the rollouts' own decoder (:mod:`mentorrl.rollout.decoders`: per-row KV slots,
+each prompt prefilled unpadded, one token per row and step after) where the model supports it, else
+by ``model.generate`` on the left-padded batch; both sample through the same :class:`RowSampler`,
+so they give the same turns and log-probs (up to float noise).
 
 Log-probs are those of the distribution the token was sampled from before truncation:
 ``log_softmax(logits / T)`` over the full vocabulary (``T`` = 1 for greedy rows), as a rollout records
@@ -95,8 +100,18 @@ class GenRequest:
         return self.budget, self.stop
 
 
+DECODERS = ("auto", "slots", "hf", "hf_generate")
+
+
 class PolicyGenerator:
-    """Generation for the server: left-padded batched ``model.generate``, the rendering's stop tokens.
+    """Generation for the server: a batch decoded together, the rendering's stop tokens.
+
+    ``decoder``: ``slots`` (:class:`mentorrl.rollout.decoders.SlotDecoder`), ``hf`` (the model's
+    ``forward`` over a ``DynamicCache``, :class:`mentorrl.rollout.decoders.DynamicCacheDecoder`),
+    ``hf_generate`` (``model.generate`` on the left-padded batch), or ``auto``: slots where the model
+    passes :func:`mentorrl.rollout.decoders.slot_decoder_checks`, else ``hf_generate``. A decoder is
+    built for each :meth:`run` (a fraction of a millisecond; its KV buffers come from the model's
+    pool), so the weights the learner wrote in place are the ones it runs.
 
     Sampling is plain temperature / top-p sampling over the full vocabulary (top-k off, no
     repetition penalty), whatever the checkpoint's ``generation_config`` says, so the server
@@ -109,8 +124,12 @@ class PolicyGenerator:
         model: Any,
         max_new_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP,
         renderer: ChatRenderer | None = None,
+        decoder: str = "auto",
     ):
+        if decoder not in DECODERS:
+            raise ValueError(f"unknown decoder {decoder!r} ({', '.join(DECODERS)})")
         self.tokenizer, self.model, self.max_new_tokens_cap = tokenizer, model, max_new_tokens_cap
+        self.decoder = decoder
         self.renderer = renderer or ChatRenderer(tokenizer)
         stops = {tokenizer.convert_tokens_to_ids(self.renderer.stop_token), tokenizer.eos_token_id}
         unk = getattr(tokenizer, "unk_token_id", None)
@@ -156,17 +175,16 @@ class PolicyGenerator:
         return GenRequest(list(prompt_ids), n, temperature, top_p, budget, seed, tuple(stop), **options)
 
     def run(self, batch: Sequence[GenRequest]) -> list[list[Sample]]:
-        """Each request's ``n`` samples, from one ``model.generate`` call over all their rows.
+        """Each request's ``n`` samples, from one decoding of all their rows (:meth:`decoder_kind`).
 
-        The requests must share a :attr:`GenRequest.key`. Prompts are left-padded, with an
-        attention mask. A turn's finish reason is "stop" (a stop token or string) or "length"."""
+        The requests must share a :attr:`GenRequest.key`. A turn's finish reason is "stop" (a stop
+        token or string) or "length"."""
         import torch
 
         budget, stop = batch[0].key
         rows = [(req, i) for req in batch for i in range(req.rows)]
         width = max(len(req.prompt_ids) for req in batch)
         device = next(self.model.parameters()).device
-        ids, mask = self._inputs(rows, width, device)
         sampler = RowSampler(
             [r.temperature for r, _ in rows],
             [r.top_p for r, _ in rows],
@@ -175,17 +193,102 @@ class PolicyGenerator:
             banned=[r.banned for r, _ in rows],
             top_k=max(r.top_logprobs for r in batch),
         )
-        kwargs = self._generate_kwargs(budget, stop, sampler)
-        if any(r.events is not None for r in batch):
-            kwargs["streamer"] = RowStreamer(rows, sampler)
+        streamer = RowStreamer(rows, sampler) if any(r.events is not None for r in batch) else None
+        kind = self.decoder_kind()
         with torch.no_grad():
-            out = self.model.generate(input_ids=ids, attention_mask=mask, **kwargs)
-        samples = [self._sample(row, j, stop, sampler, rows[j][0]) for j, row in enumerate(out[:, width:].tolist())]
+            if kind == "hf_generate":
+                out = self._generate(rows, width, budget, stop, sampler, streamer, device)
+            else:
+                out = self._decode(kind, rows, width + budget, budget, stop, sampler, streamer)
+        samples = [self._sample(row, j, stop, sampler, rows[j][0]) for j, row in enumerate(out)]
         replies, start = [], 0
         for req in batch:
             replies.append(samples[start : start + req.rows] * (req.n // req.rows))
             start += req.rows
         return replies
+
+    def decoder_kind(self) -> str:
+        """What decodes the next batch: ``slots``, ``hf`` or ``hf_generate`` (``auto`` resolved)."""
+        if self.decoder != "auto":
+            return self.decoder
+        import torch
+
+        from mentorrl.rollout.decoders import slot_decoder_checks
+
+        ok = isinstance(self.model, torch.nn.Module) and slot_decoder_checks(self.model) is None
+        return "slots" if ok else "hf_generate"  # checked once per model object
+
+    def _generate(
+        self,
+        rows: list[tuple[GenRequest, int]],
+        width: int,
+        budget: int,
+        stop: Sequence[str],
+        sampler: RowSampler,
+        streamer: RowStreamer | None,
+        device: Any,
+    ) -> list[list[int]]:
+        """``model.generate`` on the left-padded prompts (with an attention mask): each row's new ids."""
+        ids, mask = self._inputs(rows, width, device)
+        kwargs = self._generate_kwargs(budget, stop, sampler)
+        if streamer is not None:
+            kwargs["streamer"] = streamer
+        out = self.model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+        return out[:, width:].tolist()
+
+    def _decode(
+        self,
+        kind: str,
+        rows: list[tuple[GenRequest, int]],
+        max_len: int,
+        budget: int,
+        stop: Sequence[str],
+        sampler: RowSampler,
+        streamer: RowStreamer | None,
+    ) -> list[list[int]]:
+        """The rows decoded by the project's decoder, as ``generate`` would: every prompt prefilled in one
+        pass, then one token per unfinished row and step, picked as the argmax of the sampler's scores.
+        The sampler sees every row each step (a finished row's logits are zeros and its pick is
+        ignored), so its :class:`Step` s line up with ``generate``'s. A row ends at a stop token, at the
+        budget, or once its text holds a stop string. Returns each row's ids, padded to the longest
+        with the pad id (``generate``'s output)."""
+        import torch
+
+        from mentorrl.rollout.decoders import make_decoder
+
+        dec = make_decoder(self.model, kind, pad_token_id=self.pad_id, max_len=max_len)
+        n, stop_ids = len(rows), set(self.stop_ids)
+        new: list[list[int]] = [[] for _ in rows]
+        done = [False] * n
+        chunks = [list(r.prompt_ids) for r, _ in rows]
+        try:
+            dec.reset(n)
+            for _ in range(budget):
+                logits = dec.forward(chunks).float()  # generate's float32 scores
+                if logits.shape[0] < n:  # the finished rows were not fed
+                    full = logits.new_zeros(n, logits.shape[1])
+                    full[[i for i, c in enumerate(chunks) if c]] = logits
+                    logits = full
+                picks = sampler(None, logits).argmax(dim=-1).tolist()
+                tokens = [self.pad_id if done[i] else picks[i] for i in range(n)]
+                for i, tok in enumerate(tokens):
+                    if not done[i]:
+                        new[i].append(tok)
+                        done[i] = tok in stop_ids or (bool(stop) and self._stop_string(new[i], stop))
+                if streamer is not None:
+                    streamer.put(torch.tensor(tokens))
+                if all(done):
+                    break
+                chunks = [[] if done[i] else [new[i][-1]] for i in range(n)]
+        finally:
+            dec.close()
+        longest = max(len(r) for r in new)
+        return [r + [self.pad_id] * (longest - len(r)) for r in new]
+
+    def _stop_string(self, ids: list[int], stop: Sequence[str]) -> bool:
+        """Whether the text of ``ids`` (no stop token yet) holds a stop string (as :meth:`_finish` cuts)."""
+        text = self.tokenizer.decode(ids, skip_special_tokens=False)
+        return any(s in text for s in stop)
 
     def _inputs(self, rows: list[tuple[GenRequest, int]], width: int, device: Any) -> tuple[Any, Any]:
         import torch
@@ -310,7 +413,7 @@ class RowSampler:
 
 
 class RowStreamer:
-    """``generate``'s streamer: each step's token of each row of a streamed request goes onto that
+    """``generate``'s streamer (the decoder path calls it the same way): each step's token of each row of a streamed request goes onto that
     request's :attr:`GenRequest.events` as ``("token", sample index, id, TokenLogprob | None)``.
     A row's tokens after its turn ended (padding) are sent too; the reader knows where the turn ends."""
 
@@ -443,6 +546,7 @@ def _max_positions(model: Any, tokenizer: Any) -> int | None:
 
 
 __all__ = [
+    "DECODERS",
     "DONE",
     "Batcher",
     "GenRequest",
