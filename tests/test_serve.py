@@ -648,6 +648,8 @@ def test_cli_bad_model_dir_and_missing_token_exit_2(cli, tmp_path, tiny_model_di
     assert res.exit_code == 2 and "--max-batch" in cli_output(res)
     res = CliRunner().invoke(cli, ["serve", str(tiny_model_dir), "--threads", "-1"])
     assert res.exit_code == 2 and "--threads" in cli_output(res)
+    res = CliRunner().invoke(cli, ["serve", str(tiny_model_dir), "--decoder", "beam"])
+    assert res.exit_code == 2 and "--decoder" in cli_output(res)
 
 
 def _read_line(proc: subprocess.Popen, timeout_s: float) -> str:

@@ -10,10 +10,11 @@ from typing import Any
 
 import pytest
 import torch
+from fastapi.testclient import TestClient
 
 from mentorrl.chat import prompt_text
 from mentorrl.contract import IM_END
-from mentorrl.serve import PolicyGenerator
+from mentorrl.serve import PolicyGenerator, create_app
 from mentorrl.serve.generation import DONE, Sample
 
 CONVERSATIONS = [
@@ -217,3 +218,19 @@ def test_weights_changed_in_place_are_used_by_the_next_call(tokenizer, varied):
     reference = PolicyGenerator(tokenizer, m, decoder="hf_generate")
     assert_same(after, reference.run(batch(reference)))
     assert [[s.token_ids for s in r] for r in after] != [[s.token_ids for s in r] for r in before]
+
+
+def test_the_app_serves_the_same_replies_on_either_path(tokenizer, varied):
+    body = {"messages": CONVERSATIONS[0], "max_tokens": 12, "n": 2, "seed": 3, "logprobs": True, "top_logprobs": 2}
+    replies = []
+    for kind in ("auto", "hf_generate"):
+        app = create_app(tokenizer, varied, "tiny", decoder=kind)
+        assert app.state.served.gen.decoder_kind() == ("slots" if kind == "auto" else kind)
+        r = TestClient(app).post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        replies.append(r.json()["choices"])
+    for a, b in zip(*replies):
+        assert (a["message"], a["finish_reason"]) == (b["message"], b["finish_reason"])
+        la, lb = a["logprobs"]["content"], b["logprobs"]["content"]
+        assert [e["token"] for e in la] == [e["token"] for e in lb]
+        assert all(abs(x["logprob"] - y["logprob"]) <= LP_TOL for x, y in zip(la, lb))

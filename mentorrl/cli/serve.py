@@ -23,6 +23,7 @@ from mentorrl.serve import (
     is_loopback,
     run_server,
 )
+from mentorrl.serve.generation import DECODERS
 from mentorrl.serve.recording import RecordingHook, RunSampling, add_recording_routes
 
 
@@ -70,6 +71,11 @@ def serve_command(
     batch_window_ms: float = typer.Option(
         DEFAULT_BATCH_WINDOW_MS, min=0.0, help="how long a batch waits for more requests"
     ),
+    decoder: str = typer.Option(
+        "auto",
+        help="what decodes a batch: slots (the rollouts' slot decoder), hf (the model's forward, a DynamicCache), "
+        "hf_generate (model.generate), auto (slots where the model supports them, else hf_generate)",
+    ),
     threads: int = typer.Option(0, min=0, help="torch CPU threads (0: torch's default)"),
     device: str = typer.Option(
         "auto", help="auto (the first CUDA device when there is one, else the CPU), cpu, cuda:N"
@@ -100,6 +106,8 @@ def serve_command(
     if not model_dir.is_dir() and not is_gguf_source(model_dir):  # a GGUF source is imported by load_policy
         raise fail(f"MODEL_DIR {model_dir} is not a directory (nor a .gguf file)")
     reward_key = _reward_key(record, reward_key_env)
+    if decoder not in DECODERS:
+        raise fail(f"--decoder must be one of {', '.join(DECODERS)}, not {decoder!r}")
     try:
         sock = bind_socket(host, port)
     except OSError as e:
@@ -123,6 +131,7 @@ def serve_command(
             max_batch=max_batch,
             batch_window_ms=batch_window_ms,
             recording=hook,
+            decoder=decoder,
         )
         if hook is not None:
             add_recording_routes(app, hook)
