@@ -125,29 +125,25 @@ def test_budget_hit_is_length(tokenizer, varied):
 
 def test_stop_strings(tokenizer, varied):
     ps = prompts(tokenizer)
-    free = PolicyGenerator(tokenizer, varied, decoder="hf_generate").run(
-        [varied_request(PolicyGenerator(tokenizer, varied), ps[0], ())]
-    )[0]
-    text = max((s.text for s in free), key=len)
+    gen = PolicyGenerator(tokenizer, varied, decoder="hf_generate")
+
+    def batch(g: PolicyGenerator, stop: tuple[str, ...]) -> list:
+        return [g.request(p, 3, 1.0, 1.0, 24, seed=5, stop=stop, top_logprobs=1) for p in ps]
+
+    text = max((s.text for s in gen.run(batch(gen, ())[:1])[0]), key=len)
     stop = (text[len(text) // 2 : len(text) // 2 + 2],)  # a string a turn writes
     assert stop[0].strip()
-    a, b = both(tokenizer, varied, lambda g: [varied_request(g, p, stop) for p in ps])
+    a, b = both(tokenizer, varied, lambda g: batch(g, stop))
     assert_same(a, b)
-    stop_ids = set(PolicyGenerator(tokenizer, varied).stop_ids)
-    ended = [s for r in a for s in r if s.finish_reason == "stop" and s.token_ids and s.token_ids[-1] not in stop_ids]
-    assert ended  # turns the stop string ended
+    ended = [s for r in a for s in r if s.finish_reason == "stop" and s.token_ids[-1] not in gen.stop_ids]
+    assert ended  # turns the stop string ended (the text is cut before it)
     assert all(stop[0] not in s.text for r in a for s in r)
-
-
-def varied_request(g: PolicyGenerator, p: list[int], stop: tuple[str, ...]):
-    return g.request(p, 3, 1.0, 1.0, 24, seed=5, stop=stop, top_logprobs=1)
 
 
 def test_banned_ids(tokenizer, varied):
     ps = prompts(tokenizer)
-    free = PolicyGenerator(tokenizer, varied, decoder="hf_generate").run(
-        [PolicyGenerator(tokenizer, varied).request(ps[0], 2, 1.0, 1.0, 12, seed=4)]
-    )[0]
+    gen = PolicyGenerator(tokenizer, varied, decoder="hf_generate")
+    free = gen.run([gen.request(ps[0], 2, 1.0, 1.0, 12, seed=4)])[0]
     banned = tuple(sorted({t for s in free for t in s.token_ids[:3]}))
     a, b = both(
         tokenizer,
