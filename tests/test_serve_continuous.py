@@ -81,11 +81,15 @@ def test_a_request_admitted_mid_decode_gets_the_turns_it_gets_alone(tokenizer, v
         )
 
     alone = serve_alone(gen, make)
-    others = [long_request(ps[0]), lambda g: g.request(ps[2], 1, 0.9, 1.0, 25, seed=2, banned=(5, 6, 7))]
+    others = [  # the first ends after 3 passes: the last row (the probe's, at_pass 1) moves down into its slot
+        lambda g: g.request(ps[2], 1, 0.0, 1.0, 3, banned=tuple(g.stop_ids)),
+        long_request(ps[0]),
+        lambda g: g.request(ps[2], 1, 0.9, 1.0, 25, seed=2, banned=(5, 6, 7)),
+    ]
     for at in (1, 3):
         mixed, _, b = serve_mid_decode(gen, others, make, at)
         assert_same([mixed], [alone])
-        assert b.stats["calls"] > at and b.stats["rows"] == 3 + len(alone) // (1 if kw["temperature"] else 2)
+        assert b.stats["calls"] > at and b.stats["rows"] == 4 + len(alone) // (1 if kw["temperature"] else 2)
     # the per-call path (PolicyGenerator.run) gives the same turns
     assert_same([gen.run([make(gen)])[0]], [alone])
 

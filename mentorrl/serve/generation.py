@@ -535,13 +535,15 @@ class Batcher:
 
 
 class _Flight:
-    """A request in :class:`ContinuousBatcher`'s decode loop: its rows' sampler (and streamer), the ids
-    each row has sampled, which rows are done, and the decoder row each live row is in (None: done)."""
+    """A request in :class:`ContinuousBatcher`'s decode loop: its rows' generators, its sampler (what
+    :meth:`PolicyGenerator._sample` and the streamer read its :class:`Step` s from), the ids each row has
+    sampled, which rows are done, and the decoder row each live row is in (None: done)."""
 
     def __init__(self, gen: PolicyGenerator, req: GenRequest, device: Any, first_slot: int):
         self.req = req
         rows = [(req, i) for i in range(req.rows)]
-        self.sampler = gen.row_sampler(rows, device)
+        self.generators = [None if req.greedy else row_generator(req.seed, i, device) for i in range(req.rows)]
+        self.sampler = _sampler([self], device)
         self.streamer = RowStreamer(rows, self.sampler) if req.events is not None else None
         self.new: list[list[int]] = [[] for _ in rows]
         self.done = [False] * len(rows)
@@ -577,7 +579,8 @@ class ContinuousBatcher:
     (passes), ``rows`` (rows admitted), ``row_passes`` (rows summed over passes: ``row_passes / calls``
     is the rows a pass carried). ``window_s``: how long the first request of an empty loop waits
     for others to start with it. ``after_pass``: a test hook called on the worker thread after each
-    pass with the pass count (it may enqueue requests; they are admitted before the next pass)."""
+    pass with the pass count (it may enqueue requests; they are admitted before the next pass; an
+    error it raises fails the requests in flight)."""
 
     def __init__(
         self, gen: PolicyGenerator, max_batch: int = DEFAULT_MAX_BATCH, window_s: float = DEFAULT_BATCH_WINDOW_MS / 1000
@@ -608,15 +611,15 @@ class ContinuousBatcher:
             if not self._rows:
                 self._wait()
             t0 = time.perf_counter()
+            self.stats["calls"] += 1
             try:
                 self._pass()
+                if self.after_pass is not None:
+                    self.after_pass(self.stats["calls"])
             except Exception as e:  # every request in flight answers a 500; the next pass starts afresh
                 self._fail(e)
             finally:
                 self.stats["busy_s"] += time.perf_counter() - t0
-                self.stats["calls"] += 1
-            if self.after_pass is not None:
-                self.after_pass(self.stats["calls"])
 
     def _wait(self) -> None:
         """Block until a request comes to the empty loop, then give others ``window_s`` to join it."""
@@ -671,16 +674,26 @@ class ContinuousBatcher:
         self.stats["row_passes"] += len(self._rows)
         with torch.no_grad():
             logits = self._dec.forward([f.chunk(j) for f, j in self._rows]).float()  # every row is fed
+            # Every request's rows sampled in one call, each row as its request's own sampler would
+            # (sampling and recorded log-probs are per row; a row draws from its own generator every
+            # pass until its request ends, its logits zeros once it finished, as in
+            # PolicyGenerator._decode). Each request's sampler gets its rows' part of the step.
+            n = len(self._rows)
+            at = [n if s is None else s for f in self._flights for s in f.slots]
+            if n in at:
+                logits = torch.cat([logits, logits.new_zeros(1, logits.shape[1])])
+            sampler = _sampler(self._flights, self._dec.device)
+            sampler(None, logits[torch.tensor(at, device=logits.device)])
+            whole, start = sampler.steps[0], 0
             ended: list[_Flight] = []
             for f in self._flights:
-                req, live = f.req, [j for j, s in enumerate(f.slots) if s is not None]
-                rows = logits[torch.tensor([f.slots[j] for j in live], device=logits.device)]
-                if len(live) < len(f.slots):  # as PolicyGenerator._decode: a finished row's logits are zeros
-                    full = logits.new_zeros(len(f.slots), logits.shape[1])
-                    full[live] = rows
-                    rows = full
-                picks = f.sampler(None, rows).argmax(dim=-1).tolist()
-                tokens = [gen.pad_id if f.done[j] else picks[j] for j in range(len(f.slots))]
+                req, live, k = f.req, [j for j, s in enumerate(f.slots) if s is not None], len(f.slots)
+                cut = slice(start, start + k)
+                start += k
+                f.sampler.steps.append(
+                    Step(whole.chosen[cut], whole.logprob[cut], whole.top_ids[cut], whole.top_logprobs[cut])
+                )
+                tokens = [gen.pad_id if f.done[j] else whole.chosen[cut][j] for j in range(k)]
                 for j in live:
                     f.new[j].append(tokens[j])
                     f.done[j] = (
@@ -734,6 +747,20 @@ class ContinuousBatcher:
                 dec.close()
             except Exception:
                 pass
+
+
+def _sampler(flights: Sequence[_Flight], device: Any) -> RowSampler:
+    """The :class:`RowSampler` of the flights' rows, in order: each with its request's settings and its
+    own generator."""
+    rows = [(f, j) for f in flights for j in range(f.req.rows)]
+    return RowSampler(
+        [f.req.temperature for f, _ in rows],
+        [f.req.top_p for f, _ in rows],
+        [f.generators[j] for f, j in rows],
+        device,
+        banned=[f.req.banned for f, _ in rows],
+        top_k=max(f.req.top_logprobs for f in flights),
+    )
 
 
 def group_requests(batch: Sequence[GenRequest]) -> list[list[GenRequest]]:
