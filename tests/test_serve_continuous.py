@@ -219,3 +219,18 @@ def test_the_app_picks_the_continuous_batcher_on_the_slot_decoder(tokenizer, var
     assert isinstance(create_app(tokenizer, varied, "tiny").state.served.batcher, ContinuousBatcher)
     for kw in (dict(decoder="hf_generate"), dict(continuous=False)):
         assert isinstance(create_app(tokenizer, varied, "tiny", **kw).state.served.batcher, Batcher)
+
+
+def test_a_request_larger_than_the_row_cap_runs_once_the_loop_is_empty(tokenizer, varied):  # noqa: F811
+    ps = prompts(tokenizer)
+    gen = PolicyGenerator(tokenizer, varied, decoder="slots")
+
+    def make(g: PolicyGenerator) -> GenRequest:
+        return g.request(ps[0], 3, 1.0, 1.0, 10, seed=12, top_logprobs=1)
+
+    alone = serve_alone(gen, make)
+    probe, _, b = serve_mid_decode(gen, [long_request(ps[1])], make, 2, max_batch=2)
+    assert_same([probe], [alone])
+    # after the long request's 40 passes, alone: each row counts in the passes until it ends
+    assert b.stats["calls"] == 40 + max(len(s.token_ids) for s in alone)
+    assert b.stats["row_passes"] == 2 * 40 + sum(len(s.token_ids) for s in alone)

@@ -1,9 +1,11 @@
 """Generation for the server: batched decoding, per-row sampling, per-token log-probs and streaming.
 
-A :class:`GenRequest` is one request's prompt (token ids, as rendered) and settings; the
-:class:`Batcher`'s worker runs the pending ones together through :meth:`PolicyGenerator.run`, which
-gives each request its ``n`` :class:`Sample` s: the sampled ids, each one's behaviour log-prob (and
-the most likely alternatives when asked) and the turn's text -- token in / token out, structured.
+A :class:`GenRequest` is one request's prompt (token ids, as rendered) and settings; each gets its
+``n`` :class:`Sample` s: the sampled ids, each one's behaviour log-prob (and the most likely
+alternatives when asked) and the turn's text -- token in / token out, structured. On the slot decoder
+the :class:`ContinuousBatcher` serves them (a request joins the running decode loop between passes);
+otherwise the :class:`Batcher`'s worker runs the pending ones together, to their end, through
+:meth:`PolicyGenerator.run`.
 
 A batch is decoded by the rollouts' own decoder (:mod:`mentorrl.rollout.decoders`: per-row KV slots,
 each prompt prefilled unpadded, one token per row and step after) where the model supports it, else
@@ -97,7 +99,8 @@ class GenRequest:
 
     @property
     def key(self) -> tuple[int, tuple[str, ...]]:
-        """Requests with equal keys can share one ``generate`` call (sampling is done per row)."""
+        """Requests with equal keys can share one ``generate`` call of the :class:`Batcher` (sampling is
+        done per row); the :class:`ContinuousBatcher` ends each request's rows on its own, so any mix."""
         return self.budget, self.stop
 
 
@@ -667,7 +670,8 @@ class ContinuousBatcher:
         each request's rows, end rows and requests, drop the ended rows from the decoder."""
         import torch
 
-        self._admit()
+        with torch.no_grad():
+            self._admit()
         if not self._rows:
             return
         gen, stop_ids = self.gen, set(self.gen.stop_ids)
