@@ -1,16 +1,18 @@
-"""`mentorrl serve`: dynamic batching vs one request at a time (``--max-batch 1``), in one run.
+"""`mentorrl serve`: continuous batching vs the batch loop (``--no-continuous``) vs one request at a
+time (``--max-batch 1``), in one run.
 
-The same tiny model is served twice, one server after the other, each a real ``mentorrl serve``
-subprocess on 127.0.0.1: first with ``--max-batch 1`` (today's one-at-a-time baseline), then
-with the default batching. Each gets the same chat requests from ``--clients`` threads at once,
+The same tiny model is served three times, one server after the other, each a real ``mentorrl serve``
+subprocess on 127.0.0.1: first with ``--max-batch 1`` (the one-at-a-time baseline), then with the
+batch loop (each batch decoded to its end), then with the default (continuous batching on the slot
+decoder; the batch loop where the model has no slot decoder). Each gets the same chat requests from ``--clients`` threads at once,
 as a black-box teacher's client keeps several requests in flight. The requests are agent
 states: every prefix of a scripted expert's `orders` episode (system turn with the tools, the
 user's task, tool calls and tool results) that ends before an assistant turn, rendered as
 OpenAI messages with :func:`mentorrl.chat.trajectory_messages`; each asks for ``--n`` samples
 at temperature 1 with a seed, as the acting teacher's scoring does.
 
-Prints requests/s and generated tokens/s for each server and their ratio, and how many replies
-the two servers agree on (seeded requests should not depend on what else was batched).
+Prints requests/s and generated tokens/s for each server and the ratios, and how many replies
+the servers all agree on (seeded requests should not depend on what else was batched).
 
     python bench/serve_batching.py                     # ~40 s on 2 CPU cores
     python bench/serve_batching.py --requests 128 --clients 16 --model DIR --json out.json
@@ -127,7 +129,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         {"messages": m, "n": args.n, "temperature": 1.0, "max_tokens": args.max_tokens, "seed": args.seed + i}
         for i, m in enumerate(agent_states(model_dir, args.requests, args.seed))
     ]
-    arms = {"one at a time": ["--max-batch", "1"], "batched": []}
+    arms = {"one at a time": ["--max-batch", "1"], "batch loop": ["--no-continuous"], "batched": []}
     results, fingerprints = {}, {}
     for name, extra in arms.items():
         con.print(f"[dim]{name}: serving {model_dir} {' '.join(extra)}[/dim]")
@@ -150,7 +152,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         table.add_column(col, justify="left" if col == "server" else "right")
     settings = {
         "one at a time": "--max-batch 1",
-        "batched": f"--max-batch {DEFAULT_MAX_BATCH} --batch-window-ms {DEFAULT_BATCH_WINDOW_MS:g}",
+        "batch loop": f"--no-continuous --max-batch {DEFAULT_MAX_BATCH}",
+        "batched": f"continuous, --max-batch {DEFAULT_MAX_BATCH} --batch-window-ms {DEFAULT_BATCH_WINDOW_MS:g}",
     }
     for name, r in results.items():
         table.add_row(
@@ -163,17 +166,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
     con.print(table)
     ratio = results["batched"]["tokens_per_s"] / results["one at a time"]["tokens_per_s"]
-    same = sum(a == b for a, b in zip(*fingerprints.values()))
+    same = sum(len(set(f)) == 1 for f in zip(*fingerprints.values()))
+    loop_ratio = results["batched"]["tokens_per_s"] / results["batch loop"]["tokens_per_s"]
     con.print(
         f"batched / one at a time: [bold]{ratio:.2f}x[/bold] tokens/s, "
         f"{results['batched']['requests_per_s'] / results['one at a time']['requests_per_s']:.2f}x requests/s"
     )
+    con.print(f"continuous / batch loop: [bold]{loop_ratio:.2f}x[/bold] tokens/s")
     con.print(f"identical replies (seeded): {same}/{len(bodies)}")
     out = {
         "model": str(model_dir),
         "args": vars(args),
         "results": results,
         "ratio_tokens_per_s": ratio,
+        "ratio_continuous_vs_batch_loop": loop_ratio,
         "identical_replies": same,
     }
     if args.json:

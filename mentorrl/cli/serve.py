@@ -66,7 +66,7 @@ def serve_command(
     max_batch: int = typer.Option(
         DEFAULT_MAX_BATCH,
         min=1,
-        help="the most rows (the sum of the requests' n) one generate call batches; 1: one request at a time",
+        help="the most rows (the sum of the requests' n) decoded together; 1: one request at a time",
     ),
     batch_window_ms: float = typer.Option(
         DEFAULT_BATCH_WINDOW_MS, min=0.0, help="how long a batch waits for more requests"
@@ -75,6 +75,12 @@ def serve_command(
         "auto",
         help="what decodes a batch: slots (the rollouts' slot decoder), hf (the model's forward, a DynamicCache), "
         "hf_generate (model.generate), auto (slots where the model supports them, else hf_generate)",
+    ),
+    continuous: bool = typer.Option(
+        True,
+        "--continuous/--no-continuous",
+        help="on the slot decoder: requests join the running decode loop between passes (continuous "
+        "batching); --no-continuous decodes each batch to its end",
     ),
     threads: int = typer.Option(0, min=0, help="torch CPU threads (0: torch's default)"),
     device: str = typer.Option(
@@ -132,6 +138,7 @@ def serve_command(
             batch_window_ms=batch_window_ms,
             recording=hook,
             decoder=decoder,
+            continuous=continuous,
         )
         if hook is not None:
             add_recording_routes(app, hook)

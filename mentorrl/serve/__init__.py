@@ -42,6 +42,7 @@ real server in a subprocess with :func:`serve_subprocess`. The ``mentorrl serve`
 from mentorrl.serve.app import Completion, add_error_handlers, chat_completion, create_app, plan_request
 from mentorrl.serve.generation import (
     Batcher,
+    ContinuousBatcher,
     GenRequest,
     PolicyGenerator,
     RowSampler,
@@ -87,6 +88,7 @@ from mentorrl.serve.tools import ToolPolicy, check_tools, tool_policy
 __all__ = [
     "APIError",
     "Batcher",
+    "ContinuousBatcher",
     "BearerAuthMiddleware",
     "BodyLimitMiddleware",
     "ChatMessage",

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 from mentorrl.chat import MessageError, message_pieces_of
-from mentorrl.serve.generation import DONE, Batcher, GenRequest, PolicyGenerator, Sample
+from mentorrl.serve.generation import DONE, Batcher, ContinuousBatcher, GenRequest, PolicyGenerator, Sample
 from mentorrl.serve.middleware import BearerAuthMiddleware, BodyLimitMiddleware
 from mentorrl.serve.protocol import (
     DEFAULT_BATCH_WINDOW_MS,
@@ -63,7 +63,7 @@ class Served:
     """What a request needs from the app: the generator, its batcher, the model's name, the hooks."""
 
     gen: PolicyGenerator
-    batcher: Batcher
+    batcher: Batcher | ContinuousBatcher
     model_name: str
     texts: TokenTexts
     on_completion: Callable[[Completion], None] | None = None
@@ -95,17 +95,21 @@ def create_app(
     tool_format: str = "auto",
     recording: Any = None,
     decoder: str = "auto",
+    continuous: bool = True,
 ):
     """The FastAPI app serving ``model`` as ``model_name`` (see :mod:`mentorrl.serve`).
 
     ``token``: when set, every ``/v1`` request needs ``Authorization: Bearer <token>``.
     ``max_new_tokens_cap``: the most tokens one reply may have (``max_tokens`` is clipped to it).
-    ``max_batch``, ``batch_window_ms``: the :class:`Batcher`'s rows per batch and wait for more.
+    ``max_batch``, ``batch_window_ms``: the batcher's rows in flight (per batch) and wait for more.
     ``on_completion``: called with each answered request's :class:`Completion` (on the request's thread).
     ``tool_format``: the rendering (``auto``: from the tokenizer's chat template, :class:`ChatRenderer`).
     ``recording``: a :class:`mentorrl.serve.recording.RecordingHook`: recording mode (every completion
     recorded into its episode, the run's sampling; see that module).
-    ``decoder``: what decodes a batch (:class:`PolicyGenerator`: auto, slots, hf, hf_generate)."""
+    ``decoder``: what decodes a batch (:class:`PolicyGenerator`: auto, slots, hf, hf_generate).
+    ``continuous``: on the slot decoder, serve with a :class:`ContinuousBatcher` (requests join the
+    running decode loop between passes); False, or another decoder: a :class:`Batcher` (each batch
+    decoded to its end)."""
     from fastapi import FastAPI, Header
     from fastapi.responses import StreamingResponse
 
@@ -114,9 +118,8 @@ def create_app(
     if recording is not None:
         on_completion = recording.chain(on_completion)
     gen = PolicyGenerator(tokenizer, model, max_new_tokens_cap, ChatRenderer(tokenizer, tool_format), decoder)
-    served = Served(
-        gen, Batcher(gen, max_batch, batch_window_ms / 1000), model_name, TokenTexts(tokenizer), on_completion
-    )
+    kind = ContinuousBatcher if continuous and gen.decoder_kind() == "slots" else Batcher
+    served = Served(gen, kind(gen, max_batch, batch_window_ms / 1000), model_name, TokenTexts(tokenizer), on_completion)
     created = int(time.time())
     app = FastAPI(title="mentorrl serve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.served = served

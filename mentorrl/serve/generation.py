@@ -1,9 +1,11 @@
 """Generation for the server: batched decoding, per-row sampling, per-token log-probs and streaming.
 
-A :class:`GenRequest` is one request's prompt (token ids, as rendered) and settings; the
-:class:`Batcher`'s worker runs the pending ones together through :meth:`PolicyGenerator.run`, which
-gives each request its ``n`` :class:`Sample` s: the sampled ids, each one's behaviour log-prob (and
-the most likely alternatives when asked) and the turn's text -- token in / token out, structured.
+A :class:`GenRequest` is one request's prompt (token ids, as rendered) and settings; each gets its
+``n`` :class:`Sample` s: the sampled ids, each one's behaviour log-prob (and the most likely
+alternatives when asked) and the turn's text -- token in / token out, structured. On the slot decoder
+the :class:`ContinuousBatcher` serves them (a request joins the running decode loop between passes);
+otherwise the :class:`Batcher`'s worker runs the pending ones together, to their end, through
+:meth:`PolicyGenerator.run`.
 
 A batch is decoded by the rollouts' own decoder (:mod:`mentorrl.rollout.decoders`: per-row KV slots,
 each prompt prefilled unpadded, one token per row and step after) where the model supports it, else
@@ -18,6 +20,7 @@ can be sampled, not the recorded value. A streamed request gets each step's toke
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import queue
 import threading
@@ -96,7 +99,8 @@ class GenRequest:
 
     @property
     def key(self) -> tuple[int, tuple[str, ...]]:
-        """Requests with equal keys can share one ``generate`` call (sampling is done per row)."""
+        """Requests with equal keys can share one ``generate`` call of the :class:`Batcher` (sampling is
+        done per row); the :class:`ContinuousBatcher` ends each request's rows on its own, so any mix."""
         return self.budget, self.stop
 
 
@@ -185,14 +189,7 @@ class PolicyGenerator:
         rows = [(req, i) for req in batch for i in range(req.rows)]
         width = max(len(req.prompt_ids) for req in batch)
         device = next(self.model.parameters()).device
-        sampler = RowSampler(
-            [r.temperature for r, _ in rows],
-            [r.top_p for r, _ in rows],
-            [None if r.greedy else row_generator(r.seed, i, device) for r, i in rows],
-            device,
-            banned=[r.banned for r, _ in rows],
-            top_k=max(r.top_logprobs for r in batch),
-        )
+        sampler = self.row_sampler(rows, device)
         streamer = RowStreamer(rows, sampler) if any(r.events is not None for r in batch) else None
         kind = self.decoder_kind()
         with torch.no_grad():
@@ -206,6 +203,18 @@ class PolicyGenerator:
             replies.append(samples[start : start + req.rows] * (req.n // req.rows))
             start += req.rows
         return replies
+
+    def row_sampler(self, rows: Sequence[tuple[GenRequest, int]], device: Any) -> RowSampler:
+        """The :class:`RowSampler` of ``rows`` (request, sample index): each row with its request's settings
+        and its own generator (:func:`row_generator`)."""
+        return RowSampler(
+            [r.temperature for r, _ in rows],
+            [r.top_p for r, _ in rows],
+            [None if r.greedy else row_generator(r.seed, i, device) for r, i in rows],
+            device,
+            banned=[r.banned for r, _ in rows],
+            top_k=max(r.top_logprobs for r, _ in rows),
+        )
 
     def decoder_kind(self) -> str:
         """What decodes the next batch: ``slots``, ``hf`` or ``hf_generate`` (``auto`` resolved)."""
@@ -528,6 +537,236 @@ class Batcher:
                 req.events.put(DONE)
 
 
+class _Flight:
+    """A request in :class:`ContinuousBatcher`'s decode loop: its rows' generators, its sampler (what
+    :meth:`PolicyGenerator._sample` and the streamer read its :class:`Step` s from), the ids each row has
+    sampled, which rows are done, and the decoder row each live row is in (None: done)."""
+
+    def __init__(self, gen: PolicyGenerator, req: GenRequest, device: Any, first_slot: int):
+        self.req = req
+        rows = [(req, i) for i in range(req.rows)]
+        self.generators = [None if req.greedy else row_generator(req.seed, i, device) for i in range(req.rows)]
+        self.sampler = _sampler([self], device)
+        self.streamer = RowStreamer(rows, self.sampler) if req.events is not None else None
+        self.new: list[list[int]] = [[] for _ in rows]
+        self.done = [False] * len(rows)
+        self.slots: list[int | None] = list(range(first_slot, first_slot + len(rows)))
+
+    def chunk(self, j: int) -> list[int]:
+        """What row ``j`` is fed next: its whole prompt, then its last sampled id."""
+        return [self.new[j][-1]] if self.new[j] else list(self.req.prompt_ids)
+
+
+class ContinuousBatcher:
+    """Continuous batching on the slot decoder: one worker thread owns one
+    :class:`mentorrl.rollout.decoders.SlotDecoder` and runs passes; before each pass it admits the
+    queued requests (up to ``max_batch`` rows in flight; a request larger than that runs once the loop
+    is empty), whose rows are prefilled in the same forward as the other rows' decode steps. So a
+    request that arrives while others are decoding waits one pass, not for them to end.
+
+    Each request samples its rows with its own :class:`RowSampler` (its rows' logits, in full
+    vocabulary, float32) and ends them at its own stop ids, budget and stop strings, as
+    :meth:`PolicyGenerator.run` does: its samples, log-probs and streamed events are those it gets
+    decoded alone (up to float noise), and requests with different budgets or stop strings share
+    passes. A finished row leaves the decoder after the pass (its slot is reused). An error in a pass
+    (a NaN in the logits included) fails every request in flight; the loop goes on with a fresh decoder.
+
+    Weights: the decoder is built when a request arrives at an empty loop and closed when the loop
+    empties again, so a request admitted into an empty loop runs the weights as they are then. The
+    decoder also re-takes its fused weight copy when the layers' parameters were written
+    (``SlotDecoder._layers_key``), so an in-place update made while rows are in flight reaches them from
+    the next pass on (their earlier KV entries were computed with the old weights); the training loop
+    updates the weights between rounds, when nothing is in flight.
+
+    ``stats``: ``busy_s`` (wall seconds in passes, admission and sampling included), ``calls``
+    (passes), ``rows`` (rows admitted), ``row_passes`` (rows summed over passes: ``row_passes / calls``
+    is the rows a pass carried). ``window_s``: how long the first request of an empty loop waits
+    for others to start with it. ``after_pass``: a test hook called on the worker thread after each
+    pass with the pass count (it may enqueue requests; they are admitted before the next pass; an
+    error it raises fails the requests in flight)."""
+
+    def __init__(
+        self, gen: PolicyGenerator, max_batch: int = DEFAULT_MAX_BATCH, window_s: float = DEFAULT_BATCH_WINDOW_MS / 1000
+    ):
+        if max_batch < 1 or window_s < 0:
+            raise ValueError("max_batch must be at least 1 and window_s not negative")
+        self.gen, self.max_batch, self.window_s = gen, max_batch, window_s
+        self._queue: queue.Queue[GenRequest] = queue.Queue()
+        self._ready: collections.deque[GenRequest] = collections.deque()  # taken from the queue, not admitted yet
+        self._flights: list[_Flight] = []
+        self._rows: list[tuple[_Flight, int]] = []  # the decoder's rows: (flight, sample row)
+        self._dec: Any = None
+        self.after_pass: Any = None
+        self.stats = {"busy_s": 0.0, "calls": 0, "rows": 0, "row_passes": 0}
+        threading.Thread(target=self._work, name="mentorrl-serve-continuous", daemon=True).start()
+
+    def submit(self, req: GenRequest) -> list[Sample]:
+        """Queue ``req`` and wait for its samples (an error from a pass it was in is raised here)."""
+        return self.enqueue(req).result()
+
+    def enqueue(self, req: GenRequest) -> Future:
+        """Queue ``req``; its future gets its samples (a streamed request's events come as they are made)."""
+        self._queue.put(req)
+        return req.future
+
+    def _work(self) -> None:
+        while True:
+            if not self._rows:
+                self._wait()
+            t0 = time.perf_counter()
+            self.stats["calls"] += 1
+            try:
+                self._pass()
+                if self.after_pass is not None:
+                    self.after_pass(self.stats["calls"])
+            except Exception as e:  # every request in flight answers a 500; the next pass starts afresh
+                self._fail(e)
+            finally:
+                self.stats["busy_s"] += time.perf_counter() - t0
+
+    def _wait(self) -> None:
+        """Block until a request comes to the empty loop, then give others ``window_s`` to join it."""
+        if not self._ready:
+            self._ready.append(self._queue.get())
+        rows, deadline = sum(r.rows for r in self._ready), time.monotonic() + self.window_s
+        while rows < self.max_batch:
+            try:
+                req = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            self._ready.append(req)
+            rows += req.rows
+
+    def _next(self) -> GenRequest | None:
+        """The first request waiting to be admitted, if any."""
+        if not self._ready:
+            try:
+                self._ready.append(self._queue.get_nowait())
+            except queue.Empty:
+                return None
+        return self._ready[0]
+
+    def _admit(self) -> None:
+        """Queued requests join the loop, in order of arrival, while their rows fit."""
+        while (req := self._next()) is not None:
+            if self._rows and len(self._rows) + req.rows > self.max_batch:
+                return
+            self._ready.popleft()
+            if self._dec is None:
+                from mentorrl.rollout.decoders import make_decoder
+
+                self._dec = make_decoder(
+                    self.gen.model, "slots", pad_token_id=self.gen.pad_id, max_len=self.gen.max_positions
+                )
+                self._dec.reset(0)
+            flight = _Flight(self.gen, req, self._dec.device, len(self._rows))
+            self._flights.append(flight)  # in flight before anything can fail: an error reaches it
+            self._dec.add_rows(req.rows)
+            self._rows += [(flight, j) for j in range(req.rows)]
+            self.stats["rows"] += req.rows
+
+    def _pass(self) -> None:
+        """Admit, run one forward over every row (the new ones' prompts, the others' last ids), sample
+        each request's rows, end rows and requests, drop the ended rows from the decoder."""
+        import torch
+
+        with torch.no_grad():
+            self._admit()
+        if not self._rows:
+            return
+        gen, stop_ids = self.gen, set(self.gen.stop_ids)
+        self.stats["row_passes"] += len(self._rows)
+        with torch.no_grad():
+            logits = self._dec.forward([f.chunk(j) for f, j in self._rows]).float()  # every row is fed
+            # Every request's rows sampled in one call, each row as its request's own sampler would
+            # (sampling and recorded log-probs are per row; a row draws from its own generator every
+            # pass until its request ends, its logits zeros once it finished, as in
+            # PolicyGenerator._decode). Each request's sampler gets its rows' part of the step.
+            n = len(self._rows)
+            at = [n if s is None else s for f in self._flights for s in f.slots]
+            if n in at:
+                logits = torch.cat([logits, logits.new_zeros(1, logits.shape[1])])
+            sampler = _sampler(self._flights, self._dec.device)
+            sampler(None, logits[torch.tensor(at, device=logits.device)])
+            whole, start = sampler.steps[0], 0
+            ended: list[_Flight] = []
+            for f in self._flights:
+                req, live, k = f.req, [j for j, s in enumerate(f.slots) if s is not None], len(f.slots)
+                cut = slice(start, start + k)
+                start += k
+                f.sampler.steps.append(
+                    Step(whole.chosen[cut], whole.logprob[cut], whole.top_ids[cut], whole.top_logprobs[cut])
+                )
+                tokens = [gen.pad_id if f.done[j] else whole.chosen[cut][j] for j in range(k)]
+                for j in live:
+                    f.new[j].append(tokens[j])
+                    f.done[j] = (
+                        tokens[j] in stop_ids
+                        or len(f.new[j]) >= req.budget
+                        or (bool(req.stop) and gen._stop_string(f.new[j], req.stop))
+                    )
+                if f.streamer is not None:
+                    f.streamer.put(torch.tensor(tokens))
+                if all(f.done):
+                    ended.append(f)
+        keep = [i for i, (f, j) in enumerate(self._rows) if not f.done[j]]
+        for f, j in self._rows:
+            if f.done[j]:
+                f.slots[j] = None
+        if len(keep) < len(self._rows):
+            order = self._dec.drop(keep)  # row r of the decoder now holds the old row order[r]
+            self._rows = [self._rows[o] for o in order]
+            for r, (f, j) in enumerate(self._rows):
+                f.slots[j] = r
+        for f in ended:
+            self._flights.remove(f)
+            self._finish(f)
+        if not self._rows:  # empty: the next request gets a fresh decoder (and the weights as they are then)
+            self._close()
+
+    def _finish(self, f: _Flight) -> None:
+        req, gen = f.req, self.gen
+        try:
+            longest = max(len(r) for r in f.new)
+            out = [r + [gen.pad_id] * (longest - len(r)) for r in f.new]  # generate's output, as _decode pads
+            samples = [gen._sample(row, j, req.stop, f.sampler, req) for j, row in enumerate(out)]
+            req.future.set_result(samples * (req.n // req.rows))
+        except Exception as e:
+            req.future.set_exception(e)
+        if req.events is not None:
+            req.events.put(DONE)
+
+    def _fail(self, e: Exception) -> None:
+        flights, self._flights, self._rows = self._flights, [], []
+        self._close()
+        for f in flights:
+            f.req.future.set_exception(e)
+            if f.req.events is not None:
+                f.req.events.put(DONE)
+
+    def _close(self) -> None:
+        dec, self._dec = self._dec, None
+        if dec is not None:
+            try:
+                dec.close()
+            except Exception:
+                pass
+
+
+def _sampler(flights: Sequence[_Flight], device: Any) -> RowSampler:
+    """The :class:`RowSampler` of the flights' rows, in order: each with its request's settings and its
+    own generator."""
+    rows = [(f, j) for f in flights for j in range(f.req.rows)]
+    return RowSampler(
+        [f.req.temperature for f, _ in rows],
+        [f.req.top_p for f, _ in rows],
+        [f.generators[j] for f, j in rows],
+        device,
+        banned=[f.req.banned for f, _ in rows],
+        top_k=max(f.req.top_logprobs for f in flights),
+    )
+
+
 def group_requests(batch: Sequence[GenRequest]) -> list[list[GenRequest]]:
     """``batch`` split into the groups that can share a ``generate`` call, in order of arrival."""
     groups: dict[tuple[int, tuple[str, ...]], list[GenRequest]] = {}
@@ -549,6 +788,7 @@ __all__ = [
     "DECODERS",
     "DONE",
     "Batcher",
+    "ContinuousBatcher",
     "GenRequest",
     "PolicyGenerator",
     "RowSampler",

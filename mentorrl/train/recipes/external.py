@@ -135,7 +135,8 @@ def time_breakdown(
     concurrent episodes each count; ``time_generate_wall_s`` is wall time):
 
     * ``time_generate_wall_s``: the server's ``generate`` calls (the model decoding), wall seconds, with
-      ``gen_calls`` and ``gen_rows_per_call`` (how many turns each decode step carried);
+      ``gen_calls`` and ``gen_rows_per_call`` (how many turns each decode step carried); under continuous
+      batching (:class:`mentorrl.serve.generation.ContinuousBatcher`) a call is one decoder pass;
     * ``time_server_s``: the server's handling of the recorded requests (render, queue, generation,
       parse, record), summed over requests;
     * ``time_agent_s``: the episodes' wall time as the stage saw them (launch or hand-over to result);
@@ -152,7 +153,8 @@ def time_breakdown(
         out["time_generate_wall_s"] = float(batcher.get("busy_s", 0.0))
         calls = float(batcher.get("calls", 0))
         out["gen_calls"] = calls
-        out["gen_rows_per_call"] = float(batcher.get("rows", 0)) / calls if calls else 0.0
+        rows = float(batcher.get("row_passes", batcher.get("rows", 0)))  # continuous batching: rows per pass
+        out["gen_rows_per_call"] = rows / calls if calls else 0.0
     timed = [o.timings for o in outcomes if o.timings]
     if timed:
         model = sum(float(t.get("model_s", 0.0)) for t in timed)
