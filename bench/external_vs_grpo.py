@@ -42,6 +42,7 @@ from _seeds import final_eval, same_tasks, summary, train_run  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "mentorrl" / "configs" / "demo.yaml"
 AGENT = ROOT / "docs" / "examples" / "orders_agent.py"
+SDK_AGENT = ROOT / "docs" / "examples" / "orders_agent_sdk.py"
 ARMS = ("grpo", "external")
 BUDGET = ("steps", "tasks_per_step", "samples_per_task")
 NOT_SHARED = {"guide", "guide_sft", "hard_pool", "hard_pool_state", "sample_trajectories"}  # external: none
@@ -87,7 +88,7 @@ def arm_overrides(arm: str, seed: int, sft: str, out: Path, a: Any) -> list[str]
     ]
     if arm == "grpo":
         return common + ["grpo.guide=none"]
-    agent = [sys.executable, str(AGENT), "--no-system", "--max-turns", str(a.max_turns)]
+    agent = agent_argv(a)
     return (
         common
         + grpo_settings()
@@ -100,6 +101,16 @@ def arm_overrides(arm: str, seed: int, sft: str, out: Path, a: Any) -> list[str]
             "grpo.guide=none",
         ]
     )
+
+
+def agent_argv(a: Any) -> list[str]:
+    """The external arm's agent command: the plain agent (``--agent plain``, a worker or a process per
+    episode) or the OpenAI Agents SDK one (``--agent sdk``, a process per episode; ``--sdk-path``: a
+    ``pip install --target`` directory put on that process's ``PYTHONPATH`` only, through ``env``)."""
+    if getattr(a, "agent", "plain") == "sdk":
+        pre = ["env", f"PYTHONPATH={a.sdk_path}"] if getattr(a, "sdk_path", None) else []
+        return [*pre, sys.executable, str(SDK_AGENT), "--no-system", "--max-turns", str(a.max_turns)]
+    return [sys.executable, str(AGENT), "--no-system", "--max-turns", str(a.max_turns)]
 
 
 def run_metrics(run_dir: Path, stage: str) -> list[dict[str, Any]]:
@@ -182,7 +193,7 @@ def run_seed(a: Any, seed: int, out: Path, results: Path | None = None) -> dict[
     sft = a.sft.format(seed=seed)
     done = read_results(results) if results is not None else {}
     runs = {}
-    for arm in ARMS:
+    for arm in getattr(a, "arms", ARMS):
         if (seed, arm) in done:
             runs[arm] = done[(seed, arm)]
             continue
@@ -226,10 +237,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=32, help="episodes at once (the worker's, or processes)")
     ap.add_argument("--mode", choices=["worker", "episode"], default="worker", help="external.mode of the agent")
     ap.add_argument("--max-turns", type=int, default=6)
+    ap.add_argument("--agent", choices=["plain", "sdk"], default="plain", help="the external arm's agent")
+    ap.add_argument("--sdk-path", default=None, help="--agent sdk: where openai-agents is installed (--target)")
+    ap.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS), help="the arms to run")
     ap.add_argument("--eval-tasks", type=int, default=500)
     ap.add_argument("--out", type=Path, default=Path("runs/external-vs-grpo"))
     a = ap.parse_args(argv)
+    if a.agent == "sdk" and a.mode != "episode":
+        ap.error("--agent sdk runs a process per episode: add --mode episode")
     results = a.out / "results.jsonl"
+    if set(a.arms) != set(ARMS):  # one arm: its evaluation per seed, no comparison
+        for seed in a.seeds:
+            got = run_seed(a, seed, a.out, results)
+            for arm, r in got.items():
+                ev = r["eval"]
+                print(f"seed {seed} {arm}: {100 * ev['success']:.1f}% {[round(100 * x, 1) for x in ev['ci95']]}")
+        return 0
     rows = {}
     for seed in a.seeds:
         runs = run_seed(a, seed, a.out, results)

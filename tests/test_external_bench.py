@@ -137,3 +137,14 @@ def test_the_breakdown_shares():
         }
     )
     assert got == {"generation": 25.0, "server": 12.5, "http_json": 12.5, "tools": 12.5, "agent_process": 37.5}
+
+
+def test_the_sdk_agent_runs_with_its_own_path_through_env():
+    from types import SimpleNamespace
+
+    import external_vs_grpo as B
+
+    plain = B.agent_argv(SimpleNamespace(agent="plain", sdk_path=None, max_turns=6))
+    assert plain[1].endswith("orders_agent.py") and plain[-1] == "6"
+    sdk = B.agent_argv(SimpleNamespace(agent="sdk", sdk_path="/opt/sdk", max_turns=4))
+    assert sdk[:2] == ["env", "PYTHONPATH=/opt/sdk"] and sdk[3].endswith("orders_agent_sdk.py") and sdk[-1] == "4"
