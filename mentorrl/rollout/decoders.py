@@ -301,6 +301,15 @@ class SlotDecoder:
         self.ctx += [[] for _ in range(n)]
         self.keys += [0] * n
 
+    def truncate(self, row: int, length: int) -> None:
+        """Cut row ``row``'s context back to its first ``length`` tokens: attention reads a slot up to its
+        row's context length, so the entries past it are ignored, and the next tokens fed overwrite them."""
+        if not 0 <= length <= len(self.ctx[row]):
+            raise ValueError(f"row {row} holds {len(self.ctx[row])} tokens; cannot cut it to {length}")
+        if length < len(self.ctx[row]):
+            del self.ctx[row][length:]
+            self.keys[row] = hash(("truncated", tuple(self.ctx[row])))  # a leader is matched token by token
+
     def drop(self, keep: list[int]) -> list[int]:
         n = len(keep)
         kept = set(keep)

@@ -39,7 +39,8 @@ from mentorrl.serve.protocol import (
 from mentorrl.serve.render import ChatRenderer
 
 Turn = tuple[str, int, str]  # (text before the stop, tokens generated, finish reason)
-DONE = ("done",)  # the last event on a streamed request's queue (its samples are on its future)
+DONE = ("done",)
+REUSE_SHARE = 0.75  # a retained row is taken over when the prompt shares at least this share of its context  # the last event on a streamed request's queue (its samples are on its future)
 
 
 @dataclass(frozen=True)
@@ -542,8 +543,9 @@ class _Flight:
     :meth:`PolicyGenerator._sample` and the streamer read its :class:`Step` s from), the ids each row has
     sampled, which rows are done, and the decoder row each live row is in (None: done)."""
 
-    def __init__(self, gen: PolicyGenerator, req: GenRequest, device: Any, first_slot: int):
+    def __init__(self, gen: PolicyGenerator, req: GenRequest, device: Any, first_slot: int, key: Any = None):
         self.req = req
+        self.key = key  # the weights its rows' KV entries were computed with (SlotDecoder._layers_key)
         rows = [(req, i) for i in range(req.rows)]
         self.generators = [None if req.greedy else row_generator(req.seed, i, device) for i in range(req.rows)]
         self.sampler = _sampler([self], device)
@@ -551,10 +553,20 @@ class _Flight:
         self.new: list[list[int]] = [[] for _ in rows]
         self.done = [False] * len(rows)
         self.slots: list[int | None] = list(range(first_slot, first_slot + len(rows)))
+        self.skip = [0] * len(rows)  # prompt tokens row j found in its slot (a retained row it took over)
 
     def chunk(self, j: int) -> list[int]:
-        """What row ``j`` is fed next: its whole prompt, then its last sampled id."""
-        return [self.new[j][-1]] if self.new[j] else list(self.req.prompt_ids)
+        """What row ``j`` is fed next: its prompt (past what its slot holds already), then its last sampled id."""
+        return [self.new[j][-1]] if self.new[j] else list(self.req.prompt_ids[self.skip[j] :])
+
+
+class _Kept:
+    """A finished row whose slot the :class:`ContinuousBatcher` keeps (its KV entries and context), so a
+    later request whose prompt continues its context is fed only the rest; ``key``: the weights it was
+    computed with."""
+
+    def __init__(self, slot: int, key: Any):
+        self.slot, self.key = slot, key
 
 
 class ContinuousBatcher:
@@ -568,36 +580,67 @@ class ContinuousBatcher:
     vocabulary, float32) and ends them at its own stop ids, budget and stop strings, as
     :meth:`PolicyGenerator.run` does: its samples, log-probs and streamed events are those it gets
     decoded alone (up to float noise), and requests with different budgets or stop strings share
-    passes. A finished row leaves the decoder after the pass (its slot is reused). An error in a pass
-    (a NaN in the logits included) fails every request in flight; the loop goes on with a fresh decoder.
+    passes. An error in a pass (a NaN in the logits included) fails every request in flight; the loop
+    goes on with a fresh decoder.
+
+    KV reuse across requests (a prefix cache): a finished row keeps its slot -- its KV entries and its
+    context, the prompt and the ids fed after it -- among at most ``retain_rows`` retained rows (default
+    ``max_batch``; 0 turns it off: a finished row leaves the decoder after the pass). A retained row is
+    not fed and takes no part in the passes' tokens. When a request is admitted, its first row takes over
+    the retained row whose context shares the longest prefix with its prompt (the next turn of an agent's
+    episode: its prompt is the last prompt and reply, then the new messages), cut back to that prefix
+    (:meth:`mentorrl.rollout.decoders.SlotDecoder.truncate`), and is fed only the rest of the prompt; a
+    row whose context is shared for less than ``REUSE_SHARE`` of its length is left for its own
+    episode's next turn. Its other rows are prefilled in full. The least recently retained rows are
+    evicted past ``retain_rows``, and when live and retained rows together pass ``max_batch`` (a live
+    request needs their slots), so the decoder carries no more rows than without reuse. Its turns are
+    those a fresh prefill gives (up to float noise). Retained rows are dropped when the weights change
+    (``SlotDecoder._layers_key``, checked at each admission): a row is only reused with the weights its
+    entries were computed with, and a row in flight during a change is not retained.
 
     Weights: the decoder is built when a request arrives at an empty loop and closed when the loop
     empties again, so a request admitted into an empty loop runs the weights as they are then. The
     decoder also re-takes its fused weight copy when the layers' parameters were written
     (``SlotDecoder._layers_key``), so an in-place update made while rows are in flight reaches them from
     the next pass on (their earlier KV entries were computed with the old weights); the training loop
-    updates the weights between rounds, when nothing is in flight.
+    updates the weights between rounds, when nothing is in flight. While retained rows are held, the
+    empty loop keeps its decoder; the first request after a weight change gets a fresh one.
 
     ``stats``: ``busy_s`` (wall seconds in passes, admission and sampling included), ``calls``
     (passes), ``rows`` (rows admitted), ``row_passes`` (rows summed over passes: ``row_passes / calls``
-    is the rows a pass carried). ``window_s``: how long the first request of an empty loop waits
+    is the rows a pass carried), ``reused_tokens`` (prompt tokens found in a retained row's slot, not
+    computed again), ``prefill_tokens`` (prompt tokens fed), ``reused_rows``. ``window_s``: how long the first request of an empty loop waits
     for others to start with it. ``after_pass``: a test hook called on the worker thread after each
     pass with the pass count (it may enqueue requests; they are admitted before the next pass; an
     error it raises fails the requests in flight)."""
 
     def __init__(
-        self, gen: PolicyGenerator, max_batch: int = DEFAULT_MAX_BATCH, window_s: float = DEFAULT_BATCH_WINDOW_MS / 1000
+        self,
+        gen: PolicyGenerator,
+        max_batch: int = DEFAULT_MAX_BATCH,
+        window_s: float = DEFAULT_BATCH_WINDOW_MS / 1000,
+        retain_rows: int | None = None,
     ):
-        if max_batch < 1 or window_s < 0:
-            raise ValueError("max_batch must be at least 1 and window_s not negative")
-        self.gen, self.max_batch, self.window_s = gen, max_batch, window_s
+        retain_rows = max_batch if retain_rows is None else retain_rows
+        if max_batch < 1 or window_s < 0 or retain_rows < 0:
+            raise ValueError("max_batch must be at least 1, window_s and retain_rows not negative")
+        self.gen, self.max_batch, self.window_s, self.retain_rows = gen, max_batch, window_s, retain_rows
         self._queue: queue.Queue[GenRequest] = queue.Queue()
         self._ready: collections.deque[GenRequest] = collections.deque()  # taken from the queue, not admitted yet
         self._flights: list[_Flight] = []
-        self._rows: list[tuple[_Flight, int]] = []  # the decoder's rows: (flight, sample row)
+        self._rows: list[tuple[_Flight | _Kept, int]] = []  # the decoder's rows: (flight, sample row) or (kept, 0)
+        self._kept: list[_Kept] = []  # the retained rows, least recently retained first
         self._dec: Any = None
         self.after_pass: Any = None
-        self.stats = {"busy_s": 0.0, "calls": 0, "rows": 0, "row_passes": 0}
+        self.stats = {
+            "busy_s": 0.0,
+            "calls": 0,
+            "rows": 0,
+            "row_passes": 0,
+            "reused_tokens": 0,
+            "prefill_tokens": 0,
+            "reused_rows": 0,
+        }
         threading.Thread(target=self._work, name="mentorrl-serve-continuous", daemon=True).start()
 
     def submit(self, req: GenRequest) -> list[Sample]:
@@ -611,7 +654,7 @@ class ContinuousBatcher:
 
     def _work(self) -> None:
         while True:
-            if not self._rows:
+            if len(self._rows) == len(self._kept):  # nothing live
                 self._wait()
             t0 = time.perf_counter()
             self.stats["calls"] += 1
@@ -648,10 +691,20 @@ class ContinuousBatcher:
 
     def _admit(self) -> None:
         """Queued requests join the loop, in order of arrival, while their rows fit."""
+        key = None
         while (req := self._next()) is not None:
-            if self._rows and len(self._rows) + req.rows > self.max_batch:
+            live = len(self._rows) - len(self._kept)
+            if live and live + req.rows > self.max_batch:
                 return
             self._ready.popleft()
+            if key is None and self._kept:  # retained entries of other weights are stale
+                key = self._dec._layers_key()
+                stale = {k.slot for k in self._kept if k.key != key}
+                if stale and not live:
+                    self._close()  # a fresh decoder, as for an empty loop
+                elif stale:
+                    self._kept = [k for k in self._kept if k.key == key]
+                    self._compact(stale)
             if self._dec is None:
                 from mentorrl.rollout.decoders import make_decoder
 
@@ -659,31 +712,79 @@ class ContinuousBatcher:
                     self.gen.model, "slots", pad_token_id=self.gen.pad_id, max_len=self.gen.max_positions
                 )
                 self._dec.reset(0)
-            flight = _Flight(self.gen, req, self._dec.device, len(self._rows))
+                key = None
+            if key is None and self.retain_rows:
+                key = self._dec._layers_key()
+            flight = _Flight(self.gen, req, self._dec.device, len(self._rows), key)
             self._flights.append(flight)  # in flight before anything can fail: an error reaches it
-            self._dec.add_rows(req.rows)
-            self._rows += [(flight, j) for j in range(req.rows)]
+            kept, use = self._match(req.prompt_ids)
+            fresh = list(range(req.rows))
+            if kept is not None:  # row 0 takes the retained row over, cut back to the shared prefix
+                self._kept.remove(kept)
+                self._dec.truncate(kept.slot, use)
+                self._rows[kept.slot] = (flight, 0)
+                flight.skip[0] = use
+                fresh = fresh[1:]
+                self.stats["reused_tokens"] += use
+                self.stats["reused_rows"] += 1
+            for i, j in enumerate(fresh):
+                flight.slots[j] = len(self._rows) + i
+            if kept is not None:
+                flight.slots[0] = kept.slot
+            self._dec.add_rows(len(fresh))
+            self._rows += [(flight, j) for j in fresh]
             self.stats["rows"] += req.rows
+            self.stats["prefill_tokens"] += len(req.prompt_ids) * req.rows - use
+            over = len(self._rows) - self.max_batch  # live rows need the retained rows' slots
+            if over > 0 and self._kept:
+                evict, self._kept = self._kept[:over], self._kept[over:]
+                self._compact({k.slot for k in evict})
+
+    def _match(self, prompt: list[int]) -> tuple[_Kept | None, int]:
+        """The retained row whose context shares the longest prefix with ``prompt`` (the least recently
+        retained of equals) and how many tokens of it to keep (at most all of the prompt but its last
+        token, whose logits are needed); None where no row shares enough."""
+        best, use = None, 0
+        for k in self._kept:
+            ctx = self._dec.ctx[k.slot]
+            u = min(_common_prefix(ctx, prompt), len(prompt) - 1)
+            if u > use and u >= REUSE_SHARE * len(ctx):
+                best, use = k, u
+        return best, use
+
+    def _compact(self, remove: set[int]) -> None:
+        """Drop the decoder rows ``remove`` (neither live nor retained any more); the others' slots follow
+        the decoder's new order."""
+        order = self._dec.drop([r for r in range(len(self._rows)) if r not in remove])
+        self._rows = [self._rows[o] for o in order]
+        for r, (o, j) in enumerate(self._rows):
+            if isinstance(o, _Kept):
+                o.slot = r
+            else:
+                o.slots[j] = r
 
     def _pass(self) -> None:
-        """Admit, run one forward over every row (the new ones' prompts, the others' last ids), sample
-        each request's rows, end rows and requests, drop the ended rows from the decoder."""
+        """Admit, run one forward over every live row (the new ones' prompts, the others' last ids), sample
+        each request's rows, end rows and requests, retain or drop the ended rows."""
         import torch
 
         with torch.no_grad():
             self._admit()
-        if not self._rows:
+        live = [r for r, (o, _) in enumerate(self._rows) if isinstance(o, _Flight)]
+        if not live:
             return
         gen, stop_ids = self.gen, set(self.gen.stop_ids)
-        self.stats["row_passes"] += len(self._rows)
+        self.stats["row_passes"] += len(live)
         with torch.no_grad():
-            logits = self._dec.forward([f.chunk(j) for f, j in self._rows]).float()  # every row is fed
+            chunks = [o.chunk(j) if isinstance(o, _Flight) else [] for o, j in self._rows]
+            logits = self._dec.forward(chunks).float()  # every live row is fed; the retained rows are not
             # Every request's rows sampled in one call, each row as its request's own sampler would
             # (sampling and recorded log-probs are per row; a row draws from its own generator every
             # pass until its request ends, its logits zeros once it finished, as in
             # PolicyGenerator._decode). Each request's sampler gets its rows' part of the step.
-            n = len(self._rows)
-            at = [n if s is None else s for f in self._flights for s in f.slots]
+            n = len(live)
+            fed_at = {r: i for i, r in enumerate(live)}
+            at = [n if s is None else fed_at[s] for f in self._flights for s in f.slots]
             if n in at:
                 logits = torch.cat([logits, logits.new_zeros(1, logits.shape[1])])
             sampler = _sampler(self._flights, self._dec.device)
@@ -691,14 +792,14 @@ class ContinuousBatcher:
             whole, start = sampler.steps[0], 0
             ended: list[_Flight] = []
             for f in self._flights:
-                req, live, k = f.req, [j for j, s in enumerate(f.slots) if s is not None], len(f.slots)
+                req, live_j, k = f.req, [j for j, s in enumerate(f.slots) if s is not None], len(f.slots)
                 cut = slice(start, start + k)
                 start += k
                 f.sampler.steps.append(
                     Step(whole.chosen[cut], whole.logprob[cut], whole.top_ids[cut], whole.top_logprobs[cut])
                 )
                 tokens = [gen.pad_id if f.done[j] else whole.chosen[cut][j] for j in range(k)]
-                for j in live:
+                for j in live_j:
                     f.new[j].append(tokens[j])
                     f.done[j] = (
                         tokens[j] in stop_ids
@@ -709,20 +810,40 @@ class ContinuousBatcher:
                     f.streamer.put(torch.tensor(tokens))
                 if all(f.done):
                     ended.append(f)
-        keep = [i for i, (f, j) in enumerate(self._rows) if not f.done[j]]
-        for f, j in self._rows:
-            if f.done[j]:
-                f.slots[j] = None
-        if len(keep) < len(self._rows):
-            order = self._dec.drop(keep)  # row r of the decoder now holds the old row order[r]
-            self._rows = [self._rows[o] for o in order]
-            for r, (f, j) in enumerate(self._rows):
-                f.slots[j] = r
+        self._retire([r for r in live if self._flight_row(r).done[self._rows[r][1]]])
         for f in ended:
             self._flights.remove(f)
             self._finish(f)
         if not self._rows:  # empty: the next request gets a fresh decoder (and the weights as they are then)
             self._close()
+
+    def _flight_row(self, r: int) -> _Flight:
+        f = self._rows[r][0]
+        assert isinstance(f, _Flight)
+        return f
+
+    def _retire(self, finished: list[int]) -> None:
+        """The finished decoder rows are retained (computed with the weights as they are now) or dropped;
+        the least recently retained rows past ``retain_rows`` are dropped."""
+        if not finished:
+            return
+        key = self._dec._layers_key() if self.retain_rows else None
+        remove: set[int] = set()
+        for r in finished:
+            f, j = self._flight_row(r), self._rows[r][1]
+            f.slots[j] = None
+            if self.retain_rows and f.key == key:
+                kept = _Kept(r, key)
+                self._rows[r] = (kept, 0)
+                self._kept.append(kept)
+            else:
+                remove.add(r)
+        over = len(self._kept) - self.retain_rows
+        if over > 0:
+            remove |= {k.slot for k in self._kept[:over]}
+            self._kept = self._kept[over:]
+        if remove:
+            self._compact(remove)
 
     def _finish(self, f: _Flight) -> None:
         req, gen = f.req, self.gen
@@ -737,7 +858,7 @@ class ContinuousBatcher:
             req.events.put(DONE)
 
     def _fail(self, e: Exception) -> None:
-        flights, self._flights, self._rows = self._flights, [], []
+        flights, self._flights, self._rows, self._kept = self._flights, [], [], []
         self._close()
         for f in flights:
             f.req.future.set_exception(e)
@@ -745,7 +866,8 @@ class ContinuousBatcher:
                 f.req.events.put(DONE)
 
     def _close(self) -> None:
-        dec, self._dec = self._dec, None
+        """Close the decoder (nothing live): the retained rows go with it."""
+        dec, self._dec, self._rows, self._kept = self._dec, None, [], []
         if dec is not None:
             try:
                 dec.close()
@@ -765,6 +887,21 @@ def _sampler(flights: Sequence[_Flight], device: Any) -> RowSampler:
         banned=[f.req.banned for f, _ in rows],
         top_k=max(f.req.top_logprobs for f in flights),
     )
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many first ids ``a`` and ``b`` share (whole-list comparisons, then a bisection)."""
+    m = min(len(a), len(b))
+    if a[:m] == b[:m]:
+        return m
+    lo, hi = 0, m  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def group_requests(batch: Sequence[GenRequest]) -> list[list[GenRequest]]:
