@@ -206,3 +206,20 @@ def test_live_rows_evict_retained_rows_past_max_batch(tokenizer, varied):  # noq
     make = turn(ps[2], n=2, seed=2, budget=6, top_logprobs=1)
     assert_same([b.submit(make(gen))], [fresh(gen, make)])
     assert max(rows) <= 2 and len(b._kept) == 2  # both retained rows evicted, the new ones retained
+
+
+def test_rows_not_fed_take_no_part_in_a_decode_step(varied):  # noqa: F811
+    """A decode step over most rows (no gathering) attends up to the last fed row and the longest fed
+    context: a retained row's longer context, after them or between them, changes nothing."""
+    g = torch.Generator().manual_seed(1)
+    ctxs = [torch.randint(0, 200, (k,), generator=g).tolist() for k in (5, 30, 6, 7, 40)]
+    dec = SlotDecoder(varied)
+    dec.reset(5)
+    dec.forward(ctxs)
+    before = dec.stats["attended"]
+    got = dec.forward([[3], [], [4], [5], []])  # 3 of 5 rows: more than GATHER_SHARE, attention over slots
+    assert dec.stats["attended"] - before == sum(len(ctxs[i]) + 1 for i in (0, 2, 3))
+    dec.close()
+    for row, (i, tok) in enumerate(((0, 3), (2, 4), (3, 5))):
+        want = varied(input_ids=torch.tensor([ctxs[i] + [tok]])).logits[0, -1]
+        assert torch.allclose(got[row], want, atol=1e-4, rtol=0)

@@ -433,7 +433,7 @@ class SlotDecoder:
             last=torch.tensor([o + len(chunks[i]) - 1 for o, i in zip(offsets, fed)], device=dev),
             dec=[j for j, i in enumerate(fed) if len(chunks[i]) == 1],  # positions in `fed`
             wide=[j for j, i in enumerate(fed) if len(chunks[i]) > 1],
-            lmax=max(end),
+            lmax=max((end[i] for i in fed), default=1),  # rows not fed (a server's retained rows) take no part
         )
         if p.dec:
             p.dec_tok = torch.tensor([offsets[j] for j in p.dec], device=dev)
@@ -441,14 +441,15 @@ class SlotDecoder:
             p.all_rows = len(p.dec) == n
             # Few decode rows (the rest wait, prefill a chunk, or follow a leader with the same context):
             # attend over copies of their own slots up to their own longest context, instead of over
-            # every slot up to the longest context of all.
+            # every slot up to the last fed one, up to the longest context of a fed row.
             p.gather = len(p.dec) <= GATHER_SHARE * n
             if p.gather:
                 p.l_dec = max(end[fed[j]] for j in p.dec)
                 ends = torch.tensor([end[fed[j]] for j in p.dec], device=dev)
                 p.dec_mask = (torch.arange(p.l_dec, device=dev)[None, :] < ends[:, None])[:, None, None, :]
             else:
-                ends = torch.tensor(end, device=dev).clamp(min=1)
+                p.n_att = fed[-1] + 1  # the rows after the last fed one are left out
+                ends = torch.tensor(end[: p.n_att], device=dev).clamp(min=1)
                 p.dec_mask = (torch.arange(p.lmax, device=dev)[None, :] < ends[:, None])[:, None, None, :]
         for j in p.wide:
             i = fed[j]
@@ -487,7 +488,7 @@ class SlotDecoder:
             )
             out[p.dec_tok] = od[:, :, 0, :]
         elif p.dec:
-            n, lmax = p.n, p.lmax
+            n, lmax = p.n_att, p.lmax
             if p.all_rows:
                 qd = q[p.dec_tok][:, :, None, :]
             else:
@@ -574,8 +575,9 @@ class _Packed:
     last: torch.Tensor
     dec: list[int]  # positions in ``fed`` of the one-token rows
     wide: list[int]  # positions in ``fed`` of the multi-token chunks
-    lmax: int
+    lmax: int  # the longest context of a fed row after the pass
     gather: bool = False
+    n_att: int = 0  # the rows a decode step without gathering attends over
     all_rows: bool = False
     l_dec: int = 0
     dec_tok: torch.Tensor | None = None
