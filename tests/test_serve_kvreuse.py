@@ -223,3 +223,34 @@ def test_rows_not_fed_take_no_part_in_a_decode_step(varied):  # noqa: F811
     for row, (i, tok) in enumerate(((0, 3), (2, 4), (3, 5))):
         want = varied(input_ids=torch.tensor([ctxs[i] + [tok]])).logits[0, -1]
         assert torch.allclose(got[row], want, atol=1e-4, rtol=0)
+
+
+def test_the_app_reuses_an_episode_s_kv_across_its_chat_requests(tokenizer, varied):  # noqa: F811
+    """Through the endpoint: the second request of a conversation (the first's messages, its reply as an
+    assistant message, a new user message) continues the first's row, and answers as without reuse."""
+    from fastapi.testclient import TestClient
+
+    from mentorrl.serve import create_app
+
+    apps = [create_app(tokenizer, varied, "tiny", batch_window_ms=0, retain_rows=r) for r in (None, 0)]
+    assert [a.state.served.batcher.retain_rows for a in apps] == [32, 0]
+    answers = []
+    for app in apps:
+        c = TestClient(app)
+        body = {"messages": [{"role": "user", "content": "Where is my order?"}], "max_tokens": 8, "seed": 1}
+        body["logprobs"] = True
+        reply = c.post("/v1/chat/completions", json=body).json()
+        first, usage = reply["choices"][0]["message"], reply["usage"]
+        body["messages"] += [{"role": "assistant", "content": first["content"]}, {"role": "user", "content": "And?"}]
+        answers.append(c.post("/v1/chat/completions", json=body).json()["choices"])
+    (a,), (b,) = answers
+    assert (a["message"], a["finish_reason"]) == (b["message"], b["finish_reason"])
+    la, lb = a["logprobs"]["content"], b["logprobs"]["content"]
+    assert [x["token"] for x in la] == [y["token"] for y in lb]
+    assert all(abs(x["logprob"] - y["logprob"]) <= 1e-5 for x, y in zip(la, lb))
+    stats = [a.state.served.batcher.stats for a in apps]
+    assert stats[1]["reused_tokens"] == 0 and stats[0]["reused_rows"] == 1
+    # the whole first turn is reused: its prompt and reply as the template renders them again (the
+    # reply's stop token, sampled but never fed, is fed with the new messages)
+    assert stats[0]["reused_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"] - 1
+    assert stats[0]["prefill_tokens"] == stats[1]["prefill_tokens"] - stats[0]["reused_tokens"]

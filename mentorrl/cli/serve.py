@@ -82,6 +82,12 @@ def serve_command(
         help="on the slot decoder: requests join the running decode loop between passes (continuous "
         "batching); --no-continuous decodes each batch to its end",
     ),
+    retain_rows: Optional[int] = typer.Option(
+        None,
+        min=0,
+        help="continuous batching: finished rows whose KV is kept for a later request continuing their "
+        "context, e.g. an agent's next turn (default: --max-batch; 0: none)",
+    ),
     threads: int = typer.Option(0, min=0, help="torch CPU threads (0: torch's default)"),
     device: str = typer.Option(
         "auto", help="auto (the first CUDA device when there is one, else the CPU), cpu, cuda:N"
@@ -139,6 +145,7 @@ def serve_command(
             recording=hook,
             decoder=decoder,
             continuous=continuous,
+            retain_rows=retain_rows,
         )
         if hook is not None:
             add_recording_routes(app, hook)

@@ -96,6 +96,7 @@ def create_app(
     recording: Any = None,
     decoder: str = "auto",
     continuous: bool = True,
+    retain_rows: int | None = None,
 ):
     """The FastAPI app serving ``model`` as ``model_name`` (see :mod:`mentorrl.serve`).
 
@@ -109,7 +110,8 @@ def create_app(
     ``decoder``: what decodes a batch (:class:`PolicyGenerator`: auto, slots, hf, hf_generate).
     ``continuous``: on the slot decoder, serve with a :class:`ContinuousBatcher` (requests join the
     running decode loop between passes); False, or another decoder: a :class:`Batcher` (each batch
-    decoded to its end)."""
+    decoded to its end). ``retain_rows``: the continuous batcher's retained rows, KV kept for a later
+    request that continues their context (default ``max_batch``; 0: none)."""
     from fastapi import FastAPI, Header
     from fastapi.responses import StreamingResponse
 
@@ -118,8 +120,11 @@ def create_app(
     if recording is not None:
         on_completion = recording.chain(on_completion)
     gen = PolicyGenerator(tokenizer, model, max_new_tokens_cap, ChatRenderer(tokenizer, tool_format), decoder)
-    kind = ContinuousBatcher if continuous and gen.decoder_kind() == "slots" else Batcher
-    served = Served(gen, kind(gen, max_batch, batch_window_ms / 1000), model_name, TokenTexts(tokenizer), on_completion)
+    if continuous and gen.decoder_kind() == "slots":
+        batcher: Batcher | ContinuousBatcher = ContinuousBatcher(gen, max_batch, batch_window_ms / 1000, retain_rows)
+    else:
+        batcher = Batcher(gen, max_batch, batch_window_ms / 1000)
+    served = Served(gen, batcher, model_name, TokenTexts(tokenizer), on_completion)
     created = int(time.time())
     app = FastAPI(title="mentorrl serve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.served = served
