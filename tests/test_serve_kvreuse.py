@@ -254,3 +254,16 @@ def test_the_app_reuses_an_episode_s_kv_across_its_chat_requests(tokenizer, vari
     # reply's stop token, sampled but never fed, is fed with the new messages)
     assert stats[0]["reused_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"] - 1
     assert stats[0]["prefill_tokens"] == stats[1]["prefill_tokens"] - stats[0]["reused_tokens"]
+
+
+def test_a_change_of_the_embeddings_alone_drops_the_retained_rows(tokenizer, varied):  # noqa: F811
+    ps = prompts(tokenizer)
+    m = copy.deepcopy(varied)
+    gen = PolicyGenerator(tokenizer, m, decoder="slots")
+    b = ContinuousBatcher(gen, window_s=0)
+    reply = b.submit(turn(ps[1], seed=2, budget=6)(gen))[0].token_ids
+    with torch.no_grad():
+        m.model.embed_tokens.weight.mul_(1.5)
+    make = turn(ps[1] + reply + user_tokens(tokenizer), seed=4, budget=6, top_logprobs=1)
+    assert_same([b.submit(make(gen))], [fresh(gen, make)])
+    assert b.stats["reused_tokens"] == 0

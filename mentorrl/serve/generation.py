@@ -545,7 +545,7 @@ class _Flight:
 
     def __init__(self, gen: PolicyGenerator, req: GenRequest, device: Any, first_slot: int, key: Any = None):
         self.req = req
-        self.key = key  # the weights its rows' KV entries were computed with (SlotDecoder._layers_key)
+        self.key = key  # the weights its rows' KV entries were computed with (ContinuousBatcher._weights_key)
         rows = [(req, i) for i in range(req.rows)]
         self.generators = [None if req.greedy else row_generator(req.seed, i, device) for i in range(req.rows)]
         self.sampler = _sampler([self], device)
@@ -595,7 +595,7 @@ class ContinuousBatcher:
     evicted past ``retain_rows``, and when live and retained rows together pass ``max_batch`` (a live
     request needs their slots), so the decoder carries no more rows than without reuse. Its turns are
     those a fresh prefill gives (up to float noise). Retained rows are dropped when the weights change
-    (``SlotDecoder._layers_key``, checked at each admission): a row is only reused with the weights its
+    (:meth:`_weights_key`, checked at each admission): a row is only reused with the weights its
     entries were computed with, and a row in flight during a change is not retained.
 
     Weights: the decoder is built when a request arrives at an empty loop and closed when the loop
@@ -698,7 +698,7 @@ class ContinuousBatcher:
                 return
             self._ready.popleft()
             if key is None and self._kept:  # retained entries of other weights are stale
-                key = self._dec._layers_key()
+                key = self._weights_key()
                 stale = {k.slot for k in self._kept if k.key != key}
                 if stale and not live:
                     self._close()  # a fresh decoder, as for an empty loop
@@ -714,7 +714,7 @@ class ContinuousBatcher:
                 self._dec.reset(0)
                 key = None
             if key is None and self.retain_rows:
-                key = self._dec._layers_key()
+                key = self._weights_key()
             flight = _Flight(self.gen, req, self._dec.device, len(self._rows), key)
             self._flights.append(flight)  # in flight before anything can fail: an error reaches it
             kept, use = self._match(req.prompt_ids)
@@ -739,6 +739,11 @@ class ContinuousBatcher:
             if over > 0 and self._kept:
                 evict, self._kept = self._kept[:over], self._kept[over:]
                 self._compact({k.slot for k in evict})
+
+    def _weights_key(self) -> tuple:
+        """Where the model's parameters live and how often each was written (as ``SlotDecoder._layers_key``,
+        over every parameter: the embeddings' too, which the KV entries depend on)."""
+        return tuple((p.data_ptr(), p._version) for p in self.gen.model.parameters())
 
     def _match(self, prompt: list[int]) -> tuple[_Kept | None, int]:
         """The retained row whose context shares the longest prefix with ``prompt`` (the least recently
@@ -827,7 +832,7 @@ class ContinuousBatcher:
         the least recently retained rows past ``retain_rows`` are dropped."""
         if not finished:
             return
-        key = self._dec._layers_key() if self.retain_rows else None
+        key = self._weights_key() if self.retain_rows else None
         remove: set[int] = set()
         for r in finished:
             f, j = self._flight_row(r), self._rows[r][1]
