@@ -267,3 +267,11 @@ def test_a_change_of_the_embeddings_alone_drops_the_retained_rows(tokenizer, var
     make = turn(ps[1] + reply + user_tokens(tokenizer), seed=4, budget=6, top_logprobs=1)
     assert_same([b.submit(make(gen))], [fresh(gen, make)])
     assert b.stats["reused_tokens"] == 0
+
+
+def test_the_external_stage_reports_the_share_of_prompt_tokens_reused():
+    from mentorrl.train.recipes.external import time_breakdown
+
+    stats = {"busy_s": 1.0, "calls": 4, "row_passes": 8, "reused_tokens": 30, "prefill_tokens": 10}
+    assert time_breakdown([], 0.0, stats, None)["gen_prompt_reused_share"] == 0.75
+    assert "gen_prompt_reused_share" not in time_breakdown([], 0.0, {"busy_s": 1.0, "calls": 1, "rows": 2}, None)

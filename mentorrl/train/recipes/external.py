@@ -136,7 +136,9 @@ def time_breakdown(
 
     * ``time_generate_wall_s``: the server's ``generate`` calls (the model decoding), wall seconds, with
       ``gen_calls`` and ``gen_rows_per_call`` (how many turns each decode step carried); under continuous
-      batching (:class:`mentorrl.serve.generation.ContinuousBatcher`) a call is one decoder pass;
+      batching (:class:`mentorrl.serve.generation.ContinuousBatcher`) a call is one decoder pass, and
+      ``gen_prompt_reused_share`` is the share of prompt tokens found in a retained row's KV (an
+      episode's earlier turn) rather than prefilled;
     * ``time_server_s``: the server's handling of the recorded requests (render, queue, generation,
       parse, record), summed over requests;
     * ``time_agent_s``: the episodes' wall time as the stage saw them (launch or hand-over to result);
@@ -155,6 +157,9 @@ def time_breakdown(
         out["gen_calls"] = calls
         rows = float(batcher.get("row_passes", batcher.get("rows", 0)))  # continuous batching: rows per pass
         out["gen_rows_per_call"] = rows / calls if calls else 0.0
+        if "reused_tokens" in batcher:
+            reused, prompt = float(batcher["reused_tokens"]), float(batcher.get("prefill_tokens", 0))
+            out["gen_prompt_reused_share"] = reused / (reused + prompt) if reused + prompt else 0.0
     timed = [o.timings for o in outcomes if o.timings]
     if timed:
         model = sum(float(t.get("model_s", 0.0)) for t in timed)
