@@ -51,59 +51,67 @@ def _checked_placement(device: str, dtype: str):
     return placement
 
 
+_MODEL_DIR = typer.Argument(
+    ..., help="HF checkpoint directory (a ChatML tokenizer), or a .gguf file / short name (smollm2) to import"
+)
+_TOKEN_ENV = typer.Option(
+    None, "--token-env", metavar="NAME", help="environment variable holding the bearer token required on /v1"
+)
+_MAX_BATCH = typer.Option(
+    DEFAULT_MAX_BATCH,
+    min=1,
+    help="the most rows (the sum of the requests' n) decoded together; 1: one request at a time",
+)
+_BATCH_WINDOW_MS = typer.Option(DEFAULT_BATCH_WINDOW_MS, min=0.0, help="how long a batch waits for more requests")
+_DECODER = typer.Option(
+    "auto",
+    help="what decodes a batch: slots (the rollouts' slot decoder), hf (the model's forward, a DynamicCache), "
+    "hf_generate (model.generate), auto (slots where the model supports them, else hf_generate)",
+)
+_CONTINUOUS = typer.Option(
+    True,
+    "--continuous/--no-continuous",
+    help="on the slot decoder: requests join the running decode loop between passes (continuous "
+    "batching); --no-continuous decodes each batch to its end",
+)
+_RETAIN_ROWS = typer.Option(
+    None,
+    min=0,
+    help="continuous batching: finished rows whose KV is kept for a later request continuing their "
+    "context, e.g. an agent's next turn (default: --max-batch; 0: none)",
+)
+_DEVICE = typer.Option("auto", help="auto (the first CUDA device when there is one, else the CPU), cpu, cuda:N")
+_RECORD = typer.Option(
+    None,
+    metavar="DB",
+    help="recording mode: record every completion token in / token out into this SQLite file, "
+    "grouped by the X-Mentorrl-Episode header (docs/bring-your-agent.md)",
+)
+_REWARD_KEY_ENV = typer.Option(
+    None, metavar="NAME", help="with --record: the variable holding the key of POST /mentorrl/episodes/ID/reward"
+)
+
+
 def serve_command(
-    model_dir: Path = typer.Argument(
-        ..., help="HF checkpoint directory (a ChatML tokenizer), or a .gguf file / short name (smollm2) to import"
-    ),
+    model_dir: Path = _MODEL_DIR,
     host: str = typer.Option("127.0.0.1", help="address to bind; a non-loopback one needs --allow-remote"),
     port: int = typer.Option(8000, min=0, max=65535, help="0: any free port (read it from the ready line)"),
     allow_remote: bool = typer.Option(False, "--allow-remote", help="allow binding a non-loopback address"),
-    token_env: Optional[str] = typer.Option(
-        None, "--token-env", metavar="NAME", help="environment variable holding the bearer token required on /v1"
-    ),
+    token_env: Optional[str] = _TOKEN_ENV,
     max_body_bytes: int = typer.Option(DEFAULT_MAX_BODY_BYTES, min=1, help="larger request bodies get 413"),
     max_tokens_cap: int = typer.Option(DEFAULT_MAX_TOKENS_CAP, min=1, help="the most tokens one reply may have"),
-    max_batch: int = typer.Option(
-        DEFAULT_MAX_BATCH,
-        min=1,
-        help="the most rows (the sum of the requests' n) decoded together; 1: one request at a time",
-    ),
-    batch_window_ms: float = typer.Option(
-        DEFAULT_BATCH_WINDOW_MS, min=0.0, help="how long a batch waits for more requests"
-    ),
-    decoder: str = typer.Option(
-        "auto",
-        help="what decodes a batch: slots (the rollouts' slot decoder), hf (the model's forward, a DynamicCache), "
-        "hf_generate (model.generate), auto (slots where the model supports them, else hf_generate)",
-    ),
-    continuous: bool = typer.Option(
-        True,
-        "--continuous/--no-continuous",
-        help="on the slot decoder: requests join the running decode loop between passes (continuous "
-        "batching); --no-continuous decodes each batch to its end",
-    ),
-    retain_rows: Optional[int] = typer.Option(
-        None,
-        min=0,
-        help="continuous batching: finished rows whose KV is kept for a later request continuing their "
-        "context, e.g. an agent's next turn (default: --max-batch; 0: none)",
-    ),
+    max_batch: int = _MAX_BATCH,
+    batch_window_ms: float = _BATCH_WINDOW_MS,
+    decoder: str = _DECODER,
+    continuous: bool = _CONTINUOUS,
+    retain_rows: Optional[int] = _RETAIN_ROWS,
     threads: int = typer.Option(0, min=0, help="torch CPU threads (0: torch's default)"),
-    device: str = typer.Option(
-        "auto", help="auto (the first CUDA device when there is one, else the CPU), cpu, cuda:N"
-    ),
+    device: str = _DEVICE,
     dtype: str = typer.Option("float32", help="the weights' dtype: float32, bfloat16 or float16"),
     model_name: Optional[str] = typer.Option(None, help="the model id clients see (default: the directory name)"),
     log_level: str = typer.Option("info", help="uvicorn log level (access logs at info)"),
-    record: Optional[Path] = typer.Option(
-        None,
-        metavar="DB",
-        help="recording mode: record every completion token in / token out into this SQLite file, "
-        "grouped by the X-Mentorrl-Episode header (docs/bring-your-agent.md)",
-    ),
-    reward_key_env: Optional[str] = typer.Option(
-        None, metavar="NAME", help="with --record: the variable holding the key of POST /mentorrl/episodes/ID/reward"
-    ),
+    record: Optional[Path] = _RECORD,
+    reward_key_env: Optional[str] = _REWARD_KEY_ENV,
     temperature: float = typer.Option(1.0, min=0.0, max=2.0, help="with --record: the sampling temperature"),
     top_p: float = typer.Option(1.0, min=0.0, max=1.0, help="with --record: the sampling top-p"),
 ) -> None:
@@ -126,33 +134,42 @@ def serve_command(
         raise fail(f"cannot listen on {host}:{port}: {e}")
     quiet_transformers()
     _set_threads(threads)
-    from mentorrl.models.build import load_policy
-
     try:
-        tokenizer, model = load_policy(model_dir, dtype=placement.dtype, device=placement.device)
-        hook = None
-        if record is not None:
-            hook = _recording_hook(record, tokenizer, reward_key, RunSampling(temperature, top_p, max_tokens_cap))
-        app = create_app(
-            tokenizer,
-            model,
-            model_name or model_dir.resolve().name,
-            token=token,
-            max_body_bytes=max_body_bytes,
-            max_new_tokens_cap=max_tokens_cap,
-            max_batch=max_batch,
-            batch_window_ms=batch_window_ms,
-            recording=hook,
-            decoder=decoder,
-            continuous=continuous,
-            retain_rows=retain_rows,
+        app = _serve_app(
+            model_dir,
+            placement,
+            record,
+            reward_key,
+            RunSampling(temperature, top_p, max_tokens_cap),
+            dict(
+                model_name=model_name or model_dir.resolve().name,
+                token=token,
+                max_body_bytes=max_body_bytes,
+                max_new_tokens_cap=max_tokens_cap,
+                max_batch=max_batch,
+                batch_window_ms=batch_window_ms,
+                decoder=decoder,
+                continuous=continuous,
+                retain_rows=retain_rows,
+            ),
         )
-        if hook is not None:
-            add_recording_routes(app, hook)
     except (OSError, ValueError) as e:
         sock.close()
         raise fail(f"cannot load a policy from {model_dir}: {e}")
     raise typer.Exit(run_server(app, sock, READY_PREFIX + base_url(sock), log_level))
+
+
+def _serve_app(model_dir: Path, placement, record: Path | None, reward_key, sampling, options: dict):
+    """The policy loaded and its app built (``options``: :func:`create_app`'s settings), with the recording
+    routes under ``--record``."""
+    from mentorrl.models.build import load_policy
+
+    tokenizer, model = load_policy(model_dir, dtype=placement.dtype, device=placement.device)
+    hook = None if record is None else _recording_hook(record, tokenizer, reward_key, sampling)
+    app = create_app(tokenizer, model, recording=hook, **options)
+    if hook is not None:
+        add_recording_routes(app, hook)
+    return app
 
 
 def _checked_token(host: str, allow_remote: bool, token_env: str | None, log_level: str) -> str | None:
