@@ -234,3 +234,37 @@ def test_mmap_threshold_is_validated_before_the_first_step():
     with pytest.raises(ConfigError, match="malloc_mmap_threshold"):
         load_config(None, ["malloc_mmap_threshold=12"])
     assert load_config(None, ["malloc_mmap_threshold=null"]).malloc_mmap_threshold is None
+
+
+def test_auto_mmap_threshold_is_lean_only_where_a_stage_asks_to_save_memory():
+    """``auto`` (the default): 1 GiB, so a step's freed tensors are reused without page faults, unless a
+    recipe stage turns on a memory lever; an explicit setting (bytes or null) is kept as written."""
+    from mentorrl.config.loading import load_config
+    from mentorrl.train.workspace import stage_optims
+
+    cfg = load_config(None, [])
+    assert cfg.malloc_mmap_threshold == "auto"
+    nbytes, why = memory.choose_malloc_mmap_threshold("auto", stage_optims(cfg))
+    assert nbytes == memory.FAST_MMAP_THRESHOLD and "auto" in why
+    for lever, value in (
+        ("gradient_checkpointing", "true"),
+        ("micro_batch_tokens", "512"),
+        ("offload_optimizer", "true"),
+    ):
+        cfg = load_config(None, [f"grpo.optim.{lever}={value}"])
+        nbytes, why = memory.choose_malloc_mmap_threshold("auto", stage_optims(cfg))
+        assert nbytes == memory.LEAN_MMAP_THRESHOLD and f"grpo.optim.{lever}" in why
+    # a lever on a stage the recipe does not run changes nothing
+    cfg = load_config(None, ["ppo.optim.gradient_checkpointing=true"])
+    assert memory.choose_malloc_mmap_threshold("auto", stage_optims(cfg))[0] == memory.FAST_MMAP_THRESHOLD
+    assert memory.choose_malloc_mmap_threshold(1 << 20, {})[0] == 1 << 20
+    assert memory.choose_malloc_mmap_threshold(None, {})[0] is None
+
+
+def test_mmap_threshold_setting_rejects_unknown_words():
+    from mentorrl.config import ConfigError
+    from mentorrl.config.loading import load_config
+
+    with pytest.raises(ConfigError, match="malloc_mmap_threshold"):
+        load_config(None, ["malloc_mmap_threshold=fast"])
+    assert load_config(None, [f"malloc_mmap_threshold={1 << 20}"]).malloc_mmap_threshold == 1 << 20

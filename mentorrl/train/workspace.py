@@ -24,7 +24,7 @@ from mentorrl.eval.metrics import summarize
 from mentorrl.eval.sets import assert_trainable, assert_trainable_splits
 from mentorrl.models.device import resolve_device, rollout_backend_args
 from mentorrl.rollout import BackendChoice, Rollout
-from mentorrl.train.memory import set_malloc_mmap_threshold
+from mentorrl.train.memory import choose_malloc_mmap_threshold, set_malloc_mmap_threshold
 from mentorrl.train.parallelism import Parallelism, choose_parallelism, cpu_cores, write_parallelism
 from mentorrl.train.progress import count_progress
 from mentorrl.train.rundir import MetricsLog
@@ -186,6 +186,26 @@ def auto_parallelism(cfg: RunConfig, ranks: int = 1) -> Parallelism | None:
     return plan
 
 
+def stage_optims(cfg: RunConfig) -> dict[str, Any]:
+    """Each recipe stage's ``optim`` config, by stage (its section is the config field of its name;
+    stages without one left out)."""
+    optims = {name: getattr(getattr(cfg, name, None), "optim", None) for name in cfg.recipe}
+    return {name: o for name, o in optims.items() if o is not None}
+
+
+def apply_malloc_threshold(cfg: RunConfig, main: bool) -> int | None:
+    """Set the run's glibc mmap threshold (:func:`choose_malloc_mmap_threshold`); the choice is printed
+    on the main rank, and why not where it cannot be applied. The bytes applied, or None."""
+    nbytes, reason = choose_malloc_mmap_threshold(cfg.malloc_mmap_threshold, stage_optims(cfg))
+    why = set_malloc_mmap_threshold(nbytes)
+    if main and nbytes is not None:
+        line = (
+            f"malloc_mmap_threshold {nbytes}: {reason}" if why is None else f"malloc_mmap_threshold not applied: {why}"
+        )
+        Console(stderr=True, soft_wrap=True).print(line, markup=False, highlight=False)
+    return nbytes if why is None else None
+
+
 def open_workspace(cfg: RunConfig, show_progress: bool = True, dp=None) -> Workspace:
     """The run's workspace; with ``dp`` (a data-parallel rank) only rank 0 writes and shows progress."""
     run_dir = Path(cfg.run_dir)
@@ -199,9 +219,7 @@ def open_workspace(cfg: RunConfig, show_progress: bool = True, dp=None) -> Works
             Console().print(plan.line(), markup=False, highlight=False)
     if cfg.threads:
         torch.set_num_threads(plan.threads if plan is not None else cfg.threads)
-    why = set_malloc_mmap_threshold(cfg.malloc_mmap_threshold)  # before the policy's tensors are allocated
-    if why is not None and cfg.malloc_mmap_threshold is not None and main:
-        Console(stderr=True).print(f"malloc_mmap_threshold not applied: {why}", markup=False)
+    apply_malloc_threshold(cfg, main)  # before the policy's tensors are allocated
     entry = resolve_env(cfg.env)
     if cfg.eval.stratify:
         check_stratifies(entry.make_tasks())  # before the first step
