@@ -20,6 +20,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from mentorrl.eval.metrics import mean_interval
@@ -68,6 +69,7 @@ def paired_lift(run_dir: Path, before: str = "sft", after: str = "grpo") -> dict
 def run_seed(out: Path, seed: int, overrides: list[str], config: str | None = None) -> dict:
     run_dir = out / f"seed-{seed}"
     report = run_dir / "report.json"
+    wall: dict = {}
     if not report.exists():
         what = ["demo"] if config is None else ["train", config]  # the demo, or another recipe run the same way
         cmd = [sys.executable, "-m", "mentorrl.cli", *what, "--run-dir", str(run_dir), "--set", f"seed={seed}"]
@@ -76,7 +78,10 @@ def run_seed(out: Path, seed: int, overrides: list[str], config: str | None = No
         for ov in overrides:
             cmd += ["--set", ov]
         env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+        t0 = time.perf_counter()
+        wall = {"resumed": run_dir.exists()}  # a resumed seed's wall time covers only this sitting
         done = subprocess.run(cmd, env=env)
+        wall["wall_s"] = round(time.perf_counter() - t0, 1)
         if done.returncode != 0 or not report.exists():
             raise SystemExit(f"seed {seed}: `{' '.join(cmd)}` exited {done.returncode}")
     evals = json.loads(report.read_text())["evals"]
@@ -90,6 +95,7 @@ def run_seed(out: Path, seed: int, overrides: list[str], config: str | None = No
         "grpo_ci95": grpo["success_ci95"],
         "lift_points": 100 * (grpo["success"] - sft["success"]),
         "paired": paired_lift(run_dir),
+        **wall,
     }
 
 
