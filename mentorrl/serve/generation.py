@@ -468,28 +468,23 @@ def _gumbel(size: int, generators: Sequence[Any]) -> Any:
     return torch.stack(rows)
 
 
-class Batcher:
-    """One worker thread owns the model and serves the queued requests in batches.
+class _QueueWorker:
+    """What both batchers share: the request queue, the worker thread that owns the model, the
+    gathering window, and answering a request (its future, then its stream's end)."""
 
-    The worker takes the first pending request, then more for up to ``window_s`` or until
-    ``max_batch`` rows (a request is ``n`` rows, a greedy one 1; one larger than ``max_batch``
-    runs alone). The requests that can share a ``generate`` call (equal :attr:`GenRequest.key`)
-    run together; an error reaches every request of its call, and the worker goes on.
-    ``max_batch=1`` serves one request at a time."""
+    thread_name: str = "mentorrl-serve-worker"
 
-    def __init__(
-        self, gen: PolicyGenerator, max_batch: int = DEFAULT_MAX_BATCH, window_s: float = DEFAULT_BATCH_WINDOW_MS / 1000
-    ):
+    def __init__(self, gen: PolicyGenerator, max_batch: int, window_s: float, stats: Sequence[str]):
         if max_batch < 1 or window_s < 0:
             raise ValueError("max_batch must be at least 1 and window_s not negative")
         self.gen, self.max_batch, self.window_s = gen, max_batch, window_s
         self._queue: queue.Queue[GenRequest] = queue.Queue()
-        self._held: GenRequest | None = None  # taken from the queue, but it did not fit the last batch
-        self.stats = {"busy_s": 0.0, "calls": 0, "rows": 0}  # generate calls: wall seconds, count, rows
-        threading.Thread(target=self._work, name="mentorrl-serve-batcher", daemon=True).start()
+        self._ready: collections.deque[GenRequest] = collections.deque()  # taken from the queue, not run yet
+        self.stats: dict[str, float] = {k: 0.0 if k == "busy_s" else 0 for k in stats}
+        threading.Thread(target=self._work, name=self.thread_name, daemon=True).start()
 
     def submit(self, req: GenRequest) -> list[Sample]:
-        """Queue ``req`` and wait for its samples (an error from its batch is raised here)."""
+        """Queue ``req`` and wait for its samples (an error from a call or pass it was in is raised here)."""
         return self.enqueue(req).result()
 
     def enqueue(self, req: GenRequest) -> Future:
@@ -498,24 +493,62 @@ class Batcher:
         return req.future
 
     def _work(self) -> None:
-        while True:
-            for group in group_requests(self._collect()):
-                self._run(group)
+        raise NotImplementedError
 
-    def _collect(self) -> list[GenRequest]:
-        batch = [self._held or self._queue.get()]
-        self._held = None
-        rows, deadline = batch[0].rows, time.monotonic() + self.window_s
+    def _gather(self) -> None:
+        """Block until a request is ready, then give others ``window_s`` to join it, while the ready
+        requests hold fewer than ``max_batch`` rows."""
+        if not self._ready:
+            self._ready.append(self._queue.get())
+        rows, deadline = sum(r.rows for r in self._ready), time.monotonic() + self.window_s
         while rows < self.max_batch:
             try:
                 req = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 break
-            if rows + req.rows > self.max_batch:
-                self._held = req
-                break
-            batch.append(req)
+            self._ready.append(req)
             rows += req.rows
+
+    @staticmethod
+    def _answer(req: GenRequest, samples: list[Sample] | None = None, error: BaseException | None = None) -> None:
+        """Settle ``req``'s future with its samples, or the error, and end its stream."""
+        if error is not None:
+            req.future.set_exception(error)
+        else:
+            req.future.set_result(samples)
+        if req.events is not None:
+            req.events.put(DONE)
+
+
+class Batcher(_QueueWorker):
+    """One worker thread owns the model and serves the queued requests in batches.
+
+    The worker takes the first pending request, then more for up to ``window_s`` or until
+    ``max_batch`` rows (a request is ``n`` rows, a greedy one 1; one larger than ``max_batch``
+    runs alone). The requests that can share a ``generate`` call (equal :attr:`GenRequest.key`)
+    run together; an error reaches every request of its call, and the worker goes on.
+    ``max_batch=1`` serves one request at a time."""
+
+    thread_name = "mentorrl-serve-batcher"
+
+    def __init__(
+        self, gen: PolicyGenerator, max_batch: int = DEFAULT_MAX_BATCH, window_s: float = DEFAULT_BATCH_WINDOW_MS / 1000
+    ):
+        super().__init__(gen, max_batch, window_s, ("busy_s", "calls", "rows"))  # generate calls: seconds, count, rows
+
+    def _work(self) -> None:
+        while True:
+            for group in group_requests(self._collect()):
+                self._run(group)
+
+    def _collect(self) -> list[GenRequest]:
+        """The ready requests, in order of arrival, while their rows fit ``max_batch`` (the first always)."""
+        self._gather()
+        batch = [self._ready.popleft()]
+        rows = batch[0].rows
+        while self._ready and rows + self._ready[0].rows <= self.max_batch:
+            rows += self._ready[0].rows
+            batch.append(self._ready.popleft())
         return batch
 
     def _run(self, group: list[GenRequest]) -> None:
@@ -524,18 +557,14 @@ class Batcher:
             replies = self.gen.run(group)
         except Exception as e:  # each request of the call answers a 500
             for req in group:
-                req.future.set_exception(e)
-                if req.events is not None:
-                    req.events.put(DONE)
+                self._answer(req, error=e)
             return
         finally:
             self.stats["busy_s"] += time.perf_counter() - t0
             self.stats["calls"] += 1
             self.stats["rows"] += sum(r.rows for r in group)
         for req, samples in zip(group, replies):
-            req.future.set_result(samples)
-            if req.events is not None:
-                req.events.put(DONE)
+            self._answer(req, samples)
 
 
 class _Flight:
@@ -569,7 +598,7 @@ class _Kept:
         self.slot, self.key = slot, key
 
 
-class ContinuousBatcher:
+class ContinuousBatcher(_QueueWorker):
     """Continuous batching on the slot decoder: one worker thread owns one
     :class:`mentorrl.rollout.decoders.SlotDecoder` and runs passes; before each pass it admits the
     queued requests (up to ``max_batch`` rows in flight; a request larger than that runs once the loop
@@ -614,6 +643,8 @@ class ContinuousBatcher:
     pass with the pass count (it may enqueue requests; they are admitted before the next pass; an
     error it raises fails the requests in flight)."""
 
+    thread_name = "mentorrl-serve-continuous"
+
     def __init__(
         self,
         gen: PolicyGenerator,
@@ -622,40 +653,21 @@ class ContinuousBatcher:
         retain_rows: int | None = None,
     ):
         retain_rows = max_batch if retain_rows is None else retain_rows
-        if max_batch < 1 or window_s < 0 or retain_rows < 0:
-            raise ValueError("max_batch must be at least 1, window_s and retain_rows not negative")
-        self.gen, self.max_batch, self.window_s, self.retain_rows = gen, max_batch, window_s, retain_rows
-        self._queue: queue.Queue[GenRequest] = queue.Queue()
-        self._ready: collections.deque[GenRequest] = collections.deque()  # taken from the queue, not admitted yet
+        if retain_rows < 0:
+            raise ValueError("retain_rows must not be negative")
+        self.retain_rows = retain_rows
         self._flights: list[_Flight] = []
         self._rows: list[tuple[_Flight | _Kept, int]] = []  # the decoder's rows: (flight, sample row) or (kept, 0)
         self._kept: list[_Kept] = []  # the retained rows, least recently retained first
         self._dec: Any = None
         self.after_pass: Any = None
-        self.stats = {
-            "busy_s": 0.0,
-            "calls": 0,
-            "rows": 0,
-            "row_passes": 0,
-            "reused_tokens": 0,
-            "prefill_tokens": 0,
-            "reused_rows": 0,
-        }
-        threading.Thread(target=self._work, name="mentorrl-serve-continuous", daemon=True).start()
-
-    def submit(self, req: GenRequest) -> list[Sample]:
-        """Queue ``req`` and wait for its samples (an error from a pass it was in is raised here)."""
-        return self.enqueue(req).result()
-
-    def enqueue(self, req: GenRequest) -> Future:
-        """Queue ``req``; its future gets its samples (a streamed request's events come as they are made)."""
-        self._queue.put(req)
-        return req.future
+        stats = ("busy_s", "calls", "rows", "row_passes", "reused_tokens", "prefill_tokens", "reused_rows")
+        super().__init__(gen, max_batch, window_s, stats)  # starts the worker: the state above comes first
 
     def _work(self) -> None:
         while True:
-            if len(self._rows) == len(self._kept):  # nothing live
-                self._wait()
+            if len(self._rows) == len(self._kept):  # nothing live: wait for a request, and others to join it
+                self._gather()
             t0 = time.perf_counter()
             self.stats["calls"] += 1
             try:
@@ -666,19 +678,6 @@ class ContinuousBatcher:
                 self._fail(e)
             finally:
                 self.stats["busy_s"] += time.perf_counter() - t0
-
-    def _wait(self) -> None:
-        """Block until a request comes to the empty loop, then give others ``window_s`` to join it."""
-        if not self._ready:
-            self._ready.append(self._queue.get())
-        rows, deadline = sum(r.rows for r in self._ready), time.monotonic() + self.window_s
-        while rows < self.max_batch:
-            try:
-                req = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                break
-            self._ready.append(req)
-            rows += req.rows
 
     def _next(self) -> GenRequest | None:
         """The first request waiting to be admitted, if any."""
@@ -856,19 +855,16 @@ class ContinuousBatcher:
             longest = max(len(r) for r in f.new)
             out = [r + [gen.pad_id] * (longest - len(r)) for r in f.new]  # generate's output, as _decode pads
             samples = [gen._sample(row, j, req.stop, f.sampler, req) for j, row in enumerate(out)]
-            req.future.set_result(samples * (req.n // req.rows))
         except Exception as e:
-            req.future.set_exception(e)
-        if req.events is not None:
-            req.events.put(DONE)
+            self._answer(req, error=e)
+            return
+        self._answer(req, samples * (req.n // req.rows))
 
     def _fail(self, e: Exception) -> None:
         flights, self._flights, self._rows, self._kept = self._flights, [], [], []
         self._close()
         for f in flights:
-            f.req.future.set_exception(e)
-            if f.req.events is not None:
-                f.req.events.put(DONE)
+            self._answer(f.req, error=e)
 
     def _close(self) -> None:
         """Close the decoder (nothing live): the retained rows go with it."""
