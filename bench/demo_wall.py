@@ -11,8 +11,10 @@ Arms:
 * ``today``: the demo as it ships (``threads: 2``, no overlap);
 * ``whole``: ``threads: auto`` and ``grpo.overlap: one_step`` (rollout of batch k+1 beside the update of k).
 
-Incremental: each finished (arm, seed) is appended as one JSON line to ``--results`` at once, and a rerun skips
-what is there. Run it on an otherwise idle machine: wall time is what it measures.
+Incremental: each finished (arm, seed, tag) is appended as one JSON line to ``--results`` at once, and a rerun
+skips what is there. ``--tag`` names the code state measured (rows from an earlier commit keep theirs; the
+first rows have none), and each row records its commit. Run it on an otherwise idle machine: wall time is what
+it measures.
 
     OMP_WAIT_POLICY=PASSIVE python bench/demo_wall.py --seeds 0 --out runs/demo-wall \\
         --results bench/results/demo_wall.jsonl
@@ -34,9 +36,9 @@ ARMS: dict[str, list[str]] = {
 }
 
 
-def done_keys(results: Path) -> set[tuple[str, int]]:
-    """The (arm, seed) pairs already in ``results`` (a JSON-lines file; a torn last line is ignored)."""
-    keys: set[tuple[str, int]] = set()
+def done_keys(results: Path) -> set[tuple[str, int, str]]:
+    """The (arm, seed, tag) triples already in ``results`` (a JSON-lines file; a torn last line is ignored)."""
+    keys: set[tuple[str, int, str]] = set()
     if not results.exists():
         return keys
     for line in results.read_text().splitlines():
@@ -45,7 +47,7 @@ def done_keys(results: Path) -> set[tuple[str, int]]:
         except ValueError:
             continue
         if isinstance(row, dict) and "arm" in row and "seed" in row:
-            keys.add((row["arm"], int(row["seed"])))
+            keys.add((row["arm"], int(row["seed"]), str(row.get("tag", ""))))
     return keys
 
 
@@ -71,15 +73,21 @@ def run_figures(run_dir: Path) -> dict:
     return out
 
 
-def run_arm(arm: str, seed: int, out: Path, extra: list[str]) -> dict:
+def commit() -> str | None:
+    """This checkout's commit, if it is a git checkout."""
+    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return done.stdout.strip() or None if done.returncode == 0 else None
+
+
+def run_arm(arm: str, seed: int, out: Path, extra: list[str], tag: str = "") -> dict:
     """One demo in its own process: wall time, CPU seconds of its process tree, its figures."""
-    run_dir = out / f"{arm}-s{seed}"
+    run_dir = out / (f"{arm}-s{seed}" + (f"-{tag}" if tag else ""))
     cmd = [sys.executable, "-m", "mentorrl.cli", "demo", "--run-dir", str(run_dir), "--set", f"seed={seed}"]
     for ov in ARMS[arm] + extra:
         cmd += ["--set", ov]
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
     out.mkdir(parents=True, exist_ok=True)
-    log = out / f"{arm}-s{seed}.log"
+    log = run_dir.with_name(run_dir.name + ".log")
     t0 = time.perf_counter()
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
@@ -93,6 +101,8 @@ def run_arm(arm: str, seed: int, out: Path, extra: list[str]) -> dict:
     return {
         "arm": arm,
         "seed": seed,
+        "tag": tag,
+        "commit": commit(),
         "sets": ARMS[arm] + extra,
         "wall_s": wall,
         "cpu_s": cpu,
@@ -110,12 +120,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("runs/demo-wall"))
     ap.add_argument("--results", type=Path, default=Path("bench/results/demo_wall.jsonl"))
     ap.add_argument("--set", dest="extra", action="append", default=[], help="added to every arm")
+    ap.add_argument("--tag", default="", help="names the code state measured (e.g. malloc-auto); part of a row's key")
     a = ap.parse_args(argv)
+    if a.tag and not a.tag.replace("-", "").replace("_", "").isalnum():
+        ap.error("--tag: letters, digits, - and _ only (it names the run directory)")
     done = done_keys(a.results)
-    todo = [(arm, s) for s in a.seeds for arm in a.arms if (arm, s) not in done]
+    todo = [(arm, s) for s in a.seeds for arm in a.arms if (arm, s, a.tag) not in done]
     print(f"{len(todo)} demo run(s) to go, ~13 minutes each on 2 idle cores at today's settings: {todo}", flush=True)
     for arm, seed in todo:
-        row = run_arm(arm, seed, a.out, a.extra)
+        row = run_arm(arm, seed, a.out, a.extra, a.tag)
         a.results.parent.mkdir(parents=True, exist_ok=True)
         with open(a.results, "a") as f:
             f.write(json.dumps(row) + "\n")

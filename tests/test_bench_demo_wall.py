@@ -15,9 +15,15 @@ def test_done_keys_skips_finished_pairs_and_a_torn_line(tmp_path):
     res = tmp_path / "r.jsonl"
     assert demo_wall.done_keys(res) == set()
     res.write_text(
-        json.dumps({"arm": "today", "seed": 0}) + "\n" + json.dumps({"arm": "whole", "seed": 1}) + '\n{"arm": "to'
+        json.dumps({"arm": "today", "seed": 0})
+        + "\n"
+        + json.dumps({"arm": "whole", "seed": 1})
+        + "\n"
+        + json.dumps({"arm": "today", "seed": 0, "tag": "malloc-auto"})
+        + '\n{"arm": "to'
     )
-    assert demo_wall.done_keys(res) == {("today", 0), ("whole", 1)}
+    # rows without a tag (the first ones) are keyed by the empty tag: a tagged rerun of the same arm is new work
+    assert demo_wall.done_keys(res) == {("today", 0, ""), ("whole", 1, ""), ("today", 0, "malloc-auto")}
 
 
 def test_run_figures_reads_evals_and_grpo_cores_busy(tmp_path):
