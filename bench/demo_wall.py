@@ -9,7 +9,9 @@ GRPO held-out success (with their Wilson intervals), the hidden set's, and the G
 Arms:
 
 * ``today``: the demo as it ships (``threads: 2``, no overlap);
-* ``whole``: ``threads: auto`` and ``grpo.overlap: one_step`` (rollout of batch k+1 beside the update of k).
+* ``whole``: ``threads: auto`` and ``grpo.overlap: one_step`` (rollout of batch k+1 beside the update of k);
+* ``ranks``: two data-parallel ranks of one thread each (``torchrun --standalone --nproc-per-node 2``,
+  ``threads: 1``): each rank rolls out and trains on half of every step's tasks.
 
 Incremental: each finished (arm, seed, tag) is appended as one JSON line to ``--results`` at once, and a rerun
 skips what is there. ``--tag`` names the code state measured (rows from an earlier commit keep theirs; the
@@ -33,6 +35,10 @@ from pathlib import Path
 ARMS: dict[str, list[str]] = {
     "today": [],
     "whole": ["threads=auto", "grpo.overlap=one_step"],
+    "ranks": ["threads=1"],
+}
+LAUNCH: dict[str, list[str]] = {  # how an arm starts the demo (default: one process)
+    "ranks": ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"],
 }
 
 
@@ -82,7 +88,8 @@ def commit() -> str | None:
 def run_arm(arm: str, seed: int, out: Path, extra: list[str], tag: str = "") -> dict:
     """One demo in its own process: wall time, CPU seconds of its process tree, its figures."""
     run_dir = out / (f"{arm}-s{seed}" + (f"-{tag}" if tag else ""))
-    cmd = [sys.executable, "-m", "mentorrl.cli", "demo", "--run-dir", str(run_dir), "--set", f"seed={seed}"]
+    cmd = [sys.executable, *LAUNCH.get(arm, []), "-m", "mentorrl.cli", "demo", "--run-dir", str(run_dir)]
+    cmd += ["--set", f"seed={seed}"]
     for ov in ARMS[arm] + extra:
         cmd += ["--set", ov]
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}

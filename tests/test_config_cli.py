@@ -127,6 +127,12 @@ def test_cli_config_with_file(tmp_path):
     assert res.exit_code == 0, _output(res)
     data = yaml.safe_load(res.stdout)
     assert data["seed"] == 11 and data["sft"]["steps"] == RunConfig().sft.steps  # no demo.yaml mixed in
+    # the recipe as train takes it, positional, gives the same; given twice (two files) is refused
+    same = runner.invoke(app, ["config", str(path)])
+    assert same.exit_code == 0 and same.stdout == res.stdout, _output(same)
+    other = _write(tmp_path, "seed: 12\n", name="other.yaml")
+    both = runner.invoke(app, ["config", str(path), "--config", str(other)])
+    assert both.exit_code == 2 and "once" in _output(both)
 
 
 def test_cli_config_bad_override_exits_2():

@@ -465,15 +465,22 @@ def _check_batches(run_dir: Path, files: list[Path], versions: dict, contract):
 
 @app.command("config")
 def config_cmd(
+    recipe: Optional[Path] = typer.Argument(
+        None, exists=True, dir_okay=False, help="YAML recipe (the same as --config)", show_default=False
+    ),
     config: Optional[Path] = ConfigOpt,
     set_: list[str] = SetOpt,
     reference: bool = typer.Option(
         False, "--reference", help="print every field with its default and meaning (Markdown)"
     ),
 ) -> None:
-    """Print the effective configuration (defaults, a file, overrides) as YAML."""
+    """Print the effective configuration (defaults, a file, overrides) as YAML: `mentorrl config RECIPE`
+    (or --config RECIPE) validates a recipe the way train does, before any work."""
     from mentorrl.config import config_reference_markdown, dump_config
 
+    if recipe is not None and config is not None and recipe != config:
+        raise typer.BadParameter("give the recipe once: as the argument or as --config")
+    config = recipe or config
     if reference:
         sys.stdout.write(config_reference_markdown())
         return
