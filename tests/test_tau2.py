@@ -11,6 +11,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import get_args
 
 import pytest
 
@@ -21,8 +22,9 @@ from mentorrl.envs.base import FinalAnswer, Task, ToolAction
 from mentorrl.envs.tau2 import Tau2Env, tau2_attacks
 from mentorrl.envs.tau2 import protocol as proto
 from mentorrl.envs.tau2.audit import benchmark_reward, play
+from mentorrl.envs.tau2.child import Domain
 from mentorrl.envs.tau2.env import MAX_OBSERVATION_CHARS, USER_TOOL
-from mentorrl.envs.tau2.records import Tau2Task
+from mentorrl.envs.tau2.records import TASK_SETS, Tau2Task, check_clone
 from mentorrl.envs.tau2.reward import JudgeReply, communicate_checks, score
 from mentorrl.envs.tau2.users import ENDED, STOP, ScriptedUser
 
@@ -324,6 +326,55 @@ def test_solo_mode_on_a_domain_without_it_is_a_config_error(tmp_path):
         resolve_env(env_cfg(clone, solo=True))
     with pytest.raises(ValueError, match="solo: only for name: tau2"):
         EnvConfig(name="orders", solo=True)
+
+
+# ----------------------------------------------------------------- task sets ----
+def test_the_task_set_picks_the_task_file_and_its_splits(tmp_path):
+    source = resolve_env(env_cfg(task_set="small", exclude_hackable=False)).make_tasks()
+    ids = lambda split: {ref["tau2_id"] for _, ref in source.rows[split]}  # noqa: E731
+    assert ids("train") == {"0"} and ids("test") == ids("heldout") == {"4"}  # split_tasks.json, kept to the set
+    assert source.report["task_set"] == "small" and source.report["tasks_in_split"] == 1
+    assert source.report["left_out_all_splits"]["in_no_split"] == ["s1"]  # in tasks_small.json, in no split
+    clone = copy_clone(tmp_path)  # upstream's split_<task file> beside it wins over split_tasks.json
+    (clone / "data" / "tau2" / "domains" / "toy" / "split_tasks_small.json").write_text('{"train": ["s1", "4"]}')
+    source = resolve_env(env_cfg(clone, task_set="small", exclude_hackable=False)).make_tasks()
+    assert {ref["tau2_id"] for _, ref in source.rows["train"]} == {"s1", "4"}
+    assert source.report["left_out_all_splits"]["in_no_split"] == ["0"]
+
+
+def test_a_task_set_off_the_allow_list_is_refused():
+    for name in ("../tasks", "tasks_small.json", "/etc/passwd", "voice"):
+        with pytest.raises(ValueError, match="task_set"):
+            env_cfg(task_set=name)
+    with pytest.raises(ValueError, match="task_set: only for name: tau2"):
+        EnvConfig(name="orders", task_set="small")
+    with pytest.raises(ConfigError, match="env.task_set.*'voice' is not one of"):
+        check_clone(str(FIXTURE), "toy", "voice")
+    assert get_args(EnvConfig.model_fields["task_set"].annotation) == tuple(TASK_SETS)
+
+
+def test_a_missing_task_file_or_an_empty_split_is_a_config_error_before_the_first_step(tmp_path):
+    with pytest.raises(ConfigError, match=r"env.task_set: .*toy/tasks_full.json.*task sets it has: tasks, small"):
+        resolve_env(env_cfg(task_set="full"))
+    clone = copy_clone(tmp_path)
+    data = clone / "data" / "tau2" / "domains" / "toy"
+    (data / "tasks_full.json").write_text(json.dumps([TASKS["4"]]))
+    with pytest.raises(ConfigError, match="env.split: no task of toy/tasks_full.json.*'train'.*its tasks: test, base"):
+        resolve_env(env_cfg(clone, task_set="full"))
+    assert resolve_env(env_cfg(clone, task_set="full", split="test"))  # a split that lists it
+    (data / "tasks.json").unlink()
+    with pytest.raises(ConfigError, match="env.path: .*toy/tasks.json.*task sets it has: small, full"):
+        resolve_env(env_cfg(clone))
+
+
+def test_each_initialization_action_and_assertion_is_followed_by_a_sync():
+    # upstream's run_env_function_call syncs after each call: telecom's device must see a suspended line
+    log = []
+    kit = type("Kit", (), {"act": lambda self, **kw: log.append(("act", kw)) or True})()
+    env = type("Env", (), {"tools": kit, "user_tools": kit, "sync_tools": lambda self: log.append("sync")})()
+    for env_type in ("assistant", "user"):
+        assert Domain.function_call(env, {"env_type": env_type, "func_name": "act", "arguments": {"x": 1}})
+    assert log == [("act", {"x": 1}), "sync", ("act", {"x": 1}), "sync"]
 
 
 # ---------------------------------------------------------------------- users ----

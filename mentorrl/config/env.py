@@ -71,6 +71,12 @@ class EnvConfig(Section):
     split: str | None = Field(
         None, description="tau2: the benchmark split the train tasks come from (train, test, base; null: train)"
     )
+    task_set: Literal["tasks", "small", "full"] = Field(
+        "tasks",
+        description="tau2: the domain's task file, by name (an allow-list, never a path): tasks (tasks.json), "
+        "small (tasks_small.json), full (tasks_full.json; both telecom's); its splits are upstream's "
+        "split_<file> beside it, else split_tasks.json (telecom's small set: env.split: small)",
+    )
     python: str | None = Field(
         None,
         description="tau2: the interpreter that runs the domain (null: the clone's .venv/bin/python, else python3.12)",
@@ -101,6 +107,8 @@ class EnvConfig(Section):
                     raise ValueError(f"{key}: only for name: tau2 (this environment is {self.name!r})")
             if self.solo:
                 raise ValueError(f"solo: only for name: tau2 (this environment is {self.name!r})")
+            if self.task_set != "tasks":
+                raise ValueError(f"task_set: only for name: tau2 (this environment is {self.name!r})")
         elif self.user == "llm" and self.user_client is None:
             raise ValueError("user_client: user: llm needs the user's server (user_client: {base_url, model})")
         return self

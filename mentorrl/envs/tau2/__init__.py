@@ -1,5 +1,5 @@
 """τ²-bench (Sierra Research's tau2-bench) from the user's own clone: ``env: {name: tau2, path: <clone>,
-domain: retail|airline|telecom|<any>, split: train|test|base}``.
+domain: retail|airline|telecom|<any>, split: train|test|base, task_set: tasks|small|full}``.
 
 Nothing of the benchmark is copied into mentorrl: the domain's code and data are loaded from the
 clone at run time, in the clone's own interpreter (:mod:`.child`, spoken to by :mod:`.protocol`),
@@ -27,7 +27,7 @@ from .tasks import Tau2Tasks, check_split, tasks_for
 
 def settings_from_config(env_cfg: Any) -> Tau2Settings:
     """The checked settings of an ``env:`` section naming tau2 (a ConfigError naming the field)."""
-    clone, domain = check_clone(env_cfg.path, env_cfg.domain)
+    clone, domain = check_clone(env_cfg.path, env_cfg.domain, env_cfg.task_set)
     python = env_cfg.python or default_python(clone)
     if "/" in python:
         if not Path(python).expanduser().is_file():
@@ -50,6 +50,7 @@ def settings_from_config(env_cfg: Any) -> Tau2Settings:
         exclude_hackable=env_cfg.exclude_hackable,
         max_user_turns=env_cfg.max_user_turns,
         solo=env_cfg.solo,
+        task_set=env_cfg.task_set,
     )
     check_split(settings)
     return settings

@@ -55,10 +55,14 @@ class Domain:
 
     @staticmethod
     def function_call(env: Any, call: dict[str, Any]) -> Any:
+        """One initialization action or assertion, then a sync, as upstream's ``run_env_function_call``
+        (telecom: the user's device must see a line suspended by the previous action)."""
         kit = env.user_tools if call.get("env_type") == "user" else env.tools
         if kit is None:
             raise ValueError(f"no {call.get('env_type')} tools for {call.get('func_name')}")
-        return getattr(kit, str(call["func_name"]))(**dict(call.get("arguments") or {}))
+        result = getattr(kit, str(call["func_name"]))(**dict(call.get("arguments") or {}))
+        env.sync_tools()
+        return result
 
     def hello(self) -> dict[str, Any]:
         env = self.fresh(None, self.solo)

@@ -2,7 +2,11 @@
 
 A clone has ``data/tau2/domains/<domain>/`` (``tasks.json``, ``split_tasks.json``, and the files the
 domain's code opens: ``db.json`` and ``policy.md``; telecom: ``db.toml``, ``user_db.toml`` and its
-policies) and ``src/tau2/domains/<domain>/``. The records keep
+policies) and ``src/tau2/domains/<domain>/``. ``env.task_set`` picks the task file from an allow-list
+(:data:`TASK_SETS`: ``tasks.json``, telecom's ``tasks_small.json`` / ``tasks_full.json``), never a path
+from the config or the clone; its splits are upstream's ``split_<stem>.json`` beside it when the clone
+has one, else the domain's ``split_tasks.json`` (upstream's ``small`` and ``full`` splits of telecom
+list the ids of those task sets). The records keep
 the fields the adapter reads (the scenario, the initial state, the evaluation criteria); others
 are ignored. Every failure here is a :class:`~mentorrl.config.ConfigError` naming the ``env.``
 field to fix, raised before the first step.
@@ -22,6 +26,7 @@ from mentorrl.config.base import ConfigError
 
 MAX_TASK_FILE_BYTES = 64 * 1024 * 1024
 MAX_TASKS = 10_000
+TASK_SETS = {"tasks": "tasks.json", "small": "tasks_small.json", "full": "tasks_full.json"}  # env.task_set
 REWARD_TYPES = ("DB", "ENV_ASSERTION", "COMMUNICATE", "NL_ASSERTION", "ACTION")
 
 
@@ -101,10 +106,21 @@ class Tau2Settings:
     exclude_hackable: bool = True
     max_user_turns: int = 10
     solo: bool = False
+    task_set: str = "tasks"
 
     @property
     def data_dir(self) -> Path:
         return self.clone / "data" / "tau2" / "domains" / self.domain
+
+    @property
+    def task_file(self) -> str:
+        return TASK_SETS[self.task_set]  # a KeyError for a name off the allow-list
+
+    @property
+    def split_file(self) -> str:
+        """Upstream's rule (``split_<stem>.json`` beside the task file), else the domain's split_tasks.json."""
+        own = "split_" + self.task_file
+        return own if (self.data_dir / own).is_file() else "split_tasks.json"
 
 
 def domains_in(clone: Path) -> list[str]:
@@ -112,8 +128,13 @@ def domains_in(clone: Path) -> list[str]:
     return sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
 
 
-def check_clone(path: str | None, domain: str | None) -> tuple[Path, str]:
-    """The clone's root and the domain, checked: a ConfigError naming ``env.path`` / ``env.domain``."""
+def task_sets_in(data: Path) -> list[str]:
+    return [name for name, file in TASK_SETS.items() if (data / file).is_file()]
+
+
+def check_clone(path: str | None, domain: str | None, task_set: str = "tasks") -> tuple[Path, str]:
+    """The clone's root and the domain, checked: a ConfigError naming ``env.path`` / ``env.domain`` /
+    ``env.task_set``."""
     if not path:
         raise ConfigError("env.path: environment 'tau2' reads your clone of tau2-bench: set env.path to its root")
     clone = Path(path).expanduser().resolve()
@@ -127,9 +148,18 @@ def check_clone(path: str | None, domain: str | None) -> tuple[Path, str]:
     if not domain.isidentifier() or domain not in known or not (clone / "src" / "tau2" / "domains" / domain).is_dir():
         raise ConfigError(f"env.domain: no domain {domain!r} in {clone} (data and code); it has {', '.join(known)}")
     data = clone / "data" / "tau2" / "domains" / domain
-    for name in ("tasks.json", "split_tasks.json"):  # what the adapter reads itself; the domain's own files
-        if not (data / name).is_file():  # (db.json or db.toml, policy.md or telecom's policies) are its to open:
-            raise ConfigError(f"env.path: the clone has no data/tau2/domains/{domain}/{name}")  # see handshake
+    if task_set not in TASK_SETS:
+        raise ConfigError(f"env.task_set: {task_set!r} is not one of {', '.join(TASK_SETS)}")
+    name = TASK_SETS[task_set]  # what the adapter reads itself; the domain's own files (db.json or db.toml,
+    if not (data / name).is_file():  # policy.md or telecom's policies) are its to open: see handshake
+        field = "env.task_set" if task_set != "tasks" else "env.path"
+        have = ", ".join(task_sets_in(data)) or "none"
+        raise ConfigError(
+            f"{field}: the clone has no data/tau2/domains/{domain}/{name} (env.task_set: {task_set}); "
+            f"the task sets it has: {have}"
+        )
+    if not (data / "split_tasks.json").is_file():
+        raise ConfigError(f"env.path: the clone has no data/tau2/domains/{domain}/split_tasks.json")
     return clone, domain
 
 
@@ -149,25 +179,33 @@ def _read_json(path: Path, what: str) -> Any:
 
 def load_tasks(settings: Tau2Settings) -> dict[str, Tau2Task]:
     """Every task of the domain, by id (a ConfigError naming env.path for a malformed file)."""
-    rows = _read_json(settings.data_dir / "tasks.json", f"{settings.domain}/tasks.json")
+    what = f"{settings.domain}/{settings.task_file}"
+    rows = _read_json(settings.data_dir / settings.task_file, what)
     if not isinstance(rows, list) or len(rows) > MAX_TASKS:
-        raise ConfigError(f"env.path: {settings.domain}/tasks.json must be a list of at most {MAX_TASKS} tasks")
+        raise ConfigError(f"env.path: {what} must be a list of at most {MAX_TASKS} tasks")
     out: dict[str, Tau2Task] = {}
     for i, row in enumerate(rows):
         try:
             task = Tau2Task.model_validate(row)
         except ValidationError as e:
-            raise ConfigError(f"env.path: {settings.domain}/tasks.json task #{i}: {str(e)[:400]}") from None
+            raise ConfigError(f"env.path: {what} task #{i}: {str(e)[:400]}") from None
         out[task.id] = task
     return out
 
 
+def task_ids(settings: Tau2Settings) -> set[str]:
+    """The ids of the task file, unvalidated otherwise (the split check before the first step)."""
+    rows = _read_json(settings.data_dir / settings.task_file, f"{settings.domain}/{settings.task_file}")
+    return {str(r["id"]) for r in rows if isinstance(r, dict) and "id" in r} if isinstance(rows, list) else set()
+
+
 def load_splits(settings: Tau2Settings) -> dict[str, list[str]]:
-    raw = _read_json(settings.data_dir / "split_tasks.json", f"{settings.domain}/split_tasks.json")
+    what = f"{settings.domain}/{settings.split_file}"
+    raw = _read_json(settings.data_dir / settings.split_file, what)
     if not isinstance(raw, dict) or not all(
         isinstance(v, list) and all(isinstance(x, str) for x in v) for v in raw.values()
     ):
-        raise ConfigError(f"env.path: {settings.domain}/split_tasks.json must map split names to lists of task ids")
+        raise ConfigError(f"env.path: {what} must map split names to lists of task ids")
     return {str(k): list(v) for k, v in raw.items()}
 
 
@@ -178,6 +216,7 @@ __all__ = [
     "Instructions",
     "MAX_TASK_FILE_BYTES",
     "REWARD_TYPES",
+    "TASK_SETS",
     "Tau2Settings",
     "Tau2Task",
     "UserScenario",
@@ -186,4 +225,6 @@ __all__ = [
     "domains_in",
     "load_splits",
     "load_tasks",
+    "task_ids",
+    "task_sets_in",
 ]

@@ -5,7 +5,8 @@ and ``hidden`` (evaluation only: the training guard refuses it) are the benchmar
 benchmark split is also there under its own name (``train``, ``test``, ``base``, ...). Left out, and
 counted in :attr:`Tau2Tasks.report`:
 
-* everywhere (:func:`left_out_reason`): without ``env.judge``, tasks whose reward needs the
+* everywhere: tasks of the task file (``env.task_set``) that no split lists (``in_no_split``: a split
+  file written for another task set); and (:func:`left_out_reason`) without ``env.judge``, tasks whose reward needs the
   NL_ASSERTION judge (scoring them 0 or 1 without one would be a wrong reward either way); outside
   solo mode, tasks with a gold action the user takes (no user here has tools); in solo mode, tasks
   without a ticket;
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import Any
+from typing import Any, Iterable
 
 from mentorrl.config.base import ConfigError
 from mentorrl.envs.adapters.common import AdapterTasks
@@ -26,7 +27,7 @@ from mentorrl.envs.base import Task
 
 from .audit import screen_tasks, tau2_attacks
 from .env import DomainSpec, Tau2Env
-from .records import Tau2Settings, Tau2Task, load_splits, load_tasks
+from .records import Tau2Settings, Tau2Task, load_splits, load_tasks, task_ids
 from .users import opening_message
 
 
@@ -35,10 +36,23 @@ def _row(record: Tau2Task, settings: Tau2Settings) -> tuple[str, dict[str, Any]]
     return prompt, {"tau2": record.model_dump(mode="json"), "tau2_id": record.id, "family": settings.domain}
 
 
-def check_split(settings: Tau2Settings) -> dict[str, list[str]]:
+def check_split(settings: Tau2Settings, ids: Iterable[str] | None = None) -> dict[str, list[str]]:
+    """The splits, each kept to the ids of the task set (``ids``; None: read them when ``env.task_set`` is
+    not the default); a ConfigError naming ``env.split`` for a split the domain lacks, or one that lists
+    no task of a non-default task set."""
     splits = load_splits(settings)
     if settings.split not in splits:
         raise ConfigError(f"env.split: {settings.domain} has no split {settings.split!r}; it has {', '.join(splits)}")
+    if ids is None and settings.task_set == "tasks":
+        return splits
+    known = set(ids) if ids is not None else task_ids(settings)
+    splits = {name: [i for i in members if i in known] for name, members in splits.items()}
+    if settings.task_set != "tasks" and not splits[settings.split]:
+        have = [name for name, members in splits.items() if members]
+        raise ConfigError(
+            f"env.split: no task of {settings.domain}/{settings.task_file} (env.task_set: {settings.task_set}) "
+            f"is in split {settings.split!r}; the splits that list its tasks: {', '.join(have) or 'none'}"
+        )
     return splits
 
 
@@ -74,8 +88,11 @@ class Tau2Tasks(AdapterTasks):
 
     def __init__(self, settings: Tau2Settings, make_env: Any):
         records = load_tasks(settings)
-        splits = check_split(settings)
-        reasons = {i: left_out_reason(r, settings) for i, r in records.items()}
+        splits = check_split(settings, records)
+        listed = {i for members in splits.values() for i in members}
+        reasons = {
+            i: left_out_reason(r, settings) or (None if i in listed else "in_no_split") for i, r in records.items()
+        }
         left_out: dict[str, list[str]] = {}
         for i, why in reasons.items():
             if why is not None:
@@ -90,6 +107,7 @@ class Tau2Tasks(AdapterTasks):
         in_split = set(splits[settings.split])
         self.report = {
             "domain": settings.domain,
+            "task_set": settings.task_set,
             "split": settings.split,
             "tasks_in_split": len(splits[settings.split]),
             "refused_nl_assertion": [i for i in left_out.get("nl_assertion", []) if i in in_split],
@@ -99,11 +117,13 @@ class Tau2Tasks(AdapterTasks):
             "train_tasks": len(rows["train"]),
         }
         others = {k: len([i for i in v if i in in_split]) for k, v in left_out.items() if k != "nl_assertion"}
+        unlisted = left_out.get("in_no_split", [])
         print(
-            f"tau2 {settings.domain}/{settings.split}: {len(rows['train'])} training tasks of "
+            f"tau2 {settings.domain}/{settings.split} ({settings.task_file}): {len(rows['train'])} training tasks of "
             f"{len(in_split)}; left out: {len(self.report['refused_nl_assertion'])} needing the NL judge "
             f"(no env.judge), {len(hackable)} an audit attack wins ({', '.join(sorted(hackable)) or 'none'})"
-            + "".join(f", {n} {k.replace('_', ' ')}" for k, n in others.items() if n),
+            + "".join(f", {n} {k.replace('_', ' ')}" for k, n in others.items() if n)
+            + (f" ({len(unlisted)} of {settings.task_file} in no split of {settings.split_file})" if unlisted else ""),
             file=sys.stderr,
             flush=True,
         )
