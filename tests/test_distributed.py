@@ -183,7 +183,7 @@ def test_torchrun_train_runs_sft_and_grpo_data_parallel_with_the_single_process_
         PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     )
 
-    def train(name: str, launcher: list[str], recipe: list[str]) -> list[dict]:
+    def train(name: str, launcher: list[str], recipe: list[str], extra: dict | None = None) -> list[dict]:
         cfg = {
             "run_dir": str(tmp_path / name),
             "recipe": recipe,
@@ -202,6 +202,7 @@ def test_torchrun_train_runs_sft_and_grpo_data_parallel_with_the_single_process_
             },
             "grpo": {"steps": 2, "tasks_per_step": 2, "samples_per_task": 2, "updates_per_step": 1, "kl_coef": 0.05},
         }
+        cfg.update(extra or {})
         path = tmp_path / f"{name}.yaml"
         path.write_text(yaml.safe_dump(cfg))
         proc = subprocess.run(
@@ -215,8 +216,16 @@ def test_torchrun_train_runs_sft_and_grpo_data_parallel_with_the_single_process_
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
         return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
 
+    # the evaluations (after each stage, the final split, the gap monitor's checks) are dealt over the ranks
+    evals = {
+        "eval": {"num_tasks": 5, "batch_size": 2, "stratify": False, "final_splits": ["hidden"]},
+        "audit": {"preflight": False, "eval_every": 1, "eval_tasks": 3},
+    }
     ddp = train(
-        "ddp", [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"], ["sft", "grpo"]
+        "ddp",
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"],
+        ["sft", "grpo"],
+        evals,
     )
     one = train("one", [sys.executable], ["sft"])
     assert [(r["stage"], r["step"]) for r in ddp] == [("sft", 1), ("sft", 2), ("grpo", 1), ("grpo", 2)]
@@ -227,6 +236,11 @@ def test_torchrun_train_runs_sft_and_grpo_data_parallel_with_the_single_process_
     # untrained policy earns no reward, so its gradient here is the KL term's: 0 at the reference)
     assert all(r["rollouts"] == 4 and r["trained_trajectories"] == 4 and "grad_norm" in r for r in ddp[2:])
     assert (tmp_path / "ddp" / "grpo" / "final" / "DONE").exists()
+    for label in ("sft", "grpo", "grpo_hidden"):
+        ev = json.loads((tmp_path / "ddp" / f"eval_{label}.json").read_text())
+        lines = (tmp_path / "ddp" / f"eval_{label}.jsonl").read_text().splitlines()
+        assert ev["n"] == 5 and len(lines) == 5, label  # every rank's batches, written once by rank 0
+    assert all("heldout_success" in r for r in ddp[2:])
 
 
 @pytest.mark.parametrize(

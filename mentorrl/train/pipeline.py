@@ -245,26 +245,33 @@ def run_stages(ws: Workspace, resume: bool, t0: float) -> dict[str, Any]:
         run_stage_by_name(ws, stage, model, resume)
         done.append(stage)
         if cfg.eval.num_tasks > 0:
-            evals[stage] = ws.on_main(lambda: evaluate(ws, model, stage, resume=resume))
+            evals[stage] = evaluate(ws, model, stage, resume=resume)  # every rank: a launch's ranks share it
             rows[" + ".join(stage_label(s) for s in done)] = evals[stage]
             con.print(f"held-out success after {stage_label(stage)}: {_fmt_pct(evals[stage]['success'])}")
 
-    return ws.on_main(lambda: _finish_recipe(ws, model, resume, rows, evals, t0))
+    final = cfg.recipe[-1]
+    other = {  # the final checkpoint on the final splits, on every rank like the stages' evaluations
+        split: evaluate(ws, model, f"{final}_{split}", resume=resume, split=split)
+        for split in (cfg.eval.final_splits if cfg.eval.num_tasks > 0 else [])
+    }
+    return ws.on_main(lambda: _finish_recipe(ws, rows, evals, other, t0))
 
 
 def _finish_recipe(
-    ws: Workspace, model, resume: bool, rows: dict[str, dict[str, Any]], evals: dict[str, dict[str, Any]], t0: float
+    ws: Workspace,
+    rows: dict[str, dict[str, Any]],
+    evals: dict[str, dict[str, Any]],
+    other: dict[str, dict[str, Any]],
+    t0: float,
 ) -> dict[str, Any]:
-    """After the stages: final-split evaluations, the report, plots and the closing summary."""
+    """After the stages and the final-split evaluations (``other``): the report, plots and the closing summary."""
     cfg, con = ws.cfg, ws.console
     if rows:
         con.print(before_after_table(rows))
     final = cfg.recipe[-1]
-    other: dict[str, dict[str, Any]] = {}
-    for split in cfg.eval.final_splits if cfg.eval.num_tasks > 0 else []:
-        other[split] = evaluate(ws, model, f"{final}_{split}", resume=resume, split=split)
+    for split, ev in other.items():
         note = " (stress set: words never used in training)" if split == "novel_wording" else ""
-        con.print(f"{stage_label(final)} on {split}: {_fmt_pct(other[split]['success'])}{note}")
+        con.print(f"{stage_label(final)} on {split}: {_fmt_pct(ev['success'])}{note}")
     records = ws.metrics.read()
     rl_at = max((i for i, s in enumerate(cfg.recipe) if s in rl_stage_names()), default=None)  # the last RL stage
     rl_stage = cfg.recipe[rl_at] if rl_at is not None else None

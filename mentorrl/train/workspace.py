@@ -266,10 +266,48 @@ def load_weights_into(model, ckpt: Path, verify: bool = True) -> None:
 
 
 def heldout_check(ws: Workspace, model, n: int) -> float:
-    """Held-out success of the current weights on ``n`` tasks (the same tasks at every check of a run)."""
+    """Held-out success of the current weights on ``n`` tasks (the same tasks at every check of a run), in
+    this process alone."""
     tasks = ws.eval_tasks(ws.cfg.eval.split, n)
     trajs = eval_rollout(ws).run(model, tasks, seed=ws.cfg.eval.seed, batch_size=ws.cfg.eval.batch_size)
     return float(summarize(trajs)["success"])
+
+
+def eval_batches(n: int, batch_size: int, rank: int, world: int) -> list[int]:
+    """The offsets of the evaluation batches rank ``rank`` of ``world`` rolls out: ``n`` tasks cut into
+    batches of ``batch_size`` (as :meth:`Rollout.run` cuts them), dealt round-robin."""
+    return list(range(0, n, batch_size))[rank::world]
+
+
+def shares_evaluation(ws: Workspace) -> bool:
+    """Whether this run's evaluations are dealt over its ranks: a data-parallel (DDP) launch of more
+    than one rank, every rank holding the whole model."""
+    dp = ws.dp
+    return dp is not None and dp.world_size > 1 and dp.strategy == "ddp"
+
+
+def eval_trajectories(ws: Workspace, model, tasks: list, on_batch: Callable[[int], None] | None = None) -> list:
+    """The evaluation rollout of ``tasks`` (eval settings), on every rank of a launch (a collective call).
+
+    One process rolls them out in batches of ``eval.batch_size``, the batch at offset ``lo`` seeded
+    ``eval.seed + lo`` (:meth:`Rollout.run`). A data-parallel launch (:func:`shares_evaluation`) deals
+    those batches over its ranks, each rolled out alone with its own offset's seed, and gathers them in
+    order on every rank: the same trajectories, in a fraction of the time. Other launches (FSDP2) roll
+    out on rank 0 and broadcast."""
+    e, ro = ws.cfg.eval, eval_rollout(ws)
+    if not shares_evaluation(ws):
+        return ws.on_main(lambda: ro.run(model, tasks, seed=e.seed, batch_size=e.batch_size, on_batch=on_batch))
+    dp = ws.dp
+    mine = {
+        lo: ro.run(model, tasks[lo : lo + e.batch_size], seed=e.seed + lo, batch_size=e.batch_size, on_batch=on_batch)
+        for lo in eval_batches(len(tasks), e.batch_size, dp.rank, dp.world_size)
+    }
+    parts: dict[int, list] = {}
+    for part in dp.all_gather(mine):
+        parts.update(part)
+    if on_batch is not None:  # the other ranks' batches, on this rank's progress
+        on_batch(len(tasks) - sum(len(v) for v in mine.values()))
+    return [t for lo in range(0, len(tasks), e.batch_size) for t in parts[lo]]
 
 
 def eval_rollout(ws: Workspace) -> Rollout:
@@ -279,18 +317,22 @@ def eval_rollout(ws: Workspace) -> Rollout:
 
 def evaluate(ws: Workspace, model, label: str, resume: bool = False, split: str | None = None) -> dict[str, Any]:
     """Roll out ``eval.num_tasks`` tasks of ``split`` (default ``eval.split``, the held-out set);
-    writes eval_<label>.json and eval_<label>.jsonl into the run dir."""
+    rank 0 writes eval_<label>.json and eval_<label>.jsonl into the run dir. Called on every rank of a
+    launch (:func:`eval_trajectories`); each returns the summary."""
     e = ws.cfg.eval
     split = split or e.split
     out_json = ws.run_dir / f"eval_{label}.json"
     tasks = ws.eval_tasks(split, e.num_tasks)
-    if resume and out_json.exists():
-        done = json.loads(out_json.read_text())
-        if (done.get("split"), done.get("eval_seed"), done.get("n")) == (split, e.seed, len(tasks)):
-            return done  # the same evaluation; another task count, split or seed is run again
+    done = ws.on_main(lambda: json.loads(out_json.read_text()) if resume and out_json.exists() else None)
+    if done is not None and (done.get("split"), done.get("eval_seed"), done.get("n")) == (split, e.seed, len(tasks)):
+        return done  # the same evaluation; another task count, split or seed is run again
     with count_progress(ws, f"eval {label}", len(tasks)) as advance:
-        trajs = eval_rollout(ws).run(model, tasks, seed=e.seed, batch_size=e.batch_size, on_batch=advance)
-    write_jsonl(ws.run_dir / f"eval_{label}.jsonl", trajs)
+        trajs = eval_trajectories(ws, model, tasks, on_batch=advance)
     summary = {"label": label, "split": split, "eval_seed": e.seed, "stratified": e.stratify, **summarize(trajs)}
-    out_json.write_text(json.dumps(summary, indent=2))
+
+    def write() -> None:
+        write_jsonl(ws.run_dir / f"eval_{label}.jsonl", trajs)
+        out_json.write_text(json.dumps(summary, indent=2))
+
+    ws.on_main(write)
     return summary
