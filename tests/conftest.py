@@ -177,6 +177,19 @@ def find_task(orders_tasks) -> Callable[..., Task]:
 
 
 # ------------------------------------------------------- test-only environment -----
+def random_weights(model, scale: float, seed: int = 0):
+    """A copy of ``model`` (eval mode) whose matrices are redrawn from N(0, ``scale``^2): what it writes then
+    depends on the prompt (the random-init tiny model writes newlines after any prompt), so a padding or
+    caching mistake shows in its tokens."""
+    m = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) * scale)
+    return m.eval()
+
+
 def _obj_schema(**props: dict) -> dict:
     return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
 

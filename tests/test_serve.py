@@ -20,6 +20,7 @@ import httpx
 import pytest
 import torch
 from cli_helpers import cli_output, cli_with
+from conftest import random_weights
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
@@ -111,16 +112,8 @@ def biased_model(model):
 
 @pytest.fixture(scope="module")
 def varied_model(model):
-    """The tiny model with large random weights: what it writes depends on the prompt (the
-    random-init model writes newlines after any prompt), so a padding mistake shows."""
-    m = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in m.parameters():
-            if p.dim() >= 2:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    m.eval()
-    return m
+    """The tiny model with large random weights: a padding mistake shows (``conftest.random_weights``)."""
+    return random_weights(model, 0.3)
 
 
 @pytest.fixture(scope="module")

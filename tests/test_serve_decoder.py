@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import random_weights
 from fastapi.testclient import TestClient
 
 from mentorrl.chat import prompt_text
@@ -32,12 +33,7 @@ LP_TOL = 1e-5
 def varied(model, tokenizer):
     """The tiny model with large random weights (what it writes depends on the prompt) and an LM-head
     bias towards the stop token: some turns stop after a few tokens, others run to the budget."""
-    m = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in m.parameters():
-            if p.dim() >= 2:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.15)
+    m = random_weights(model, 0.15)
     bias = torch.zeros(m.lm_head.weight.shape[0])
     bias[tokenizer.convert_tokens_to_ids(IM_END)] = 3.0
     m.lm_head.bias = torch.nn.Parameter(bias)

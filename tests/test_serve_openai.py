@@ -15,6 +15,7 @@ from typing import Any, Iterator
 
 import pytest
 import torch
+from conftest import random_weights
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -80,14 +81,7 @@ def running(app: Any) -> Iterator[str]:
 @pytest.fixture(scope="module")
 def varied_model(model):
     """The tiny model with large random weights: it writes varied text (and sometimes a tool-call tag)."""
-    m = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in m.parameters():
-            if p.dim() >= 2:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    m.eval()
-    return m
+    return random_weights(model, 0.3)
 
 
 @pytest.fixture(scope="module")
