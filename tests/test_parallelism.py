@@ -62,3 +62,62 @@ def test_auto_sets_the_ray_rollout_workers_unless_the_config_did():
     auto_parallelism(cfg)
     assert cfg.distributed.rollout_workers == 5
     assert auto_parallelism(load_config(None, ["threads=2"])) is None
+
+
+# ---- --ranks: a command run as data-parallel ranks on this machine -------------------------------------
+DDP_STAGES = ("sft", "grpo")
+
+
+@pytest.mark.parametrize(
+    "cores, device, recipe, want",
+    [
+        (1, "cpu", RL, 1),
+        (2, "cpu", RL, 2),  # the demo's machine: 2 ranks x 1 thread
+        (4, "cpu", RL, 2),
+        (64, "cpu", RL, 8),
+        (2, "cpu", ("sft", "opd"), 1),  # a stage without a data-parallel learner: one process
+        (8, "cuda:0", RL, 1),
+    ],
+)
+def test_auto_ranks_by_cores_device_and_recipe(cores, device, recipe, want):
+    from mentorrl.train.parallelism import auto_ranks
+
+    n, why = auto_ranks(cores, device, recipe, DDP_STAGES)
+    assert n == want and why
+
+
+def test_ranks_relaunch_the_same_command_under_torchrun(monkeypatch, tmp_path):
+    """``--ranks 2`` validates the config first, then runs the same command (its options kept) as a torchrun
+    launch of 2 ranks whose threads are shared out, and exits with the launch's status."""
+    import subprocess
+
+    from typer.testing import CliRunner
+
+    from mentorrl.cli import app
+
+    seen: list[list[str]] = []
+
+    def fake_run(cmd, *a, **k):
+        seen.append(cmd)
+        return subprocess.CompletedProcess(cmd, 3)
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    runner = CliRunner()
+    res = runner.invoke(app, ["demo", "--ranks", "2", "--run-dir", str(tmp_path / "r"), "--set", "grpo.steps=3"])
+    assert res.exit_code == 3, res.output
+    (cmd,) = seen
+    at = cmd.index("torch.distributed.run")
+    assert cmd[at + 1 : at + 3] == ["--standalone", "--nproc-per-node=2"]
+    tail = cmd[cmd.index("mentorrl.cli") + 1 :]
+    assert tail == ["demo", "--run-dir", str(tmp_path / "r"), "--set", "grpo.steps=3", "--set", "threads=auto"]
+    # a broken config fails before anything is launched; a bad count is refused
+    bad = runner.invoke(app, ["demo", "--ranks", "2", "--set", "grpo.no_such_field=1"])
+    assert bad.exit_code == 2 and len(seen) == 1
+    assert runner.invoke(app, ["demo", "--ranks", "zero"]).exit_code == 2 and len(seen) == 1
+    # inside a launch (torchrun set WORLD_SIZE) nothing is launched again
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    from mentorrl.cli import _launch_ranks
+
+    _launch_ranks(2, ["demo"])
+    assert len(seen) == 1

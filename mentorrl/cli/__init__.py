@@ -80,6 +80,58 @@ def _train(cfg, resume: bool) -> dict:
         raise typer.Exit(1)
 
 
+def _ranks(spec: str, cfg) -> int:
+    """The data-parallel ranks ``--ranks`` asks for: a count, or ``auto`` (:func:`auto_ranks`, printed)."""
+    from mentorrl.config.stages import stages_supporting
+    from mentorrl.models.device import resolve_device
+    from mentorrl.train.parallelism import auto_ranks, cpu_cores
+
+    if spec != "auto":
+        try:
+            n = int(spec)
+        except ValueError:
+            n = 0
+        if not 1 <= n <= 64:
+            raise typer.BadParameter(f"--ranks: a count from 1 to 64, or auto (got {spec!r})")
+        return n
+    device = str(resolve_device(cfg.model.device))
+    n, why = auto_ranks(cpu_cores(), device, cfg.recipe, stages_supporting(cfg.distributed.strategy))
+    console.print(f"ranks (--ranks auto): {n} -- {why}", markup=False, highlight=False)
+    return n
+
+
+def _launch_ranks(n: int, cli_args: list[str]) -> None:
+    """Run this command as ``n`` data-parallel ranks (a torchrun launch of this machine) and exit with its
+    status; nothing to do for 1 rank, or inside a launch already."""
+    import os
+    import subprocess
+
+    from mentorrl.train.parallelism import torchrun_command
+
+    if n <= 1 or "WORLD_SIZE" in os.environ:
+        return
+    cmd = torchrun_command(n, cli_args, sys.executable)
+    console.print("launching: " + " ".join(cmd), markup=False, highlight=False)
+    raise typer.Exit(subprocess.run(cmd).returncode)
+
+
+def _run_args(command: str, config: Optional[Path], run_dir, resume: bool, no_eval: bool, set_: list[str]) -> list[str]:
+    """The command line of ``mentorrl COMMAND`` with these options, for a launch of its ranks."""
+    args = [command] + ([str(config)] if command == "train" else ["--config", str(config)] if config else [])
+    args += ["--run-dir", str(run_dir)] if run_dir else []
+    args += ["--resume"] if resume else []
+    args += ["--no-eval"] if no_eval else []
+    for ov in set_:
+        args += ["--set", ov]
+    return args
+
+
+RanksOpt = typer.Option(
+    "1",
+    "--ranks",
+    help="run as this many data-parallel ranks on this machine (a torchrun launch, threads shared out), or "
+    "auto: by the cores and the recipe (2 on 2 CPU cores; docs/scaling.md)",
+)
 ConfigOpt = typer.Option(None, "--config", "-c", exists=True, dir_okay=False, help="YAML recipe")
 SetOpt = typer.Option([], "--set", help="override a field: --set grpo.steps=10 (repeatable)")
 RunDirOpt = typer.Option(
@@ -107,10 +159,12 @@ def demo(
     resume: bool = typer.Option(False, "--resume", help="continue from the run dir's last checkpoint"),
     no_eval: bool = NoEvalOpt,
     set_: list[str] = SetOpt,
+    ranks: str = RanksOpt,
 ) -> None:
     """Build the tiny model, audit the reward, SFT, evaluate, GRPO, evaluate again; print the table and report."""
     quiet_transformers()
     cfg = _load(config, [*set_, *NO_EVAL] if no_eval else set_, run_dir, default="demo.yaml")
+    _launch_ranks(_ranks(ranks, cfg), _run_args("demo", config, run_dir, resume, no_eval, set_))
     result = _train(cfg, resume)
     from mentorrl.train.distributed import is_main_process
 
@@ -131,10 +185,14 @@ def train(
         help="import this module before the recipe is validated (it may register stages with their "
         "config sections, and environments); repeatable, added to the recipe's plugins",
     ),
+    ranks: str = RanksOpt,
 ) -> None:
     """Run a recipe's stages (e.g. sft -> rft -> grpo, held-out eval after each); model.path may be any HF checkpoint."""
     quiet_transformers()
-    _train(_load(config, [*set_, *NO_EVAL] if no_eval else set_, run_dir, plugins=plugin), resume)
+    cfg = _load(config, [*set_, *NO_EVAL] if no_eval else set_, run_dir, plugins=plugin)
+    args = _run_args("train", config, run_dir, resume, no_eval, set_) + [a for p in plugin for a in ("--plugin", p)]
+    _launch_ranks(_ranks(ranks, cfg), args)
+    _train(cfg, resume)
 
 
 @app.command("init-model")

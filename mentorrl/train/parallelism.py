@@ -7,8 +7,8 @@ applies the run's ``threads`` (torch intra-op threads of this process) and ``rol
 actors under ``distributed.backend: ray``, unless set); an overlapped stage (``grpo.overlap: one_step``)
 applies its own ``threads`` while it runs (:func:`mentorrl.train.overlap.stage_threads`), so SFT keeps every
 core. Each choice is printed with its reason and written to ``RUN_DIR/parallelism.json`` (``run``, and the
-stage's name). ``learner_ranks`` is advice: a process cannot launch its own
-data-parallel ranks, so the line says which ``torchrun`` command would use the cores better.
+stage's name). ``learner_ranks`` is advice (the line says which ``torchrun`` command would use the cores
+better); ``--ranks`` on ``mentorrl demo`` / ``train`` launches them (:func:`auto_ranks`, :func:`torchrun_command`).
 
 The rows, from the measurements in docs/scaling.md ("CPU threads on two cores", 2 idle cores):
 
@@ -85,6 +85,41 @@ def choose_parallelism(
         )
         return Parallelism(cores, kind, cores, workers, advised, why)
     return Parallelism(cores, kind, cores, workers, 1, "one process, every core (the measured fastest one process)")
+
+
+def auto_ranks(
+    cores: int, device: str, recipe: tuple[str, ...] | list[str], supported: tuple[str, ...]
+) -> tuple[int, str]:
+    """``(ranks, why)`` for ``--ranks auto``: data-parallel ranks this machine and recipe are run fastest
+    with. On CPU with at least 2 cores and every stage of the recipe in ``supported`` (the stages whose
+    learner runs data-parallel): ``cores // 2`` ranks, at least 2 and at most :data:`MAX_ADVISED_RANKS` (2
+    ranks x 1 thread made the demo's GRPO step 1.60x one 2-thread process, docs/scaling.md); else 1."""
+    if device.startswith("cuda"):
+        return 1, "a GPU learner: one rank per GPU is a torchrun launch of your own"
+    missing = [s for s in dict.fromkeys(recipe) if s not in supported]
+    if missing:
+        return 1, f"{', '.join(missing)} cannot run data-parallel"
+    if cores < 2:
+        return 1, "one core"
+    n = min(max(cores // 2, 2), MAX_ADVISED_RANKS)
+    return n, f"{n} data-parallel ranks on {cores} CPU cores (rollouts split over processes, not threads)"
+
+
+def torchrun_command(ranks: int, cli_args: list[str], python: str) -> list[str]:
+    """The command that runs ``mentorrl CLI_ARGS`` as ``ranks`` data-parallel ranks on this machine, each
+    choosing its threads (``threads=auto``: the cores shared out between the ranks)."""
+    return [
+        python,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={int(ranks)}",
+        "-m",
+        "mentorrl.cli",
+        *cli_args,
+        "--set",
+        "threads=auto",
+    ]
 
 
 def cpu_cores() -> int:
