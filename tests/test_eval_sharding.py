@@ -1,30 +1,20 @@
-"""A data-parallel launch deals its evaluation batches over the ranks (``eval_trajectories``): the gathered
-trajectories are the ones a single process rolls out, token for token, because each batch is rolled out
-alone with the seed of its offset, as ``Rollout.run`` seeds it."""
+"""Evaluations stream (``Rollout.stream``: continuous batching, each task's generator seeded by its place
+in the set) and a data-parallel launch deals the tasks over its ranks (``eval_trajectories``): the gathered
+trajectories are the ones a single process rolls out."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
 from mentorrl.rollout import Rollout
-from mentorrl.train.workspace import eval_batches, eval_trajectories
-
-
-@given(n=st.integers(0, 400), bs=st.integers(1, 64), world=st.integers(1, 8))
-def test_eval_batches_deal_every_batch_to_exactly_one_rank(n, bs, world):
-    dealt = [lo for r in range(world) for lo in eval_batches(n, bs, r, world)]
-    assert sorted(dealt) == list(range(0, n, bs))
-    sizes = [len(eval_batches(n, bs, r, world)) for r in range(world)]
-    assert max(sizes) - min(sizes) <= 1  # round-robin: no rank has two batches more than another
+from mentorrl.train.workspace import eval_trajectories
 
 
 class _Ranks:
-    """Two ranks of a DDP launch, run one after the other in this process: ``all_gather`` returns what
-    every rank has put so far (rank 1 runs first, so rank 0 sees both)."""
+    """The ranks of a DDP launch, run one after the other in this process: ``all_gather`` returns what
+    every rank has put so far (the last rank run sees them all)."""
 
     def __init__(self, world: int):
         self.world, self.store = world, {}
@@ -52,17 +42,35 @@ def _ws(rollout, dp, batch_size):
     return ws
 
 
-def test_dealt_evaluation_equals_the_single_process_rollout(model, make_contract, orders_entry, orders_tasks):
-    rollout = Rollout(make_contract(max_new_tokens=16, max_turns=3), orders_entry.make_env)
-    tasks, bs = orders_tasks[:7], 2  # 4 batches (2, 2, 2, 1) over 2 ranks
-    one = eval_trajectories(_ws(rollout, None, bs), model, tasks)
+@pytest.fixture(scope="module")
+def rollout(make_contract, orders_entry):
+    return Rollout(make_contract(max_new_tokens=16, max_turns=3), orders_entry.make_env)
+
+
+def test_a_stream_is_in_task_order_reproducible_and_seeded_by_place(model, rollout, orders_tasks):
+    tasks = orders_tasks[:7]
+    a = rollout.stream(model, tasks, seed=5, slots=3)
+    assert [t.task_id for t in a] == [t.id for t in tasks]
+    b = rollout.stream(model, tasks, seed=5, slots=3)
+    assert [t.token_ids for t in a] == [t.token_ids for t in b]
+    # a share of the set streamed with its places draws what those tasks drew in the whole set
+    share = [1, 4, 6]
+    c = rollout.stream(model, [tasks[i] for i in share], seed=5, slots=3, indices=share)
+    assert [t.token_ids for t in c] == [a[i].token_ids for i in share]
+    # without their places they are other draws (the seed is what the places carry)
+    d = rollout.stream(model, [tasks[i] for i in share], seed=5, slots=3)
+    assert [t.token_ids for t in d] != [t.token_ids for t in c]
+
+
+def test_dealt_evaluation_equals_the_single_process_rollout(model, rollout, orders_tasks):
+    tasks = orders_tasks[:7]
+    one = eval_trajectories(_ws(rollout, None, 2), model, tasks)
     ranks = _Ranks(2)
+    with pytest.raises(KeyError):  # rank 1, run first here, cannot see rank 0's tasks yet
+        eval_trajectories(_ws(rollout, ranks.rank(1), 2), model, tasks)
     seen: list[int] = []
-    with pytest.raises(KeyError):  # rank 1, run first here, cannot see rank 0's batches yet
-        eval_trajectories(_ws(rollout, ranks.rank(1), bs), model, tasks)
-    dealt = eval_trajectories(_ws(rollout, ranks.rank(0), bs), model, tasks, on_batch=seen.append)
+    dealt = eval_trajectories(_ws(rollout, ranks.rank(0), 2), model, tasks, on_batch=seen.append)
     assert [t.task_id for t in dealt] == [t.task_id for t in one] == [t.id for t in tasks]
     assert [t.token_ids for t in dealt] == [t.token_ids for t in one]
-    assert [t.logprobs for t in dealt] == [t.logprobs for t in one]
-    assert sorted(ranks.store[0]) == [0, 4] and sorted(ranks.store[1]) == [2, 6]  # each rank rolled out its own
+    assert sorted(ranks.store[0]) == [0, 2, 4, 6] and sorted(ranks.store[1]) == [1, 3, 5]
     assert sum(seen) == len(tasks)  # rank 0's progress reaches every task

@@ -278,15 +278,15 @@ def rollout_samples(
     """K samples per task, task-major (``[t0 s0, t0 s1, ..., t1 s0, ...]``), rolled out with
     ``rollout`` (a :class:`mentorrl.rollout.Rollout`: contract, environments, reward weights, backend).
 
-    Every sample draws from its own generator (the engine seeds one per row from
-    ``seed`` and the row's position), so samples of one task differ, and the same
-    (tasks, samples_per_task, seed, batch_size) give the same trajectories for every
+    Streamed (:meth:`mentorrl.rollout.Rollout.stream`: ``batch_size`` episodes in flight). Every sample
+    draws from its own generator (seeded from ``seed`` and the sample's position in the set), so samples
+    of one task differ, and the same (tasks, samples_per_task, seed) give the same draws for every
     checkpoint evaluated with them.
     """
     if samples_per_task < 1:
         raise ValueError(f"samples_per_task must be >= 1, not {samples_per_task}")
     expanded = [t for t in tasks for _ in range(samples_per_task)]
-    return rollout.run(model, expanded, seed=seed, batch_size=batch_size, on_batch=on_batch)
+    return rollout.stream(model, expanded, seed=seed, slots=batch_size, on_batch=on_batch)
 
 
 __all__ = [

@@ -100,7 +100,7 @@ class RolloutEngine:
         from ``next_episode()`` as soon as a row finishes, until it returns None and every row is done.
 
         Trajectories come back in admission order. Episode ``i`` (in admission order) samples
-        with its own generator seeded from ``(seed, i)``. ``before_step()`` runs before every
+        with its own generator seeded from ``(seed, i)``, or ``(seed, episode.seed_index)`` when it has one. ``before_step()`` runs before every
         forward pass; when it returns True (the model's weights changed) the KV cache is dropped
         and every live row's context is prefilled again under the new weights, so each token is
         sampled from one policy (the one that recorded its log-prob). Setting ``stop`` abandons
@@ -197,7 +197,8 @@ class StreamScheduler:
         new: list[EpisodeSlot] = []
         for ep in self.source.take(self.capacity - len(self.rows)):
             e = len(self.slots)
-            sl = EpisodeSlot(e, ep, torch.Generator(device="cpu").manual_seed(self.seed * 1_000_003 + e), ep.start())
+            k = e if ep.seed_index is None else ep.seed_index  # its generator's index: admission order, or its own
+            sl = EpisodeSlot(e, ep, torch.Generator(device="cpu").manual_seed(self.seed * 1_000_003 + k), ep.start())
             self.slots.append(sl)
             new.append(sl)
         self.stats["admitted"] += len(new)

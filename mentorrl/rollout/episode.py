@@ -47,14 +47,18 @@ class Episode:
         weights: RewardWeights | None = None,
         source: str = "policy",
         token_budget: int | None = None,
+        seed_index: int | None = None,
     ):
         """``token_budget``: a per-episode cap on the tokens after the prompt (policy turns and
         observations), e.g. ShortOPD's adaptive rollout length; the contract's ``max_total_tokens``
-        still bounds the total. None: the contract's limit only."""
+        still bounds the total. None: the contract's limit only. ``seed_index``: the index its sampling
+        generator is seeded with in a stream (:meth:`mentorrl.rollout.engine.RolloutEngine.run_stream`;
+        None: its admission order)."""
         if token_budget is not None and token_budget < 1:
             raise ValueError(f"token_budget must be >= 1, got {token_budget}")
         self.contract, self.env, self.task = contract, env, task
         self.token_budget = token_budget
+        self.seed_index = seed_index
         self.max_total_tokens = contract.max_total_tokens
         self.policy_version, self.weights, self.source = policy_version, weights or RewardWeights(), source
         self.ids: list[int] = []

@@ -269,14 +269,8 @@ def heldout_check(ws: Workspace, model, n: int) -> float:
     """Held-out success of the current weights on ``n`` tasks (the same tasks at every check of a run), in
     this process alone."""
     tasks = ws.eval_tasks(ws.cfg.eval.split, n)
-    trajs = eval_rollout(ws).run(model, tasks, seed=ws.cfg.eval.seed, batch_size=ws.cfg.eval.batch_size)
+    trajs = eval_rollout(ws).stream(model, tasks, seed=ws.cfg.eval.seed, slots=ws.cfg.eval.batch_size)
     return float(summarize(trajs)["success"])
-
-
-def eval_batches(n: int, batch_size: int, rank: int, world: int) -> list[int]:
-    """The offsets of the evaluation batches rank ``rank`` of ``world`` rolls out: ``n`` tasks cut into
-    batches of ``batch_size`` (as :meth:`Rollout.run` cuts them), dealt round-robin."""
-    return list(range(0, n, batch_size))[rank::world]
 
 
 def shares_evaluation(ws: Workspace) -> bool:
@@ -289,25 +283,24 @@ def shares_evaluation(ws: Workspace) -> bool:
 def eval_trajectories(ws: Workspace, model, tasks: list, on_batch: Callable[[int], None] | None = None) -> list:
     """The evaluation rollout of ``tasks`` (eval settings), on every rank of a launch (a collective call).
 
-    One process rolls them out in batches of ``eval.batch_size``, the batch at offset ``lo`` seeded
-    ``eval.seed + lo`` (:meth:`Rollout.run`). A data-parallel launch (:func:`shares_evaluation`) deals
-    those batches over its ranks, each rolled out alone with its own offset's seed, and gathers them in
-    order on every rank: the same trajectories, in a fraction of the time. Other launches (FSDP2) roll
-    out on rank 0 and broadcast."""
+    One process streams them (:meth:`Rollout.stream`: ``eval.batch_size`` in flight), task ``i``
+    sampling from a generator seeded by ``(eval.seed, i)``. A data-parallel launch
+    (:func:`shares_evaluation`) deals the tasks over its ranks (rank ``r`` streams tasks ``r``, ``r + W``,
+    ...; each keeps its index, so its seed) and gathers them in order on every rank: the trajectories one
+    process rolls out (up to the float noise of which rows share a decoder pass), in a fraction of the
+    time. Other launches (FSDP2) roll out on rank 0 and broadcast."""
     e, ro = ws.cfg.eval, eval_rollout(ws)
     if not shares_evaluation(ws):
-        return ws.on_main(lambda: ro.run(model, tasks, seed=e.seed, batch_size=e.batch_size, on_batch=on_batch))
+        return ws.on_main(lambda: ro.stream(model, tasks, seed=e.seed, slots=e.batch_size, on_batch=on_batch))
     dp = ws.dp
-    mine = {
-        lo: ro.run(model, tasks[lo : lo + e.batch_size], seed=e.seed + lo, batch_size=e.batch_size, on_batch=on_batch)
-        for lo in eval_batches(len(tasks), e.batch_size, dp.rank, dp.world_size)
-    }
-    parts: dict[int, list] = {}
-    for part in dp.all_gather(mine):
+    mine = list(range(dp.rank, len(tasks), dp.world_size))
+    done = ro.stream(model, [tasks[i] for i in mine], seed=e.seed, slots=e.batch_size, indices=mine, on_batch=on_batch)
+    parts: dict[int, Any] = {}
+    for part in dp.all_gather(dict(zip(mine, done))):
         parts.update(part)
-    if on_batch is not None:  # the other ranks' batches, on this rank's progress
-        on_batch(len(tasks) - sum(len(v) for v in mine.values()))
-    return [t for lo in range(0, len(tasks), e.batch_size) for t in parts[lo]]
+    if on_batch is not None:  # the other ranks' tasks, on this rank's progress
+        on_batch(len(tasks) - len(mine))
+    return [parts[i] for i in range(len(tasks))]
 
 
 def eval_rollout(ws: Workspace) -> Rollout:
