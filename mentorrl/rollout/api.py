@@ -97,7 +97,7 @@ class Rollout:
         Task ``i`` samples from a generator seeded by ``(seed, indices[i])`` (default ``i``): its place in
         the whole set, so a share of it rolled out elsewhere (another rank) draws the same. ``on_batch(1)``
         after each finished episode. A backend that does not stream in process (vLLM) decodes in batches
-        of ``slots`` (:meth:`run`)."""
+        of ``slots`` (:meth:`run`, seeded by batch: ``indices`` are not honoured there)."""
         slots = max(len(tasks), 1) if slots is None else slots
         if not self.backend.streams_in_process:
             return self.run(model, tasks, seed=seed, batch_size=slots, on_batch=on_batch)
