@@ -34,7 +34,7 @@ from mentorrl.models.device import autocast, resolve_dtype
 from mentorrl.rollout.backends import backend_of
 from mentorrl.train.audit import GapMonitor, flag_high_reward_failures
 from mentorrl.train.consistency import batch_checks, policy_lag
-from mentorrl.train.workspace import Workspace, eval_trajectories
+from mentorrl.train.workspace import Workspace, heldout_check
 from mentorrl.trajectory import Trajectory, write_jsonl
 
 FINISH_REASONS = ("answer", "max_turns", "max_tokens", "length")
@@ -266,7 +266,7 @@ def score_outcomes(ws, stage: str, step: int, trajs: list[Trajectory]) -> tuple[
 
 
 def gap_check(ws: Workspace, monitor: GapMonitor, step: int, success: float) -> dict[str, float]:
-    """Held-out ``success`` now (:func:`heldout_success`), fed to the reward-success gap monitor."""
+    """Held-out ``success`` now (:func:`heldout_check`), fed to the reward-success gap monitor."""
     warning = monitor.observe_eval(step, success)
     if warning:
         ws.console.print(f"[bold red]warning:[/bold red] {warning['message']}")
@@ -289,8 +289,7 @@ class RewardGapWatch:
         self.monitor.observe_reward(step + 1, reward_mean)
         if not (audit.eval_every and (step + 1) % audit.eval_every == 0):
             return {}
-        tasks = ws.eval_tasks(ws.cfg.eval.split, audit.eval_tasks)  # the same tasks at every check of a run
-        success = float(summarize(eval_trajectories(ws, self.model, tasks))["success"])  # every rank takes part
+        success = heldout_check(ws, self.model, audit.eval_tasks)  # every rank takes part
         out, state = ws.on_main(lambda: (gap_check(ws, self.monitor, step + 1, success), self.monitor.state_dict()))
         self.monitor.load_state_dict(state)
         return out

@@ -266,11 +266,10 @@ def load_weights_into(model, ckpt: Path, verify: bool = True) -> None:
 
 
 def heldout_check(ws: Workspace, model, n: int) -> float:
-    """Held-out success of the current weights on ``n`` tasks (the same tasks at every check of a run), in
-    this process alone."""
+    """Held-out success of the current weights on ``n`` tasks (the same tasks at every check of a run);
+    under a launch of several ranks a collective call, as :func:`eval_trajectories` is."""
     tasks = ws.eval_tasks(ws.cfg.eval.split, n)
-    trajs = eval_rollout(ws).stream(model, tasks, seed=ws.cfg.eval.seed, slots=ws.cfg.eval.batch_size)
-    return float(summarize(trajs)["success"])
+    return float(summarize(eval_trajectories(ws, model, tasks))["success"])
 
 
 def shares_evaluation(ws: Workspace) -> bool:
