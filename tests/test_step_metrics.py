@@ -94,3 +94,28 @@ def test_grpo_steps_log_rollout_metrics_and_the_report_plots_them(tiny_model_dir
     md = (run / "report.md").read_text()
     assert "## Per-step rollout metrics" in md and f"![per-step rollout metrics]({plot})" in md
     assert "malformed-call rate" in md and "CPU utilisation" in md
+
+
+class _Ranks:
+    """The all_gather of a data-parallel group, with each rank's object given."""
+
+    def __init__(self, objs):
+        self.objs = objs
+
+    def all_gather(self, mine):
+        return [mine, *self.objs]
+
+
+def test_data_parallel_cpu_time_is_the_machines_not_rank_zeros(monkeypatch):
+    """Each rank times its own process: the logged CPU seconds (and so cpu_util) sum over ranks, or two
+    fully busy 1-thread ranks on 2 cores would read 50% busy."""
+    from mentorrl.train import stage_checkpoints as sc
+
+    monkeypatch.setattr(sc, "cpu_cores", lambda: 2)
+    m = {"rollout_s": 4.0, "rollout_cpu_s": 3.0, "update_cpu_s": 1.0, "loss": 0.5}
+    other = (4.5, {"rollout_cpu_s": 3.5, "update_cpu_s": 0.75})
+    out, cpu = sc.ranks_cpu(_Ranks([other]), m, 4.25)
+    assert cpu == 8.75 and out["rollout_cpu_s"] == 6.5 and out["update_cpu_s"] == 1.75 and out["loss"] == 0.5
+    assert out["rollout_cpu_util"] == pytest.approx(6.5 / 4.0 / 2)
+    assert sc.step_timing(out, 5.0, cpu)["cpu_util"] == pytest.approx(8.75 / 5.0 / 2)
+    assert sc.ranks_cpu(None, m, 4.25) == (m, 4.25)  # one process: as measured

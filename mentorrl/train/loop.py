@@ -49,6 +49,7 @@ from mentorrl.train.learner import Learner
 from mentorrl.train.parallelism import cpu_cores
 from mentorrl.train.progress import stage_progress
 from mentorrl.train.stage_checkpoints import (
+    ranks_cpu,
     record_step,
     resume_stage,
     rewind,
@@ -374,12 +375,9 @@ def run_stage(
             t0, c0 = time.perf_counter(), time.process_time()
             m = step_fn(step)
             stop = bool(m.pop("stop", False))
-            rec = {
-                "stage": stage,
-                "step": step + 1,
-                **m,
-                **step_timing(m, time.perf_counter() - t0, time.process_time() - c0),
-            }
+            step_s = time.perf_counter() - t0
+            m, cpu_s = ranks_cpu(ws.dp, m, time.process_time() - c0)
+            rec = {"stage": stage, "step": step + 1, **m, **step_timing(m, step_s, cpu_s)}
             save = stop or (step + 1) % checkpoint_every == 0 or step + 1 == steps
             # under data parallel the others wait, and see a failure
             ws.on_main(lambda: record_step(ws, stage_dir, rec, save, model, learner, extra_state))

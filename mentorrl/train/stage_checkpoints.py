@@ -190,9 +190,28 @@ def _resume_point(
     return ckpt, int(state["step"])
 
 
+CPU_KEYS = ("rollout_cpu_s", "update_cpu_s")  # per-process CPU seconds a step's metrics may hold
+
+
+def ranks_cpu(dp, m: dict[str, Any], cpu_s: float) -> tuple[dict[str, Any], float]:
+    """Under data parallel, a step's CPU seconds summed over the ranks (each rank times its own
+    process), so ``cpu_util`` is the machine's share of busy cores, not rank 0's; unchanged in one
+    process. Every rank calls it once a step (one collective)."""
+    if dp is None:
+        return m, cpu_s
+    parts = dp.all_gather((cpu_s, {k: m[k] for k in CPU_KEYS if k in m}))
+    out = dict(m)
+    for k in CPU_KEYS:
+        if k in m:
+            out[k] = sum(p[1].get(k, 0.0) for p in parts)
+    if "rollout_cpu_s" in out and "rollout_s" in out:
+        out["rollout_cpu_util"] = out["rollout_cpu_s"] / max(out["rollout_s"], 1e-9) / cpu_cores()
+    return out, sum(p[0] for p in parts)
+
+
 def step_timing(m: dict[str, Any], step_s: float, cpu_s: float) -> dict[str, float]:
     """A step's wall and CPU time for ``metrics.jsonl``: ``step_s``; ``cpu_s`` (this process's CPU
-    seconds, all threads); ``cpu_cores``; ``cpu_util`` = cpu_s / (step_s x cpu_cores), the share of
+    seconds, all threads; every rank's under data parallel, :func:`ranks_cpu`); ``cpu_cores``; ``cpu_util`` = cpu_s / (step_s x cpu_cores), the share of
     the cores the step kept busy; and, for a stage that times its rollout but not its update,
     ``update_s`` = the rest of the step."""
     cores = cpu_cores()
