@@ -104,9 +104,9 @@ def arm_overrides(arm: str, seed: int, sft: str, out: Path, a: Any) -> list[str]
 
 
 def agent_argv(a: Any) -> list[str]:
-    """The external arm's agent command: the plain agent (``--agent plain``, a worker or a process per
-    episode) or the OpenAI Agents SDK one (``--agent sdk``, a process per episode; ``--sdk-path``: a
-    ``pip install --target`` directory put on that process's ``PYTHONPATH`` only, through ``env``)."""
+    """The external arm's agent command: the plain agent (``--agent plain``) or the OpenAI Agents SDK
+    one (``--agent sdk``; ``--sdk-path``: a ``pip install --target`` directory put on that process's
+    ``PYTHONPATH`` only, through ``env``), each a worker or a process per episode (``--mode``)."""
     if getattr(a, "agent", "plain") == "sdk":
         pre = ["env", f"PYTHONPATH={a.sdk_path}"] if getattr(a, "sdk_path", None) else []
         return [*pre, sys.executable, str(SDK_AGENT), "--no-system", "--max-turns", str(a.max_turns)]
@@ -237,14 +237,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=32, help="episodes at once (the worker's, or processes)")
     ap.add_argument("--mode", choices=["worker", "episode"], default="worker", help="external.mode of the agent")
     ap.add_argument("--max-turns", type=int, default=6)
-    ap.add_argument("--agent", choices=["plain", "sdk"], default="plain", help="the external arm's agent")
+    ap.add_argument(
+        "--agent",
+        choices=["plain", "sdk"],
+        default="plain",
+        help="the external arm's agent: docs/examples/orders_agent.py (plain) or orders_agent_sdk.py (sdk, "
+        "the OpenAI Agents SDK); either as a worker or a process per episode (--mode)",
+    )
     ap.add_argument("--sdk-path", default=None, help="--agent sdk: where openai-agents is installed (--target)")
     ap.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS), help="the arms to run")
     ap.add_argument("--eval-tasks", type=int, default=500)
     ap.add_argument("--out", type=Path, default=Path("runs/external-vs-grpo"))
     a = ap.parse_args(argv)
-    if a.agent == "sdk" and a.mode != "episode":
-        ap.error("--agent sdk runs a process per episode: add --mode episode")
     results = a.out / "results.jsonl"
     if set(a.arms) != set(ARMS):  # one arm: its evaluation per seed, no comparison
         for seed in a.seeds:

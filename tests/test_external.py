@@ -358,6 +358,33 @@ def test_mentorrl_serve_record_records_a_standalone_server(tmp_path):
     assert done.returncode == 2 and "--reward-key-env" in done.stderr + done.stdout
 
 
+SDK_AGENT = AGENT.parent / "orders_agent_sdk.py"
+
+
+def sdk_pythonpath() -> str:
+    """The ``PYTHONPATH`` of an OpenAI Agents SDK agent (``MENTORRL_AGENTS_SDK_PATH``, a ``pip install
+    --target`` directory, then this checkout); the test is skipped where the SDK does not import."""
+    path = os.pathsep.join(p for p in (os.environ.get("MENTORRL_AGENTS_SDK_PATH", ""), str(ROOT)) if p)
+    probe = subprocess.run([sys.executable, "-c", "import agents"], env={**os.environ, "PYTHONPATH": path})
+    if probe.returncode != 0:
+        pytest.skip("the OpenAI Agents SDK (openai-agents) is not installed")
+    return path
+
+
+@contextlib.contextmanager
+def sdk_worker(server, path):
+    """The SDK agent started once in worker mode against ``server``, 2 episodes at once."""
+    from mentorrl.train.agents import AgentWorker
+
+    base = {"OPENAI_BASE_URL": server.url, "OPENAI_API_KEY": "api-key", "MENTORRL_REWARD_KEY": "reward-key"}
+    argv = [sys.executable, str(SDK_AGENT), "--no-system", "--max-turns", str(MAX_TURNS)]
+    worker = AgentWorker(argv, {**base, "PYTHONPATH": path}, concurrency=2)
+    try:
+        yield worker
+    finally:
+        worker.close()
+
+
 def test_an_openai_agents_sdk_agent_is_recorded_like_the_rollout(tmp_path, shipped, contract):
     """4b: the same agent on the OpenAI Agents SDK (its own loop and tool plumbing), offline against the
     local endpoint: recorded as one segment equal to the in-process rollout. Skipped without the SDK
@@ -366,10 +393,7 @@ def test_an_openai_agents_sdk_agent_is_recorded_like_the_rollout(tmp_path, shipp
     from mentorrl.rollout.runner import rollout_tasks
     from mentorrl.train.agents import AgentJob, run_agents
 
-    path = os.pathsep.join(p for p in (os.environ.get("MENTORRL_AGENTS_SDK_PATH", ""), str(ROOT)) if p)
-    probe = subprocess.run([sys.executable, "-c", "import agents"], env={**os.environ, "PYTHONPATH": path})
-    if probe.returncode != 0:
-        pytest.skip("the OpenAI Agents SDK (openai-agents) is not installed")
+    path = sdk_pythonpath()
     entry = get_env("orders")
     task = entry.make_tasks().tasks("train", 1, 0)[0]
     traj = rollout_tasks(shipped[1], contract, entry.make_env, [task])[0]
@@ -377,14 +401,73 @@ def test_an_openai_agents_sdk_agent_is_recorded_like_the_rollout(tmp_path, shipp
         hook.resume()
         rec.open_episode("sdk", task.id)
         job = AgentJob("sdk", {**agent_env_for(server, "sdk", task), "PYTHONPATH": path})
-        sdk = str(AGENT.parent / "orders_agent_sdk.py")
-        out = run_agents([sys.executable, sdk, "--no-system", "--max-turns", str(MAX_TURNS)], [job], 1, 300)[0]
+        out = run_agents([sys.executable, str(SDK_AGENT), "--no-system", "--max-turns", str(MAX_TURNS)], [job], 1, 300)[
+            0
+        ]
         assert out.status == "ok", out.stderr_tail
         ep = rec.episode("sdk")
         assert ep.reward is not None and len(ep.segments) == 1, rec.counters()
         seg = ep.segments[0]
         assert seg.token_ids == traj.token_ids and seg.loss_mask == traj.loss_mask
         assert (torch.tensor(seg.logprobs) - torch.tensor(traj.logprobs)).abs().max().item() < 1e-5
+
+
+def test_the_sdk_agent_as_a_worker_records_every_episode_like_the_rollout(tmp_path, shipped, contract):
+    """The SDK agent in worker mode (one process, its episodes side by side as asyncio tasks on one
+    client, the episode headers per request): each episode recorded as one segment equal to the
+    in-process rollout, rewarded, and reported with its timings; one process for two rounds."""
+    from mentorrl.envs import get_env
+    from mentorrl.rollout.runner import rollout_tasks
+    from mentorrl.train.agents import AgentJob
+    from mentorrl.train.recipes.external import agent_env
+
+    path = sdk_pythonpath()
+    entry = get_env("orders")
+    tasks = entry.make_tasks().tasks("train", 2, 0)
+    trajs = rollout_tasks(shipped[1], contract, entry.make_env, tasks)
+    with recording(tmp_path, shipped, contract) as (server, hook, rec), sdk_worker(server, path) as worker:
+        hook.resume()
+        for rnd in range(2):
+            jobs = []
+            for k, task in enumerate(tasks):
+                eid = f"sdk-{rnd}-{k}"
+                rec.open_episode(eid, task.id)
+                jobs.append(AgentJob(eid, agent_env(server.url, "api-key", "reward-key", eid, task)))
+            outcomes = worker.run(jobs, timeout_s=300)
+            assert [o.status for o in outcomes] == ["ok", "ok"], [o.stderr_tail for o in outcomes]
+            for job, traj, out in zip(jobs, trajs, outcomes):
+                assert {"model_s", "tools_s", "episode_s"} <= out.timings.keys(), out.timings
+                assert 0 < out.timings["model_s"] <= out.timings["episode_s"]
+                ep = rec.episode(job.episode_id)
+                assert ep.reward is not None and "success" in ep.details, rec.counters()
+                assert ep.task_id == traj.task_id and len(ep.segments) == 1 and ep.completions == traj.num_turns
+                seg = ep.segments[0]
+                assert seg.token_ids == traj.token_ids and seg.loss_mask == traj.loss_mask
+                assert (torch.tensor(seg.logprobs) - torch.tensor(traj.logprobs)).abs().max().item() < 1e-5
+        assert worker.starts == 1 and rec.counters()["diverged_edited"] == 0
+
+
+def test_a_bad_job_fails_its_episode_not_the_sdk_worker(tmp_path, shipped, contract):
+    """A job whose ``MENTORRL_TASK`` is not JSON is reported ``ok: false`` with its error (``nonzero``);
+    the episode beside it is recorded and rewarded, and the worker lives on."""
+    from mentorrl.envs import get_env
+    from mentorrl.train.agents import AgentJob
+    from mentorrl.train.recipes.external import agent_env
+
+    path = sdk_pythonpath()
+    task = get_env("orders").make_tasks().tasks("train", 1, 0)[0]
+    with recording(tmp_path, shipped, contract) as (server, hook, rec), sdk_worker(server, path) as worker:
+        hook.resume()
+        for eid in ("bad", "good"):
+            rec.open_episode(eid, task.id)
+        bad = {**agent_env(server.url, "api-key", "reward-key", "bad", task), "MENTORRL_TASK": "{not json"}
+        good = agent_env(server.url, "api-key", "reward-key", "good", task)
+        outcomes = worker.run([AgentJob("bad", bad), AgentJob("good", good)], timeout_s=300)
+        assert [o.status for o in outcomes] == ["nonzero", "ok"], [o.stderr_tail for o in outcomes]
+        assert "JSONDecodeError" in outcomes[0].stderr_tail and outcomes[0].timings is None
+        assert rec.episode("bad").completions == 0 and rec.episode("bad").reward is None
+        assert rec.episode("good").reward is not None and len(rec.episode("good").segments) == 1
+        assert worker.alive()
 
 
 def idle(hook, timeout_s: float = 30.0) -> bool:

@@ -148,3 +148,16 @@ def test_the_sdk_agent_runs_with_its_own_path_through_env():
     assert plain[1].endswith("orders_agent.py") and plain[-1] == "6"
     sdk = B.agent_argv(SimpleNamespace(agent="sdk", sdk_path="/opt/sdk", max_turns=4))
     assert sdk[:2] == ["env", "PYTHONPATH=/opt/sdk"] and sdk[3].endswith("orders_agent_sdk.py") and sdk[-1] == "4"
+
+
+def test_the_sdk_agent_runs_as_a_worker_by_default(tmp_path, monkeypatch):
+    """``--agent sdk`` takes the default ``--mode worker`` (``external.mode=worker``) and keeps ``--mode episode``."""
+    b = _bench()
+    seen = []
+    monkeypatch.setattr(b, "run_seed", lambda a, seed, out, results=None: seen.append(a) or {})
+    for extra in ([], ["--mode", "episode"]):
+        argv = ["--sft", "sft", "--seeds", "0", "--arms", "external", "--agent", "sdk", "--out", str(tmp_path)]
+        assert b.main(argv + extra) == 0
+    assert [a.mode for a in seen] == ["worker", "episode"]
+    sets = b.arm_overrides("external", 0, "sft", tmp_path, seen[0])
+    assert "external.mode=worker" in sets and any("orders_agent_sdk.py" in s for s in sets)
