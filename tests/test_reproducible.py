@@ -30,6 +30,8 @@ TIMING_KEYS = frozenset(
         "rollout_s",
         "rollout_cpu_s",
         "rollout_cpu_util",
+        "rollout_tool_s",
+        "rollout_verify_s",
         "update_s",
         "update_cpu_s",
     }

@@ -23,6 +23,8 @@ def _expected(trajs) -> dict[str, float]:
         "mean_turns": sum(t.num_turns for t in trajs) / n,
         "mean_policy_tokens": sum(t.num_policy_tokens for t in trajs) / n,
         "rollout_tokens": float(sum(t.num_policy_tokens for t in trajs)),
+        "rollout_tool_s": sum(t.timings.get("tool_s", 0.0) for t in trajs),
+        "rollout_verify_s": sum(t.timings.get("verify_s", 0.0) for t in trajs),
     }
     out.update({f"finish_{r}": sum(t.finish_reason == r for t in trajs) / n for r in FINISH})
     return out
@@ -36,7 +38,11 @@ def test_rollout_metrics_count_calls_malformed_and_finish_reasons(make_demos):
     # one malformed call in the first trajectory, and two trajectories that did not answer
     trajs[0].tool_calls[0].error_kind, trajs[0].tool_calls[0].error = "malformed", "malformed tool call"
     trajs[1].finish_reason, trajs[2].finish_reason = "max_turns", "length"
+    for t in trajs:
+        t.timings = {}
+    trajs[0].timings, trajs[1].timings = {"tool_s": 0.25, "verify_s": 0.5}, {"tool_s": 0.125}
     m = rollout_metrics(trajs)
+    assert (m["rollout_tool_s"], m["rollout_verify_s"]) == (0.375, 0.5)  # the episodes' seconds, summed
     want = _expected(trajs)
     assert {k: m[k] for k in want} == pytest.approx(want)
     calls = sum(len(t.tool_calls) for t in trajs)

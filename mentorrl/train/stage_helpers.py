@@ -219,7 +219,10 @@ def rollout_metrics(trajs: list[Trajectory]) -> dict[str, float]:
     (well-formed ones, whatever the tool answered), the malformed-call rate (turns with unparsable
     tool-call tags, over all call attempts), the share of each finish reason (``finish_answer``,
     ``finish_max_turns``: turn limit, ``finish_max_tokens``: context budget, ``finish_length``:
-    a turn cut at ``max_new_tokens``), turns and policy tokens."""
+    a turn cut at ``max_new_tokens``), turns and policy tokens; and the seconds the episodes' tool
+    calls (``rollout_tool_s``) and verifications (``rollout_verify_s``) took, summed over episodes:
+    they run beside the decoding, so their sum over the step's wall time bounds the share of it the
+    environment (a sandbox) can hold."""
     s = summarize(trajs)
     n = len(trajs)
     calls = [c for t in trajs for c in t.tool_calls]
@@ -238,6 +241,8 @@ def rollout_metrics(trajs: list[Trajectory]) -> dict[str, float]:
         ),  # a tag: the engine that sampled them (hf, vllm), for the consistency metrics
     }
     out.update({f"finish_{r}": (sum(t.finish_reason == r for t in trajs) / n if n else 0.0) for r in FINISH_REASONS})
+    for key in ("tool_s", "verify_s"):
+        out[f"rollout_{key}"] = float(sum(t.timings.get(key, 0.0) for t in trajs))
     return out
 
 
