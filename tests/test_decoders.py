@@ -250,6 +250,26 @@ def test_non_finite_logits_raise_and_the_buffers_are_dropped():
     assert SlotDecoder(model).k == []  # nothing was pooled
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    rows=st.integers(1, 6),
+    width=st.integers(1, 300),
+    scale=st.sampled_from([1.0, 1e3, 3e4]),
+    bad=st.lists(
+        st.tuples(st.integers(0, 10**6), st.sampled_from([float("nan"), float("inf"), float("-inf")])), max_size=3
+    ),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    seed=st.integers(0, 2**16),
+)
+def test_the_finite_check_agrees_with_isfinite_on_logits(rows, width, scale, bad, dtype, seed):
+    """The decoder's one-sum check says "not finite" exactly where isfinite(x).all() does, for logits of
+    any sign and size a model gives (up to 3e4: fp16's range), with NaNs and infinities planted anywhere."""
+    x = (torch.randn(rows, width, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype)
+    for at, v in bad:
+        x.view(-1)[at % x.numel()] = v
+    assert decoders_mod.all_finite(x) == bool(torch.isfinite(x).all())
+
+
 def test_a_sequence_length_dependent_rope_runs_per_pass():
     """Dynamic NTK rope rescales with the sequence length, so no position table is cached."""
     from transformers import LlamaConfig, LlamaForCausalLM
