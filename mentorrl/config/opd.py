@@ -225,6 +225,18 @@ ShortOPDConfig = ShortTerm
 RewardWeightedConfig = RewardWeightedTerm
 
 
+class CompetenceConfig(Section):
+    tasks_per_family: int = Field(
+        8, ge=1, description="train-split tasks of each trained family that every teacher rolls out (the same tasks)"
+    )
+    mode: Literal["soft", "hard"] = Field(
+        "soft",
+        description="soft: route each family by the teachers' Beta(1,1) posterior mean success, normalised; "
+        "hard: all of it to the best teacher (ties split evenly)",
+    )
+    seed: int = Field(0, ge=0, description="mixed with the run seed into the seed of the tasks and rollouts")
+
+
 class MOPDConfig(Section):
     routes: dict[str, dict[str, float]] = Field(
         default_factory=dict,
@@ -237,6 +249,12 @@ class MOPDConfig(Section):
         False,
         description="weight teachers by their verified success so far (Beta(1,1) posterior mean); each "
         "trajectory's outcome counts for the teacher that weighed most on it",
+    )
+    competence: CompetenceConfig | None = Field(
+        None,
+        description="{tasks_per_family, mode: soft|hard, seed}: routes measured by the verifier before the first "
+        "step: every teacher rolls out the same train tasks of each family, and its verified success there "
+        "routes that family (RUN_DIR/mopd_competence.json, kept on resume; not with routes); null: off",
     )
     step_weights: StepWeightConfig | None = Field(
         None, description="legacy: the step_weights term (failure-aware per-token weights); null: off"
@@ -429,6 +447,7 @@ def _check_opd(o: OPDConfig, names: list[str]) -> None:
         unknown = set(route) - set(teachers)
         if unknown:
             raise ValueError(f"mopd.routes[{fam!r}] names unknown teachers {sorted(unknown)}")
+    _check_competence(o)
     if not o.teachers and not {"reward_weighted", "env_advantage"} & set(names):
         raise ValueError("no teachers, no reward_weighted and reward_coef 0: nothing to learn from")
     if not set(names) - {"until_first_error", "step_weights", "center", "short"}:
@@ -440,6 +459,18 @@ def _check_opd(o: OPDConfig, names: list[str]) -> None:
         raise ValueError(
             "reward terms (reward_coef, reward_weighted, rlsd) compare a task's samples: samples_per_task must be >= 2"
         )
+
+
+def _check_competence(o: OPDConfig) -> None:
+    """``opd.mopd.competence`` measures the routes by rolling out the in-process (``hf``) teachers."""
+    if o.mopd.competence is None:
+        return
+    if o.mopd.routes:
+        raise ValueError(
+            "opd.mopd.competence measures the routes: give it or opd.mopd.routes (static routes), not both"
+        )
+    if not any(t.kind == "hf" for t in o.teachers):
+        raise ValueError("opd.mopd.competence rolls out the teachers: it needs at least one teacher of kind hf")
 
 
 class EvolveConfig(StageConfig):
@@ -473,6 +504,7 @@ class EvolveConfig(StageConfig):
 
 
 __all__ = [
+    "CompetenceConfig",
     "EvolveConfig",
     "MOPDConfig",
     "OPDConfig",

@@ -3,7 +3,8 @@
 Per-teacher weights for each student trajectory come from three sources, multiplied and
 renormalised over teachers (:func:`combine`):
 
-* static routing by task family (:func:`routing_weights`);
+* static routing by task family (:func:`routing_weights`), or routes measured by the verifier:
+  each teacher's own success on every family, before the first step (:func:`competence_routes`);
 * teacher confidence on the trajectory: a softmax over teachers of their mean token log-prob
   (or negative mean entropy) on its policy tokens (:func:`confidence_weights`);
 * each teacher's verified success history: the posterior mean of a Beta prior updated with its
@@ -41,6 +42,42 @@ def routing_weights(
             raise ValueError(f"route for {fam!r} has a negative weight")
         if row.sum() > 0:
             out[b] = row / row.sum()
+    return out
+
+
+def competence_routes(
+    successes: Mapping[str, Mapping[str, tuple[int, int]]],
+    mode: str = "soft",
+    prior: tuple[float, float] = (1.0, 1.0),
+) -> dict[str, dict[str, float]]:
+    """Routes (for :func:`routing_weights`) from each teacher's own verified success per task family:
+    ``successes[family][teacher] = (successes, attempts)`` of the teacher's rollouts on that family.
+
+    ``soft``: the Beta(``prior``) posterior means ``(s + a) / (n + a + b)``, normalised per family;
+    ``hard``: all weight on the teacher with the highest posterior mean (ties split evenly). A teacher
+    with no attempts has the prior mean. A family with no teachers is left out (:func:`routing_weights`
+    spreads an unrouted family evenly). Counts outside ``0 <= s <= n`` raise ValueError."""
+    if mode not in ("soft", "hard"):
+        raise ValueError(f"mode must be soft or hard, got {mode!r}")
+    a, b = prior
+    if not (a > 0 and b > 0):
+        raise ValueError(f"prior must be positive, got {prior}")
+    out: dict[str, dict[str, float]] = {}
+    for fam, per_teacher in successes.items():
+        means = {}
+        for t, (s, n) in per_teacher.items():
+            if not 0 <= s <= n:
+                raise ValueError(f"family {fam!r}, teacher {t!r}: successes {s} must lie in [0, attempts {n}]")
+            means[t] = (s + a) / (n + a + b)
+        if not means:
+            continue
+        if mode == "hard":
+            best = max(means.values())
+            top = [t for t, m in means.items() if m == best]
+            out[fam] = {t: (1.0 / len(top) if t in top else 0.0) for t in means}
+        else:
+            total = sum(means.values())
+            out[fam] = {t: m / total for t, m in means.items()}
     return out
 
 
@@ -91,4 +128,12 @@ def mixture_log_probs(teacher_logits: torch.Tensor, weights: torch.Tensor, tempe
     return torch.logsumexp(lp + logw, dim=0)
 
 
-__all__ = ["combine", "confidence_weights", "mixture_log_probs", "routing_weights", "step_weights", "success_weights"]
+__all__ = [
+    "combine",
+    "competence_routes",
+    "confidence_weights",
+    "mixture_log_probs",
+    "routing_weights",
+    "step_weights",
+    "success_weights",
+]

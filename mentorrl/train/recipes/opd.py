@@ -10,6 +10,9 @@ One step on :class:`~mentorrl.train.loop.RLLoop` (:class:`OPDStage`'s hooks):
    (:mod:`mentorrl.opd.signals`). A trajectory a teacher cannot align is counted and left to the
    other teachers (or to the reward terms). MOPD weights the teachers per trajectory (routing,
    confidence, success history); the weighted signals are the distillation advantage ``A_kl``.
+   With ``opd.mopd.competence`` the routes are measured once, before the first step: every
+   teacher rolls out the same train tasks of each family, scored by the verifier
+   (:func:`measure_competence`; ``RUN_DIR/mopd_competence.json``, kept in the stage's state).
 3. **advantages**: the inputs the configured terms need (only those), the token terms on ``A_kl``
    (``until_first_error``, ``step_weights``, ``center``, ``short``), and the sum of the advantage
    terms (``sampled_kl``, ``reward_weighted``, ``rlsd_selected``, ``env_advantage``).
@@ -52,6 +55,7 @@ from mentorrl.algos.opd_terms import (
 from mentorrl.config.registry import Registry
 from mentorrl.contract import EFFECTIVE_BUDGET_KEY, contract_for_env
 from mentorrl.opd.advantage import GapBudget, kl_advantages, teacher_weights, tool_error_tokens, until_first_error
+from mentorrl.opd.mopd import competence_routes
 from mentorrl.opd.retokenize import retokenize
 from mentorrl.opd.scoring import teacher_row
 from mentorrl.opd.signals import CrossTokenizerTeacher
@@ -130,10 +134,14 @@ class OPDStage(Stage):
         self.advantage_terms = [t for t in o.terms if t.name in ADVANTAGE_TERMS]
         self.loss_terms = [t for t in o.terms if t.name in LOSS_TERMS and LOSS_TERMS[t.name].ready(self)]
         self.needs = needed_inputs([t.name for t in o.terms], LOSS_TERMS)
+        if o.mopd.competence is not None:  # the competence rollouts sample from every teacher
+            for t in self.teachers:
+                require(t, [Capability.SAMPLING], "opd.mopd.competence")
         self.state: dict[str, Any] = {
             "rollout_tokens": 0,
             "teacher_tokens": 0,
             "history": {n: (0, 0) for n in self.names},
+            "competence": None,  # opd.mopd.competence: family -> teacher -> successes, attempts, weight
         }
         short = self.by_name.get("short")
         self.budget = (
@@ -143,6 +151,13 @@ class OPDStage(Stage):
         )
 
     # ---- hooks --------------------------------------------------------------------------------
+    def tasks(self, b: StepBatch) -> None:
+        """The step's tasks from the pool; before the first step (not again on resume: the table is
+        checkpointed) the teachers' competence with ``opd.mopd.competence``."""
+        if self.cfg.mopd.competence is not None and self.state["competence"] is None:
+            self.state["competence"] = self.measure_competence()
+        super().tasks(b)
+
     def rollout(self, b: StepBatch) -> None:
         """The student's rollouts (under each family's token budget with a ``short`` term)."""
         n = self.cfg.samples_per_task
@@ -178,7 +193,7 @@ class OPDStage(Stage):
                 [t.family for t in trajs],
                 self.names,
                 signals,
-                o.mopd.routes,
+                self.routes(),
                 o.mopd.confidence_temperature,
                 self.state["history"] if o.mopd.success_history else None,
             )
@@ -279,6 +294,30 @@ class OPDStage(Stage):
         if self.cfg.mopd.success_history and self.teachers:
             _update_history(self.state["history"], self.names, b.data.w, trajs)
 
+    # ---- competence routing -------------------------------------------------------------------------
+    def measure_competence(self) -> dict[str, dict[str, dict[str, float]]]:
+        """Every teacher rolls out the same ``tasks_per_family`` train tasks of each family of the pool
+        (one seed for all); the verifier's successes become the routes (:func:`competence_table`),
+        written to ``RUN_DIR/mopd_competence.json`` and summarised on the console."""
+        c, ws = self.cfg.mopd.competence, self.ws
+        tasks = competence_tasks(ws, self.pool, c.tasks_per_family, self.seeds(f"competence-tasks-{c.seed}"))
+        counts, generated = teacher_successes(ws, self.teachers, tasks, self.seeds(f"competence-rollout-{c.seed}"))
+        self.state["teacher_tokens"] += generated
+        table = competence_table(counts, c.mode)
+        if ws.is_main:
+            doc = {"mode": c.mode, "tasks_per_family": c.tasks_per_family, "seed": c.seed, "families": table}
+            (ws.run_dir / "mopd_competence.json").write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+            ws.console.print(f"mopd competence ({c.mode}): {competence_summary(table)}", markup=False)
+        return table
+
+    def routes(self) -> dict[str, dict[str, float]]:
+        """MOPD's routes: the measured competence table's weights with ``opd.mopd.competence``, else
+        the static ``opd.mopd.routes``."""
+        table = self.state["competence"]
+        if table is None:
+            return self.cfg.mopd.routes
+        return {fam: {t: row["weight"] for t, row in per.items()} for fam, per in table.items()}
+
     # ---- state ----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         st = self.state
@@ -287,6 +326,7 @@ class OPDStage(Stage):
             "teacher_tokens": st["teacher_tokens"],
             "history": {k: list(v) for k, v in st["history"].items()},
             "budget": self.budget.state_dict() if self.budget else None,
+            "competence": copy.deepcopy(st["competence"]),
         }
 
     def load_state_dict(self, st: dict[str, Any]) -> None:
@@ -295,6 +335,8 @@ class OPDStage(Stage):
         self.state["history"].update({k: tuple(v) for k, v in st.get("history", {}).items()})
         if self.budget is not None and st.get("budget"):
             self.budget.load_state_dict(st["budget"])
+        if st.get("competence") is not None:  # measured before: a resumed run reuses it, never rerolls
+            self.state["competence"] = copy.deepcopy(st["competence"])
 
     def close(self) -> None:
         for served in self.served:
@@ -468,18 +510,74 @@ def _rlsd_snapshot_targets(model, tokenizer, trajs, sd_w, r) -> list[tuple[Traje
     return out
 
 
+def teacher_rollout(ws, teacher, tasks, seed: int, batch_size: int | None = None) -> list[Trajectory]:
+    """``teacher`` plays ``tasks`` itself under the run's rollout: the run's contract for a teacher
+    that shares the student's tokenizer, the same settings rendered with its own tokenizer for a
+    cross-tokenizer one."""
+    rollout = ws.rollout
+    if isinstance(teacher, CrossTokenizerTeacher):
+        env = ws.make_env()
+        try:
+            contract = contract_for_env(teacher.tokenizer, env, ws.cfg.sampling, ws.cfg.limits, ws.cfg.prompt)
+        finally:
+            env.close()
+        rollout = rollout.with_contract(contract)
+    return rollout.run(teacher.model, tasks, seed=seed, batch_size=batch_size or max(len(tasks), 1))
+
+
+def competence_tasks(ws, pool, per_family: int, seed: int, tries: int = 6) -> list:
+    """``per_family`` train-split tasks of every family in ``pool`` (sorted by family), drawn from the
+    run's task source with ``seed``; a family the source rarely draws gets fewer after ``tries`` ever
+    larger draws."""
+    families = sorted({t.family for t in pool})
+    n = per_family * max(len(families), 1) * 2
+    for _ in range(tries):
+        drawn = ws.train_tasks(n, seed)
+        by = {f: [t for t in drawn if t.family == f][:per_family] for f in families}
+        if all(len(v) == per_family for v in by.values()):
+            break
+        n *= 4
+    return [t for f in families for t in by[f]]
+
+
+def teacher_successes(ws, teachers, tasks, seed: int) -> tuple[dict[str, dict[str, tuple[int, int]]], int]:
+    """Per family, per teacher: (verified successes, attempts) of the teacher's own rollouts of
+    ``tasks`` (one seed for every teacher), and the tokens the teachers generated."""
+    counts: dict[str, dict[str, tuple[int, int]]] = {}
+    generated = 0
+    for teacher in teachers:
+        trajs = teacher_rollout(ws, teacher, tasks, seed, ws.cfg.eval.batch_size)
+        generated += sum(x.num_policy_tokens for x in trajs)
+        for task, x in zip(tasks, trajs):
+            s, n = counts.setdefault(task.family, {}).get(teacher.name, (0, 0))
+            counts[task.family][teacher.name] = (s + int(bool(x.reward and x.reward.success)), n + 1)
+    return counts, generated
+
+
+def competence_table(counts: dict[str, dict[str, tuple[int, int]]], mode: str) -> dict[str, dict[str, dict]]:
+    """``family -> teacher -> {successes, attempts, weight}``, the weights by :func:`competence_routes`."""
+    routes = competence_routes(counts, mode)
+    return {
+        fam: {t: {"successes": s, "attempts": n, "weight": routes[fam][t]} for t, (s, n) in per.items()}
+        for fam, per in counts.items()
+    }
+
+
+def competence_summary(table: dict[str, dict[str, dict]]) -> str:
+    """One line: per family, each teacher's successes/attempts and weight."""
+    return "; ".join(
+        f"{fam}: " + ", ".join(f"{t} {r['successes']}/{r['attempts']} w={r['weight']:.2f}" for t, r in per.items())
+        for fam, per in sorted(table.items())
+    )
+
+
 def _sequence_fallback(ws, learner, cross, tasks, seed: int, state) -> dict[str, float]:
     """Each cross-tokenizer teacher plays the step's tasks itself; its verified episodes, re-tokenised
     by the student, are one SFT update."""
     targets = []
     generated = 0
     for t in cross:
-        env = ws.make_env()
-        try:
-            contract = contract_for_env(t.tokenizer, env, ws.cfg.sampling, ws.cfg.limits, ws.cfg.prompt)
-        finally:
-            env.close()
-        own = ws.rollout.with_contract(contract).run(t.model, tasks, seed=seed, batch_size=len(tasks))
+        own = teacher_rollout(ws, t, tasks, seed)
         generated += sum(x.num_policy_tokens for x in own)
         for x in own:
             if x.reward and x.reward.success:
@@ -533,4 +631,16 @@ def _write_samples(run_dir: Path, step: int, trajs, signals, names, w, kl) -> No
             f.write(json.dumps(r) + "\n")
 
 
-__all__ = ["INPUT_BUILDERS", "LOSS_TERMS", "LossTerm", "OPDStage", "needed_capabilities", "opd_stage"]
+__all__ = [
+    "INPUT_BUILDERS",
+    "LOSS_TERMS",
+    "LossTerm",
+    "OPDStage",
+    "competence_summary",
+    "competence_table",
+    "competence_tasks",
+    "needed_capabilities",
+    "opd_stage",
+    "teacher_rollout",
+    "teacher_successes",
+]
