@@ -25,6 +25,20 @@ methods, ``--cross-teacher`` for ``opd_cross``), so every seed distils from the 
 
     python bench/methods_seeds.py --sft 'RUNS/s{seed}/sft/final' --grpo-run 'RUNS/plain-s{seed}' \\
         --teacher TEACHER --cross-teacher CROSS_TEACHER --methods opd opd_cross sao --out RUNS/methods
+
+MOPD from specialists: ``--spec-a`` and ``--spec-b`` are two specialist teachers, each trained on one half
+of the task families (``mentorrl/configs/specialist.yaml`` with ``sft.families``; ``--spec-a-families``,
+default the first half of orders' families, spec-b the rest). Every arm is ``opd.yaml`` (same-tokenizer
+top-k OPD) with exactly those teachers, named ``spec_a`` and ``spec_b``: ``opd_spec_a`` / ``opd_spec_b``
+distil from one; ``mopd_oracle`` routes each family to its own specialist (static ``opd.mopd.routes``, the
+per-family oracle router); ``mopd_competence`` measures the routes (``opd.mopd.competence``, soft);
+``mopd_mix`` weights them as ``mopd.yaml`` does (confidence and success history, no routes). The
+specialists' own held-out success (their run's ``eval_sft.json``, on the same tasks) is reported beside
+them, and each MOPD arm's difference from ``mopd_oracle`` when both ran (docs/opd.md):
+
+    python bench/methods_seeds.py --sft 'RUNS/s{seed}/sft/final' --grpo-run 'RUNS/plain-s{seed}' \\
+        --spec-a runs/spec-a/sft/final --spec-b runs/spec-b/sft/final \\
+        --methods opd_spec_a opd_spec_b mopd_oracle mopd_competence mopd_mix --out RUNS/specialists
 """
 
 from __future__ import annotations
@@ -40,6 +54,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _seeds import final_eval, same_tasks, summary, train_run  # noqa: E402
 from opd_vs_grpo import curve, smoothed, tokens_to_reach  # noqa: E402
 
+from mentorrl.envs.orders.tasks import FAMILIES  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "mentorrl" / "configs"
 
@@ -49,8 +65,28 @@ class Method:
     config: str
     stage: str
     overrides: tuple[str, ...] = ()
-    teacher: str | None = None  # "teacher", "cross", "both" (OPD teachers) or "bb" (a served black-box teacher)
+    teacher: str | None = None  # a key of TEACHER_SETS (the OPD teachers) or "bb" (a served black-box teacher)
     checks: bool = field(default=False)  # held-out checks during training (opd.eval_every)
+    oracle_routes: bool = False  # opd.mopd.routes: each family to its own specialist (--spec-a-families)
+
+
+# Method.teacher -> the OPD teachers it lists: (key of the command line's teachers, name in opd.teachers)
+TEACHER_SETS: dict[str, tuple[tuple[str, str], ...]] = {
+    "teacher": (("teacher", "teacher"),),
+    "cross": (("cross", "cross-teacher"),),
+    "both": (("teacher", "teacher"), ("cross", "cross-teacher")),
+    "spec_a": (("spec_a", "spec_a"),),
+    "spec_b": (("spec_b", "spec_b"),),
+    "specs": (("spec_a", "spec_a"), ("spec_b", "spec_b")),
+}
+TEACHER_FLAGS = {
+    "teacher": "--teacher",
+    "cross": "--cross-teacher",
+    "spec_a": "--spec-a",
+    "spec_b": "--spec-b",
+    "bb": "--bb-teacher",
+}
+SPEC_A_FAMILIES = FAMILIES[: len(FAMILIES) // 2]  # order_status, stock_check, order_count, cancel_order
 
 
 OPD_CHECKS = ("opd.steps=40", "opd.eval_every=4")
@@ -61,6 +97,24 @@ METHODS: dict[str, Method] = {
     "reward_weighted": Method("reward_weighted.yaml", "opd", (), checks=True),
     "rlsd": Method("rlsd.yaml", "opd", ("opd.eval_every=4",), checks=True),
     "mopd": Method("mopd.yaml", "opd", OPD_CHECKS, teacher="both", checks=True),
+    # MOPD from two specialists (--spec-a, --spec-b): opd.yaml's terms for every arm, only the routing differs
+    "opd_spec_a": Method("opd.yaml", "opd", OPD_CHECKS, teacher="spec_a", checks=True),
+    "opd_spec_b": Method("opd.yaml", "opd", OPD_CHECKS, teacher="spec_b", checks=True),
+    "mopd_oracle": Method("opd.yaml", "opd", OPD_CHECKS, teacher="specs", checks=True, oracle_routes=True),
+    "mopd_competence": Method(
+        "opd.yaml",
+        "opd",
+        (*OPD_CHECKS, "opd.mopd.competence={tasks_per_family: 8, mode: soft}"),
+        teacher="specs",
+        checks=True,
+    ),
+    "mopd_mix": Method(  # mopd.yaml's teacher weighting
+        "opd.yaml",
+        "opd",
+        (*OPD_CHECKS, "opd.mopd.confidence_temperature=1.0", "opd.mopd.success_history=true"),
+        teacher="specs",
+        checks=True,
+    ),
     "evolve": Method("evolve.yaml", "evolve"),
     "sao": Method("sao.yaml", "sao"),
     "ppo": Method("ppo.yaml", "ppo"),
@@ -77,9 +131,49 @@ METHODS.update(
 )
 
 
+def spec_split(spec_a: list[str] | tuple[str, ...] = SPEC_A_FAMILIES) -> dict[str, list[str]]:
+    """Each specialist's families: ``spec_a`` (orders families) and the rest for spec_b."""
+    unknown = [f for f in spec_a if f not in FAMILIES]
+    if unknown or not spec_a or len(spec_a) == len(FAMILIES):
+        raise SystemExit(
+            f"--spec-a-families must be some but not all of {', '.join(FAMILIES)}"
+            + (f"; unknown: {', '.join(unknown)}" if unknown else "")
+        )
+    return {"spec_a": list(spec_a), "spec_b": [f for f in FAMILIES if f not in spec_a]}
+
+
+def teacher_overrides(name: str, m: Method, teachers: dict[str, str | None], spec: dict[str, list[str]]) -> list[str]:
+    """The overrides that give method ``m`` its teachers: the served black-box teacher, or ``opd.teachers``
+    (``TEACHER_SETS[m.teacher]``) and, for the oracle router, ``opd.mopd.routes`` (after the teachers it names)."""
+    if m.teacher is None:
+        return []
+    if m.teacher == "bb":
+        if teachers.get("bb") is None:
+            raise SystemExit(f"method {name} asks a served teacher: give --bb-teacher")
+        return [f"blackbox.teacher.serve={{path: {teachers['bb']}}}"]
+    wanted = TEACHER_SETS[m.teacher]
+    for key, _ in wanted:
+        if teachers.get(key) is None:
+            raise SystemExit(f"method {name} distils from {TEACHER_FLAGS[key]}: give one")
+    out = ["opd.teachers=[" + ", ".join(f"{{name: {t}, path: {teachers[key]}}}" for key, t in wanted) + "]"]
+    if m.oracle_routes:
+        routes = ", ".join(f"{fam}: {{{t}: 1.0}}" for t, fams in spec.items() for fam in fams)
+        out.append(f"opd.mopd.routes={{{routes}}}")
+    return out
+
+
 def run_method(
-    out: Path, name: str, seed: int, sft: Path, teachers: dict[str, str | None], extra: list[str], check_tasks: int
+    out: Path,
+    name: str,
+    seed: int,
+    sft: Path,
+    teachers: dict[str, str | None],
+    extra: list[str],
+    check_tasks: int,
+    spec: dict[str, list[str]] | None = None,
 ) -> Path:
+    """Method ``name`` from ``sft`` at ``seed`` (read back when finished); ``spec``: each specialist's
+    families, for the oracle router (default :func:`spec_split`)."""
     m, run_dir = METHODS[name], out / f"{name}-s{seed}"
     if (run_dir / f"eval_{m.stage}.json").exists():
         return run_dir
@@ -93,20 +187,8 @@ def run_method(
         f"opd.eval_tasks={check_tasks}",
         *m.overrides,
         *extra,
+        *teacher_overrides(name, m, teachers, spec or spec_split()),
     ]
-    if m.teacher == "bb":
-        if teachers["bb"] is None:
-            raise SystemExit(f"method {name} asks a served teacher: give --bb-teacher")
-        overrides.append(f"blackbox.teacher.serve={{path: {teachers['bb']}}}")
-    elif m.teacher is not None:
-        wanted = ["teacher", "cross"] if m.teacher == "both" else [m.teacher]
-        for w in wanted:
-            if teachers[w] is None:
-                raise SystemExit(f"method {name} distils from --{'cross-' if w == 'cross' else ''}teacher: give one")
-        listed = ", ".join(
-            f"{{name: {'cross-teacher' if w == 'cross' else 'teacher'}, path: {teachers[w]}}}" for w in wanted
-        )
-        overrides.append(f"opd.teachers=[{listed}]")
     run_dir.mkdir(parents=True, exist_ok=True)
     train_run(CONFIGS / m.config, overrides, f"{name} seed {seed}", log=out / f"{name}-s{seed}.log")
     return run_dir
@@ -133,8 +215,14 @@ def seed_row(args, seed: int, name: str) -> dict:
     start = prefix_success(sft.parents[1] / "eval_sft.jsonl", args.check_tasks)
     grpo_recs = records(grpo_dir, "grpo")
     grpo_curve = curve(grpo_recs, start)
-    teachers = {"teacher": args.teacher, "cross": args.cross_teacher, "bb": args.bb_teacher}
-    run_dir = run_method(args.out, name, seed, sft, teachers, args.overrides, args.check_tasks)
+    teachers = {
+        "teacher": args.teacher,
+        "cross": args.cross_teacher,
+        "bb": args.bb_teacher,
+        "spec_a": args.spec_a,
+        "spec_b": args.spec_b,
+    }
+    run_dir = run_method(args.out, name, seed, sft, teachers, args.overrides, args.check_tasks, args.spec)
     m = METHODS[name]
     sft_eval = sft.parents[1] / "eval_sft.json"
     for other in (grpo_dir / "eval_grpo.json", run_dir / f"eval_{m.stage}.json"):
@@ -261,6 +349,37 @@ def report(name: str, rows: list[dict]) -> dict:
     return out
 
 
+def specialists(args) -> dict:
+    """Each given specialist's checkpoint, families and own held-out success (its run's ``eval_sft.json``,
+    checked to be on the students' tasks), printed."""
+    out: dict = {}
+    student_eval = Path(args.sft.format(seed=args.seeds[0])).parents[1] / "eval_sft.json"
+    for key in ("spec_a", "spec_b"):
+        path = getattr(args, key)
+        out[key] = {"path": path, "families": args.spec[key]}
+        own = Path(path).parents[1] / "eval_sft.json" if path else None
+        if own is not None and own.exists():
+            same_tasks(student_eval, own)
+            out[key]["alone"] = final_eval(own)
+            print(f"{key} ({', '.join(args.spec[key])}) alone: {pct(out[key]['alone'])}")
+    return out
+
+
+def minus_oracle(result: dict, methods: list[str]) -> dict:
+    """Each other method minus ``mopd_oracle``, seed by seed (final evaluations), printed."""
+    oracle = {r["seed"]: r["mopd_oracle"]["success"] for r in result["mopd_oracle"]["seeds"]}
+    print("\n## minus the per-family oracle router (mopd_oracle)\n")
+    return {
+        name: summary(
+            f"{name} minus mopd_oracle",
+            [100 * (r[name]["success"] - oracle[r["seed"]]) for r in result[name]["seeds"]],
+            indent="  ",
+        )
+        for name in methods
+        if name != "mopd_oracle"
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sft", required=True, help="each seed's SFT checkpoint; may hold {seed}")
@@ -270,10 +389,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--teacher", help="same-tokenizer teacher checkpoint for every seed")
     ap.add_argument("--cross-teacher", help="teacher checkpoint with its own tokenizer (opd_cross)")
     ap.add_argument("--bb-teacher", help="checkpoint served as the black-box teacher (bb_* methods; any tokenizer)")
+    ap.add_argument("--spec-a", help="specialist teacher checkpoint on --spec-a-families (opd_spec_a, mopd_*)")
+    ap.add_argument("--spec-b", help="specialist teacher checkpoint on the other families (opd_spec_b, mopd_*)")
+    ap.add_argument(
+        "--spec-a-families",
+        default=",".join(SPEC_A_FAMILIES),
+        help="comma-separated orders families spec-a was trained on; spec-b has the rest (the oracle's routes)",
+    )
     ap.add_argument("--check-tasks", type=int, default=200, help="tasks of the GRPO run's held-out checks")
     ap.add_argument("--out", type=Path, default=Path("runs/methods-seeds"))
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="a config override for every run")
     args = ap.parse_args(argv)
+    args.spec = spec_split([f.strip() for f in args.spec_a_families.split(",") if f.strip()])
     args.out.mkdir(parents=True, exist_ok=True)
     result = {
         "teacher": args.teacher,
@@ -281,8 +408,12 @@ def main(argv: list[str] | None = None) -> None:
         "bb_teacher": args.bb_teacher,
         "overrides": args.overrides,
     }
+    if any(METHODS[n].teacher in ("spec_a", "spec_b", "specs") for n in args.methods):
+        result["specialists"] = specialists(args)
     for name in args.methods:
         result[name] = report(name, [seed_row(args, s, name) for s in args.seeds])
+    if "mopd_oracle" in args.methods:
+        result["minus_oracle"] = minus_oracle(result, args.methods)
     path = args.out / f"methods_{'_'.join(args.methods)}_s{''.join(map(str, args.seeds))}.json"
     path.write_text(json.dumps(result, indent=2))
     print(f"\nwrote {path}")

@@ -234,3 +234,88 @@ def test_a_method_between_grpo_checks_is_also_compared_with_the_next_check(tmp_p
     assert (e["trajectories"], e["grpo_step"], e["grpo"]) == (192, 0, pytest.approx(0.30))
     assert e["grpo_at_or_above"] == {"step": 2, "trajectories": 256, "success": 0.4}
     assert e["method"] == pytest.approx(0.55)
+
+
+def test_specialist_arms_list_the_two_specialists_and_their_routing(tmp_path, monkeypatch):
+    """The MOPD-from-specialists arms: opd.yaml with exactly spec_a and spec_b as teachers (one for the
+    single-teacher arms); the oracle routes each family to its own specialist, the competence arm measures
+    the routes, the mix arm weights as mopd.yaml does; the overrides load; a missing specialist is refused."""
+    import yaml
+
+    from mentorrl.cli_common import load_run_config
+    from mentorrl.envs.orders.tasks import FAMILIES
+
+    b = _bench()
+    seen = {}
+    monkeypatch.setattr(
+        b, "train_run", lambda config, overrides, *a, **k: seen.setdefault(Path(config).name, overrides)
+    )
+    teachers = {"spec_a": str(tmp_path / "A"), "spec_b": str(tmp_path / "B")}
+    spec = b.spec_split(["refund", "order_status"])
+    assert spec["spec_b"] == [f for f in FAMILIES if f not in ("refund", "order_status")]
+    cfgs = {}
+    for name in ("opd_spec_a", "opd_spec_b", "mopd_oracle", "mopd_competence", "mopd_mix"):
+        seen.clear()
+        b.run_method(tmp_path / "out", name, 0, tmp_path / "sft", teachers, [], 100, spec)
+        ((config, overrides),) = seen.items()
+        assert config == "opd.yaml" and "recipe=[opd]" in overrides
+        cfgs[name] = load_run_config(str(b.CONFIGS / config), overrides, str(tmp_path / "run"), "demo.yaml").opd
+    listed = {n: [(t.name, t.path) for t in o.teachers] for n, o in cfgs.items()}
+    both = [("spec_a", teachers["spec_a"]), ("spec_b", teachers["spec_b"])]
+    assert listed == {
+        "opd_spec_a": both[:1],
+        "opd_spec_b": both[1:],
+        "mopd_oracle": both,
+        "mopd_competence": both,
+        "mopd_mix": both,
+    }
+    oracle = cfgs["mopd_oracle"].mopd
+    assert oracle.routes == {f: {"spec_a" if f in ("refund", "order_status") else "spec_b": 1.0} for f in FAMILIES}
+    assert oracle.competence is None and oracle.confidence_temperature is None and not oracle.success_history
+    comp = cfgs["mopd_competence"].mopd
+    assert comp.routes == {} and (comp.competence.tasks_per_family, comp.competence.mode) == (8, "soft")
+    shipped = yaml.safe_load((b.CONFIGS / "mopd.yaml").read_text())["opd"]["mopd"]
+    mix = cfgs["mopd_mix"].mopd
+    assert mix.routes == {} and mix.competence is None
+    assert (mix.confidence_temperature, mix.success_history) == (
+        shipped["confidence_temperature"],
+        shipped["success_history"],
+    )
+    assert all(o.terms == cfgs["opd_spec_a"].terms for o in cfgs.values())  # only the routing differs
+    seen.clear()
+    b.run_method(tmp_path / "out2", "mopd_oracle", 0, tmp_path / "sft", teachers, [], 100)  # the default split
+    routes = load_run_config(str(b.CONFIGS / "opd.yaml"), seen["opd.yaml"], str(tmp_path / "r"), "demo.yaml")
+    assert routes.opd.mopd.routes["cancel_order"] == {"spec_a": 1.0} and routes.opd.mopd.routes["refund"] == {
+        "spec_b": 1.0
+    }
+    with pytest.raises(SystemExit, match="--spec-b"):
+        b.run_method(tmp_path / "out3", "mopd_mix", 0, tmp_path / "sft", {**teachers, "spec_b": None}, [], 100)
+    with pytest.raises(SystemExit, match="some but not all"):
+        b.spec_split(["refund", "refunds"])
+
+
+def test_specialist_arms_report_the_specialists_alone_and_the_gap_to_the_oracle(tmp_path, monkeypatch, capsys):
+    b = _bench()
+    _eval(tmp_path / "s0", "sft", 0.3, [False] * 10)
+    _eval(tmp_path / "grpo-s0", "grpo", 0.5)
+    _metrics(tmp_path / "grpo-s0", "grpo", [{"step": 1, "rollout_tokens": 10, "heldout_success": 0.5}])
+    for key, success in (("a", 0.4), ("b", 0.45)):
+        _eval(tmp_path / f"spec-{key}", "sft", success, [False] * 10)
+    for name, success in (("mopd_oracle", 0.6), ("mopd_mix", 0.55)):
+        o = tmp_path / "out" / f"{name}-s0"
+        _eval(o, "opd", success)
+        _metrics(o, "opd", [{"step": 1, "rollout_tokens": 5, "heldout_success": success}])
+    argv = ["--sft", str(tmp_path / "s{seed}" / "sft" / "final"), "--grpo-run", str(tmp_path / "grpo-s{seed}")]
+    argv += ["--seeds", "0", "--check-tasks", "10", "--out", str(tmp_path / "out")]
+    argv += [
+        "--spec-a",
+        str(tmp_path / "spec-a" / "sft" / "final"),
+        "--spec-b",
+        str(tmp_path / "spec-b" / "sft" / "final"),
+    ]
+    b.main(argv + ["--methods", "mopd_oracle", "mopd_mix"])
+    res = json.loads((tmp_path / "out" / "methods_mopd_oracle_mopd_mix_s0.json").read_text())
+    assert res["specialists"]["spec_a"]["alone"]["success"] == 0.4
+    assert res["specialists"]["spec_b"]["families"] == ["update_address", "refund", "place_order", "email_receipt"]
+    assert res["minus_oracle"]["mopd_mix"]["mean"] == pytest.approx(-5.0)
+    assert "spec_b (update_address, refund, place_order, email_receipt) alone: 45.0%" in capsys.readouterr().out

@@ -18,6 +18,7 @@ from mentorrl.config.base import (
     updates_per_step_field,
 )
 from mentorrl.config.model import DEVICE_PATTERN, DType, ModelSpec
+from mentorrl.config.sft import distinct_families
 
 
 class TeacherBuildConfig(Section):
@@ -35,9 +36,20 @@ class TeacherBuildConfig(Section):
     )
     spec: ModelSpec | None = Field(None, description="teacher model size; null: the student's model.spec")
     num_demos: int = Field(4000, ge=1, description="expert demonstrations the teacher's SFT draws from")
+    families: list[str] | None = Field(
+        None,
+        min_length=1,
+        description="the teacher's SFT draws its demonstrations only from these task families (its sft.families: "
+        "a specialist teacher; part of the build's cache key); null: every family",
+    )
     sft_steps: int = Field(1500, ge=1, description="SFT steps (the demo's student takes 600)")
     batch_size: int = Field(32, ge=1, description="demonstrations per SFT step")
     lr: float = Field(3e-3, gt=0, description="SFT learning rate")
+
+    @field_validator("families")
+    @classmethod
+    def _distinct_families(cls, v: list[str] | None) -> list[str] | None:
+        return distinct_families(v)
 
     @model_validator(mode="after")
     def _student_init_keeps_the_student(self) -> "TeacherBuildConfig":

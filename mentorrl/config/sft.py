@@ -4,9 +4,16 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from mentorrl.config.base import LossAgg, StageConfig, StepStageConfig, checkpoint_every_field, loss_agg_field
+
+
+def distinct_families(v: list[str] | None) -> list[str] | None:
+    """A ``families`` filter that names each family once (a ValueError, reported with the field, if not)."""
+    if v is not None and len(set(v)) != len(v):
+        raise ValueError(f"families lists a family more than once: {v}")
+    return v
 
 
 class SFTConfig(StepStageConfig):
@@ -19,11 +26,30 @@ class SFTConfig(StepStageConfig):
         "Parquet file, save_to_disk folder or JSON lines, e.g. from `mentorrl export`), validated and "
         "tokenised with this run's tokenizer; train-split rows only",
     )
+    families: list[str] | None = Field(
+        None,
+        min_length=1,
+        description="draw the scripted expert's demonstrations only from train tasks of these task families "
+        "(num_demos tasks of them, in the task source's own mix; e.g. one half of orders' families for a "
+        "specialist teacher, docs/opd.md); each must be a family of the environment (checked before the first "
+        "step); null: every family",
+    )
     batch_size: int = Field(32, ge=1, description="demonstrations per step")
     loss_agg: LossAgg = loss_agg_field("token-mean, seq-mean-token-mean or seq-mean-token-sum")
     checkpoint_every: int = checkpoint_every_field(
         10, "steps between checkpoints (weights, optimizer and RNG state); --resume continues from the last"
     )
+
+    @field_validator("families")
+    @classmethod
+    def _distinct_families(cls, v: list[str] | None) -> list[str] | None:
+        return distinct_families(v)
+
+    @model_validator(mode="after")
+    def _families_filter_the_expert(self) -> "SFTConfig":
+        if self.families is not None and self.demos is not None:
+            raise ValueError("families filters the scripted expert's tasks: give it or demos (a dataset), not both")
+        return self
 
 
 class RFTConfig(StageConfig):
@@ -49,4 +75,4 @@ class RFTConfig(StageConfig):
         return v
 
 
-__all__ = ["RFTConfig", "SFTConfig"]
+__all__ = ["RFTConfig", "SFTConfig", "distinct_families"]

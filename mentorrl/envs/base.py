@@ -19,7 +19,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import jsonschema
 
@@ -292,7 +292,9 @@ class Environment(Protocol):
 
 class TaskSource(Protocol):
     """Seeded tasks of a split. A source whose class sets ``stratifies = True`` also takes
-    ``tasks(..., stratified=True)``: each of its strata (e.g. family x kind) gets its exact share."""
+    ``tasks(..., stratified=True)``: each of its strata (e.g. family x kind) gets its exact share. One
+    whose class sets ``families`` (a tuple of names) says which task families it draws, so a family
+    filter (``sft.families``) is checked against it before the first step."""
 
     def tasks(self, split: str, n: int, seed: int) -> list[Task]: ...
 
@@ -303,6 +305,33 @@ def draw_tasks(source: TaskSource, split: str, n: int, seed: int, stratified: bo
         return source.tasks(split=split, n=n, seed=seed)
     check_stratifies(source)
     return source.tasks(split=split, n=n, seed=seed, stratified=True)  # type: ignore[call-arg]
+
+
+class UnknownFamilyError(ValueError):
+    """A family filter names a family the task source never drew (:func:`draw_family_tasks`)."""
+
+
+def draw_family_tasks(
+    source: TaskSource, split: str, n: int, seed: int, families: Sequence[str], tries: int = 6
+) -> list[Task]:
+    """The first ``n`` tasks of ``families`` in ``source.tasks(split, m, seed)``, drawing ever larger ``m``
+    (``2n``, then enough for the share of those families seen so far) until ``n`` are kept: the tasks keep
+    the source's own mix within those families. Fewer than ``n`` when a finite source, or ``tries`` draws,
+    hold fewer; a family none of the draws holds is an :class:`UnknownFamilyError` naming it."""
+    wanted, m = set(families), 2 * n
+    for _ in range(tries):
+        drawn = source.tasks(split=split, n=m, seed=seed)
+        kept = [t for t in drawn if t.family in wanted]
+        if len(kept) >= n or len(drawn) < m:  # enough, or a finite source gave all it has
+            break
+        m = max(2 * m, int(1.25 * m * n / max(len(kept), 1)) + 1)
+    missing = sorted(wanted - {t.family for t in kept})
+    if missing:
+        raise UnknownFamilyError(
+            f"no {split!r} task of famil{'y' if len(missing) == 1 else 'ies'} {', '.join(missing)} among "
+            f"{len(drawn)} drawn from {type(source).__name__}"
+        )
+    return kept[:n]
 
 
 def check_stratifies(source: TaskSource) -> None:

@@ -28,11 +28,16 @@ TEACHER_RECIPE_FIELDS = ("seed", "train_split", "env", "sampling", "limits", "pr
 def teacher_build_config(cfg, t: TeacherConfig):
     """The run config that builds teacher ``t``: this run's environment, contract and seed, the
     teacher's own model size (and tokenizer when ``build.vocab_size`` is set), and a longer SFT
-    on more expert demonstrations than the student's -- the demo's ``sft`` stage with other numbers."""
+    on more expert demonstrations than the student's (of ``build.families`` only, when set: a specialist)
+    -- the demo's ``sft`` stage with other numbers."""
     b = t.build
     spec = (b.spec or cfg.model.spec).model_copy(update={"vocab_size": b.vocab_size or cfg.model.spec.vocab_size})
     sft = SFTConfig(
-        num_demos=b.num_demos, steps=b.sft_steps, batch_size=b.batch_size, optim=OptimConfig(lr=b.lr, warmup_steps=5)
+        num_demos=b.num_demos,
+        families=sorted(b.families) if b.families else None,  # one cache key for one set of families
+        steps=b.sft_steps,
+        batch_size=b.batch_size,
+        optim=OptimConfig(lr=b.lr, warmup_steps=5),
     )
     keep = {
         k: getattr(cfg, k) for k in ("seed", "train_split", "threads", "env", "sampling", "limits", "prompt", "reward")
@@ -56,6 +61,8 @@ def teacher_dir(cfg, t: TeacherConfig, student_weights: str | None = None) -> Pa
     every run that asks for the same teacher), or under the run directory when that is null. A teacher
     built from the student (``build.init: student``) is keyed by the student's weights as well."""
     sub = teacher_build_config(cfg, t).model_dump(mode="json", include=set(TEACHER_RECIPE_FIELDS))
+    if sub["sft"].get("families") is None:  # every family: the key of the teachers built before the filter existed
+        sub["sft"].pop("families", None)
     if t.build.init == "student":
         if student_weights is None:
             raise ValueError(
@@ -94,7 +101,7 @@ def build_teacher(ws: Workspace, t: TeacherConfig, student=None) -> Path:
     origin = "the student's weights" if from_student else f"a fresh model (vocab {sub.model.spec.vocab_size})"
     ws.console.print(
         f"building teacher {t.name!r} into {out}: {sub.sft.steps} SFT steps on {sub.sft.num_demos} "
-        f"demonstrations from {origin}"
+        f"demonstrations{of_families(sub.sft.families)} from {origin}"
     )
     tws = open_workspace(sub, show_progress=ws.show_progress)
     tws.console = ws.console
@@ -107,6 +114,11 @@ def build_teacher(ws: Workspace, t: TeacherConfig, student=None) -> Path:
         tok, model = load_policy(base)
     tws.bind_tokenizer(tok)
     return sft_stage(tws, model, resume=True)
+
+
+def of_families(families: list[str] | None) -> str:
+    """`` of families a, b`` for a family filter, nothing for every family."""
+    return f" of families {', '.join(families)}" if families else ""
 
 
 def cached_build_intact(ws: Workspace, t: TeacherConfig, final: Path) -> bool:

@@ -8,18 +8,19 @@ import json
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
+from pydantic import BaseModel
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from mentorrl.chat_templates import PROMPT_RECORD, native_chat_for
-from mentorrl.config import RunConfig, dump_config
+from mentorrl.config import ConfigError, RunConfig, SFTConfig, TeacherBuildConfig, dump_config
 from mentorrl.contract import RolloutContract, chat_template_for, contract_for_env
 from mentorrl.core.checksums import require_manifest
 from mentorrl.envs import EnvEntry, env_factory, resolve_env
-from mentorrl.envs.base import check_stratifies, draw_tasks
+from mentorrl.envs.base import check_stratifies, draw_family_tasks, draw_tasks
 from mentorrl.eval.metrics import summarize
 from mentorrl.eval.sets import assert_trainable, assert_trainable_splits
 from mentorrl.models.device import resolve_device, rollout_backend_args
@@ -151,10 +152,14 @@ class Workspace:
         task source stratifies that split: orders keeps golden's curated cycle)."""
         return self.tasks(split, n, self.cfg.eval.seed, stratified=self.cfg.eval.stratify)
 
-    def train_tasks(self, n: int, seed: int):
-        """Tasks for a training stage, from ``cfg.train_split``; refuses the hidden evaluation set."""
+    def train_tasks(self, n: int, seed: int, families: Sequence[str] | None = None):
+        """Tasks for a training stage, from ``cfg.train_split``; refuses the hidden evaluation set. With
+        ``families``: ``n`` tasks of those families only (:func:`~mentorrl.envs.base.draw_family_tasks`)."""
         assert_trainable_splits([self.cfg.train_split])
-        tasks = self.tasks(self.cfg.train_split, n, seed)
+        if families:
+            tasks = draw_family_tasks(self.env_entry.make_tasks(), self.cfg.train_split, n, seed, families)
+        else:
+            tasks = self.tasks(self.cfg.train_split, n, seed)
         assert_trainable(tasks)
         return tasks
 
@@ -223,6 +228,7 @@ def open_workspace(cfg: RunConfig, show_progress: bool = True, dp=None) -> Works
     entry = resolve_env(cfg.env)
     if cfg.eval.stratify:
         check_stratifies(entry.make_tasks())  # before the first step
+    check_families(cfg, entry)  # before the first step
     return Workspace(
         cfg=cfg,
         run_dir=run_dir,
@@ -231,6 +237,33 @@ def open_workspace(cfg: RunConfig, show_progress: bool = True, dp=None) -> Works
         console=Console() if main else Console(quiet=True),
         dp=dp,
     )
+
+
+def family_filters(node: Any, where: str) -> list[tuple[str, list[str]]]:
+    """(dotted field, families) of every family filter set in config ``node`` (at field ``where``): an
+    SFT section's ``families`` and a local teacher's ``build.families``, however deep in a stage's section."""
+    if isinstance(node, (SFTConfig, TeacherBuildConfig)):
+        return [(f"{where}.families", node.families)] if node.families else []
+    if isinstance(node, BaseModel):
+        return [f for k in type(node).model_fields for f in family_filters(getattr(node, k), f"{where}.{k}")]
+    if isinstance(node, (list, tuple)):
+        return [f for i, v in enumerate(node) for f in family_filters(v, f"{where}.{i}")]
+    return []
+
+
+def check_families(cfg: RunConfig, entry: EnvEntry) -> None:
+    """Every family filter of the recipe's stages names families of the environment's task source (where
+    the source says which: its ``families``); else a :class:`ConfigError` naming the field. A source that
+    does not say is checked when the stage draws its tasks."""
+    filters = [f for stage in dict.fromkeys(cfg.recipe) for f in family_filters(getattr(cfg, stage, None), stage)]
+    known = getattr(entry.make_tasks(), "families", None) if filters else None
+    for field_name, families in filters if known is not None else ():
+        unknown = [f for f in families if f not in known]
+        if unknown:
+            raise ConfigError(
+                f"{field_name}: unknown task famil{'y' if len(unknown) == 1 else 'ies'} {', '.join(unknown)}; "
+                f"environment {cfg.env.name!r} has {', '.join(known)}"
+            )
 
 
 def frozen_copy(model):

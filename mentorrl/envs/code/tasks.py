@@ -71,6 +71,7 @@ class CodeTasks:
     """``tasks(split, n, seed)``: a deterministic list of tasks; splits use disjoint episode seeds."""
 
     SEED_BASE = SEED_BASE
+    families = FAMILIES  # the task families it draws (a family filter such as sft.families is checked against it)
 
     def tasks(self, split: str = "train", n: int = 200, seed: int = 0) -> list[Task]:
         if split not in SEED_BASE:

@@ -332,6 +332,7 @@ class OrdersTasks:
     golden_size = len(GOLDEN_PAIRS)  # the smallest golden set that covers every (family, kind) pair
 
     stratifies = True  # tasks(..., stratified=True) is supported
+    families = FAMILIES  # the task families it draws (a family filter such as sft.families is checked against it)
 
     def tasks(self, split: str = "train", n: int = 200, seed: int = 0, stratified: bool = False) -> list[Task]:
         if split not in SEED_BASE:

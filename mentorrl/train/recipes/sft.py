@@ -1,26 +1,33 @@
-"""SFT on the scripted expert's verified demonstrations, or on a dataset of conversations
-(``sft.demos``: TRL's conversational format, e.g. from ``mentorrl export``) (``recipe: [sft, ...]``)."""
+"""SFT on the scripted expert's verified demonstrations (of the task families ``sft.families`` only, when
+set: a specialist), or on a dataset of conversations (``sft.demos``: TRL's conversational format, e.g. from
+``mentorrl export``) (``recipe: [sft, ...]``)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from mentorrl.config import ConfigError
+from mentorrl.envs.base import UnknownFamilyError
 from mentorrl.train.loop import Stage, StepBatch, run_on_loop
 from mentorrl.train.workspace import Workspace
 
 
-def sft_demonstrations(ws: Workspace) -> list:
-    """The SFT set: ``sft.demos`` tokenised with this run's tokenizer, else the scripted expert's
-    verified demonstrations on ``sft.num_demos`` train tasks."""
-    cfg = ws.cfg
-    if cfg.sft.demos:
+def sft_demonstrations(ws: Workspace, section=None, where: str = "sft") -> list:
+    """The SFT set of ``section`` (an :class:`~mentorrl.config.SFTConfig` at field ``where``; default
+    ``ws.cfg.sft``): its ``demos`` tokenised with this run's tokenizer, else the scripted expert's verified
+    demonstrations on ``num_demos`` train tasks, of its ``families`` only when set."""
+    cfg = ws.cfg.sft if section is None else section
+    if cfg.demos:
         from mentorrl.datasets_io import import_demos, load_rows
 
-        demos = import_demos(load_rows(Path(cfg.sft.demos)), ws.tokenizer)
+        demos = import_demos(load_rows(Path(cfg.demos)), ws.tokenizer)
         if not demos:
-            raise RuntimeError(f"sft.demos {cfg.sft.demos}: no train-split conversation to learn from")
+            raise RuntimeError(f"{where}.demos {cfg.demos}: no train-split conversation to learn from")
         return demos
-    tasks = ws.train_tasks(cfg.sft.num_demos, cfg.seed)
+    try:
+        tasks = ws.train_tasks(cfg.num_demos, ws.cfg.seed, families=cfg.families)
+    except UnknownFamilyError as e:
+        raise ConfigError(f"{where}.families {cfg.families}: {e}") from None
     demos = ws.rollout.demonstrations(ws.env_entry.make_expert(), tasks)
     if not demos:
         raise RuntimeError("the scripted expert produced no verified demonstrations")
@@ -36,7 +43,7 @@ class SFTStage(Stage):
 
     def __init__(self, ws: Workspace, model):
         super().__init__(ws, model)
-        self.demos = sft_demonstrations(ws)
+        self.demos = sft_demonstrations(ws, self.cfg, self.section or self.name)
 
     def rollout(self, b: StepBatch) -> None:
         """No rollout: the step's batch is drawn from the demonstrations."""
