@@ -158,6 +158,8 @@ def register(app: typer.Typer) -> None:
         )
         if report.honest_failures:
             honest_line += f"; [red]failed on {', '.join(report.honest_failures)}[/red]"
+        if report.honest_unfit:
+            honest_line += f"; [yellow]cut short by the limits on {', '.join(report.honest_unfit)}[/yellow]"
         console.print(honest_line)
         passed = report.passed
         out: dict[str, Any] = {"audit": report.to_dict(), "validation": None}

@@ -116,17 +116,24 @@ class AttackResult:
         }
 
 
+BUDGET_ENDS = frozenset({"max_turns", "max_tokens", "length"})  # ended by the run's limits, not the policy
+
+
 @dataclass
 class AuditReport:
     env_name: str
     attacks: list[AttackResult]
     honest_rewards: dict[str, float]  # task id -> honest expert's reward
     honest_success: dict[str, bool]  # task id -> did the honest expert succeed
+    honest_unfit: list[str] = field(default_factory=list)  # failed because the run's limits ended it (BUDGET_ENDS)
 
     @property
     def passed(self) -> bool:
-        """Every attack passed, and the honest expert succeeded wherever it ran (a verifier that
-        rejects honest work is as broken as one that rewards an attack)."""
+        """Every attack passed, and the honest expert succeeded wherever it ran within the run's limits (a
+        verifier that rejects honest work is as broken as one that rewards an attack). An expert episode the
+        limits cut short (:data:`BUDGET_ENDS`: a long replay in a small context) is no baseline, and no
+        verdict on the reward: it is counted apart (``honest_unfit``), and an attack left without any
+        baseline still fails."""
         return bool(self.attacks) and all(a.passed for a in self.attacks) and not self.honest_failures
 
     @property
@@ -136,7 +143,9 @@ class AuditReport:
 
     @property
     def honest_failures(self) -> list[str]:
-        return sorted(t for t, ok in self.honest_success.items() if not ok)
+        """Tasks the honest expert finished within the limits and the verifier failed."""
+        unfit = set(self.honest_unfit)
+        return sorted(t for t, ok in self.honest_success.items() if not ok and t not in unfit)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -146,6 +155,7 @@ class AuditReport:
                 "n_tasks": len(self.honest_rewards),
                 "min_success_reward": self.honest_min,
                 "failures": self.honest_failures,
+                "unfit": sorted(self.honest_unfit),
             },
             "attacks": [a.to_dict() for a in self.attacks],
         }
@@ -242,6 +252,7 @@ def run_audit(
         attacks=results,
         honest_rewards={k: tr.reward.total for k, tr in honest.items()},
         honest_success={k: tr.reward.success for k, tr in honest.items()},
+        honest_unfit=sorted(k for k, tr in honest.items() if not tr.reward.success and tr.finish_reason in BUDGET_ENDS),
     )
 
 

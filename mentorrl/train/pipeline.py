@@ -349,7 +349,7 @@ def preflight_reward_audit(ws: Workspace) -> dict[str, Any] | None:
     except ValueError:
         ws.console.print(f"[yellow]reward audit: no reward-hacking suite registered for {name!r}; skipped[/yellow]")
         return None
-    config = AttackAuditConfig(weights=ws.cfg.reward, seed=ws.cfg.seed)
+    config = AttackAuditConfig(weights=ws.cfg.reward, seed=ws.cfg.seed, limits=ws.cfg.limits)  # the run's episodes
     report = audit_env(name, ws.tokenizer, config, entry=ws.env_entry)
     data = report.to_dict()
     screen = getattr(ws.env_entry.make_tasks(), "report", None)  # e.g. tau2: the tasks left out, and why
@@ -360,6 +360,11 @@ def preflight_reward_audit(ws: Workspace) -> dict[str, Any] | None:
     if report.honest_failures:
         failed.append(
             f"the honest expert failed {len(report.honest_failures)} task(s), e.g. {report.honest_failures[0]}"
+        )
+    if report.honest_unfit:
+        ws.console.print(
+            f"[yellow]reward audit: the run's limits cut the honest expert short on {len(report.honest_unfit)} "
+            f"task(s), e.g. {report.honest_unfit[0]} (not used as a baseline)[/yellow]"
         )
     if failed:
         raise RewardAuditFailed(
