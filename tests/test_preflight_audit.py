@@ -27,19 +27,37 @@ def test_preflight_audit_refuses_a_reward_that_pays_a_hack(tmp_path, tokenizer):
         preflight_reward_audit(ws)
 
 
-def test_the_audit_plays_the_runs_limits_and_a_cut_expert_is_no_verdict(tmp_path, tokenizer):
-    """The audit's episodes run under the run's limits (not defaults of its own). An honest expert the
-    limits cut short is counted apart (unfit): it says nothing about the reward, so it is not an honest
-    failure, and it is no baseline either (an attack left without one still fails)."""
-    ws = open_workspace(
-        load_config(None, [f"run_dir={tmp_path}", "threads=1", "limits.max_turns=1"]), show_progress=False
+def test_the_audit_plays_at_least_the_runs_limits(tmp_path, tokenizer, monkeypatch):
+    """The audit's episodes get the run's limits, each at least the audit's own default: a run with a longer
+    budget (a 30-turn tau2 replay) gives the expert that room; a run with a tiny one does not cut honest work."""
+    import mentorrl.integrity.attacks as attacks
+
+    seen = []
+    real = attacks.audit_env
+    monkeypatch.setattr(
+        attacks,
+        "audit_env",
+        lambda name, tok, config, **kw: seen.append(config.limits) or real(name, tok, config, **kw),
     )
-    ws.bind_tokenizer(tokenizer)
-    with pytest.raises(RewardAuditFailed) as err:
+    for turns, want in ((30, 30), (2, 8)):
+        ws = open_workspace(
+            load_config(None, [f"run_dir={tmp_path}/{turns}", "threads=1", f"limits.max_turns={turns}"]),
+            show_progress=False,
+        )
+        ws.bind_tokenizer(tokenizer)
         preflight_reward_audit(ws)
-    data = json.loads((tmp_path / "reward_audit.json").read_text())
-    assert data["honest"]["unfit"] and not data["honest"]["failures"]
-    assert "honest expert failed" not in str(err.value) and "no baseline" in str(err.value)
+        assert seen[-1].max_turns == want and seen[-1].max_total_tokens >= 4096
+
+
+def test_an_expert_cut_short_by_the_limits_is_unfit_not_a_failure(tokenizer):
+    from mentorrl.config.prompt import ContractLimits
+    from mentorrl.integrity.attacks import AttackAuditConfig, audit_env
+
+    report = audit_env(
+        "orders", tokenizer, AttackAuditConfig(limits=ContractLimits(max_turns=1, max_total_tokens=4096))
+    )
+    d = report.to_dict()
+    assert d["honest"]["unfit"] and not d["honest"]["failures"] and not report.passed  # no baseline: attacks fail
 
 
 def test_an_unfit_expert_episode_is_not_an_honest_failure():

@@ -332,6 +332,21 @@ class RewardAuditFailed(RuntimeError):
     """The run's reward pays an attack at least as well as honest work: training would optimise the hole."""
 
 
+def audit_limits(run: Any) -> Any:
+    """The preflight audit's episode limits: the run's, each at least the audit's own default (8 turns,
+    4,096 tokens). The audit ranks the reward, so honest work must not be cut short by a run's small budget,
+    and a run with a larger one (a τ² replay of 30 turns) gives the expert that room too."""
+    from mentorrl.integrity.attacks import AttackAuditConfig
+
+    base = AttackAuditConfig().limits
+    return base.model_copy(
+        update={
+            "max_turns": max(run.max_turns, base.max_turns),
+            "max_total_tokens": max(run.max_total_tokens, base.max_total_tokens),
+        }
+    )
+
+
 def preflight_reward_audit(ws: Workspace) -> dict[str, Any] | None:
     """The notes' first debugging step, done before any training: does the reward rank every
     scripted attack below honest work (and below 0 when it breaks a hard constraint)?
@@ -349,7 +364,7 @@ def preflight_reward_audit(ws: Workspace) -> dict[str, Any] | None:
     except ValueError:
         ws.console.print(f"[yellow]reward audit: no reward-hacking suite registered for {name!r}; skipped[/yellow]")
         return None
-    config = AttackAuditConfig(weights=ws.cfg.reward, seed=ws.cfg.seed, limits=ws.cfg.limits)  # the run's episodes
+    config = AttackAuditConfig(weights=ws.cfg.reward, seed=ws.cfg.seed, limits=audit_limits(ws.cfg.limits))
     report = audit_env(name, ws.tokenizer, config, entry=ws.env_entry)
     data = report.to_dict()
     screen = getattr(ws.env_entry.make_tasks(), "report", None)  # e.g. tau2: the tasks left out, and why
