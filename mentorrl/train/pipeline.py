@@ -28,6 +28,7 @@ from mentorrl.train.distributed import setup_distributed, shutdown_distributed
 from mentorrl.train.models_init import adapt_policy, base_model_dir, build_config, build_tiny_model  # noqa: F401  (public here too)
 from mentorrl.train.registry import get_stage, rl_stage_names, run_stage_by_name
 from mentorrl.train.report import STEP_METRICS_PLOT, build_report, write_report
+from mentorrl.train.stage_processes import UnitGate
 from mentorrl.train.workspace import Workspace, evaluate, open_workspace
 
 PREFLIGHT_TRAIN_TASKS = 64  # train tasks whose prompts are rendered by the preflight (plus every eval task)
@@ -158,10 +159,16 @@ def train(cfg: RunConfig, resume: bool = False, show_progress: bool = True) -> d
         from mentorrl.train.learner_actor import run_in_learner_actor
 
         return run_in_learner_actor(run_recipe, cfg, resume=resume, show_progress=show_progress)
+    if cfg.stage_processes:  # each stage and each evaluation in a fresh process, the run resumed there
+        from mentorrl.train.stage_processes import run_in_stage_processes
+
+        return run_in_stage_processes(cfg, resume=resume, show_progress=show_progress)
     return run_recipe(cfg, resume=resume, show_progress=show_progress)
 
 
-def run_recipe(cfg: RunConfig, resume: bool = False, show_progress: bool = True) -> dict[str, Any]:
+def run_recipe(
+    cfg: RunConfig, resume: bool = False, show_progress: bool = True, gate: UnitGate | None = None
+) -> dict[str, Any]:
     """Run ``cfg.recipe`` (e.g. sft -> rft -> grpo), evaluating held-out success after every stage
     (unless ``eval.num_tasks`` is 0). A recipe of several evaluated stages ends with the change in
     held-out success from the first stage to the last; a one-stage recipe (or one without
@@ -175,14 +182,16 @@ def run_recipe(cfg: RunConfig, resume: bool = False, show_progress: bool = True)
     :mod:`mentorrl.train.distributed`), every rank runs the stages' learners on its share of each
     batch; rank 0 alone builds the base model, audits the reward, evaluates and writes, and the
     result is returned on every rank.
-    """
+
+    ``gate`` (:mod:`mentorrl.train.stage_processes`) is told the end of each unit of work (a stage, an
+    evaluation) and may end the process there."""
     t0 = time.perf_counter()
     preflight_config(cfg)
     owned = current_dp() is None
     dp = setup_distributed(cfg)
     try:
         with open_workspace(cfg, show_progress=show_progress, dp=dp) as ws:  # closing it frees its rollout engine
-            return run_stages(ws, resume, t0)
+            return run_stages(ws, resume, t0, gate or UnitGate())
     finally:
         if dp is not None and owned:
             shutdown_distributed()
@@ -215,11 +224,14 @@ def report_precision(ws: Workspace, resume: bool = False) -> None:
         ws.on_main(lambda: path.write_text(json.dumps(choice.to_dict(), indent=1) + "\n"))
 
 
-def run_stages(ws: Workspace, resume: bool, t0: float) -> dict[str, Any]:
+def run_stages(ws: Workspace, resume: bool, t0: float, gate: UnitGate | None = None) -> dict[str, Any]:
     """The recipe's stages in order on one policy: the base model (built, or ``model.path``), the
     preflight checks, then for each stage its registered runner (:func:`~mentorrl.train.registry.run_stage_by_name`:
     a :class:`~mentorrl.train.loop.Stage` on the loop, see :mod:`mentorrl.train.loop`) and the held-out
-    evaluation after it; then the report (:func:`_finish_recipe`)."""
+    evaluation after it; then the report (:func:`_finish_recipe`). ``gate`` is passed each unit's end
+    (:func:`~mentorrl.train.stage_processes.recipe_units`, in that order); the preflight reward audit
+    runs where ``gate.first``."""
+    gate = gate or UnitGate()
     cfg, dp = ws.cfg, ws.dp
     con = ws.console
     con.rule("[bold]mentorrl " + " -> ".join(cfg.recipe))
@@ -234,7 +246,7 @@ def run_stages(ws: Workspace, resume: bool, t0: float) -> dict[str, Any]:
     model = adapt_policy(ws, model, model_dir)
     preflight_prompts(ws)
 
-    if cfg.audit.preflight:
+    if cfg.audit.preflight and gate.first:
         ws.on_main(lambda: preflight_reward_audit(ws))
 
     rows: dict[str, dict[str, Any]] = {}
@@ -243,17 +255,19 @@ def run_stages(ws: Workspace, resume: bool, t0: float) -> dict[str, Any]:
     for stage in cfg.recipe:
         con.rule(get_stage(stage).title)
         run_stage_by_name(ws, stage, model, resume)
+        gate.passed(stage)
         done.append(stage)
         if cfg.eval.num_tasks > 0:
             evals[stage] = evaluate(ws, model, stage, resume=resume)  # every rank: a launch's ranks share it
             rows[" + ".join(stage_label(s) for s in done)] = evals[stage]
             con.print(f"held-out success after {stage_label(stage)}: {_fmt_pct(evals[stage]['success'])}")
+            gate.passed(f"eval {stage}")
 
     final = cfg.recipe[-1]
-    other = {  # the final checkpoint on the final splits, on every rank like the stages' evaluations
-        split: evaluate(ws, model, f"{final}_{split}", resume=resume, split=split)
-        for split in (cfg.eval.final_splits if cfg.eval.num_tasks > 0 else [])
-    }
+    other: dict[str, dict[str, Any]] = {}  # the final checkpoint on the final splits, on every rank as above
+    for split in cfg.eval.final_splits if cfg.eval.num_tasks > 0 else []:
+        other[split] = evaluate(ws, model, f"{final}_{split}", resume=resume, split=split)
+        gate.passed(f"eval {final} on {split}")
     return ws.on_main(lambda: _finish_recipe(ws, rows, evals, other, t0))
 
 
