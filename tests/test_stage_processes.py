@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -127,3 +129,59 @@ def test_a_child_failure_is_the_runs(tmp_path):
         assert "no-such-checkpoint is not a Hugging Face checkpoint" in out and "Traceback" not in out, out
         got[flag] = (res.returncode, [x for x in out.splitlines() if "no-such-checkpoint" in x])
     assert got["true"] == got["false"] and got["true"][0] != 0
+
+
+@pytest.mark.slow
+def test_a_killed_parent_takes_its_stage_process_along_and_the_run_resumes(tmp_path):
+    run_dir = tmp_path / "run"
+    cfg = load_config(None, TINY_OVERRIDES + [f"run_dir={run_dir}", "stage_processes=true", "grpo.steps=400", "grpo.checkpoint_every=50"])
+    cfg_path = tmp_path / "cfg.yaml"
+    cfg_path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    log = tmp_path / "out.log"
+    with log.open("w") as fh:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "mentorrl.cli", "train", str(cfg_path)],
+            cwd=tmp_path,
+            env=_env(),
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + 240
+        child = None
+        while child is None or not (run_dir / "grpo" / "checkpoints").exists():  # GRPO steps under way
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"the run did not reach its GRPO unit (rc={proc.poll()}):\n{log.read_text()}")
+            m = re.search(r"stage process 3/\d+: grpo \(pid (\d+)", log.read_text())
+            child = int(m.group(1)) if m else None
+            time.sleep(0.1)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 3  # its unit had ~350 steps left, more than 10 s
+        while _alive(child):
+            assert time.monotonic() < deadline, "the GRPO stage process outlived its killed parent"
+            time.sleep(0.1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    res = subprocess.run(
+        [sys.executable, "-m", "mentorrl.cli", "train", str(cfg_path), "--resume"],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert [r["step"] for r in _records(run_dir, "grpo")] == list(range(1, 401))
+    assert (run_dir / "eval_grpo.json").exists() and (run_dir / "report.json").exists()
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped by its new parent, counts as gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"

@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
+from mentorrl.core.lifetime import die_with_parent
+
 READY_PREFIX = "mentorrl serve: listening on "
 LOOPBACK_NAMES = ("localhost",)
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -134,7 +136,7 @@ def serve_subprocess(
             stdin=subprocess.DEVNULL,
             text=True,
             env={**os.environ, **(env or {})},
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
         lines: queue.Queue[str | None] = queue.Queue()
 
@@ -157,20 +159,6 @@ def serve_subprocess(
                     proc.wait(timeout=15)
             if proc.stdout is not None:
                 proc.stdout.close()
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: ask Linux to SIGTERM it when the process that started it dies,
-    so a killed training run (SIGKILL included, where no cleanup runs) leaves no server behind.
-    Elsewhere a no-op: the context manager still stops it on any normal exit. (Linux ties this to
-    the *thread* that started the child: start it from a thread that outlives its use.)"""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-        except OSError:
-            pass
 
 
 def _wait_ready(proc: subprocess.Popen, lines: queue.Queue[str | None], errlog: Any, timeout_s: float) -> str:

@@ -26,8 +26,11 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
+import signal
 import traceback
 from typing import Any, Iterator
+
+from mentorrl.core.lifetime import die_with_parent
 
 THP_ENV = "THP_MEM_ALLOC_ENABLE"
 
@@ -79,10 +82,12 @@ def child_environ(updates: dict[str, str]) -> Iterator[None]:
             os.environ.pop(k, None)
 
 
-def _child(cfg: Any, resume: bool, show_progress: bool, index: int, last: bool, conn: Any) -> None:
+def _child(cfg: Any, resume: bool, show_progress: bool, index: int, last: bool, conn: Any, parent: int) -> None:
     """One unit's process: the recipe resumed, stopped at the end of unit ``index`` (unless it is the
     ``last``: then the run ends as in one process, with its report); sends
-    ``("unit", label)``, ``("result", dict)`` or ``("error", exception)``."""
+    ``("unit", label)``, ``("result", dict)`` or ``("error", exception)``. It dies with the ``parent``
+    process (a SIGKILLed ``mentorrl train`` leaves no stage running; ``--resume`` goes on from there)."""
+    die_with_parent(signal.SIGKILL, parent)
     from mentorrl.train.pipeline import run_recipe
 
     try:
@@ -117,7 +122,7 @@ def run_in_stage_processes(cfg: Any, resume: bool = False, show_progress: bool =
         recv, send = ctx.Pipe(duplex=False)
         proc = ctx.Process(
             target=_child,
-            args=(cfg, resume or index > 0, show_progress, index, index == len(units) - 1, send),
+            args=(cfg, resume or index > 0, show_progress, index, index == len(units) - 1, send, os.getpid()),
             name=f"mentorrl-unit-{index}",
         )
         with child_environ(env):
