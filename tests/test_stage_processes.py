@@ -134,7 +134,10 @@ def test_a_child_failure_is_the_runs(tmp_path):
 @pytest.mark.slow
 def test_a_killed_parent_takes_its_stage_process_along_and_the_run_resumes(tmp_path):
     run_dir = tmp_path / "run"
-    cfg = load_config(None, TINY_OVERRIDES + [f"run_dir={run_dir}", "stage_processes=true", "grpo.steps=400", "grpo.checkpoint_every=50"])
+    cfg = load_config(
+        None,
+        TINY_OVERRIDES + [f"run_dir={run_dir}", "stage_processes=true", "grpo.steps=400", "grpo.checkpoint_every=50"],
+    )
     cfg_path = tmp_path / "cfg.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     log = tmp_path / "out.log"
