@@ -185,7 +185,7 @@ def run_recipe(
 
     ``gate`` (:mod:`mentorrl.train.stage_processes`) is told the end of each unit of work (a stage, an
     evaluation) and may end the process there."""
-    t0 = time.perf_counter()
+    t0 = gate.started if gate is not None and gate.started is not None else time.time()  # the run's start
     preflight_config(cfg)
     owned = current_dp() is None
     dp = setup_distributed(cfg)
@@ -322,7 +322,7 @@ def _finish_recipe(
     else:  # one stage (nothing to compare it with), or no evaluation: each stage's own numbers
         for stage in dict.fromkeys(cfg.recipe):
             con.print(stage_summary(stage, [r for r in records if r.get("stage") == stage], evals.get(stage)))
-    con.print(f"report: {md_path}; total time {time.perf_counter() - t0:.0f}s")
+    con.print(f"report: {md_path}; total time {time.time() - t0:.0f}s")
     return result
 
 

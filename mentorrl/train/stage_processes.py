@@ -27,6 +27,7 @@ import contextlib
 import multiprocessing
 import os
 import signal
+import time
 import traceback
 from typing import Any, Iterator
 
@@ -57,11 +58,13 @@ class UnitBoundary(Exception):
 class UnitGate:
     """Counts the units :func:`~mentorrl.train.pipeline.run_stages` passes; at the end of unit ``stop``
     (0-based) it raises :class:`UnitBoundary`, so the process ends there. ``stop`` None never stops.
-    ``first``: whether this process starts the run (it runs the preflight reward audit)."""
+    ``first``: whether this process starts the run (it runs the preflight reward audit); ``started``: when
+    the run started (``time.time()``), for the report's total time, when it started in another process."""
 
-    def __init__(self, stop: int | None = None, first: bool = True) -> None:
+    def __init__(self, stop: int | None = None, first: bool = True, started: float | None = None) -> None:
         self.stop = stop
         self.first = first
+        self.started = started
         self.count = 0
 
     def passed(self, unit: str) -> None:
@@ -82,7 +85,9 @@ def child_environ(updates: dict[str, str]) -> Iterator[None]:
             os.environ.pop(k, None)
 
 
-def _child(cfg: Any, resume: bool, show_progress: bool, index: int, last: bool, conn: Any, parent: int) -> None:
+def _child(
+    cfg: Any, resume: bool, show_progress: bool, index: int, last: bool, conn: Any, parent: int, started: float
+) -> None:
     """One unit's process: the recipe resumed, stopped at the end of unit ``index`` (unless it is the
     ``last``: then the run ends as in one process, with its report); sends
     ``("unit", label)``, ``("result", dict)`` or ``("error", exception)``. It dies with the ``parent``
@@ -91,9 +96,8 @@ def _child(cfg: Any, resume: bool, show_progress: bool, index: int, last: bool, 
     from mentorrl.train.pipeline import run_recipe
 
     try:
-        result = run_recipe(
-            cfg, resume=resume, show_progress=show_progress, gate=UnitGate(None if last else index, first=index == 0)
-        )
+        gate = UnitGate(None if last else index, first=index == 0, started=started)
+        result = run_recipe(cfg, resume=resume, show_progress=show_progress, gate=gate)
         msg: tuple[str, Any] = ("result", result)
     except UnitBoundary as e:
         msg = ("unit", str(e))
@@ -115,14 +119,14 @@ def run_in_stage_processes(cfg: Any, resume: bool = False, show_progress: bool =
         from mentorrl.config import ConfigError
 
         raise ConfigError("stage_processes: one process per unit of work; launch it without torchrun ranks")
-    units = recipe_units(cfg)
+    units, started = recipe_units(cfg), time.time()
     ctx = multiprocessing.get_context("spawn")
     env = {THP_ENV: "1"} if cfg.huge_pages else {}
     for index, unit in enumerate(units):
         recv, send = ctx.Pipe(duplex=False)
         proc = ctx.Process(
             target=_child,
-            args=(cfg, resume or index > 0, show_progress, index, index == len(units) - 1, send, os.getpid()),
+            args=(cfg, resume or index > 0, show_progress, index, index == len(units) - 1, send, os.getpid(), started),
             name=f"mentorrl-unit-{index}",
         )
         with child_environ(env):
