@@ -599,7 +599,7 @@ class _Packed:
     dec_tok: torch.Tensor | None = None
     dec_rows: torch.Tensor | None = None
     dec_mask: torch.Tensor | None = None
-    dec_own: list[tuple[int, int]] = field(default_factory=list)  # gathering on a CPU: (row, context length) per decode row
+    dec_own: list[tuple[int, int]] = field(default_factory=list)  # on a CPU: (row, context length) per decode row
     wide_masks: list = field(default_factory=list)
 
 

@@ -38,7 +38,7 @@ from mentorrl.serve.responses import (
 )
 from mentorrl.serve.tools import ToolPolicy, check_tools, tool_policy
 
-HANDLER_THREADS_SPARE = 40  # handler threads beyond ``max_batch`` (anyio's default, for requests being rendered or answered)
+HANDLER_THREADS_SPARE = 40  # handler threads beyond max_batch (anyio's default): requests rendered or answered
 STREAM_POLL_S = 1.0  # how often a streaming reply checks its queue (the batcher always ends it with DONE)
 
 
@@ -103,10 +103,7 @@ def create_app(
 
     ``token``: when set, every ``/v1`` request needs ``Authorization: Bearer <token>``.
     ``max_new_tokens_cap``: the most tokens one reply may have (``max_tokens`` is clipped to it).
-    ``max_batch``, ``batch_window_ms``: the batcher's rows in flight (per batch) and wait for more; the
-    server runs up to ``max_batch`` + ``HANDLER_THREADS_SPARE`` sync handlers at once
-    (:class:`~mentorrl.serve.middleware.ThreadLimitMiddleware`), so ``max_batch`` waiting requests never
-    starve the others of a thread.
+    ``max_batch``, ``batch_window_ms``: the batcher's rows in flight (per batch) and wait for more.
     ``on_completion``: called with each answered request's :class:`Completion` (on the request's thread).
     ``tool_format``: the rendering (``auto``: from the tokenizer's chat template, :class:`ChatRenderer`).
     ``recording``: a :class:`mentorrl.serve.recording.RecordingHook`: recording mode (every completion
@@ -162,7 +159,7 @@ def create_app(
         return respond(req)
 
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=max_body_bytes)
-    app.add_middleware(ThreadLimitMiddleware, threads=max_batch + HANDLER_THREADS_SPARE)
+    app.add_middleware(ThreadLimitMiddleware, threads=max_batch + HANDLER_THREADS_SPARE)  # waiting turns hold threads
     if token is not None:
         app.add_middleware(BearerAuthMiddleware, token=token)  # added last: runs first, before the body is read
     return app
