@@ -731,3 +731,50 @@ def test_a_server_started_by_a_run_dies_with_the_run_even_on_sigkill(tiny_model_
     finally:
         if parent.poll() is None:
             parent.kill()
+
+
+def test_the_app_runs_max_batch_handlers_and_more_at_once(tokenizer, model):
+    """A request waiting on its turn holds a handler thread: anyio's default of 40 would cap the turns in
+    flight below ``max_batch`` (the recording server's 128 concurrent episodes ran ~28 rows a pass)."""
+    import anyio.to_thread
+
+    from mentorrl.serve.app import HANDLER_THREADS_SPARE
+
+    app = create_app(tokenizer, model, "tiny", max_batch=100)
+
+    @app.get("/limit")
+    async def limit() -> dict[str, int]:
+        return {"threads": anyio.to_thread.current_default_thread_limiter().total_tokens}
+
+    assert TestClient(app).get("/limit").json() == {"threads": 100 + HANDLER_THREADS_SPARE}
+    small = create_app(tokenizer, model, "tiny", max_batch=1)
+
+    @small.get("/limit")
+    async def limit_small() -> dict[str, int]:
+        return {"threads": anyio.to_thread.current_default_thread_limiter().total_tokens}
+
+    assert TestClient(small).get("/limit").json() == {"threads": 41}
+
+
+def test_a_tool_schema_is_checked_once_and_judged_the_same_every_time():
+    from mentorrl.serve import tools as tools_mod
+    from mentorrl.serve.protocol import APIError
+
+    good = [
+        {
+            "type": "function",
+            "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "string"}}}},
+        }
+    ]
+    bad = [
+        {
+            "type": "function",
+            "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": 5}}}},
+        }
+    ]
+    tools_mod._schema_problem.cache_clear()
+    for _ in range(3):
+        assert tools_mod.check_tools(good)[0]["function"]["parameters"] == good[0]["function"]["parameters"]
+        with pytest.raises(APIError, match="not a valid JSON schema"):
+            tools_mod.check_tools(bad)
+    assert tools_mod._schema_problem.cache_info().misses == 2  # each schema checked once

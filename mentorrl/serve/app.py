@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterator
 
 from mentorrl.chat import MessageError, message_pieces_of
 from mentorrl.serve.generation import DONE, Batcher, ContinuousBatcher, GenRequest, PolicyGenerator, Sample
-from mentorrl.serve.middleware import BearerAuthMiddleware, BodyLimitMiddleware
+from mentorrl.serve.middleware import BearerAuthMiddleware, BodyLimitMiddleware, ThreadLimitMiddleware
 from mentorrl.serve.protocol import (
     DEFAULT_BATCH_WINDOW_MS,
     DEFAULT_MAX_BATCH,
@@ -38,6 +38,7 @@ from mentorrl.serve.responses import (
 )
 from mentorrl.serve.tools import ToolPolicy, check_tools, tool_policy
 
+HANDLER_THREADS_SPARE = 40  # handler threads beyond max_batch (anyio's default): requests rendered or answered
 STREAM_POLL_S = 1.0  # how often a streaming reply checks its queue (the batcher always ends it with DONE)
 
 
@@ -158,6 +159,7 @@ def create_app(
         return respond(req)
 
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=max_body_bytes)
+    app.add_middleware(ThreadLimitMiddleware, threads=max_batch + HANDLER_THREADS_SPARE)  # waiting turns hold threads
     if token is not None:
         app.add_middleware(BearerAuthMiddleware, token=token)  # added last: runs first, before the body is read
     return app

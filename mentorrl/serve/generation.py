@@ -458,14 +458,16 @@ def row_generator(seed: int | None, index: int, device: Any) -> Any:
 
 
 def _gumbel(size: int, generators: Sequence[Any]) -> Any:
-    """One row of standard Gumbel noise (-log E, E ~ Exp(1)) per generator, drawn from it."""
+    """One row of standard Gumbel noise (-log E, E ~ Exp(1)) per generator, drawn from it. Each row's
+    draws go into its row of one buffer, which is then transformed in place, all rows at once: the
+    same floats as a row drawn and transformed alone, in 3 ops a pass instead of 5 a row (each op
+    lets the server's handler threads take the GIL)."""
     import torch
 
-    rows = []
-    for g in generators:
-        e = torch.empty(size, device=g.device).exponential_(generator=g)
-        rows.append(-e.clamp_min_(torch.finfo(e.dtype).tiny).log())
-    return torch.stack(rows)
+    e = torch.empty(len(generators), size, device=generators[0].device)
+    for row, g in zip(e, generators):
+        row.exponential_(generator=g)
+    return e.clamp_min_(torch.finfo(e.dtype).tiny).log_().neg_()
 
 
 class _QueueWorker:

@@ -1,4 +1,4 @@
-"""ASGI middleware: the body limit and the bearer token."""
+"""ASGI middleware: the body limit, the bearer token and the handler threads."""
 
 from __future__ import annotations
 
@@ -91,6 +91,25 @@ class BearerAuthMiddleware:
         await self.app(scope, receive, send)
 
 
+class ThreadLimitMiddleware:
+    """ASGI middleware: lets at least ``threads`` sync handlers run at once. FastAPI runs a sync endpoint
+    on anyio's default thread limiter (40 threads); a chat completion holds its thread while its turn is
+    generated, so with more requests in flight than that the rest wait for a thread before they are even
+    rendered, and the batcher never sees them together. The running loop's limiter is raised to
+    ``threads`` (never lowered) when a request comes."""
+
+    def __init__(self, app: Any, threads: int):
+        self.app, self.threads = app, threads
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        import anyio.to_thread
+
+        limiter = anyio.to_thread.current_default_thread_limiter()
+        if limiter.total_tokens < self.threads:
+            limiter.total_tokens = self.threads
+        await self.app(scope, receive, send)
+
+
 async def _reply(
     scope: Any, receive: Any, send: Any, status: int, message: str, headers: Mapping[str, str] | None = None
 ) -> None:
@@ -102,4 +121,4 @@ async def _reply(
     await response(scope, receive, send)
 
 
-__all__ = ["BearerAuthMiddleware", "BodyLimitMiddleware"]
+__all__ = ["BearerAuthMiddleware", "BodyLimitMiddleware", "ThreadLimitMiddleware"]

@@ -265,14 +265,25 @@ def start_recording_server(
     api_key: str,
     reward_key: str,
     host: str = "127.0.0.1",
+    max_batch: int | None = None,
 ) -> tuple["BackgroundServer", RecordingHook]:
     """``model`` served in recording mode on a free port of ``host``, on a thread of this process
-    (``/v1`` behind ``api_key``, the reward routes behind ``reward_key``), started; and its hook."""
+    (``/v1`` behind ``api_key``, the reward routes behind ``reward_key``), started; and its hook.
+    ``max_batch``: the batcher's rows in flight (default :data:`~mentorrl.serve.protocol.DEFAULT_MAX_BATCH`);
+    give it the agents' concurrency, so every episode's turn can join the same passes."""
     from mentorrl.serve import create_app
 
     hook = RecordingHook(recorder, reward_key, version, sampling)
+    from mentorrl.serve.protocol import DEFAULT_MAX_BATCH
+
     app = create_app(
-        tokenizer, model, "mentorrl-policy", token=api_key, max_new_tokens_cap=sampling.max_new_tokens, recording=hook
+        tokenizer,
+        model,
+        "mentorrl-policy",
+        token=api_key,
+        max_new_tokens_cap=sampling.max_new_tokens,
+        recording=hook,
+        max_batch=max_batch or DEFAULT_MAX_BATCH,
     )
     add_recording_routes(app, hook)
     hook.batcher = app.state.served.batcher  # its generate calls' wall time: the stage's generation share

@@ -30,6 +30,7 @@ import torch
 from mentorrl.algos.advantages import sanitize_group_rewards
 from mentorrl.rollout.recorder import COUNTERS, RecordedEpisode, Recorder, RecordError
 from mentorrl.rollout.rescore import REPLAY_COUNTERS, Replayed, replay_episode
+from mentorrl.serve.protocol import DEFAULT_MAX_BATCH
 from mentorrl.serve.recording import REWARD_PATH, RunSampling, start_recording_server
 from mentorrl.train.agents import AgentJob, AgentOutcome, AgentWorker, outcome_counts, run_agents
 from mentorrl.train.loop import StepBatch, run_on_loop
@@ -246,6 +247,7 @@ class ExternalStage(GRPOStage):
             lambda: self.learner.version,
             self.api_key,
             self.reward_key,
+            max_batch=max(DEFAULT_MAX_BATCH, cfg.concurrency),  # every running episode's turn in the same passes
         )
         self.hook.pause()  # open only while the step's agents run
         self.reward_file = RewardFile(cfg.reward_file, self.recorder)
