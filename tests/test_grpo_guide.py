@@ -247,3 +247,69 @@ def test_guide_sft_needs_the_expert_guide():
     with pytest.raises(ValueError):
         RunConfig.model_validate({"grpo": {"guide": "expert", "guide_sft": -1.0}})
     assert RunConfig.model_validate({"grpo": {"guide": "expert", "guide_sft": 1.0}}).grpo.guide_sft == 1.0
+
+
+# ---- grpo.pool: expert_verified: only tasks the expert solves within the run's limits ----
+def test_expert_verified_pool_keeps_exactly_the_tasks_the_expert_solves(orders_entry, make_contract):
+    from rich.console import Console
+
+    from mentorrl.config import ConfigError
+    from mentorrl.train.recipes.grpo import expert_verified_pool
+
+    def ws_with(max_total_tokens: int):
+        contract = make_contract(max_turns=8, max_total_tokens=max_total_tokens)
+        cfg = RunConfig()
+        return SimpleNamespace(
+            cfg=cfg,
+            env_entry=orders_entry,
+            console=Console(quiet=True),
+            rollout=Rollout(contract, orders_entry.make_env, cfg.reward),
+        )
+
+    pool = orders_entry.make_tasks().tasks(split="train", n=24, seed=3)
+    ws = ws_with(2048)
+    kept = expert_verified_pool(ws, pool)
+    demos = {d.task_id: d for d in ws.rollout.demonstrations(orders_entry.make_expert(), pool)}
+    assert kept == [t for t in pool if t.id in demos] and kept  # in the pool's order, each one verified
+    assert all(demos[t.id].reward.success for t in kept)
+    # a smaller budget: the tasks whose replay still fits it, fewer (the budget counts past the system turn;
+    # a replay under a smaller budget may differ, e.g. its tool results cut shorter, so not a size threshold)
+    system = ws.rollout.contract.system_tokens
+    size = sorted(len(demos[t.id].token_ids) - system for t in kept)
+    small = ws_with(size[len(size) // 2])
+    some = expert_verified_pool(small, pool)
+    again = {d.task_id: d for d in small.rollout.demonstrations(orders_entry.make_expert(), pool)}
+    assert [t.id for t in some] == [t.id for t in pool if t.id in again] and 0 < len(some) < len(kept)
+    none = SimpleNamespace(**{**vars(ws), "rollout": SimpleNamespace(demonstrations=lambda expert, tasks: [])})
+    with pytest.raises(ConfigError, match="left none of 24 tasks"):
+        expert_verified_pool(none, pool)
+    # an environment without an expert is refused, named
+    from dataclasses import replace
+
+    ws.env_entry = replace(orders_entry, make_expert=NoExpert)
+    with pytest.raises(ValueError, match="needs a scripted expert"):
+        expert_verified_pool(ws, pool)
+    with pytest.raises(ValueError):
+        RunConfig.model_validate({"grpo": {"pool": "solvable"}})
+
+
+def test_a_grpo_run_on_the_expert_verified_pool_guides_every_failed_group(tmp_path):
+    run = tmp_path / "run"
+    args = ["demo", "--run-dir", str(run)]
+    for ov in TINY_OVERRIDES + [
+        "recipe=[grpo]",
+        "grpo.steps=2",
+        "grpo.guide=expert",
+        "grpo.pool=expert_verified",
+        "limits.max_turns=6",
+        "limits.max_total_tokens=1024",
+        "audit.preflight=false",
+        "eval.num_tasks=0",
+    ]:
+        args += ["--set", ov]
+    res = CliRunner().invoke(app, args, catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    assert "grpo.pool expert_verified:" in res.output
+    rows = MetricsLog(run / "metrics.jsonl").read("grpo")
+    assert len(rows) == 2 and all(r["guided_groups"] == 2 for r in rows)  # every failed group got its demonstration
+    assert all(r["trained_trajectories"] > 0 for r in rows)

@@ -80,6 +80,13 @@ class GRPOConfig(RolloutStageConfig):
         "(their token-mean negative log-likelihood, added to each update's loss besides "
         "their place in the group; single-stage SFT + RL); 0: none",
     )
+    pool: Literal["all", "expert_verified"] = Field(
+        "all",
+        description="the stage's training tasks: all (drawn from train_split), or expert_verified: only those the "
+        "scripted expert solves within the run's limits, its demonstration verified (checked once as the stage "
+        "starts); with guide: expert every group whose rollouts all fail then gets a demonstration (e.g. tau2 "
+        "tasks whose gold replay does not fit the model's context are left out); needs an environment with an expert",
+    )
     overlap: Literal["off", "one_step"] = Field(
         "off",
         description="one_step: one-step-off-policy GRPO -- batch k+1 is rolled out (by the weights after step k-1, "

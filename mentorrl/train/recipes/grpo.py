@@ -76,6 +76,25 @@ def guide_expert(ws: Workspace, guide: str | None = None):
     return expert
 
 
+def expert_verified_pool(ws: Workspace, pool: list) -> list:
+    """``grpo.pool: expert_verified``: the tasks of ``pool`` (in order) whose scripted expert's demonstration
+    the verifier accepts within the run's limits (:meth:`~mentorrl.rollout.api.Rollout.demonstrations`);
+    a :class:`ConfigError` when none is left, before the first step."""
+    expert = guide_expert(ws, "expert")  # an environment without an expert is refused, named
+    solved = {d.task_id for d in ws.rollout.demonstrations(expert, pool)}
+    kept = [t for t in pool if t.id in solved]
+    ws.console.print(
+        f"grpo.pool expert_verified: {len(kept)} of {len(pool)} tasks (the others' demonstrations fail "
+        "or do not fit the run's limits)"
+    )
+    if not kept:
+        raise ConfigError(
+            f"grpo.pool: expert_verified left none of {len(pool)} tasks: the expert's demonstrations fail or do "
+            "not fit limits.max_turns / limits.max_total_tokens; raise them or set grpo.pool: all"
+        )
+    return kept
+
+
 def grpo_loss_kwargs(g) -> dict[str, Any]:
     """What the configured policy loss (``grpo.loss``) gets besides the log-probs, advantages and mask: the
     clip range and aggregation, and the KL coefficient when there is a KL term (the reference's log-probs come
@@ -120,6 +139,10 @@ class GRPOStage(Stage):
         self.gap = RewardGapWatch(ws, model)
         self.hard = load_hard_pool(self.cfg)
         self.expert = guide_expert(ws, self.cfg.guide)
+
+    def make_pool(self) -> list:
+        pool = super().make_pool()
+        return expert_verified_pool(self.ws, pool) if getattr(self.cfg, "pool", "all") == "expert_verified" else pool
 
     def tasks(self, b: StepBatch) -> None:
         if self.hard is None:
