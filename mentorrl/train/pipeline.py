@@ -162,7 +162,7 @@ def train(cfg: RunConfig, resume: bool = False, show_progress: bool = True) -> d
     if cfg.stage_processes:  # each stage and each evaluation in a fresh process, the run resumed there
         from mentorrl.train.stage_processes import run_in_stage_processes
 
-        return run_in_stage_processes(cfg, resume=resume, show_progress=show_progress)
+        return run_in_stage_processes(run_recipe, cfg, resume=resume, show_progress=show_progress)
     return run_recipe(cfg, resume=resume, show_progress=show_progress)
 
 

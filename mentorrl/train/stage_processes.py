@@ -86,14 +86,21 @@ def child_environ(updates: dict[str, str]) -> Iterator[None]:
 
 
 def _child(
-    cfg: Any, resume: bool, show_progress: bool, index: int, last: bool, conn: Any, parent: int, started: float
+    run_recipe: Any,
+    cfg: Any,
+    resume: bool,
+    show_progress: bool,
+    index: int,
+    last: bool,
+    conn: Any,
+    parent: int,
+    started: float,
 ) -> None:
     """One unit's process: the recipe resumed, stopped at the end of unit ``index`` (unless it is the
     ``last``: then the run ends as in one process, with its report); sends
     ``("unit", label)``, ``("result", dict)`` or ``("error", exception)``. It dies with the ``parent``
     process (a SIGKILLed ``mentorrl train`` leaves no stage running; ``--resume`` goes on from there)."""
     die_with_parent(signal.SIGKILL, parent)
-    from mentorrl.train.pipeline import run_recipe
 
     try:
         gate = UnitGate(None if last else index, first=index == 0, started=started)
@@ -112,9 +119,12 @@ def _child(
         conn.close()
 
 
-def run_in_stage_processes(cfg: Any, resume: bool = False, show_progress: bool = True) -> dict[str, Any]:
-    """Run ``cfg``'s recipe one unit per fresh process (:func:`recipe_units`); returns what
-    :func:`mentorrl.train.pipeline.run_recipe` returns, from the last unit's process."""
+def run_in_stage_processes(
+    run_recipe: Any, cfg: Any, resume: bool = False, show_progress: bool = True
+) -> dict[str, Any]:
+    """Run ``cfg``'s recipe one unit per fresh process (:func:`recipe_units`): ``run_recipe``
+    (:func:`mentorrl.train.pipeline.run_recipe`, passed in: pickled by reference, so this module does not
+    import the pipeline, which imports it); returns what it returns, from the last unit's process."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         from mentorrl.config import ConfigError
 
@@ -126,7 +136,17 @@ def run_in_stage_processes(cfg: Any, resume: bool = False, show_progress: bool =
         recv, send = ctx.Pipe(duplex=False)
         proc = ctx.Process(
             target=_child,
-            args=(cfg, resume or index > 0, show_progress, index, index == len(units) - 1, send, os.getpid(), started),
+            args=(
+                run_recipe,
+                cfg,
+                resume or index > 0,
+                show_progress,
+                index,
+                index == len(units) - 1,
+                send,
+                os.getpid(),
+                started,
+            ),
             name=f"mentorrl-unit-{index}",
         )
         with child_environ(env):
