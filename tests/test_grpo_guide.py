@@ -134,22 +134,27 @@ def test_an_environment_without_an_expert_is_refused_before_the_first_step():
         RunConfig.model_validate({"grpo": {"guide": "teacher"}})
 
 
-def test_a_guided_grpo_run_logs_its_guided_groups_and_passes_the_check(tmp_path):
-    run = tmp_path / "run"
+def _guided_demo(run, overrides: list[str]):
+    """``mentorrl demo`` of 2 guided GRPO steps on the tiny model (with ``overrides``); its CLI result."""
     args = ["demo", "--run-dir", str(run)]
     for ov in TINY_OVERRIDES + [
         "recipe=[grpo]",
         "grpo.steps=2",
         "grpo.guide=expert",
-        "grpo.guide_sft=0.5",
         "limits.max_turns=6",
         "limits.max_total_tokens=1024",
         "audit.preflight=false",
-        "eval.final_splits=[]",
+        *overrides,
     ]:
         args += ["--set", ov]
     res = CliRunner().invoke(app, args, catch_exceptions=False)
     assert res.exit_code == 0, res.output
+    return res
+
+
+def test_a_guided_grpo_run_logs_its_guided_groups_and_passes_the_check(tmp_path):
+    run = tmp_path / "run"
+    _guided_demo(run, ["grpo.guide_sft=0.5", "eval.final_splits=[]"])
     rows = MetricsLog(run / "metrics.jsonl").read("grpo")
     assert len(rows) == 2 and all(r["guided_groups"] >= 1 for r in rows)  # an untrained policy fails everything
     assert all(r["rollouts"] == 2 * 2 for r in rows)  # the policy's own; the demonstrations come on top
@@ -295,20 +300,7 @@ def test_expert_verified_pool_keeps_exactly_the_tasks_the_expert_solves(orders_e
 
 def test_a_grpo_run_on_the_expert_verified_pool_guides_every_failed_group(tmp_path):
     run = tmp_path / "run"
-    args = ["demo", "--run-dir", str(run)]
-    for ov in TINY_OVERRIDES + [
-        "recipe=[grpo]",
-        "grpo.steps=2",
-        "grpo.guide=expert",
-        "grpo.pool=expert_verified",
-        "limits.max_turns=6",
-        "limits.max_total_tokens=1024",
-        "audit.preflight=false",
-        "eval.num_tasks=0",
-    ]:
-        args += ["--set", ov]
-    res = CliRunner().invoke(app, args, catch_exceptions=False)
-    assert res.exit_code == 0, res.output
+    res = _guided_demo(run, ["grpo.pool=expert_verified", "eval.num_tasks=0"])
     assert "grpo.pool expert_verified:" in res.output
     rows = MetricsLog(run / "metrics.jsonl").read("grpo")
     assert len(rows) == 2 and all(r["guided_groups"] == 2 for r in rows)  # every failed group got its demonstration

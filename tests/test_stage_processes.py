@@ -58,12 +58,10 @@ def test_config_refuses_what_cannot_work():
     assert load_config(None, ["stage_processes=true", "huge_pages=true"]).huge_pages
 
 
-def _run(tmp_path: Path, name: str, extra: list[str]) -> tuple[Path, str]:
-    run_dir = tmp_path / name
-    overrides = TINY_OVERRIDES + ["eval.final_splits=[hidden]", f"run_dir={run_dir}"] + extra
-    cfg = load_config(None, overrides)
+def _train(tmp_path: Path, name: str, data: dict) -> tuple[int, str]:
+    """``mentorrl train`` of the config ``data`` (written to NAME.yaml): its exit code and output."""
     cfg_path = tmp_path / f"{name}.yaml"
-    cfg_path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    cfg_path.write_text(yaml.safe_dump(data, sort_keys=False))
     res = subprocess.run(
         [sys.executable, "-m", "mentorrl.cli", "train", str(cfg_path)],
         cwd=tmp_path,
@@ -72,8 +70,14 @@ def _run(tmp_path: Path, name: str, extra: list[str]) -> tuple[Path, str]:
         text=True,
         timeout=600,
     )
-    out = res.stdout + res.stderr
-    assert res.returncode == 0, out
+    return res.returncode, res.stdout + res.stderr
+
+
+def _run(tmp_path: Path, name: str, extra: list[str]) -> tuple[Path, str]:
+    run_dir = tmp_path / name
+    cfg = load_config(None, TINY_OVERRIDES + ["eval.final_splits=[hidden]", f"run_dir={run_dir}"] + extra)
+    code, out = _train(tmp_path, name, cfg.model_dump(mode="json"))
+    assert code == 0, out
     return run_dir, out
 
 
@@ -115,19 +119,9 @@ def test_a_child_failure_is_the_runs(tmp_path):
         cfg = load_config(None, TINY_OVERRIDES + [f"run_dir={tmp_path / flag}", f"stage_processes={flag}"])
         data = cfg.model_dump(mode="json")
         data["model"]["path"] = str(tmp_path / "no-such-checkpoint")
-        cfg_path = tmp_path / f"{flag}.yaml"
-        cfg_path.write_text(yaml.safe_dump(data, sort_keys=False))
-        res = subprocess.run(
-            [sys.executable, "-m", "mentorrl.cli", "train", str(cfg_path)],
-            cwd=tmp_path,
-            env=_env(),
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        out = res.stdout + res.stderr
+        code, out = _train(tmp_path, flag, data)
         assert "no-such-checkpoint is not a Hugging Face checkpoint" in out and "Traceback" not in out, out
-        got[flag] = (res.returncode, [x for x in out.splitlines() if "no-such-checkpoint" in x])
+        got[flag] = (code, [x for x in out.splitlines() if "no-such-checkpoint" in x])
     assert got["true"] == got["false"] and got["true"][0] != 0
 
 
