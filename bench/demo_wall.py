@@ -8,7 +8,9 @@ GRPO held-out success (with their Wilson intervals), the hidden set's, and the G
 
 Arms:
 
-* ``today``: the demo as it ships (``threads: 2``, no overlap);
+* ``today``: the demo as it ships (since the demo defaults to ``--ranks auto``: 2 data-parallel ranks of one
+  thread each on 2 cores; rows before that tag measured one process, ``threads: 2``);
+* ``one``: one process (``--ranks 1``, ``threads: 2``, no overlap): the demo as it shipped before;
 * ``whole``: ``threads: auto`` and ``grpo.overlap: one_step`` (rollout of batch k+1 beside the update of k);
 * ``ranks``: two data-parallel ranks of one thread each (``torchrun --standalone --nproc-per-node 2``,
   ``threads: 1``): each rank rolls out and trains on half of every step's tasks.
@@ -36,7 +38,9 @@ ARMS: dict[str, list[str]] = {
     "today": [],
     "whole": ["threads=auto", "grpo.overlap=one_step"],
     "ranks": ["threads=1"],
+    "one": [],
 }
+CLI: dict[str, list[str]] = {"one": ["--ranks", "1"]}  # an arm's own demo options
 LAUNCH: dict[str, list[str]] = {  # how an arm starts the demo (default: one process)
     "ranks": ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"],
 }
@@ -60,11 +64,19 @@ def done_keys(results: Path) -> set[tuple[str, int, str]]:
 def run_figures(run_dir: Path) -> dict:
     """A finished demo's held-out figures and the GRPO stage's mean cores busy."""
     out: dict = {}
-    for name, key in (("eval_sft.json", "sft"), ("eval_grpo.json", "grpo"), ("eval_grpo_hidden.json", "hidden")):
+    evals = (
+        ("eval_sft.json", "sft"),
+        ("eval_grpo.json", "grpo"),
+        ("eval_grpo_hidden.json", "hidden"),
+        ("eval_grpo_novel_wording.json", "novel_wording"),
+    )
+    for name, key in evals:
         p = run_dir / name
         if p.exists():
             ev = json.loads(p.read_text())
             out[key] = {"success": ev["success"], "ci95": ev["success_ci95"], "n": ev["n"]}
+            if "violation_rate" in ev:
+                out[key]["violations"] = ev["violation_rate"]
     utils = []
     metrics = run_dir / "metrics.jsonl"
     if metrics.exists():
@@ -88,7 +100,16 @@ def commit() -> str | None:
 def run_arm(arm: str, seed: int, out: Path, extra: list[str], tag: str = "") -> dict:
     """One demo in its own process: wall time, CPU seconds of its process tree, its figures."""
     run_dir = out / (f"{arm}-s{seed}" + (f"-{tag}" if tag else ""))
-    cmd = [sys.executable, *LAUNCH.get(arm, []), "-m", "mentorrl.cli", "demo", "--run-dir", str(run_dir)]
+    cmd = [
+        sys.executable,
+        *LAUNCH.get(arm, []),
+        "-m",
+        "mentorrl.cli",
+        "demo",
+        "--run-dir",
+        str(run_dir),
+        *CLI.get(arm, []),
+    ]
     cmd += ["--set", f"seed={seed}"]
     for ov in ARMS[arm] + extra:
         cmd += ["--set", ov]

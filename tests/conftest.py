@@ -12,6 +12,9 @@ import threading
 
 # Two test workers (pytest -n 2) share the two cores: OpenMP must not busy-wait (read when torch loads).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# `mentorrl demo` runs as data-parallel ranks by default (--ranks auto): the tests that run a demo run it in
+# this process (one rank), unless they ask for ranks (tests/test_parallelism.py checks the default).
+os.environ["MENTORRL_DEMO_RANKS"] = "1"
 from pathlib import Path
 from typing import Any, Callable
 
@@ -174,6 +177,15 @@ def find_task(orders_tasks) -> Callable[..., Task]:
         raise AssertionError(f"no {family}/{kind} task among the generated train tasks")
 
     return find
+
+
+# The real model's tests are the longest (minutes, in stage processes): started first, a two-worker run does not
+# end on them while the other worker idles.
+FIRST_MODULES = ("test_smollm2.py",)
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: item.path.name not in FIRST_MODULES)  # stable: the rest keep their order
 
 
 # ------------------------------------------------------- test-only environment -----

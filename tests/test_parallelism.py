@@ -121,3 +121,39 @@ def test_ranks_relaunch_the_same_command_under_torchrun(monkeypatch, tmp_path):
 
     _launch_ranks(2, ["demo"])
     assert len(seen) == 1
+
+
+def test_demo_runs_as_auto_ranks_by_default(tmp_path, monkeypatch):
+    """`mentorrl demo` with no --ranks launches the ranks `auto` chooses (2 on 2 CPU cores: half the wall time,
+    docs/scaling.md); MENTORRL_DEMO_RANKS or --ranks 1 keeps one process; `train` stays one process."""
+    import subprocess
+
+    from typer.testing import CliRunner
+
+    import mentorrl.train.parallelism as par
+    from mentorrl.cli import app
+
+    seen: list[list[str]] = []
+    monkeypatch.setattr(subprocess, "run", lambda cmd, *a, **k: seen.append(cmd) or subprocess.CompletedProcess(cmd, 0))
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("MENTORRL_DEMO_RANKS", raising=False)
+    monkeypatch.setattr(par, "cpu_cores", lambda: 2)
+    runner = CliRunner()
+    res = runner.invoke(app, ["demo", "--run-dir", str(tmp_path / "r")])
+    assert res.exit_code == 0, res.output
+    assert "ranks (--ranks auto): 2" in res.output
+    assert "--nproc-per-node=2" in seen[0]
+    # one core, --ranks 1 or MENTORRL_DEMO_RANKS=1: this process runs the demo, nothing is launched
+    import os
+
+    import mentorrl.cli as cli
+
+    monkeypatch.setattr(cli, "_train", lambda cfg, resume: os.makedirs(cfg.run_dir) or {"ran": True})
+    monkeypatch.setattr(par, "cpu_cores", lambda: 1)
+    assert runner.invoke(app, ["demo", "--run-dir", str(tmp_path / "a")]).exit_code == 0
+    monkeypatch.setattr(par, "cpu_cores", lambda: 2)
+    assert runner.invoke(app, ["demo", "--ranks", "1", "--run-dir", str(tmp_path / "b")]).exit_code == 0
+    monkeypatch.setenv("MENTORRL_DEMO_RANKS", "1")
+    assert runner.invoke(app, ["demo", "--run-dir", str(tmp_path / "c")]).exit_code == 0
+    assert len(seen) == 1
+    assert all((tmp_path / d / "demo_result.json").exists() for d in "abc")

@@ -10,10 +10,12 @@ from typing import Callable
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mentorrl.rollout.decoders import SlotDecoder
 from mentorrl.serve import PolicyGenerator
-from mentorrl.serve.generation import ContinuousBatcher, GenRequest, Sample, _common_prefix
+from mentorrl.serve.generation import ContinuousBatcher, GenRequest, Sample, _common_prefix, ids_code, shared_ids
 from tests.test_serve_decoder import assert_same, prompts, varied  # noqa: F401  (the fixture)
 
 TIMEOUT_S = 60
@@ -63,6 +65,27 @@ def test_common_prefix():
     assert _common_prefix([1, 2, 3, 4, 5], [1, 2, 3, 9, 5]) == 3
     assert _common_prefix([5], [1]) == 0
     assert _common_prefix([], [1]) == 0
+
+
+def _ids(max_id: int):
+    return st.lists(st.integers(0, max_id), max_size=40)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_ids(3), _ids(3), st.sampled_from([3, 2**32 - 1]), st.booleans())
+def test_shared_ids_is_the_common_prefix(a, b, top, share):
+    """The codes' first difference is the lists' (zeros after a shorter list, id 0 and the top id included)."""
+    if share:  # a long shared head, then whatever follows
+        b = a[: len(a) // 2] + b
+    a, b = [min(x * top, top) for x in a], [min(x * top, top) for x in b]
+    want = _common_prefix(a, b)
+    assert shared_ids(ids_code(a), len(a), ids_code(b), len(b)) == want
+    assert shared_ids(ids_code(b), len(b), ids_code(a), len(a)) == want
+
+
+def test_an_id_out_of_range_shares_nothing():
+    assert ids_code([1, 2**32]) is None and ids_code([-1]) is None
+    assert shared_ids(None, 2, ids_code([1, 2]), 2) == 0
 
 
 def test_the_next_turn_continues_the_retained_row(tokenizer, varied):  # noqa: F811

@@ -73,25 +73,6 @@ def test_template_parity_over_multi_turn_tool_conversations(smol, orders_entry, 
         env.close()
 
 
-def test_the_recipe_runs_end_to_end_at_a_tiny_size(tmp_path):
-    run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "mentorrl.cli", "train", str(ROOT / "mentorrl/configs/smollm2.yaml"),
-           "--run-dir", str(run), "--set", "sft.num_demos=8", "--set", "sft.steps=2", "--set", "sft.batch_size=4",
-           "--set", "grpo.steps=1", "--set", "grpo.tasks_per_step=2", "--set", "grpo.samples_per_task=2",
-           "--set", "grpo.guide=expert", "--set", "grpo.updates_per_step=1", "--set", "eval.num_tasks=4", "--set", "eval.final_splits=[]",
-           "--set", "audit.preflight=false", "--set", "threads=2", "--set", "model.dtype=float32"]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    report = json.loads((run / "report.json").read_text())
-    assert set(report["evals"]) == {"sft", "grpo"}
-    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    gaps = [m["logprob_abs_gap"] for m in steps if m.get("stage") == "grpo" and "logprob_abs_gap" in m]
-    # one update a step, fp32: the behaviour log-probs are the learner's own, before it moves (a second update's
-    # gap would include the first update's change)
-    assert gaps and all(math.isfinite(g) and g < 1e-3 for g in gaps), gaps
-    assert (run / "sft" / "final").is_dir() or any((run / "sft").iterdir())
-
-
 def served_tool_calls(model_dir: Path, n_tasks: int = 4) -> list[dict]:
     """``mentorrl serve``'s app on ``model_dir`` (an adapter directory: the base it names, the adapter applied),
     asked through the official ``openai`` client with the orders tools and a held-out task's first message;
@@ -131,18 +112,28 @@ def served_tool_calls(model_dir: Path, n_tasks: int = 4) -> list[dict]:
     return out
 
 
-def test_the_grpo_trained_model_serves_tool_calls_to_the_openai_client(tmp_path):
-    """Issue 54, item 6: the recipe's LoRA SFT (12 steps: seed 0's demonstration loss is ~0.3 there, the lr constant after warm-up) and one GRPO
-    step, then ``mentorrl serve`` on the GRPO'd adapter answers held-out requests from the official client
-    with well-formed tool calls (the template kept; the tools not rendered, as in training)."""
+def test_the_recipe_runs_end_to_end_and_the_grpo_model_serves_tool_calls(tmp_path):
+    """Issue 54: the recipe at a tiny size in one run (its stage processes included): LoRA SFT (12 steps: seed 0's
+    demonstration loss is ~0.3 there, the lr constant after warm-up), one expert-guided GRPO step, both evaluations;
+    in fp32 with one update a step the behaviour log-probs are the learner's own. Then (item 6) ``mentorrl serve``
+    on the GRPO'd adapter answers held-out requests from the official client with well-formed tool calls (the
+    template kept; the tools not rendered, as in training)."""
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "mentorrl.cli", "train", str(ROOT / "mentorrl/configs/smollm2.yaml"),
            "--run-dir", str(run), "--set", "sft.num_demos=96", "--set", "sft.steps=12",
            "--set", "grpo.steps=1", "--set", "grpo.tasks_per_step=2", "--set", "grpo.samples_per_task=2",
-           "--set", "eval.num_tasks=0", "--set", "eval.final_splits=[]", "--set", "audit.preflight=false",
-           "--set", "threads=2"]  # fmt: skip
+           "--set", "grpo.guide=expert", "--set", "grpo.updates_per_step=1", "--set", "eval.num_tasks=4",
+           "--set", "eval.final_splits=[]", "--set", "audit.preflight=false", "--set", "threads=2",
+           "--set", "model.dtype=float32"]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((run / "report.json").read_text())
+    assert set(report["evals"]) == {"sft", "grpo"}
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    gaps = [m["logprob_abs_gap"] for m in steps if m.get("stage") == "grpo" and "logprob_abs_gap" in m]
+    # one update a step, fp32: the behaviour log-probs are the learner's own, before it moves (a second update's
+    # gap would include the first update's change)
+    assert gaps and all(math.isfinite(g) and g < 1e-3 for g in gaps), gaps
     final = run / "grpo" / "final"
     assert (final / "adapter_config.json").is_file()
     from mentorrl.contract import tool_schemas

@@ -127,13 +127,25 @@ def episode(client: OpenAI, v: dict, args, http: httpx.Client | None = None) -> 
     return timings
 
 
+def worker_clients(concurrency: int) -> tuple[OpenAI, httpx.Client]:
+    """The worker's two clients, shared by its ``concurrency`` threads, each with a pool that keeps every
+    connection those threads can hold alive. With fewer keep-alive slots than threads (openai's default is
+    100, httpx's 20), httpcore 1.0.9's sync pool closes "surplus" idle connections, and can close one it has
+    just handed to a waiting request: that request's reply is never read and it hangs for the whole read
+    timeout (encode/httpcore#1110; it stalled one rollout step of 128 episodes for 120 s here). Sized to
+    the threads, no connection is ever surplus."""
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    client = OpenAI(max_retries=2, timeout=120, http_client=httpx.Client(limits=limits, timeout=120))
+    return client, httpx.Client(limits=limits, timeout=30)
+
+
 def serve_worker(args) -> int:
     """Worker mode (``external.mode: worker``): one process, one client (its connections kept alive),
     every episode mentorrl sends on stdin (a JSON line ``{"episode_id", "env": {...}}`` each), up to
     ``MENTORRL_CONCURRENCY`` at once; one JSON line per finished episode on stdout
     (``{"episode_id", "ok", "error"?, "timings"}``). Ends when stdin closes."""
-    client = OpenAI(max_retries=2, timeout=120)
-    http = httpx.Client(timeout=30)
+    concurrency = int(os.environ.get("MENTORRL_CONCURRENCY", "4"))
+    client, http = worker_clients(concurrency)
     lock = threading.Lock()
 
     def one(job: dict) -> None:
@@ -145,7 +157,7 @@ def serve_worker(args) -> int:
             sys.stdout.write(json.dumps(out) + "\n")
             sys.stdout.flush()
 
-    with ThreadPoolExecutor(max_workers=int(os.environ.get("MENTORRL_CONCURRENCY", "4"))) as pool:
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
         for line in sys.stdin:
             if line.strip():
                 pool.submit(one, json.loads(line))

@@ -106,7 +106,8 @@ async def serve_worker(args) -> int:
     kept alive), every episode mentorrl sends on stdin (a JSON line ``{"episode_id", "env": {...}}``
     each) run as an asyncio task, up to ``MENTORRL_CONCURRENCY`` at once; one JSON line per finished
     episode on stdout (``{"episode_id", "ok", "error"?, "timings"}``). Ends when stdin closes."""
-    slots = asyncio.Semaphore(int(os.environ.get("MENTORRL_CONCURRENCY", "4")))
+    concurrency = int(os.environ.get("MENTORRL_CONCURRENCY", "4"))
+    slots = asyncio.Semaphore(concurrency)
     running: set[asyncio.Task] = set()
 
     async def one(client: AsyncOpenAI, http: httpx.Client, job: dict) -> None:
@@ -119,7 +120,11 @@ async def serve_worker(args) -> int:
         sys.stdout.write(json.dumps(out) + "\n")  # the event loop's thread only: whole lines
         sys.stdout.flush()
 
-    async with AsyncOpenAI(max_retries=2, timeout=120) as client:
+    # a keep-alive slot for every connection the episodes can hold: none is ever closed as surplus
+    # (encode/httpcore#1110: a connection closed that way can be one just handed to a waiting request)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    pool = httpx.AsyncClient(limits=limits, timeout=120)
+    async with AsyncOpenAI(max_retries=2, timeout=120, http_client=pool) as client:
         with httpx.Client(timeout=30) as http:
             while line := await asyncio.to_thread(sys.stdin.readline):  # stdin read off the event loop
                 if not line.strip():

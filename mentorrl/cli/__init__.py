@@ -132,6 +132,14 @@ RanksOpt = typer.Option(
     help="run as this many data-parallel ranks on this machine (a torchrun launch, threads shared out), or "
     "auto: by the cores and the recipe (2 on 2 CPU cores; docs/scaling.md)",
 )
+DemoRanksOpt = typer.Option(
+    "auto",
+    "--ranks",
+    envvar="MENTORRL_DEMO_RANKS",
+    help="run as this many data-parallel ranks on this machine (a torchrun launch, threads shared out), or "
+    "auto (the default: by the cores and the recipe, 2 on 2 CPU cores, about half the wall time of one "
+    "process; 1 on a GPU or one core; docs/scaling.md). 1: one process, every core",
+)
 ConfigOpt = typer.Option(None, "--config", "-c", exists=True, dir_okay=False, help="YAML recipe")
 SetOpt = typer.Option([], "--set", help="override a field: --set grpo.steps=10 (repeatable)")
 RunDirOpt = typer.Option(
@@ -159,7 +167,7 @@ def demo(
     resume: bool = typer.Option(False, "--resume", help="continue from the run dir's last checkpoint"),
     no_eval: bool = NoEvalOpt,
     set_: list[str] = SetOpt,
-    ranks: str = RanksOpt,
+    ranks: str = DemoRanksOpt,
 ) -> None:
     """Build the tiny model, audit the reward, SFT, evaluate, GRPO, evaluate again; print the table and report."""
     quiet_transformers()

@@ -24,6 +24,11 @@ from mentorrl.core.lifetime import die_with_parent
 READY_PREFIX = "mentorrl serve: listening on "
 LOOPBACK_NAMES = ("localhost",)
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+# An idle connection is kept this long (uvicorn's default is 5 s): longer than a client keeps its own idle
+# connections (httpx: 5 s), so the client closes first and never sends on a connection the server is closing;
+# and longer than a training round's pause, so the agents' connections outlive it rather than reconnect at once.
+KEEP_ALIVE_S = 65
+BACKLOG = 2048  # connections waiting to be accepted (uvicorn's own default); more agents than this reconnect
 
 
 def is_loopback(host: str) -> bool:
@@ -43,7 +48,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(addr)
-        sock.listen(128)
+        sock.listen(BACKLOG)
     except OSError:
         sock.close()
         raise
@@ -77,7 +82,9 @@ def server_config(app: Any, log_level: str = "info") -> Any:
     (installed after uvicorn configures its loggers)."""
     import uvicorn
 
-    config = uvicorn.Config(app, lifespan="off", log_level=log_level, timeout_graceful_shutdown=30)
+    config = uvicorn.Config(
+        app, lifespan="off", log_level=log_level, timeout_graceful_shutdown=30, timeout_keep_alive=KEEP_ALIVE_S
+    )
     access = logging.getLogger("uvicorn.access")
     if not any(isinstance(f, RedactQueryFilter) for f in access.filters):
         access.addFilter(RedactQueryFilter())
