@@ -244,7 +244,7 @@ def test_failed_episodes_are_dropped_and_counted(tmp_path, shipped, monkeypatch)
         "external.tasks_per_step=1",
         "external.samples_per_task=6",
         "external.concurrency=6",
-        "external.episode_timeout_s=60",
+        "external.episode_timeout_s=30",  # the sleeping agent is timed out after this
         "external.reward_timeout_s=1",
         "external.reward=agent",  # the harness's rewards: a missing one drops its episode
     )
