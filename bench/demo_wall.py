@@ -154,7 +154,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--tag: letters, digits, - and _ only (it names the run directory)")
     done = done_keys(a.results)
     todo = [(arm, s) for s in a.seeds for arm in a.arms if (arm, s, a.tag) not in done]
-    print(f"{len(todo)} demo run(s) to go, ~6 minutes each on 2 idle cores as 2 ranks, ~13 as one process: {todo}", flush=True)
+    print(
+        f"{len(todo)} demo run(s) to go, ~6 minutes each on 2 idle cores as 2 ranks, ~13 as one process: {todo}",
+        flush=True,
+    )
     for arm, seed in todo:
         row = run_arm(arm, seed, a.out, a.extra, a.tag)
         a.results.parent.mkdir(parents=True, exist_ok=True)
