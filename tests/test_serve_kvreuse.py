@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from mentorrl.rollout.decoders import SlotDecoder
 from mentorrl.serve import PolicyGenerator
-from mentorrl.serve.generation import ContinuousBatcher, GenRequest, Sample, _common_prefix, ids_code, shared_ids
+from mentorrl.serve.generation import ContinuousBatcher, GenRequest, Sample, ids_code, shared_ids
 from tests.test_serve_decoder import assert_same, prompts, varied  # noqa: F401  (the fixture)
 
 TIMEOUT_S = 60
@@ -57,6 +57,14 @@ def test_truncate_cuts_a_slot_back_to_a_prefix(varied):  # noqa: F811
     want = ref.forward([a[:5] + c, a[:5] + c + [7]])
     ref.close()
     assert torch.allclose(got, want, atol=1e-5, rtol=0)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """The reference: how many first ids ``a`` and ``b`` share, compared one by one."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def test_common_prefix():

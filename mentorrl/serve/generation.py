@@ -598,7 +598,7 @@ class _Kept:
     computed with; ``code``, ``length``: its context (frozen while it is kept) as :func:`ids_code` and its
     length, for :func:`shared_ids`."""
 
-    def __init__(self, slot: int, key: Any, ctx: Sequence[int] = ()):
+    def __init__(self, slot: int, key: Any, ctx: Sequence[int]):
         self.slot, self.key = slot, key
         self.code, self.length = ids_code(ctx), len(ctx)
 
@@ -915,21 +915,6 @@ def shared_ids(a: int | None, a_len: int, b: int | None, b_len: int) -> int:
     m = min(a_len, b_len)
     x = a ^ b
     return m if not x else min(((x & -x).bit_length() - 1) // 32, m)
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many first ids ``a`` and ``b`` share (whole-list comparisons, then a bisection)."""
-    m = min(len(a), len(b))
-    if a[:m] == b[:m]:
-        return m
-    lo, hi = 0, m  # a[:lo] == b[:lo], a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
 
 
 def group_requests(batch: Sequence[GenRequest]) -> list[list[GenRequest]]:
