@@ -29,6 +29,7 @@ __all__ = [
     "get_advantage_estimator",
     "grpo_advantages",
     "group_reward_stats",
+    "zero_variance_groups",
     "broadcast_sequence_advantages",
     "sanitize_group_rewards",
     "outcome_token_rewards",
@@ -164,11 +165,11 @@ def group_reward_stats(rewards: torch.Tensor) -> dict[str, float]:
         "max": flat.max().item(),
         "zero_reward_rate": (flat == 0).float().mean().item(),
         "nonpositive_rate": (flat <= 0).float().mean().item(),
-        "zero_variance_group_share": _zero_variance(r).float().mean().item() if r.shape[0] > 0 else 0.0,
+        "zero_variance_group_share": zero_variance_groups(r).float().mean().item() if r.shape[0] > 0 else 0.0,
     }
 
 
-def _zero_variance(r: torch.Tensor) -> torch.Tensor:
+def zero_variance_groups(r: torch.Tensor) -> torch.Tensor:
     """``[G]``: groups that are all equal or whose population std is below 1e-8."""
     if r.shape[1] == 0:
         return torch.ones(r.shape[0], dtype=torch.bool, device=r.device)

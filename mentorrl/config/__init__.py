@@ -106,6 +106,7 @@ from mentorrl.config.reward import RewardWeights
 from mentorrl.config.rl import (
     AsyncConfig,
     CriticConfig,
+    DynamicSamplingConfig,
     GAEConfig,
     GRPOConfig,
     HardPoolConfig,
@@ -158,6 +159,7 @@ __all__ = [
     "GAEConfig",
     "ExternalConfig",
     "GRPOConfig",
+    "DynamicSamplingConfig",
     "HardPoolConfig",
     "LatencyModel",
     "LoggingConfig",

@@ -77,6 +77,8 @@ class ExternalConfig(GRPOConfig):
     def _supported(self) -> "ExternalConfig":
         if self.hard_pool is not None or self.hard_pool_state:
             raise ValueError("external.hard_pool is not supported (the external stage draws tasks uniformly)")
+        if self.dynamic_sampling is not None:
+            raise ValueError("external.dynamic_sampling is not supported (the agent's episodes are not redrawn)")
         if self.guide != "none":
             raise ValueError("external.guide must be none (an expert demonstration is not in the agent's rendering)")
         if self.min_group > self.samples_per_task:

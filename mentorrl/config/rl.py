@@ -34,6 +34,19 @@ class HardPoolConfig(Section):
     max_score: float = Field(5.0, gt=0.0, description="cap on one task's score (a task failing forever stays bounded)")
 
 
+class DynamicSamplingConfig(Section):
+    """DAPO's dynamic sampling (Yu et al. 2025): a step keeps drawing tasks until it holds ``tasks_per_step`` groups
+    whose rewards differ, and trains on those alone (declared here; built in :mod:`mentorrl.train.dynamic_sampling`)."""
+
+    max_rounds: int = Field(
+        4,
+        ge=1,
+        le=16,
+        description="rollout rounds a step may take, each of tasks_per_step fresh tasks from the stage's pool; when "
+        "they run out the step trains on the informative groups it has (none: the step makes no update)",
+    )
+
+
 class GRPOConfig(RolloutStageConfig):
     defaults: ClassVar[dict[str, Any]] = {
         "steps": 20,
@@ -66,6 +79,11 @@ class GRPOConfig(RolloutStageConfig):
     )
     hard_pool_state: str | None = Field(
         None, description="start the pool from a saved state, e.g. the hard_pool.json written by `mentorrl flywheel`"
+    )
+    dynamic_sampling: DynamicSamplingConfig | None = Field(
+        None,
+        description="keep only groups whose rewards differ, drawing more tasks until a step has tasks_per_step of "
+        "them (DAPO); null: every drawn group is trained on, all-equal ones with zero advantage",
     )
     guide: Literal["none", "expert"] = Field(
         "none",

@@ -19,7 +19,8 @@ from mentorrl.algos.losses import get_policy_loss, unaccepted_arguments
 from mentorrl.config import ConfigError
 from mentorrl.envs.adapters.common import NoExpert
 from mentorrl.flywheel.hard_pool import HardTaskPool
-from mentorrl.train.loop import Stage, StepBatch, StepData, run_on_loop
+from mentorrl.train.dynamic_sampling import fill_informative
+from mentorrl.train.loop import Stage, StepBatch, StepData, pool_size, run_on_loop
 from mentorrl.train.overlap import OverlapLoop  # noqa: F401 -- registers grpo.overlap: one_step
 from mentorrl.train.stage_helpers import (
     UPDATE_HEALTH,
@@ -141,7 +142,12 @@ class GRPOStage(Stage):
         self.expert = guide_expert(ws, self.cfg.guide)
 
     def make_pool(self) -> list:
-        pool = super().make_pool()
+        ds = getattr(self.cfg, "dynamic_sampling", None)
+        if ds is None:
+            pool = super().make_pool()
+        else:  # room for every round of every step
+            n = pool_size(self.cfg.tasks_per_step * ds.max_rounds, self.steps, self.pool_least)
+            pool = self.ws.train_tasks(n, self.seeds("pool"))
         return expert_verified_pool(self.ws, pool) if getattr(self.cfg, "pool", "all") == "expert_verified" else pool
 
     def tasks(self, b: StepBatch) -> None:
@@ -152,7 +158,11 @@ class GRPOStage(Stage):
         b.metrics.update(hard_tasks_in_batch=float(sum(t.id in self.hard for t in b.tasks)))
 
     def rollout(self, b: StepBatch) -> None:
+        """The group rollouts; with ``grpo.dynamic_sampling`` further rounds until the step holds
+        ``tasks_per_step`` groups whose rewards differ (:mod:`mentorrl.train.dynamic_sampling`)."""
         self.collect(b, self.cfg.samples_per_task, shard=True)
+        if self.cfg.dynamic_sampling is not None:
+            fill_informative(self, b, self.cfg.dynamic_sampling.max_rounds)
 
     def score(self, b: StepBatch) -> None:
         """The verifier's group rewards; the hard-task pool learns the batch's failures here, in the
