@@ -39,18 +39,28 @@ them, and each MOPD arm's difference from ``mopd_oracle`` when both ran (docs/op
     python bench/methods_seeds.py --sft 'RUNS/s{seed}/sft/final' --grpo-run 'RUNS/plain-s{seed}' \\
         --spec-a runs/spec-a/sft/final --spec-b runs/spec-b/sft/final \\
         --methods opd_spec_a opd_spec_b mopd_oracle mopd_competence mopd_mix --out RUNS/specialists
+
+Incremental (``--results FILE``, default ``OUT/arms.jsonl``; ``bench/_arms.py``): the estimated time of every arm
+still to run is printed before the first starts; each finished (method, seed) is appended to FILE the moment it
+finishes, with its per-task outcomes, and a rerun skips every arm FILE already holds with the same config and
+overrides. The seeds' SFT and GRPO runs are recorded as arms ``sft`` and ``grpo``. Each arm is paired with its
+natural baseline (``BASELINES``) on the same held-out tasks: the difference with a paired bootstrap interval,
+printed and kept in the line; ``bench/methods_table.py FILE`` prints the table from the file alone.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _arms import ArmStore, commit, fingerprint, task_bits  # noqa: E402
 from _seeds import final_eval, same_tasks, summary, train_run  # noqa: E402
 from opd_vs_grpo import curve, smoothed, tokens_to_reach  # noqa: E402
 
@@ -129,6 +139,80 @@ METHODS.update(
         for r in BB_RECIPES
     }
 )
+
+
+# Each method's natural baseline (the arm it is paired with, on the same tasks and seed): what it claims to beat.
+BASELINES: dict[str, str] = {
+    "opd": "grpo",  # at equal student tokens (opd.eval_every checks: the tokens columns)
+    "opd_cross": "opd",  # cross- against same-tokenizer, teachers of equal strength
+    "shortopd": "opd",
+    "reward_weighted": "grpo",
+    "rlsd": "grpo",
+    "mopd": "opd",
+    "opd_spec_a": "sft",
+    "opd_spec_b": "sft",
+    "mopd_oracle": "opd_spec_a",
+    "mopd_competence": "mopd_oracle",
+    "mopd_mix": "mopd_oracle",
+    "evolve": "grpo",
+    "sao": "grpo",
+    "ppo": "grpo",
+    **{f"bb_{r}": "sft" for r in BB_RECIPES},
+}
+DEFAULT_MINUTES = 10.0  # one method run at the demo's size, until the results file has the method's own times
+
+
+def arm_fingerprint(name: str, args) -> str:
+    """What defines arm ``name`` here: its config file's text, its overrides, the bench-wide ones and the teachers."""
+    if name in ("sft", "grpo"):
+        return fingerprint(name, args.sft if name == "sft" else args.grpo_run)
+    m = METHODS[name]
+    teachers = [str(getattr(args, k, None)) for k in ("teacher", "cross_teacher", "bb_teacher", "spec_a", "spec_b")]
+    return fingerprint(
+        (CONFIGS / m.config).read_text(), *m.overrides, *args.overrides, args.sft, str(args.check_tasks), *teachers
+    )
+
+
+def arm_line(name: str, seed: int, fp: str, eval_json: Path, seconds: float | None, row: dict | None) -> dict:
+    """The results file's record of a finished arm (``bench/_arms.py``)."""
+    ev = final_eval(eval_json)
+    bits = task_bits(eval_json.with_suffix(".jsonl"))
+    return {
+        "arm": name,
+        "seed": seed,
+        "fingerprint": fp,
+        "baseline": BASELINES.get(name, "sft" if name == "grpo" else None),
+        **ev,
+        "tasks": bits[0] if bits else None,
+        "bits": bits[1] if bits else None,
+        "seconds": seconds,
+        "commit": commit(),
+        "row": row,
+    }
+
+
+def record_references(store: ArmStore, args, seed: int) -> None:
+    """The seed's SFT and GRPO evaluations as arms ``sft`` and ``grpo`` (once each)."""
+    sft_eval = Path(args.sft.format(seed=seed)).parents[1] / "eval_sft.json"
+    grpo_eval = Path(args.grpo_run.format(seed=seed)) / "eval_grpo.json"
+    for name, ev in (("sft", sft_eval), ("grpo", grpo_eval)):
+        fp = arm_fingerprint(name, args)
+        if store.find(name, seed, fp) is None and ev.exists():
+            store.append(arm_line(name, seed, fp, ev, None, None))
+
+
+def plan(store: ArmStore, args) -> list[tuple[str, int]]:
+    """The (method, seed) arms still to run, printed with their estimated minutes and the expected finish."""
+    todo = [(n, s) for n in args.methods for s in args.seeds if store.find(n, s, arm_fingerprint(n, args)) is None]
+    est = {n: store.estimate_s(n, 60 * DEFAULT_MINUTES) for n, _ in todo}
+    total = sum(est[n] for n, _ in todo)
+    done = len(args.methods) * len(args.seeds) - len(todo)
+    print(f"{len(todo)} arms to run ({done} already in {store.path}): about {total / 60:.0f} minutes")
+    for n, s in todo:
+        print(f"  {n} seed {s}: ~{est[n] / 60:.0f} min")
+    if todo:
+        print(f"  expected to finish at {time.strftime('%H:%M', time.localtime(time.time() + total))}")
+    return todo
 
 
 def spec_split(spec_a: list[str] | tuple[str, ...] = SPEC_A_FAMILIES) -> dict[str, list[str]]:
@@ -277,6 +361,42 @@ def seed_row(args, seed: int, name: str) -> dict:
     return row
 
 
+def arm_row(store: ArmStore, args, seed: int, name: str) -> dict:
+    """Method ``name`` at ``seed``: read back from the results file when it holds this arm, else run (or read back
+    from its run directory), timed and appended to the file at once."""
+    fp = arm_fingerprint(name, args)
+    hit = store.find(name, seed, fp)
+    if hit is not None and hit.get("row") is not None:
+        return hit["row"]
+    record_references(store, args, seed)
+    final = args.out / f"{name}-s{seed}" / f"eval_{METHODS[name].stage}.json"
+    mark = final.parent / "arm_fingerprint"
+    if mark.exists() and mark.read_text().strip() != fp:
+        raise SystemExit(f"{final.parent} was run with other settings: move it away or give another --out")
+    final.parent.mkdir(parents=True, exist_ok=True)
+    mark.write_text(fp + "\n")
+    ran, t0 = not final.exists(), time.perf_counter()
+    row = seed_row(args, seed, name)
+    line = arm_line(name, seed, fp, final, time.perf_counter() - t0 if ran else None, row)
+    store.append({**line, "command": args.command})
+    return row
+
+
+def paired_lines(store: ArmStore, name: str, seeds: list[int]) -> dict:
+    """``name`` minus its baseline on the same tasks, per seed (None where either lacks per-task outcomes), printed."""
+    base = BASELINES[name]
+    out = {}
+    for s in seeds:
+        p = store.paired(name, base, s)
+        out[str(s)] = p
+        if p is not None:
+            lo, hi = p["ci95"]
+            print(
+                f"  seed {s}: {name} minus {base} {p['diff']:+.1f} points [{lo:+.1f}, {hi:+.1f}] paired, {p['n']} tasks"
+            )
+    return {"baseline": base, "seeds": out}
+
+
 def pct(e: dict) -> str:
     return f"{100 * e['success']:.1f}% [{100 * e['ci95'][0]:.1f}, {100 * e['ci95'][1]:.1f}]"
 
@@ -399,9 +519,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--check-tasks", type=int, default=200, help="tasks of the GRPO run's held-out checks")
     ap.add_argument("--out", type=Path, default=Path("runs/methods-seeds"))
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="a config override for every run")
+    ap.add_argument(
+        "--results", type=Path, default=None, help="the results file arms are appended to (default OUT/arms.jsonl)"
+    )
     args = ap.parse_args(argv)
+    args.command = shlex.join(["python", "bench/methods_seeds.py", *(sys.argv[1:] if argv is None else argv)])
     args.spec = spec_split([f.strip() for f in args.spec_a_families.split(",") if f.strip()])
     args.out.mkdir(parents=True, exist_ok=True)
+    store = ArmStore.open(args.results or args.out / "arms.jsonl")
+    plan(store, args)
     result = {
         "teacher": args.teacher,
         "cross_teacher": args.cross_teacher,
@@ -411,7 +537,8 @@ def main(argv: list[str] | None = None) -> None:
     if any(METHODS[n].teacher in ("spec_a", "spec_b", "specs") for n in args.methods):
         result["specialists"] = specialists(args)
     for name in args.methods:
-        result[name] = report(name, [seed_row(args, s, name) for s in args.seeds])
+        result[name] = report(name, [arm_row(store, args, s, name) for s in args.seeds])
+        result[name]["paired"] = paired_lines(store, name, args.seeds)
     if "mopd_oracle" in args.methods:
         result["minus_oracle"] = minus_oracle(result, args.methods)
     path = args.out / f"methods_{'_'.join(args.methods)}_s{''.join(map(str, args.seeds))}.json"

@@ -4,14 +4,24 @@ difference on the same tasks (a paired bootstrap), and the zero-shot evaluation 
 
     python bench/smollm2_code_results.py --runs RUNS/smol-code-s0 RUNS/smol-code-s1 --zero-shot RUNS/smol-code-zeroshot \\
         --out bench/results/smollm2_code.json
+
+A seed trained in two runs (``recipe=[sft]``, then ``recipe=[grpo]`` from its ``sft/final``) is merged into a results
+file as it finishes, its GRPO steps summarised (sampled success, dynamic-sampling rounds, seconds):
+
+    python bench/smollm2_code_results.py --update bench/results/smollm2_code_ds.json \\
+        --sft RUNS/smol-code-sft-s0 --grpo RUNS/smol-code-grpo-s0
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import random
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _arms import paired_bootstrap  # noqa: E402
 
 FAMILIES = ("strings", "lists", "parsing", "stateful")
 
@@ -26,17 +36,10 @@ def successes(path: Path) -> dict[str, float]:
     return out
 
 
-def paired(a: dict[str, float], b: dict[str, float], reps: int = 10000, seed: int = 0) -> dict:
+def paired(a: dict[str, float], b: dict[str, float]) -> dict:
     """b - a over the tasks both hold, in points, with a paired bootstrap 95% interval."""
     ids = sorted(set(a) & set(b))
-    d = [b[i] - a[i] for i in ids]
-    rng = random.Random(seed)
-    boots = sorted(sum(rng.choice(d) for _ in d) / len(d) for _ in range(reps))
-    return {
-        "n": len(d),
-        "diff": 100 * sum(d) / len(d),
-        "ci95": [100 * boots[int(0.025 * reps)], 100 * boots[int(0.975 * reps)]],
-    }
+    return paired_bootstrap([b[i] - a[i] for i in ids])
 
 
 def summary(ev: dict) -> dict:
@@ -50,16 +53,74 @@ def summary(ev: dict) -> dict:
     }
 
 
+def run_seed(run: Path) -> int:
+    cfg = (run / "config.yaml").read_text()
+    return next(int(x.split(":")[1]) for x in cfg.splitlines() if x.startswith("seed:"))
+
+
+def grpo_steps(run: Path) -> dict:
+    """The GRPO stage's steps from ``metrics.jsonl``: what they sampled and what they cost."""
+    rs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    rs = [r for r in rs if r.get("stage") == "grpo"]
+    keys = (
+        "task_success",
+        "dynamic_rounds",
+        "dynamic_informative_share",
+        "rollouts",
+        "step_s",
+        "rollout_s",
+        "rollout_tool_s",
+        "rollout_verify_s",
+    )
+    return {
+        "steps": len(rs),
+        "seconds": sum(r.get("step_s", 0.0) for r in rs),
+        "per_step": [{k: r[k] for k in keys if k in r} for r in rs],
+    }
+
+
+def split_seed(sft: Path, grpo: Path) -> dict:
+    """One seed from its SFT run and the GRPO run started from its ``sft/final``, paired on the same tasks."""
+    if run_seed(sft) != run_seed(grpo):
+        raise SystemExit(f"{sft} and {grpo} are different seeds")
+    row: dict = {"sft_run": str(sft), "grpo_run": str(grpo)}
+    row["sft"] = summary(json.loads((sft / "eval_sft.json").read_text()))
+    row["grpo"] = summary(json.loads((grpo / "eval_grpo.json").read_text()))
+    row["grpo_minus_sft"] = paired(successes(sft / "eval_sft.jsonl"), successes(grpo / "eval_grpo.jsonl"))
+    if row["grpo_minus_sft"]["n"] != row["sft"]["n"]:
+        raise SystemExit("the SFT and GRPO evaluations are not on the same tasks")
+    row["grpo_steps"] = grpo_steps(grpo)
+    return row
+
+
+def update(path: Path, sft: Path, grpo: Path) -> None:
+    """Merge one seed into the results file ``path`` (written whole, atomically)."""
+    out = json.loads(path.read_text()) if path.exists() else {"seeds": {}}
+    out["seeds"][str(run_seed(sft))] = split_seed(sft, grpo)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(out, indent=2))
+    tmp.replace(path)
+    print(json.dumps({k: v for k, v in out["seeds"][str(run_seed(sft))].items() if k != "grpo_steps"}, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--runs", nargs="+", type=Path, required=True)
+    ap.add_argument("--runs", nargs="+", type=Path, default=[])
     ap.add_argument("--zero-shot", type=Path, default=None, help="a `mentorrl eval --out` directory")
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--update", type=Path, default=None, help="a results file to merge one split seed into")
+    ap.add_argument("--sft", type=Path, default=None, help="with --update: the seed's recipe=[sft] run")
+    ap.add_argument("--grpo", type=Path, default=None, help="with --update: its recipe=[grpo] run")
     a = ap.parse_args()
+    if a.update is not None:
+        if a.sft is None or a.grpo is None:
+            raise SystemExit("--update needs --sft and --grpo")
+        return update(a.update, a.sft, a.grpo)
+    if a.out is None or not a.runs:
+        raise SystemExit("--runs and --out (or --update with --sft and --grpo)")
     out: dict = {"seeds": {}}
     for run in a.runs:
-        cfg = (run / "config.yaml").read_text()
-        seed = next(int(x.split(":")[1]) for x in cfg.splitlines() if x.startswith("seed:"))
+        seed = run_seed(run)
         row: dict = {"run_dir": str(run)}
         for stage in ("sft", "grpo"):
             p = run / f"eval_{stage}.json"

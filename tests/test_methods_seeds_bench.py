@@ -319,3 +319,157 @@ def test_specialist_arms_report_the_specialists_alone_and_the_gap_to_the_oracle(
     assert res["specialists"]["spec_b"]["families"] == ["update_address", "refund", "place_order", "email_receipt"]
     assert res["minus_oracle"]["mopd_mix"]["mean"] == pytest.approx(-5.0)
     assert "spec_b (update_address, refund, place_order, email_receipt) alone: 45.0%" in capsys.readouterr().out
+
+
+# ---- the incremental results file (bench/_arms.py, --results) ------------------------------------------------
+
+
+def _arms():
+    _bench()  # puts bench/ on sys.path
+    import _arms
+
+    return _arms
+
+
+def _references(tmp_path: Path, seeds=(0, 1)) -> None:
+    for s in seeds:
+        _eval(tmp_path / f"s{s}", "sft", 0.3, [i % 3 == 0 for i in range(30)])
+        g = tmp_path / f"grpo-s{s}"
+        _eval(g, "grpo", 0.5, [i % 2 == 0 for i in range(30)])
+        _metrics(g, "grpo", [{"step": i, "rollouts": 64, "heldout_success": 0.4} for i in (1, 2)])
+
+
+def _fake_training(b, monkeypatch, fail_on: str | None = None) -> list[str]:
+    """train_run's stand-in: writes the run's evaluation (SAO better than GRPO on every fourth task) and records
+    the run directory; ``fail_on``: a run directory name that dies instead (a killed bench)."""
+    ran: list[str] = []
+
+    def fake(config, overrides, label, log=None):
+        run = Path(next(o.split("=", 1)[1] for o in overrides if o.startswith("run_dir=")))
+        if run.name == fail_on:
+            raise SystemExit(f"{label} killed")
+        ran.append(run.name)
+        _eval(run, "sao", 0.6, [i % 2 == 0 or i % 4 == 1 for i in range(30)])
+        _metrics(run, "sao", [{"step": 1, "rollouts": 64}])
+
+    monkeypatch.setattr(b, "train_run", fake)
+    return ran
+
+
+def _argv(tmp_path: Path, results: Path) -> list[str]:
+    return [
+        "--sft",
+        str(tmp_path / "s{seed}" / "sft" / "final"),
+        "--grpo-run",
+        str(tmp_path / "grpo-s{seed}"),
+        "--methods",
+        "sao",
+        "--seeds",
+        "0",
+        "1",
+        "--check-tasks",
+        "30",
+        "--out",
+        str(tmp_path / "out"),
+        "--results",
+        str(results),
+    ]
+
+
+def test_each_finished_arm_is_appended_at_once_and_a_rerun_skips_it(tmp_path, monkeypatch, capsys):
+    b = _bench()
+    _references(tmp_path)
+    results = tmp_path / "committed" / "arms.jsonl"
+    _fake_training(b, monkeypatch, fail_on="sao-s1")
+    with pytest.raises(SystemExit, match="killed"):  # the bench dies in its second arm
+        b.main(_argv(tmp_path, results))
+    assert "2 arms to run" in capsys.readouterr().out  # the plan, with its estimate, before any arm
+    lines = [json.loads(x) for x in results.read_text().splitlines()]
+    assert [(r["arm"], r["seed"]) for r in lines] == [("sft", 0), ("grpo", 0), ("sao", 0), ("sft", 1), ("grpo", 1)]
+
+    ran = _fake_training(b, monkeypatch)
+    b.main(_argv(tmp_path, results))
+    assert ran == ["sao-s1"]  # only what was missing
+    out = capsys.readouterr().out
+    assert "1 arms to run (1 already in" in out
+    ran.clear()
+    b.main(_argv(tmp_path, results))
+    assert ran == [] and "0 arms to run" in capsys.readouterr().out
+
+    # paired with its baseline on the same tasks: +25% of tasks (every fourth: i % 4 == 1) better than GRPO
+    lines = [json.loads(x) for x in results.read_text().splitlines()]
+    sao0 = next(r for r in lines if r["arm"] == "sao" and r["seed"] == 0)
+    assert sao0["baseline"] == "grpo" and sao0["command"].startswith("python bench/methods_seeds.py")
+    store = _arms().ArmStore.open(results)
+    p = store.paired("sao", "grpo", 0)
+    assert p["n"] == 30 and p["diff"] == pytest.approx(100 * 8 / 30) and p["ci95"][0] > 0
+
+    # a changed setting is a different arm: planned again, and never read back from the old runs' directories
+    with pytest.raises(SystemExit, match="other settings"):
+        b.main([*_argv(tmp_path, results), "--set", "sao.steps=3"])
+    assert "2 arms to run (0 already in" in capsys.readouterr().out
+    ran.clear()
+    b.main(
+        [
+            *_argv(tmp_path, results)[:-4],
+            "--out",
+            str(tmp_path / "out2"),
+            "--results",
+            str(results),
+            "--set",
+            "sao.steps=3",
+        ]
+    )
+    assert ran == ["sao-s0", "sao-s1"]
+
+
+def test_the_table_is_printed_from_the_results_file_alone(tmp_path, monkeypatch, capsys):
+    import shutil
+
+    b = _bench()
+    _references(tmp_path)
+    results = tmp_path / "arms.jsonl"
+    _fake_training(b, monkeypatch)
+    b.main(_argv(tmp_path, results))
+    capsys.readouterr()
+    for d in [*tmp_path.glob("s*"), *tmp_path.glob("grpo-s*"), tmp_path / "out"]:
+        shutil.rmtree(d)
+    sys.path.insert(0, str(BENCH.parent))
+    import methods_table
+
+    methods_table.main([str(results)])
+    out = capsys.readouterr().out
+    row = next(x for x in out.splitlines() if x.startswith("| `sao`"))
+    assert "| grpo | 0, 1 |" in row and "+26.7 [" in row and "python bench/methods_seeds.py" in row
+    assert any(x.startswith("| `grpo` | sft |") for x in out.splitlines())
+
+
+def test_a_corrupt_results_line_is_refused_with_its_line_number(tmp_path):
+    a = _arms()
+    p = tmp_path / "arms.jsonl"
+    p.write_text(
+        json.dumps({"arm": "x", "seed": 0, "fingerprint": "f", "success": 0.5, "ci95": [0, 1], "violations": 0, "n": 2})
+        + "\n{not json\n"
+    )
+    with pytest.raises(SystemExit, match="arms.jsonl:2"):
+        a.ArmStore.open(p)
+    p.write_text('{"arm": "x"}\n')
+    with pytest.raises(SystemExit, match="arms.jsonl:1"):
+        a.ArmStore.open(p)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_paired_bits_is_the_mean_task_difference_with_an_interval_around_it(seed):
+    import random
+
+    a = _arms()
+    rng = random.Random(seed)
+    base = "".join(rng.choice("01") for _ in range(200))
+    arm = "".join(rng.choice("01") for _ in range(200))
+    p = a.paired_bits(base, arm)
+    assert p["diff"] == pytest.approx(100 * (arm.count("1") - base.count("1")) / 200)
+    assert p["ci95"][0] <= p["diff"] <= p["ci95"][1]
+    assert a.paired_bits(arm, base)["diff"] == pytest.approx(-p["diff"])
+    assert a.paired_bits(base, base) == {"n": 200, "diff": 0.0, "ci95": [0.0, 0.0]}
+    with pytest.raises(ValueError):
+        a.paired_bits(base, arm[:-1])
