@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -473,3 +474,42 @@ def test_paired_bits_is_the_mean_task_difference_with_an_interval_around_it(seed
     assert a.paired_bits(base, base) == {"n": 200, "diff": 0.0, "ci95": [0.0, 0.0]}
     with pytest.raises(ValueError):
         a.paired_bits(base, arm[:-1])
+
+
+def test_the_references_are_built_once_into_a_cache_and_the_bench_command_names_them(tmp_path, monkeypatch, capsys):
+    """bench/methods_refs.py: a plan with its estimate, each reference one `mentorrl train` run in the cache (a
+    finished one never rebuilt, a stopped one resumed), and the methods_seeds command with every path filled in."""
+    _bench()
+    import methods_refs
+
+    monkeypatch.setenv("MENTORRL_CACHE", str(tmp_path / "cache"))
+    calls: list[list[str]] = []
+
+    def fake_run(cmd, env=None):
+        calls.append(cmd)
+        run = Path(cmd[cmd.index("--run-dir") + 1])
+        run.mkdir(parents=True, exist_ok=True)
+        if "seed-1" not in str(run) or "--resume" in cmd:  # seed 1 is stopped part-way the first time
+            (run / "report.json").write_text("{}")
+            return subprocess.CompletedProcess(cmd, 0)
+        return subprocess.CompletedProcess(cmd, 1)
+
+    cache = methods_refs.main(["--seeds", "0", "1", "--dry-run"], run=fake_run)
+    assert calls == [] and "0 of 4 built; about 40 minutes" in capsys.readouterr().out
+    assert str(cache).startswith(str(tmp_path / "cache" / "methods-refs"))
+    with pytest.raises(SystemExit, match="seed-1"):
+        methods_refs.main(["--seeds", "0", "1"], run=fake_run)
+    assert [Path(c[c.index("--run-dir") + 1]).name for c in calls] == ["seed-0", "seed-1"]
+    calls.clear()
+    methods_refs.main(["--seeds", "0", "1"], run=fake_run)
+    assert [Path(c[c.index("--run-dir") + 1]).name for c in calls] == ["seed-1", "spec-a", "spec-b"]
+    assert "--resume" in calls[0] and "seed=1" in calls[0]
+    spec_a = calls[1][calls[1].index("--set") + 1]
+    assert spec_a.startswith("sft.families=[order_status")
+    calls.clear()
+    out = capsys.readouterr().out
+    methods_refs.main(["--seeds", "0", "1"], run=fake_run)
+    assert calls == []  # all built: nothing again
+    cmd = capsys.readouterr().out.strip().splitlines()[-1]
+    assert f"--sft '{cache}/seed-{{seed}}/sft/final'" in cmd and f"opd.teachers_dir={cache}/teachers" in cmd
+    assert "--results bench/results/methods_arms.jsonl" in cmd and "built in" in out
