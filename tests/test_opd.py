@@ -9,6 +9,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_resume import TINY_OVERRIDES
 from typer.testing import CliRunner
 
@@ -17,7 +19,7 @@ from mentorrl.cli import app
 from mentorrl.config import ConfigError, RLSDSelectedTerm, ShortOPDConfig, load_config
 from mentorrl.contract import EFFECTIVE_BUDGET_KEY
 from mentorrl.opd.advantage import (
-    GapBudget,
+    GapShare,
     group_reward_weights,
     kl_advantages,
     teacher_weights,
@@ -159,20 +161,49 @@ def test_short_opd_keeps_the_largest_gaps_and_reports_the_share():
     assert share == pytest.approx(3 / 6) and out[0][1] == 0
 
 
-def test_gap_budget_grows_with_the_measured_gap():
-    b = GapBudget(min_budget=200, max_budget=600, full_gap=0.5, ema=0.5)
-    assert b.budget("new") == 600  # unmeasured: nothing cut
+def test_gap_share_grows_with_the_measured_gap():
+    b = GapShare(min_share=0.25, full_gap=0.5, ema=0.5)
+    assert b.share("new") == 1.0  # unmeasured: nothing left out
     b.observe("easy", 0.0)
     b.observe("hard", 1.0)
-    assert b.budget("easy") == 200 and b.budget("hard") == 600
+    assert b.share("easy") == 0.25 and b.share("hard") == 1.0
     b.observe("easy", 0.5)  # ema 0.5: 0.25 -> halfway
-    assert b.budget("easy") == 400
+    assert b.share("easy") == pytest.approx(0.625)
     b.observe("easy", float("nan"))  # ignored
-    c = GapBudget(200, 600, 0.5, 0.5)
+    c = GapShare(0.25, 0.5, 0.5)
     c.load_state_dict(b.state_dict())
-    assert c.budget("easy") == 400
-    with pytest.raises(ValueError):
-        GapBudget(700, 600, 0.5, 0.5)
+    assert c.share("easy") == pytest.approx(0.625)
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError):
+            GapShare(bad, 0.5, 0.5)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.sampled_from(["a", "b", "c"]), min_size=1, max_size=40),
+    st.dictionaries(st.sampled_from(["a", "b", "c"]), st.floats(0, 2)),
+    st.integers(0, 2**31 - 1),
+)
+def test_gap_share_leaves_out_whole_tasks_never_cuts_one(families, gaps, seed):
+    """What ShortOPD rolls out is a subset of the drawn tasks, in order, never empty, every unmeasured or
+    full-gap family's tasks all kept, and the same draw from the same seed."""
+    import random
+    from types import SimpleNamespace
+
+    s = GapShare(min_share=0.25, full_gap=0.5, ema=1.0)
+    for f, g in gaps.items():
+        s.observe(f, g)
+    tasks = [SimpleNamespace(id=i, family=f) for i, f in enumerate(families)]
+    kept = s.select(tasks, random.Random(seed))
+    assert kept and [t.id for t in kept] == sorted(t.id for t in kept)
+    assert kept == s.select(tasks, random.Random(seed))
+    full = [t for t in tasks if s.share(t.family) == 1.0]
+    assert all(t in kept for t in full)
+
+
+def test_shortopd_refuses_the_removed_token_budgets():
+    with pytest.raises(ConfigError, match="no longer cuts"):
+        load_config(None, ["opd.short={top_frac: 0.5, min_budget: 96}"])
 
 
 def test_curriculum_levels_grow_with_expert_solution_length(orders_tasks):
@@ -258,7 +289,7 @@ E2E = {
     "mopd-short-cross": [
         "opd.teachers=[{name: same, %s}, {name: cross, %s, build: {sft_steps: 4, num_demos: 12, "
         "batch_size: 4, vocab_size: 520}}]" % (TEACHER_BUILD, "temperature: 1.0"),
-        "opd.short={top_frac: 0.5, min_budget: 200}",
+        "opd.short={top_frac: 0.5, min_share: 0.5}",
         "opd.mopd={confidence_temperature: 1.0, success_history: true, step_weights: {}}",
         "opd.reward_coef=0.5",
     ],
@@ -327,6 +358,8 @@ def test_opd_recipe_end_to_end_and_resume(tmp_path, variant):
         # top_frac keeps ceil(0.5 * n) of n policy tokens: at most half, plus half a token
         assert all(0 < r["distilled_token_share"] <= 0.51 for r in recs), [r.get("distilled_token_share") for r in recs]
         assert recs[0]["alignment_failures"] == 0 and recs[0]["teacher_tokens"] > 0
+        # ShortOPD spends its budget as whole tasks: the first step (no gap measured) rolls every task out
+        assert recs[0]["short_tasks_kept"] == 1.0 and all(0 < r["short_tasks_kept"] <= 1 for r in recs)
         built = sorted(p.parent.parent.parent.name for p in (run / "teachers").glob("*/sft/final/DONE"))
         assert [b.split("-")[0] for b in built] == ["cross", "same"]
     if variant == "topk-reward-weighted":

@@ -86,7 +86,7 @@ LEGACY = {
     "top_k": st.sampled_from([None, 4]),
     "distill_until": st.sampled_from([None, "end", "first_error"]),
     "step_weights": st.sampled_from([None, {}, {"tool_error_boost": 3.0}]),
-    "short": st.sampled_from([None, {"top_frac": 0.5}, {"threshold": 0.1, "min_budget": 64}]),
+    "short": st.sampled_from([None, {"top_frac": 0.5}, {"threshold": 0.1, "min_share": 0.5}]),
     "reward_weighted": st.sampled_from([None, {}, {"coef": 2.0}]),
     "reward_coef": st.sampled_from([None, 0.0, 0.5]),
     "cross_tokenizer": st.sampled_from([None, "chunk", "sequence"]),
@@ -166,7 +166,7 @@ SHIPPED_BEFORE = {  # the shipped OPD configs' settings before they were written
         "opd.kl_coef=1.0",
         "opd.distill_until=first_error",
         "opd.reward_coef=0.0",
-        "opd.short={top_frac: 0.5, min_budget: 96, full_gap: 0.5, ema: 0.5}",
+        "opd.short={top_frac: 0.5, min_share: 0.25, full_gap: 0.5, ema: 0.5}",
     ],
     "mopd.yaml": [
         "opd.loss=sampled",

@@ -155,16 +155,26 @@ class ShortTerm(_OPDTerm):
     top_frac: float | None = Field(
         None, gt=0, le=1, description="distil this share of policy tokens, largest gap first"
     )
-    min_budget: int = Field(
-        128, ge=16, description="rollout token budget (tokens after the prompt) of a task family whose gap is 0"
+    min_share: float = Field(
+        0.25,
+        gt=0,
+        le=1,
+        description="share of a task family's drawn tasks rolled out when its gap is 0 (1 at gap >= full_gap and "
+        "for families not measured yet); whole episodes are left out, none is cut short",
     )
-    max_budget: int | None = Field(
-        None,
-        ge=16,
-        description="budget at gap >= full_gap, and of families not measured yet; null: limits.max_total_tokens",
-    )
-    full_gap: float = Field(0.5, gt=0, description="mean per-token gap (nats) that earns the whole budget")
+    full_gap: float = Field(0.5, gt=0, description="mean per-token gap (nats) at which every drawn task is rolled out")
     ema: float = Field(0.5, gt=0, le=1, description="weight of the newest step in each family's gap average")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_token_budgets(cls, v: Any) -> Any:
+        if isinstance(v, dict) and ({"min_budget", "max_budget"} & set(v)):
+            raise ValueError(
+                "min_budget / max_budget were removed: ShortOPD no longer cuts a family's episodes to a token budget "
+                "(a cut episode never reaches its final answer); it rolls out a share of the family's tasks, "
+                "min_share at no gap"
+            )
+        return v
 
     @model_validator(mode="after")
     def _one_rule(self) -> "ShortTerm":

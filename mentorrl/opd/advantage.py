@@ -10,7 +10,7 @@
 * :func:`tool_error_tokens`: the policy tokens of turns whose tool call failed (MOPD's
   failure-aware step weights).
 * :func:`group_reward_weights`: reward-weighted distillation's ``softmax(R / T)`` over each group.
-* :class:`GapBudget`: ShortOPD's per-family rollout token budget from the measured gap.
+* :class:`GapShare`: ShortOPD's per-family share of drawn tasks rolled out, from the measured gap.
 """
 
 from __future__ import annotations
@@ -116,24 +116,35 @@ def group_reward_weights(rewards: torch.Tensor, temperature: float) -> torch.Ten
     return reward_weights(rewards, temperature) * rewards.shape[-1]
 
 
-class GapBudget:
-    """ShortOPD's adaptive rollout length: each task family's budget grows with its measured
-    teacher-student gap (an exponential moving average of the mean per-token |advantage|).
+class GapShare:
+    """ShortOPD's adaptive rollout budget, spent as whole episodes: each task family's share of its drawn tasks that
+    are rolled out grows with its measured teacher-student gap (an exponential moving average of the mean per-token
+    |advantage|). A family the student already matches gets few rollouts; no episode is ever cut short (a cut
+    episode never reaches its final answer, and would teach the student to stop mid-task).
 
-    ``budget = min_budget + (max_budget - min_budget) * min(1, gap / full_gap)``; a family not
-    yet measured gets ``max_budget`` (its gap is unknown, so nothing is cut)."""
+    ``share = min_share + (1 - min_share) * min(1, gap / full_gap)``; a family not yet measured gets 1 (its gap is
+    unknown, so nothing is left out)."""
 
-    def __init__(self, min_budget: int, max_budget: int, full_gap: float, ema: float):
-        if not 0 < min_budget <= max_budget:
-            raise ValueError(f"need 0 < min_budget <= max_budget, got {min_budget}, {max_budget}")
-        self.min_budget, self.max_budget, self.full_gap, self.ema = min_budget, max_budget, full_gap, ema
+    def __init__(self, min_share: float, full_gap: float, ema: float):
+        if not 0 < min_share <= 1:
+            raise ValueError(f"need 0 < min_share <= 1, got {min_share}")
+        self.min_share, self.full_gap, self.ema = min_share, full_gap, ema
         self.gap: dict[str, float] = {}
 
-    def budget(self, family: str) -> int:
+    def share(self, family: str) -> float:
         g = self.gap.get(family)
         if g is None:
-            return self.max_budget
-        return int(round(self.min_budget + (self.max_budget - self.min_budget) * min(1.0, g / self.full_gap)))
+            return 1.0
+        return self.min_share + (1.0 - self.min_share) * min(1.0, g / self.full_gap)
+
+    def select(self, tasks: list, rng) -> list:
+        """The tasks rolled out this step: each kept with its family's share (``rng``: the step's seeded draw, one
+        number per task in order), at least one (the task of the largest share, the first among equals)."""
+        shares = [self.share(t.family) for t in tasks]
+        kept = [t for t, s in zip(tasks, shares) if rng.random() < s]
+        if not kept and tasks:
+            kept = [tasks[max(range(len(tasks)), key=lambda i: (shares[i], -i))]]
+        return kept
 
     def observe(self, family: str, gap: float) -> None:
         if not math.isfinite(gap):
@@ -149,7 +160,7 @@ class GapBudget:
 
 
 __all__ = [
-    "GapBudget",
+    "GapShare",
     "group_reward_weights",
     "until_first_error",
     "kl_advantages",

@@ -4,7 +4,7 @@ teachers score what it actually did, and that signal trains it.
 One step on :class:`~mentorrl.train.loop.RLLoop` (:class:`OPDStage`'s hooks):
 
 1. **rollout**: ``tasks_per_step x samples_per_task`` episodes with the student (with a ``short``
-   term, each task family under its own adaptive token budget).
+   term, only each task family's adaptive share of the drawn tasks: whole episodes, none cut short).
 2. **score**: the group rewards, and every teacher scores every trajectory in one forward pass: a
    same-tokenizer teacher per policy token, a cross-tokenizer teacher per shared-boundary chunk
    (:mod:`mentorrl.opd.signals`). A trajectory a teacher cannot align is counted and left to the
@@ -54,7 +54,7 @@ from mentorrl.algos.opd_terms import (
 )
 from mentorrl.config.registry import Registry
 from mentorrl.contract import EFFECTIVE_BUDGET_KEY, contract_for_env
-from mentorrl.opd.advantage import GapBudget, kl_advantages, teacher_weights, tool_error_tokens, until_first_error
+from mentorrl.opd.advantage import GapShare, kl_advantages, teacher_weights, tool_error_tokens, until_first_error
 from mentorrl.opd.mopd import competence_routes
 from mentorrl.opd.retokenize import retokenize
 from mentorrl.opd.scoring import teacher_row
@@ -90,14 +90,14 @@ class LossTerm:
 
 @dataclass(slots=True)
 class OPDStepData(StepData):
-    """What OPD's hooks hand on within a step: the rollout's token ``budgets`` (a ``short`` term; else
-    None); the score hook's per-teacher ``signals`` (teacher x trajectory), MOPD's teacher weights
+    """What OPD's hooks hand on within a step: ``drawn``, the tasks drawn before a ``short`` term kept its share
+    of each family (else 0); the score hook's per-teacher ``signals`` (teacher x trajectory), MOPD's teacher weights
     ``w`` ([trajectories, teachers]), the distillation advantage ``kl`` (per trajectory; reshaped by the
     token terms) and ``topk_rows`` (per teacher, trajectory index -> the same pass's top-k); the
     advantages hook's term ``inputs`` and RLSD's start-of-step ``rlsd_targets``; and ``distill``, the
     last distillation update's metrics."""
 
-    budgets: list[int] | None = None
+    drawn: int = 0
     signals: list[list[Any]] = field(default_factory=list)
     w: torch.Tensor | None = None
     kl: list[torch.Tensor | None] = field(default_factory=list)
@@ -144,11 +144,7 @@ class OPDStage(Stage):
             "competence": None,  # opd.mopd.competence: family -> teacher -> successes, attempts, weight
         }
         short = self.by_name.get("short")
-        self.budget = (
-            GapBudget(short.min_budget, short.max_budget or ws.cfg.limits.max_total_tokens, short.full_gap, short.ema)
-            if short is not None
-            else None
-        )
+        self.budget = GapShare(short.min_share, short.full_gap, short.ema) if short is not None else None
 
     # ---- hooks --------------------------------------------------------------------------------
     def tasks(self, b: StepBatch) -> None:
@@ -159,11 +155,12 @@ class OPDStage(Stage):
         super().tasks(b)
 
     def rollout(self, b: StepBatch) -> None:
-        """The student's rollouts (under each family's token budget with a ``short`` term)."""
-        n = self.cfg.samples_per_task
-        budgets = [self.budget.budget(t.family) for t in b.tasks for _ in range(n)] if self.budget is not None else None
-        self.collect(b, n, token_budgets=budgets)
-        b.data.budgets = budgets
+        """The student's rollouts; with a ``short`` term only each family's share of the drawn tasks, whole
+        episodes (:class:`~mentorrl.opd.advantage.GapShare`)."""
+        if self.budget is not None:
+            b.data.drawn = len(b.tasks)
+            b.tasks = self.budget.select(b.tasks, b.seeds.rng("short-share"))
+        self.collect(b, self.cfg.samples_per_task)
         self.state["rollout_tokens"] += b.policy_tokens
 
     def score(self, b: StepBatch) -> None:
@@ -270,7 +267,7 @@ class OPDStage(Stage):
         return x
 
     def shape(self, b: StepBatch, x: dict[str, Any]) -> None:
-        """The token terms on ``b.data.kl``; a ``short`` term's budgets observe the step's gaps."""
+        """The token terms on ``b.data.kl``; a ``short`` term's family shares observe the step's gaps."""
         trajs, kl = b.trajs, b.data.kl
         b.metrics["opd_reverse_kl"] = -sum(float(k.sum()) for k in kl if k is not None) / max(
             sum(t.num_policy_tokens for t in trajs), 1
@@ -286,8 +283,7 @@ class OPDStage(Stage):
                         fam,
                         sum(float(gaps[i].sum()) for i in idx) / max(sum(trajs[i].num_policy_tokens for i in idx), 1),
                     )
-            budgets = b.data.budgets
-            b.metrics["budget_mean"] = sum(budgets) / len(budgets)
+            b.metrics["short_tasks_kept"] = len(b.tasks) / max(b.data.drawn, 1)
             b.metrics["teacher_tokens_per_trajectory"] = b.metrics["teacher_tokens"] / max(
                 len(self.teachers) * len(trajs), 1
             )
