@@ -90,7 +90,11 @@ def run(tmp_path: Path, name: str, model, tokenizer, extra: list[str] = (), **kw
 WITH_STATE = ["grpo.hard_pool={boost: 4.0}", "grpo.guide=expert", "grpo.kl_coef=0.01"]  # a pool, demos, a reference
 
 
-@pytest.mark.parametrize("extra", [[], WITH_STATE], ids=["plain", "hard-pool-guide-kl"])
+@pytest.mark.parametrize(
+    "extra",
+    [[], WITH_STATE, ["grpo.dynamic_sampling={max_rounds: 2}"]],
+    ids=["plain", "hard-pool-guide-kl", "dynamic-sampling"],
+)
 def test_overlapped_grpo_is_bitwise_reproducible_and_rolls_out_by_the_previous_weights(
     tmp_path, model, tokenizer, extra
 ):
@@ -111,8 +115,10 @@ def test_overlapped_grpo_is_bitwise_reproducible_and_rolls_out_by_the_previous_w
     assert after == [0, 1, 2, 3, 4]
     assert {s: {v for _, _, v in t} for s, t in a.trained.items()} == {0: {0}, 1: {0}, 2: {1}, 3: {2}}
     assert a.trained.keys() == {0, 1, 2, 3}
-    if extra:
+    if extra == WITH_STATE:
         assert [r["hard_pool_size"] for r in ra] == [r["hard_pool_size"] for r in rb]
+    if "dynamic" in " ".join(extra):  # the verifier fails every rollout here: each step spends both rounds
+        assert [r["dynamic_rounds"] for r in ra] == [2.0] * 4
     assert ra[2]["policy_lag_max"] >= 1  # trained a step off-policy
     assert loop.pending is None  # nothing rolled out past the last step
 
