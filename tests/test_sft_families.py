@@ -128,3 +128,24 @@ def test_the_specialist_recipe_is_a_teacher_build_as_a_plain_run():
         b.batch_size,
         b.lr,
     )
+
+
+def test_a_resumed_complete_sft_stage_builds_no_demonstrations(tmp_path, monkeypatch):
+    """Each later stage process of ``stage_processes: true`` resumes the run: a complete SFT stage must not build
+    its demonstrations again (the code environment's 800 sandboxed solutions took four minutes a process)."""
+    from test_resume import TINY_OVERRIDES
+
+    from mentorrl.cli import app
+    from mentorrl.train.recipes import sft
+
+    args = ["demo", "--run-dir", str(tmp_path / "run"), "--no-eval"]
+    for ov in [*TINY_OVERRIDES, "recipe=[sft]", "audit.preflight=false"]:
+        args += ["--set", ov]
+    assert CliRunner().invoke(app, args, catch_exceptions=False).exit_code == 0
+
+    def built(*a, **k):
+        raise AssertionError("a complete SFT stage built its demonstrations")
+
+    monkeypatch.setattr(sft, "sft_demonstrations", built)
+    res = CliRunner().invoke(app, [*args, "--resume"], catch_exceptions=False)
+    assert res.exit_code == 0 and "already complete" in res.output

@@ -4,12 +4,14 @@ set: a specialist), or on a dataset of conversations (``sft.demos``: TRL's conve
 
 from __future__ import annotations
 
+from functools import cached_property
 from pathlib import Path
 
 from mentorrl.config import ConfigError
 from mentorrl.envs.base import UnknownFamilyError
 from mentorrl.train.loop import Stage, StepBatch, run_on_loop
 from mentorrl.train.workspace import Workspace
+from mentorrl.trajectory import Trajectory
 
 
 def sft_demonstrations(ws: Workspace, section=None, where: str = "sft") -> list:
@@ -41,9 +43,12 @@ class SFTStage(Stage):
     data_parallel = True
     update_metrics = ()
 
-    def __init__(self, ws: Workspace, model):
-        super().__init__(ws, model)
-        self.demos = sft_demonstrations(ws, self.cfg, self.section or self.name)
+    @cached_property
+    def demos(self) -> list[Trajectory]:
+        """The verified demonstrations, built at the first step that needs them: a stage resumed complete (each
+        later stage process of ``stage_processes: true`` opens it) builds none (800 sandboxed code solutions
+        took four minutes)."""
+        return sft_demonstrations(self.ws, self.cfg, self.section or self.name)
 
     def rollout(self, b: StepBatch) -> None:
         """No rollout: the step's batch is drawn from the demonstrations."""
