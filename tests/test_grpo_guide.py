@@ -269,6 +269,7 @@ def test_expert_verified_pool_keeps_exactly_the_tasks_the_expert_solves(orders_e
             env_entry=orders_entry,
             console=Console(quiet=True),
             rollout=Rollout(contract, orders_entry.make_env, cfg.reward),
+            on_main=lambda fn: fn(),  # one process: the workspace's on_main is fn()
         )
 
     pool = orders_entry.make_tasks().tasks(split="train", n=24, seed=3)

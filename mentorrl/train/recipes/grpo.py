@@ -82,7 +82,8 @@ def expert_verified_pool(ws: Workspace, pool: list) -> list:
     the verifier accepts within the run's limits (:meth:`~mentorrl.rollout.api.Rollout.demonstrations`);
     a :class:`ConfigError` when none is left, before the first step."""
     expert = guide_expert(ws, "expert")  # an environment without an expert is refused, named
-    solved = {d.task_id for d in ws.rollout.demonstrations(expert, pool)}
+    # rank 0 alone plays the expert (a sandbox or tau2 run per task), every rank gets the same kept set
+    solved = ws.on_main(lambda: {d.task_id for d in ws.rollout.demonstrations(expert, pool)})
     kept = [t for t in pool if t.id in solved]
     ws.console.print(
         f"grpo.pool expert_verified: {len(kept)} of {len(pool)} tasks (the others' demonstrations fail "
