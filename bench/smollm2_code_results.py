@@ -8,7 +8,7 @@ difference on the same tasks (a paired bootstrap), and the zero-shot evaluation 
 A seed trained in two runs (``recipe=[sft]``, then ``recipe=[grpo]`` from its ``sft/final``) is merged into a results
 file as it finishes, its GRPO steps summarised (sampled success, dynamic-sampling rounds, seconds):
 
-    python bench/smollm2_code_results.py --update bench/results/smollm2_code_ds.json \\
+    python bench/smollm2_code_results.py --update RUNS/smollm2_code_seeds.json \\
         --sft RUNS/smol-code-sft-s0 --grpo RUNS/smol-code-grpo-s0
 """
 
