@@ -43,11 +43,16 @@ class SFTStage(Stage):
     data_parallel = True
     update_metrics = ()
 
+    def __init__(self, ws: Workspace, model):
+        super().__init__(ws, model)
+        if not (ws.run_dir / self.name / "final" / "DONE").exists():
+            self.demos  # noqa: B018 -- built now, before the step loop allocates anything (as always)
+
     @cached_property
     def demos(self) -> list[Trajectory]:
-        """The verified demonstrations, built at the first step that needs them: a stage resumed complete (each
-        later stage process of ``stage_processes: true`` opens it) builds none (800 sandboxed code solutions
-        took four minutes)."""
+        """The verified demonstrations. A stage whose final weights are already there (each later stage process of
+        ``stage_processes: true`` opens the run again) builds them only if a step needs them, so a resumed
+        complete stage builds none (800 sandboxed code solutions took four minutes a process)."""
         return sft_demonstrations(self.ws, self.cfg, self.section or self.name)
 
     def rollout(self, b: StepBatch) -> None:
