@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from mentorrl.config import AuditConfig, ConfigError, load_config
 from mentorrl.train import dynamic_sampling as ds
+from mentorrl.train import stage_helpers
 from mentorrl.train.loop import StepBatch, StepSeeds
 
 AUDIT = AuditConfig()
@@ -45,7 +46,8 @@ def mixed(t) -> bool:
 
 
 class FakeRollouts:
-    """collect_group's stand-in: rewards a pure function of (task, sample), every call recorded."""
+    """The stage's rollout (``Stage.roll``) stand-in: rewards a pure function of (task, sample), every call
+    recorded with its seed."""
 
     def __init__(self):
         self.calls: list[tuple[list[str], int]] = []
@@ -59,6 +61,9 @@ class FakeRollouts:
 def step(pool, want: int, g: int, fake: FakeRollouts, step_no: int = 0):
     stage = SimpleNamespace(pool=pool, ws=SimpleNamespace(cfg=SimpleNamespace(audit=AUDIT)), model=None, name="grpo")
     stage.learner = SimpleNamespace(version=0)
+    stage.roll = lambda b, tasks, g, purpose, where=None, shard=False: fake(
+        stage.ws, None, tasks, g, 0, b.seeds(purpose), where, shard=shard
+    )
     b = StepBatch(step=step_no, seeds=StepSeeds(0, "grpo", step_no))
     b.tasks = b.seeds.rng("tasks").sample(pool, want)
     first = fake(None, None, b.tasks, g, 0, b.seeds("rollout"), None)
@@ -70,9 +75,10 @@ def step(pool, want: int, g: int, fake: FakeRollouts, step_no: int = 0):
 @pytest.fixture
 def fake(monkeypatch):
     f = FakeRollouts()
-    monkeypatch.setattr(ds, "collect_group", f)
     monkeypatch.setattr(
-        ds, "rollout_metrics", lambda trajs: {"task_success": sum(t.reward.success for t in trajs) / len(trajs)}
+        stage_helpers,
+        "rollout_metrics",
+        lambda trajs: {"task_success": sum(t.reward.success for t in trajs) / len(trajs)},
     )
     return f
 
@@ -97,7 +103,7 @@ def test_a_step_is_filled_with_informative_groups_from_fresh_tasks(fake):
     assert len({seed for _, seed in fake.calls}) == rounds  # every round its own rollout seed
 
     again = FakeRollouts()
-    ds.collect_group = again  # the same step of the same run draws the same rounds
+    # the same step of the same run draws the same rounds
     stage2, b2 = step(pool, 4, 3, again)
     ds.fill_informative(stage2, b2, max_rounds=8)
     assert again.calls == fake.calls and [t.id for t in b2.tasks] == [t.id for t in b.tasks]

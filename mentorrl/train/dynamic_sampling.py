@@ -5,9 +5,10 @@ optimizer's normalised step turns their noise into a full-sized move.
 
 A step with dynamic sampling keeps only the groups whose (sanitised) rewards differ, and draws ``tasks_per_step``
 fresh tasks from the stage's pool for another round while it has fewer than ``tasks_per_step`` of them, at most
-``max_rounds`` rounds. It trains on the first ``tasks_per_step`` informative groups, in draw order. What every round
-sampled is kept in the step's metrics (``sampled_success``, ``dynamic_rounds``, ``dynamic_informative_share``), since
-the trained batch's own success is biased toward one half by construction.
+``max_rounds`` rounds. It trains on the first ``tasks_per_step`` informative groups, in draw order. The step's rollout
+metrics (``task_success``, ``rollouts``, ...) are over every round's rollouts, since the trained batch's own success
+is biased toward one half by construction; ``dynamic_rounds`` and ``dynamic_informative_share`` (informative groups
+over groups sampled) say what the filter did.
 
 Every round's tasks and rollout seed are pure functions of (run seed, stage, step, round), so a fixed configuration
 draws the same rounds in every run and on every data-parallel rank (the rewards are gathered before the choice)."""
@@ -19,8 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mentorrl.algos.advantages import zero_variance_groups
-from mentorrl.train.parallelism import cpu_cores
-from mentorrl.train.stage_helpers import collect_group, group_rewards, rollout_metrics
+from mentorrl.train.stage_helpers import group_rewards, rollout_cost
 
 
 def informative_groups(trajs: list, group_size: int, audit) -> list[int]:
@@ -58,11 +58,7 @@ class Rounds:
 
     def metrics(self) -> dict[str, float]:
         return {
-            **rollout_metrics(self.sampled),
-            "rollouts": float(len(self.sampled)),
-            "rollout_s": self.rollout_s,
-            "rollout_cpu_s": self.rollout_cpu_s,
-            "rollout_cpu_util": self.rollout_cpu_s / max(self.rollout_s, 1e-9) / cpu_cores(),
+            **rollout_cost(self.sampled, self.rollout_s, self.rollout_cpu_s),
             "dynamic_rounds": float(self.rounds),
             "dynamic_informative_share": len(self.tasks) / max(self.groups, 1),
         }
@@ -81,18 +77,10 @@ def fill_informative(stage, b, max_rounds: int) -> None:
         rest = [t for t in stage.pool if t.id not in used]
         if not rest:
             break
-        tasks = b.seeds.rng(f"tasks-round-{acc.rounds}").sample(rest, min(want, len(rest)))
+        r = acc.rounds
+        tasks = b.seeds.rng(f"tasks-round-{r}").sample(rest, min(want, len(rest)))
         used.update(t.id for t in tasks)
-        grp = collect_group(
-            stage.ws,
-            stage.model if b.policy is None else b.policy,
-            tasks,
-            g,
-            stage.learner.version if b.behaviour_version is None else b.behaviour_version,
-            b.seeds(f"rollout-round-{acc.rounds}"),
-            f"{stage.name} step {b.step + 1} round {acc.rounds + 1}",
-            shard=True,
-        )
+        grp = stage.roll(b, tasks, g, f"rollout-round-{r}", f"{stage.name} step {b.step + 1} round {r + 1}", shard=True)
         acc.add(tasks, list(grp.trajs), g, audit, grp.rollout_s, grp.rollout_cpu_s)
     if acc.tasks:
         b.tasks, b.trajs = acc.tasks[:want], acc.trajs[: want * g]

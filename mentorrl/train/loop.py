@@ -46,7 +46,6 @@ from typing import Any, Callable, ClassVar
 import torch
 
 from mentorrl.train.learner import Learner
-from mentorrl.train.parallelism import cpu_cores
 from mentorrl.train.progress import stage_progress
 from mentorrl.train.stage_checkpoints import (
     ranks_cpu,
@@ -57,7 +56,14 @@ from mentorrl.train.stage_checkpoints import (
     save_sharded,
     step_timing,
 )
-from mentorrl.train.stage_helpers import PG_METRICS, collect_group, group_rewards, reduce_updates, rollout_metrics
+from mentorrl.train.stage_helpers import (
+    PG_METRICS,
+    Collected,
+    collect_group,
+    group_rewards,
+    reduce_updates,
+    rollout_cost,
+)
 from mentorrl.train.workspace import Workspace
 from mentorrl.trajectory import Trajectory, write_jsonl
 
@@ -185,10 +191,14 @@ class Stage:
     def checkpoint_every(self) -> int:
         return self.cfg.checkpoint_every
 
+    def pool_per_step(self) -> int | None:
+        """Tasks a step may draw from the pool: ``tasks_per_step`` (None for a stage without it)."""
+        return getattr(self.cfg, "tasks_per_step", None)
+
     def make_pool(self) -> list:
-        """The stage's training tasks: enough for ``tasks_per_step`` at every step (at least
+        """The stage's training tasks: enough for :meth:`pool_per_step` at every step (at least
         ``pool_least``), seeded by the stage; none for a stage without ``tasks_per_step``."""
-        per_step = getattr(self.cfg, "tasks_per_step", None)
+        per_step = self.pool_per_step()
         if per_step is None:
             return []
         return self.ws.train_tasks(pool_size(per_step, self.steps, self.pool_least), self.seeds("pool"))
@@ -236,30 +246,39 @@ class Stage:
         return final
 
     # ---- shared helpers -----------------------------------------------------------------------
-    def collect(
-        self, b: StepBatch, group_size: int, token_budgets: list[int] | None = None, shard: bool = False
-    ) -> None:
-        """The common rollout: ``b.tasks`` each rolled out ``group_size`` times, timed, checked for
-        consistency, with the rollout metrics."""
-        grp = collect_group(
+    def roll(
+        self,
+        b: StepBatch,
+        tasks: list,
+        group_size: int,
+        purpose: str = "rollout",
+        where: str | None = None,
+        token_budgets: list[int] | None = None,
+        shard: bool = False,
+    ) -> Collected:
+        """``tasks`` each rolled out ``group_size`` times by the step's policy at its behaviour version (a snapshot's
+        under ``overlap``), seeded by ``b.seeds(purpose)``, timed and checked for consistency (``where`` names the
+        rollout in an error; default the stage and step)."""
+        return collect_group(
             self.ws,
             self.model if b.policy is None else b.policy,
-            b.tasks,
+            tasks,
             group_size,
             self.learner.version if b.behaviour_version is None else b.behaviour_version,
-            b.seeds("rollout"),
-            f"{self.name} step {b.step + 1}",
+            b.seeds(purpose),
+            where or f"{self.name} step {b.step + 1}",
             token_budgets=token_budgets,
             shard=shard,
         )
+
+    def collect(
+        self, b: StepBatch, group_size: int, token_budgets: list[int] | None = None, shard: bool = False
+    ) -> None:
+        """The common rollout: ``b.tasks`` each rolled out ``group_size`` times (:meth:`roll`), with the rollout
+        metrics."""
+        grp = self.roll(b, b.tasks, group_size, token_budgets=token_budgets, shard=shard)
         b.trajs, b.group_size = list(grp.trajs), group_size
-        b.metrics.update(
-            rollout_metrics(grp.trajs),
-            rollouts=float(len(grp.trajs)),
-            rollout_s=grp.rollout_s,
-            rollout_cpu_s=grp.rollout_cpu_s,
-            rollout_cpu_util=grp.rollout_cpu_s / max(grp.rollout_s, 1e-9) / cpu_cores(),
-        )
+        b.metrics.update(rollout_cost(grp.trajs, grp.rollout_s, grp.rollout_cpu_s))
 
     def write_samples(self, b: StepBatch, n: int, trajs: list[Trajectory] | None = None) -> None:
         """``samples/<stage>-step-N.jsonl``: the step's first ``n`` trajectories (a redone step overwrites)."""

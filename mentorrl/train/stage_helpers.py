@@ -34,6 +34,7 @@ from mentorrl.models.device import autocast, resolve_dtype
 from mentorrl.rollout.backends import backend_of
 from mentorrl.train.audit import GapMonitor, flag_high_reward_failures
 from mentorrl.train.consistency import batch_checks, policy_lag
+from mentorrl.train.parallelism import cpu_cores
 from mentorrl.train.workspace import Workspace, heldout_check
 from mentorrl.trajectory import Trajectory, write_jsonl
 
@@ -244,6 +245,18 @@ def rollout_metrics(trajs: list[Trajectory]) -> dict[str, float]:
     for key in ("tool_s", "verify_s"):
         out[f"rollout_{key}"] = float(sum(t.timings.get(key, 0.0) for t in trajs))
     return out
+
+
+def rollout_cost(trajs: list[Trajectory], rollout_s: float, rollout_cpu_s: float) -> dict[str, float]:
+    """A step's rollout metrics (:func:`rollout_metrics`) with how many were rolled out, their wall and CPU seconds
+    and the share of the machine's cores the rollout kept busy."""
+    return {
+        **rollout_metrics(trajs),
+        "rollouts": float(len(trajs)),
+        "rollout_s": rollout_s,
+        "rollout_cpu_s": rollout_cpu_s,
+        "rollout_cpu_util": rollout_cpu_s / max(rollout_s, 1e-9) / cpu_cores(),
+    }
 
 
 def reward_debugger(trajs: list[Trajectory], threshold: float, path: Path) -> dict[str, float]:

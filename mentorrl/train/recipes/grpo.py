@@ -20,7 +20,7 @@ from mentorrl.config import ConfigError
 from mentorrl.envs.adapters.common import NoExpert
 from mentorrl.flywheel.hard_pool import HardTaskPool
 from mentorrl.train.dynamic_sampling import fill_informative
-from mentorrl.train.loop import Stage, StepBatch, StepData, pool_size, run_on_loop
+from mentorrl.train.loop import Stage, StepBatch, StepData, run_on_loop
 from mentorrl.train.overlap import OverlapLoop  # noqa: F401 -- registers grpo.overlap: one_step
 from mentorrl.train.stage_helpers import (
     UPDATE_HEALTH,
@@ -142,13 +142,13 @@ class GRPOStage(Stage):
         self.hard = load_hard_pool(self.cfg)
         self.expert = guide_expert(ws, self.cfg.guide)
 
-    def make_pool(self) -> list:
+    def pool_per_step(self) -> int | None:
+        """With ``grpo.dynamic_sampling``, room for every round of a step."""
         ds = getattr(self.cfg, "dynamic_sampling", None)
-        if ds is None:
-            pool = super().make_pool()
-        else:  # room for every round of every step
-            n = pool_size(self.cfg.tasks_per_step * ds.max_rounds, self.steps, self.pool_least)
-            pool = self.ws.train_tasks(n, self.seeds("pool"))
+        return self.cfg.tasks_per_step * (ds.max_rounds if ds is not None else 1)
+
+    def make_pool(self) -> list:
+        pool = super().make_pool()
         return expert_verified_pool(self.ws, pool) if getattr(self.cfg, "pool", "all") == "expert_verified" else pool
 
     def tasks(self, b: StepBatch) -> None:
