@@ -60,6 +60,11 @@ def paired_bootstrap(d: list[float], reps: int = 10_000, seed: int = 0) -> dict:
     return {"n": n, "diff": 100 * sum(d) / n, "ci95": [100 * boots[int(0.025 * reps)], 100 * boots[int(0.975 * reps)]]}
 
 
+def pairable(a: dict | None, b: dict | None) -> bool:
+    """Both records hold per-task outcomes of one evaluation's tasks (the same task fingerprint)."""
+    return bool(a and b and a.get("bits") and b.get("bits") and a.get("tasks") == b.get("tasks"))
+
+
 def commit() -> str | None:
     """The checkout's short commit, or None outside a git checkout."""
     try:
@@ -121,6 +126,4 @@ class ArmStore:
         """``arm`` minus ``base`` at ``seed`` on the same tasks (:func:`paired_bits`), or None when either has no
         per-task outcomes or they were evaluated on different tasks."""
         a, b = self.find(arm, seed), self.find(base, seed)
-        if not a or not b or not a.get("bits") or not b.get("bits") or a.get("tasks") != b.get("tasks"):
-            return None
-        return paired_bits(b["bits"], a["bits"])
+        return paired_bits(b["bits"], a["bits"]) if pairable(a, b) else None

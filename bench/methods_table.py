@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _arms import ArmStore, paired_bits  # noqa: E402
+from _arms import ArmStore, pairable, paired_bits  # noqa: E402
 
 
 def pooled(store: ArmStore, arm: str, base: str, seeds: list[int]) -> dict | None:
@@ -22,7 +22,7 @@ def pooled(store: ArmStore, arm: str, base: str, seeds: list[int]) -> dict | Non
     a, b = "", ""
     for s in seeds:
         x, y = store.find(arm, s), store.find(base, s)
-        if x and y and x.get("bits") and y.get("bits") and x.get("tasks") == y.get("tasks"):
+        if pairable(x, y):
             a, b = a + x["bits"], b + y["bits"]
     return paired_bits(b, a) if a else None
 
