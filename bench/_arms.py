@@ -30,18 +30,32 @@ def fingerprint(*parts: str) -> str:
     return hashlib.blake2b("\x1f".join(parts).encode(), digest_size=8).hexdigest()
 
 
+def task_outcomes(jsonl: Path) -> dict[str, float]:
+    """task id -> 1.0 / 0.0 (the verifier's success) from an evaluation's trajectories (``eval_*.jsonl``), in the
+    evaluation's task order. The one reader of per-task outcomes that every bench shares."""
+    out: dict[str, float] = {}
+    for line in jsonl.read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            out[str(row["task_id"])] = 1.0 if (row.get("reward") or {}).get("success") else 0.0
+    return out
+
+
 def task_bits(jsonl: Path) -> tuple[str, str] | None:
     """(fingerprint of the task ids in order, "0"/"1" per task) from an evaluation's trajectories
     (``eval_*.jsonl``); None when the file is absent."""
     if not jsonl.exists():
         return None
-    ids, bits = [], []
-    for line in jsonl.read_text().splitlines():
-        if line.strip():
-            row = json.loads(line)
-            ids.append(str(row["task_id"]))
-            bits.append("1" if row.get("reward") and row["reward"].get("success") else "0")
-    return fingerprint(*ids), "".join(bits)
+    o = task_outcomes(jsonl)
+    return fingerprint(*o), "".join("1" if v else "0" for v in o.values())
+
+
+def paired_outcomes(a: dict[str, float], b: dict[str, float], reps: int = 10_000, seed: int = 0) -> dict:
+    """``b`` minus ``a`` in points over the tasks both hold (:func:`task_outcomes`), paired bootstrap 95% interval."""
+    ids = sorted(set(a) & set(b))
+    if not ids:
+        raise ValueError("the two evaluations share no task")
+    return paired_bootstrap([b[t] - a[t] for t in ids], reps, seed)
 
 
 def paired_bits(base: str, arm: str, reps: int = 10_000, seed: int = 0) -> dict:

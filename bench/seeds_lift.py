@@ -25,6 +25,9 @@ from pathlib import Path
 
 from mentorrl.eval.metrics import mean_interval
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _arms import task_outcomes  # noqa: E402
+
 
 def lift_summary(lifts: list[float]) -> dict[str, float | None]:
     """Mean, sample sd and the Student-t 95% interval of the mean of per-seed lifts (points)."""
@@ -34,15 +37,6 @@ def lift_summary(lifts: list[float]) -> dict[str, float | None]:
     return {k: s[k] for k in ("n", "mean", "sd", "ci95")}
 
 
-def _successes(path: Path) -> dict[str, float]:
-    """task id -> 1.0 / 0.0 from an evaluation's trajectories (``eval_<label>.jsonl``)."""
-    out = {}
-    for line in path.read_text().splitlines():
-        t = json.loads(line)
-        out[t["task_id"]] = float(bool((t.get("reward") or {}).get("success")))
-    return out
-
-
 def paired_lift(run_dir: Path, before: str = "sft", after: str = "grpo") -> dict | None:
     """The lift on the tasks both evaluations rolled out (the same held-out tasks: ``eval.seed``): the mean
     per-task difference in points with its 95% interval (normal, paired), and the discordant counts.
@@ -50,7 +44,7 @@ def paired_lift(run_dir: Path, before: str = "sft", after: str = "grpo") -> dict
     a, b = run_dir / f"eval_{before}.jsonl", run_dir / f"eval_{after}.jsonl"
     if not (a.exists() and b.exists()):
         return None
-    x, y = _successes(a), _successes(b)
+    x, y = task_outcomes(a), task_outcomes(b)
     common = sorted(set(x) & set(y))
     if not common:
         return None

@@ -5,11 +5,13 @@ difference on the same tasks (a paired bootstrap), and the zero-shot evaluation 
     python bench/smollm2_code_results.py --runs RUNS/smol-code-s0 RUNS/smol-code-s1 --zero-shot RUNS/smol-code-zeroshot \\
         --out bench/results/smollm2_code.json
 
-A seed trained in two runs (``recipe=[sft]``, then ``recipe=[grpo]`` from its ``sft/final``) is merged into a results
-file as it finishes, its GRPO steps summarised (sampled success, dynamic-sampling rounds, seconds):
+A seed is merged into a results file as it finishes (``runs[KEY]``), with its per-task outcomes and its GRPO steps
+summarised (sampled success, dynamic-sampling rounds, seconds); the SFT and GRPO runs may be one directory or two
+(``recipe=[grpo]`` from the first's ``sft/final``). Finished seeds are then pooled from the file alone:
 
-    python bench/smollm2_code_results.py --update RUNS/smollm2_code_seeds.json \\
-        --sft RUNS/smol-code-sft-s0 --grpo RUNS/smol-code-grpo-s0
+    python bench/smollm2_code_results.py --update bench/results/smollm2_code_500.json --key seed1_lr2e-5 \\
+        --sft RUNS/smol-code-s1 --grpo RUNS/smol-code-s1
+    python bench/smollm2_code_results.py --pool bench/results/smollm2_code_500.json --keys seed1_lr2e-5 seed2_lr2e-5
 """
 
 from __future__ import annotations
@@ -19,27 +21,13 @@ import json
 import sys
 from pathlib import Path
 
+import yaml
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _arms import paired_bootstrap  # noqa: E402
+from _arms import commit, paired_bits, paired_outcomes, task_bits, task_outcomes  # noqa: E402
 
 FAMILIES = ("strings", "lists", "parsing", "stateful")
-
-
-def successes(path: Path) -> dict[str, float]:
-    """task id -> 1.0 / 0.0 from an evaluation's trajectories."""
-    out = {}
-    for line in path.read_text().splitlines():
-        if line.strip():
-            t = json.loads(line)
-            out[t["task_id"]] = 1.0 if t["reward"]["success"] else 0.0
-    return out
-
-
-def paired(a: dict[str, float], b: dict[str, float]) -> dict:
-    """b - a over the tasks both hold, in points, with a paired bootstrap 95% interval."""
-    ids = sorted(set(a) & set(b))
-    return paired_bootstrap([b[i] - a[i] for i in ids])
 
 
 def summary(ev: dict) -> dict:
@@ -79,28 +67,60 @@ def grpo_steps(run: Path) -> dict:
     }
 
 
+def grpo_lr(run: Path) -> float:
+    """The GRPO stage's learning rate from the run's resolved ``config.yaml``."""
+    return float(yaml.safe_load((run / "config.yaml").read_text())["grpo"]["optim"]["lr"])
+
+
 def split_seed(sft: Path, grpo: Path) -> dict:
     """One seed from its SFT run and the GRPO run started from its ``sft/final``, paired on the same tasks."""
     if run_seed(sft) != run_seed(grpo):
         raise SystemExit(f"{sft} and {grpo} are different seeds")
-    row: dict = {"sft_run": str(sft), "grpo_run": str(grpo)}
+    row: dict = {"sft_run": f"RUNS/{sft.name}", "grpo_run": f"RUNS/{grpo.name}", "grpo_lr": grpo_lr(grpo)}
     row["sft"] = summary(json.loads((sft / "eval_sft.json").read_text()))
     row["grpo"] = summary(json.loads((grpo / "eval_grpo.json").read_text()))
-    row["grpo_minus_sft"] = paired(successes(sft / "eval_sft.jsonl"), successes(grpo / "eval_grpo.jsonl"))
+    row["grpo_minus_sft"] = paired_outcomes(
+        task_outcomes(sft / "eval_sft.jsonl"), task_outcomes(grpo / "eval_grpo.jsonl")
+    )
     if row["grpo_minus_sft"]["n"] != row["sft"]["n"]:
         raise SystemExit("the SFT and GRPO evaluations are not on the same tasks")
+    (tasks, row["sft_bits"]), (tasks_g, row["grpo_bits"]) = (
+        task_bits(sft / "eval_sft.jsonl"),
+        task_bits(grpo / "eval_grpo.jsonl"),
+    )
+    if tasks != tasks_g:
+        raise SystemExit("the SFT and GRPO evaluations are not on the same tasks in the same order")
+    row["tasks"] = tasks
     row["grpo_steps"] = grpo_steps(grpo)
     return row
 
 
-def update(path: Path, sft: Path, grpo: Path) -> None:
-    """Merge one seed into the results file ``path`` (written whole, atomically)."""
-    out = json.loads(path.read_text()) if path.exists() else {"seeds": {}}
-    out["seeds"][str(run_seed(sft))] = split_seed(sft, grpo)
+def pooled(runs: dict, keys: list[str]) -> dict:
+    """GRPO - SFT over the named runs' tasks together (each run's (seed, task) pairs pooled), with the paired
+    bootstrap; the per-task outcomes come from the file alone (``sft_bits`` / ``grpo_bits``)."""
+    missing = [k for k in keys if k not in runs or "grpo_bits" not in runs[k]]
+    if missing:
+        raise SystemExit(f"no per-task outcomes for {missing}: merge them with --update first")
+    p = paired_bits("".join(runs[k]["sft_bits"] for k in keys), "".join(runs[k]["grpo_bits"] for k in keys))
+    return {"runs": keys, **p}
+
+
+def update(path: Path, sft: Path, grpo: Path, key: str | None = None, measured_at: str | None = None) -> None:
+    """Merge one seed into the results file ``path`` under ``runs[key]`` (default ``seedS``), written whole,
+    atomically, with the commit that measured it (default: this checkout's)."""
+    out = json.loads(path.read_text()) if path.exists() else {}
+    key = key or f"seed{run_seed(sft)}"
+    runs = out.setdefault("runs", {})
+    runs[key] = {**runs.get(key, {}), **split_seed(sft, grpo), "commit": measured_at or commit()}
+    write(path, out)
+    row = out["runs"][key]
+    print(json.dumps({k: v for k, v in row.items() if k not in ("grpo_steps", "sft_bits", "grpo_bits")}, indent=1))
+
+
+def write(path: Path, out: dict) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(out, indent=2))
     tmp.replace(path)
-    print(json.dumps({k: v for k, v in out["seeds"][str(run_seed(sft))].items() if k != "grpo_steps"}, indent=1))
 
 
 def main() -> None:
@@ -111,11 +131,21 @@ def main() -> None:
     ap.add_argument("--update", type=Path, default=None, help="a results file to merge one split seed into")
     ap.add_argument("--sft", type=Path, default=None, help="with --update: the seed's recipe=[sft] run")
     ap.add_argument("--grpo", type=Path, default=None, help="with --update: its recipe=[grpo] run")
+    ap.add_argument("--key", default=None, help="with --update: the run's name in the file (default seedS)")
+    ap.add_argument("--commit", default=None, help="with --update: the commit the runs ran at (default: HEAD)")
+    ap.add_argument("--pool", type=Path, default=None, help="a results file: pool the runs --keys into pooled[--name]")
+    ap.add_argument("--keys", nargs="+", default=[])
+    ap.add_argument("--name", default="grpo_minus_sft")
     a = ap.parse_args()
     if a.update is not None:
         if a.sft is None or a.grpo is None:
             raise SystemExit("--update needs --sft and --grpo")
-        return update(a.update, a.sft, a.grpo)
+        return update(a.update, a.sft, a.grpo, a.key, a.commit)
+    if a.pool is not None:
+        out = json.loads(a.pool.read_text())
+        out.setdefault("pooled", {})[a.name] = pooled(out["runs"], a.keys)
+        write(a.pool, out)
+        return print(json.dumps(out["pooled"][a.name], indent=1))
     if a.out is None or not a.runs:
         raise SystemExit("--runs and --out (or --update with --sft and --grpo)")
     out: dict = {"seeds": {}}
@@ -127,7 +157,9 @@ def main() -> None:
             if p.exists():
                 row[stage] = summary(json.loads(p.read_text()))
         if (run / "eval_sft.jsonl").exists() and (run / "eval_grpo.jsonl").exists():
-            row["grpo_minus_sft"] = paired(successes(run / "eval_sft.jsonl"), successes(run / "eval_grpo.jsonl"))
+            row["grpo_minus_sft"] = paired_outcomes(
+                task_outcomes(run / "eval_sft.jsonl"), task_outcomes(run / "eval_grpo.jsonl")
+            )
         out["seeds"][str(seed)] = row
     if a.zero_shot is not None:  # `mentorrl eval --out DIR`: DIR/eval_summary.json
         ev = json.loads((a.zero_shot / "eval_summary.json").read_text())

@@ -1,0 +1,100 @@
+"""bench/smollm2_code_results.py: a seed merged from its run directory keeps its per-task outcomes, and finished seeds
+pool from the committed file alone, paired task by task."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+def _bench():
+    sys.path.insert(0, str(BENCH))
+    spec = importlib.util.spec_from_file_location("smollm2_code_results", BENCH / "smollm2_code_results.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _summary(bits: list[int]) -> dict:
+    n = len(bits)
+    return {
+        "n": n,
+        "success": sum(bits) / n,
+        "success_ci95": [0.0, 1.0],
+        "violation_rate": 0.0,
+        "mean_policy_tokens": 10.0,
+        "by_group": {"strings": {"n": n, "success": sum(bits) / n}},
+    }
+
+
+def _run(root: Path, seed: int, sft: list[int], grpo: list[int], order=None) -> Path:
+    run = root / f"s{seed}"
+    run.mkdir()
+    (run / "config.yaml").write_text(f"recipe: [sft, grpo]\nseed: {seed}\ngrpo:\n  optim:\n    lr: 2.0e-05\n")
+    ids = [f"code-heldout-{i:05d}" for i in range(len(sft))]
+    for label, bits, o in (("sft", sft, None), ("grpo", grpo, order)):
+        rows = [(t, b) for t, b in zip(ids, bits)]
+        if o is not None:
+            rows = [rows[i] for i in o]
+        lines = [json.dumps({"task_id": t, "reward": {"success": bool(b)}}) for t, b in rows]
+        (run / f"eval_{label}.jsonl").write_text("\n".join(lines) + "\n")
+        (run / f"eval_{label}.json").write_text(json.dumps(_summary(bits)))
+    steps = [{"stage": "grpo", "step_s": 2.0, "task_success": 0.5}, {"stage": "sft", "step_s": 1.0}]
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(s) for s in steps) + "\n")
+    return run
+
+
+def test_update_then_pool_pairs_each_seed_task_with_itself(tmp_path):
+    b = _bench()
+    rng = random.Random(0)
+    out = tmp_path / "results.json"
+    diffs = []
+    for seed in (1, 2):
+        sft = [rng.randint(0, 1) for _ in range(40)]
+        grpo = [rng.randint(0, 1) for _ in range(40)]
+        diffs += [g - s for s, g in zip(sft, grpo)]
+        b.update(out, _run(tmp_path, seed, sft, grpo), tmp_path / f"s{seed}", measured_at="abc1234")
+    data = json.loads(out.read_text())
+    row = data["runs"]["seed1"]
+    assert (
+        row["commit"] == "abc1234"
+        and row["grpo_lr"] == 2e-5
+        and row["sft_run"] == "RUNS/s1"
+        and len(row["sft_bits"]) == 40
+        and row["grpo_steps"]["steps"] == 1
+    )
+    p = b.pooled(data["runs"], ["seed1", "seed2"])
+    assert p["n"] == 80 and p["diff"] == pytest.approx(100 * sum(diffs) / 80)
+    lo, hi = p["ci95"]
+    assert lo <= p["diff"] <= hi
+    # the pooled figure equals the paired difference of the per-task outcomes, whatever the keys' order
+    assert b.pooled(data["runs"], ["seed2", "seed1"])["diff"] == pytest.approx(p["diff"])
+
+
+def test_a_paired_difference_is_narrower_than_the_unpaired_spread():
+    """The cheapest fake of "paired" is two independent intervals: here GRPO fixes 10 of 200 tasks and breaks none,
+    so the paired interval excludes 0 while each arm's own interval is several points wide."""
+    b = _bench()
+    sft = {f"t{i}": float(i % 2) for i in range(200)}
+    grpo = dict(sft)
+    for i in range(0, 20, 2):
+        grpo[f"t{i}"] = 1.0
+    p = b.paired_outcomes(sft, grpo)
+    assert p["diff"] == pytest.approx(5.0) and p["ci95"][0] > 0
+
+
+def test_outcomes_in_another_order_or_on_other_tasks_are_refused(tmp_path):
+    b = _bench()
+    with pytest.raises(SystemExit, match="same tasks"):
+        b.split_seed(_run(tmp_path, 3, [1, 0, 1], [1, 1, 1], order=[2, 1, 0]), tmp_path / "s3")
+    with pytest.raises(SystemExit, match="--update first"):
+        b.pooled({"seed1": {"sft": {}}}, ["seed1"])
+    with pytest.raises(ValueError, match="share no task"):
+        b.paired_outcomes({"a": 1.0}, {"b": 0.0})
