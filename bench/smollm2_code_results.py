@@ -117,6 +117,47 @@ def update(path: Path, sft: Path, grpo: Path, key: str | None = None, measured_a
     print(json.dumps({k: v for k, v in row.items() if k not in ("grpo_steps", "sft_bits", "grpo_bits")}, indent=1))
 
 
+def signed(p: dict) -> str:
+    """A paired difference as the docs write it: ``+1.4 [−0.2, +3.2]`` (a true minus sign)."""
+    return f"{p['diff']:+.1f} [{p['ci95'][0]:+.1f}, {p['ci95'][1]:+.1f}]".replace("-", "\u2212")
+
+
+def pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def row_cells(label: str, ev: dict, diff: dict | None, bold: bool = False) -> str:
+    """One markdown table row: held-out success with its interval, the paired difference, families, violations."""
+    lo, hi = ev["ci95"]
+    head = f"{pct(ev['success'])} [{100 * lo:.1f}, {100 * hi:.1f}]"
+    head = f"**{head}**" if bold else head
+    d = "" if diff is None else signed(diff)
+    fams = " | ".join(pct(ev["families"][f]["success"]) if f in ev["families"] else "–" for f in FAMILIES)
+    return f"| {label} | {head} | {d} | {fams} | {pct(ev['violations'])} |"
+
+
+def table(out: dict) -> str:
+    """The results file as the markdown table of ``docs/results.md``: each run's SFT (once per SFT run) and its GRPO
+    with the paired difference; then each pooled difference."""
+    lines = [
+        "| checkpoint | held-out, 500 tasks | paired vs SFT | " + " | ".join(FAMILIES) + " | violations |",
+        "|---|---|---|" + "---|" * len(FAMILIES) + "---|",
+    ]
+    seen: set[str] = set()
+    for key, r in out.get("runs", {}).items():
+        seed = key.split("_")[0].replace("seed", "seed ")
+        sft = json.dumps([seed, r["sft"]], sort_keys=True)  # one SFT checkpoint copied into several runs: once
+        if sft not in seen:
+            seen.add(sft)
+            lines.append(row_cells(f"{seed}, SFT", r["sft"], None, bold=True))
+        if "grpo" in r:
+            lr = f"{r['grpo_lr']:.0e}".replace("e-0", "e-")
+            lines.append(row_cells(f"{seed}, GRPO lr {lr}", r["grpo"], r["grpo_minus_sft"]))
+    for name, p in out.get("pooled", {}).items():
+        lines.append(f"\n{name}, pooled over {', '.join(p['runs'])} ({p['n']} pairs): {signed(p)}")
+    return "\n".join(lines)
+
+
 def write(path: Path, out: dict) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(out, indent=2))
@@ -136,7 +177,10 @@ def main() -> None:
     ap.add_argument("--pool", type=Path, default=None, help="a results file: pool the runs --keys into pooled[--name]")
     ap.add_argument("--keys", nargs="+", default=[])
     ap.add_argument("--name", default="grpo_minus_sft")
+    ap.add_argument("--table", type=Path, default=None, help="a results file: print its markdown table")
     a = ap.parse_args()
+    if a.table is not None:
+        return print(table(json.loads(a.table.read_text())))
     if a.update is not None:
         if a.sft is None or a.grpo is None:
             raise SystemExit("--update needs --sft and --grpo")

@@ -98,3 +98,18 @@ def test_outcomes_in_another_order_or_on_other_tasks_are_refused(tmp_path):
         b.pooled({"seed1": {"sft": {}}}, ["seed1"])
     with pytest.raises(ValueError, match="share no task"):
         b.paired_outcomes({"a": 1.0}, {"b": 0.0})
+
+
+def test_the_table_lists_a_shared_sft_once_and_every_grpo_with_its_paired_difference(tmp_path):
+    b = _bench()
+    out = tmp_path / "results.json"
+    run = _run(tmp_path, 0, [1, 0, 0, 1], [1, 1, 0, 1])
+    b.update(out, run, run, key="seed0_lr2e-5", measured_at="x")
+    b.update(out, run, run, key="seed0_again", measured_at="x")
+    data = json.loads(out.read_text())
+    data["pooled"] = {"all": b.pooled(data["runs"], ["seed0_lr2e-5"])}
+    lines = b.table(data).splitlines()
+    assert sum("seed 0, SFT" in x for x in lines) == 1
+    grpo = [x for x in lines if "GRPO lr 2e-5" in x]
+    assert len(grpo) == 2 and all("+25.0 [" in x for x in grpo)
+    assert "(4 pairs): +25.0" in lines[-1] and "-" not in lines[-1].split(":")[-1]
