@@ -157,3 +157,19 @@ def test_demo_runs_as_auto_ranks_by_default(tmp_path, monkeypatch):
     assert runner.invoke(app, ["demo", "--run-dir", str(tmp_path / "c")]).exit_code == 0
     assert len(seen) == 1
     assert all((tmp_path / d / "demo_result.json").exists() for d in "abc")
+
+
+def test_cpu_clock_counts_the_cpu_of_child_processes_that_ended():
+    """A step's sandboxed tool calls and verifications are child processes: their CPU belongs in the step's
+    ``cpu_s``. The process clock alone (the cheap fake) misses it."""
+    import subprocess
+    import sys
+    import time
+
+    from mentorrl.train.parallelism import cpu_clock
+
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.4: pass"
+    c0, p0 = cpu_clock(), time.process_time()
+    subprocess.run([sys.executable, "-c", burn], check=True)
+    assert cpu_clock() - c0 >= 0.4
+    assert time.process_time() - p0 < 0.3  # the parent itself only waited

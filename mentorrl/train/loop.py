@@ -46,6 +46,7 @@ from typing import Any, Callable, ClassVar
 import torch
 
 from mentorrl.train.learner import Learner
+from mentorrl.train.parallelism import cpu_clock
 from mentorrl.train.progress import stage_progress
 from mentorrl.train.stage_checkpoints import (
     ranks_cpu,
@@ -337,12 +338,12 @@ class RLLoop:
 
     def run_hook(self, b: StepBatch, hook: str) -> None:
         stage = self.stage
-        t0, c0 = time.perf_counter(), time.process_time()
+        t0, c0 = time.perf_counter(), cpu_clock()
         getattr(stage, hook)(b)
         if hook == "update":
             stage.ws.rollout.sync(stage.model, stage.learner.version)  # an engine of its own (vLLM) follows
             b.metrics.setdefault("update_s", time.perf_counter() - t0)
-            b.metrics.setdefault("update_cpu_s", time.process_time() - c0)
+            b.metrics.setdefault("update_cpu_s", cpu_clock() - c0)
 
     def finish(self, b: StepBatch) -> dict[str, Any]:
         """The step's metrics record: the updates' metrics reduced, the mismatch, the policy version."""
@@ -391,11 +392,11 @@ def run_stage(
     ws.on_main(lambda: rewind(ws, stage, start, resume))  # steps past the checkpoint are redone, never logged twice
     with stage_progress(ws, stage, steps, start) as progress:
         for step in range(start, steps):
-            t0, c0 = time.perf_counter(), time.process_time()
+            t0, c0 = time.perf_counter(), cpu_clock()
             m = step_fn(step)
             stop = bool(m.pop("stop", False))
             step_s = time.perf_counter() - t0
-            m, cpu_s = ranks_cpu(ws.dp, m, time.process_time() - c0)
+            m, cpu_s = ranks_cpu(ws.dp, m, cpu_clock() - c0)
             rec = {"stage": stage, "step": step + 1, **m, **step_timing(m, step_s, cpu_s)}
             save = stop or (step + 1) % checkpoint_every == 0 or step + 1 == steps
             # under data parallel the others wait, and see a failure

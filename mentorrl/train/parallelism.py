@@ -30,8 +30,14 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+try:
+    import resource
+except ImportError:  # not a Unix
+    resource = None  # type: ignore[assignment]
 
 ROLLOUT_STAGES = frozenset({"grpo", "ppo", "sao", "opd", "rft", "evolve", "blackbox", "external"})
 GPU_HOST_THREADS = 4
@@ -120,6 +126,18 @@ def torchrun_command(ranks: int, cli_args: list[str], python: str) -> list[str]:
         "--set",
         "threads=auto",
     ]
+
+
+def cpu_clock() -> float:
+    """CPU seconds of this process (every thread) and of its child processes that have ended (their own
+    children included, once waited for): a step's tool calls and verifications run in sandboxed child
+    processes (the code environment), whose CPU a process clock alone would leave out of ``cpu_s`` and
+    ``cpu_util``. The difference of two readings is what ran in between (a child counts when it is reaped)."""
+    own = time.process_time()
+    if resource is None:  # no getrusage (not a Unix)
+        return own
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own + ru.ru_utime + ru.ru_stime
 
 
 def cpu_cores() -> int:

@@ -211,7 +211,7 @@ def ranks_cpu(dp, m: dict[str, Any], cpu_s: float) -> tuple[dict[str, Any], floa
 
 def step_timing(m: dict[str, Any], step_s: float, cpu_s: float) -> dict[str, float]:
     """A step's wall and CPU time for ``metrics.jsonl``: ``step_s``; ``cpu_s`` (this process's CPU
-    seconds, all threads; every rank's under data parallel, :func:`ranks_cpu`); ``cpu_cores``; ``cpu_util`` = cpu_s / (step_s x cpu_cores), the share of
+    seconds, all threads, and its ended child processes' (:func:`~mentorrl.train.parallelism.cpu_clock`); every rank's under data parallel, :func:`ranks_cpu`); ``cpu_cores``; ``cpu_util`` = cpu_s / (step_s x cpu_cores), the share of
     the cores the step kept busy; and, for a stage that times its rollout but not its update,
     ``update_s`` = the rest of the step."""
     cores = cpu_cores()

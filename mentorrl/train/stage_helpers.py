@@ -34,7 +34,7 @@ from mentorrl.models.device import autocast, resolve_dtype
 from mentorrl.rollout.backends import backend_of
 from mentorrl.train.audit import GapMonitor, flag_high_reward_failures
 from mentorrl.train.consistency import batch_checks, policy_lag
-from mentorrl.train.parallelism import cpu_cores
+from mentorrl.train.parallelism import cpu_clock, cpu_cores
 from mentorrl.train.workspace import Workspace, heldout_check
 from mentorrl.trajectory import Trajectory, write_jsonl
 
@@ -78,14 +78,14 @@ def collect_group(
     ``shard``: split the rollouts over the data-parallel ranks (:func:`rollout_shared`)."""
     grouped = [t for t in chosen for _ in range(group_size)]
     extra = {"token_budgets": token_budgets} if token_budgets is not None else {}
-    t0, c0 = time.perf_counter(), time.process_time()
+    t0, c0 = time.perf_counter(), cpu_clock()
     if shard:
         trajs = rollout_shared(ws, model, grouped, policy_version, seed)
     else:
         trajs = ws.rollout.run(
             model, grouped, policy_version=policy_version, seed=seed, batch_size=len(grouped), **extra
         )
-    collected = Collected(trajs, time.perf_counter() - t0, time.process_time() - c0)
+    collected = Collected(trajs, time.perf_counter() - t0, cpu_clock() - c0)
     if where is not None:
         require_consistent(ws, trajs, policy_version, where)
     return collected
