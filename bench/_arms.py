@@ -74,6 +74,28 @@ def paired_bootstrap(d: list[float], reps: int = 10_000, seed: int = 0) -> dict:
     return {"n": n, "diff": 100 * sum(d) / n, "ci95": [100 * boots[int(0.025 * reps)], 100 * boots[int(0.975 * reps)]]}
 
 
+def pooled_bits(pairs: list[tuple[str, str, str]], reps: int = 10_000, seed: int = 0) -> dict:
+    """``arm`` minus ``base`` over several seeds' ``(task fingerprint, base bits, arm bits)``, with a paired bootstrap
+    clustered by task: seeds evaluated on the same task list (the same fingerprint; every seed's held-out set is
+    drawn with ``eval.seed``) have each task's differences averaged, and the tasks are resampled, so a task every
+    seed gains is one observation, not one per seed. Seeds on other task lists add their tasks (distinct draws).
+    ``tasks``: the tasks resampled; ``pairs``: the (seed, task) pairs."""
+    if not pairs:
+        raise ValueError("nothing to pool")
+    by_tasks: dict[str, list[tuple[str, str]]] = {}
+    for fp, base, arm in pairs:
+        if len(base) != len(arm) or not base:
+            raise ValueError(f"paired outcomes need the same non-empty task list ({len(base)} against {len(arm)})")
+        by_tasks.setdefault(fp, []).append((base, arm))
+    d: list[float] = []
+    for runs in by_tasks.values():
+        if len({len(b) for b, _ in runs}) != 1:
+            raise ValueError("runs with one task fingerprint hold different task counts")
+        per_run = [[int(y) - int(x) for x, y in zip(b, a)] for b, a in runs]
+        d += [sum(col) / len(runs) for col in zip(*per_run)]
+    return {**paired_bootstrap(d, reps, seed), "tasks": len(d), "pairs": sum(len(b) for _, b, _ in pairs)}
+
+
 def pairable(a: dict | None, b: dict | None) -> bool:
     """Both records hold per-task outcomes of one evaluation's tasks (the same task fingerprint)."""
     return bool(a and b and a.get("bits") and b.get("bits") and a.get("tasks") == b.get("tasks"))

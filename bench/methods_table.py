@@ -14,17 +14,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _arms import ArmStore, pairable, paired_bits  # noqa: E402
+from _arms import ArmStore, pairable, pooled_bits  # noqa: E402
 
 
 def pooled(store: ArmStore, arm: str, base: str, seeds: list[int]) -> dict | None:
-    """``arm`` minus ``base`` over every seed both hold on the same tasks, the seeds' tasks pooled."""
-    a, b = "", ""
+    """``arm`` minus ``base`` over every seed both hold on the same tasks, clustered by task
+    (:func:`_arms.pooled_bits`)."""
+    pairs = []
     for s in seeds:
         x, y = store.find(arm, s), store.find(base, s)
         if pairable(x, y):
-            a, b = a + x["bits"], b + y["bits"]
-    return paired_bits(b, a) if a else None
+            pairs.append((x["tasks"], y["bits"], x["bits"]))
+    return pooled_bits(pairs) if pairs else None
 
 
 def fmt(p: dict | None) -> str:

@@ -25,7 +25,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _arms import commit, paired_bits, paired_outcomes, task_bits, task_outcomes  # noqa: E402
+from _arms import commit, paired_outcomes, pooled_bits, task_bits, task_outcomes  # noqa: E402
 
 FAMILIES = ("strings", "lists", "parsing", "stateful")
 
@@ -96,13 +96,12 @@ def split_seed(sft: Path, grpo: Path) -> dict:
 
 
 def pooled(runs: dict, keys: list[str]) -> dict:
-    """GRPO - SFT over the named runs' tasks together (each run's (seed, task) pairs pooled), with the paired
-    bootstrap; the per-task outcomes come from the file alone (``sft_bits`` / ``grpo_bits``)."""
+    """GRPO - SFT over the named runs together, from the file alone (``sft_bits`` / ``grpo_bits``): the paired
+    bootstrap clustered by task (:func:`_arms.pooled_bits`)."""
     missing = [k for k in keys if k not in runs or "grpo_bits" not in runs[k]]
     if missing:
         raise SystemExit(f"no per-task outcomes for {missing}: merge them with --update first")
-    p = paired_bits("".join(runs[k]["sft_bits"] for k in keys), "".join(runs[k]["grpo_bits"] for k in keys))
-    return {"runs": keys, **p}
+    return {"runs": keys, **pooled_bits([(runs[k]["tasks"], runs[k]["sft_bits"], runs[k]["grpo_bits"]) for k in keys])}
 
 
 def update(path: Path, sft: Path, grpo: Path, key: str | None = None, measured_at: str | None = None) -> None:
@@ -154,7 +153,7 @@ def table(out: dict) -> str:
             lr = f"{r['grpo_lr']:.0e}".replace("e-0", "e-")
             lines.append(row_cells(f"{seed}, GRPO lr {lr}", r["grpo"], r["grpo_minus_sft"]))
     for name, p in out.get("pooled", {}).items():
-        lines.append(f"\n{name}, pooled over {', '.join(p['runs'])} ({p['n']} pairs): {signed(p)}")
+        lines.append(f"\n{name}, pooled over {', '.join(p['runs'])} ({p['tasks']} tasks): {signed(p)}")
     return "\n".join(lines)
 
 

@@ -71,7 +71,7 @@ def test_update_then_pool_pairs_each_seed_task_with_itself(tmp_path):
         and row["grpo_steps"]["steps"] == 1
     )
     p = b.pooled(data["runs"], ["seed1", "seed2"])
-    assert p["n"] == 80 and p["diff"] == pytest.approx(100 * sum(diffs) / 80)
+    assert p["pairs"] == 80 and p["tasks"] == 40 and p["diff"] == pytest.approx(100 * sum(diffs) / 80)
     lo, hi = p["ci95"]
     assert lo <= p["diff"] <= hi
     # the pooled figure equals the paired difference of the per-task outcomes, whatever the keys' order
@@ -112,4 +112,25 @@ def test_the_table_lists_a_shared_sft_once_and_every_grpo_with_its_paired_differ
     assert sum("seed 0, SFT" in x for x in lines) == 1
     grpo = [x for x in lines if "GRPO lr 2e-5" in x]
     assert len(grpo) == 2 and all("+25.0 [" in x for x in grpo)
-    assert "(4 pairs): +25.0" in lines[-1] and "-" not in lines[-1].split(":")[-1]
+    assert "(4 tasks): +25.0" in lines[-1] and "-" not in lines[-1].split(":")[-1]
+
+
+def test_seeds_on_the_same_tasks_pool_as_one_observation_per_task():
+    """Two seeds with the same outcomes on the same 200 tasks carry no more evidence than one: the clustered
+    interval is the one seed's. Concatenating the seeds (the cheap fake) would narrow it by about 1/sqrt(2)."""
+    sys.path.insert(0, str(BENCH))
+    import _arms
+
+    rng = random.Random(1)
+    base = "".join(rng.choice("01") for _ in range(200))
+    arm = "".join("1" if rng.random() < 0.6 else b for b in base)
+    one = _arms.pooled_bits([("fp", base, arm)])
+    two = _arms.pooled_bits([("fp", base, arm), ("fp", base, arm)])
+    assert two["diff"] == pytest.approx(one["diff"]) and two["ci95"] == one["ci95"]
+    assert two["tasks"] == 200 and two["pairs"] == 400
+    concatenated = _arms.paired_bits(base + base, arm + arm)
+    assert concatenated["ci95"][1] - concatenated["ci95"][0] < 0.8 * (one["ci95"][1] - one["ci95"][0])
+    # seeds on other task lists are distinct draws: their tasks add up
+    assert _arms.pooled_bits([("fp", base, arm), ("other", base, arm)])["tasks"] == 400
+    with pytest.raises(ValueError):
+        _arms.pooled_bits([("fp", base, arm[:-1])])
