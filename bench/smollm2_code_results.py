@@ -1,17 +1,17 @@
-"""Collect the SmolLM2 code-environment runs into one results file (issue 56): per seed, held-out success with its
-Wilson interval, per family, violations and mean policy tokens after SFT and after GRPO, the paired GRPO - SFT
-difference on the same tasks (a paired bootstrap), and the zero-shot evaluation (``mentorrl eval --out``) if given.
+"""The SmolLM2 code-environment seeds in one results file (issue 56): per seed, held-out success with its Wilson
+interval, per family, violations and mean policy tokens after SFT and after GRPO, the paired GRPO - SFT difference
+on the same tasks (a paired bootstrap), the per-task outcomes, the GRPO steps' figures (sampled success,
+dynamic-sampling rounds, seconds), and the zero-shot evaluation.
 
-    python bench/smollm2_code_results.py --runs RUNS/smol-code-s0 RUNS/smol-code-s1 --zero-shot RUNS/smol-code-zeroshot \\
-        --out bench/results/smollm2_code.json
-
-A seed is merged into a results file as it finishes (``runs[KEY]``), with its per-task outcomes and its GRPO steps
-summarised (sampled success, dynamic-sampling rounds, seconds); the SFT and GRPO runs may be one directory or two
-(``recipe=[grpo]`` from the first's ``sft/final``). Finished seeds are then pooled from the file alone:
-
-    python bench/smollm2_code_results.py --update bench/results/smollm2_code_500.json --key seed1_lr2e-5 \\
+    # each missing seed run whole (resumed where its run directory is) and merged the moment it finishes
+    python bench/smollm2_code_results.py seeds bench/results/smollm2_code_500.json --out RUNS/smol-code \
+        --seeds 1 2 3 --name lr2e-5 --set "recipe=[sft, grpo]" --set sft.steps=60 --set grpo.steps=10 ...
+    # a seed finished elsewhere (SFT and GRPO in one directory, or GRPO from the first's sft/final)
+    python bench/smollm2_code_results.py update bench/results/smollm2_code_500.json --key seed1_lr2e-5 \
         --sft RUNS/smol-code-s1 --grpo RUNS/smol-code-s1
-    python bench/smollm2_code_results.py --pool bench/results/smollm2_code_500.json --keys seed1_lr2e-5 seed2_lr2e-5
+    python bench/smollm2_code_results.py zero-shot bench/results/smollm2_code_500.json --eval RUNS/smol-code-zeroshot
+    python bench/smollm2_code_results.py pool bench/results/smollm2_code_500.json --keys seed1_lr2e-5 seed2_lr2e-5
+    python bench/smollm2_code_results.py table bench/results/smollm2_code_500.json   # docs/results.md's table
 """
 
 from __future__ import annotations
@@ -142,6 +142,9 @@ def table(out: dict) -> str:
         "| checkpoint | held-out, 500 tasks | paired vs SFT | " + " | ".join(FAMILIES) + " | violations |",
         "|---|---|---|" + "---|" * len(FAMILIES) + "---|",
     ]
+    if "zero_shot" in out:
+        z = out["zero_shot"]
+        lines.append(row_cells(f"zero-shot ({z['n']} tasks)", z, None))
     seen: set[str] = set()
     for key, r in out.get("runs", {}).items():
         seed = key.split("_")[0].replace("seed", "seed ")
@@ -163,63 +166,108 @@ def write(path: Path, out: dict) -> None:
     tmp.replace(path)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--runs", nargs="+", type=Path, default=[])
-    ap.add_argument("--zero-shot", type=Path, default=None, help="a `mentorrl eval --out` directory")
-    ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--update", type=Path, default=None, help="a results file to merge one split seed into")
-    ap.add_argument("--sft", type=Path, default=None, help="with --update: the seed's recipe=[sft] run")
-    ap.add_argument("--grpo", type=Path, default=None, help="with --update: its recipe=[grpo] run")
-    ap.add_argument("--key", default=None, help="with --update: the run's name in the file (default seedS)")
-    ap.add_argument("--commit", default=None, help="with --update: the commit the runs ran at (default: HEAD)")
-    ap.add_argument("--pool", type=Path, default=None, help="a results file: pool the runs --keys into pooled[--name]")
-    ap.add_argument("--keys", nargs="+", default=[])
-    ap.add_argument("--name", default="grpo_minus_sft")
-    ap.add_argument("--table", type=Path, default=None, help="a results file: print its markdown table")
-    a = ap.parse_args()
-    if a.table is not None:
-        return print(table(json.loads(a.table.read_text())))
-    if a.update is not None:
-        if a.sft is None or a.grpo is None:
-            raise SystemExit("--update needs --sft and --grpo")
-        return update(a.update, a.sft, a.grpo, a.key, a.commit)
-    if a.pool is not None:
-        out = json.loads(a.pool.read_text())
-        out.setdefault("pooled", {})[a.name] = pooled(out["runs"], a.keys)
-        write(a.pool, out)
-        return print(json.dumps(out["pooled"][a.name], indent=1))
-    if a.out is None or not a.runs:
-        raise SystemExit("--runs and --out (or --update with --sft and --grpo)")
+def zero_shot(eval_dir: Path) -> dict:
+    """The zero-shot evaluation of ``mentorrl eval --out DIR`` (``DIR/eval_summary.json``), as a table row's fields."""
+    ev = json.loads((eval_dir / "eval_summary.json").read_text())
+    m = ev["sets"]["heldout"]["metrics"]
+    o = m["overall"]
+    return {
+        "n": o["n"],
+        "success": o["success"],
+        "ci95": o["success_ci95"],
+        "tool_calls": o["tool_calls"],
+        "violations": o["violation_rate"],
+        "mean_policy_tokens": o["mean_policy_tokens"],
+        "families": {f: {"n": v["n"], "success": v["success"]} for f, v in m["by_family"].items()},
+        "sampling": ev["sets"]["heldout"]["sampling"],
+    }
+
+
+def collect(runs: list[Path], zero: Path | None) -> dict:
+    """Whole runs (``recipe=[sft, grpo]`` each) and the zero-shot evaluation into one dict (the first layout)."""
     out: dict = {"seeds": {}}
-    for run in a.runs:
-        seed = run_seed(run)
-        row: dict = {"run_dir": str(run)}
+    for run in runs:
+        row: dict = {"run_dir": f"RUNS/{run.name}"}
         for stage in ("sft", "grpo"):
-            p = run / f"eval_{stage}.json"
-            if p.exists():
-                row[stage] = summary(json.loads(p.read_text()))
+            if (run / f"eval_{stage}.json").exists():
+                row[stage] = summary(json.loads((run / f"eval_{stage}.json").read_text()))
         if (run / "eval_sft.jsonl").exists() and (run / "eval_grpo.jsonl").exists():
             row["grpo_minus_sft"] = paired_outcomes(
                 task_outcomes(run / "eval_sft.jsonl"), task_outcomes(run / "eval_grpo.jsonl")
             )
-        out["seeds"][str(seed)] = row
-    if a.zero_shot is not None:  # `mentorrl eval --out DIR`: DIR/eval_summary.json
-        ev = json.loads((a.zero_shot / "eval_summary.json").read_text())
-        m = ev["sets"]["heldout"]["metrics"]
-        o = m["overall"]
-        out["zero_shot"] = {
-            "n": o["n"],
-            "success": o["success"],
-            "ci95": o["success_ci95"],
-            "tool_calls": o["tool_calls"],
-            "violations": o["violation_rate"],
-            "mean_policy_tokens": o["mean_policy_tokens"],
-            "families": {f: {"n": v["n"], "success": v["success"]} for f, v in m["by_family"].items()},
-            "sampling": ev["sets"]["heldout"]["sampling"],
-        }
-    a.out.write_text(json.dumps(out, indent=2))
-    print(json.dumps(out, indent=2)[:3000])
+        out["seeds"][str(run_seed(run))] = row
+    if zero is not None:
+        out["zero_shot"] = zero_shot(zero)
+    return out
+
+
+def run_seeds(path: Path, out: Path, seeds: list[int], name: str, overrides: list[str], config: str) -> None:
+    """Each seed of ``seeds`` not in the results file under ``seedS_NAME`` with these overrides: run whole
+    (``mentorrl train CONFIG``, resumed where its run directory is), then merged at once. A rerun skips every
+    merged seed, so the seeds may span sittings."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from seeds_lift import run_seed as train_seed
+
+    held = json.loads(path.read_text()).get("runs", {}) if path.exists() else {}
+    for seed in seeds:
+        key = f"seed{seed}_{name}"
+        if key in held and held[key].get("overrides") == overrides:
+            print(f"{key}: merged already")
+            continue
+        train_seed(out, seed, overrides, config)
+        update(path, out / f"seed-{seed}", out / f"seed-{seed}", key)
+        doc = json.loads(path.read_text())
+        doc["runs"][key]["overrides"] = overrides
+        write(path, doc)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("seeds", help="run the missing seeds whole and merge each as it finishes")
+    s.add_argument("file", type=Path)
+    s.add_argument("--out", type=Path, required=True, help="the seeds' run directories: OUT/seed-S")
+    s.add_argument("--seeds", type=int, nargs="+", required=True)
+    s.add_argument("--name", required=True, help="the arm: each seed is merged as seedS_NAME")
+    s.add_argument("--config", default="mentorrl/configs/smollm2_code.yaml")
+    s.add_argument("--set", dest="overrides", action="append", default=[], help="a config override for every seed")
+    u = sub.add_parser("update", help="merge one finished seed")
+    u.add_argument("file", type=Path)
+    u.add_argument("--sft", type=Path, required=True, help="the seed's SFT run")
+    u.add_argument("--grpo", type=Path, required=True, help="its GRPO run (the same directory, or one from sft/final)")
+    u.add_argument("--key", default=None, help="the run's name in the file (default seedS)")
+    u.add_argument("--commit", default=None, help="the commit the runs ran at (default: HEAD)")
+    p = sub.add_parser("pool", help="pool finished seeds from the file alone")
+    p.add_argument("file", type=Path)
+    p.add_argument("--keys", nargs="+", required=True)
+    p.add_argument("--name", default="grpo_minus_sft")
+    z = sub.add_parser("zero-shot", help="add a `mentorrl eval --out DIR` evaluation as the zero-shot row")
+    z.add_argument("file", type=Path)
+    z.add_argument("--eval", type=Path, required=True)
+    t = sub.add_parser("table", help="print the file's markdown table")
+    t.add_argument("file", type=Path)
+    c = sub.add_parser("collect", help="whole runs and a zero-shot evaluation into a new file")
+    c.add_argument("file", type=Path)
+    c.add_argument("--runs", nargs="+", type=Path, required=True)
+    c.add_argument("--zero-shot", type=Path, default=None)
+    a = ap.parse_args(argv)
+    if a.cmd == "seeds":
+        run_seeds(a.file, a.out, a.seeds, a.name, a.overrides, a.config)
+    elif a.cmd == "update":
+        update(a.file, a.sft, a.grpo, a.key, a.commit)
+    elif a.cmd == "pool":
+        doc = json.loads(a.file.read_text())
+        doc.setdefault("pooled", {})[a.name] = pooled(doc["runs"], a.keys)
+        write(a.file, doc)
+        print(json.dumps(doc["pooled"][a.name], indent=1))
+    elif a.cmd == "zero-shot":
+        doc = json.loads(a.file.read_text()) if a.file.exists() else {}
+        doc["zero_shot"] = zero_shot(a.eval)
+        write(a.file, doc)
+    elif a.cmd == "table":
+        print(table(json.loads(a.file.read_text())))
+    else:
+        a.file.write_text(json.dumps(collect(a.runs, a.zero_shot), indent=2))
 
 
 if __name__ == "__main__":

@@ -134,3 +134,29 @@ def test_seeds_on_the_same_tasks_pool_as_one_observation_per_task():
     assert _arms.pooled_bits([("fp", base, arm), ("other", base, arm)])["tasks"] == 400
     with pytest.raises(ValueError):
         _arms.pooled_bits([("fp", base, arm[:-1])])
+
+
+def test_seeds_merges_each_seed_as_it_finishes_and_a_rerun_skips_them(tmp_path, monkeypatch):
+    b = _bench()
+    import seeds_lift
+
+    trained = []
+
+    def fake_train(out, seed, overrides, config):  # stands in for a whole `mentorrl train` of the seed
+        if seed == 3:
+            raise SystemExit("seed 3: killed")
+        trained.append(seed)
+        run = _run(out, seed, [1, 0, 1, 0], [1, 1, 1, 0])
+        run.rename(out / f"seed-{seed}")
+
+    monkeypatch.setattr(seeds_lift, "run_seed", fake_train)
+    results, out = tmp_path / "results.json", tmp_path / "runs"
+    out.mkdir()
+    with pytest.raises(SystemExit, match="seed 3"):
+        b.run_seeds(results, out, [1, 2, 3], "lr2e-5", ["grpo.steps=10"], "cfg.yaml")
+    held = json.loads(results.read_text())["runs"]
+    assert sorted(held) == ["seed1_lr2e-5", "seed2_lr2e-5"] and held["seed1_lr2e-5"]["overrides"] == ["grpo.steps=10"]
+    monkeypatch.setattr(seeds_lift, "run_seed", lambda *a: trained.append(a[1]) or fake_train(*a))
+    with pytest.raises(SystemExit):
+        b.run_seeds(results, out, [1, 2, 3], "lr2e-5", ["grpo.steps=10"], "cfg.yaml")
+    assert trained == [1, 2, 3]  # the rerun tried seed 3 alone
