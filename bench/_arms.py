@@ -30,24 +30,36 @@ def fingerprint(*parts: str) -> str:
     return hashlib.blake2b("\x1f".join(parts).encode(), digest_size=8).hexdigest()
 
 
-def task_outcomes(jsonl: Path) -> dict[str, float]:
-    """task id -> 1.0 / 0.0 (the verifier's success) from an evaluation's trajectories (``eval_*.jsonl``), in the
-    evaluation's task order. The one reader of per-task outcomes that every bench shares."""
-    out: dict[str, float] = {}
+def outcome_rows(jsonl: Path) -> list[tuple[str, float]]:
+    """(task id, 1.0 / 0.0: the verifier's success) per trajectory of an evaluation (``eval_*.jsonl``), in its
+    order. The one reader of per-task outcomes that every bench shares."""
+    rows = []
     for line in jsonl.read_text().splitlines():
         if line.strip():
             row = json.loads(line)
-            out[str(row["task_id"])] = 1.0 if (row.get("reward") or {}).get("success") else 0.0
+            rows.append((str(row["task_id"]), 1.0 if (row.get("reward") or {}).get("success") else 0.0))
+    return rows
+
+
+def task_outcomes(jsonl: Path) -> dict[str, float]:
+    """task id -> outcome (:func:`outcome_rows`), in the evaluation's order; an evaluation that rolled a task out
+    more than once is refused (pairing by task needs one outcome a task)."""
+    rows = outcome_rows(jsonl)
+    out = dict(rows)
+    if len(out) != len(rows):
+        raise ValueError(f"{jsonl} holds {len(rows) - len(out)} repeated task ids: pairing by task needs one a task")
     return out
 
 
+def outcome_bits(rows) -> tuple[str, str]:
+    """(fingerprint of the task ids in order, "0"/"1" per task) of ``(task id, outcome)`` pairs."""
+    rows = list(rows)
+    return fingerprint(*(t for t, _ in rows)), "".join("1" if v else "0" for _, v in rows)
+
+
 def task_bits(jsonl: Path) -> tuple[str, str] | None:
-    """(fingerprint of the task ids in order, "0"/"1" per task) from an evaluation's trajectories
-    (``eval_*.jsonl``); None when the file is absent."""
-    if not jsonl.exists():
-        return None
-    o = task_outcomes(jsonl)
-    return fingerprint(*o), "".join("1" if v else "0" for v in o.values())
+    """:func:`outcome_bits` of an evaluation's trajectories (every row, in order); None when the file is absent."""
+    return outcome_bits(outcome_rows(jsonl)) if jsonl.exists() else None
 
 
 def paired_outcomes(a: dict[str, float], b: dict[str, float], reps: int = 10_000, seed: int = 0) -> dict:

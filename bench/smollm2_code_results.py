@@ -25,7 +25,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _arms import commit, paired_outcomes, pooled_bits, task_bits, task_outcomes  # noqa: E402
+from _arms import commit, outcome_bits, paired_outcomes, pooled_bits, task_outcomes  # noqa: E402
 
 FAMILIES = ("strings", "lists", "parsing", "stateful")
 
@@ -41,9 +41,9 @@ def summary(ev: dict) -> dict:
     }
 
 
-def run_seed(run: Path) -> int:
-    cfg = (run / "config.yaml").read_text()
-    return next(int(x.split(":")[1]) for x in cfg.splitlines() if x.startswith("seed:"))
+def run_config(run: Path) -> dict:
+    """The run's resolved ``config.yaml``."""
+    return yaml.safe_load((run / "config.yaml").read_text())
 
 
 def grpo_steps(run: Path) -> dict:
@@ -67,30 +67,26 @@ def grpo_steps(run: Path) -> dict:
     }
 
 
-def grpo_lr(run: Path) -> float:
-    """The GRPO stage's learning rate from the run's resolved ``config.yaml``."""
-    return float(yaml.safe_load((run / "config.yaml").read_text())["grpo"]["optim"]["lr"])
-
-
 def split_seed(sft: Path, grpo: Path) -> dict:
-    """One seed from its SFT run and the GRPO run started from its ``sft/final``, paired on the same tasks."""
-    if run_seed(sft) != run_seed(grpo):
+    """One seed from its SFT run and its GRPO run (the same directory, or one started from the first's
+    ``sft/final``), paired on the same tasks in the same order."""
+    if run_config(sft)["seed"] != run_config(grpo)["seed"]:
         raise SystemExit(f"{sft} and {grpo} are different seeds")
-    row: dict = {"sft_run": f"RUNS/{sft.name}", "grpo_run": f"RUNS/{grpo.name}", "grpo_lr": grpo_lr(grpo)}
-    row["sft"] = summary(json.loads((sft / "eval_sft.json").read_text()))
-    row["grpo"] = summary(json.loads((grpo / "eval_grpo.json").read_text()))
-    row["grpo_minus_sft"] = paired_outcomes(
-        task_outcomes(sft / "eval_sft.jsonl"), task_outcomes(grpo / "eval_grpo.jsonl")
-    )
-    if row["grpo_minus_sft"]["n"] != row["sft"]["n"]:
-        raise SystemExit("the SFT and GRPO evaluations are not on the same tasks")
-    (tasks, row["sft_bits"]), (tasks_g, row["grpo_bits"]) = (
-        task_bits(sft / "eval_sft.jsonl"),
-        task_bits(grpo / "eval_grpo.jsonl"),
-    )
-    if tasks != tasks_g:
+    before, after = task_outcomes(sft / "eval_sft.jsonl"), task_outcomes(grpo / "eval_grpo.jsonl")
+    if list(before) != list(after):
         raise SystemExit("the SFT and GRPO evaluations are not on the same tasks in the same order")
-    row["tasks"] = tasks
+    row: dict = {
+        "sft_run": f"RUNS/{sft.name}",
+        "grpo_run": f"RUNS/{grpo.name}",
+        "grpo_lr": float(run_config(grpo)["grpo"]["optim"]["lr"]),
+        "sft": summary(json.loads((sft / "eval_sft.json").read_text())),
+        "grpo": summary(json.loads((grpo / "eval_grpo.json").read_text())),
+        "grpo_minus_sft": paired_outcomes(before, after),
+    }
+    if row["grpo_minus_sft"]["n"] != row["sft"]["n"]:
+        raise SystemExit("the SFT evaluation's summary and its trajectories count different tasks")
+    row["tasks"], row["sft_bits"] = outcome_bits(before.items())
+    row["grpo_bits"] = outcome_bits(after.items())[1]
     row["grpo_steps"] = grpo_steps(grpo)
     return row
 
@@ -104,13 +100,22 @@ def pooled(runs: dict, keys: list[str]) -> dict:
     return {"runs": keys, **pooled_bits([(runs[k]["tasks"], runs[k]["sft_bits"], runs[k]["grpo_bits"]) for k in keys])}
 
 
-def update(path: Path, sft: Path, grpo: Path, key: str | None = None, measured_at: str | None = None) -> None:
+def update(
+    path: Path,
+    sft: Path,
+    grpo: Path,
+    key: str | None = None,
+    measured_at: str | None = None,
+    overrides: list[str] | None = None,
+) -> None:
     """Merge one seed into the results file ``path`` under ``runs[key]`` (default ``seedS``), written whole,
-    atomically, with the commit that measured it (default: this checkout's)."""
+    atomically, with the commit that measured it (default: this checkout's) and the overrides it ran with."""
     out = json.loads(path.read_text()) if path.exists() else {}
-    key = key or f"seed{run_seed(sft)}"
+    key = key or f"seed{run_config(sft)['seed']}"
     runs = out.setdefault("runs", {})
     runs[key] = {**runs.get(key, {}), **split_seed(sft, grpo), "commit": measured_at or commit()}
+    if overrides is not None:
+        runs[key]["overrides"] = overrides
     write(path, out)
     row = out["runs"][key]
     print(json.dumps({k: v for k, v in row.items() if k not in ("grpo_steps", "sft_bits", "grpo_bits")}, indent=1))
@@ -195,7 +200,7 @@ def collect(runs: list[Path], zero: Path | None) -> dict:
             row["grpo_minus_sft"] = paired_outcomes(
                 task_outcomes(run / "eval_sft.jsonl"), task_outcomes(run / "eval_grpo.jsonl")
             )
-        out["seeds"][str(run_seed(run))] = row
+        out["seeds"][str(run_config(run)["seed"])] = row
     if zero is not None:
         out["zero_shot"] = zero_shot(zero)
     return out
@@ -215,10 +220,7 @@ def run_seeds(path: Path, out: Path, seeds: list[int], name: str, overrides: lis
             print(f"{key}: merged already")
             continue
         train_seed(out, seed, overrides, config)
-        update(path, out / f"seed-{seed}", out / f"seed-{seed}", key)
-        doc = json.loads(path.read_text())
-        doc["runs"][key]["overrides"] = overrides
-        write(path, doc)
+        update(path, out / f"seed-{seed}", out / f"seed-{seed}", key, overrides=overrides)
 
 
 def main(argv: list[str] | None = None) -> None:

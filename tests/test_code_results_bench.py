@@ -160,3 +160,16 @@ def test_seeds_merges_each_seed_as_it_finishes_and_a_rerun_skips_them(tmp_path, 
     with pytest.raises(SystemExit):
         b.run_seeds(results, out, [1, 2, 3], "lr2e-5", ["grpo.steps=10"], "cfg.yaml")
     assert trained == [1, 2, 3]  # the rerun tried seed 3 alone
+
+
+def test_an_evaluation_with_a_task_twice_is_refused_for_pairing_and_kept_whole_in_bits(tmp_path):
+    """Pairing by task id needs one outcome a task: a dict would keep the last of two silently."""
+    sys.path.insert(0, str(BENCH))
+    import _arms
+
+    f = tmp_path / "eval_x.jsonl"
+    rows = [("t0", True), ("t1", False), ("t0", False)]
+    f.write_text("\n".join(json.dumps({"task_id": t, "reward": {"success": ok}}) for t, ok in rows) + "\n")
+    with pytest.raises(ValueError, match="repeated task ids"):
+        _arms.task_outcomes(f)
+    assert _arms.task_bits(f)[1] == "100"
