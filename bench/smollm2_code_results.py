@@ -27,6 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _arms import commit, outcome_bits, paired_outcomes, pooled_bits, task_outcomes  # noqa: E402
 
+from mentorrl.eval.metrics import mean_interval  # noqa: E402
+
 FAMILIES = ("strings", "lists", "parsing", "stateful")
 
 
@@ -93,11 +95,16 @@ def split_seed(sft: Path, grpo: Path) -> dict:
 
 def pooled(runs: dict, keys: list[str]) -> dict:
     """GRPO - SFT over the named runs together, from the file alone (``sft_bits`` / ``grpo_bits``): the paired
-    bootstrap clustered by task (:func:`_arms.pooled_bits`)."""
+    bootstrap clustered by task (:func:`_arms.pooled_bits`), and ``over_seeds``: each run's own paired difference
+    as one value, their mean ± sd and Student-t 95% interval (the seeds as the unit: the results page's rule)."""
     missing = [k for k in keys if k not in runs or "grpo_bits" not in runs[k]]
     if missing:
         raise SystemExit(f"no per-task outcomes for {missing}: merge them with --update first")
-    return {"runs": keys, **pooled_bits([(runs[k]["tasks"], runs[k]["sft_bits"], runs[k]["grpo_bits"]) for k in keys])}
+    pairs = [(runs[k]["tasks"], runs[k]["sft_bits"], runs[k]["grpo_bits"]) for k in keys]
+    per_run = [100 * (sum(map(int, g)) - sum(map(int, s))) / len(s) for _, s, g in pairs]
+    seeds = mean_interval(per_run)
+    seeds["ci95"] = list(seeds["ci95"]) if seeds["ci95"] is not None else None
+    return {"runs": keys, **pooled_bits(pairs), "over_seeds": {"diffs": per_run, **seeds}}
 
 
 def update(
@@ -161,7 +168,11 @@ def table(out: dict) -> str:
             lr = f"{r['grpo_lr']:.0e}".replace("e-0", "e-")
             lines.append(row_cells(f"{seed}, GRPO lr {lr}", r["grpo"], r["grpo_minus_sft"]))
     for name, p in out.get("pooled", {}).items():
-        lines.append(f"\n{name}, pooled over {', '.join(p['runs'])} ({p['tasks']} tasks): {signed(p)}")
+        line = f"\n{name}, pooled over {', '.join(p['runs'])} ({p['tasks']} tasks): {signed(p)}"
+        s = p.get("over_seeds")
+        if s and s.get("ci95"):
+            line += f"; over seeds {signed({'diff': s['mean'], 'ci95': s['ci95']})} (mean, Student-t; sd {s['sd']:.1f})"
+        lines.append(line)
     return "\n".join(lines)
 
 

@@ -173,3 +173,26 @@ def test_an_evaluation_with_a_task_twice_is_refused_for_pairing_and_kept_whole_i
     with pytest.raises(ValueError, match="repeated task ids"):
         _arms.task_outcomes(f)
     assert _arms.task_bits(f)[1] == "100"
+
+
+def test_pool_also_gives_the_over_seeds_interval_with_each_seed_as_one_value(tmp_path):
+    """The seeds as the unit (the results page's rule): each run's own paired difference is one value; the pooled
+    by-task bootstrap is narrower, and is not the test the table's over-seeds figure reports."""
+    b = _bench()
+    out = tmp_path / "results.json"
+    lifts = {1: 2, 2: 1, 3: 4}  # tasks gained, of 40
+    for seed, k in lifts.items():
+        sft = [0] * 10 + [1] * 30
+        grpo = [1] * k + [0] * (10 - k) + [1] * 30
+        b.update(out, _run(tmp_path, seed, sft, grpo), tmp_path / f"s{seed}", measured_at="abc1234")
+    p = b.pooled(json.loads(out.read_text())["runs"], ["seed1", "seed2", "seed3"])
+    s = p["over_seeds"]
+    assert s["diffs"] == pytest.approx([5.0, 2.5, 10.0]) and s["mean"] == pytest.approx(17.5 / 3)
+    # Student-t with 2 degrees of freedom: t = 4.303, sd of (5, 2.5, 10) = 3.819
+    half = 4.303 * 3.8188 / 3**0.5
+    assert s["ci95"][0] == pytest.approx(17.5 / 3 - half, abs=0.01) and s["ci95"][1] == pytest.approx(
+        17.5 / 3 + half, abs=0.01
+    )
+    data = json.loads(out.read_text())
+    data["pooled"] = {"all": p}
+    assert "over seeds" in b.table(data) and json.loads(json.dumps(p)) == p  # the file keeps it as written
