@@ -196,7 +196,17 @@ def zero_shot(eval_dir: Path) -> dict:
         "mean_policy_tokens": o["mean_policy_tokens"],
         "families": {f: {"n": v["n"], "success": v["success"]} for f, v in m["by_family"].items()},
         "sampling": ev["sets"]["heldout"]["sampling"],
+        **zero_shot_bits(eval_dir / "trajectories-heldout.jsonl"),
     }
+
+
+def zero_shot_bits(jsonl: Path) -> dict:
+    """The zero-shot evaluation's per-task outcomes (``tasks``, ``bits``), to pair with a seed's SFT evaluation
+    where both ran on the same tasks (the same fingerprint); nothing when the trajectories are absent."""
+    if not jsonl.exists():
+        return {}
+    tasks, bits = outcome_bits(task_outcomes(jsonl).items())
+    return {"tasks": tasks, "bits": bits}
 
 
 def collect(runs: list[Path], zero: Path | None) -> dict:

@@ -196,3 +196,25 @@ def test_pool_also_gives_the_over_seeds_interval_with_each_seed_as_one_value(tmp
     data = json.loads(out.read_text())
     data["pooled"] = {"all": p}
     assert "over seeds" in b.table(data) and json.loads(json.dumps(p)) == p  # the file keeps it as written
+
+
+def test_the_zero_shot_row_keeps_its_per_task_outcomes_on_the_seeds_task_fingerprint(tmp_path):
+    b = _bench()
+    sft = [1, 0, 1, 1]
+    run = _run(tmp_path, 1, sft, sft)
+    z = tmp_path / "zero"
+    z.mkdir()
+    ids = [f"code-heldout-{i:05d}" for i in range(4)]
+    (z / "trajectories-heldout.jsonl").write_text(
+        "".join(json.dumps({"task_id": t, "reward": {"success": i == 2}}) + "\n" for i, t in enumerate(ids))
+    )
+    overall = {"n": 4, "success": 0.25, "success_ci95": [0.0, 0.7], "tool_calls": 0, "violation_rate": 0.0}
+    overall["mean_policy_tokens"] = 300.0
+    metrics = {"overall": overall, "by_family": {"strings": {"n": 4, "success": 0.25}}}
+    (z / "eval_summary.json").write_text(json.dumps({"sets": {"heldout": {"metrics": metrics, "sampling": {}}}}))
+    row = b.zero_shot(z)
+    out = tmp_path / "r.json"
+    b.update(out, run, run, measured_at="abc")
+    assert row["bits"] == "0010" and row["tasks"] == json.loads(out.read_text())["runs"]["seed1"]["tasks"]
+    (z / "trajectories-heldout.jsonl").unlink()
+    assert "bits" not in b.zero_shot(z)  # the summary alone still gives the row
