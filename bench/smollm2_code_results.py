@@ -209,24 +209,6 @@ def zero_shot_bits(jsonl: Path) -> dict:
     return {"tasks": tasks, "bits": bits}
 
 
-def collect(runs: list[Path], zero: Path | None) -> dict:
-    """Whole runs (``recipe=[sft, grpo]`` each) and the zero-shot evaluation into one dict (the first layout)."""
-    out: dict = {"seeds": {}}
-    for run in runs:
-        row: dict = {"run_dir": f"RUNS/{run.name}"}
-        for stage in ("sft", "grpo"):
-            if (run / f"eval_{stage}.json").exists():
-                row[stage] = summary(json.loads((run / f"eval_{stage}.json").read_text()))
-        if (run / "eval_sft.jsonl").exists() and (run / "eval_grpo.jsonl").exists():
-            row["grpo_minus_sft"] = paired_outcomes(
-                task_outcomes(run / "eval_sft.jsonl"), task_outcomes(run / "eval_grpo.jsonl")
-            )
-        out["seeds"][str(run_config(run)["seed"])] = row
-    if zero is not None:
-        out["zero_shot"] = zero_shot(zero)
-    return out
-
-
 def run_seeds(path: Path, out: Path, seeds: list[int], name: str, overrides: list[str], config: str) -> None:
     """Each seed of ``seeds`` not in the results file under ``seedS_NAME`` with these overrides: run whole
     (``mentorrl train CONFIG``, resumed where its run directory is), then merged at once. A rerun skips every
@@ -269,10 +251,6 @@ def main(argv: list[str] | None = None) -> None:
     z.add_argument("--eval", type=Path, required=True)
     t = sub.add_parser("table", help="print the file's markdown table")
     t.add_argument("file", type=Path)
-    c = sub.add_parser("collect", help="whole runs and a zero-shot evaluation into a new file")
-    c.add_argument("file", type=Path)
-    c.add_argument("--runs", nargs="+", type=Path, required=True)
-    c.add_argument("--zero-shot", type=Path, default=None)
     a = ap.parse_args(argv)
     if a.cmd == "seeds":
         run_seeds(a.file, a.out, a.seeds, a.name, a.overrides, a.config)
@@ -287,10 +265,8 @@ def main(argv: list[str] | None = None) -> None:
         doc = json.loads(a.file.read_text()) if a.file.exists() else {}
         doc["zero_shot"] = zero_shot(a.eval)
         write(a.file, doc)
-    elif a.cmd == "table":
-        print(table(json.loads(a.file.read_text())))
     else:
-        a.file.write_text(json.dumps(collect(a.runs, a.zero_shot), indent=2))
+        print(table(json.loads(a.file.read_text())))
 
 
 if __name__ == "__main__":
