@@ -114,8 +114,9 @@ def served_tool_calls(model_dir: Path, n_tasks: int = 4) -> list[dict]:
 
 def test_the_recipe_runs_end_to_end_and_the_grpo_model_serves_tool_calls(tmp_path):
     """Issue 54: the recipe at a tiny size in one run (its stage processes included): LoRA SFT (12 steps: seed 0's
-    demonstration loss is ~0.3 there, the lr constant after warm-up), one expert-guided GRPO step, both evaluations;
-    in fp32 with one update a step the behaviour log-probs are the learner's own. Then (item 6) ``mentorrl serve``
+    demonstration loss is ~0.3 there, the lr constant after warm-up), one expert-guided GRPO step, both evaluations,
+    in the recipe's own dtype (``auto``: bf16 where the probe measures it faster); with one update a step the
+    behaviour log-probs are the learner's own up to that dtype's rounding. Then (item 6) ``mentorrl serve``
     on the GRPO'd adapter answers held-out requests from the official client with well-formed tool calls (the
     template kept; the tools not rendered, as in training)."""
     run = tmp_path / "run"
@@ -123,17 +124,19 @@ def test_the_recipe_runs_end_to_end_and_the_grpo_model_serves_tool_calls(tmp_pat
            "--run-dir", str(run), "--set", "sft.num_demos=96", "--set", "sft.steps=12",
            "--set", "grpo.steps=1", "--set", "grpo.tasks_per_step=2", "--set", "grpo.samples_per_task=2",
            "--set", "grpo.guide=expert", "--set", "grpo.updates_per_step=1", "--set", "eval.num_tasks=4",
-           "--set", "eval.final_splits=[]", "--set", "audit.preflight=false", "--set", "threads=2",
-           "--set", "model.dtype=float32"]  # fmt: skip
+           "--set", "eval.final_splits=[]", "--set", "audit.preflight=false", "--set", "threads=2"]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((run / "report.json").read_text())
     assert set(report["evals"]) == {"sft", "grpo"}
     steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     gaps = [m["logprob_abs_gap"] for m in steps if m.get("stage") == "grpo" and "logprob_abs_gap" in m]
-    # one update a step, fp32: the behaviour log-probs are the learner's own, before it moves (a second update's
-    # gap would include the first update's change)
-    assert gaps and all(math.isfinite(g) and g < 1e-3 for g in gaps), gaps
+    # one update a step: the behaviour log-probs are the learner's own, before it moves (a second update's gap would
+    # include the first update's change), up to rounding: bf16 runs of this model log 0.7e-3 to 2.5e-3 (fp32: ~1e-6);
+    # a rollout scored at shifted positions or with another model's weights is off by nats
+    precision = json.loads((run / "precision.json").read_text()) if (run / "precision.json").is_file() else {}
+    bound = 1e-2 if precision.get("dtype") == "bfloat16" else 1e-3
+    assert gaps and all(math.isfinite(g) and g < bound for g in gaps), (gaps, precision)
     final = run / "grpo" / "final"
     assert (final / "adapter_config.json").is_file()
     from mentorrl.contract import tool_schemas
