@@ -249,6 +249,7 @@ def main(argv: list[str] | None = None) -> None:
     z = sub.add_parser("zero-shot", help="add a `mentorrl eval --out DIR` evaluation as the zero-shot row")
     z.add_argument("file", type=Path)
     z.add_argument("--eval", type=Path, required=True)
+    z.add_argument("--commit", default=None, help="the commit the evaluation ran at (default: HEAD)")
     t = sub.add_parser("table", help="print the file's markdown table")
     t.add_argument("file", type=Path)
     a = ap.parse_args(argv)
@@ -263,7 +264,7 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(doc["pooled"][a.name], indent=1))
     elif a.cmd == "zero-shot":
         doc = json.loads(a.file.read_text()) if a.file.exists() else {}
-        doc["zero_shot"] = zero_shot(a.eval)
+        doc["zero_shot"] = {**zero_shot(a.eval), "commit": a.commit or commit()}
         write(a.file, doc)
     else:
         print(table(json.loads(a.file.read_text())))
