@@ -15,12 +15,21 @@ from pathlib import Path
 
 import pytest
 import yaml
+from hypothesis import given
+from hypothesis import strategies as st
 from safetensors.torch import load_file
 from test_reproducible import _differences
 from test_resume import TINY_OVERRIDES, _env
 
 from mentorrl.config import ConfigError, load_config
-from mentorrl.train.stage_processes import THP_ENV, UnitBoundary, UnitGate, child_environ, recipe_units
+from mentorrl.train.stage_processes import (
+    THP_ENV,
+    UnitBoundary,
+    UnitGate,
+    child_environ,
+    recipe_units,
+    unit_rendezvous,
+)
 
 
 def test_units_follow_the_recipe():
@@ -48,6 +57,27 @@ def test_child_environ_sets_only_for_the_start(monkeypatch):
     with child_environ({THP_ENV: "1", "MENTORRL_KEEP_ME": "ours"}):
         assert os.environ[THP_ENV] == "1" and os.environ["MENTORRL_KEEP_ME"] == "user"  # the user's wins
     assert THP_ENV not in os.environ and os.environ["MENTORRL_KEEP_ME"] == "user"
+
+
+def test_forced_variables_are_set_for_the_start_and_restored(monkeypatch):
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    with child_environ({}, force={"MASTER_PORT": "29501", "TORCHELASTIC_USE_AGENT_STORE": "False"}):
+        assert os.environ["MASTER_PORT"] == "29501" and os.environ["TORCHELASTIC_USE_AGENT_STORE"] == "False"
+    assert os.environ["MASTER_PORT"] == "29500" and "TORCHELASTIC_USE_AGENT_STORE" not in os.environ
+
+
+@given(st.integers(1024, 65535), st.integers(2, 64), st.integers(0, 40))
+def test_each_unit_meets_at_its_own_store_and_every_rank_agrees(port, world, index):
+    """The ranks derive the unit's port from the launch alone (so every rank gets the same one), each unit of a
+    recipe gets another port than the launcher's and the other units', and rank 0 hosts it."""
+    launch = {"WORLD_SIZE": str(world), "MASTER_PORT": str(port)}
+    got = [unit_rendezvous({**launch, "RANK": str(r)}, index) for r in range(world)]
+    assert all(g == got[0] for g in got)
+    ports = [int(unit_rendezvous(launch, i)["MASTER_PORT"]) for i in range(index + 1)]
+    assert len(set(ports)) == len(ports) and port not in ports and all(1024 <= q <= 65535 for q in ports)
+    assert got[0]["TORCHELASTIC_USE_AGENT_STORE"] == "False"
+    assert unit_rendezvous({"MASTER_PORT": str(port)}, index) == {}  # one process: nothing to meet
 
 
 def test_config_refuses_what_cannot_work():

@@ -64,7 +64,7 @@ class RunSettings(Section):
         description="run each stage, each held-out evaluation and each final-split evaluation in a fresh process "
         "that resumes the run from RUN_DIR: no allocator state carries from one to the next (one long SmolLM2 "
         "process rolled out 1.32x slower than fresh ones, docs/results.md); costs a model load per unit; "
-        "one process at a time (not with torchrun ranks, distributed.backend ddp or ray)",
+        "one process at a time (under torchrun ranks, one a rank; not with distributed.backend ray)",
     )
     huge_pages: bool = Field(
         False,
@@ -110,8 +110,8 @@ class RunSettings(Section):
                 "huge_pages needs stage_processes: true (torch reads THP_MEM_ALLOC_ENABLE once, when it starts; "
                 "in one process, export THP_MEM_ALLOC_ENABLE=1 before mentorrl starts)"
             )
-        if self.stage_processes and dist is not None and dist.backend in ("ddp", "ray"):
-            raise ValueError(f"stage_processes runs one process at a time; not with distributed.backend {dist.backend}")
+        if self.stage_processes and dist is not None and dist.backend == "ray":
+            raise ValueError("stage_processes runs one process at a time; not with distributed.backend ray")
         return self
 
     @model_validator(mode="after")

@@ -13,6 +13,8 @@ units before ``k`` are complete in RUN_DIR, so they cost only a load (a stage's 
 evaluation's JSON). The child runs unit ``k`` and stops at its end (:class:`UnitGate`); the last child
 writes the report and sends the result back. So a run in stage processes is the same run as in one
 process, resumed at each unit boundary: a stage resumes exactly (``tests/test_stage_processes.py``).
+Under a ``torchrun`` launch of several ranks (``--ranks N``) each rank's process does the same, and a unit's
+processes, one a rank, form their group at a store of their own (:func:`unit_rendezvous`).
 The preflight reward audit runs in the first child only.
 
 A child that fails ends the run with its error (the exception itself when it pickles); a run killed at
@@ -74,15 +76,39 @@ class UnitGate:
 
 
 @contextlib.contextmanager
-def child_environ(updates: dict[str, str]) -> Iterator[None]:
-    """``os.environ`` with ``updates`` (a variable the user set wins) while a child starts, then as it was."""
+def child_environ(updates: dict[str, str], force: dict[str, str] | None = None) -> Iterator[None]:
+    """``os.environ`` with ``updates`` (a variable the user set wins) and ``force`` (set whatever was there)
+    while a child starts, then as it was."""
     added = {k: v for k, v in updates.items() if k not in os.environ}
+    forced = force or {}
+    before = {k: os.environ.get(k) for k in forced}
     os.environ.update(added)
+    os.environ.update(forced)
     try:
         yield
     finally:
         for k in added:
             os.environ.pop(k, None)
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def unit_rendezvous(env: Any, index: int) -> dict[str, str]:
+    """Under a torchrun launch of several ranks, where unit ``index``'s processes (one a rank) meet: a store
+    of their own, hosted by rank 0's process on ``MASTER_PORT + 1 + index``, not the launcher's store, which
+    still holds the keys of the previous unit's group (a new group there would read them as its own). Every
+    rank derives the same port from the launch's environment, so the ranks agree without talking. ``{}`` for
+    one process."""
+    if int(env.get("WORLD_SIZE", "1")) <= 1:
+        return {}
+    base = int(env.get("MASTER_PORT", "29500"))
+    port = base + 1 + index
+    if port > 65535:  # wrap into the unprivileged range
+        port = 1024 + (port - 1024) % (65536 - 1024)
+    return {"MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "False"}
 
 
 def _child(
@@ -125,11 +151,8 @@ def run_in_stage_processes(
     """Run ``cfg``'s recipe one unit per fresh process (:func:`recipe_units`): ``run_recipe``
     (:func:`mentorrl.train.pipeline.run_recipe`, passed in: pickled by reference, so this module does not
     import the pipeline, which imports it); returns what it returns, from the last unit's process."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        from mentorrl.config import ConfigError
-
-        raise ConfigError("stage_processes: one process per unit of work; launch it without torchrun ranks")
     units, started = recipe_units(cfg), time.time()
+    talks = os.environ.get("RANK", "0") in ("", "0")  # under torchrun ranks, rank 0 prints the units
     ctx = multiprocessing.get_context("spawn")
     env = {THP_ENV: "1"} if cfg.huge_pages else {}
     for index, unit in enumerate(units):
@@ -149,10 +172,10 @@ def run_in_stage_processes(
             ),
             name=f"mentorrl-unit-{index}",
         )
-        with child_environ(env):
+        with child_environ(env, force=unit_rendezvous(os.environ, index)):
             proc.start()
         send.close()
-        if show_progress:
+        if show_progress and talks:
             extra = f", {THP_ENV}=1" if env else ""
             print(f"stage process {index + 1}/{len(units)}: {unit} (pid {proc.pid}{extra})", flush=True)
         try:
@@ -171,4 +194,4 @@ def run_in_stage_processes(
     raise RuntimeError(f"the recipe's last unit ({units[-1]!r}) ended without the run's result")
 
 
-__all__ = ["UnitBoundary", "UnitGate", "child_environ", "recipe_units", "run_in_stage_processes"]
+__all__ = ["UnitBoundary", "UnitGate", "child_environ", "recipe_units", "run_in_stage_processes", "unit_rendezvous"]
