@@ -160,6 +160,8 @@ def table(out: dict) -> str:
     seen: set[str] = set()
     for key, r in out.get("runs", {}).items():
         seed = key.split("_")[0].replace("seed", "seed ")
+        if r.get("ranks", 1) > 1:  # a data-parallel launch: the same recipe, its sums in another order
+            seed += f" ({r['ranks']} ranks)"
         sft = json.dumps([seed, r["sft"]], sort_keys=True)  # one SFT checkpoint copied into several runs: once
         if sft not in seen:
             seen.add(sft)

@@ -218,3 +218,12 @@ def test_the_zero_shot_row_keeps_its_per_task_outcomes_on_the_seeds_task_fingerp
     assert row["bits"] == "0010" and row["tasks"] == json.loads(out.read_text())["runs"]["seed1"]["tasks"]
     (z / "trajectories-heldout.jsonl").unlink()
     assert "bits" not in b.zero_shot(z)  # the summary alone still gives the row
+
+
+def test_a_seed_run_as_ranks_is_labelled_so_in_the_table(tmp_path):
+    b = _bench()
+    out = tmp_path / "r.json"
+    b.update(out, _run(tmp_path, 5, [0, 1], [1, 1]), tmp_path / "s5", key="seed5_x", measured_at="abc")
+    data = json.loads(out.read_text())
+    data["runs"]["seed5_x"]["ranks"] = 2
+    assert "| seed 5 (2 ranks), SFT |" in b.table(data) and "| seed 5 (2 ranks), GRPO lr 2e-5 |" in b.table(data)
