@@ -229,18 +229,18 @@ def test_torchrun_train_runs_sft_and_grpo_data_parallel_with_the_single_process_
     )
     one = train("one", [sys.executable], ["sft"])
     assert [(r["stage"], r["step"]) for r in ddp] == [("sft", 1), ("sft", 2), ("grpo", 1), ("grpo", 2)]
-    # the same launch with each stage and evaluation in fresh processes (one a rank, each unit's group at a store
-    # of its own): the same run, resumed at every unit boundary
+    # the same launch with each unit in fresh processes (one a rank; the SFT stage, then its evaluation, whose
+    # group forms at a store of its own): the same SFT steps, and the evaluation dealt over both ranks
     units = train(
         "units",
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"],
-        ["sft", "grpo"],
-        {**evals, "stage_processes": True},
+        ["sft"],
+        {**evals, "eval": {**evals["eval"], "final_splits": []}, "stage_processes": True},
     )
-    assert [(r["stage"], r["step"]) for r in units] == [(r["stage"], r["step"]) for r in ddp]
+    assert [(r["stage"], r["step"]) for r in units] == [("sft", 1), ("sft", 2)]
     for a, b in zip(units, ddp):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), (a, b)
-    assert json.loads((tmp_path / "units" / "eval_grpo.json").read_text())["n"] == 5
+    assert json.loads((tmp_path / "units" / "eval_sft.json").read_text())["n"] == 5
     for a, b in zip(ddp[:2], one):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
