@@ -34,6 +34,7 @@ import traceback
 from typing import Any, Iterator
 
 from mentorrl.core.lifetime import die_with_parent
+from mentorrl.train.distributed import is_main_process
 
 THP_ENV = "THP_MEM_ALLOC_ENABLE"
 
@@ -79,16 +80,12 @@ class UnitGate:
 def child_environ(updates: dict[str, str], force: dict[str, str] | None = None) -> Iterator[None]:
     """``os.environ`` with ``updates`` (a variable the user set wins) and ``force`` (set whatever was there)
     while a child starts, then as it was."""
-    added = {k: v for k, v in updates.items() if k not in os.environ}
-    forced = force or {}
-    before = {k: os.environ.get(k) for k in forced}
-    os.environ.update(added)
-    os.environ.update(forced)
+    setting = {**{k: v for k, v in updates.items() if k not in os.environ}, **(force or {})}
+    before = {k: os.environ.get(k) for k in setting}
+    os.environ.update(setting)
     try:
         yield
     finally:
-        for k in added:
-            os.environ.pop(k, None)
         for k, v in before.items():
             if v is None:
                 os.environ.pop(k, None)
@@ -152,7 +149,7 @@ def run_in_stage_processes(
     (:func:`mentorrl.train.pipeline.run_recipe`, passed in: pickled by reference, so this module does not
     import the pipeline, which imports it); returns what it returns, from the last unit's process."""
     units, started = recipe_units(cfg), time.time()
-    talks = os.environ.get("RANK", "0") in ("", "0")  # under torchrun ranks, rank 0 prints the units
+    talks = is_main_process()  # under torchrun ranks (no group joined here), rank 0 prints the units
     ctx = multiprocessing.get_context("spawn")
     env = {THP_ENV: "1"} if cfg.huge_pages else {}
     for index, unit in enumerate(units):
