@@ -60,13 +60,16 @@ def paired_lift(run_dir: Path, before: str = "sft", after: str = "grpo") -> dict
     }
 
 
-def run_seed(out: Path, seed: int, overrides: list[str], config: str | None = None) -> dict:
+def run_seed(out: Path, seed: int, overrides: list[str], config: str | None = None, ranks: int = 1) -> dict:
+    """One seed run whole (``ranks`` > 1: as that many torchrun ranks, ``--ranks N``) and read back."""
     run_dir = out / f"seed-{seed}"
     report = run_dir / "report.json"
     wall: dict = {}
     if not report.exists():
         what = ["demo"] if config is None else ["train", config]  # the demo, or another recipe run the same way
         cmd = [sys.executable, "-m", "mentorrl.cli", *what, "--run-dir", str(run_dir), "--set", f"seed={seed}"]
+        if ranks > 1:
+            cmd += ["--ranks", str(ranks)]
         if run_dir.exists():
             cmd.append("--resume")  # a seed stopped part-way continues from its last checkpoint
         for ov in overrides:

@@ -114,6 +114,7 @@ def update(
     key: str | None = None,
     measured_at: str | None = None,
     overrides: list[str] | None = None,
+    extra: dict | None = None,
 ) -> None:
     """Merge one seed into the results file ``path`` under ``runs[key]`` (default ``seedS``), written whole,
     atomically, with the commit that measured it (default: this checkout's) and the overrides it ran with."""
@@ -123,6 +124,7 @@ def update(
     runs[key] = {**runs.get(key, {}), **split_seed(sft, grpo), "commit": measured_at or commit()}
     if overrides is not None:
         runs[key]["overrides"] = overrides
+    runs[key].update(extra or {})
     write(path, out)
     row = out["runs"][key]
     print(json.dumps({k: v for k, v in row.items() if k not in ("grpo_steps", "sft_bits", "grpo_bits")}, indent=1))
@@ -211,21 +213,28 @@ def zero_shot_bits(jsonl: Path) -> dict:
     return {"tasks": tasks, "bits": bits}
 
 
-def run_seeds(path: Path, out: Path, seeds: list[int], name: str, overrides: list[str], config: str) -> None:
+def run_seeds(
+    path: Path, out: Path, seeds: list[int], name: str, overrides: list[str], config: str, ranks: int = 1
+) -> None:
     """Each seed of ``seeds`` not in the results file under ``seedS_NAME`` with these overrides: run whole
-    (``mentorrl train CONFIG``, resumed where its run directory is), then merged at once. A rerun skips every
-    merged seed, so the seeds may span sittings."""
+    (``mentorrl train CONFIG``, as ``ranks`` torchrun ranks, resumed where its run directory is), then merged at
+    once with its wall time. A rerun skips every merged seed, so the seeds may span sittings."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from seeds_lift import run_seed as train_seed
 
     held = json.loads(path.read_text()).get("runs", {}) if path.exists() else {}
+    launch = [f"--ranks {ranks}"] if ranks > 1 else []  # recorded as seed 5's row records it
     for seed in seeds:
         key = f"seed{seed}_{name}"
-        if key in held and held[key].get("overrides") == overrides:
+        if key in held and held[key].get("overrides") == launch + overrides:
             print(f"{key}: merged already")
             continue
-        train_seed(out, seed, overrides, config)
-        update(path, out / f"seed-{seed}", out / f"seed-{seed}", key, overrides=overrides)
+        got = train_seed(out, seed, overrides, config, ranks) or {}
+        run = out / f"seed-{seed}"
+        extra = {"ranks": ranks} if ranks > 1 else {}
+        if "wall_s" in got and not got.get("resumed"):
+            extra["wall_s"] = got["wall_s"]  # a resumed seed's wall time covers one sitting only: not recorded
+        update(path, run, run, key, overrides=launch + overrides, extra=extra)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -238,6 +247,7 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--name", required=True, help="the arm: each seed is merged as seedS_NAME")
     s.add_argument("--config", default="mentorrl/configs/smollm2_code.yaml")
     s.add_argument("--set", dest="overrides", action="append", default=[], help="a config override for every seed")
+    s.add_argument("--ranks", type=int, default=1, help="launch each seed as N torchrun ranks (`--ranks N`)")
     u = sub.add_parser("update", help="merge one finished seed")
     u.add_argument("file", type=Path)
     u.add_argument("--sft", type=Path, required=True, help="the seed's SFT run")
@@ -256,7 +266,7 @@ def main(argv: list[str] | None = None) -> None:
     t.add_argument("file", type=Path)
     a = ap.parse_args(argv)
     if a.cmd == "seeds":
-        run_seeds(a.file, a.out, a.seeds, a.name, a.overrides, a.config)
+        run_seeds(a.file, a.out, a.seeds, a.name, a.overrides, a.config, a.ranks)
     elif a.cmd == "update":
         update(a.file, a.sft, a.grpo, a.key, a.commit)
     elif a.cmd == "pool":

@@ -142,12 +142,13 @@ def test_seeds_merges_each_seed_as_it_finishes_and_a_rerun_skips_them(tmp_path, 
 
     trained = []
 
-    def fake_train(out, seed, overrides, config):  # stands in for a whole `mentorrl train` of the seed
+    def fake_train(out, seed, overrides, config, ranks=1):  # stands in for a whole `mentorrl train` of the seed
         if seed == 3:
             raise SystemExit("seed 3: killed")
         trained.append(seed)
         run = _run(out, seed, [1, 0, 1, 0], [1, 1, 1, 0])
         run.rename(out / f"seed-{seed}")
+        return {"wall_s": 60.0 * ranks, "resumed": False}
 
     monkeypatch.setattr(seeds_lift, "run_seed", fake_train)
     results, out = tmp_path / "results.json", tmp_path / "runs"
@@ -160,6 +161,12 @@ def test_seeds_merges_each_seed_as_it_finishes_and_a_rerun_skips_them(tmp_path, 
     with pytest.raises(SystemExit):
         b.run_seeds(results, out, [1, 2, 3], "lr2e-5", ["grpo.steps=10"], "cfg.yaml")
     assert trained == [1, 2, 3]  # the rerun tried seed 3 alone
+    # as 2 ranks: another arm (its launch is part of its overrides), its ranks and wall time on the row
+    monkeypatch.setattr(seeds_lift, "run_seed", fake_train)
+    (tmp_path / "r2").mkdir()
+    b.run_seeds(results, tmp_path / "r2", [1], "steps20", ["grpo.steps=20"], "cfg.yaml", ranks=2)
+    row = json.loads(results.read_text())["runs"]["seed1_steps20"]
+    assert row["ranks"] == 2 and row["wall_s"] == 120.0 and row["overrides"] == ["--ranks 2", "grpo.steps=20"]
 
 
 def test_an_evaluation_with_a_task_twice_is_refused_for_pairing_and_kept_whole_in_bits(tmp_path):
