@@ -5,8 +5,10 @@ and one timed ``RolloutEngine.run`` over fresh environments."""
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -49,17 +51,41 @@ def open_engine_bench(args: argparse.Namespace, run_dir: str) -> tuple[Any, Any,
     return cfg, ws, model
 
 
+@contextmanager
+def collector_clock():
+    """The cyclic collector's runs within it: ``collections``, ``full`` (the oldest generation's) and their
+    CPU seconds, ``gc_cpu_s`` (this process, from each run's start to its end)."""
+    got = {"collections": 0, "full": 0, "gc_cpu_s": 0.0}
+    began = [0.0]
+
+    def seen(phase: str, info: dict) -> None:
+        if phase == "start":
+            began[0] = time.process_time()
+            return
+        got["collections"] += 1
+        got["full"] += info["generation"] == 2
+        got["gc_cpu_s"] += time.process_time() - began[0]
+
+    gc.callbacks.append(seen)
+    try:
+        yield got
+    finally:
+        gc.callbacks.remove(seen)
+
+
 def timed_rollout(model, ws, tasks, decoder: str, seed: int, weights) -> tuple[list, dict, float, float]:
     """One ``RolloutEngine`` run of ``tasks`` (an environment each, closed after): the trajectories, the
-    engine's ``last_stats``, and this process's CPU seconds (every thread) and wall seconds of the run."""
+    engine's ``last_stats`` with the collector's runs (:func:`collector_clock`), and this process's CPU
+    seconds (every thread) and wall seconds of the run."""
     envs = [ws.make_env() for _ in tasks]
     try:
         eps = [Episode(ws.contract, e, t, weights=weights) for e, t in zip(envs, tasks)]
         engine = RolloutEngine(model, ws.contract, decoder=decoder)
-        c0, t0 = time.process_time(), time.perf_counter()
-        trajs = engine.run(eps, seed=seed)
-        cpu, wall = time.process_time() - c0, time.perf_counter() - t0
+        with collector_clock() as collector:
+            c0, t0 = time.process_time(), time.perf_counter()
+            trajs = engine.run(eps, seed=seed)
+            cpu, wall = time.process_time() - c0, time.perf_counter() - t0
     finally:
         for e in envs:
             e.close()
-    return trajs, engine.last_stats, cpu, wall
+    return trajs, {**engine.last_stats, "gc": collector}, cpu, wall

@@ -25,6 +25,7 @@ import json
 import statistics
 import struct
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -34,6 +35,8 @@ from _engine import engine_parser, open_engine_bench, timed_rollout  # noqa: E40
 # after mentorrl (which _engine imports): bound.py puts this checkout first on sys.path, and the mentorrl
 # measured must stay the one on PYTHONPATH (an A/B run of another checkout)
 from bound import linear_params, matmul_gflops  # noqa: E402
+
+from mentorrl.core.lifetime import frozen_heap  # noqa: E402
 
 
 def digest(trajs) -> str:
@@ -74,17 +77,13 @@ def one_rep(model, ws, tasks, decoder: str, seed: int, weights) -> dict:
         "digest": digest(trajs),
         "inline_calls": st.get("inline_calls", 0),
         "pool_calls": st.get("pool_calls", 0),
+        "gc_full": st["gc"]["full"],
+        "gc_cpu_s": st["gc"]["gc_cpu_s"],
     }
 
 
-def main(argv=None) -> int:
-    p = engine_parser(__doc__, reps=3)
-    p.add_argument("--decoder", default="slots", help="slots, hf or auto")
-    args = p.parse_args(argv)
-    cfg, ws, model = open_engine_bench(args, "mentorrl-bench-rcpu")
-    one_rep(model, ws, ws.train_tasks(2, 999), args.decoder, 0, cfg.reward)  # warm-up (and the slot self-check)
-    mm = model.config
-    rate = matmul_gflops(next(model.parameters()).dtype, 2048, mm.hidden_size, mm.intermediate_size)
+def timed_reps(args, cfg, ws, model, rate: float) -> list[dict]:
+    """``--reps`` timed rollouts of ``--tasks`` x ``--group`` (rep ``r``: tasks seed 1000 + r, sampling seed r)."""
     runs = []
     for rep in range(args.reps):
         tasks = [t for t in ws.train_tasks(args.tasks, 1000 + rep) for _ in range(args.group)]
@@ -95,9 +94,29 @@ def main(argv=None) -> int:
         print(
             f"rep {rep} cpu {r['cpu_s']:.2f} s  wall {r['wall_s']:.2f} s  {r['tok_per_cpu_s']:.0f} policy tok/CPU-s  "
             f"{r['fed_per_cpu_s']:.0f} fed tok/CPU-s  passes {r['forward_passes']}  "
-            f"bound {100 * r['bound_fraction']:.2f}%  digest {r['digest']}",
+            f"bound {100 * r['bound_fraction']:.2f}%  collector {r['gc_full']} full, {r['gc_cpu_s']:.2f} s  "
+            f"digest {r['digest']}",
             flush=True,
         )
+    return runs
+
+
+def main(argv=None) -> int:
+    p = engine_parser(__doc__, reps=3)
+    p.add_argument("--decoder", default="slots", help="slots, hf or auto")
+    p.add_argument(
+        "--no-freeze",
+        action="store_true",
+        help="leave the loaded modules in the collector's scans (`mentorrl train` "
+        "and `mentorrl eval` freeze them: mentorrl.core.lifetime.frozen_heap)",
+    )
+    args = p.parse_args(argv)
+    cfg, ws, model = open_engine_bench(args, "mentorrl-bench-rcpu")
+    one_rep(model, ws, ws.train_tasks(2, 999), args.decoder, 0, cfg.reward)  # warm-up (and the slot self-check)
+    mm = model.config
+    rate = matmul_gflops(next(model.parameters()).dtype, 2048, mm.hidden_size, mm.intermediate_size)
+    with nullcontext() if args.no_freeze else frozen_heap():
+        runs = timed_reps(args, cfg, ws, model, rate)
     keys = ("cpu_s", "wall_s", "tok_per_cpu_s", "fed_per_cpu_s", "bound_fraction")
     med = {k: statistics.median(r[k] for r in runs) for k in keys}
     print(

@@ -129,6 +129,7 @@ def evaluate_checkpoint(
 
     Returns the summary written to ``out_dir/eval_summary.json``.
     """
+    from mentorrl.core.lifetime import frozen_heap
     from mentorrl.models.build import load_policy
     from mentorrl.models.device import rollout_placement
     from mentorrl.train.progress import count_progress
@@ -148,29 +149,30 @@ def evaluate_checkpoint(
         "config": ecfg.model_dump(mode="json"),
         "sets": {},
     }
-    for spec in ecfg.sets:
-        eset = load_eval_set(spec, source, ecfg)
-        if eset.recorded is not None:
-            trajs: list[Trajectory] = eset.recorded
-            tasks = tasks_from_trajectories(trajs, lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
-        else:
-            tasks = eset.tasks
-            with count_progress(ws, f"eval {eset.name}", len(tasks) * ecfg.samples_per_task) as advance:
-                trajs = rollout_samples(
-                    model,
-                    rollout,
-                    tasks,
-                    ecfg.samples_per_task,
-                    seed=eset.seed,
-                    batch_size=ecfg.batch_size,
-                    on_batch=advance,
-                )
-        if judge is not None:  # recorded verdicts are kept; only unjudged trajectories are judged
-            attach_judgements(judge, tasks, [t for t in trajs if t.judge is None])
-        report = agent_metrics(trajs, ecfg.k, ecfg.judge_threshold)
-        traj_file = f"trajectories-{_safe(eset.name)}.jsonl"
-        write_jsonl(out_dir / traj_file, trajs)
-        summary["sets"][eset.name] = set_record(eset, report, ecfg, sampling, traj_file)
+    with frozen_heap():  # the loaded modules live as long as the evaluation: out of the collector's scans
+        for spec in ecfg.sets:
+            eset = load_eval_set(spec, source, ecfg)
+            if eset.recorded is not None:
+                trajs: list[Trajectory] = eset.recorded
+                tasks = tasks_from_trajectories(trajs, lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
+            else:
+                tasks = eset.tasks
+                with count_progress(ws, f"eval {eset.name}", len(tasks) * ecfg.samples_per_task) as advance:
+                    trajs = rollout_samples(
+                        model,
+                        rollout,
+                        tasks,
+                        ecfg.samples_per_task,
+                        seed=eset.seed,
+                        batch_size=ecfg.batch_size,
+                        on_batch=advance,
+                    )
+            if judge is not None:  # recorded verdicts are kept; only unjudged trajectories are judged
+                attach_judgements(judge, tasks, [t for t in trajs if t.judge is None])
+            report = agent_metrics(trajs, ecfg.k, ecfg.judge_threshold)
+            traj_file = f"trajectories-{_safe(eset.name)}.jsonl"
+            write_jsonl(out_dir / traj_file, trajs)
+            summary["sets"][eset.name] = set_record(eset, report, ecfg, sampling, traj_file)
     if judge is not None and callable(getattr(judge, "metrics", None)):  # the LLM judge: calls, skips, cache
         summary["judge_stats"] = judge.metrics()
     (out_dir / SUMMARY_NAME).write_text(json.dumps(summary, indent=2))

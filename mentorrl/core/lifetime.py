@@ -1,10 +1,14 @@
-"""A child process's lifetime tied to its parent's."""
+"""A process's lifetime: a child tied to its parent's (:func:`die_with_parent`), and the objects that live as
+long as a run kept out of the cyclic collector's way while it runs (:func:`frozen_heap`)."""
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 PR_SET_PDEATHSIG = 1
 
@@ -27,4 +31,25 @@ def die_with_parent(sig: int = signal.SIGTERM, parent_pid: int | None = None) ->
         os.kill(os.getpid(), sig)
 
 
-__all__ = ["die_with_parent"]
+@contextmanager
+def frozen_heap() -> Iterator[bool]:
+    """Within it, the objects alive when it was entered (torch's and transformers' modules, functions and
+    classes, the policy's modules: about 400,000 in a training process) are out of the cyclic collector's
+    reach (``gc.freeze``), so its full collections scan only what was made since. Measured on the demo's
+    rollout of 128 trajectories at one thread: one full collection there took 0.17 CPU-s of the 2.5
+    (docs/scaling.md, "The collector"). Garbage is collected first, so nothing dead is frozen, and everything is given
+    back to the collector on the way out (``gc.unfreeze``): an object that dies later is collected then.
+    Nested use leaves the outer one in charge. Yields whether this one froze. The collector's timing never
+    changes a result (what it frees is unreachable)."""
+    if gc.get_freeze_count() > 0:
+        yield False  # someone else froze the heap: they unfreeze it
+        return
+    gc.collect()
+    gc.freeze()
+    try:
+        yield True
+    finally:
+        gc.unfreeze()
+
+
+__all__ = ["die_with_parent", "frozen_heap"]

@@ -19,6 +19,7 @@ from typing import Any
 from rich.table import Table
 
 from mentorrl.config import ConfigError, RunConfig
+from mentorrl.core.lifetime import frozen_heap
 from mentorrl.eval.plots import plot_rl_curves, plot_step_metrics
 from mentorrl.models.build import load_policy
 from mentorrl.models.device import PrecisionChoice, choose_dtype, learner_placement, pin_choice, placement_problems
@@ -251,23 +252,24 @@ def run_stages(ws: Workspace, resume: bool, t0: float, gate: UnitGate | None = N
 
     rows: dict[str, dict[str, Any]] = {}
     evals: dict[str, dict[str, Any]] = {}
-    done: list[str] = []
-    for stage in cfg.recipe:
-        con.rule(get_stage(stage).title)
-        run_stage_by_name(ws, stage, model, resume)
-        gate.passed(stage)
-        done.append(stage)
-        if cfg.eval.num_tasks > 0:
-            evals[stage] = evaluate(ws, model, stage, resume=resume)  # every rank: a launch's ranks share it
-            rows[" + ".join(stage_label(s) for s in done)] = evals[stage]
-            con.print(f"held-out success after {stage_label(stage)}: {_fmt_pct(evals[stage]['success'])}")
-            gate.passed(f"eval {stage}")
-
-    final = cfg.recipe[-1]
     other: dict[str, dict[str, Any]] = {}  # the final checkpoint on the final splits, on every rank as above
-    for split in cfg.eval.final_splits if cfg.eval.num_tasks > 0 else []:
-        other[split] = evaluate(ws, model, f"{final}_{split}", resume=resume, split=split)
-        gate.passed(f"eval {final} on {split}")
+    done: list[str] = []
+    with frozen_heap():  # the modules loaded so far live as long as the run: out of the collector's scans
+        for stage in cfg.recipe:
+            con.rule(get_stage(stage).title)
+            run_stage_by_name(ws, stage, model, resume)
+            gate.passed(stage)
+            done.append(stage)
+            if cfg.eval.num_tasks > 0:
+                evals[stage] = evaluate(ws, model, stage, resume=resume)  # every rank: a launch's ranks share it
+                rows[" + ".join(stage_label(s) for s in done)] = evals[stage]
+                con.print(f"held-out success after {stage_label(stage)}: {_fmt_pct(evals[stage]['success'])}")
+                gate.passed(f"eval {stage}")
+
+        final = cfg.recipe[-1]
+        for split in cfg.eval.final_splits if cfg.eval.num_tasks > 0 else []:
+            other[split] = evaluate(ws, model, f"{final}_{split}", resume=resume, split=split)
+            gate.passed(f"eval {final} on {split}")
     return ws.on_main(lambda: _finish_recipe(ws, rows, evals, other, t0))
 
 
