@@ -45,7 +45,9 @@ still to run is printed before the first starts; each finished (method, seed) is
 finishes, with its per-task outcomes, and a rerun skips every arm FILE already holds with the same config and
 overrides. The seeds' SFT and GRPO runs are recorded as arms ``sft`` and ``grpo``. Each arm is paired with its
 natural baseline (``BASELINES``) on the same held-out tasks: the difference with a paired bootstrap interval,
-printed and kept in the line; ``bench/methods_table.py FILE`` prints the table from the file alone.
+printed and kept in the line; ``bench/methods_table.py FILE`` prints the table from the file alone. ``--jobs 2``
+trains two arms at once, each a child process at one torch thread (both cores of a 2-core machine); each is
+still appended the moment it finishes, and its line records ``jobs`` (its seconds were measured beside another).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ import json
 import shlex
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -205,9 +208,11 @@ def plan(store: ArmStore, args) -> list[tuple[str, int]]:
     """The (method, seed) arms still to run, printed with their estimated minutes and the expected finish."""
     todo = [(n, s) for n in args.methods for s in args.seeds if store.find(n, s, arm_fingerprint(n, args)) is None]
     est = {n: store.estimate_s(n, 60 * DEFAULT_MINUTES) for n, _ in todo}
-    total = sum(est[n] for n, _ in todo)
+    jobs = max(1, min(getattr(args, "jobs", 1), len(todo)))
+    total = sum(est[n] for n, _ in todo) / jobs  # arms trained side by side share the wall clock
     done = len(args.methods) * len(args.seeds) - len(todo)
-    print(f"{len(todo)} arms to run ({done} already in {store.path}): about {total / 60:.0f} minutes")
+    at_once = f", {jobs} at once" if jobs > 1 else ""
+    print(f"{len(todo)} arms to run ({done} already in {store.path}): about {total / 60:.0f} minutes{at_once}")
     for n, s in todo:
         print(f"  {n} seed {s}: ~{est[n] / 60:.0f} min")
     if todo:
@@ -293,12 +298,8 @@ def records(run_dir: Path, stage: str) -> list[dict]:
     ]
 
 
-def seed_row(args, seed: int, name: str) -> dict:
-    sft = Path(args.sft.format(seed=seed))
-    grpo_dir = Path(args.grpo_run.format(seed=seed))
-    start = prefix_success(sft.parents[1] / "eval_sft.jsonl", args.check_tasks)
-    grpo_recs = records(grpo_dir, "grpo")
-    grpo_curve = curve(grpo_recs, start)
+def train_arm(args, seed: int, name: str) -> Path:
+    """Method ``name`` at ``seed`` from the seed's SFT checkpoint (:func:`run_method`: read back when finished)."""
     teachers = {
         "teacher": args.teacher,
         "cross": args.cross_teacher,
@@ -306,7 +307,17 @@ def seed_row(args, seed: int, name: str) -> dict:
         "spec_a": args.spec_a,
         "spec_b": args.spec_b,
     }
-    run_dir = run_method(args.out, name, seed, sft, teachers, args.overrides, args.check_tasks, args.spec)
+    sft = Path(args.sft.format(seed=seed))
+    return run_method(args.out, name, seed, sft, teachers, args.overrides, args.check_tasks, args.spec)
+
+
+def seed_row(args, seed: int, name: str) -> dict:
+    sft = Path(args.sft.format(seed=seed))
+    grpo_dir = Path(args.grpo_run.format(seed=seed))
+    start = prefix_success(sft.parents[1] / "eval_sft.jsonl", args.check_tasks)
+    grpo_recs = records(grpo_dir, "grpo")
+    grpo_curve = curve(grpo_recs, start)
+    run_dir = train_arm(args, seed, name)
     m = METHODS[name]
     sft_eval = sft.parents[1] / "eval_sft.json"
     for other in (grpo_dir / "eval_grpo.json", run_dir / f"eval_{m.stage}.json"):
@@ -361,13 +372,26 @@ def seed_row(args, seed: int, name: str) -> dict:
     return row
 
 
-def arm_row(store: ArmStore, args, seed: int, name: str) -> dict:
+def arm_row(store: ArmStore, args, seed: int, name: str, seconds: float | None = None) -> dict:
     """Method ``name`` at ``seed``: read back from the results file when it holds this arm, else run (or read back
-    from its run directory), timed and appended to the file at once."""
+    from its run directory), timed and appended to the file at once. ``seconds``: its training's time, measured
+    where it ran (:func:`run_concurrently`)."""
     fp = arm_fingerprint(name, args)
     hit = store.find(name, seed, fp)
     if hit is not None and hit.get("row") is not None:
         return hit["row"]
+    final = claim_arm(store, args, seed, name, fp)
+    ran, t0 = not final.exists(), time.perf_counter()
+    row = seed_row(args, seed, name)
+    took = seconds if seconds is not None else (time.perf_counter() - t0 if ran else None)
+    line = arm_line(name, seed, fp, final, took, row)
+    store.append({**line, "command": args.command, "jobs": args.jobs})
+    return row
+
+
+def claim_arm(store: ArmStore, args, seed: int, name: str, fp: str) -> Path:
+    """Before arm ``name`` at ``seed`` runs: the seed's references recorded, its run directory marked with the
+    arm's fingerprint (a directory run with other settings is refused). Its final evaluation's path."""
     record_references(store, args, seed)
     final = args.out / f"{name}-s{seed}" / f"eval_{METHODS[name].stage}.json"
     mark = final.parent / "arm_fingerprint"
@@ -375,11 +399,32 @@ def arm_row(store: ArmStore, args, seed: int, name: str) -> dict:
         raise SystemExit(f"{final.parent} was run with other settings: move it away or give another --out")
     final.parent.mkdir(parents=True, exist_ok=True)
     mark.write_text(fp + "\n")
-    ran, t0 = not final.exists(), time.perf_counter()
-    row = seed_row(args, seed, name)
-    line = arm_line(name, seed, fp, final, time.perf_counter() - t0 if ran else None, row)
-    store.append({**line, "command": args.command})
-    return row
+    return final
+
+
+def run_concurrently(store: ArmStore, args, todo: list[tuple[str, int]]) -> None:
+    """The arms of ``todo`` as ``args.jobs`` child processes at a time (each at one torch thread, so ``--jobs 2``
+    keeps both cores of a 2-core machine busy), each appended to the results file in this thread the moment it
+    finishes, with its own seconds (measured beside the others: ``jobs`` in its line). An arm that fails lets the
+    running ones finish and be recorded; then the first failure is raised."""
+    claimed = [(name, seed, claim_arm(store, args, seed, name, arm_fingerprint(name, args))) for name, seed in todo]
+
+    def train(name: str, seed: int, final: Path) -> float | None:
+        ran, t0 = not final.exists(), time.perf_counter()
+        train_arm(args, seed, name)
+        return time.perf_counter() - t0 if ran else None
+
+    failed: list[BaseException] = []
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        running = {pool.submit(train, *arm): arm for arm in claimed}
+        for done in as_completed(running):
+            name, seed, _ = running[done]
+            if done.exception() is not None:
+                failed.append(done.exception())
+                continue
+            arm_row(store, args, seed, name, seconds=done.result())
+    if failed:
+        raise failed[0]
 
 
 def paired_lines(store: ArmStore, name: str, seeds: list[int]) -> dict:
@@ -522,12 +567,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--results", type=Path, default=None, help="the results file arms are appended to (default OUT/arms.jsonl)"
     )
+    ap.add_argument(
+        "--jobs", type=int, default=1, help="arms trained at once, each a child process at one torch thread"
+    )
     args = ap.parse_args(argv)
+    if args.jobs < 1:
+        raise SystemExit("--jobs must be at least 1")
     args.command = shlex.join(["python", "bench/methods_seeds.py", *(sys.argv[1:] if argv is None else argv)])
     args.spec = spec_split([f.strip() for f in args.spec_a_families.split(",") if f.strip()])
     args.out.mkdir(parents=True, exist_ok=True)
     store = ArmStore.open(args.results or args.out / "arms.jsonl")
-    plan(store, args)
+    todo = plan(store, args)
+    if args.jobs > 1:
+        run_concurrently(store, args, todo)
     result = {
         "teacher": args.teacher,
         "cross_teacher": args.cross_teacher,

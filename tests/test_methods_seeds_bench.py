@@ -513,3 +513,46 @@ def test_the_references_are_built_once_into_a_cache_and_the_bench_command_names_
     cmd = capsys.readouterr().out.strip().splitlines()[-1]
     assert f"--sft '{cache}/seed-{{seed}}/sft/final'" in cmd and f"opd.teachers_dir={cache}/teachers" in cmd
     assert "--results bench/results/methods_arms.jsonl" in cmd and "built in" in out
+
+
+def test_jobs_trains_arms_side_by_side_and_appends_each_as_it_finishes(tmp_path, monkeypatch, capsys):
+    """``--jobs 2``: two arms train at once; each is appended when it finishes (a killed one lets the other be
+    recorded, then the bench fails); a rerun trains only what is missing."""
+    import threading
+    import time as _time
+
+    b = _bench()
+    _references(tmp_path)
+    results = tmp_path / "arms.jsonl"
+    inflight, peak, lock = [0], [0], threading.Lock()
+    ran: list[str] = []
+
+    def fake(config, overrides, label, log=None):
+        run = Path(next(o.split("=", 1)[1] for o in overrides if o.startswith("run_dir=")))
+        with lock:
+            inflight[0] += 1
+            peak[0] = max(peak[0], inflight[0])
+        _time.sleep(0.3)  # both arms are in flight together
+        with lock:
+            inflight[0] -= 1
+        if run.name == "sao-s0":
+            raise SystemExit(f"{label} killed")
+        ran.append(run.name)
+        _eval(run, "sao", 0.6, [i % 2 == 0 or i % 4 == 1 for i in range(30)])
+        _metrics(run, "sao", [{"step": 1, "rollouts": 64}])
+
+    monkeypatch.setattr(b, "train_run", fake)
+    with pytest.raises(SystemExit, match="killed"):
+        b.main([*_argv(tmp_path, results), "--jobs", "2"])
+    assert peak[0] == 2 and ran == ["sao-s1"]
+    assert "2 at once" in capsys.readouterr().out
+    lines = [json.loads(x) for x in results.read_text().splitlines()]
+    sao = [r for r in lines if r["arm"] == "sao"]
+    assert [(r["seed"], r["jobs"]) for r in sao] == [(1, 2)] and sao[0]["seconds"] >= 0.3
+
+    monkeypatch.setattr(b, "train_run", lambda *a, **k: (ran.append("again"), fake(*a, **k)))
+    with pytest.raises(SystemExit, match="killed"):  # seed 0 is still the one that dies: nothing else reruns
+        b.main([*_argv(tmp_path, results), "--jobs", "2"])
+    assert ran.count("again") == 1
+    with pytest.raises(SystemExit, match="at least 1"):
+        b.main([*_argv(tmp_path, results), "--jobs", "0"])
