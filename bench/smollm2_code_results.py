@@ -30,6 +30,7 @@ from _arms import commit, outcome_bits, paired_outcomes, pooled_bits, task_outco
 from mentorrl.eval.metrics import mean_interval  # noqa: E402
 
 FAMILIES = ("strings", "lists", "parsing", "stateful")
+SHIPPED_GRPO_STEPS = 10  # the first design's GRPO steps: a row with another count names its own
 
 
 def summary(ev: dict) -> dict:
@@ -170,7 +171,9 @@ def table(out: dict) -> str:
             lines.append(row_cells(f"{seed}, SFT", r["sft"], None, bold=True))
         if "grpo" in r:
             lr = f"{r['grpo_lr']:.0e}".replace("e-0", "e-")
-            lines.append(row_cells(f"{seed}, GRPO lr {lr}", r["grpo"], r["grpo_minus_sft"]))
+            steps = [o.split("=", 1)[1] for o in r.get("overrides", []) if o.startswith("grpo.steps=")]
+            more = "".join(f"{n} steps, " for n in steps[-1:] if n != str(SHIPPED_GRPO_STEPS))  # 10: unsaid
+            lines.append(row_cells(f"{seed}, GRPO {more}lr {lr}", r["grpo"], r["grpo_minus_sft"]))
     for name, p in out.get("pooled", {}).items():
         line = f"\n{name}, pooled over {', '.join(p['runs'])} ({p['tasks']} tasks): {signed(p)}"
         s = p.get("over_seeds")

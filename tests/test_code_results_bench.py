@@ -234,3 +234,5 @@ def test_a_seed_run_as_ranks_is_labelled_so_in_the_table(tmp_path):
     data = json.loads(out.read_text())
     data["runs"]["seed5_x"]["ranks"] = 2
     assert "| seed 5 (2 ranks), SFT |" in b.table(data) and "| seed 5 (2 ranks), GRPO lr 2e-5 |" in b.table(data)
+    data["runs"]["seed5_x"]["overrides"] = ["grpo.steps=20"]  # another design than the first's 10 steps: named
+    assert "| seed 5 (2 ranks), GRPO 20 steps, lr 2e-5 |" in b.table(data)
