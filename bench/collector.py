@@ -6,19 +6,23 @@ Runs ``mentorrl train CONFIG`` in this process (stage processes off, so the stag
 their CPU seconds, and the stages' CPU seconds. One arm a process; alternate them for an A/B:
 
     for a in off on; do OMP_NUM_THREADS=1 python bench/collector.py --arm $a --steps 8 \\
-        --model runs/demo/sft/final --json bench/results/collector_demo_$a.json; done
+        --model runs/demo/sft/final --json OUT_$a.json; done
+
+Measured: ``bench/results/collector_demo.json`` (docs/scaling.md, "The collector").
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import json
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _engine import collector_clock  # noqa: E402  (the collector's runs: the rollout benches' hook)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -37,30 +41,19 @@ def main(argv: list[str] | None = None) -> dict:
     if a.arm == "off":
         pipeline.frozen_heap = lambda: contextlib.nullcontext(False)
     got = {"arm": a.arm, "collections": 0, "full": 0, "gc_cpu_s": 0.0, "stage_cpu_s": 0.0}
-    live = {"in_stage": False, "began": 0.0}
-
-    def seen(phase: str, info: dict) -> None:
-        if not live["in_stage"]:
-            return
-        if phase == "start":
-            live["began"] = time.process_time()
-            return
-        got["collections"] += 1
-        got["full"] += info["generation"] == 2
-        got["gc_cpu_s"] += time.process_time() - live["began"]
-
     run_stage = pipeline.run_stage_by_name
 
-    def timed_stage(*args, **kw):
-        live["in_stage"], c0 = True, time.process_time()
+    def timed_stage(*args, **kw):  # the collector counted while a stage runs, not while the run starts
+        c0 = time.process_time()
         try:
-            return run_stage(*args, **kw)
+            with collector_clock() as seen:
+                return run_stage(*args, **kw)
         finally:
-            live["in_stage"] = False
             got["stage_cpu_s"] += time.process_time() - c0
+            for k in ("collections", "full", "gc_cpu_s"):
+                got[k] += seen[k]
 
     pipeline.run_stage_by_name = timed_stage
-    gc.callbacks.append(seen)
     with tempfile.TemporaryDirectory(prefix="mentorrl-collector-") as tmp:
         sets = ["recipe=[grpo]", f"model.path={a.model}", f"grpo.steps={a.steps}", "eval.num_tasks=0",
                 f"threads={a.threads}", "audit.preflight=false", "audit.eval_every=0", "stage_processes=false"]  # fmt: skip
@@ -68,7 +61,6 @@ def main(argv: list[str] | None = None) -> dict:
         for s in sets:
             argv_train += ["--set", s]
         app(argv_train, standalone_mode=False)
-    gc.callbacks.remove(seen)
     got["gc_share"] = got["gc_cpu_s"] / got["stage_cpu_s"] if got["stage_cpu_s"] else None
     got["command"] = " ".join(["python", "bench/collector.py", *(sys.argv[1:] if argv is None else argv)])
     print(json.dumps(got, indent=1))

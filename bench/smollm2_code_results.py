@@ -232,7 +232,7 @@ def run_seeds(
         if key in held and held[key].get("overrides") == launch + overrides:
             print(f"{key}: merged already")
             continue
-        got = train_seed(out, seed, overrides, config, ranks) or {}
+        got = train_seed(out, seed, overrides, config, ranks)
         run = out / f"seed-{seed}"
         extra = {"ranks": ranks} if ranks > 1 else {}
         if "wall_s" in got and not got.get("resumed"):

@@ -36,7 +36,7 @@ def frozen_heap() -> Iterator[bool]:
     """Within it, the objects alive when it was entered (torch's and transformers' modules, functions and
     classes, the policy's modules: about 400,000 in a training process) are out of the cyclic collector's
     reach (``gc.freeze``), so its full collections scan only what was made since: in the demo's GRPO stage at
-    one thread the collector's share of the stage's CPU went from 2.4-2.6% to 0.8-0.9% (docs/scaling.md,
+    one thread the collector's share of the stage's CPU went from 2.4-2.8% to 0.8-1.0% (docs/scaling.md,
     "The collector"). Garbage is collected first, so nothing dead is frozen, and everything is given
     back to the collector on the way out (``gc.unfreeze``): an object that dies later is collected then.
     Nested use leaves the outer one in charge. Yields whether this one froze. The collector's timing never
